@@ -1,0 +1,177 @@
+//! MIG profile tables: the public facts of each MIG-capable GPU model.
+//!
+//! Simulation profiles name a table per GPU model; the tables decide which profile names exist,
+//! where their GPU instances may be placed and what resources each carries. Figures are those
+//! `nvidia-smi mig -lgip` prints for the model. The `nvml_profile` and `id` numbers are the
+//! ones NVML uses, so the fake NVML library can answer profile queries from the same table.
+
+/// One GPU-instance profile of one GPU model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigProfileSpec {
+    /// Name without the `MIG ` prefix, e.g. `1g.10gb+me`.
+    pub name: &'static str,
+    /// The `NVML_GPU_INSTANCE_PROFILE_*` index this profile is queried by.
+    pub nvml_profile: u32,
+    /// The profile id NVML reports in GPU-instance info (what `nvidia-smi` calls ID).
+    pub id: u32,
+    /// Compute slices, of `MigCatalogue::compute_slices`.
+    pub gpu_slices: u32,
+    /// Memory slices a placement covers.
+    pub memory_slices: u32,
+    /// Allowed placement starts, in memory slices.
+    pub placements: &'static [u32],
+    pub memory_mib: u64,
+    pub multiprocessors: u32,
+    pub copy_engines: u32,
+    pub decoders: u32,
+    pub encoders: u32,
+    pub jpeg_engines: u32,
+    pub ofa_engines: u32,
+}
+
+/// The MIG profiles of one GPU model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigCatalogue {
+    pub name: &'static str,
+    pub compute_slices: u32,
+    pub memory_slices: u32,
+    pub profiles: &'static [MigProfileSpec],
+}
+
+impl MigCatalogue {
+    pub fn profile(&self, name: &str) -> Option<&'static MigProfileSpec> {
+        self.profiles.iter().find(|p| p.name == name)
+    }
+
+    pub fn profile_by_nvml_index(&self, nvml_profile: u32) -> Option<&'static MigProfileSpec> {
+        self.profiles.iter().find(|p| p.nvml_profile == nvml_profile)
+    }
+
+    pub fn profile_names(&self) -> Vec<&'static str> {
+        self.profiles.iter().map(|p| p.name).collect()
+    }
+}
+
+/// Every bundled table, by name.
+pub fn catalogue(name: &str) -> Option<&'static MigCatalogue> {
+    CATALOGUES.iter().find(|c| c.name == name)
+}
+
+pub fn catalogue_names() -> Vec<&'static str> {
+    CATALOGUES.iter().map(|c| c.name).collect()
+}
+
+const ONE: &[u32] = &[0, 1, 2, 3, 4, 5, 6];
+const TWO: &[u32] = &[0, 2, 4, 6];
+const TWO_OF_THREE: &[u32] = &[0, 2, 4];
+const HALF: &[u32] = &[0, 4];
+const WHOLE: &[u32] = &[0];
+
+#[allow(clippy::too_many_arguments)]
+const fn spec(
+    name: &'static str,
+    nvml_profile: u32,
+    id: u32,
+    gpu_slices: u32,
+    memory_slices: u32,
+    placements: &'static [u32],
+    memory_mib: u64,
+    multiprocessors: u32,
+    copy_engines: u32,
+    decoders: u32,
+    jpeg_engines: u32,
+    ofa_engines: u32,
+) -> MigProfileSpec {
+    MigProfileSpec {
+        name,
+        nvml_profile,
+        id,
+        gpu_slices,
+        memory_slices,
+        placements,
+        memory_mib,
+        multiprocessors,
+        copy_engines,
+        decoders,
+        encoders: 0,
+        jpeg_engines,
+        ofa_engines,
+    }
+}
+
+// NVML profile indices (nvml.h): 1_SLICE=0, 2_SLICE=1, 3_SLICE=2, 4_SLICE=3, 7_SLICE=4,
+// 1_SLICE_REV1 (+me)=7, 1_SLICE_REV2 (double memory)=9.
+const CATALOGUES: &[MigCatalogue] = &[
+    MigCatalogue {
+        name: "a100-40gb",
+        compute_slices: 7,
+        memory_slices: 8,
+        profiles: &[
+            spec("1g.5gb", 0, 19, 1, 1, ONE, 4864, 14, 1, 0, 0, 0),
+            spec("1g.5gb+me", 7, 20, 1, 1, ONE, 4864, 14, 1, 1, 1, 1),
+            spec("1g.10gb", 9, 15, 1, 2, TWO, 9856, 14, 1, 1, 0, 0),
+            spec("2g.10gb", 1, 14, 2, 2, TWO_OF_THREE, 9856, 28, 2, 1, 0, 0),
+            spec("3g.20gb", 2, 9, 3, 4, HALF, 20096, 42, 3, 2, 0, 0),
+            spec("4g.20gb", 3, 5, 4, 4, WHOLE, 20096, 56, 4, 2, 0, 0),
+            spec("7g.40gb", 4, 0, 7, 8, WHOLE, 40448, 98, 7, 5, 1, 1),
+        ],
+    },
+    MigCatalogue {
+        name: "a100-80gb",
+        compute_slices: 7,
+        memory_slices: 8,
+        profiles: &[
+            spec("1g.10gb", 0, 19, 1, 1, ONE, 9728, 14, 1, 0, 0, 0),
+            spec("1g.10gb+me", 7, 20, 1, 1, ONE, 9728, 14, 1, 1, 1, 1),
+            spec("1g.20gb", 9, 15, 1, 2, TWO, 19968, 14, 1, 1, 0, 0),
+            spec("2g.20gb", 1, 14, 2, 2, TWO_OF_THREE, 19968, 28, 2, 1, 0, 0),
+            spec("3g.40gb", 2, 9, 3, 4, HALF, 40192, 42, 3, 2, 0, 0),
+            spec("4g.40gb", 3, 5, 4, 4, WHOLE, 40192, 56, 4, 2, 0, 0),
+            spec("7g.80gb", 4, 0, 7, 8, WHOLE, 80640, 98, 7, 5, 1, 1),
+        ],
+    },
+    MigCatalogue {
+        name: "h100-80gb",
+        compute_slices: 7,
+        memory_slices: 8,
+        profiles: &[
+            spec("1g.10gb", 0, 19, 1, 1, ONE, 9984, 16, 1, 1, 1, 0),
+            spec("1g.10gb+me", 7, 20, 1, 1, ONE, 9984, 16, 1, 1, 1, 1),
+            spec("1g.20gb", 9, 15, 1, 2, TWO, 20096, 26, 1, 1, 1, 0),
+            spec("2g.20gb", 1, 14, 2, 2, TWO_OF_THREE, 20096, 32, 2, 2, 2, 0),
+            spec("3g.40gb", 2, 9, 3, 4, HALF, 40448, 60, 3, 3, 3, 0),
+            spec("4g.40gb", 3, 5, 4, 4, WHOLE, 40448, 64, 4, 4, 4, 0),
+            spec("7g.80gb", 4, 0, 7, 8, WHOLE, 81152, 132, 8, 7, 7, 1),
+        ],
+    },
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_catalogue_has_unique_names_indices_and_ids() {
+        for c in CATALOGUES {
+            for (i, a) in c.profiles.iter().enumerate() {
+                for b in &c.profiles[i + 1..] {
+                    assert_ne!(a.name, b.name, "{}", c.name);
+                    assert_ne!(a.nvml_profile, b.nvml_profile, "{}", c.name);
+                    assert_ne!(a.id, b.id, "{}", c.name);
+                }
+                for start in a.placements {
+                    assert!(start + a.memory_slices <= c.memory_slices, "{} {}", c.name, a.name);
+                }
+                assert!(a.gpu_slices <= c.compute_slices);
+            }
+        }
+    }
+
+    #[test]
+    fn profiles_are_found_by_name_and_nvml_index() {
+        let h100 = catalogue("h100-80gb").unwrap();
+        assert_eq!(h100.profile("1g.10gb+me").unwrap().nvml_profile, 7);
+        assert_eq!(h100.profile_by_nvml_index(2).unwrap().name, "3g.40gb");
+        assert!(catalogue("no-such-gpu").is_none());
+    }
+}

@@ -1,0 +1,7 @@
+//! gpuplane: a Kubernetes GPU node agent (kubelet device plugin + DRA driver from one inventory)
+//! and a cluster-side GPU quota controller. ARCHITECTURE.md has the codemap.
+
+pub mod inventory;
+pub mod proto;
+pub mod sim;
+pub mod topology;

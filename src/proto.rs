@@ -1,0 +1,1 @@
+//! Generated kubelet API bindings (work in progress).

@@ -1,0 +1,1 @@
+//! Simulation profiles (work in progress).

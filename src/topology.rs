@@ -1,0 +1,1 @@
+//! Topology scoring (work in progress).
