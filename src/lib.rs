@@ -2,6 +2,8 @@
 //! and a cluster-side GPU quota controller. ARCHITECTURE.md has the codemap.
 
 pub mod inventory;
+pub mod nvml;
 pub mod proto;
 pub mod sim;
+pub mod source;
 pub mod topology;

@@ -1,0 +1,1 @@
+//! NVML device source (work in progress).

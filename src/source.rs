@@ -1,0 +1,143 @@
+//! Where the inventory comes from: the small trait the agent sees, and the simulated source.
+//!
+//! Two real implementations stand behind [`DeviceSource`]: `nvml::NvmlSource` (the driver, or the
+//! fake libnvidia-ml in tests) and [`SimSource`] (a simulation profile, with events injected in
+//! process for the demo). The agent never knows which one it talks to.
+
+use crate::inventory::Inventory;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What discovery found: the devices that answered, and the GPUs that did not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Discovery {
+    pub inventory: Inventory,
+    /// GPUs the driver lists but that failed to answer (e.g. fell off the bus). They are left out
+    /// of `inventory`; every other GPU is still served.
+    pub lost: Vec<LostGpu>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LostGpu {
+    pub index: u32,
+    pub reason: String,
+}
+
+/// Something the driver reported about a device after discovery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceEvent {
+    /// A critical Xid error; `mig_uuid` is set when NVML attributes it to one MIG device.
+    Xid { gpu_uuid: String, mig_uuid: Option<String>, xid: u64 },
+}
+
+/// Failure of a source as a whole (as opposed to one lost GPU).
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// The NVML library could not be loaded or initialised.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A query that every GPU needs failed.
+    #[error("NVML query {call} failed: {reason}")]
+    Query { call: String, reason: String },
+}
+
+/// A provider of devices and device events.
+pub trait DeviceSource: Send + Sync {
+    /// Reads the whole inventory. A GPU that does not answer goes to `Discovery::lost`.
+    fn discover(&self) -> Result<Discovery, SourceError>;
+
+    /// Waits up to `timeout` for the next device event; `Ok(None)` when none came.
+    fn next_event(&self, timeout: Duration) -> Result<Option<DeviceEvent>, SourceError>;
+
+    /// Whether the GPU with this UUID answers queries right now.
+    fn responds(&self, gpu_uuid: &str) -> bool;
+}
+
+/// A simulated machine. Clones share state, so a test or the demo can inject into a running agent.
+#[derive(Debug, Clone)]
+pub struct SimSource {
+    inner: Arc<SimState>,
+}
+
+#[derive(Debug)]
+struct SimState {
+    inventory: Mutex<Inventory>,
+    lost: Mutex<BTreeSet<String>>,
+    events: Mutex<std::sync::mpsc::Receiver<DeviceEvent>>,
+    sender: Mutex<std::sync::mpsc::Sender<DeviceEvent>>,
+}
+
+impl SimSource {
+    pub fn new(inventory: Inventory) -> Self {
+        let (sender, events) = std::sync::mpsc::channel();
+        SimSource {
+            inner: Arc::new(SimState {
+                inventory: Mutex::new(inventory),
+                lost: Mutex::new(BTreeSet::new()),
+                events: Mutex::new(events),
+                sender: Mutex::new(sender),
+            }),
+        }
+    }
+
+    /// Delivers an Xid as the driver would.
+    pub fn inject_xid(&self, gpu_uuid: &str, mig_uuid: Option<&str>, xid: u64) {
+        let event = DeviceEvent::Xid {
+            gpu_uuid: gpu_uuid.to_string(),
+            mig_uuid: mig_uuid.map(str::to_string),
+            xid,
+        };
+        // The receiver lives as long as `inner`, which `self` keeps alive: sending cannot fail.
+        let _ = lock(&self.inner.sender).send(event);
+    }
+
+    /// Makes a GPU fall off the bus (Xid 79) or, with `lost == false`, come back.
+    pub fn set_lost(&self, gpu_uuid: &str, lost: bool) {
+        if lost {
+            lock(&self.inner.lost).insert(gpu_uuid.to_string());
+            self.inject_xid(gpu_uuid, None, 79);
+        } else {
+            lock(&self.inner.lost).remove(gpu_uuid);
+        }
+    }
+
+    /// Replaces the simulated machine, e.g. after a MIG reconfiguration.
+    pub fn set_inventory(&self, inventory: Inventory) {
+        *lock(&self.inner.inventory) = inventory;
+    }
+}
+
+/// Locks a mutex, recovering the data if a panicking holder poisoned it: every value guarded
+/// here stays consistent between statements, so the data is still good.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl DeviceSource for SimSource {
+    fn discover(&self) -> Result<Discovery, SourceError> {
+        let mut inventory = lock(&self.inner.inventory).clone();
+        let lost_uuids = lock(&self.inner.lost).clone();
+        let lost: Vec<LostGpu> = inventory
+            .gpus
+            .iter()
+            .filter(|g| lost_uuids.contains(&g.uuid))
+            .map(|g| LostGpu { index: g.index, reason: "GPU is lost (fell off the bus)".into() })
+            .collect();
+        let gone: BTreeSet<u32> = lost.iter().map(|l| l.index).collect();
+        inventory.gpus.retain(|g| !gone.contains(&g.index));
+        inventory.topology.links.retain(|l| !gone.contains(&l.from) && !gone.contains(&l.to));
+        Ok(Discovery { inventory, lost })
+    }
+
+    fn next_event(&self, timeout: Duration) -> Result<Option<DeviceEvent>, SourceError> {
+        match lock(&self.inner.events).recv_timeout(timeout) {
+            Ok(e) => Ok(Some(e)),
+            Err(_) => Ok(None),
+        }
+    }
+
+    fn responds(&self, gpu_uuid: &str) -> bool {
+        !lock(&self.inner.lost).contains(gpu_uuid)
+    }
+}
