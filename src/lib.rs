@@ -1,6 +1,10 @@
 //! gpuplane: a Kubernetes GPU node agent (kubelet device plugin + DRA driver from one inventory)
 //! and a cluster-side GPU quota controller. ARCHITECTURE.md has the codemap.
 
+pub mod config;
+pub mod deviceplugin;
+pub mod discover;
+pub mod health;
 pub mod inventory;
 pub mod nvml;
 pub mod proto;

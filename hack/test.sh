@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what the tests need, then runs
+# formatting, lints (-D warnings) and every test in the workspace.
+#   ./hack/test.sh            everything CI runs
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+# The CDI tests run containers with podman + runc from a busybox-static image.
+for pkg in podman runc busybox-static; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if ((${#need_apt[@]})); then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "hack/test.sh: installing ${need_apt[*]}"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  else
+    echo "hack/test.sh: missing ${need_apt[*]} and cannot install them (need root and apt-get); container tests will be skipped" >&2
+  fi
+fi
+
+rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt clippy
+
+echo "== rustfmt"
+cargo fmt --all -- --check
+echo "== build (the fake libnvidia-ml included)"
+cargo build --workspace --all-targets
+echo "== clippy -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== tests"
+cargo test --workspace

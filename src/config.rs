@@ -1,0 +1,386 @@
+//! The agent's configuration file: what to serve and how, validated before use.
+//!
+//! The shape follows NVIDIA's k8s-device-plugin config (`version`, `flags`, `sharing`) so an
+//! existing file keeps working, plus gpuplane's own `health` section. Unknown fields are errors:
+//! a typo must not silently fall back to a default on a thousand nodes.
+
+use serde::Deserialize;
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::Duration;
+
+/// Xids that NVIDIA's device plugin ignores by default: application errors that do not mean the
+/// GPU is broken (13 graphics engine exception, 31 MMU fault, 43 GPU stopped processing,
+/// 45 preemptive cleanup, 68 video processor exception, 109 context switch timeout).
+pub const DEFAULT_SKIPPED_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("reading config file {path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid YAML for the schema.
+    #[error("config file {path}: {source}")]
+    Parse {
+        path: String,
+        #[source]
+        source: serde_yaml::Error,
+    },
+    /// A value is out of range or inconsistent.
+    #[error("config file {path}: `{field}`: {reason}")]
+    Invalid {
+        path: String,
+        field: String,
+        reason: String,
+    },
+}
+
+/// How MIG devices are offered through the device plugin API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MigStrategy {
+    /// Whole GPUs only, as `nvidia.com/gpu`; MIG devices are not offered.
+    #[default]
+    None,
+    /// MIG devices as `nvidia.com/gpu`; all of them must have the same profile.
+    Single,
+    /// `nvidia.com/mig-<profile>` per profile, plus whole GPUs that have MIG off.
+    Mixed,
+}
+
+/// How Allocate tells the runtime which devices to inject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DeviceListStrategy {
+    /// CDI device names in `ContainerAllocateResponse.cdi_devices`.
+    CdiCri,
+    /// `NVIDIA_VISIBLE_DEVICES` for the NVIDIA container runtime.
+    Envvar,
+}
+
+/// Which identifier of a device the kubelet sees and `NVIDIA_VISIBLE_DEVICES` carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceIdStrategy {
+    #[default]
+    Uuid,
+    Index,
+}
+
+/// One strategy or a list of them, as NVIDIA's config allows.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(DeviceListStrategy),
+    Many(Vec<DeviceListStrategy>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawFile {
+    #[serde(default)]
+    version: Option<String>,
+    #[serde(default)]
+    flags: RawFlags,
+    #[serde(default)]
+    sharing: RawSharing,
+    #[serde(default)]
+    health: RawHealth,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawFlags {
+    #[serde(default)]
+    mig_strategy: Option<MigStrategy>,
+    #[serde(default)]
+    plugin: RawPlugin,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawPlugin {
+    #[serde(default)]
+    device_list_strategy: Option<OneOrMany>,
+    #[serde(default, rename = "deviceIDStrategy")]
+    device_id_strategy: Option<DeviceIdStrategy>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawSharing {
+    #[serde(default)]
+    time_slicing: Option<RawTimeSlicing>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawTimeSlicing {
+    #[serde(default)]
+    rename_by_default: bool,
+    #[serde(default)]
+    fail_requests_greater_than_one: bool,
+    #[serde(default)]
+    resources: Vec<RawReplicated>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawReplicated {
+    name: String,
+    replicas: u32,
+    #[serde(default)]
+    rename: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawHealth {
+    #[serde(default)]
+    skip_xids: Option<Vec<u64>>,
+    #[serde(default)]
+    critical_xids: Option<Vec<u64>>,
+    #[serde(default)]
+    recovery_quiet_period: Option<String>,
+    #[serde(default)]
+    inventory_refresh: Option<String>,
+}
+
+/// Time-slicing of one resource.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replication {
+    /// The resource being shared, e.g. `nvidia.com/gpu` or `nvidia.com/mig-1g.10gb`.
+    pub name: String,
+    pub replicas: u32,
+    /// Name the shared resource is advertised under (`<name>.shared` with renameByDefault).
+    pub advertised_as: String,
+}
+
+/// Which Xids mark a device unhealthy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum XidPolicy {
+    /// Every Xid except these.
+    AllExcept(BTreeSet<u64>),
+    /// Only these Xids.
+    Only(BTreeSet<u64>),
+}
+
+impl XidPolicy {
+    pub fn is_critical(&self, xid: u64) -> bool {
+        match self {
+            XidPolicy::AllExcept(skip) => !skip.contains(&xid),
+            XidPolicy::Only(list) => list.contains(&xid),
+        }
+    }
+}
+
+/// The validated agent configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentConfig {
+    pub mig_strategy: MigStrategy,
+    pub device_list_strategy: BTreeSet<DeviceListStrategy>,
+    pub device_id_strategy: DeviceIdStrategy,
+    pub time_slicing: Vec<Replication>,
+    pub fail_requests_greater_than_one: bool,
+    pub xid_policy: XidPolicy,
+    /// A device marked unhealthy by an Xid becomes healthy again after this long without one.
+    pub recovery_quiet_period: Duration,
+    /// How often the inventory is read again (MIG reconfiguration, lost GPUs coming back).
+    pub inventory_refresh: Duration,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            mig_strategy: MigStrategy::None,
+            device_list_strategy: BTreeSet::from([DeviceListStrategy::CdiCri]),
+            device_id_strategy: DeviceIdStrategy::Uuid,
+            time_slicing: Vec::new(),
+            fail_requests_greater_than_one: false,
+            xid_policy: XidPolicy::AllExcept(DEFAULT_SKIPPED_XIDS.iter().copied().collect()),
+            recovery_quiet_period: Duration::from_secs(300),
+            inventory_refresh: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Parses durations like `300ms`, `30s`, `5m`, `1h`.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit())?;
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    match unit {
+        "ms" => Some(Duration::from_millis(n)),
+        "s" => Some(Duration::from_secs(n)),
+        "m" => Some(Duration::from_secs(n.checked_mul(60)?)),
+        "h" => Some(Duration::from_secs(n.checked_mul(3600)?)),
+        _ => None,
+    }
+}
+
+impl AgentConfig {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: name.clone(), source })?;
+        Self::parse(&name, &text)
+    }
+
+    /// Validates config text; `path` names it in errors.
+    pub fn parse(path: &str, text: &str) -> Result<AgentConfig, ConfigError> {
+        let invalid = |field: &str, reason: String| ConfigError::Invalid { path: path.to_string(), field: field.to_string(), reason };
+        // An empty file is a valid, all-defaults config.
+        let raw: RawFile = if text.trim().is_empty() {
+            RawFile::default()
+        } else {
+            serde_yaml::from_str(text).map_err(|source| ConfigError::Parse { path: path.to_string(), source })?
+        };
+        if let Some(v) = &raw.version {
+            if v != "v1" {
+                return Err(invalid("version", format!("unsupported version `{v}`; use v1")));
+            }
+        }
+        let mut cfg = AgentConfig::default();
+        if let Some(m) = raw.flags.mig_strategy {
+            cfg.mig_strategy = m;
+        }
+        if let Some(s) = raw.flags.plugin.device_list_strategy {
+            let list = match s {
+                OneOrMany::One(one) => vec![one],
+                OneOrMany::Many(many) => many,
+            };
+            if list.is_empty() {
+                return Err(invalid("flags.plugin.deviceListStrategy", "needs at least one of cdi-cri, envvar".into()));
+            }
+            cfg.device_list_strategy = list.into_iter().collect();
+        }
+        if let Some(s) = raw.flags.plugin.device_id_strategy {
+            cfg.device_id_strategy = s;
+        }
+        if let Some(ts) = raw.sharing.time_slicing {
+            cfg.fail_requests_greater_than_one = ts.fail_requests_greater_than_one;
+            let mut seen = BTreeSet::new();
+            for (i, r) in ts.resources.into_iter().enumerate() {
+                let field = format!("sharing.timeSlicing.resources[{i}]");
+                if !r.name.starts_with("nvidia.com/") {
+                    return Err(invalid(&format!("{field}.name"), format!("`{}` is not a resource gpuplane serves (nvidia.com/gpu or nvidia.com/mig-<profile>)", r.name)));
+                }
+                if !(2..=1024).contains(&r.replicas) {
+                    return Err(invalid(&format!("{field}.replicas"), format!("{} is out of range; use 2 to 1024", r.replicas)));
+                }
+                if !seen.insert(r.name.clone()) {
+                    return Err(invalid(&format!("{field}.name"), format!("`{}` is listed twice", r.name)));
+                }
+                let advertised_as = match r.rename {
+                    Some(n) => n,
+                    None if ts.rename_by_default => format!("{}.shared", r.name),
+                    None => r.name.clone(),
+                };
+                cfg.time_slicing.push(Replication { name: r.name, replicas: r.replicas, advertised_as });
+            }
+        }
+        match (raw.health.skip_xids, raw.health.critical_xids) {
+            (Some(_), Some(_)) => return Err(invalid("health", "set skipXids or criticalXids, not both".into())),
+            (Some(skip), None) => cfg.xid_policy = XidPolicy::AllExcept(skip.into_iter().collect()),
+            (None, Some(only)) => cfg.xid_policy = XidPolicy::Only(only.into_iter().collect()),
+            (None, None) => {}
+        }
+        if let Some(q) = raw.health.recovery_quiet_period {
+            cfg.recovery_quiet_period = parse_duration(&q).ok_or_else(|| invalid("health.recoveryQuietPeriod", format!("`{q}` is not a duration like 30s or 5m")))?;
+        }
+        if let Some(q) = raw.health.inventory_refresh {
+            cfg.inventory_refresh = parse_duration(&q)
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| invalid("health.inventoryRefresh", format!("`{q}` is not a positive duration like 30s")))?;
+        }
+        Ok(cfg)
+    }
+
+    /// The time-slicing entry for a resource, if it is shared.
+    pub fn replication(&self, resource: &str) -> Option<&Replication> {
+        self.time_slicing.iter().find(|r| r.name == resource)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_file_gives_the_documented_defaults() {
+        let c = AgentConfig::parse("c.yaml", "").unwrap();
+        assert_eq!(c, AgentConfig::default());
+        assert!(!c.xid_policy.is_critical(13) && !c.xid_policy.is_critical(109));
+        assert!(c.xid_policy.is_critical(79) && c.xid_policy.is_critical(48));
+    }
+
+    #[test]
+    fn nvidia_style_config_is_accepted() {
+        let c = AgentConfig::parse(
+            "c.yaml",
+            r#"
+version: v1
+flags:
+  migStrategy: mixed
+  plugin:
+    deviceListStrategy: [envvar, cdi-cri]
+    deviceIDStrategy: index
+sharing:
+  timeSlicing:
+    renameByDefault: true
+    failRequestsGreaterThanOne: true
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 4
+health:
+  criticalXids: [48, 79]
+  recoveryQuietPeriod: 2m
+"#,
+        )
+        .unwrap();
+        assert_eq!(c.mig_strategy, MigStrategy::Mixed);
+        assert_eq!(c.device_list_strategy.len(), 2);
+        assert_eq!(c.device_id_strategy, DeviceIdStrategy::Index);
+        assert_eq!(c.replication("nvidia.com/gpu").unwrap().advertised_as, "nvidia.com/gpu.shared");
+        assert!(c.fail_requests_greater_than_one);
+        assert!(c.xid_policy.is_critical(48) && !c.xid_policy.is_critical(31));
+        assert_eq!(c.recovery_quiet_period, Duration::from_secs(120));
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        for (text, field) in [
+            ("sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 1}]}}", "sharing.timeSlicing.resources[0].replicas"),
+            ("sharing: {timeSlicing: {resources: [{name: amd.com/gpu, replicas: 2}]}}", "sharing.timeSlicing.resources[0].name"),
+            ("health: {recoveryQuietPeriod: soon}", "health.recoveryQuietPeriod"),
+            ("health: {skipXids: [1], criticalXids: [2]}", "health"),
+            ("version: v2", "version"),
+        ] {
+            match AgentConfig::parse("c.yaml", text) {
+                Err(ConfigError::Invalid { field: f, .. }) => assert_eq!(f, field, "{text}"),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn unknown_fields_and_values_are_parse_errors() {
+        assert!(matches!(AgentConfig::parse("c.yaml", "flags: {migStrategy: double}"), Err(ConfigError::Parse { .. })));
+        assert!(matches!(AgentConfig::parse("c.yaml", "flag: {}"), Err(ConfigError::Parse { .. })));
+        let msg = AgentConfig::parse("c.yaml", "flags: {plugin: {deviceListStrategy: volume-mounts}}").unwrap_err().to_string();
+        assert!(msg.contains("c.yaml"), "{msg}");
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("300ms"), Some(Duration::from_millis(300)));
+        assert_eq!(parse_duration("5m"), Some(Duration::from_secs(300)));
+        assert_eq!(parse_duration("5"), None);
+        assert_eq!(parse_duration("m"), None);
+    }
+}

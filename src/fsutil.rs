@@ -1,0 +1,250 @@
+//! Durable file writes: the one way the agent replaces a file on disk.
+//!
+//! [`write_atomic`] writes a temporary file in the target's directory (created with the requested
+//! mode), fsyncs it, renames it over the target and fsyncs the directory, so a reader (a container
+//! runtime reading a CDI spec, the agent reading its checkpoint after a crash) sees either the old
+//! content or the new, never half a file, and the new content survives a power loss once the call
+//! returns. [`remove_durable`] is the matching removal. Every error names the path it concerns.
+
+use std::fs::{self, File, OpenOptions, Permissions};
+use std::io::{self, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Why a durable write or removal failed. Each variant names the file it was about.
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    /// The path has no file name (e.g. `/` or `..`), so there is nothing to replace.
+    #[error("{path}: not a file path")]
+    NotAFile { path: PathBuf },
+    /// The temporary file next to the target could not be created.
+    #[error("creating a temporary file in {dir} for {path}: {source}")]
+    CreateTemp {
+        path: PathBuf,
+        dir: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// Writing, setting the mode of or syncing the temporary file failed.
+    #[error("writing {tmp} (new content for {path}): {source}")]
+    Write {
+        path: PathBuf,
+        tmp: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The temporary file could not be renamed over the target.
+    #[error("renaming {tmp} to {path}: {source}")]
+    Rename {
+        path: PathBuf,
+        tmp: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The target could not be removed.
+    #[error("removing {path}: {source}")]
+    Remove {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The directory holding the target could not be synced after a rename or removal.
+    #[error("syncing directory {dir} after updating {path}: {source}")]
+    SyncDir {
+        path: PathBuf,
+        dir: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The directory holding `path`; `.` for a bare file name.
+fn parent_dir(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// A temporary-file name no other writer in this or another process uses at the same time.
+fn temp_name(file_name: &std::ffi::OsStr) -> std::ffi::OsString {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let mut name = std::ffi::OsString::from(".");
+    name.push(file_name);
+    name.push(format!(".tmp-{}-{n}-{nanos}", std::process::id()));
+    name
+}
+
+/// Replaces the content of `path` with `bytes`, atomically and durably, leaving the file with
+/// exactly `mode` (e.g. `0o644`; the umask does not apply). The directory must exist.
+///
+/// On error the target is untouched and no temporary file is left behind.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError> {
+    let file_name = path.file_name().ok_or_else(|| FsError::NotAFile {
+        path: path.to_path_buf(),
+    })?;
+    let dir = parent_dir(path);
+
+    let (tmp, mut file) = create_temp(path, &dir, file_name, mode)?;
+    let written = file
+        .write_all(bytes)
+        .and_then(|()| file.set_permissions(Permissions::from_mode(mode)))
+        .and_then(|()| file.sync_all());
+    drop(file);
+    if let Err(source) = written {
+        let _ = fs::remove_file(&tmp);
+        return Err(FsError::Write {
+            path: path.to_path_buf(),
+            tmp,
+            source,
+        });
+    }
+    if let Err(source) = fs::rename(&tmp, path) {
+        let _ = fs::remove_file(&tmp);
+        return Err(FsError::Rename {
+            path: path.to_path_buf(),
+            tmp,
+            source,
+        });
+    }
+    sync_dir(path, &dir)
+}
+
+fn create_temp(
+    path: &Path,
+    dir: &Path,
+    file_name: &std::ffi::OsStr,
+    mode: u32,
+) -> Result<(PathBuf, File), FsError> {
+    let mut last = None;
+    // A clash needs another writer to pick the same pid, counter and nanoseconds; retry a few
+    // times anyway rather than fail.
+    for _ in 0..8 {
+        let tmp = dir.join(temp_name(file_name));
+        match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)
+        {
+            Ok(f) => return Ok((tmp, f)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some(e),
+            Err(source) => {
+                return Err(FsError::CreateTemp {
+                    path: path.to_path_buf(),
+                    dir: dir.to_path_buf(),
+                    source,
+                })
+            }
+        }
+    }
+    Err(FsError::CreateTemp {
+        path: path.to_path_buf(),
+        dir: dir.to_path_buf(),
+        source: last.unwrap_or_else(|| io::Error::other("no unique temporary name")),
+    })
+}
+
+fn sync_dir(path: &Path, dir: &Path) -> Result<(), FsError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|source| FsError::SyncDir {
+            path: path.to_path_buf(),
+            dir: dir.to_path_buf(),
+            source,
+        })
+}
+
+/// Removes `path` and syncs its directory. A file that is already gone is not an error.
+pub fn remove_durable(path: &Path) -> Result<(), FsError> {
+    match fs::remove_file(path) {
+        Ok(()) => sync_dir(path, &parent_dir(path)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(FsError::Remove {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entries(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn replaces_content_and_leaves_no_temp_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spec.json");
+        write_atomic(&path, b"first", 0o644).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"first");
+        write_atomic(&path, b"second, longer", 0o644).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"second, longer");
+        write_atomic(&path, b"", 0o644).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"");
+        assert_eq!(entries(dir.path()), vec!["spec.json".to_string()]);
+    }
+
+    #[test]
+    fn sets_the_mode_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        write_atomic(&path, b"x", 0o600).unwrap();
+        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        // Replacing an existing file takes the new mode too; umask (usually 022) does not apply.
+        write_atomic(&path, b"y", 0o666).unwrap();
+        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o666);
+    }
+
+    #[test]
+    fn errors_name_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("missing-dir").join("spec.json");
+        let err = write_atomic(&path, b"x", 0o644).unwrap_err();
+        assert!(matches!(err, FsError::CreateTemp { .. }), "{err:?}");
+        assert!(err.to_string().contains(&path.display().to_string()), "{err}");
+        assert!(std::error::Error::source(&err).is_some());
+
+        // Renaming over a non-empty directory fails; the temp file is cleaned up.
+        let target = dir.path().join("occupied");
+        fs::create_dir(&target).unwrap();
+        fs::write(target.join("inner"), b"").unwrap();
+        let err = write_atomic(&target, b"x", 0o644).unwrap_err();
+        assert!(matches!(err, FsError::Rename { .. }), "{err:?}");
+        assert!(err.to_string().contains(&target.display().to_string()), "{err}");
+        assert_eq!(entries(dir.path()), vec!["occupied".to_string()]);
+
+        let err = write_atomic(Path::new("/"), b"x", 0o644).unwrap_err();
+        assert!(err.to_string().starts_with("/:"), "{err}");
+    }
+
+    #[test]
+    fn remove_is_durable_and_idempotent() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("spec.json");
+        write_atomic(&path, b"x", 0o644).unwrap();
+        remove_durable(&path).unwrap();
+        assert!(!path.exists());
+        remove_durable(&path).unwrap();
+        let sub = dir.path().join("sub");
+        fs::create_dir(&sub).unwrap();
+        fs::write(sub.join("f"), b"").unwrap();
+        let err = remove_durable(&sub).unwrap_err();
+        assert!(err.to_string().contains(&sub.display().to_string()), "{err}");
+    }
+}

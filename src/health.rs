@@ -1,0 +1,195 @@
+//! Device health bookkeeping (pure): which units are unhealthy, why, and when they recover.
+//!
+//! A unit is a whole GPU or one MIG device, by UUID. An Xid on a GPU marks the GPU and, through
+//! the parent link, all its MIG devices; an Xid attributed to one MIG device marks only that one.
+//! Xid-marked units recover after a quiet period without critical Xids; a lost GPU recovers when
+//! it answers the driver again. The caller supplies the clock, so tests need no sleeping.
+
+use crate::config::XidPolicy;
+use crate::inventory::Inventory;
+use crate::source::DeviceEvent;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// Xid 79: "GPU has fallen off the bus".
+pub const XID_FALLEN_OFF_BUS: u64 = 79;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Health {
+    Healthy,
+    Unhealthy(Cause),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// A critical Xid, the last one seen.
+    Xid(u64),
+    /// The GPU stopped answering the driver.
+    Lost,
+}
+
+impl std::fmt::Display for Cause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Cause::Xid(x) => write!(f, "critical Xid {x}"),
+            Cause::Lost => f.write_str("GPU lost (not answering the driver)"),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mark {
+    cause: Cause,
+    since: Instant,
+}
+
+/// What a call changed, for logs and metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    Unhealthy { unit: String, cause: Cause },
+    Recovered { unit: String, after: Cause },
+    /// A non-critical Xid, ignored by policy.
+    Ignored { unit: String, xid: u64 },
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct HealthBook {
+    marks: BTreeMap<String, Mark>,
+    parent: BTreeMap<String, String>,
+}
+
+impl HealthBook {
+    /// Learns which MIG device belongs to which GPU; marks of units that vanished are dropped.
+    pub fn set_inventory(&mut self, inv: &Inventory) {
+        self.parent = inv
+            .gpus
+            .iter()
+            .flat_map(|g| g.mig_devices.iter().map(move |m| (m.uuid.clone(), g.uuid.clone())))
+            .collect();
+        let known: std::collections::BTreeSet<&str> =
+            inv.gpus.iter().flat_map(|g| std::iter::once(g.uuid.as_str()).chain(g.mig_devices.iter().map(|m| m.uuid.as_str()))).collect();
+        self.marks.retain(|unit, _| known.contains(unit.as_str()));
+    }
+
+    /// Health of a unit, taking its parent GPU into account.
+    pub fn health(&self, unit: &str) -> Health {
+        let own = self.marks.get(unit);
+        let parent = self.parent.get(unit).and_then(|p| self.marks.get(p));
+        match own.or(parent) {
+            Some(m) => Health::Unhealthy(m.cause),
+            None => Health::Healthy,
+        }
+    }
+
+    fn mark(&mut self, unit: &str, cause: Cause, now: Instant) -> Change {
+        // A lost GPU stays lost until it answers again, whatever Xids follow.
+        let cause = match self.marks.get(unit) {
+            Some(Mark { cause: Cause::Lost, .. }) => Cause::Lost,
+            _ => cause,
+        };
+        self.marks.insert(unit.to_string(), Mark { cause, since: now });
+        Change::Unhealthy { unit: unit.to_string(), cause }
+    }
+
+    /// Applies a driver event.
+    pub fn on_event(&mut self, event: &DeviceEvent, now: Instant, policy: &XidPolicy) -> Change {
+        let DeviceEvent::Xid { gpu_uuid, mig_uuid, xid } = event;
+        let unit = mig_uuid.as_deref().unwrap_or(gpu_uuid);
+        if *xid == XID_FALLEN_OFF_BUS {
+            return self.mark(gpu_uuid, Cause::Lost, now);
+        }
+        if !policy.is_critical(*xid) {
+            return Change::Ignored { unit: unit.to_string(), xid: *xid };
+        }
+        self.mark(unit, Cause::Xid(*xid), now)
+    }
+
+    /// Marks a GPU lost (discovery could not reach it).
+    pub fn on_lost(&mut self, gpu_uuid: &str, now: Instant) -> Change {
+        self.mark(gpu_uuid, Cause::Lost, now)
+    }
+
+    /// Recovers units: Xid marks older than `quiet`, lost GPUs that `responds` again.
+    pub fn tick(&mut self, now: Instant, quiet: Duration, responds: impl Fn(&str) -> bool) -> Vec<Change> {
+        let mut out = Vec::new();
+        self.marks.retain(|unit, m| {
+            let recovered = match m.cause {
+                Cause::Xid(_) => now.saturating_duration_since(m.since) >= quiet,
+                Cause::Lost => responds(unit),
+            };
+            if recovered {
+                out.push(Change::Recovered { unit: unit.clone(), after: m.cause });
+            }
+            !recovered
+        });
+        out
+    }
+
+    /// Every unhealthy unit (own marks only) with its cause.
+    pub fn unhealthy(&self) -> impl Iterator<Item = (&str, Cause)> {
+        self.marks.iter().map(|(u, m)| (u.as_str(), m.cause))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup() -> (HealthBook, Inventory, XidPolicy) {
+        let inv = crate::sim::load("a100-mig-mixed").unwrap();
+        let mut book = HealthBook::default();
+        book.set_inventory(&inv);
+        (book, inv, crate::config::AgentConfig::default().xid_policy)
+    }
+
+    fn xid(gpu: &str, mig: Option<&str>, xid: u64) -> DeviceEvent {
+        DeviceEvent::Xid { gpu_uuid: gpu.into(), mig_uuid: mig.map(Into::into), xid }
+    }
+
+    #[test]
+    fn a_gpu_xid_marks_the_gpu_and_its_mig_devices_and_recovers_after_the_quiet_period() {
+        let (mut book, inv, policy) = setup();
+        let t0 = Instant::now();
+        let gpu = &inv.gpus[0];
+        book.on_event(&xid(&gpu.uuid, None, 48), t0, &policy);
+        assert_eq!(book.health(&gpu.uuid), Health::Unhealthy(Cause::Xid(48)));
+        assert_eq!(book.health(&gpu.mig_devices[2].uuid), Health::Unhealthy(Cause::Xid(48)));
+        assert_eq!(book.health(&inv.gpus[1].uuid), Health::Healthy);
+        assert!(book.tick(t0 + Duration::from_secs(10), Duration::from_secs(60), |_| true).is_empty());
+        let rec = book.tick(t0 + Duration::from_secs(61), Duration::from_secs(60), |_| true);
+        assert_eq!(rec.len(), 1);
+        assert_eq!(book.health(&gpu.mig_devices[2].uuid), Health::Healthy);
+    }
+
+    #[test]
+    fn a_mig_xid_marks_only_that_mig_device() {
+        let (mut book, inv, policy) = setup();
+        let gpu = &inv.gpus[0];
+        book.on_event(&xid(&gpu.uuid, Some(&gpu.mig_devices[1].uuid), 94), Instant::now(), &policy);
+        assert!(matches!(book.health(&gpu.mig_devices[1].uuid), Health::Unhealthy(_)));
+        assert_eq!(book.health(&gpu.mig_devices[0].uuid), Health::Healthy);
+        assert_eq!(book.health(&gpu.uuid), Health::Healthy);
+    }
+
+    #[test]
+    fn skipped_xids_are_ignored_by_default() {
+        let (mut book, inv, policy) = setup();
+        for x in crate::config::DEFAULT_SKIPPED_XIDS {
+            assert!(matches!(book.on_event(&xid(&inv.gpus[0].uuid, None, *x), Instant::now(), &policy), Change::Ignored { .. }));
+        }
+        assert_eq!(book.unhealthy().count(), 0);
+    }
+
+    #[test]
+    fn a_lost_gpu_recovers_only_when_it_answers_and_not_by_time() {
+        let (mut book, inv, policy) = setup();
+        let t0 = Instant::now();
+        let uuid = inv.gpus[3].uuid.clone();
+        book.on_event(&xid(&uuid, None, XID_FALLEN_OFF_BUS), t0, &policy);
+        book.on_event(&xid(&uuid, None, 48), t0, &policy);
+        assert_eq!(book.health(&uuid), Health::Unhealthy(Cause::Lost));
+        assert!(book.tick(t0 + Duration::from_secs(3600), Duration::ZERO, |_| false).is_empty());
+        assert_eq!(book.tick(t0, Duration::ZERO, |u| u == uuid).len(), 1);
+        assert_eq!(book.health(&uuid), Health::Healthy);
+    }
+}
