@@ -205,10 +205,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("secret");
         write_atomic(&path, b"x", 0o600).unwrap();
-        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
         // Replacing an existing file takes the new mode too; umask (usually 022) does not apply.
         write_atomic(&path, b"y", 0o666).unwrap();
-        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o666);
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o666
+        );
     }
 
     #[test]
@@ -217,7 +223,10 @@ mod tests {
         let path = dir.path().join("missing-dir").join("spec.json");
         let err = write_atomic(&path, b"x", 0o644).unwrap_err();
         assert!(matches!(err, FsError::CreateTemp { .. }), "{err:?}");
-        assert!(err.to_string().contains(&path.display().to_string()), "{err}");
+        assert!(
+            err.to_string().contains(&path.display().to_string()),
+            "{err}"
+        );
         assert!(std::error::Error::source(&err).is_some());
 
         // Renaming over a non-empty directory fails; the temp file is cleaned up.
@@ -226,7 +235,10 @@ mod tests {
         fs::write(target.join("inner"), b"").unwrap();
         let err = write_atomic(&target, b"x", 0o644).unwrap_err();
         assert!(matches!(err, FsError::Rename { .. }), "{err:?}");
-        assert!(err.to_string().contains(&target.display().to_string()), "{err}");
+        assert!(
+            err.to_string().contains(&target.display().to_string()),
+            "{err}"
+        );
         assert_eq!(entries(dir.path()), vec!["occupied".to_string()]);
 
         let err = write_atomic(Path::new("/"), b"x", 0o644).unwrap_err();
@@ -245,6 +257,9 @@ mod tests {
         fs::create_dir(&sub).unwrap();
         fs::write(sub.join("f"), b"").unwrap();
         let err = remove_durable(&sub).unwrap_err();
-        assert!(err.to_string().contains(&sub.display().to_string()), "{err}");
+        assert!(
+            err.to_string().contains(&sub.display().to_string()),
+            "{err}"
+        );
     }
 }

@@ -1,11 +1,16 @@
 //! gpuplane: a Kubernetes GPU node agent (kubelet device plugin + DRA driver from one inventory)
 //! and a cluster-side GPU quota controller. ARCHITECTURE.md has the codemap.
 
+pub mod cdi;
 pub mod config;
 pub mod deviceplugin;
 pub mod discover;
+pub mod doubles;
+pub mod fsutil;
+pub mod grpc;
 pub mod health;
 pub mod inventory;
+pub mod node;
 pub mod nvml;
 pub mod proto;
 pub mod sim;

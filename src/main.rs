@@ -4,6 +4,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use gpuplane::source::{DeviceSource, SimSource};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(name = "gpuplane", version, about = "GPU node agent and quota controller for Kubernetes")]
@@ -22,6 +23,38 @@ enum Command {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
         output: Output,
     },
+    /// Run the node agent: serve the kubelet device plugin API for this node's GPUs.
+    Node(NodeArgs),
+}
+
+#[derive(clap::Args)]
+struct NodeArgs {
+    /// This node's name (the pool name of its devices).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: String,
+    /// The kubelet's root directory.
+    #[arg(long, default_value = "/var/lib/kubelet")]
+    kubelet_root: PathBuf,
+    /// Where CDI specs are written.
+    #[arg(long, default_value = "/var/run/cdi")]
+    cdi_root: PathBuf,
+    /// The agent's durable state.
+    #[arg(long, default_value = "/var/lib/gpuplane")]
+    state_dir: PathBuf,
+    /// Root of the NVIDIA driver's files (e.g. /run/nvidia/driver with the GPU operator).
+    #[arg(long, default_value = "/")]
+    driver_root: PathBuf,
+    /// Where device nodes live.
+    #[arg(long, default_value = "/dev")]
+    dev_root: PathBuf,
+    /// Agent config file (YAML); reloaded on SIGHUP or when it changes.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Serve the kubelet device plugin API.
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    device_plugin: bool,
+    #[command(flatten)]
+    source: SourceArgs,
 }
 
 /// Where devices come from; shared by every face that reads an inventory.
@@ -92,5 +125,42 @@ fn run(cli: Cli) -> Result<()> {
             print!("{text}");
             Ok(())
         }
+        Command::Node(args) => run_node(args),
     }
+}
+
+fn run_node(args: NodeArgs) -> Result<()> {
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async {
+        let (source, label) = args.source.open()?;
+        tracing::info!(node = %args.node_name, source = %label, "gpuplane node starting");
+        let opts = gpuplane::node::NodeOptions {
+            node_name: args.node_name,
+            paths: gpuplane::node::NodePaths {
+                kubelet_root: args.kubelet_root,
+                cdi_root: args.cdi_root,
+                state_dir: args.state_dir,
+                driver_root: args.driver_root,
+                dev_root: args.dev_root,
+            },
+            config_file: args.config,
+            device_plugin: args.device_plugin,
+        };
+        gpuplane::node::run(opts, Arc::from(source), termination()?).await?;
+        tracing::info!("gpuplane node stopped");
+        Ok(())
+    })
+}
+
+/// Resolves on SIGTERM (how Kubernetes stops a pod) or SIGINT.
+fn termination() -> Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received"),
+            _ = int.recv() => tracing::info!("SIGINT received"),
+        }
+    })
 }

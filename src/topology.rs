@@ -26,12 +26,18 @@ pub const EXACT_CANDIDATES: usize = 16;
 /// NVLink lane counts are clamped to this, so that no score sum can overflow.
 const MAX_NVLINKS: u32 = 1 << 16;
 
-/// Work budget of the exact search, in candidate visits (one node costs its candidates + 1).
+/// Work limit below which the exact search runs unbudgeted, in candidate visits (a search node
+/// costs its number of candidates + 1).
 ///
 /// A search over `m` candidates filling `r` slots has at most `C(m + 2, r + 1) - 1` nodes of at
-/// most `m + 1` units each; for `m = 16` that is at most 48 619 * 17 = 826 523 units, inside the
-/// budget, which is what makes [`EXACT_CANDIDATES`] a guarantee.
-const SEARCH_BUDGET: u64 = 1 << 20;
+/// most `m + 1` units each ([`tree_units`]). When that fits here the search always completes; for
+/// `m = 16` it is at most 48 619 * 17 = 826 523 units, which is what makes [`EXACT_CANDIDATES`]
+/// a guarantee. A few milliseconds at worst; pruning usually makes it microseconds.
+const FULL_SEARCH_UNITS: u64 = 1 << 20;
+
+/// Work budget of the exact search when the whole tree does not fit [`FULL_SEARCH_UNITS`]: about
+/// half a millisecond, after which the best set found so far is returned.
+const PARTIAL_SEARCH_UNITS: u64 = 1 << 15;
 
 /// Bonus for the PCIe/system path between two GPUs: nearer is higher.
 ///
@@ -79,16 +85,17 @@ impl TopologyModel {
             )
             .max()
             .unwrap_or(0);
-        let numa = |i: usize| {
-            inventory
-                .gpu(u32::try_from(i).unwrap_or(u32::MAX))
-                .and_then(|g| g.numa_node)
-        };
+        let mut numa: Vec<Option<u32>> = vec![None; n.min(MAX_DEVICES)];
+        for g in &inventory.gpus {
+            if let Some(slot) = numa.get_mut(g.index as usize) {
+                *slot = g.numa_node;
+            }
+        }
         Self::build(
             n,
             inventory.topology.nvswitch,
             &inventory.topology.links,
-            |a, b| match (numa(a), numa(b)) {
+            |a, b| match (numa[a], numa[b]) {
                 (Some(x), Some(y)) if x == y => PathLevel::NumaNode,
                 _ => PathLevel::System,
             },
@@ -181,6 +188,12 @@ impl TopologyModel {
         self.scores[a * self.n + b]
     }
 
+    /// Pair scores of `a` with every GPU.
+    #[inline]
+    fn row(&self, a: usize) -> &[u64] {
+        &self.scores[a * self.n..(a + 1) * self.n]
+    }
+
     fn mask_score(&self, mask: u128) -> u64 {
         let mut total = 0;
         let mut rest = mask;
@@ -241,14 +254,16 @@ pub struct Preference {
 /// contain `must_include`:
 /// 1. maximise `score(S)`, the sum of [`TopologyModel::pair_score`] over pairs in `S`;
 /// 2. then maximise `score(A \ S)`, so that what stays free keeps its best groups intact for
-///    later requests (equivalently, minimise the sum over `x` in `S` of `x`'s pair scores to
-///    the rest of `A`);
+///    later requests (for a fixed `score(S)` this is the same as minimising the sum of pair
+///    scores between `S` and `A \ S`);
 /// 3. then take the lexicographically smallest ascending index list.
 ///
 /// The answer is this optimum whenever there are at most [`EXACT_CANDIDATES`] available devices
-/// outside `must_include`, and whenever the branch and bound finishes within its budget
-/// ([`preference`] reports which); otherwise it is the best set greedy construction from every
-/// seed, pairwise-swap improvement and the partial search found.
+/// outside `must_include` (more generally whenever an unpruned search tree is small enough to
+/// walk), and whenever the branch and bound finishes within its budget ([`preference`] reports
+/// which). Otherwise, in practice only on pools of dozens of GPUs with irregular topology, it is
+/// the best set that greedy construction from every seed, pairwise-swap improvement and the
+/// partial search found.
 pub fn preferred(
     model: &TopologyModel,
     available: &[u32],
@@ -415,6 +430,7 @@ fn heuristic(pool: &Pool<'_>, must: u128, size: usize) -> Pick {
     // in_s[y] = sum of pair(y, s) over s in the current set.
     let mut in_s = vec![0u64; model.n];
     let mut best: Option<Pick> = None;
+    let mut seen: Vec<u128> = Vec::new();
     for seed in seeds {
         for y in Bits(avail) {
             in_s[y] = Bits(seed).map(|s| model.pair(y, s)).sum();
@@ -435,17 +451,24 @@ fn heuristic(pool: &Pool<'_>, must: u128, size: usize) -> Pick {
             cur.mask |= 1u128 << x;
             cur.score += gain;
             cur.tot += tot;
+            let row = model.row(x);
             for y in Bits(avail) {
-                in_s[y] += model.pair(y, x);
+                in_s[y] += row[y];
             }
         }
+        // Seeds inside one tight group all grow into the same set; improve it only once.
+        if seen.contains(&cur.mask) {
+            continue;
+        }
+        seen.push(cur.mask);
         loop {
             let mut swap: Option<(usize, usize)> = None;
             let (mut best_score, mut best_tot) = (cur.score, cur.tot);
             for s in Bits(cur.mask & !must) {
                 let without = cur.score - in_s[s];
+                let row = model.row(s);
                 for t in Bits(avail & !cur.mask) {
-                    let score = without + (in_s[t] - model.pair(s, t));
+                    let score = without + (in_s[t] - row[t]);
                     let tot = cur.tot - pool.tot[s] + pool.tot[t];
                     if (score, Reverse(tot)) > (best_score, Reverse(best_tot)) {
                         swap = Some((s, t));
@@ -458,8 +481,9 @@ fn heuristic(pool: &Pool<'_>, must: u128, size: usize) -> Pick {
             cur.mask = (cur.mask & !(1u128 << s)) | (1u128 << t);
             cur.score = best_score;
             cur.tot = best_tot;
+            let (row_t, row_s) = (model.row(t), model.row(s));
             for y in Bits(avail) {
-                in_s[y] = in_s[y] + model.pair(y, t) - model.pair(y, s);
+                in_s[y] = in_s[y] + row_t[y] - row_s[y];
             }
         }
         if best.is_none_or(|b| cur.better_than(&b)) {
@@ -492,7 +516,23 @@ struct Exact<'p, 'a> {
     scratch: Vec<u64>,
     best: Pick,
     work: u64,
+    budget: u64,
     aborted: bool,
+}
+
+/// Upper bound on the work units of an unpruned search choosing `r` of `m` candidates
+/// (`(C(m + 2, r + 1) - 1) * (m + 1)`), saturating at `u64::MAX`.
+fn tree_units(m: usize, r: usize) -> u64 {
+    let (n, k) = (m as u64 + 2, r as u64 + 1);
+    let k = k.min(n - k.min(n));
+    let mut c: u64 = 1;
+    for i in 1..=k {
+        c = c * (n - k + i) / i;
+        if c > 1 << 40 {
+            return u64::MAX;
+        }
+    }
+    (c - 1).saturating_mul(m as u64 + 1)
 }
 
 impl<'p, 'a> Exact<'p, 'a> {
@@ -531,6 +571,11 @@ impl<'p, 'a> Exact<'p, 'a> {
             scratch: Vec::with_capacity(m),
             best: incumbent,
             work: 0,
+            budget: if tree_units(m, size - must.count_ones() as usize) <= FULL_SEARCH_UNITS {
+                u64::MAX
+            } else {
+                PARTIAL_SEARCH_UNITS
+            },
             aborted: false,
         }
     }
@@ -554,7 +599,7 @@ impl<'p, 'a> Exact<'p, 'a> {
             return;
         }
         self.work += c as u64 + 1;
-        if self.work > SEARCH_BUDGET {
+        if self.work > self.budget {
             self.aborted = true;
             return;
         }
@@ -565,15 +610,15 @@ impl<'p, 'a> Exact<'p, 'a> {
             }
             return;
         }
-        if !self.may_improve(cands, cur, r) {
+        let Some(x) = self.branch(cands, cur, r) else {
             return;
-        }
-        let x = cands.trailing_zeros() as usize;
+        };
         let bit = 1u128 << x;
         let rest = cands & !bit;
         let model = self.pool.model;
+        let row = model.row(x);
         for y in Bits(rest) {
-            self.gain[y] += model.pair(x, y);
+            self.gain[y] += row[y];
         }
         let with = Pick {
             mask: cur.mask | bit,
@@ -582,7 +627,7 @@ impl<'p, 'a> Exact<'p, 'a> {
         };
         self.dfs(rest, with, r - 1);
         for y in Bits(rest) {
-            self.gain[y] -= model.pair(x, y);
+            self.gain[y] -= row[y];
         }
         if self.aborted {
             return;
@@ -606,32 +651,40 @@ impl<'p, 'a> Exact<'p, 'a> {
         }
     }
 
-    /// Whether some completion of `cur` with `r` of `cands` could beat the incumbent.
-    fn may_improve(&mut self, cands: u128, cur: Pick, r: usize) -> bool {
+    /// The candidate to branch on (the one with the largest `v`, lowest index on ties) when some
+    /// completion of `cur` with `r` of `cands` could beat the incumbent; `None` to cut.
+    fn branch(&mut self, cands: u128, cur: Pick, r: usize) -> Option<usize> {
         self.scratch.clear();
+        let mut pivot = (0, usize::MAX);
         for x in Bits(cands) {
-            self.scratch
-                .push(2 * self.gain[x] + self.prefix[x * self.stride + r - 1]);
+            let v = 2 * self.gain[x] + self.prefix[x * self.stride + r - 1];
+            if v > pivot.0 || pivot.1 == usize::MAX {
+                pivot = (v, x);
+            }
+            self.scratch.push(v);
         }
         if r < self.scratch.len() {
             self.scratch.select_nth_unstable_by(r - 1, |a, b| b.cmp(a));
         }
         let upper = cur.score + self.scratch[..r].iter().sum::<u64>() / 2;
-        if upper != self.best.score {
-            return upper > self.best.score;
-        }
-        let lower_tot = cur.tot
-            + self
-                .by_tot
-                .iter()
-                .filter(|&&x| cands & (1u128 << x) != 0)
-                .take(r)
-                .map(|&x| self.pool.tot[x])
-                .sum::<u64>();
-        if lower_tot != self.best.tot {
-            return lower_tot < self.best.tot;
-        }
-        lex_less(cur.mask | lowest_bits(cands, r), self.best.mask)
+        let open = if upper != self.best.score {
+            upper > self.best.score
+        } else {
+            let lower_tot = cur.tot
+                + self
+                    .by_tot
+                    .iter()
+                    .filter(|&&x| cands & (1u128 << x) != 0)
+                    .take(r)
+                    .map(|&x| self.pool.tot[x])
+                    .sum::<u64>();
+            if lower_tot != self.best.tot {
+                lower_tot < self.best.tot
+            } else {
+                lex_less(cur.mask | lowest_bits(cands, r), self.best.mask)
+            }
+        };
+        open.then_some(pivot.1)
     }
 }
 
@@ -1256,9 +1309,17 @@ mod tests {
             }
             let per = start.elapsed() / runs;
             let p = last.unwrap();
+            let pool = Pool::new(&model, (1u128 << available.len()) - 1);
+            let start = std::time::Instant::now();
+            for _ in 0..runs {
+                std::hint::black_box(heuristic(&pool, 0, size));
+            }
+            let greedy = start.elapsed() / runs;
+            let mut search = Exact::new(&pool, 0, size, heuristic(&pool, 0, size));
+            search.run();
             eprintln!(
-                "{name}: {per:?} per call, exact {}, {:?}",
-                p.exact, p.devices
+                "{name}: {per:?} per call ({greedy:?} heuristic, {} search units), exact {}, {:?}",
+                search.work, p.exact, p.devices
             );
         }
     }

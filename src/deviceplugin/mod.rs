@@ -1,4 +1,8 @@
-//! The kubelet device plugin API (v1beta1): resources, Allocate, preferred allocation, and the
-//! gRPC service and registration shell around them.
+//! The kubelet device plugin API (v1beta1): which resources the node offers (`resources`), the
+//! Allocate and preferred-allocation decisions (`allocate`), and the thin gRPC shell around them
+//! (`service`, `registrar`).
 
+pub mod allocate;
+pub mod registrar;
 pub mod resources;
+pub mod service;

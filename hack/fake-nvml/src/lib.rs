@@ -1,1 +1,159 @@
-//! placeholder
+//! A fake `libnvidia-ml.so` for tests: it serves a gpuplane simulation profile through NVML's C
+//! ABI, so the real NVML code path (`gpuplane::nvml::NvmlSource` over `nvml-wrapper`) can be run
+//! and compared field by field against `gpuplane::sim::load` — the very loader used here.
+//!
+//! # Environment (read by `nvmlInit_v2`; the machine is built when the first init finds none)
+//!
+//! * `GPUPLANE_FAKE_NVML_PROFILE` (required): a bundled profile name (`dgx-h100`, ...) or a
+//!   profile file path. Missing or invalid: `nvmlInit_v2` fails with `NVML_ERROR_UNKNOWN`, the
+//!   reason goes to stderr and `nvmlErrorString(NVML_ERROR_UNKNOWN)` returns it.
+//! * `GPUPLANE_FAKE_NVML_CONTROL` (optional): a file the test appends command lines to. The fake
+//!   reads the lines added since its last look on every NVML call (and every few milliseconds
+//!   inside `nvmlEventSetWait_v2`); a partial last line waits for its newline.
+//!
+//! # Commands (one per line; blank lines and `#` comments ignored)
+//!
+//! * `xid <gpu-index> <code>` — a critical Xid on that GPU, delivered to every event set the GPU
+//!   is registered in for `nvmlEventTypeXidCriticalError`.
+//! * `xid <gpu-index> <code> <gpu-instance> <compute-instance>` — the same, attributed to a MIG
+//!   device (event data carries the instance ids; otherwise they are `0xFFFFFFFF`).
+//! * `lose <gpu-index>` — the GPU falls off the bus: Xid 79 is delivered, its event
+//!   registrations are dropped, and every later call on it (handle lookups included) returns
+//!   `NVML_ERROR_GPU_IS_LOST`.
+//! * `restore <gpu-index>` — the GPU answers again (it must be registered for events anew).
+//!
+//! # Shape of the fake machine
+//!
+//! GPU handles, MIG handles, GPU-instance handles and event sets are small tagged integers cast
+//! to pointers, stable for the life of the process. MIG devices are handed out by
+//! `nvmlDeviceGetMigDeviceHandleByIndex` in reverse profile order (clients must sort), with the
+//! remaining slots up to the catalogue's compute slices answering `NVML_ERROR_NOT_FOUND`. On an
+//! NVSwitch profile each GPU's links `0..nvlinks` (its model's count) are active with remote type
+//! SWITCH and a made-up switch address in PCI domain `0xFFFF`; otherwise each direct link in the
+//! profile takes that many consecutive link numbers on both GPUs, remote address = the peer.
+//! GPUs without NVLinks answer `NVML_ERROR_NOT_SUPPORTED` to NVLink queries.
+//!
+//! No panic crosses the C boundary: every export runs inside `entry`, which catches unwinding.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+// The exports keep NVML's C names; their safety contract is nvml.h's (valid out-pointers).
+#![allow(non_snake_case)]
+
+mod device;
+mod events;
+mod links;
+mod mig;
+mod state;
+mod system;
+
+use nvml_wrapper_sys::bindings::*;
+use std::ffi::{c_char, c_uint, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+pub(crate) type Ret = nvmlReturn_t;
+pub(crate) const SUCCESS: Ret = nvmlReturn_enum_NVML_SUCCESS;
+pub(crate) const UNINITIALIZED: Ret = nvmlReturn_enum_NVML_ERROR_UNINITIALIZED;
+pub(crate) const INVALID_ARGUMENT: Ret = nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT;
+pub(crate) const NOT_SUPPORTED: Ret = nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED;
+pub(crate) const NOT_FOUND: Ret = nvmlReturn_enum_NVML_ERROR_NOT_FOUND;
+pub(crate) const INSUFFICIENT_SIZE: Ret = nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE;
+pub(crate) const TIMEOUT: Ret = nvmlReturn_enum_NVML_ERROR_TIMEOUT;
+pub(crate) const GPU_IS_LOST: Ret = nvmlReturn_enum_NVML_ERROR_GPU_IS_LOST;
+pub(crate) const ARGUMENT_VERSION_MISMATCH: Ret =
+    nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+pub(crate) const UNKNOWN: Ret = nvmlReturn_enum_NVML_ERROR_UNKNOWN;
+
+/// Runs an export's body, turning `Err(code)` and any panic into an NVML return code.
+pub(crate) fn entry(body: impl FnOnce() -> Result<(), Ret>) -> Ret {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => SUCCESS,
+        Ok(Err(code)) => code,
+        Err(_) => UNKNOWN,
+    }
+}
+
+/// Writes `value` through a caller's out-pointer.
+///
+/// # Safety
+/// `out` must be null (rejected) or valid for a write of `T`, as nvml.h requires of callers.
+pub(crate) unsafe fn put<T>(out: *mut T, value: T) -> Result<(), Ret> {
+    if out.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null and, per this function's contract, valid for writes.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// Copies `text` and a NUL into a caller's buffer of `len` bytes.
+///
+/// # Safety
+/// `buf` must be null (rejected) or valid for `len` bytes of writes.
+pub(crate) unsafe fn put_str(buf: *mut c_char, len: c_uint, text: &str) -> Result<(), Ret> {
+    if buf.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    let bytes = text.as_bytes();
+    if bytes.len() + 1 > len as usize {
+        return Err(INSUFFICIENT_SIZE);
+    }
+    // SAFETY: `buf` is valid for `len` bytes and `bytes.len() + 1 <= len`; the regions cannot
+    // overlap (one is ours, one the caller's).
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr().cast::<c_char>(), buf, bytes.len());
+        buf.add(bytes.len()).write(0);
+    }
+    Ok(())
+}
+
+/// Fills a fixed C string field (struct member), truncating to leave room for the NUL.
+pub(crate) fn fill_chars<const N: usize>(field: &mut [c_char; N], text: &str) {
+    let n = text.len().min(N.saturating_sub(1));
+    for (dst, src) in field.iter_mut().zip(text.as_bytes()[..n].iter()) {
+        *dst = *src as c_char;
+    }
+    if let Some(end) = field.get_mut(n) {
+        *end = 0;
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
+    entry(state::init)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> nvmlReturn_t {
+    entry(state::init)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlShutdown() -> nvmlReturn_t {
+    entry(state::shutdown)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
+    let text: &'static CStr = catch_unwind(|| error_string(result)).unwrap_or(c"Unknown Error");
+    text.as_ptr()
+}
+
+fn error_string(code: Ret) -> &'static CStr {
+    if code == UNKNOWN {
+        if let Some(reason) = state::init_error() {
+            return reason;
+        }
+    }
+    match code {
+        SUCCESS => c"Success",
+        UNINITIALIZED => c"Uninitialized",
+        INVALID_ARGUMENT => c"Invalid Argument",
+        NOT_SUPPORTED => c"Not Supported",
+        NOT_FOUND => c"Not Found",
+        INSUFFICIENT_SIZE => c"Insufficient Size",
+        TIMEOUT => c"Timeout",
+        GPU_IS_LOST => c"GPU is lost",
+        ARGUMENT_VERSION_MISMATCH => c"Argument version mismatch",
+        _ => c"Unknown Error",
+    }
+}

@@ -1,0 +1,468 @@
+//! Host discovery: which NVIDIA device nodes, libraries, binaries and hook binary a CDI spec
+//! should reference on this node. The only I/O in the CDI module besides writing.
+//!
+//! Two roots, as NVIDIA's toolkit has them:
+//! - the *driver root* (`/` for a host-installed driver, `/run/nvidia/driver` for the GPU
+//!   operator's driver container): libraries and binaries are looked up under it. In the spec
+//!   the host path is `<driver root>/usr/lib/...`, the container path `/usr/lib/...`;
+//! - the *dev root*: the host directory holding the device nodes, normally `/dev` (note: this is
+//!   the `dev` directory itself, where NVIDIA's `--dev-root` names its parent). A node is
+//!   `<dev root>/nvidiactl` on the host and `/dev/nvidiactl` in the container.
+//!
+//! MIG access capabilities: a MIG device needs the GPU-instance and compute-instance access
+//! nodes `/dev/nvidia-caps/nvidia-cap<N>`. The minor `N` of each comes from a lookup function
+//! passed to [`DriverFiles::discover_with`]; [`ProcCaps`] is the real one (it reads
+//! `<proc root>/driver/nvidia/capabilities/gpu<minor>/mig/gi<gi>[/ci<ci>]/access`, line
+//! `DeviceFileMinor: N`, and falls back to `<proc root>/driver/nvidia-caps/mig-minors`).
+//! A MIG device whose minors are unknown gets no cap nodes and a warning.
+
+use crate::inventory::Inventory;
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use tracing::warn;
+
+/// Directories (relative to the driver root) searched for the driver's user-space libraries,
+/// in priority order: for a library found in several, the first holding the driver's version
+/// wins.
+pub const LIBRARY_DIRS: &[&str] = &[
+    "usr/lib/x86_64-linux-gnu",
+    "usr/lib/aarch64-linux-gnu",
+    "usr/lib64",
+    "lib64",
+    "usr/lib",
+];
+
+/// Library base names (before `.so.<version>`) of the driver's compute and utility libraries.
+pub const LIBRARIES: &[&str] = &[
+    "libcuda",
+    "libcudadebugger",
+    "libnvidia-allocator",
+    "libnvidia-cfg",
+    "libnvidia-compiler",
+    "libnvidia-gpucomp",
+    "libnvidia-ml",
+    "libnvidia-nvvm",
+    "libnvidia-opencl",
+    "libnvidia-pkcs11",
+    "libnvidia-pkcs11-openssl3",
+    "libnvidia-ptxjitcompiler",
+];
+
+/// Directories (relative to the driver root) searched for binaries, in priority order.
+pub const BINARY_DIRS: &[&str] = &["usr/bin", "bin"];
+
+/// The driver's utility binaries mounted into containers.
+pub const BINARIES: &[&str] = &[
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+    "nvidia-debugdump",
+    "nvidia-persistenced",
+    "nvidia-smi",
+];
+
+/// Hook binaries that can update the container's ldcache, preferred first.
+pub const HOOK_BINARIES: &[&str] = &["nvidia-cdi-hook", "nvidia-ctk"];
+
+/// Control nodes every GPU container needs, under `/dev`.
+pub const CONTROL_NODES: &[&str] = &["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"];
+
+/// Control nodes added only when present (display driver).
+pub const OPTIONAL_CONTROL_NODES: &[&str] = &["nvidia-modeset"];
+
+/// A file as the host sees it and where it appears in the container.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct HostFile {
+    pub host_path: PathBuf,
+    pub container_path: PathBuf,
+}
+
+/// A MIG access capability, named as NVIDIA's `mig-minors` file names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum MigCap {
+    /// `gpu<minor>/gi<gi>/access`
+    GpuInstance { gpu_minor: u32, gi: u32 },
+    /// `gpu<minor>/gi<gi>/ci<ci>/access`
+    ComputeInstance { gpu_minor: u32, gi: u32, ci: u32 },
+}
+
+impl MigCap {
+    /// The key in `/proc/driver/nvidia-caps/mig-minors`.
+    pub fn key(&self) -> String {
+        match *self {
+            MigCap::GpuInstance { gpu_minor, gi } => format!("gpu{gpu_minor}/gi{gi}/access"),
+            MigCap::ComputeInstance { gpu_minor, gi, ci } => {
+                format!("gpu{gpu_minor}/gi{gi}/ci{ci}/access")
+            }
+        }
+    }
+
+    /// The access file, relative to the proc root.
+    pub fn proc_path(&self) -> PathBuf {
+        let (gpu, rest) = match *self {
+            MigCap::GpuInstance { gpu_minor, gi } => (gpu_minor, format!("gi{gi}/access")),
+            MigCap::ComputeInstance { gpu_minor, gi, ci } => {
+                (gpu_minor, format!("gi{gi}/ci{ci}/access"))
+            }
+        };
+        PathBuf::from(format!("driver/nvidia/capabilities/gpu{gpu}/mig/{rest}"))
+    }
+}
+
+/// The `DeviceFileMinor: N` line of a capability access file.
+pub fn parse_device_file_minor(text: &str) -> Option<u32> {
+    text.lines().find_map(|l| {
+        l.trim()
+            .strip_prefix("DeviceFileMinor:")
+            .and_then(|v| v.trim().parse().ok())
+    })
+}
+
+/// `/proc/driver/nvidia-caps/mig-minors`: lines `<cap> <minor>`; malformed lines are skipped.
+pub fn parse_mig_minors(text: &str) -> BTreeMap<String, u32> {
+    text.lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            let (cap, minor, rest) = (it.next()?, it.next()?, it.next());
+            if rest.is_some() {
+                return None;
+            }
+            Some((cap.to_string(), minor.parse().ok()?))
+        })
+        .collect()
+}
+
+/// MIG capability minors as the NVIDIA kernel driver publishes them under a proc root.
+#[derive(Debug, Clone)]
+pub struct ProcCaps {
+    proc_root: PathBuf,
+    mig_minors: BTreeMap<String, u32>,
+}
+
+impl ProcCaps {
+    /// Reads `<proc_root>/driver/nvidia-caps/mig-minors` now (absent on nodes without MIG
+    /// support: then only the per-instance access files are consulted).
+    pub fn new(proc_root: &Path) -> Self {
+        let mig_minors = fs::read_to_string(proc_root.join("driver/nvidia-caps/mig-minors"))
+            .map(|t| parse_mig_minors(&t))
+            .unwrap_or_default();
+        ProcCaps {
+            proc_root: proc_root.to_path_buf(),
+            mig_minors,
+        }
+    }
+
+    /// The minor of `/dev/nvidia-caps/nvidia-cap<N>` for `cap`.
+    pub fn minor(&self, cap: MigCap) -> Option<u32> {
+        fs::read_to_string(self.proc_root.join(cap.proc_path()))
+            .ok()
+            .and_then(|t| parse_device_file_minor(&t))
+            .or_else(|| self.mig_minors.get(&cap.key()).copied())
+    }
+}
+
+/// What the driver installation on this node offers for CDI specs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DriverFiles {
+    pub driver_root: PathBuf,
+    pub dev_root: PathBuf,
+    /// `nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools` (always, present or not) and
+    /// `nvidia-modeset` (when present).
+    pub control_nodes: Vec<HostFile>,
+    /// Access-capability nodes of each MIG device whose minors are known, by
+    /// (GPU minor, GPU instance, compute instance).
+    pub mig_cap_nodes: BTreeMap<(u32, u32, u32), Vec<HostFile>>,
+    /// One real file (`.so.<version>`, not a symlink) per library found.
+    pub libraries: Vec<HostFile>,
+    pub binaries: Vec<HostFile>,
+    /// Host path of `nvidia-cdi-hook` or `nvidia-ctk`; `None`: no ldcache hook.
+    pub ldcache_hook: Option<PathBuf>,
+    /// Device nodes the inventory needs that do not exist (yet) under the dev root, host paths.
+    /// A spec rendered while this is non-empty must not be cached: render again once they appear.
+    pub missing_device_nodes: Vec<PathBuf>,
+}
+
+impl DriverFiles {
+    /// Discovers with MIG capability minors from the host's `/proc`.
+    pub fn discover(driver_root: &Path, dev_root: &Path, inv: &Inventory) -> DriverFiles {
+        let caps = ProcCaps::new(Path::new("/proc"));
+        Self::discover_with(driver_root, dev_root, inv, &|c| caps.minor(c))
+    }
+
+    /// Discovers the files for `inv`, looking MIG capability minors up with `cap_minor`.
+    pub fn discover_with(
+        driver_root: &Path,
+        dev_root: &Path,
+        inv: &Inventory,
+        cap_minor: &dyn Fn(MigCap) -> Option<u32>,
+    ) -> DriverFiles {
+        let mut files = DriverFiles::empty(driver_root, dev_root);
+        let mut expected: Vec<HostFile> = Vec::new();
+
+        for name in CONTROL_NODES {
+            let node = files.dev_node(name);
+            expected.push(node.clone());
+            files.control_nodes.push(node);
+        }
+        for name in OPTIONAL_CONTROL_NODES {
+            let node = files.dev_node(name);
+            if exists(&node.host_path) {
+                files.control_nodes.push(node);
+            }
+        }
+        for gpu in &inv.gpus {
+            expected.push(files.gpu_node(gpu.minor));
+            for mig in &gpu.mig_devices {
+                let (gi, ci) = (mig.gpu_instance_id, mig.compute_instance_id);
+                let gi_cap = MigCap::GpuInstance {
+                    gpu_minor: gpu.minor,
+                    gi,
+                };
+                let ci_cap = MigCap::ComputeInstance {
+                    gpu_minor: gpu.minor,
+                    gi,
+                    ci,
+                };
+                match (cap_minor(gi_cap), cap_minor(ci_cap)) {
+                    (Some(g), Some(c)) => {
+                        let nodes = vec![files.cap_node(g), files.cap_node(c)];
+                        expected.extend(nodes.iter().cloned());
+                        files.mig_cap_nodes.insert((gpu.minor, gi, ci), nodes);
+                    }
+                    _ => warn!(
+                        mig = %mig.uuid, gpu_minor = gpu.minor, gi, ci,
+                        "MIG access capability minors unknown; the CDI device gets no nvidia-caps nodes"
+                    ),
+                }
+            }
+        }
+        let mut missing: Vec<PathBuf> = expected
+            .into_iter()
+            .filter(|n| !exists(&n.host_path))
+            .map(|n| n.host_path)
+            .collect();
+        missing.sort();
+        missing.dedup();
+        files.missing_device_nodes = missing;
+
+        files.libraries = find_libraries(driver_root, &inv.driver_version);
+        files.binaries = BINARIES
+            .iter()
+            .filter_map(|b| find_in(driver_root, BINARY_DIRS, b))
+            .collect();
+        files.ldcache_hook = HOOK_BINARIES
+            .iter()
+            .find_map(|b| find_in(driver_root, BINARY_DIRS, b))
+            .map(|f| f.host_path);
+        files
+    }
+
+    /// Nothing discovered yet: a starting point for tests and callers that fill fields in.
+    pub fn empty(driver_root: &Path, dev_root: &Path) -> DriverFiles {
+        DriverFiles {
+            driver_root: driver_root.to_path_buf(),
+            dev_root: dev_root.to_path_buf(),
+            ..Default::default()
+        }
+    }
+
+    /// True when every device node the inventory needs exists: the spec may be cached.
+    pub fn is_complete(&self) -> bool {
+        self.missing_device_nodes.is_empty()
+    }
+
+    /// `/dev/<rel>` in the container, `<dev root>/<rel>` on the host.
+    pub fn dev_node(&self, rel: &str) -> HostFile {
+        HostFile {
+            host_path: self.dev_root.join(rel),
+            container_path: Path::new("/dev").join(rel),
+        }
+    }
+
+    /// `/dev/nvidia<minor>`.
+    pub fn gpu_node(&self, minor: u32) -> HostFile {
+        self.dev_node(&format!("nvidia{minor}"))
+    }
+
+    /// `/dev/nvidia-caps/nvidia-cap<minor>`.
+    pub fn cap_node(&self, minor: u32) -> HostFile {
+        self.dev_node(&format!("nvidia-caps/nvidia-cap{minor}"))
+    }
+}
+
+fn exists(p: &Path) -> bool {
+    fs::symlink_metadata(p).is_ok()
+}
+
+/// `<root>/<dir>/<name>` for the first dir holding it as a file (symlinks followed).
+fn find_in(root: &Path, dirs: &[&str], name: &str) -> Option<HostFile> {
+    dirs.iter().find_map(|d| {
+        let rel = Path::new(d).join(name);
+        let host = root.join(&rel);
+        fs::metadata(&host)
+            .ok()
+            .filter(|m| m.is_file())
+            .map(|_| HostFile {
+                host_path: host,
+                container_path: Path::new("/").join(rel),
+            })
+    })
+}
+
+/// Splits `libcuda.so.550.90.07` into (`libcuda`, `550.90.07`) for a known library base name.
+fn library_version(file_name: &str) -> Option<(&'static str, &str)> {
+    let (base, version) = file_name.split_once(".so.")?;
+    let base = LIBRARIES.iter().find(|l| **l == base)?;
+    let valid = !version.is_empty()
+        && !version.starts_with('.')
+        && !version.ends_with('.')
+        && !version.contains("..")
+        && version.chars().all(|c| c.is_ascii_digit() || c == '.');
+    valid.then_some((base, version))
+}
+
+/// The driver's libraries under `root`: per base name the candidate whose version is the
+/// driver's, else the highest version; ties go to the earlier directory of [`LIBRARY_DIRS`].
+fn find_libraries(root: &Path, driver_version: &str) -> Vec<HostFile> {
+    let mut seen_dirs: Vec<PathBuf> = Vec::new();
+    // base name -> candidates (version, file), in directory priority order
+    let mut candidates: BTreeMap<&'static str, Vec<(String, HostFile)>> = BTreeMap::new();
+    for dir in LIBRARY_DIRS {
+        let host_dir = root.join(dir);
+        let Ok(canonical) = fs::canonicalize(&host_dir) else {
+            continue;
+        };
+        // `lib64` is often a symlink to `usr/lib64`: scan each real directory once.
+        if seen_dirs.contains(&canonical) {
+            continue;
+        }
+        seen_dirs.push(canonical);
+        let Ok(entries) = fs::read_dir(&host_dir) else {
+            continue;
+        };
+        let mut names: Vec<String> = entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+            .filter_map(|e| e.file_name().into_string().ok())
+            .collect();
+        names.sort();
+        for name in names {
+            if let Some((base, version)) = library_version(&name) {
+                let rel = Path::new(dir).join(&name);
+                candidates.entry(base).or_default().push((
+                    version.to_string(),
+                    HostFile {
+                        host_path: root.join(&rel),
+                        container_path: Path::new("/").join(rel),
+                    },
+                ));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (base, cands) in candidates {
+        let chosen = cands.iter().find(|(v, _)| v == driver_version).or_else(|| {
+            // max_by keeps the last maximum; iterate reversed so the earliest dir wins ties.
+            cands
+                .iter()
+                .rev()
+                .max_by(|a, b| super::spec::compare_versions(&a.0, &b.0))
+        });
+        if let Some((version, file)) = chosen {
+            if version != driver_version {
+                warn!(
+                    library = base, found = %version, driver = driver_version,
+                    "no library of the driver's version; using the highest found"
+                );
+            }
+            out.push(file.clone());
+        }
+    }
+    out.sort();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_library_versions() {
+        assert_eq!(
+            library_version("libnvidia-ml.so.550.90.07"),
+            Some(("libnvidia-ml", "550.90.07"))
+        );
+        assert_eq!(library_version("libcuda.so.1"), Some(("libcuda", "1")));
+        assert_eq!(
+            library_version("libnvidia-pkcs11-openssl3.so.550.90.07"),
+            Some(("libnvidia-pkcs11-openssl3", "550.90.07"))
+        );
+        for no in [
+            "libcuda.so",
+            "libcuda.so.",
+            "libcuda.so.1.",
+            "libcuda.so.1..2",
+            "libcuda.so.abc",
+            "libcudart.so.12.4",
+            "libnvidia-ml.so.550.90.07.bak",
+        ] {
+            assert_eq!(library_version(no), None, "{no}");
+        }
+    }
+
+    #[test]
+    fn parses_cap_files() {
+        let access = "DeviceFileMinor: 21\nDeviceFileMode: 292\nDeviceFileModify: 1\n";
+        assert_eq!(parse_device_file_minor(access), Some(21));
+        assert_eq!(parse_device_file_minor("DeviceFileMode: 292\n"), None);
+        let minors = parse_mig_minors(
+            "config 1\nmonitor 2\ngpu0/gi1/access 12\ngpu0/gi1/ci0/access 13\nbad\nx y z\n",
+        );
+        assert_eq!(minors.get("gpu0/gi1/ci0/access"), Some(&13));
+        assert_eq!(minors.get("config"), Some(&1));
+        assert_eq!(minors.len(), 4);
+        let cap = MigCap::ComputeInstance {
+            gpu_minor: 0,
+            gi: 1,
+            ci: 0,
+        };
+        assert_eq!(cap.key(), "gpu0/gi1/ci0/access");
+        assert_eq!(
+            cap.proc_path(),
+            Path::new("driver/nvidia/capabilities/gpu0/mig/gi1/ci0/access")
+        );
+    }
+
+    #[test]
+    fn proc_caps_reads_access_files_then_mig_minors() {
+        let proc = tempfile::tempdir().unwrap();
+        let gi = MigCap::GpuInstance {
+            gpu_minor: 2,
+            gi: 3,
+        };
+        let ci = MigCap::ComputeInstance {
+            gpu_minor: 2,
+            gi: 3,
+            ci: 0,
+        };
+        let gi_file = proc.path().join(gi.proc_path());
+        fs::create_dir_all(gi_file.parent().unwrap()).unwrap();
+        fs::write(&gi_file, "DeviceFileMinor: 30\n").unwrap();
+        fs::create_dir_all(proc.path().join("driver/nvidia-caps")).unwrap();
+        fs::write(
+            proc.path().join("driver/nvidia-caps/mig-minors"),
+            "gpu2/gi3/access 99\ngpu2/gi3/ci0/access 31\n",
+        )
+        .unwrap();
+        let caps = ProcCaps::new(proc.path());
+        assert_eq!(caps.minor(gi), Some(30));
+        assert_eq!(caps.minor(ci), Some(31));
+        assert_eq!(
+            caps.minor(MigCap::GpuInstance {
+                gpu_minor: 0,
+                gi: 0
+            }),
+            None
+        );
+    }
+}

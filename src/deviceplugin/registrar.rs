@@ -1,0 +1,185 @@
+//! Keeps one plugin socket served and registered with the kubelet per offered resource.
+//!
+//! The kubelet may start after us, restart at any time (it then deletes every socket in
+//! `device-plugins/` and re-creates `kubelet.sock`), and never tells a plugin it forgot it. So
+//! this loop polls: the identity (inode) of `kubelet.sock`, the presence of our own sockets, and
+//! the set of resources the plan offers; whatever is missing is served and registered again.
+//! Resources that did not change keep their socket and registration across config reloads.
+
+use super::service::{options, DevicePluginService};
+use crate::grpc;
+use crate::node::state::NodeState;
+use crate::proto::deviceplugin_v1beta1 as pb;
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// How often the kubelet socket and our own sockets are checked. The kubelet must see us again
+/// within a second of its restart.
+pub const POLL: Duration = Duration::from_millis(200);
+
+/// The kubelet's registration socket name inside `device-plugins/`.
+pub const KUBELET_SOCKET: &str = "kubelet.sock";
+
+/// The socket file name for a resource, e.g. `gpuplane-nvidia.com_mig-1g.10gb.sock`.
+pub fn socket_name(resource: &str) -> String {
+    format!("gpuplane-{}.sock", resource.replace('/', "_"))
+}
+
+struct Served {
+    socket: PathBuf,
+    stop: Option<watch::Sender<bool>>,
+    task: JoinHandle<()>,
+    registered: bool,
+    last_error: Option<String>,
+}
+
+impl Served {
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(true);
+        }
+        let _ = self.task.await;
+        if let Err(e) = std::fs::remove_file(&self.socket) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(socket = %self.socket.display(), error = %e, "could not remove plugin socket");
+            }
+        }
+    }
+}
+
+/// Serves and registers every resource in the plan until `shutdown` turns true; then removes
+/// its sockets.
+pub async fn run(dir: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Receiver<bool>) {
+    let kubelet_sock = dir.join(KUBELET_SOCKET);
+    let mut served: BTreeMap<String, Served> = BTreeMap::new();
+    let mut kubelet_id: Option<(u64, u64)> = None;
+    let mut changes = state.subscribe();
+    let mut waiting_logged = false;
+    loop {
+        let now_id = std::fs::metadata(&kubelet_sock).ok().map(|m| (m.dev(), m.ino()));
+        if now_id != kubelet_id {
+            if kubelet_id.is_some() || now_id.is_none() {
+                tracing::info!(socket = %kubelet_sock.display(), "kubelet socket changed; registering again");
+            }
+            for s in served.values_mut() {
+                s.registered = false;
+            }
+            kubelet_id = now_id;
+        }
+        if kubelet_id.is_none() && !waiting_logged {
+            tracing::info!(socket = %kubelet_sock.display(), "waiting for the kubelet");
+            waiting_logged = true;
+        }
+        let wanted: Vec<String> = state.read().plan.resources.iter().map(|r| r.name.clone()).collect();
+        let stale: Vec<String> = served
+            .iter()
+            .filter(|(name, s)| !wanted.contains(name) || !s.socket.exists() || s.task.is_finished())
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in stale {
+            if let Some(s) = served.remove(&name) {
+                if wanted.contains(&name) {
+                    tracing::info!(resource = %name, "plugin socket gone (kubelet restart?); serving it again");
+                } else {
+                    tracing::info!(resource = %name, "resource no longer offered; stopping its plugin");
+                }
+                s.stop().await;
+            }
+        }
+        for name in &wanted {
+            if !served.contains_key(name) {
+                match serve(&dir, name, state.clone()) {
+                    Ok(s) => {
+                        served.insert(name.clone(), s);
+                    }
+                    Err(e) => tracing::error!(resource = %name, error = %e, "cannot serve plugin socket"),
+                }
+            }
+        }
+        if kubelet_id.is_some() {
+            waiting_logged = false;
+            for (name, s) in served.iter_mut().filter(|(_, s)| !s.registered) {
+                match register(&kubelet_sock, name, &s.socket).await {
+                    Ok(()) => {
+                        tracing::info!(resource = %name, endpoint = %s.socket.display(), "registered with the kubelet");
+                        s.registered = true;
+                        s.last_error = None;
+                    }
+                    Err(e) => {
+                        let msg = format!("{e:#}");
+                        if s.last_error.as_ref() != Some(&msg) {
+                            tracing::warn!(resource = %name, error = %msg, "registration with the kubelet failed; retrying");
+                        }
+                        s.last_error = Some(msg);
+                    }
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(POLL) => {}
+            _ = changes.changed() => {}
+            _ = shutdown.changed() => {}
+        }
+        if *shutdown.borrow() {
+            break;
+        }
+    }
+    for (_, s) in std::mem::take(&mut served) {
+        s.stop().await;
+    }
+}
+
+fn serve(dir: &Path, resource: &str, state: Arc<NodeState>) -> Result<Served, grpc::SocketError> {
+    let socket = dir.join(socket_name(resource));
+    let listener = grpc::bind(&socket)?;
+    let (stop, stopping) = watch::channel(false);
+    let mut stopped = stopping.clone();
+    let service = pb::device_plugin_server::DevicePluginServer::new(DevicePluginService::new(resource.to_string(), state, stopping));
+    let name = resource.to_string();
+    let task = tokio::spawn(async move {
+        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+        let result = tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming_shutdown(incoming, async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            })
+            .await;
+        if let Err(e) = result {
+            tracing::error!(resource = %name, error = %e, "plugin server stopped");
+        }
+    });
+    Ok(Served { socket, stop: Some(stop), task, registered: false, last_error: None })
+}
+
+#[derive(Debug, thiserror::Error)]
+enum RegisterError {
+    #[error(transparent)]
+    Socket(#[from] grpc::SocketError),
+    #[error("kubelet refused registration: {0}")]
+    Refused(#[from] tonic::Status),
+    #[error("kubelet did not answer within {0:?}")]
+    Timeout(Duration),
+}
+
+async fn register(kubelet_sock: &Path, resource: &str, socket: &Path) -> Result<(), RegisterError> {
+    const TIMEOUT: Duration = Duration::from_secs(5);
+    let call = async {
+        let channel = grpc::connect(kubelet_sock).await?;
+        let endpoint = socket.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        pb::registration_client::RegistrationClient::new(channel)
+            .register(pb::RegisterRequest {
+                version: "v1beta1".into(),
+                endpoint,
+                resource_name: resource.to_string(),
+                options: Some(options()),
+            })
+            .await?;
+        Ok(())
+    };
+    tokio::time::timeout(TIMEOUT, call).await.map_err(|_| RegisterError::Timeout(TIMEOUT))?
+}

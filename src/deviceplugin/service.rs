@@ -1,0 +1,144 @@
+//! The `v1beta1.DevicePlugin` gRPC service for one resource: converts protobuf to the core's
+//! types and back. Decisions live in `allocate`; this file only adapts.
+
+use super::allocate::{self, AllocateError};
+use crate::health::Health;
+use crate::node::state::NodeState;
+use crate::proto::deviceplugin_v1beta1 as pb;
+use pb::device_plugin_server::DevicePlugin;
+use std::collections::BTreeSet;
+use std::pin::Pin;
+use std::sync::Arc;
+use tokio::sync::watch;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+pub const HEALTHY: &str = "Healthy";
+pub const UNHEALTHY: &str = "Unhealthy";
+
+/// Serves one resource name from the shared node state.
+#[derive(Clone)]
+pub struct DevicePluginService {
+    resource: String,
+    state: Arc<NodeState>,
+    /// Turns true when this server stops; open ListAndWatch streams then end, which a graceful
+    /// server shutdown waits for.
+    stopping: watch::Receiver<bool>,
+}
+
+impl DevicePluginService {
+    pub fn new(resource: String, state: Arc<NodeState>, stopping: watch::Receiver<bool>) -> Self {
+        DevicePluginService { resource, state, stopping }
+    }
+
+    /// The device list ListAndWatch sends now; `None` once the resource is no longer offered.
+    pub fn device_list(&self) -> Option<Vec<pb::Device>> {
+        let snap = self.state.read();
+        let plan = snap.plan.resource(&self.resource)?;
+        Some(
+            plan.devices
+                .iter()
+                .map(|d| pb::Device {
+                    id: d.id.clone(),
+                    health: match snap.health.health(&d.unit) {
+                        Health::Healthy => HEALTHY.into(),
+                        Health::Unhealthy(_) => UNHEALTHY.into(),
+                    },
+                    topology: d.numa_node.map(|n| pb::TopologyInfo { nodes: vec![pb::NumaNode { id: i64::from(n) }] }),
+                })
+                .collect(),
+        )
+    }
+}
+
+type DeviceStream = Pin<Box<dyn Stream<Item = Result<pb::ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DevicePlugin for DevicePluginService {
+    async fn get_device_plugin_options(&self, _: Request<pb::Empty>) -> Result<Response<pb::DevicePluginOptions>, Status> {
+        Ok(Response::new(options()))
+    }
+
+    type ListAndWatchStream = DeviceStream;
+
+    async fn list_and_watch(&self, _: Request<pb::Empty>) -> Result<Response<DeviceStream>, Status> {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let me = self.clone();
+        let mut changes = self.state.subscribe();
+        let mut stopping = self.stopping.clone();
+        tokio::spawn(async move {
+            let mut last: Option<Vec<pb::Device>> = None;
+            loop {
+                let Some(devices) = me.device_list() else {
+                    tracing::info!(resource = %me.resource, "resource no longer offered; closing ListAndWatch");
+                    return;
+                };
+                if last.as_ref() != Some(&devices) {
+                    if tx.send(Ok(pb::ListAndWatchResponse { devices: devices.clone() })).await.is_err() {
+                        return; // the kubelet hung up
+                    }
+                    last = Some(devices);
+                }
+                tokio::select! {
+                    changed = changes.changed() => if changed.is_err() { return },
+                    _ = tx.closed() => return,
+                    _ = stopping.wait_for(|s| *s) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn get_preferred_allocation(&self, req: Request<pb::PreferredAllocationRequest>) -> Result<Response<pb::PreferredAllocationResponse>, Status> {
+        let snap = self.state.read();
+        let plan = snap.plan.resource(&self.resource).ok_or_else(|| gone(&self.resource))?;
+        let avoid = BTreeSet::new();
+        let mut container_responses = Vec::new();
+        for c in req.into_inner().container_requests {
+            let size = usize::try_from(c.allocation_size).map_err(|_| Status::invalid_argument(format!("allocation size {} is negative", c.allocation_size)))?;
+            let ids = allocate::preferred(plan, &snap.model, &c.available_device_i_ds, &c.must_include_device_i_ds, size, &avoid)
+                .map_err(|e| Status::invalid_argument(format!("{}: {e}", self.resource)))?;
+            container_responses.push(pb::ContainerPreferredAllocationResponse { device_i_ds: ids });
+        }
+        Ok(Response::new(pb::PreferredAllocationResponse { container_responses }))
+    }
+
+    async fn allocate(&self, req: Request<pb::AllocateRequest>) -> Result<Response<pb::AllocateResponse>, Status> {
+        let snap = self.state.read();
+        let plan = snap.plan.resource(&self.resource).ok_or_else(|| gone(&self.resource))?;
+        let mut container_responses = Vec::new();
+        for c in req.into_inner().container_requests {
+            let grant = allocate::allocate(plan, &snap.health, &snap.config, &c.devices_ids).map_err(|e| {
+                tracing::warn!(resource = %self.resource, devices = ?c.devices_ids, error = %e, "Allocate refused");
+                refusal(&e)
+            })?;
+            tracing::info!(resource = %self.resource, devices = ?c.devices_ids, cdi = ?grant.cdi_devices, "Allocate granted");
+            container_responses.push(pb::ContainerAllocateResponse {
+                envs: grant.envs.into_iter().collect(),
+                cdi_devices: grant.cdi_devices.into_iter().map(|name| pb::CdiDevice { name }).collect(),
+                ..Default::default()
+            });
+        }
+        Ok(Response::new(pb::AllocateResponse { container_responses }))
+    }
+
+    async fn pre_start_container(&self, _: Request<pb::PreStartContainerRequest>) -> Result<Response<pb::PreStartContainerResponse>, Status> {
+        Ok(Response::new(pb::PreStartContainerResponse {}))
+    }
+}
+
+/// What this plugin tells the kubelet it supports.
+pub fn options() -> pb::DevicePluginOptions {
+    pb::DevicePluginOptions { pre_start_required: false, get_preferred_allocation_available: true }
+}
+
+fn gone(resource: &str) -> Status {
+    Status::unavailable(format!("{resource} is no longer offered by this node"))
+}
+
+fn refusal(e: &AllocateError) -> Status {
+    match e {
+        AllocateError::Held { .. } | AllocateError::Unhealthy { .. } => Status::failed_precondition(e.to_string()),
+        _ => Status::invalid_argument(e.to_string()),
+    }
+}

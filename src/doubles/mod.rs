@@ -1,0 +1,5 @@
+//! Test doubles of gpuplane's peers, following their real semantics: used by the integration
+//! tests and by `gpuplane demo`, which runs the whole story without a cluster. Nothing in the
+//! agent itself depends on this module.
+
+pub mod kubelet;

@@ -1,0 +1,281 @@
+//! `gpuplane node`: the agent's main loop. Wires the device source, the shared state, health
+//! and the kubelet-facing servers together; owns start-up, reloads and shutdown.
+//!
+//! Everything it starts takes its paths and a shutdown signal as arguments, so tests run the
+//! real agent in-process against doubles in a temp dir.
+
+pub mod state;
+
+use crate::config::{AgentConfig, ConfigError};
+use crate::deviceplugin::registrar;
+use crate::deviceplugin::resources::PlanError;
+use crate::health::{Cause, Change, Health};
+use crate::inventory::Inventory;
+use crate::source::{DeviceSource, Discovery};
+use state::{NodeState, Snapshot};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::watch;
+
+/// Host paths the agent uses, each under its own name.
+#[derive(Debug, Clone)]
+pub struct NodePaths {
+    /// The kubelet's root (`/var/lib/kubelet`): device-plugins/, plugins_registry/, pod-resources/.
+    pub kubelet_root: PathBuf,
+    /// Where CDI specs are written (`/var/run/cdi`).
+    pub cdi_root: PathBuf,
+    /// The agent's own durable state (`/var/lib/gpuplane`).
+    pub state_dir: PathBuf,
+    /// Root of the NVIDIA driver's user-space files (`/` or `/run/nvidia/driver`).
+    pub driver_root: PathBuf,
+    /// Where device nodes live (`/dev`).
+    pub dev_root: PathBuf,
+}
+
+impl NodePaths {
+    pub fn device_plugins(&self) -> PathBuf {
+        self.kubelet_root.join("device-plugins")
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct NodeOptions {
+    pub node_name: String,
+    pub paths: NodePaths,
+    /// The agent config file; reloaded on SIGHUP and when it changes.
+    pub config_file: Option<PathBuf>,
+    /// Serve the kubelet device plugin API.
+    pub device_plugin: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The config file is unusable at start-up.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The devices cannot be offered as configured.
+    #[error("cannot offer this node's devices: {0}")]
+    Plan(#[from] PlanError),
+    /// Signal handlers could not be installed.
+    #[error("installing signal handlers: {0}")]
+    Signals(#[source] std::io::Error),
+}
+
+fn load_config(path: Option<&Path>) -> Result<AgentConfig, ConfigError> {
+    match path {
+        Some(p) => AgentConfig::load(p),
+        None => Ok(AgentConfig::default()),
+    }
+}
+
+fn mtime(path: Option<&Path>) -> Option<SystemTime> {
+    path.and_then(|p| std::fs::metadata(p).ok()).and_then(|m| m.modified().ok())
+}
+
+/// The inventory to serve: what answered, plus GPUs known from before that are now lost (so they
+/// stay listed, as Unhealthy, instead of silently vanishing).
+fn with_lost(previous: Option<&Inventory>, found: &Discovery) -> (Inventory, Vec<String>) {
+    let mut inv = found.inventory.clone();
+    let mut lost_uuids = Vec::new();
+    if let Some(prev) = previous {
+        for lost in &found.lost {
+            if let Some(g) = prev.gpu(lost.index) {
+                if inv.gpu(lost.index).is_none() {
+                    inv.gpus.push(g.clone());
+                    inv.topology.links.extend(prev.topology.links.iter().filter(|l| l.from == lost.index || l.to == lost.index).copied());
+                }
+                lost_uuids.push(g.uuid.clone());
+            }
+        }
+    }
+    inv.gpus.sort_by_key(|g| g.index);
+    inv.topology.links.sort_by_key(|l| (l.from, l.to));
+    inv.topology.links.dedup_by_key(|l| (l.from, l.to));
+    (inv, lost_uuids)
+}
+
+/// Discovers until it works, backing off; `None` if shut down meanwhile.
+async fn discover_with_retry(source: &Arc<dyn DeviceSource>, shutdown: &mut watch::Receiver<bool>) -> Option<Discovery> {
+    let mut delay = Duration::from_millis(500);
+    loop {
+        let s = source.clone();
+        match tokio::task::spawn_blocking(move || s.discover()).await {
+            Ok(Ok(d)) => return Some(d),
+            Ok(Err(e)) => tracing::error!(error = %e, retry_in = ?delay, "device discovery failed; retrying"),
+            Err(e) => tracing::error!(error = %e, retry_in = ?delay, "device discovery panicked; retrying"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.changed() => return None,
+        }
+        delay = (delay * 2).min(Duration::from_secs(30));
+    }
+}
+
+fn log_changes(changes: &[Change]) {
+    for c in changes {
+        match c {
+            Change::Unhealthy { unit, cause } => tracing::warn!(device = %unit, %cause, "device unhealthy"),
+            Change::Recovered { unit, after } => tracing::info!(device = %unit, after = %after, "device healthy again"),
+            Change::Ignored { unit, xid } => tracing::info!(device = %unit, xid, "Xid ignored by policy"),
+        }
+    }
+}
+
+/// Reads driver events on a thread of its own (NVML's wait blocks) into the health book.
+fn spawn_event_pump(source: Arc<dyn DeviceSource>, state: Arc<NodeState>, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut failing = false;
+        while !stop.load(Ordering::Relaxed) {
+            match source.next_event(Duration::from_millis(200)) {
+                Ok(Some(event)) => {
+                    failing = false;
+                    let change = state.update(|s| {
+                        let c = s.health.on_event(&event, Instant::now(), &s.config.xid_policy);
+                        let changed = !matches!(c, Change::Ignored { .. });
+                        (c, changed)
+                    });
+                    log_changes(&[change]);
+                }
+                Ok(None) => failing = false,
+                Err(e) => {
+                    if !failing {
+                        tracing::error!(error = %e, "waiting for driver events failed; retrying");
+                    }
+                    failing = true;
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
+        }
+    })
+}
+
+/// Runs the agent until `shutdown` resolves, then stops serving and removes its sockets.
+pub async fn run(opts: NodeOptions, source: Arc<dyn DeviceSource>, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
+    let config_file = opts.config_file.as_deref();
+    let config = load_config(config_file)?;
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).map_err(NodeError::Signals)?;
+
+    let found = tokio::select! {
+        found = discover_with_retry(&source, &mut stop_rx) => found,
+        _ = &mut shutdown => None,
+    };
+    let Some(found) = found else { return Ok(()) };
+    for lost in &found.lost {
+        tracing::warn!(gpu = lost.index, reason = %lost.reason, "GPU not answering; it is not offered");
+    }
+    let snapshot = Snapshot::new(found.inventory, config)?;
+    for w in &snapshot.plan.warnings {
+        tracing::warn!("{w}");
+    }
+    for r in &snapshot.plan.resources {
+        tracing::info!(resource = %r.name, devices = r.devices.len(), "offering");
+    }
+    let state = Arc::new(NodeState::new(snapshot));
+
+    let pump_stop = Arc::new(AtomicBool::new(false));
+    let pump = spawn_event_pump(source.clone(), state.clone(), pump_stop.clone());
+    let registrar = opts.device_plugin.then(|| tokio::spawn(registrar::run(opts.paths.device_plugins(), state.clone(), stop_rx.clone())));
+
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_refresh = Instant::now();
+    let mut config_mtime = mtime(config_file);
+    loop {
+        let reload = tokio::select! {
+            _ = &mut shutdown => break,
+            _ = hangup.recv() => { tracing::info!("SIGHUP: reloading config"); true }
+            _ = tick.tick() => {
+                let now_mtime = mtime(config_file);
+                let changed = now_mtime != config_mtime;
+                config_mtime = now_mtime;
+                if changed { tracing::info!("config file changed: reloading"); }
+                changed
+            }
+        };
+        let (quiet, refresh_every) = {
+            let s = state.read();
+            (s.config.recovery_quiet_period, s.config.inventory_refresh)
+        };
+        let src = source.clone();
+        let changes = state.update(|s| {
+            let c = s.health.tick(Instant::now(), quiet, |uuid| src.responds(uuid));
+            let changed = !c.is_empty();
+            (c, changed)
+        });
+        log_changes(&changes);
+
+        let mut config = state.read().config.clone();
+        if reload {
+            match load_config(config_file) {
+                Ok(c) => config = c,
+                Err(e) => tracing::error!(error = %e, "config reload failed; keeping the running config"),
+            }
+        }
+        let refresh = last_refresh.elapsed() >= refresh_every;
+        if !refresh && !reload {
+            continue;
+        }
+        let mut inventory = state.read().inventory.clone();
+        if refresh {
+            last_refresh = Instant::now();
+            let s = source.clone();
+            match tokio::task::spawn_blocking(move || s.discover()).await {
+                Ok(Ok(found)) => {
+                    let (inv, lost) = with_lost(Some(&inventory), &found);
+                    state.update(|s| {
+                        let now = Instant::now();
+                        let fresh: Vec<&String> = lost.iter().filter(|u| s.health.health(u) != Health::Unhealthy(Cause::Lost)).collect();
+                        let newly: Vec<Change> = fresh.into_iter().map(|u| s.health.on_lost(u, now)).collect();
+                        log_changes(&newly);
+                        let changed = !newly.is_empty();
+                        ((), changed)
+                    });
+                    inventory = inv;
+                }
+                Ok(Err(e)) => tracing::error!(error = %e, "inventory refresh failed; serving the last known inventory"),
+                Err(e) => tracing::error!(error = %e, "inventory refresh panicked; serving the last known inventory"),
+            }
+        }
+        apply(&state, inventory, config);
+    }
+
+    tracing::info!("shutting down: stopping plugins");
+    let _ = stop_tx.send(true);
+    if let Some(r) = registrar {
+        let _ = r.await;
+    }
+    pump_stop.store(true, Ordering::Relaxed);
+    let _ = tokio::task::spawn_blocking(move || pump.join()).await;
+    Ok(())
+}
+
+/// Installs a new inventory and config if they differ from the running ones.
+fn apply(state: &NodeState, inventory: Inventory, config: AgentConfig) {
+    state.update(|s| {
+        if s.inventory == inventory && s.config == config {
+            return ((), false);
+        }
+        let inventory_changed = s.inventory != inventory;
+        match s.replace(inventory, config) {
+            Ok(()) => {
+                if inventory_changed {
+                    tracing::info!(gpus = s.inventory.gpus.len(), mig_devices = s.inventory.mig_device_count(), "inventory changed");
+                }
+                for w in &s.plan.warnings {
+                    tracing::warn!("{w}");
+                }
+                ((), true)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "new inventory or config cannot be offered; keeping the previous plan");
+                ((), false)
+            }
+        }
+    });
+}

@@ -1,0 +1,81 @@
+//! The agent's shared state: one snapshot of inventory, plan, topology and health that every
+//! server reads, and a generation counter that wakes watchers when it changes.
+//!
+//! A std `RwLock` (not tokio's): critical sections are short, never span an `.await`, and the
+//! blocking event pump thread writes to it too.
+
+use crate::config::AgentConfig;
+use crate::deviceplugin::resources::{self, Plan, PlanError};
+use crate::health::HealthBook;
+use crate::inventory::Inventory;
+use crate::topology::TopologyModel;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use tokio::sync::watch;
+
+/// Everything the servers answer from.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub inventory: Inventory,
+    pub config: AgentConfig,
+    pub plan: Plan,
+    pub model: TopologyModel,
+    pub health: HealthBook,
+}
+
+impl Snapshot {
+    pub fn new(inventory: Inventory, config: AgentConfig) -> Result<Snapshot, PlanError> {
+        let plan = resources::plan(&inventory, &config)?;
+        let model = TopologyModel::new(&inventory);
+        let mut health = HealthBook::default();
+        health.set_inventory(&inventory);
+        Ok(Snapshot { inventory, config, plan, model, health })
+    }
+
+    /// Replaces inventory and/or config, keeping health marks of units that still exist.
+    pub fn replace(&mut self, inventory: Inventory, config: AgentConfig) -> Result<(), PlanError> {
+        let plan = resources::plan(&inventory, &config)?;
+        self.model = TopologyModel::new(&inventory);
+        self.health.set_inventory(&inventory);
+        self.plan = plan;
+        self.inventory = inventory;
+        self.config = config;
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+pub struct NodeState {
+    snapshot: RwLock<Snapshot>,
+    generation: watch::Sender<u64>,
+}
+
+impl NodeState {
+    pub fn new(snapshot: Snapshot) -> NodeState {
+        NodeState { snapshot: RwLock::new(snapshot), generation: watch::channel(0).0 }
+    }
+
+    /// Read access; hold it only for computing an answer.
+    pub fn read(&self) -> RwLockReadGuard<'_, Snapshot> {
+        // A panic while holding the lock cannot leave a half-updated snapshot: every writer
+        // computes the new value first and assigns it whole, so a poisoned lock is still good.
+        self.snapshot.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Snapshot> {
+        self.snapshot.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Applies `f`; if it reports a change, wakes every watcher.
+    pub fn update<R>(&self, f: impl FnOnce(&mut Snapshot) -> (R, bool)) -> R {
+        let (result, changed) = f(&mut self.write());
+        if changed {
+            self.generation.send_modify(|g| *g += 1);
+        }
+        result
+    }
+
+    /// A receiver that wakes on every change.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+}
