@@ -6,6 +6,7 @@ pub mod config;
 pub mod deviceplugin;
 pub mod discover;
 pub mod doubles;
+pub mod dra;
 pub mod fsutil;
 pub mod grpc;
 pub mod health;

@@ -10,7 +10,8 @@
 use super::driver::{DriverFiles, HostFile};
 use super::name::{DeviceName, Kind};
 use super::spec::{minimum_version, ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
-use crate::inventory::{Gpu, Inventory, MigDevice};
+pub use crate::inventory::DeviceRef;
+use crate::inventory::Inventory;
 use std::collections::BTreeSet;
 use std::path::Path;
 use tracing::warn;
@@ -24,13 +25,6 @@ pub const MOUNT_OPTIONS: &[&str] = &["ro", "nosuid", "nodev", "bind"];
 /// The environment NVIDIA's specs set: the container toolkit's legacy hook must not inject
 /// devices on its own into a container whose devices came through CDI.
 pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES=void";
-
-/// One GPU or MIG device of the inventory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceRef<'a> {
-    Gpu(&'a Gpu),
-    Mig { parent: &'a Gpu, mig: &'a MigDevice },
-}
 
 /// A CDI device to render: its name and the inventory devices it injects.
 #[derive(Debug, Clone, PartialEq, Eq)]

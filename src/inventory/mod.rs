@@ -5,6 +5,9 @@
 //! the NVML path be tested against the simulated one field by field.
 
 pub mod mig;
+mod names;
+
+pub use names::DeviceRef;
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
