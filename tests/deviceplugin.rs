@@ -273,3 +273,26 @@ async fn a_config_change_is_applied_without_dropping_unchanged_registrations() {
     assert_eq!(h.kubelet.plugin("nvidia.com/mig-1g.5gb.shared").unwrap().devices.len(), 6);
     h.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cdi_spec_is_written_only_once_the_device_nodes_exist() {
+    let h = start("pcie-l4x4", None).await;
+    h.wait_devices(GPU, 4).await;
+    let spec_path = h.dir.path().join("cdi/gpuplane-node.json");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!spec_path.exists(), "no spec may be cached before /dev/nvidia* exist");
+    let dev = h.dir.path().join("dev");
+    std::fs::create_dir_all(&dev).unwrap();
+    for n in ["nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
+        std::fs::write(dev.join(n), "").unwrap();
+    }
+    let deadline = std::time::Instant::now() + WAIT;
+    while !spec_path.exists() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let spec: serde_json::Value = serde_json::from_slice(&std::fs::read(&spec_path).expect("spec written")).unwrap();
+    assert_eq!(spec["kind"], "nvidia.com/gpu");
+    let names: Vec<&str> = spec["devices"].as_array().unwrap().iter().filter_map(|d| d["name"].as_str()).collect();
+    assert!(names.contains(&h.gpu_uuid(2).as_str()) && names.contains(&"0") && names.contains(&"all"), "{names:?}");
+    h.shutdown().await;
+}

@@ -6,46 +6,19 @@
 //! `nvmlInit_v2`. So each test loads its own copy of the library (a different file is a separate
 //! `dlopen`, with separate statics), and sets the variables and initialises under one lock.
 
+mod support;
+
 use gpuplane::nvml::NvmlSource;
 use gpuplane::sim;
 use gpuplane::source::{DeviceEvent, DeviceSource, SimSource};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::{Mutex, OnceLock};
+
+use std::sync::Mutex;
 use std::time::Duration;
 
 const PROFILE_ENV: &str = "GPUPLANE_FAKE_NVML_PROFILE";
 const CONTROL_ENV: &str = "GPUPLANE_FAKE_NVML_CONTROL";
-
-/// Builds the fake (once per test binary) and returns the path cargo reports for it.
-fn built_fake() -> &'static Path {
-    static LIB: OnceLock<PathBuf> = OnceLock::new();
-    LIB.get_or_init(|| {
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let out = Command::new(cargo)
-            .args([
-                "build",
-                "-p",
-                "fake-nvml",
-                "--message-format=json-render-diagnostics",
-            ])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("run cargo build -p fake-nvml");
-        assert!(out.status.success(), "cargo build -p fake-nvml failed");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        stdout
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "nvidia_ml")
-            .flat_map(|m| m["filenames"].as_array().cloned().unwrap_or_default())
-            .filter_map(|f| f.as_str().map(PathBuf::from))
-            .find(|f| f.extension().is_some_and(|e| e == "so"))
-            .expect("cargo reported no libnvidia_ml.so artifact")
-    })
-}
 
 /// Environment variables are process-wide: set them and initialise NVML under this lock.
 static ENV: Mutex<()> = Mutex::new(());
@@ -66,7 +39,7 @@ impl Lab {
     fn new() -> Lab {
         let dir = tempfile::tempdir().unwrap();
         let lib = dir.path().join("libnvidia-ml.so.1");
-        std::fs::copy(built_fake(), &lib).unwrap();
+        std::fs::copy(support::built_fake(), &lib).unwrap();
         Lab { dir, lib }
     }
 

@@ -4,6 +4,7 @@
 //! Everything it starts takes its paths and a shutdown signal as arguments, so tests run the
 //! real agent in-process against doubles in a temp dir.
 
+pub mod cdi;
 pub mod state;
 
 use crate::config::{AgentConfig, ConfigError};
@@ -182,6 +183,11 @@ pub async fn run(opts: NodeOptions, source: Arc<dyn DeviceSource>, shutdown: imp
     let pump = spawn_event_pump(source.clone(), state.clone(), pump_stop.clone());
     let registrar = opts.device_plugin.then(|| tokio::spawn(registrar::run(opts.paths.device_plugins(), state.clone(), stop_rx.clone())));
 
+    let mut node_spec = cdi::NodeSpecWriter::new(opts.paths.cdi_root.clone(), opts.paths.driver_root.clone(), opts.paths.dev_root.clone());
+    let inventory_now = || state.read().inventory.clone();
+    let mut spec_state = node_spec.sync(&inventory_now());
+    let mut spec_checked = Instant::now();
+
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_refresh = Instant::now();
@@ -209,6 +215,11 @@ pub async fn run(opts: NodeOptions, source: Arc<dyn DeviceSource>, shutdown: imp
             (c, changed)
         });
         log_changes(&changes);
+        // Waiting for device nodes: look again every second; otherwise only on inventory change.
+        if spec_state == cdi::SpecState::Waiting && spec_checked.elapsed() >= Duration::from_secs(1) {
+            spec_checked = Instant::now();
+            spec_state = node_spec.sync(&inventory_now());
+        }
 
         let mut config = state.read().config.clone();
         if reload {
@@ -243,6 +254,7 @@ pub async fn run(opts: NodeOptions, source: Arc<dyn DeviceSource>, shutdown: imp
             }
         }
         apply(&state, inventory, config);
+        spec_state = node_spec.sync(&inventory_now());
     }
 
     tracing::info!("shutting down: stopping plugins");

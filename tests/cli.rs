@@ -1,0 +1,111 @@
+//! The `gpuplane` binary as a user runs it: discover's outputs and errors, and the node agent's
+//! SIGTERM contract.
+
+mod support;
+
+use gpuplane::doubles::kubelet::KubeletDouble;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+fn gpuplane(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpuplane")).args(args).env("RUST_LOG", "warn").output().expect("run gpuplane")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn discover_shows_the_dgx1_cube_mesh_matrix() {
+    let out = gpuplane(&["discover", "--simulate", "dgx1-v100"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let row = |g: &str| stdout.lines().find(|l| l.starts_with(&format!("{g} "))).map(|l| l.split_whitespace().collect::<Vec<_>>()).unwrap();
+    assert_eq!(row("GPU0"), ["GPU0", "X", "NV1", "NV1", "NV2", "NV2", "SYS", "SYS", "SYS", "0"]);
+    assert_eq!(row("GPU5"), ["GPU5", "SYS", "NV2", "SYS", "SYS", "NV1", "X", "NV2", "NV1", "1"]);
+    assert!(stdout.contains("Tesla V100-SXM2-32GB"));
+}
+
+#[test]
+fn discover_json_is_parseable_with_the_documented_fields() {
+    let out = gpuplane(&["discover", "--simulate", "h100-mig-single", "-o", "json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["gpus"].as_array().unwrap().len(), 8);
+    assert_eq!(v["gpus"][7]["numaNode"], 1);
+    assert_eq!(v["gpus"][7]["migDevices"][6]["profile"], "1g.10gb");
+    assert_eq!(v["topology"]["nvswitch"], true);
+    assert_eq!(v["topology"]["links"].as_array().unwrap().len(), 28);
+}
+
+#[test]
+fn a_bad_profile_file_names_the_file_the_field_and_exits_non_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mine.yaml");
+    let text_in = gpuplane::sim::bundled_text("a100-mig-mixed").unwrap().replacen("profile: 3g.20gb", "profile: 3g.99gb", 1);
+    std::fs::write(&path, text_in).unwrap();
+    let out = gpuplane(&["discover", "--simulate", path.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("mine.yaml") && err.contains("gpus[0].mig.devices[0].profile") && err.contains("3g.99gb"), "{err}");
+}
+
+#[test]
+fn a_missing_nvml_library_says_so_and_mentions_simulate() {
+    let out = gpuplane(&["discover", "--nvml-lib", "/nonexistent/libnvidia-ml.so.1"]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("--simulate") && err.contains("/nonexistent/libnvidia-ml.so.1"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one clear sentence: {err}");
+}
+
+#[test]
+fn an_unknown_output_format_is_refused() {
+    let out = gpuplane(&["discover", "--simulate", "dgx-h100", "-o", "yaml"]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("yaml") && err.contains("table") && err.contains("json"), "{err}");
+}
+
+#[test]
+fn discover_through_the_fake_nvml_library_matches_the_simulation() {
+    let lib = support::built_fake();
+    for profile in ["dgx-a100", "a100-mig-mixed"] {
+        let sim = gpuplane(&["discover", "--simulate", profile, "-o", "json"]);
+        let nvml = Command::new(env!("CARGO_BIN_EXE_gpuplane"))
+            .args(["discover", "-o", "json", "--nvml-lib", lib.to_str().unwrap()])
+            .env("GPUPLANE_FAKE_NVML_PROFILE", profile)
+            .output()
+            .unwrap();
+        assert!(nvml.status.success(), "{}", text(&nvml.stderr));
+        let mut a: serde_json::Value = serde_json::from_slice(&sim.stdout).unwrap();
+        let mut b: serde_json::Value = serde_json::from_slice(&nvml.stdout).unwrap();
+        a["source"] = serde_json::Value::Null;
+        b["source"] = serde_json::Value::Null;
+        assert_eq!(a, b, "{profile}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_agent_stops_on_sigterm_removing_its_sockets() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("kubelet");
+    let mut kubelet = KubeletDouble::start(&root).await.unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpuplane"))
+        .args(["node", "--node-name", "n1", "--simulate", "pcie-l4x4", "--kubelet-root"])
+        .arg(&root)
+        .arg("--cdi-root")
+        .arg(dir.path().join("cdi"))
+        .arg("--dev-root")
+        .arg(dir.path().join("dev"))
+        .spawn()
+        .unwrap();
+    kubelet.wait_for(Duration::from_secs(20), |p| p.get("nvidia.com/gpu").is_some_and(|v| v.devices.len() == 4)).await.unwrap();
+    let socket = root.join("device-plugins/gpuplane-nvidia.com_gpu.sock");
+    assert!(socket.exists());
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let status = tokio::task::spawn_blocking(move || child.wait()).await.unwrap().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(!socket.exists(), "the agent must remove its socket");
+    kubelet.stop().await;
+}
