@@ -42,14 +42,19 @@ struct Bare;
 
 #[tonic::async_trait]
 impl pb::registration_server::Registration for Bare {
-    async fn register(&self, _: tonic::Request<pb::RegisterRequest>) -> Result<tonic::Response<pb::Empty>, tonic::Status> {
+    async fn register(
+        &self,
+        _: tonic::Request<pb::RegisterRequest>,
+    ) -> Result<tonic::Response<pb::Empty>, tonic::Status> {
         Ok(tonic::Response::new(pb::Empty {}))
     }
 }
 
 async fn allocate_vs_bare_rpc() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut kubelet = KubeletDouble::start(&dir.path().join("kubelet")).await.expect("kubelet double");
+    let mut kubelet = KubeletDouble::start(&dir.path().join("kubelet"))
+        .await
+        .expect("kubelet double");
     let sim = SimSource::new(gpuplane::sim::load("dgx-h100").expect("profile"));
     let opts = gpuplane::node::NodeOptions {
         node_name: "bench".into(),
@@ -68,9 +73,19 @@ async fn allocate_vs_bare_rpc() {
     let agent = tokio::spawn(gpuplane::node::run(opts, source, async {
         let _ = stopped.await;
     }));
-    let view = kubelet.wait_for(Duration::from_secs(10), |p| p.get("nvidia.com/gpu").is_some_and(|v| v.devices.len() == 8)).await.expect("registration");
+    let view = kubelet
+        .wait_for(Duration::from_secs(10), |p| {
+            p.get("nvidia.com/gpu")
+                .is_some_and(|v| v.devices.len() == 8)
+        })
+        .await
+        .expect("registration");
     let endpoint = view["nvidia.com/gpu"].endpoint.clone();
-    let ids: Vec<String> = view["nvidia.com/gpu"].devices.iter().map(|d| d.id.clone()).collect();
+    let ids: Vec<String> = view["nvidia.com/gpu"]
+        .devices
+        .iter()
+        .map(|d| d.id.clone())
+        .collect();
 
     // Floor: a bare unary RPC on a unix socket, same runtime, same client stack.
     let bare_sock = dir.path().join("bare.sock");
@@ -80,21 +95,39 @@ async fn allocate_vs_bare_rpc() {
             .add_service(pb::registration_server::RegistrationServer::new(Bare))
             .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
     );
-    let mut bare = pb::registration_client::RegistrationClient::new(gpuplane::grpc::connect(&bare_sock).await.expect("dial bare"));
-    let mut plugin = pb::device_plugin_client::DevicePluginClient::new(gpuplane::grpc::connect(&endpoint).await.expect("dial plugin"));
+    let mut bare = pb::registration_client::RegistrationClient::new(
+        gpuplane::grpc::connect(&bare_sock)
+            .await
+            .expect("dial bare"),
+    );
+    let mut plugin = pb::device_plugin_client::DevicePluginClient::new(
+        gpuplane::grpc::connect(&endpoint)
+            .await
+            .expect("dial plugin"),
+    );
 
     let mut floor = Vec::with_capacity(RPCS);
     let mut alloc = Vec::with_capacity(RPCS);
     for i in 0..RPCS {
         let t = Instant::now();
-        bare.register(pb::RegisterRequest::default()).await.expect("bare rpc");
+        bare.register(pb::RegisterRequest::default())
+            .await
+            .expect("bare rpc");
         floor.push(t.elapsed());
-        let req = pb::AllocateRequest { container_requests: vec![pb::ContainerAllocateRequest { devices_ids: vec![ids[i % 8].clone()] }] };
+        let req = pb::AllocateRequest {
+            container_requests: vec![pb::ContainerAllocateRequest {
+                devices_ids: vec![ids[i % 8].clone()],
+            }],
+        };
         let t = Instant::now();
         plugin.allocate(req).await.expect("allocate");
         alloc.push(t.elapsed());
     }
-    row(&format!("Allocate round trip (1 GPU, {RPCS} calls)"), percentiles(alloc), percentiles(floor));
+    row(
+        &format!("Allocate round trip (1 GPU, {RPCS} calls)"),
+        percentiles(alloc),
+        percentiles(floor),
+    );
     let _ = stop.send(());
     let _ = agent.await;
     kubelet.stop().await;
@@ -107,8 +140,17 @@ fn synthetic(islands: u32, per: u32) -> TopologyModel {
     for a in 0..n {
         for b in a + 1..n {
             let same_island = a / per == b / per;
-            let level = if a / (2 * per) == b / (2 * per) { PathLevel::NumaNode } else { PathLevel::System };
-            links.push(Link { from: a, to: b, nvlinks: if same_island { 18 } else { 0 }, level });
+            let level = if a / (2 * per) == b / (2 * per) {
+                PathLevel::NumaNode
+            } else {
+                PathLevel::System
+            };
+            links.push(Link {
+                from: a,
+                to: b,
+                nvlinks: if same_island { 18 } else { 0 },
+                level,
+            });
         }
     }
     TopologyModel::from_parts(n as usize, false, &links)
@@ -120,8 +162,16 @@ fn preferred_compute() {
     let cases: Vec<(String, TopologyModel, usize)> = vec![
         ("8 GPUs (dgx-h100, NVSwitch), size 4".into(), h100, 4),
         ("8 GPUs (dgx1-v100, cube mesh), size 4".into(), v100, 4),
-        ("16 GPUs (2 NVSwitch islands), size 8".into(), synthetic(2, 8), 8),
-        ("64 GPUs (8 NVSwitch islands), size 8".into(), synthetic(8, 8), 8),
+        (
+            "16 GPUs (2 NVSwitch islands), size 8".into(),
+            synthetic(2, 8),
+            8,
+        ),
+        (
+            "64 GPUs (8 NVSwitch islands), size 8".into(),
+            synthetic(8, 8),
+            8,
+        ),
     ];
     for (name, model, size) in cases {
         let all: Vec<u32> = (0..model.len() as u32).collect();
@@ -130,7 +180,11 @@ fn preferred_compute() {
         let mut t_floor = Vec::with_capacity(rounds);
         for r in 0..rounds {
             // Vary the available set a little so nothing is cached between calls.
-            let avail: Vec<u32> = all.iter().copied().filter(|d| (*d as usize + r) % 11 != 0 || all.len() <= 8).collect();
+            let avail: Vec<u32> = all
+                .iter()
+                .copied()
+                .filter(|d| !(*d as usize + r).is_multiple_of(11) || all.len() <= 8)
+                .collect();
             let t = Instant::now();
             let got = topology::preferred(&model, &avail, &[], size).expect("preferred");
             t_pref.push(t.elapsed());
@@ -139,41 +193,70 @@ fn preferred_compute() {
             std::hint::black_box(model.set_score(&got));
             t_floor.push(t.elapsed());
         }
-        row(&format!("GetPreferredAllocation compute, {name}"), percentiles(t_pref), percentiles(t_floor));
+        row(
+            &format!("GetPreferredAllocation compute, {name}"),
+            percentiles(t_pref),
+            percentiles(t_floor),
+        );
     }
     // The gRPC-facing wrapper adds ID mapping on top of the same computation.
     let inv = gpuplane::sim::load("h100-mig-single").expect("profile");
-    let cfg = gpuplane::config::AgentConfig::parse("bench", "flags: {migStrategy: single}").expect("config");
-    let plan = gpuplane::deviceplugin::resources::plan(&inv, &cfg).expect("plan").resources.remove(0);
+    let cfg = gpuplane::config::AgentConfig::parse("bench", "flags: {migStrategy: single}")
+        .expect("config");
+    let plan = gpuplane::deviceplugin::resources::plan(&inv, &cfg)
+        .expect("plan")
+        .resources
+        .remove(0);
     let model = TopologyModel::new(&inv);
     let ids: Vec<String> = plan.devices.iter().map(|d| d.id.clone()).collect();
     let mut t = Vec::new();
     let mut f = Vec::new();
     for _ in 0..300 {
         let s = Instant::now();
-        std::hint::black_box(allocate::preferred(&plan, &model, &ids, &[], 4, &BTreeSet::new()).expect("preferred"));
+        std::hint::black_box(
+            allocate::preferred(&plan, &model, &ids, &[], 4, &BTreeSet::new()).expect("preferred"),
+        );
         t.push(s.elapsed());
         let s = Instant::now();
         std::hint::black_box(ids.iter().filter(|i| i.starts_with("MIG-")).count());
         f.push(s.elapsed());
     }
-    row("GetPreferredAllocation, 56 MIG devices, size 4", percentiles(t), percentiles(f));
+    row(
+        "GetPreferredAllocation, 56 MIG devices, size 4",
+        percentiles(t),
+        percentiles(f),
+    );
 }
 
 fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 async fn idle_memory() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut kubelet = KubeletDouble::start(&dir.path().join("kubelet")).await.expect("kubelet double");
+    let mut kubelet = KubeletDouble::start(&dir.path().join("kubelet"))
+        .await
+        .expect("kubelet double");
     let cfg = dir.path().join("config.yaml");
     std::fs::write(&cfg, "flags: {migStrategy: single}\n").expect("config");
     let bin = env!("CARGO_BIN_EXE_gpuplane");
     let spawn = |device_plugin: &str| {
         std::process::Command::new(bin)
-            .args(["node", "--node-name", "bench", "--simulate", "h100-mig-single", "--config"])
+            .args([
+                "node",
+                "--node-name",
+                "bench",
+                "--simulate",
+                "h100-mig-single",
+                "--config",
+            ])
             .arg(&cfg)
             .arg("--kubelet-root")
             .arg(dir.path().join("kubelet"))
@@ -183,7 +266,13 @@ async fn idle_memory() {
             .expect("spawn agent")
     };
     let mut serving = spawn("true");
-    kubelet.wait_for(Duration::from_secs(20), |p| p.get("nvidia.com/gpu").is_some_and(|v| v.devices.len() == 56)).await.expect("registration");
+    kubelet
+        .wait_for(Duration::from_secs(20), |p| {
+            p.get("nvidia.com/gpu")
+                .is_some_and(|v| v.devices.len() == 56)
+        })
+        .await
+        .expect("registration");
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss = rss_kib(serving.id()).unwrap_or(0);
     let mut idle = spawn("false");
@@ -195,15 +284,25 @@ async fn idle_memory() {
         rss as f64 / floor.max(1) as f64
     );
     for child in [&mut serving, &mut idle] {
-        let _ = std::process::Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+        let _ = std::process::Command::new("kill")
+            .arg("-TERM")
+            .arg(child.id().to_string())
+            .status();
         let _ = child.wait();
     }
     kubelet.stop().await;
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    println!("gpuplane device plugin benchmarks ({} logical CPUs)", std::thread::available_parallelism().map_or(0, |n| n.get()));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    println!(
+        "gpuplane device plugin benchmarks ({} logical CPUs)",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
     rt.block_on(allocate_vs_bare_rpc());
     preferred_compute();
     rt.block_on(idle_memory());

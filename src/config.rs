@@ -227,22 +227,35 @@ impl AgentConfig {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
         let name = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: name.clone(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: name.clone(),
+            source,
+        })?;
         Self::parse(&name, &text)
     }
 
     /// Validates config text; `path` names it in errors.
     pub fn parse(path: &str, text: &str) -> Result<AgentConfig, ConfigError> {
-        let invalid = |field: &str, reason: String| ConfigError::Invalid { path: path.to_string(), field: field.to_string(), reason };
+        let invalid = |field: &str, reason: String| ConfigError::Invalid {
+            path: path.to_string(),
+            field: field.to_string(),
+            reason,
+        };
         // An empty file is a valid, all-defaults config.
         let raw: RawFile = if text.trim().is_empty() {
             RawFile::default()
         } else {
-            serde_yaml::from_str(text).map_err(|source| ConfigError::Parse { path: path.to_string(), source })?
+            serde_yaml::from_str(text).map_err(|source| ConfigError::Parse {
+                path: path.to_string(),
+                source,
+            })?
         };
         if let Some(v) = &raw.version {
             if v != "v1" {
-                return Err(invalid("version", format!("unsupported version `{v}`; use v1")));
+                return Err(invalid(
+                    "version",
+                    format!("unsupported version `{v}`; use v1"),
+                ));
             }
         }
         let mut cfg = AgentConfig::default();
@@ -255,7 +268,10 @@ impl AgentConfig {
                 OneOrMany::Many(many) => many,
             };
             if list.is_empty() {
-                return Err(invalid("flags.plugin.deviceListStrategy", "needs at least one of cdi-cri, envvar".into()));
+                return Err(invalid(
+                    "flags.plugin.deviceListStrategy",
+                    "needs at least one of cdi-cri, envvar".into(),
+                ));
             }
             cfg.device_list_strategy = list.into_iter().collect();
         }
@@ -271,32 +287,56 @@ impl AgentConfig {
                     return Err(invalid(&format!("{field}.name"), format!("`{}` is not a resource gpuplane serves (nvidia.com/gpu or nvidia.com/mig-<profile>)", r.name)));
                 }
                 if !(2..=1024).contains(&r.replicas) {
-                    return Err(invalid(&format!("{field}.replicas"), format!("{} is out of range; use 2 to 1024", r.replicas)));
+                    return Err(invalid(
+                        &format!("{field}.replicas"),
+                        format!("{} is out of range; use 2 to 1024", r.replicas),
+                    ));
                 }
                 if !seen.insert(r.name.clone()) {
-                    return Err(invalid(&format!("{field}.name"), format!("`{}` is listed twice", r.name)));
+                    return Err(invalid(
+                        &format!("{field}.name"),
+                        format!("`{}` is listed twice", r.name),
+                    ));
                 }
                 let advertised_as = match r.rename {
                     Some(n) => n,
                     None if ts.rename_by_default => format!("{}.shared", r.name),
                     None => r.name.clone(),
                 };
-                cfg.time_slicing.push(Replication { name: r.name, replicas: r.replicas, advertised_as });
+                cfg.time_slicing.push(Replication {
+                    name: r.name,
+                    replicas: r.replicas,
+                    advertised_as,
+                });
             }
         }
         match (raw.health.skip_xids, raw.health.critical_xids) {
-            (Some(_), Some(_)) => return Err(invalid("health", "set skipXids or criticalXids, not both".into())),
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "health",
+                    "set skipXids or criticalXids, not both".into(),
+                ))
+            }
             (Some(skip), None) => cfg.xid_policy = XidPolicy::AllExcept(skip.into_iter().collect()),
             (None, Some(only)) => cfg.xid_policy = XidPolicy::Only(only.into_iter().collect()),
             (None, None) => {}
         }
         if let Some(q) = raw.health.recovery_quiet_period {
-            cfg.recovery_quiet_period = parse_duration(&q).ok_or_else(|| invalid("health.recoveryQuietPeriod", format!("`{q}` is not a duration like 30s or 5m")))?;
+            cfg.recovery_quiet_period = parse_duration(&q).ok_or_else(|| {
+                invalid(
+                    "health.recoveryQuietPeriod",
+                    format!("`{q}` is not a duration like 30s or 5m"),
+                )
+            })?;
         }
         if let Some(q) = raw.health.inventory_refresh {
-            cfg.inventory_refresh = parse_duration(&q)
-                .filter(|d| !d.is_zero())
-                .ok_or_else(|| invalid("health.inventoryRefresh", format!("`{q}` is not a positive duration like 30s")))?;
+            cfg.inventory_refresh =
+                parse_duration(&q).filter(|d| !d.is_zero()).ok_or_else(|| {
+                    invalid(
+                        "health.inventoryRefresh",
+                        format!("`{q}` is not a positive duration like 30s"),
+                    )
+                })?;
         }
         Ok(cfg)
     }
@@ -346,7 +386,10 @@ health:
         assert_eq!(c.mig_strategy, MigStrategy::Mixed);
         assert_eq!(c.device_list_strategy.len(), 2);
         assert_eq!(c.device_id_strategy, DeviceIdStrategy::Index);
-        assert_eq!(c.replication("nvidia.com/gpu").unwrap().advertised_as, "nvidia.com/gpu.shared");
+        assert_eq!(
+            c.replication("nvidia.com/gpu").unwrap().advertised_as,
+            "nvidia.com/gpu.shared"
+        );
         assert!(c.fail_requests_greater_than_one);
         assert!(c.xid_policy.is_critical(48) && !c.xid_policy.is_critical(31));
         assert_eq!(c.recovery_quiet_period, Duration::from_secs(120));
@@ -355,9 +398,18 @@ health:
     #[test]
     fn bad_values_name_the_field() {
         for (text, field) in [
-            ("sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 1}]}}", "sharing.timeSlicing.resources[0].replicas"),
-            ("sharing: {timeSlicing: {resources: [{name: amd.com/gpu, replicas: 2}]}}", "sharing.timeSlicing.resources[0].name"),
-            ("health: {recoveryQuietPeriod: soon}", "health.recoveryQuietPeriod"),
+            (
+                "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 1}]}}",
+                "sharing.timeSlicing.resources[0].replicas",
+            ),
+            (
+                "sharing: {timeSlicing: {resources: [{name: amd.com/gpu, replicas: 2}]}}",
+                "sharing.timeSlicing.resources[0].name",
+            ),
+            (
+                "health: {recoveryQuietPeriod: soon}",
+                "health.recoveryQuietPeriod",
+            ),
             ("health: {skipXids: [1], criticalXids: [2]}", "health"),
             ("version: v2", "version"),
         ] {
@@ -370,9 +422,20 @@ health:
 
     #[test]
     fn unknown_fields_and_values_are_parse_errors() {
-        assert!(matches!(AgentConfig::parse("c.yaml", "flags: {migStrategy: double}"), Err(ConfigError::Parse { .. })));
-        assert!(matches!(AgentConfig::parse("c.yaml", "flag: {}"), Err(ConfigError::Parse { .. })));
-        let msg = AgentConfig::parse("c.yaml", "flags: {plugin: {deviceListStrategy: volume-mounts}}").unwrap_err().to_string();
+        assert!(matches!(
+            AgentConfig::parse("c.yaml", "flags: {migStrategy: double}"),
+            Err(ConfigError::Parse { .. })
+        ));
+        assert!(matches!(
+            AgentConfig::parse("c.yaml", "flag: {}"),
+            Err(ConfigError::Parse { .. })
+        ));
+        let msg = AgentConfig::parse(
+            "c.yaml",
+            "flags: {plugin: {deviceListStrategy: volume-mounts}}",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(msg.contains("c.yaml"), "{msg}");
     }
 

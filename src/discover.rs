@@ -27,7 +27,14 @@ pub fn render_json(source: &str, d: &Discovery) -> Result<String, serde_json::Er
     let report = Report {
         source,
         inventory: &d.inventory,
-        lost: d.lost.iter().map(|l| LostReport { index: l.index, reason: &l.reason }).collect(),
+        lost: d
+            .lost
+            .iter()
+            .map(|l| LostReport {
+                index: l.index,
+                reason: &l.reason,
+            })
+            .collect(),
     };
     serde_json::to_string_pretty(&report)
 }
@@ -39,7 +46,10 @@ fn gib(mib: u64) -> String {
 fn mig_state(g: &Gpu) -> String {
     let now = if g.mig.current { "on" } else { "off" };
     if g.mig.pending != g.mig.current {
-        format!("{now} (pending {})", if g.mig.pending { "on" } else { "off" })
+        format!(
+            "{now} (pending {})",
+            if g.mig.pending { "on" } else { "off" }
+        )
     } else {
         now.to_string()
     }
@@ -48,11 +58,20 @@ fn mig_state(g: &Gpu) -> String {
 /// Lays out rows as left-aligned columns separated by two spaces.
 fn columns(rows: &[Vec<String>]) -> String {
     let widths: Vec<usize> = (0..rows.first().map_or(0, Vec::len))
-        .map(|c| rows.iter().map(|r| r.get(c).map_or(0, |s| s.chars().count())).max().unwrap_or(0))
+        .map(|c| {
+            rows.iter()
+                .map(|r| r.get(c).map_or(0, |s| s.chars().count()))
+                .max()
+                .unwrap_or(0)
+        })
         .collect();
     let mut out = String::new();
     for row in rows {
-        let line: Vec<String> = row.iter().zip(&widths).map(|(cell, w)| format!("{cell:<w$}")).collect();
+        let line: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
         let _ = writeln!(out, "{}", line.join("  ").trim_end());
     }
     out
@@ -62,9 +81,27 @@ pub fn render_table(source: &str, d: &Discovery) -> String {
     let inv = &d.inventory;
     let mut out = String::new();
     let _ = writeln!(out, "Source: {source}");
-    let _ = writeln!(out, "Driver {}, CUDA {}, {} GPU(s), {} MIG device(s)\n", inv.driver_version, inv.cuda_driver_version, inv.gpus.len(), inv.mig_device_count());
+    let _ = writeln!(
+        out,
+        "Driver {}, CUDA {}, {} GPU(s), {} MIG device(s)\n",
+        inv.driver_version,
+        inv.cuda_driver_version,
+        inv.gpus.len(),
+        inv.mig_device_count()
+    );
 
-    let mut rows = vec![["GPU", "PRODUCT", "MEMORY", "CC", "NUMA", "PCI BUS ID", "MIG", "UUID"].map(String::from).to_vec()];
+    let mut rows = vec![[
+        "GPU",
+        "PRODUCT",
+        "MEMORY",
+        "CC",
+        "NUMA",
+        "PCI BUS ID",
+        "MIG",
+        "UUID",
+    ]
+    .map(String::from)
+    .to_vec()];
     for g in &inv.gpus {
         rows.push(vec![
             g.index.to_string(),
@@ -81,7 +118,11 @@ pub fn render_table(source: &str, d: &Discovery) -> String {
 
     if inv.mig_device_count() > 0 {
         out.push_str("\nMIG devices\n");
-        let mut rows = vec![["GPU", "GI", "CI", "PROFILE", "SLICES", "MEMORY", "SMS", "UUID"].map(String::from).to_vec()];
+        let mut rows = vec![[
+            "GPU", "GI", "CI", "PROFILE", "SLICES", "MEMORY", "SMS", "UUID",
+        ]
+        .map(String::from)
+        .to_vec()];
         for g in &inv.gpus {
             for m in &g.mig_devices {
                 rows.push(vec![
@@ -99,7 +140,15 @@ pub fn render_table(source: &str, d: &Discovery) -> String {
         out.push_str(&columns(&rows));
     }
 
-    let _ = writeln!(out, "\nTopology{}", if inv.topology.nvswitch { " (NVSwitch fabric: all GPUs connected all-to-all)" } else { "" });
+    let _ = writeln!(
+        out,
+        "\nTopology{}",
+        if inv.topology.nvswitch {
+            " (NVSwitch fabric: all GPUs connected all-to-all)"
+        } else {
+            ""
+        }
+    );
     let mut header = vec![String::new()];
     header.extend(inv.gpus.iter().map(|g| format!("GPU{}", g.index)));
     header.push("NUMA".into());
@@ -132,7 +181,9 @@ mod tests {
     use crate::source::{DeviceSource, SimSource};
 
     fn discovery(profile: &str) -> Discovery {
-        SimSource::new(crate::sim::load(profile).unwrap()).discover().unwrap()
+        SimSource::new(crate::sim::load(profile).unwrap())
+            .discover()
+            .unwrap()
     }
 
     #[test]
@@ -140,12 +191,18 @@ mod tests {
         let table = render_table("sim:dgx1-v100", &discovery("dgx1-v100"));
         let gpu0 = table.lines().find(|l| l.starts_with("GPU0 ")).unwrap();
         let cells: Vec<&str> = gpu0.split_whitespace().collect();
-        assert_eq!(cells, ["GPU0", "X", "NV1", "NV1", "NV2", "NV2", "SYS", "SYS", "SYS", "0"]);
+        assert_eq!(
+            cells,
+            ["GPU0", "X", "NV1", "NV1", "NV2", "NV2", "SYS", "SYS", "SYS", "0"]
+        );
     }
 
     #[test]
     fn json_has_the_documented_fields() {
-        let v: serde_json::Value = serde_json::from_str(&render_json("sim:a100-mig-mixed", &discovery("a100-mig-mixed")).unwrap()).unwrap();
+        let v: serde_json::Value = serde_json::from_str(
+            &render_json("sim:a100-mig-mixed", &discovery("a100-mig-mixed")).unwrap(),
+        )
+        .unwrap();
         assert_eq!(v["gpus"][2]["index"], 2);
         assert_eq!(v["gpus"][2]["numaNode"], 1);
         assert_eq!(v["gpus"][2]["migDevices"][0]["profile"], "1g.5gb+me");

@@ -30,7 +30,10 @@ pub enum SocketError {
 
 /// Binds a fresh socket at `path` (replacing a stale file) with mode 0600.
 pub fn bind(path: &Path) -> Result<UnixListener, SocketError> {
-    let err = |source| SocketError::Bind { path: path.to_path_buf(), source };
+    let err = |source| SocketError::Bind {
+        path: path.to_path_buf(),
+        source,
+    };
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(err)?;
     }
@@ -55,5 +58,8 @@ pub async fn connect(path: &Path) -> Result<Channel, SocketError> {
             async move { UnixStream::connect(target).await.map(TokioIo::new) }
         }))
         .await
-        .map_err(|source| SocketError::Connect { path: path.to_path_buf(), source })
+        .map_err(|source| SocketError::Connect {
+            path: path.to_path_buf(),
+            source,
+        })
 }

@@ -46,10 +46,19 @@ struct Mark {
 /// What a call changed, for logs and metrics.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
-    Unhealthy { unit: String, cause: Cause },
-    Recovered { unit: String, after: Cause },
+    Unhealthy {
+        unit: String,
+        cause: Cause,
+    },
+    Recovered {
+        unit: String,
+        after: Cause,
+    },
     /// A non-critical Xid, ignored by policy.
-    Ignored { unit: String, xid: u64 },
+    Ignored {
+        unit: String,
+        xid: u64,
+    },
 }
 
 #[derive(Debug, Clone, Default)]
@@ -64,10 +73,20 @@ impl HealthBook {
         self.parent = inv
             .gpus
             .iter()
-            .flat_map(|g| g.mig_devices.iter().map(move |m| (m.uuid.clone(), g.uuid.clone())))
+            .flat_map(|g| {
+                g.mig_devices
+                    .iter()
+                    .map(move |m| (m.uuid.clone(), g.uuid.clone()))
+            })
             .collect();
-        let known: std::collections::BTreeSet<&str> =
-            inv.gpus.iter().flat_map(|g| std::iter::once(g.uuid.as_str()).chain(g.mig_devices.iter().map(|m| m.uuid.as_str()))).collect();
+        let known: std::collections::BTreeSet<&str> = inv
+            .gpus
+            .iter()
+            .flat_map(|g| {
+                std::iter::once(g.uuid.as_str())
+                    .chain(g.mig_devices.iter().map(|m| m.uuid.as_str()))
+            })
+            .collect();
         self.marks.retain(|unit, _| known.contains(unit.as_str()));
     }
 
@@ -84,22 +103,35 @@ impl HealthBook {
     fn mark(&mut self, unit: &str, cause: Cause, now: Instant) -> Change {
         // A lost GPU stays lost until it answers again, whatever Xids follow.
         let cause = match self.marks.get(unit) {
-            Some(Mark { cause: Cause::Lost, .. }) => Cause::Lost,
+            Some(Mark {
+                cause: Cause::Lost, ..
+            }) => Cause::Lost,
             _ => cause,
         };
-        self.marks.insert(unit.to_string(), Mark { cause, since: now });
-        Change::Unhealthy { unit: unit.to_string(), cause }
+        self.marks
+            .insert(unit.to_string(), Mark { cause, since: now });
+        Change::Unhealthy {
+            unit: unit.to_string(),
+            cause,
+        }
     }
 
     /// Applies a driver event.
     pub fn on_event(&mut self, event: &DeviceEvent, now: Instant, policy: &XidPolicy) -> Change {
-        let DeviceEvent::Xid { gpu_uuid, mig_uuid, xid } = event;
+        let DeviceEvent::Xid {
+            gpu_uuid,
+            mig_uuid,
+            xid,
+        } = event;
         let unit = mig_uuid.as_deref().unwrap_or(gpu_uuid);
         if *xid == XID_FALLEN_OFF_BUS {
             return self.mark(gpu_uuid, Cause::Lost, now);
         }
         if !policy.is_critical(*xid) {
-            return Change::Ignored { unit: unit.to_string(), xid: *xid };
+            return Change::Ignored {
+                unit: unit.to_string(),
+                xid: *xid,
+            };
         }
         self.mark(unit, Cause::Xid(*xid), now)
     }
@@ -110,7 +142,12 @@ impl HealthBook {
     }
 
     /// Recovers units: Xid marks older than `quiet`, lost GPUs that `responds` again.
-    pub fn tick(&mut self, now: Instant, quiet: Duration, responds: impl Fn(&str) -> bool) -> Vec<Change> {
+    pub fn tick(
+        &mut self,
+        now: Instant,
+        quiet: Duration,
+        responds: impl Fn(&str) -> bool,
+    ) -> Vec<Change> {
         let mut out = Vec::new();
         self.marks.retain(|unit, m| {
             let recovered = match m.cause {
@@ -118,7 +155,10 @@ impl HealthBook {
                 Cause::Lost => responds(unit),
             };
             if recovered {
-                out.push(Change::Recovered { unit: unit.clone(), after: m.cause });
+                out.push(Change::Recovered {
+                    unit: unit.clone(),
+                    after: m.cause,
+                });
             }
             !recovered
         });
@@ -143,7 +183,11 @@ mod tests {
     }
 
     fn xid(gpu: &str, mig: Option<&str>, xid: u64) -> DeviceEvent {
-        DeviceEvent::Xid { gpu_uuid: gpu.into(), mig_uuid: mig.map(Into::into), xid }
+        DeviceEvent::Xid {
+            gpu_uuid: gpu.into(),
+            mig_uuid: mig.map(Into::into),
+            xid,
+        }
     }
 
     #[test]
@@ -153,10 +197,23 @@ mod tests {
         let gpu = &inv.gpus[0];
         book.on_event(&xid(&gpu.uuid, None, 48), t0, &policy);
         assert_eq!(book.health(&gpu.uuid), Health::Unhealthy(Cause::Xid(48)));
-        assert_eq!(book.health(&gpu.mig_devices[2].uuid), Health::Unhealthy(Cause::Xid(48)));
+        assert_eq!(
+            book.health(&gpu.mig_devices[2].uuid),
+            Health::Unhealthy(Cause::Xid(48))
+        );
         assert_eq!(book.health(&inv.gpus[1].uuid), Health::Healthy);
-        assert!(book.tick(t0 + Duration::from_secs(10), Duration::from_secs(60), |_| true).is_empty());
-        let rec = book.tick(t0 + Duration::from_secs(61), Duration::from_secs(60), |_| true);
+        assert!(book
+            .tick(
+                t0 + Duration::from_secs(10),
+                Duration::from_secs(60),
+                |_| true
+            )
+            .is_empty());
+        let rec = book.tick(
+            t0 + Duration::from_secs(61),
+            Duration::from_secs(60),
+            |_| true,
+        );
         assert_eq!(rec.len(), 1);
         assert_eq!(book.health(&gpu.mig_devices[2].uuid), Health::Healthy);
     }
@@ -165,8 +222,15 @@ mod tests {
     fn a_mig_xid_marks_only_that_mig_device() {
         let (mut book, inv, policy) = setup();
         let gpu = &inv.gpus[0];
-        book.on_event(&xid(&gpu.uuid, Some(&gpu.mig_devices[1].uuid), 94), Instant::now(), &policy);
-        assert!(matches!(book.health(&gpu.mig_devices[1].uuid), Health::Unhealthy(_)));
+        book.on_event(
+            &xid(&gpu.uuid, Some(&gpu.mig_devices[1].uuid), 94),
+            Instant::now(),
+            &policy,
+        );
+        assert!(matches!(
+            book.health(&gpu.mig_devices[1].uuid),
+            Health::Unhealthy(_)
+        ));
         assert_eq!(book.health(&gpu.mig_devices[0].uuid), Health::Healthy);
         assert_eq!(book.health(&gpu.uuid), Health::Healthy);
     }
@@ -175,7 +239,10 @@ mod tests {
     fn skipped_xids_are_ignored_by_default() {
         let (mut book, inv, policy) = setup();
         for x in crate::config::DEFAULT_SKIPPED_XIDS {
-            assert!(matches!(book.on_event(&xid(&inv.gpus[0].uuid, None, *x), Instant::now(), &policy), Change::Ignored { .. }));
+            assert!(matches!(
+                book.on_event(&xid(&inv.gpus[0].uuid, None, *x), Instant::now(), &policy),
+                Change::Ignored { .. }
+            ));
         }
         assert_eq!(book.unhealthy().count(), 0);
     }
@@ -188,7 +255,9 @@ mod tests {
         book.on_event(&xid(&uuid, None, XID_FALLEN_OFF_BUS), t0, &policy);
         book.on_event(&xid(&uuid, None, 48), t0, &policy);
         assert_eq!(book.health(&uuid), Health::Unhealthy(Cause::Lost));
-        assert!(book.tick(t0 + Duration::from_secs(3600), Duration::ZERO, |_| false).is_empty());
+        assert!(book
+            .tick(t0 + Duration::from_secs(3600), Duration::ZERO, |_| false)
+            .is_empty());
         assert_eq!(book.tick(t0, Duration::ZERO, |u| u == uuid).len(), 1);
         assert_eq!(book.health(&uuid), Health::Healthy);
     }

@@ -7,7 +7,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 #[derive(Parser)]
-#[command(name = "gpuplane", version, about = "GPU node agent and quota controller for Kubernetes")]
+#[command(
+    name = "gpuplane",
+    version,
+    about = "GPU node agent and quota controller for Kubernetes"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -81,7 +85,10 @@ impl SourceArgs {
         match &self.simulate {
             Some(spec) => {
                 let inventory = gpuplane::sim::load(spec)?;
-                Ok((Box::new(SimSource::new(inventory)), format!("simulated ({spec})")))
+                Ok((
+                    Box::new(SimSource::new(inventory)),
+                    format!("simulated ({spec})"),
+                ))
             }
             None => {
                 let source = gpuplane::nvml::NvmlSource::open(self.nvml_lib.as_deref())?;

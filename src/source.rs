@@ -28,7 +28,11 @@ pub struct LostGpu {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeviceEvent {
     /// A critical Xid error; `mig_uuid` is set when NVML attributes it to one MIG device.
-    Xid { gpu_uuid: String, mig_uuid: Option<String>, xid: u64 },
+    Xid {
+        gpu_uuid: String,
+        mig_uuid: Option<String>,
+        xid: u64,
+    },
 }
 
 /// Failure of a source as a whole (as opposed to one lost GPU).
@@ -122,11 +126,17 @@ impl DeviceSource for SimSource {
             .gpus
             .iter()
             .filter(|g| lost_uuids.contains(&g.uuid))
-            .map(|g| LostGpu { index: g.index, reason: "GPU is lost (fell off the bus)".into() })
+            .map(|g| LostGpu {
+                index: g.index,
+                reason: "GPU is lost (fell off the bus)".into(),
+            })
             .collect();
         let gone: BTreeSet<u32> = lost.iter().map(|l| l.index).collect();
         inventory.gpus.retain(|g| !gone.contains(&g.index));
-        inventory.topology.links.retain(|l| !gone.contains(&l.from) && !gone.contains(&l.to));
+        inventory
+            .topology
+            .links
+            .retain(|l| !gone.contains(&l.from) && !gone.contains(&l.to));
         Ok(Discovery { inventory, lost })
     }
 

@@ -8,7 +8,11 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 fn gpuplane(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gpuplane")).args(args).env("RUST_LOG", "warn").output().expect("run gpuplane")
+    Command::new(env!("CARGO_BIN_EXE_gpuplane"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run gpuplane")
 }
 
 fn text(b: &[u8]) -> String {
@@ -20,9 +24,21 @@ fn discover_shows_the_dgx1_cube_mesh_matrix() {
     let out = gpuplane(&["discover", "--simulate", "dgx1-v100"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
-    let row = |g: &str| stdout.lines().find(|l| l.starts_with(&format!("{g} "))).map(|l| l.split_whitespace().collect::<Vec<_>>()).unwrap();
-    assert_eq!(row("GPU0"), ["GPU0", "X", "NV1", "NV1", "NV2", "NV2", "SYS", "SYS", "SYS", "0"]);
-    assert_eq!(row("GPU5"), ["GPU5", "SYS", "NV2", "SYS", "SYS", "NV1", "X", "NV2", "NV1", "1"]);
+    let row = |g: &str| {
+        stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{g} ")))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .unwrap()
+    };
+    assert_eq!(
+        row("GPU0"),
+        ["GPU0", "X", "NV1", "NV1", "NV2", "NV2", "SYS", "SYS", "SYS", "0"]
+    );
+    assert_eq!(
+        row("GPU5"),
+        ["GPU5", "SYS", "NV2", "SYS", "SYS", "NV1", "X", "NV2", "NV1", "1"]
+    );
     assert!(stdout.contains("Tesla V100-SXM2-32GB"));
 }
 
@@ -42,12 +58,19 @@ fn discover_json_is_parseable_with_the_documented_fields() {
 fn a_bad_profile_file_names_the_file_the_field_and_exits_non_zero() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("mine.yaml");
-    let text_in = gpuplane::sim::bundled_text("a100-mig-mixed").unwrap().replacen("profile: 3g.20gb", "profile: 3g.99gb", 1);
+    let text_in = gpuplane::sim::bundled_text("a100-mig-mixed")
+        .unwrap()
+        .replacen("profile: 3g.20gb", "profile: 3g.99gb", 1);
     std::fs::write(&path, text_in).unwrap();
     let out = gpuplane(&["discover", "--simulate", path.to_str().unwrap()]);
     assert!(!out.status.success());
     let err = text(&out.stderr);
-    assert!(err.contains("mine.yaml") && err.contains("gpus[0].mig.devices[0].profile") && err.contains("3g.99gb"), "{err}");
+    assert!(
+        err.contains("mine.yaml")
+            && err.contains("gpus[0].mig.devices[0].profile")
+            && err.contains("3g.99gb"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -55,7 +78,10 @@ fn a_missing_nvml_library_says_so_and_mentions_simulate() {
     let out = gpuplane(&["discover", "--nvml-lib", "/nonexistent/libnvidia-ml.so.1"]);
     assert!(!out.status.success());
     let err = text(&out.stderr);
-    assert!(err.contains("--simulate") && err.contains("/nonexistent/libnvidia-ml.so.1"), "{err}");
+    assert!(
+        err.contains("--simulate") && err.contains("/nonexistent/libnvidia-ml.so.1"),
+        "{err}"
+    );
     assert_eq!(err.trim().lines().count(), 1, "one clear sentence: {err}");
 }
 
@@ -64,7 +90,10 @@ fn an_unknown_output_format_is_refused() {
     let out = gpuplane(&["discover", "--simulate", "dgx-h100", "-o", "yaml"]);
     assert!(!out.status.success());
     let err = text(&out.stderr);
-    assert!(err.contains("yaml") && err.contains("table") && err.contains("json"), "{err}");
+    assert!(
+        err.contains("yaml") && err.contains("table") && err.contains("json"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -73,7 +102,13 @@ fn discover_through_the_fake_nvml_library_matches_the_simulation() {
     for profile in ["dgx-a100", "a100-mig-mixed"] {
         let sim = gpuplane(&["discover", "--simulate", profile, "-o", "json"]);
         let nvml = Command::new(env!("CARGO_BIN_EXE_gpuplane"))
-            .args(["discover", "-o", "json", "--nvml-lib", lib.to_str().unwrap()])
+            .args([
+                "discover",
+                "-o",
+                "json",
+                "--nvml-lib",
+                lib.to_str().unwrap(),
+            ])
             .env("GPUPLANE_FAKE_NVML_PROFILE", profile)
             .output()
             .unwrap();
@@ -92,7 +127,14 @@ async fn the_node_agent_stops_on_sigterm_removing_its_sockets() {
     let root = dir.path().join("kubelet");
     let mut kubelet = KubeletDouble::start(&root).await.unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_gpuplane"))
-        .args(["node", "--node-name", "n1", "--simulate", "pcie-l4x4", "--kubelet-root"])
+        .args([
+            "node",
+            "--node-name",
+            "n1",
+            "--simulate",
+            "pcie-l4x4",
+            "--kubelet-root",
+        ])
         .arg(&root)
         .arg("--cdi-root")
         .arg(dir.path().join("cdi"))
@@ -100,11 +142,24 @@ async fn the_node_agent_stops_on_sigterm_removing_its_sockets() {
         .arg(dir.path().join("dev"))
         .spawn()
         .unwrap();
-    kubelet.wait_for(Duration::from_secs(20), |p| p.get("nvidia.com/gpu").is_some_and(|v| v.devices.len() == 4)).await.unwrap();
+    kubelet
+        .wait_for(Duration::from_secs(20), |p| {
+            p.get("nvidia.com/gpu")
+                .is_some_and(|v| v.devices.len() == 4)
+        })
+        .await
+        .unwrap();
     let socket = root.join("device-plugins/gpuplane-nvidia.com_gpu.sock");
     assert!(socket.exists());
-    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
-    let status = tokio::task::spawn_blocking(move || child.wait()).await.unwrap().unwrap();
+    assert!(Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
     assert!(status.success(), "{status:?}");
     assert!(!socket.exists(), "the agent must remove its socket");
     kubelet.stop().await;

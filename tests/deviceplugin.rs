@@ -43,9 +43,14 @@ fn options(dir: &Path, config: Option<&str>) -> NodeOptions {
 }
 
 async fn start(profile: &str, config: Option<&str>) -> Harness {
-    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .try_init();
     let dir = tempfile::tempdir().unwrap();
-    let kubelet = KubeletDouble::start(&dir.path().join("kubelet")).await.unwrap();
+    let kubelet = KubeletDouble::start(&dir.path().join("kubelet"))
+        .await
+        .unwrap();
     let sim = SimSource::new(gpuplane::sim::load(profile).unwrap());
     let (stop, stopped) = oneshot::channel::<()>();
     let opts = options(dir.path(), config);
@@ -53,17 +58,34 @@ async fn start(profile: &str, config: Option<&str>) -> Harness {
     let agent = tokio::spawn(gpuplane::node::run(opts, source, async {
         let _ = stopped.await;
     }));
-    Harness { dir, kubelet, sim, stop: Some(stop), agent }
+    Harness {
+        dir,
+        kubelet,
+        sim,
+        stop: Some(stop),
+        agent,
+    }
 }
 
 impl Harness {
-    async fn wait(&self, what: &str, check: impl Fn(&BTreeMap<String, PluginView>) -> bool) -> BTreeMap<String, PluginView> {
-        self.kubelet.wait_for(WAIT, check).await.unwrap_or_else(|e| panic!("waiting for {what}: {e}"))
+    async fn wait(
+        &self,
+        what: &str,
+        check: impl Fn(&BTreeMap<String, PluginView>) -> bool,
+    ) -> BTreeMap<String, PluginView> {
+        self.kubelet
+            .wait_for(WAIT, check)
+            .await
+            .unwrap_or_else(|e| panic!("waiting for {what}: {e}"))
     }
 
     async fn wait_devices(&self, resource: &str, n: usize) -> PluginView {
         let r = resource.to_string();
-        self.wait(&format!("{n} devices of {resource}"), move |p| p.get(&r).is_some_and(|v| v.devices.len() == n)).await[resource].clone()
+        self.wait(&format!("{n} devices of {resource}"), move |p| {
+            p.get(&r).is_some_and(|v| v.devices.len() == n)
+        })
+        .await[resource]
+            .clone()
     }
 
     async fn shutdown(mut self) {
@@ -93,12 +115,19 @@ async fn the_agent_registers_and_lists_every_gpu_with_its_numa_node() {
     let h = start("dgx-h100", None).await;
     let view = h.wait_devices(GPU, 8).await;
     assert_eq!(view.healthy(), 8);
-    let numa: Vec<i64> = view.devices.iter().map(|d| d.topology.as_ref().unwrap().nodes[0].id).collect();
+    let numa: Vec<i64> = view
+        .devices
+        .iter()
+        .map(|d| d.topology.as_ref().unwrap().nodes[0].id)
+        .collect();
     assert_eq!(numa, [0, 0, 0, 0, 1, 1, 1, 1]);
     assert!(view.options.unwrap().get_preferred_allocation_available);
     let reg = h.kubelet.registrations();
     assert_eq!(reg.len(), 1);
-    assert_eq!((reg[0].version.as_str(), reg[0].endpoint.as_str()), ("v1beta1", "gpuplane-nvidia.com_gpu.sock"));
+    assert_eq!(
+        (reg[0].version.as_str(), reg[0].endpoint.as_str()),
+        ("v1beta1", "gpuplane-nvidia.com_gpu.sock")
+    );
     h.shutdown().await;
 }
 
@@ -106,28 +135,59 @@ async fn the_agent_registers_and_lists_every_gpu_with_its_numa_node() {
 async fn allocate_returns_cdi_names_and_refuses_unknown_devices() {
     let h = start("pcie-l4x4", None).await;
     let view = h.wait_devices(GPU, 4).await;
-    let grant = h.kubelet.allocate(GPU, &[view.devices[1].id.clone()]).await.unwrap();
+    let grant = h
+        .kubelet
+        .allocate(GPU, &[view.devices[1].id.clone()])
+        .await
+        .unwrap();
     assert_eq!(grant.cdi_devices.len(), 1);
-    assert_eq!(grant.cdi_devices[0].name, format!("nvidia.com/gpu={}", h.gpu_uuid(1)));
+    assert_eq!(
+        grant.cdi_devices[0].name,
+        format!("nvidia.com/gpu={}", h.gpu_uuid(1))
+    );
     assert!(grant.envs.is_empty());
-    let err = h.kubelet.allocate(GPU, &["GPU-not-mine".into()]).await.unwrap_err();
-    assert!(err.message().contains("GPU-not-mine is not a nvidia.com/gpu device"), "{}", err.message());
+    let err = h
+        .kubelet
+        .allocate(GPU, &["GPU-not-mine".into()])
+        .await
+        .unwrap_err();
+    assert!(
+        err.message()
+            .contains("GPU-not-mine is not a nvidia.com/gpu device"),
+        "{}",
+        err.message()
+    );
     h.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envvar_and_index_strategies_fill_nvidia_visible_devices() {
-    let h = start("pcie-l4x4", Some("flags: {plugin: {deviceListStrategy: envvar, deviceIDStrategy: index}}")).await;
+    let h = start(
+        "pcie-l4x4",
+        Some("flags: {plugin: {deviceListStrategy: envvar, deviceIDStrategy: index}}"),
+    )
+    .await;
     h.wait_devices(GPU, 4).await;
-    let grant = h.kubelet.allocate(GPU, &["2".into(), "3".into()]).await.unwrap();
-    assert_eq!(grant.envs.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str), Some("2,3"));
+    let grant = h
+        .kubelet
+        .allocate(GPU, &["2".into(), "3".into()])
+        .await
+        .unwrap();
+    assert_eq!(
+        grant.envs.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str),
+        Some("2,3")
+    );
     assert!(grant.cdi_devices.is_empty());
     h.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn preferred_allocation_on_the_cube_mesh_picks_nvlink_pairs() {
-    let h = start("dgx1-v100", Some("flags: {plugin: {deviceIDStrategy: index}}")).await;
+    let h = start(
+        "dgx1-v100",
+        Some("flags: {plugin: {deviceIDStrategy: index}}"),
+    )
+    .await;
     let view = h.wait_devices(GPU, 8).await;
     let all = ids(&view);
     let pair = h.kubelet.preferred(GPU, &all, &[], 2).await.unwrap();
@@ -136,8 +196,15 @@ async fn preferred_allocation_on_the_cube_mesh_picks_nvlink_pairs() {
     assert_eq!(inv.topology.link(a, b).unwrap().nvlinks, 2, "{pair:?}");
     // must_include is honoured and only offered devices come back.
     let offered: Vec<String> = ["1", "4", "5", "6"].map(String::from).to_vec();
-    let got = h.kubelet.preferred(GPU, &offered, &["4".into()], 2).await.unwrap();
-    assert!(got.contains(&"4".to_string()) && got.iter().all(|d| offered.contains(d)), "{got:?}");
+    let got = h
+        .kubelet
+        .preferred(GPU, &offered, &["4".into()], 2)
+        .await
+        .unwrap();
+    assert!(
+        got.contains(&"4".to_string()) && got.iter().all(|d| offered.contains(d)),
+        "{got:?}"
+    );
     // 4-5 and 4-6 both have one NVLink; 4-5 share a PCIe switch.
     assert_eq!(got, ["4", "5"]);
     h.shutdown().await;
@@ -149,7 +216,11 @@ async fn a_kubelet_restart_gets_every_resource_registered_again() {
     h.wait("7 resources", |p| p.len() == 7).await;
     let before = h.kubelet.registrations().len();
     h.kubelet.restart().await.unwrap();
-    let after = h.wait("7 resources after restart", |p| p.len() == 7 && p.values().all(|v| v.updates > 0)).await;
+    let after = h
+        .wait("7 resources after restart", |p| {
+            p.len() == 7 && p.values().all(|v| v.updates > 0)
+        })
+        .await;
     assert_eq!(h.kubelet.registrations().len(), before + 7);
     assert_eq!(after["nvidia.com/mig-1g.5gb"].devices.len(), 3);
     h.shutdown().await;
@@ -159,14 +230,27 @@ async fn a_kubelet_restart_gets_every_resource_registered_again() {
 async fn an_agent_started_before_the_kubelet_registers_once_it_appears() {
     let dir = tempfile::tempdir().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let source: Arc<dyn DeviceSource> = Arc::new(SimSource::new(gpuplane::sim::load("pcie-l4x4").unwrap()));
-    let agent = tokio::spawn(gpuplane::node::run(options(dir.path(), None), source, async {
-        let _ = stopped.await;
-    }));
+    let source: Arc<dyn DeviceSource> =
+        Arc::new(SimSource::new(gpuplane::sim::load("pcie-l4x4").unwrap()));
+    let agent = tokio::spawn(gpuplane::node::run(
+        options(dir.path(), None),
+        source,
+        async {
+            let _ = stopped.await;
+        },
+    ));
     tokio::time::sleep(Duration::from_millis(600)).await;
-    assert!(!agent.is_finished(), "the agent must wait for the kubelet, not exit");
-    let mut kubelet = KubeletDouble::start(&dir.path().join("kubelet")).await.unwrap();
-    kubelet.wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.devices.len() == 4)).await.unwrap();
+    assert!(
+        !agent.is_finished(),
+        "the agent must wait for the kubelet, not exit"
+    );
+    let mut kubelet = KubeletDouble::start(&dir.path().join("kubelet"))
+        .await
+        .unwrap();
+    kubelet
+        .wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.devices.len() == 4))
+        .await
+        .unwrap();
     let _ = stop.send(());
     agent.await.unwrap().unwrap();
     kubelet.stop().await;
@@ -177,8 +261,15 @@ async fn mig_strategy_single_offers_56_mig_devices_as_gpus() {
     let h = start("h100-mig-single", Some("flags: {migStrategy: single}")).await;
     let view = h.wait_devices(GPU, 56).await;
     assert!(view.devices.iter().all(|d| d.id.starts_with("MIG-")));
-    let grant = h.kubelet.allocate(GPU, &[view.devices[9].id.clone()]).await.unwrap();
-    assert_eq!(grant.cdi_devices[0].name, format!("nvidia.com/gpu={}", view.devices[9].id));
+    let grant = h
+        .kubelet
+        .allocate(GPU, &[view.devices[9].id.clone()])
+        .await
+        .unwrap();
+    assert_eq!(
+        grant.cdi_devices[0].name,
+        format!("nvidia.com/gpu={}", view.devices[9].id)
+    );
     h.shutdown().await;
 }
 
@@ -188,12 +279,35 @@ async fn time_sliced_replicas_are_spread_over_distinct_gpus_and_limited_per_cont
     let h = start("pcie-l4x4", Some(cfg)).await;
     let view = h.wait_devices("nvidia.com/gpu.shared", 16).await;
     let all = ids(&view);
-    let picked = h.kubelet.preferred("nvidia.com/gpu.shared", &all, &[], 3).await.unwrap();
-    let gpus: std::collections::BTreeSet<&str> = picked.iter().map(|id| id.split("::").next().unwrap()).collect();
-    assert_eq!(gpus.len(), 3, "replicas must land on distinct GPUs: {picked:?}");
-    let err = h.kubelet.allocate("nvidia.com/gpu.shared", &picked[..2]).await.unwrap_err();
-    assert!(err.message().contains("limited to 1 replica per container"), "{}", err.message());
-    assert!(h.kubelet.allocate("nvidia.com/gpu.shared", &picked[..1]).await.is_ok());
+    let picked = h
+        .kubelet
+        .preferred("nvidia.com/gpu.shared", &all, &[], 3)
+        .await
+        .unwrap();
+    let gpus: std::collections::BTreeSet<&str> = picked
+        .iter()
+        .map(|id| id.split("::").next().unwrap())
+        .collect();
+    assert_eq!(
+        gpus.len(),
+        3,
+        "replicas must land on distinct GPUs: {picked:?}"
+    );
+    let err = h
+        .kubelet
+        .allocate("nvidia.com/gpu.shared", &picked[..2])
+        .await
+        .unwrap_err();
+    assert!(
+        err.message().contains("limited to 1 replica per container"),
+        "{}",
+        err.message()
+    );
+    assert!(h
+        .kubelet
+        .allocate("nvidia.com/gpu.shared", &picked[..1])
+        .await
+        .is_ok());
     h.shutdown().await;
 }
 
@@ -205,10 +319,21 @@ async fn an_xid_makes_a_device_unhealthy_and_it_recovers_after_the_quiet_period(
     h.sim.inject_xid(&uuid, None, 13); // skipped by default: nothing changes
     h.sim.inject_xid(&uuid, None, 48);
     let u = uuid.clone();
-    let view = h.wait("GPU 3 unhealthy", move |p| p[GPU].devices.iter().any(|d| d.id == u && d.health == "Unhealthy")).await;
+    let view = h
+        .wait("GPU 3 unhealthy", move |p| {
+            p[GPU]
+                .devices
+                .iter()
+                .any(|d| d.id == u && d.health == "Unhealthy")
+        })
+        .await;
     assert_eq!(view[GPU].healthy(), 7);
-    let err = h.kubelet.allocate(GPU, &[uuid.clone()]).await.unwrap_err();
-    assert!(err.message().contains("unhealthy (critical Xid 48)"), "{}", err.message());
+    let err = h.kubelet.allocate(GPU, std::slice::from_ref(&uuid)).await.unwrap_err();
+    assert!(
+        err.message().contains("unhealthy (critical Xid 48)"),
+        "{}",
+        err.message()
+    );
     h.wait("GPU 3 recovered", |p| p[GPU].healthy() == 8).await;
     assert!(h.kubelet.allocate(GPU, &[uuid]).await.is_ok());
     h.shutdown().await;
@@ -216,12 +341,22 @@ async fn an_xid_makes_a_device_unhealthy_and_it_recovers_after_the_quiet_period(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_gpu_is_unhealthy_alone_and_the_others_stay_allocatable() {
-    let h = start("dgx-h100", Some("health: {inventoryRefresh: 200ms, recoveryQuietPeriod: 1h}")).await;
+    let h = start(
+        "dgx-h100",
+        Some("health: {inventoryRefresh: 200ms, recoveryQuietPeriod: 1h}"),
+    )
+    .await;
     let view = h.wait_devices(GPU, 8).await;
     let lost = h.gpu_uuid(2);
     h.sim.set_lost(&lost, true);
     let l = lost.clone();
-    h.wait("GPU 2 unhealthy", move |p| p[GPU].devices.iter().any(|d| d.id == l && d.health == "Unhealthy")).await;
+    h.wait("GPU 2 unhealthy", move |p| {
+        p[GPU]
+            .devices
+            .iter()
+            .any(|d| d.id == l && d.health == "Unhealthy")
+    })
+    .await;
     // Wait past an inventory refresh: discovery no longer sees the GPU, but it stays listed.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let now = h.kubelet.plugin(GPU).unwrap();
@@ -229,7 +364,7 @@ async fn a_lost_gpu_is_unhealthy_alone_and_the_others_stay_allocatable() {
     let others: Vec<String> = ids(&view).into_iter().filter(|id| *id != lost).collect();
     let pick = h.kubelet.preferred(GPU, &others, &[], 4).await.unwrap();
     assert!(h.kubelet.allocate(GPU, &pick).await.is_ok());
-    assert!(h.kubelet.allocate(GPU, &[lost.clone()]).await.is_err());
+    assert!(h.kubelet.allocate(GPU, std::slice::from_ref(&lost)).await.is_err());
     h.sim.set_lost(&lost, false);
     h.wait("GPU 2 back", |p| p[GPU].healthy() == 8).await;
     h.shutdown().await;
@@ -237,19 +372,30 @@ async fn a_lost_gpu_is_unhealthy_alone_and_the_others_stay_allocatable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mig_reconfiguration_is_picked_up_without_a_restart() {
-    let h = start("a100-mig-mixed", Some("flags: {migStrategy: mixed}\nhealth: {inventoryRefresh: 200ms}")).await;
+    let h = start(
+        "a100-mig-mixed",
+        Some("flags: {migStrategy: mixed}\nhealth: {inventoryRefresh: 200ms}"),
+    )
+    .await;
     h.wait_devices("nvidia.com/mig-4g.20gb", 1).await;
     let mut inv = gpuplane::sim::load("a100-mig-mixed").unwrap();
-    let mut seven = gpuplane::sim::load("h100-mig-single").unwrap().gpus[0].mig_devices.clone();
+    let mut seven = gpuplane::sim::load("h100-mig-single").unwrap().gpus[0]
+        .mig_devices
+        .clone();
     for (i, m) in seven.iter_mut().enumerate() {
         m.parent_uuid = inv.gpus[1].uuid.clone();
         m.uuid = format!("MIG-00000000-0000-0000-0000-00000000000{i}");
     }
     inv.gpus[1].mig_devices = seven;
     h.sim.set_inventory(inv);
-    h.wait("the new 1g.10gb devices and the old 4g.20gb withdrawn", |p| {
-        p.get("nvidia.com/mig-1g.10gb").is_some_and(|v| v.devices.len() == 8) && withdrawn(p, "nvidia.com/mig-4g.20gb")
-    })
+    h.wait(
+        "the new 1g.10gb devices and the old 4g.20gb withdrawn",
+        |p| {
+            p.get("nvidia.com/mig-1g.10gb")
+                .is_some_and(|v| v.devices.len() == 8)
+                && withdrawn(p, "nvidia.com/mig-4g.20gb")
+        },
+    )
     .await;
     h.shutdown().await;
 }
@@ -258,19 +404,43 @@ async fn mig_reconfiguration_is_picked_up_without_a_restart() {
 async fn a_config_change_is_applied_without_dropping_unchanged_registrations() {
     let h = start("a100-mig-mixed", Some("flags: {migStrategy: mixed}")).await;
     h.wait("7 resources", |p| p.len() == 7).await;
-    let count = |r: &str| h.kubelet.registrations().iter().filter(|x| x.resource_name == r).count();
+    let count = |r: &str| {
+        h.kubelet
+            .registrations()
+            .iter()
+            .filter(|x| x.resource_name == r)
+            .count()
+    };
     std::fs::write(
         h.dir.path().join("config.yaml"),
         "flags: {migStrategy: mixed}\nsharing: {timeSlicing: {resources: [{name: nvidia.com/mig-1g.5gb, replicas: 2, rename: nvidia.com/mig-1g.5gb.shared}]}}\n",
     )
     .unwrap();
     h.wait_devices("nvidia.com/mig-1g.5gb.shared", 6).await;
-    h.wait("the unshared name withdrawn", |p| withdrawn(p, "nvidia.com/mig-1g.5gb")).await;
-    assert_eq!(count("nvidia.com/mig-3g.20gb"), 1, "unchanged resources keep their registration");
+    h.wait("the unshared name withdrawn", |p| {
+        withdrawn(p, "nvidia.com/mig-1g.5gb")
+    })
+    .await;
+    assert_eq!(
+        count("nvidia.com/mig-3g.20gb"),
+        1,
+        "unchanged resources keep their registration"
+    );
     // A broken file keeps the running config.
-    std::fs::write(h.dir.path().join("config.yaml"), "flags: {migStrategy: sideways}\n").unwrap();
+    std::fs::write(
+        h.dir.path().join("config.yaml"),
+        "flags: {migStrategy: sideways}\n",
+    )
+    .unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
-    assert_eq!(h.kubelet.plugin("nvidia.com/mig-1g.5gb.shared").unwrap().devices.len(), 6);
+    assert_eq!(
+        h.kubelet
+            .plugin("nvidia.com/mig-1g.5gb.shared")
+            .unwrap()
+            .devices
+            .len(),
+        6
+    );
     h.shutdown().await;
 }
 
@@ -280,19 +450,39 @@ async fn the_cdi_spec_is_written_only_once_the_device_nodes_exist() {
     h.wait_devices(GPU, 4).await;
     let spec_path = h.dir.path().join("cdi/gpuplane-node.json");
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!spec_path.exists(), "no spec may be cached before /dev/nvidia* exist");
+    assert!(
+        !spec_path.exists(),
+        "no spec may be cached before /dev/nvidia* exist"
+    );
     let dev = h.dir.path().join("dev");
     std::fs::create_dir_all(&dev).unwrap();
-    for n in ["nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
+    for n in [
+        "nvidia0",
+        "nvidia1",
+        "nvidia2",
+        "nvidia3",
+        "nvidiactl",
+        "nvidia-uvm",
+        "nvidia-uvm-tools",
+    ] {
         std::fs::write(dev.join(n), "").unwrap();
     }
     let deadline = std::time::Instant::now() + WAIT;
     while !spec_path.exists() && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let spec: serde_json::Value = serde_json::from_slice(&std::fs::read(&spec_path).expect("spec written")).unwrap();
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&spec_path).expect("spec written")).unwrap();
     assert_eq!(spec["kind"], "nvidia.com/gpu");
-    let names: Vec<&str> = spec["devices"].as_array().unwrap().iter().filter_map(|d| d["name"].as_str()).collect();
-    assert!(names.contains(&h.gpu_uuid(2).as_str()) && names.contains(&"0") && names.contains(&"all"), "{names:?}");
+    let names: Vec<&str> = spec["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|d| d["name"].as_str())
+        .collect();
+    assert!(
+        names.contains(&h.gpu_uuid(2).as_str()) && names.contains(&"0") && names.contains(&"all"),
+        "{names:?}"
+    );
     h.shutdown().await;
 }

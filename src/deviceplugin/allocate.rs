@@ -27,7 +27,11 @@ pub enum AllocateError {
     UnknownDevice { resource: String, id: String },
     /// The device is unhealthy.
     #[error("device {id} of {resource} is unhealthy ({cause}); choose another device")]
-    Unhealthy { resource: String, id: String, cause: String },
+    Unhealthy {
+        resource: String,
+        id: String,
+        cause: String,
+    },
     /// A container asked for more than one replica of a time-sliced resource.
     #[error("{resource} is time-sliced and limited to 1 replica per container (failRequestsGreaterThanOne); the container asked for {requested}")]
     TooManyReplicas { resource: String, requested: usize },
@@ -36,7 +40,11 @@ pub enum AllocateError {
     Duplicate { resource: String, id: String },
     /// Another consumer holds the physical device.
     #[error("device {id} of {resource} is held by {holder}; it cannot be given out twice")]
-    Held { resource: String, id: String, holder: String },
+    Held {
+        resource: String,
+        id: String,
+        holder: String,
+    },
 }
 
 fn find<'a>(plan: &'a ResourcePlan, id: &str) -> Option<&'a PluginDevice> {
@@ -44,20 +52,38 @@ fn find<'a>(plan: &'a ResourcePlan, id: &str) -> Option<&'a PluginDevice> {
 }
 
 /// Decides one container's request.
-pub fn allocate(plan: &ResourcePlan, health: &HealthBook, cfg: &AgentConfig, ids: &[String]) -> Result<ContainerGrant, AllocateError> {
+pub fn allocate(
+    plan: &ResourcePlan,
+    health: &HealthBook,
+    cfg: &AgentConfig,
+    ids: &[String],
+) -> Result<ContainerGrant, AllocateError> {
     let resource = plan.name.clone();
     if plan.replicas > 1 && cfg.fail_requests_greater_than_one && ids.len() > 1 {
-        return Err(AllocateError::TooManyReplicas { resource, requested: ids.len() });
+        return Err(AllocateError::TooManyReplicas {
+            resource,
+            requested: ids.len(),
+        });
     }
     let mut seen = BTreeSet::new();
     let mut units: Vec<&PluginDevice> = Vec::with_capacity(ids.len());
     for id in ids {
         if !seen.insert(id.as_str()) {
-            return Err(AllocateError::Duplicate { resource, id: id.clone() });
+            return Err(AllocateError::Duplicate {
+                resource,
+                id: id.clone(),
+            });
         }
-        let dev = find(plan, id).ok_or_else(|| AllocateError::UnknownDevice { resource: resource.clone(), id: id.clone() })?;
+        let dev = find(plan, id).ok_or_else(|| AllocateError::UnknownDevice {
+            resource: resource.clone(),
+            id: id.clone(),
+        })?;
         if let Health::Unhealthy(cause) = health.health(&dev.unit) {
-            return Err(AllocateError::Unhealthy { resource, id: id.clone(), cause: cause.to_string() });
+            return Err(AllocateError::Unhealthy {
+                resource,
+                id: id.clone(),
+                cause: cause.to_string(),
+            });
         }
         units.push(dev);
     }
@@ -69,12 +95,23 @@ pub fn allocate(plan: &ResourcePlan, health: &HealthBook, cfg: &AgentConfig, ids
         }
     }
     let mut grant = ContainerGrant::default();
-    if cfg.device_list_strategy.contains(&DeviceListStrategy::CdiCri) {
-        grant.cdi_devices = unique.iter().map(|d| format!("{CDI_KIND}={}", d.unit)).collect();
+    if cfg
+        .device_list_strategy
+        .contains(&DeviceListStrategy::CdiCri)
+    {
+        grant.cdi_devices = unique
+            .iter()
+            .map(|d| format!("{CDI_KIND}={}", d.unit))
+            .collect();
     }
-    if cfg.device_list_strategy.contains(&DeviceListStrategy::Envvar) {
+    if cfg
+        .device_list_strategy
+        .contains(&DeviceListStrategy::Envvar)
+    {
         let visible: Vec<&str> = unique.iter().map(|d| d.visible_id.as_str()).collect();
-        grant.envs.insert("NVIDIA_VISIBLE_DEVICES".into(), visible.join(","));
+        grant
+            .envs
+            .insert("NVIDIA_VISIBLE_DEVICES".into(), visible.join(","));
     }
     Ok(grant)
 }
@@ -102,23 +139,37 @@ pub fn preferred(
     size: usize,
     avoid: &BTreeSet<String>,
 ) -> Result<Vec<String>, PreferredError> {
-    let lookup = |id: &String| find(plan, id).ok_or_else(|| PreferredError::UnknownDevice { resource: plan.name.clone(), id: id.clone() });
+    let lookup = |id: &String| {
+        find(plan, id).ok_or_else(|| PreferredError::UnknownDevice {
+            resource: plan.name.clone(),
+            id: id.clone(),
+        })
+    };
     let avail: Vec<&PluginDevice> = available.iter().map(lookup).collect::<Result<_, _>>()?;
     let must: Vec<&PluginDevice> = must_include.iter().map(lookup).collect::<Result<_, _>>()?;
     if size == 0 {
         return Err(PreferError::ZeroSize.into());
     }
     if size > avail.len() {
-        return Err(PreferError::SizeExceedsAvailable { size, available: avail.len() }.into());
+        return Err(PreferError::SizeExceedsAvailable {
+            size,
+            available: avail.len(),
+        }
+        .into());
     }
     if must.len() > size {
-        return Err(PreferError::MustIncludeExceedsSize { must_include: must.len(), size }.into());
+        return Err(PreferError::MustIncludeExceedsSize {
+            must_include: must.len(),
+            size,
+        }
+        .into());
     }
     if let Some(m) = must.iter().find(|m| !avail.iter().any(|a| a.id == m.id)) {
         return Err(PreferError::MustIncludeNotAvailable { index: m.gpu_index }.into());
     }
     // Devices on avoided units go last, whatever else is true of them.
-    let (free, held): (Vec<&PluginDevice>, Vec<&PluginDevice>) = avail.iter().partition(|d| !avoid.contains(&d.unit));
+    let (free, held): (Vec<&PluginDevice>, Vec<&PluginDevice>) =
+        avail.iter().partition(|d| !avoid.contains(&d.unit));
     let whole_gpus = plan.replicas == 1 && avail.iter().all(|d| !d.unit.starts_with("MIG-"));
     let chosen = if whole_gpus {
         pick_gpus(model, &free, &held, &must, size)?
@@ -131,7 +182,13 @@ pub fn preferred(
 }
 
 /// Topology-optimal whole GPUs; held GPUs only to make up the count.
-fn pick_gpus<'a>(model: &TopologyModel, free: &[&'a PluginDevice], held: &[&'a PluginDevice], must: &[&'a PluginDevice], size: usize) -> Result<Vec<&'a PluginDevice>, PreferError> {
+fn pick_gpus<'a>(
+    model: &TopologyModel,
+    free: &[&'a PluginDevice],
+    held: &[&'a PluginDevice],
+    must: &[&'a PluginDevice],
+    size: usize,
+) -> Result<Vec<&'a PluginDevice>, PreferError> {
     let mut pool: Vec<&PluginDevice> = free.to_vec();
     let mut extra = held.iter();
     while pool.len() < size {
@@ -148,25 +205,52 @@ fn pick_gpus<'a>(model: &TopologyModel, free: &[&'a PluginDevice], held: &[&'a P
     let idx: Vec<u32> = pool.iter().map(|d| d.gpu_index).collect();
     let must_idx: Vec<u32> = must.iter().map(|d| d.gpu_index).collect();
     let picked = topology::preferred(model, &idx, &must_idx, size)?;
-    Ok(pool.into_iter().filter(|d| picked.contains(&d.gpu_index)).collect())
+    Ok(pool
+        .into_iter()
+        .filter(|d| picked.contains(&d.gpu_index))
+        .collect())
 }
 
 /// Replicas spread over as many distinct units as possible, units chosen by topology.
-fn pick_replicas<'a>(model: &TopologyModel, free: &[&'a PluginDevice], held: &[&'a PluginDevice], must: &[&'a PluginDevice], size: usize) -> Result<Vec<&'a PluginDevice>, PreferError> {
+fn pick_replicas<'a>(
+    model: &TopologyModel,
+    free: &[&'a PluginDevice],
+    held: &[&'a PluginDevice],
+    must: &[&'a PluginDevice],
+    size: usize,
+) -> Result<Vec<&'a PluginDevice>, PreferError> {
     let is_must = |d: &PluginDevice| must.iter().any(|m| m.id == d.id);
     let mut must_gpus: Vec<u32> = must.iter().map(|d| d.gpu_index).collect();
     must_gpus.sort_unstable();
     must_gpus.dedup();
-    let mut gpus: Vec<u32> = free.iter().chain(held).map(|d| d.gpu_index).chain(must_gpus.iter().copied()).collect();
+    let mut gpus: Vec<u32> = free
+        .iter()
+        .chain(held)
+        .map(|d| d.gpu_index)
+        .chain(must_gpus.iter().copied())
+        .collect();
     gpus.sort_unstable();
     gpus.dedup();
     // The GPUs a topology-optimal pick of that many would take are filled first.
-    let best = topology::preferred(model, &gpus, &must_gpus, size.min(gpus.len()).max(must_gpus.len()))?;
+    let best = topology::preferred(
+        model,
+        &gpus,
+        &must_gpus,
+        size.min(gpus.len()).max(must_gpus.len()),
+    )?;
     // Units in preference order: free before held, topology-best first, then GPU order.
     let mut units: BTreeMap<(bool, bool, u32, &str), Vec<&PluginDevice>> = BTreeMap::new();
     for (is_held, list) in [(false, free), (true, held)] {
         for d in list.iter().filter(|d| !is_must(d)) {
-            units.entry((is_held, !best.contains(&d.gpu_index), d.gpu_index, d.unit.as_str())).or_default().push(d);
+            units
+                .entry((
+                    is_held,
+                    !best.contains(&d.gpu_index),
+                    d.gpu_index,
+                    d.unit.as_str(),
+                ))
+                .or_default()
+                .push(d);
         }
     }
     let mut used: BTreeMap<&str, usize> = BTreeMap::new();
@@ -191,12 +275,34 @@ fn pick_replicas<'a>(model: &TopologyModel, free: &[&'a PluginDevice], held: &[&
 }
 
 /// MIG devices near the must-include ones.
-fn pick_mig<'a>(free: &[&'a PluginDevice], held: &[&'a PluginDevice], must: &[&'a PluginDevice], size: usize) -> Vec<&'a PluginDevice> {
+fn pick_mig<'a>(
+    free: &[&'a PluginDevice],
+    held: &[&'a PluginDevice],
+    must: &[&'a PluginDevice],
+    size: usize,
+) -> Vec<&'a PluginDevice> {
     let gpus: BTreeSet<u32> = must.iter().map(|d| d.gpu_index).collect();
     let numas: BTreeSet<Option<u32>> = must.iter().map(|d| d.numa_node).collect();
-    let mut rest: Vec<(usize, &PluginDevice)> = free.iter().map(|d| (0, *d)).chain(held.iter().map(|d| (1, *d))).filter(|(_, d)| !must.iter().any(|m| m.id == d.id)).collect();
-    rest.sort_by_key(|(tier, d)| (*tier, !gpus.contains(&d.gpu_index), !numas.contains(&d.numa_node), d.gpu_index, d.id.clone()));
-    must.iter().copied().chain(rest.into_iter().map(|(_, d)| d)).take(size).collect()
+    let mut rest: Vec<(usize, &PluginDevice)> = free
+        .iter()
+        .map(|d| (0, *d))
+        .chain(held.iter().map(|d| (1, *d)))
+        .filter(|(_, d)| !must.iter().any(|m| m.id == d.id))
+        .collect();
+    rest.sort_by_key(|(tier, d)| {
+        (
+            *tier,
+            !gpus.contains(&d.gpu_index),
+            !numas.contains(&d.numa_node),
+            d.gpu_index,
+            d.id.clone(),
+        )
+    });
+    must.iter()
+        .copied()
+        .chain(rest.into_iter().map(|(_, d)| d))
+        .take(size)
+        .collect()
 }
 
 #[cfg(test)]
@@ -219,16 +325,31 @@ mod tests {
 
     #[test]
     fn replicas_of_one_gpu_are_injected_once() {
-        let (p, _, health, cfg) = setup("pcie-l4x4", "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2}]}}");
-        let g = allocate(&p, &health, &cfg, &[p.devices[0].id.clone(), p.devices[1].id.clone()]).unwrap();
-        assert_eq!(g.cdi_devices, vec![format!("nvidia.com/gpu={}", p.devices[0].unit)]);
+        let (p, _, health, cfg) = setup(
+            "pcie-l4x4",
+            "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2}]}}",
+        );
+        let g = allocate(
+            &p,
+            &health,
+            &cfg,
+            &[p.devices[0].id.clone(), p.devices[1].id.clone()],
+        )
+        .unwrap();
+        assert_eq!(
+            g.cdi_devices,
+            vec![format!("nvidia.com/gpu={}", p.devices[0].unit)]
+        );
     }
 
     #[test]
     fn duplicate_ids_are_refused() {
         let (p, _, health, cfg) = setup("pcie-l4x4", "");
         let id = p.devices[0].id.clone();
-        assert!(matches!(allocate(&p, &health, &cfg, &[id.clone(), id]), Err(AllocateError::Duplicate { .. })));
+        assert!(matches!(
+            allocate(&p, &health, &cfg, &[id.clone(), id]),
+            Err(AllocateError::Duplicate { .. })
+        ));
     }
 
     #[test]
@@ -248,7 +369,10 @@ mod tests {
         let all = ids(&p);
         let must = vec![all[20].clone()]; // on GPU 2
         let got = preferred(&p, &model, &all, &must, 3, &BTreeSet::new()).unwrap();
-        let gpus: BTreeSet<u32> = got.iter().map(|id| find(&p, id).unwrap().gpu_index).collect();
+        let gpus: BTreeSet<u32> = got
+            .iter()
+            .map(|id| find(&p, id).unwrap().gpu_index)
+            .collect();
         assert_eq!(gpus, BTreeSet::from([2]));
         assert!(got.contains(&all[20]));
     }
@@ -262,7 +386,10 @@ mod tests {
 
     #[test]
     fn replicas_fill_distinct_units_before_doubling_up() {
-        let (p, model, _, _) = setup("pcie-l4x4", "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 3}]}}");
+        let (p, model, _, _) = setup(
+            "pcie-l4x4",
+            "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 3}]}}",
+        );
         let got = preferred(&p, &model, &ids(&p), &[], 6, &BTreeSet::new()).unwrap();
         let mut per_unit: BTreeMap<&str, usize> = BTreeMap::new();
         for id in &got {

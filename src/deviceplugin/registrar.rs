@@ -61,7 +61,9 @@ pub async fn run(dir: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Recei
     let mut changes = state.subscribe();
     let mut waiting_logged = false;
     loop {
-        let now_id = std::fs::metadata(&kubelet_sock).ok().map(|m| (m.dev(), m.ino()));
+        let now_id = std::fs::metadata(&kubelet_sock)
+            .ok()
+            .map(|m| (m.dev(), m.ino()));
         if now_id != kubelet_id {
             if kubelet_id.is_some() || now_id.is_none() {
                 tracing::info!(socket = %kubelet_sock.display(), "kubelet socket changed; registering again");
@@ -75,10 +77,18 @@ pub async fn run(dir: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Recei
             tracing::info!(socket = %kubelet_sock.display(), "waiting for the kubelet");
             waiting_logged = true;
         }
-        let wanted: Vec<String> = state.read().plan.resources.iter().map(|r| r.name.clone()).collect();
+        let wanted: Vec<String> = state
+            .read()
+            .plan
+            .resources
+            .iter()
+            .map(|r| r.name.clone())
+            .collect();
         let stale: Vec<String> = served
             .iter()
-            .filter(|(name, s)| !wanted.contains(name) || !s.socket.exists() || s.task.is_finished())
+            .filter(|(name, s)| {
+                !wanted.contains(name) || !s.socket.exists() || s.task.is_finished()
+            })
             .map(|(name, _)| name.clone())
             .collect();
         for name in stale {
@@ -97,7 +107,9 @@ pub async fn run(dir: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Recei
                     Ok(s) => {
                         served.insert(name.clone(), s);
                     }
-                    Err(e) => tracing::error!(resource = %name, error = %e, "cannot serve plugin socket"),
+                    Err(e) => {
+                        tracing::error!(resource = %name, error = %e, "cannot serve plugin socket")
+                    }
                 }
             }
         }
@@ -139,7 +151,11 @@ fn serve(dir: &Path, resource: &str, state: Arc<NodeState>) -> Result<Served, gr
     let listener = grpc::bind(&socket)?;
     let (stop, stopping) = watch::channel(false);
     let mut stopped = stopping.clone();
-    let service = pb::device_plugin_server::DevicePluginServer::new(DevicePluginService::new(resource.to_string(), state, stopping));
+    let service = pb::device_plugin_server::DevicePluginServer::new(DevicePluginService::new(
+        resource.to_string(),
+        state,
+        stopping,
+    ));
     let name = resource.to_string();
     let task = tokio::spawn(async move {
         let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
@@ -153,7 +169,13 @@ fn serve(dir: &Path, resource: &str, state: Arc<NodeState>) -> Result<Served, gr
             tracing::error!(resource = %name, error = %e, "plugin server stopped");
         }
     });
-    Ok(Served { socket, stop: Some(stop), task, registered: false, last_error: None })
+    Ok(Served {
+        socket,
+        stop: Some(stop),
+        task,
+        registered: false,
+        last_error: None,
+    })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -170,7 +192,10 @@ async fn register(kubelet_sock: &Path, resource: &str, socket: &Path) -> Result<
     const TIMEOUT: Duration = Duration::from_secs(5);
     let call = async {
         let channel = grpc::connect(kubelet_sock).await?;
-        let endpoint = socket.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let endpoint = socket
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         pb::registration_client::RegistrationClient::new(channel)
             .register(pb::RegisterRequest {
                 version: "v1beta1".into(),
@@ -181,5 +206,7 @@ async fn register(kubelet_sock: &Path, resource: &str, socket: &Path) -> Result<
             .await?;
         Ok(())
     };
-    tokio::time::timeout(TIMEOUT, call).await.map_err(|_| RegisterError::Timeout(TIMEOUT))?
+    tokio::time::timeout(TIMEOUT, call)
+        .await
+        .map_err(|_| RegisterError::Timeout(TIMEOUT))?
 }

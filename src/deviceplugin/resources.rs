@@ -69,7 +69,14 @@ fn gpu_unit(g: &Gpu, ids: DeviceIdStrategy) -> PluginDevice {
         DeviceIdStrategy::Uuid => g.uuid.clone(),
         DeviceIdStrategy::Index => g.index.to_string(),
     };
-    PluginDevice { visible_id: id.clone(), id, unit: g.uuid.clone(), gpu_index: g.index, numa_node: g.numa_node, replica: None }
+    PluginDevice {
+        visible_id: id.clone(),
+        id,
+        unit: g.uuid.clone(),
+        gpu_index: g.index,
+        numa_node: g.numa_node,
+        replica: None,
+    }
 }
 
 fn mig_unit(g: &Gpu, pos: usize, m: &MigDevice, ids: DeviceIdStrategy) -> PluginDevice {
@@ -78,7 +85,14 @@ fn mig_unit(g: &Gpu, pos: usize, m: &MigDevice, ids: DeviceIdStrategy) -> Plugin
         DeviceIdStrategy::Index => format!("{}:{}", g.index, pos),
     };
     // MIG devices sit on their parent's PCIe function, so they share its NUMA node.
-    PluginDevice { visible_id: id.clone(), id, unit: m.uuid.clone(), gpu_index: g.index, numa_node: g.numa_node, replica: None }
+    PluginDevice {
+        visible_id: id.clone(),
+        id,
+        unit: m.uuid.clone(),
+        gpu_index: g.index,
+        numa_node: g.numa_node,
+        replica: None,
+    }
 }
 
 /// Computes the resources the node offers.
@@ -92,7 +106,8 @@ pub fn plan(inv: &Inventory, cfg: &AgentConfig) -> Result<Plan, PlanError> {
     }
     let strategy = match cfg.mig_strategy {
         MigStrategy::Single if !inv.gpus.iter().any(|g| g.mig.current) => {
-            warnings.push("MIG strategy `single` on a node without MIG: offering whole GPUs".into());
+            warnings
+                .push("MIG strategy `single` on a node without MIG: offering whole GPUs".into());
             MigStrategy::None
         }
         s => s,
@@ -105,41 +120,69 @@ pub fn plan(inv: &Inventory, cfg: &AgentConfig) -> Result<Plan, PlanError> {
                         warnings.push(format!("GPU {} has MIG enabled; MIG strategy `none` does not offer it (use `single` or `mixed`)", g.index));
                     }
                 } else {
-                    by_name.entry(GPU_RESOURCE.into()).or_default().push(gpu_unit(g, ids));
+                    by_name
+                        .entry(GPU_RESOURCE.into())
+                        .or_default()
+                        .push(gpu_unit(g, ids));
                 }
             }
         }
         MigStrategy::Single => {
-            let off: Vec<String> = inv.gpus.iter().filter(|g| !g.mig.current).map(|g| g.index.to_string()).collect();
+            let off: Vec<String> = inv
+                .gpus
+                .iter()
+                .filter(|g| !g.mig.current)
+                .map(|g| g.index.to_string())
+                .collect();
             if !off.is_empty() {
-                return Err(PlanError::MixedModes { off: off.join(", ") });
+                return Err(PlanError::MixedModes {
+                    off: off.join(", "),
+                });
             }
-            let mut profiles: Vec<&str> = inv.gpus.iter().flat_map(|g| g.mig_devices.iter().map(|m| m.profile.as_str())).collect();
+            let mut profiles: Vec<&str> = inv
+                .gpus
+                .iter()
+                .flat_map(|g| g.mig_devices.iter().map(|m| m.profile.as_str()))
+                .collect();
             profiles.sort_unstable();
             profiles.dedup();
             if profiles.len() > 1 {
-                return Err(PlanError::MixedProfiles { profiles: profiles.join(", ") });
+                return Err(PlanError::MixedProfiles {
+                    profiles: profiles.join(", "),
+                });
             }
             for g in &inv.gpus {
                 for (pos, m) in g.mig_devices.iter().enumerate() {
-                    by_name.entry(GPU_RESOURCE.into()).or_default().push(mig_unit(g, pos, m, ids));
+                    by_name
+                        .entry(GPU_RESOURCE.into())
+                        .or_default()
+                        .push(mig_unit(g, pos, m, ids));
                 }
             }
         }
         MigStrategy::Mixed => {
             for g in &inv.gpus {
                 if !g.mig.current {
-                    by_name.entry(GPU_RESOURCE.into()).or_default().push(gpu_unit(g, ids));
+                    by_name
+                        .entry(GPU_RESOURCE.into())
+                        .or_default()
+                        .push(gpu_unit(g, ids));
                 }
                 for (pos, m) in g.mig_devices.iter().enumerate() {
-                    by_name.entry(mig_resource_name(&m.profile)).or_default().push(mig_unit(g, pos, m, ids));
+                    by_name
+                        .entry(mig_resource_name(&m.profile))
+                        .or_default()
+                        .push(mig_unit(g, pos, m, ids));
                 }
             }
         }
     }
     for r in &cfg.time_slicing {
         if !by_name.contains_key(&r.name) {
-            warnings.push(format!("time-slicing is configured for {} but this node does not offer it", r.name));
+            warnings.push(format!(
+                "time-slicing is configured for {} but this node does not offer it",
+                r.name
+            ));
         }
     }
     let mut resources = Vec::new();
@@ -149,16 +192,31 @@ pub fn plan(inv: &Inventory, cfg: &AgentConfig) -> Result<Plan, PlanError> {
                 let devices = devices
                     .iter()
                     .flat_map(|d| {
-                        (0..rep.replicas).map(move |k| PluginDevice { id: format!("{}::{k}", d.id), replica: Some(k), ..d.clone() })
+                        (0..rep.replicas).map(move |k| PluginDevice {
+                            id: format!("{}::{k}", d.id),
+                            replica: Some(k),
+                            ..d.clone()
+                        })
                     })
                     .collect();
-                resources.push(ResourcePlan { name: rep.advertised_as.clone(), replicas: rep.replicas, devices });
+                resources.push(ResourcePlan {
+                    name: rep.advertised_as.clone(),
+                    replicas: rep.replicas,
+                    devices,
+                });
             }
-            None => resources.push(ResourcePlan { name, replicas: 1, devices }),
+            None => resources.push(ResourcePlan {
+                name,
+                replicas: 1,
+                devices,
+            }),
         }
     }
     resources.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(Plan { resources, warnings })
+    Ok(Plan {
+        resources,
+        warnings,
+    })
 }
 
 #[cfg(test)]
@@ -170,7 +228,10 @@ mod tests {
     }
 
     fn names(p: &Plan) -> Vec<(&str, usize)> {
-        p.resources.iter().map(|r| (r.name.as_str(), r.devices.len())).collect()
+        p.resources
+            .iter()
+            .map(|r| (r.name.as_str(), r.devices.len()))
+            .collect()
     }
 
     #[test]
@@ -179,7 +240,10 @@ mod tests {
         let p = plan(&inv, &cfg("")).unwrap();
         assert_eq!(names(&p), [("nvidia.com/gpu", 8)]);
         let d = &p.resources[0].devices[5];
-        assert_eq!((d.id.as_str(), d.numa_node), (inv.gpus[5].uuid.as_str(), Some(1)));
+        assert_eq!(
+            (d.id.as_str(), d.numa_node),
+            (inv.gpus[5].uuid.as_str(), Some(1))
+        );
     }
 
     #[test]
@@ -204,9 +268,17 @@ mod tests {
 
     #[test]
     fn strategy_single_offers_uniform_mig_devices_and_refuses_mixed_ones() {
-        let p = plan(&crate::sim::load("h100-mig-single").unwrap(), &cfg("flags: {migStrategy: single}")).unwrap();
+        let p = plan(
+            &crate::sim::load("h100-mig-single").unwrap(),
+            &cfg("flags: {migStrategy: single}"),
+        )
+        .unwrap();
         assert_eq!(names(&p), [("nvidia.com/gpu", 56)]);
-        let err = plan(&crate::sim::load("a100-mig-mixed").unwrap(), &cfg("flags: {migStrategy: single}")).unwrap_err();
+        let err = plan(
+            &crate::sim::load("a100-mig-mixed").unwrap(),
+            &cfg("flags: {migStrategy: single}"),
+        )
+        .unwrap_err();
         assert!(matches!(err, PlanError::MixedModes { .. }), "{err}");
     }
 
@@ -215,7 +287,13 @@ mod tests {
         let mut inv = crate::sim::load("a100-mig-mixed").unwrap();
         inv.gpus[1].mig_devices.clear();
         let p = plan(&inv, &cfg("flags: {migStrategy: mixed}")).unwrap();
-        assert!(p.warnings.iter().any(|w| w.contains("GPU 1") && w.contains("no MIG devices")), "{:?}", p.warnings);
+        assert!(
+            p.warnings
+                .iter()
+                .any(|w| w.contains("GPU 1") && w.contains("no MIG devices")),
+            "{:?}",
+            p.warnings
+        );
         assert!(p.resource("nvidia.com/mig-4g.20gb").is_none());
     }
 
@@ -233,8 +311,15 @@ mod tests {
     #[test]
     fn index_ids_name_gpus_and_mig_devices_by_position() {
         let inv = crate::sim::load("a100-mig-mixed").unwrap();
-        let p = plan(&inv, &cfg("flags: {migStrategy: mixed, plugin: {deviceIDStrategy: index}}")).unwrap();
+        let p = plan(
+            &inv,
+            &cfg("flags: {migStrategy: mixed, plugin: {deviceIDStrategy: index}}"),
+        )
+        .unwrap();
         assert_eq!(p.resource("nvidia.com/gpu").unwrap().devices[0].id, "3");
-        assert_eq!(p.resource("nvidia.com/mig-4g.20gb").unwrap().devices[0].id, "1:0");
+        assert_eq!(
+            p.resource("nvidia.com/mig-4g.20gb").unwrap().devices[0].id,
+            "1:0"
+        );
     }
 }

@@ -28,7 +28,11 @@ pub struct DevicePluginService {
 
 impl DevicePluginService {
     pub fn new(resource: String, state: Arc<NodeState>, stopping: watch::Receiver<bool>) -> Self {
-        DevicePluginService { resource, state, stopping }
+        DevicePluginService {
+            resource,
+            state,
+            stopping,
+        }
     }
 
     /// The device list ListAndWatch sends now; `None` once the resource is no longer offered.
@@ -44,7 +48,9 @@ impl DevicePluginService {
                         Health::Healthy => HEALTHY.into(),
                         Health::Unhealthy(_) => UNHEALTHY.into(),
                     },
-                    topology: d.numa_node.map(|n| pb::TopologyInfo { nodes: vec![pb::NumaNode { id: i64::from(n) }] }),
+                    topology: d.numa_node.map(|n| pb::TopologyInfo {
+                        nodes: vec![pb::NumaNode { id: i64::from(n) }],
+                    }),
                 })
                 .collect(),
         )
@@ -55,13 +61,19 @@ type DeviceStream = Pin<Box<dyn Stream<Item = Result<pb::ListAndWatchResponse, S
 
 #[tonic::async_trait]
 impl DevicePlugin for DevicePluginService {
-    async fn get_device_plugin_options(&self, _: Request<pb::Empty>) -> Result<Response<pb::DevicePluginOptions>, Status> {
+    async fn get_device_plugin_options(
+        &self,
+        _: Request<pb::Empty>,
+    ) -> Result<Response<pb::DevicePluginOptions>, Status> {
         Ok(Response::new(options()))
     }
 
     type ListAndWatchStream = DeviceStream;
 
-    async fn list_and_watch(&self, _: Request<pb::Empty>) -> Result<Response<DeviceStream>, Status> {
+    async fn list_and_watch(
+        &self,
+        _: Request<pb::Empty>,
+    ) -> Result<Response<DeviceStream>, Status> {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let me = self.clone();
         let mut changes = self.state.subscribe();
@@ -74,7 +86,13 @@ impl DevicePlugin for DevicePluginService {
                     return;
                 };
                 if last.as_ref() != Some(&devices) {
-                    if tx.send(Ok(pb::ListAndWatchResponse { devices: devices.clone() })).await.is_err() {
+                    if tx
+                        .send(Ok(pb::ListAndWatchResponse {
+                            devices: devices.clone(),
+                        }))
+                        .await
+                        .is_err()
+                    {
                         return; // the kubelet hung up
                     }
                     last = Some(devices);
@@ -86,26 +104,54 @@ impl DevicePlugin for DevicePluginService {
                 }
             }
         });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
-    async fn get_preferred_allocation(&self, req: Request<pb::PreferredAllocationRequest>) -> Result<Response<pb::PreferredAllocationResponse>, Status> {
+    async fn get_preferred_allocation(
+        &self,
+        req: Request<pb::PreferredAllocationRequest>,
+    ) -> Result<Response<pb::PreferredAllocationResponse>, Status> {
         let snap = self.state.read();
-        let plan = snap.plan.resource(&self.resource).ok_or_else(|| gone(&self.resource))?;
+        let plan = snap
+            .plan
+            .resource(&self.resource)
+            .ok_or_else(|| gone(&self.resource))?;
         let avoid = BTreeSet::new();
         let mut container_responses = Vec::new();
         for c in req.into_inner().container_requests {
-            let size = usize::try_from(c.allocation_size).map_err(|_| Status::invalid_argument(format!("allocation size {} is negative", c.allocation_size)))?;
-            let ids = allocate::preferred(plan, &snap.model, &c.available_device_i_ds, &c.must_include_device_i_ds, size, &avoid)
-                .map_err(|e| Status::invalid_argument(format!("{}: {e}", self.resource)))?;
+            let size = usize::try_from(c.allocation_size).map_err(|_| {
+                Status::invalid_argument(format!(
+                    "allocation size {} is negative",
+                    c.allocation_size
+                ))
+            })?;
+            let ids = allocate::preferred(
+                plan,
+                &snap.model,
+                &c.available_device_i_ds,
+                &c.must_include_device_i_ds,
+                size,
+                &avoid,
+            )
+            .map_err(|e| Status::invalid_argument(format!("{}: {e}", self.resource)))?;
             container_responses.push(pb::ContainerPreferredAllocationResponse { device_i_ds: ids });
         }
-        Ok(Response::new(pb::PreferredAllocationResponse { container_responses }))
+        Ok(Response::new(pb::PreferredAllocationResponse {
+            container_responses,
+        }))
     }
 
-    async fn allocate(&self, req: Request<pb::AllocateRequest>) -> Result<Response<pb::AllocateResponse>, Status> {
+    async fn allocate(
+        &self,
+        req: Request<pb::AllocateRequest>,
+    ) -> Result<Response<pb::AllocateResponse>, Status> {
         let snap = self.state.read();
-        let plan = snap.plan.resource(&self.resource).ok_or_else(|| gone(&self.resource))?;
+        let plan = snap
+            .plan
+            .resource(&self.resource)
+            .ok_or_else(|| gone(&self.resource))?;
         let mut container_responses = Vec::new();
         for c in req.into_inner().container_requests {
             let grant = allocate::allocate(plan, &snap.health, &snap.config, &c.devices_ids).map_err(|e| {
@@ -115,21 +161,33 @@ impl DevicePlugin for DevicePluginService {
             tracing::info!(resource = %self.resource, devices = ?c.devices_ids, cdi = ?grant.cdi_devices, "Allocate granted");
             container_responses.push(pb::ContainerAllocateResponse {
                 envs: grant.envs.into_iter().collect(),
-                cdi_devices: grant.cdi_devices.into_iter().map(|name| pb::CdiDevice { name }).collect(),
+                cdi_devices: grant
+                    .cdi_devices
+                    .into_iter()
+                    .map(|name| pb::CdiDevice { name })
+                    .collect(),
                 ..Default::default()
             });
         }
-        Ok(Response::new(pb::AllocateResponse { container_responses }))
+        Ok(Response::new(pb::AllocateResponse {
+            container_responses,
+        }))
     }
 
-    async fn pre_start_container(&self, _: Request<pb::PreStartContainerRequest>) -> Result<Response<pb::PreStartContainerResponse>, Status> {
+    async fn pre_start_container(
+        &self,
+        _: Request<pb::PreStartContainerRequest>,
+    ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
         Ok(Response::new(pb::PreStartContainerResponse {}))
     }
 }
 
 /// What this plugin tells the kubelet it supports.
 pub fn options() -> pb::DevicePluginOptions {
-    pb::DevicePluginOptions { pre_start_required: false, get_preferred_allocation_available: true }
+    pb::DevicePluginOptions {
+        pre_start_required: false,
+        get_preferred_allocation_available: true,
+    }
 }
 
 fn gone(resource: &str) -> Status {
@@ -138,7 +196,9 @@ fn gone(resource: &str) -> Status {
 
 fn refusal(e: &AllocateError) -> Status {
     match e {
-        AllocateError::Held { .. } | AllocateError::Unhealthy { .. } => Status::failed_precondition(e.to_string()),
+        AllocateError::Held { .. } | AllocateError::Unhealthy { .. } => {
+            Status::failed_precondition(e.to_string())
+        }
         _ => Status::invalid_argument(e.to_string()),
     }
 }

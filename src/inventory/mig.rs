@@ -44,7 +44,9 @@ impl MigCatalogue {
     }
 
     pub fn profile_by_nvml_index(&self, nvml_profile: u32) -> Option<&'static MigProfileSpec> {
-        self.profiles.iter().find(|p| p.nvml_profile == nvml_profile)
+        self.profiles
+            .iter()
+            .find(|p| p.nvml_profile == nvml_profile)
     }
 
     pub fn profile_names(&self) -> Vec<&'static str> {
@@ -160,7 +162,12 @@ mod tests {
                     assert_ne!(a.id, b.id, "{}", c.name);
                 }
                 for start in a.placements {
-                    assert!(start + a.memory_slices <= c.memory_slices, "{} {}", c.name, a.name);
+                    assert!(
+                        start + a.memory_slices <= c.memory_slices,
+                        "{} {}",
+                        c.name,
+                        a.name
+                    );
                 }
                 assert!(a.gpu_slices <= c.compute_slices);
             }

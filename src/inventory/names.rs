@@ -33,9 +33,21 @@ impl<'a> DeviceRef<'a> {
         match self {
             DeviceRef::Gpu(g) => format!("gpu-{}", g.index),
             DeviceRef::Mig { parent, mig } => {
-                let profile: String = mig.profile.chars().filter(|c| c.is_ascii_alphanumeric()).collect::<String>().to_ascii_lowercase();
-                let ci = if mig.compute_instance_id == 0 { String::new() } else { format!("-{}", mig.compute_instance_id) };
-                format!("gpu-{}-mig-{}-{}{}", parent.index, profile, mig.gpu_instance_id, ci)
+                let profile: String = mig
+                    .profile
+                    .chars()
+                    .filter(|c| c.is_ascii_alphanumeric())
+                    .collect::<String>()
+                    .to_ascii_lowercase();
+                let ci = if mig.compute_instance_id == 0 {
+                    String::new()
+                } else {
+                    format!("-{}", mig.compute_instance_id)
+                };
+                format!(
+                    "gpu-{}-mig-{}-{}{}",
+                    parent.index, profile, mig.gpu_instance_id, ci
+                )
             }
         }
     }
@@ -48,7 +60,11 @@ impl Inventory {
         let mut out = Vec::new();
         for g in &self.gpus {
             if g.mig.current {
-                out.extend(g.mig_devices.iter().map(|m| DeviceRef::Mig { parent: g, mig: m }));
+                out.extend(
+                    g.mig_devices
+                        .iter()
+                        .map(|m| DeviceRef::Mig { parent: g, mig: m }),
+                );
             } else {
                 out.push(DeviceRef::Gpu(g));
             }
@@ -58,7 +74,9 @@ impl Inventory {
 
     /// The DRA device with this name.
     pub fn dra_device(&self, name: &str) -> Option<DeviceRef<'_>> {
-        self.dra_devices().into_iter().find(|d| d.dra_name() == name)
+        self.dra_devices()
+            .into_iter()
+            .find(|d| d.dra_name() == name)
     }
 }
 
@@ -74,12 +92,20 @@ mod tests {
             unique.dedup();
             assert_eq!(unique.len(), names.len(), "{p}");
             for n in &names {
-                assert!(n.len() <= 63 && n.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'), "{n}");
+                assert!(
+                    n.len() <= 63
+                        && n.bytes()
+                            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'),
+                    "{n}"
+                );
             }
         }
         let inv = crate::sim::load("a100-mig-mixed").unwrap();
         assert_eq!(inv.dra_devices()[0].dra_name(), "gpu-0-mig-3g20gb-1");
         assert!(inv.dra_device("gpu-3").is_some());
-        assert!(inv.dra_device("gpu-0").is_none(), "a MIG-enabled GPU is not offered whole");
+        assert!(
+            inv.dra_device("gpu-0").is_none(),
+            "a MIG-enabled GPU is not offered whole"
+        );
     }
 }

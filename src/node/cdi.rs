@@ -27,7 +27,13 @@ pub struct NodeSpecWriter {
 
 impl NodeSpecWriter {
     pub fn new(cdi_root: PathBuf, driver_root: PathBuf, dev_root: PathBuf) -> Self {
-        NodeSpecWriter { cdi_root, driver_root, dev_root, written_for: None, missing_logged: false }
+        NodeSpecWriter {
+            cdi_root,
+            driver_root,
+            dev_root,
+            written_for: None,
+            missing_logged: false,
+        }
     }
 
     /// Writes the spec for `inv` unless it is already current.
@@ -38,7 +44,11 @@ impl NodeSpecWriter {
         let files = DriverFiles::discover(&self.driver_root, &self.dev_root, inv);
         if !files.is_complete() {
             if !self.missing_logged {
-                let missing: Vec<String> = files.missing_device_nodes.iter().map(|p| p.display().to_string()).collect();
+                let missing: Vec<String> = files
+                    .missing_device_nodes
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect();
                 tracing::warn!(missing = %missing.join(", "), "device nodes missing; the CDI spec is written once they exist");
                 self.missing_logged = true;
             }

@@ -73,7 +73,8 @@ fn load_config(path: Option<&Path>) -> Result<AgentConfig, ConfigError> {
 }
 
 fn mtime(path: Option<&Path>) -> Option<SystemTime> {
-    path.and_then(|p| std::fs::metadata(p).ok()).and_then(|m| m.modified().ok())
+    path.and_then(|p| std::fs::metadata(p).ok())
+        .and_then(|m| m.modified().ok())
 }
 
 /// The inventory to serve: what answered, plus GPUs known from before that are now lost (so they
@@ -86,7 +87,13 @@ fn with_lost(previous: Option<&Inventory>, found: &Discovery) -> (Inventory, Vec
             if let Some(g) = prev.gpu(lost.index) {
                 if inv.gpu(lost.index).is_none() {
                     inv.gpus.push(g.clone());
-                    inv.topology.links.extend(prev.topology.links.iter().filter(|l| l.from == lost.index || l.to == lost.index).copied());
+                    inv.topology.links.extend(
+                        prev.topology
+                            .links
+                            .iter()
+                            .filter(|l| l.from == lost.index || l.to == lost.index)
+                            .copied(),
+                    );
                 }
                 lost_uuids.push(g.uuid.clone());
             }
@@ -99,14 +106,21 @@ fn with_lost(previous: Option<&Inventory>, found: &Discovery) -> (Inventory, Vec
 }
 
 /// Discovers until it works, backing off; `None` if shut down meanwhile.
-async fn discover_with_retry(source: &Arc<dyn DeviceSource>, shutdown: &mut watch::Receiver<bool>) -> Option<Discovery> {
+async fn discover_with_retry(
+    source: &Arc<dyn DeviceSource>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Option<Discovery> {
     let mut delay = Duration::from_millis(500);
     loop {
         let s = source.clone();
         match tokio::task::spawn_blocking(move || s.discover()).await {
             Ok(Ok(d)) => return Some(d),
-            Ok(Err(e)) => tracing::error!(error = %e, retry_in = ?delay, "device discovery failed; retrying"),
-            Err(e) => tracing::error!(error = %e, retry_in = ?delay, "device discovery panicked; retrying"),
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, retry_in = ?delay, "device discovery failed; retrying")
+            }
+            Err(e) => {
+                tracing::error!(error = %e, retry_in = ?delay, "device discovery panicked; retrying")
+            }
         }
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
@@ -119,15 +133,25 @@ async fn discover_with_retry(source: &Arc<dyn DeviceSource>, shutdown: &mut watc
 fn log_changes(changes: &[Change]) {
     for c in changes {
         match c {
-            Change::Unhealthy { unit, cause } => tracing::warn!(device = %unit, %cause, "device unhealthy"),
-            Change::Recovered { unit, after } => tracing::info!(device = %unit, after = %after, "device healthy again"),
-            Change::Ignored { unit, xid } => tracing::info!(device = %unit, xid, "Xid ignored by policy"),
+            Change::Unhealthy { unit, cause } => {
+                tracing::warn!(device = %unit, %cause, "device unhealthy")
+            }
+            Change::Recovered { unit, after } => {
+                tracing::info!(device = %unit, after = %after, "device healthy again")
+            }
+            Change::Ignored { unit, xid } => {
+                tracing::info!(device = %unit, xid, "Xid ignored by policy")
+            }
         }
     }
 }
 
 /// Reads driver events on a thread of its own (NVML's wait blocks) into the health book.
-fn spawn_event_pump(source: Arc<dyn DeviceSource>, state: Arc<NodeState>, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+fn spawn_event_pump(
+    source: Arc<dyn DeviceSource>,
+    state: Arc<NodeState>,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut failing = false;
         while !stop.load(Ordering::Relaxed) {
@@ -135,7 +159,9 @@ fn spawn_event_pump(source: Arc<dyn DeviceSource>, state: Arc<NodeState>, stop: 
                 Ok(Some(event)) => {
                     failing = false;
                     let change = state.update(|s| {
-                        let c = s.health.on_event(&event, Instant::now(), &s.config.xid_policy);
+                        let c = s
+                            .health
+                            .on_event(&event, Instant::now(), &s.config.xid_policy);
                         let changed = !matches!(c, Change::Ignored { .. });
                         (c, changed)
                     });
@@ -155,12 +181,17 @@ fn spawn_event_pump(source: Arc<dyn DeviceSource>, state: Arc<NodeState>, stop: 
 }
 
 /// Runs the agent until `shutdown` resolves, then stops serving and removes its sockets.
-pub async fn run(opts: NodeOptions, source: Arc<dyn DeviceSource>, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
+pub async fn run(
+    opts: NodeOptions,
+    source: Arc<dyn DeviceSource>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), NodeError> {
     let config_file = opts.config_file.as_deref();
     let config = load_config(config_file)?;
     let (stop_tx, mut stop_rx) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
-    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).map_err(NodeError::Signals)?;
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .map_err(NodeError::Signals)?;
 
     let found = tokio::select! {
         found = discover_with_retry(&source, &mut stop_rx) => found,
@@ -181,9 +212,19 @@ pub async fn run(opts: NodeOptions, source: Arc<dyn DeviceSource>, shutdown: imp
 
     let pump_stop = Arc::new(AtomicBool::new(false));
     let pump = spawn_event_pump(source.clone(), state.clone(), pump_stop.clone());
-    let registrar = opts.device_plugin.then(|| tokio::spawn(registrar::run(opts.paths.device_plugins(), state.clone(), stop_rx.clone())));
+    let registrar = opts.device_plugin.then(|| {
+        tokio::spawn(registrar::run(
+            opts.paths.device_plugins(),
+            state.clone(),
+            stop_rx.clone(),
+        ))
+    });
 
-    let mut node_spec = cdi::NodeSpecWriter::new(opts.paths.cdi_root.clone(), opts.paths.driver_root.clone(), opts.paths.dev_root.clone());
+    let mut node_spec = cdi::NodeSpecWriter::new(
+        opts.paths.cdi_root.clone(),
+        opts.paths.driver_root.clone(),
+        opts.paths.dev_root.clone(),
+    );
     let inventory_now = || state.read().inventory.clone();
     let mut spec_state = node_spec.sync(&inventory_now());
     let mut spec_checked = Instant::now();
@@ -210,13 +251,16 @@ pub async fn run(opts: NodeOptions, source: Arc<dyn DeviceSource>, shutdown: imp
         };
         let src = source.clone();
         let changes = state.update(|s| {
-            let c = s.health.tick(Instant::now(), quiet, |uuid| src.responds(uuid));
+            let c = s
+                .health
+                .tick(Instant::now(), quiet, |uuid| src.responds(uuid));
             let changed = !c.is_empty();
             (c, changed)
         });
         log_changes(&changes);
         // Waiting for device nodes: look again every second; otherwise only on inventory change.
-        if spec_state == cdi::SpecState::Waiting && spec_checked.elapsed() >= Duration::from_secs(1) {
+        if spec_state == cdi::SpecState::Waiting && spec_checked.elapsed() >= Duration::from_secs(1)
+        {
             spec_checked = Instant::now();
             spec_state = node_spec.sync(&inventory_now());
         }
@@ -225,7 +269,9 @@ pub async fn run(opts: NodeOptions, source: Arc<dyn DeviceSource>, shutdown: imp
         if reload {
             match load_config(config_file) {
                 Ok(c) => config = c,
-                Err(e) => tracing::error!(error = %e, "config reload failed; keeping the running config"),
+                Err(e) => {
+                    tracing::error!(error = %e, "config reload failed; keeping the running config")
+                }
             }
         }
         let refresh = last_refresh.elapsed() >= refresh_every;
@@ -241,16 +287,26 @@ pub async fn run(opts: NodeOptions, source: Arc<dyn DeviceSource>, shutdown: imp
                     let (inv, lost) = with_lost(Some(&inventory), &found);
                     state.update(|s| {
                         let now = Instant::now();
-                        let fresh: Vec<&String> = lost.iter().filter(|u| s.health.health(u) != Health::Unhealthy(Cause::Lost)).collect();
-                        let newly: Vec<Change> = fresh.into_iter().map(|u| s.health.on_lost(u, now)).collect();
+                        let fresh: Vec<&String> = lost
+                            .iter()
+                            .filter(|u| s.health.health(u) != Health::Unhealthy(Cause::Lost))
+                            .collect();
+                        let newly: Vec<Change> = fresh
+                            .into_iter()
+                            .map(|u| s.health.on_lost(u, now))
+                            .collect();
                         log_changes(&newly);
                         let changed = !newly.is_empty();
                         ((), changed)
                     });
                     inventory = inv;
                 }
-                Ok(Err(e)) => tracing::error!(error = %e, "inventory refresh failed; serving the last known inventory"),
-                Err(e) => tracing::error!(error = %e, "inventory refresh panicked; serving the last known inventory"),
+                Ok(Err(e)) => {
+                    tracing::error!(error = %e, "inventory refresh failed; serving the last known inventory")
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "inventory refresh panicked; serving the last known inventory")
+                }
             }
         }
         apply(&state, inventory, config);

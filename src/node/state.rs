@@ -28,7 +28,13 @@ impl Snapshot {
         let model = TopologyModel::new(&inventory);
         let mut health = HealthBook::default();
         health.set_inventory(&inventory);
-        Ok(Snapshot { inventory, config, plan, model, health })
+        Ok(Snapshot {
+            inventory,
+            config,
+            plan,
+            model,
+            health,
+        })
     }
 
     /// Replaces inventory and/or config, keeping health marks of units that still exist.
@@ -51,7 +57,10 @@ pub struct NodeState {
 
 impl NodeState {
     pub fn new(snapshot: Snapshot) -> NodeState {
-        NodeState { snapshot: RwLock::new(snapshot), generation: watch::channel(0).0 }
+        NodeState {
+            snapshot: RwLock::new(snapshot),
+            generation: watch::channel(0).0,
+        }
     }
 
     /// Read access; hold it only for computing an answer.

@@ -17,8 +17,14 @@ const BUNDLED: &[(&str, &str)] = &[
     ("dgx-h100", include_str!("profiles/dgx-h100.yaml")),
     ("dgx1-v100", include_str!("profiles/dgx1-v100.yaml")),
     ("pcie-l4x4", include_str!("profiles/pcie-l4x4.yaml")),
-    ("a100-mig-mixed", include_str!("profiles/a100-mig-mixed.yaml")),
-    ("h100-mig-single", include_str!("profiles/h100-mig-single.yaml")),
+    (
+        "a100-mig-mixed",
+        include_str!("profiles/a100-mig-mixed.yaml"),
+    ),
+    (
+        "h100-mig-single",
+        include_str!("profiles/h100-mig-single.yaml"),
+    ),
 ];
 
 /// Why a profile could not be turned into an inventory.

@@ -10,11 +10,34 @@ pub const MAX_NVLINKS: u32 = 18;
 
 /// Brands and architectures as NVML names them; anything else is a typo in the profile.
 pub const BRANDS: &[&str] = &[
-    "Unknown", "Quadro", "Tesla", "NVS", "GRID", "GeForce", "Titan", "VApps", "VPC", "VCS", "VWS",
-    "CloudGaming", "QuadroRTX", "NvidiaRTX", "Nvidia", "GeForceRTX", "TitanRTX",
+    "Unknown",
+    "Quadro",
+    "Tesla",
+    "NVS",
+    "GRID",
+    "GeForce",
+    "Titan",
+    "VApps",
+    "VPC",
+    "VCS",
+    "VWS",
+    "CloudGaming",
+    "QuadroRTX",
+    "NvidiaRTX",
+    "Nvidia",
+    "GeForceRTX",
+    "TitanRTX",
 ];
 pub const ARCHITECTURES: &[&str] = &[
-    "Kepler", "Maxwell", "Pascal", "Volta", "Turing", "Ampere", "Ada", "Hopper", "Blackwell",
+    "Kepler",
+    "Maxwell",
+    "Pascal",
+    "Volta",
+    "Turing",
+    "Ampere",
+    "Ada",
+    "Hopper",
+    "Blackwell",
 ];
 
 /// A whole profile file.
@@ -143,10 +166,16 @@ impl ProfileFile {
             let field = format!("gpus[{i}]");
             let gpu = build_gpu(&self.models, spec, i as u32, label, &field)?;
             if !seen_bus.insert(gpu.pci_bus_id.clone()) {
-                return Err(invalid(format!("{field}.pciBusId"), format!("{} is used by another GPU", gpu.pci_bus_id)));
+                return Err(invalid(
+                    format!("{field}.pciBusId"),
+                    format!("{} is used by another GPU", gpu.pci_bus_id),
+                ));
             }
             if !seen_minor.insert(gpu.minor) {
-                return Err(invalid(format!("{field}.minor"), format!("minor {} is used by another GPU", gpu.minor)));
+                return Err(invalid(
+                    format!("{field}.minor"),
+                    format!("minor {} is used by another GPU", gpu.minor),
+                ));
             }
             for uuid in std::iter::once(&gpu.uuid).chain(gpu.mig_devices.iter().map(|m| &m.uuid)) {
                 if !seen_uuid.insert(uuid.clone()) {
@@ -165,10 +194,24 @@ impl ProfileFile {
     }
 }
 
-fn check_version(field: &str, v: &str, parts: std::ops::RangeInclusive<usize>) -> Result<(), Invalid> {
+fn check_version(
+    field: &str,
+    v: &str,
+    parts: std::ops::RangeInclusive<usize>,
+) -> Result<(), Invalid> {
     let n = v.split('.').count();
-    if !parts.contains(&n) || v.split('.').any(|p| p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit())) {
-        return Err(invalid(field, format!("`{v}` is not a dotted version of {}..{} numbers", parts.start(), parts.end())));
+    if !parts.contains(&n)
+        || v.split('.')
+            .any(|p| p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return Err(invalid(
+            field,
+            format!(
+                "`{v}` is not a dotted version of {}..{} numbers",
+                parts.start(),
+                parts.end()
+            ),
+        ));
     }
     Ok(())
 }
@@ -176,15 +219,26 @@ fn check_version(field: &str, v: &str, parts: std::ops::RangeInclusive<usize>) -
 fn check_model(name: &str, m: &ModelSpec) -> Result<(), Invalid> {
     let field = |f: &str| format!("models.{name}.{f}");
     if !BRANDS.contains(&m.brand.as_str()) {
-        return Err(invalid(field("brand"), format!("unknown brand `{}`; one of {}", m.brand, BRANDS.join(", "))));
+        return Err(invalid(
+            field("brand"),
+            format!("unknown brand `{}`; one of {}", m.brand, BRANDS.join(", ")),
+        ));
     }
     if !ARCHITECTURES.contains(&m.architecture.as_str()) {
         return Err(invalid(
             field("architecture"),
-            format!("unknown architecture `{}`; one of {}", m.architecture, ARCHITECTURES.join(", ")),
+            format!(
+                "unknown architecture `{}`; one of {}",
+                m.architecture,
+                ARCHITECTURES.join(", ")
+            ),
         ));
     }
-    check_version(&field("cudaComputeCapability"), &m.cuda_compute_capability, 2..=2)?;
+    check_version(
+        &field("cudaComputeCapability"),
+        &m.cuda_compute_capability,
+        2..=2,
+    )?;
     if m.product_name.is_empty() || m.product_name.len() > 95 {
         return Err(invalid(field("productName"), "must be 1 to 95 characters"));
     }
@@ -192,13 +246,19 @@ fn check_model(name: &str, m: &ModelSpec) -> Result<(), Invalid> {
         return Err(invalid(field("memoryMiB"), "must be positive"));
     }
     if m.nvlinks > MAX_NVLINKS {
-        return Err(invalid(field("nvlinks"), format!("{} exceeds NVML's {MAX_NVLINKS} links per GPU", m.nvlinks)));
+        return Err(invalid(
+            field("nvlinks"),
+            format!("{} exceeds NVML's {MAX_NVLINKS} links per GPU", m.nvlinks),
+        ));
     }
     if let Some(c) = &m.mig_catalogue {
         if mig::catalogue(c).is_none() {
             return Err(invalid(
                 field("migCatalogue"),
-                format!("unknown MIG table `{c}`; one of {}", mig::catalogue_names().join(", ")),
+                format!(
+                    "unknown MIG table `{c}`; one of {}",
+                    mig::catalogue_names().join(", ")
+                ),
             ));
         }
     }
@@ -215,14 +275,21 @@ fn normalize_bus_id(field: &str, raw: &str) -> Result<String, Invalid> {
     let ok = match up.split(':').collect::<Vec<_>>().as_slice() {
         [domain, bus, devfn] => match devfn.split_once('.') {
             Some((dev, func)) => {
-                is_hex(domain, 8) && is_hex(bus, 2) && is_hex(dev, 2) && func.len() == 1 && matches!(func.as_bytes()[0], b'0'..=b'7')
+                is_hex(domain, 8)
+                    && is_hex(bus, 2)
+                    && is_hex(dev, 2)
+                    && func.len() == 1
+                    && matches!(func.as_bytes()[0], b'0'..=b'7')
             }
             None => false,
         },
         _ => false,
     };
     if !ok {
-        return Err(invalid(field, format!("`{raw}` is not a PCI address like 00000000:18:00.0")));
+        return Err(invalid(
+            field,
+            format!("`{raw}` is not a PCI address like 00000000:18:00.0"),
+        ));
     }
     Ok(up)
 }
@@ -232,7 +299,10 @@ fn check_uuid(field: &str, uuid: &str, prefix: &str) -> Result<(), Invalid> {
     let groups: Vec<&str> = body.split('-').collect();
     let lens = [8, 4, 4, 4, 12];
     if groups.len() != 5 || groups.iter().zip(lens).any(|(g, l)| !is_hex(g, l)) {
-        return Err(invalid(field, format!("`{uuid}` is not a UUID like {prefix}xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx")));
+        return Err(invalid(
+            field,
+            format!("`{uuid}` is not a UUID like {prefix}xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"),
+        ));
     }
     Ok(())
 }
@@ -240,18 +310,37 @@ fn check_uuid(field: &str, uuid: &str, prefix: &str) -> Result<(), Invalid> {
 /// A stable UUID for simulated devices, so repeated runs and the fake NVML agree.
 pub fn derived_uuid(prefix: &str, seed: &str) -> String {
     let hash = |basis: u64| {
-        seed.bytes().fold(basis, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+        seed.bytes().fold(basis, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
     };
     let (a, b) = (hash(0xcbf2_9ce4_8422_2325), hash(0x6c62_272e_07bb_0142));
     let hex = format!("{a:016x}{b:016x}");
-    format!("{prefix}{}-{}-{}-{}-{}", &hex[0..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..32])
+    format!(
+        "{prefix}{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
 }
 
-fn build_gpu(models: &BTreeMap<String, ModelSpec>, spec: &GpuSpec, index: u32, label: &str, field: &str) -> Result<Gpu, Invalid> {
+fn build_gpu(
+    models: &BTreeMap<String, ModelSpec>,
+    spec: &GpuSpec,
+    index: u32,
+    label: &str,
+    field: &str,
+) -> Result<Gpu, Invalid> {
     let model = models.get(&spec.model).ok_or_else(|| {
         invalid(
             format!("{field}.model"),
-            format!("no model `{}` under `models` (defined: {})", spec.model, models.keys().cloned().collect::<Vec<_>>().join(", ")),
+            format!(
+                "no model `{}` under `models` (defined: {})",
+                spec.model,
+                models.keys().cloned().collect::<Vec<_>>().join(", ")
+            ),
         )
     })?;
     let pci_bus_id = normalize_bus_id(&format!("{field}.pciBusId"), &spec.pci_bus_id)?;
@@ -262,16 +351,31 @@ fn build_gpu(models: &BTreeMap<String, ModelSpec>, spec: &GpuSpec, index: u32, l
         }
         None => derived_uuid("GPU-", &format!("{label}/{pci_bus_id}")),
     };
-    let mig_spec = spec.mig.clone().unwrap_or(MigSpec { enabled: false, pending: None, devices: Vec::new() });
+    let mig_spec = spec.mig.clone().unwrap_or(MigSpec {
+        enabled: false,
+        pending: None,
+        devices: Vec::new(),
+    });
     let catalogue = model.mig_catalogue.as_deref().and_then(mig::catalogue);
     if (mig_spec.enabled || mig_spec.pending == Some(true)) && catalogue.is_none() {
-        return Err(invalid(format!("{field}.mig"), format!("model `{}` is not MIG capable (no migCatalogue)", spec.model)));
+        return Err(invalid(
+            format!("{field}.mig"),
+            format!(
+                "model `{}` is not MIG capable (no migCatalogue)",
+                spec.model
+            ),
+        ));
     }
     if !mig_spec.enabled && !mig_spec.devices.is_empty() {
-        return Err(invalid(format!("{field}.mig.devices"), "MIG devices listed but MIG is not enabled"));
+        return Err(invalid(
+            format!("{field}.mig.devices"),
+            "MIG devices listed but MIG is not enabled",
+        ));
     }
     let mig_devices = match catalogue {
-        Some(c) if mig_spec.enabled => build_mig_devices(c, &mig_spec.devices, &uuid, &format!("{field}.mig.devices"))?,
+        Some(c) if mig_spec.enabled => {
+            build_mig_devices(c, &mig_spec.devices, &uuid, &format!("{field}.mig.devices"))?
+        }
         _ => Vec::new(),
     };
     Ok(Gpu {
@@ -285,37 +389,77 @@ fn build_gpu(models: &BTreeMap<String, ModelSpec>, spec: &GpuSpec, index: u32, l
         memory_mib: model.memory_mib,
         pci_bus_id,
         numa_node: spec.numa_node,
-        mig: MigMode { current: mig_spec.enabled, pending: mig_spec.pending.unwrap_or(mig_spec.enabled) },
+        mig: MigMode {
+            current: mig_spec.enabled,
+            pending: mig_spec.pending.unwrap_or(mig_spec.enabled),
+        },
         mig_devices,
     })
 }
 
-fn build_mig_devices(c: &MigCatalogue, specs: &[MigDeviceSpec], parent_uuid: &str, field: &str) -> Result<Vec<MigDevice>, Invalid> {
+fn build_mig_devices(
+    c: &MigCatalogue,
+    specs: &[MigDeviceSpec],
+    parent_uuid: &str,
+    field: &str,
+) -> Result<Vec<MigDevice>, Invalid> {
     let mut out: Vec<MigDevice> = Vec::with_capacity(specs.len());
     let mut compute_used = 0;
     for (i, spec) in specs.iter().enumerate() {
         let f = format!("{field}[{i}]");
         let p = c.profile(&spec.profile).ok_or_else(|| {
-            invalid(format!("{f}.profile"), format!("unknown MIG profile `{}` for {}; one of {}", spec.profile, c.name, c.profile_names().join(", ")))
+            invalid(
+                format!("{f}.profile"),
+                format!(
+                    "unknown MIG profile `{}` for {}; one of {}",
+                    spec.profile,
+                    c.name,
+                    c.profile_names().join(", ")
+                ),
+            )
         })?;
         compute_used += p.gpu_slices;
         if compute_used > c.compute_slices {
-            return Err(invalid(f, format!("MIG devices need {compute_used} compute slices; the GPU has {}", c.compute_slices)));
+            return Err(invalid(
+                f,
+                format!(
+                    "MIG devices need {compute_used} compute slices; the GPU has {}",
+                    c.compute_slices
+                ),
+            ));
         }
         let free = |start: u32| {
-            let pl = Placement { start, size: p.memory_slices };
+            let pl = Placement {
+                start,
+                size: p.memory_slices,
+            };
             out.iter().all(|d| !d.placement.overlaps(&pl))
         };
         let start = match spec.placement {
             Some(s) if !p.placements.contains(&s) => {
-                return Err(invalid(format!("{f}.placement"), format!("{} can start only at memory slice {:?}, not {s}", p.name, p.placements)));
+                return Err(invalid(
+                    format!("{f}.placement"),
+                    format!(
+                        "{} can start only at memory slice {:?}, not {s}",
+                        p.name, p.placements
+                    ),
+                ));
             }
             Some(s) if !free(s) => {
-                return Err(invalid(format!("{f}.placement"), format!("{} at slice {s} overlaps another MIG device", p.name)));
+                return Err(invalid(
+                    format!("{f}.placement"),
+                    format!("{} at slice {s} overlaps another MIG device", p.name),
+                ));
             }
             Some(s) => s,
             None => *p.placements.iter().find(|s| free(**s)).ok_or_else(|| {
-                invalid(f.clone(), format!("no free placement left for {} (memory slices exhausted)", p.name))
+                invalid(
+                    f.clone(),
+                    format!(
+                        "no free placement left for {} (memory slices exhausted)",
+                        p.name
+                    ),
+                )
             })?,
         };
         let gpu_instance_id = i as u32 + 1;
@@ -333,7 +477,10 @@ fn build_mig_devices(c: &MigCatalogue, specs: &[MigDeviceSpec], parent_uuid: &st
             gpu_instance_id,
             compute_instance_id: 0,
             gpu_slices: p.gpu_slices,
-            placement: Placement { start, size: p.memory_slices },
+            placement: Placement {
+                start,
+                size: p.memory_slices,
+            },
             memory_mib: p.memory_mib,
             multiprocessors: p.multiprocessors,
             copy_engines: p.copy_engines,
@@ -346,20 +493,37 @@ fn build_mig_devices(c: &MigCatalogue, specs: &[MigDeviceSpec], parent_uuid: &st
     Ok(out)
 }
 
-fn build_topology(models: &BTreeMap<String, ModelSpec>, specs: &[GpuSpec], gpus: &[Gpu], t: &TopologySpec) -> Result<Topology, Invalid> {
+fn build_topology(
+    models: &BTreeMap<String, ModelSpec>,
+    specs: &[GpuSpec],
+    gpus: &[Gpu],
+    t: &TopologySpec,
+) -> Result<Topology, Invalid> {
     let n = gpus.len() as u32;
     if t.nvswitch && !t.nvlinks.is_empty() {
-        return Err(invalid("topology.nvlinks", "direct NVLinks and an NVSwitch fabric cannot be mixed in one profile"));
+        return Err(invalid(
+            "topology.nvlinks",
+            "direct NVLinks and an NVSwitch fabric cannot be mixed in one profile",
+        ));
     }
     let mut direct: BTreeMap<(u32, u32), u32> = BTreeMap::new();
     let mut per_gpu = vec![0u32; gpus.len()];
     for (i, [a, b, count]) in t.nvlinks.iter().copied().enumerate() {
         let f = format!("topology.nvlinks[{i}]");
         if a >= n || b >= n {
-            return Err(invalid(f, format!("links GPU {a} and GPU {b}, but the profile has GPUs 0..{}", n - 1)));
+            return Err(invalid(
+                f,
+                format!(
+                    "links GPU {a} and GPU {b}, but the profile has GPUs 0..{}",
+                    n - 1
+                ),
+            ));
         }
         if a == b || count == 0 {
-            return Err(invalid(f, "a link needs two different GPUs and a positive count"));
+            return Err(invalid(
+                f,
+                "a link needs two different GPUs and a positive count",
+            ));
         }
         if direct.insert((a.min(b), a.max(b)), count).is_some() {
             return Err(invalid(f, format!("GPUs {a} and {b} are linked twice")));
@@ -367,46 +531,76 @@ fn build_topology(models: &BTreeMap<String, ModelSpec>, specs: &[GpuSpec], gpus:
         for g in [a, b] {
             per_gpu[g as usize] += count;
             if per_gpu[g as usize] > MAX_NVLINKS {
-                return Err(invalid(f, format!("GPU {g} would have more than NVML's {MAX_NVLINKS} NVLinks")));
+                return Err(invalid(
+                    f,
+                    format!("GPU {g} would have more than NVML's {MAX_NVLINKS} NVLinks"),
+                ));
             }
         }
     }
     let fabric_links = |i: usize| models.get(&specs[i].model).map_or(0, |m| m.nvlinks);
     if t.nvswitch {
         if let Some(i) = (0..gpus.len()).find(|&i| fabric_links(i) == 0) {
-            return Err(invalid(format!("gpus[{i}].model"), "on an NVSwitch fabric every GPU model needs `nvlinks` > 0"));
+            return Err(invalid(
+                format!("gpus[{i}].model"),
+                "on an NVSwitch fabric every GPU model needs `nvlinks` > 0",
+            ));
         }
     }
     let groups: [(&str, &Vec<Vec<u32>>, PathLevel); 4] = [
         ("sameBoard", &t.pcie.same_board, PathLevel::SameBoard),
-        ("singleSwitch", &t.pcie.single_switch, PathLevel::SingleSwitch),
-        ("multipleSwitches", &t.pcie.multiple_switches, PathLevel::MultipleSwitches),
+        (
+            "singleSwitch",
+            &t.pcie.single_switch,
+            PathLevel::SingleSwitch,
+        ),
+        (
+            "multipleSwitches",
+            &t.pcie.multiple_switches,
+            PathLevel::MultipleSwitches,
+        ),
         ("hostBridge", &t.pcie.host_bridge, PathLevel::HostBridge),
     ];
     for (name, list, _) in &groups {
         for (i, group) in list.iter().enumerate() {
             if let Some(g) = group.iter().find(|g| **g >= n) {
-                return Err(invalid(format!("topology.pcie.{name}[{i}]"), format!("GPU {g} does not exist (the profile has GPUs 0..{})", n - 1)));
+                return Err(invalid(
+                    format!("topology.pcie.{name}[{i}]"),
+                    format!("GPU {g} does not exist (the profile has GPUs 0..{})", n - 1),
+                ));
             }
         }
     }
     let mut links = Vec::new();
     for a in 0..n {
         for b in a + 1..n {
-            let shared = |list: &Vec<Vec<u32>>| list.iter().any(|g| g.contains(&a) && g.contains(&b));
-            let level = groups.iter().find(|(_, list, _)| shared(list)).map(|(_, _, l)| *l).unwrap_or_else(|| {
-                match (gpus[a as usize].numa_node, gpus[b as usize].numa_node) {
-                    (Some(x), Some(y)) if x == y => PathLevel::NumaNode,
-                    _ => PathLevel::System,
-                }
-            });
+            let shared =
+                |list: &Vec<Vec<u32>>| list.iter().any(|g| g.contains(&a) && g.contains(&b));
+            let level = groups
+                .iter()
+                .find(|(_, list, _)| shared(list))
+                .map(|(_, _, l)| *l)
+                .unwrap_or_else(|| {
+                    match (gpus[a as usize].numa_node, gpus[b as usize].numa_node) {
+                        (Some(x), Some(y)) if x == y => PathLevel::NumaNode,
+                        _ => PathLevel::System,
+                    }
+                });
             let nvlinks = if t.nvswitch {
                 fabric_links(a as usize).min(fabric_links(b as usize))
             } else {
                 direct.get(&(a, b)).copied().unwrap_or(0)
             };
-            links.push(Link { from: a, to: b, nvlinks, level });
+            links.push(Link {
+                from: a,
+                to: b,
+                nvlinks,
+                level,
+            });
         }
     }
-    Ok(Topology { nvswitch: t.nvswitch, links })
+    Ok(Topology {
+        nvswitch: t.nvswitch,
+        links,
+    })
 }

@@ -42,12 +42,18 @@ fn every_bundled_profile_loads() {
 fn dgx1_v100_has_the_hybrid_cube_mesh_with_six_links_per_gpu() {
     let inv = load("dgx1-v100").unwrap();
     for g in 0..8 {
-        let total: u32 = (0..8).filter(|o| *o != g).map(|o| inv.topology.link(g, o).unwrap().nvlinks).sum();
+        let total: u32 = (0..8)
+            .filter(|o| *o != g)
+            .map(|o| inv.topology.link(g, o).unwrap().nvlinks)
+            .sum();
         assert_eq!(total, 6, "GPU {g}");
     }
     assert_eq!(inv.topology.link(0, 3).unwrap().nvlinks, 2);
     assert_eq!(inv.topology.link(0, 5).unwrap().nvlinks, 0);
-    assert_eq!(inv.topology.link(0, 1).unwrap().level, PathLevel::SingleSwitch);
+    assert_eq!(
+        inv.topology.link(0, 1).unwrap().level,
+        PathLevel::SingleSwitch
+    );
     assert_eq!(inv.topology.link(0, 2).unwrap().level, PathLevel::NumaNode);
     assert_eq!(inv.topology.link(3, 4).unwrap().level, PathLevel::System);
     assert!(!inv.topology.nvswitch);
@@ -60,7 +66,10 @@ fn h100_mig_single_has_56_uniform_mig_devices_with_distinct_placements() {
     for gpu in &inv.gpus {
         let starts: Vec<u32> = gpu.mig_devices.iter().map(|m| m.placement.start).collect();
         assert_eq!(starts, vec![0, 1, 2, 3, 4, 5, 6]);
-        assert!(gpu.mig_devices.iter().all(|m| m.profile == "1g.10gb" && m.parent_uuid == gpu.uuid));
+        assert!(gpu
+            .mig_devices
+            .iter()
+            .all(|m| m.profile == "1g.10gb" && m.parent_uuid == gpu.uuid));
     }
     assert!(inv.topology.nvswitch);
     assert!(inv.topology.links.iter().all(|l| l.nvlinks == 18));
@@ -78,13 +87,20 @@ fn generated_uuids_are_stable_and_well_formed() {
 #[test]
 fn automatic_placement_takes_the_first_free_allowed_slice() {
     let inv = from_str("t", "t", MINIMAL).unwrap();
-    let starts: Vec<u32> = inv.gpus[0].mig_devices.iter().map(|m| m.placement.start).collect();
+    let starts: Vec<u32> = inv.gpus[0]
+        .mig_devices
+        .iter()
+        .map(|m| m.placement.start)
+        .collect();
     assert_eq!(starts, vec![0, 4]);
 }
 
 #[test]
 fn an_unknown_mig_profile_is_rejected_with_its_field() {
-    let (field, reason) = rejected(&MINIMAL.replace("{ profile: 3g.20gb }, { profile: 3g.20gb }", "{ profile: 3g.25gb }"));
+    let (field, reason) = rejected(&MINIMAL.replace(
+        "{ profile: 3g.20gb }, { profile: 3g.20gb }",
+        "{ profile: 3g.25gb }",
+    ));
     assert_eq!(field, "gpus[0].mig.devices[0].profile");
     assert!(reason.contains("unknown MIG profile `3g.25gb`"), "{reason}");
 }
@@ -132,7 +148,12 @@ fn a_bad_pci_address_is_rejected() {
 
 #[test]
 fn unknown_fields_are_parse_errors_naming_the_file() {
-    let err = from_str("my.yaml", "my", &MINIMAL.replace("numaNode: 0\n    mig", "numaNod: 0\n    mig")).unwrap_err();
+    let err = from_str(
+        "my.yaml",
+        "my",
+        &MINIMAL.replace("numaNode: 0\n    mig", "numaNod: 0\n    mig"),
+    )
+    .unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, ProfileError::Parse { .. }));
     assert!(msg.contains("my.yaml") && msg.contains("numaNod"), "{msg}");
@@ -141,5 +162,8 @@ fn unknown_fields_are_parse_errors_naming_the_file() {
 #[test]
 fn a_missing_profile_names_the_bundled_ones() {
     let msg = load("/nonexistent/profile.yaml").unwrap_err().to_string();
-    assert!(msg.contains("dgx-h100") && msg.contains("/nonexistent/profile.yaml"), "{msg}");
+    assert!(
+        msg.contains("dgx-h100") && msg.contains("/nonexistent/profile.yaml"),
+        "{msg}"
+    );
 }

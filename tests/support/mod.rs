@@ -32,4 +32,3 @@ pub fn built_fake() -> &'static Path {
             .expect("cargo reported no libnvidia_ml.so artifact")
     })
 }
-
