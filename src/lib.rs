@@ -11,6 +11,7 @@ pub mod fsutil;
 pub mod grpc;
 pub mod health;
 pub mod inventory;
+pub mod ledger;
 pub mod node;
 pub mod nvml;
 pub mod proto;

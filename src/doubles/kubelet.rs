@@ -1,11 +1,15 @@
 //! A kubelet double for the device plugin API: serves `v1beta1.Registration` on
 //! `<root>/device-plugins/kubelet.sock` and drives registered plugins as the kubelet's device
 //! manager does: dial the endpoint, read options, follow ListAndWatch, call
-//! GetPreferredAllocation and Allocate. `restart` does what a kubelet restart does to plugins:
-//! it deletes every socket in `device-plugins/` and re-creates `kubelet.sock`.
+//! GetPreferredAllocation and Allocate. `admit` is the device manager's pod admission (pick from
+//! the healthy unassigned devices, ask for a preference, Allocate, record the assignment) and
+//! the recorded assignments are served on `<root>/pod-resources/kubelet.sock` through
+//! `v1.PodResourcesLister`, as the kubelet does. `restart` does what a kubelet restart does to
+//! plugins: it deletes every socket in `device-plugins/` and re-creates `kubelet.sock`.
 
 use crate::grpc;
 use crate::proto::deviceplugin_v1beta1 as pb;
+use crate::proto::podresources_v1 as pr;
 use pb::device_plugin_client::DevicePluginClient;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -35,9 +39,13 @@ impl PluginView {
     }
 }
 
+/// Devices assigned to one container: (namespace, pod, container) -> resource -> device IDs.
+type Assignments = BTreeMap<(String, String, String), BTreeMap<String, Vec<String>>>;
+
 #[derive(Default)]
 struct Inner {
     plugins: Mutex<BTreeMap<String, PluginView>>,
+    assigned: Mutex<Assignments>,
     registrations: Mutex<Vec<pb::RegisterRequest>>,
     streams: Mutex<Vec<JoinHandle<()>>>,
     changed: Option<watch::Sender<u64>>,
@@ -57,9 +65,54 @@ impl Inner {
 
 pub struct KubeletDouble {
     dir: PathBuf,
+    pod_resources: PathBuf,
     inner: Arc<Inner>,
     changes: watch::Receiver<u64>,
     server: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
+}
+
+struct PodResourcesService {
+    inner: Arc<Inner>,
+}
+
+fn container_devices(resource: &str, ids: &[String]) -> pr::ContainerDevices {
+    pr::ContainerDevices { resource_name: resource.to_string(), device_ids: ids.to_vec(), topology: None }
+}
+
+#[tonic::async_trait]
+impl pr::pod_resources_lister_server::PodResourcesLister for PodResourcesService {
+    async fn list(&self, _: Request<pr::ListPodResourcesRequest>) -> Result<Response<pr::ListPodResourcesResponse>, Status> {
+        let assigned = lock(&self.inner.assigned).clone();
+        let mut pods: BTreeMap<(String, String), Vec<pr::ContainerResources>> = BTreeMap::new();
+        for ((ns, pod, container), by_resource) in assigned {
+            pods.entry((ns, pod)).or_default().push(pr::ContainerResources {
+                name: container,
+                devices: by_resource.iter().map(|(r, ids)| container_devices(r, ids)).collect(),
+                ..Default::default()
+            });
+        }
+        let pod_resources = pods.into_iter().map(|((namespace, name), containers)| pr::PodResources { name, namespace, containers }).collect();
+        Ok(Response::new(pr::ListPodResourcesResponse { pod_resources }))
+    }
+
+    async fn get_allocatable_resources(&self, _: Request<pr::AllocatableResourcesRequest>) -> Result<Response<pr::AllocatableResourcesResponse>, Status> {
+        let plugins = lock(&self.inner.plugins).clone();
+        let devices = plugins
+            .iter()
+            .map(|(r, v)| container_devices(r, &v.devices.iter().filter(|d| d.health == "Healthy").map(|d| d.id.clone()).collect::<Vec<_>>()))
+            .collect();
+        Ok(Response::new(pr::AllocatableResourcesResponse { devices, ..Default::default() }))
+    }
+
+    async fn get(&self, req: Request<pr::GetPodResourcesRequest>) -> Result<Response<pr::GetPodResourcesResponse>, Status> {
+        let req = req.into_inner();
+        let all = self.list(Request::new(pr::ListPodResourcesRequest {})).await?.into_inner();
+        let pod = all.pod_resources.into_iter().find(|p| p.name == req.pod_name && p.namespace == req.pod_namespace);
+        match pod {
+            Some(p) => Ok(Response::new(pr::GetPodResourcesResponse { pod_resources: Some(p) })),
+            None => Err(Status::not_found(format!("pod {}/{} not found", req.pod_namespace, req.pod_name))),
+        }
+    }
 }
 
 struct RegistrationService {
@@ -160,6 +213,7 @@ impl KubeletDouble {
         });
         let mut k = KubeletDouble {
             dir: kubelet_root.join("device-plugins"),
+            pod_resources: kubelet_root.join("pod-resources").join("kubelet.sock"),
             inner,
             changes,
             server: None,
@@ -170,12 +224,27 @@ impl KubeletDouble {
 
     fn serve(&mut self) -> Result<(), grpc::SocketError> {
         let listener = grpc::bind(&self.dir.join("kubelet.sock"))?;
+        let pr_listener = grpc::bind(&self.pod_resources)?;
         let svc = pb::registration_server::RegistrationServer::new(RegistrationService {
             dir: self.dir.clone(),
             inner: self.inner.clone(),
         });
+        let pr_svc = pr::pod_resources_lister_server::PodResourcesListerServer::new(
+            PodResourcesService { inner: self.inner.clone() },
+        );
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
+            let (pr_stop, pr_stopped) = oneshot::channel::<()>();
+            let pod_resources = tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(pr_svc)
+                    .serve_with_incoming_shutdown(
+                        tokio_stream::wrappers::UnixListenerStream::new(pr_listener),
+                        async {
+                            let _ = pr_stopped.await;
+                        },
+                    ),
+            );
             let _ = tonic::transport::Server::builder()
                 .add_service(svc)
                 .serve_with_incoming_shutdown(
@@ -185,6 +254,8 @@ impl KubeletDouble {
                     },
                 )
                 .await;
+            let _ = pr_stop.send(());
+            let _ = pod_resources.await;
         });
         self.server = Some((stop, task));
         Ok(())
@@ -292,6 +363,39 @@ impl KubeletDouble {
         resp.container_responses
             .pop()
             .ok_or_else(|| Status::internal("Allocate returned no container response"))
+    }
+
+    /// Admits one container asking for `count` devices of `resource`, as the device manager
+    /// does: healthy devices no other container is assigned, a preferred allocation, Allocate,
+    /// then the assignment is recorded (and listed by PodResources). Returns the device IDs.
+    pub async fn admit(&self, namespace: &str, pod: &str, container: &str, resource: &str, count: usize) -> Result<(Vec<String>, pb::ContainerAllocateResponse), Status> {
+        let view = self.plugin(resource).ok_or_else(|| Status::not_found(format!("no plugin registered for {resource}")))?;
+        let taken: std::collections::BTreeSet<String> =
+            lock(&self.inner.assigned).values().filter_map(|m| m.get(resource)).flatten().cloned().collect();
+        let available: Vec<String> = view.devices.iter().filter(|d| d.health == "Healthy" && !taken.contains(&d.id)).map(|d| d.id.clone()).collect();
+        if available.len() < count {
+            return Err(Status::resource_exhausted(format!("{count} {resource} requested, {} available", available.len())));
+        }
+        let ids = match view.options.as_ref().is_some_and(|o| o.get_preferred_allocation_available) {
+            true => self.preferred(resource, &available, &[], count).await?,
+            false => available[..count].to_vec(),
+        };
+        let grant = self.allocate(resource, &ids).await?;
+        lock(&self.inner.assigned)
+            .entry((namespace.to_string(), pod.to_string(), container.to_string()))
+            .or_default()
+            .insert(resource.to_string(), ids.clone());
+        Ok((ids, grant))
+    }
+
+    /// The pod ended: its devices are no longer assigned (PodResources stops listing them).
+    pub fn end_pod(&self, namespace: &str, pod: &str) {
+        lock(&self.inner.assigned).retain(|(ns, p, _), _| !(ns == namespace && p == pod));
+    }
+
+    /// The PodResources socket path.
+    pub fn pod_resources_socket(&self) -> &Path {
+        &self.pod_resources
     }
 
     /// GetPreferredAllocation for one container.

@@ -1,0 +1,235 @@
+//! The allocation ledger (pure): who holds which physical device, across both kubelet APIs.
+//!
+//! A unit is a whole GPU or one MIG device. A MIG device and its parent GPU overlap: holding the
+//! GPU blocks all its MIG devices and holding any MIG device blocks the GPU. The ledger refuses a
+//! hold that overlaps another holder's, so no device is ever given to two consumers, whichever
+//! API asked. It is rebuilt from what the kubelet reports (PodResources) and the DRA checkpoint.
+
+use crate::inventory::Inventory;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+/// Who holds a unit.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Holder {
+    /// A container that got the device through the device plugin API. `pod` is
+    /// `namespace/name/container` once PodResources names it, `None` between Allocate and then.
+    DevicePlugin { resource: String, device_id: String, pod: Option<String> },
+    /// A prepared DRA claim.
+    Claim { uid: String, name: String },
+}
+
+impl fmt::Display for Holder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Holder::DevicePlugin { resource, device_id, pod: Some(pod) } => write!(f, "container {pod} ({resource} {device_id})"),
+            Holder::DevicePlugin { resource, device_id, pod: None } => write!(f, "a device plugin allocation ({resource} {device_id})"),
+            Holder::Claim { uid, name } => write!(f, "ResourceClaim {name} (uid {uid})"),
+        }
+    }
+}
+
+impl Holder {
+    /// Whether two holds may share a unit. The device plugin side counts as one consumer: the
+    /// kubelet itself never assigns one device ID twice, and time-sliced replicas of one unit
+    /// are meant to be shared. Claims are one consumer each.
+    fn same_consumer(&self, other: &Holder) -> bool {
+        match (self, other) {
+            (Holder::Claim { uid: a, .. }, Holder::Claim { uid: b, .. }) => a == b,
+            (Holder::DevicePlugin { .. }, Holder::DevicePlugin { .. }) => true,
+            _ => false,
+        }
+    }
+}
+
+/// A refused hold: the unit (or an overlapping one) is taken.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("device {unit} is held by {holder}{}", overlap.as_ref().map(|o| format!(" (through overlapping device {o})")).unwrap_or_default())]
+pub struct Held {
+    pub unit: String,
+    pub holder: Holder,
+    /// The overlapping unit actually held, when not `unit` itself.
+    pub overlap: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ledger {
+    holds: BTreeMap<String, Holder>,
+    parent: BTreeMap<String, String>,
+    children: BTreeMap<String, Vec<String>>,
+}
+
+impl Ledger {
+    pub fn new(inv: &Inventory) -> Ledger {
+        let mut l = Ledger::default();
+        l.set_inventory(inv);
+        l
+    }
+
+    /// Learns the MIG/GPU overlap relation. Holds on units that vanished are kept: a pod or claim
+    /// still holds them until it is released, and they must not be handed out if they return.
+    pub fn set_inventory(&mut self, inv: &Inventory) {
+        self.parent.clear();
+        self.children.clear();
+        for g in &inv.gpus {
+            for m in &g.mig_devices {
+                self.parent.insert(m.uuid.clone(), g.uuid.clone());
+                self.children.entry(g.uuid.clone()).or_default().push(m.uuid.clone());
+            }
+        }
+    }
+
+    /// Units that overlap `unit`, itself first.
+    fn overlapping(&self, unit: &str) -> Vec<String> {
+        let mut out = vec![unit.to_string()];
+        if let Some(p) = self.parent.get(unit) {
+            out.push(p.clone());
+        }
+        if let Some(c) = self.children.get(unit) {
+            out.extend(c.iter().cloned());
+        }
+        out
+    }
+
+    /// Another consumer's hold that blocks `unit` for `who`, if any.
+    pub fn conflict(&self, unit: &str, who: &Holder) -> Option<Held> {
+        self.overlapping(unit).into_iter().find_map(|u| {
+            let h = self.holds.get(&u)?;
+            (!h.same_consumer(who)).then(|| Held { unit: unit.to_string(), holder: h.clone(), overlap: (u != unit).then_some(u) })
+        })
+    }
+
+    /// Holds every unit for `who`, or none of them.
+    pub fn hold_all(&mut self, units: &[String], who: &Holder) -> Result<(), Held> {
+        if let Some(held) = units.iter().find_map(|u| self.conflict(u, who)) {
+            return Err(held);
+        }
+        for u in units {
+            self.holds.insert(u.clone(), who.clone());
+        }
+        Ok(())
+    }
+
+    /// Releases everything a claim holds; returns the units freed.
+    pub fn release_claim(&mut self, uid: &str) -> Vec<String> {
+        self.release_where(|h| matches!(h, Holder::Claim { uid: u, .. } if u == uid))
+    }
+
+    /// Releases device-plugin holds for which `keep` is false; returns the units freed.
+    pub fn release_device_plugin_unless(&mut self, keep: impl Fn(&str, &Holder) -> bool) -> Vec<String> {
+        let gone: Vec<String> = self
+            .holds
+            .iter()
+            .filter(|(u, h)| matches!(h, Holder::DevicePlugin { .. }) && !keep(u, h))
+            .map(|(u, _)| u.clone())
+            .collect();
+        for u in &gone {
+            self.holds.remove(u);
+        }
+        gone
+    }
+
+    fn release_where(&mut self, pred: impl Fn(&Holder) -> bool) -> Vec<String> {
+        let gone: Vec<String> = self.holds.iter().filter(|(_, h)| pred(h)).map(|(u, _)| u.clone()).collect();
+        for u in &gone {
+            self.holds.remove(u);
+        }
+        gone
+    }
+
+    /// Names the pod of a device-plugin hold once PodResources reports it.
+    pub fn name_pod(&mut self, unit: &str, pod: &str) {
+        if let Some(Holder::DevicePlugin { pod: p, .. }) = self.holds.get_mut(unit) {
+            *p = Some(pod.to_string());
+        }
+    }
+
+    pub fn holder(&self, unit: &str) -> Option<&Holder> {
+        self.holds.get(unit)
+    }
+
+    pub fn holds(&self) -> impl Iterator<Item = (&str, &Holder)> {
+        self.holds.iter().map(|(u, h)| (u.as_str(), h))
+    }
+
+    /// Units blocked for `who`: held by someone else, directly or through an overlap.
+    pub fn blocked_for(&self, who: &Holder) -> BTreeSet<String> {
+        let mut out = BTreeSet::new();
+        for (u, h) in &self.holds {
+            if h.same_consumer(who) {
+                continue;
+            }
+            out.extend(self.overlapping(u));
+        }
+        out
+    }
+
+    /// Checks the invariant: no two different consumers hold overlapping units.
+    pub fn check_invariant(&self) -> Result<(), String> {
+        for (u, h) in &self.holds {
+            for o in self.overlapping(u).into_iter().skip(1) {
+                if let Some(h2) = self.holds.get(&o) {
+                    if !h.same_consumer(h2) {
+                        return Err(format!("{u} held by {h} overlaps {o} held by {h2}"));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(uid: &str) -> Holder {
+        Holder::Claim { uid: uid.into(), name: format!("ns/{uid}") }
+    }
+
+    #[test]
+    fn device_plugin_replicas_share_a_unit_but_block_claims() {
+        let inv = crate::sim::load("pcie-l4x4").unwrap();
+        let mut l = Ledger::new(&inv);
+        let u = vec![inv.gpus[0].uuid.clone()];
+        l.hold_all(&u, &dp("GPU-a::0")).unwrap();
+        l.hold_all(&u, &dp("GPU-a::1")).unwrap();
+        assert!(l.hold_all(&u, &claim("c")).is_err());
+        assert_eq!(l.release_device_plugin_unless(|_, _| false), u);
+        l.hold_all(&u, &claim("c")).unwrap();
+    }
+
+    fn dp(id: &str) -> Holder {
+        Holder::DevicePlugin { resource: "nvidia.com/gpu".into(), device_id: id.into(), pod: None }
+    }
+
+    #[test]
+    fn a_gpu_and_its_mig_devices_block_each_other() {
+        let inv = crate::sim::load("a100-mig-mixed").unwrap();
+        let mut l = Ledger::new(&inv);
+        let gpu = inv.gpus[0].uuid.clone();
+        let mig = inv.gpus[0].mig_devices[1].uuid.clone();
+        l.hold_all(std::slice::from_ref(&mig), &claim("c1")).unwrap();
+        let err = l.hold_all(std::slice::from_ref(&gpu), &dp(&gpu)).unwrap_err();
+        assert_eq!(err.overlap.as_deref(), Some(mig.as_str()));
+        assert!(err.to_string().contains("ResourceClaim ns/c1"), "{err}");
+        assert_eq!(l.release_claim("c1"), vec![mig]);
+        l.hold_all(std::slice::from_ref(&gpu), &dp(&gpu)).unwrap();
+        let other = inv.gpus[0].mig_devices[0].uuid.clone();
+        assert!(l.conflict(&other, &claim("c2")).is_some());
+        l.check_invariant().unwrap();
+    }
+
+    #[test]
+    fn holds_are_all_or_nothing_and_idempotent_for_the_same_consumer() {
+        let inv = crate::sim::load("dgx-h100").unwrap();
+        let mut l = Ledger::new(&inv);
+        let u: Vec<String> = inv.gpus.iter().map(|g| g.uuid.clone()).collect();
+        l.hold_all(&u[..2], &claim("a")).unwrap();
+        l.hold_all(&u[..2], &claim("a")).unwrap();
+        assert!(l.hold_all(&u[1..3], &claim("b")).is_err());
+        assert!(l.holder(&u[2]).is_none(), "a refused hold takes nothing");
+        assert_eq!(l.blocked_for(&claim("b")).len(), 2);
+        assert!(l.blocked_for(&claim("a")).is_empty());
+    }
+}
