@@ -90,6 +90,21 @@ struct RawFile {
     sharing: RawSharing,
     #[serde(default)]
     health: RawHealth,
+    #[serde(default)]
+    allocation: RawAllocation,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawAllocation {
+    #[serde(default)]
+    mode: Option<String>,
+    #[serde(default)]
+    dra_gpus: Option<Vec<u32>>,
+    #[serde(default)]
+    mig_to_dra: Option<bool>,
+    #[serde(default)]
+    pod_resources_grace: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -178,6 +193,24 @@ impl XidPolicy {
     }
 }
 
+/// How the device plugin API and DRA share the node's devices.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum AllocationMode {
+    /// Both APIs may hand out any device; the allocation ledger keeps them apart.
+    #[default]
+    Shared,
+    /// A static split: each API only ever sees its own devices.
+    Partitioned(Partition),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Partition {
+    /// These GPUs (whole or as MIG devices) go to DRA; the rest to the device plugin.
+    DraGpus(BTreeSet<u32>),
+    /// MIG devices go to DRA, whole GPUs (MIG off) to the device plugin.
+    MigToDra,
+}
+
 /// The validated agent configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentConfig {
@@ -191,6 +224,10 @@ pub struct AgentConfig {
     pub recovery_quiet_period: Duration,
     /// How often the inventory is read again (MIG reconfiguration, lost GPUs coming back).
     pub inventory_refresh: Duration,
+    pub allocation: AllocationMode,
+    /// A device-plugin allocation the kubelet's PodResources does not list after this long is
+    /// considered released (the kubelet never tells a plugin that a pod ended).
+    pub pod_resources_grace: Duration,
 }
 
 impl Default for AgentConfig {
@@ -204,6 +241,8 @@ impl Default for AgentConfig {
             xid_policy: XidPolicy::AllExcept(DEFAULT_SKIPPED_XIDS.iter().copied().collect()),
             recovery_quiet_period: Duration::from_secs(300),
             inventory_refresh: Duration::from_secs(30),
+            allocation: AllocationMode::Shared,
+            pod_resources_grace: Duration::from_secs(30),
         }
     }
 }
@@ -338,6 +377,22 @@ impl AgentConfig {
                     )
                 })?;
         }
+        let a = raw.allocation;
+        if let Some(g) = &a.pod_resources_grace {
+            cfg.pod_resources_grace = parse_duration(g).ok_or_else(|| invalid("allocation.podResourcesGrace", format!("`{g}` is not a duration like 30s")))?;
+        }
+        cfg.allocation = match (a.mode.as_deref(), a.dra_gpus, a.mig_to_dra) {
+            (None | Some("shared"), None, None | Some(false)) => AllocationMode::Shared,
+            (None | Some("shared"), _, _) => {
+                return Err(invalid("allocation", "draGpus and migToDra need `mode: partitioned`".into()));
+            }
+            (Some("partitioned"), Some(gpus), None | Some(false)) => AllocationMode::Partitioned(Partition::DraGpus(gpus.into_iter().collect())),
+            (Some("partitioned"), None, Some(true)) => AllocationMode::Partitioned(Partition::MigToDra),
+            (Some("partitioned"), _, _) => {
+                return Err(invalid("allocation", "`mode: partitioned` needs exactly one of draGpus: [indices] or migToDra: true".into()));
+            }
+            (Some(other), _, _) => return Err(invalid("allocation.mode", format!("unknown mode `{other}`; use shared or partitioned"))),
+        };
         Ok(cfg)
     }
 
@@ -412,6 +467,9 @@ health:
             ),
             ("health: {skipXids: [1], criticalXids: [2]}", "health"),
             ("version: v2", "version"),
+            ("allocation: {mode: split}", "allocation.mode"),
+            ("allocation: {mode: partitioned}", "allocation"),
+            ("allocation: {draGpus: [1]}", "allocation"),
         ] {
             match AgentConfig::parse("c.yaml", text) {
                 Err(ConfigError::Invalid { field: f, .. }) => assert_eq!(f, field, "{text}"),

@@ -5,9 +5,37 @@
 //! hold that overlaps another holder's, so no device is ever given to two consumers, whichever
 //! API asked. It is rebuilt from what the kubelet reports (PodResources) and the DRA checkpoint.
 
-use crate::inventory::Inventory;
+use crate::config::{AllocationMode, Partition};
+use crate::inventory::{Gpu, Inventory};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+
+/// Keeps the GPUs `keep` accepts, and the links among them.
+fn restrict(inv: &Inventory, keep: impl Fn(&Gpu) -> bool) -> Inventory {
+    let mut out = inv.clone();
+    out.gpus.retain(|g| keep(g));
+    let kept: BTreeSet<u32> = out.gpus.iter().map(|g| g.index).collect();
+    out.topology.links.retain(|l| kept.contains(&l.from) && kept.contains(&l.to));
+    out
+}
+
+/// The part of the inventory the device plugin API may hand out.
+pub fn device_plugin_view(inv: &Inventory, mode: &AllocationMode) -> Inventory {
+    match mode {
+        AllocationMode::Shared => inv.clone(),
+        AllocationMode::Partitioned(Partition::DraGpus(dra)) => restrict(inv, |g| !dra.contains(&g.index)),
+        AllocationMode::Partitioned(Partition::MigToDra) => restrict(inv, |g| !g.mig.current),
+    }
+}
+
+/// The part of the inventory DRA may hand out.
+pub fn dra_view(inv: &Inventory, mode: &AllocationMode) -> Inventory {
+    match mode {
+        AllocationMode::Shared => inv.clone(),
+        AllocationMode::Partitioned(Partition::DraGpus(dra)) => restrict(inv, |g| dra.contains(&g.index)),
+        AllocationMode::Partitioned(Partition::MigToDra) => restrict(inv, |g| g.mig.current),
+    }
+}
 
 /// Who holds a unit.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -197,6 +225,19 @@ mod tests {
         assert!(l.hold_all(&u, &claim("c")).is_err());
         assert_eq!(l.release_device_plugin_unless(|_, _| false), u);
         l.hold_all(&u, &claim("c")).unwrap();
+    }
+
+    #[test]
+    fn partitions_give_each_api_disjoint_devices() {
+        let inv = crate::sim::load("a100-mig-mixed").unwrap();
+        let mig = AllocationMode::Partitioned(Partition::MigToDra);
+        assert_eq!(device_plugin_view(&inv, &mig).gpus.iter().map(|g| g.index).collect::<Vec<_>>(), [3]);
+        assert_eq!(dra_view(&inv, &mig).gpus.iter().map(|g| g.index).collect::<Vec<_>>(), [0, 1, 2]);
+        let split = AllocationMode::Partitioned(Partition::DraGpus(BTreeSet::from([1, 2])));
+        let dp = device_plugin_view(&inv, &split);
+        assert_eq!(dp.gpus.iter().map(|g| g.index).collect::<Vec<_>>(), [0, 3]);
+        assert_eq!(dp.topology.links.len(), 1);
+        assert_eq!(dra_view(&inv, &AllocationMode::Shared), inv);
     }
 
     fn dp(id: &str) -> Holder {

@@ -4,6 +4,15 @@
 //! stream) and the core that prepares claims (claim lookup, opaque config, checkpoint, CDI).
 //! The shell converts protobuf to these plain types and back; the core never sees tonic.
 
+pub mod checkpoint;
+pub mod claims;
+pub mod core;
+pub mod health_service;
+pub mod opaque;
+pub mod registration;
+pub mod server;
+pub mod service;
+
 use std::collections::BTreeMap;
 use tokio::sync::watch;
 

@@ -8,6 +8,7 @@ use crate::config::AgentConfig;
 use crate::deviceplugin::resources::{self, Plan, PlanError};
 use crate::health::HealthBook;
 use crate::inventory::Inventory;
+use crate::ledger::{device_plugin_view, Ledger};
 use crate::topology::TopologyModel;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use tokio::sync::watch;
@@ -20,28 +21,26 @@ pub struct Snapshot {
     pub plan: Plan,
     pub model: TopologyModel,
     pub health: HealthBook,
+    /// Who holds which unit, across both kubelet APIs.
+    pub ledger: Ledger,
 }
 
 impl Snapshot {
     pub fn new(inventory: Inventory, config: AgentConfig) -> Result<Snapshot, PlanError> {
-        let plan = resources::plan(&inventory, &config)?;
+        let plan = resources::plan(&device_plugin_view(&inventory, &config.allocation), &config)?;
         let model = TopologyModel::new(&inventory);
         let mut health = HealthBook::default();
         health.set_inventory(&inventory);
-        Ok(Snapshot {
-            inventory,
-            config,
-            plan,
-            model,
-            health,
-        })
+        let ledger = Ledger::new(&inventory);
+        Ok(Snapshot { inventory, config, plan, model, health, ledger })
     }
 
     /// Replaces inventory and/or config, keeping health marks of units that still exist.
     pub fn replace(&mut self, inventory: Inventory, config: AgentConfig) -> Result<(), PlanError> {
-        let plan = resources::plan(&inventory, &config)?;
+        let plan = resources::plan(&device_plugin_view(&inventory, &config.allocation), &config)?;
         self.model = TopologyModel::new(&inventory);
         self.health.set_inventory(&inventory);
+        self.ledger.set_inventory(&inventory);
         self.plan = plan;
         self.inventory = inventory;
         self.config = config;

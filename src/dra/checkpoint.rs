@@ -1,0 +1,555 @@
+//! The DRA checkpoint: which claims this node prepared, so that a restarted agent answers a
+//! repeated NodePrepareResources with the same devices and can undo a preparation on
+//! NodeUnprepareResources.
+//!
+//! # File format
+//!
+//! `<state-dir>/dra-checkpoint.json`, mode 0600, replaced atomically ([`crate::fsutil`]). Two
+//! parts: a header line and a JSON body.
+//!
+//! ```text
+//! sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08
+//! {
+//!   "version": 1,
+//!   "bootId": "2b1c…",
+//!   "claims": {
+//!     "<claim uid>": {
+//!       "namespace": "team-a",
+//!       "name": "train-gpu",
+//!       "state": "PrepareCompleted",
+//!       "devices": [{"requests": ["gpu"], "pool": "node-1", "device": "gpu-3",
+//!                    "cdiIds": ["k8s.gpu.gpuplane.dev/claim=<uid>-gpu-3"], "shareId": null}],
+//!       "cdiSpecStem": "gpuplane-claim-<uid>",
+//!       "units": {"gpu-3": "GPU-…"}
+//!     }
+//!   }
+//! }
+//! ```
+//!
+//! The checksum is the SHA-256 of exactly the body bytes as they are in the file, everything
+//! after the first newline. It is never computed over a re-serialisation of the parsed data:
+//! NVIDIA's driver did that, and a newer version serialising the same data differently (a new
+//! field, another order) declared every old checkpoint corrupt on upgrade (#1080). For the same
+//! reason unknown fields in a version-1 body are tolerated: only the version number says
+//! whether this code understands the file.
+//!
+//! # Loading
+//!
+//! - no file: nothing prepared;
+//! - a file that cannot be read, lacks the header, fails the checksum, is not JSON of the
+//!   expected shape or has another version: it is renamed to
+//!   `dra-checkpoint.json.corrupt-<unix seconds>`, one `error!` line says so, and loading goes
+//!   on with nothing prepared. An agent that refused to start would crash-loop and leave every
+//!   claim on the node unpreparable;
+//! - a file written under another boot id (`/proc/sys/kernel/random/boot_id`): the node
+//!   rebooted, every container of its claims is gone, and the kubelet prepares them afresh.
+//!   The claims are dropped from the checkpoint and handed back in [`Loaded::invalidated`] so
+//!   the caller removes their CDI spec files (`/etc/cdi` survives a reboot).
+
+use super::PreparedDevice;
+use crate::fsutil::{self, FsError};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::fs;
+use std::io;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+use tracing::{error, warn};
+
+/// The checkpoint's file name in the state directory.
+pub const FILE_NAME: &str = "dra-checkpoint.json";
+/// The body version this code writes and reads.
+pub const VERSION: u64 = 1;
+/// Mode of the checkpoint file.
+pub const FILE_MODE: u32 = 0o600;
+/// Where the kernel tells this boot's id.
+pub const DEFAULT_BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
+
+const HEADER_PREFIX: &str = "sha256:";
+
+/// How far a claim's preparation got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClaimState {
+    /// Preparation began; the CDI spec may or may not be on disk.
+    PrepareStarted,
+    /// The CDI spec is written and `devices` were returned to the kubelet.
+    PrepareCompleted,
+}
+
+/// One prepared (or being prepared) claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimEntry {
+    pub namespace: String,
+    pub name: String,
+    pub state: ClaimState,
+    /// What the kubelet got (empty until PrepareCompleted).
+    #[serde(default)]
+    pub devices: Vec<PreparedDevice>,
+    /// `<cdi root>/<stem>.json` holds the claim's CDI spec.
+    pub cdi_spec_stem: String,
+    /// DRA device name → unit UUID, for the allocation ledger.
+    #[serde(default)]
+    pub units: BTreeMap<String, String>,
+}
+
+/// The checkpoint's content.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointData {
+    pub version: u64,
+    pub boot_id: String,
+    /// By claim UID.
+    pub claims: BTreeMap<String, ClaimEntry>,
+}
+
+impl CheckpointData {
+    pub fn empty(boot_id: &str) -> Self {
+        CheckpointData {
+            version: VERSION,
+            boot_id: boot_id.to_string(),
+            claims: BTreeMap::new(),
+        }
+    }
+}
+
+/// Why checkpoint bytes were not accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("the first line is not `{HEADER_PREFIX}<64 hex digits>`")]
+    NoHeader,
+    #[error("checksum mismatch: the header says {expected}, the content hashes to {actual}")]
+    Checksum { expected: String, actual: String },
+    #[error("unsupported version {found} (this agent reads version {VERSION})")]
+    Version { found: String },
+    #[error("malformed content: {source}")]
+    Json {
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Why the checkpoint could not be loaded or saved.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("moving the unusable DRA checkpoint {path} aside to {to}: {source}")]
+    SetAside {
+        path: PathBuf,
+        to: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("creating the state directory {dir}: {source}")]
+    CreateDir {
+        dir: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("serialising the DRA checkpoint {path}: {source}")]
+    Encode {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("saving the DRA checkpoint: {source}")]
+    Write {
+        #[source]
+        source: FsError,
+    },
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The file's bytes for `data`: the header line, then the body the header's checksum covers.
+pub fn encode(data: &CheckpointData) -> Result<Vec<u8>, serde_json::Error> {
+    let mut body = serde_json::to_vec_pretty(data)?;
+    body.push(b'\n');
+    let mut out = format!("{HEADER_PREFIX}{}\n", sha256_hex(&body)).into_bytes();
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Checks and parses the file's bytes.
+pub fn decode(bytes: &[u8]) -> Result<CheckpointData, DecodeError> {
+    let newline = bytes
+        .iter()
+        .position(|b| *b == b'\n')
+        .ok_or(DecodeError::NoHeader)?;
+    let (header, body) = (&bytes[..newline], &bytes[newline + 1..]);
+    let expected = std::str::from_utf8(header)
+        .ok()
+        .and_then(|h| h.strip_prefix(HEADER_PREFIX))
+        .filter(|h| {
+            h.len() == 64
+                && h.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        })
+        .ok_or(DecodeError::NoHeader)?;
+    let actual = sha256_hex(body);
+    if actual != expected {
+        return Err(DecodeError::Checksum {
+            expected: expected.to_string(),
+            actual,
+        });
+    }
+    #[derive(Deserialize)]
+    struct Probe {
+        version: serde_json::Value,
+    }
+    let probe: Probe =
+        serde_json::from_slice(body).map_err(|source| DecodeError::Json { source })?;
+    if probe.version.as_u64() != Some(VERSION) {
+        return Err(DecodeError::Version {
+            found: probe.version.to_string(),
+        });
+    }
+    serde_json::from_slice(body).map_err(|source| DecodeError::Json { source })
+}
+
+/// This boot's id, or `None` (with a warning) when it cannot be read.
+pub fn read_boot_id(path: &Path) -> Option<String> {
+    match fs::read_to_string(path) {
+        Ok(s) if !s.trim().is_empty() => Some(s.trim().to_string()),
+        Ok(_) => {
+            warn!(path = %path.display(), "boot id file is empty; reboots will not invalidate prepared claims");
+            None
+        }
+        Err(e) => {
+            warn!(path = %path.display(), error = %e, "cannot read the boot id; reboots will not invalidate prepared claims");
+            None
+        }
+    }
+}
+
+/// The checkpoint file and its content as last saved.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    state_dir: PathBuf,
+    data: CheckpointData,
+}
+
+/// What [`Checkpoint::load`] found.
+#[derive(Debug)]
+pub struct Loaded {
+    pub checkpoint: Checkpoint,
+    /// Claims of an earlier boot, dropped: remove their CDI specs.
+    pub invalidated: BTreeMap<String, ClaimEntry>,
+    /// Where an unusable file was moved.
+    pub set_aside: Option<PathBuf>,
+    /// The content differs from the file (or there is no file worth keeping): save it.
+    pub needs_save: bool,
+}
+
+impl Checkpoint {
+    /// An empty checkpoint in `state_dir`, not yet saved.
+    pub fn empty(state_dir: &Path, boot_id: &str) -> Self {
+        Checkpoint {
+            state_dir: state_dir.to_path_buf(),
+            data: CheckpointData::empty(boot_id),
+        }
+    }
+
+    /// `<state_dir>/dra-checkpoint.json`.
+    pub fn path(&self) -> PathBuf {
+        self.state_dir.join(FILE_NAME)
+    }
+
+    pub fn data(&self) -> &CheckpointData {
+        &self.data
+    }
+
+    pub fn get(&self, uid: &str) -> Option<&ClaimEntry> {
+        self.data.claims.get(uid)
+    }
+
+    /// Loads `<state_dir>/dra-checkpoint.json` for the boot `boot_id` (`None`: unknown, claims
+    /// are kept whatever boot wrote them). Fails only when an unusable file cannot be moved
+    /// aside (it would be overwritten and its evidence lost).
+    pub fn load(state_dir: &Path, boot_id: Option<&str>) -> Result<Loaded, CheckpointError> {
+        let path = state_dir.join(FILE_NAME);
+        let current = boot_id.unwrap_or_default();
+        let fresh = |set_aside, needs_save| Loaded {
+            checkpoint: Checkpoint::empty(state_dir, current),
+            invalidated: BTreeMap::new(),
+            set_aside,
+            needs_save,
+        };
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(fresh(None, false)),
+            Err(e) => {
+                let to = set_aside(&path, &format!("cannot be read: {e}"))?;
+                return Ok(fresh(Some(to), true));
+            }
+        };
+        let mut data = match decode(&bytes) {
+            Ok(d) => d,
+            Err(e) => {
+                let to = set_aside(&path, &e.to_string())?;
+                return Ok(fresh(Some(to), true));
+            }
+        };
+        let mut invalidated = BTreeMap::new();
+        let mut needs_save = false;
+        if !current.is_empty() && data.boot_id != current {
+            if !data.boot_id.is_empty() && !data.claims.is_empty() {
+                warn!(
+                    path = %path.display(), old_boot = %data.boot_id, boot = %current, claims = data.claims.len(),
+                    "the node rebooted since the DRA checkpoint was written; its claims are no longer prepared"
+                );
+            }
+            if !data.boot_id.is_empty() {
+                invalidated = std::mem::take(&mut data.claims);
+            }
+            data.boot_id = current.to_string();
+            needs_save = true;
+        }
+        Ok(Loaded {
+            checkpoint: Checkpoint {
+                state_dir: state_dir.to_path_buf(),
+                data,
+            },
+            invalidated,
+            set_aside: None,
+            needs_save,
+        })
+    }
+
+    /// Writes the content as it is.
+    pub fn save(&self) -> Result<(), CheckpointError> {
+        write(&self.state_dir, &self.data)
+    }
+
+    /// Applies `change` to a copy, saves the copy and only then adopts it: the content in
+    /// memory is always what the file holds.
+    pub fn update(
+        &mut self,
+        change: impl FnOnce(&mut CheckpointData),
+    ) -> Result<(), CheckpointError> {
+        let mut next = self.data.clone();
+        change(&mut next);
+        if next == self.data {
+            return Ok(());
+        }
+        write(&self.state_dir, &next)?;
+        self.data = next;
+        Ok(())
+    }
+}
+
+fn write(state_dir: &Path, data: &CheckpointData) -> Result<(), CheckpointError> {
+    let path = state_dir.join(FILE_NAME);
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(state_dir)
+        .map_err(|source| CheckpointError::CreateDir {
+            dir: state_dir.to_path_buf(),
+            source,
+        })?;
+    let bytes = encode(data).map_err(|source| CheckpointError::Encode {
+        path: path.clone(),
+        source,
+    })?;
+    fsutil::write_atomic(&path, &bytes, FILE_MODE)
+        .map_err(|source| CheckpointError::Write { source })
+}
+
+/// Renames an unusable checkpoint to `<file>.corrupt-<unix seconds>[-n]` and logs it once.
+fn set_aside(path: &Path, reason: &str) -> Result<PathBuf, CheckpointError> {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let base = format!("{FILE_NAME}.corrupt-{secs}");
+    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    let mut to = dir.join(&base);
+    let mut n = 1;
+    while fs::symlink_metadata(&to).is_ok() {
+        to = dir.join(format!("{base}-{n}"));
+        n += 1;
+    }
+    fs::rename(path, &to).map_err(|source| CheckpointError::SetAside {
+        path: path.to_path_buf(),
+        to: to.clone(),
+        source,
+    })?;
+    error!(
+        path = %path.display(), moved_to = %to.display(), reason,
+        "DRA checkpoint unusable; moved aside, starting with no prepared claims (claims are prepared again when the kubelet retries)"
+    );
+    Ok(to)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(state: ClaimState) -> ClaimEntry {
+        ClaimEntry {
+            namespace: "ns".into(),
+            name: "c".into(),
+            state,
+            devices: vec![PreparedDevice {
+                requests: vec!["gpu".into()],
+                pool: "node".into(),
+                device: "gpu-3".into(),
+                cdi_ids: vec!["k8s.gpu.gpuplane.dev/claim=abc-gpu-3".into()],
+                share_id: None,
+            }],
+            cdi_spec_stem: "gpuplane-claim-abc".into(),
+            units: [("gpu-3".to_string(), "GPU-x".to_string())].into(),
+        }
+    }
+
+    fn saved(dir: &Path, boot: &str) -> Checkpoint {
+        let mut cp = Checkpoint::empty(dir, boot);
+        cp.update(|d| {
+            d.claims
+                .insert("abc".into(), entry(ClaimState::PrepareCompleted));
+        })
+        .unwrap();
+        cp
+    }
+
+    fn corrupt_files(dir: &Path) -> Vec<String> {
+        fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("dra-checkpoint.json.corrupt-"))
+            .collect()
+    }
+
+    #[test]
+    fn round_trips_with_mode_0600() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        let cp = saved(&state, "boot-1");
+        let mode = fs::metadata(cp.path()).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let loaded = Checkpoint::load(&state, Some("boot-1")).unwrap();
+        assert_eq!(loaded.checkpoint.data(), cp.data());
+        assert!(loaded.invalidated.is_empty() && loaded.set_aside.is_none() && !loaded.needs_save);
+        let text = fs::read_to_string(cp.path()).unwrap();
+        assert!(text.starts_with("sha256:"), "{text}");
+        assert!(
+            text.contains("\"PrepareCompleted\"") && text.contains("\"cdiSpecStem\""),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn missing_file_is_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let loaded = Checkpoint::load(dir.path(), Some("b")).unwrap();
+        assert!(loaded.checkpoint.data().claims.is_empty());
+        assert!(!loaded.needs_save && loaded.set_aside.is_none());
+    }
+
+    #[test]
+    fn the_checksum_covers_the_bytes_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let cp = saved(dir.path(), "b");
+        let good = fs::read(cp.path()).unwrap();
+        // Any flipped byte of the body, even whitespace, is caught.
+        for i in [good.len() - 1, good.len() / 2, 72] {
+            let mut bad = good.clone();
+            bad[i] ^= 0x01;
+            assert!(decode(&bad).is_err(), "flip at {i} accepted");
+        }
+        let mut bad = good.clone();
+        let i = good.len() / 2;
+        bad[i] ^= 0x01;
+        fs::write(cp.path(), &bad).unwrap();
+        let loaded = Checkpoint::load(dir.path(), Some("b")).unwrap();
+        assert!(loaded.checkpoint.data().claims.is_empty());
+        let aside = loaded.set_aside.unwrap();
+        assert_eq!(fs::read(&aside).unwrap(), bad, "the evidence is kept");
+        assert!(!cp.path().exists());
+        assert_eq!(corrupt_files(dir.path()).len(), 1);
+    }
+
+    #[test]
+    fn a_body_serialised_differently_still_loads() {
+        // Compact JSON, another key order and an unknown field: what a newer writer might emit.
+        let body = br#"{"claims":{},"extra":true,"bootId":"b","version":1}"#;
+        let mut bytes = format!("sha256:{}\n", sha256_hex(body)).into_bytes();
+        bytes.extend_from_slice(body);
+        let data = decode(&bytes).unwrap();
+        assert_eq!(data, CheckpointData::empty("b"));
+    }
+
+    #[test]
+    fn unknown_version_and_garbage_are_set_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut data = CheckpointData::empty("b");
+        data.version = 2;
+        fs::write(dir.path().join(FILE_NAME), encode(&data).unwrap()).unwrap();
+        let e = decode(&fs::read(dir.path().join(FILE_NAME)).unwrap()).unwrap_err();
+        assert!(matches!(e, DecodeError::Version { .. }), "{e}");
+        let loaded = Checkpoint::load(dir.path(), Some("b")).unwrap();
+        assert!(loaded.set_aside.is_some() && loaded.needs_save);
+
+        for garbage in [
+            &b""[..],
+            b"{\"version\":1}",
+            b"sha256:00\n{}",
+            b"\xff\xfe\n",
+        ] {
+            fs::write(dir.path().join(FILE_NAME), garbage).unwrap();
+            let loaded = Checkpoint::load(dir.path(), Some("b")).unwrap();
+            assert!(loaded.set_aside.is_some(), "{garbage:?}");
+        }
+        assert_eq!(
+            corrupt_files(dir.path()).len(),
+            5,
+            "each one kept under its own name"
+        );
+    }
+
+    #[test]
+    fn a_reboot_invalidates_every_claim() {
+        let dir = tempfile::tempdir().unwrap();
+        saved(dir.path(), "boot-1");
+        let loaded = Checkpoint::load(dir.path(), Some("boot-2")).unwrap();
+        assert!(loaded.checkpoint.data().claims.is_empty());
+        assert_eq!(loaded.checkpoint.data().boot_id, "boot-2");
+        assert_eq!(loaded.invalidated.keys().collect::<Vec<_>>(), vec!["abc"]);
+        assert!(loaded.needs_save);
+        // An unknown boot id keeps the claims.
+        let loaded = Checkpoint::load(dir.path(), None).unwrap();
+        assert_eq!(loaded.checkpoint.data().claims.len(), 1);
+    }
+
+    #[test]
+    fn boot_id_is_read_trimmed() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("boot_id");
+        fs::write(&p, "5c1f-aa\n").unwrap();
+        assert_eq!(read_boot_id(&p).as_deref(), Some("5c1f-aa"));
+        assert_eq!(read_boot_id(&dir.path().join("none")), None);
+    }
+
+    #[test]
+    fn a_failed_save_leaves_memory_as_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let blocker = dir.path().join("file");
+        fs::write(&blocker, b"").unwrap();
+        // The state dir is below a regular file: it cannot be created.
+        let mut cp = Checkpoint::empty(&blocker.join("state"), "b");
+        let e = cp
+            .update(|d| {
+                d.claims
+                    .insert("abc".into(), entry(ClaimState::PrepareStarted));
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("state"), "{e}");
+        assert!(cp.data().claims.is_empty());
+    }
+}

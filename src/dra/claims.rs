@@ -1,0 +1,686 @@
+//! What preparing a ResourceClaim means on this node: a pure decision over the claim object,
+//! the inventory and the health book ([`plan_claim`]), and the one I/O it needs, reading the
+//! claim from the API server ([`ClaimFetcher`], [`KubeClaims`]).
+//!
+//! Rules, from the resource.k8s.io/v1 API:
+//!
+//! - the claim's `metadata.uid` must be the UID the kubelet named: a different UID is a claim
+//!   deleted and re-created under the same name, and must not be prepared in its place;
+//! - the devices are `status.allocation.devices.results` whose `driver` is ours. Results of
+//!   other drivers belong to them. One of ours in another `pool` (pools are named after nodes)
+//!   was allocated for another node and is an error;
+//! - each device must exist in the inventory under its DRA name and be healthy;
+//! - configs come from `status.allocation.devices.config`, where the scheduler copied the
+//!   class configs (`source: FromClass`) and the claim's own (`FromClaim`) at allocation time.
+//!   The claim's `spec.devices.config` is not read as well: the allocation's copy is the
+//!   authoritative one and reading both would apply the claim's configs twice. Only configs
+//!   whose `opaque.driver` is ours are decoded (all of them, strictly, whether or not they end up
+//!   applying); the others are left to their drivers. A config applies to the requests it lists
+//!   (`main` covers `main/<sub>`), or to all requests when it lists none. Class configs come
+//!   before claim configs and, within each, later ones before earlier ones: the last config
+//!   that applies to a device wins (NVIDIA's driver does the same).
+
+use super::opaque::{self, ConfiguredDevice, GpuConfig, OpaqueError};
+use super::ClaimRef;
+use crate::health::{Health, HealthBook};
+use crate::inventory::{DeviceRef, Inventory};
+use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+/// Where an allocation config came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ConfigSource {
+    FromClass,
+    FromClaim,
+}
+
+impl ConfigSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConfigSource::FromClass => "FromClass",
+            ConfigSource::FromClaim => "FromClaim",
+        }
+    }
+}
+
+impl std::fmt::Display for ConfigSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a claim cannot be prepared on this node. The caller adds which claim it was.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClaimError {
+    #[error("the claim's UID is {found}, not {expected} (deleted and re-created?)")]
+    UidMismatch { expected: String, found: String },
+    #[error("the claim is not allocated")]
+    NotAllocated,
+    #[error("the allocation has no device of driver {driver}")]
+    NoDevices { driver: String },
+    #[error(
+        "request {request}: device {device} is in pool {pool}, not this node's pool {expected}"
+    )]
+    OtherPool {
+        request: String,
+        device: String,
+        pool: String,
+        expected: String,
+    },
+    #[error("request {request}: device {device} does not exist on this node")]
+    UnknownDevice { request: String, device: String },
+    #[error("device {device} ({uuid}) is unhealthy: {cause}")]
+    Unhealthy {
+        device: String,
+        uuid: String,
+        cause: String,
+    },
+    #[error("allocation config #{index} has source `{value}`, expected FromClass or FromClaim")]
+    UnknownSource { index: usize, value: String },
+    #[error("allocation config #{index} ({origin}): {source}")]
+    BadConfig {
+        index: usize,
+        origin: ConfigSource,
+        #[source]
+        source: OpaqueError,
+    },
+    #[error("allocation config #{index} ({origin}) cannot apply to devices {devices}: {source}")]
+    NotApplicable {
+        index: usize,
+        origin: ConfigSource,
+        devices: String,
+        #[source]
+        source: OpaqueError,
+    },
+    #[error("device {device} gets config #{first} through request {first_request} and config #{second} through request {second_request}")]
+    ConflictingConfigs {
+        device: String,
+        first: String,
+        first_request: String,
+        second: String,
+        second_request: String,
+    },
+}
+
+/// A config of ours that applies to a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AppliedConfig {
+    /// Position in `status.allocation.devices.config`.
+    pub index: usize,
+    pub origin: ConfigSource,
+    pub config: GpuConfig,
+}
+
+/// One device to prepare.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedDevice {
+    /// The requests (`main` or `main/sub`) this device was allocated for.
+    pub requests: Vec<String>,
+    /// DRA device name.
+    pub device: String,
+    /// The unit's UUID (GPU or MIG device).
+    pub uuid: String,
+    pub share_id: Option<String>,
+    pub config: Option<AppliedConfig>,
+    /// What the config means for the container ([`opaque::container_env`]).
+    pub env: Vec<String>,
+}
+
+/// The devices of a claim for this driver and node, in allocation order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ClaimPlan {
+    pub devices: Vec<PlannedDevice>,
+}
+
+impl ClaimPlan {
+    /// The distinct DRA device names (a device allocated with several share ids appears once).
+    pub fn device_names(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = Vec::new();
+        for d in &self.devices {
+            if !out.contains(&d.device.as_str()) {
+                out.push(&d.device);
+            }
+        }
+        out
+    }
+}
+
+/// Does a config's `requests` entry cover the result's `request` (`main` or `main/sub`)?
+fn covers(config_request: &str, result_request: &str) -> bool {
+    result_request == config_request
+        || result_request
+            .strip_prefix(config_request)
+            .is_some_and(|rest| rest.starts_with('/'))
+}
+
+struct OurConfig<'a> {
+    index: usize,
+    origin: ConfigSource,
+    requests: &'a [String],
+    config: GpuConfig,
+}
+
+/// Our driver's configs, decoded, in precedence order (lowest first).
+fn our_configs<'a>(
+    configs: &'a [DeviceAllocationConfiguration],
+    driver: &str,
+) -> Result<Vec<OurConfig<'a>>, ClaimError> {
+    let mut out = Vec::new();
+    for (index, c) in configs.iter().enumerate() {
+        let Some(opaque) = c.opaque.as_ref().filter(|o| o.driver == driver) else {
+            continue;
+        };
+        let origin = match c.source.as_str() {
+            "FromClass" => ConfigSource::FromClass,
+            "FromClaim" => ConfigSource::FromClaim,
+            other => {
+                return Err(ClaimError::UnknownSource {
+                    index,
+                    value: other.to_string(),
+                })
+            }
+        };
+        let config =
+            opaque::parse(&opaque.parameters.0).map_err(|source| ClaimError::BadConfig {
+                index,
+                origin,
+                source,
+            })?;
+        out.push(OurConfig {
+            index,
+            origin,
+            requests: c.requests.as_deref().unwrap_or_default(),
+            config,
+        });
+    }
+    // Stable: class configs first, each group in its listed order.
+    out.sort_by_key(|c| c.origin);
+    Ok(out)
+}
+
+fn config_for<'c>(configs: &'c [OurConfig<'_>], request: &str) -> Option<&'c OurConfig<'c>> {
+    configs
+        .iter()
+        .rev()
+        .find(|c| c.requests.is_empty() || c.requests.iter().any(|r| covers(r, request)))
+}
+
+fn configured(d: DeviceRef<'_>) -> ConfiguredDevice {
+    ConfiguredDevice {
+        name: d.dra_name(),
+        uuid: d.uuid().to_string(),
+        pci_bus_id: d.gpu().pci_bus_id.clone(),
+        is_mig: matches!(d, DeviceRef::Mig { .. }),
+    }
+}
+
+/// Decides what preparing `claim` on this node means, or why it cannot be prepared.
+pub fn plan_claim(
+    claim: &ResourceClaim,
+    claim_ref: &ClaimRef,
+    driver: &str,
+    pool: &str,
+    inv: &Inventory,
+    health: &HealthBook,
+) -> Result<ClaimPlan, ClaimError> {
+    let uid = claim.metadata.uid.as_deref().unwrap_or_default();
+    if uid != claim_ref.uid {
+        return Err(ClaimError::UidMismatch {
+            expected: claim_ref.uid.clone(),
+            found: if uid.is_empty() {
+                "empty".into()
+            } else {
+                uid.to_string()
+            },
+        });
+    }
+    let devices = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .ok_or(ClaimError::NotAllocated)?;
+    let configs = our_configs(devices.config.as_deref().unwrap_or_default(), driver)?;
+
+    let mut plan = ClaimPlan::default();
+    // Per planned device: the config index it got, and through which request.
+    let mut chosen: BTreeMap<String, (Option<usize>, String)> = BTreeMap::new();
+    for result in devices
+        .results
+        .iter()
+        .flatten()
+        .filter(|r| r.driver == driver)
+    {
+        if result.pool != pool {
+            return Err(ClaimError::OtherPool {
+                request: result.request.clone(),
+                device: result.device.clone(),
+                pool: result.pool.clone(),
+                expected: pool.to_string(),
+            });
+        }
+        let dev = inv
+            .dra_device(&result.device)
+            .ok_or_else(|| ClaimError::UnknownDevice {
+                request: result.request.clone(),
+                device: result.device.clone(),
+            })?;
+        if let Health::Unhealthy(cause) = health.health(dev.uuid()) {
+            return Err(ClaimError::Unhealthy {
+                device: result.device.clone(),
+                uuid: dev.uuid().to_string(),
+                cause: cause.to_string(),
+            });
+        }
+        let config = config_for(&configs, &result.request);
+        let index = config.map(|c| c.index);
+        match chosen.get(&result.device) {
+            Some((prev, prev_request)) if *prev != index => {
+                let show =
+                    |i: Option<usize>| i.map_or_else(|| "none".to_string(), |i| i.to_string());
+                return Err(ClaimError::ConflictingConfigs {
+                    device: result.device.clone(),
+                    first: show(*prev),
+                    first_request: prev_request.clone(),
+                    second: show(index),
+                    second_request: result.request.clone(),
+                });
+            }
+            Some(_) => {}
+            None => {
+                chosen.insert(result.device.clone(), (index, result.request.clone()));
+            }
+        }
+        let existing = plan
+            .devices
+            .iter_mut()
+            .find(|p| p.device == result.device && p.share_id == result.share_id);
+        match existing {
+            Some(p) => {
+                if !p.requests.contains(&result.request) {
+                    p.requests.push(result.request.clone());
+                }
+            }
+            None => plan.devices.push(PlannedDevice {
+                requests: vec![result.request.clone()],
+                device: result.device.clone(),
+                uuid: dev.uuid().to_string(),
+                share_id: result.share_id.clone(),
+                config: config.map(|c| AppliedConfig {
+                    index: c.index,
+                    origin: c.origin,
+                    config: c.config.clone(),
+                }),
+                env: Vec::new(),
+            }),
+        }
+    }
+    if plan.devices.is_empty() {
+        return Err(ClaimError::NoDevices {
+            driver: driver.to_string(),
+        });
+    }
+
+    // The environment of each config's device group.
+    for c in &configs {
+        let group: Vec<String> = plan
+            .device_names()
+            .into_iter()
+            .filter(|name| chosen.get(*name).is_some_and(|(i, _)| *i == Some(c.index)))
+            .map(str::to_string)
+            .collect();
+        if group.is_empty() {
+            continue;
+        }
+        let devs: Vec<ConfiguredDevice> = group
+            .iter()
+            .filter_map(|name| inv.dra_device(name))
+            .map(configured)
+            .collect();
+        let env = opaque::container_env(&c.config, &devs).map_err(|source| {
+            ClaimError::NotApplicable {
+                index: c.index,
+                origin: c.origin,
+                devices: group.join(", "),
+                source,
+            }
+        })?;
+        for p in plan
+            .devices
+            .iter_mut()
+            .filter(|p| group.contains(&p.device))
+        {
+            p.env = env.clone();
+        }
+    }
+    Ok(plan)
+}
+
+/// Why a claim could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("ResourceClaim {namespace}/{name} not found")]
+    NotFound { namespace: String, name: String },
+    #[error("reading ResourceClaim {namespace}/{name} from the API server: {source}")]
+    Api {
+        namespace: String,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// Reads ResourceClaims.
+#[tonic::async_trait]
+pub trait ClaimFetcher: Send + Sync + 'static {
+    async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, FetchError>;
+}
+
+/// [`ClaimFetcher`] over the API server.
+#[derive(Clone)]
+pub struct KubeClaims {
+    pub client: kube::Client,
+}
+
+impl KubeClaims {
+    pub fn new(client: kube::Client) -> Self {
+        KubeClaims { client }
+    }
+}
+
+#[tonic::async_trait]
+impl ClaimFetcher for KubeClaims {
+    async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, FetchError> {
+        let api: kube::Api<ResourceClaim> = kube::Api::namespaced(self.client.clone(), namespace);
+        api.get(name).await.map_err(|source| match source {
+            kube::Error::Api(s) if s.is_not_found() => FetchError::NotFound {
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+            },
+            source => FetchError::Api {
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+                source,
+            },
+        })
+    }
+}
+
+/// [`ClaimFetcher`] over claims held in memory, for tests and simulations.
+#[derive(Debug, Default)]
+pub struct MemoryClaims {
+    claims: Mutex<BTreeMap<(String, String), ResourceClaim>>,
+}
+
+impl MemoryClaims {
+    pub fn new(claims: impl IntoIterator<Item = ResourceClaim>) -> Self {
+        let out = MemoryClaims::default();
+        for c in claims {
+            out.insert(c);
+        }
+        out
+    }
+
+    /// Adds or replaces a claim (by its namespace and name).
+    pub fn insert(&self, claim: ResourceClaim) {
+        let key = (
+            claim.metadata.namespace.clone().unwrap_or_default(),
+            claim.metadata.name.clone().unwrap_or_default(),
+        );
+        self.lock().insert(key, claim);
+    }
+
+    pub fn remove(&self, namespace: &str, name: &str) -> Option<ResourceClaim> {
+        self.lock()
+            .remove(&(namespace.to_string(), name.to_string()))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, String), ResourceClaim>> {
+        // Every critical section is a single map operation: a poisoned map is still whole.
+        self.claims.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[tonic::async_trait]
+impl ClaimFetcher for MemoryClaims {
+    async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, FetchError> {
+        self.lock()
+            .get(&(namespace.to_string(), name.to_string()))
+            .cloned()
+            .ok_or_else(|| FetchError::NotFound {
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::health::Cause;
+    use serde_json::json;
+    use std::time::Instant;
+
+    const DRIVER: &str = "gpu.gpuplane.dev";
+    const POOL: &str = "node-a";
+    const UID: &str = "0b5c3f2e-1111-4222-8333-444455556666";
+
+    fn claim(results: serde_json::Value, config: serde_json::Value) -> ResourceClaim {
+        serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"namespace": "ns", "name": "c", "uid": UID},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu"}}]}},
+            "status": {"allocation": {"devices": {"results": results, "config": config}}}
+        }))
+        .unwrap()
+    }
+
+    fn result(request: &str, device: &str) -> serde_json::Value {
+        json!({"request": request, "driver": DRIVER, "pool": POOL, "device": device})
+    }
+
+    fn cref() -> ClaimRef {
+        ClaimRef {
+            namespace: "ns".into(),
+            uid: UID.into(),
+            name: "c".into(),
+        }
+    }
+
+    fn setup() -> (Inventory, HealthBook) {
+        let inv = crate::sim::load("a100-mig-mixed").unwrap();
+        let mut health = HealthBook::default();
+        health.set_inventory(&inv);
+        (inv, health)
+    }
+
+    fn plan(c: &ResourceClaim) -> Result<ClaimPlan, ClaimError> {
+        let (inv, health) = setup();
+        plan_claim(c, &cref(), DRIVER, POOL, &inv, &health)
+    }
+
+    fn cfg(
+        source: &str,
+        requests: serde_json::Value,
+        sharing: serde_json::Value,
+    ) -> serde_json::Value {
+        json!({"source": source, "requests": requests, "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": opaque::API_VERSION, "kind": opaque::KIND, "sharing": sharing}}})
+    }
+
+    #[test]
+    fn plans_our_devices_and_ignores_other_drivers() {
+        let mut other = result("nic", "eth0");
+        other["driver"] = json!("net.example.com");
+        other["pool"] = json!("elsewhere");
+        let c = claim(
+            json!([
+                result("gpu", "gpu-3"),
+                other,
+                result("mig", "gpu-0-mig-1g5gb-9")
+            ]),
+            json!([{"source": "FromClaim", "opaque": {"driver": "net.example.com", "parameters": {"whatever": 1}}}]),
+        );
+        let p = plan(&c).unwrap();
+        assert_eq!(p.device_names(), vec!["gpu-3", "gpu-0-mig-1g5gb-9"]);
+        assert_eq!(p.devices[0].requests, vec!["gpu"]);
+        assert!(
+            p.devices[0].uuid.starts_with("GPU-"),
+            "{}",
+            p.devices[0].uuid
+        );
+        assert!(
+            p.devices[1].uuid.starts_with("MIG-"),
+            "{}",
+            p.devices[1].uuid
+        );
+        assert!(p
+            .devices
+            .iter()
+            .all(|d| d.config.is_none() && d.env.is_empty()));
+    }
+
+    #[test]
+    fn claim_configs_override_class_configs_per_request() {
+        let ts = json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}});
+        let mps = json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 30}});
+        // Listed claim-first on purpose: precedence comes from the source, not the order.
+        let c = claim(
+            json!([result("a", "gpu-3"), result("b/small", "gpu-0-mig-1g5gb-9")]),
+            json!([
+                cfg("FromClaim", json!(["b"]), mps),
+                cfg("FromClass", json!([]), ts)
+            ]),
+        );
+        let p = plan(&c).unwrap();
+        assert_eq!(
+            p.devices[0].config.as_ref().unwrap().origin,
+            ConfigSource::FromClass
+        );
+        assert_eq!(
+            p.devices[0].env,
+            vec![
+                "GPUPLANE_SHARING_STRATEGY=TimeSlicing",
+                "GPUPLANE_TIMESLICE_INTERVAL=Long"
+            ]
+        );
+        assert_eq!(p.devices[1].config.as_ref().unwrap().index, 0);
+        assert_eq!(
+            p.devices[1].env,
+            vec![
+                "GPUPLANE_SHARING_STRATEGY=MPS",
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30"
+            ]
+        );
+    }
+
+    #[test]
+    fn errors() {
+        let mut wrong_uid = claim(json!([result("gpu", "gpu-3")]), json!([]));
+        wrong_uid.metadata.uid = Some("ffff".into());
+        assert!(matches!(
+            plan(&wrong_uid),
+            Err(ClaimError::UidMismatch { .. })
+        ));
+
+        let mut unallocated = claim(json!([]), json!([]));
+        unallocated.status = None;
+        assert_eq!(plan(&unallocated), Err(ClaimError::NotAllocated));
+
+        let mut elsewhere = result("gpu", "gpu-3");
+        elsewhere["pool"] = json!("node-b");
+        let e = plan(&claim(json!([elsewhere]), json!([]))).unwrap_err();
+        assert!(e.to_string().contains("pool node-b"), "{e}");
+
+        let e = plan(&claim(json!([result("gpu", "gpu-0")]), json!([]))).unwrap_err();
+        assert_eq!(
+            e,
+            ClaimError::UnknownDevice {
+                request: "gpu".into(),
+                device: "gpu-0".into()
+            }
+        );
+
+        let mut other_driver = result("gpu", "gpu-3");
+        other_driver["driver"] = json!("gpu.nvidia.com");
+        assert!(matches!(
+            plan(&claim(json!([other_driver]), json!([]))),
+            Err(ClaimError::NoDevices { .. })
+        ));
+
+        let bad = cfg(
+            "FromClaim",
+            json!([]),
+            json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 0}}),
+        );
+        let e = plan(&claim(json!([result("gpu", "gpu-3")]), json!([bad]))).unwrap_err();
+        assert!(
+            e.to_string().contains("defaultActiveThreadPercentage"),
+            "{e}"
+        );
+        assert!(std::error::Error::source(&e).is_some());
+
+        let mig_interval = cfg(
+            "FromClass",
+            json!([]),
+            json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}),
+        );
+        let e = plan(&claim(
+            json!([result("gpu", "gpu-0-mig-1g5gb-9")]),
+            json!([mig_interval]),
+        ))
+        .unwrap_err();
+        assert!(matches!(e, ClaimError::NotApplicable { .. }), "{e}");
+
+        let (inv, mut health) = setup();
+        let uuid = inv.dra_device("gpu-3").unwrap().uuid().to_string();
+        let policy = crate::config::AgentConfig::default().xid_policy;
+        health.on_event(
+            &crate::source::DeviceEvent::Xid {
+                gpu_uuid: uuid,
+                mig_uuid: None,
+                xid: 48,
+            },
+            Instant::now(),
+            &policy,
+        );
+        let e = plan_claim(
+            &claim(json!([result("gpu", "gpu-3")]), json!([])),
+            &cref(),
+            DRIVER,
+            POOL,
+            &inv,
+            &health,
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string().contains(&Cause::Xid(48).to_string()),
+            true,
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn request_matching() {
+        assert!(covers("a", "a"));
+        assert!(covers("a", "a/x"));
+        assert!(!covers("a", "ab"));
+        assert!(!covers("a/x", "a"));
+        assert!(covers("a/x", "a/x"));
+    }
+
+    #[tokio::test]
+    async fn memory_claims() {
+        let c = claim(json!([]), json!([]));
+        let m = MemoryClaims::new([c.clone()]);
+        assert_eq!(m.get("ns", "c").await.unwrap(), c);
+        assert!(matches!(
+            m.get("ns", "d").await,
+            Err(FetchError::NotFound { .. })
+        ));
+        m.remove("ns", "c");
+        assert!(m.get("ns", "c").await.is_err());
+    }
+}

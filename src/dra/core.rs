@@ -1,0 +1,600 @@
+//! The DRA core: prepares and unprepares ResourceClaims for the kubelet ([`DraDriver`]).
+//!
+//! Preparing a claim (NodePrepareResources):
+//!
+//! 1. a claim whose checkpoint entry is `PrepareCompleted` (and whose CDI spec file is still
+//!    there) gets the recorded devices back and nothing is written: a repeated prepare never
+//!    moves a claim backwards (NVIDIA's driver set it back to PrepareStarted, after which
+//!    unprepare failed for ever, #727/#729);
+//! 2. otherwise the claim is read from the API server and [`plan_claim`] decides its devices
+//!    and their config;
+//! 3. the checkpoint records `PrepareStarted` (with the spec's file stem), so a crash after
+//!    the next step leaves a trace unprepare can clean up;
+//! 4. one CDI spec per claim is written, `<cdi root>/gpuplane-claim-<uid>.json`, kind
+//!    `k8s.<driver>/claim` (`k8s.gpu.gpuplane.dev/claim` by default), one CDI device per DRA
+//!    device named `<claim uid>-<DRA device name>`, carrying the config's environment;
+//! 5. the checkpoint records `PrepareCompleted` with the devices returned to the kubelet.
+//!
+//! A claim left `PrepareStarted` by a crash is simply prepared again (its spec rewritten) when
+//! the kubelet retries, which it always does until prepare or unprepare succeeds.
+//!
+//! Each claim succeeds or fails on its own; a failure is an error string naming the claim
+//! (`claim <namespace>/<name> (<uid>): <reason>`), logged once.
+//!
+//! Names coming from the kubelet are validated before use: the UID must be lower-case hex and
+//! dashes (it is the only input that reaches a file name), namespace and name must be DNS
+//! subdomains (they become API paths).
+//!
+//! A spec is only written once the device nodes its devices need exist (a spec made before
+//! the driver created `/dev/nvidia*` gave NVIDIA users containers without GPUs, #1380): until
+//! then the prepare fails with the missing paths and the kubelet retries.
+//!
+//! File writes (checkpoint, spec) are synchronous and short (a few small files with fsync); they
+//! run on the calling task.
+
+use super::checkpoint::{
+    self, Checkpoint, CheckpointData, CheckpointError, ClaimEntry, ClaimState,
+};
+use super::claims::{plan_claim, ClaimError, ClaimFetcher, ClaimPlan, FetchError};
+use super::{
+    ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
+};
+use crate::cdi::{
+    self, DeviceName, DriverFiles, Kind, NameError, NamedDevices, ProcCaps, WriteError,
+};
+use crate::health::Health;
+use crate::inventory::Inventory;
+use crate::node::state::NodeState;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokio::sync::{watch, Mutex};
+use tracing::{error, info, warn};
+
+/// CDI class of the per-claim specs; the vendor is `k8s.<driver>`.
+pub const CDI_CLASS: &str = "claim";
+/// File stem prefix of the per-claim specs: `gpuplane-claim-<uid>`.
+pub const SPEC_STEM_PREFIX: &str = "gpuplane-claim-";
+
+/// Where the core reads and writes, and under which names.
+#[derive(Debug, Clone)]
+pub struct DraCoreConfig {
+    /// The DRA driver name (`gpu.gpuplane.dev`).
+    pub driver: String,
+    /// This node's name: the pool the node's ResourceSlices publish.
+    pub node_name: String,
+    /// Where CDI specs go (`/var/run/cdi`).
+    pub cdi_root: PathBuf,
+    /// Root of the NVIDIA driver's user-space files (`/`).
+    pub driver_root: PathBuf,
+    /// Where device nodes live (`/dev`).
+    pub dev_root: PathBuf,
+    /// Where the kernel's `/proc` is: MIG access-capability minors are read from
+    /// `<proc_root>/driver/nvidia-caps/`.
+    pub proc_root: PathBuf,
+    /// The agent's state directory; the checkpoint is `dra-checkpoint.json` in it.
+    pub state_dir: PathBuf,
+    /// This boot's id (`/proc/sys/kernel/random/boot_id`); injectable for tests.
+    pub boot_id_path: PathBuf,
+}
+
+impl DraCoreConfig {
+    /// The standard host paths for `driver` on `node_name` with state in `state_dir`.
+    pub fn new(driver: &str, node_name: &str, state_dir: &Path) -> Self {
+        DraCoreConfig {
+            driver: driver.to_string(),
+            node_name: node_name.to_string(),
+            cdi_root: PathBuf::from("/var/run/cdi"),
+            driver_root: PathBuf::from("/"),
+            dev_root: PathBuf::from("/dev"),
+            proc_root: PathBuf::from("/proc"),
+            state_dir: state_dir.to_path_buf(),
+            boot_id_path: PathBuf::from(checkpoint::DEFAULT_BOOT_ID_PATH),
+        }
+    }
+}
+
+/// Why the core could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    #[error("driver name `{driver}` does not make a CDI vendor `k8s.{driver}`: {source}")]
+    Kind {
+        driver: String,
+        #[source]
+        source: NameError,
+    },
+    #[error("loading the DRA checkpoint: {source}")]
+    Checkpoint {
+        #[source]
+        source: CheckpointError,
+    },
+}
+
+/// Why one claim could not be prepared or unprepared (the claim is named by the caller).
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error("claim UID `{uid}` is not lower-case hex digits and dashes")]
+    BadUid { uid: String },
+    #[error("claim {what} `{value}` is not a DNS subdomain")]
+    BadName { what: &'static str, value: String },
+    #[error("{source}")]
+    Fetch {
+        #[source]
+        source: FetchError,
+    },
+    #[error("{source}")]
+    Plan {
+        #[source]
+        source: ClaimError,
+    },
+    #[error("device nodes do not exist yet: {}", .nodes.join(", "))]
+    MissingDeviceNodes { nodes: Vec<String> },
+    #[error("CDI device name for {device}: {source}")]
+    CdiName {
+        device: String,
+        #[source]
+        source: NameError,
+    },
+    #[error("{source}")]
+    Checkpoint {
+        #[source]
+        source: CheckpointError,
+    },
+    #[error("{source}")]
+    Spec {
+        #[source]
+        source: WriteError,
+    },
+}
+
+impl From<CheckpointError> for PrepareError {
+    fn from(source: CheckpointError) -> Self {
+        PrepareError::Checkpoint { source }
+    }
+}
+
+impl From<WriteError> for PrepareError {
+    fn from(source: WriteError) -> Self {
+        PrepareError::Spec { source }
+    }
+}
+
+/// Kubernetes UIDs are UUIDs; accept lower-case hex and dashes, starting and ending with a
+/// digit, at most 64 characters. Nothing else may reach a file name.
+pub fn validate_uid(uid: &str) -> Result<(), PrepareError> {
+    let hex = |b: u8| b.is_ascii_digit() || (b'a'..=b'f').contains(&b);
+    let ok = !uid.is_empty()
+        && uid.len() <= 64
+        && uid.bytes().all(|b| hex(b) || b == b'-')
+        && uid.bytes().next().is_some_and(hex)
+        && uid.bytes().last().is_some_and(hex);
+    if ok {
+        Ok(())
+    } else {
+        Err(PrepareError::BadUid {
+            uid: uid.to_string(),
+        })
+    }
+}
+
+fn validate_name(what: &'static str, value: &str) -> Result<(), PrepareError> {
+    let alnum = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+    let ok = !value.is_empty()
+        && value.len() <= 253
+        && value.bytes().all(|b| alnum(b) || b == b'-' || b == b'.')
+        && value.bytes().next().is_some_and(alnum)
+        && value.bytes().last().is_some_and(alnum);
+    if ok {
+        Ok(())
+    } else {
+        Err(PrepareError::BadName {
+            what,
+            value: value.to_string(),
+        })
+    }
+}
+
+/// `gpuplane-claim-<uid>`: the spec file stem of a (validated) claim UID.
+pub fn spec_stem(uid: &str) -> String {
+    format!("{SPEC_STEM_PREFIX}{uid}")
+}
+
+/// `<uid>-<DRA device name>`: the CDI device name of a claim's device.
+pub fn cdi_device_name(uid: &str, device: &str) -> String {
+    format!("{uid}-{device}")
+}
+
+/// A rendered preparation, not yet written.
+struct Rendered {
+    spec: cdi::Spec,
+    devices: Vec<PreparedDevice>,
+    units: BTreeMap<String, String>,
+}
+
+/// The DRA core. See the module docs.
+pub struct DraCore {
+    driver: String,
+    pool: String,
+    kind: Kind,
+    state: Arc<NodeState>,
+    claims: Arc<dyn ClaimFetcher>,
+    cdi_root: PathBuf,
+    driver_root: PathBuf,
+    dev_root: PathBuf,
+    proc_root: PathBuf,
+    /// Every checkpoint change, and the CDI spec write between PrepareStarted and
+    /// PrepareCompleted, happens under this lock, so prepares and unprepares serialise on it:
+    /// the checkpoint is one file rewritten whole, and concurrent read-modify-writes would lose
+    /// entries; and the kubelet may retry a prepare (after its 45 s timeout) while the first
+    /// call still runs, and the two must not interleave their steps on one claim. The API read
+    /// happens before taking it, so a slow API server does not hold up other claims; the
+    /// claim's state is checked again once the lock is held. Nothing awaits while it is held.
+    checkpoint: Mutex<Checkpoint>,
+}
+
+impl DraCore {
+    /// Loads the checkpoint (setting an unusable one aside, dropping claims of an earlier boot
+    /// and removing their CDI specs). Claims left `PrepareStarted` stay until the kubelet
+    /// retries them.
+    pub fn new(
+        config: DraCoreConfig,
+        state: Arc<NodeState>,
+        claims: Arc<dyn ClaimFetcher>,
+    ) -> Result<DraCore, CoreError> {
+        let kind = Kind::new(&format!("k8s.{}", config.driver), CDI_CLASS).map_err(|source| {
+            CoreError::Kind {
+                driver: config.driver.clone(),
+                source,
+            }
+        })?;
+        let boot_id = checkpoint::read_boot_id(&config.boot_id_path);
+        let loaded = Checkpoint::load(&config.state_dir, boot_id.as_deref())
+            .map_err(|source| CoreError::Checkpoint { source })?;
+        // Specs first, then the checkpoint: a crash in between invalidates them again.
+        for (uid, entry) in &loaded.invalidated {
+            match cdi::remove_spec(&config.cdi_root, &entry.cdi_spec_stem) {
+                Ok(()) => {
+                    info!(claim = %format!("{}/{}", entry.namespace, entry.name), uid = %uid, "removed the CDI spec of a claim prepared before the reboot")
+                }
+                Err(e) => {
+                    error!(claim = %format!("{}/{}", entry.namespace, entry.name), uid = %uid, error = %e, "removing the CDI spec of a claim prepared before the reboot failed")
+                }
+            }
+        }
+        if loaded.needs_save {
+            if let Err(e) = loaded.checkpoint.save() {
+                warn!(error = %e, "saving the DRA checkpoint failed; retried on the next prepare");
+            }
+        }
+        for (uid, entry) in &loaded.checkpoint.data().claims {
+            if entry.state == ClaimState::PrepareStarted {
+                info!(claim = %format!("{}/{}", entry.namespace, entry.name), uid = %uid,
+                    "claim was being prepared when the agent stopped; it is prepared again or cleaned up when the kubelet retries");
+            }
+        }
+        Ok(DraCore {
+            driver: config.driver,
+            pool: config.node_name,
+            kind,
+            state,
+            claims,
+            cdi_root: config.cdi_root,
+            driver_root: config.driver_root,
+            dev_root: config.dev_root,
+            proc_root: config.proc_root,
+            checkpoint: Mutex::new(loaded.checkpoint),
+        })
+    }
+
+    /// The CDI kind of the per-claim specs (`k8s.<driver>/claim`).
+    pub fn cdi_kind(&self) -> &Kind {
+        &self.kind
+    }
+
+    pub fn driver(&self) -> &str {
+        &self.driver
+    }
+
+    /// The pool (node name) of this node's devices.
+    pub fn pool(&self) -> &str {
+        &self.pool
+    }
+
+    /// Unit UUID (GPU or MIG) → UID of the claim it is prepared (or being prepared) for.
+    pub async fn prepared_units(&self) -> BTreeMap<String, String> {
+        let cp = self.checkpoint.lock().await;
+        cp.data()
+            .claims
+            .iter()
+            .flat_map(|(uid, e)| {
+                e.units
+                    .values()
+                    .map(move |unit| (unit.clone(), uid.clone()))
+            })
+            .collect()
+    }
+
+    /// A copy of the checkpoint's content.
+    pub async fn checkpoint(&self) -> CheckpointData {
+        self.checkpoint.lock().await.data().clone()
+    }
+
+    /// The recorded devices of a completed claim whose spec is still on disk.
+    fn completed(&self, cp: &Checkpoint, uid: &str) -> Option<Vec<PreparedDevice>> {
+        let entry = cp
+            .get(uid)
+            .filter(|e| e.state == ClaimState::PrepareCompleted)?;
+        let spec_present =
+            cdi::writer::spec_path(&self.cdi_root, &entry.cdi_spec_stem).is_ok_and(|p| p.exists());
+        if !spec_present {
+            warn!(claim = %format!("{}/{}", entry.namespace, entry.name), uid = %uid,
+                "the CDI spec of a prepared claim is gone; preparing it again");
+            return None;
+        }
+        Some(entry.devices.clone())
+    }
+
+    async fn prepare_one(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
+        validate_uid(&c.uid)?;
+        validate_name("namespace", &c.namespace)?;
+        validate_name("name", &c.name)?;
+        if let Some(devices) = self.completed(&*self.checkpoint.lock().await, &c.uid) {
+            return Ok(devices);
+        }
+        let claim = self
+            .claims
+            .get(&c.namespace, &c.name)
+            .await
+            .map_err(|source| PrepareError::Fetch { source })?;
+
+        let mut cp = self.checkpoint.lock().await;
+        if let Some(devices) = self.completed(&cp, &c.uid) {
+            return Ok(devices);
+        }
+        let rendered = self.render(&claim, c)?;
+        let stem = spec_stem(&c.uid);
+        let started = ClaimEntry {
+            namespace: c.namespace.clone(),
+            name: c.name.clone(),
+            state: ClaimState::PrepareStarted,
+            devices: Vec::new(),
+            cdi_spec_stem: stem.clone(),
+            units: rendered.units.clone(),
+        };
+        cp.update(|d| {
+            d.claims.insert(c.uid.clone(), started.clone());
+        })?;
+        cdi::write_spec(&self.cdi_root, &stem, &rendered.spec)?;
+        cp.update(|d| {
+            d.claims.insert(
+                c.uid.clone(),
+                ClaimEntry {
+                    state: ClaimState::PrepareCompleted,
+                    devices: rendered.devices.clone(),
+                    ..started
+                },
+            );
+        })?;
+        Ok(rendered.devices)
+    }
+
+    /// Plans the claim against the current inventory and health and renders its spec.
+    fn render(
+        &self,
+        claim: &k8s_openapi::api::resource::v1::ResourceClaim,
+        c: &ClaimRef,
+    ) -> Result<Rendered, PrepareError> {
+        let (inv, health) = {
+            let snap = self.state.read();
+            (snap.inventory.clone(), snap.health.clone())
+        };
+        let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health)
+            .map_err(|source| PrepareError::Plan { source })?;
+        let caps = ProcCaps::new(&self.proc_root);
+        let files = DriverFiles::discover_with(&self.driver_root, &self.dev_root, &inv, &|cap| {
+            caps.minor(cap)
+        });
+        self.render_plan(&plan, c, &inv, &files)
+    }
+
+    fn render_plan(
+        &self,
+        plan: &ClaimPlan,
+        c: &ClaimRef,
+        inv: &Inventory,
+        files: &DriverFiles,
+    ) -> Result<Rendered, PrepareError> {
+        let mut named: Vec<NamedDevices<'_>> = Vec::new();
+        let mut needed: BTreeSet<PathBuf> = files
+            .control_nodes
+            .iter()
+            .map(|n| n.host_path.clone())
+            .collect();
+        for name in plan.device_names() {
+            let Some(dev) = inv.dra_device(name) else {
+                // plan_claim looked every device up in this same inventory.
+                continue;
+            };
+            for node in cdi::render::device_nodes(dev, files) {
+                needed.insert(PathBuf::from(node.host_path.unwrap_or(node.path)));
+            }
+            let cdi_name = DeviceName::new(cdi_device_name(&c.uid, name)).map_err(|source| {
+                PrepareError::CdiName {
+                    device: name.to_string(),
+                    source,
+                }
+            })?;
+            named.push(NamedDevices {
+                name: cdi_name,
+                devices: vec![dev],
+            });
+        }
+        let missing: Vec<String> = files
+            .missing_device_nodes
+            .iter()
+            .filter(|p| needed.contains(*p))
+            .map(|p| p.display().to_string())
+            .collect();
+        if !missing.is_empty() {
+            return Err(PrepareError::MissingDeviceNodes { nodes: missing });
+        }
+        let mut spec = cdi::render_spec(&self.kind, &named, files);
+        for d in &mut spec.devices {
+            if let Some(p) = plan
+                .devices
+                .iter()
+                .find(|p| cdi_device_name(&c.uid, &p.device) == d.name)
+            {
+                d.container_edits.env = p.env.clone();
+            }
+        }
+        spec.cdi_version = cdi::minimum_version(&spec).to_string();
+        let devices = plan
+            .devices
+            .iter()
+            .map(|p| PreparedDevice {
+                requests: p.requests.clone(),
+                pool: self.pool.clone(),
+                device: p.device.clone(),
+                cdi_ids: vec![format!(
+                    "{}={}",
+                    self.kind,
+                    cdi_device_name(&c.uid, &p.device)
+                )],
+                share_id: p.share_id.clone(),
+            })
+            .collect();
+        let units = plan
+            .devices
+            .iter()
+            .map(|p| (p.device.clone(), p.uuid.clone()))
+            .collect();
+        Ok(Rendered {
+            spec,
+            devices,
+            units,
+        })
+    }
+
+    async fn unprepare_one(&self, c: &ClaimRef) -> Result<(), PrepareError> {
+        let mut cp = self.checkpoint.lock().await;
+        let mut stems: Vec<String> = cp
+            .get(&c.uid)
+            .map(|e| e.cdi_spec_stem.clone())
+            .into_iter()
+            .collect();
+        // Also the stem the UID implies: a spec may outlive its entry (a checkpoint set aside).
+        if validate_uid(&c.uid).is_ok() {
+            let derived = spec_stem(&c.uid);
+            if !stems.contains(&derived) {
+                stems.push(derived);
+            }
+        }
+        for stem in &stems {
+            cdi::remove_spec(&self.cdi_root, stem)?;
+        }
+        cp.update(|d| {
+            d.claims.remove(&c.uid);
+        })?;
+        Ok(())
+    }
+}
+
+fn claim_label(c: &ClaimRef) -> String {
+    format!("{}/{}", c.namespace, c.name)
+}
+
+#[tonic::async_trait]
+impl DraDriver for DraCore {
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
+        let mut out = BTreeMap::new();
+        for c in claims {
+            let result = match self.prepare_one(&c).await {
+                Ok(devices) => {
+                    info!(claim = %claim_label(&c), uid = %c.uid, devices = devices.len(), "claim prepared");
+                    Ok(devices)
+                }
+                Err(e) => {
+                    warn!(claim = %claim_label(&c), uid = %c.uid, error = %e, "preparing claim failed");
+                    Err(format!("claim {} ({}): {e}", claim_label(&c), c.uid))
+                }
+            };
+            out.insert(c.uid, result);
+        }
+        out
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
+        let mut out = BTreeMap::new();
+        for c in claims {
+            let result = match self.unprepare_one(&c).await {
+                Ok(()) => {
+                    info!(claim = %claim_label(&c), uid = %c.uid, "claim unprepared");
+                    Ok(())
+                }
+                Err(e) => {
+                    warn!(claim = %claim_label(&c), uid = %c.uid, error = %e, "unpreparing claim failed");
+                    Err(format!("claim {} ({}): {e}", claim_label(&c), c.uid))
+                }
+            };
+            out.insert(c.uid, result);
+        }
+        out
+    }
+
+    fn device_health(&self) -> Vec<DeviceHealthReport> {
+        let snap = self.state.read();
+        snap.inventory
+            .dra_devices()
+            .iter()
+            .map(|d| {
+                let (health, message) = match snap.health.health(d.uuid()) {
+                    Health::Healthy => (DeviceHealthState::Healthy, String::new()),
+                    Health::Unhealthy(cause) => (DeviceHealthState::Unhealthy, cause.to_string()),
+                };
+                DeviceHealthReport {
+                    pool: self.pool.clone(),
+                    device: d.dra_name(),
+                    health,
+                    message,
+                }
+            })
+            .collect()
+    }
+
+    fn health_changes(&self) -> watch::Receiver<u64> {
+        self.state.subscribe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uids_and_names() {
+        for ok in ["0b5c3f2e-1111-4222-8333-444455556666", "a", "0"] {
+            assert!(validate_uid(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "-a",
+            "a-",
+            "../x",
+            "A0",
+            "0b5c/..",
+            "g",
+            &"a".repeat(65),
+        ] {
+            assert!(validate_uid(bad).is_err(), "{bad}");
+        }
+        for ok in ["default", "a.b-c", "x"] {
+            assert!(validate_name("name", ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "a/b", "..", "-a", "A", "a b"] {
+            assert!(validate_name("name", bad).is_err(), "{bad}");
+        }
+        assert_eq!(spec_stem("ab-12"), "gpuplane-claim-ab-12");
+        assert!(cdi::writer::spec_path(Path::new("/x"), &spec_stem("ab-12")).is_ok());
+    }
+}

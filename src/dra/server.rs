@@ -1,0 +1,337 @@
+//! Serves the DRA kubelet plugin: the DRA socket and the registration socket, kept alive until
+//! shutdown.
+//!
+//! Socket layout under the kubelet root (both sockets mode 0600, directories created):
+//! - `plugins/<driver>/dra.sock`: `v1.DRAPlugin`, `v1beta1.DRAPlugin`, `v1alpha1.DRAResourceHealth`;
+//! - `plugins_registry/<driver>-reg.sock`: `pluginregistration.Registration`, whose `GetInfo`
+//!   points the kubelet at the absolute path of `dra.sock`.
+//!
+//! The kubelet's plugin watcher reacts to sockets appearing and disappearing in
+//! `plugins_registry/`; it may delete ours, and it never tells us it forgot us. So, like the
+//! device plugin registrar, this loop polls every [`POLL`]: a socket of ours that vanished (or
+//! whose server died) is served again, and a new DRA socket also gets a new registration socket
+//! so that the kubelet re-registers and re-opens its health stream. A socket that some other
+//! process replaced (another instance of the agent during an update) is left alone and is not
+//! removed at shutdown. On shutdown both sockets are removed, the registration socket first.
+
+use super::health_service::HealthService;
+use super::registration::RegistrationService;
+use super::service::DraService;
+use super::DraDriver;
+use crate::grpc;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// How often both sockets are checked. The kubelet must see us again within a second.
+pub const POLL: Duration = Duration::from_millis(200);
+
+/// How long a stopping server may take to finish in-flight calls before it is aborted.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The driver name cannot be used in socket paths.
+    #[error("invalid DRA driver name {0:?}: must be a DNS subdomain")]
+    DriverName(String),
+    /// The kubelet root could not be made absolute.
+    #[error("resolving kubelet root {path}: {source}")]
+    Root {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Socket(#[from] grpc::SocketError),
+}
+
+/// Where the driver's sockets live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DraPaths {
+    /// `<kubelet-root>/plugins/<driver>/dra.sock`, absolute.
+    pub dra_socket: PathBuf,
+    /// `<kubelet-root>/plugins_registry/<driver>-reg.sock`, absolute.
+    pub registration_socket: PathBuf,
+}
+
+impl DraPaths {
+    pub fn new(kubelet_root: &Path, driver_name: &str) -> Result<DraPaths, ServeError> {
+        if !valid_driver_name(driver_name) {
+            return Err(ServeError::DriverName(driver_name.to_string()));
+        }
+        let root = std::path::absolute(kubelet_root)
+            .map_err(|source| ServeError::Root { path: kubelet_root.to_path_buf(), source })?;
+        Ok(DraPaths {
+            dra_socket: root.join("plugins").join(driver_name).join("dra.sock"),
+            registration_socket: root.join("plugins_registry").join(format!("{driver_name}-reg.sock")),
+        })
+    }
+}
+
+/// A DNS subdomain, as Kubernetes requires of driver names; this also keeps it a plain path
+/// component.
+fn valid_driver_name(name: &str) -> bool {
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    !name.is_empty() && name.len() <= 253 && name.split('.').all(label_ok)
+}
+
+/// The identity of the file at `path`, if any: inode numbers are reused at once on some file
+/// systems, so the modification time (set by `bind`, untouched by `chmod`) is part of it.
+type FileId = (u64, u64, i64, i64);
+
+fn file_id(path: &Path) -> Option<FileId> {
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino(), m.mtime(), m.mtime_nsec()))
+}
+
+/// One socket we serve.
+struct Served {
+    what: &'static str,
+    socket: PathBuf,
+    id: Option<FileId>,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+    replaced_logged: bool,
+}
+
+impl Served {
+    fn spawn(
+        what: &'static str,
+        socket: &Path,
+        listener: UnixListener,
+        router: tonic::transport::server::Router,
+        stop: watch::Sender<bool>,
+    ) -> Served
+    {
+        let mut stopped = stop.subscribe();
+        let path = socket.to_path_buf();
+        let task = tokio::spawn(async move {
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let result = router
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                })
+                .await;
+            if let Err(e) = result {
+                tracing::error!(socket = %path.display(), error = %e, "{what} server stopped");
+            }
+        });
+        Served { what, socket: socket.to_path_buf(), id: file_id(socket), stop, task, replaced_logged: false }
+    }
+
+    /// Our socket file is gone or its server died: it must be served again.
+    fn gone(&mut self) -> bool {
+        if self.task.is_finished() {
+            return true;
+        }
+        match file_id(&self.socket) {
+            None => true,
+            Some(id) if Some(id) == self.id => false,
+            Some(_) => {
+                if !self.replaced_logged {
+                    tracing::warn!(
+                        socket = %self.socket.display(),
+                        "{} socket replaced by another process (another agent instance?); leaving it alone",
+                        self.what
+                    );
+                    self.replaced_logged = true;
+                }
+                false
+            }
+        }
+    }
+
+    /// Stops the server (open streams end, in-flight calls get [`STOP_GRACE`]) and removes the
+    /// socket file if it is still ours.
+    async fn stop(mut self) {
+        let _ = self.stop.send(true);
+        if tokio::time::timeout(STOP_GRACE, &mut self.task).await.is_err() {
+            tracing::warn!(socket = %self.socket.display(), "{} server did not stop within {STOP_GRACE:?}; aborting it", self.what);
+            self.task.abort();
+        }
+        if self.id.is_some() && file_id(&self.socket) == self.id {
+            if let Err(e) = std::fs::remove_file(&self.socket) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(socket = %self.socket.display(), error = %e, "could not remove {} socket", self.what);
+                }
+            }
+        }
+    }
+}
+
+/// The DRA plugin of one driver: its sockets, its registration state and its driver.
+pub struct DraServer {
+    driver_name: String,
+    paths: DraPaths,
+    driver: Arc<dyn DraDriver>,
+    registration: RegistrationService,
+}
+
+impl DraServer {
+    pub fn new(kubelet_root: &Path, driver_name: &str, driver: Arc<dyn DraDriver>) -> Result<DraServer, ServeError> {
+        let paths = DraPaths::new(kubelet_root, driver_name)?;
+        let registration = RegistrationService::new(driver_name, &paths.dra_socket);
+        Ok(DraServer { driver_name: driver_name.to_string(), paths, driver, registration })
+    }
+
+    pub fn paths(&self) -> &DraPaths {
+        &self.paths
+    }
+
+    /// The registration service (what `GetInfo` answers, the kubelet's last verdict).
+    pub fn registration(&self) -> &RegistrationService {
+        &self.registration
+    }
+
+    /// True while the kubelet has us registered; for readiness.
+    pub fn registered(&self) -> watch::Receiver<bool> {
+        self.registration.registered()
+    }
+
+    fn serve_dra(&self) -> Result<Served, grpc::SocketError> {
+        let listener = grpc::bind(&self.paths.dra_socket)?;
+        let (stop, stopping) = watch::channel(false);
+        let dra = DraService::new(self.driver.clone());
+        let health = HealthService::new(self.driver.clone(), stopping);
+        let router = tonic::transport::Server::builder()
+            .add_service(dra.v1_server())
+            .add_service(dra.v1beta1_server())
+            .add_service(health.server());
+        Ok(Served::spawn("DRA", &self.paths.dra_socket, listener, router, stop))
+    }
+
+    fn serve_registration(&self) -> Result<Served, grpc::SocketError> {
+        let listener = grpc::bind(&self.paths.registration_socket)?;
+        let (stop, _) = watch::channel(false);
+        let router = tonic::transport::Server::builder().add_service(self.registration.server());
+        Ok(Served::spawn("registration", &self.paths.registration_socket, listener, router, stop))
+    }
+
+    /// Serves both sockets until `shutdown` turns true (or its sender is dropped), then removes
+    /// them. Fails only if a socket cannot be created at start; later failures are logged and
+    /// retried every [`POLL`].
+    pub async fn run(self, mut shutdown: watch::Receiver<bool>) -> Result<(), ServeError> {
+        let mut dra = Some(self.serve_dra()?);
+        let mut reg = match self.serve_registration() {
+            Ok(s) => Some(s),
+            Err(e) => {
+                if let Some(d) = dra.take() {
+                    d.stop().await;
+                }
+                return Err(e.into());
+            }
+        };
+        tracing::info!(
+            driver = %self.driver_name,
+            dra = %self.paths.dra_socket.display(),
+            registration = %self.paths.registration_socket.display(),
+            "DRA plugin serving"
+        );
+        let mut last_error: Option<String> = None;
+        loop {
+            if *shutdown.borrow() {
+                break;
+            }
+            if dra.as_mut().is_some_and(Served::gone) {
+                tracing::info!(socket = %self.paths.dra_socket.display(), "DRA socket gone; serving it again");
+                if let Some(s) = dra.take() {
+                    s.stop().await;
+                }
+                // A new DRA socket needs a new registration so the kubelet re-dials it.
+                if let Some(s) = reg.take() {
+                    s.stop().await;
+                }
+            }
+            if reg.as_mut().is_some_and(Served::gone) {
+                tracing::info!(
+                    socket = %self.paths.registration_socket.display(),
+                    "registration socket gone (kubelet cleanup?); serving it again"
+                );
+                if let Some(s) = reg.take() {
+                    s.stop().await;
+                }
+            }
+            if dra.is_none() || reg.is_none() {
+                let result = self.restore(&mut dra, &mut reg);
+                match result {
+                    Ok(()) => last_error = None,
+                    Err(e) => {
+                        let msg = e.to_string();
+                        if last_error.as_ref() != Some(&msg) {
+                            tracing::error!(driver = %self.driver_name, error = %msg, "cannot serve DRA plugin socket; retrying");
+                        }
+                        last_error = Some(msg);
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(POLL) => {}
+                changed = shutdown.changed() => if changed.is_err() { break },
+            }
+        }
+        if let Some(s) = reg.take() {
+            s.stop().await;
+        }
+        self.registration.reset();
+        if let Some(s) = dra.take() {
+            s.stop().await;
+        }
+        tracing::info!(driver = %self.driver_name, "DRA plugin stopped; sockets removed");
+        Ok(())
+    }
+
+    /// Serves whichever socket is missing: the DRA one first, then the registration one.
+    fn restore(&self, dra: &mut Option<Served>, reg: &mut Option<Served>) -> Result<(), grpc::SocketError> {
+        if dra.is_none() {
+            *dra = Some(self.serve_dra()?);
+        }
+        if reg.is_none() {
+            self.registration.reset();
+            *reg = Some(self.serve_registration()?);
+        }
+        Ok(())
+    }
+}
+
+/// Serves the DRA plugin of `driver_name` under `kubelet_root` until `shutdown` turns true; see
+/// the module documentation for the socket layout.
+pub async fn serve(
+    kubelet_root: &Path,
+    driver_name: &str,
+    driver: Arc<dyn DraDriver>,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), ServeError> {
+    DraServer::new(kubelet_root, driver_name, driver)?.run(shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_names() {
+        assert!(valid_driver_name("gpu.nvidia.com"));
+        assert!(valid_driver_name("gpu.gpuplane.io"));
+        for bad in ["", ".", "..", "a/b", "Gpu.nvidia.com", "-a.com", "a..b", "a_b"] {
+            assert!(!valid_driver_name(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn layout() {
+        let p = DraPaths::new(Path::new("/var/lib/kubelet"), "gpu.nvidia.com").unwrap();
+        assert_eq!(p.dra_socket, Path::new("/var/lib/kubelet/plugins/gpu.nvidia.com/dra.sock"));
+        assert_eq!(p.registration_socket, Path::new("/var/lib/kubelet/plugins_registry/gpu.nvidia.com-reg.sock"));
+        let rel = DraPaths::new(Path::new("kubelet"), "gpu.nvidia.com").unwrap();
+        assert!(rel.dra_socket.is_absolute());
+    }
+}

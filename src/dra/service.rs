@@ -1,0 +1,346 @@
+//! The kubelet's `DRAPlugin` gRPC service, v1 and v1beta1, over one [`DraDriver`].
+//!
+//! This file only adapts: it turns the kubelet's claims into [`ClaimRef`]s, rejects malformed
+//! ones (empty uid, name or namespace) per claim, hands the rest to the driver, and turns the
+//! per-claim answers back into protobuf. Failures are never a gRPC status: every claim UID the
+//! kubelet asked about gets an entry, with the message in the claim's `error` field, so one bad
+//! claim does not fail its neighbours. Each failed claim is logged once, here, with its
+//! namespace, name and uid.
+//!
+//! The driver runs on its own task: if the kubelet gives up on a call (its 45 s timeout), the
+//! prepare or unprepare still finishes instead of being cancelled half way, and a panic in the
+//! driver becomes a per-claim error instead of a broken call.
+
+use super::{ClaimRef, DraDriver, PrepareResult, PreparedDevice};
+use crate::proto::{dra_v1 as v1, dra_v1beta1 as v1beta1};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+
+/// The kubelet API version a call came in on; for logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    V1,
+    V1beta1,
+}
+
+impl Api {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::V1 => "v1",
+            Api::V1beta1 => "v1beta1",
+        }
+    }
+}
+
+/// Serves `v1.DRAPlugin` and `v1beta1.DRAPlugin` from one driver.
+#[derive(Clone)]
+pub struct DraService {
+    driver: Arc<dyn DraDriver>,
+}
+
+/// A claim as it arrived, before validation.
+#[derive(Debug, Clone)]
+struct RawClaim {
+    namespace: String,
+    uid: String,
+    name: String,
+}
+
+impl From<v1::Claim> for RawClaim {
+    fn from(c: v1::Claim) -> Self {
+        RawClaim { namespace: c.namespace, uid: c.uid, name: c.name }
+    }
+}
+
+impl From<v1beta1::Claim> for RawClaim {
+    fn from(c: v1beta1::Claim) -> Self {
+        RawClaim { namespace: c.namespace, uid: c.uid, name: c.name }
+    }
+}
+
+/// Splits the request into claims for the driver and per-claim rejections (keyed by uid).
+/// A claim listed twice under the same identity is passed once; the same uid under two
+/// different names is rejected.
+fn validate(raw: Vec<RawClaim>) -> (Vec<ClaimRef>, BTreeMap<String, (RawClaim, String)>) {
+    let mut accepted: BTreeMap<String, ClaimRef> = BTreeMap::new();
+    let mut rejected: BTreeMap<String, (RawClaim, String)> = BTreeMap::new();
+    for c in raw {
+        if rejected.contains_key(&c.uid) {
+            continue;
+        }
+        let mut missing = Vec::new();
+        if c.uid.is_empty() {
+            missing.push("uid");
+        }
+        if c.namespace.is_empty() {
+            missing.push("namespace");
+        }
+        if c.name.is_empty() {
+            missing.push("name");
+        }
+        if !missing.is_empty() {
+            accepted.remove(&c.uid);
+            let msg = format!("invalid claim: empty {}", missing.join(", "));
+            rejected.insert(c.uid.clone(), (c, msg));
+            continue;
+        }
+        let claim = ClaimRef { namespace: c.namespace.clone(), uid: c.uid.clone(), name: c.name.clone() };
+        match accepted.get(&c.uid) {
+            Some(seen) if *seen != claim => {
+                let msg = format!(
+                    "invalid request: claim uid {} listed as both {}/{} and {}/{}",
+                    c.uid, seen.namespace, seen.name, c.namespace, c.name
+                );
+                accepted.remove(&c.uid);
+                rejected.insert(c.uid.clone(), (c, msg));
+            }
+            Some(_) => {}
+            None => {
+                accepted.insert(c.uid.clone(), claim);
+            }
+        }
+    }
+    (accepted.into_values().collect(), rejected)
+}
+
+fn log_failure(api: Api, op: &str, namespace: &str, name: &str, uid: &str, error: &str) {
+    tracing::warn!(api = api.as_str(), namespace, name, uid, error, "{op} failed for claim");
+}
+
+impl DraService {
+    pub fn new(driver: Arc<dyn DraDriver>) -> Self {
+        DraService { driver }
+    }
+
+    /// The v1 gRPC server for this service.
+    pub fn v1_server(&self) -> v1::dra_plugin_server::DraPluginServer<DraService> {
+        v1::dra_plugin_server::DraPluginServer::new(self.clone())
+    }
+
+    /// The v1beta1 gRPC server for this service.
+    pub fn v1beta1_server(&self) -> v1beta1::dra_plugin_server::DraPluginServer<DraService> {
+        v1beta1::dra_plugin_server::DraPluginServer::new(self.clone())
+    }
+
+    /// Prepares the claims; every uid in `raw` gets an entry, failures are logged once.
+    async fn prepare_claims(&self, api: Api, raw: Vec<RawClaim>) -> BTreeMap<String, PrepareResult> {
+        let (claims, rejected) = validate(raw);
+        let mut results: BTreeMap<String, PrepareResult> = BTreeMap::new();
+        for (uid, (c, msg)) in rejected {
+            log_failure(api, "NodePrepareResources", &c.namespace, &c.name, &uid, &msg);
+            results.insert(uid, Err(msg));
+        }
+        if claims.is_empty() {
+            return results;
+        }
+        let driver = self.driver.clone();
+        let asked = claims.clone();
+        let mut answers = match tokio::spawn(async move { driver.prepare(asked).await }).await {
+            Ok(answers) => answers,
+            Err(e) => {
+                tracing::error!(api = api.as_str(), error = %e, "DRA driver failed while preparing claims");
+                BTreeMap::new()
+            }
+        };
+        for c in claims {
+            let result = answers
+                .remove(&c.uid)
+                .unwrap_or_else(|| Err("internal error: the driver returned no result for this claim".to_string()));
+            match &result {
+                Ok(devices) => tracing::info!(
+                    api = api.as_str(),
+                    namespace = %c.namespace,
+                    name = %c.name,
+                    uid = %c.uid,
+                    devices = devices.len(),
+                    "claim prepared"
+                ),
+                Err(msg) => log_failure(api, "NodePrepareResources", &c.namespace, &c.name, &c.uid, msg),
+            }
+            results.insert(c.uid, result);
+        }
+        results
+    }
+
+    /// Unprepares the claims; every uid in `raw` gets an entry, failures are logged once.
+    async fn unprepare_claims(&self, api: Api, raw: Vec<RawClaim>) -> BTreeMap<String, Result<(), String>> {
+        let (claims, rejected) = validate(raw);
+        let mut results: BTreeMap<String, Result<(), String>> = BTreeMap::new();
+        for (uid, (c, msg)) in rejected {
+            log_failure(api, "NodeUnprepareResources", &c.namespace, &c.name, &uid, &msg);
+            results.insert(uid, Err(msg));
+        }
+        if claims.is_empty() {
+            return results;
+        }
+        let driver = self.driver.clone();
+        let asked = claims.clone();
+        let mut answers = match tokio::spawn(async move { driver.unprepare(asked).await }).await {
+            Ok(answers) => answers,
+            Err(e) => {
+                tracing::error!(api = api.as_str(), error = %e, "DRA driver failed while unpreparing claims");
+                BTreeMap::new()
+            }
+        };
+        for c in claims {
+            let result = answers
+                .remove(&c.uid)
+                .unwrap_or_else(|| Err("internal error: the driver returned no result for this claim".to_string()));
+            match &result {
+                Ok(()) => tracing::info!(
+                    api = api.as_str(),
+                    namespace = %c.namespace,
+                    name = %c.name,
+                    uid = %c.uid,
+                    "claim unprepared"
+                ),
+                Err(msg) => log_failure(api, "NodeUnprepareResources", &c.namespace, &c.name, &c.uid, msg),
+            }
+            results.insert(c.uid, result);
+        }
+        results
+    }
+}
+
+fn v1_device(d: PreparedDevice) -> v1::Device {
+    v1::Device {
+        request_names: d.requests,
+        pool_name: d.pool,
+        device_name: d.device,
+        cdi_device_ids: d.cdi_ids,
+        share_id: d.share_id,
+    }
+}
+
+fn v1beta1_device(d: PreparedDevice) -> v1beta1::Device {
+    if let Some(share) = &d.share_id {
+        // v1beta1 has no share id; a kubelet speaking it predates consumable capacity.
+        tracing::debug!(pool = %d.pool, device = %d.device, share_id = %share, "share id dropped on the v1beta1 API");
+    }
+    v1beta1::Device { request_names: d.requests, pool_name: d.pool, device_name: d.device, cdi_device_ids: d.cdi_ids }
+}
+
+#[tonic::async_trait]
+impl v1::dra_plugin_server::DraPlugin for DraService {
+    async fn node_prepare_resources(
+        &self,
+        req: Request<v1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
+        let raw = req.into_inner().claims.into_iter().map(RawClaim::from).collect();
+        let claims: HashMap<String, v1::NodePrepareResourceResponse> = self
+            .prepare_claims(Api::V1, raw)
+            .await
+            .into_iter()
+            .map(|(uid, result)| {
+                let resp = match result {
+                    Ok(devices) => v1::NodePrepareResourceResponse {
+                        devices: devices.into_iter().map(v1_device).collect(),
+                        error: String::new(),
+                    },
+                    Err(error) => v1::NodePrepareResourceResponse { devices: Vec::new(), error },
+                };
+                (uid, resp)
+            })
+            .collect();
+        Ok(Response::new(v1::NodePrepareResourcesResponse { claims }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        req: Request<v1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
+        let raw = req.into_inner().claims.into_iter().map(RawClaim::from).collect();
+        let claims = self
+            .unprepare_claims(Api::V1, raw)
+            .await
+            .into_iter()
+            .map(|(uid, result)| (uid, v1::NodeUnprepareResourceResponse { error: result.err().unwrap_or_default() }))
+            .collect();
+        Ok(Response::new(v1::NodeUnprepareResourcesResponse { claims }))
+    }
+}
+
+#[tonic::async_trait]
+impl v1beta1::dra_plugin_server::DraPlugin for DraService {
+    async fn node_prepare_resources(
+        &self,
+        req: Request<v1beta1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
+        let raw = req.into_inner().claims.into_iter().map(RawClaim::from).collect();
+        let claims: HashMap<String, v1beta1::NodePrepareResourceResponse> = self
+            .prepare_claims(Api::V1beta1, raw)
+            .await
+            .into_iter()
+            .map(|(uid, result)| {
+                let resp = match result {
+                    Ok(devices) => v1beta1::NodePrepareResourceResponse {
+                        devices: devices.into_iter().map(v1beta1_device).collect(),
+                        error: String::new(),
+                    },
+                    Err(error) => v1beta1::NodePrepareResourceResponse { devices: Vec::new(), error },
+                };
+                (uid, resp)
+            })
+            .collect();
+        Ok(Response::new(v1beta1::NodePrepareResourcesResponse { claims }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        req: Request<v1beta1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
+        let raw = req.into_inner().claims.into_iter().map(RawClaim::from).collect();
+        let claims = self
+            .unprepare_claims(Api::V1beta1, raw)
+            .await
+            .into_iter()
+            .map(|(uid, result)| {
+                (uid, v1beta1::NodeUnprepareResourceResponse { error: result.err().unwrap_or_default() })
+            })
+            .collect();
+        Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse { claims }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(ns: &str, uid: &str, name: &str) -> RawClaim {
+        RawClaim { namespace: ns.into(), uid: uid.into(), name: name.into() }
+    }
+
+    #[test]
+    fn validate_rejects_per_claim() {
+        let (ok, bad) = validate(vec![
+            raw("ns", "a", "one"),
+            raw("", "b", "two"),
+            raw("ns", "c", ""),
+            raw("ns", "a", "one"),
+            raw("ns", "d", "x"),
+            raw("ns", "d", "y"),
+            raw("ns", "", "z"),
+        ]);
+        assert_eq!(ok, vec![ClaimRef { namespace: "ns".into(), uid: "a".into(), name: "one".into() }]);
+        assert_eq!(bad.keys().cloned().collect::<Vec<_>>(), vec!["", "b", "c", "d"]);
+        assert_eq!(bad["b"].1, "invalid claim: empty namespace");
+        assert_eq!(bad["c"].1, "invalid claim: empty name");
+        assert!(bad["d"].1.contains("listed as both"), "{}", bad["d"].1);
+        assert_eq!(bad[""].1, "invalid claim: empty uid");
+    }
+
+    #[test]
+    fn v1beta1_drops_share_id() {
+        let d = PreparedDevice {
+            requests: vec!["gpu".into()],
+            pool: "p".into(),
+            device: "gpu-0".into(),
+            cdi_ids: vec!["k8s.gpu.nvidia.com/claim=x".into()],
+            share_id: Some("s".into()),
+        };
+        assert_eq!(v1_device(d.clone()).share_id.as_deref(), Some("s"));
+        let b = v1beta1_device(d);
+        assert_eq!((b.pool_name.as_str(), b.device_name.as_str()), ("p", "gpu-0"));
+    }
+}

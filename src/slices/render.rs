@@ -1,0 +1,362 @@
+//! Inventory + health -> this node's ResourceSlices (pure).
+//!
+//! One pool per node, named after the node. The devices are exactly
+//! [`Inventory::dra_devices`], named by [`DeviceRef::dra_name`], in that order.
+//!
+//! **Attributes** follow NVIDIA's DRA driver (`cmd/gpu-kubelet-plugin/deviceinfo.go` in
+//! NVIDIA/k8s-dra-driver-gpu, now kubernetes-sigs/dra-driver-nvidia-gpu), so DeviceClass and
+//! claim selectors written for it keep working:
+//!
+//! | GPU (`type`=`gpu`) | MIG device (`type`=`mig`) |
+//! |---|---|
+//! | `uuid`, `productName`, `brand`, `architecture` (string) | `uuid`, `parentUUID`, `profile`, and the parent's `productName`, `brand`, `architecture` |
+//! | `cudaComputeCapability`, `driverVersion`, `cudaDriverVersion` (version) | the parent's three versions |
+//! | `index`, `minor` (int; NVIDIA's driver published these before 25.x) | `parentIndex` (int; likewise) |
+//! | `resource.kubernetes.io/pciBusID`, `resource.kubernetes.io/pcieRoot`, `resource.kubernetes.io/numaNode` | the parent's three |
+//! | capacity `memory` (bytes) | capacities `multiprocessors`, `copyEngines`, `decoders`, `encoders`, `jpegEngines`, `ofaEngines`, `memory` |
+//!
+//! Versions are semver as NVIDIA writes them (Masterminds `semver.MustParse(v).String()`):
+//! `9.0` -> `9.0.0`, `550.90.07` -> `550.90.7`, `12.4` -> `12.4.0`. A value the API server
+//! would reject (an unparsable version, a string over 64 bytes) is left out rather than
+//! making the whole slice invalid. NVIDIA's `memorySlice<N>` MIG capacities and
+//! `addressingMode` are not published: nothing selects on them without counters, and the
+//! inventory does not carry addressing mode.
+//!
+//! `resource.kubernetes.io/pcieRoot` is an **approximation**: the real value is the root
+//! complex a device hangs under in sysfs (`/sys/devices/pci0000:15/.../0000:18:00.0` ->
+//! `pci0000:15`), which NVML does not report. Without sysfs we group GPUs whose NVML path
+//! level is `HostBridge` or closer (same host bridge = same root complex) and name each group
+//! `pci<domain>:<lowest bus number in the group>`. Equality, which is what `matchAttribute`
+//! constraints use, is right whenever NVML's topology is; the bus number itself may differ
+//! from the kernel's name for the root.
+//!
+//! **Health**: an unhealthy device carries one taint `gpu.gpuplane.dev/unhealthy=<cause>`
+//! (`xid-48`, `lost`) with effect `NoSchedule`; a healthy one none. Not `NoExecute`: that effect
+//! evicts every pod whose claim holds the device (and, for a multi-device claim, the healthy
+//! devices with it), cannot be undone when the device recovers a few minutes later, and a
+//! workload that hit the fault already sees it (CUDA errors, and the kubelet's DRA health
+//! stream puts it in the pod's status). Eviction is the cluster admin's call: a
+//! `DeviceTaintRule` with `NoExecute` selecting this driver's devices adds it.
+//!
+//! **Splitting**: devices are packed into slices of at most 64 (the limit for slices with
+//! taints) whole GPUs at a time, whatever the health, so a health change never moves a device
+//! to another slice and touches exactly one slice, and one GPU's MIG devices share a slice.
+//! All slices carry the same `generation` and `resourceSliceCount`. Slice names are stable,
+//! `<node>-<driver with dots as dashes>-<i>` (hashed to fit 253 bytes), so the publisher can
+//! match existing slices by name and write nothing when nothing changed.
+
+use super::quantity;
+use super::MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS;
+use crate::health::{Cause, Health, HealthBook};
+use crate::inventory::{DeviceRef, Gpu, Inventory, MigDevice, PathLevel};
+use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use std::collections::BTreeMap;
+
+/// Taint key on unhealthy devices; the value says why (`xid-<n>` or `lost`).
+pub const UNHEALTHY_TAINT_KEY: &str = "gpu.gpuplane.dev/unhealthy";
+/// Effect of the unhealthy taint: no new allocations; running workloads are left alone.
+pub const UNHEALTHY_TAINT_EFFECT: &str = "NoSchedule";
+/// Prefix of the attributes Kubernetes defines for all drivers.
+pub const STANDARD_PREFIX: &str = "resource.kubernetes.io/";
+/// Devices per slice: the tainted-slice limit always, so health never re-splits the pool.
+pub const DEVICES_PER_SLICE: usize = MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS;
+
+/// Attribute and capacity names, as NVIDIA's DRA driver spells them.
+pub mod names {
+    pub const TYPE: &str = "type";
+    pub const UUID: &str = "uuid";
+    pub const PARENT_UUID: &str = "parentUUID";
+    pub const PROFILE: &str = "profile";
+    pub const PRODUCT_NAME: &str = "productName";
+    pub const BRAND: &str = "brand";
+    pub const ARCHITECTURE: &str = "architecture";
+    pub const CUDA_COMPUTE_CAPABILITY: &str = "cudaComputeCapability";
+    pub const DRIVER_VERSION: &str = "driverVersion";
+    pub const CUDA_DRIVER_VERSION: &str = "cudaDriverVersion";
+    pub const INDEX: &str = "index";
+    pub const MINOR: &str = "minor";
+    pub const PARENT_INDEX: &str = "parentIndex";
+    pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+    pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
+    pub const NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
+    pub const MEMORY: &str = "memory";
+    pub const MULTIPROCESSORS: &str = "multiprocessors";
+    pub const COPY_ENGINES: &str = "copyEngines";
+    pub const DECODERS: &str = "decoders";
+    pub const ENCODERS: &str = "encoders";
+    pub const JPEG_ENGINES: &str = "jpegEngines";
+    pub const OFA_ENGINES: &str = "ofaEngines";
+}
+
+/// This node's slices with pool generation 0 (the publisher picks the generation it writes).
+pub fn render(inv: &Inventory, health: &HealthBook, driver: &str, node: &str) -> Vec<ResourceSlice> {
+    render_with_generation(inv, health, driver, node, 0)
+}
+
+/// This node's slices, all carrying `generation`. No devices, no slices.
+pub fn render_with_generation(inv: &Inventory, health: &HealthBook, driver: &str, node: &str, generation: i64) -> Vec<ResourceSlice> {
+    let roots = pcie_roots(inv);
+    // One group per physical GPU, in inventory order.
+    let mut groups: Vec<Vec<Device>> = Vec::new();
+    let mut last_gpu: Option<u32> = None;
+    for d in inv.dra_devices() {
+        let device = render_device(inv, &d, health, roots.get(&d.gpu().index).map(String::as_str));
+        if last_gpu == Some(d.gpu().index) {
+            if let Some(g) = groups.last_mut() {
+                g.push(device);
+                continue;
+            }
+        }
+        last_gpu = Some(d.gpu().index);
+        groups.push(vec![device]);
+    }
+    let chunks = pack(groups, DEVICES_PER_SLICE);
+    let count = i64::try_from(chunks.len()).unwrap_or(i64::MAX);
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, devices)| ResourceSlice {
+            metadata: ObjectMeta { name: Some(slice_name(node, driver, i)), ..ObjectMeta::default() },
+            spec: ResourceSliceSpec {
+                driver: driver.to_string(),
+                node_name: Some(node.to_string()),
+                pool: ResourcePool { name: node.to_string(), generation, resource_slice_count: count },
+                devices: Some(devices),
+                ..ResourceSliceSpec::default()
+            },
+        })
+        .collect()
+}
+
+/// Packs groups in order into chunks of at most `max` devices, never splitting a group that
+/// fits in one chunk.
+fn pack(groups: Vec<Vec<Device>>, max: usize) -> Vec<Vec<Device>> {
+    let mut chunks: Vec<Vec<Device>> = Vec::new();
+    let mut current: Vec<Device> = Vec::new();
+    for group in groups {
+        if !current.is_empty() && current.len() + group.len() > max {
+            chunks.push(std::mem::take(&mut current));
+        }
+        for d in group {
+            if current.len() == max {
+                chunks.push(std::mem::take(&mut current));
+            }
+            current.push(d);
+        }
+    }
+    if !current.is_empty() {
+        chunks.push(current);
+    }
+    chunks
+}
+
+/// Name of slice `index` of this node's pool: `<node>-<driver, dots as dashes>-<index>`.
+/// When that exceeds 253 bytes, the head is cut and `-<16 hex of a hash of the full name>`
+/// keeps names of different nodes apart; the result is still a DNS subdomain.
+pub fn slice_name(node: &str, driver: &str, index: usize) -> String {
+    const MAX: usize = 253;
+    let full = format!("{}-{}-{}", node, driver.replace('.', "-"), index).to_ascii_lowercase();
+    if full.len() <= MAX {
+        return full;
+    }
+    let suffix = format!("-{:016x}-{}", fnv1a(full.as_bytes()), index);
+    let mut head: String = full.chars().take(MAX - suffix.len()).collect();
+    while head.ends_with(['-', '.']) {
+        head.pop();
+    }
+    head + &suffix
+}
+
+/// FNV-1a, 64 bit: stable across releases and platforms (unlike `DefaultHasher`).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+fn render_device(inv: &Inventory, d: &DeviceRef<'_>, health: &HealthBook, pcie_root: Option<&str>) -> Device {
+    let gpu = d.gpu();
+    let mut attrs: BTreeMap<String, DeviceAttribute> = BTreeMap::new();
+    let mut put = |name: &str, value: Option<DeviceAttribute>| {
+        if let Some(v) = value {
+            attrs.insert(name.to_string(), v);
+        }
+    };
+    match d {
+        DeviceRef::Gpu(_) => {
+            put(names::TYPE, string("gpu"));
+            put(names::UUID, string(&gpu.uuid));
+            put(names::INDEX, Some(int(gpu.index.into())));
+            put(names::MINOR, Some(int(gpu.minor.into())));
+        }
+        DeviceRef::Mig { mig, .. } => {
+            put(names::TYPE, string("mig"));
+            put(names::UUID, string(&mig.uuid));
+            put(names::PARENT_UUID, string(&gpu.uuid));
+            put(names::PROFILE, string(&mig.profile));
+            put(names::PARENT_INDEX, Some(int(gpu.index.into())));
+        }
+    }
+    put(names::PRODUCT_NAME, string(&gpu.product_name));
+    put(names::BRAND, string(&gpu.brand));
+    put(names::ARCHITECTURE, string(&gpu.architecture));
+    put(names::CUDA_COMPUTE_CAPABILITY, version(&gpu.cuda_compute_capability));
+    put(names::DRIVER_VERSION, version(&inv.driver_version));
+    put(names::CUDA_DRIVER_VERSION, version(&inv.cuda_driver_version));
+    put(names::NUMA_NODE, gpu.numa_node.map(|n| int(n.into())));
+    put(names::PCI_BUS_ID, pci_address(&gpu.pci_bus_id).and_then(|a| string(&a.to_string())));
+    put(names::PCIE_ROOT, pcie_root.and_then(string));
+
+    let capacity = match d {
+        DeviceRef::Gpu(g) => gpu_capacity(g),
+        DeviceRef::Mig { mig, .. } => mig_capacity(mig),
+    };
+    let taints = match health.health(d.uuid()) {
+        Health::Healthy => None,
+        Health::Unhealthy(cause) => Some(vec![unhealthy_taint(cause)]),
+    };
+    Device { name: d.dra_name(), attributes: Some(attrs), capacity: Some(capacity), taints, ..Device::default() }
+}
+
+fn gpu_capacity(g: &Gpu) -> BTreeMap<String, DeviceCapacity> {
+    BTreeMap::from([(names::MEMORY.to_string(), cap(quantity::mebibytes(g.memory_mib)))])
+}
+
+fn mig_capacity(m: &MigDevice) -> BTreeMap<String, DeviceCapacity> {
+    let count = |n: u32| cap(quantity::binary(n.into()));
+    BTreeMap::from([
+        (names::MULTIPROCESSORS.to_string(), count(m.multiprocessors)),
+        (names::COPY_ENGINES.to_string(), count(m.copy_engines)),
+        (names::DECODERS.to_string(), count(m.decoders)),
+        (names::ENCODERS.to_string(), count(m.encoders)),
+        (names::JPEG_ENGINES.to_string(), count(m.jpeg_engines)),
+        (names::OFA_ENGINES.to_string(), count(m.ofa_engines)),
+        (names::MEMORY.to_string(), cap(quantity::mebibytes(m.memory_mib))),
+    ])
+}
+
+fn cap(value: k8s_openapi::apimachinery::pkg::api::resource::Quantity) -> DeviceCapacity {
+    DeviceCapacity { value, request_policy: None }
+}
+
+/// The taint an unhealthy device carries.
+pub fn unhealthy_taint(cause: Cause) -> DeviceTaint {
+    let value = match cause {
+        Cause::Xid(x) => format!("xid-{x}"),
+        Cause::Lost => "lost".to_string(),
+    };
+    DeviceTaint { key: UNHEALTHY_TAINT_KEY.to_string(), value: Some(value), effect: UNHEALTHY_TAINT_EFFECT.to_string(), time_added: None }
+}
+
+fn string(v: &str) -> Option<DeviceAttribute> {
+    if v.len() > super::MAX_ATTRIBUTE_VALUE_LEN {
+        tracing::warn!(value = v, "attribute value longer than 64 bytes left out of the ResourceSlice");
+        return None;
+    }
+    Some(DeviceAttribute { string: Some(v.to_string()), ..DeviceAttribute::default() })
+}
+
+fn int(v: i64) -> DeviceAttribute {
+    DeviceAttribute { int: Some(v), ..DeviceAttribute::default() }
+}
+
+fn version(v: &str) -> Option<DeviceAttribute> {
+    match semver(v) {
+        Some(s) => Some(DeviceAttribute { version: Some(s), ..DeviceAttribute::default() }),
+        None => {
+            tracing::warn!(value = v, "version attribute is not a version; left out of the ResourceSlice");
+            None
+        }
+    }
+}
+
+/// `major[.minor[.patch]]` of decimal numbers -> `major.minor.patch` without leading zeros,
+/// the way Masterminds semver (used by NVIDIA's driver) normalises driver versions.
+pub fn semver(v: &str) -> Option<String> {
+    let parts: Vec<&str> = v.trim().trim_start_matches(['v', 'V']).split('.').collect();
+    if parts.is_empty() || parts.len() > 3 {
+        return None;
+    }
+    let mut nums = [0u64; 3];
+    for (slot, p) in nums.iter_mut().zip(&parts) {
+        if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        *slot = p.parse().ok()?;
+    }
+    Some(format!("{}.{}.{}", nums[0], nums[1], nums[2]))
+}
+
+/// A PCI address in the kubelet's (sysfs) form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PciAddress {
+    pub domain: u32,
+    pub bus: u8,
+    pub device: u8,
+    pub function: u8,
+}
+
+impl std::fmt::Display for PciAddress {
+    /// `0000:18:00.0`: lower-case hex, domain at least four digits.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:04x}:{:02x}:{:02x}.{:x}", self.domain, self.bus, self.device, self.function)
+    }
+}
+
+/// Parses NVML's `00000000:18:00.0` (or the sysfs `0000:18:00.0`, any case).
+pub fn pci_address(text: &str) -> Option<PciAddress> {
+    let mut parts = text.trim().split(':');
+    let (domain, bus, devfn) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() {
+        return None;
+    }
+    let (device, function) = devfn.split_once('.')?;
+    Some(PciAddress {
+        domain: u32::from_str_radix(domain, 16).ok()?,
+        bus: u8::from_str_radix(bus, 16).ok()?,
+        device: u8::from_str_radix(device, 16).ok().filter(|d| *d < 32)?,
+        function: u8::from_str_radix(function, 16).ok().filter(|f| *f < 8)?,
+    })
+}
+
+/// Approximate PCIe root per GPU index (see the module docs): GPUs joined by a path no
+/// farther than one host bridge share a root, named `pci<domain>:<lowest bus>`.
+pub fn pcie_roots(inv: &Inventory) -> BTreeMap<u32, String> {
+    let addrs: BTreeMap<u32, PciAddress> = inv.gpus.iter().filter_map(|g| pci_address(&g.pci_bus_id).map(|a| (g.index, a))).collect();
+    // Union-find over GPU indices.
+    let mut parent: BTreeMap<u32, u32> = addrs.keys().map(|i| (*i, *i)).collect();
+    fn find(parent: &BTreeMap<u32, u32>, mut i: u32) -> u32 {
+        while let Some(&p) = parent.get(&i) {
+            if p == i {
+                break;
+            }
+            i = p;
+        }
+        i
+    }
+    for link in &inv.topology.links {
+        if link.level > PathLevel::HostBridge {
+            continue;
+        }
+        let (Some(a), Some(b)) = (addrs.get(&link.from), addrs.get(&link.to)) else { continue };
+        if a.domain != b.domain {
+            continue;
+        }
+        let (ra, rb) = (find(&parent, link.from), find(&parent, link.to));
+        if ra != rb {
+            let (lo, hi) = if ra < rb { (ra, rb) } else { (rb, ra) };
+            parent.insert(hi, lo);
+        }
+    }
+    let mut lowest_bus: BTreeMap<u32, (u32, u8)> = BTreeMap::new();
+    for (i, a) in &addrs {
+        let root = find(&parent, *i);
+        let e = lowest_bus.entry(root).or_insert((a.domain, a.bus));
+        if a.bus < e.1 {
+            e.1 = a.bus;
+        }
+    }
+    addrs
+        .keys()
+        .filter_map(|i| lowest_bus.get(&find(&parent, *i)).map(|(domain, bus)| (*i, format!("pci{domain:04x}:{bus:02x}"))))
+        .collect()
+}

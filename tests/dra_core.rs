@@ -1,0 +1,591 @@
+//! The DRA core driven through the `DraDriver` trait: simulated hardware (`a100-mig-mixed`),
+//! ResourceClaims served from memory, CDI specs, checkpoint and device nodes in a temp dir.
+
+use gpuplane::cdi::Spec;
+use gpuplane::config::AgentConfig;
+use gpuplane::dra::checkpoint::{self, CheckpointData, ClaimEntry, ClaimState};
+use gpuplane::dra::claims::{ClaimFetcher, MemoryClaims};
+use gpuplane::dra::core::{spec_stem, DraCore, DraCoreConfig};
+use gpuplane::dra::{ClaimRef, DeviceHealthState, DraDriver, PreparedDevice};
+use gpuplane::inventory::Inventory;
+use gpuplane::node::state::{NodeState, Snapshot};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+const DRIVER: &str = "gpu.gpuplane.dev";
+const NODE: &str = "node-a";
+const KIND: &str = "k8s.gpu.gpuplane.dev/claim";
+
+fn uid(n: u8) -> String {
+    format!("0b5c3f2e-1111-4222-8333-4444555566{n:02x}")
+}
+
+struct Env {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    inv: Inventory,
+    state: Arc<NodeState>,
+    claims: Arc<MemoryClaims>,
+}
+
+impl Env {
+    fn new() -> Env {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        let inv = gpuplane::sim::load("a100-mig-mixed").unwrap();
+        // Device nodes, and MIG access capabilities with their minors under a fake /proc.
+        let dev = root.join("dev");
+        fs::create_dir_all(dev.join("nvidia-caps")).unwrap();
+        for n in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
+            fs::write(dev.join(n), b"").unwrap();
+        }
+        let mut minors = String::new();
+        let mut next = 100;
+        for g in &inv.gpus {
+            fs::write(dev.join(format!("nvidia{}", g.minor)), b"").unwrap();
+            for m in &g.mig_devices {
+                for key in [
+                    format!("gpu{}/gi{}/access", g.minor, m.gpu_instance_id),
+                    format!(
+                        "gpu{}/gi{}/ci{}/access",
+                        g.minor, m.gpu_instance_id, m.compute_instance_id
+                    ),
+                ] {
+                    minors.push_str(&format!("{key} {next}\n"));
+                    fs::write(dev.join(format!("nvidia-caps/nvidia-cap{next}")), b"").unwrap();
+                    next += 1;
+                }
+            }
+        }
+        let caps = root.join("proc/driver/nvidia-caps");
+        fs::create_dir_all(&caps).unwrap();
+        fs::write(caps.join("mig-minors"), minors).unwrap();
+        fs::create_dir_all(root.join("driver")).unwrap();
+        fs::write(root.join("boot_id"), "boot-1\n").unwrap();
+
+        let snapshot = Snapshot::new(inv.clone(), AgentConfig::default()).unwrap();
+        Env {
+            _dir: dir,
+            root,
+            inv,
+            state: Arc::new(NodeState::new(snapshot)),
+            claims: Arc::new(MemoryClaims::default()),
+        }
+    }
+
+    fn config(&self) -> DraCoreConfig {
+        DraCoreConfig {
+            driver: DRIVER.into(),
+            node_name: NODE.into(),
+            cdi_root: self.root.join("cdi"),
+            driver_root: self.root.join("driver"),
+            dev_root: self.root.join("dev"),
+            proc_root: self.root.join("proc"),
+            state_dir: self.root.join("state"),
+            boot_id_path: self.root.join("boot_id"),
+        }
+    }
+
+    fn core(&self) -> DraCore {
+        let fetcher: Arc<dyn ClaimFetcher> = self.claims.clone();
+        DraCore::new(self.config(), self.state.clone(), fetcher).unwrap()
+    }
+
+    fn cdi(&self) -> PathBuf {
+        self.root.join("cdi")
+    }
+
+    fn spec_path(&self, uid: &str) -> PathBuf {
+        self.cdi().join(format!("{}.json", spec_stem(uid)))
+    }
+
+    fn spec(&self, uid: &str) -> Spec {
+        serde_json::from_slice(&fs::read(self.spec_path(uid)).unwrap()).unwrap()
+    }
+
+    fn checkpoint_path(&self) -> PathBuf {
+        self.root.join("state").join(checkpoint::FILE_NAME)
+    }
+
+    fn checkpoint(&self) -> CheckpointData {
+        checkpoint::decode(&fs::read(self.checkpoint_path()).unwrap()).unwrap()
+    }
+
+    fn mig(&self, i: usize) -> String {
+        self.inv
+            .dra_devices()
+            .into_iter()
+            .filter(|d| matches!(d, gpuplane::inventory::DeviceRef::Mig { .. }))
+            .nth(i)
+            .unwrap()
+            .dra_name()
+    }
+
+    /// Adds an allocated claim `ns/<name>` with `results` (request, device) and `config`.
+    fn add_claim(
+        &self,
+        name: &str,
+        uid: &str,
+        results: &[(&str, &str)],
+        config: Value,
+    ) -> ClaimRef {
+        let results: Vec<Value> = results
+            .iter()
+            .map(|(r, d)| json!({"request": r, "driver": DRIVER, "pool": NODE, "device": d}))
+            .collect();
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "metadata": {"namespace": "ns", "name": name, "uid": uid},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.gpuplane.dev"}}]}},
+            "status": {"allocation": {"devices": {"results": results, "config": config}}}
+        }))
+        .unwrap();
+        self.claims.insert(claim);
+        cref(name, uid)
+    }
+}
+
+fn cref(name: &str, uid: &str) -> ClaimRef {
+    ClaimRef {
+        namespace: "ns".into(),
+        uid: uid.into(),
+        name: name.into(),
+    }
+}
+
+fn mtimes(dir: &Path) -> BTreeMap<String, std::time::SystemTime> {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                e.metadata().unwrap().modified().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn devices(r: &Result<Vec<PreparedDevice>, String>) -> &[PreparedDevice] {
+    r.as_ref().unwrap()
+}
+
+#[tokio::test]
+async fn prepares_each_claim_on_its_own_idempotently_and_unprepares() {
+    let env = Env::new();
+    let core = env.core();
+    let mig = env.mig(0);
+    let a = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
+    let b = env.add_claim("b", &uid(2), &[("gpu", &mig)], json!([]));
+    let bad = env.add_claim("bad", &uid(3), &[("gpu", "gpu-0")], json!([]));
+
+    let first = core.prepare(vec![a.clone(), b.clone(), bad.clone()]).await;
+    assert_eq!(first.len(), 3);
+    let da = devices(&first[&a.uid]);
+    assert_eq!(
+        da,
+        &[PreparedDevice {
+            requests: vec!["gpu".into()],
+            pool: NODE.into(),
+            device: "gpu-3".into(),
+            cdi_ids: vec![format!("{KIND}={}-gpu-3", a.uid)],
+            share_id: None,
+        }]
+    );
+    assert_eq!(
+        devices(&first[&b.uid])[0].cdi_ids,
+        vec![format!("{KIND}={}-{mig}", b.uid)]
+    );
+    let err = first[&bad.uid].as_ref().unwrap_err();
+    assert!(
+        err.contains("ns/bad") && err.contains("gpu-0") && err.contains(&bad.uid),
+        "{err}"
+    );
+
+    // The specs: one per claim, our kind, the claim's device with its nodes.
+    let spec = env.spec(&a.uid);
+    assert_eq!(spec.kind, KIND);
+    assert_eq!(
+        spec.cdi_version, "0.5.0",
+        "a name starting with a digit; podman 4.3 reads it"
+    );
+    assert_eq!(spec.devices.len(), 1);
+    assert_eq!(spec.devices[0].name, format!("{}-gpu-3", a.uid));
+    let gpu3 = env.inv.gpu(3).unwrap();
+    let node_paths: Vec<&str> = spec.devices[0]
+        .container_edits
+        .device_nodes
+        .iter()
+        .map(|n| n.path.as_str())
+        .collect();
+    assert_eq!(node_paths, vec![format!("/dev/nvidia{}", gpu3.minor)]);
+    let mig_nodes = &env.spec(&b.uid).devices[0].container_edits.device_nodes;
+    assert_eq!(
+        mig_nodes.len(),
+        3,
+        "GPU node and the GI and CI access nodes: {mig_nodes:?}"
+    );
+    assert!(!env.spec_path(&bad.uid).exists());
+
+    let cp = env.checkpoint();
+    assert_eq!(cp.claims.len(), 2);
+    assert_eq!(cp.claims[&a.uid].state, ClaimState::PrepareCompleted);
+    assert_eq!(cp.claims[&a.uid].devices, da);
+    let units = core.prepared_units().await;
+    assert_eq!(units.get(&gpu3.uuid), Some(&a.uid));
+    assert_eq!(units.len(), 2);
+
+    // Again: the same answer, nothing rewritten.
+    let before = mtimes(&env.cdi());
+    let cp_before = fs::read(env.checkpoint_path()).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let second = core.prepare(vec![a.clone(), b.clone(), bad.clone()]).await;
+    assert_eq!(second[&a.uid], first[&a.uid]);
+    assert_eq!(second[&b.uid], first[&b.uid]);
+    assert!(second[&bad.uid].is_err());
+    assert_eq!(mtimes(&env.cdi()), before);
+    assert_eq!(fs::read(env.checkpoint_path()).unwrap(), cp_before);
+
+    // A new core (agent restart) answers the same from the checkpoint, without the API.
+    env.claims.remove("ns", "a");
+    let restarted = env.core();
+    assert_eq!(
+        restarted.prepare(vec![a.clone()]).await[&a.uid],
+        first[&a.uid]
+    );
+    assert_eq!(mtimes(&env.cdi()), before);
+
+    let out = restarted
+        .unprepare(vec![a.clone(), b.clone(), cref("never", &uid(9))])
+        .await;
+    assert!(out.values().all(Result::is_ok), "{out:?}");
+    assert!(!env.spec_path(&a.uid).exists() && !env.spec_path(&b.uid).exists());
+    assert!(env.checkpoint().claims.is_empty());
+    assert!(restarted.prepared_units().await.is_empty());
+    assert_eq!(fs::read_dir(env.cdi()).unwrap().count(), 0);
+    // Unpreparing again, or an unknown claim, or a UID that is not one: all fine.
+    let out = restarted
+        .unprepare(vec![a.clone(), cref("x", "../../etc/passwd")])
+        .await;
+    assert!(out.values().all(Result::is_ok), "{out:?}");
+}
+
+#[tokio::test]
+async fn per_claim_errors_name_the_claim_and_the_reason() {
+    let env = Env::new();
+    let core = env.core();
+    let mut cases: Vec<(ClaimRef, &str)> = Vec::new();
+
+    let wrong = env.add_claim("recreated", &uid(1), &[("gpu", "gpu-3")], json!([]));
+    cases.push((cref("recreated", &uid(2)), "not 0b5c3f2e"));
+    let _ = wrong;
+
+    let c = env.add_claim("elsewhere", &uid(3), &[("gpu", "gpu-3")], json!([]));
+    let mut claim = env.claims.get("ns", "elsewhere").await.unwrap();
+    let results = claim
+        .status
+        .as_mut()
+        .unwrap()
+        .allocation
+        .as_mut()
+        .unwrap()
+        .devices
+        .as_mut()
+        .unwrap();
+    results.results.as_mut().unwrap()[0].pool = "node-b".into();
+    env.claims.insert(claim);
+    cases.push((c, "pool node-b"));
+
+    cases.push((
+        cref("missing", &uid(4)),
+        "ResourceClaim ns/missing not found",
+    ));
+
+    let bad_config = json!([{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig", "sharing": {"strategy": "Turbo"}}}}]);
+    let c = env.add_claim("badconfig", &uid(5), &[("gpu", "gpu-3")], bad_config);
+    cases.push((c, "sharing.strategy: `Turbo`"));
+
+    cases.push((cref("evil", "../../x"), "claim UID `../../x`"));
+    cases.push((
+        ClaimRef {
+            namespace: "a/b".into(),
+            uid: uid(6),
+            name: "x".into(),
+        },
+        "namespace `a/b`",
+    ));
+
+    let mig = env.mig(1);
+    let c = env.add_claim("sick", &uid(7), &[("gpu", &mig)], json!([]));
+    let mig_uuid = env.inv.dra_device(&mig).unwrap().uuid().to_string();
+    let mut changes = core.health_changes();
+    env.state.update(|s| {
+        let policy = s.config.xid_policy.clone();
+        s.health.on_event(
+            &gpuplane::source::DeviceEvent::Xid {
+                gpu_uuid: String::new(),
+                mig_uuid: Some(mig_uuid.clone()),
+                xid: 48,
+            },
+            Instant::now(),
+            &policy,
+        );
+        ((), true)
+    });
+    assert!(changes.has_changed().unwrap());
+    cases.push((c, "critical Xid 48"));
+
+    let ok = env.add_claim("fine", &uid(8), &[("gpu", "gpu-3")], json!([]));
+    let claims: Vec<ClaimRef> = cases
+        .iter()
+        .map(|(c, _)| c.clone())
+        .chain([ok.clone()])
+        .collect();
+    let out = core.prepare(claims).await;
+    for (c, want) in &cases {
+        let err = out[&c.uid].as_ref().unwrap_err();
+        assert!(
+            err.contains(&format!("claim {}/{}", c.namespace, c.name)) && err.contains(want),
+            "{err}\nwant {want}"
+        );
+    }
+    assert!(out[&ok.uid].is_ok());
+    assert_eq!(
+        fs::read_dir(env.cdi()).unwrap().count(),
+        1,
+        "only the good claim has a spec"
+    );
+    assert_eq!(env.checkpoint().claims.len(), 1);
+
+    let report = core.device_health();
+    assert_eq!(report.len(), env.inv.dra_devices().len());
+    let sick = report.iter().find(|r| r.device == mig).unwrap();
+    assert_eq!(
+        (sick.health, sick.message.as_str(), sick.pool.as_str()),
+        (DeviceHealthState::Unhealthy, "critical Xid 48", NODE)
+    );
+    assert_eq!(
+        report
+            .iter()
+            .filter(|r| r.health == DeviceHealthState::Healthy)
+            .count(),
+        report.len() - 1
+    );
+}
+
+#[tokio::test]
+async fn missing_device_nodes_fail_the_prepare_until_they_appear() {
+    let env = Env::new();
+    let core = env.core();
+    let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
+    let node = env
+        .root
+        .join(format!("dev/nvidia{}", env.inv.gpu(3).unwrap().minor));
+    fs::remove_file(&node).unwrap();
+    let err = core
+        .prepare(vec![c.clone()])
+        .await
+        .remove(&c.uid)
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        err.contains("device nodes do not exist yet") && err.contains(&node.display().to_string()),
+        "{err}"
+    );
+    // Another claim's devices do not care.
+    let mig = env.mig(0);
+    let other = env.add_claim("b", &uid(2), &[("gpu", &mig)], json!([]));
+    assert!(core.prepare(vec![other.clone()]).await[&other.uid].is_ok());
+    fs::write(&node, b"").unwrap();
+    assert!(core.prepare(vec![c.clone()]).await[&c.uid].is_ok());
+}
+
+#[tokio::test]
+async fn a_crash_between_started_and_completed_is_recovered() {
+    let env = Env::new();
+    let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
+    let orphan = cref("gone", &uid(2));
+    // What a crash leaves: PrepareStarted entries and half-made (here: stale) spec files.
+    let mut data = CheckpointData::empty("boot-1");
+    for r in [&c, &orphan] {
+        data.claims.insert(
+            r.uid.clone(),
+            ClaimEntry {
+                namespace: r.namespace.clone(),
+                name: r.name.clone(),
+                state: ClaimState::PrepareStarted,
+                devices: vec![],
+                cdi_spec_stem: spec_stem(&r.uid),
+                units: BTreeMap::new(),
+            },
+        );
+    }
+    fs::create_dir_all(env.root.join("state")).unwrap();
+    fs::write(env.checkpoint_path(), checkpoint::encode(&data).unwrap()).unwrap();
+    fs::create_dir_all(env.cdi()).unwrap();
+    for r in [&c, &orphan] {
+        fs::write(env.spec_path(&r.uid), b"{\"stale\": true}").unwrap();
+    }
+
+    let core = env.core();
+    assert_eq!(
+        env.checkpoint().claims.len(),
+        2,
+        "kept until the kubelet retries"
+    );
+    let out = core.prepare(vec![c.clone()]).await;
+    assert_eq!(devices(&out[&c.uid])[0].device, "gpu-3");
+    assert_eq!(
+        env.spec(&c.uid).devices.len(),
+        1,
+        "the stale spec was rewritten"
+    );
+    assert_eq!(
+        env.checkpoint().claims[&c.uid].state,
+        ClaimState::PrepareCompleted
+    );
+
+    // Preparing again changes nothing; unprepare then leaves nothing behind, for both.
+    assert_eq!(core.prepare(vec![c.clone()]).await[&c.uid], out[&c.uid]);
+    let out = core.unprepare(vec![c.clone(), orphan.clone()]).await;
+    assert!(out.values().all(Result::is_ok), "{out:?}");
+    assert_eq!(fs::read_dir(env.cdi()).unwrap().count(), 0);
+    assert!(env.checkpoint().claims.is_empty());
+}
+
+#[tokio::test]
+async fn a_spec_removed_behind_our_back_is_written_again() {
+    let env = Env::new();
+    let core = env.core();
+    let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
+    let first = core.prepare(vec![c.clone()]).await;
+    fs::remove_file(env.spec_path(&c.uid)).unwrap();
+    assert_eq!(core.prepare(vec![c.clone()]).await, first);
+    assert!(env.spec_path(&c.uid).exists());
+}
+
+#[tokio::test]
+async fn a_corrupt_checkpoint_is_set_aside_and_the_core_starts_empty() {
+    let env = Env::new();
+    let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
+    env.core().prepare(vec![c.clone()]).await[&c.uid]
+        .as_ref()
+        .unwrap();
+    let mut bytes = fs::read(env.checkpoint_path()).unwrap();
+    let last = bytes.len() - 2;
+    bytes[last] ^= 0x20;
+    fs::write(env.checkpoint_path(), &bytes).unwrap();
+
+    let core = env.core();
+    assert!(core.checkpoint().await.claims.is_empty());
+    let aside: Vec<String> = fs::read_dir(env.root.join("state"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("dra-checkpoint.json.corrupt-"))
+        .collect();
+    assert_eq!(aside.len(), 1);
+    assert_eq!(
+        fs::read(env.root.join("state").join(&aside[0])).unwrap(),
+        bytes
+    );
+    assert!(
+        env.checkpoint().claims.is_empty(),
+        "a fresh, valid checkpoint replaced it"
+    );
+    // The claim's spec outlived its entry; unprepare still removes it.
+    assert!(env.spec_path(&c.uid).exists());
+    assert!(core.unprepare(vec![c.clone()]).await[&c.uid].is_ok());
+    assert!(!env.spec_path(&c.uid).exists());
+}
+
+#[tokio::test]
+async fn a_reboot_invalidates_prepared_claims_and_removes_their_specs() {
+    let env = Env::new();
+    let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
+    env.core().prepare(vec![c.clone()]).await[&c.uid]
+        .as_ref()
+        .unwrap();
+    assert!(env.spec_path(&c.uid).exists());
+    fs::write(env.root.join("boot_id"), "boot-2\n").unwrap();
+    let core = env.core();
+    assert!(!env.spec_path(&c.uid).exists());
+    let cp = env.checkpoint();
+    assert!(cp.claims.is_empty());
+    assert_eq!(cp.boot_id, "boot-2");
+    // The kubelet prepares it again after the reboot.
+    assert!(core.prepare(vec![c.clone()]).await[&c.uid].is_ok());
+    assert!(env.spec_path(&c.uid).exists());
+}
+
+#[tokio::test]
+async fn configs_become_container_environment() {
+    let env = Env::new();
+    let core = env.core();
+    let mig = env.mig(2);
+    let config = json!([
+        {"source": "FromClass", "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}}}},
+        {"source": "FromClaim", "requests": ["shared"], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mpsConfig": {
+                "defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "10Gi"}}}}},
+        {"source": "FromClaim", "opaque": {"driver": "other.example.com", "parameters": {"anything": true}}}
+    ]);
+    let c = env.add_claim(
+        "a",
+        &uid(1),
+        &[("whole", "gpu-3"), ("shared", &mig)],
+        config,
+    );
+    let out = core.prepare(vec![c.clone()]).await;
+    assert_eq!(devices(&out[&c.uid]).len(), 2, "{out:?}");
+    let spec = env.spec(&c.uid);
+    let env_of = |device: &str| {
+        spec.devices
+            .iter()
+            .find(|d| d.name == format!("{}-{device}", c.uid))
+            .unwrap()
+            .container_edits
+            .env
+            .clone()
+    };
+    assert_eq!(
+        env_of("gpu-3"),
+        vec![
+            "GPUPLANE_SHARING_STRATEGY=TimeSlicing",
+            "GPUPLANE_TIMESLICE_INTERVAL=Long"
+        ]
+    );
+    assert_eq!(
+        env_of(&mig),
+        vec![
+            "GPUPLANE_SHARING_STRATEGY=MPS",
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M"
+        ]
+    );
+    assert!(spec
+        .container_edits
+        .env
+        .contains(&"NVIDIA_VISIBLE_DEVICES=void".to_string()));
+}
+
+#[tokio::test]
+async fn concurrent_prepares_of_one_claim_agree() {
+    let env = Env::new();
+    let core = Arc::new(env.core());
+    let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
+    let (x, y) = tokio::join!(core.prepare(vec![c.clone()]), core.prepare(vec![c.clone()]));
+    assert_eq!(x, y);
+    assert!(x[&c.uid].is_ok());
+    assert_eq!(
+        env.checkpoint().claims[&c.uid].state,
+        ClaimState::PrepareCompleted
+    );
+}
