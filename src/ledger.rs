@@ -9,6 +9,7 @@ use crate::config::{AllocationMode, Partition};
 use crate::inventory::{Gpu, Inventory};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::time::{Duration, Instant};
 
 /// Keeps the GPUs `keep` accepts, and the links among them.
 fn restrict(inv: &Inventory, keep: impl Fn(&Gpu) -> bool) -> Inventory {
@@ -83,6 +84,8 @@ pub struct Held {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Ledger {
     holds: BTreeMap<String, Holder>,
+    /// When each hold was last taken or confirmed (PodResources may lag Allocate).
+    since: BTreeMap<String, Instant>,
     parent: BTreeMap<String, String>,
     children: BTreeMap<String, Vec<String>>,
 }
@@ -128,14 +131,39 @@ impl Ledger {
     }
 
     /// Holds every unit for `who`, or none of them.
-    pub fn hold_all(&mut self, units: &[String], who: &Holder) -> Result<(), Held> {
+    pub fn hold_all(&mut self, units: &[String], who: &Holder, now: Instant) -> Result<(), Held> {
         if let Some(held) = units.iter().find_map(|u| self.conflict(u, who)) {
             return Err(held);
         }
         for u in units {
             self.holds.insert(u.clone(), who.clone());
+            self.since.insert(u.clone(), now);
         }
         Ok(())
+    }
+
+    /// Reconciles the device plugin's holds with what the kubelet reports in use (`in_use`:
+    /// unit -> `namespace/pod/container`): listed units are held (and named), unlisted ones are
+    /// released once older than `grace`. Returns (units newly held, units released, conflicts).
+    pub fn sync_device_plugin(&mut self, in_use: &BTreeMap<String, (Holder, String)>, now: Instant, grace: Duration) -> (Vec<String>, Vec<String>, Vec<Held>) {
+        let mut added = Vec::new();
+        let mut conflicts = Vec::new();
+        for (unit, (holder, pod)) in in_use {
+            match self.holds.get(unit) {
+                Some(Holder::DevicePlugin { .. }) => {}
+                _ => match self.hold_all(std::slice::from_ref(unit), holder, now) {
+                    Ok(()) => added.push(unit.clone()),
+                    Err(held) => conflicts.push(held),
+                },
+            }
+            self.name_pod(unit, pod);
+            if matches!(self.holds.get(unit), Some(Holder::DevicePlugin { .. })) {
+                self.since.insert(unit.clone(), now);
+            }
+        }
+        let since = self.since.clone();
+        let released = self.release_device_plugin_unless(|u, _| in_use.contains_key(u) || since.get(u).is_some_and(|t| now.saturating_duration_since(*t) < grace));
+        (added, released, conflicts)
     }
 
     /// Releases everything a claim holds; returns the units freed.
@@ -153,6 +181,7 @@ impl Ledger {
             .collect();
         for u in &gone {
             self.holds.remove(u);
+            self.since.remove(u);
         }
         gone
     }
@@ -161,6 +190,7 @@ impl Ledger {
         let gone: Vec<String> = self.holds.iter().filter(|(_, h)| pred(h)).map(|(u, _)| u.clone()).collect();
         for u in &gone {
             self.holds.remove(u);
+            self.since.remove(u);
         }
         gone
     }
@@ -220,11 +250,11 @@ mod tests {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
         let u = vec![inv.gpus[0].uuid.clone()];
-        l.hold_all(&u, &dp("GPU-a::0")).unwrap();
-        l.hold_all(&u, &dp("GPU-a::1")).unwrap();
-        assert!(l.hold_all(&u, &claim("c")).is_err());
+        l.hold_all(&u, &dp("GPU-a::0"), Instant::now()).unwrap();
+        l.hold_all(&u, &dp("GPU-a::1"), Instant::now()).unwrap();
+        assert!(l.hold_all(&u, &claim("c"), Instant::now()).is_err());
         assert_eq!(l.release_device_plugin_unless(|_, _| false), u);
-        l.hold_all(&u, &claim("c")).unwrap();
+        l.hold_all(&u, &claim("c"), Instant::now()).unwrap();
     }
 
     #[test]
@@ -240,6 +270,22 @@ mod tests {
         assert_eq!(dra_view(&inv, &AllocationMode::Shared), inv);
     }
 
+    #[test]
+    fn device_plugin_holds_follow_pod_resources_with_a_grace_period() {
+        let inv = crate::sim::load("pcie-l4x4").unwrap();
+        let mut l = Ledger::new(&inv);
+        let t0 = Instant::now();
+        let grace = Duration::from_secs(30);
+        let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
+        l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
+        let none = BTreeMap::new();
+        assert!(l.sync_device_plugin(&none, t0 + Duration::from_secs(5), grace).1.is_empty(), "fresh allocations wait for PodResources");
+        let listed = BTreeMap::from([(b.clone(), (dp(&b), "ns/p/c".to_string()))]);
+        let (added, released, conflicts) = l.sync_device_plugin(&listed, t0 + Duration::from_secs(31), grace);
+        assert_eq!((added, released, conflicts.len()), (vec![b.clone()], vec![a], 0));
+        assert!(matches!(l.holder(&b), Some(Holder::DevicePlugin { pod: Some(p), .. }) if p == "ns/p/c"));
+    }
+
     fn dp(id: &str) -> Holder {
         Holder::DevicePlugin { resource: "nvidia.com/gpu".into(), device_id: id.into(), pod: None }
     }
@@ -250,12 +296,12 @@ mod tests {
         let mut l = Ledger::new(&inv);
         let gpu = inv.gpus[0].uuid.clone();
         let mig = inv.gpus[0].mig_devices[1].uuid.clone();
-        l.hold_all(std::slice::from_ref(&mig), &claim("c1")).unwrap();
-        let err = l.hold_all(std::slice::from_ref(&gpu), &dp(&gpu)).unwrap_err();
+        l.hold_all(std::slice::from_ref(&mig), &claim("c1"), Instant::now()).unwrap();
+        let err = l.hold_all(std::slice::from_ref(&gpu), &dp(&gpu), Instant::now()).unwrap_err();
         assert_eq!(err.overlap.as_deref(), Some(mig.as_str()));
         assert!(err.to_string().contains("ResourceClaim ns/c1"), "{err}");
         assert_eq!(l.release_claim("c1"), vec![mig]);
-        l.hold_all(std::slice::from_ref(&gpu), &dp(&gpu)).unwrap();
+        l.hold_all(std::slice::from_ref(&gpu), &dp(&gpu), Instant::now()).unwrap();
         let other = inv.gpus[0].mig_devices[0].uuid.clone();
         assert!(l.conflict(&other, &claim("c2")).is_some());
         l.check_invariant().unwrap();
@@ -266,9 +312,9 @@ mod tests {
         let inv = crate::sim::load("dgx-h100").unwrap();
         let mut l = Ledger::new(&inv);
         let u: Vec<String> = inv.gpus.iter().map(|g| g.uuid.clone()).collect();
-        l.hold_all(&u[..2], &claim("a")).unwrap();
-        l.hold_all(&u[..2], &claim("a")).unwrap();
-        assert!(l.hold_all(&u[1..3], &claim("b")).is_err());
+        l.hold_all(&u[..2], &claim("a"), Instant::now()).unwrap();
+        l.hold_all(&u[..2], &claim("a"), Instant::now()).unwrap();
+        assert!(l.hold_all(&u[1..3], &claim("b"), Instant::now()).is_err());
         assert!(l.holder(&u[2]).is_none(), "a refused hold takes nothing");
         assert_eq!(l.blocked_for(&claim("b")).len(), 2);
         assert!(l.blocked_for(&claim("a")).is_empty());

@@ -2,7 +2,9 @@
 //! types and back. Decisions live in `allocate`; this file only adapts.
 
 use super::allocate::{self, AllocateError};
+use crate::config::AllocationMode;
 use crate::health::Health;
+use std::time::Instant;
 use crate::node::state::NodeState;
 use crate::proto::deviceplugin_v1beta1 as pb;
 use pb::device_plugin_server::DevicePlugin;
@@ -39,14 +41,16 @@ impl DevicePluginService {
     pub fn device_list(&self) -> Option<Vec<pb::Device>> {
         let snap = self.state.read();
         let plan = snap.plan.resource(&self.resource)?;
+        // Units a DRA claim holds are withdrawn: reported Unhealthy until the claim is unprepared.
+        let withdrawn = snap.ledger.blocked_for(&allocate::holder(&self.resource, &[]));
         Some(
             plan.devices
                 .iter()
                 .map(|d| pb::Device {
                     id: d.id.clone(),
                     health: match snap.health.health(&d.unit) {
-                        Health::Healthy => HEALTHY.into(),
-                        Health::Unhealthy(_) => UNHEALTHY.into(),
+                        Health::Healthy if !withdrawn.contains(&d.unit) => HEALTHY.into(),
+                        _ => UNHEALTHY.into(),
                     },
                     topology: d.numa_node.map(|n| pb::TopologyInfo {
                         nodes: vec![pb::NumaNode { id: i64::from(n) }],
@@ -118,7 +122,7 @@ impl DevicePlugin for DevicePluginService {
             .plan
             .resource(&self.resource)
             .ok_or_else(|| gone(&self.resource))?;
-        let avoid = BTreeSet::new();
+        let avoid: BTreeSet<String> = snap.ledger.blocked_for(&allocate::holder(&self.resource, &[]));
         let mut container_responses = Vec::new();
         for c in req.into_inner().container_requests {
             let size = usize::try_from(c.allocation_size).map_err(|_| {
@@ -147,31 +151,48 @@ impl DevicePlugin for DevicePluginService {
         &self,
         req: Request<pb::AllocateRequest>,
     ) -> Result<Response<pb::AllocateResponse>, Status> {
-        let snap = self.state.read();
-        let plan = snap
-            .plan
-            .resource(&self.resource)
-            .ok_or_else(|| gone(&self.resource))?;
-        let mut container_responses = Vec::new();
-        for c in req.into_inner().container_requests {
-            let grant = allocate::allocate(plan, &snap.health, &snap.config, &c.devices_ids).map_err(|e| {
-                tracing::warn!(resource = %self.resource, devices = ?c.devices_ids, error = %e, "Allocate refused");
-                refusal(&e)
-            })?;
-            tracing::info!(resource = %self.resource, devices = ?c.devices_ids, cdi = ?grant.cdi_devices, "Allocate granted");
-            container_responses.push(pb::ContainerAllocateResponse {
-                envs: grant.envs.into_iter().collect(),
-                cdi_devices: grant
-                    .cdi_devices
-                    .into_iter()
-                    .map(|name| pb::CdiDevice { name })
-                    .collect(),
-                ..Default::default()
-            });
-        }
-        Ok(Response::new(pb::AllocateResponse {
-            container_responses,
-        }))
+        let requests = req.into_inner().container_requests;
+        let resource = self.resource.as_str();
+        // Decide and hold under one write lock, so a concurrent NodePrepare cannot take the
+        // same unit between the check and the hold.
+        let container_responses = self.state.update(|s| {
+            let Some(plan) = s.plan.resource(resource) else {
+                return (Err(gone(resource)), false);
+            };
+            let shared = s.config.allocation == AllocationMode::Shared;
+            let mut out = Vec::new();
+            let mut held = false;
+            for c in &requests {
+                let grant = match allocate::allocate(plan, &s.health, &s.config, &c.devices_ids) {
+                    Ok(g) => g,
+                    Err(e) => {
+                        tracing::warn!(resource, devices = ?c.devices_ids, error = %e, "Allocate refused");
+                        return (Err(refusal(&e)), held);
+                    }
+                };
+                if shared {
+                    match allocate::hold(plan, &mut s.ledger, &c.devices_ids, Instant::now()) {
+                        Ok(units) => {
+                            held = true;
+                            tracing::info!(resource, devices = ?c.devices_ids, units = ?units, holder = "device plugin", "handed out");
+                        }
+                        Err(e) => {
+                            tracing::warn!(resource, devices = ?c.devices_ids, error = %e, "Allocate refused");
+                            return (Err(refusal(&e)), held);
+                        }
+                    }
+                } else {
+                    tracing::info!(resource, devices = ?c.devices_ids, cdi = ?grant.cdi_devices, "Allocate granted");
+                }
+                out.push(pb::ContainerAllocateResponse {
+                    envs: grant.envs.into_iter().collect(),
+                    cdi_devices: grant.cdi_devices.into_iter().map(|name| pb::CdiDevice { name }).collect(),
+                    ..Default::default()
+                });
+            }
+            (Ok(out), held)
+        })?;
+        Ok(Response::new(pb::AllocateResponse { container_responses }))
     }
 
     async fn pre_start_container(

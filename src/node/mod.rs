@@ -5,6 +5,7 @@
 //! real agent in-process against doubles in a temp dir.
 
 pub mod cdi;
+pub mod podresources;
 pub mod state;
 
 use crate::config::{AgentConfig, ConfigError};
@@ -39,6 +40,10 @@ pub struct NodePaths {
 impl NodePaths {
     pub fn device_plugins(&self) -> PathBuf {
         self.kubelet_root.join("device-plugins")
+    }
+
+    pub fn pod_resources_socket(&self) -> PathBuf {
+        self.kubelet_root.join("pod-resources").join("kubelet.sock")
     }
 }
 
@@ -220,6 +225,7 @@ pub async fn run(
         ))
     });
 
+    let pod_resources = opts.device_plugin.then(|| tokio::spawn(podresources::run(opts.paths.pod_resources_socket(), state.clone(), stop_rx.clone())));
     let mut node_spec = cdi::NodeSpecWriter::new(
         opts.paths.cdi_root.clone(),
         opts.paths.driver_root.clone(),
@@ -315,8 +321,8 @@ pub async fn run(
 
     tracing::info!("shutting down: stopping plugins");
     let _ = stop_tx.send(true);
-    if let Some(r) = registrar {
-        let _ = r.await;
+    for task in [registrar, pod_resources].into_iter().flatten() {
+        let _ = task.await;
     }
     pump_stop.store(true, Ordering::Relaxed);
     let _ = tokio::task::spawn_blocking(move || pump.join()).await;

@@ -1,0 +1,97 @@
+//! Follows the kubelet's PodResources API to learn which device-plugin devices are still
+//! assigned to live containers: the device plugin API never reports releases, so this is how
+//! the allocation ledger frees units when pods end, and how it is rebuilt after a restart.
+
+use crate::deviceplugin::allocate;
+use crate::deviceplugin::resources::Plan;
+use crate::grpc;
+use crate::ledger::Holder;
+use crate::node::state::NodeState;
+use crate::proto::podresources_v1 as pr;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// How often PodResources is listed.
+pub const POLL: Duration = Duration::from_millis(500);
+
+#[derive(Debug, thiserror::Error)]
+pub enum PodResourcesError {
+    #[error(transparent)]
+    Socket(#[from] grpc::SocketError),
+    #[error("PodResources List failed: {0}")]
+    List(#[from] tonic::Status),
+}
+
+/// Units the kubelet reports assigned: unit -> (holder, `namespace/pod/container`).
+pub fn units_in_use(list: &pr::ListPodResourcesResponse, plan: &Plan) -> BTreeMap<String, (Holder, String)> {
+    let mut out = BTreeMap::new();
+    for pod in &list.pod_resources {
+        for c in &pod.containers {
+            let who = format!("{}/{}/{}", pod.namespace, pod.name, c.name);
+            for d in &c.devices {
+                let Some(resource) = plan.resource(&d.resource_name) else { continue };
+                for id in &d.device_ids {
+                    if let Some(dev) = resource.devices.iter().find(|x| &x.id == id) {
+                        out.insert(dev.unit.clone(), (allocate::holder(&resource.name, std::slice::from_ref(id)), who.clone()));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+async fn list(socket: &Path) -> Result<pr::ListPodResourcesResponse, PodResourcesError> {
+    let channel = grpc::connect(socket).await?;
+    let mut client = pr::pod_resources_lister_client::PodResourcesListerClient::new(channel);
+    Ok(client.list(pr::ListPodResourcesRequest {}).await?.into_inner())
+}
+
+/// Reconciles the ledger's device-plugin holds with PodResources until shutdown.
+pub async fn run(socket: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Receiver<bool>) {
+    let mut failing = false;
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), list(&socket)).await {
+            Ok(Ok(resp)) => {
+                failing = false;
+                state.update(|s| {
+                    let in_use = units_in_use(&resp, &s.plan);
+                    let grace = s.config.pod_resources_grace;
+                    let (added, released, conflicts) = s.ledger.sync_device_plugin(&in_use, Instant::now(), grace);
+                    for u in &added {
+                        tracing::info!(device = %u, holder = %in_use[u].1, "device plugin hold learned from PodResources");
+                    }
+                    for u in &released {
+                        tracing::info!(device = %u, holder = "device plugin", "released: no live container holds it");
+                    }
+                    for c in &conflicts {
+                        tracing::error!(error = %c, "PodResources lists a device another consumer holds");
+                    }
+                    ((), !added.is_empty() || !released.is_empty())
+                });
+            }
+            Ok(Err(e)) => {
+                if !failing {
+                    tracing::warn!(socket = %socket.display(), error = %e, "cannot read PodResources; device-plugin holds are kept until it answers");
+                }
+                failing = true;
+            }
+            Err(_) => {
+                if !failing {
+                    tracing::warn!(socket = %socket.display(), "PodResources did not answer in 5s; device-plugin holds are kept");
+                }
+                failing = true;
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(POLL) => {}
+            _ = shutdown.changed() => {}
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+    }
+}
