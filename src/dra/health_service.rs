@@ -30,7 +30,8 @@ pub struct HealthService {
     stopping: watch::Receiver<bool>,
 }
 
-type HealthStream = Pin<Box<dyn Stream<Item = Result<pb::NodeWatchResourcesResponse, Status>> + Send>>;
+type HealthStream =
+    Pin<Box<dyn Stream<Item = Result<pb::NodeWatchResourcesResponse, Status>> + Send>>;
 
 /// The protobuf health value of a device state.
 pub fn health_status(state: DeviceHealthState) -> pb::HealthStatus {
@@ -41,25 +42,39 @@ pub fn health_status(state: DeviceHealthState) -> pb::HealthStatus {
     }
 }
 
-/// What a stream compares to decide whether a tick changed anything: (pool, device, health),
-/// sorted so that the driver's ordering does not matter.
-fn snapshot(reports: Vec<DeviceHealthReport>) -> Vec<(String, String, pb::HealthStatus)> {
-    let mut list: Vec<_> = reports.into_iter().map(|r| (r.pool, r.device, health_status(r.health))).collect();
+/// What a stream compares to decide whether a tick changed anything: (pool, device, health,
+/// reason), sorted so that the driver's ordering does not matter.
+fn snapshot(reports: Vec<DeviceHealthReport>) -> Vec<(String, String, pb::HealthStatus, String)> {
+    let mut list: Vec<_> = reports
+        .into_iter()
+        .map(|r| (r.pool, r.device, health_status(r.health), r.message))
+        .collect();
     list.sort();
     list.dedup_by(|a, b| a.0 == b.0 && a.1 == b.1);
     list
 }
 
-fn message(list: &[(String, String, pb::HealthStatus)]) -> pb::NodeWatchResourcesResponse {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+/// How long the kubelet should trust a report: a few re-send periods.
+const TRUST_SECONDS: i64 = 3 * REFRESH.as_secs() as i64;
+
+fn message(list: &[(String, String, pb::HealthStatus, String)]) -> pb::NodeWatchResourcesResponse {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     let now = i64::try_from(now).unwrap_or(i64::MAX);
     pb::NodeWatchResourcesResponse {
         devices: list
             .iter()
-            .map(|(pool, device, health)| pb::DeviceHealth {
-                device: Some(pb::DeviceIdentifier { pool_name: pool.clone(), device_name: device.clone() }),
+            .map(|(pool, device, health, reason)| pb::DeviceHealth {
+                device: Some(pb::DeviceIdentifier {
+                    pool_name: pool.clone(),
+                    device_name: device.clone(),
+                }),
                 health: *health as i32,
                 last_updated_time: now,
+                health_check_timeout_seconds: TRUST_SECONDS,
+                message: reason.clone(),
             })
             .collect(),
     }
@@ -89,10 +104,11 @@ impl DraResourceHealth for HealthService {
         let mut changes = driver.health_changes();
         let mut stopping = self.stopping.clone();
         tokio::spawn(async move {
-            let mut refresh = tokio::time::interval_at(tokio::time::Instant::now() + REFRESH, REFRESH);
+            let mut refresh =
+                tokio::time::interval_at(tokio::time::Instant::now() + REFRESH, REFRESH);
             refresh.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut changes_open = true;
-            let mut last: Option<Vec<(String, String, pb::HealthStatus)>> = None;
+            let mut last: Option<Vec<(String, String, pb::HealthStatus, String)>> = None;
             let mut force = true;
             loop {
                 let now = snapshot(driver.device_health());
@@ -118,6 +134,8 @@ impl DraResourceHealth for HealthService {
                 }
             }
         });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 }
