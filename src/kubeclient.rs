@@ -96,9 +96,17 @@ mod tests {
     #[test]
     fn a_service_host_or_kubeconfig_makes_a_client_available() {
         let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
         };
-        assert!(available_from(env(&[("KUBERNETES_SERVICE_HOST", "10.0.0.1")])));
+        assert!(available_from(env(&[(
+            "KUBERNETES_SERVICE_HOST",
+            "10.0.0.1"
+        )])));
         assert!(available_from(env(&[("KUBECONFIG", "/tmp/kc")])));
         assert!(!available_from(env(&[("KUBECONFIG", "")])));
         assert!(!available_from(env(&[("HOME", "/root")])));

@@ -11,6 +11,9 @@
 //! WATCH with bookmarks, `timeoutSeconds`, selector transitions and 410 Gone from a bounded
 //! history, no-op updates that write nothing; errors as `Status` objects.
 //!
+//! On create, `status` of resources with a status subresource is dropped (pods get
+//! `phase: Pending`), as upstream strategies do; seed a status with `put_json` or `/status`.
+//!
 //! What it leaves out: authn/authz, admission, defaulting and schema validation (bodies are
 //! stored as sent, beyond metadata), namespaces need not exist, field ownership for apply,
 //! garbage collection (propagation policies act as Background), and pods are deleted at once
@@ -199,30 +202,49 @@ impl ApiServerDouble {
     pub fn count_requests(&self, method: &str, path_contains: &str) -> usize {
         self.requests()
             .iter()
-            .filter(|(m, p)| (method == "*" || m.eq_ignore_ascii_case(method)) && p.contains(path_contains))
+            .filter(|(m, p)| {
+                (method == "*" || m.eq_ignore_ascii_case(method)) && p.contains(path_contains)
+            })
             .count()
     }
 
     /// POST, PUT, PATCH and DELETE requests so far (faulted ones included).
     pub fn count_writes(&self) -> usize {
-        self.requests().iter().filter(|(m, _)| faults::is_write(m)).count()
+        self.requests()
+            .iter()
+            .filter(|(m, _)| faults::is_write(m))
+            .count()
     }
 
     /// One stored object; `api_version` is `v1` or `group/version`; `namespace` None for
     /// cluster-scoped resources.
-    pub fn get_json(&self, api_version: &str, plural: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
+    pub fn get_json(
+        &self,
+        api_version: &str,
+        plural: &str,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Option<Value> {
         let store = lock(&self.shared.store);
         let info = resource(&store, api_version, plural)?;
         store.get(&info, namespace.unwrap_or(""), name).cloned()
     }
 
     /// Stored objects of a resource in key order, in one namespace or (None) all.
-    pub fn list_json(&self, api_version: &str, plural: &str, namespace: Option<&str>) -> Vec<Value> {
+    pub fn list_json(
+        &self,
+        api_version: &str,
+        plural: &str,
+        namespace: Option<&str>,
+    ) -> Vec<Value> {
         let store = lock(&self.shared.store);
         let Some(info) = resource(&store, api_version, plural) else {
             return Vec::new();
         };
-        store.iter(&info, namespace).map(|(_, v)| v.clone()).collect()
+        store
+            .iter(&info, namespace)
+            .map(|(_, v)| v.clone())
+            .collect()
     }
 
     /// Stores `object` (its `apiVersion` and `kind` pick the resource) bypassing validation and
@@ -234,7 +256,13 @@ impl ApiServerDouble {
     }
 
     /// Removes an object outright (finalizers ignored), notifying watchers.
-    pub fn delete_json(&self, api_version: &str, plural: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
+    pub fn delete_json(
+        &self,
+        api_version: &str,
+        plural: &str,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Option<Value> {
         let mut store = lock(&self.shared.store);
         let info = resource(&store, api_version, plural)?;
         store.commit_delete(&info, namespace.unwrap_or(""), name)

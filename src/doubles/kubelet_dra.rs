@@ -70,14 +70,20 @@ pub struct KubeletDraOptions {
 impl Default for KubeletDraOptions {
     /// A 1.34 kubelet: v1, then v1beta1.
     fn default() -> Self {
-        KubeletDraOptions { versions: vec![DraVersion::V1, DraVersion::V1beta1], call_timeout: CALL_TIMEOUT }
+        KubeletDraOptions {
+            versions: vec![DraVersion::V1, DraVersion::V1beta1],
+            call_timeout: CALL_TIMEOUT,
+        }
     }
 }
 
 impl KubeletDraOptions {
     /// An older kubelet that only speaks v1beta1.
     pub fn v1beta1_only() -> Self {
-        KubeletDraOptions { versions: vec![DraVersion::V1beta1], ..Self::default() }
+        KubeletDraOptions {
+            versions: vec![DraVersion::V1beta1],
+            ..Self::default()
+        }
     }
 }
 
@@ -121,8 +127,15 @@ impl HealthView {
     pub fn health(&self, pool: &str, device: &str) -> Option<health_pb::HealthStatus> {
         self.devices
             .iter()
-            .find(|d| d.device.as_ref().is_some_and(|id| id.pool_name == pool && id.device_name == device))
-            .map(|d| health_pb::HealthStatus::try_from(d.health).unwrap_or(health_pb::HealthStatus::Unknown))
+            .find(|d| {
+                d.device
+                    .as_ref()
+                    .is_some_and(|id| id.pool_name == pool && id.device_name == device)
+            })
+            .map(|d| {
+                health_pb::HealthStatus::try_from(d.health)
+                    .unwrap_or(health_pb::HealthStatus::Unknown)
+            })
     }
 }
 
@@ -211,7 +224,11 @@ impl KubeletDraDouble {
         if let Err(e) = std::fs::create_dir_all(&dir) {
             tracing::warn!(dir = %dir.display(), error = %e, "kubelet DRA double: cannot create plugins_registry");
         }
-        let mut k = KubeletDraDouble { dir, inner, watcher: None };
+        let mut k = KubeletDraDouble {
+            dir,
+            inner,
+            watcher: None,
+        };
         k.watch();
         k
     }
@@ -254,7 +271,9 @@ impl KubeletDraDouble {
     }
 
     pub fn plugin(&self, driver: &str) -> Option<DraPluginView> {
-        lock(&self.inner.plugins).get(driver).map(|p| p.view.clone())
+        lock(&self.inner.plugins)
+            .get(driver)
+            .map(|p| p.view.clone())
     }
 
     /// Every registration attempt that reached a verdict, oldest first.
@@ -268,14 +287,22 @@ impl KubeletDraDouble {
     }
 
     /// Waits until `check` holds; on time-out says what the double saw.
-    pub async fn wait_until(&self, timeout: Duration, what: &str, check: impl Fn(&Self) -> bool) -> Result<(), String> {
+    pub async fn wait_until(
+        &self,
+        timeout: Duration,
+        what: &str,
+        check: impl Fn(&Self) -> bool,
+    ) -> Result<(), String> {
         let mut changes = self.inner.changed.subscribe();
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             if check(self) {
                 return Ok(());
             }
-            if tokio::time::timeout_at(deadline, changes.changed()).await.is_err() {
+            if tokio::time::timeout_at(deadline, changes.changed())
+                .await
+                .is_err()
+            {
                 return Err(format!(
                     "timed out after {timeout:?} waiting for {what}; kubelet DRA double has drivers {:?}, registrations {:?}",
                     self.registered_drivers(),
@@ -286,9 +313,17 @@ impl KubeletDraDouble {
     }
 
     /// Waits until `driver` is registered.
-    pub async fn wait_registered(&self, driver: &str, timeout: Duration) -> Result<DraPluginView, String> {
-        self.wait_until(timeout, &format!("{driver} to register"), |k| k.plugin(driver).is_some()).await?;
-        self.plugin(driver).ok_or_else(|| format!("{driver} deregistered again"))
+    pub async fn wait_registered(
+        &self,
+        driver: &str,
+        timeout: Duration,
+    ) -> Result<DraPluginView, String> {
+        self.wait_until(timeout, &format!("{driver} to register"), |k| {
+            k.plugin(driver).is_some()
+        })
+        .await?;
+        self.plugin(driver)
+            .ok_or_else(|| format!("{driver} deregistered again"))
     }
 
     /// Waits until `check` holds for the health stream of `driver`.
@@ -305,29 +340,51 @@ impl KubeletDraDouble {
             if let Some(h) = now.as_ref().filter(|h| check(h)) {
                 return Ok(h.clone());
             }
-            if tokio::time::timeout_at(deadline, changes.changed()).await.is_err() {
-                return Err(format!("timed out after {timeout:?} waiting on the health of {driver}; saw {now:?}"));
+            if tokio::time::timeout_at(deadline, changes.changed())
+                .await
+                .is_err()
+            {
+                return Err(format!(
+                    "timed out after {timeout:?} waiting on the health of {driver}; saw {now:?}"
+                ));
             }
         }
     }
 
     fn connection(&self, driver: &str) -> Result<(DraVersion, Channel), Status> {
         let plugins = lock(&self.inner.plugins);
-        let p = plugins.get(driver).ok_or_else(|| Status::not_found(format!("DRA driver {driver} is not registered")))?;
+        let p = plugins
+            .get(driver)
+            .ok_or_else(|| Status::not_found(format!("DRA driver {driver} is not registered")))?;
         Ok((p.view.version, p.channel.clone()))
     }
 
     /// NodePrepareResources for `claims` of `driver`, over the negotiated version.
-    pub async fn prepare(&self, driver: &str, claims: &[ClaimRef]) -> Result<BTreeMap<String, PrepareResult>, Status> {
+    pub async fn prepare(
+        &self,
+        driver: &str,
+        claims: &[ClaimRef],
+    ) -> Result<BTreeMap<String, PrepareResult>, Status> {
         let (version, channel) = self.connection(driver)?;
         let timeout = self.inner.options.call_timeout;
         let answers: HashMap<String, PrepareResult> = match version {
             DraVersion::V1 => {
-                let claims = claims.iter().map(|c| v1::Claim { namespace: c.namespace.clone(), uid: c.uid.clone(), name: c.name.clone() });
-                let mut req = Request::new(v1::NodePrepareResourcesRequest { claims: claims.collect() });
+                let claims = claims.iter().map(|c| v1::Claim {
+                    namespace: c.namespace.clone(),
+                    uid: c.uid.clone(),
+                    name: c.name.clone(),
+                });
+                let mut req = Request::new(v1::NodePrepareResourcesRequest {
+                    claims: claims.collect(),
+                });
                 req.set_timeout(timeout);
                 let mut client = v1::dra_plugin_client::DraPluginClient::new(channel);
-                let resp = bounded(timeout, "NodePrepareResources", client.node_prepare_resources(req)).await?;
+                let resp = bounded(
+                    timeout,
+                    "NodePrepareResources",
+                    client.node_prepare_resources(req),
+                )
+                .await?;
                 resp.claims
                     .into_iter()
                     .map(|(uid, r)| {
@@ -341,11 +398,22 @@ impl KubeletDraDouble {
                     .collect()
             }
             DraVersion::V1beta1 => {
-                let claims = claims.iter().map(|c| v1beta1::Claim { namespace: c.namespace.clone(), uid: c.uid.clone(), name: c.name.clone() });
-                let mut req = Request::new(v1beta1::NodePrepareResourcesRequest { claims: claims.collect() });
+                let claims = claims.iter().map(|c| v1beta1::Claim {
+                    namespace: c.namespace.clone(),
+                    uid: c.uid.clone(),
+                    name: c.name.clone(),
+                });
+                let mut req = Request::new(v1beta1::NodePrepareResourcesRequest {
+                    claims: claims.collect(),
+                });
                 req.set_timeout(timeout);
                 let mut client = v1beta1::dra_plugin_client::DraPluginClient::new(channel);
-                let resp = bounded(timeout, "NodePrepareResources", client.node_prepare_resources(req)).await?;
+                let resp = bounded(
+                    timeout,
+                    "NodePrepareResources",
+                    client.node_prepare_resources(req),
+                )
+                .await?;
                 resp.claims
                     .into_iter()
                     .map(|(uid, r)| {
@@ -363,26 +431,58 @@ impl KubeletDraDouble {
     }
 
     /// NodeUnprepareResources for `claims` of `driver`, over the negotiated version.
-    pub async fn unprepare(&self, driver: &str, claims: &[ClaimRef]) -> Result<BTreeMap<String, Result<(), String>>, Status> {
+    pub async fn unprepare(
+        &self,
+        driver: &str,
+        claims: &[ClaimRef],
+    ) -> Result<BTreeMap<String, Result<(), String>>, Status> {
         let (version, channel) = self.connection(driver)?;
         let timeout = self.inner.options.call_timeout;
         let verdict = |error: String| if error.is_empty() { Ok(()) } else { Err(error) };
         let answers: HashMap<String, Result<(), String>> = match version {
             DraVersion::V1 => {
-                let claims = claims.iter().map(|c| v1::Claim { namespace: c.namespace.clone(), uid: c.uid.clone(), name: c.name.clone() });
-                let mut req = Request::new(v1::NodeUnprepareResourcesRequest { claims: claims.collect() });
+                let claims = claims.iter().map(|c| v1::Claim {
+                    namespace: c.namespace.clone(),
+                    uid: c.uid.clone(),
+                    name: c.name.clone(),
+                });
+                let mut req = Request::new(v1::NodeUnprepareResourcesRequest {
+                    claims: claims.collect(),
+                });
                 req.set_timeout(timeout);
                 let mut client = v1::dra_plugin_client::DraPluginClient::new(channel);
-                let resp = bounded(timeout, "NodeUnprepareResources", client.node_unprepare_resources(req)).await?;
-                resp.claims.into_iter().map(|(uid, r)| (uid, verdict(r.error))).collect()
+                let resp = bounded(
+                    timeout,
+                    "NodeUnprepareResources",
+                    client.node_unprepare_resources(req),
+                )
+                .await?;
+                resp.claims
+                    .into_iter()
+                    .map(|(uid, r)| (uid, verdict(r.error)))
+                    .collect()
             }
             DraVersion::V1beta1 => {
-                let claims = claims.iter().map(|c| v1beta1::Claim { namespace: c.namespace.clone(), uid: c.uid.clone(), name: c.name.clone() });
-                let mut req = Request::new(v1beta1::NodeUnprepareResourcesRequest { claims: claims.collect() });
+                let claims = claims.iter().map(|c| v1beta1::Claim {
+                    namespace: c.namespace.clone(),
+                    uid: c.uid.clone(),
+                    name: c.name.clone(),
+                });
+                let mut req = Request::new(v1beta1::NodeUnprepareResourcesRequest {
+                    claims: claims.collect(),
+                });
                 req.set_timeout(timeout);
                 let mut client = v1beta1::dra_plugin_client::DraPluginClient::new(channel);
-                let resp = bounded(timeout, "NodeUnprepareResources", client.node_unprepare_resources(req)).await?;
-                resp.claims.into_iter().map(|(uid, r)| (uid, verdict(r.error))).collect()
+                let resp = bounded(
+                    timeout,
+                    "NodeUnprepareResources",
+                    client.node_unprepare_resources(req),
+                )
+                .await?;
+                resp.claims
+                    .into_iter()
+                    .map(|(uid, r)| (uid, verdict(r.error)))
+                    .collect()
             }
         };
         every_claim("NodeUnprepareResources", claims, answers)
@@ -393,9 +493,13 @@ impl KubeletDraDouble {
     pub fn watch_health(&self, driver: &str) -> Result<(), Status> {
         lock(&self.inner.health_wanted).insert(driver.to_string());
         let mut plugins = lock(&self.inner.plugins);
-        let p = plugins.get_mut(driver).ok_or_else(|| Status::not_found(format!("DRA driver {driver} is not registered")))?;
+        let p = plugins
+            .get_mut(driver)
+            .ok_or_else(|| Status::not_found(format!("DRA driver {driver} is not registered")))?;
         if !p.view.health {
-            return Err(Status::failed_precondition(format!("DRA driver {driver} does not offer {HEALTH_SERVICE}")));
+            return Err(Status::failed_precondition(format!(
+                "DRA driver {driver} does not offer {HEALTH_SERVICE}"
+            )));
         }
         start_health(&self.inner, driver, p);
         Ok(())
@@ -420,12 +524,18 @@ async fn bounded<T>(
 ) -> Result<T, Status> {
     match tokio::time::timeout(timeout, fut).await {
         Ok(result) => result.map(tonic::Response::into_inner),
-        Err(_) => Err(Status::deadline_exceeded(format!("{call} did not answer within {timeout:?}"))),
+        Err(_) => Err(Status::deadline_exceeded(format!(
+            "{call} did not answer within {timeout:?}"
+        ))),
     }
 }
 
 /// As the kubelet: a claim missing from the answer fails the call; extra entries are ignored.
-fn every_claim<T>(call: &str, claims: &[ClaimRef], mut answers: HashMap<String, T>) -> Result<BTreeMap<String, T>, Status> {
+fn every_claim<T>(
+    call: &str,
+    claims: &[ClaimRef],
+    mut answers: HashMap<String, T>,
+) -> Result<BTreeMap<String, T>, Status> {
     let mut out = BTreeMap::new();
     let mut missing = Vec::new();
     for c in claims {
@@ -438,7 +548,10 @@ fn every_claim<T>(call: &str, claims: &[ClaimRef], mut answers: HashMap<String, 
         }
     }
     if !missing.is_empty() {
-        return Err(Status::internal(format!("{call} left out {} claims: {missing:?}", missing.len())));
+        return Err(Status::internal(format!(
+            "{call} left out {} claims: {missing:?}",
+            missing.len()
+        )));
     }
     Ok(out)
 }
@@ -481,8 +594,14 @@ fn start_health(inner: &Arc<Inner>, driver: &str, plugin: &mut Plugin) {
 
 async fn follow_health(inner: &Arc<Inner>, driver: &str, channel: Channel) -> Result<(), Status> {
     let mut client = health_pb::dra_resource_health_client::DraResourceHealthClient::new(channel);
-    let mut stream = client.node_watch_resources(health_pb::NodeWatchResourcesRequest {}).await?.into_inner();
-    lock(&inner.health).entry(driver.to_string()).or_default().open = true;
+    let mut stream = client
+        .node_watch_resources(health_pb::NodeWatchResourcesRequest {})
+        .await?
+        .into_inner();
+    lock(&inner.health)
+        .entry(driver.to_string())
+        .or_default()
+        .open = true;
     inner.bump();
     while let Some(msg) = stream.message().await? {
         let mut health = lock(&inner.health);
@@ -514,7 +633,9 @@ fn sockets(dir: &Path) -> BTreeMap<PathBuf, FileId> {
         })
         .filter_map(|e| {
             let m = std::fs::symlink_metadata(e.path()).ok()?;
-            m.file_type().is_socket().then(|| (e.path(), (m.dev(), m.ino(), m.mtime(), m.mtime_nsec())))
+            m.file_type()
+                .is_socket()
+                .then(|| (e.path(), (m.dev(), m.ino(), m.mtime(), m.mtime_nsec())))
         })
         .collect()
 }
@@ -560,36 +681,66 @@ async fn scan(inner: &Arc<Inner>, dir: &Path) {
 
 /// One plugin watcher registration. `Ok` once the plugin got a verdict (registered or refused);
 /// `Err` for transport failures, which are retried.
-async fn register(inner: &Arc<Inner>, socket: &Path, socket_id: FileId) -> Result<(), RegisterError> {
+async fn register(
+    inner: &Arc<Inner>,
+    socket: &Path,
+    socket_id: FileId,
+) -> Result<(), RegisterError> {
     let channel = tokio::time::timeout(REGISTRATION_TIMEOUT, grpc::connect(socket))
         .await
         .map_err(|_| RegisterError::Timeout("registration socket"))??;
     let mut client = reg_pb::registration_client::RegistrationClient::new(channel);
-    let info = tokio::time::timeout(REGISTRATION_TIMEOUT, client.get_info(reg_pb::InfoRequest {}))
-        .await
-        .map_err(|_| RegisterError::Timeout("GetInfo"))?
-        .map_err(|status| RegisterError::Call { call: "GetInfo", status })?
-        .into_inner();
+    let info = tokio::time::timeout(
+        REGISTRATION_TIMEOUT,
+        client.get_info(reg_pb::InfoRequest {}),
+    )
+    .await
+    .map_err(|_| RegisterError::Timeout("GetInfo"))?
+    .map_err(|status| RegisterError::Call {
+        call: "GetInfo",
+        status,
+    })?
+    .into_inner();
     let verdict = match validate(&inner.options, &info) {
         Ok((version, health)) => {
             let endpoint = PathBuf::from(&info.endpoint);
             match tokio::time::timeout(REGISTRATION_TIMEOUT, grpc::connect(&endpoint)).await {
                 Ok(Ok(channel)) => Ok((version, health, endpoint, channel)),
                 Ok(Err(e)) => Err(format!("cannot dial DRA endpoint: {e}")),
-                Err(_) => Err(format!("DRA endpoint {} did not answer within {REGISTRATION_TIMEOUT:?}", endpoint.display())),
+                Err(_) => Err(format!(
+                    "DRA endpoint {} did not answer within {REGISTRATION_TIMEOUT:?}",
+                    endpoint.display()
+                )),
             }
         }
         Err(e) => Err(e),
     };
     let status = match &verdict {
-        Ok(_) => reg_pb::RegistrationStatus { plugin_registered: true, error: String::new() },
-        Err(e) => reg_pb::RegistrationStatus { plugin_registered: false, error: e.clone() },
+        Ok(_) => reg_pb::RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        },
+        Err(e) => reg_pb::RegistrationStatus {
+            plugin_registered: false,
+            error: e.clone(),
+        },
     };
     // Like the kubelet: the plugin is in the store before it hears the verdict.
     let outcome = match verdict {
         Ok((version, health, endpoint, channel)) => {
-            let view = DraPluginView { registration_socket: socket.to_path_buf(), info: info.clone(), endpoint, version, health };
-            let mut plugin = Plugin { view, socket_id, channel, health_task: None };
+            let view = DraPluginView {
+                registration_socket: socket.to_path_buf(),
+                info: info.clone(),
+                endpoint,
+                version,
+                health,
+            };
+            let mut plugin = Plugin {
+                view,
+                socket_id,
+                channel,
+                health_task: None,
+            };
             if health && lock(&inner.health_wanted).contains(&info.name) {
                 start_health(inner, &info.name, &mut plugin);
             }
@@ -604,25 +755,44 @@ async fn register(inner: &Arc<Inner>, socket: &Path, socket_id: FileId) -> Resul
             Err(e)
         }
     };
-    lock(&inner.events).push(RegistrationEvent { socket: socket.to_path_buf(), driver: info.name.clone(), outcome });
+    lock(&inner.events).push(RegistrationEvent {
+        socket: socket.to_path_buf(),
+        driver: info.name.clone(),
+        outcome,
+    });
     inner.bump();
-    tokio::time::timeout(REGISTRATION_TIMEOUT, client.notify_registration_status(status))
-        .await
-        .map_err(|_| RegisterError::Timeout("NotifyRegistrationStatus"))?
-        .map_err(|status| RegisterError::Call { call: "NotifyRegistrationStatus", status })?;
+    tokio::time::timeout(
+        REGISTRATION_TIMEOUT,
+        client.notify_registration_status(status),
+    )
+    .await
+    .map_err(|_| RegisterError::Timeout("NotifyRegistrationStatus"))?
+    .map_err(|status| RegisterError::Call {
+        call: "NotifyRegistrationStatus",
+        status,
+    })?;
     Ok(())
 }
 
 /// The kubelet's checks on `GetInfo`: the version to use and whether health is offered.
-fn validate(options: &KubeletDraOptions, info: &reg_pb::PluginInfo) -> Result<(DraVersion, bool), String> {
+fn validate(
+    options: &KubeletDraOptions,
+    info: &reg_pb::PluginInfo,
+) -> Result<(DraVersion, bool), String> {
     if info.r#type != PLUGIN_TYPE {
-        return Err(format!("plugin type {:?} is not {PLUGIN_TYPE}", info.r#type));
+        return Err(format!(
+            "plugin type {:?} is not {PLUGIN_TYPE}",
+            info.r#type
+        ));
     }
     if info.name.is_empty() {
         return Err("plugin name is empty".into());
     }
     if !Path::new(&info.endpoint).is_absolute() {
-        return Err(format!("endpoint {:?} is not an absolute path", info.endpoint));
+        return Err(format!(
+            "endpoint {:?} is not an absolute path",
+            info.endpoint
+        ));
     }
     let version = options
         .versions
@@ -631,7 +801,13 @@ fn validate(options: &KubeletDraOptions, info: &reg_pb::PluginInfo) -> Result<(D
         .find(|v| info.supported_versions.iter().any(|s| s == v.service()))
         .ok_or_else(|| {
             let ours: Vec<&str> = options.versions.iter().map(|v| v.service()).collect();
-            format!("none of the offered services {:?} is supported (kubelet speaks {ours:?})", info.supported_versions)
+            format!(
+                "none of the offered services {:?} is supported (kubelet speaks {ours:?})",
+                info.supported_versions
+            )
         })?;
-    Ok((version, info.supported_versions.iter().any(|s| s == HEALTH_SERVICE)))
+    Ok((
+        version,
+        info.supported_versions.iter().any(|s| s == HEALTH_SERVICE),
+    ))
 }

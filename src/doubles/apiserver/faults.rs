@@ -187,10 +187,18 @@ mod tests {
     fn a_fault_fires_its_count_then_disappears() {
         let mut book = FaultBook::default();
         book.inject(Fault::status("put", "/resourceslices", 500).times(2));
-        assert!(book.fire("GET", "/apis/resource.k8s.io/v1/resourceslices").is_none());
-        assert!(book.fire("PUT", "/apis/resource.k8s.io/v1/resourceslices/a").is_some());
-        assert!(book.fire("PUT", "/apis/resource.k8s.io/v1/resourceslices/a").is_some());
-        assert!(book.fire("PUT", "/apis/resource.k8s.io/v1/resourceslices/a").is_none());
+        assert!(book
+            .fire("GET", "/apis/resource.k8s.io/v1/resourceslices")
+            .is_none());
+        assert!(book
+            .fire("PUT", "/apis/resource.k8s.io/v1/resourceslices/a")
+            .is_some());
+        assert!(book
+            .fire("PUT", "/apis/resource.k8s.io/v1/resourceslices/a")
+            .is_some());
+        assert!(book
+            .fire("PUT", "/apis/resource.k8s.io/v1/resourceslices/a")
+            .is_none());
     }
 
     #[test]

@@ -28,7 +28,11 @@ const MAX_BODY: usize = 16 << 20;
 /// Upstream's default `--min-request-timeout` for watches without `timeoutSeconds`.
 const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(1800);
 
-pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, stop: signal::Receiver<bool>) {
+pub(crate) async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    stop: signal::Receiver<bool>,
+) {
     let mut stop_accept = stop.clone();
     loop {
         let stream = tokio::select! {
@@ -103,8 +107,15 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
     let body = match Limited::new(body, MAX_BODY).collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) => {
-            let code = if e.is::<http_body_util::LengthLimitError>() { 413 } else { 400 };
-            return error_response(&ApiError::new(code, format!("reading the request body: {e}")));
+            let code = if e.is::<http_body_util::LengthLimitError>() {
+                413
+            } else {
+                400
+            };
+            return error_response(&ApiError::new(
+                code,
+                format!("reading the request body: {e}"),
+            ));
         }
     };
     let fault = lock(&shared.faults).fire(&method, &path_and_query);
@@ -114,7 +125,14 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
         return error_response(&e);
     }
     let query = Query::parse(parts.uri.query().unwrap_or(""));
-    let response = match route(&shared, &method, parts.uri.path(), &query, &content_type, &body) {
+    let response = match route(
+        &shared,
+        &method,
+        parts.uri.path(),
+        &query,
+        &content_type,
+        &body,
+    ) {
         Ok(r) => r,
         Err(e) => error_response(&e),
     };
@@ -165,7 +183,10 @@ impl Query {
     }
 
     pub fn get(&self, key: &str) -> Option<&str> {
-        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
     }
 
     fn flag(&self, key: &str) -> bool {
@@ -178,10 +199,16 @@ impl Query {
             labels: LabelSelector::parse(self.get("labelSelector").unwrap_or("")).map_err(bad)?,
             fields: FieldSelector::parse(self.get("fieldSelector").unwrap_or("")).map_err(bad)?,
             limit: match self.get("limit") {
-                Some(l) => Some(l.parse().map_err(|_| ApiError::bad_request(format!("invalid limit {l:?}")))?),
+                Some(l) => Some(
+                    l.parse()
+                        .map_err(|_| ApiError::bad_request(format!("invalid limit {l:?}")))?,
+                ),
                 None => None,
             },
-            continue_token: self.get("continue").filter(|c| !c.is_empty()).map(String::from),
+            continue_token: self
+                .get("continue")
+                .filter(|c| !c.is_empty())
+                .map(String::from),
         })
     }
 
@@ -200,7 +227,11 @@ struct Target {
 }
 
 fn parse_path(store: &Store, path: &str) -> Result<Target, ApiError> {
-    let segs: Vec<String> = path.trim_matches('/').split('/').map(percent_decode).collect();
+    let segs: Vec<String> = path
+        .trim_matches('/')
+        .split('/')
+        .map(percent_decode)
+        .collect();
     let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
     let (group, version, rest) = match segs.as_slice() {
         ["api", v, rest @ ..] => ("", *v, rest),
@@ -214,16 +245,26 @@ fn parse_path(store: &Store, path: &str) -> Result<Target, ApiError> {
             [n, s] => (Some(n.to_string()), Some(s.to_string())),
             _ => return Err(ApiError::no_such_path()),
         };
-        Ok(Target { info, ns: ns.map(String::from), name, sub })
+        Ok(Target {
+            info,
+            ns: ns.map(String::from),
+            name,
+            sub,
+        })
     };
     if let ["namespaces", ns, plural, tail @ ..] = rest {
-        if let Some(info) = store.resource(group, version, plural).filter(|i| i.namespaced) {
+        if let Some(info) = store
+            .resource(group, version, plural)
+            .filter(|i| i.namespaced)
+        {
             return target(info, Some(ns), tail);
         }
     }
     match rest {
         [plural, tail @ ..] => {
-            let info = store.resource(group, version, plural).ok_or_else(ApiError::no_such_path)?;
+            let info = store
+                .resource(group, version, plural)
+                .ok_or_else(ApiError::no_such_path)?;
             if info.namespaced && !tail.is_empty() {
                 return Err(ApiError::no_such_path());
             }
@@ -234,11 +275,29 @@ fn parse_path(store: &Store, path: &str) -> Result<Target, ApiError> {
 }
 
 fn body_json(body: &[u8]) -> Result<Value, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("decoding the request body: {e}")))
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("decoding the request body: {e}")))
+}
+
+/// A `DeleteOptions` body (may be empty) and whether it or the query asks for a dry run.
+fn delete_options(body: &[u8], dry_run: bool) -> Result<(Value, bool), ApiError> {
+    let options = if body.is_empty() {
+        json!({})
+    } else {
+        body_json(body)?
+    };
+    let dry = dry_run
+        || options["dryRun"]
+            .as_array()
+            .is_some_and(|d| d.iter().any(|x| x == "All"));
+    Ok((options, dry))
 }
 
 fn not_allowed(method: &str) -> ApiError {
-    ApiError::new(405, format!("the server does not allow this method on the requested resource: {method}"))
+    ApiError::new(
+        405,
+        format!("the server does not allow this method on the requested resource: {method}"),
+    )
 }
 
 fn route(
@@ -252,11 +311,14 @@ fn route(
     match path {
         "/healthz" | "/readyz" | "/livez" => return Ok(respond(200, full(b"ok".to_vec()))),
         "/version" => {
-            return Ok(json_response(200, &json!({
-                "major": "1", "minor": "34", "gitVersion": "v1.34.0-gpuplane-double",
-                "gitCommit": "", "gitTreeState": "clean", "buildDate": "", "goVersion": "",
-                "compiler": "", "platform": "linux/amd64",
-            })))
+            return Ok(json_response(
+                200,
+                &json!({
+                    "major": "1", "minor": "34", "gitVersion": "v1.34.0-gpuplane-double",
+                    "gitCommit": "", "gitTreeState": "clean", "buildDate": "", "goVersion": "",
+                    "compiler": "", "platform": "linux/amd64",
+                }),
+            ))
         }
         _ => {}
     }
@@ -287,7 +349,8 @@ fn route(
                     ns: t.ns.clone(),
                     opts: query.list_options()?,
                     after,
-                    initial: send_initial == Some("true") || (after.is_none() && send_initial != Some("false")),
+                    initial: send_initial == Some("true")
+                        || (after.is_none() && send_initial != Some("false")),
                     initial_end_bookmark: send_initial == Some("true"),
                     bookmarks: query.flag("allowWatchBookmarks"),
                     timeout,
@@ -295,13 +358,24 @@ fn route(
                 drop(store);
                 Ok(respond(200, watch::start(shared.clone(), spec)))
             }
-            "GET" => Ok(json_response(200, &store.api_list(info, t.ns.as_deref(), &query.list_options()?)?)),
+            "GET" => Ok(json_response(
+                200,
+                &store.api_list(info, t.ns.as_deref(), &query.list_options()?)?,
+            )),
             "POST" if info.namespaced && t.ns.is_none() => Err(not_allowed(method)),
-            "POST" => Ok(json_response(201, &store.api_create(info, &ns, body_json(body)?, dry_run)?)),
+            "POST" => Ok(json_response(
+                201,
+                &store.api_create(info, &ns, body_json(body)?, dry_run)?,
+            )),
             "DELETE" => {
-                let options = if body.is_empty() { json!({}) } else { body_json(body)? };
-                let dry = dry_run || options["dryRun"].as_array().is_some_and(|d| d.iter().any(|x| x == "All"));
-                let list = store.api_delete_collection(info, t.ns.as_deref(), &query.list_options()?, &options, dry)?;
+                let (options, dry) = delete_options(body, dry_run)?;
+                let list = store.api_delete_collection(
+                    info,
+                    t.ns.as_deref(),
+                    &query.list_options()?,
+                    &options,
+                    dry,
+                )?;
                 Ok(json_response(200, &list))
             }
             _ => Err(not_allowed(method)),
@@ -315,17 +389,35 @@ fn route(
     let created = |(v, created): (Value, bool)| json_response(if created { 201 } else { 200 }, &v);
     match method {
         "GET" => Ok(json_response(200, &store.api_get(info, &ns, name)?)),
-        "PUT" => Ok(created(store.api_replace(info, &ns, name, body_json(body)?, sub, dry_run)?)),
+        "PUT" => Ok(created(store.api_replace(
+            info,
+            &ns,
+            name,
+            body_json(body)?,
+            sub,
+            dry_run,
+        )?)),
         "PATCH" => {
             let kind = PatchType::from_content_type(content_type).ok_or_else(|| {
-                ApiError::new(415, format!("the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml (got {content_type:?})"))
+                ApiError::new(
+                    415,
+                    format!(
+                        "the body of the request was in an unknown format ({content_type:?}) - \
+                         accepted media types include: application/json-patch+json, \
+                         application/merge-patch+json, application/apply-patch+yaml"
+                    ),
+                )
             })?;
-            Ok(created(store.api_patch(info, &ns, name, kind, body, sub, dry_run)?))
+            Ok(created(
+                store.api_patch(info, &ns, name, kind, body, sub, dry_run)?,
+            ))
         }
         "DELETE" if sub == Sub::Main => {
-            let options = if body.is_empty() { json!({}) } else { body_json(body)? };
-            let dry = dry_run || options["dryRun"].as_array().is_some_and(|d| d.iter().any(|x| x == "All"));
-            Ok(json_response(200, &store.api_delete(info, &ns, name, &options, dry)?))
+            let (options, dry) = delete_options(body, dry_run)?;
+            Ok(json_response(
+                200,
+                &store.api_delete(info, &ns, name, &options, dry)?,
+            ))
         }
         _ => Err(not_allowed(method)),
     }
@@ -337,7 +429,9 @@ mod tests {
 
     #[test]
     fn query_parameters_are_percent_decoded() {
-        let q = Query::parse("&watch=true&fieldSelector=spec.nodeName%3Dnode-a&labelSelector=a+in+%28b%2Cc%29&x");
+        let q = Query::parse(
+            "&watch=true&fieldSelector=spec.nodeName%3Dnode-a&labelSelector=a+in+%28b%2Cc%29&x",
+        );
         assert_eq!(q.get("fieldSelector"), Some("spec.nodeName=node-a"));
         assert_eq!(q.get("labelSelector"), Some("a in (b,c)"));
         assert_eq!(q.get("x"), Some(""));
@@ -350,14 +444,29 @@ mod tests {
     fn paths_name_resource_namespace_object_and_subresource() {
         let store = Store::new();
         let t = parse_path(&store, "/api/v1/namespaces/a/pods/p/status").unwrap();
-        assert_eq!((t.info.plural.as_str(), t.ns.as_deref(), t.name.as_deref(), t.sub.as_deref()), ("pods", Some("a"), Some("p"), Some("status")));
+        assert_eq!(
+            (
+                t.info.plural.as_str(),
+                t.ns.as_deref(),
+                t.name.as_deref(),
+                t.sub.as_deref()
+            ),
+            ("pods", Some("a"), Some("p"), Some("status"))
+        );
         let t = parse_path(&store, "/api/v1/pods").unwrap();
         assert_eq!((t.ns, t.name), (None, None));
         let t = parse_path(&store, "/api/v1/namespaces/a").unwrap();
-        assert_eq!((t.info.plural.as_str(), t.name.as_deref()), ("namespaces", Some("a")));
+        assert_eq!(
+            (t.info.plural.as_str(), t.name.as_deref()),
+            ("namespaces", Some("a"))
+        );
         let t = parse_path(&store, "/apis/resource.k8s.io/v1/resourceslices/s").unwrap();
         assert_eq!((t.ns, t.name.as_deref()), (None, Some("s")));
-        assert!(parse_path(&store, "/apis/resource.k8s.io/v1/namespaces/a/resourceslices").is_err());
+        assert!(parse_path(
+            &store,
+            "/apis/resource.k8s.io/v1/namespaces/a/resourceslices"
+        )
+        .is_err());
         assert!(parse_path(&store, "/apis/example.com/v1/widgets").is_err());
         assert!(parse_path(&store, "/api/v1/pods/p").is_err());
     }

@@ -97,9 +97,14 @@ impl Store {
     /// Checks the body's type and namespace against the request and stamps apiVersion/kind.
     fn check_body(&self, info: &ResourceInfo, ns: &str, body: &mut Value) -> Result<(), ApiError> {
         if !body.is_object() {
-            return Err(ApiError::bad_request("the request body is not a JSON object"));
+            return Err(ApiError::bad_request(
+                "the request body is not a JSON object",
+            ));
         }
-        for (field, want) in [("apiVersion", info.api_version()), ("kind", info.kind.clone())] {
+        for (field, want) in [
+            ("apiVersion", info.api_version()),
+            ("kind", info.kind.clone()),
+        ] {
             if let Some(got) = body[field].as_str().filter(|s| !s.is_empty()) {
                 if got != want {
                     return Err(ApiError::bad_request(format!(
@@ -146,7 +151,10 @@ impl Store {
         }
         let mut name = name_of(&body).to_string();
         if name.is_empty() {
-            let prefix = body["metadata"]["generateName"].as_str().unwrap_or("").to_string();
+            let prefix = body["metadata"]["generateName"]
+                .as_str()
+                .unwrap_or("")
+                .to_string();
             if prefix.is_empty() {
                 return Err(ApiError::invalid(
                     info,
@@ -173,7 +181,8 @@ impl Store {
         }
         if info.has_status {
             // As upstream strategies do on create: status is the server's to set.
-            let fresh = (info.group.is_empty() && info.plural == "pods").then(|| json!({"phase": "Pending"}));
+            let fresh = (info.group.is_empty() && info.plural == "pods")
+                .then(|| json!({"phase": "Pending"}));
             set_or_remove(&mut body, "status", fresh.as_ref());
         }
         let uid = self.new_uid();
@@ -246,7 +255,9 @@ impl Store {
             if kind == PatchType::Apply && sub == Sub::Main {
                 let mut obj = patch;
                 if !obj.is_object() {
-                    return Err(ApiError::bad_request("an applied configuration must be an object"));
+                    return Err(ApiError::bad_request(
+                        "an applied configuration must be an object",
+                    ));
                 }
                 if name_of(&obj).is_empty() {
                     set_meta(&mut obj, "name", json!(name));
@@ -334,7 +345,10 @@ impl Store {
             .as_array()
             .is_some_and(|f| !f.is_empty());
         if deleting && !finalizers {
-            let ns = stored["metadata"]["namespace"].as_str().unwrap_or("").to_string();
+            let ns = stored["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("")
+                .to_string();
             if let Some(gone) = self.commit_delete(info, &ns, name_of(&stored)) {
                 return gone;
             }
@@ -376,6 +390,9 @@ impl Store {
             let mut new = old;
             set_meta(&mut new, "deletionTimestamp", json!(now_rfc3339()));
             set_meta(&mut new, "deletionGracePeriodSeconds", json!(0));
+            // Upstream bumps the generation when deletion starts.
+            let g = new["metadata"]["generation"].as_i64().unwrap_or(0) + 1;
+            set_meta(&mut new, "generation", json!(g));
             if dry_run {
                 return Ok(new);
             }
@@ -441,11 +458,13 @@ impl Store {
                 let mut parts = token.splitn(3, '/');
                 let (Some(rv), Some(n), Some(name)) = (parts.next(), parts.next(), parts.next())
                 else {
-                    return Err(ApiError::bad_request(format!("invalid continue token {token:?}")));
+                    return Err(ApiError::bad_request(format!(
+                        "invalid continue token {token:?}"
+                    )));
                 };
-                let rv: u64 = rv
-                    .parse()
-                    .map_err(|_| ApiError::bad_request(format!("invalid continue token {token:?}")))?;
+                let rv: u64 = rv.parse().map_err(|_| {
+                    ApiError::bad_request(format!("invalid continue token {token:?}"))
+                })?;
                 if self.too_old(rv).is_some() {
                     return Err(ApiError::gone(
                         "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
@@ -490,7 +509,10 @@ impl Store {
             return Err(format!("{kind} without metadata.name"));
         }
         let ns = if info.namespaced {
-            let n = object["metadata"]["namespace"].as_str().unwrap_or("default").to_string();
+            let n = object["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("default")
+                .to_string();
             set_meta(&mut object, "namespace", json!(n));
             n
         } else {
@@ -506,7 +528,10 @@ impl Store {
             ("generation", json!(1)),
         ] {
             if object["metadata"][field].is_null() {
-                let keep = existing.as_ref().map(|m| m[field].clone()).filter(|v| !v.is_null());
+                let keep = existing
+                    .as_ref()
+                    .map(|m| m[field].clone())
+                    .filter(|v| !v.is_null());
                 set_meta(&mut object, field, keep.unwrap_or(fresh));
             }
         }

@@ -97,7 +97,11 @@ fn index(token: &str, len: usize, allow_end: bool) -> Result<usize, String> {
     let i: usize = token
         .parse()
         .map_err(|_| format!("invalid array index {token:?}"))?;
-    let max = if allow_end { len } else { len.saturating_sub(1) };
+    let max = if allow_end {
+        len
+    } else {
+        len.saturating_sub(1)
+    };
     if i > max || (!allow_end && len == 0) {
         return Err(format!("array index {i} out of bounds"));
     }
@@ -201,7 +205,10 @@ mod tests {
     #[test]
     fn merge_patch_replaces_lists_and_removes_nulls() {
         let mut doc = json!({"a": {"b": 1, "c": [1, 2]}, "d": 1});
-        merge_patch(&mut doc, &json!({"a": {"b": null, "c": [3]}, "e": {"f": 1}}));
+        merge_patch(
+            &mut doc,
+            &json!({"a": {"b": null, "c": [3]}, "e": {"f": 1}}),
+        );
         assert_eq!(doc, json!({"a": {"c": [3]}, "d": 1, "e": {"f": 1}}));
     }
 
@@ -220,9 +227,16 @@ mod tests {
             ]),
         )
         .unwrap();
-        assert_eq!(doc, json!({"metadata": {"labels": {"a/b": "1"}}, "list": [0, 3], "y": 3}));
+        assert_eq!(
+            doc,
+            json!({"metadata": {"labels": {"a/b": "1"}}, "list": [0, 3], "y": 3})
+        );
         assert!(json_patch(&mut doc, &json!([{"op": "test", "path": "/y", "value": 4}])).is_err());
-        assert!(json_patch(&mut doc, &json!([{"op": "replace", "path": "/nope", "value": 4}])).is_err());
+        assert!(json_patch(
+            &mut doc,
+            &json!([{"op": "replace", "path": "/nope", "value": 4}])
+        )
+        .is_err());
         assert!(json_patch(&mut doc, &json!([{"op": "remove", "path": "/list/5"}])).is_err());
     }
 }

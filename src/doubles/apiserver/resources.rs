@@ -76,11 +76,43 @@ pub(crate) fn builtin() -> Vec<ResourceInfo> {
         r("", "v1", "serviceaccounts", "ServiceAccount", true),
         r("events.k8s.io", "v1", "events", "Event", true).creating_on_update(),
         r("coordination.k8s.io", "v1", "leases", "Lease", true).creating_on_update(),
-        r("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", false),
-        r("resource.k8s.io", "v1", "resourceclaims", "ResourceClaim", true).with_status(),
-        r("resource.k8s.io", "v1", "resourceclaimtemplates", "ResourceClaimTemplate", true),
-        r("resource.k8s.io", "v1", "deviceclasses", "DeviceClass", false),
-        r("quota.gpuplane.dev", "v1alpha1", "gpuquotas", "GpuQuota", true).with_status(),
+        r(
+            "resource.k8s.io",
+            "v1",
+            "resourceslices",
+            "ResourceSlice",
+            false,
+        ),
+        r(
+            "resource.k8s.io",
+            "v1",
+            "resourceclaims",
+            "ResourceClaim",
+            true,
+        )
+        .with_status(),
+        r(
+            "resource.k8s.io",
+            "v1",
+            "resourceclaimtemplates",
+            "ResourceClaimTemplate",
+            true,
+        ),
+        r(
+            "resource.k8s.io",
+            "v1",
+            "deviceclasses",
+            "DeviceClass",
+            false,
+        ),
+        r(
+            "quota.gpuplane.dev",
+            "v1alpha1",
+            "gpuquotas",
+            "GpuQuota",
+            true,
+        )
+        .with_status(),
     ]
 }
 
@@ -123,8 +155,11 @@ impl ApiError {
     }
 
     pub fn already_exists(info: &ResourceInfo, name: &str) -> Self {
-        ApiError::new(409, format!("{} \"{name}\" already exists", info.qualified()))
-            .about(info, name)
+        ApiError::new(
+            409,
+            format!("{} \"{name}\" already exists", info.qualified()),
+        )
+        .about(info, name)
     }
 
     pub fn conflict(info: &ResourceInfo, name: &str, why: &str) -> Self {
@@ -139,11 +174,7 @@ impl ApiError {
     }
 
     pub fn invalid(info: &ResourceInfo, name: &str, why: &str) -> Self {
-        ApiError::new(
-            422,
-            format!("{} \"{name}\" is invalid: {why}", info.kind),
-        )
-        .about(info, name)
+        ApiError::new(422, format!("{} \"{name}\" is invalid: {why}", info.kind)).about(info, name)
     }
 
     pub fn gone(message: impl Into<String>) -> Self {

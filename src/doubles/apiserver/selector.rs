@@ -112,7 +112,10 @@ fn requirement(part: &str, whole: &str) -> Result<LabelRequirement, SelectorErro
         return Ok(LabelRequirement::DoesNotExist(key(k, whole)?));
     }
     if let Some((k, v)) = part.split_once("!=") {
-        return Ok(LabelRequirement::NotEquals(key(k, whole)?, value(v, whole)?));
+        return Ok(LabelRequirement::NotEquals(
+            key(k, whole)?,
+            value(v, whole)?,
+        ));
     }
     if let Some((k, v)) = part.split_once("==").or_else(|| part.split_once('=')) {
         return Ok(LabelRequirement::Equals(key(k, whole)?, value(v, whole)?));
@@ -173,8 +176,7 @@ impl FieldSelector {
             .map(|part| {
                 let (path, value, negated) = if let Some((p, v)) = part.split_once("!=") {
                     (p, v, true)
-                } else if let Some((p, v)) =
-                    part.split_once("==").or_else(|| part.split_once('='))
+                } else if let Some((p, v)) = part.split_once("==").or_else(|| part.split_once('='))
                 {
                     (p, v, false)
                 } else {
@@ -184,7 +186,9 @@ impl FieldSelector {
                 };
                 let path = path.trim();
                 if path.is_empty() || path.split('.').any(str::is_empty) {
-                    return Err(SelectorError(format!("invalid field path {path:?} in {s:?}")));
+                    return Err(SelectorError(format!(
+                        "invalid field path {path:?} in {s:?}"
+                    )));
                 }
                 Ok(FieldRequirement {
                     path: path.to_string(),
@@ -227,8 +231,10 @@ mod tests {
     use serde_json::json;
 
     fn labels(pairs: &[(&str, &str)]) -> Value {
-        let map: serde_json::Map<String, Value> =
-            pairs.iter().map(|(k, v)| (k.to_string(), json!(v))).collect();
+        let map: serde_json::Map<String, Value> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), json!(v)))
+            .collect();
         json!({"metadata": {"labels": map}})
     }
 

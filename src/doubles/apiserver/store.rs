@@ -13,7 +13,11 @@ pub(crate) type ResKey = (String, String, String);
 pub(crate) type ObjKey = (String, String);
 
 pub(crate) fn res_key(info: &ResourceInfo) -> ResKey {
-    (info.group.clone(), info.version.clone(), info.plural.clone())
+    (
+        info.group.clone(),
+        info.version.clone(),
+        info.plural.clone(),
+    )
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,8 +122,14 @@ impl Store {
     /// Stores `object` at a new resourceVersion and records the event; returns what was stored.
     pub fn commit_put(&mut self, info: &ResourceInfo, mut object: Value) -> Value {
         self.rv += 1;
-        let ns = object["metadata"]["namespace"].as_str().unwrap_or("").to_string();
-        let name = object["metadata"]["name"].as_str().unwrap_or("").to_string();
+        let ns = object["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        let name = object["metadata"]["name"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
         object["metadata"]["resourceVersion"] = json!(self.rv.to_string());
         let prev = self
             .objects
@@ -142,7 +152,13 @@ impl Store {
         self.rv += 1;
         let mut gone = prev.clone();
         gone["metadata"]["resourceVersion"] = json!(self.rv.to_string());
-        self.record(info, ns.to_string(), EventType::Deleted, gone.clone(), Some(prev));
+        self.record(
+            info,
+            ns.to_string(),
+            EventType::Deleted,
+            gone.clone(),
+            Some(prev),
+        );
         Some(gone)
     }
 
@@ -295,6 +311,9 @@ mod tests {
         let (a, b) = (s.new_uid(), s.new_uid());
         assert_ne!(a, b);
         assert_eq!(a.len(), 36);
-        assert_eq!(a.split('-').map(str::len).collect::<Vec<_>>(), [8, 4, 4, 4, 12]);
+        assert_eq!(
+            a.split('-').map(str::len).collect::<Vec<_>>(),
+            [8, 4, 4, 4, 12]
+        );
     }
 }

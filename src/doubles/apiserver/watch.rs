@@ -32,7 +32,8 @@ pub(crate) struct WatchSpec {
 }
 
 fn line(kind: &str, object: &Value) -> Frame<Bytes> {
-    let mut bytes = serde_json::to_vec(&json!({"type": kind, "object": object})).unwrap_or_default();
+    let mut bytes =
+        serde_json::to_vec(&json!({"type": kind, "object": object})).unwrap_or_default();
     bytes.push(b'\n');
     Frame::data(Bytes::from(bytes))
 }
@@ -191,11 +192,26 @@ mod tests {
     fn objects_moving_across_the_selector_are_added_or_deleted() {
         let s = spec("app=gpu");
         let kind = |e: Event| translate(&s, &e).map(|(k, _)| k);
-        assert_eq!(kind(event(EventType::Modified, "a", Some("web"), "gpu")), Some("ADDED"));
-        assert_eq!(kind(event(EventType::Modified, "a", Some("gpu"), "web")), Some("DELETED"));
-        assert_eq!(kind(event(EventType::Modified, "a", Some("gpu"), "gpu")), Some("MODIFIED"));
-        assert_eq!(kind(event(EventType::Modified, "a", Some("web"), "web")), None);
+        assert_eq!(
+            kind(event(EventType::Modified, "a", Some("web"), "gpu")),
+            Some("ADDED")
+        );
+        assert_eq!(
+            kind(event(EventType::Modified, "a", Some("gpu"), "web")),
+            Some("DELETED")
+        );
+        assert_eq!(
+            kind(event(EventType::Modified, "a", Some("gpu"), "gpu")),
+            Some("MODIFIED")
+        );
+        assert_eq!(
+            kind(event(EventType::Modified, "a", Some("web"), "web")),
+            None
+        );
         assert_eq!(kind(event(EventType::Added, "b", None, "gpu")), None);
-        assert_eq!(kind(event(EventType::Deleted, "a", Some("gpu"), "gpu")), Some("DELETED"));
+        assert_eq!(
+            kind(event(EventType::Deleted, "a", Some("gpu"), "gpu")),
+            Some("DELETED")
+        );
     }
 }
