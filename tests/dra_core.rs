@@ -323,7 +323,7 @@ async fn per_claim_errors_name_the_claim_and_the_reason() {
     let mig = env.mig(1);
     let c = env.add_claim("sick", &uid(7), &[("gpu", &mig)], json!([]));
     let mig_uuid = env.inv.dra_device(&mig).unwrap().uuid().to_string();
-    let mut changes = core.health_changes();
+    let changes = core.health_changes();
     env.state.update(|s| {
         let policy = s.config.xid_policy.clone();
         s.health.on_event(

@@ -519,12 +519,12 @@ mod tests {
             json!([
                 result("gpu", "gpu-3"),
                 other,
-                result("mig", "gpu-0-mig-1g5gb-9")
+                result("mig", "gpu-0-mig-3g20gb-1")
             ]),
             json!([{"source": "FromClaim", "opaque": {"driver": "net.example.com", "parameters": {"whatever": 1}}}]),
         );
         let p = plan(&c).unwrap();
-        assert_eq!(p.device_names(), vec!["gpu-3", "gpu-0-mig-1g5gb-9"]);
+        assert_eq!(p.device_names(), vec!["gpu-3", "gpu-0-mig-3g20gb-1"]);
         assert_eq!(p.devices[0].requests, vec!["gpu"]);
         assert!(
             p.devices[0].uuid.starts_with("GPU-"),
@@ -548,7 +548,10 @@ mod tests {
         let mps = json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 30}});
         // Listed claim-first on purpose: precedence comes from the source, not the order.
         let c = claim(
-            json!([result("a", "gpu-3"), result("b/small", "gpu-0-mig-1g5gb-9")]),
+            json!([
+                result("a", "gpu-3"),
+                result("b/small", "gpu-0-mig-3g20gb-1")
+            ]),
             json!([
                 cfg("FromClaim", json!(["b"]), mps),
                 cfg("FromClass", json!([]), ts)
@@ -628,7 +631,7 @@ mod tests {
             json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}),
         );
         let e = plan(&claim(
-            json!([result("gpu", "gpu-0-mig-1g5gb-9")]),
+            json!([result("gpu", "gpu-0-mig-3g20gb-1")]),
             json!([mig_interval]),
         ))
         .unwrap_err();
@@ -655,11 +658,7 @@ mod tests {
             &health,
         )
         .unwrap_err();
-        assert_eq!(
-            e.to_string().contains(&Cause::Xid(48).to_string()),
-            true,
-            "{e}"
-        );
+        assert!(e.to_string().contains(&Cause::Xid(48).to_string()), "{e}");
     }
 
     #[test]

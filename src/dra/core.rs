@@ -204,6 +204,19 @@ pub fn cdi_device_name(uid: &str, device: &str) -> String {
     format!("{uid}-{device}")
 }
 
+/// Removes a claim's spec; a stem that is not a claim spec's (a damaged or hand-edited
+/// checkpoint) is left alone with a warning, so the node spec can never be removed here.
+fn remove_claim_spec(cdi_root: &Path, stem: &str) -> Result<(), WriteError> {
+    if !stem.starts_with(SPEC_STEM_PREFIX) {
+        warn!(
+            stem,
+            "the checkpoint names a CDI spec that is not a claim spec; leaving it"
+        );
+        return Ok(());
+    }
+    cdi::remove_spec(cdi_root, stem)
+}
+
 /// A rendered preparation, not yet written.
 struct Rendered {
     spec: cdi::Spec,
@@ -252,13 +265,12 @@ impl DraCore {
             .map_err(|source| CoreError::Checkpoint { source })?;
         // Specs first, then the checkpoint: a crash in between invalidates them again.
         for (uid, entry) in &loaded.invalidated {
-            match cdi::remove_spec(&config.cdi_root, &entry.cdi_spec_stem) {
-                Ok(()) => {
-                    info!(claim = %format!("{}/{}", entry.namespace, entry.name), uid = %uid, "removed the CDI spec of a claim prepared before the reboot")
-                }
-                Err(e) => {
-                    error!(claim = %format!("{}/{}", entry.namespace, entry.name), uid = %uid, error = %e, "removing the CDI spec of a claim prepared before the reboot failed")
-                }
+            let claim = format!("{}/{}", entry.namespace, entry.name);
+            match remove_claim_spec(&config.cdi_root, &entry.cdi_spec_stem) {
+                Ok(()) => info!(claim = %claim, uid = %uid,
+                    "removed the CDI spec of a claim prepared before the reboot"),
+                Err(e) => error!(claim = %claim, uid = %uid, error = %e,
+                    "removing the CDI spec of a claim prepared before the reboot failed"),
             }
         }
         if loaded.needs_save {
@@ -320,15 +332,17 @@ impl DraCore {
     }
 
     /// The recorded devices of a completed claim whose spec is still on disk.
-    fn completed(&self, cp: &Checkpoint, uid: &str) -> Option<Vec<PreparedDevice>> {
+    fn completed(&self, cp: &Checkpoint, uid: &str, log: bool) -> Option<Vec<PreparedDevice>> {
         let entry = cp
             .get(uid)
             .filter(|e| e.state == ClaimState::PrepareCompleted)?;
         let spec_present =
             cdi::writer::spec_path(&self.cdi_root, &entry.cdi_spec_stem).is_ok_and(|p| p.exists());
         if !spec_present {
-            warn!(claim = %format!("{}/{}", entry.namespace, entry.name), uid = %uid,
-                "the CDI spec of a prepared claim is gone; preparing it again");
+            if log {
+                warn!(claim = %format!("{}/{}", entry.namespace, entry.name), uid = %uid,
+                    "the CDI spec of a prepared claim is gone; preparing it again");
+            }
             return None;
         }
         Some(entry.devices.clone())
@@ -338,7 +352,7 @@ impl DraCore {
         validate_uid(&c.uid)?;
         validate_name("namespace", &c.namespace)?;
         validate_name("name", &c.name)?;
-        if let Some(devices) = self.completed(&*self.checkpoint.lock().await, &c.uid) {
+        if let Some(devices) = self.completed(&*self.checkpoint.lock().await, &c.uid, true) {
             return Ok(devices);
         }
         let claim = self
@@ -348,7 +362,7 @@ impl DraCore {
             .map_err(|source| PrepareError::Fetch { source })?;
 
         let mut cp = self.checkpoint.lock().await;
-        if let Some(devices) = self.completed(&cp, &c.uid) {
+        if let Some(devices) = self.completed(&cp, &c.uid, false) {
             return Ok(devices);
         }
         let rendered = self.render(&claim, c)?;
@@ -491,7 +505,7 @@ impl DraCore {
             }
         }
         for stem in &stems {
-            cdi::remove_spec(&self.cdi_root, stem)?;
+            remove_claim_spec(&self.cdi_root, stem)?;
         }
         cp.update(|d| {
             d.claims.remove(&c.uid);

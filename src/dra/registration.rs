@@ -24,7 +24,10 @@ pub const HEALTH_SERVICE: &str = "v1alpha1.DRAResourceHealth";
 
 /// The gRPC services the DRA socket serves, most preferred first.
 pub fn supported_services() -> Vec<String> {
-    [V1_SERVICE, V1BETA1_SERVICE, HEALTH_SERVICE].iter().map(|s| s.to_string()).collect()
+    [V1_SERVICE, V1BETA1_SERVICE, HEALTH_SERVICE]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
 }
 
 #[derive(Default)]
@@ -70,12 +73,17 @@ impl RegistrationService {
 
     /// The error of the kubelet's last refusal, cleared by a successful registration.
     pub fn last_error(&self) -> Option<String> {
-        self.state.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.state
+            .last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Our registration socket was re-created: the kubelet forgot us until it registers again.
     pub fn reset(&self) {
-        self.registered.send_if_modified(|r| std::mem::replace(r, false));
+        self.registered
+            .send_if_modified(|r| std::mem::replace(r, false));
     }
 
     /// The gRPC server for this service.
@@ -86,7 +94,10 @@ impl RegistrationService {
 
 #[tonic::async_trait]
 impl Registration for RegistrationService {
-    async fn get_info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::PluginInfo>, Status> {
+    async fn get_info(
+        &self,
+        _: Request<pb::InfoRequest>,
+    ) -> Result<Response<pb::PluginInfo>, Status> {
         Ok(Response::new(self.info()))
     }
 
@@ -97,13 +108,27 @@ impl Registration for RegistrationService {
         let status = req.into_inner();
         if status.plugin_registered {
             tracing::info!(driver = %self.driver_name, endpoint = %self.endpoint.display(), "registered with the kubelet");
-            *self.state.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            *self
+                .state
+                .last_error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = None;
         } else {
-            let error = if status.error.is_empty() { "no reason given".to_string() } else { status.error };
+            let error = if status.error.is_empty() {
+                "no reason given".to_string()
+            } else {
+                status.error
+            };
             tracing::error!(driver = %self.driver_name, error = %error, "the kubelet refused the DRA plugin registration");
-            *self.state.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
+            *self
+                .state
+                .last_error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Some(error);
         }
-        self.registered.send_if_modified(|r| std::mem::replace(r, status.plugin_registered) != status.plugin_registered);
+        self.registered.send_if_modified(|r| {
+            std::mem::replace(r, status.plugin_registered) != status.plugin_registered
+        });
         Ok(Response::new(pb::RegistrationStatusResponse {}))
     }
 }

@@ -63,11 +63,15 @@ impl DraPaths {
         if !valid_driver_name(driver_name) {
             return Err(ServeError::DriverName(driver_name.to_string()));
         }
-        let root = std::path::absolute(kubelet_root)
-            .map_err(|source| ServeError::Root { path: kubelet_root.to_path_buf(), source })?;
+        let root = std::path::absolute(kubelet_root).map_err(|source| ServeError::Root {
+            path: kubelet_root.to_path_buf(),
+            source,
+        })?;
         Ok(DraPaths {
             dra_socket: root.join("plugins").join(driver_name).join("dra.sock"),
-            registration_socket: root.join("plugins_registry").join(format!("{driver_name}-reg.sock")),
+            registration_socket: root
+                .join("plugins_registry")
+                .join(format!("{driver_name}-reg.sock")),
         })
     }
 }
@@ -78,7 +82,8 @@ fn valid_driver_name(name: &str) -> bool {
     let label_ok = |l: &str| {
         !l.is_empty()
             && l.len() <= 63
-            && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && l.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
             && !l.starts_with('-')
             && !l.ends_with('-')
     };
@@ -90,7 +95,9 @@ fn valid_driver_name(name: &str) -> bool {
 type FileId = (u64, u64, i64, i64);
 
 fn file_id(path: &Path) -> Option<FileId> {
-    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino(), m.mtime(), m.mtime_nsec()))
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino(), m.mtime(), m.mtime_nsec()))
 }
 
 /// One socket we serve.
@@ -110,8 +117,7 @@ impl Served {
         listener: UnixListener,
         router: tonic::transport::server::Router,
         stop: watch::Sender<bool>,
-    ) -> Served
-    {
+    ) -> Served {
         let mut stopped = stop.subscribe();
         let path = socket.to_path_buf();
         let task = tokio::spawn(async move {
@@ -125,7 +131,14 @@ impl Served {
                 tracing::error!(socket = %path.display(), error = %e, "{what} server stopped");
             }
         });
-        Served { what, socket: socket.to_path_buf(), id: file_id(socket), stop, task, replaced_logged: false }
+        Served {
+            what,
+            socket: socket.to_path_buf(),
+            id: file_id(socket),
+            stop,
+            task,
+            replaced_logged: false,
+        }
     }
 
     /// Our socket file is gone or its server died: it must be served again.
@@ -154,7 +167,10 @@ impl Served {
     /// socket file if it is still ours.
     async fn stop(mut self) {
         let _ = self.stop.send(true);
-        if tokio::time::timeout(STOP_GRACE, &mut self.task).await.is_err() {
+        if tokio::time::timeout(STOP_GRACE, &mut self.task)
+            .await
+            .is_err()
+        {
             tracing::warn!(socket = %self.socket.display(), "{} server did not stop within {STOP_GRACE:?}; aborting it", self.what);
             self.task.abort();
         }
@@ -177,10 +193,19 @@ pub struct DraServer {
 }
 
 impl DraServer {
-    pub fn new(kubelet_root: &Path, driver_name: &str, driver: Arc<dyn DraDriver>) -> Result<DraServer, ServeError> {
+    pub fn new(
+        kubelet_root: &Path,
+        driver_name: &str,
+        driver: Arc<dyn DraDriver>,
+    ) -> Result<DraServer, ServeError> {
         let paths = DraPaths::new(kubelet_root, driver_name)?;
         let registration = RegistrationService::new(driver_name, &paths.dra_socket);
-        Ok(DraServer { driver_name: driver_name.to_string(), paths, driver, registration })
+        Ok(DraServer {
+            driver_name: driver_name.to_string(),
+            paths,
+            driver,
+            registration,
+        })
     }
 
     pub fn paths(&self) -> &DraPaths {
@@ -206,14 +231,26 @@ impl DraServer {
             .add_service(dra.v1_server())
             .add_service(dra.v1beta1_server())
             .add_service(health.server());
-        Ok(Served::spawn("DRA", &self.paths.dra_socket, listener, router, stop))
+        Ok(Served::spawn(
+            "DRA",
+            &self.paths.dra_socket,
+            listener,
+            router,
+            stop,
+        ))
     }
 
     fn serve_registration(&self) -> Result<Served, grpc::SocketError> {
         let listener = grpc::bind(&self.paths.registration_socket)?;
         let (stop, _) = watch::channel(false);
         let router = tonic::transport::Server::builder().add_service(self.registration.server());
-        Ok(Served::spawn("registration", &self.paths.registration_socket, listener, router, stop))
+        Ok(Served::spawn(
+            "registration",
+            &self.paths.registration_socket,
+            listener,
+            router,
+            stop,
+        ))
     }
 
     /// Serves both sockets until `shutdown` turns true (or its sender is dropped), then removes
@@ -290,7 +327,11 @@ impl DraServer {
     }
 
     /// Serves whichever socket is missing: the DRA one first, then the registration one.
-    fn restore(&self, dra: &mut Option<Served>, reg: &mut Option<Served>) -> Result<(), grpc::SocketError> {
+    fn restore(
+        &self,
+        dra: &mut Option<Served>,
+        reg: &mut Option<Served>,
+    ) -> Result<(), grpc::SocketError> {
         if dra.is_none() {
             *dra = Some(self.serve_dra()?);
         }
@@ -310,7 +351,9 @@ pub async fn serve(
     driver: Arc<dyn DraDriver>,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
-    DraServer::new(kubelet_root, driver_name, driver)?.run(shutdown).await
+    DraServer::new(kubelet_root, driver_name, driver)?
+        .run(shutdown)
+        .await
 }
 
 #[cfg(test)]
@@ -321,7 +364,16 @@ mod tests {
     fn driver_names() {
         assert!(valid_driver_name("gpu.nvidia.com"));
         assert!(valid_driver_name("gpu.gpuplane.io"));
-        for bad in ["", ".", "..", "a/b", "Gpu.nvidia.com", "-a.com", "a..b", "a_b"] {
+        for bad in [
+            "",
+            ".",
+            "..",
+            "a/b",
+            "Gpu.nvidia.com",
+            "-a.com",
+            "a..b",
+            "a_b",
+        ] {
             assert!(!valid_driver_name(bad), "{bad:?}");
         }
     }
@@ -329,8 +381,14 @@ mod tests {
     #[test]
     fn layout() {
         let p = DraPaths::new(Path::new("/var/lib/kubelet"), "gpu.nvidia.com").unwrap();
-        assert_eq!(p.dra_socket, Path::new("/var/lib/kubelet/plugins/gpu.nvidia.com/dra.sock"));
-        assert_eq!(p.registration_socket, Path::new("/var/lib/kubelet/plugins_registry/gpu.nvidia.com-reg.sock"));
+        assert_eq!(
+            p.dra_socket,
+            Path::new("/var/lib/kubelet/plugins/gpu.nvidia.com/dra.sock")
+        );
+        assert_eq!(
+            p.registration_socket,
+            Path::new("/var/lib/kubelet/plugins_registry/gpu.nvidia.com-reg.sock")
+        );
         let rel = DraPaths::new(Path::new("kubelet"), "gpu.nvidia.com").unwrap();
         assert!(rel.dra_socket.is_absolute());
     }

@@ -49,13 +49,21 @@ struct RawClaim {
 
 impl From<v1::Claim> for RawClaim {
     fn from(c: v1::Claim) -> Self {
-        RawClaim { namespace: c.namespace, uid: c.uid, name: c.name }
+        RawClaim {
+            namespace: c.namespace,
+            uid: c.uid,
+            name: c.name,
+        }
     }
 }
 
 impl From<v1beta1::Claim> for RawClaim {
     fn from(c: v1beta1::Claim) -> Self {
-        RawClaim { namespace: c.namespace, uid: c.uid, name: c.name }
+        RawClaim {
+            namespace: c.namespace,
+            uid: c.uid,
+            name: c.name,
+        }
     }
 }
 
@@ -85,7 +93,11 @@ fn validate(raw: Vec<RawClaim>) -> (Vec<ClaimRef>, BTreeMap<String, (RawClaim, S
             rejected.insert(c.uid.clone(), (c, msg));
             continue;
         }
-        let claim = ClaimRef { namespace: c.namespace.clone(), uid: c.uid.clone(), name: c.name.clone() };
+        let claim = ClaimRef {
+            namespace: c.namespace.clone(),
+            uid: c.uid.clone(),
+            name: c.name.clone(),
+        };
         match accepted.get(&c.uid) {
             Some(seen) if *seen != claim => {
                 let msg = format!(
@@ -105,7 +117,14 @@ fn validate(raw: Vec<RawClaim>) -> (Vec<ClaimRef>, BTreeMap<String, (RawClaim, S
 }
 
 fn log_failure(api: Api, op: &str, namespace: &str, name: &str, uid: &str, error: &str) {
-    tracing::warn!(api = api.as_str(), namespace, name, uid, error, "{op} failed for claim");
+    tracing::warn!(
+        api = api.as_str(),
+        namespace,
+        name,
+        uid,
+        error,
+        "{op} failed for claim"
+    );
 }
 
 impl DraService {
@@ -124,11 +143,22 @@ impl DraService {
     }
 
     /// Prepares the claims; every uid in `raw` gets an entry, failures are logged once.
-    async fn prepare_claims(&self, api: Api, raw: Vec<RawClaim>) -> BTreeMap<String, PrepareResult> {
+    async fn prepare_claims(
+        &self,
+        api: Api,
+        raw: Vec<RawClaim>,
+    ) -> BTreeMap<String, PrepareResult> {
         let (claims, rejected) = validate(raw);
         let mut results: BTreeMap<String, PrepareResult> = BTreeMap::new();
         for (uid, (c, msg)) in rejected {
-            log_failure(api, "NodePrepareResources", &c.namespace, &c.name, &uid, &msg);
+            log_failure(
+                api,
+                "NodePrepareResources",
+                &c.namespace,
+                &c.name,
+                &uid,
+                &msg,
+            );
             results.insert(uid, Err(msg));
         }
         if claims.is_empty() {
@@ -144,9 +174,9 @@ impl DraService {
             }
         };
         for c in claims {
-            let result = answers
-                .remove(&c.uid)
-                .unwrap_or_else(|| Err("internal error: the driver returned no result for this claim".to_string()));
+            let result = answers.remove(&c.uid).unwrap_or_else(|| {
+                Err("internal error: the driver returned no result for this claim".to_string())
+            });
             match &result {
                 Ok(devices) => tracing::info!(
                     api = api.as_str(),
@@ -156,7 +186,14 @@ impl DraService {
                     devices = devices.len(),
                     "claim prepared"
                 ),
-                Err(msg) => log_failure(api, "NodePrepareResources", &c.namespace, &c.name, &c.uid, msg),
+                Err(msg) => log_failure(
+                    api,
+                    "NodePrepareResources",
+                    &c.namespace,
+                    &c.name,
+                    &c.uid,
+                    msg,
+                ),
             }
             results.insert(c.uid, result);
         }
@@ -164,11 +201,22 @@ impl DraService {
     }
 
     /// Unprepares the claims; every uid in `raw` gets an entry, failures are logged once.
-    async fn unprepare_claims(&self, api: Api, raw: Vec<RawClaim>) -> BTreeMap<String, Result<(), String>> {
+    async fn unprepare_claims(
+        &self,
+        api: Api,
+        raw: Vec<RawClaim>,
+    ) -> BTreeMap<String, Result<(), String>> {
         let (claims, rejected) = validate(raw);
         let mut results: BTreeMap<String, Result<(), String>> = BTreeMap::new();
         for (uid, (c, msg)) in rejected {
-            log_failure(api, "NodeUnprepareResources", &c.namespace, &c.name, &uid, &msg);
+            log_failure(
+                api,
+                "NodeUnprepareResources",
+                &c.namespace,
+                &c.name,
+                &uid,
+                &msg,
+            );
             results.insert(uid, Err(msg));
         }
         if claims.is_empty() {
@@ -184,9 +232,9 @@ impl DraService {
             }
         };
         for c in claims {
-            let result = answers
-                .remove(&c.uid)
-                .unwrap_or_else(|| Err("internal error: the driver returned no result for this claim".to_string()));
+            let result = answers.remove(&c.uid).unwrap_or_else(|| {
+                Err("internal error: the driver returned no result for this claim".to_string())
+            });
             match &result {
                 Ok(()) => tracing::info!(
                     api = api.as_str(),
@@ -195,7 +243,14 @@ impl DraService {
                     uid = %c.uid,
                     "claim unprepared"
                 ),
-                Err(msg) => log_failure(api, "NodeUnprepareResources", &c.namespace, &c.name, &c.uid, msg),
+                Err(msg) => log_failure(
+                    api,
+                    "NodeUnprepareResources",
+                    &c.namespace,
+                    &c.name,
+                    &c.uid,
+                    msg,
+                ),
             }
             results.insert(c.uid, result);
         }
@@ -218,7 +273,12 @@ fn v1beta1_device(d: PreparedDevice) -> v1beta1::Device {
         // v1beta1 has no share id; a kubelet speaking it predates consumable capacity.
         tracing::debug!(pool = %d.pool, device = %d.device, share_id = %share, "share id dropped on the v1beta1 API");
     }
-    v1beta1::Device { request_names: d.requests, pool_name: d.pool, device_name: d.device, cdi_device_ids: d.cdi_ids }
+    v1beta1::Device {
+        request_names: d.requests,
+        pool_name: d.pool,
+        device_name: d.device,
+        cdi_device_ids: d.cdi_ids,
+    }
 }
 
 #[tonic::async_trait]
@@ -227,7 +287,12 @@ impl v1::dra_plugin_server::DraPlugin for DraService {
         &self,
         req: Request<v1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
-        let raw = req.into_inner().claims.into_iter().map(RawClaim::from).collect();
+        let raw = req
+            .into_inner()
+            .claims
+            .into_iter()
+            .map(RawClaim::from)
+            .collect();
         let claims: HashMap<String, v1::NodePrepareResourceResponse> = self
             .prepare_claims(Api::V1, raw)
             .await
@@ -238,7 +303,10 @@ impl v1::dra_plugin_server::DraPlugin for DraService {
                         devices: devices.into_iter().map(v1_device).collect(),
                         error: String::new(),
                     },
-                    Err(error) => v1::NodePrepareResourceResponse { devices: Vec::new(), error },
+                    Err(error) => v1::NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error,
+                    },
                 };
                 (uid, resp)
             })
@@ -250,12 +318,24 @@ impl v1::dra_plugin_server::DraPlugin for DraService {
         &self,
         req: Request<v1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
-        let raw = req.into_inner().claims.into_iter().map(RawClaim::from).collect();
+        let raw = req
+            .into_inner()
+            .claims
+            .into_iter()
+            .map(RawClaim::from)
+            .collect();
         let claims = self
             .unprepare_claims(Api::V1, raw)
             .await
             .into_iter()
-            .map(|(uid, result)| (uid, v1::NodeUnprepareResourceResponse { error: result.err().unwrap_or_default() }))
+            .map(|(uid, result)| {
+                (
+                    uid,
+                    v1::NodeUnprepareResourceResponse {
+                        error: result.err().unwrap_or_default(),
+                    },
+                )
+            })
             .collect();
         Ok(Response::new(v1::NodeUnprepareResourcesResponse { claims }))
     }
@@ -267,7 +347,12 @@ impl v1beta1::dra_plugin_server::DraPlugin for DraService {
         &self,
         req: Request<v1beta1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
-        let raw = req.into_inner().claims.into_iter().map(RawClaim::from).collect();
+        let raw = req
+            .into_inner()
+            .claims
+            .into_iter()
+            .map(RawClaim::from)
+            .collect();
         let claims: HashMap<String, v1beta1::NodePrepareResourceResponse> = self
             .prepare_claims(Api::V1beta1, raw)
             .await
@@ -278,28 +363,45 @@ impl v1beta1::dra_plugin_server::DraPlugin for DraService {
                         devices: devices.into_iter().map(v1beta1_device).collect(),
                         error: String::new(),
                     },
-                    Err(error) => v1beta1::NodePrepareResourceResponse { devices: Vec::new(), error },
+                    Err(error) => v1beta1::NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error,
+                    },
                 };
                 (uid, resp)
             })
             .collect();
-        Ok(Response::new(v1beta1::NodePrepareResourcesResponse { claims }))
+        Ok(Response::new(v1beta1::NodePrepareResourcesResponse {
+            claims,
+        }))
     }
 
     async fn node_unprepare_resources(
         &self,
         req: Request<v1beta1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        let raw = req.into_inner().claims.into_iter().map(RawClaim::from).collect();
+        let raw = req
+            .into_inner()
+            .claims
+            .into_iter()
+            .map(RawClaim::from)
+            .collect();
         let claims = self
             .unprepare_claims(Api::V1beta1, raw)
             .await
             .into_iter()
             .map(|(uid, result)| {
-                (uid, v1beta1::NodeUnprepareResourceResponse { error: result.err().unwrap_or_default() })
+                (
+                    uid,
+                    v1beta1::NodeUnprepareResourceResponse {
+                        error: result.err().unwrap_or_default(),
+                    },
+                )
             })
             .collect();
-        Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse { claims }))
+        Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse {
+            claims,
+        }))
     }
 }
 
@@ -308,7 +410,11 @@ mod tests {
     use super::*;
 
     fn raw(ns: &str, uid: &str, name: &str) -> RawClaim {
-        RawClaim { namespace: ns.into(), uid: uid.into(), name: name.into() }
+        RawClaim {
+            namespace: ns.into(),
+            uid: uid.into(),
+            name: name.into(),
+        }
     }
 
     #[test]
@@ -322,8 +428,18 @@ mod tests {
             raw("ns", "d", "y"),
             raw("ns", "", "z"),
         ]);
-        assert_eq!(ok, vec![ClaimRef { namespace: "ns".into(), uid: "a".into(), name: "one".into() }]);
-        assert_eq!(bad.keys().cloned().collect::<Vec<_>>(), vec!["", "b", "c", "d"]);
+        assert_eq!(
+            ok,
+            vec![ClaimRef {
+                namespace: "ns".into(),
+                uid: "a".into(),
+                name: "one".into()
+            }]
+        );
+        assert_eq!(
+            bad.keys().cloned().collect::<Vec<_>>(),
+            vec!["", "b", "c", "d"]
+        );
         assert_eq!(bad["b"].1, "invalid claim: empty namespace");
         assert_eq!(bad["c"].1, "invalid claim: empty name");
         assert!(bad["d"].1.contains("listed as both"), "{}", bad["d"].1);
@@ -341,6 +457,9 @@ mod tests {
         };
         assert_eq!(v1_device(d.clone()).share_id.as_deref(), Some("s"));
         let b = v1beta1_device(d);
-        assert_eq!((b.pool_name.as_str(), b.device_name.as_str()), ("p", "gpu-0"));
+        assert_eq!(
+            (b.pool_name.as_str(), b.device_name.as_str()),
+            ("p", "gpu-0")
+        );
     }
 }
