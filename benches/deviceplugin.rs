@@ -67,6 +67,7 @@ async fn allocate_vs_bare_rpc() {
         },
         config_file: None,
         device_plugin: true,
+        dra: None,
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let source: Arc<dyn DeviceSource> = Arc::new(sim.clone());

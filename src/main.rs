@@ -57,6 +57,16 @@ struct NodeArgs {
     /// Serve the kubelet device plugin API.
     #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     device_plugin: bool,
+    /// Serve the DRA driver (ResourceSlices, NodePrepareResources). Default: on when API access
+    /// is configured (in-cluster, KUBECONFIG or --kubeconfig).
+    #[arg(long, value_name = "BOOL", action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    dra: Option<bool>,
+    /// Kubeconfig for API access (default: in-cluster, then KUBECONFIG).
+    #[arg(long, value_name = "FILE")]
+    kubeconfig: Option<PathBuf>,
+    /// The DRA driver name; `gpu.nvidia.com` makes gpuplane a drop-in for NVIDIA's driver.
+    #[arg(long, default_value = "gpu.gpuplane.dev")]
+    driver_name: String,
     #[command(flatten)]
     source: SourceArgs,
 }
@@ -141,6 +151,15 @@ fn run_node(args: NodeArgs) -> Result<()> {
     runtime.block_on(async {
         let (source, label) = args.source.open()?;
         tracing::info!(node = %args.node_name, source = %label, "gpuplane node starting");
+        let dra_on = args.dra.unwrap_or(args.kubeconfig.is_some() || gpuplane::kubeclient::available_without_flags());
+        let dra = if dra_on {
+            let client = gpuplane::kubeclient::client(args.kubeconfig.as_deref())
+                .await
+                .context("--dra needs API access")?;
+            Some(gpuplane::node::dra::DraSettings { driver_name: args.driver_name, client })
+        } else {
+            None
+        };
         let opts = gpuplane::node::NodeOptions {
             node_name: args.node_name,
             paths: gpuplane::node::NodePaths {
@@ -152,6 +171,7 @@ fn run_node(args: NodeArgs) -> Result<()> {
             },
             config_file: args.config,
             device_plugin: args.device_plugin,
+            dra,
         };
         gpuplane::node::run(opts, Arc::from(source), termination()?).await?;
         tracing::info!("gpuplane node stopped");

@@ -39,6 +39,7 @@ fn options(dir: &Path, config: Option<&str>) -> NodeOptions {
         },
         config_file,
         device_plugin: true,
+        dra: None,
     }
 }
 

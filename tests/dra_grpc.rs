@@ -5,7 +5,9 @@
 
 use gpuplane::doubles::kubelet_dra::{DraVersion, KubeletDraDouble, KubeletDraOptions};
 use gpuplane::dra::server::{DraPaths, DraServer};
-use gpuplane::dra::{ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice};
+use gpuplane::dra::{
+    ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
+};
 use gpuplane::proto::dra_health_v1alpha1::HealthStatus;
 use gpuplane::proto::pluginregistration_v1 as reg_pb;
 use std::collections::BTreeMap;
@@ -48,7 +50,13 @@ impl FakeDriver {
     }
 
     fn set_health(&self, device: &str, health: DeviceHealthState, message: &str) {
-        for r in self.health.lock().unwrap().iter_mut().filter(|r| r.device == device) {
+        for r in self
+            .health
+            .lock()
+            .unwrap()
+            .iter_mut()
+            .filter(|r| r.device == device)
+        {
             r.health = health;
             r.message = message.into();
         }
@@ -73,18 +81,29 @@ impl DraDriver for FakeDriver {
         claims
             .into_iter()
             .map(|c| {
-                let r = if c.uid == FAILING_UID { Err("claim not found in the API server".into()) } else { Ok(vec![device_for(&c.uid)]) };
+                let r = if c.uid == FAILING_UID {
+                    Err("claim not found in the API server".into())
+                } else {
+                    Ok(vec![device_for(&c.uid)])
+                };
                 (c.uid, r)
             })
             .collect()
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
-        self.calls.lock().unwrap().push(("unprepare", claims.clone()));
+        self.calls
+            .lock()
+            .unwrap()
+            .push(("unprepare", claims.clone()));
         claims
             .into_iter()
             .map(|c| {
-                let r = if c.uid == FAILING_UID { Err("checkpoint busy".into()) } else { Ok(()) };
+                let r = if c.uid == FAILING_UID {
+                    Err("checkpoint busy".into())
+                } else {
+                    Ok(())
+                };
                 (c.uid, r)
             })
             .collect()
@@ -121,7 +140,14 @@ fn start() -> Harness {
     let registered = server.registered();
     let (stop, stopping) = watch::channel(false);
     let server = tokio::spawn(server.run(stopping));
-    Harness { dir, driver, paths, registered, stop, server }
+    Harness {
+        dir,
+        driver,
+        paths,
+        registered,
+        stop,
+        server,
+    }
 }
 
 impl Harness {
@@ -132,14 +158,24 @@ impl Harness {
     async fn shutdown(self) {
         self.stop.send(true).unwrap();
         let result = tokio::time::timeout(Duration::from_secs(3), self.server).await;
-        result.expect("DRA server did not stop within 3 s").unwrap().unwrap();
+        result
+            .expect("DRA server did not stop within 3 s")
+            .unwrap()
+            .unwrap();
         assert!(!self.paths.dra_socket.exists(), "DRA socket left behind");
-        assert!(!self.paths.registration_socket.exists(), "registration socket left behind");
+        assert!(
+            !self.paths.registration_socket.exists(),
+            "registration socket left behind"
+        );
     }
 }
 
 fn claim(ns: &str, uid: &str, name: &str) -> ClaimRef {
-    ClaimRef { namespace: ns.into(), uid: uid.into(), name: name.into() }
+    ClaimRef {
+        namespace: ns.into(),
+        uid: uid.into(),
+        name: name.into(),
+    }
 }
 
 fn mode(path: &Path) -> u32 {
@@ -147,7 +183,10 @@ fn mode(path: &Path) -> u32 {
 }
 
 async fn wait_true(rx: &mut watch::Receiver<bool>, what: &str) {
-    tokio::time::timeout(WAIT, rx.wait_for(|r| *r)).await.unwrap_or_else(|_| panic!("timed out waiting for {what}")).unwrap();
+    tokio::time::timeout(WAIT, rx.wait_for(|r| *r))
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -157,15 +196,25 @@ async fn registers_with_the_kubelet() {
     let view = kubelet.wait_registered(DRIVER, WAIT).await.unwrap();
 
     let root = h.kubelet_root();
-    assert_eq!(h.paths.dra_socket, root.join("plugins/gpu.nvidia.com/dra.sock"));
-    assert_eq!(h.paths.registration_socket, root.join("plugins_registry/gpu.nvidia.com-reg.sock"));
+    assert_eq!(
+        h.paths.dra_socket,
+        root.join("plugins/gpu.nvidia.com/dra.sock")
+    );
+    assert_eq!(
+        h.paths.registration_socket,
+        root.join("plugins_registry/gpu.nvidia.com-reg.sock")
+    );
     assert_eq!(
         view.info,
         reg_pb::PluginInfo {
             r#type: "DRAPlugin".into(),
             name: DRIVER.into(),
             endpoint: h.paths.dra_socket.to_string_lossy().into_owned(),
-            supported_versions: vec!["v1.DRAPlugin".into(), "v1beta1.DRAPlugin".into(), "v1alpha1.DRAResourceHealth".into()],
+            supported_versions: vec![
+                "v1.DRAPlugin".into(),
+                "v1beta1.DRAPlugin".into(),
+                "v1alpha1.DRAResourceHealth".into()
+            ],
         }
     );
     assert!(Path::new(&view.info.endpoint).is_absolute());
@@ -183,7 +232,12 @@ async fn registers_with_the_kubelet() {
     kubelet.wait_registered(DRIVER, WAIT).await.unwrap();
     let events = kubelet.registrations();
     assert_eq!(events.len(), 2, "{events:?}");
-    assert!(events.iter().all(|e| e.driver == DRIVER && e.outcome == Ok(DraVersion::V1)), "{events:?}");
+    assert!(
+        events
+            .iter()
+            .all(|e| e.driver == DRIVER && e.outcome == Ok(DraVersion::V1)),
+        "{events:?}"
+    );
 
     h.shutdown().await;
 }
@@ -196,7 +250,9 @@ async fn refusal_is_recorded_by_the_plugin() {
     let registration = server.registration().clone();
     let (stop, stopping) = watch::channel(false);
     let task = tokio::spawn(server.run(stopping));
-    let sock = dir.path().join("kubelet/plugins_registry/gpu.nvidia.com-reg.sock");
+    let sock = dir
+        .path()
+        .join("kubelet/plugins_registry/gpu.nvidia.com-reg.sock");
     let channel = loop {
         match gpuplane::grpc::connect(&sock).await {
             Ok(c) => break c,
@@ -205,16 +261,32 @@ async fn refusal_is_recorded_by_the_plugin() {
     };
     let mut client = reg_pb::registration_client::RegistrationClient::new(channel);
     client
-        .notify_registration_status(reg_pb::RegistrationStatus { plugin_registered: false, error: "driver name taken".into() })
+        .notify_registration_status(reg_pb::RegistrationStatus {
+            plugin_registered: false,
+            error: "driver name taken".into(),
+        })
         .await
         .unwrap();
-    assert_eq!(registration.last_error().as_deref(), Some("driver name taken"));
+    assert_eq!(
+        registration.last_error().as_deref(),
+        Some("driver name taken")
+    );
     assert!(!*registration.registered().borrow());
-    client.notify_registration_status(reg_pb::RegistrationStatus { plugin_registered: true, error: String::new() }).await.unwrap();
+    client
+        .notify_registration_status(reg_pb::RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        })
+        .await
+        .unwrap();
     assert_eq!(registration.last_error(), None);
     assert!(*registration.registered().borrow());
     stop.send(true).unwrap();
-    tokio::time::timeout(Duration::from_secs(3), task).await.unwrap().unwrap().unwrap();
+    tokio::time::timeout(Duration::from_secs(3), task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
 }
 
 fn batch() -> Vec<ClaimRef> {
@@ -236,18 +308,33 @@ async fn prepare_and_unprepare(options: KubeletDraOptions, version: DraVersion) 
     let claims = batch();
     let prepared = kubelet.prepare(DRIVER, &claims).await.unwrap();
     let uids: Vec<&str> = prepared.keys().map(String::as_str).collect();
-    assert_eq!(uids, vec!["uid-1", FAILING_UID, "uid-no-name", "uid-no-ns", SHARED_UID]);
+    assert_eq!(
+        uids,
+        vec!["uid-1", FAILING_UID, "uid-no-name", "uid-no-ns", SHARED_UID]
+    );
     assert_eq!(prepared["uid-1"], Ok(vec![device_for("uid-1")]));
-    assert_eq!(prepared[FAILING_UID], Err("claim not found in the API server".to_string()));
-    assert_eq!(prepared["uid-no-name"], Err("invalid claim: empty name".to_string()));
-    assert_eq!(prepared["uid-no-ns"], Err("invalid claim: empty namespace".to_string()));
+    assert_eq!(
+        prepared[FAILING_UID],
+        Err("claim not found in the API server".to_string())
+    );
+    assert_eq!(
+        prepared["uid-no-name"],
+        Err("invalid claim: empty name".to_string())
+    );
+    assert_eq!(
+        prepared["uid-no-ns"],
+        Err("invalid claim: empty namespace".to_string())
+    );
     let shared = prepared[SHARED_UID].as_ref().unwrap();
     let want_share = match version {
         DraVersion::V1 => Some("share-7".to_string()),
         DraVersion::V1beta1 => None,
     };
     assert_eq!(shared[0].share_id, want_share);
-    assert_eq!(shared[0].cdi_ids, vec![format!("k8s.gpu.nvidia.com/claim={SHARED_UID}")]);
+    assert_eq!(
+        shared[0].cdi_ids,
+        vec![format!("k8s.gpu.nvidia.com/claim={SHARED_UID}")]
+    );
 
     let unprepared = kubelet.unprepare(DRIVER, &claims).await.unwrap();
     assert_eq!(unprepared.len(), claims.len());
@@ -258,7 +345,11 @@ async fn prepare_and_unprepare(options: KubeletDraOptions, version: DraVersion) 
     assert!(unprepared["uid-no-ns"].is_err());
 
     // Malformed claims never reach the driver.
-    let good = vec![claim("team-a", "uid-1", "train"), claim("team-a", FAILING_UID, "gone"), claim("team-b", SHARED_UID, "infer")];
+    let good = vec![
+        claim("team-a", "uid-1", "train"),
+        claim("team-a", FAILING_UID, "gone"),
+        claim("team-b", SHARED_UID, "infer"),
+    ];
     let calls = h.driver.calls();
     assert_eq!(calls.len(), 2, "{calls:?}");
     for (op, (got_op, got)) in ["prepare", "unprepare"].iter().zip(&calls) {
@@ -289,16 +380,29 @@ async fn health_stream_follows_the_driver() {
     kubelet.wait_registered(DRIVER, WAIT).await.unwrap();
     kubelet.watch_health(DRIVER).unwrap();
 
-    let first = kubelet.wait_health(DRIVER, WAIT, |v| v.updates >= 1).await.unwrap();
+    let first = kubelet
+        .wait_health(DRIVER, WAIT, |v| v.updates >= 1)
+        .await
+        .unwrap();
     assert!(first.open);
     assert_eq!(first.devices.len(), 2);
     assert_eq!(first.health("node-a", "gpu-0"), Some(HealthStatus::Healthy));
     assert_eq!(first.health("node-a", "gpu-1"), Some(HealthStatus::Healthy));
-    assert!(first.devices.iter().all(|d| d.last_updated_time > 1_700_000_000), "{:?}", first.devices);
+    assert!(
+        first
+            .devices
+            .iter()
+            .all(|d| d.last_updated_time > 1_700_000_000),
+        "{:?}",
+        first.devices
+    );
 
-    h.driver.set_health("gpu-1", DeviceHealthState::Unhealthy, "critical Xid 79");
+    h.driver
+        .set_health("gpu-1", DeviceHealthState::Unhealthy, "critical Xid 79");
     let after = kubelet
-        .wait_health(DRIVER, WAIT, |v| v.health("node-a", "gpu-1") == Some(HealthStatus::Unhealthy))
+        .wait_health(DRIVER, WAIT, |v| {
+            v.health("node-a", "gpu-1") == Some(HealthStatus::Unhealthy)
+        })
         .await
         .unwrap();
     assert_eq!(after.health("node-a", "gpu-0"), Some(HealthStatus::Healthy));
@@ -311,7 +415,10 @@ async fn health_stream_follows_the_driver() {
 
     // Shutdown ends the open stream and still returns promptly.
     h.shutdown().await;
-    kubelet.wait_health(DRIVER, WAIT, |v| !v.open).await.unwrap();
+    kubelet
+        .wait_health(DRIVER, WAIT, |v| !v.open)
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -326,15 +433,26 @@ async fn registration_socket_is_recreated() {
         if h.paths.registration_socket.exists() {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "registration socket not re-created within 2 s");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "registration socket not re-created within 2 s"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(mode(&h.paths.registration_socket), 0o600);
 
     // The kubelet sees the new socket and registers the driver again.
-    kubelet.wait_until(WAIT, "a second registration", |k| k.registrations().len() >= 2).await.unwrap();
+    kubelet
+        .wait_until(WAIT, "a second registration", |k| {
+            k.registrations().len() >= 2
+        })
+        .await
+        .unwrap();
     kubelet.wait_registered(DRIVER, WAIT).await.unwrap();
-    let prepared = kubelet.prepare(DRIVER, &[claim("team-a", "uid-1", "train")]).await.unwrap();
+    let prepared = kubelet
+        .prepare(DRIVER, &[claim("team-a", "uid-1", "train")])
+        .await
+        .unwrap();
     assert!(prepared["uid-1"].is_ok());
     h.shutdown().await;
 }
@@ -345,9 +463,17 @@ async fn shutdown_removes_sockets_with_a_health_stream_open() {
     let kubelet = KubeletDraDouble::start(&h.kubelet_root(), KubeletDraOptions::default());
     kubelet.wait_registered(DRIVER, WAIT).await.unwrap();
     kubelet.watch_health(DRIVER).unwrap();
-    kubelet.wait_health(DRIVER, WAIT, |v| v.open && v.updates >= 1).await.unwrap();
+    kubelet
+        .wait_health(DRIVER, WAIT, |v| v.open && v.updates >= 1)
+        .await
+        .unwrap();
     assert!(h.paths.dra_socket.exists() && h.paths.registration_socket.exists());
     // shutdown() asserts both sockets are gone and the server returned within 3 s.
     h.shutdown().await;
-    kubelet.wait_until(WAIT, "deregistration", |k| k.registered_drivers().is_empty()).await.unwrap();
+    kubelet
+        .wait_until(WAIT, "deregistration", |k| {
+            k.registered_drivers().is_empty()
+        })
+        .await
+        .unwrap();
 }

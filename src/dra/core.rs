@@ -36,6 +36,9 @@ use super::checkpoint::{
     self, Checkpoint, CheckpointData, CheckpointError, ClaimEntry, ClaimState,
 };
 use super::claims::{plan_claim, ClaimError, ClaimFetcher, ClaimPlan, FetchError};
+use crate::config::AllocationMode;
+use crate::ledger::{dra_view, Held, Holder};
+use std::time::Instant;
 use super::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
 };
@@ -144,6 +147,13 @@ pub enum PrepareError {
     Spec {
         #[source]
         source: WriteError,
+    },
+    /// Another consumer (a device-plugin container, another claim) holds a device of the claim.
+    #[error("device {device}: {source}; it cannot be given out twice")]
+    Held {
+        device: String,
+        #[source]
+        source: Held,
     },
 }
 
@@ -366,6 +376,7 @@ impl DraCore {
             return Ok(devices);
         }
         let rendered = self.render(&claim, c)?;
+        self.hold(c, &rendered.units)?;
         let stem = spec_stem(&c.uid);
         let started = ClaimEntry {
             namespace: c.namespace.clone(),
@@ -392,6 +403,40 @@ impl DraCore {
         Ok(rendered.devices)
     }
 
+    /// Puts every checkpointed claim's units back into the ledger (agent start-up).
+    pub async fn restore_holds(&self) {
+        let cp = self.checkpoint.lock().await;
+        for (uid, entry) in &cp.data().claims {
+            let c = ClaimRef { namespace: entry.namespace.clone(), uid: uid.clone(), name: entry.name.clone() };
+            if let Err(e) = self.hold(&c, &entry.units) {
+                error!(claim = %claim_label(&c), error = %e, "checkpointed claim overlaps another holder");
+            }
+        }
+    }
+
+    /// Records the claim's units in the allocation ledger (shared mode), refusing units another
+    /// consumer holds. Under the checkpoint lock, so two prepares cannot race for a unit; the
+    /// device plugin's Allocate holds under the state's write lock, which `update` takes too.
+    fn hold(&self, c: &ClaimRef, units: &BTreeMap<String, String>) -> Result<(), PrepareError> {
+        let who = Holder::Claim { uid: c.uid.clone(), name: claim_label(c) };
+        self.state.update(|s| {
+            if s.config.allocation != AllocationMode::Shared {
+                return (Ok(()), false);
+            }
+            let list: Vec<String> = units.values().cloned().collect();
+            match s.ledger.hold_all(&list, &who, Instant::now()) {
+                Ok(()) => {
+                    info!(claim = %claim_label(c), units = ?list, "handed out to claim");
+                    (Ok(()), true)
+                }
+                Err(held) => {
+                    let device = units.iter().find(|(_, u)| **u == held.unit).map_or(held.unit.clone(), |(d, _)| d.clone());
+                    (Err(PrepareError::Held { device, source: held }), false)
+                }
+            }
+        })
+    }
+
     /// Plans the claim against the current inventory and health and renders its spec.
     fn render(
         &self,
@@ -400,7 +445,7 @@ impl DraCore {
     ) -> Result<Rendered, PrepareError> {
         let (inv, health) = {
             let snap = self.state.read();
-            (snap.inventory.clone(), snap.health.clone())
+            (dra_view(&snap.inventory, &snap.config.allocation), snap.health.clone())
         };
         let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health)
             .map_err(|source| PrepareError::Plan { source })?;
@@ -510,6 +555,14 @@ impl DraCore {
         cp.update(|d| {
             d.claims.remove(&c.uid);
         })?;
+        let released = self.state.update(|s| {
+            let r = s.ledger.release_claim(&c.uid);
+            let changed = !r.is_empty();
+            (r, changed)
+        });
+        if !released.is_empty() {
+            info!(claim = %claim_label(c), units = ?released, "released by claim");
+        }
         Ok(())
     }
 }
@@ -558,7 +611,7 @@ impl DraDriver for DraCore {
 
     fn device_health(&self) -> Vec<DeviceHealthReport> {
         let snap = self.state.read();
-        snap.inventory
+        dra_view(&snap.inventory, &snap.config.allocation)
             .dra_devices()
             .iter()
             .map(|d| {

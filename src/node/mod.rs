@@ -5,6 +5,7 @@
 //! real agent in-process against doubles in a temp dir.
 
 pub mod cdi;
+pub mod dra;
 pub mod podresources;
 pub mod state;
 
@@ -47,7 +48,7 @@ impl NodePaths {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct NodeOptions {
     pub node_name: String,
     pub paths: NodePaths,
@@ -55,6 +56,8 @@ pub struct NodeOptions {
     pub config_file: Option<PathBuf>,
     /// Serve the kubelet device plugin API.
     pub device_plugin: bool,
+    /// Serve DRA (with API access), or not.
+    pub dra: Option<dra::DraSettings>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +68,9 @@ pub enum NodeError {
     /// The devices cannot be offered as configured.
     #[error("cannot offer this node's devices: {0}")]
     Plan(#[from] PlanError),
+    /// The DRA driver could not start.
+    #[error(transparent)]
+    Dra(#[from] dra::DraStartError),
     /// Signal handlers could not be installed.
     #[error("installing signal handlers: {0}")]
     Signals(#[source] std::io::Error),
@@ -225,6 +231,10 @@ pub async fn run(
         ))
     });
 
+    let dra_tasks = match opts.dra.clone() {
+        Some(settings) => dra::start(settings, &opts.node_name, &opts.paths, state.clone(), stop_rx.clone()).await?,
+        None => Vec::new(),
+    };
     let pod_resources = opts.device_plugin.then(|| tokio::spawn(podresources::run(opts.paths.pod_resources_socket(), state.clone(), stop_rx.clone())));
     let mut node_spec = cdi::NodeSpecWriter::new(
         opts.paths.cdi_root.clone(),
@@ -321,7 +331,7 @@ pub async fn run(
 
     tracing::info!("shutting down: stopping plugins");
     let _ = stop_tx.send(true);
-    for task in [registrar, pod_resources].into_iter().flatten() {
+    for task in [registrar, pod_resources].into_iter().flatten().chain(dra_tasks) {
         let _ = task.await;
     }
     pump_stop.store(true, Ordering::Relaxed);

@@ -17,7 +17,9 @@ pub mod quantity;
 pub mod render;
 pub mod validate;
 
-pub use publisher::{keep_published, LoopOptions, PublishError, RetryPolicy, SlicePublisher, SyncStats};
+pub use publisher::{
+    keep_published, LoopOptions, PublishError, RetryPolicy, SlicePublisher, SyncStats,
+};
 pub use render::{render, render_with_generation, slice_name, UNHEALTHY_TAINT_KEY};
 pub use validate::{validate, Problem, Violation};
 

@@ -9,8 +9,10 @@
 //! `resourceslice.Controller`: keep the highest existing generation when at most one slice
 //! needs an update and nothing is created or removed (consumers see a consistent pool either
 //! way); otherwise bump it by one and rewrite every slice of the pool with it, so consumers
-//! ignore the old slices until the new set is complete. A desired generation above the
-//! existing one wins. An unchanged pool, whoever wrote it, therefore needs no writes at all.
+//! ignore the old slices until the new set is complete. Slices an interrupted sync left at an
+//! older generation are brought up to the highest one without a further bump (that pool is
+//! incomplete, hence unused, until they are). A desired generation above the existing one
+//! wins. An unchanged pool, whoever wrote it, therefore needs no writes at all.
 
 use super::quantity;
 use k8s_openapi::api::resource::v1::{Device, DeviceTaint, ResourceSlice, ResourceSliceSpec};
@@ -67,7 +69,10 @@ fn normalize_device(d: &mut Device) {
     if d.binding_conditions.as_ref().is_some_and(Vec::is_empty) {
         d.binding_conditions = None;
     }
-    if d.binding_failure_conditions.as_ref().is_some_and(Vec::is_empty) {
+    if d.binding_failure_conditions
+        .as_ref()
+        .is_some_and(Vec::is_empty)
+    {
         d.binding_failure_conditions = None;
     }
 }
@@ -102,7 +107,10 @@ pub struct Plan {
 
 impl Plan {
     pub fn is_empty(&self) -> bool {
-        self.delete_first.is_empty() && self.updates.is_empty() && self.creates.is_empty() && self.deletes.is_empty()
+        self.delete_first.is_empty()
+            && self.updates.is_empty()
+            && self.creates.is_empty()
+            && self.deletes.is_empty()
     }
 
     pub fn writes(&self) -> usize {
@@ -117,20 +125,39 @@ pub fn same_content(existing: &ResourceSlice, desired: &ResourceSlice, echoes: &
         return true;
     }
     let name = desired.metadata.name.as_deref().unwrap_or_default();
-    echoes.get(name).is_some_and(|(sent, stored)| *sent == d && *stored == e)
+    echoes
+        .get(name)
+        .is_some_and(|(sent, stored)| *sent == d && *stored == e)
 }
 
 /// Computes the writes. `desired` must already be checked: unique names, one pool, this
 /// driver and node, `resourceSliceCount` equal to its length. `owners` are set on written
-/// slices when given.
-pub fn plan(existing: &[ResourceSlice], desired: &[ResourceSlice], driver: &str, node: &str, owners: Option<&[OwnerReference]>, echoes: &Echoes) -> Plan {
+/// slices when given. `last_written` is the highest generation this process wrote: a bump
+/// goes above it too, so generations stay monotonic even after all slices were deleted.
+pub fn plan(
+    existing: &[ResourceSlice],
+    desired: &[ResourceSlice],
+    driver: &str,
+    node: &str,
+    owners: Option<&[OwnerReference]>,
+    echoes: &Echoes,
+    last_written: i64,
+) -> Plan {
     let pool = desired.first().map(|d| d.spec.pool.name.as_str());
-    let desired_names: BTreeSet<&str> = desired.iter().filter_map(|d| d.metadata.name.as_deref()).collect();
-    let is_ours = |s: &ResourceSlice| Some(s.spec.pool.name.as_str()) == pool && s.spec.driver == driver && s.spec.node_name.as_deref() == Some(node) && s.metadata.deletion_timestamp.is_none();
+    let desired_names: BTreeSet<&str> = desired
+        .iter()
+        .filter_map(|d| d.metadata.name.as_deref())
+        .collect();
+    let is_ours = |s: &ResourceSlice| {
+        Some(s.spec.pool.name.as_str()) == pool
+            && s.spec.driver == driver
+            && s.spec.node_name.as_deref() == Some(node)
+            && s.metadata.deletion_timestamp.is_none()
+    };
 
     let mut by_name: BTreeMap<&str, &ResourceSlice> = BTreeMap::new();
     let mut out = Plan::default();
-    let mut obsolete_in_pool = 0usize;
+    let mut obsolete: Vec<&ResourceSlice> = Vec::new();
     for s in existing {
         let name = s.metadata.name.as_deref().unwrap_or_default();
         if is_ours(s) && desired_names.contains(name) && !by_name.contains_key(name) {
@@ -140,21 +167,40 @@ pub fn plan(existing: &[ResourceSlice], desired: &[ResourceSlice], driver: &str,
         if s.metadata.deletion_timestamp.is_some() {
             continue;
         }
-        let del = Delete { name: name.to_string(), uid: s.metadata.uid.clone(), resource_version: s.metadata.resource_version.clone() };
+        let del = Delete {
+            name: name.to_string(),
+            uid: s.metadata.uid.clone(),
+            resource_version: s.metadata.resource_version.clone(),
+        };
         if desired_names.contains(name) {
             out.delete_first.push(del);
         } else {
             if is_ours(s) {
-                obsolete_in_pool += 1;
+                obsolete.push(s);
             }
             out.deletes.push(del);
         }
     }
 
-    let current = by_name.values().map(|s| s.spec.pool.generation).max().unwrap_or(0);
-    let wanted = desired.iter().map(|d| d.spec.pool.generation).max().unwrap_or(0);
+    let current = by_name
+        .values()
+        .chain(obsolete.iter())
+        .map(|s| s.spec.pool.generation)
+        .max()
+        .unwrap_or(0);
+    // Obsolete slices at an older generation are already ignored by consumers.
+    let obsolete_current = obsolete
+        .iter()
+        .filter(|s| s.spec.pool.generation >= current)
+        .count();
+    let wanted = desired
+        .iter()
+        .map(|d| d.spec.pool.generation)
+        .max()
+        .unwrap_or(0);
     let mut changed = Vec::new();
     let mut unchanged = Vec::new();
+    let mut stale = Vec::new();
     let mut creates = Vec::new();
     for d in desired {
         let mut d = d.clone();
@@ -167,27 +213,49 @@ pub fn plan(existing: &[ResourceSlice], desired: &[ResourceSlice], driver: &str,
         };
         match existing {
             None => creates.push(d),
-            Some(e) if same_content(e, &d, echoes) && e.spec.pool.generation == current => unchanged.push((e, d)),
-            Some(e) => changed.push((e, d)),
+            Some(e) if !same_content(e, &d, echoes) => changed.push((e, d)),
+            Some(e) if e.spec.pool.generation < current => stale.push((e, d)),
+            Some(e) => unchanged.push((e, d)),
         }
     }
 
-    let bump = wanted > current || !creates.is_empty() || obsolete_in_pool > 0 || changed.len() > 1;
+    // Slices an interrupted sync left behind the highest generation mean the pool at that
+    // generation is incomplete, so consumers are not using it yet: completing it needs no
+    // further bump.
+    let incomplete = by_name.values().any(|e| e.spec.pool.generation < current);
+    let bump = wanted > current
+        || !creates.is_empty()
+        || obsolete_current > 0
+        || (!incomplete && changed.len() > 1);
     out.generation = if wanted > current {
-        wanted
+        wanted.max(last_written.saturating_add(1))
     } else if bump {
-        current.saturating_add(1)
+        current.max(last_written).saturating_add(1)
     } else {
         current
     };
-    let rewrite: Vec<(&ResourceSlice, ResourceSlice)> = if bump { changed.into_iter().chain(unchanged).collect() } else { changed };
-    out.updates = rewrite.into_iter().map(|(e, d)| replacement(e, d, out.generation)).collect();
-    out.updates.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    let rewrite: Vec<(&ResourceSlice, ResourceSlice)> = if bump {
+        changed.into_iter().chain(stale).chain(unchanged).collect()
+    } else {
+        changed.into_iter().chain(stale).collect()
+    };
+    out.updates = rewrite
+        .into_iter()
+        .map(|(e, d)| replacement(e, d, out.generation))
+        .collect();
+    out.updates
+        .sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
     out.creates = creates
         .into_iter()
         .map(|mut d| {
             d.spec.pool.generation = out.generation;
-            d.metadata = ObjectMeta { name: d.metadata.name, owner_references: d.metadata.owner_references, labels: d.metadata.labels, annotations: d.metadata.annotations, ..ObjectMeta::default() };
+            d.metadata = ObjectMeta {
+                name: d.metadata.name,
+                owner_references: d.metadata.owner_references,
+                labels: d.metadata.labels,
+                annotations: d.metadata.annotations,
+                ..ObjectMeta::default()
+            };
             d
         })
         .collect();
@@ -202,8 +270,13 @@ fn replacement(existing: &ResourceSlice, desired: ResourceSlice, generation: i64
     spec.pool.generation = generation;
     if let (Some(new), Some(old)) = (spec.devices.as_mut(), existing.spec.devices.as_ref()) {
         for d in new.iter_mut() {
-            let Some(old_d) = old.iter().find(|o| o.name == d.name) else { continue };
-            let (Some(taints), Some(old_taints)) = (d.taints.as_mut(), old_d.taints.as_ref()) else { continue };
+            let Some(old_d) = old.iter().find(|o| o.name == d.name) else {
+                continue;
+            };
+            let (Some(taints), Some(old_taints)) = (d.taints.as_mut(), old_d.taints.as_ref())
+            else {
+                continue;
+            };
             for t in taints.iter_mut().filter(|t| t.time_added.is_none()) {
                 if let Some(o) = old_taints.iter().find(|o| same_taint(o, t)) {
                     t.time_added = o.time_added.clone();

@@ -32,7 +32,10 @@ use tokio_stream::{Stream, StreamExt};
 pub enum PublishError {
     /// A desired slice would be rejected by the API server; nothing was written.
     #[error("desired ResourceSlice {name:?} is invalid: {}", join(violations))]
-    Invalid { name: String, violations: Vec<Violation> },
+    Invalid {
+        name: String,
+        violations: Vec<Violation>,
+    },
     /// A desired slice is not for this publisher's driver, node or pool, or has no name.
     #[error("desired ResourceSlice {name:?} does not belong here: {reason}")]
     Foreign { name: String, reason: String },
@@ -46,7 +49,11 @@ pub enum PublishError {
     },
     /// The API server did not answer in time.
     #[error("{op} ResourceSlice {name:?}: no answer within {after:?}")]
-    Timeout { op: &'static str, name: String, after: Duration },
+    Timeout {
+        op: &'static str,
+        name: String,
+        after: Duration,
+    },
     /// Every attempt of this sync failed with a retryable error.
     #[error("gave up after {attempts} attempts: {last}")]
     Exhausted {
@@ -57,7 +64,10 @@ pub enum PublishError {
 }
 
 fn join(v: &[Violation]) -> String {
-    v.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    v.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,7 +138,11 @@ pub struct RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        RetryPolicy { attempts: 6, initial: Duration::from_millis(200), max: Duration::from_secs(5) }
+        RetryPolicy {
+            attempts: 6,
+            initial: Duration::from_millis(200),
+            max: Duration::from_secs(5),
+        }
     }
 }
 
@@ -136,11 +150,24 @@ impl RetryPolicy {
     /// Pause before retry `n` (0-based): `initial * 2^n`, capped, with up to half of it
     /// shaved off pseudo-randomly so agents on many nodes do not retry in step.
     pub fn delay(&self, n: u32, kind_conflict: bool) -> Duration {
-        let base = if kind_conflict { self.initial / 4 } else { self.initial };
-        let exp = base.saturating_mul(1u32.checked_shl(n.min(16)).unwrap_or(u32::MAX)).min(self.max);
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        let base = if kind_conflict {
+            self.initial / 4
+        } else {
+            self.initial
+        };
+        let exp = base
+            .saturating_mul(1u32.checked_shl(n.min(16)).unwrap_or(u32::MAX))
+            .min(self.max);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
         let half = exp / 2;
-        let jitter = if half.is_zero() { Duration::ZERO } else { Duration::from_nanos(u64::from(nanos) % (half.as_nanos().max(1) as u64)) };
+        let jitter = if half.is_zero() {
+            Duration::ZERO
+        } else {
+            Duration::from_nanos(u64::from(nanos) % (half.as_nanos().max(1) as u64))
+        };
         exp - jitter
     }
 }
@@ -154,6 +181,8 @@ pub struct SlicePublisher {
     retry: RetryPolicy,
     call_timeout: Duration,
     echoes: Echoes,
+    /// Highest pool generation this publisher wrote.
+    last_written: i64,
     /// resourceVersions our own creates and updates produced, and UIDs we deleted: the watch
     /// loop ignores those events.
     own_versions: VecDeque<String>,
@@ -172,6 +201,7 @@ impl SlicePublisher {
             retry: RetryPolicy::default(),
             call_timeout: Duration::from_secs(30),
             echoes: Echoes::new(),
+            last_written: 0,
             own_versions: VecDeque::new(),
             own_deletes: VecDeque::new(),
         }
@@ -237,7 +267,10 @@ impl SlicePublisher {
                         return Err(e);
                     }
                     if attempt >= self.retry.attempts {
-                        return Err(PublishError::Exhausted { attempts: attempt, last: Box::new(e) });
+                        return Err(PublishError::Exhausted {
+                            attempts: attempt,
+                            last: Box::new(e),
+                        });
                     }
                     let pause = self.retry.delay(attempt - 1, kind == Retry::Conflict);
                     tracing::warn!(node = %self.node, driver = %self.driver, error = %e, retry_in = ?pause, "ResourceSlice sync failed; retrying");
@@ -256,36 +289,68 @@ impl SlicePublisher {
         let mut names = BTreeSet::new();
         for d in &mut desired {
             let name = d.metadata.name.clone().unwrap_or_default();
-            let foreign = |reason: String| PublishError::Foreign { name: name.clone(), reason };
+            let foreign = |reason: String| PublishError::Foreign {
+                name: name.clone(),
+                reason,
+            };
             if name.is_empty() {
-                return Err(foreign("no metadata.name (the publisher matches slices by name)".into()));
+                return Err(foreign(
+                    "no metadata.name (the publisher matches slices by name)".into(),
+                ));
             }
             if !names.insert(name.clone()) {
                 return Err(foreign("two desired slices have this name".into()));
             }
             if d.spec.driver != self.driver {
-                return Err(foreign(format!("driver is {:?}, not {:?}", d.spec.driver, self.driver)));
+                return Err(foreign(format!(
+                    "driver is {:?}, not {:?}",
+                    d.spec.driver, self.driver
+                )));
             }
             if d.spec.node_name.as_deref() != Some(self.node.as_str()) {
-                return Err(foreign(format!("nodeName is {:?}, not {:?}", d.spec.node_name, self.node)));
+                return Err(foreign(format!(
+                    "nodeName is {:?}, not {:?}",
+                    d.spec.node_name, self.node
+                )));
             }
             if Some(&d.spec.pool.name) != pool.as_ref() {
-                return Err(foreign(format!("pool {:?} differs from the first slice's {:?}", d.spec.pool.name, pool)));
+                return Err(foreign(format!(
+                    "pool {:?} differs from the first slice's {:?}",
+                    d.spec.pool.name, pool
+                )));
             }
             d.spec.pool.resource_slice_count = count;
             d.metadata.resource_version = None;
             d.metadata.uid = None;
-            validate(d).map_err(|violations| PublishError::Invalid { name: name.clone(), violations })?;
+            validate(d).map_err(|violations| PublishError::Invalid {
+                name: name.clone(),
+                violations,
+            })?;
         }
         Ok(desired)
     }
 
-    async fn try_sync(&mut self, desired: &[ResourceSlice], stats: &mut SyncStats) -> Result<(), PublishError> {
+    async fn try_sync(
+        &mut self,
+        desired: &[ResourceSlice],
+        stats: &mut SyncStats,
+    ) -> Result<(), PublishError> {
         let selector = self.field_selector();
         let lp = ListParams::default().fields(&selector);
         let existing = self.call("list", "", self.api.list(&lp)).await?.items;
-        let plan = plan::plan(&existing, desired, &self.driver, &self.node, self.owners.as_deref(), &self.echoes);
+        let plan = plan::plan(
+            &existing,
+            desired,
+            &self.driver,
+            &self.node,
+            self.owners.as_deref(),
+            &self.echoes,
+            self.last_written,
+        );
         stats.generation = plan.generation;
+        if !plan.is_empty() {
+            self.last_written = self.last_written.max(plan.generation);
+        }
         if plan.is_empty() {
             return Ok(());
         }
@@ -295,13 +360,21 @@ impl SlicePublisher {
         }
         for u in plan.updates {
             let name = u.metadata.name.clone().unwrap_or_default();
-            let stored = self.call("update", &name, self.api.replace(&name, &PostParams::default(), &u)).await?;
+            let stored = self
+                .call(
+                    "update",
+                    &name,
+                    self.api.replace(&name, &PostParams::default(), &u),
+                )
+                .await?;
             self.remember(&name, &u, &stored);
             stats.updated += 1;
         }
         for c in plan.creates {
             let name = c.metadata.name.clone().unwrap_or_default();
-            let stored = self.call("create", &name, self.api.create(&PostParams::default(), &c)).await?;
+            let stored = self
+                .call("create", &name, self.api.create(&PostParams::default(), &c))
+                .await?;
             self.remember(&name, &c, &stored);
             stats.created += 1;
         }
@@ -312,9 +385,18 @@ impl SlicePublisher {
     }
 
     async fn delete(&mut self, d: &Delete, stats: &mut SyncStats) -> Result<(), PublishError> {
-        let dp = DeleteParams { preconditions: Some(Preconditions { uid: d.uid.clone(), resource_version: d.resource_version.clone() }), ..DeleteParams::default() };
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: d.uid.clone(),
+                resource_version: d.resource_version.clone(),
+            }),
+            ..DeleteParams::default()
+        };
         self.echoes.remove(&d.name);
-        match self.call("delete", &d.name, self.api.delete(&d.name, &dp)).await {
+        match self
+            .call("delete", &d.name, self.api.delete(&d.name, &dp))
+            .await
+        {
             Ok(_) => {
                 stats.deleted += 1;
                 if let Some(uid) = &d.uid {
@@ -323,7 +405,10 @@ impl SlicePublisher {
                 Ok(())
             }
             // Already gone: what we wanted.
-            Err(PublishError::Api { source: kube::Error::Api(s), .. }) if s.code == 404 => Ok(()),
+            Err(PublishError::Api {
+                source: kube::Error::Api(s),
+                ..
+            }) if s.code == 404 => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -344,20 +429,41 @@ impl SlicePublisher {
         }
     }
 
-    async fn call<T>(&self, op: &'static str, name: &str, fut: impl Future<Output = Result<T, kube::Error>>) -> Result<T, PublishError> {
+    async fn call<T>(
+        &self,
+        op: &'static str,
+        name: &str,
+        fut: impl Future<Output = Result<T, kube::Error>>,
+    ) -> Result<T, PublishError> {
         match tokio::time::timeout(self.call_timeout, fut).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(source)) => Err(PublishError::Api { op, name: name.to_string(), source }),
-            Err(_) => Err(PublishError::Timeout { op, name: name.to_string(), after: self.call_timeout }),
+            Ok(Err(source)) => Err(PublishError::Api {
+                op,
+                name: name.to_string(),
+                source,
+            }),
+            Err(_) => Err(PublishError::Timeout {
+                op,
+                name: name.to_string(),
+                after: self.call_timeout,
+            }),
         }
     }
 
     /// Whether a watch event about this slice is the echo of our own write.
     fn is_own(&self, slice: &ResourceSlice, deleted: bool) -> bool {
         if deleted {
-            slice.metadata.uid.as_ref().is_some_and(|u| self.own_deletes.contains(u))
+            slice
+                .metadata
+                .uid
+                .as_ref()
+                .is_some_and(|u| self.own_deletes.contains(u))
         } else {
-            slice.metadata.resource_version.as_ref().is_some_and(|v| self.own_versions.contains(v))
+            slice
+                .metadata
+                .resource_version
+                .as_ref()
+                .is_some_and(|v| self.own_versions.contains(v))
         }
     }
 }
@@ -382,7 +488,11 @@ pub struct LoopOptions {
 
 impl Default for LoopOptions {
     fn default() -> Self {
-        LoopOptions { resync: Duration::from_secs(300), retry: Duration::from_secs(10), watch: true }
+        LoopOptions {
+            resync: Duration::from_secs(300),
+            retry: Duration::from_secs(10),
+            watch: true,
+        }
     }
 }
 
@@ -392,7 +502,12 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<Event<ResourceSlice>, watche
 /// dropped; returns the publisher (for a final `sync(vec![])` if the caller wants the slices
 /// gone). Syncs at start, on every change of `desired`, on watch events we did not cause,
 /// after a failure (every `options.retry`) and every `options.resync`.
-pub async fn keep_published<S>(mut publisher: SlicePublisher, mut desired: watch::Receiver<Vec<ResourceSlice>>, options: LoopOptions, shutdown: S) -> SlicePublisher
+pub async fn keep_published<S>(
+    mut publisher: SlicePublisher,
+    mut desired: watch::Receiver<Vec<ResourceSlice>>,
+    options: LoopOptions,
+    shutdown: S,
+) -> SlicePublisher
 where
     S: Future<Output = ()>,
 {

@@ -12,7 +12,9 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 pub enum QuantityError {
     #[error("quantity {0:?} is empty")]
     Empty(String),
-    #[error("quantity {0:?} is not an integer with an optional suffix (Ki..Ei, k..E, or an exponent)")]
+    #[error(
+        "quantity {0:?} is not an integer with an optional suffix (Ki..Ei, k..E, or an exponent)"
+    )]
     Malformed(String),
     #[error("quantity {0:?} does not fit in 127 bits")]
     Overflow(String),
@@ -52,7 +54,10 @@ pub fn binary(value: i64) -> Quantity {
 
 /// A byte count in MiB as a `Quantity` of bytes, saturating instead of overflowing.
 pub fn mebibytes(mib: u64) -> Quantity {
-    let bytes = i64::try_from(mib).ok().and_then(|m| m.checked_mul(1 << 20)).unwrap_or(i64::MAX);
+    let bytes = i64::try_from(mib)
+        .ok()
+        .and_then(|m| m.checked_mul(1 << 20))
+        .unwrap_or(i64::MAX);
     binary(bytes)
 }
 
@@ -69,12 +74,17 @@ pub fn parse(text: &str) -> Result<i128, QuantityError> {
         b'+' => (false, &s[1..]),
         _ => (false, s),
     };
-    let digits_end = rest.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(rest.len());
+    let digits_end = rest
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(rest.len());
     let (number, suffix) = rest.split_at(digits_end);
     if number.is_empty() {
         return Err(QuantityError::Malformed(text.to_string()));
     }
-    let mantissa: i128 = number.parse().map_err(|source| QuantityError::Fractional { value: text.to_string(), source })?;
+    let mantissa: i128 = number.parse().map_err(|source| QuantityError::Fractional {
+        value: text.to_string(),
+        source,
+    })?;
     let factor: i128 = match suffix {
         "" => 1,
         "Ki" => 1 << 10,
@@ -90,12 +100,18 @@ pub fn parse(text: &str) -> Result<i128, QuantityError> {
         "P" => 1_000_000_000_000_000,
         "E" => 1_000_000_000_000_000_000,
         exp if exp.starts_with(['e', 'E']) => {
-            let n: u32 = exp[1..].parse().map_err(|_| QuantityError::Malformed(text.to_string()))?;
-            10i128.checked_pow(n).ok_or_else(|| QuantityError::Overflow(text.to_string()))?
+            let n: u32 = exp[1..]
+                .parse()
+                .map_err(|_| QuantityError::Malformed(text.to_string()))?;
+            10i128
+                .checked_pow(n)
+                .ok_or_else(|| QuantityError::Overflow(text.to_string()))?
         }
         _ => return Err(QuantityError::Malformed(text.to_string())),
     };
-    let v = mantissa.checked_mul(factor).ok_or_else(|| QuantityError::Overflow(text.to_string()))?;
+    let v = mantissa
+        .checked_mul(factor)
+        .ok_or_else(|| QuantityError::Overflow(text.to_string()))?;
     Ok(if negative { -v } else { v })
 }
 
@@ -138,6 +154,9 @@ mod tests {
         assert!(parse("").is_err());
         assert!(parse("Gi").is_err());
         assert!(parse("5Xi").is_err());
-        assert_eq!(normalized(&Quantity((81559i64 << 20).to_string())), normalized(&Quantity("81559Mi".into())));
+        assert_eq!(
+            normalized(&Quantity((81559i64 << 20).to_string())),
+            normalized(&Quantity("81559Mi".into()))
+        );
     }
 }

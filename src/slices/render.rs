@@ -11,9 +11,13 @@
 //! |---|---|
 //! | `uuid`, `productName`, `brand`, `architecture` (string) | `uuid`, `parentUUID`, `profile`, and the parent's `productName`, `brand`, `architecture` |
 //! | `cudaComputeCapability`, `driverVersion`, `cudaDriverVersion` (version) | the parent's three versions |
-//! | `index`, `minor` (int; NVIDIA's driver published these before 25.x) | `parentIndex` (int; likewise) |
+//! | `index`, `minor` (int) | `parentIndex` (int) |
 //! | `resource.kubernetes.io/pciBusID`, `resource.kubernetes.io/pcieRoot`, `resource.kubernetes.io/numaNode` | the parent's three |
 //! | capacity `memory` (bytes) | capacities `multiprocessors`, `copyEngines`, `decoders`, `encoders`, `jpegEngines`, `ofaEngines`, `memory` |
+//!
+//! `index`, `minor` and `parentIndex` are what NVIDIA's earlier driver published
+//! (NVIDIA/k8s-dra-driver, `cmd/nvidia-dra-plugin/deviceinfo.go`); its current one dropped them,
+//! but selectors written then still use them and they cost nothing.
 //!
 //! Versions are semver as NVIDIA writes them (Masterminds `semver.MustParse(v).String()`):
 //! `9.0` -> `9.0.0`, `550.90.07` -> `550.90.7`, `12.4` -> `12.4.0`. A value the API server
@@ -27,16 +31,18 @@
 //! `pci0000:15`), which NVML does not report. Without sysfs we group GPUs whose NVML path
 //! level is `HostBridge` or closer (same host bridge = same root complex) and name each group
 //! `pci<domain>:<lowest bus number in the group>`. Equality, which is what `matchAttribute`
-//! constraints use, is right whenever NVML's topology is; the bus number itself may differ
-//! from the kernel's name for the root.
+//! constraints use, is right among our own devices whenever NVML's topology is; the bus
+//! number itself may differ from the kernel's name for the root, so a `matchAttribute` across
+//! drivers (GPU + NIC under one root) will not match until the source reads the real root from
+//! sysfs (the `/sys/bus/pci/devices/<address>` link) and the inventory carries it.
 //!
 //! **Health**: an unhealthy device carries one taint `gpu.gpuplane.dev/unhealthy=<cause>`
 //! (`xid-48`, `lost`) with effect `NoSchedule`; a healthy one none. Not `NoExecute`: that effect
 //! evicts every pod whose claim holds the device (and, for a multi-device claim, the healthy
 //! devices with it), cannot be undone when the device recovers a few minutes later, and a
 //! workload that hit the fault already sees it (CUDA errors, and the kubelet's DRA health
-//! stream puts it in the pod's status). Eviction is the cluster admin's call: a
-//! `DeviceTaintRule` with `NoExecute` selecting this driver's devices adds it.
+//! stream puts it in the pod's status). Eviction stays the cluster admin's call: a
+//! `DeviceTaintRule` with `NoExecute` naming the device (driver, pool, device) adds it.
 //!
 //! **Splitting**: devices are packed into slices of at most 64 (the limit for slices with
 //! taints) whole GPUs at a time, whatever the health, so a health change never moves a device
@@ -49,7 +55,10 @@ use super::quantity;
 use super::MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS;
 use crate::health::{Cause, Health, HealthBook};
 use crate::inventory::{DeviceRef, Gpu, Inventory, MigDevice, PathLevel};
-use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::api::resource::v1::{
+    Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice,
+    ResourceSliceSpec,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use std::collections::BTreeMap;
 
@@ -90,18 +99,34 @@ pub mod names {
 }
 
 /// This node's slices with pool generation 0 (the publisher picks the generation it writes).
-pub fn render(inv: &Inventory, health: &HealthBook, driver: &str, node: &str) -> Vec<ResourceSlice> {
+pub fn render(
+    inv: &Inventory,
+    health: &HealthBook,
+    driver: &str,
+    node: &str,
+) -> Vec<ResourceSlice> {
     render_with_generation(inv, health, driver, node, 0)
 }
 
 /// This node's slices, all carrying `generation`. No devices, no slices.
-pub fn render_with_generation(inv: &Inventory, health: &HealthBook, driver: &str, node: &str, generation: i64) -> Vec<ResourceSlice> {
+pub fn render_with_generation(
+    inv: &Inventory,
+    health: &HealthBook,
+    driver: &str,
+    node: &str,
+    generation: i64,
+) -> Vec<ResourceSlice> {
     let roots = pcie_roots(inv);
     // One group per physical GPU, in inventory order.
     let mut groups: Vec<Vec<Device>> = Vec::new();
     let mut last_gpu: Option<u32> = None;
     for d in inv.dra_devices() {
-        let device = render_device(inv, &d, health, roots.get(&d.gpu().index).map(String::as_str));
+        let device = render_device(
+            inv,
+            &d,
+            health,
+            roots.get(&d.gpu().index).map(String::as_str),
+        );
         if last_gpu == Some(d.gpu().index) {
             if let Some(g) = groups.last_mut() {
                 g.push(device);
@@ -117,11 +142,18 @@ pub fn render_with_generation(inv: &Inventory, health: &HealthBook, driver: &str
         .into_iter()
         .enumerate()
         .map(|(i, devices)| ResourceSlice {
-            metadata: ObjectMeta { name: Some(slice_name(node, driver, i)), ..ObjectMeta::default() },
+            metadata: ObjectMeta {
+                name: Some(slice_name(node, driver, i)),
+                ..ObjectMeta::default()
+            },
             spec: ResourceSliceSpec {
                 driver: driver.to_string(),
                 node_name: Some(node.to_string()),
-                pool: ResourcePool { name: node.to_string(), generation, resource_slice_count: count },
+                pool: ResourcePool {
+                    name: node.to_string(),
+                    generation,
+                    resource_slice_count: count,
+                },
                 devices: Some(devices),
                 ..ResourceSliceSpec::default()
             },
@@ -170,10 +202,17 @@ pub fn slice_name(node: &str, driver: &str, index: usize) -> String {
 
 /// FNV-1a, 64 bit: stable across releases and platforms (unlike `DefaultHasher`).
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3))
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
-fn render_device(inv: &Inventory, d: &DeviceRef<'_>, health: &HealthBook, pcie_root: Option<&str>) -> Device {
+fn render_device(
+    inv: &Inventory,
+    d: &DeviceRef<'_>,
+    health: &HealthBook,
+    pcie_root: Option<&str>,
+) -> Device {
     let gpu = d.gpu();
     let mut attrs: BTreeMap<String, DeviceAttribute> = BTreeMap::new();
     let mut put = |name: &str, value: Option<DeviceAttribute>| {
@@ -199,11 +238,20 @@ fn render_device(inv: &Inventory, d: &DeviceRef<'_>, health: &HealthBook, pcie_r
     put(names::PRODUCT_NAME, string(&gpu.product_name));
     put(names::BRAND, string(&gpu.brand));
     put(names::ARCHITECTURE, string(&gpu.architecture));
-    put(names::CUDA_COMPUTE_CAPABILITY, version(&gpu.cuda_compute_capability));
+    put(
+        names::CUDA_COMPUTE_CAPABILITY,
+        version(&gpu.cuda_compute_capability),
+    );
     put(names::DRIVER_VERSION, version(&inv.driver_version));
-    put(names::CUDA_DRIVER_VERSION, version(&inv.cuda_driver_version));
+    put(
+        names::CUDA_DRIVER_VERSION,
+        version(&inv.cuda_driver_version),
+    );
     put(names::NUMA_NODE, gpu.numa_node.map(|n| int(n.into())));
-    put(names::PCI_BUS_ID, pci_address(&gpu.pci_bus_id).and_then(|a| string(&a.to_string())));
+    put(
+        names::PCI_BUS_ID,
+        pci_address(&gpu.pci_bus_id).and_then(|a| string(&a.to_string())),
+    );
     put(names::PCIE_ROOT, pcie_root.and_then(string));
 
     let capacity = match d {
@@ -214,11 +262,20 @@ fn render_device(inv: &Inventory, d: &DeviceRef<'_>, health: &HealthBook, pcie_r
         Health::Healthy => None,
         Health::Unhealthy(cause) => Some(vec![unhealthy_taint(cause)]),
     };
-    Device { name: d.dra_name(), attributes: Some(attrs), capacity: Some(capacity), taints, ..Device::default() }
+    Device {
+        name: d.dra_name(),
+        attributes: Some(attrs),
+        capacity: Some(capacity),
+        taints,
+        ..Device::default()
+    }
 }
 
 fn gpu_capacity(g: &Gpu) -> BTreeMap<String, DeviceCapacity> {
-    BTreeMap::from([(names::MEMORY.to_string(), cap(quantity::mebibytes(g.memory_mib)))])
+    BTreeMap::from([(
+        names::MEMORY.to_string(),
+        cap(quantity::mebibytes(g.memory_mib)),
+    )])
 }
 
 fn mig_capacity(m: &MigDevice) -> BTreeMap<String, DeviceCapacity> {
@@ -230,12 +287,18 @@ fn mig_capacity(m: &MigDevice) -> BTreeMap<String, DeviceCapacity> {
         (names::ENCODERS.to_string(), count(m.encoders)),
         (names::JPEG_ENGINES.to_string(), count(m.jpeg_engines)),
         (names::OFA_ENGINES.to_string(), count(m.ofa_engines)),
-        (names::MEMORY.to_string(), cap(quantity::mebibytes(m.memory_mib))),
+        (
+            names::MEMORY.to_string(),
+            cap(quantity::mebibytes(m.memory_mib)),
+        ),
     ])
 }
 
 fn cap(value: k8s_openapi::apimachinery::pkg::api::resource::Quantity) -> DeviceCapacity {
-    DeviceCapacity { value, request_policy: None }
+    DeviceCapacity {
+        value,
+        request_policy: None,
+    }
 }
 
 /// The taint an unhealthy device carries.
@@ -244,26 +307,46 @@ pub fn unhealthy_taint(cause: Cause) -> DeviceTaint {
         Cause::Xid(x) => format!("xid-{x}"),
         Cause::Lost => "lost".to_string(),
     };
-    DeviceTaint { key: UNHEALTHY_TAINT_KEY.to_string(), value: Some(value), effect: UNHEALTHY_TAINT_EFFECT.to_string(), time_added: None }
+    DeviceTaint {
+        key: UNHEALTHY_TAINT_KEY.to_string(),
+        value: Some(value),
+        effect: UNHEALTHY_TAINT_EFFECT.to_string(),
+        time_added: None,
+    }
 }
 
 fn string(v: &str) -> Option<DeviceAttribute> {
     if v.len() > super::MAX_ATTRIBUTE_VALUE_LEN {
-        tracing::warn!(value = v, "attribute value longer than 64 bytes left out of the ResourceSlice");
+        tracing::warn!(
+            value = v,
+            "attribute value longer than 64 bytes left out of the ResourceSlice"
+        );
         return None;
     }
-    Some(DeviceAttribute { string: Some(v.to_string()), ..DeviceAttribute::default() })
+    Some(DeviceAttribute {
+        string: Some(v.to_string()),
+        ..DeviceAttribute::default()
+    })
 }
 
 fn int(v: i64) -> DeviceAttribute {
-    DeviceAttribute { int: Some(v), ..DeviceAttribute::default() }
+    DeviceAttribute {
+        int: Some(v),
+        ..DeviceAttribute::default()
+    }
 }
 
 fn version(v: &str) -> Option<DeviceAttribute> {
     match semver(v) {
-        Some(s) => Some(DeviceAttribute { version: Some(s), ..DeviceAttribute::default() }),
+        Some(s) => Some(DeviceAttribute {
+            version: Some(s),
+            ..DeviceAttribute::default()
+        }),
         None => {
-            tracing::warn!(value = v, "version attribute is not a version; left out of the ResourceSlice");
+            tracing::warn!(
+                value = v,
+                "version attribute is not a version; left out of the ResourceSlice"
+            );
             None
         }
     }
@@ -298,7 +381,11 @@ pub struct PciAddress {
 impl std::fmt::Display for PciAddress {
     /// `0000:18:00.0`: lower-case hex, domain at least four digits.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:04x}:{:02x}:{:02x}.{:x}", self.domain, self.bus, self.device, self.function)
+        write!(
+            f,
+            "{:04x}:{:02x}:{:02x}.{:x}",
+            self.domain, self.bus, self.device, self.function
+        )
     }
 }
 
@@ -321,7 +408,11 @@ pub fn pci_address(text: &str) -> Option<PciAddress> {
 /// Approximate PCIe root per GPU index (see the module docs): GPUs joined by a path no
 /// farther than one host bridge share a root, named `pci<domain>:<lowest bus>`.
 pub fn pcie_roots(inv: &Inventory) -> BTreeMap<u32, String> {
-    let addrs: BTreeMap<u32, PciAddress> = inv.gpus.iter().filter_map(|g| pci_address(&g.pci_bus_id).map(|a| (g.index, a))).collect();
+    let addrs: BTreeMap<u32, PciAddress> = inv
+        .gpus
+        .iter()
+        .filter_map(|g| pci_address(&g.pci_bus_id).map(|a| (g.index, a)))
+        .collect();
     // Union-find over GPU indices.
     let mut parent: BTreeMap<u32, u32> = addrs.keys().map(|i| (*i, *i)).collect();
     fn find(parent: &BTreeMap<u32, u32>, mut i: u32) -> u32 {
@@ -337,7 +428,9 @@ pub fn pcie_roots(inv: &Inventory) -> BTreeMap<u32, String> {
         if link.level > PathLevel::HostBridge {
             continue;
         }
-        let (Some(a), Some(b)) = (addrs.get(&link.from), addrs.get(&link.to)) else { continue };
+        let (Some(a), Some(b)) = (addrs.get(&link.from), addrs.get(&link.to)) else {
+            continue;
+        };
         if a.domain != b.domain {
             continue;
         }
@@ -357,6 +450,10 @@ pub fn pcie_roots(inv: &Inventory) -> BTreeMap<u32, String> {
     }
     addrs
         .keys()
-        .filter_map(|i| lowest_bus.get(&find(&parent, *i)).map(|(domain, bus)| (*i, format!("pci{domain:04x}:{bus:02x}"))))
+        .filter_map(|i| {
+            lowest_bus
+                .get(&find(&parent, *i))
+                .map(|(domain, bus)| (*i, format!("pci{domain:04x}:{bus:02x}")))
+        })
         .collect()
 }

@@ -8,8 +8,13 @@
 //! were on; device taint effects are the two a 1.34 server accepts (`NoSchedule`,
 //! `NoExecute`; `None` came later).
 
-use super::{quantity, MAX_ATTRIBUTES_AND_CAPACITIES, MAX_ATTRIBUTE_VALUE_LEN, MAX_DEVICES_PER_SLICE, MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS};
-use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, DeviceTaint, ResourcePool, ResourceSlice};
+use super::{
+    quantity, MAX_ATTRIBUTES_AND_CAPACITIES, MAX_ATTRIBUTE_VALUE_LEN, MAX_DEVICES_PER_SLICE,
+    MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS,
+};
+use k8s_openapi::api::resource::v1::{
+    Device, DeviceAttribute, DeviceTaint, ResourcePool, ResourceSlice,
+};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
@@ -81,12 +86,18 @@ struct Checker {
 }
 
 fn invalid(value: impl fmt::Display, reason: impl Into<String>) -> Problem {
-    Problem::Invalid { value: value.to_string(), reason: reason.into() }
+    Problem::Invalid {
+        value: value.to_string(),
+        reason: reason.into(),
+    }
 }
 
 impl Checker {
     fn push(&mut self, field: impl Into<String>, problem: Problem) {
-        self.out.push(Violation { field: field.into(), problem });
+        self.out.push(Violation {
+            field: field.into(),
+            problem,
+        });
     }
 
     fn metadata(&mut self, slice: &ResourceSlice) {
@@ -97,7 +108,10 @@ impl Checker {
                 let probe = format!("{g}abcde");
                 self.dns_subdomain(&probe, "metadata.generateName");
             }
-            _ => self.push("metadata.name", Problem::Required("name or generateName is required".into())),
+            _ => self.push(
+                "metadata.name",
+                Problem::Required("name or generateName is required".into()),
+            ),
         }
     }
 
@@ -109,7 +123,10 @@ impl Checker {
         let mut set = Vec::new();
         if let Some(n) = &spec.node_name {
             if n.is_empty() {
-                self.push("spec.nodeName", invalid("", "must be either unset or set to a non-empty string"));
+                self.push(
+                    "spec.nodeName",
+                    invalid("", "must be either unset or set to a non-empty string"),
+                );
             } else {
                 set.push("`nodeName`");
                 self.dns_subdomain(n, "spec.nodeName");
@@ -118,12 +135,21 @@ impl Checker {
         if let Some(sel) = &spec.node_selector {
             set.push("`nodeSelector`");
             if sel.node_selector_terms.len() != 1 {
-                self.push("spec.nodeSelector.nodeSelectorTerms", invalid(sel.node_selector_terms.len(), "must have exactly one node selector term"));
+                self.push(
+                    "spec.nodeSelector.nodeSelectorTerms",
+                    invalid(
+                        sel.node_selector_terms.len(),
+                        "must have exactly one node selector term",
+                    ),
+                );
             }
         }
         match spec.all_nodes {
             Some(true) => set.push("`allNodes`"),
-            Some(false) => self.push("spec.allNodes", invalid(false, "must be either unset or set to true")),
+            Some(false) => self.push(
+                "spec.allNodes",
+                invalid(false, "must be either unset or set to true"),
+            ),
             None => {}
         }
         let per_device = match spec.per_device_node_selection {
@@ -132,7 +158,10 @@ impl Checker {
                 true
             }
             Some(false) => {
-                self.push("spec.perDeviceNodeSelection", invalid(false, "must be either unset or set to true"));
+                self.push(
+                    "spec.perDeviceNodeSelection",
+                    invalid(false, "must be either unset or set to true"),
+                );
                 false
             }
             None => false,
@@ -141,19 +170,41 @@ impl Checker {
         match set.len() {
             0 => self.push("spec", Problem::Required(ONE_OF.into())),
             1 => {}
-            _ => self.push("spec", invalid(format!("{{{}}}", set.join(", ")), format!("{ONE_OF}, but multiple fields are set"))),
+            _ => self.push(
+                "spec",
+                invalid(
+                    format!("{{{}}}", set.join(", ")),
+                    format!("{ONE_OF}, but multiple fields are set"),
+                ),
+            ),
         }
 
         if spec.shared_counters.is_some() && spec.devices.is_some() {
-            self.push("spec", invalid("", "only one of `sharedCounters` or `devices` is allowed"));
+            self.push(
+                "spec",
+                invalid("", "only one of `sharedCounters` or `devices` is allowed"),
+            );
         }
 
         let devices = spec.devices.as_deref().unwrap_or_default();
-        let tainted_or_counters = devices.iter().any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()) || d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()));
-        let max = if tainted_or_counters { MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS } else { MAX_DEVICES_PER_SLICE };
+        let tainted_or_counters = devices.iter().any(|d| {
+            d.taints.as_ref().is_some_and(|t| !t.is_empty())
+                || d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty())
+        });
+        let max = if tainted_or_counters {
+            MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS
+        } else {
+            MAX_DEVICES_PER_SLICE
+        };
         if devices.len() > max {
             // Like the server: too many short-circuits the per-device checks.
-            self.push("spec.devices", Problem::TooMany { count: devices.len(), max });
+            self.push(
+                "spec.devices",
+                Problem::TooMany {
+                    count: devices.len(),
+                    max,
+                },
+            );
         } else {
             let mut seen = BTreeSet::new();
             for (i, d) in devices.iter().enumerate() {
@@ -161,19 +212,37 @@ impl Checker {
             }
             for (i, d) in devices.iter().enumerate() {
                 if !seen.insert(d.name.as_str()) {
-                    self.push(format!("spec.devices[{i}]"), Problem::Duplicate(d.name.clone()));
+                    self.push(
+                        format!("spec.devices[{i}]"),
+                        Problem::Duplicate(d.name.clone()),
+                    );
                 }
             }
-            let consumptions: usize = devices.iter().map(|d| d.consumes_counters.as_ref().map_or(0, Vec::len)).sum();
+            let consumptions: usize = devices
+                .iter()
+                .map(|d| d.consumes_counters.as_ref().map_or(0, Vec::len))
+                .sum();
             if consumptions > SLICE_COUNTER_CONSUMPTIONS_MAX {
-                self.push("spec.devices", Problem::TooMany { count: consumptions, max: SLICE_COUNTER_CONSUMPTIONS_MAX });
+                self.push(
+                    "spec.devices",
+                    Problem::TooMany {
+                        count: consumptions,
+                        max: SLICE_COUNTER_CONSUMPTIONS_MAX,
+                    },
+                );
             }
         }
 
         if let Some(sets) = &spec.shared_counters {
             let total: usize = sets.iter().map(|s| s.counters.len()).sum();
             if total > SHARED_COUNTERS_MAX {
-                self.push("spec.sharedCounters", Problem::TooMany { count: total, max: SHARED_COUNTERS_MAX });
+                self.push(
+                    "spec.sharedCounters",
+                    Problem::TooMany {
+                        count: total,
+                        max: SHARED_COUNTERS_MAX,
+                    },
+                );
             }
             let mut seen = BTreeSet::new();
             for (i, s) in sets.iter().enumerate() {
@@ -198,17 +267,28 @@ impl Checker {
             self.push(path, Problem::Required(String::new()));
         } else {
             if pool.name.len() > DNS_SUBDOMAIN_MAX {
-                self.push(path, Problem::TooLong { max: DNS_SUBDOMAIN_MAX });
+                self.push(
+                    path,
+                    Problem::TooLong {
+                        max: DNS_SUBDOMAIN_MAX,
+                    },
+                );
             }
             for part in pool.name.split('/') {
                 self.dns_subdomain(part, path);
             }
         }
         if pool.resource_slice_count <= 0 {
-            self.push("spec.pool.resourceSliceCount", invalid(pool.resource_slice_count, "must be greater than zero"));
+            self.push(
+                "spec.pool.resourceSliceCount",
+                invalid(pool.resource_slice_count, "must be greater than zero"),
+            );
         }
         if pool.generation < 0 {
-            self.push("spec.pool.generation", invalid(pool.generation, "must be greater than or equal to zero"));
+            self.push(
+                "spec.pool.generation",
+                invalid(pool.generation, "must be greater than or equal to zero"),
+            );
         }
     }
 
@@ -236,12 +316,21 @@ impl Checker {
                 }
             }
             if c.request_policy.is_some() && !multi {
-                self.push(format!("{p}.requestPolicy"), Problem::Forbidden("allowMultipleAllocations must be true".into()));
+                self.push(
+                    format!("{p}.requestPolicy"),
+                    Problem::Forbidden("allowMultipleAllocations must be true".into()),
+                );
             }
         }
         if let Some(taints) = &d.taints {
             if taints.len() > TAINTS_MAX {
-                self.push(format!("{path}.taints"), Problem::TooMany { count: taints.len(), max: TAINTS_MAX });
+                self.push(
+                    format!("{path}.taints"),
+                    Problem::TooMany {
+                        count: taints.len(),
+                        max: TAINTS_MAX,
+                    },
+                );
             } else {
                 for (i, t) in taints.iter().enumerate() {
                     self.taint(t, &format!("{path}.taints[{i}]"));
@@ -250,7 +339,13 @@ impl Checker {
         }
         if let Some(cc) = &d.consumes_counters {
             if cc.len() > DEVICE_COUNTER_CONSUMPTIONS_MAX {
-                self.push(format!("{path}.consumesCounters"), Problem::TooMany { count: cc.len(), max: DEVICE_COUNTER_CONSUMPTIONS_MAX });
+                self.push(
+                    format!("{path}.consumesCounters"),
+                    Problem::TooMany {
+                        count: cc.len(),
+                        max: DEVICE_COUNTER_CONSUMPTIONS_MAX,
+                    },
+                );
             } else {
                 let mut seen = BTreeSet::new();
                 for (i, c) in cc.iter().enumerate() {
@@ -297,7 +392,10 @@ impl Checker {
         }
         match d.all_nodes {
             Some(true) => set.push("`allNodes`"),
-            Some(false) => self.push(format!("{path}.allNodes"), invalid(false, "must be either unset or set to true")),
+            Some(false) => self.push(
+                format!("{path}.allNodes"),
+                invalid(false, "must be either unset or set to true"),
+            ),
             None => {}
         }
         const ONE_OF: &str = "exactly one of `nodeName`, `nodeSelector`, or `allNodes` is required when `perDeviceNodeSelection` is set to true in the ResourceSlice spec";
@@ -313,7 +411,13 @@ impl Checker {
         let bfc = d.binding_failure_conditions.as_deref().unwrap_or_default();
         for (list, name) in [(bc, "bindingConditions"), (bfc, "bindingFailureConditions")] {
             if list.len() > BINDING_CONDITIONS_MAX {
-                self.push(format!("{path}.{name}"), Problem::TooMany { count: list.len(), max: BINDING_CONDITIONS_MAX });
+                self.push(
+                    format!("{path}.{name}"),
+                    Problem::TooMany {
+                        count: list.len(),
+                        max: BINDING_CONDITIONS_MAX,
+                    },
+                );
                 continue;
             }
             let mut seen = BTreeSet::new();
@@ -326,34 +430,83 @@ impl Checker {
         }
         for (i, c) in bfc.iter().enumerate() {
             if bc.contains(c) {
-                self.push(format!("{path}.bindingFailureConditions[{i}]"), invalid(c, "bindingFailureConditions must not overlap with bindingConditions"));
+                self.push(
+                    format!("{path}.bindingFailureConditions[{i}]"),
+                    invalid(
+                        c,
+                        "bindingFailureConditions must not overlap with bindingConditions",
+                    ),
+                );
             }
         }
         if bc.is_empty() && !bfc.is_empty() {
-            self.push(format!("{path}.bindingConditions"), invalid("[]", "bindingConditions are required to use bindingFailureConditions"));
+            self.push(
+                format!("{path}.bindingConditions"),
+                invalid(
+                    "[]",
+                    "bindingConditions are required to use bindingFailureConditions",
+                ),
+            );
         }
         if bfc.is_empty() && !bc.is_empty() {
-            self.push(format!("{path}.bindingFailureConditions"), invalid("[]", "bindingFailureConditions are required to use bindingConditions"));
+            self.push(
+                format!("{path}.bindingFailureConditions"),
+                invalid(
+                    "[]",
+                    "bindingFailureConditions are required to use bindingConditions",
+                ),
+            );
         }
     }
 
     fn attribute(&mut self, a: &DeviceAttribute, path: &str) {
-        let n = [a.bool.is_some(), a.int.is_some(), a.string.is_some(), a.version.is_some()].iter().filter(|x| **x).count();
+        let n = [
+            a.bool.is_some(),
+            a.int.is_some(),
+            a.string.is_some(),
+            a.version.is_some(),
+        ]
+        .iter()
+        .filter(|x| **x)
+        .count();
         if let Some(s) = &a.string {
             if s.len() > MAX_ATTRIBUTE_VALUE_LEN {
-                self.push(format!("{path}.string"), Problem::TooLong { max: MAX_ATTRIBUTE_VALUE_LEN });
+                self.push(
+                    format!("{path}.string"),
+                    Problem::TooLong {
+                        max: MAX_ATTRIBUTE_VALUE_LEN,
+                    },
+                );
             }
         }
         if let Some(v) = &a.version {
             if !is_semver(v) {
-                self.push(format!("{path}.version"), invalid(v, "must be a string compatible with semver.org spec 2.0.0"));
+                self.push(
+                    format!("{path}.version"),
+                    invalid(v, "must be a string compatible with semver.org spec 2.0.0"),
+                );
             }
             if v.len() > MAX_ATTRIBUTE_VALUE_LEN {
-                self.push(format!("{path}.version"), Problem::TooLong { max: MAX_ATTRIBUTE_VALUE_LEN });
+                self.push(
+                    format!("{path}.version"),
+                    Problem::TooLong {
+                        max: MAX_ATTRIBUTE_VALUE_LEN,
+                    },
+                );
             }
         }
         if n != 1 {
-            self.push(path, invalid(if n == 0 { String::new() } else { format!("{n} values") }, "exactly one value must be specified"));
+            self.push(
+                path,
+                invalid(
+                    if n == 0 {
+                        String::new()
+                    } else {
+                        format!("{n} values")
+                    },
+                    "exactly one value must be specified",
+                ),
+            );
         }
     }
 
@@ -365,7 +518,13 @@ impl Checker {
         if t.effect.is_empty() {
             self.push(format!("{path}.effect"), Problem::Required(String::new()));
         } else if !TAINT_EFFECTS.contains(&t.effect.as_str()) {
-            self.push(format!("{path}.effect"), Problem::NotSupported { value: t.effect.clone(), supported: format!("\"{}\"", TAINT_EFFECTS.join("\", \"")) });
+            self.push(
+                format!("{path}.effect"),
+                Problem::NotSupported {
+                    value: t.effect.clone(),
+                    supported: format!("\"{}\"", TAINT_EFFECTS.join("\", \"")),
+                },
+            );
         }
     }
 
@@ -397,7 +556,10 @@ impl Checker {
             self.push(path, Problem::TooLong { max: ID_MAX });
         }
         let mut bytes = id.bytes();
-        let ok = bytes.next().is_some_and(|b| b.is_ascii_alphabetic() || b == b'_') && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        let ok = bytes
+            .next()
+            .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+            && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_');
         if !ok {
             self.push(path, invalid(id, "a valid C identifier must start with alphabetic character or '_', followed by a string of alphanumeric characters or '_' (regex used for validation is '[A-Za-z_][A-Za-z0-9_]*')"));
         }
@@ -410,7 +572,12 @@ impl Checker {
             return;
         }
         if name.len() > DRIVER_NAME_MAX {
-            self.push(path, Problem::TooLong { max: DRIVER_NAME_MAX });
+            self.push(
+                path,
+                Problem::TooLong {
+                    max: DRIVER_NAME_MAX,
+                },
+            );
         }
         if !is_dns_subdomain(&name.to_ascii_lowercase()) {
             self.push(path, invalid(name, SUBDOMAIN_MSG));
@@ -419,7 +586,12 @@ impl Checker {
 
     fn dns_subdomain(&mut self, name: &str, path: &str) {
         if name.len() > DNS_SUBDOMAIN_MAX {
-            self.push(path, Problem::TooLong { max: DNS_SUBDOMAIN_MAX });
+            self.push(
+                path,
+                Problem::TooLong {
+                    max: DNS_SUBDOMAIN_MAX,
+                },
+            );
         }
         if !is_dns_subdomain(name) {
             self.push(path, invalid(name, SUBDOMAIN_MSG));
@@ -455,7 +627,10 @@ impl Checker {
         if name.is_empty() {
             self.push(path, invalid(key, "name part must be non-empty"));
         } else if name.len() > DNS_LABEL_MAX {
-            self.push(path, invalid(key, "name part must be no more than 63 bytes"));
+            self.push(
+                path,
+                invalid(key, "name part must be no more than 63 bytes"),
+            );
         } else if !is_qualified_name_part(name) {
             self.push(path, invalid(key, QUALIFIED_MSG));
         }
@@ -481,26 +656,43 @@ fn truncate_key(key: &str) -> String {
         return key.to_string();
     }
     let remaining = KEY_PATH_MAX - 3;
-    format!("{}...{}", &key[..remaining.div_ceil(2)], &key[key.len() - remaining / 2..])
+    format!(
+        "{}...{}",
+        &key[..remaining.div_ceil(2)],
+        &key[key.len() - remaining / 2..]
+    )
 }
 
 pub(crate) fn is_dns_label(s: &str) -> bool {
     let b = s.as_bytes();
     !b.is_empty()
         && b.len() <= DNS_LABEL_MAX
-        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
         && b[0] != b'-'
         && b[b.len() - 1] != b'-'
 }
 
 pub(crate) fn is_dns_subdomain(s: &str) -> bool {
-    s.len() <= DNS_SUBDOMAIN_MAX && s.split('.').all(|l| !l.is_empty() && l.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-') && !l.starts_with('-') && !l.ends_with('-'))
+    s.len() <= DNS_SUBDOMAIN_MAX
+        && s.split('.').all(|l| {
+            !l.is_empty()
+                && l.bytes()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        })
 }
 
 fn is_qualified_name_part(s: &str) -> bool {
     let b = s.as_bytes();
     match (b.first(), b.last()) {
-        (Some(f), Some(l)) => f.is_ascii_alphanumeric() && l.is_ascii_alphanumeric() && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.')),
+        (Some(f), Some(l)) => {
+            f.is_ascii_alphanumeric()
+                && l.is_ascii_alphanumeric()
+                && b.iter()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+        }
         _ => false,
     }
 }
@@ -515,14 +707,19 @@ pub fn is_semver(v: &str) -> bool {
         Some((a, b)) => (a, Some(b)),
         None => (core_pre, None),
     };
-    let numeric = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && (s == "0" || !s.starts_with('0'));
+    let numeric = |s: &str| {
+        !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && (s == "0" || !s.starts_with('0'))
+    };
     let nums: Vec<&str> = core.split('.').collect();
     if nums.len() != 3 || !nums.iter().all(|n| numeric(n)) {
         return false;
     }
-    let ident = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+    let ident =
+        |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
     if let Some(pre) = pre {
-        let ok = pre.split('.').all(|p| ident(p) && (numeric(p) || p.bytes().any(|b| !b.is_ascii_digit())));
+        let ok = pre
+            .split('.')
+            .all(|p| ident(p) && (numeric(p) || p.bytes().any(|b| !b.is_ascii_digit())));
         if !ok {
             return false;
         }

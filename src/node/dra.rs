@@ -1,0 +1,96 @@
+//! Wires the DRA driver into the agent: the claim-preparing core, its kubelet-facing gRPC
+//! server, and the ResourceSlice publisher fed from the shared state.
+
+use crate::dra::claims::KubeClaims;
+use crate::dra::core::{CoreError, DraCore, DraCoreConfig};
+use crate::dra::server::{DraServer, ServeError};
+use crate::ledger::dra_view;
+use crate::node::state::{NodeState, Snapshot};
+use crate::node::NodePaths;
+use crate::slices::publisher::{keep_published, LoopOptions, SlicePublisher};
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// The DRA driver's settings.
+#[derive(Clone)]
+pub struct DraSettings {
+    /// The driver name (`gpu.gpuplane.dev`; `gpu.nvidia.com` for a drop-in swap).
+    pub driver_name: String,
+    /// Client for the API server (claims, ResourceSlices).
+    pub client: kube::Client,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DraStartError {
+    #[error("starting the DRA driver: {0}")]
+    Core(#[from] CoreError),
+    #[error("starting the DRA driver's sockets: {0}")]
+    Serve(#[from] ServeError),
+}
+
+/// The slices this node should publish now.
+pub fn desired_slices(s: &Snapshot, driver: &str, node: &str) -> Vec<ResourceSlice> {
+    crate::slices::render::render(&dra_view(&s.inventory, &s.config.allocation), &s.health, driver, node)
+}
+
+/// Starts the DRA core, server and slice publisher; the tasks end when `stop` turns true.
+pub async fn start(
+    settings: DraSettings,
+    node_name: &str,
+    paths: &NodePaths,
+    state: Arc<NodeState>,
+    stop: watch::Receiver<bool>,
+) -> Result<Vec<JoinHandle<()>>, DraStartError> {
+    let driver = settings.driver_name.clone();
+    let config = DraCoreConfig {
+        cdi_root: paths.cdi_root.clone(),
+        driver_root: paths.driver_root.clone(),
+        dev_root: paths.dev_root.clone(),
+        ..DraCoreConfig::new(&driver, node_name, &paths.state_dir)
+    };
+    let core = DraCore::new(config, state.clone(), Arc::new(KubeClaims::new(settings.client.clone())))?;
+    core.restore_holds().await;
+    let server = DraServer::new(&paths.kubelet_root, &driver, Arc::new(core))?;
+    let mut tasks = Vec::new();
+    let server_stop = stop.clone();
+    tasks.push(tokio::spawn(async move {
+        if let Err(e) = server.run(server_stop).await {
+            tracing::error!(error = %e, "DRA server stopped");
+        }
+    }));
+
+    // Desired slices follow every state change; the publisher writes only differences.
+    let (tx, rx) = watch::channel(desired_slices(&state.read(), &driver, node_name));
+    let mut changes = state.subscribe();
+    let mut follow_stop = stop.clone();
+    let (d, n, st) = (driver.clone(), node_name.to_string(), state.clone());
+    tasks.push(tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                r = changes.changed() => if r.is_err() { return },
+                _ = follow_stop.wait_for(|s| *s) => return,
+            }
+            let next = desired_slices(&st.read(), &d, &n);
+            tx.send_if_modified(|cur| {
+                let differs = *cur != next;
+                if differs {
+                    *cur = next;
+                }
+                differs
+            });
+        }
+    }));
+    let publisher = SlicePublisher::new(settings.client, driver, node_name);
+    let options = LoopOptions { resync: Duration::from_secs(300), retry: Duration::from_secs(1), watch: true };
+    let mut publish_stop = stop;
+    tasks.push(tokio::spawn(async move {
+        keep_published(publisher, rx, options, async move {
+            let _ = publish_stop.wait_for(|s| *s).await;
+        })
+        .await;
+    }));
+    Ok(tasks)
+}
