@@ -222,6 +222,12 @@ impl Ledger {
         out
     }
 
+    /// Units the device plugin side holds, directly or through an overlap: what DRA must not
+    /// offer right now.
+    pub fn device_plugin_blocked(&self) -> BTreeSet<String> {
+        self.holds.iter().filter(|(_, h)| matches!(h, Holder::DevicePlugin { .. })).flat_map(|(u, _)| self.overlapping(u)).collect()
+    }
+
     /// Checks the invariant: no two different consumers hold overlapping units.
     pub fn check_invariant(&self) -> Result<(), String> {
         for (u, h) in &self.holds {

@@ -28,7 +28,7 @@ enum Command {
         output: Output,
     },
     /// Run the node agent: serve the kubelet device plugin API for this node's GPUs.
-    Node(NodeArgs),
+    Node(Box<NodeArgs>),
 }
 
 #[derive(clap::Args)]
@@ -142,7 +142,7 @@ fn run(cli: Cli) -> Result<()> {
             print!("{text}");
             Ok(())
         }
-        Command::Node(args) => run_node(args),
+        Command::Node(args) => run_node(*args),
     }
 }
 

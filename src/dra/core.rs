@@ -153,7 +153,7 @@ pub enum PrepareError {
     Held {
         device: String,
         #[source]
-        source: Held,
+        source: Box<Held>,
     },
 }
 
@@ -431,7 +431,7 @@ impl DraCore {
                 }
                 Err(held) => {
                     let device = units.iter().find(|(_, u)| **u == held.unit).map_or(held.unit.clone(), |(d, _)| d.clone());
-                    (Err(PrepareError::Held { device, source: held }), false)
+                    (Err(PrepareError::Held { device, source: Box::new(held) }), false)
                 }
             }
         })

@@ -8,6 +8,7 @@ use crate::ledger::dra_view;
 use crate::node::state::{NodeState, Snapshot};
 use crate::node::NodePaths;
 use crate::slices::publisher::{keep_published, LoopOptions, SlicePublisher};
+use crate::slices::render;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,9 +32,21 @@ pub enum DraStartError {
     Serve(#[from] ServeError),
 }
 
-/// The slices this node should publish now.
+/// The slices this node should publish now: the DRA view of the inventory with health taints,
+/// plus an in-use taint on devices the device plugin API holds.
 pub fn desired_slices(s: &Snapshot, driver: &str, node: &str) -> Vec<ResourceSlice> {
-    crate::slices::render::render(&dra_view(&s.inventory, &s.config.allocation), &s.health, driver, node)
+    let inv = dra_view(&s.inventory, &s.config.allocation);
+    let mut slices = render::render(&inv, &s.health, driver, node);
+    let blocked = s.ledger.device_plugin_blocked();
+    if blocked.is_empty() {
+        return slices;
+    }
+    for device in slices.iter_mut().flat_map(|sl| sl.spec.devices.iter_mut().flatten()) {
+        if inv.dra_device(&device.name).is_some_and(|d| blocked.contains(d.uuid())) {
+            device.taints.get_or_insert_with(Vec::new).push(render::in_use_taint());
+        }
+    }
+    slices
 }
 
 /// Starts the DRA core, server and slice publisher; the tasks end when `stop` turns true.

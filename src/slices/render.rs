@@ -301,6 +301,15 @@ fn cap(value: k8s_openapi::apimachinery::pkg::api::resource::Quantity) -> Device
     }
 }
 
+/// Taint key of devices the device plugin API has handed out (shared allocation mode).
+pub const IN_USE_TAINT_KEY: &str = "gpu.gpuplane.dev/device-plugin";
+
+/// The taint a device held through the device plugin API carries, so the scheduler stops
+/// choosing it for claims until PodResources shows it free.
+pub fn in_use_taint() -> DeviceTaint {
+    DeviceTaint { key: IN_USE_TAINT_KEY.to_string(), value: Some("in-use".to_string()), effect: UNHEALTHY_TAINT_EFFECT.to_string(), time_added: None }
+}
+
 /// The taint an unhealthy device carries.
 pub fn unhealthy_taint(cause: Cause) -> DeviceTaint {
     let value = match cause {

@@ -1,0 +1,256 @@
+//! The DRA driver end to end: the real agent in process on simulated hardware, the API server
+//! double over HTTP (real kube client), the kubelet doubles for DRA and the device plugin over
+//! unix sockets, all in a temp dir. Also the allocation ledger across both APIs.
+
+use gpuplane::doubles::apiserver::ApiServerDouble;
+use gpuplane::doubles::kubelet::KubeletDouble;
+use gpuplane::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
+use gpuplane::dra::ClaimRef;
+use gpuplane::node::dra::DraSettings;
+use gpuplane::node::{NodeOptions, NodePaths};
+use gpuplane::proto::dra_health_v1alpha1::HealthStatus;
+use gpuplane::source::{DeviceSource, SimSource};
+use serde_json::{json, Value};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+const DRIVER: &str = "gpu.gpuplane.dev";
+const NODE: &str = "node-a";
+const WAIT: Duration = Duration::from_secs(15);
+
+struct Agent {
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), gpuplane::node::NodeError>>,
+}
+
+impl Agent {
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+struct Lab {
+    dir: tempfile::TempDir,
+    api: ApiServerDouble,
+    kubelet: KubeletDouble,
+    dra: KubeletDraDouble,
+    sim: SimSource,
+}
+
+fn make_dev_nodes(dev: &Path, gpus: usize) {
+    std::fs::create_dir_all(dev).unwrap();
+    let mut names: Vec<String> = (0..gpus).map(|i| format!("nvidia{i}")).collect();
+    names.extend(["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"].map(String::from));
+    for n in names {
+        std::fs::write(dev.join(n), "").unwrap();
+    }
+}
+
+impl Lab {
+    async fn new(profile: &str) -> Lab {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("kubelet");
+        let api = ApiServerDouble::start().await.unwrap();
+        let kubelet = KubeletDouble::start(&root).await.unwrap();
+        let dra = KubeletDraDouble::start(&root, KubeletDraOptions::default());
+        let sim = SimSource::new(gpuplane::sim::load(profile).unwrap());
+        make_dev_nodes(&dir.path().join("dev"), sim.discover().unwrap().inventory.gpus.len());
+        Lab { dir, api, kubelet, dra, sim }
+    }
+
+    fn start(&self, config: &str) -> Agent {
+        let d = self.dir.path();
+        let cfg = d.join("config.yaml");
+        std::fs::write(&cfg, config).unwrap();
+        let opts = NodeOptions {
+            node_name: NODE.into(),
+            paths: NodePaths {
+                kubelet_root: d.join("kubelet"),
+                cdi_root: d.join("cdi"),
+                state_dir: d.join("state"),
+                driver_root: d.join("driver"),
+                dev_root: d.join("dev"),
+            },
+            config_file: Some(cfg),
+            device_plugin: true,
+            dra: Some(DraSettings { driver_name: DRIVER.into(), client: self.api.client().unwrap() }),
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let source: Arc<dyn DeviceSource> = Arc::new(self.sim.clone());
+        let task = tokio::spawn(gpuplane::node::run(opts, source, async {
+            let _ = stopped.await;
+        }));
+        Agent { stop: Some(stop), task }
+    }
+
+    fn slices(&self) -> Vec<Value> {
+        self.api.list_json("resource.k8s.io/v1", "resourceslices", None)
+    }
+
+    fn device<'a>(slices: &'a [Value], name: &str) -> Option<&'a Value> {
+        slices.iter().flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default().into_iter().map(move |d| (s, d))).find(|(_, d)| d["name"] == name).map(|(s, _)| s)
+    }
+
+    fn taints(&self, device: &str) -> Vec<String> {
+        let slices = self.slices();
+        let mut out = Vec::new();
+        for s in &slices {
+            for d in s["spec"]["devices"].as_array().into_iter().flatten() {
+                if d["name"] == device {
+                    for t in d["taints"].as_array().into_iter().flatten() {
+                        out.push(format!("{}={}", t["key"].as_str().unwrap_or(""), t["value"].as_str().unwrap_or("")));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    async fn eventually(&self, what: &str, check: impl Fn(&Lab) -> bool) {
+        let deadline = std::time::Instant::now() + WAIT;
+        while !check(self) {
+            assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// A claim allocated by the (absent) scheduler to `devices` of this node's pool.
+    fn claim(&self, name: &str, devices: &[&str]) -> ClaimRef {
+        let results: Vec<Value> = devices.iter().map(|d| json!({"request": "gpus", "driver": DRIVER, "pool": NODE, "device": d})).collect();
+        let obj = json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "team-a"},
+            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu.gpuplane.dev", "count": devices.len()}}]}},
+            "status": {"allocation": {"devices": {"results": results}}}
+        });
+        let stored = self.api.put_json(obj).unwrap();
+        ClaimRef { namespace: "team-a".into(), name: name.into(), uid: stored["metadata"]["uid"].as_str().unwrap().to_string() }
+    }
+
+    async fn prepare(&self, c: &ClaimRef) -> Result<Vec<String>, String> {
+        let mut out = self.dra.prepare(DRIVER, std::slice::from_ref(c)).await.map_err(|s| s.message().to_string())?;
+        out.remove(&c.uid).unwrap().map(|devs| devs.into_iter().flat_map(|d| d.cdi_ids).collect())
+    }
+
+    async fn unprepare(&self, c: &ClaimRef) {
+        let mut out = self.dra.unprepare(DRIVER, std::slice::from_ref(c)).await.unwrap();
+        out.remove(&c.uid).unwrap().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slices_are_published_valid_and_a_restart_with_the_same_inventory_writes_nothing() {
+    let lab = Lab::new("h100-mig-single").await;
+    let agent = lab.start("flags: {migStrategy: single}\n");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.eventually("56 published MIG devices", |l| l.slices().iter().map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len)).sum::<usize>() == 56).await;
+    for s in lab.slices() {
+        let slice: k8s_openapi::api::resource::v1::ResourceSlice = serde_json::from_value(s).unwrap();
+        gpuplane::slices::validate::validate(&slice).unwrap();
+        assert_eq!(slice.spec.node_name.as_deref(), Some(NODE));
+    }
+    assert!(Lab::device(&lab.slices(), "gpu-0-mig-1g10gb-1").is_some());
+    assert!(lab.api.count_writes() > 0);
+    agent.stop().await;
+    lab.api.clear_requests();
+    let agent = lab.start("flags: {migStrategy: single}\n");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(lab.api.count_writes(), 0, "restart wrote: {:?}", lab.api.requests());
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_is_prepared_once_with_its_own_cdi_spec_and_unprepared_without_a_trace() {
+    let lab = Lab::new("dgx-h100").await;
+    let agent = lab.start("");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    let good = lab.claim("train", &["gpu-0", "gpu-1"]);
+    let foreign = {
+        let obj = json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "elsewhere", "namespace": "team-a"},
+            "status": {"allocation": {"devices": {"results": [{"request": "gpus", "driver": DRIVER, "pool": "node-b", "device": "gpu-0"}]}}}});
+        let stored = lab.api.put_json(obj).unwrap();
+        ClaimRef { namespace: "team-a".into(), name: "elsewhere".into(), uid: stored["metadata"]["uid"].as_str().unwrap().into() }
+    };
+    let answers = lab.dra.prepare(DRIVER, &[good.clone(), foreign.clone()]).await.unwrap();
+    let ids: Vec<String> = answers[&good.uid].as_ref().unwrap().iter().flat_map(|d| d.cdi_ids.clone()).collect();
+    assert_eq!(ids.len(), 2);
+    assert!(ids[0].starts_with("k8s.gpu.gpuplane.dev/claim="), "{ids:?}");
+    let err = answers[&foreign.uid].as_ref().unwrap_err();
+    assert!(err.contains("node-b") && err.contains("team-a/elsewhere"), "{err}");
+    let spec = lab.dir.path().join(format!("cdi/gpuplane-claim-{}.json", good.uid));
+    let before = std::fs::metadata(&spec).unwrap().modified().unwrap();
+    assert_eq!(lab.prepare(&good).await.unwrap(), ids, "a repeated prepare answers the same");
+    assert_eq!(std::fs::metadata(&spec).unwrap().modified().unwrap(), before, "and rewrites nothing");
+    lab.unprepare(&good).await;
+    assert!(!spec.exists());
+    lab.unprepare(&good).await; // unknown claims succeed
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_xid_taints_the_slice_and_turns_the_health_stream_unhealthy_until_recovery() {
+    let lab = Lab::new("dgx-h100").await;
+    let agent = lab.start("health: {recoveryQuietPeriod: 1s}\n");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.dra.watch_health(DRIVER).unwrap();
+    lab.dra.wait_health(DRIVER, WAIT, |h| h.health(NODE, "gpu-5") == Some(HealthStatus::Healthy)).await.unwrap();
+    lab.eventually("slices", |l| !l.slices().is_empty()).await;
+    let uuid = lab.sim.discover().unwrap().inventory.gpus[5].uuid.clone();
+    lab.sim.inject_xid(&uuid, None, 48);
+    lab.eventually("a taint on gpu-5", |l| l.taints("gpu-5") == ["gpu.gpuplane.dev/unhealthy=xid-48"]).await;
+    lab.dra.wait_health(DRIVER, WAIT, |h| h.health(NODE, "gpu-5") == Some(HealthStatus::Unhealthy)).await.unwrap();
+    assert!(lab.taints("gpu-4").is_empty());
+    lab.eventually("the taint gone", |l| l.taints("gpu-5").is_empty()).await;
+    lab.dra.wait_health(DRIVER, WAIT, |h| h.health(NODE, "gpu-5") == Some(HealthStatus::Healthy)).await.unwrap();
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_is_never_held_by_both_apis_at_once() {
+    let lab = Lab::new("a100-mig-mixed").await;
+    let agent = lab.start("flags: {migStrategy: mixed}\nallocation: {podResourcesGrace: 1s}\n");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.kubelet.wait_for(WAIT, |p| p.contains_key("nvidia.com/gpu")).await.unwrap();
+    // GPU 3 (MIG off) through the device plugin...
+    let (ids, _) = lab.kubelet.admit("team-b", "pod-1", "main", "nvidia.com/gpu", 1).await.unwrap();
+    lab.eventually("the in-use taint on gpu-3", |l| l.taints("gpu-3") == ["gpu.gpuplane.dev/device-plugin=in-use"]).await;
+    // ...so a claim for it is refused, naming the holder.
+    let claim = lab.claim("late", &["gpu-3"]);
+    let err = lab.prepare(&claim).await.unwrap_err();
+    assert!(err.contains("gpu-3") && err.contains("device plugin"), "{err}");
+    // The pod ends; PodResources stops listing it; after the grace period the claim gets it.
+    lab.kubelet.end_pod("team-b", "pod-1");
+    lab.eventually("the taint gone", |l| l.taints("gpu-3").is_empty()).await;
+    lab.prepare(&claim).await.unwrap();
+    // Now the device plugin side sees it withdrawn and Allocate is refused naming the claim.
+    let id = ids[0].clone();
+    lab.kubelet.wait_for(WAIT, |p| p["nvidia.com/gpu"].devices.iter().any(|d| d.id == id && d.health == "Unhealthy")).await.unwrap();
+    let err = lab.kubelet.allocate("nvidia.com/gpu", &ids).await.unwrap_err();
+    assert!(err.message().contains("ResourceClaim team-a/late"), "{}", err.message());
+    // A MIG device of GPU 0 held by a claim blocks nothing else on the device plugin side
+    // (GPU 0 is not offered whole), but the same MIG device cannot go to a container.
+    lab.unprepare(&claim).await;
+    lab.kubelet.wait_for(WAIT, |p| p["nvidia.com/gpu"].healthy() == 1).await.unwrap();
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_mode_gives_each_api_only_its_own_devices() {
+    let lab = Lab::new("a100-mig-mixed").await;
+    let agent = lab.start("flags: {migStrategy: mixed}\nallocation: {mode: partitioned, migToDra: true}\n");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    let plugins = lab.kubelet.wait_for(WAIT, |p| p.contains_key("nvidia.com/gpu")).await.unwrap();
+    assert_eq!(plugins.keys().collect::<Vec<_>>(), ["nvidia.com/gpu"], "no MIG resources on the device plugin side");
+    lab.eventually("10 MIG devices in slices", |l| l.slices().iter().map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len)).sum::<usize>() == 10).await;
+    assert!(Lab::device(&lab.slices(), "gpu-3").is_none(), "the whole GPU belongs to the device plugin");
+    let claim = lab.claim("wrong-side", &["gpu-3"]);
+    assert!(lab.prepare(&claim).await.is_err());
+    agent.stop().await;
+}
