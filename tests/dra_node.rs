@@ -121,3 +121,39 @@ async fn partitioned_mode_gives_each_api_only_its_own_devices() {
     assert!(lab.prepare(&claim).await.is_err());
     agent.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_rebuilds_the_same_ledger_from_pod_resources_and_the_checkpoint() {
+    let lab = Lab::new("dgx-h100").await;
+    let config = "allocation: {podResourcesGrace: 1s}\n";
+    let agent = lab.start(config);
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.kubelet.wait_for(WAIT, |p| p.get("nvidia.com/gpu").is_some_and(|v| v.devices.len() == 8)).await.unwrap();
+    let (pod_ids, _) = lab.kubelet.admit("team-b", "pod-1", "main", "nvidia.com/gpu", 2).await.unwrap();
+    let inv = lab.sim.discover().unwrap().inventory;
+    let free: Vec<String> = inv.gpus.iter().filter(|g| !pod_ids.contains(&g.uuid)).map(|g| format!("gpu-{}", g.index)).collect();
+    let claim = lab.claim("keep", &[&free[0], &free[1]]);
+    lab.prepare(&claim).await.unwrap();
+    // What the ledger shows from the outside: withdrawn device-plugin devices, in-use taints.
+    let view = |l: &Lab| {
+        let withdrawn: Vec<String> = l.kubelet.plugin("nvidia.com/gpu").map(|v| v.devices.iter().filter(|d| d.health == "Unhealthy").map(|d| d.id.clone()).collect()).unwrap_or_default();
+        let tainted: Vec<String> = (0..8).map(|i| format!("gpu-{i}")).filter(|d| !l.taints(d).is_empty()).collect();
+        (withdrawn, tainted)
+    };
+    lab.eventually("both kinds of hold visible", |l| { let (w, t) = view(l); w.len() == 2 && t.len() == 2 }).await;
+    let before = view(&lab);
+    agent.stop().await;
+    let agent = lab.start(config);
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.kubelet.wait_for(WAIT, |p| p.get("nvidia.com/gpu").is_some_and(|v| v.healthy() == 6)).await.unwrap();
+    // Past a PodResources poll and a publisher round, the view must still be the same.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(view(&lab), before);
+    // And the holds are enforced, not just shown: each API is refused the other's devices.
+    let err = lab.prepare(&lab.claim("grab", &[&before.1[0]])).await.unwrap_err();
+    assert!(err.contains("held by"), "{err}");
+    let claimed = inv.gpus.iter().find(|g| format!("gpu-{}", g.index) == free[0]).unwrap().uuid.clone();
+    let err = lab.kubelet.allocate("nvidia.com/gpu", &[claimed]).await.unwrap_err();
+    assert!(err.message().contains("ResourceClaim team-a/keep"), "{}", err.message());
+    agent.stop().await;
+}
