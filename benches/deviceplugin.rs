@@ -68,6 +68,7 @@ async fn allocate_vs_bare_rpc() {
         config_file: None,
         device_plugin: true,
         dra: None,
+        metrics_addr: None,
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let source: Arc<dyn DeviceSource> = Arc::new(sim.clone());

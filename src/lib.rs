@@ -3,6 +3,7 @@
 
 pub mod cdi;
 pub mod config;
+pub mod controller;
 pub mod deviceplugin;
 pub mod discover;
 pub mod doubles;
@@ -13,9 +14,11 @@ pub mod health;
 pub mod inventory;
 pub mod kubeclient;
 pub mod ledger;
+pub mod metrics;
 pub mod node;
 pub mod nvml;
 pub mod proto;
+pub mod quota;
 pub mod sim;
 pub mod slices;
 pub mod source;

@@ -64,6 +64,9 @@ struct NodeArgs {
     /// Kubeconfig for API access (default: in-cluster, then KUBECONFIG).
     #[arg(long, value_name = "FILE")]
     kubeconfig: Option<PathBuf>,
+    /// Serve /metrics, /healthz and /readyz on this address (e.g. 0.0.0.0:9400).
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
     /// The DRA driver name; `gpu.nvidia.com` makes gpuplane a drop-in for NVIDIA's driver.
     #[arg(long, default_value = "gpu.gpuplane.dev")]
     driver_name: String,
@@ -172,6 +175,7 @@ fn run_node(args: NodeArgs) -> Result<()> {
             config_file: args.config,
             device_plugin: args.device_plugin,
             dra,
+            metrics_addr: args.metrics_addr,
         };
         gpuplane::node::run(opts, Arc::from(source), termination()?).await?;
         tracing::info!("gpuplane node stopped");

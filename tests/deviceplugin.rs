@@ -40,6 +40,7 @@ fn options(dir: &Path, config: Option<&str>) -> NodeOptions {
         config_file,
         device_plugin: true,
         dra: None,
+        metrics_addr: None,
     }
 }
 

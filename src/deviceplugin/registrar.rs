@@ -13,6 +13,7 @@ use crate::proto::deviceplugin_v1beta1 as pb;
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -54,7 +55,7 @@ impl Served {
 
 /// Serves and registers every resource in the plan until `shutdown` turns true; then removes
 /// its sockets.
-pub async fn run(dir: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Receiver<bool>) {
+pub async fn run(dir: PathBuf, state: Arc<NodeState>, all_registered: Arc<AtomicBool>, mut shutdown: watch::Receiver<bool>) {
     let kubelet_sock = dir.join(KUBELET_SOCKET);
     let mut served: BTreeMap<String, Served> = BTreeMap::new();
     let mut kubelet_id: Option<(u64, u64)> = None;
@@ -132,6 +133,7 @@ pub async fn run(dir: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Recei
                 }
             }
         }
+        all_registered.store(kubelet_id.is_some() && served.len() == wanted.len() && served.values().all(|s| s.registered), Ordering::Relaxed);
         tokio::select! {
             _ = tokio::time::sleep(POLL) => {}
             _ = changes.changed() => {}

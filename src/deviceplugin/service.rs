@@ -3,6 +3,8 @@
 
 use super::allocate::{self, AllocateError};
 use crate::config::AllocationMode;
+use crate::ledger::{LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, LEDGER_REFUSALS, LEDGER_REFUSALS_HELP};
+use crate::metrics;
 use crate::health::Health;
 use std::time::Instant;
 use crate::node::state::NodeState;
@@ -153,6 +155,7 @@ impl DevicePlugin for DevicePluginService {
     ) -> Result<Response<pb::AllocateResponse>, Status> {
         let requests = req.into_inner().container_requests;
         let resource = self.resource.as_str();
+        let started = Instant::now();
         // Decide and hold under one write lock, so a concurrent NodePrepare cannot take the
         // same unit between the check and the hold.
         let container_responses = self.state.update(|s| {
@@ -174,9 +177,11 @@ impl DevicePlugin for DevicePluginService {
                     match allocate::hold(plan, &mut s.ledger, &c.devices_ids, Instant::now()) {
                         Ok(units) => {
                             held = true;
+                            metrics::global().inc(LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, &[("api", "device-plugin")]);
                             tracing::info!(resource, devices = ?c.devices_ids, units = ?units, holder = "device plugin", "handed out");
                         }
                         Err(e) => {
+                            metrics::global().inc(LEDGER_REFUSALS, LEDGER_REFUSALS_HELP, &[("api", "device-plugin")]);
                             tracing::warn!(resource, devices = ?c.devices_ids, error = %e, "Allocate refused");
                             return (Err(refusal(&e)), held);
                         }
@@ -191,8 +196,12 @@ impl DevicePlugin for DevicePluginService {
                 });
             }
             (Ok(out), held)
-        })?;
-        Ok(Response::new(pb::AllocateResponse { container_responses }))
+        });
+        let m = metrics::global();
+        let outcome = if container_responses.is_ok() { "granted" } else { "refused" };
+        m.inc("gpuplane_allocations_total", "Device plugin Allocate calls by resource and outcome.", &[("resource", resource), ("outcome", outcome)]);
+        m.observe("gpuplane_allocate_seconds", "Device plugin Allocate latency.", &[], started.elapsed().as_secs_f64());
+        Ok(Response::new(pb::AllocateResponse { container_responses: container_responses? }))
     }
 
     async fn pre_start_container(

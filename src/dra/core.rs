@@ -37,7 +37,8 @@ use super::checkpoint::{
 };
 use super::claims::{plan_claim, ClaimError, ClaimFetcher, ClaimPlan, FetchError};
 use crate::config::AllocationMode;
-use crate::ledger::{dra_view, Held, Holder};
+use crate::ledger::{dra_view, Held, Holder, LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, LEDGER_REFUSALS, LEDGER_REFUSALS_HELP, LEDGER_RELEASES, LEDGER_RELEASES_HELP};
+use crate::metrics;
 use std::time::Instant;
 use super::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
@@ -426,10 +427,12 @@ impl DraCore {
             let list: Vec<String> = units.values().cloned().collect();
             match s.ledger.hold_all(&list, &who, Instant::now()) {
                 Ok(()) => {
+                    metrics::global().inc(LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, &[("api", "dra")]);
                     info!(claim = %claim_label(c), units = ?list, "handed out to claim");
                     (Ok(()), true)
                 }
                 Err(held) => {
+                    metrics::global().inc(LEDGER_REFUSALS, LEDGER_REFUSALS_HELP, &[("api", "dra")]);
                     let device = units.iter().find(|(_, u)| **u == held.unit).map_or(held.unit.clone(), |(d, _)| d.clone());
                     (Err(PrepareError::Held { device, source: Box::new(held) }), false)
                 }
@@ -561,6 +564,7 @@ impl DraCore {
             (r, changed)
         });
         if !released.is_empty() {
+            metrics::global().inc(LEDGER_RELEASES, LEDGER_RELEASES_HELP, &[("api", "dra")]);
             info!(claim = %claim_label(c), units = ?released, "released by claim");
         }
         Ok(())
@@ -576,6 +580,7 @@ impl DraDriver for DraCore {
     async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
         let mut out = BTreeMap::new();
         for c in claims {
+            let started = Instant::now();
             let result = match self.prepare_one(&c).await {
                 Ok(devices) => {
                     info!(claim = %claim_label(&c), uid = %c.uid, devices = devices.len(), "claim prepared");
@@ -586,6 +591,10 @@ impl DraDriver for DraCore {
                     Err(format!("claim {} ({}): {e}", claim_label(&c), c.uid))
                 }
             };
+            let m = metrics::global();
+            let outcome = if result.is_ok() { "prepared" } else { "failed" };
+            m.inc("gpuplane_prepares_total", "NodePrepareResources claims by outcome.", &[("outcome", outcome)]);
+            m.observe("gpuplane_prepare_seconds", "Time to prepare one claim.", &[], started.elapsed().as_secs_f64());
             out.insert(c.uid, result);
         }
         out

@@ -49,6 +49,13 @@ pub fn desired_slices(s: &Snapshot, driver: &str, node: &str) -> Vec<ResourceSli
     slices
 }
 
+/// The running DRA driver.
+pub struct DraStarted {
+    pub tasks: Vec<JoinHandle<()>>,
+    /// True once the kubelet confirmed the plugin's registration.
+    pub registered: watch::Receiver<bool>,
+}
+
 /// Starts the DRA core, server and slice publisher; the tasks end when `stop` turns true.
 pub async fn start(
     settings: DraSettings,
@@ -56,7 +63,7 @@ pub async fn start(
     paths: &NodePaths,
     state: Arc<NodeState>,
     stop: watch::Receiver<bool>,
-) -> Result<Vec<JoinHandle<()>>, DraStartError> {
+) -> Result<DraStarted, DraStartError> {
     let driver = settings.driver_name.clone();
     let config = DraCoreConfig {
         cdi_root: paths.cdi_root.clone(),
@@ -67,6 +74,7 @@ pub async fn start(
     let core = DraCore::new(config, state.clone(), Arc::new(KubeClaims::new(settings.client.clone())))?;
     core.restore_holds().await;
     let server = DraServer::new(&paths.kubelet_root, &driver, Arc::new(core))?;
+    let registered = server.registered();
     let mut tasks = Vec::new();
     let server_stop = stop.clone();
     tasks.push(tokio::spawn(async move {
@@ -105,5 +113,5 @@ pub async fn start(
         })
         .await;
     }));
-    Ok(tasks)
+    Ok(DraStarted { tasks, registered })
 }

@@ -6,6 +6,7 @@
 
 pub mod cdi;
 pub mod dra;
+pub mod http;
 pub mod podresources;
 pub mod state;
 
@@ -58,6 +59,8 @@ pub struct NodeOptions {
     pub device_plugin: bool,
     /// Serve DRA (with API access), or not.
     pub dra: Option<dra::DraSettings>,
+    /// Where to serve /metrics, /healthz and /readyz; `None` serves none.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +74,13 @@ pub enum NodeError {
     /// The DRA driver could not start.
     #[error(transparent)]
     Dra(#[from] dra::DraStartError),
+    /// The metrics address could not be bound.
+    #[error("binding the metrics address {addr}: {source}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
     /// Signal handlers could not be installed.
     #[error("installing signal handlers: {0}")]
     Signals(#[source] std::io::Error),
@@ -169,6 +179,8 @@ fn spawn_event_pump(
             match source.next_event(Duration::from_millis(200)) {
                 Ok(Some(event)) => {
                     failing = false;
+                    let crate::source::DeviceEvent::Xid { xid, .. } = &event;
+                    crate::metrics::global().inc("gpuplane_xid_events_total", "Xid events reported by the driver, by code.", &[("xid", &xid.to_string())]);
                     let change = state.update(|s| {
                         let c = s
                             .health
@@ -223,17 +235,32 @@ pub async fn run(
 
     let pump_stop = Arc::new(AtomicBool::new(false));
     let pump = spawn_event_pump(source.clone(), state.clone(), pump_stop.clone());
+    let dp_registered = Arc::new(AtomicBool::new(false));
     let registrar = opts.device_plugin.then(|| {
         tokio::spawn(registrar::run(
             opts.paths.device_plugins(),
             state.clone(),
+            dp_registered.clone(),
             stop_rx.clone(),
         ))
     });
 
-    let dra_tasks = match opts.dra.clone() {
-        Some(settings) => dra::start(settings, &opts.node_name, &opts.paths, state.clone(), stop_rx.clone()).await?,
-        None => Vec::new(),
+    let (dra_tasks, dra_registered) = match opts.dra.clone() {
+        Some(settings) => {
+            let started = dra::start(settings, &opts.node_name, &opts.paths, state.clone(), stop_rx.clone()).await?;
+            (started.tasks, Some(started.registered))
+        }
+        None => (Vec::new(), None),
+    };
+    let readiness = Arc::new(http::Readiness { device_plugin: opts.device_plugin.then(|| dp_registered.clone()), dra: dra_registered, ..Default::default() });
+    readiness.tick();
+    let metrics_task = match opts.metrics_addr {
+        Some(addr) => {
+            let listener = http::bind(addr).await.map_err(|source| NodeError::Metrics { addr, source })?;
+            tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+            Some(tokio::spawn(http::serve(listener, state.clone(), readiness.clone(), stop_rx.clone())))
+        }
+        None => None,
     };
     let pod_resources = opts.device_plugin.then(|| tokio::spawn(podresources::run(opts.paths.pod_resources_socket(), state.clone(), stop_rx.clone())));
     let mut node_spec = cdi::NodeSpecWriter::new(
@@ -250,6 +277,7 @@ pub async fn run(
     let mut last_refresh = Instant::now();
     let mut config_mtime = mtime(config_file);
     loop {
+        readiness.tick();
         let reload = tokio::select! {
             _ = &mut shutdown => break,
             _ = hangup.recv() => { tracing::info!("SIGHUP: reloading config"); true }
@@ -331,7 +359,7 @@ pub async fn run(
 
     tracing::info!("shutting down: stopping plugins");
     let _ = stop_tx.send(true);
-    for task in [registrar, pod_resources].into_iter().flatten().chain(dra_tasks) {
+    for task in [registrar, pod_resources, metrics_task].into_iter().flatten().chain(dra_tasks) {
         let _ = task.await;
     }
     pump_stop.store(true, Ordering::Relaxed);

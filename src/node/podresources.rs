@@ -5,7 +5,8 @@
 use crate::deviceplugin::allocate;
 use crate::deviceplugin::resources::Plan;
 use crate::grpc;
-use crate::ledger::Holder;
+use crate::ledger::{Holder, LEDGER_RELEASES, LEDGER_RELEASES_HELP};
+use crate::metrics;
 use crate::node::state::NodeState;
 use crate::proto::podresources_v1 as pr;
 use std::collections::BTreeMap;
@@ -65,6 +66,7 @@ pub async fn run(socket: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Re
                         tracing::info!(device = %u, holder = %in_use[u].1, "device plugin hold learned from PodResources");
                     }
                     for u in &released {
+                        metrics::global().inc(LEDGER_RELEASES, LEDGER_RELEASES_HELP, &[("api", "device-plugin")]);
                         tracing::info!(device = %u, holder = "device plugin", "released: no live container holds it");
                     }
                     for c in &conflicts {

@@ -81,6 +81,7 @@ impl Lab {
             config_file: Some(cfg),
             device_plugin: true,
             dra: Some(DraSettings { driver_name: DRIVER.into(), client: self.api.client().unwrap() }),
+            metrics_addr: None,
         };
         let (stop, stopped) = oneshot::channel::<()>();
         let source: Arc<dyn DeviceSource> = Arc::new(self.sim.clone());

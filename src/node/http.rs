@@ -1,0 +1,135 @@
+//! The agent's HTTP endpoints: `/metrics` (Prometheus text), `/healthz` (the main loop is
+//! turning) and `/readyz` (registered with the kubelet for every enabled API).
+
+use crate::health::Health;
+use crate::metrics;
+use crate::node::state::NodeState;
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// The main loop is considered stuck after this long without a tick.
+pub const STUCK_AFTER: Duration = Duration::from_secs(10);
+
+/// What `/healthz` and `/readyz` report, updated by the agent's tasks.
+#[derive(Debug, Default)]
+pub struct Readiness {
+    /// Unix milliseconds of the main loop's last tick.
+    pub last_tick_ms: AtomicU64,
+    /// `None`: the device plugin is off; else whether every resource is registered.
+    pub device_plugin: Option<Arc<AtomicBool>>,
+    /// `None`: DRA is off; else whether the kubelet confirmed the DRA plugin's registration.
+    pub dra: Option<watch::Receiver<bool>>,
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Readiness {
+    pub fn tick(&self) {
+        self.last_tick_ms.store(now_ms(), Ordering::Relaxed);
+    }
+
+    fn live(&self) -> Result<(), String> {
+        let age = now_ms().saturating_sub(self.last_tick_ms.load(Ordering::Relaxed));
+        if age > u64::try_from(STUCK_AFTER.as_millis()).unwrap_or(u64::MAX) {
+            return Err(format!("main loop has not turned for {age} ms"));
+        }
+        Ok(())
+    }
+
+    fn ready(&self) -> Result<(), String> {
+        self.live()?;
+        if let Some(dp) = &self.device_plugin {
+            if !dp.load(Ordering::Relaxed) {
+                return Err("device plugin: not every resource is registered with the kubelet".into());
+            }
+        }
+        if let Some(dra) = &self.dra {
+            if !*dra.borrow() {
+                return Err("DRA: the kubelet has not confirmed the plugin registration".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Gauges derived from the current state.
+fn state_gauges(state: &NodeState) -> String {
+    let snap = state.read();
+    let mut devices = Vec::new();
+    for r in &snap.plan.resources {
+        let unhealthy = r.devices.iter().filter(|d| matches!(snap.health.health(&d.unit), Health::Unhealthy(_))).count();
+        for (health, n) in [("healthy", r.devices.len() - unhealthy), ("unhealthy", unhealthy)] {
+            devices.push((metrics::labels(&[("resource", &r.name), ("health", health)]), n as f64));
+        }
+    }
+    let held = snap.ledger.holds().fold([0usize; 2], |mut acc, (_, h)| {
+        acc[usize::from(matches!(h, crate::ledger::Holder::Claim { .. }))] += 1;
+        acc
+    });
+    metrics::render_gauges(&[
+        ("gpuplane_devices", "Devices offered through the device plugin API, by resource and health.", devices),
+        (
+            "gpuplane_ledger_held_units",
+            "Units (GPUs or MIG devices) held in the allocation ledger, by API.",
+            vec![(metrics::labels(&[("api", "device-plugin")]), held[0] as f64), (metrics::labels(&[("api", "dra")]), held[1] as f64)],
+        ),
+    ])
+}
+
+fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r
+}
+
+fn route(path: &str, state: &NodeState, readiness: &Readiness) -> Response<Full<Bytes>> {
+    let check = |r: Result<(), String>| match r {
+        Ok(()) => text(StatusCode::OK, "ok\n".into()),
+        Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
+    };
+    match path {
+        "/metrics" => text(StatusCode::OK, format!("{}{}", metrics::global().render(), state_gauges(state))),
+        "/healthz" => check(readiness.live()),
+        "/readyz" => check(readiness.ready()),
+        _ => text(StatusCode::NOT_FOUND, "not found: try /metrics, /healthz or /readyz\n".into()),
+    }
+}
+
+/// Serves the endpoints on `listener` until `shutdown` turns true.
+pub async fn serve(listener: TcpListener, state: Arc<NodeState>, readiness: Arc<Readiness>, mut shutdown: watch::Receiver<bool>) {
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics listener accept failed");
+                    continue;
+                }
+            },
+            _ = shutdown.wait_for(|s| *s) => return,
+        };
+        let (state, readiness) = (state.clone(), readiness.clone());
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let resp = route(req.uri().path(), &state, &readiness);
+                async move { Ok::<_, std::convert::Infallible>(resp) }
+            });
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), svc).await;
+        });
+    }
+}
+
+/// Binds the metrics address.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}
