@@ -379,19 +379,40 @@ impl AgentConfig {
         }
         let a = raw.allocation;
         if let Some(g) = &a.pod_resources_grace {
-            cfg.pod_resources_grace = parse_duration(g).ok_or_else(|| invalid("allocation.podResourcesGrace", format!("`{g}` is not a duration like 30s")))?;
+            cfg.pod_resources_grace = parse_duration(g).ok_or_else(|| {
+                invalid(
+                    "allocation.podResourcesGrace",
+                    format!("`{g}` is not a duration like 30s"),
+                )
+            })?;
         }
         cfg.allocation = match (a.mode.as_deref(), a.dra_gpus, a.mig_to_dra) {
             (None | Some("shared"), None, None | Some(false)) => AllocationMode::Shared,
             (None | Some("shared"), _, _) => {
-                return Err(invalid("allocation", "draGpus and migToDra need `mode: partitioned`".into()));
+                return Err(invalid(
+                    "allocation",
+                    "draGpus and migToDra need `mode: partitioned`".into(),
+                ));
             }
-            (Some("partitioned"), Some(gpus), None | Some(false)) => AllocationMode::Partitioned(Partition::DraGpus(gpus.into_iter().collect())),
-            (Some("partitioned"), None, Some(true)) => AllocationMode::Partitioned(Partition::MigToDra),
+            (Some("partitioned"), Some(gpus), None | Some(false)) => {
+                AllocationMode::Partitioned(Partition::DraGpus(gpus.into_iter().collect()))
+            }
+            (Some("partitioned"), None, Some(true)) => {
+                AllocationMode::Partitioned(Partition::MigToDra)
+            }
             (Some("partitioned"), _, _) => {
-                return Err(invalid("allocation", "`mode: partitioned` needs exactly one of draGpus: [indices] or migToDra: true".into()));
+                return Err(invalid(
+                    "allocation",
+                    "`mode: partitioned` needs exactly one of draGpus: [indices] or migToDra: true"
+                        .into(),
+                ));
             }
-            (Some(other), _, _) => return Err(invalid("allocation.mode", format!("unknown mode `{other}`; use shared or partitioned"))),
+            (Some(other), _, _) => {
+                return Err(invalid(
+                    "allocation.mode",
+                    format!("unknown mode `{other}`; use shared or partitioned"),
+                ))
+            }
         };
         Ok(cfg)
     }

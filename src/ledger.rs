@@ -17,14 +17,17 @@ pub const LEDGER_HANDOUTS_HELP: &str = "Devices handed out through the allocatio
 pub const LEDGER_RELEASES: &str = "gpuplane_ledger_releases_total";
 pub const LEDGER_RELEASES_HELP: &str = "Devices released in the allocation ledger, by API.";
 pub const LEDGER_REFUSALS: &str = "gpuplane_ledger_refusals_total";
-pub const LEDGER_REFUSALS_HELP: &str = "Requests refused because another consumer held a device, by API.";
+pub const LEDGER_REFUSALS_HELP: &str =
+    "Requests refused because another consumer held a device, by API.";
 
 /// Keeps the GPUs `keep` accepts, and the links among them.
 fn restrict(inv: &Inventory, keep: impl Fn(&Gpu) -> bool) -> Inventory {
     let mut out = inv.clone();
     out.gpus.retain(|g| keep(g));
     let kept: BTreeSet<u32> = out.gpus.iter().map(|g| g.index).collect();
-    out.topology.links.retain(|l| kept.contains(&l.from) && kept.contains(&l.to));
+    out.topology
+        .links
+        .retain(|l| kept.contains(&l.from) && kept.contains(&l.to));
     out
 }
 
@@ -32,7 +35,9 @@ fn restrict(inv: &Inventory, keep: impl Fn(&Gpu) -> bool) -> Inventory {
 pub fn device_plugin_view(inv: &Inventory, mode: &AllocationMode) -> Inventory {
     match mode {
         AllocationMode::Shared => inv.clone(),
-        AllocationMode::Partitioned(Partition::DraGpus(dra)) => restrict(inv, |g| !dra.contains(&g.index)),
+        AllocationMode::Partitioned(Partition::DraGpus(dra)) => {
+            restrict(inv, |g| !dra.contains(&g.index))
+        }
         AllocationMode::Partitioned(Partition::MigToDra) => restrict(inv, |g| !g.mig.current),
     }
 }
@@ -41,7 +46,9 @@ pub fn device_plugin_view(inv: &Inventory, mode: &AllocationMode) -> Inventory {
 pub fn dra_view(inv: &Inventory, mode: &AllocationMode) -> Inventory {
     match mode {
         AllocationMode::Shared => inv.clone(),
-        AllocationMode::Partitioned(Partition::DraGpus(dra)) => restrict(inv, |g| dra.contains(&g.index)),
+        AllocationMode::Partitioned(Partition::DraGpus(dra)) => {
+            restrict(inv, |g| dra.contains(&g.index))
+        }
         AllocationMode::Partitioned(Partition::MigToDra) => restrict(inv, |g| g.mig.current),
     }
 }
@@ -51,7 +58,11 @@ pub fn dra_view(inv: &Inventory, mode: &AllocationMode) -> Inventory {
 pub enum Holder {
     /// A container that got the device through the device plugin API. `pod` is
     /// `namespace/name/container` once PodResources names it, `None` between Allocate and then.
-    DevicePlugin { resource: String, device_id: String, pod: Option<String> },
+    DevicePlugin {
+        resource: String,
+        device_id: String,
+        pod: Option<String>,
+    },
     /// A prepared DRA claim.
     Claim { uid: String, name: String },
 }
@@ -59,8 +70,16 @@ pub enum Holder {
 impl fmt::Display for Holder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Holder::DevicePlugin { resource, device_id, pod: Some(pod) } => write!(f, "container {pod} ({resource} {device_id})"),
-            Holder::DevicePlugin { resource, device_id, pod: None } => write!(f, "a device plugin allocation ({resource} {device_id})"),
+            Holder::DevicePlugin {
+                resource,
+                device_id,
+                pod: Some(pod),
+            } => write!(f, "container {pod} ({resource} {device_id})"),
+            Holder::DevicePlugin {
+                resource,
+                device_id,
+                pod: None,
+            } => write!(f, "a device plugin allocation ({resource} {device_id})"),
             Holder::Claim { uid, name } => write!(f, "ResourceClaim {name} (uid {uid})"),
         }
     }
@@ -113,7 +132,10 @@ impl Ledger {
         for g in &inv.gpus {
             for m in &g.mig_devices {
                 self.parent.insert(m.uuid.clone(), g.uuid.clone());
-                self.children.entry(g.uuid.clone()).or_default().push(m.uuid.clone());
+                self.children
+                    .entry(g.uuid.clone())
+                    .or_default()
+                    .push(m.uuid.clone());
             }
         }
     }
@@ -134,7 +156,11 @@ impl Ledger {
     pub fn conflict(&self, unit: &str, who: &Holder) -> Option<Held> {
         self.overlapping(unit).into_iter().find_map(|u| {
             let h = self.holds.get(&u)?;
-            (!h.same_consumer(who)).then(|| Held { unit: unit.to_string(), holder: h.clone(), overlap: (u != unit).then_some(u) })
+            (!h.same_consumer(who)).then(|| Held {
+                unit: unit.to_string(),
+                holder: h.clone(),
+                overlap: (u != unit).then_some(u),
+            })
         })
     }
 
@@ -153,7 +179,12 @@ impl Ledger {
     /// Reconciles the device plugin's holds with what the kubelet reports in use (`in_use`:
     /// unit -> `namespace/pod/container`): listed units are held (and named), unlisted ones are
     /// released once older than `grace`. Returns (units newly held, units released, conflicts).
-    pub fn sync_device_plugin(&mut self, in_use: &BTreeMap<String, (Holder, String)>, now: Instant, grace: Duration) -> (Vec<String>, Vec<String>, Vec<Held>) {
+    pub fn sync_device_plugin(
+        &mut self,
+        in_use: &BTreeMap<String, (Holder, String)>,
+        now: Instant,
+        grace: Duration,
+    ) -> (Vec<String>, Vec<String>, Vec<Held>) {
         let mut added = Vec::new();
         let mut conflicts = Vec::new();
         for (unit, (holder, pod)) in in_use {
@@ -170,7 +201,12 @@ impl Ledger {
             }
         }
         let since = self.since.clone();
-        let released = self.release_device_plugin_unless(|u, _| in_use.contains_key(u) || since.get(u).is_some_and(|t| now.saturating_duration_since(*t) < grace));
+        let released = self.release_device_plugin_unless(|u, _| {
+            in_use.contains_key(u)
+                || since
+                    .get(u)
+                    .is_some_and(|t| now.saturating_duration_since(*t) < grace)
+        });
         (added, released, conflicts)
     }
 
@@ -180,7 +216,10 @@ impl Ledger {
     }
 
     /// Releases device-plugin holds for which `keep` is false; returns the units freed.
-    pub fn release_device_plugin_unless(&mut self, keep: impl Fn(&str, &Holder) -> bool) -> Vec<String> {
+    pub fn release_device_plugin_unless(
+        &mut self,
+        keep: impl Fn(&str, &Holder) -> bool,
+    ) -> Vec<String> {
         let gone: Vec<String> = self
             .holds
             .iter()
@@ -195,7 +234,12 @@ impl Ledger {
     }
 
     fn release_where(&mut self, pred: impl Fn(&Holder) -> bool) -> Vec<String> {
-        let gone: Vec<String> = self.holds.iter().filter(|(_, h)| pred(h)).map(|(u, _)| u.clone()).collect();
+        let gone: Vec<String> = self
+            .holds
+            .iter()
+            .filter(|(_, h)| pred(h))
+            .map(|(u, _)| u.clone())
+            .collect();
         for u in &gone {
             self.holds.remove(u);
             self.since.remove(u);
@@ -233,7 +277,11 @@ impl Ledger {
     /// Units the device plugin side holds, directly or through an overlap: what DRA must not
     /// offer right now.
     pub fn device_plugin_blocked(&self) -> BTreeSet<String> {
-        self.holds.iter().filter(|(_, h)| matches!(h, Holder::DevicePlugin { .. })).flat_map(|(u, _)| self.overlapping(u)).collect()
+        self.holds
+            .iter()
+            .filter(|(_, h)| matches!(h, Holder::DevicePlugin { .. }))
+            .flat_map(|(u, _)| self.overlapping(u))
+            .collect()
     }
 
     /// Checks the invariant: no two different consumers hold overlapping units.
@@ -256,7 +304,10 @@ mod tests {
     use super::*;
 
     fn claim(uid: &str) -> Holder {
-        Holder::Claim { uid: uid.into(), name: format!("ns/{uid}") }
+        Holder::Claim {
+            uid: uid.into(),
+            name: format!("ns/{uid}"),
+        }
     }
 
     #[test]
@@ -275,8 +326,22 @@ mod tests {
     fn partitions_give_each_api_disjoint_devices() {
         let inv = crate::sim::load("a100-mig-mixed").unwrap();
         let mig = AllocationMode::Partitioned(Partition::MigToDra);
-        assert_eq!(device_plugin_view(&inv, &mig).gpus.iter().map(|g| g.index).collect::<Vec<_>>(), [3]);
-        assert_eq!(dra_view(&inv, &mig).gpus.iter().map(|g| g.index).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(
+            device_plugin_view(&inv, &mig)
+                .gpus
+                .iter()
+                .map(|g| g.index)
+                .collect::<Vec<_>>(),
+            [3]
+        );
+        assert_eq!(
+            dra_view(&inv, &mig)
+                .gpus
+                .iter()
+                .map(|g| g.index)
+                .collect::<Vec<_>>(),
+            [0, 1, 2]
+        );
         let split = AllocationMode::Partitioned(Partition::DraGpus(BTreeSet::from([1, 2])));
         let dp = device_plugin_view(&inv, &split);
         assert_eq!(dp.gpus.iter().map(|g| g.index).collect::<Vec<_>>(), [0, 3]);
@@ -293,15 +358,30 @@ mod tests {
         let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
         l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
         let none = BTreeMap::new();
-        assert!(l.sync_device_plugin(&none, t0 + Duration::from_secs(5), grace).1.is_empty(), "fresh allocations wait for PodResources");
+        assert!(
+            l.sync_device_plugin(&none, t0 + Duration::from_secs(5), grace)
+                .1
+                .is_empty(),
+            "fresh allocations wait for PodResources"
+        );
         let listed = BTreeMap::from([(b.clone(), (dp(&b), "ns/p/c".to_string()))]);
-        let (added, released, conflicts) = l.sync_device_plugin(&listed, t0 + Duration::from_secs(31), grace);
-        assert_eq!((added, released, conflicts.len()), (vec![b.clone()], vec![a], 0));
-        assert!(matches!(l.holder(&b), Some(Holder::DevicePlugin { pod: Some(p), .. }) if p == "ns/p/c"));
+        let (added, released, conflicts) =
+            l.sync_device_plugin(&listed, t0 + Duration::from_secs(31), grace);
+        assert_eq!(
+            (added, released, conflicts.len()),
+            (vec![b.clone()], vec![a], 0)
+        );
+        assert!(
+            matches!(l.holder(&b), Some(Holder::DevicePlugin { pod: Some(p), .. }) if p == "ns/p/c")
+        );
     }
 
     fn dp(id: &str) -> Holder {
-        Holder::DevicePlugin { resource: "nvidia.com/gpu".into(), device_id: id.into(), pod: None }
+        Holder::DevicePlugin {
+            resource: "nvidia.com/gpu".into(),
+            device_id: id.into(),
+            pod: None,
+        }
     }
 
     #[test]
@@ -310,12 +390,16 @@ mod tests {
         let mut l = Ledger::new(&inv);
         let gpu = inv.gpus[0].uuid.clone();
         let mig = inv.gpus[0].mig_devices[1].uuid.clone();
-        l.hold_all(std::slice::from_ref(&mig), &claim("c1"), Instant::now()).unwrap();
-        let err = l.hold_all(std::slice::from_ref(&gpu), &dp(&gpu), Instant::now()).unwrap_err();
+        l.hold_all(std::slice::from_ref(&mig), &claim("c1"), Instant::now())
+            .unwrap();
+        let err = l
+            .hold_all(std::slice::from_ref(&gpu), &dp(&gpu), Instant::now())
+            .unwrap_err();
         assert_eq!(err.overlap.as_deref(), Some(mig.as_str()));
         assert!(err.to_string().contains("ResourceClaim ns/c1"), "{err}");
         assert_eq!(l.release_claim("c1"), vec![mig]);
-        l.hold_all(std::slice::from_ref(&gpu), &dp(&gpu), Instant::now()).unwrap();
+        l.hold_all(std::slice::from_ref(&gpu), &dp(&gpu), Instant::now())
+            .unwrap();
         let other = inv.gpus[0].mig_devices[0].uuid.clone();
         assert!(l.conflict(&other, &claim("c2")).is_some());
         l.check_invariant().unwrap();

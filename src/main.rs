@@ -154,12 +154,17 @@ fn run_node(args: NodeArgs) -> Result<()> {
     runtime.block_on(async {
         let (source, label) = args.source.open()?;
         tracing::info!(node = %args.node_name, source = %label, "gpuplane node starting");
-        let dra_on = args.dra.unwrap_or(args.kubeconfig.is_some() || gpuplane::kubeclient::available_without_flags());
+        let dra_on = args.dra.unwrap_or(
+            args.kubeconfig.is_some() || gpuplane::kubeclient::available_without_flags(),
+        );
         let dra = if dra_on {
             let client = gpuplane::kubeclient::client(args.kubeconfig.as_deref())
                 .await
                 .context("--dra needs API access")?;
-            Some(gpuplane::node::dra::DraSettings { driver_name: args.driver_name, client })
+            Some(gpuplane::node::dra::DraSettings {
+                driver_name: args.driver_name,
+                client,
+            })
         } else {
             None
         };

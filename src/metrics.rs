@@ -61,27 +61,56 @@ pub fn labels(pairs: &[(&str, &str)]) -> String {
     }
     let inner: Vec<String> = pairs
         .iter()
-        .map(|(k, v)| format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")))
+        .map(|(k, v)| {
+            format!(
+                "{k}=\"{}\"",
+                v.replace('\\', "\\\\")
+                    .replace('"', "\\\"")
+                    .replace('\n', "\\n")
+            )
+        })
         .collect();
     format!("{{{}}}", inner.join(","))
 }
 
 impl Registry {
-    fn with(&self, name: &'static str, help: &'static str, kind: Kind, f: impl FnOnce(&mut Family)) {
+    fn with(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        kind: Kind,
+        f: impl FnOnce(&mut Family),
+    ) {
         let mut fams = self.families.lock().unwrap_or_else(|p| p.into_inner());
-        let fam = fams.entry(name).or_insert_with(|| Family { help, kind, values: BTreeMap::new(), hists: BTreeMap::new() });
+        let fam = fams.entry(name).or_insert_with(|| Family {
+            help,
+            kind,
+            values: BTreeMap::new(),
+            hists: BTreeMap::new(),
+        });
         f(fam);
     }
 
     /// Adds one to a counter.
     pub fn inc(&self, name: &'static str, help: &'static str, pairs: &[(&str, &str)]) {
-        self.with(name, help, Kind::Counter, |f| *f.values.entry(labels(pairs)).or_default() += 1.0);
+        self.with(name, help, Kind::Counter, |f| {
+            *f.values.entry(labels(pairs)).or_default() += 1.0
+        });
     }
 
     /// Records one observation (seconds) in a latency histogram.
-    pub fn observe(&self, name: &'static str, help: &'static str, pairs: &[(&str, &str)], seconds: f64) {
+    pub fn observe(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        pairs: &[(&str, &str)],
+        seconds: f64,
+    ) {
         self.with(name, help, Kind::Histogram, |f| {
-            let h = f.hists.entry(labels(pairs)).or_insert_with(|| Hist { counts: vec![0; BUCKETS.len()], ..Hist::default() });
+            let h = f.hists.entry(labels(pairs)).or_insert_with(|| Hist {
+                counts: vec![0; BUCKETS.len()],
+                ..Hist::default()
+            });
             for (i, b) in BUCKETS.iter().enumerate() {
                 if seconds <= *b {
                     h.counts[i] += 1;
@@ -97,7 +126,12 @@ impl Registry {
         let fams = self.families.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = String::new();
         for (name, f) in fams.iter() {
-            let _ = writeln!(out, "# HELP {name} {}\n# TYPE {name} {}", f.help, f.kind.as_str());
+            let _ = writeln!(
+                out,
+                "# HELP {name} {}\n# TYPE {name} {}",
+                f.help,
+                f.kind.as_str()
+            );
             for (l, v) in &f.values {
                 let _ = writeln!(out, "{name}{l} {v}");
             }
@@ -119,7 +153,11 @@ impl Registry {
 pub fn render_gauges(gauges: &[(&str, &str, Vec<(String, f64)>)]) -> String {
     let mut out = String::new();
     for (name, help, series) in gauges {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {}", Kind::Gauge.as_str());
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} {}",
+            Kind::Gauge.as_str()
+        );
         for (l, v) in series {
             let _ = writeln!(out, "{name}{l} {v}");
         }
@@ -138,9 +176,20 @@ mod tests {
         r.inc("gpuplane_test_total", "A test counter.", &[("api", "dra")]);
         r.observe("gpuplane_test_seconds", "A test histogram.", &[], 0.003);
         let text = r.render();
-        assert!(text.contains("# TYPE gpuplane_test_total counter\ngpuplane_test_total{api=\"dra\"} 2\n"), "{text}");
-        assert!(text.contains("gpuplane_test_seconds_bucket{le=\"0.001\"} 0\n"), "{text}");
-        assert!(text.contains("gpuplane_test_seconds_bucket{le=\"0.005\"} 1\n"), "{text}");
+        assert!(
+            text.contains(
+                "# TYPE gpuplane_test_total counter\ngpuplane_test_total{api=\"dra\"} 2\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("gpuplane_test_seconds_bucket{le=\"0.001\"} 0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("gpuplane_test_seconds_bucket{le=\"0.005\"} 1\n"),
+            "{text}"
+        );
         assert!(text.contains("gpuplane_test_seconds_count 1\n"), "{text}");
         assert_eq!(labels(&[("m", "a\"b")]), "{m=\"a\\\"b\"}");
     }

@@ -168,21 +168,48 @@ async fn the_node_agent_stops_on_sigterm_removing_its_sockets() {
 /// A plain HTTP/1.1 GET over loopback: (status code, body).
 fn http_get(addr: &str, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return (0, String::new()) };
-    let _ = write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return (0, String::new());
+    };
+    let _ = write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    );
     let mut buf = String::new();
     let _ = s.read_to_string(&mut buf);
-    let code = buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (code, buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    let code = buf
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (
+        code,
+        buf.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_node_agent_serves_metrics_healthz_and_readyz_with_real_meaning() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("kubelet");
-    let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
     let mut child = Command::new(env!("CARGO_BIN_EXE_gpuplane"))
-        .args(["node", "--node-name", "n1", "--simulate", "pcie-l4x4", "--metrics-addr", &addr, "--kubelet-root"])
+        .args([
+            "node",
+            "--node-name",
+            "n1",
+            "--simulate",
+            "pcie-l4x4",
+            "--metrics-addr",
+            &addr,
+            "--kubelet-root",
+        ])
         .arg(&root)
         .arg("--cdi-root")
         .arg(dir.path().join("cdi"))
@@ -191,32 +218,70 @@ async fn the_node_agent_serves_metrics_healthz_and_readyz_with_real_meaning() {
         .unwrap();
     let get = |path: &'static str| {
         let a = addr.clone();
-        async move { tokio::task::spawn_blocking(move || http_get(&a, path)).await.unwrap() }
+        async move {
+            tokio::task::spawn_blocking(move || http_get(&a, path))
+                .await
+                .unwrap()
+        }
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while get("/healthz").await.0 != 200 {
-        assert!(std::time::Instant::now() < deadline, "healthz never answered 200");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "healthz never answered 200"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let (code, body) = get("/readyz").await;
     assert_eq!(code, 503, "not ready without a kubelet: {body}");
     assert!(body.contains("not every resource is registered"), "{body}");
     let mut kubelet = KubeletDouble::start(&root).await.unwrap();
-    let view = kubelet.wait_for(Duration::from_secs(20), |p| p.get("nvidia.com/gpu").is_some_and(|v| v.devices.len() == 4)).await.unwrap();
-    kubelet.allocate("nvidia.com/gpu", &[view["nvidia.com/gpu"].devices[0].id.clone()]).await.unwrap();
+    let view = kubelet
+        .wait_for(Duration::from_secs(20), |p| {
+            p.get("nvidia.com/gpu")
+                .is_some_and(|v| v.devices.len() == 4)
+        })
+        .await
+        .unwrap();
+    kubelet
+        .allocate(
+            "nvidia.com/gpu",
+            &[view["nvidia.com/gpu"].devices[0].id.clone()],
+        )
+        .await
+        .unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while get("/readyz").await.0 != 200 {
-        assert!(std::time::Instant::now() < deadline, "readyz never turned 200 after registration");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "readyz never turned 200 after registration"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let (code, metrics) = get("/metrics").await;
     assert_eq!(code, 200);
-    assert!(metrics.contains("gpuplane_devices{resource=\"nvidia.com/gpu\",health=\"healthy\"} 4"), "{metrics}");
-    assert!(metrics.contains("gpuplane_allocations_total{resource=\"nvidia.com/gpu\",outcome=\"granted\"} 1"), "{metrics}");
-    assert!(metrics.contains("gpuplane_ledger_handouts_total{api=\"device-plugin\"} 1"), "{metrics}");
+    assert!(
+        metrics.contains("gpuplane_devices{resource=\"nvidia.com/gpu\",health=\"healthy\"} 4"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(
+            "gpuplane_allocations_total{resource=\"nvidia.com/gpu\",outcome=\"granted\"} 1"
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("gpuplane_ledger_handouts_total{api=\"device-plugin\"} 1"),
+        "{metrics}"
+    );
     assert_eq!(get("/nope").await.0, 404);
-    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
-    let status = tokio::task::spawn_blocking(move || child.wait()).await.unwrap().unwrap();
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
     assert!(status.success());
     kubelet.stop().await;
 }

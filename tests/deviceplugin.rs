@@ -330,7 +330,11 @@ async fn an_xid_makes_a_device_unhealthy_and_it_recovers_after_the_quiet_period(
         })
         .await;
     assert_eq!(view[GPU].healthy(), 7);
-    let err = h.kubelet.allocate(GPU, std::slice::from_ref(&uuid)).await.unwrap_err();
+    let err = h
+        .kubelet
+        .allocate(GPU, std::slice::from_ref(&uuid))
+        .await
+        .unwrap_err();
     assert!(
         err.message().contains("unhealthy (critical Xid 48)"),
         "{}",
@@ -366,7 +370,11 @@ async fn a_lost_gpu_is_unhealthy_alone_and_the_others_stay_allocatable() {
     let others: Vec<String> = ids(&view).into_iter().filter(|id| *id != lost).collect();
     let pick = h.kubelet.preferred(GPU, &others, &[], 4).await.unwrap();
     assert!(h.kubelet.allocate(GPU, &pick).await.is_ok());
-    assert!(h.kubelet.allocate(GPU, std::slice::from_ref(&lost)).await.is_err());
+    assert!(h
+        .kubelet
+        .allocate(GPU, std::slice::from_ref(&lost))
+        .await
+        .is_err());
     h.sim.set_lost(&lost, false);
     h.wait("GPU 2 back", |p| p[GPU].healthy() == 8).await;
     h.shutdown().await;

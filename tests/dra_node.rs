@@ -16,9 +16,17 @@ async fn slices_are_published_valid_and_a_restart_with_the_same_inventory_writes
     let lab = Lab::new("h100-mig-single").await;
     let agent = lab.start("flags: {migStrategy: single}\n");
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
-    lab.eventually("56 published MIG devices", |l| l.slices().iter().map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len)).sum::<usize>() == 56).await;
+    lab.eventually("56 published MIG devices", |l| {
+        l.slices()
+            .iter()
+            .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
+            .sum::<usize>()
+            == 56
+    })
+    .await;
     for s in lab.slices() {
-        let slice: k8s_openapi::api::resource::v1::ResourceSlice = serde_json::from_value(s).unwrap();
+        let slice: k8s_openapi::api::resource::v1::ResourceSlice =
+            serde_json::from_value(s).unwrap();
         gpuplane::slices::validate::validate(&slice).unwrap();
         assert_eq!(slice.spec.node_name.as_deref(), Some(NODE));
     }
@@ -29,7 +37,12 @@ async fn slices_are_published_valid_and_a_restart_with_the_same_inventory_writes
     let agent = lab.start("flags: {migStrategy: single}\n");
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(lab.api.count_writes(), 0, "restart wrote: {:?}", lab.api.requests());
+    assert_eq!(
+        lab.api.count_writes(),
+        0,
+        "restart wrote: {:?}",
+        lab.api.requests()
+    );
     agent.stop().await;
 }
 
@@ -43,18 +56,45 @@ async fn a_claim_is_prepared_once_with_its_own_cdi_spec_and_unprepared_without_a
         let obj = json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "elsewhere", "namespace": "team-a"},
             "status": {"allocation": {"devices": {"results": [{"request": "gpus", "driver": DRIVER, "pool": "node-b", "device": "gpu-0"}]}}}});
         let stored = lab.api.put_json(obj).unwrap();
-        ClaimRef { namespace: "team-a".into(), name: "elsewhere".into(), uid: stored["metadata"]["uid"].as_str().unwrap().into() }
+        ClaimRef {
+            namespace: "team-a".into(),
+            name: "elsewhere".into(),
+            uid: stored["metadata"]["uid"].as_str().unwrap().into(),
+        }
     };
-    let answers = lab.dra.prepare(DRIVER, &[good.clone(), foreign.clone()]).await.unwrap();
-    let ids: Vec<String> = answers[&good.uid].as_ref().unwrap().iter().flat_map(|d| d.cdi_ids.clone()).collect();
+    let answers = lab
+        .dra
+        .prepare(DRIVER, &[good.clone(), foreign.clone()])
+        .await
+        .unwrap();
+    let ids: Vec<String> = answers[&good.uid]
+        .as_ref()
+        .unwrap()
+        .iter()
+        .flat_map(|d| d.cdi_ids.clone())
+        .collect();
     assert_eq!(ids.len(), 2);
     assert!(ids[0].starts_with("k8s.gpu.gpuplane.dev/claim="), "{ids:?}");
     let err = answers[&foreign.uid].as_ref().unwrap_err();
-    assert!(err.contains("node-b") && err.contains("team-a/elsewhere"), "{err}");
-    let spec = lab.dir.path().join(format!("cdi/gpuplane-claim-{}.json", good.uid));
+    assert!(
+        err.contains("node-b") && err.contains("team-a/elsewhere"),
+        "{err}"
+    );
+    let spec = lab
+        .dir
+        .path()
+        .join(format!("cdi/gpuplane-claim-{}.json", good.uid));
     let before = std::fs::metadata(&spec).unwrap().modified().unwrap();
-    assert_eq!(lab.prepare(&good).await.unwrap(), ids, "a repeated prepare answers the same");
-    assert_eq!(std::fs::metadata(&spec).unwrap().modified().unwrap(), before, "and rewrites nothing");
+    assert_eq!(
+        lab.prepare(&good).await.unwrap(),
+        ids,
+        "a repeated prepare answers the same"
+    );
+    assert_eq!(
+        std::fs::metadata(&spec).unwrap().modified().unwrap(),
+        before,
+        "and rewrites nothing"
+    );
     lab.unprepare(&good).await;
     assert!(!spec.exists());
     lab.unprepare(&good).await; // unknown claims succeed
@@ -67,15 +107,34 @@ async fn an_xid_taints_the_slice_and_turns_the_health_stream_unhealthy_until_rec
     let agent = lab.start("health: {recoveryQuietPeriod: 1s}\n");
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
     lab.dra.watch_health(DRIVER).unwrap();
-    lab.dra.wait_health(DRIVER, WAIT, |h| h.health(NODE, "gpu-5") == Some(HealthStatus::Healthy)).await.unwrap();
+    lab.dra
+        .wait_health(DRIVER, WAIT, |h| {
+            h.health(NODE, "gpu-5") == Some(HealthStatus::Healthy)
+        })
+        .await
+        .unwrap();
     lab.eventually("slices", |l| !l.slices().is_empty()).await;
     let uuid = lab.sim.discover().unwrap().inventory.gpus[5].uuid.clone();
     lab.sim.inject_xid(&uuid, None, 48);
-    lab.eventually("a taint on gpu-5", |l| l.taints("gpu-5") == ["gpu.gpuplane.dev/unhealthy=xid-48"]).await;
-    lab.dra.wait_health(DRIVER, WAIT, |h| h.health(NODE, "gpu-5") == Some(HealthStatus::Unhealthy)).await.unwrap();
+    lab.eventually("a taint on gpu-5", |l| {
+        l.taints("gpu-5") == ["gpu.gpuplane.dev/unhealthy=xid-48"]
+    })
+    .await;
+    lab.dra
+        .wait_health(DRIVER, WAIT, |h| {
+            h.health(NODE, "gpu-5") == Some(HealthStatus::Unhealthy)
+        })
+        .await
+        .unwrap();
     assert!(lab.taints("gpu-4").is_empty());
-    lab.eventually("the taint gone", |l| l.taints("gpu-5").is_empty()).await;
-    lab.dra.wait_health(DRIVER, WAIT, |h| h.health(NODE, "gpu-5") == Some(HealthStatus::Healthy)).await.unwrap();
+    lab.eventually("the taint gone", |l| l.taints("gpu-5").is_empty())
+        .await;
+    lab.dra
+        .wait_health(DRIVER, WAIT, |h| {
+            h.health(NODE, "gpu-5") == Some(HealthStatus::Healthy)
+        })
+        .await
+        .unwrap();
     agent.stop().await;
 }
 
@@ -84,39 +143,91 @@ async fn a_device_is_never_held_by_both_apis_at_once() {
     let lab = Lab::new("a100-mig-mixed").await;
     let agent = lab.start("flags: {migStrategy: mixed}\nallocation: {podResourcesGrace: 1s}\n");
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
-    lab.kubelet.wait_for(WAIT, |p| p.contains_key("nvidia.com/gpu")).await.unwrap();
+    lab.kubelet
+        .wait_for(WAIT, |p| p.contains_key("nvidia.com/gpu"))
+        .await
+        .unwrap();
     // GPU 3 (MIG off) through the device plugin...
-    let (ids, _) = lab.kubelet.admit("team-b", "pod-1", "main", "nvidia.com/gpu", 1).await.unwrap();
-    lab.eventually("the in-use taint on gpu-3", |l| l.taints("gpu-3") == ["gpu.gpuplane.dev/device-plugin=in-use"]).await;
+    let (ids, _) = lab
+        .kubelet
+        .admit("team-b", "pod-1", "main", "nvidia.com/gpu", 1)
+        .await
+        .unwrap();
+    lab.eventually("the in-use taint on gpu-3", |l| {
+        l.taints("gpu-3") == ["gpu.gpuplane.dev/device-plugin=in-use"]
+    })
+    .await;
     // ...so a claim for it is refused, naming the holder.
     let claim = lab.claim("late", &["gpu-3"]);
     let err = lab.prepare(&claim).await.unwrap_err();
-    assert!(err.contains("gpu-3") && err.contains("device plugin"), "{err}");
+    assert!(
+        err.contains("gpu-3") && err.contains("device plugin"),
+        "{err}"
+    );
     // The pod ends; PodResources stops listing it; after the grace period the claim gets it.
     lab.kubelet.end_pod("team-b", "pod-1");
-    lab.eventually("the taint gone", |l| l.taints("gpu-3").is_empty()).await;
+    lab.eventually("the taint gone", |l| l.taints("gpu-3").is_empty())
+        .await;
     lab.prepare(&claim).await.unwrap();
     // Now the device plugin side sees it withdrawn and Allocate is refused naming the claim.
     let id = ids[0].clone();
-    lab.kubelet.wait_for(WAIT, |p| p["nvidia.com/gpu"].devices.iter().any(|d| d.id == id && d.health == "Unhealthy")).await.unwrap();
-    let err = lab.kubelet.allocate("nvidia.com/gpu", &ids).await.unwrap_err();
-    assert!(err.message().contains("ResourceClaim team-a/late"), "{}", err.message());
+    lab.kubelet
+        .wait_for(WAIT, |p| {
+            p["nvidia.com/gpu"]
+                .devices
+                .iter()
+                .any(|d| d.id == id && d.health == "Unhealthy")
+        })
+        .await
+        .unwrap();
+    let err = lab
+        .kubelet
+        .allocate("nvidia.com/gpu", &ids)
+        .await
+        .unwrap_err();
+    assert!(
+        err.message().contains("ResourceClaim team-a/late"),
+        "{}",
+        err.message()
+    );
     // A MIG device of GPU 0 held by a claim blocks nothing else on the device plugin side
     // (GPU 0 is not offered whole), but the same MIG device cannot go to a container.
     lab.unprepare(&claim).await;
-    lab.kubelet.wait_for(WAIT, |p| p["nvidia.com/gpu"].healthy() == 1).await.unwrap();
+    lab.kubelet
+        .wait_for(WAIT, |p| p["nvidia.com/gpu"].healthy() == 1)
+        .await
+        .unwrap();
     agent.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitioned_mode_gives_each_api_only_its_own_devices() {
     let lab = Lab::new("a100-mig-mixed").await;
-    let agent = lab.start("flags: {migStrategy: mixed}\nallocation: {mode: partitioned, migToDra: true}\n");
+    let agent =
+        lab.start("flags: {migStrategy: mixed}\nallocation: {mode: partitioned, migToDra: true}\n");
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
-    let plugins = lab.kubelet.wait_for(WAIT, |p| p.contains_key("nvidia.com/gpu")).await.unwrap();
-    assert_eq!(plugins.keys().collect::<Vec<_>>(), ["nvidia.com/gpu"], "no MIG resources on the device plugin side");
-    lab.eventually("10 MIG devices in slices", |l| l.slices().iter().map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len)).sum::<usize>() == 10).await;
-    assert!(Lab::device(&lab.slices(), "gpu-3").is_none(), "the whole GPU belongs to the device plugin");
+    let plugins = lab
+        .kubelet
+        .wait_for(WAIT, |p| p.contains_key("nvidia.com/gpu"))
+        .await
+        .unwrap();
+    assert_eq!(
+        plugins.keys().collect::<Vec<_>>(),
+        ["nvidia.com/gpu"],
+        "no MIG resources on the device plugin side"
+    );
+    lab.eventually("10 MIG devices in slices", |l| {
+        l.slices()
+            .iter()
+            .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
+            .sum::<usize>()
+            == 10
+    })
+    .await;
+    assert!(
+        Lab::device(&lab.slices(), "gpu-3").is_none(),
+        "the whole GPU belongs to the device plugin"
+    );
     let claim = lab.claim("wrong-side", &["gpu-3"]);
     assert!(lab.prepare(&claim).await.is_err());
     agent.stop().await;
@@ -128,32 +239,86 @@ async fn a_restart_rebuilds_the_same_ledger_from_pod_resources_and_the_checkpoin
     let config = "allocation: {podResourcesGrace: 1s}\n";
     let agent = lab.start(config);
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
-    lab.kubelet.wait_for(WAIT, |p| p.get("nvidia.com/gpu").is_some_and(|v| v.devices.len() == 8)).await.unwrap();
-    let (pod_ids, _) = lab.kubelet.admit("team-b", "pod-1", "main", "nvidia.com/gpu", 2).await.unwrap();
+    lab.kubelet
+        .wait_for(WAIT, |p| {
+            p.get("nvidia.com/gpu")
+                .is_some_and(|v| v.devices.len() == 8)
+        })
+        .await
+        .unwrap();
+    let (pod_ids, _) = lab
+        .kubelet
+        .admit("team-b", "pod-1", "main", "nvidia.com/gpu", 2)
+        .await
+        .unwrap();
     let inv = lab.sim.discover().unwrap().inventory;
-    let free: Vec<String> = inv.gpus.iter().filter(|g| !pod_ids.contains(&g.uuid)).map(|g| format!("gpu-{}", g.index)).collect();
+    let free: Vec<String> = inv
+        .gpus
+        .iter()
+        .filter(|g| !pod_ids.contains(&g.uuid))
+        .map(|g| format!("gpu-{}", g.index))
+        .collect();
     let claim = lab.claim("keep", &[&free[0], &free[1]]);
     lab.prepare(&claim).await.unwrap();
     // What the ledger shows from the outside: withdrawn device-plugin devices, in-use taints.
     let view = |l: &Lab| {
-        let withdrawn: Vec<String> = l.kubelet.plugin("nvidia.com/gpu").map(|v| v.devices.iter().filter(|d| d.health == "Unhealthy").map(|d| d.id.clone()).collect()).unwrap_or_default();
-        let tainted: Vec<String> = (0..8).map(|i| format!("gpu-{i}")).filter(|d| !l.taints(d).is_empty()).collect();
+        let withdrawn: Vec<String> = l
+            .kubelet
+            .plugin("nvidia.com/gpu")
+            .map(|v| {
+                v.devices
+                    .iter()
+                    .filter(|d| d.health == "Unhealthy")
+                    .map(|d| d.id.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let tainted: Vec<String> = (0..8)
+            .map(|i| format!("gpu-{i}"))
+            .filter(|d| !l.taints(d).is_empty())
+            .collect();
         (withdrawn, tainted)
     };
-    lab.eventually("both kinds of hold visible", |l| { let (w, t) = view(l); w.len() == 2 && t.len() == 2 }).await;
+    lab.eventually("both kinds of hold visible", |l| {
+        let (w, t) = view(l);
+        w.len() == 2 && t.len() == 2
+    })
+    .await;
     let before = view(&lab);
     agent.stop().await;
     let agent = lab.start(config);
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
-    lab.kubelet.wait_for(WAIT, |p| p.get("nvidia.com/gpu").is_some_and(|v| v.healthy() == 6)).await.unwrap();
+    lab.kubelet
+        .wait_for(WAIT, |p| {
+            p.get("nvidia.com/gpu").is_some_and(|v| v.healthy() == 6)
+        })
+        .await
+        .unwrap();
     // Past a PodResources poll and a publisher round, the view must still be the same.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(view(&lab), before);
     // And the holds are enforced, not just shown: each API is refused the other's devices.
-    let err = lab.prepare(&lab.claim("grab", &[&before.1[0]])).await.unwrap_err();
+    let err = lab
+        .prepare(&lab.claim("grab", &[&before.1[0]]))
+        .await
+        .unwrap_err();
     assert!(err.contains("held by"), "{err}");
-    let claimed = inv.gpus.iter().find(|g| format!("gpu-{}", g.index) == free[0]).unwrap().uuid.clone();
-    let err = lab.kubelet.allocate("nvidia.com/gpu", &[claimed]).await.unwrap_err();
-    assert!(err.message().contains("ResourceClaim team-a/keep"), "{}", err.message());
+    let claimed = inv
+        .gpus
+        .iter()
+        .find(|g| format!("gpu-{}", g.index) == free[0])
+        .unwrap()
+        .uuid
+        .clone();
+    let err = lab
+        .kubelet
+        .allocate("nvidia.com/gpu", &[claimed])
+        .await
+        .unwrap_err();
+    assert!(
+        err.message().contains("ResourceClaim team-a/keep"),
+        "{}",
+        err.message()
+    );
     agent.stop().await;
 }

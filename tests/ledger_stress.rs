@@ -44,9 +44,21 @@ fn overlapping(inv: &Inventory, unit: &str) -> BTreeSet<String> {
 
 /// Everything handed out right now, by consumer: pods through the device plugin (by the
 /// kubelet double's record) and prepared claims (by our record of successful prepares).
-fn check_invariant(inv: &Inventory, pods: &BTreeMap<String, Vec<String>>, claims: &BTreeMap<String, (ClaimRef, Vec<String>)>, step: usize) {
+fn check_invariant(
+    inv: &Inventory,
+    pods: &BTreeMap<String, Vec<String>>,
+    claims: &BTreeMap<String, (ClaimRef, Vec<String>)>,
+    step: usize,
+) {
     let mut holder_of: BTreeMap<String, String> = BTreeMap::new();
-    let consumers = pods.iter().map(|(p, units)| (format!("pod {p}"), units.clone())).chain(claims.iter().map(|(n, (_, units))| (format!("claim {n}"), units.clone())));
+    let consumers = pods
+        .iter()
+        .map(|(p, units)| (format!("pod {p}"), units.clone()))
+        .chain(
+            claims
+                .iter()
+                .map(|(n, (_, units))| (format!("claim {n}"), units.clone())),
+        );
     for (who, units) in consumers {
         for u in units {
             for o in overlapping(inv, &u) {
@@ -62,7 +74,11 @@ fn check_invariant(inv: &Inventory, pods: &BTreeMap<String, Vec<String>>, claims
 async fn stress(profile: &str, config: &str, steps: usize, seed: u64) {
     let lab = Lab::new(profile).await;
     let inv = lab.sim.discover().unwrap().inventory;
-    let dra_devices: Vec<(String, String)> = inv.dra_devices().iter().map(|d| (d.dra_name(), d.uuid().to_string())).collect();
+    let dra_devices: Vec<(String, String)> = inv
+        .dra_devices()
+        .iter()
+        .map(|d| (d.dra_name(), d.uuid().to_string()))
+        .collect();
     let unit_of_dra: BTreeMap<String, String> = dra_devices.iter().cloned().collect();
     let mut agent = lab.start(config);
     let mut rng = Rng(seed);
@@ -70,13 +86,24 @@ async fn stress(profile: &str, config: &str, steps: usize, seed: u64) {
     let mut claims: BTreeMap<String, (ClaimRef, Vec<String>)> = BTreeMap::new();
     let (mut granted, mut refused, mut restarts) = (0usize, 0usize, 0usize);
     lab.dra.wait_registered(lab::DRIVER, WAIT).await.unwrap();
-    let resources: Vec<String> = lab.kubelet.wait_for(WAIT, |p| !p.is_empty()).await.unwrap().keys().cloned().collect();
+    let resources: Vec<String> = lab
+        .kubelet
+        .wait_for(WAIT, |p| !p.is_empty())
+        .await
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
     for step in 0..steps {
         match rng.below(10) {
             0..=2 => {
                 let resource = resources[rng.below(resources.len())].clone();
                 let name = format!("p{step}");
-                match lab.kubelet.admit("team-b", &name, "main", &resource, 1 + rng.below(2)).await {
+                match lab
+                    .kubelet
+                    .admit("team-b", &name, "main", &resource, 1 + rng.below(2))
+                    .await
+                {
                     Ok((ids, _)) => {
                         granted += 1;
                         pods.insert(name, ids);
@@ -84,7 +111,11 @@ async fn stress(profile: &str, config: &str, steps: usize, seed: u64) {
                     Err(e) if e.code() == tonic::Code::ResourceExhausted => {} // the kubelet found nothing free
                     Err(e) => {
                         refused += 1;
-                        assert!(e.message().contains("held by"), "step {step}: Allocate refused for another reason: {}", e.message());
+                        assert!(
+                            e.message().contains("held by"),
+                            "step {step}: Allocate refused for another reason: {}",
+                            e.message()
+                        );
                     }
                 }
             }
@@ -96,7 +127,9 @@ async fn stress(profile: &str, config: &str, steps: usize, seed: u64) {
             }
             5..=7 => {
                 let n = 1 + rng.below(2);
-                let mut names: Vec<&str> = (0..n).map(|_| dra_devices[rng.below(dra_devices.len())].0.as_str()).collect();
+                let mut names: Vec<&str> = (0..n)
+                    .map(|_| dra_devices[rng.below(dra_devices.len())].0.as_str())
+                    .collect();
                 names.sort();
                 names.dedup();
                 let name = format!("c{step}");
@@ -104,11 +137,20 @@ async fn stress(profile: &str, config: &str, steps: usize, seed: u64) {
                 match lab.prepare(&claim).await {
                     Ok(_) => {
                         granted += 1;
-                        claims.insert(name, (claim, names.iter().map(|d| unit_of_dra[*d].clone()).collect()));
+                        claims.insert(
+                            name,
+                            (
+                                claim,
+                                names.iter().map(|d| unit_of_dra[*d].clone()).collect(),
+                            ),
+                        );
                     }
                     Err(e) => {
                         refused += 1;
-                        assert!(e.contains("held by"), "step {step}: prepare refused for another reason: {e}");
+                        assert!(
+                            e.contains("held by"),
+                            "step {step}: prepare refused for another reason: {e}"
+                        );
                     }
                 }
             }
@@ -124,7 +166,12 @@ async fn stress(profile: &str, config: &str, steps: usize, seed: u64) {
                     agent.stop().await;
                     agent = lab.start(config);
                     // The restarted agent's own registration, not the stale one of its predecessor.
-                    lab.dra.wait_until(WAIT, "re-registration", |k| k.registrations().len() > before && k.plugin(lab::DRIVER).is_some()).await.unwrap();
+                    lab.dra
+                        .wait_until(WAIT, "re-registration", |k| {
+                            k.registrations().len() > before && k.plugin(lab::DRIVER).is_some()
+                        })
+                        .await
+                        .unwrap();
                     lab.kubelet.wait_for(WAIT, |p| !p.is_empty()).await.unwrap();
                     restarts += 1;
                 }
@@ -136,16 +183,31 @@ async fn stress(profile: &str, config: &str, steps: usize, seed: u64) {
     }
     agent.stop().await;
     println!("{profile}: {steps} steps, {granted} granted, {refused} refused for held devices, {restarts} agent restarts");
-    assert!(granted > steps / 10 && refused > 0, "the run must exercise both outcomes ({granted} granted, {refused} refused)");
+    assert!(
+        granted > steps / 10 && refused > 0,
+        "the run must exercise both outcomes ({granted} granted, {refused} refused)"
+    );
     assert!(restarts > 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_interleavings_on_a100_mig_mixed_never_hand_a_device_out_twice() {
-    stress("a100-mig-mixed", "flags: {migStrategy: mixed}\nallocation: {podResourcesGrace: 1s}\n", 1500, 0x9e37_79b9_7f4a_7c15).await;
+    stress(
+        "a100-mig-mixed",
+        "flags: {migStrategy: mixed}\nallocation: {podResourcesGrace: 1s}\n",
+        1500,
+        0x9e37_79b9_7f4a_7c15,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_interleavings_on_dgx_h100_never_hand_a_device_out_twice() {
-    stress("dgx-h100", "allocation: {podResourcesGrace: 1s}\n", 1500, 0x2545_f491_4f6c_dd1d).await;
+    stress(
+        "dgx-h100",
+        "allocation: {podResourcesGrace: 1s}\n",
+        1500,
+        0x2545_f491_4f6c_dd1d,
+    )
+    .await;
 }

@@ -7,9 +7,9 @@ use super::resources::{PluginDevice, ResourcePlan};
 use crate::config::{AgentConfig, DeviceListStrategy};
 use crate::health::{Health, HealthBook};
 use crate::ledger::{Holder, Ledger};
-use std::time::Instant;
 use crate::topology::{self, PreferError, TopologyModel};
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
 
 /// CDI kind of the node-wide spec; `nvidia.com/gpu=<uuid>` names each device.
 pub const CDI_KIND: &str = "nvidia.com/gpu";
@@ -120,19 +120,42 @@ pub fn allocate(
 
 /// The ledger holder the device plugin records for a container's devices.
 pub fn holder(resource: &str, ids: &[String]) -> Holder {
-    Holder::DevicePlugin { resource: resource.to_string(), device_id: ids.join(","), pod: None }
+    Holder::DevicePlugin {
+        resource: resource.to_string(),
+        device_id: ids.join(","),
+        pod: None,
+    }
 }
 
 /// Records a granted container's units in the ledger, refusing units another consumer (a DRA
 /// claim) holds, directly or through a MIG/GPU overlap. Returns the units held.
-pub fn hold(plan: &ResourcePlan, ledger: &mut Ledger, ids: &[String], now: Instant) -> Result<Vec<String>, AllocateError> {
-    let mut units: Vec<String> = ids.iter().filter_map(|id| find(plan, id)).map(|d| d.unit.clone()).collect();
+pub fn hold(
+    plan: &ResourcePlan,
+    ledger: &mut Ledger,
+    ids: &[String],
+    now: Instant,
+) -> Result<Vec<String>, AllocateError> {
+    let mut units: Vec<String> = ids
+        .iter()
+        .filter_map(|id| find(plan, id))
+        .map(|d| d.unit.clone())
+        .collect();
     units.sort();
     units.dedup();
-    ledger.hold_all(&units, &holder(&plan.name, ids), now).map_err(|held| {
-        let id = plan.devices.iter().find(|d| d.unit == held.unit && ids.contains(&d.id)).map_or(held.unit.clone(), |d| d.id.clone());
-        AllocateError::Held { resource: plan.name.clone(), id, holder: held.holder.to_string() }
-    })?;
+    ledger
+        .hold_all(&units, &holder(&plan.name, ids), now)
+        .map_err(|held| {
+            let id = plan
+                .devices
+                .iter()
+                .find(|d| d.unit == held.unit && ids.contains(&d.id))
+                .map_or(held.unit.clone(), |d| d.id.clone());
+            AllocateError::Held {
+                resource: plan.name.clone(),
+                id,
+                holder: held.holder.to_string(),
+            }
+        })?;
     Ok(units)
 }
 

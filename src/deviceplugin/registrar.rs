@@ -55,7 +55,12 @@ impl Served {
 
 /// Serves and registers every resource in the plan until `shutdown` turns true; then removes
 /// its sockets.
-pub async fn run(dir: PathBuf, state: Arc<NodeState>, all_registered: Arc<AtomicBool>, mut shutdown: watch::Receiver<bool>) {
+pub async fn run(
+    dir: PathBuf,
+    state: Arc<NodeState>,
+    all_registered: Arc<AtomicBool>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let kubelet_sock = dir.join(KUBELET_SOCKET);
     let mut served: BTreeMap<String, Served> = BTreeMap::new();
     let mut kubelet_id: Option<(u64, u64)> = None;
@@ -133,7 +138,12 @@ pub async fn run(dir: PathBuf, state: Arc<NodeState>, all_registered: Arc<Atomic
                 }
             }
         }
-        all_registered.store(kubelet_id.is_some() && served.len() == wanted.len() && served.values().all(|s| s.registered), Ordering::Relaxed);
+        all_registered.store(
+            kubelet_id.is_some()
+                && served.len() == wanted.len()
+                && served.values().all(|s| s.registered),
+            Ordering::Relaxed,
+        );
         tokio::select! {
             _ = tokio::time::sleep(POLL) => {}
             _ = changes.changed() => {}

@@ -3,16 +3,16 @@
 
 use super::allocate::{self, AllocateError};
 use crate::config::AllocationMode;
+use crate::health::Health;
 use crate::ledger::{LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, LEDGER_REFUSALS, LEDGER_REFUSALS_HELP};
 use crate::metrics;
-use crate::health::Health;
-use std::time::Instant;
 use crate::node::state::NodeState;
 use crate::proto::deviceplugin_v1beta1 as pb;
 use pb::device_plugin_server::DevicePlugin;
 use std::collections::BTreeSet;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Instant;
 use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -44,7 +44,9 @@ impl DevicePluginService {
         let snap = self.state.read();
         let plan = snap.plan.resource(&self.resource)?;
         // Units a DRA claim holds are withdrawn: reported Unhealthy until the claim is unprepared.
-        let withdrawn = snap.ledger.blocked_for(&allocate::holder(&self.resource, &[]));
+        let withdrawn = snap
+            .ledger
+            .blocked_for(&allocate::holder(&self.resource, &[]));
         Some(
             plan.devices
                 .iter()
@@ -124,7 +126,9 @@ impl DevicePlugin for DevicePluginService {
             .plan
             .resource(&self.resource)
             .ok_or_else(|| gone(&self.resource))?;
-        let avoid: BTreeSet<String> = snap.ledger.blocked_for(&allocate::holder(&self.resource, &[]));
+        let avoid: BTreeSet<String> = snap
+            .ledger
+            .blocked_for(&allocate::holder(&self.resource, &[]));
         let mut container_responses = Vec::new();
         for c in req.into_inner().container_requests {
             let size = usize::try_from(c.allocation_size).map_err(|_| {
@@ -198,10 +202,25 @@ impl DevicePlugin for DevicePluginService {
             (Ok(out), held)
         });
         let m = metrics::global();
-        let outcome = if container_responses.is_ok() { "granted" } else { "refused" };
-        m.inc("gpuplane_allocations_total", "Device plugin Allocate calls by resource and outcome.", &[("resource", resource), ("outcome", outcome)]);
-        m.observe("gpuplane_allocate_seconds", "Device plugin Allocate latency.", &[], started.elapsed().as_secs_f64());
-        Ok(Response::new(pb::AllocateResponse { container_responses: container_responses? }))
+        let outcome = if container_responses.is_ok() {
+            "granted"
+        } else {
+            "refused"
+        };
+        m.inc(
+            "gpuplane_allocations_total",
+            "Device plugin Allocate calls by resource and outcome.",
+            &[("resource", resource), ("outcome", outcome)],
+        );
+        m.observe(
+            "gpuplane_allocate_seconds",
+            "Device plugin Allocate latency.",
+            &[],
+            started.elapsed().as_secs_f64(),
+        );
+        Ok(Response::new(pb::AllocateResponse {
+            container_responses: container_responses?,
+        }))
     }
 
     async fn pre_start_container(

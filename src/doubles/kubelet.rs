@@ -76,41 +76,91 @@ struct PodResourcesService {
 }
 
 fn container_devices(resource: &str, ids: &[String]) -> pr::ContainerDevices {
-    pr::ContainerDevices { resource_name: resource.to_string(), device_ids: ids.to_vec(), topology: None }
+    pr::ContainerDevices {
+        resource_name: resource.to_string(),
+        device_ids: ids.to_vec(),
+        topology: None,
+    }
 }
 
 #[tonic::async_trait]
 impl pr::pod_resources_lister_server::PodResourcesLister for PodResourcesService {
-    async fn list(&self, _: Request<pr::ListPodResourcesRequest>) -> Result<Response<pr::ListPodResourcesResponse>, Status> {
+    async fn list(
+        &self,
+        _: Request<pr::ListPodResourcesRequest>,
+    ) -> Result<Response<pr::ListPodResourcesResponse>, Status> {
         let assigned = lock(&self.inner.assigned).clone();
         let mut pods: BTreeMap<(String, String), Vec<pr::ContainerResources>> = BTreeMap::new();
         for ((ns, pod, container), by_resource) in assigned {
-            pods.entry((ns, pod)).or_default().push(pr::ContainerResources {
-                name: container,
-                devices: by_resource.iter().map(|(r, ids)| container_devices(r, ids)).collect(),
-                ..Default::default()
-            });
+            pods.entry((ns, pod))
+                .or_default()
+                .push(pr::ContainerResources {
+                    name: container,
+                    devices: by_resource
+                        .iter()
+                        .map(|(r, ids)| container_devices(r, ids))
+                        .collect(),
+                    ..Default::default()
+                });
         }
-        let pod_resources = pods.into_iter().map(|((namespace, name), containers)| pr::PodResources { name, namespace, containers }).collect();
-        Ok(Response::new(pr::ListPodResourcesResponse { pod_resources }))
+        let pod_resources = pods
+            .into_iter()
+            .map(|((namespace, name), containers)| pr::PodResources {
+                name,
+                namespace,
+                containers,
+            })
+            .collect();
+        Ok(Response::new(pr::ListPodResourcesResponse {
+            pod_resources,
+        }))
     }
 
-    async fn get_allocatable_resources(&self, _: Request<pr::AllocatableResourcesRequest>) -> Result<Response<pr::AllocatableResourcesResponse>, Status> {
+    async fn get_allocatable_resources(
+        &self,
+        _: Request<pr::AllocatableResourcesRequest>,
+    ) -> Result<Response<pr::AllocatableResourcesResponse>, Status> {
         let plugins = lock(&self.inner.plugins).clone();
         let devices = plugins
             .iter()
-            .map(|(r, v)| container_devices(r, &v.devices.iter().filter(|d| d.health == "Healthy").map(|d| d.id.clone()).collect::<Vec<_>>()))
+            .map(|(r, v)| {
+                container_devices(
+                    r,
+                    &v.devices
+                        .iter()
+                        .filter(|d| d.health == "Healthy")
+                        .map(|d| d.id.clone())
+                        .collect::<Vec<_>>(),
+                )
+            })
             .collect();
-        Ok(Response::new(pr::AllocatableResourcesResponse { devices, ..Default::default() }))
+        Ok(Response::new(pr::AllocatableResourcesResponse {
+            devices,
+            ..Default::default()
+        }))
     }
 
-    async fn get(&self, req: Request<pr::GetPodResourcesRequest>) -> Result<Response<pr::GetPodResourcesResponse>, Status> {
+    async fn get(
+        &self,
+        req: Request<pr::GetPodResourcesRequest>,
+    ) -> Result<Response<pr::GetPodResourcesResponse>, Status> {
         let req = req.into_inner();
-        let all = self.list(Request::new(pr::ListPodResourcesRequest {})).await?.into_inner();
-        let pod = all.pod_resources.into_iter().find(|p| p.name == req.pod_name && p.namespace == req.pod_namespace);
+        let all = self
+            .list(Request::new(pr::ListPodResourcesRequest {}))
+            .await?
+            .into_inner();
+        let pod = all
+            .pod_resources
+            .into_iter()
+            .find(|p| p.name == req.pod_name && p.namespace == req.pod_namespace);
         match pod {
-            Some(p) => Ok(Response::new(pr::GetPodResourcesResponse { pod_resources: Some(p) })),
-            None => Err(Status::not_found(format!("pod {}/{} not found", req.pod_namespace, req.pod_name))),
+            Some(p) => Ok(Response::new(pr::GetPodResourcesResponse {
+                pod_resources: Some(p),
+            })),
+            None => Err(Status::not_found(format!(
+                "pod {}/{} not found",
+                req.pod_namespace, req.pod_name
+            ))),
         }
     }
 }
@@ -229,9 +279,10 @@ impl KubeletDouble {
             dir: self.dir.clone(),
             inner: self.inner.clone(),
         });
-        let pr_svc = pr::pod_resources_lister_server::PodResourcesListerServer::new(
-            PodResourcesService { inner: self.inner.clone() },
-        );
+        let pr_svc =
+            pr::pod_resources_lister_server::PodResourcesListerServer::new(PodResourcesService {
+                inner: self.inner.clone(),
+            });
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let (pr_stop, pr_stopped) = oneshot::channel::<()>();
@@ -368,21 +419,50 @@ impl KubeletDouble {
     /// Admits one container asking for `count` devices of `resource`, as the device manager
     /// does: healthy devices no other container is assigned, a preferred allocation, Allocate,
     /// then the assignment is recorded (and listed by PodResources). Returns the device IDs.
-    pub async fn admit(&self, namespace: &str, pod: &str, container: &str, resource: &str, count: usize) -> Result<(Vec<String>, pb::ContainerAllocateResponse), Status> {
-        let view = self.plugin(resource).ok_or_else(|| Status::not_found(format!("no plugin registered for {resource}")))?;
-        let taken: std::collections::BTreeSet<String> =
-            lock(&self.inner.assigned).values().filter_map(|m| m.get(resource)).flatten().cloned().collect();
-        let available: Vec<String> = view.devices.iter().filter(|d| d.health == "Healthy" && !taken.contains(&d.id)).map(|d| d.id.clone()).collect();
+    pub async fn admit(
+        &self,
+        namespace: &str,
+        pod: &str,
+        container: &str,
+        resource: &str,
+        count: usize,
+    ) -> Result<(Vec<String>, pb::ContainerAllocateResponse), Status> {
+        let view = self
+            .plugin(resource)
+            .ok_or_else(|| Status::not_found(format!("no plugin registered for {resource}")))?;
+        let taken: std::collections::BTreeSet<String> = lock(&self.inner.assigned)
+            .values()
+            .filter_map(|m| m.get(resource))
+            .flatten()
+            .cloned()
+            .collect();
+        let available: Vec<String> = view
+            .devices
+            .iter()
+            .filter(|d| d.health == "Healthy" && !taken.contains(&d.id))
+            .map(|d| d.id.clone())
+            .collect();
         if available.len() < count {
-            return Err(Status::resource_exhausted(format!("{count} {resource} requested, {} available", available.len())));
+            return Err(Status::resource_exhausted(format!(
+                "{count} {resource} requested, {} available",
+                available.len()
+            )));
         }
-        let ids = match view.options.as_ref().is_some_and(|o| o.get_preferred_allocation_available) {
+        let ids = match view
+            .options
+            .as_ref()
+            .is_some_and(|o| o.get_preferred_allocation_available)
+        {
             true => self.preferred(resource, &available, &[], count).await?,
             false => available[..count].to_vec(),
         };
         let grant = self.allocate(resource, &ids).await?;
         lock(&self.inner.assigned)
-            .entry((namespace.to_string(), pod.to_string(), container.to_string()))
+            .entry((
+                namespace.to_string(),
+                pod.to_string(),
+                container.to_string(),
+            ))
             .or_default()
             .insert(resource.to_string(), ids.clone());
         Ok((ids, grant))

@@ -36,22 +36,25 @@ use super::checkpoint::{
     self, Checkpoint, CheckpointData, CheckpointError, ClaimEntry, ClaimState,
 };
 use super::claims::{plan_claim, ClaimError, ClaimFetcher, ClaimPlan, FetchError};
-use crate::config::AllocationMode;
-use crate::ledger::{dra_view, Held, Holder, LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, LEDGER_REFUSALS, LEDGER_REFUSALS_HELP, LEDGER_RELEASES, LEDGER_RELEASES_HELP};
-use crate::metrics;
-use std::time::Instant;
 use super::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
 };
 use crate::cdi::{
     self, DeviceName, DriverFiles, Kind, NameError, NamedDevices, ProcCaps, WriteError,
 };
+use crate::config::AllocationMode;
 use crate::health::Health;
 use crate::inventory::Inventory;
+use crate::ledger::{
+    dra_view, Held, Holder, LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, LEDGER_REFUSALS,
+    LEDGER_REFUSALS_HELP, LEDGER_RELEASES, LEDGER_RELEASES_HELP,
+};
+use crate::metrics;
 use crate::node::state::NodeState;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 use tokio::sync::{watch, Mutex};
 use tracing::{error, info, warn};
 
@@ -408,7 +411,11 @@ impl DraCore {
     pub async fn restore_holds(&self) {
         let cp = self.checkpoint.lock().await;
         for (uid, entry) in &cp.data().claims {
-            let c = ClaimRef { namespace: entry.namespace.clone(), uid: uid.clone(), name: entry.name.clone() };
+            let c = ClaimRef {
+                namespace: entry.namespace.clone(),
+                uid: uid.clone(),
+                name: entry.name.clone(),
+            };
             if let Err(e) = self.hold(&c, &entry.units) {
                 error!(claim = %claim_label(&c), error = %e, "checkpointed claim overlaps another holder");
             }
@@ -419,7 +426,10 @@ impl DraCore {
     /// consumer holds. Under the checkpoint lock, so two prepares cannot race for a unit; the
     /// device plugin's Allocate holds under the state's write lock, which `update` takes too.
     fn hold(&self, c: &ClaimRef, units: &BTreeMap<String, String>) -> Result<(), PrepareError> {
-        let who = Holder::Claim { uid: c.uid.clone(), name: claim_label(c) };
+        let who = Holder::Claim {
+            uid: c.uid.clone(),
+            name: claim_label(c),
+        };
         self.state.update(|s| {
             if s.config.allocation != AllocationMode::Shared {
                 return (Ok(()), false);
@@ -433,8 +443,17 @@ impl DraCore {
                 }
                 Err(held) => {
                     metrics::global().inc(LEDGER_REFUSALS, LEDGER_REFUSALS_HELP, &[("api", "dra")]);
-                    let device = units.iter().find(|(_, u)| **u == held.unit).map_or(held.unit.clone(), |(d, _)| d.clone());
-                    (Err(PrepareError::Held { device, source: Box::new(held) }), false)
+                    let device = units
+                        .iter()
+                        .find(|(_, u)| **u == held.unit)
+                        .map_or(held.unit.clone(), |(d, _)| d.clone());
+                    (
+                        Err(PrepareError::Held {
+                            device,
+                            source: Box::new(held),
+                        }),
+                        false,
+                    )
                 }
             }
         })
@@ -448,7 +467,10 @@ impl DraCore {
     ) -> Result<Rendered, PrepareError> {
         let (inv, health) = {
             let snap = self.state.read();
-            (dra_view(&snap.inventory, &snap.config.allocation), snap.health.clone())
+            (
+                dra_view(&snap.inventory, &snap.config.allocation),
+                snap.health.clone(),
+            )
         };
         let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health)
             .map_err(|source| PrepareError::Plan { source })?;
@@ -593,8 +615,17 @@ impl DraDriver for DraCore {
             };
             let m = metrics::global();
             let outcome = if result.is_ok() { "prepared" } else { "failed" };
-            m.inc("gpuplane_prepares_total", "NodePrepareResources claims by outcome.", &[("outcome", outcome)]);
-            m.observe("gpuplane_prepare_seconds", "Time to prepare one claim.", &[], started.elapsed().as_secs_f64());
+            m.inc(
+                "gpuplane_prepares_total",
+                "NodePrepareResources claims by outcome.",
+                &[("outcome", outcome)],
+            );
+            m.observe(
+                "gpuplane_prepare_seconds",
+                "Time to prepare one claim.",
+                &[],
+                started.elapsed().as_secs_f64(),
+            );
             out.insert(c.uid, result);
         }
         out

@@ -41,9 +41,18 @@ pub fn desired_slices(s: &Snapshot, driver: &str, node: &str) -> Vec<ResourceSli
     if blocked.is_empty() {
         return slices;
     }
-    for device in slices.iter_mut().flat_map(|sl| sl.spec.devices.iter_mut().flatten()) {
-        if inv.dra_device(&device.name).is_some_and(|d| blocked.contains(d.uuid())) {
-            device.taints.get_or_insert_with(Vec::new).push(render::in_use_taint());
+    for device in slices
+        .iter_mut()
+        .flat_map(|sl| sl.spec.devices.iter_mut().flatten())
+    {
+        if inv
+            .dra_device(&device.name)
+            .is_some_and(|d| blocked.contains(d.uuid()))
+        {
+            device
+                .taints
+                .get_or_insert_with(Vec::new)
+                .push(render::in_use_taint());
         }
     }
     slices
@@ -71,7 +80,11 @@ pub async fn start(
         dev_root: paths.dev_root.clone(),
         ..DraCoreConfig::new(&driver, node_name, &paths.state_dir)
     };
-    let core = DraCore::new(config, state.clone(), Arc::new(KubeClaims::new(settings.client.clone())))?;
+    let core = DraCore::new(
+        config,
+        state.clone(),
+        Arc::new(KubeClaims::new(settings.client.clone())),
+    )?;
     core.restore_holds().await;
     let server = DraServer::new(&paths.kubelet_root, &driver, Arc::new(core))?;
     let registered = server.registered();
@@ -105,7 +118,11 @@ pub async fn start(
         }
     }));
     let publisher = SlicePublisher::new(settings.client, driver, node_name);
-    let options = LoopOptions { resync: Duration::from_secs(300), retry: Duration::from_secs(1), watch: true };
+    let options = LoopOptions {
+        resync: Duration::from_secs(300),
+        retry: Duration::from_secs(1),
+        watch: true,
+    };
     let mut publish_stop = stop;
     tasks.push(tokio::spawn(async move {
         keep_published(publisher, rx, options, async move {

@@ -30,7 +30,9 @@ pub struct Readiness {
 }
 
 pub fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 impl Readiness {
@@ -50,7 +52,9 @@ impl Readiness {
         self.live()?;
         if let Some(dp) = &self.device_plugin {
             if !dp.load(Ordering::Relaxed) {
-                return Err("device plugin: not every resource is registered with the kubelet".into());
+                return Err(
+                    "device plugin: not every resource is registered with the kubelet".into(),
+                );
             }
         }
         if let Some(dra) = &self.dra {
@@ -67,9 +71,19 @@ fn state_gauges(state: &NodeState) -> String {
     let snap = state.read();
     let mut devices = Vec::new();
     for r in &snap.plan.resources {
-        let unhealthy = r.devices.iter().filter(|d| matches!(snap.health.health(&d.unit), Health::Unhealthy(_))).count();
-        for (health, n) in [("healthy", r.devices.len() - unhealthy), ("unhealthy", unhealthy)] {
-            devices.push((metrics::labels(&[("resource", &r.name), ("health", health)]), n as f64));
+        let unhealthy = r
+            .devices
+            .iter()
+            .filter(|d| matches!(snap.health.health(&d.unit), Health::Unhealthy(_)))
+            .count();
+        for (health, n) in [
+            ("healthy", r.devices.len() - unhealthy),
+            ("unhealthy", unhealthy),
+        ] {
+            devices.push((
+                metrics::labels(&[("resource", &r.name), ("health", health)]),
+                n as f64,
+            ));
         }
     }
     let held = snap.ledger.holds().fold([0usize; 2], |mut acc, (_, h)| {
@@ -77,11 +91,18 @@ fn state_gauges(state: &NodeState) -> String {
         acc
     });
     metrics::render_gauges(&[
-        ("gpuplane_devices", "Devices offered through the device plugin API, by resource and health.", devices),
+        (
+            "gpuplane_devices",
+            "Devices offered through the device plugin API, by resource and health.",
+            devices,
+        ),
         (
             "gpuplane_ledger_held_units",
             "Units (GPUs or MIG devices) held in the allocation ledger, by API.",
-            vec![(metrics::labels(&[("api", "device-plugin")]), held[0] as f64), (metrics::labels(&[("api", "dra")]), held[1] as f64)],
+            vec![
+                (metrics::labels(&[("api", "device-plugin")]), held[0] as f64),
+                (metrics::labels(&[("api", "dra")]), held[1] as f64),
+            ],
         ),
     ])
 }
@@ -98,15 +119,26 @@ fn route(path: &str, state: &NodeState, readiness: &Readiness) -> Response<Full<
         Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
     };
     match path {
-        "/metrics" => text(StatusCode::OK, format!("{}{}", metrics::global().render(), state_gauges(state))),
+        "/metrics" => text(
+            StatusCode::OK,
+            format!("{}{}", metrics::global().render(), state_gauges(state)),
+        ),
         "/healthz" => check(readiness.live()),
         "/readyz" => check(readiness.ready()),
-        _ => text(StatusCode::NOT_FOUND, "not found: try /metrics, /healthz or /readyz\n".into()),
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "not found: try /metrics, /healthz or /readyz\n".into(),
+        ),
     }
 }
 
 /// Serves the endpoints on `listener` until `shutdown` turns true.
-pub async fn serve(listener: TcpListener, state: Arc<NodeState>, readiness: Arc<Readiness>, mut shutdown: watch::Receiver<bool>) {
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<NodeState>,
+    readiness: Arc<Readiness>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     loop {
         let (stream, _) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -124,7 +156,9 @@ pub async fn serve(listener: TcpListener, state: Arc<NodeState>, readiness: Arc<
                 let resp = route(req.uri().path(), &state, &readiness);
                 async move { Ok::<_, std::convert::Infallible>(resp) }
             });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), svc).await;
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
         });
     }
 }

@@ -180,7 +180,11 @@ fn spawn_event_pump(
                 Ok(Some(event)) => {
                     failing = false;
                     let crate::source::DeviceEvent::Xid { xid, .. } = &event;
-                    crate::metrics::global().inc("gpuplane_xid_events_total", "Xid events reported by the driver, by code.", &[("xid", &xid.to_string())]);
+                    crate::metrics::global().inc(
+                        "gpuplane_xid_events_total",
+                        "Xid events reported by the driver, by code.",
+                        &[("xid", &xid.to_string())],
+                    );
                     let change = state.update(|s| {
                         let c = s
                             .health
@@ -247,22 +251,46 @@ pub async fn run(
 
     let (dra_tasks, dra_registered) = match opts.dra.clone() {
         Some(settings) => {
-            let started = dra::start(settings, &opts.node_name, &opts.paths, state.clone(), stop_rx.clone()).await?;
+            let started = dra::start(
+                settings,
+                &opts.node_name,
+                &opts.paths,
+                state.clone(),
+                stop_rx.clone(),
+            )
+            .await?;
             (started.tasks, Some(started.registered))
         }
         None => (Vec::new(), None),
     };
-    let readiness = Arc::new(http::Readiness { device_plugin: opts.device_plugin.then(|| dp_registered.clone()), dra: dra_registered, ..Default::default() });
+    let readiness = Arc::new(http::Readiness {
+        device_plugin: opts.device_plugin.then(|| dp_registered.clone()),
+        dra: dra_registered,
+        ..Default::default()
+    });
     readiness.tick();
     let metrics_task = match opts.metrics_addr {
         Some(addr) => {
-            let listener = http::bind(addr).await.map_err(|source| NodeError::Metrics { addr, source })?;
+            let listener = http::bind(addr)
+                .await
+                .map_err(|source| NodeError::Metrics { addr, source })?;
             tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
-            Some(tokio::spawn(http::serve(listener, state.clone(), readiness.clone(), stop_rx.clone())))
+            Some(tokio::spawn(http::serve(
+                listener,
+                state.clone(),
+                readiness.clone(),
+                stop_rx.clone(),
+            )))
         }
         None => None,
     };
-    let pod_resources = opts.device_plugin.then(|| tokio::spawn(podresources::run(opts.paths.pod_resources_socket(), state.clone(), stop_rx.clone())));
+    let pod_resources = opts.device_plugin.then(|| {
+        tokio::spawn(podresources::run(
+            opts.paths.pod_resources_socket(),
+            state.clone(),
+            stop_rx.clone(),
+        ))
+    });
     let mut node_spec = cdi::NodeSpecWriter::new(
         opts.paths.cdi_root.clone(),
         opts.paths.driver_root.clone(),
@@ -359,7 +387,11 @@ pub async fn run(
 
     tracing::info!("shutting down: stopping plugins");
     let _ = stop_tx.send(true);
-    for task in [registrar, pod_resources, metrics_task].into_iter().flatten().chain(dra_tasks) {
+    for task in [registrar, pod_resources, metrics_task]
+        .into_iter()
+        .flatten()
+        .chain(dra_tasks)
+    {
         let _ = task.await;
     }
     pump_stop.store(true, Ordering::Relaxed);

@@ -27,16 +27,27 @@ pub enum PodResourcesError {
 }
 
 /// Units the kubelet reports assigned: unit -> (holder, `namespace/pod/container`).
-pub fn units_in_use(list: &pr::ListPodResourcesResponse, plan: &Plan) -> BTreeMap<String, (Holder, String)> {
+pub fn units_in_use(
+    list: &pr::ListPodResourcesResponse,
+    plan: &Plan,
+) -> BTreeMap<String, (Holder, String)> {
     let mut out = BTreeMap::new();
     for pod in &list.pod_resources {
         for c in &pod.containers {
             let who = format!("{}/{}/{}", pod.namespace, pod.name, c.name);
             for d in &c.devices {
-                let Some(resource) = plan.resource(&d.resource_name) else { continue };
+                let Some(resource) = plan.resource(&d.resource_name) else {
+                    continue;
+                };
                 for id in &d.device_ids {
                     if let Some(dev) = resource.devices.iter().find(|x| &x.id == id) {
-                        out.insert(dev.unit.clone(), (allocate::holder(&resource.name, std::slice::from_ref(id)), who.clone()));
+                        out.insert(
+                            dev.unit.clone(),
+                            (
+                                allocate::holder(&resource.name, std::slice::from_ref(id)),
+                                who.clone(),
+                            ),
+                        );
                     }
                 }
             }
@@ -48,7 +59,10 @@ pub fn units_in_use(list: &pr::ListPodResourcesResponse, plan: &Plan) -> BTreeMa
 async fn list(socket: &Path) -> Result<pr::ListPodResourcesResponse, PodResourcesError> {
     let channel = grpc::connect(socket).await?;
     let mut client = pr::pod_resources_lister_client::PodResourcesListerClient::new(channel);
-    Ok(client.list(pr::ListPodResourcesRequest {}).await?.into_inner())
+    Ok(client
+        .list(pr::ListPodResourcesRequest {})
+        .await?
+        .into_inner())
 }
 
 /// Reconciles the ledger's device-plugin holds with PodResources until shutdown.

@@ -32,7 +32,14 @@ impl Snapshot {
         let mut health = HealthBook::default();
         health.set_inventory(&inventory);
         let ledger = Ledger::new(&inventory);
-        Ok(Snapshot { inventory, config, plan, model, health, ledger })
+        Ok(Snapshot {
+            inventory,
+            config,
+            plan,
+            model,
+            health,
+            ledger,
+        })
     }
 
     /// Replaces inventory and/or config, keeping health marks of units that still exist.

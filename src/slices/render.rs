@@ -307,7 +307,12 @@ pub const IN_USE_TAINT_KEY: &str = "gpu.gpuplane.dev/device-plugin";
 /// The taint a device held through the device plugin API carries, so the scheduler stops
 /// choosing it for claims until PodResources shows it free.
 pub fn in_use_taint() -> DeviceTaint {
-    DeviceTaint { key: IN_USE_TAINT_KEY.to_string(), value: Some("in-use".to_string()), effect: UNHEALTHY_TAINT_EFFECT.to_string(), time_added: None }
+    DeviceTaint {
+        key: IN_USE_TAINT_KEY.to_string(),
+        value: Some("in-use".to_string()),
+        effect: UNHEALTHY_TAINT_EFFECT.to_string(),
+        time_added: None,
+    }
 }
 
 /// The taint an unhealthy device carries.

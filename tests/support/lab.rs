@@ -61,8 +61,17 @@ impl Lab {
         let kubelet = KubeletDouble::start(&root).await.unwrap();
         let dra = KubeletDraDouble::start(&root, KubeletDraOptions::default());
         let sim = SimSource::new(gpuplane::sim::load(profile).unwrap());
-        make_dev_nodes(&dir.path().join("dev"), sim.discover().unwrap().inventory.gpus.len());
-        Lab { dir, api, kubelet, dra, sim }
+        make_dev_nodes(
+            &dir.path().join("dev"),
+            sim.discover().unwrap().inventory.gpus.len(),
+        );
+        Lab {
+            dir,
+            api,
+            kubelet,
+            dra,
+            sim,
+        }
     }
 
     pub fn start(&self, config: &str) -> Agent {
@@ -80,7 +89,10 @@ impl Lab {
             },
             config_file: Some(cfg),
             device_plugin: true,
-            dra: Some(DraSettings { driver_name: DRIVER.into(), client: self.api.client().unwrap() }),
+            dra: Some(DraSettings {
+                driver_name: DRIVER.into(),
+                client: self.api.client().unwrap(),
+            }),
             metrics_addr: None,
         };
         let (stop, stopped) = oneshot::channel::<()>();
@@ -88,15 +100,30 @@ impl Lab {
         let task = tokio::spawn(gpuplane::node::run(opts, source, async {
             let _ = stopped.await;
         }));
-        Agent { stop: Some(stop), task }
+        Agent {
+            stop: Some(stop),
+            task,
+        }
     }
 
     pub fn slices(&self) -> Vec<Value> {
-        self.api.list_json("resource.k8s.io/v1", "resourceslices", None)
+        self.api
+            .list_json("resource.k8s.io/v1", "resourceslices", None)
     }
 
     pub fn device<'a>(slices: &'a [Value], name: &str) -> Option<&'a Value> {
-        slices.iter().flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default().into_iter().map(move |d| (s, d))).find(|(_, d)| d["name"] == name).map(|(s, _)| s)
+        slices
+            .iter()
+            .flat_map(|s| {
+                s["spec"]["devices"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(move |d| (s, d))
+            })
+            .find(|(_, d)| d["name"] == name)
+            .map(|(s, _)| s)
     }
 
     pub fn taints(&self, device: &str) -> Vec<String> {
@@ -106,7 +133,11 @@ impl Lab {
             for d in s["spec"]["devices"].as_array().into_iter().flatten() {
                 if d["name"] == device {
                     for t in d["taints"].as_array().into_iter().flatten() {
-                        out.push(format!("{}={}", t["key"].as_str().unwrap_or(""), t["value"].as_str().unwrap_or("")));
+                        out.push(format!(
+                            "{}={}",
+                            t["key"].as_str().unwrap_or(""),
+                            t["value"].as_str().unwrap_or("")
+                        ));
                     }
                 }
             }
@@ -117,14 +148,20 @@ impl Lab {
     pub async fn eventually(&self, what: &str, check: impl Fn(&Lab) -> bool) {
         let deadline = std::time::Instant::now() + WAIT;
         while !check(self) {
-            assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out waiting for {what}"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
     /// A claim allocated by the (absent) scheduler to `devices` of this node's pool.
     pub fn claim(&self, name: &str, devices: &[&str]) -> ClaimRef {
-        let results: Vec<Value> = devices.iter().map(|d| json!({"request": "gpus", "driver": DRIVER, "pool": NODE, "device": d})).collect();
+        let results: Vec<Value> = devices
+            .iter()
+            .map(|d| json!({"request": "gpus", "driver": DRIVER, "pool": NODE, "device": d}))
+            .collect();
         let obj = json!({
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
             "metadata": {"name": name, "namespace": "team-a"},
@@ -132,17 +169,30 @@ impl Lab {
             "status": {"allocation": {"devices": {"results": results}}}
         });
         let stored = self.api.put_json(obj).unwrap();
-        ClaimRef { namespace: "team-a".into(), name: name.into(), uid: stored["metadata"]["uid"].as_str().unwrap().to_string() }
+        ClaimRef {
+            namespace: "team-a".into(),
+            name: name.into(),
+            uid: stored["metadata"]["uid"].as_str().unwrap().to_string(),
+        }
     }
 
     pub async fn prepare(&self, c: &ClaimRef) -> Result<Vec<String>, String> {
-        let mut out = self.dra.prepare(DRIVER, std::slice::from_ref(c)).await.map_err(|s| s.message().to_string())?;
-        out.remove(&c.uid).unwrap().map(|devs| devs.into_iter().flat_map(|d| d.cdi_ids).collect())
+        let mut out = self
+            .dra
+            .prepare(DRIVER, std::slice::from_ref(c))
+            .await
+            .map_err(|s| s.message().to_string())?;
+        out.remove(&c.uid)
+            .unwrap()
+            .map(|devs| devs.into_iter().flat_map(|d| d.cdi_ids).collect())
     }
 
     pub async fn unprepare(&self, c: &ClaimRef) {
-        let mut out = self.dra.unprepare(DRIVER, std::slice::from_ref(c)).await.unwrap();
+        let mut out = self
+            .dra
+            .unprepare(DRIVER, std::slice::from_ref(c))
+            .await
+            .unwrap();
         out.remove(&c.uid).unwrap().unwrap();
     }
 }
-
