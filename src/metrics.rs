@@ -149,8 +149,11 @@ impl Registry {
     }
 }
 
-/// Renders gauges computed at scrape time: (name, help, [(labels, value)]).
-pub fn render_gauges(gauges: &[(&str, &str, Vec<(String, f64)>)]) -> String {
+/// A gauge computed at scrape time: name, help, and (rendered labels, value) per series.
+pub type Gauge<'a> = (&'a str, &'a str, Vec<(String, f64)>);
+
+/// Renders gauges computed at scrape time.
+pub fn render_gauges(gauges: &[Gauge<'_>]) -> String {
     let mut out = String::new();
     for (name, help, series) in gauges {
         let _ = writeln!(
