@@ -322,3 +322,19 @@ async fn a_restart_rebuilds_the_same_ledger_from_pod_resources_and_the_checkpoin
     );
     agent.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_that_speaks_only_dra_v1beta1_gets_the_same_answers() {
+    use gpuplane::doubles::kubelet_dra::{DraVersion, KubeletDraOptions};
+    let lab = Lab::with_kubelet("a100-mig-mixed", KubeletDraOptions::v1beta1_only()).await;
+    let agent = lab.start("flags: {migStrategy: mixed}\n");
+    let plugin = lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    assert_eq!(plugin.version, DraVersion::V1beta1);
+    let claim = lab.claim("beta", &["gpu-0-mig-3g20gb-1", "gpu-3"]);
+    let ids = lab.prepare(&claim).await.unwrap();
+    assert_eq!(ids.len(), 2);
+    assert_eq!(lab.prepare(&claim).await.unwrap(), ids);
+    lab.unprepare(&claim).await;
+    assert!(!lab.dir.path().join(format!("cdi/gpuplane-claim-{}.json", claim.uid)).exists());
+    agent.stop().await;
+}

@@ -55,11 +55,16 @@ fn make_dev_nodes(dev: &Path, gpus: usize) {
 
 impl Lab {
     pub async fn new(profile: &str) -> Lab {
+        Lab::with_kubelet(profile, KubeletDraOptions::default()).await
+    }
+
+    /// A lab whose DRA kubelet double negotiates as `options` say (e.g. v1beta1 only).
+    pub async fn with_kubelet(profile: &str, options: KubeletDraOptions) -> Lab {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("kubelet");
         let api = ApiServerDouble::start().await.unwrap();
         let kubelet = KubeletDouble::start(&root).await.unwrap();
-        let dra = KubeletDraDouble::start(&root, KubeletDraOptions::default());
+        let dra = KubeletDraDouble::start(&root, options);
         let sim = SimSource::new(gpuplane::sim::load(profile).unwrap());
         make_dev_nodes(
             &dir.path().join("dev"),
