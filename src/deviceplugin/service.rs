@@ -179,8 +179,8 @@ impl DevicePlugin for DevicePluginService {
                 };
                 if shared {
                     match allocate::hold(plan, &mut s.ledger, &c.devices_ids, Instant::now()) {
-                        Ok(units) => {
-                            held = true;
+                        Ok((units, newly)) => {
+                            held |= newly;
                             metrics::global().inc(LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, &[("api", "device-plugin")]);
                             tracing::info!(resource, devices = ?c.devices_ids, units = ?units, holder = "device plugin", "handed out");
                         }

@@ -1,0 +1,550 @@
+//! DRA driver benchmarks. Each figure is printed next to a floor measured in the same run on the
+//! same machine, and the ratio, because shared machines are noisy:
+//! - NodePrepareResources over the DRA plugin's unix socket (1 claim, and 8 claims in one
+//!   request) vs what any prepare must do at least: GET the claim with the real kube client from
+//!   the same API server double, and write one fsync'd file of the CDI spec's size into the same
+//!   temp dir (NodeUnprepareResources is timed too, vs the write alone);
+//! - the allocation ledger's added latency: the same Allocate and NodePrepareResources calls
+//!   with `allocation: {mode: shared}` (ledger enforced) vs `mode: partitioned` (ledger not
+//!   consulted), agents started one after the other in one run;
+//! - API server writes: start-up until the slices are published (floor: one create per slice),
+//!   a restart with an unchanged inventory (must be 0), one health change (floor: one update).
+//!
+//! The agent runs in process on simulated hardware against the API server double, the kubelet
+//! device plugin double and the kubelet DRA double, all in a temp dir.
+//!
+//! Run: `cargo bench --bench dra` (results are kept in benches/results/).
+
+use gpuplane::doubles::apiserver::ApiServerDouble;
+use gpuplane::doubles::kubelet::KubeletDouble;
+use gpuplane::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
+use gpuplane::dra::ClaimRef;
+use gpuplane::node::dra::DraSettings;
+use gpuplane::node::{NodeOptions, NodePaths};
+use gpuplane::proto::deviceplugin_v1beta1 as pb;
+use gpuplane::source::{DeviceSource, SimSource};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+const DRIVER: &str = "gpu.gpuplane.dev";
+const NODE: &str = "bench-node";
+const NS: &str = "bench";
+const WAIT: Duration = Duration::from_secs(20);
+const WARMUP: usize = 5;
+/// Prepare + unprepare rounds of one claim with one device.
+const ONE_CLAIM: usize = 600;
+/// Prepare + unprepare rounds of eight claims with one device each, in one request.
+const EIGHT_CLAIMS: usize = 120;
+/// Per agent, per round of the ledger comparison.
+const LEDGER_ALLOCATES: usize = 500;
+const LEDGER_PREPARES: usize = 80;
+const LEDGER_ROUNDS: usize = 6;
+const FILE_MODE: u32 = 0o644;
+
+fn percentiles(mut v: Vec<Duration>) -> (Duration, Duration) {
+    v.sort_unstable();
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    (at(0.50), at(0.99))
+}
+
+fn row(what: &str, (p50, p99): (Duration, Duration), floor: (Duration, Duration)) {
+    println!(
+        "{what:<56} p50 {:>9.1?} p99 {:>9.1?} | floor p50 {:>9.1?} p99 {:>9.1?} | ratio p50 {:>5.2}x p99 {:>5.2}x",
+        p50,
+        p99,
+        floor.0,
+        floor.1,
+        p50.as_secs_f64() / floor.0.as_secs_f64(),
+        p99.as_secs_f64() / floor.1.as_secs_f64()
+    );
+}
+
+fn count_row(what: &str, writes: usize, floor: usize, floor_what: &str) {
+    let ratio = if floor == 0 {
+        if writes == 0 {
+            "ratio    -  (must be 0: ok)".to_string()
+        } else {
+            "ratio    -  (must be 0: NOT 0)".to_string()
+        }
+    } else {
+        format!("ratio {:>5.2}x", writes as f64 / floor as f64)
+    };
+    println!("{what:<56} {writes:>5} writes | floor {floor:>3} ({floor_what}) | {ratio}");
+}
+
+/// The writes the API server double logged, grouped as `METHOD path` with object names elided.
+fn write_breakdown(api: &ApiServerDouble) -> String {
+    let mut groups: BTreeMap<String, usize> = BTreeMap::new();
+    for (method, path) in api.requests() {
+        if !matches!(method.as_str(), "POST" | "PUT" | "PATCH" | "DELETE") {
+            continue;
+        }
+        let path = path.split('?').next().unwrap_or_default();
+        let path = match method.as_str() {
+            "POST" => path.to_string(),
+            _ => match path.rsplit_once('/') {
+                Some((collection, _)) => format!("{collection}/{{name}}"),
+                None => path.to_string(),
+            },
+        };
+        *groups.entry(format!("{method} {path}")).or_default() += 1;
+    }
+    if groups.is_empty() {
+        return "none".into();
+    }
+    groups
+        .iter()
+        .map(|(k, n)| format!("{k} x{n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+struct Agent {
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), gpuplane::node::NodeError>>,
+}
+
+impl Agent {
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        self.task
+            .await
+            .expect("agent task")
+            .expect("agent exits cleanly");
+    }
+}
+
+struct Lab {
+    dir: tempfile::TempDir,
+    api: ApiServerDouble,
+    kubelet: KubeletDouble,
+    dra: KubeletDraDouble,
+    sim: SimSource,
+}
+
+impl Lab {
+    async fn new(profile: &str) -> Lab {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let root = dir.path().join("kubelet");
+        let api = ApiServerDouble::start().await.expect("API server double");
+        let kubelet = KubeletDouble::start(&root).await.expect("kubelet double");
+        let dra = KubeletDraDouble::start(&root, KubeletDraOptions::default());
+        let sim = SimSource::new(gpuplane::sim::load(profile).expect("profile"));
+        // Prepare checks that the device nodes exist; plain files will do.
+        let dev = dir.path().join("dev");
+        std::fs::create_dir_all(&dev).expect("dev root");
+        let gpus = sim.discover().expect("discover").inventory.gpus.len();
+        let mut names: Vec<String> = (0..gpus).map(|i| format!("nvidia{i}")).collect();
+        names.extend(["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"].map(String::from));
+        for n in names {
+            std::fs::write(dev.join(n), "").expect("device node");
+        }
+        Lab {
+            dir,
+            api,
+            kubelet,
+            dra,
+            sim,
+        }
+    }
+
+    fn start(&self, config: &str) -> Agent {
+        let d = self.dir.path();
+        let cfg = d.join("config.yaml");
+        std::fs::write(&cfg, config).expect("config");
+        let opts = NodeOptions {
+            node_name: NODE.into(),
+            paths: NodePaths {
+                kubelet_root: d.join("kubelet"),
+                cdi_root: d.join("cdi"),
+                state_dir: d.join("state"),
+                driver_root: d.join("driver"),
+                dev_root: d.join("dev"),
+            },
+            config_file: Some(cfg),
+            device_plugin: true,
+            dra: Some(DraSettings {
+                driver_name: DRIVER.into(),
+                client: self.api.client().expect("kube client"),
+            }),
+            metrics_addr: None,
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let source: Arc<dyn DeviceSource> = Arc::new(self.sim.clone());
+        let task = tokio::spawn(gpuplane::node::run(opts, source, async {
+            let _ = stopped.await;
+        }));
+        Agent {
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// Starts an agent and waits until both kubelet doubles saw it register anew (the doubles
+    /// may still hold the previous agent's registrations).
+    async fn start_registered(&self, config: &str, plugin_devices: usize) -> (Agent, PathBuf) {
+        let dra_before = self.dra.registrations().len();
+        let dp_before = self.kubelet.registrations().len();
+        let agent = self.start(config);
+        let deadline = Instant::now() + WAIT;
+        while self.dra.registrations().len() <= dra_before
+            || self.dra.plugin(DRIVER).is_none()
+            || self.kubelet.registrations().len() <= dp_before
+        {
+            assert!(Instant::now() < deadline, "the agent did not register");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let view = self
+            .kubelet
+            .wait_for(WAIT, |p| {
+                p.get("nvidia.com/gpu").is_some_and(|v| {
+                    v.devices.len() == plugin_devices && v.healthy() == plugin_devices
+                })
+            })
+            .await
+            .expect("device plugin devices");
+        (agent, view["nvidia.com/gpu"].endpoint.clone())
+    }
+
+    fn slices(&self) -> Vec<Value> {
+        self.api
+            .list_json("resource.k8s.io/v1", "resourceslices", None)
+    }
+
+    fn published_devices(&self) -> usize {
+        self.slices()
+            .iter()
+            .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
+            .sum()
+    }
+
+    fn tainted(&self, device: &str) -> bool {
+        self.slices().iter().any(|s| {
+            s["spec"]["devices"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|d| {
+                    d["name"] == device && d["taints"].as_array().is_some_and(|t| !t.is_empty())
+                })
+        })
+    }
+
+    async fn eventually(&self, what: &str, check: impl Fn(&Lab) -> bool) {
+        let deadline = Instant::now() + WAIT;
+        while !check(self) {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A claim allocated by the (absent) scheduler to `devices` of this node's pool.
+    fn claim(&self, name: &str, devices: &[&str]) -> ClaimRef {
+        let results: Vec<Value> = devices
+            .iter()
+            .map(|d| json!({"request": "gpus", "driver": DRIVER, "pool": NODE, "device": d}))
+            .collect();
+        let obj = json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu.gpuplane.dev", "count": devices.len()}}]}},
+            "status": {"allocation": {"devices": {"results": results}}}
+        });
+        let stored = self.api.put_json(obj).expect("store claim");
+        ClaimRef {
+            namespace: NS.into(),
+            name: name.into(),
+            uid: stored["metadata"]["uid"].as_str().expect("uid").to_string(),
+        }
+    }
+
+    async fn prepare(&self, claims: &[ClaimRef]) {
+        let out = self
+            .dra
+            .prepare(DRIVER, claims)
+            .await
+            .expect("NodePrepareResources");
+        for (uid, r) in out {
+            if let Err(e) = r {
+                panic!("prepare of {uid} failed: {e}");
+            }
+        }
+    }
+
+    async fn unprepare(&self, claims: &[ClaimRef]) {
+        let out = self
+            .dra
+            .unprepare(DRIVER, claims)
+            .await
+            .expect("NodeUnprepareResources");
+        for (uid, r) in out {
+            if let Err(e) = r {
+                panic!("unprepare of {uid} failed: {e}");
+            }
+        }
+    }
+
+    fn spec_path(&self, c: &ClaimRef) -> PathBuf {
+        self.dir
+            .path()
+            .join(format!("cdi/gpuplane-claim-{}.json", c.uid))
+    }
+}
+
+/// The floor of a prepare: GET each claim with the real kube client, then one fsync'd atomic
+/// write of `bytes` per claim into the same temp dir. Returns (GETs, writes).
+async fn floor_once(
+    claims: &kube::Api<ResourceClaim>,
+    refs: &[ClaimRef],
+    dir: &Path,
+    bytes: &[u8],
+) -> (Duration, Duration) {
+    let t = Instant::now();
+    for c in refs {
+        std::hint::black_box(claims.get(&c.name).await.expect("GET claim"));
+    }
+    let gets = t.elapsed();
+    let t = Instant::now();
+    for i in 0..refs.len() {
+        gpuplane::fsutil::write_atomic(&dir.join(format!("floor-{i}.json")), bytes, FILE_MODE)
+            .expect("floor write");
+    }
+    (gets, t.elapsed())
+}
+
+async fn prepare_latency() {
+    let lab = Lab::new("dgx-h100").await;
+    let (agent, _) = lab.start_registered("", 8).await;
+    lab.eventually("8 published GPUs", |l| l.published_devices() == 8)
+        .await;
+    let one = vec![lab.claim("one", &["gpu-0"])];
+    let eight: Vec<ClaimRef> = (0..8)
+        .map(|i| lab.claim(&format!("eight-{i}"), &[&format!("gpu-{i}")]))
+        .collect();
+    let claims: kube::Api<ResourceClaim> =
+        kube::Api::namespaced(lab.api.client().expect("kube client"), NS);
+    let floor_dir = lab.dir.path().join("floor");
+    std::fs::create_dir_all(&floor_dir).expect("floor dir");
+
+    // Warm up both paths; keep the CDI spec of a one-device claim as the floor's payload.
+    let mut spec = Vec::new();
+    for _ in 0..WARMUP {
+        lab.prepare(&one).await;
+        spec = std::fs::read(lab.spec_path(&one[0])).expect("CDI spec of a prepared claim");
+        lab.unprepare(&one).await;
+        floor_once(&claims, &one, &floor_dir, &spec).await;
+    }
+    println!(
+        "(floor write payload: the {} B CDI spec of a one-device claim; prepare writes it plus the checkpoint twice)",
+        spec.len()
+    );
+
+    for (label, refs, rounds) in [
+        ("1 claim x 1 GPU", &one, ONE_CLAIM),
+        ("8 claims x 1 GPU, one request", &eight, EIGHT_CLAIMS),
+    ] {
+        let mut prep = Vec::with_capacity(rounds);
+        let mut unprep = Vec::with_capacity(rounds);
+        let mut floor_prep = Vec::with_capacity(rounds);
+        let mut floor_unprep = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            let (gets, writes) = floor_once(&claims, refs, &floor_dir, &spec).await;
+            floor_prep.push(gets + writes);
+            floor_unprep.push(writes);
+            let t = Instant::now();
+            lab.prepare(refs).await;
+            prep.push(t.elapsed());
+            let t = Instant::now();
+            lab.unprepare(refs).await;
+            unprep.push(t.elapsed());
+        }
+        let n = refs.len();
+        row(
+            &format!("NodePrepareResources, {label} ({rounds} calls)"),
+            percentiles(prep),
+            percentiles(floor_prep),
+        );
+        row(
+            &format!("NodeUnprepareResources, {label} ({rounds} calls)"),
+            percentiles(unprep),
+            percentiles(floor_unprep),
+        );
+        println!(
+            "  floors: prepare = {n} GET(s) + {n} fsync'd atomic write(s); unprepare = {n} write(s)"
+        );
+    }
+    agent.stop().await;
+}
+
+#[derive(Default)]
+struct ModeSamples {
+    allocate: Vec<Duration>,
+    prepare: Vec<Duration>,
+}
+
+async fn ledger_overhead() {
+    let lab = Lab::new("dgx-h100").await;
+    let gpu0 = lab.sim.discover().expect("discover").inventory.gpus[0]
+        .uuid
+        .clone();
+    // gpu-4 is DRA's in both modes; GPU 0 is the device plugin's in both modes.
+    let claim = vec![lab.claim("ledger", &["gpu-4"])];
+    let modes = [
+        ("shared", "allocation: {mode: shared}\n", 8),
+        (
+            "partitioned",
+            "allocation: {mode: partitioned, draGpus: [4, 5, 6, 7]}\n",
+            4,
+        ),
+    ];
+    let mut samples: [ModeSamples; 2] = Default::default();
+    for _ in 0..LEDGER_ROUNDS {
+        for (m, (_, config, plugin_devices)) in modes.iter().enumerate() {
+            let (agent, endpoint) = lab.start_registered(config, *plugin_devices).await;
+            let mut plugin = pb::device_plugin_client::DevicePluginClient::new(
+                gpuplane::grpc::connect(&endpoint)
+                    .await
+                    .expect("dial plugin"),
+            );
+            let req = || pb::AllocateRequest {
+                container_requests: vec![pb::ContainerAllocateRequest {
+                    devices_ids: vec![gpu0.clone()],
+                }],
+            };
+            for i in 0..WARMUP + LEDGER_ALLOCATES {
+                let t = Instant::now();
+                plugin.allocate(req()).await.expect("allocate");
+                if i >= WARMUP {
+                    samples[m].allocate.push(t.elapsed());
+                }
+            }
+            for i in 0..WARMUP + LEDGER_PREPARES {
+                let t = Instant::now();
+                lab.prepare(&claim).await;
+                if i >= WARMUP {
+                    samples[m].prepare.push(t.elapsed());
+                }
+                lab.unprepare(&claim).await;
+            }
+            agent.stop().await;
+        }
+    }
+    let [shared, partitioned] = samples;
+    println!(
+        "(floor = the same call with `mode: partitioned`, where the ledger is not consulted; {LEDGER_ROUNDS} alternating rounds per mode)"
+    );
+    row(
+        &format!(
+            "Allocate GPU 0, shared/ledger ({} calls)",
+            LEDGER_ROUNDS * LEDGER_ALLOCATES
+        ),
+        percentiles(shared.allocate),
+        percentiles(partitioned.allocate),
+    );
+    row(
+        &format!(
+            "NodePrepareResources gpu-4, shared/ledger ({} calls)",
+            LEDGER_ROUNDS * LEDGER_PREPARES
+        ),
+        percentiles(shared.prepare),
+        percentiles(partitioned.prepare),
+    );
+}
+
+async fn api_writes() {
+    for (profile, config) in [
+        ("dgx-h100", ""),
+        ("h100-mig-single", "flags: {migStrategy: single}\n"),
+    ] {
+        let lab = Lab::new(profile).await;
+        let inv = lab.sim.discover().expect("discover").inventory;
+        let expected: usize = inv
+            .gpus
+            .iter()
+            .map(|g| {
+                if g.mig.current {
+                    g.mig_devices.len()
+                } else {
+                    1
+                }
+            })
+            .sum();
+
+        lab.api.clear_requests();
+        let (agent, _) = lab.start_registered(config, expected).await;
+        lab.eventually("published slices", |l| l.published_devices() == expected)
+            .await;
+        let writes = lab.api.count_writes();
+        let breakdown = write_breakdown(&lab.api);
+        let slices = lab.slices().len();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let later = lab.api.count_writes() - writes;
+        count_row(
+            &format!("API writes, start-up until published, {profile}"),
+            writes,
+            slices,
+            "one create per slice",
+        );
+        println!(
+            "  {breakdown}; {later} more in the next 1 s; {expected} devices in {slices} slice(s)"
+        );
+
+        agent.stop().await;
+        lab.api.clear_requests();
+        let (agent, _) = lab.start_registered(config, expected).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        count_row(
+            &format!("API writes, restart with same inventory, {profile}"),
+            lab.api.count_writes(),
+            0,
+            "nothing changed",
+        );
+        if lab.api.count_writes() > 0 {
+            println!("  {}", write_breakdown(&lab.api));
+        }
+
+        if profile == "dgx-h100" {
+            lab.api.clear_requests();
+            lab.sim.inject_xid(&inv.gpus[5].uuid, None, 48);
+            lab.eventually("a taint on gpu-5", |l| l.tainted("gpu-5"))
+                .await;
+            let writes = lab.api.count_writes();
+            let breakdown = write_breakdown(&lab.api);
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let later = lab.api.count_writes() - writes;
+            count_row(
+                &format!("API writes, one health change (Xid 48), {profile}"),
+                writes,
+                1,
+                "one slice update",
+            );
+            println!("  {breakdown}; {later} more in the next 1 s");
+        }
+        agent.stop().await;
+    }
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    println!(
+        "gpuplane DRA benchmarks ({} logical CPUs)",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    let started = Instant::now();
+    rt.block_on(prepare_latency());
+    rt.block_on(ledger_overhead());
+    rt.block_on(api_writes());
+    println!("(whole run {:.1?})", started.elapsed());
+}
