@@ -23,3 +23,4 @@ pub mod sim;
 pub mod slices;
 pub mod source;
 pub mod topology;
+pub mod webhook;

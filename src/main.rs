@@ -29,6 +29,56 @@ enum Command {
     },
     /// Run the node agent: serve the kubelet device plugin API for this node's GPUs.
     Node(Box<NodeArgs>),
+    /// Run the cluster-side controller: the GPU quota admission webhook.
+    Controller(Box<ControllerArgs>),
+}
+
+#[derive(clap::Args)]
+struct ControllerArgs {
+    /// Kubeconfig for API access (default: in-cluster, then KUBECONFIG).
+    #[arg(long, value_name = "FILE")]
+    kubeconfig: Option<PathBuf>,
+    /// Where the admission webhook serves HTTPS.
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:9443")]
+    webhook_addr: std::net::SocketAddr,
+    /// PEM certificate chain of the webhook (reloaded when it changes).
+    #[arg(long, value_name = "FILE")]
+    tls_cert_file: PathBuf,
+    /// PEM private key of the webhook (reloaded when it changes).
+    #[arg(long, value_name = "FILE")]
+    tls_key_file: PathBuf,
+    /// Where to serve /metrics, /healthz and /readyz over plain HTTP.
+    #[arg(long, value_name = "ADDR")]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// The controller's own namespace (its service account may remove scheduling gates).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "gpuplane-system")]
+    namespace: String,
+    /// Run the controller loops only while holding the leader lease.
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    leader_elect: bool,
+    /// DRA drivers whose devices are GPUs (repeatable).
+    #[arg(
+        long = "driver-name",
+        value_name = "NAME",
+        default_value = "gpu.gpuplane.dev"
+    )]
+    driver_names: Vec<String>,
+    /// A time-sliced device-plugin resource and its replicas, as in the agents' config,
+    /// e.g. nvidia.com/gpu=4 (repeatable).
+    #[arg(long = "time-sliced", value_name = "RESOURCE=REPLICAS", value_parser = parse_time_sliced)]
+    time_sliced: Vec<(String, u32)>,
+}
+
+fn parse_time_sliced(s: &str) -> Result<(String, u32), String> {
+    let (name, n) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected RESOURCE=REPLICAS"))?;
+    let n: u32 = n
+        .parse()
+        .ok()
+        .filter(|n| *n >= 1)
+        .ok_or_else(|| format!("{s:?}: replicas must be a positive integer"))?;
+    Ok((name.to_string(), n))
 }
 
 #[derive(clap::Args)]
@@ -146,7 +196,67 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Node(args) => run_node(*args),
+        Command::Controller(args) => run_controller(*args),
     }
+}
+
+fn run_controller(args: ControllerArgs) -> Result<()> {
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async {
+        let client = gpuplane::kubeclient::client(args.kubeconfig.as_deref())
+            .await
+            .context("the controller needs API access")?;
+        let mut opts = gpuplane::webhook::WebhookOptions::new(args.tls_cert_file, args.tls_key_file, &args.namespace);
+        opts.addr = args.webhook_addr;
+        opts.metrics_addr = args.metrics_addr;
+        opts.catalog.drivers = args.driver_names;
+        opts.catalog.time_slicing = args.time_sliced.into_iter().collect();
+        tracing::info!(namespace = %args.namespace, leader_elect = args.leader_elect, "gpuplane controller starting");
+        // The webhook serves on every replica; the quota loops run on the Lease holder. One
+        // stop signal for both: SIGTERM, or either of them ending (an error at start).
+        let shutdown = termination()?;
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let stopped = || {
+            let mut rx = stop_rx.clone();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        };
+        let host = std::env::var("POD_NAME")
+            .or_else(|_| std::env::var("HOSTNAME"))
+            .unwrap_or_else(|_| "gpuplane-controller".into());
+        let identity = gpuplane::controller::identity(&host);
+        let mut loops = gpuplane::controller::ControllerOptions::new(&args.namespace, &identity);
+        loops.leader_elect = args.leader_elect;
+        loops.queue.catalog = opts.catalog.clone();
+        let metrics = Arc::new(gpuplane::controller::metrics::QueueMetrics::default());
+        let both = async {
+            tokio::join!(
+                async {
+                    let r = gpuplane::webhook::run(client.clone(), opts, stopped()).await;
+                    stop_tx.send_replace(true);
+                    r
+                },
+                async {
+                    let r = gpuplane::controller::run(client.clone(), loops, metrics, stopped()).await;
+                    stop_tx.send_replace(true);
+                    r
+                },
+            )
+        };
+        tokio::pin!(both);
+        let (webhook, controller) = tokio::select! {
+            r = &mut both => r,
+            _ = shutdown => {
+                stop_tx.send_replace(true);
+                both.await
+            }
+        };
+        webhook?;
+        controller?;
+        tracing::info!("gpuplane controller stopped");
+        Ok(())
+    })
 }
 
 fn run_node(args: NodeArgs) -> Result<()> {

@@ -335,6 +335,10 @@ async fn a_kubelet_that_speaks_only_dra_v1beta1_gets_the_same_answers() {
     assert_eq!(ids.len(), 2);
     assert_eq!(lab.prepare(&claim).await.unwrap(), ids);
     lab.unprepare(&claim).await;
-    assert!(!lab.dir.path().join(format!("cdi/gpuplane-claim-{}.json", claim.uid)).exists());
+    assert!(!lab
+        .dir
+        .path()
+        .join(format!("cdi/gpuplane-claim-{}.json", claim.uid))
+        .exists());
     agent.stop().await;
 }

@@ -130,16 +130,37 @@ pub fn holder(resource: &str, ids: &[String]) -> Holder {
 /// Records a granted container's units in the ledger, refusing units another consumer (a DRA
 /// claim) holds, directly or through a MIG/GPU overlap. Returns the units and whether any was
 /// newly held.
-pub fn hold(plan: &ResourcePlan, ledger: &mut Ledger, ids: &[String], now: Instant) -> Result<(Vec<String>, bool), AllocateError> {
-    let mut units: Vec<String> = ids.iter().filter_map(|id| find(plan, id)).map(|d| d.unit.clone()).collect();
+pub fn hold(
+    plan: &ResourcePlan,
+    ledger: &mut Ledger,
+    ids: &[String],
+    now: Instant,
+) -> Result<(Vec<String>, bool), AllocateError> {
+    let mut units: Vec<String> = ids
+        .iter()
+        .filter_map(|id| find(plan, id))
+        .map(|d| d.unit.clone())
+        .collect();
     units.sort();
     units.dedup();
     // Re-holding what the device plugin side already holds changes nothing anyone watches.
-    let newly = units.iter().any(|u| !matches!(ledger.holder(u), Some(Holder::DevicePlugin { .. })));
-    ledger.hold_all(&units, &holder(&plan.name, ids), now).map_err(|held| {
-        let id = plan.devices.iter().find(|d| d.unit == held.unit && ids.contains(&d.id)).map_or(held.unit.clone(), |d| d.id.clone());
-        AllocateError::Held { resource: plan.name.clone(), id, holder: held.holder.to_string() }
-    })?;
+    let newly = units
+        .iter()
+        .any(|u| !matches!(ledger.holder(u), Some(Holder::DevicePlugin { .. })));
+    ledger
+        .hold_all(&units, &holder(&plan.name, ids), now)
+        .map_err(|held| {
+            let id = plan
+                .devices
+                .iter()
+                .find(|d| d.unit == held.unit && ids.contains(&d.id))
+                .map_or(held.unit.clone(), |d| d.id.clone());
+            AllocateError::Held {
+                resource: plan.name.clone(),
+                id,
+                holder: held.holder.to_string(),
+            }
+        })?;
     Ok((units, newly))
 }
 

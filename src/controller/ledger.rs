@@ -1,0 +1,280 @@
+//! The quota model as the planner's [`Ledger`] (pure): every fit question goes to
+//! [`crate::quota::check`], every sum to the model's `Usage`; nothing here re-implements quota
+//! arithmetic.
+//!
+//! For planning, each GpuQuota is *compacted*: its `status.used` becomes everything it holds
+//! (used plus `Reserved` reservations, less those of the pods being planned, which are
+//! re-decided) and its reservation list is emptied, so a check costs the same with ten
+//! reservations or ten thousand, and admitting a unit is one addition.
+
+use super::plan::Ledger;
+use crate::quota::{check, Charge, Denial, GpuQuota, QuotaMathError, ReservationKey};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// `quota` with `used` = everything it holds except the reservations in `exclude`, and no
+/// reservation list.
+pub fn compact(
+    quota: &GpuQuota,
+    exclude: &BTreeSet<ReservationKey>,
+) -> Result<GpuQuota, QuotaMathError> {
+    let mut status = quota.status_or_default();
+    status.reservations.retain(|r| !exclude.contains(&r.key()));
+    let held = status.consumed(None)?;
+    let mut out = quota.clone();
+    let mut s = status;
+    s.used = held;
+    s.reservations.clear();
+    s.recompute_totals()?;
+    out.status = Some(s);
+    Ok(out)
+}
+
+/// Every quota of the cluster, compacted, as the cycle admits into them.
+#[derive(Debug, Clone, Default)]
+pub struct Working {
+    quotas: Vec<GpuQuota>,
+    /// The same quotas with nothing held: what could ever fit.
+    empty: Vec<GpuQuota>,
+    by_namespace: BTreeMap<String, Vec<usize>>,
+}
+
+fn emptied(q: &GpuQuota) -> GpuQuota {
+    let mut e = q.clone();
+    e.status = None;
+    e
+}
+
+impl Working {
+    /// From compacted quotas.
+    pub fn new(quotas: Vec<GpuQuota>) -> Working {
+        let mut w = Working::default();
+        for q in quotas {
+            w.put(q);
+        }
+        w
+    }
+
+    /// Adds `quota` (compacted), replacing the one with the same namespace and name.
+    pub fn put(&mut self, quota: GpuQuota) {
+        let id = quota.id();
+        match self.quotas.iter().position(|q| q.id() == id) {
+            Some(i) => {
+                self.empty[i] = emptied(&quota);
+                self.quotas[i] = quota;
+            }
+            None => {
+                let ns = quota.metadata.namespace.clone().unwrap_or_default();
+                self.by_namespace
+                    .entry(ns)
+                    .or_default()
+                    .push(self.quotas.len());
+                self.empty.push(emptied(&quota));
+                self.quotas.push(quota);
+            }
+        }
+    }
+
+    /// The ledger of one namespace: a unit must fit every GpuQuota of its namespace.
+    pub fn namespace(&mut self, namespace: &str) -> NamespaceLedger<'_> {
+        let idx = self
+            .by_namespace
+            .get(namespace)
+            .cloned()
+            .unwrap_or_default();
+        NamespaceLedger { working: self, idx }
+    }
+
+    pub fn quotas(&self) -> &[GpuQuota] {
+        &self.quotas
+    }
+}
+
+/// One namespace's view of [`Working`].
+pub struct NamespaceLedger<'a> {
+    working: &'a mut Working,
+    idx: Vec<usize>,
+}
+
+impl Ledger for NamespaceLedger<'_> {
+    type Charge = Charge;
+
+    fn check(&self, charge: &Charge) -> Result<(), String> {
+        let w = &*self.working;
+        let why: Vec<String> = self
+            .idx
+            .iter()
+            .filter_map(|&i| {
+                check(&w.quotas[i], &w.quotas, None, charge)
+                    .err()
+                    .map(|d| describe(&d, &w.quotas[i], charge))
+            })
+            .collect();
+        if why.is_empty() {
+            Ok(())
+        } else {
+            Err(why.join("; "))
+        }
+    }
+
+    fn within_limits(&self, charge: &Charge) -> Result<(), String> {
+        let w = &*self.working;
+        for &i in &self.idx {
+            if let Err(d) = check(&w.empty[i], &w.empty, None, charge) {
+                return Err(format!(
+                    "{}, even with nothing else admitted",
+                    describe(&d, &w.empty[i], charge)
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn admit(&mut self, charge: &Charge) {
+        for &i in &self.idx {
+            let q = &mut self.working.quotas[i];
+            let mut s = q.status_or_default();
+            if let Err(e) = s.used.add_assign(&charge.usage) {
+                // Cannot happen after a successful check (it summed the same numbers); keep
+                // the quota conservative if it does.
+                tracing::warn!(quota = %q.id(), error = %e, "admitting into the working ledger");
+            }
+            q.status = Some(s);
+        }
+    }
+}
+
+/// A denial in the words of a waiting pod: per dimension that does not fit,
+/// `needs 4 gpus, 2 free of 8 in GpuQuota team-a/default`; the model's own words for what it
+/// could not price or for cohort limits.
+pub fn describe(denial: &Denial, quota: &GpuQuota, charge: &Charge) -> String {
+    let held = quota.status_or_default().used;
+    let mut parts = Vec::new();
+    for reason in &denial.reasons {
+        let dim = quota
+            .spec
+            .hard
+            .bounds()
+            .into_iter()
+            .find(|(d, _)| reason.starts_with(&format!("{d}: requested ")));
+        let Some((dim, hard)) = dim else {
+            parts.push(reason.clone());
+            continue;
+        };
+        let need = charge.usage.get(&dim);
+        let free = hard
+            .saturating_sub(held.get(&dim))
+            .map(|f| f.to_string())
+            .unwrap_or_else(|_| "?".into());
+        let mut text = format!(
+            "needs {need} {dim}, {free} free of {hard} in GpuQuota {}",
+            denial.quota
+        );
+        // Cohort details follow the model's first clause.
+        if let Some((_, rest)) = reason.split_once("; ") {
+            text.push_str("; ");
+            text.push_str(rest);
+        }
+        parts.push(text);
+    }
+    parts.join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quota::{
+        GpuQuotaSpec, GpuQuotaStatus, Gpus, Limits, ObjectKind, Reservation, ReservationState,
+        Usage,
+    };
+    use kube::api::ObjectMeta;
+
+    fn quota(ns: &str, hard_gpus: u64, used: u64) -> GpuQuota {
+        GpuQuota {
+            metadata: ObjectMeta {
+                namespace: Some(ns.into()),
+                name: Some("default".into()),
+                ..ObjectMeta::default()
+            },
+            spec: GpuQuotaSpec {
+                hard: Limits {
+                    gpus: Some(Gpus::whole(hard_gpus)),
+                    ..Limits::default()
+                },
+                ..GpuQuotaSpec::default()
+            },
+            status: Some(GpuQuotaStatus {
+                used: Usage {
+                    gpus: Gpus::whole(used),
+                    ..Usage::default()
+                },
+                ..GpuQuotaStatus::default()
+            }),
+        }
+    }
+
+    fn gpus(n: u64) -> Charge {
+        Charge {
+            usage: Usage {
+                gpus: Gpus::whole(n),
+                ..Usage::default()
+            },
+            unknown: Vec::new(),
+        }
+    }
+
+    fn reservation(name: &str, state: ReservationState, n: u64) -> Reservation {
+        Reservation {
+            kind: ObjectKind::Pod,
+            namespace: "team-a".into(),
+            name: name.into(),
+            uid: None,
+            state,
+            charge: gpus(n).usage,
+            unpriced: Vec::new(),
+            priority: None,
+            since: "2025-01-01T00:00:00Z".into(),
+        }
+    }
+
+    #[test]
+    fn the_ledger_says_what_is_missing_with_the_numbers() {
+        let mut w = Working::new(vec![
+            compact(&quota("team-a", 8, 6), &BTreeSet::new()).unwrap()
+        ]);
+        let mut l = w.namespace("team-a");
+        assert_eq!(
+            l.check(&gpus(4)),
+            Err("needs 4 gpus, 2 free of 8 in GpuQuota team-a/default".into())
+        );
+        assert!(l.check(&gpus(2)).is_ok());
+        l.admit(&gpus(2));
+        assert_eq!(
+            l.check(&gpus(1)),
+            Err("needs 1 gpus, 0 free of 8 in GpuQuota team-a/default".into())
+        );
+        assert!(l.within_limits(&gpus(8)).is_ok());
+        assert_eq!(
+            l.within_limits(&gpus(9)),
+            Err("needs 9 gpus, 8 free of 8 in GpuQuota team-a/default, even with nothing else admitted".into())
+        );
+        // A namespace without a quota is not limited.
+        assert!(w.namespace("team-b").check(&gpus(100)).is_ok());
+    }
+
+    #[test]
+    fn compaction_counts_reserved_reservations_except_those_being_replanned() {
+        let mut q = quota("team-a", 8, 1);
+        if let Some(s) = q.status.as_mut() {
+            s.reservations = vec![
+                reservation("a", ReservationState::Reserved, 2),
+                reservation("b", ReservationState::Reserved, 3),
+                reservation("c", ReservationState::Queued, 4),
+            ];
+        }
+        let replanned: BTreeSet<_> = [ReservationKey::pod("team-a", "b")].into();
+        let c = compact(&q, &replanned).unwrap();
+        let s = c.status.unwrap();
+        assert_eq!(s.used.gpus, Gpus::whole(3));
+        assert!(s.reservations.is_empty());
+    }
+}

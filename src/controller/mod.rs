@@ -1,0 +1,99 @@
+//! The GPU quota controller's loops (cluster side, `gpuplane controller`): releases queued GPU
+//! pods by removing their admission scheduling gate when their GpuQuotas have room, keeps
+//! GpuQuota usage and reservations current, and runs only on the replica holding the Lease
+//! (the webhook, `crate::webhook`, is served by every replica).
+//!
+//! - [`plan`] (pure): the release planner over plain data, with the starvation rule.
+//! - [`ledger`] (pure): the quota model (`crate::quota`) as the planner's ledger.
+//! - [`namespace`] (pure): one namespace's decision: status, releases, notes.
+//! - [`pods`] (pure): what is read from a Pod; [`cache`] (pure): watch-fed stores.
+//! - [`queue`]: the loop (watchers, reconcile, error policy); [`writes`]: pod writes.
+//! - [`lease`] (pure) and [`elector`]: leader election over a coordination.k8s.io/v1 Lease.
+//! - [`metrics`]: counters for a later export.
+//!
+//! [`run`] is the entry point.
+
+pub mod cache;
+pub mod elector;
+pub mod lease;
+pub mod ledger;
+pub mod metrics;
+pub mod namespace;
+pub mod plan;
+pub mod pods;
+pub mod queue;
+pub mod writes;
+
+use lease::LeaseTimings;
+use metrics::QueueMetrics;
+use queue::QueueOptions;
+use std::future::Future;
+use std::sync::Arc;
+
+/// The Lease the replicas compete for.
+pub const LEASE_NAME: &str = "gpuplane-controller";
+
+/// Everything the loops need besides a client.
+#[derive(Debug, Clone)]
+pub struct ControllerOptions {
+    /// The controller's own namespace: where the Lease lives.
+    pub namespace: String,
+    /// Run the loops only while holding the Lease (false: always, for a single replica).
+    pub leader_elect: bool,
+    /// This replica's name in the Lease and on Events.
+    pub identity: String,
+    pub lease: LeaseTimings,
+    pub queue: QueueOptions,
+}
+
+impl ControllerOptions {
+    pub fn new(namespace: &str, identity: &str) -> ControllerOptions {
+        let queue = QueueOptions {
+            instance: identity.into(),
+            ..QueueOptions::default()
+        };
+        ControllerOptions {
+            namespace: namespace.into(),
+            leader_elect: true,
+            identity: identity.into(),
+            lease: LeaseTimings::default(),
+            queue,
+        }
+    }
+}
+
+/// A replica identity: `host` (the pod name in a Deployment) and a process-unique suffix, so
+/// a restarted process never mistakes the Lease for its own.
+pub fn identity(host: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{host}_{:x}{:05x}", std::process::id(), nanos & 0xfffff)
+}
+
+/// Runs the loops until `shutdown`: under leader election (only while leading; the Lease is
+/// released after the loops stopped) or, with `leader_elect` false, at once.
+pub async fn run(
+    client: kube::Client,
+    opts: ControllerOptions,
+    metrics: Arc<QueueMetrics>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), elector::ElectionError> {
+    if !opts.leader_elect {
+        queue::run(client, opts.queue, metrics, shutdown).await;
+        return Ok(());
+    }
+    let candidate = elector::Elector::new(
+        client.clone(),
+        &opts.namespace,
+        LEASE_NAME,
+        &opts.identity,
+        opts.lease,
+    )?;
+    elector::lead(candidate, shutdown, |stop| {
+        queue::run(client.clone(), opts.queue.clone(), metrics.clone(), stop)
+    })
+    .await;
+    Ok(())
+}

@@ -1,0 +1,224 @@
+use super::*;
+use crate::quota::{CatalogSettings, Gpus};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+use serde_json::{json, Value};
+
+const NS: &str = "team-a";
+
+fn pod(name: &str, gpus: u32, gated: bool, extra: Value) -> Arc<Pod> {
+    let mut v = json!({
+        "metadata": {"name": name, "namespace": NS, "uid": format!("uid-{name}"),
+                     "creationTimestamp": "2025-01-01T00:00:00Z"},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": gpus.to_string()}}}]}
+    });
+    if gated {
+        v["spec"]["schedulingGates"] = json!([{"name": crate::quota::SCHEDULING_GATE}]);
+    } else {
+        v["spec"]["nodeName"] = json!("node-1");
+    }
+    merge(&mut v, extra);
+    Arc::new(serde_json::from_value(v).unwrap())
+}
+
+/// Merges `extra` into `v`, objects recursively.
+fn merge(v: &mut Value, extra: Value) {
+    match (v, extra) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, x) in b {
+                merge(a.entry(k).or_insert(Value::Null), x);
+            }
+        }
+        (slot, x) => *slot = x,
+    }
+}
+
+fn quota(name: &str, gpus: u64, status: Value) -> GpuQuota {
+    serde_json::from_value(json!({
+        "apiVersion": "quota.gpuplane.dev/v1alpha1", "kind": "GpuQuota",
+        "metadata": {"name": name, "namespace": NS, "resourceVersion": "7"},
+        "spec": {"hard": {"gpus": gpus.to_string()}, "mode": "Queue"},
+        "status": status
+    }))
+    .unwrap()
+}
+
+fn reserved(name: &str, kind: &str, gpus: u64) -> Value {
+    json!({"kind": kind, "namespace": NS, "name": name, "state": "Reserved",
+           "charge": {"gpus": gpus.to_string()}, "since": "2025-01-01T00:00:00Z"})
+}
+
+fn run(
+    pods: &[Arc<Pod>],
+    claims: &[Arc<ResourceClaim>],
+    catalog: &DeviceCatalog,
+    quotas: &[GpuQuota],
+) -> Decision {
+    let templates = BTreeMap::new();
+    let input = Inputs {
+        namespace: NS,
+        pods,
+        claims,
+        templates: &templates,
+        catalog,
+        now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_700),
+        settings: QueueSettings::default(),
+    };
+    let mut working = Working::default();
+    decide(&input, quotas, &mut working).unwrap()
+}
+
+fn names(refs: &[PodRef]) -> Vec<&str> {
+    refs.iter().map(|r| r.name.as_str()).collect()
+}
+
+#[test]
+fn a_gated_pod_already_reserved_in_every_quota_is_ungated_without_planning_again() {
+    let pods = [pod("p", 4, true, json!({}))];
+    let q = quota(
+        "default",
+        2,
+        json!({"reservations": [reserved("p", "Pod", 4)]}),
+    );
+    let d = run(&pods, &[], &DeviceCatalog::default(), &[q]);
+    assert_eq!(names(&d.admitted_gated), ["p"]);
+    assert!(d.releases.is_empty() && d.waiting.is_empty());
+}
+
+#[test]
+fn a_release_is_recorded_as_reserved_in_every_quota_of_the_namespace() {
+    let pods = [
+        pod("run", 1, false, json!({})),
+        pod("p", 2, true, json!({})),
+    ];
+    let quotas = [quota("default", 8, json!({})), quota("extra", 4, json!({}))];
+    let d = run(&pods, &[], &DeviceCatalog::default(), &quotas);
+    assert_eq!(d.releases.len(), 1);
+    assert_eq!(names(&d.releases[0]), ["p"]);
+    for (q, changed) in &d.quotas {
+        assert!(changed);
+        let s = q.status.as_ref().unwrap();
+        assert_eq!(s.used.gpus, Gpus::whole(1));
+        assert_eq!(s.reserved.gpus, Gpus::whole(2));
+        let r = s.reservation(&ReservationKey::pod(NS, "p")).unwrap();
+        assert_eq!(
+            (r.state, r.uid.as_deref()),
+            (ReservationState::Reserved, Some("uid-p"))
+        );
+        assert_eq!(
+            q.metadata.resource_version.as_deref(),
+            Some("7"),
+            "written against what was read"
+        );
+    }
+    // The second quota is the tighter one: a pod needing 4 more waits, and says which quota.
+    let pods = [
+        pod("run", 1, false, json!({})),
+        pod("big", 4, true, json!({})),
+    ];
+    let d = run(&pods, &[], &DeviceCatalog::default(), &quotas);
+    assert!(d.releases.is_empty());
+    assert_eq!(
+        d.waiting[0].1.message,
+        "waiting for quota: needs 4 gpus, 3 free of 4 in GpuQuota team-a/extra"
+    );
+}
+
+#[test]
+fn pods_that_cannot_be_priced_or_grouped_wait_with_their_reason_and_block_nobody() {
+    let pods = [
+        pod(
+            "templated",
+            0,
+            true,
+            json!({"spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "missing"}]}}),
+        ),
+        pod(
+            "m",
+            1,
+            true,
+            json!({"metadata": {"labels": {"quota.gpuplane.dev/pod-group": "g"},
+                                              "annotations": {"quota.gpuplane.dev/pod-group-size": "many"}}}),
+        ),
+        pod("ok", 1, true, json!({})),
+    ];
+    let d = run(
+        &pods,
+        &[],
+        &DeviceCatalog::default(),
+        &[quota("default", 8, json!({}))],
+    );
+    assert_eq!(
+        d.releases.iter().map(|u| names(u)).collect::<Vec<_>>(),
+        [["ok"]]
+    );
+    let note = |n: &str| {
+        d.waiting
+            .iter()
+            .find(|(p, _)| p.name == n)
+            .map(|(_, n)| n.clone())
+            .unwrap()
+    };
+    assert_eq!(note("templated").kind, "Unpriced");
+    assert!(
+        note("templated").message.contains("\"missing\""),
+        "{:?}",
+        note("templated")
+    );
+    assert_eq!(note("m").kind, "BadGroup");
+    assert!(note("m")
+        .message
+        .contains("\"many\" is not a positive number"));
+}
+
+fn catalog() -> DeviceCatalog {
+    let devices: Vec<Value> = (0..2)
+        .map(|i| {
+            json!({"name": format!("gpu-{i}"),
+                   "attributes": {"type": {"string": "gpu"}, "productName": {"string": "NVIDIA H100"}},
+                   "capacity": {"memory": {"value": "80Gi"}}})
+        })
+        .collect();
+    let slice: ResourceSlice = serde_json::from_value(json!({
+        "metadata": {"name": "node-1-gpus"},
+        "spec": {"driver": "gpu.gpuplane.dev", "nodeName": "node-1",
+                 "pool": {"name": "node-1", "generation": 1, "resourceSliceCount": 1},
+                 "devices": devices}
+    }))
+    .unwrap();
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": "gpu.gpuplane.dev"},
+        "spec": {"selectors": [{"cel": {"expression": "device.driver == \"gpu.gpuplane.dev\""}}]}
+    }))
+    .unwrap();
+    DeviceCatalog::new(&[slice], &[class], CatalogSettings::default())
+}
+
+#[test]
+fn an_allocated_standalone_claim_settles_into_used_and_its_reservation_goes() {
+    let claim = |name: &str, allocated: bool| -> Arc<ResourceClaim> {
+        let mut v = json!({
+            "metadata": {"name": name, "namespace": NS, "uid": format!("uid-{name}")},
+            "spec": {"devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": "gpu.gpuplane.dev", "count": 2}}]}}
+        });
+        if allocated {
+            v["status"] = json!({"allocation": {"devices": {"results": [
+                {"request": "r", "driver": "gpu.gpuplane.dev", "pool": "node-1", "device": "gpu-0"}]}}});
+        }
+        Arc::new(serde_json::from_value(v).unwrap())
+    };
+    let claims = [claim("done", true), claim("pending", false)];
+    let q = quota(
+        "default",
+        8,
+        json!({"reservations": [reserved("done", "ResourceClaim", 2), reserved("pending", "ResourceClaim", 2)]}),
+    );
+    let d = run(&[], &claims, &catalog(), &[q]);
+    let s = d.quotas[0].0.status.clone().unwrap();
+    // Worst case 2 GPUs at admission; allocated one device: settles to 1.
+    assert_eq!(s.used.gpus, Gpus::whole(1));
+    assert!(s.reservation(&ReservationKey::claim(NS, "done")).is_none());
+    assert!(s
+        .reservation(&ReservationKey::claim(NS, "pending"))
+        .is_some());
+    assert_eq!(s.reserved.gpus, Gpus::whole(2));
+}

@@ -1,0 +1,154 @@
+//! The controller's writes to pods (I/O): removing the admission gate, the `QuotaAdmitted`
+//! condition, and core/v1 Events.
+//!
+//! The gate is removed with a JSON patch guarded by `test` operations on the pod's uid and on
+//! the gate's position, so a pod re-created under the same name, or whose gates moved, is
+//! never released by mistake: a failed test reads the pod again and, if it is the same pod
+//! and still gated, tries once more at the gate's new position.
+
+use super::pods::{self, PodRef, CONDITION};
+use crate::quota::SCHEDULING_GATE;
+use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+/// The component name on Events.
+pub const COMPONENT: &str = "gpuplane-controller";
+
+/// What became of a gate removal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ungated {
+    /// We removed the gate.
+    Removed,
+    /// The gate was already gone.
+    AlreadyGone,
+    /// The pod no longer exists (or is another pod now).
+    PodGone,
+}
+
+fn is_code(e: &kube::Error, codes: &[u16]) -> bool {
+    matches!(e, kube::Error::Api(s) if codes.contains(&s.code))
+}
+
+fn gate_patch(uid: &str, index: usize) -> Result<json_patch::Patch, serde_json::Error> {
+    serde_json::from_value(json!([
+        {"op": "test", "path": "/metadata/uid", "value": uid},
+        {"op": "test", "path": format!("/spec/schedulingGates/{index}/name"), "value": SCHEDULING_GATE},
+        {"op": "remove", "path": format!("/spec/schedulingGates/{index}")},
+    ]))
+}
+
+fn patch_error(e: serde_json::Error) -> kube::Error {
+    kube::Error::SerdeError(e)
+}
+
+/// Removes the admission gate from `pod`.
+pub async fn ungate(api: &Api<Pod>, pod: &PodRef) -> Result<Ungated, kube::Error> {
+    let mut index = pod.gate_index;
+    for attempt in 0..2 {
+        let Some(i) = index else {
+            return Ok(Ungated::AlreadyGone);
+        };
+        let patch = gate_patch(&pod.uid, i).map_err(patch_error)?;
+        match api
+            .patch(
+                &pod.name,
+                &PatchParams::default(),
+                &Patch::Json::<()>(patch),
+            )
+            .await
+        {
+            Ok(_) => return Ok(Ungated::Removed),
+            Err(e) if is_code(&e, &[404]) => return Ok(Ungated::PodGone),
+            Err(e) if is_code(&e, &[409, 422]) && attempt == 0 => {
+                let Some(now) = api.get_opt(&pod.name).await? else {
+                    return Ok(Ungated::PodGone);
+                };
+                if now.metadata.uid.as_deref() != Some(pod.uid.as_str()) {
+                    return Ok(Ungated::PodGone);
+                }
+                index = pods::gate_index(&now);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(Ungated::AlreadyGone)
+}
+
+/// Sets the pod's `QuotaAdmitted` condition (strategic merge: merged by `type` upstream, so
+/// the scheduler's and kubelet's conditions stay).
+pub async fn set_condition(
+    api: &Api<Pod>,
+    pod: &PodRef,
+    admitted: bool,
+    reason: &str,
+    message: &str,
+) -> Result<(), kube::Error> {
+    let status = if admitted { "True" } else { "False" };
+    let transition = match &pod.condition {
+        Some((_, s, _)) if s == status => None,
+        _ => Some(Timestamp::now().to_string()),
+    };
+    let mut cond = json!({
+        "type": CONDITION,
+        "status": status,
+        "reason": reason,
+        "message": message,
+    });
+    if let Some(t) = transition {
+        cond["lastTransitionTime"] = json!(t);
+    }
+    let body = json!({"status": {"conditions": [cond]}});
+    match api
+        .patch_status(&pod.name, &PatchParams::default(), &Patch::Strategic(body))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if is_code(&e, &[404]) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Records a core/v1 Event about `pod`.
+pub async fn event(
+    api: &Api<Event>,
+    pod: &PodRef,
+    warning: bool,
+    reason: &str,
+    message: &str,
+    instance: &str,
+) -> Result<(), kube::Error> {
+    let now = Timestamp::now();
+    let ev = Event {
+        metadata: ObjectMeta {
+            name: Some(format!("{}.{:x}", pod.name, now.as_nanosecond())),
+            namespace: Some(pod.namespace.clone()),
+            ..ObjectMeta::default()
+        },
+        involved_object: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: Some(pod.name.clone()),
+            namespace: Some(pod.namespace.clone()),
+            uid: Some(pod.uid.clone()),
+            ..ObjectReference::default()
+        },
+        reason: Some(reason.into()),
+        message: Some(message.into()),
+        type_: Some(if warning { "Warning" } else { "Normal" }.into()),
+        first_timestamp: Some(Time(now)),
+        last_timestamp: Some(Time(now)),
+        count: Some(1),
+        source: Some(EventSource {
+            component: Some(COMPONENT.into()),
+            host: None,
+        }),
+        reporting_component: Some(COMPONENT.into()),
+        reporting_instance: Some(instance.into()),
+        action: Some("Queue".into()),
+        ..Event::default()
+    };
+    api.create(&PostParams::default(), &ev).await.map(|_| ())
+}

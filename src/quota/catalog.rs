@@ -1,0 +1,450 @@
+//! What the cluster's GPU devices are, as far as quota needs to know (pure): built from the
+//! published ResourceSlices and the DeviceClasses.
+//!
+//! Per device: its driver, pool and name, whether it is a whole GPU or a MIG device (attribute
+//! `type`), its MIG `profile`, its `productName`, its capacity `memory`, and its share of a whole
+//! GPU. The share of a MIG device is its compute slices (the `<N>g` of its profile) over its
+//! GPU's: 4 on an A30 (`productName` containing `A30`), 7 on every other MIG-capable model
+//! (A100, H100, H200, B200).
+//!
+//! Device-plugin resources (`nvidia.com/gpu`, `nvidia.com/mig-<profile>` with `+` written as
+//! `.`, and their `.shared` renames) are priced from the devices of the same type/profile that
+//! the DRA side of the same agents publishes: the memory charged for one unit is the largest
+//! memory among those devices, divided by the replicas when the resource is time-sliced
+//! ([`CatalogSettings::time_slicing`], rounded up). A resource with no matching published device
+//! has an *unknown* memory (and, for MIG, an unknown share): a quota that limits that dimension
+//! then denies, rather than guess low.
+
+use super::charge::{Charge, UnknownCharge};
+use super::ratio::Gpus;
+use super::selector::{AttrValue, DeviceView, Selector};
+use super::usage::{Dimension, Memory};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+use std::collections::BTreeMap;
+
+/// The default DRA driver name of gpuplane's node agent.
+pub const DEFAULT_DRIVER: &str = "gpu.gpuplane.dev";
+/// Whole GPUs as a device-plugin resource.
+pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+/// Prefix of MIG device-plugin resources (`nvidia.com/mig-1g.10gb`).
+pub const MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
+/// Suffix of time-sliced resources renamed by `renameByDefault`.
+pub const SHARED_SUFFIX: &str = ".shared";
+
+/// What the catalog is told rather than reads from the cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CatalogSettings {
+    /// DRA drivers whose devices are GPUs (default `gpu.gpuplane.dev`; add `gpu.nvidia.com`
+    /// when NVIDIA's driver or gpuplane under that name publishes them).
+    pub drivers: Vec<String>,
+    /// Time-sliced device-plugin resources and their replicas per device, as in the agents'
+    /// `sharing.timeSlicing` config (e.g. `nvidia.com/gpu` -> 4, or `nvidia.com/gpu.shared`
+    /// -> 4 with `renameByDefault`).
+    pub time_slicing: BTreeMap<String, u32>,
+}
+
+impl Default for CatalogSettings {
+    fn default() -> Self {
+        CatalogSettings {
+            drivers: vec![DEFAULT_DRIVER.to_string()],
+            time_slicing: BTreeMap::new(),
+        }
+    }
+}
+
+/// Whole GPU or MIG device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceKind {
+    Gpu,
+    Mig {
+        profile: String,
+    },
+    /// A device of a GPU driver with another or no `type`.
+    Other,
+}
+
+/// One published device.
+#[derive(Debug, Clone)]
+pub struct CatalogDevice {
+    pub driver: String,
+    pub pool: String,
+    pub name: String,
+    pub kind: DeviceKind,
+    pub product: Option<String>,
+    /// Capacity `memory`, when published.
+    pub memory: Option<Memory>,
+    /// Share of a whole GPU; `None` for a MIG profile whose size cannot be read.
+    pub share: Option<Gpus>,
+    attributes: BTreeMap<(String, String), AttrValue>,
+    capacity: BTreeMap<(String, String), AttrValue>,
+}
+
+impl DeviceView for CatalogDevice {
+    fn driver(&self) -> &str {
+        &self.driver
+    }
+    fn attribute(&self, domain: &str, name: &str) -> Option<&AttrValue> {
+        self.attributes.get(&(domain.to_string(), name.to_string()))
+    }
+    fn capacity(&self, domain: &str, name: &str) -> Option<&AttrValue> {
+        self.capacity.get(&(domain.to_string(), name.to_string()))
+    }
+}
+
+/// A DeviceClass as quota reads it.
+#[derive(Debug, Clone)]
+struct ClassInfo {
+    selectors: Vec<Selector>,
+}
+
+/// Which devices a DeviceClass (plus a request's own selectors) may allocate.
+#[derive(Debug)]
+pub enum ClassMatch<'a> {
+    /// No DeviceClass of that name is known.
+    UnknownClass,
+    /// The class certainly selects no GPU driver's devices (a NIC class, say): it costs no
+    /// GPUs and no GPU memory.
+    NotGpu,
+    /// The GPU devices it may match (empty when none is published yet).
+    Devices(Vec<&'a CatalogDevice>),
+}
+
+/// Published GPU devices and known DeviceClasses.
+#[derive(Debug, Clone, Default)]
+pub struct DeviceCatalog {
+    devices: Vec<CatalogDevice>,
+    classes: BTreeMap<String, ClassInfo>,
+    settings: CatalogSettings,
+}
+
+/// Compute slices of a MIG-capable GPU, by product name.
+pub fn mig_compute_slices(product: Option<&str>) -> u64 {
+    match product {
+        Some(p) if p.to_ascii_uppercase().contains("A30") => 4,
+        _ => 7,
+    }
+}
+
+/// `N` of a MIG profile `Ng.…` (`1g.10gb` -> 1, `7g.80gb` -> 7).
+pub fn mig_profile_slices(profile: &str) -> Option<u64> {
+    let (n, _) = profile.split_once("g.")?;
+    n.parse().ok().filter(|n| *n > 0)
+}
+
+/// The share of a whole GPU a MIG profile is on a product.
+pub fn mig_share(profile: &str, product: Option<&str>) -> Option<Gpus> {
+    let n = mig_profile_slices(profile)?;
+    let c = mig_compute_slices(product);
+    Gpus::new(n.min(c), c)
+}
+
+/// `nvidia.com/mig-<profile>` with `+` written as `.` (the device plugin's resource naming).
+pub fn mig_resource_name(profile: &str) -> String {
+    format!("{MIG_RESOURCE_PREFIX}{}", profile.replace('+', "."))
+}
+
+impl DeviceCatalog {
+    /// From every ResourceSlice and DeviceClass in the cluster. Only slices of
+    /// `settings.drivers` are read, and of each pool only the slices of its newest generation.
+    pub fn new(
+        slices: &[ResourceSlice],
+        classes: &[DeviceClass],
+        settings: CatalogSettings,
+    ) -> DeviceCatalog {
+        let mut newest: BTreeMap<(&str, &str), i64> = BTreeMap::new();
+        for s in slices {
+            let k = (s.spec.driver.as_str(), s.spec.pool.name.as_str());
+            let g = newest.entry(k).or_insert(s.spec.pool.generation);
+            *g = (*g).max(s.spec.pool.generation);
+        }
+        let mut devices = Vec::new();
+        for s in slices {
+            let driver = &s.spec.driver;
+            if !settings.drivers.iter().any(|d| d == driver) {
+                continue;
+            }
+            let k = (driver.as_str(), s.spec.pool.name.as_str());
+            if newest.get(&k) != Some(&s.spec.pool.generation) {
+                continue;
+            }
+            for d in s.spec.devices.iter().flatten() {
+                devices.push(catalog_device(driver, &s.spec.pool.name, d));
+            }
+        }
+        let classes = classes
+            .iter()
+            .filter_map(|c| {
+                let name = c.metadata.name.clone()?;
+                let selectors = c
+                    .spec
+                    .selectors
+                    .iter()
+                    .flatten()
+                    .map(|s| match &s.cel {
+                        Some(cel) => Selector::parse(&cel.expression),
+                        // A selector kind we do not know: may match anything.
+                        None => Selector::parse(""),
+                    })
+                    .collect();
+                Some((name, ClassInfo { selectors }))
+            })
+            .collect();
+        DeviceCatalog {
+            devices,
+            classes,
+            settings,
+        }
+    }
+
+    pub fn settings(&self) -> &CatalogSettings {
+        &self.settings
+    }
+
+    pub fn devices(&self) -> &[CatalogDevice] {
+        &self.devices
+    }
+
+    pub fn has_class(&self, name: &str) -> bool {
+        self.classes.contains_key(name)
+    }
+
+    /// One published device.
+    pub fn device(&self, driver: &str, pool: &str, name: &str) -> Option<&CatalogDevice> {
+        self.devices
+            .iter()
+            .find(|d| d.driver == driver && d.pool == pool && d.name == name)
+    }
+
+    /// The devices `class` with the extra `selectors` (CEL expressions of a request) may match.
+    pub fn matching(&self, class: &str, selectors: &[Selector]) -> ClassMatch<'_> {
+        let Some(info) = self.classes.get(class) else {
+            return ClassMatch::UnknownClass;
+        };
+        let foreign = |s: &Selector| {
+            s.required_driver()
+                .is_some_and(|d| !self.settings.drivers.iter().any(|x| x == d))
+        };
+        if info.selectors.iter().chain(selectors).any(foreign) {
+            return ClassMatch::NotGpu;
+        }
+        ClassMatch::Devices(
+            self.devices
+                .iter()
+                .filter(|d| {
+                    info.selectors
+                        .iter()
+                        .chain(selectors)
+                        .all(|s| s.may_match(*d))
+                })
+                .collect(),
+        )
+    }
+
+    /// Whether `resource` is a GPU device-plugin resource this catalog prices.
+    pub fn is_gpu_resource(&self, resource: &str) -> bool {
+        resource == GPU_RESOURCE
+            || resource == format!("{GPU_RESOURCE}{SHARED_SUFFIX}")
+            || resource.starts_with(MIG_RESOURCE_PREFIX)
+            || self.settings.time_slicing.contains_key(resource)
+    }
+
+    /// What `count` units of device-plugin resource `resource` cost; `None` when it is not a
+    /// GPU resource (other extended resources are not charged).
+    pub fn resource_charge(
+        &self,
+        resource: &str,
+        count: u64,
+    ) -> Option<Result<Charge, super::ratio::QuotaMathError>> {
+        if !self.is_gpu_resource(resource) || count == 0 {
+            return None;
+        }
+        Some(self.resource_charge_inner(resource, count))
+    }
+
+    fn resource_charge_inner(
+        &self,
+        resource: &str,
+        count: u64,
+    ) -> Result<Charge, super::ratio::QuotaMathError> {
+        let replicas = u64::from(
+            self.settings
+                .time_slicing
+                .get(resource)
+                .copied()
+                .unwrap_or(1)
+                .max(1),
+        );
+        let base = resource.strip_suffix(SHARED_SUFFIX).unwrap_or(resource);
+        let mut charge = Charge::default();
+        charge.usage.devices.insert(resource.to_string(), count);
+        let matching: Vec<&CatalogDevice> = if base == GPU_RESOURCE {
+            self.devices
+                .iter()
+                .filter(|d| d.kind == DeviceKind::Gpu)
+                .collect()
+        } else if let Some(profile) = base.strip_prefix(MIG_RESOURCE_PREFIX) {
+            self.devices
+                .iter()
+                .filter(|d| matches!(&d.kind, DeviceKind::Mig { profile: p } if p.replace('+', ".") == profile))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        // Share of one unit.
+        let share = if base == GPU_RESOURCE {
+            Some(Gpus::ONE)
+        } else {
+            matching
+                .iter()
+                .map(|d| d.share)
+                .try_fold(None::<Gpus>, |acc, s| {
+                    s.map(|s| Some(acc.map_or(s, |a| a.max(s))))
+                })
+                .flatten()
+        };
+        match share {
+            Some(s) => charge.usage.gpus = s.checked_div_int(replicas)?.checked_mul_int(count)?,
+            None => charge.unknown.push(UnknownCharge {
+                dimension: Dimension::Gpus,
+                why: format!("no ResourceSlice publishes a device of {resource}, so its share of a GPU is unknown"),
+            }),
+        }
+        let mems: Option<Vec<Memory>> = if matching.is_empty() {
+            None
+        } else {
+            matching.iter().map(|d| d.memory).collect()
+        };
+        match mems.and_then(|m| m.into_iter().max()) {
+            Some(m) => {
+                charge.usage.gpu_memory = m.div_ceil_int(replicas)?.checked_mul_int(count)?
+            }
+            None => charge.unknown.push(UnknownCharge {
+                dimension: Dimension::GpuMemory,
+                why: format!("no ResourceSlice publishes the memory of a device of {resource}"),
+            }),
+        }
+        Ok(charge)
+    }
+
+    /// Worst-case usage of one device among `devices`: the largest share and the largest
+    /// memory (each may come from a different device), plus unknowns when either is missing.
+    pub fn worst_device(devices: &[&CatalogDevice], what: &str) -> Charge {
+        let mut c = Charge::default();
+        if devices.is_empty() {
+            c.unknown.push(UnknownCharge {
+                dimension: Dimension::Gpus,
+                why: format!("no published device matches {what}"),
+            });
+            c.unknown.push(UnknownCharge {
+                dimension: Dimension::GpuMemory,
+                why: format!("no published device matches {what}"),
+            });
+            return c;
+        }
+        match devices.iter().map(|d| d.share).collect::<Option<Vec<_>>>() {
+            Some(s) => c.usage.gpus = s.into_iter().max().unwrap_or(Gpus::ZERO),
+            None => c.unknown.push(UnknownCharge {
+                dimension: Dimension::Gpus,
+                why: format!("a device matching {what} has an unknown MIG size"),
+            }),
+        }
+        match devices.iter().map(|d| d.memory).collect::<Option<Vec<_>>>() {
+            Some(m) => c.usage.gpu_memory = m.into_iter().max().unwrap_or(Memory::ZERO),
+            None => c.unknown.push(UnknownCharge {
+                dimension: Dimension::GpuMemory,
+                why: format!("a device matching {what} publishes no memory capacity"),
+            }),
+        }
+        c
+    }
+
+    /// Usage of exactly this device (share and memory), unknowns where not published.
+    pub fn device_usage(d: &CatalogDevice) -> Charge {
+        let mut c = Charge::default();
+        match d.share {
+            Some(s) => c.usage.gpus = s,
+            None => c.unknown.push(UnknownCharge {
+                dimension: Dimension::Gpus,
+                why: format!(
+                    "device {}/{}/{} has an unknown MIG size",
+                    d.driver, d.pool, d.name
+                ),
+            }),
+        }
+        match d.memory {
+            Some(m) => c.usage.gpu_memory = m,
+            None => c.unknown.push(UnknownCharge {
+                dimension: Dimension::GpuMemory,
+                why: format!(
+                    "device {}/{}/{} publishes no memory capacity",
+                    d.driver, d.pool, d.name
+                ),
+            }),
+        }
+        c
+    }
+}
+
+fn catalog_device(
+    driver: &str,
+    pool: &str,
+    d: &k8s_openapi::api::resource::v1::Device,
+) -> CatalogDevice {
+    let split = |name: &str| match name.rsplit_once('/') {
+        Some((dom, n)) => (dom.to_string(), n.to_string()),
+        None => (driver.to_string(), name.to_string()),
+    };
+    let mut attributes = BTreeMap::new();
+    for (k, v) in d.attributes.iter().flatten() {
+        let value = if let Some(s) = &v.string {
+            AttrValue::Str(s.clone())
+        } else if let Some(i) = v.int {
+            AttrValue::Int(i)
+        } else if let Some(b) = v.bool {
+            AttrValue::Bool(b)
+        } else if let Some(s) = &v.version {
+            AttrValue::Version(s.clone())
+        } else {
+            continue;
+        };
+        attributes.insert(split(k), value);
+    }
+    let mut capacity = BTreeMap::new();
+    for (k, v) in d.capacity.iter().flatten() {
+        if let Ok(q) = crate::slices::quantity::parse(&v.value.0) {
+            capacity.insert(split(k), AttrValue::Quantity(q));
+        }
+    }
+    let own = |name: &str| attributes.get(&(driver.to_string(), name.to_string()));
+    let text = |name: &str| match own(name) {
+        Some(AttrValue::Str(s)) => Some(s.clone()),
+        _ => None,
+    };
+    let product = text("productName");
+    let kind = match (text("type").as_deref(), text("profile")) {
+        (Some("gpu"), _) => DeviceKind::Gpu,
+        (Some("mig"), Some(profile)) => DeviceKind::Mig { profile },
+        _ => DeviceKind::Other,
+    };
+    let memory = match capacity.get(&(driver.to_string(), "memory".to_string())) {
+        Some(AttrValue::Quantity(q)) => u64::try_from(*q).ok().map(Memory),
+        _ => None,
+    };
+    let share = match &kind {
+        DeviceKind::Gpu => Some(Gpus::ONE),
+        DeviceKind::Mig { profile } => mig_share(profile, product.as_deref()),
+        // A device of a GPU driver that is neither: count it as a whole GPU (worst case).
+        DeviceKind::Other => Some(Gpus::ONE),
+    };
+    CatalogDevice {
+        driver: driver.to_string(),
+        pool: pool.to_string(),
+        name: d.name.clone(),
+        kind,
+        product,
+        memory,
+        share,
+        attributes,
+        capacity,
+    }
+}

@@ -1,0 +1,164 @@
+//! The GpuQuota custom resource (`quota.gpuplane.dev/v1alpha1`, namespaced, with a status
+//! subresource). `daemonset/controller/crd.yaml` is generated from these types
+//! (`GpuQuota::crd()`); a test keeps the two equal.
+
+use super::usage::{Limits, Usage};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// API group of GpuQuota.
+pub const GROUP: &str = "quota.gpuplane.dev";
+/// API version of GpuQuota.
+pub const VERSION: &str = "v1alpha1";
+/// `group/version`.
+pub const API_VERSION: &str = "quota.gpuplane.dev/v1alpha1";
+/// Plural resource name.
+pub const PLURAL: &str = "gpuquotas";
+/// The scheduling gate Queue mode puts on pods; the controller removes it on admission.
+pub const SCHEDULING_GATE: &str = "quota.gpuplane.dev/admission";
+
+/// A limit on the GPUs the pods and ResourceClaims of one namespace may hold.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "quota.gpuplane.dev",
+    version = "v1alpha1",
+    kind = "GpuQuota",
+    plural = "gpuquotas",
+    shortname = "gq",
+    namespaced,
+    status = "GpuQuotaStatus",
+    derive = "PartialEq",
+    derive = "Default",
+    printcolumn = r#"{"name": "Mode", "type": "string", "jsonPath": ".spec.mode"}"#,
+    printcolumn = r#"{"name": "Cohort", "type": "string", "jsonPath": ".spec.cohort"}"#,
+    printcolumn = r#"{"name": "GPUs", "type": "string", "jsonPath": ".status.used.gpus"}"#,
+    printcolumn = r#"{"name": "Memory", "type": "string", "jsonPath": ".status.used.gpuMemory"}"#,
+    printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuQuotaSpec {
+    /// Upper bounds; any subset of gpus, gpuMemory and devices. A dimension left out is not
+    /// limited.
+    pub hard: Limits,
+    /// Reject: a pod or claim that does not fit is denied at admission. Queue: GPU pods get the
+    /// scheduling gate `quota.gpuplane.dev/admission` and are admitted in turn by the
+    /// controller.
+    #[serde(default)]
+    pub mode: QuotaMode,
+    /// GpuQuotas with the same cohort may borrow each other's unused quota.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cohort: Option<String>,
+    /// The most this quota may borrow from its cohort beyond `hard`, per dimension; a dimension
+    /// left out (or no borrowingLimit at all) may borrow whatever the cohort has unused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub borrowing_limit: Option<Limits>,
+}
+
+/// What happens to a pod or claim that does not fit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum QuotaMode {
+    #[default]
+    Reject,
+    Queue,
+}
+
+/// The kind of object a reservation is for.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+pub enum ObjectKind {
+    Pod,
+    ResourceClaim,
+}
+
+/// Whether a reservation counts against the quota.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ReservationState {
+    /// Admitted, not yet counted in `used`: counts against `hard`.
+    Reserved,
+    /// Gated in Queue mode, waiting for admission: does not count.
+    Queued,
+}
+
+/// One admitted-but-not-yet-running (or queued) pod or claim.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Reservation {
+    pub kind: ObjectKind,
+    pub namespace: String,
+    pub name: String,
+    /// The object's uid as the validating webhook saw it, when it had one; reservations are
+    /// keyed without it (kind, namespace, name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+    pub state: ReservationState,
+    /// What was charged (the worst case at admission).
+    pub charge: Usage,
+    /// Dimensions that could not be priced at admission, and why (Queue mode records them;
+    /// the controller re-prices before admitting).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unpriced: Vec<String>,
+    /// The pod's priority, for queue order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    /// When it was recorded (RFC 3339).
+    pub since: String,
+}
+
+/// A status condition, shaped as metav1.Condition.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QuotaCondition {
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// True, False or Unknown.
+    pub status: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    /// RFC 3339.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub last_transition_time: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// What the quota holds now.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuQuotaStatus {
+    /// Charged for running pods and allocated claims (written by the controller, which removes
+    /// their reservations in the same write).
+    #[serde(default)]
+    pub used: Usage,
+    /// Sum of the `Reserved` reservations: admitted, not yet running.
+    #[serde(default)]
+    pub reserved: Usage,
+    /// Sum of the `Queued` reservations: gated, waiting.
+    #[serde(default)]
+    pub queued: Usage,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reservations: Vec<Reservation>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<QuotaCondition>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+impl GpuQuota {
+    /// `namespace/name`.
+    pub fn id(&self) -> String {
+        format!(
+            "{}/{}",
+            self.metadata.namespace.as_deref().unwrap_or(""),
+            self.metadata.name.as_deref().unwrap_or("")
+        )
+    }
+
+    /// The status, or an empty one.
+    pub fn status_or_default(&self) -> GpuQuotaStatus {
+        self.status.clone().unwrap_or_default()
+    }
+}

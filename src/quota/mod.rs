@@ -1,0 +1,86 @@
+//! GPU quota: the GpuQuota resource and the pure arithmetic of charging pods and claims
+//! against it. The webhook (`crate::webhook`) and the controller loops build on this.
+//!
+//! # API overview (stable; for the controller loops)
+//!
+//! Types
+//! - [`GpuQuota`] / [`GpuQuotaSpec`] / [`GpuQuotaStatus`] (kube `CustomResource`,
+//!   `quota.gpuplane.dev/v1alpha1`, namespaced, status subresource): `Api<GpuQuota>` works.
+//!   `spec.hard: `[`Limits`], `spec.mode: `[`QuotaMode`] (`Reject` | `Queue`), `spec.cohort`,
+//!   `spec.borrowingLimit: Limits`. Status: `used`, `reserved`, `queued` ([`Usage`]),
+//!   `reservations: Vec<`[`Reservation`]`>`, `conditions: Vec<`[`QuotaCondition`]`>`.
+//! - [`Gpus`]: exact fraction of whole GPUs (`1/7`), [`Memory`]: bytes, [`Usage`]: the three
+//!   dimensions, [`Dimension`] / [`Amount`]: one of them.
+//! - [`Charge`]: a [`Usage`] plus the dimensions that could not be priced ([`UnknownCharge`]).
+//! - [`ReservationKey`]: (kind, namespace, name), no uid. [`SCHEDULING_GATE`] is
+//!   `quota.gpuplane.dev/admission`.
+//! - [`DeviceCatalog`]: devices from ResourceSlices + DeviceClasses, built with
+//!   [`DeviceCatalog::new`]`(&slices, &classes, `[`CatalogSettings`]`)`.
+//!
+//! Pricing (pure)
+//! - [`pod_charge`]`(&pod, &templates, &catalog)`: a pod's worst-case charge (device-plugin
+//!   resources with the init-container rule + claims from templates; fetch the templates named
+//!   by [`pod_template_names`] first). [`Charge::is_empty`] means "not a GPU pod".
+//! - [`claim_charge`]`(&claim.spec, &catalog)`: a claim's worst case before allocation.
+//! - [`settled_claim_charge`]`(&claim, &catalog)`: the actual charge from
+//!   `status.allocation` (`Ok(None)` while unallocated; keep the worst case while it has
+//!   unknowns).
+//! - [`claim_is_pod_owned`]: claims made from a pod's template are charged through the pod.
+//!
+//! Deciding (pure)
+//! - [`check`]`(&quota, &all_quotas, Some(&key), &charge) -> Result<`[`Fit`]`, `[`Denial`]`>`:
+//!   `used + reserved (minus key's own) + charge <= hard`, with cohort borrowing. `Denial`
+//!   displays as `gpuMemory: requested 10Gi, used 15Gi of 20Gi in GpuQuota team-a/default`.
+//! - [`try_reserve`]: check and record a `Reserved` reservation; [`record_queued`]: record a
+//!   `Queued` one. [`GpuQuotaStatus::admit_queued`] turns a queued one into reserved (the Queue
+//!   loop: `check` it, `admit_queued`, write, then remove the gate);
+//!   [`GpuQuotaStatus::queue_order`] lists queued ones (priority, then age);
+//!   [`GpuQuotaStatus::release`], [`GpuQuotaStatus::upsert`],
+//!   [`GpuQuotaStatus::consumed`], [`GpuQuotaStatus::recompute_totals`].
+//! - [`stale_reservations`]`(&status, &live_by_key, now, grace)`: reservations to drop
+//!   (object counted in `used`; or older than `grace` with no live object / another uid).
+//!   [`DEFAULT_RESERVATION_GRACE`] is 2 minutes.
+//!
+//! Writing (I/O)
+//! - [`update_status`]`(&api, name, `[`RetryBudget`]`, |quota| -> Result<`[`Step`]`<T>, E>)`:
+//!   GET, decide, PUT `/status` with the read resourceVersion, retry on 409.
+//!
+//! Contract with the controller: it sets `status.used` to the charges of the objects it counts
+//! (running/bound pods, allocated standalone claims; [`settled_claim_charge`] for claims) and
+//! drops their reservations in the same write; it GCs with [`stale_reservations`]. A gated pod
+//! of a Queue-mode quota that has no `Queued` reservation must still be treated as queued:
+//! recording is best effort when the API server is unreachable, the gate is what holds it.
+//! See docs/quota.md.
+
+pub mod catalog;
+pub mod charge;
+pub mod check;
+pub mod crd;
+pub mod ratio;
+pub mod selector;
+pub mod status;
+pub mod usage;
+pub mod writer;
+
+pub use catalog::{
+    mig_resource_name, mig_share, CatalogDevice, CatalogSettings, ClassMatch, DeviceCatalog,
+    DeviceKind,
+};
+pub use charge::{
+    claim_charge, claim_is_pod_owned, pod_charge, pod_resource_counts, pod_template_names,
+    settled_claim_charge, Charge, ChargeError, UnknownCharge,
+};
+pub use check::{check, record_queued, try_reserve, Denial, Fit};
+pub use crd::{
+    GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind, QuotaCondition, QuotaMode, Reservation,
+    ReservationState, SCHEDULING_GATE,
+};
+pub use ratio::{Gpus, QuotaMathError};
+pub use status::{
+    now_rfc3339, stale_reservations, LiveObject, ReservationKey, DEFAULT_RESERVATION_GRACE,
+};
+pub use usage::{Amount, Dimension, Limits, Memory, Usage};
+pub use writer::{update_status, RetryBudget, Step, UpdateError};
+
+#[cfg(test)]
+mod tests;

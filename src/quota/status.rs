@@ -1,0 +1,214 @@
+//! Reservations in a GpuQuota's status (pure): recording, releasing, totals, and which ones
+//! are stale.
+
+use super::crd::{GpuQuotaStatus, ObjectKind, Reservation, ReservationState};
+use super::ratio::QuotaMathError;
+use super::usage::Usage;
+use k8s_openapi::jiff::Timestamp;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// How long a reservation may wait for its object to show up (or a replaced object's
+/// reservation may live) before [`stale_reservations`] drops it.
+pub const DEFAULT_RESERVATION_GRACE: Duration = Duration::from_secs(120);
+
+/// A reservation's identity: kind, namespace and name (no uid: the mutating webhook never
+/// sees one, and a retried create must find its own reservation).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ReservationKey {
+    pub kind: ObjectKind,
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ReservationKey {
+    pub fn pod(namespace: &str, name: &str) -> Self {
+        ReservationKey {
+            kind: ObjectKind::Pod,
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+    pub fn claim(namespace: &str, name: &str) -> Self {
+        ReservationKey {
+            kind: ObjectKind::ResourceClaim,
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for ReservationKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.kind {
+            ObjectKind::Pod => "pod",
+            ObjectKind::ResourceClaim => "resourceclaim",
+        };
+        write!(f, "{kind} {}/{}", self.namespace, self.name)
+    }
+}
+
+impl Reservation {
+    pub fn key(&self) -> ReservationKey {
+        ReservationKey {
+            kind: self.kind,
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+        }
+    }
+
+    pub fn since_time(&self) -> Option<Timestamp> {
+        self.since.parse().ok()
+    }
+}
+
+/// Now, to the second, as RFC 3339 (`2025-01-02T03:04:05Z`).
+pub fn now_rfc3339() -> String {
+    rfc3339(Timestamp::now())
+}
+
+/// `t` to the second, as RFC 3339.
+pub fn rfc3339(t: Timestamp) -> String {
+    Timestamp::from_second(t.as_second())
+        .unwrap_or(t)
+        .to_string()
+}
+
+impl GpuQuotaStatus {
+    pub fn reservation(&self, key: &ReservationKey) -> Option<&Reservation> {
+        self.reservations.iter().find(|r| r.key() == *key)
+    }
+
+    /// Records `r`, replacing a reservation with the same key, and recomputes the totals.
+    pub fn upsert(&mut self, r: Reservation) -> Result<(), QuotaMathError> {
+        let key = r.key();
+        match self.reservations.iter_mut().find(|x| x.key() == key) {
+            Some(x) => *x = r,
+            None => self.reservations.push(r),
+        }
+        self.recompute_totals()
+    }
+
+    /// Removes the reservation with `key` (if any) and recomputes the totals.
+    pub fn release(&mut self, key: &ReservationKey) -> Result<Option<Reservation>, QuotaMathError> {
+        let pos = self.reservations.iter().position(|x| x.key() == *key);
+        let out = pos.map(|p| self.reservations.remove(p));
+        self.recompute_totals()?;
+        Ok(out)
+    }
+
+    /// Turns a queued reservation into a reserved one (the controller admits it), keeping its
+    /// charge unless `charge` gives a new one. False when there is no such reservation.
+    pub fn admit_queued(
+        &mut self,
+        key: &ReservationKey,
+        charge: Option<Usage>,
+    ) -> Result<bool, QuotaMathError> {
+        let Some(r) = self.reservations.iter_mut().find(|x| x.key() == *key) else {
+            return Ok(false);
+        };
+        r.state = ReservationState::Reserved;
+        if let Some(c) = charge {
+            r.charge = c;
+            r.unpriced.clear();
+        }
+        self.recompute_totals()?;
+        Ok(true)
+    }
+
+    /// `reserved` and `queued` from the reservations.
+    pub fn recompute_totals(&mut self) -> Result<(), QuotaMathError> {
+        self.reserved = Usage::sum(
+            self.reservations
+                .iter()
+                .filter(|r| r.state == ReservationState::Reserved)
+                .map(|r| &r.charge),
+        )?;
+        self.queued = Usage::sum(
+            self.reservations
+                .iter()
+                .filter(|r| r.state == ReservationState::Queued)
+                .map(|r| &r.charge),
+        )?;
+        Ok(())
+    }
+
+    /// What counts against `hard`: `used` plus every `Reserved` reservation except
+    /// `excluding` (an object being re-admitted is not counted twice).
+    pub fn consumed(&self, excluding: Option<&ReservationKey>) -> Result<Usage, QuotaMathError> {
+        let mut total = self.used.clone();
+        for r in &self.reservations {
+            if r.state == ReservationState::Reserved && Some(&r.key()) != excluding {
+                total.add_assign(&r.charge)?;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Queued reservations in admission order: higher priority first, then oldest first, then
+    /// by key.
+    pub fn queue_order(&self) -> Vec<&Reservation> {
+        let mut q: Vec<&Reservation> = self
+            .reservations
+            .iter()
+            .filter(|r| r.state == ReservationState::Queued)
+            .collect();
+        q.sort_by(|a, b| {
+            b.priority
+                .unwrap_or(0)
+                .cmp(&a.priority.unwrap_or(0))
+                .then_with(|| a.since_time().cmp(&b.since_time()))
+                .then_with(|| a.key().cmp(&b.key()))
+        });
+        q
+    }
+}
+
+/// What the controller knows of a live object a reservation may be for.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LiveObject {
+    pub uid: Option<String>,
+    /// The controller counts this object in `status.used` (running pod, allocated claim):
+    /// its reservation is superseded.
+    pub counted: bool,
+}
+
+/// The reservations to drop, given the live objects (by key) the controller sees:
+/// - one whose object is counted in `used` (same uid, or a uid unknown on either side), at once;
+/// - one older than `grace` whose object does not exist (its create failed, or it was
+///   deleted before running);
+/// - one older than `grace` whose uid differs from the live object's (the create it was made
+///   for failed against an existing object of that name, or the object was re-created).
+///
+/// `grace` covers the time between admission and the object reaching the controller's cache;
+/// a reservation whose time cannot be read counts as old.
+pub fn stale_reservations(
+    status: &GpuQuotaStatus,
+    live: &BTreeMap<ReservationKey, LiveObject>,
+    now: Timestamp,
+    grace: Duration,
+) -> Vec<ReservationKey> {
+    let mut out = Vec::new();
+    for r in &status.reservations {
+        let key = r.key();
+        let old = match r.since_time() {
+            Some(t) => {
+                let age = now.as_millisecond().saturating_sub(t.as_millisecond());
+                u128::try_from(age).unwrap_or(0) >= grace.as_millis()
+            }
+            None => true,
+        };
+        let stale = match live.get(&key) {
+            Some(l) => match (&r.uid, &l.uid) {
+                // Another object of that name: this reservation's create never happened.
+                (Some(a), Some(b)) if a != b => old,
+                _ => l.counted,
+            },
+            None => old,
+        };
+        if stale {
+            out.push(key);
+        }
+    }
+    out
+}

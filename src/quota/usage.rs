@@ -1,0 +1,440 @@
+//! What a pod or claim costs and what a quota allows, in the three dimensions of a GpuQuota
+//! (pure): whole-GPU equivalents, GPU memory, and device counts by resource or class name.
+
+use super::ratio::{Gpus, QuotaMathError};
+use crate::slices::quantity::binary_string;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// Bytes of GPU memory. Read from any Kubernetes quantity spelling (`20Gi`, `1.5Gi`,
+/// `21474836480`, `20G`; a fraction of a byte rounds up); written in the API server's canonical
+/// binary form (`20Gi`, `15360Mi`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Memory(pub u64);
+
+impl Memory {
+    pub const ZERO: Memory = Memory(0);
+
+    pub fn bytes(self) -> u64 {
+        self.0
+    }
+
+    pub fn is_zero(&self) -> bool {
+        self.0 == 0
+    }
+
+    pub fn checked_add(self, o: Memory) -> Result<Memory, QuotaMathError> {
+        self.0
+            .checked_add(o.0)
+            .map(Memory)
+            .ok_or(QuotaMathError::Overflow)
+    }
+
+    pub fn saturating_sub(self, o: Memory) -> Memory {
+        Memory(self.0.saturating_sub(o.0))
+    }
+
+    pub fn checked_mul_int(self, k: u64) -> Result<Memory, QuotaMathError> {
+        self.0
+            .checked_mul(k)
+            .map(Memory)
+            .ok_or(QuotaMathError::Overflow)
+    }
+
+    /// `ceil(self / k)`; `k == 0` is an error.
+    pub fn div_ceil_int(self, k: u64) -> Result<Memory, QuotaMathError> {
+        if k == 0 {
+            return Err(QuotaMathError::Overflow);
+        }
+        Ok(Memory(self.0.div_ceil(k)))
+    }
+
+    /// A quantity of bytes: digits with an optional decimal part and an optional suffix
+    /// (`Ki`..`Ei`, `k`..`E`, `e<N>`). Negative values and milli-units are refused.
+    pub fn parse(text: &str) -> Result<Memory, QuotaMathError> {
+        let bad = || QuotaMathError::Malformed(text.to_string());
+        let s = text.trim();
+        let s = s.strip_prefix('+').unwrap_or(s);
+        let end = s
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .unwrap_or(s.len());
+        let (number, suffix) = s.split_at(end);
+        let (int, frac) = number.split_once('.').unwrap_or((number, ""));
+        if int.is_empty()
+            || int.len() > 30
+            || frac.len() > 30
+            || !frac.bytes().all(|b| b.is_ascii_digit())
+            || (number.contains('.') && frac.is_empty())
+        {
+            return Err(bad());
+        }
+        let factor: u128 = match suffix {
+            "" => 1,
+            "Ki" => 1 << 10,
+            "Mi" => 1 << 20,
+            "Gi" => 1 << 30,
+            "Ti" => 1 << 40,
+            "Pi" => 1 << 50,
+            "Ei" => 1 << 60,
+            "k" => 1_000,
+            "M" => 1_000_000,
+            "G" => 1_000_000_000,
+            "T" => 1_000_000_000_000,
+            "P" => 1_000_000_000_000_000,
+            "E" => 1_000_000_000_000_000_000,
+            e if e.len() > 1 && e.starts_with(['e', 'E']) => {
+                let n: u32 = e[1..].parse().map_err(|_| bad())?;
+                10u128.checked_pow(n).ok_or(QuotaMathError::Overflow)?
+            }
+            _ => return Err(bad()),
+        };
+        let mantissa: u128 = format!("{int}{frac}").parse().map_err(|_| bad())?;
+        let scale = 10u128
+            .checked_pow(u32::try_from(frac.len()).map_err(|_| bad())?)
+            .ok_or(QuotaMathError::Overflow)?;
+        let bytes = mantissa
+            .checked_mul(factor)
+            .ok_or(QuotaMathError::Overflow)?
+            .div_ceil(scale);
+        u64::try_from(bytes)
+            .map(Memory)
+            .map_err(|_| QuotaMathError::Overflow)
+    }
+}
+
+impl fmt::Display for Memory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match i64::try_from(self.0) {
+            Ok(v) => f.write_str(&binary_string(v)),
+            Err(_) => write!(f, "{}", self.0),
+        }
+    }
+}
+
+impl Serialize for Memory {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Memory {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Memory;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a memory quantity such as 20Gi")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Memory, E> {
+                Ok(Memory(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Memory, E> {
+                u64::try_from(v)
+                    .map(Memory)
+                    .map_err(|_| E::custom(format!("memory {v} is negative")))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Memory, E> {
+                Memory::parse(v).map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl JsonSchema for Memory {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Memory".into()
+    }
+    fn inline_schema() -> bool {
+        true
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "description": "Bytes of GPU memory as a Kubernetes quantity, e.g. 20Gi.",
+            "x-kubernetes-int-or-string": true,
+            "anyOf": [
+                {"type": "integer", "minimum": 0},
+                {"type": "string", "pattern": "^\\+?[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][0-9]+)?$"}
+            ]
+        })
+    }
+}
+
+/// One of the three things a GpuQuota limits.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Dimension {
+    Gpus,
+    GpuMemory,
+    /// A device-plugin resource name or a DeviceClass name.
+    Devices(String),
+}
+
+impl fmt::Display for Dimension {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Dimension::Gpus => f.write_str("gpus"),
+            Dimension::GpuMemory => f.write_str("gpuMemory"),
+            Dimension::Devices(n) => write!(f, "devices[{n}]"),
+        }
+    }
+}
+
+/// An amount in every dimension: what something costs, or what a quota has used.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Usage {
+    /// Whole-GPU equivalents.
+    #[serde(default)]
+    pub gpus: Gpus,
+    /// Bytes of GPU memory.
+    #[serde(default)]
+    pub gpu_memory: Memory,
+    /// Devices by device-plugin resource name or DeviceClass name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub devices: BTreeMap<String, u64>,
+}
+
+impl Usage {
+    pub fn is_zero(&self) -> bool {
+        self.gpus.is_zero() && self.gpu_memory.is_zero() && self.devices.values().all(|v| *v == 0)
+    }
+
+    pub fn checked_add(&self, o: &Usage) -> Result<Usage, QuotaMathError> {
+        let mut out = self.clone();
+        out.add_assign(o)?;
+        Ok(out)
+    }
+
+    pub fn add_assign(&mut self, o: &Usage) -> Result<(), QuotaMathError> {
+        self.gpus = self.gpus.checked_add(o.gpus)?;
+        self.gpu_memory = self.gpu_memory.checked_add(o.gpu_memory)?;
+        for (k, v) in &o.devices {
+            let e = self.devices.entry(k.clone()).or_insert(0);
+            *e = e.checked_add(*v).ok_or(QuotaMathError::Overflow)?;
+        }
+        Ok(())
+    }
+
+    /// Dimension-wise `self - o`, floored at zero; zero device entries are dropped.
+    pub fn saturating_sub(&self, o: &Usage) -> Result<Usage, QuotaMathError> {
+        let mut devices = self.devices.clone();
+        for (k, v) in &o.devices {
+            if let Some(e) = devices.get_mut(k) {
+                *e = e.saturating_sub(*v);
+            }
+        }
+        devices.retain(|_, v| *v != 0);
+        Ok(Usage {
+            gpus: self.gpus.saturating_sub(o.gpus)?,
+            gpu_memory: self.gpu_memory.saturating_sub(o.gpu_memory),
+            devices,
+        })
+    }
+
+    /// Dimension-wise maximum (the worst case of two alternatives).
+    pub fn max(&self, o: &Usage) -> Usage {
+        let mut devices = self.devices.clone();
+        for (k, v) in &o.devices {
+            let e = devices.entry(k.clone()).or_insert(0);
+            *e = (*e).max(*v);
+        }
+        Usage {
+            gpus: self.gpus.max(o.gpus),
+            gpu_memory: self.gpu_memory.max(o.gpu_memory),
+            devices,
+        }
+    }
+
+    pub fn checked_mul_int(&self, k: u64) -> Result<Usage, QuotaMathError> {
+        let mut devices = BTreeMap::new();
+        for (n, v) in &self.devices {
+            devices.insert(n.clone(), v.checked_mul(k).ok_or(QuotaMathError::Overflow)?);
+        }
+        Ok(Usage {
+            gpus: self.gpus.checked_mul_int(k)?,
+            gpu_memory: self.gpu_memory.checked_mul_int(k)?,
+            devices,
+        })
+    }
+
+    /// The amount in one dimension, as a [`Amount`].
+    pub fn get(&self, d: &Dimension) -> Amount {
+        match d {
+            Dimension::Gpus => Amount::Gpus(self.gpus),
+            Dimension::GpuMemory => Amount::Memory(self.gpu_memory),
+            Dimension::Devices(n) => Amount::Count(self.devices.get(n).copied().unwrap_or(0)),
+        }
+    }
+
+    /// Sums an iterator of usages.
+    pub fn sum<'a>(items: impl IntoIterator<Item = &'a Usage>) -> Result<Usage, QuotaMathError> {
+        let mut total = Usage::default();
+        for u in items {
+            total.add_assign(u)?;
+        }
+        Ok(total)
+    }
+}
+
+impl fmt::Display for Usage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "gpus {}, gpuMemory {}", self.gpus, self.gpu_memory)?;
+        for (k, v) in &self.devices {
+            write!(f, ", {k} {v}")?;
+        }
+        Ok(())
+    }
+}
+
+/// An amount in one dimension, comparable and printable in that dimension's units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Amount {
+    Gpus(Gpus),
+    Memory(Memory),
+    Count(u64),
+}
+
+impl fmt::Display for Amount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Amount::Gpus(g) => g.fmt(f),
+            Amount::Memory(m) => m.fmt(f),
+            Amount::Count(c) => c.fmt(f),
+        }
+    }
+}
+
+impl Amount {
+    pub fn checked_add(self, o: Amount) -> Result<Amount, QuotaMathError> {
+        match (self, o) {
+            (Amount::Gpus(a), Amount::Gpus(b)) => Ok(Amount::Gpus(a.checked_add(b)?)),
+            (Amount::Memory(a), Amount::Memory(b)) => Ok(Amount::Memory(a.checked_add(b)?)),
+            (Amount::Count(a), Amount::Count(b)) => a
+                .checked_add(b)
+                .map(Amount::Count)
+                .ok_or(QuotaMathError::Overflow),
+            _ => Err(QuotaMathError::Overflow),
+        }
+    }
+
+    pub fn saturating_sub(self, o: Amount) -> Result<Amount, QuotaMathError> {
+        match (self, o) {
+            (Amount::Gpus(a), Amount::Gpus(b)) => Ok(Amount::Gpus(a.saturating_sub(b)?)),
+            (Amount::Memory(a), Amount::Memory(b)) => Ok(Amount::Memory(a.saturating_sub(b))),
+            (Amount::Count(a), Amount::Count(b)) => Ok(Amount::Count(a.saturating_sub(b))),
+            _ => Err(QuotaMathError::Overflow),
+        }
+    }
+
+    pub fn is_zero(&self) -> bool {
+        match self {
+            Amount::Gpus(g) => g.is_zero(),
+            Amount::Memory(m) => m.is_zero(),
+            Amount::Count(c) => *c == 0,
+        }
+    }
+}
+
+/// Upper bounds: `spec.hard` and `spec.borrowingLimit`. A dimension left out is not limited.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Limits {
+    /// Whole-GPU equivalents: a whole GPU is 1, a MIG device its share of its GPU's compute
+    /// slices (1g.10gb on an H100 is 1/7), a time-sliced replica 1/replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<Gpus>,
+    /// GPU memory of the devices, as published in ResourceSlices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_memory: Option<Memory>,
+    /// Device counts by device-plugin resource name (`nvidia.com/gpu`,
+    /// `nvidia.com/mig-1g.10gb`) or DeviceClass name (`gpu.gpuplane.dev`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub devices: BTreeMap<String, u64>,
+}
+
+impl Limits {
+    /// Every limited dimension with its bound, gpus first, then gpuMemory, then devices.
+    pub fn bounds(&self) -> Vec<(Dimension, Amount)> {
+        let mut out = Vec::new();
+        if let Some(g) = self.gpus {
+            out.push((Dimension::Gpus, Amount::Gpus(g)));
+        }
+        if let Some(m) = self.gpu_memory {
+            out.push((Dimension::GpuMemory, Amount::Memory(m)));
+        }
+        for (k, v) in &self.devices {
+            out.push((Dimension::Devices(k.clone()), Amount::Count(*v)));
+        }
+        out
+    }
+
+    pub fn get(&self, d: &Dimension) -> Option<Amount> {
+        match d {
+            Dimension::Gpus => self.gpus.map(Amount::Gpus),
+            Dimension::GpuMemory => self.gpu_memory.map(Amount::Memory),
+            Dimension::Devices(n) => self.devices.get(n).copied().map(Amount::Count),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.gpus.is_none() && self.gpu_memory.is_none() && self.devices.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_reads_every_spelling_and_writes_canonical() {
+        assert_eq!(Memory::parse("20Gi").unwrap(), Memory(20 << 30));
+        assert_eq!(Memory::parse("1.5Gi").unwrap(), Memory(3 << 29));
+        assert_eq!(Memory::parse("20G").unwrap(), Memory(20_000_000_000));
+        assert_eq!(Memory::parse("2e3").unwrap(), Memory(2000));
+        assert_eq!(Memory::parse("0.1").unwrap(), Memory(1));
+        assert_eq!(Memory(15 << 30).to_string(), "15Gi");
+        assert_eq!(Memory(9984 << 20).to_string(), "9984Mi");
+        for bad in [
+            "",
+            "-1Gi",
+            "1.Gi",
+            "Gi",
+            "5Xi",
+            "100m",
+            "1e999",
+            "99999999999Ei",
+        ] {
+            assert!(Memory::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn usages_add_subtract_and_take_maxima_per_dimension() {
+        let a = Usage {
+            gpus: Gpus::new(1, 7).unwrap(),
+            gpu_memory: Memory(10),
+            devices: [("x".to_string(), 2)].into(),
+        };
+        let b = Usage {
+            gpus: Gpus::ONE,
+            gpu_memory: Memory(5),
+            devices: [("y".to_string(), 1)].into(),
+        };
+        let s = a.checked_add(&b).unwrap();
+        assert_eq!(s.gpus, Gpus::new(8, 7).unwrap());
+        assert_eq!(s.devices.len(), 2);
+        assert_eq!(s.saturating_sub(&a).unwrap(), b);
+        let m = a.max(&b);
+        assert_eq!(
+            (m.gpus, m.gpu_memory, m.devices.len()),
+            (Gpus::ONE, Memory(10), 2)
+        );
+        let json = serde_json::to_value(&a).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"gpus": "1/7", "gpuMemory": "10", "devices": {"x": 2}})
+        );
+    }
+}

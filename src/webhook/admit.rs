@@ -1,0 +1,415 @@
+//! The admission decisions (async, over [`Cluster`]): validating and mutating.
+//!
+//! Validating, Pod CREATE: price the pod ([`crate::quota::pod_charge`]); no GpuQuota in the
+//! namespace or nothing GPU-related: allow. A gated pod of a namespace with a Queue-mode
+//! quota: record it as queued (best effort: the gate is what holds it) and allow. Otherwise
+//! reserve in every GpuQuota of the namespace, each by read-check-write with the
+//! resourceVersion, retried on conflict; the first that does not fit denies (reservations
+//! already made for this request are released again), and so does any failure to read or
+//! write (fail closed). `dryRun` requests are checked and nothing is written.
+//!
+//! Validating, Pod UPDATE: only the controller may remove the scheduling gate
+//! `quota.gpuplane.dev/admission` while the namespace has a Queue-mode quota.
+//!
+//! Validating, ResourceClaim CREATE: a claim the resourceclaim controller makes from a pod's
+//! template is charged through the pod; any other claim is priced and reserved as a pod is,
+//! in Reject semantics whatever the mode (a claim cannot be gated).
+//!
+//! Mutating, Pod CREATE: in a namespace with a Queue-mode quota, a GPU pod (one that costs
+//! anything, or whose templates cannot be read) without `spec.nodeName` gets the scheduling
+//! gate.
+
+use super::cluster::Cluster;
+use super::metrics::Metrics;
+use super::review::{AdmissionRequest, Verdict};
+use crate::quota::{
+    check, claim_charge, claim_is_pod_owned, now_rfc3339, pod_charge, pod_template_names,
+    record_queued, try_reserve, update_status, Charge, GpuQuota, ObjectKind, QuotaMode,
+    Reservation, ReservationKey, ReservationState, RetryBudget, Step, UpdateError, SCHEDULING_GATE,
+};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Users that create claims from pods' templates.
+pub const CLAIM_CONTROLLER_USERS: &[&str] = &[
+    "system:serviceaccount:kube-system:resource-claim-controller",
+    "system:kube-controller-manager",
+];
+
+/// Settings of the admission logic.
+#[derive(Debug, Clone)]
+pub struct AdmitOptions {
+    /// Users allowed to remove the scheduling gate (the controller's service account).
+    pub controller_users: Vec<String>,
+    pub budget: RetryBudget,
+}
+
+pub struct Admitter {
+    pub cluster: Arc<Cluster>,
+    pub opts: AdmitOptions,
+    pub metrics: Arc<Metrics>,
+}
+
+fn decode<T: serde::de::DeserializeOwned>(obj: &Option<Value>, what: &str) -> Result<T, Verdict> {
+    let v = obj
+        .as_ref()
+        .ok_or_else(|| Verdict::deny(400, format!("the request has no {what} object")))?;
+    T::deserialize(v).map_err(|e| Verdict::deny(400, format!("cannot decode the {what}: {e}")))
+}
+
+fn has_gate(pod: &Pod) -> bool {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.scheduling_gates.iter().flatten())
+        .any(|g| g.name == SCHEDULING_GATE)
+}
+
+fn outcome(v: Result<Verdict, Verdict>) -> Verdict {
+    v.unwrap_or_else(|v| v)
+}
+
+impl Admitter {
+    pub async fn validate(&self, req: &AdmissionRequest) -> Verdict {
+        let v = if req.sub_resource.as_deref().is_some_and(|s| !s.is_empty()) {
+            Verdict::allow()
+        } else {
+            match (
+                req.kind.group.as_str(),
+                req.kind.kind.as_str(),
+                req.operation.as_str(),
+            ) {
+                ("", "Pod", "CREATE") => outcome(self.validate_pod_create(req).await),
+                ("", "Pod", "UPDATE") => outcome(self.validate_pod_update(req)),
+                ("resource.k8s.io", "ResourceClaim", "CREATE") => {
+                    outcome(self.validate_claim_create(req).await)
+                }
+                ("", "Pod", _) | ("resource.k8s.io", "ResourceClaim", _) => Verdict::allow(),
+                (g, k, _) => Verdict::deny(
+                    400,
+                    format!(
+                        "this webhook admits Pods and ResourceClaims, not {}{k}",
+                        if g.is_empty() {
+                            String::new()
+                        } else {
+                            format!("{g}/")
+                        }
+                    ),
+                ),
+            }
+        };
+        self.metrics.admission("validate", &v);
+        v
+    }
+
+    pub async fn mutate(&self, req: &AdmissionRequest) -> Verdict {
+        let v = match (
+            req.kind.group.as_str(),
+            req.kind.kind.as_str(),
+            req.operation.as_str(),
+        ) {
+            _ if req.sub_resource.as_deref().is_some_and(|s| !s.is_empty()) => Verdict::allow(),
+            ("", "Pod", "CREATE") => outcome(self.mutate_pod_create(req).await),
+            ("", "Pod", _) => Verdict::allow(),
+            (g, k, _) => Verdict::deny(400, format!("this webhook mutates Pods, not {g}/{k}")),
+        };
+        self.metrics.admission("mutate", &v);
+        v
+    }
+
+    fn namespace(req: &AdmissionRequest, meta_ns: Option<&String>) -> Result<String, Verdict> {
+        req.namespace
+            .clone()
+            .filter(|n| !n.is_empty())
+            .or_else(|| meta_ns.cloned())
+            .ok_or_else(|| Verdict::deny(400, "the request names no namespace"))
+    }
+
+    /// The pod's charge; `Err` with the verdict to answer when it cannot be computed.
+    async fn price_pod(&self, ns: &str, pod: &Pod) -> Result<Charge, Verdict> {
+        let mut templates = BTreeMap::new();
+        for t in pod_template_names(pod) {
+            match self.cluster.template(ns, &t).await {
+                Ok(Some(spec)) => {
+                    templates.insert(t, spec);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(Verdict::deny(
+                        500,
+                        format!("cannot read ResourceClaimTemplate {ns}/{t} to charge the pod's GPU quota: {e}; try again"),
+                    ))
+                }
+            }
+        }
+        pod_charge(pod, &templates, &self.cluster.catalog()).map_err(|e| {
+            Verdict::deny(403, format!("cannot charge the pod against GPU quota: {e}"))
+        })
+    }
+
+    async fn validate_pod_create(&self, req: &AdmissionRequest) -> Result<Verdict, Verdict> {
+        let pod: Pod = decode(&req.object, "Pod")?;
+        let ns = Self::namespace(req, pod.metadata.namespace.as_ref())?;
+        let quotas = self.cluster.quotas_in(&ns);
+        if quotas.is_empty() {
+            return Ok(Verdict::allow());
+        }
+        let charge = self.price_pod(&ns, &pod).await?;
+        if charge.is_empty() {
+            return Ok(Verdict::allow());
+        }
+        let name = pod
+            .metadata
+            .name
+            .clone()
+            .or_else(|| req.name.clone())
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| Verdict::deny(400, "the pod has no name"))?;
+        let reservation = Reservation {
+            kind: ObjectKind::Pod,
+            namespace: ns.clone(),
+            name,
+            uid: pod.metadata.uid.clone().filter(|u| !u.is_empty()),
+            state: ReservationState::Reserved,
+            charge: charge.usage.clone(),
+            unpriced: charge
+                .unknown
+                .iter()
+                .map(|u| format!("{}: {}", u.dimension, u.why))
+                .collect(),
+            priority: pod.spec.as_ref().and_then(|s| s.priority),
+            since: now_rfc3339(),
+        };
+        let queue = quotas.iter().any(|q| q.spec.mode == QuotaMode::Queue);
+        if queue && has_gate(&pod) {
+            return Ok(self
+                .queue(&quotas, reservation, req.dry_run == Some(true))
+                .await);
+        }
+        self.reserve(&quotas, reservation, &charge, req.dry_run == Some(true))
+            .await
+    }
+
+    fn validate_pod_update(&self, req: &AdmissionRequest) -> Result<Verdict, Verdict> {
+        let new: Pod = decode(&req.object, "Pod")?;
+        let old: Pod = decode(&req.old_object, "old Pod")?;
+        if !has_gate(&old) || has_gate(&new) {
+            return Ok(Verdict::allow());
+        }
+        let ns = Self::namespace(req, new.metadata.namespace.as_ref())?;
+        let queue = self
+            .cluster
+            .quotas_in(&ns)
+            .iter()
+            .any(|q| q.spec.mode == QuotaMode::Queue);
+        if !queue || self.opts.controller_users.contains(&req.user_info.username) {
+            return Ok(Verdict::allow());
+        }
+        Err(Verdict::deny(
+            403,
+            format!(
+                "the scheduling gate {SCHEDULING_GATE} is removed by the gpuplane controller when the pod's GpuQuota admits it; {} may not remove it",
+                req.user_info.username
+            ),
+        ))
+    }
+
+    async fn validate_claim_create(&self, req: &AdmissionRequest) -> Result<Verdict, Verdict> {
+        let claim: ResourceClaim = decode(&req.object, "ResourceClaim")?;
+        let ns = Self::namespace(req, claim.metadata.namespace.as_ref())?;
+        if claim_is_pod_owned(&claim.metadata)
+            && CLAIM_CONTROLLER_USERS.contains(&req.user_info.username.as_str())
+        {
+            return Ok(Verdict::allow());
+        }
+        let quotas = self.cluster.quotas_in(&ns);
+        if quotas.is_empty() {
+            return Ok(Verdict::allow());
+        }
+        let charge = claim_charge(&claim.spec, &self.cluster.catalog()).map_err(|e| {
+            Verdict::deny(
+                403,
+                format!("cannot charge the claim against GPU quota: {e}"),
+            )
+        })?;
+        if charge.is_empty() {
+            return Ok(Verdict::allow());
+        }
+        let name = claim
+            .metadata
+            .name
+            .clone()
+            .or_else(|| req.name.clone())
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| Verdict::deny(400, "the claim has no name"))?;
+        let reservation = Reservation {
+            kind: ObjectKind::ResourceClaim,
+            namespace: ns,
+            name,
+            uid: claim.metadata.uid.clone().filter(|u| !u.is_empty()),
+            state: ReservationState::Reserved,
+            charge: charge.usage.clone(),
+            unpriced: Vec::new(),
+            priority: None,
+            since: now_rfc3339(),
+        };
+        self.reserve(&quotas, reservation, &charge, req.dry_run == Some(true))
+            .await
+    }
+
+    /// Reserves `charge` in every quota; all or nothing.
+    async fn reserve(
+        &self,
+        quotas: &[Arc<GpuQuota>],
+        reservation: Reservation,
+        charge: &Charge,
+        dry_run: bool,
+    ) -> Result<Verdict, Verdict> {
+        let key = reservation.key();
+        let peers = if quotas.iter().any(|q| q.spec.cohort.is_some()) {
+            self.cluster.all_quotas()
+        } else {
+            Vec::new()
+        };
+        let mut done: Vec<String> = Vec::new();
+        for q in quotas {
+            let Some(name) = q.metadata.name.clone() else {
+                continue;
+            };
+            let api = self.cluster.quota_api(&key.namespace);
+            let guard = self.cluster.quota_lock(&q.id());
+            let _held = guard.lock().await;
+            let result = update_status(&api, &name, self.opts.budget, |fresh| {
+                if dry_run {
+                    check(fresh, &peers, Some(&key), charge).map(|_| Step::Done(()))
+                } else {
+                    try_reserve(fresh, &peers, reservation.clone(), charge).map(|(_, changed)| {
+                        if changed {
+                            Step::Write(())
+                        } else {
+                            Step::Done(())
+                        }
+                    })
+                }
+            })
+            .await;
+            drop(_held);
+            let verdict = match result {
+                Ok(()) => {
+                    done.push(name);
+                    continue;
+                }
+                // Deleted since the cache saw it: it no longer applies.
+                Err(UpdateError::Api {
+                    source: kube::Error::Api(s),
+                    ..
+                }) if s.code == 404 => continue,
+                Err(UpdateError::Rejected(denial)) => Verdict::deny(403, denial.to_string()),
+                Err(e @ UpdateError::Contended { .. }) => {
+                    self.metrics.contended();
+                    Verdict::deny(429, format!("{e}; try again"))
+                }
+                Err(e) => Verdict::deny(500, format!("cannot reserve GPU quota: {e}; try again")),
+            };
+            if !dry_run {
+                self.release(&key, &done).await;
+            }
+            return Err(verdict);
+        }
+        Ok(Verdict::allow())
+    }
+
+    /// Best effort: stale reservations are also collected by the controller.
+    async fn release(&self, key: &ReservationKey, quotas: &[String]) {
+        for name in quotas {
+            let api = self.cluster.quota_api(&key.namespace);
+            let r = update_status::<(), String, _>(&api, name, self.opts.budget, |fresh| {
+                let mut status = fresh.status_or_default();
+                match status.release(key) {
+                    Ok(Some(_)) => {
+                        fresh.status = Some(status);
+                        Ok(Step::Write(()))
+                    }
+                    Ok(None) => Ok(Step::Done(())),
+                    Err(e) => Err(e.to_string()),
+                }
+            })
+            .await;
+            if let Err(e) = r {
+                tracing::warn!(%key, quota = %name, error = %e, "releasing a reservation failed; the controller will collect it");
+            }
+        }
+    }
+
+    /// Records a gated pod as queued in every quota (best effort) and allows it.
+    async fn queue(
+        &self,
+        quotas: &[Arc<GpuQuota>],
+        reservation: Reservation,
+        dry_run: bool,
+    ) -> Verdict {
+        if dry_run {
+            return Verdict::allow();
+        }
+        let mut failed = Vec::new();
+        for q in quotas {
+            let Some(name) = q.metadata.name.clone() else {
+                continue;
+            };
+            let api = self.cluster.quota_api(&reservation.namespace);
+            let guard = self.cluster.quota_lock(&q.id());
+            let _held = guard.lock().await;
+            let r = update_status::<(), String, _>(&api, &name, self.opts.budget, |fresh| {
+                match record_queued(fresh, reservation.clone()) {
+                    Ok(true) => Ok(Step::Write(())),
+                    Ok(false) => Ok(Step::Done(())),
+                    Err(e) => Err(e.to_string()),
+                }
+            })
+            .await;
+            if let Err(e) = r {
+                tracing::warn!(key = %reservation.key(), quota = %q.id(), error = %e, "recording a queued pod failed; the gate still holds it");
+                failed.push(q.id());
+            }
+        }
+        let v = Verdict::allow();
+        if failed.is_empty() {
+            v
+        } else {
+            v.with_warning(format!("queued for GPU quota; recording it in GpuQuota {} failed and will be retried by the controller", failed.join(", ")))
+        }
+    }
+
+    async fn mutate_pod_create(&self, req: &AdmissionRequest) -> Result<Verdict, Verdict> {
+        let pod: Pod = decode(&req.object, "Pod")?;
+        let ns = Self::namespace(req, pod.metadata.namespace.as_ref())?;
+        let queue = self
+            .cluster
+            .quotas_in(&ns)
+            .iter()
+            .any(|q| q.spec.mode == QuotaMode::Queue);
+        let Some(spec) = &pod.spec else {
+            return Ok(Verdict::allow());
+        };
+        if !queue || has_gate(&pod) || spec.node_name.as_deref().is_some_and(|n| !n.is_empty()) {
+            return Ok(Verdict::allow());
+        }
+        let gpu = match self.price_pod(&ns, &pod).await {
+            Ok(c) => !c.is_empty(),
+            // Unpriceable: gate it; the validating webhook says why if it must deny.
+            Err(_) => true,
+        };
+        if !gpu {
+            return Ok(Verdict::allow());
+        }
+        let gate = json!({"name": SCHEDULING_GATE});
+        let op = if spec.scheduling_gates.is_some() {
+            json!({"op": "add", "path": "/spec/schedulingGates/-", "value": gate})
+        } else {
+            json!({"op": "add", "path": "/spec/schedulingGates", "value": [gate]})
+        };
+        Ok(Verdict::allow().with_patch(vec![op]))
+    }
+}

@@ -1,0 +1,222 @@
+//! What the webhook knows of the cluster (I/O shell): watch-fed caches of GpuQuotas,
+//! ResourceSlices and DeviceClasses, and direct reads of ResourceClaimTemplates.
+//!
+//! The caches keep their last state while the API server is away, so the webhook keeps
+//! answering: pods in namespaces without a GpuQuota, and pods that need no GPU, are admitted
+//! from the cache; a reservation needs a fresh read and a write, and is denied (fail closed)
+//! when those fail.
+
+use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota};
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
+};
+use kube::api::{Api, ListParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio_stream::StreamExt;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error(
+        "cannot list GpuQuotas (quota.gpuplane.dev/v1alpha1) from the API server: {0}. Is the API \
+         server reachable, is the CRD installed (daemonset/controller/crd.yaml), and may this \
+         service account list gpuquotas (daemonset/controller/rbac.yaml)?"
+    )]
+    Probe(#[source] kube::Error),
+    #[error("the API server did not answer the first GpuQuota list within {0:?}")]
+    ProbeTimeout(Duration),
+    #[error("the caches of {0} did not fill within {1:?}: is the API server reachable and may this service account list and watch them?")]
+    Sync(&'static str, Duration),
+}
+
+/// Caches and API access for admission.
+pub struct Cluster {
+    client: kube::Client,
+    quotas: Store<GpuQuota>,
+    slices: Store<ResourceSlice>,
+    classes: Store<DeviceClass>,
+    /// Bumped on every slice or class event; the catalog is rebuilt when it moved.
+    generation: Arc<AtomicU64>,
+    settings: CatalogSettings,
+    catalog: Mutex<Option<(u64, Arc<DeviceCatalog>)>>,
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn spawn_reflector<K>(
+    api: Api<K>,
+    generation: Option<Arc<AtomicU64>>,
+    what: &'static str,
+) -> (Store<K>, JoinHandle<()>)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let stream = reflector::reflector(
+        writer,
+        watcher(api, watcher::Config::default()).default_backoff(),
+    );
+    let task = tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        let mut failing = false;
+        while let Some(ev) = stream.next().await {
+            match ev {
+                Ok(_) => {
+                    if failing {
+                        tracing::info!(resource = what, "watch recovered");
+                        failing = false;
+                    }
+                    if let Some(g) = &generation {
+                        g.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(resource = what, error = %e, "watch failing; answering from the last known state");
+                        failing = true;
+                    }
+                }
+            }
+        }
+    });
+    (reader, task)
+}
+
+impl Cluster {
+    /// Probes API access (a clear error when there is none), starts the watches and waits up to
+    /// `sync_timeout` for the caches to fill.
+    pub async fn start(
+        client: kube::Client,
+        settings: CatalogSettings,
+        sync_timeout: Duration,
+    ) -> Result<Cluster, ClusterError> {
+        let all: Api<GpuQuota> = Api::all(client.clone());
+        match tokio::time::timeout(sync_timeout, all.list(&ListParams::default().limit(1))).await {
+            Err(_) => return Err(ClusterError::ProbeTimeout(sync_timeout)),
+            Ok(Err(e)) => return Err(ClusterError::Probe(e)),
+            Ok(Ok(_)) => {}
+        }
+        let generation = Arc::new(AtomicU64::new(0));
+        let (quotas, t1) = spawn_reflector(all, None, "gpuquotas");
+        let (slices, t2) = spawn_reflector(
+            Api::<ResourceSlice>::all(client.clone()),
+            Some(generation.clone()),
+            "resourceslices",
+        );
+        let (classes, t3) = spawn_reflector(
+            Api::<DeviceClass>::all(client.clone()),
+            Some(generation.clone()),
+            "deviceclasses",
+        );
+        let cluster = Cluster {
+            client,
+            quotas,
+            slices,
+            classes,
+            generation,
+            settings,
+            catalog: Mutex::new(None),
+            locks: Mutex::new(HashMap::new()),
+            tasks: vec![t1, t2, t3],
+        };
+        for (what, ready) in [
+            (
+                "gpuquotas",
+                tokio::time::timeout(sync_timeout, cluster.quotas.wait_until_ready()).await,
+            ),
+            (
+                "resourceslices",
+                tokio::time::timeout(sync_timeout, cluster.slices.wait_until_ready()).await,
+            ),
+            (
+                "deviceclasses",
+                tokio::time::timeout(sync_timeout, cluster.classes.wait_until_ready()).await,
+            ),
+        ] {
+            if !matches!(ready, Ok(Ok(()))) {
+                return Err(ClusterError::Sync(what, sync_timeout));
+            }
+        }
+        Ok(cluster)
+    }
+
+    pub fn client(&self) -> &kube::Client {
+        &self.client
+    }
+
+    /// GpuQuotas of `namespace` (cached), sorted by name.
+    pub fn quotas_in(&self, namespace: &str) -> Vec<Arc<GpuQuota>> {
+        let mut q = self
+            .quotas
+            .state_filter(|q| q.metadata.namespace.as_deref() == Some(namespace));
+        q.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        q
+    }
+
+    /// Every GpuQuota (cached): the cohort peers.
+    pub fn all_quotas(&self) -> Vec<GpuQuota> {
+        self.quotas.state().iter().map(|q| (**q).clone()).collect()
+    }
+
+    /// The device catalog of the cached slices and classes, rebuilt when they changed.
+    pub fn catalog(&self) -> Arc<DeviceCatalog> {
+        let g = self.generation.load(Ordering::Relaxed);
+        let mut cache = lock(&self.catalog);
+        if let Some((cg, c)) = cache.as_ref() {
+            if *cg == g {
+                return c.clone();
+            }
+        }
+        let slices: Vec<ResourceSlice> =
+            self.slices.state().iter().map(|s| (**s).clone()).collect();
+        let classes: Vec<DeviceClass> =
+            self.classes.state().iter().map(|s| (**s).clone()).collect();
+        let c = Arc::new(DeviceCatalog::new(&slices, &classes, self.settings.clone()));
+        *cache = Some((g, c.clone()));
+        c
+    }
+
+    /// A ResourceClaimTemplate's claim spec, read from the API server; `Ok(None)` when it
+    /// does not exist.
+    pub async fn template(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<ResourceClaimSpec>, kube::Error> {
+        let api: Api<ResourceClaimTemplate> = Api::namespaced(self.client.clone(), namespace);
+        Ok(api.get_opt(name).await?.map(|t| t.spec.spec))
+    }
+
+    pub fn quota_api(&self, namespace: &str) -> Api<GpuQuota> {
+        Api::namespaced(self.client.clone(), namespace)
+    }
+
+    /// A per-quota lock: one reservation at a time per quota in this process, so replicas
+    /// only conflict with each other, not with themselves.
+    pub fn quota_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        lock(&self.locks).entry(id.to_string()).or_default().clone()
+    }
+}

@@ -1,0 +1,250 @@
+//! The HTTPS server: routing, content type, body size limit, health and metrics.
+//!
+//! `POST /validate` and `POST /mutate` take an AdmissionReview (`Content-Type:
+//! application/json`, at most [`MAX_BODY`] bytes) and answer one; a body that is not one is
+//! answered 400 (415 for another content type, 413 when too large) with a plain-text message.
+//! `GET /healthz` and `GET /readyz` answer `ok`. The metrics listener (plain HTTP) serves
+//! `GET /metrics` and the same probes.
+
+use super::admit::Admitter;
+use super::review;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_rustls::rustls::ServerConfig;
+use tokio_rustls::TlsAcceptor;
+
+/// Largest AdmissionReview body read: a Pod may be up to ~1.5 MiB (etcd's limit) and an
+/// UPDATE carries two.
+pub const MAX_BODY: usize = 4 * 1024 * 1024;
+/// Time a client has for the TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time a client has to send a request's headers.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most connections served at once; more wait in the listen backlog.
+const MAX_CONNECTIONS: usize = 4096;
+
+type Body = Full<Bytes>;
+
+fn text(code: StatusCode, msg: impl Into<String>) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::from(msg.into() + "\n")));
+    *r.status_mut() = code;
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
+}
+
+fn json(v: &serde_json::Value) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::from(
+        serde_json::to_vec(v).unwrap_or_default(),
+    )));
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn is_json(req: &Request<Incoming>) -> bool {
+    req.headers()
+        .get(hyper::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"))
+}
+
+async fn admission(
+    admitter: Arc<Admitter>,
+    req: Request<Incoming>,
+    mutate: bool,
+) -> Response<Body> {
+    let fail = |code: StatusCode, msg: String| {
+        admitter.metrics.rejected_body(code.as_u16());
+        text(code, msg)
+    };
+    if !is_json(&req) {
+        return fail(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "expected Content-Type: application/json".into(),
+        );
+    }
+    let declared = req
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return fail(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the body exceeds {MAX_BODY} bytes"),
+        );
+    }
+    let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return fail(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the body exceeds {MAX_BODY} bytes"),
+            )
+        }
+        Err(e) => return fail(StatusCode::BAD_REQUEST, format!("reading the body: {e}")),
+    };
+    let request = match review::decode(&body) {
+        Ok(r) => r,
+        Err(e) => return fail(StatusCode::BAD_REQUEST, e.to_string()),
+    };
+    let verdict = if mutate {
+        admitter.mutate(&request).await
+    } else {
+        admitter.validate(&request).await
+    };
+    if !verdict.allowed {
+        tracing::info!(
+            uid = %request.uid,
+            kind = %request.kind.kind,
+            namespace = request.namespace.as_deref().unwrap_or(""),
+            name = request.name.as_deref().unwrap_or(""),
+            reason = %verdict.message,
+            "admission denied"
+        );
+    }
+    json(&review::encode(&request.uid, &verdict))
+}
+
+/// Answers one HTTPS request.
+pub async fn handle(
+    admitter: Arc<Admitter>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    let r = match (req.method(), req.uri().path()) {
+        (&Method::POST, "/validate") => admission(admitter, req, false).await,
+        (&Method::POST, "/mutate") => admission(admitter, req, true).await,
+        (&Method::GET, "/healthz") | (&Method::GET, "/readyz") => text(StatusCode::OK, "ok"),
+        (_, "/validate") | (_, "/mutate") => text(StatusCode::METHOD_NOT_ALLOWED, "use POST"),
+        _ => text(StatusCode::NOT_FOUND, "not found"),
+    };
+    Ok(r)
+}
+
+/// Resolves once `stop` turns true (or its sender is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await.is_ok();
+}
+
+fn builder() -> hyper_util::server::conn::auto::Builder<TokioExecutor> {
+    let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT);
+    b
+}
+
+/// Serves HTTPS on `listener` until `stop` turns true.
+pub async fn serve_tls(
+    listener: TcpListener,
+    tls: Arc<ServerConfig>,
+    admitter: Arc<Admitter>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let acceptor = TlsAcceptor::from(tls);
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+            _ = stopped(&mut stop) => return,
+        };
+        let (tcp, peer) = tokio::select! {
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stopped(&mut stop) => return,
+        };
+        let acceptor = acceptor.clone();
+        let admitter = admitter.clone();
+        let mut stop = stop.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => return,
+            };
+            let svc = hyper::service::service_fn(move |req| handle(admitter.clone(), req));
+            let b = builder();
+            let conn = b.serve_connection(TokioIo::new(stream), svc);
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                r = conn.as_mut() => {
+                    if let Err(e) = r {
+                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    }
+                }
+                _ = stopped(&mut stop) => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
+                }
+            }
+        });
+    }
+}
+
+/// Serves the metrics and probes over plain HTTP until `stop` turns true.
+pub async fn serve_metrics(
+    listener: TcpListener,
+    metrics: Arc<super::metrics::Metrics>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let (tcp, _) = tokio::select! {
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stopped(&mut stop) => return,
+        };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let metrics = metrics.clone();
+                async move {
+                    Ok::<_, Infallible>(match (req.method(), req.uri().path()) {
+                        (&Method::GET, "/metrics") => {
+                            let mut r = text(StatusCode::OK, metrics.render());
+                            r.headers_mut().insert(
+                                hyper::header::CONTENT_TYPE,
+                                hyper::header::HeaderValue::from_static(
+                                    "text/plain; version=0.0.4",
+                                ),
+                            );
+                            r
+                        }
+                        (&Method::GET, "/healthz") | (&Method::GET, "/readyz") => {
+                            text(StatusCode::OK, "ok")
+                        }
+                        _ => text(StatusCode::NOT_FOUND, "not found"),
+                    })
+                }
+            });
+            let _ = builder().serve_connection(TokioIo::new(tcp), svc).await;
+        });
+    }
+}

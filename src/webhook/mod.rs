@@ -1,0 +1,187 @@
+//! The admission webhook of `gpuplane controller`: GPU quota enforcement at Pod and
+//! ResourceClaim creation, over HTTPS (hyper + rustls).
+//!
+//! - [`review`] (pure): strict AdmissionReview v1 decoding and answers.
+//! - [`tls`]: certificate and key from PEM files, reloaded when they change.
+//! - [`cluster`]: watch-fed caches (GpuQuotas, ResourceSlices, DeviceClasses) and API reads.
+//! - [`admit`]: the decisions, on top of [`crate::quota`].
+//! - [`http`]: the servers (HTTPS webhook; plain-HTTP metrics and probes).
+//!
+//! [`run`] serves until shutdown; [`start`] returns a handle (tests run several replicas
+//! side by side).
+
+pub mod admit;
+pub mod cluster;
+pub mod http;
+pub mod metrics;
+pub mod review;
+pub mod tls;
+
+use crate::quota::{CatalogSettings, RetryBudget};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// Everything the webhook needs besides a client.
+#[derive(Debug, Clone)]
+pub struct WebhookOptions {
+    /// Where to serve HTTPS (default `0.0.0.0:9443`).
+    pub addr: SocketAddr,
+    pub tls_cert_file: PathBuf,
+    pub tls_key_file: PathBuf,
+    /// Where to serve `/metrics`, `/healthz`, `/readyz` over plain HTTP.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Users that may remove the Queue-mode scheduling gate (the controller's service
+    /// account, `system:serviceaccount:<namespace>:gpuplane-controller`).
+    pub controller_users: Vec<String>,
+    /// Drivers and time-slicing the device catalog needs.
+    pub catalog: CatalogSettings,
+    /// How long to wait for API access and the first cache fill at start.
+    pub sync_timeout: Duration,
+    /// Conflict retries of one reservation.
+    pub budget: RetryBudget,
+}
+
+impl WebhookOptions {
+    /// Defaults for the controller running as service account `gpuplane-controller` in
+    /// `namespace`.
+    pub fn new(tls_cert_file: PathBuf, tls_key_file: PathBuf, namespace: &str) -> WebhookOptions {
+        WebhookOptions {
+            addr: SocketAddr::from(([0, 0, 0, 0], 9443)),
+            tls_cert_file,
+            tls_key_file,
+            metrics_addr: None,
+            controller_users: vec![format!(
+                "system:serviceaccount:{namespace}:gpuplane-controller"
+            )],
+            catalog: CatalogSettings::default(),
+            sync_timeout: Duration::from_secs(30),
+            budget: RetryBudget::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WebhookError {
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+    #[error(transparent)]
+    Cluster(#[from] cluster::ClusterError),
+    #[error("binding {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A running webhook.
+pub struct RunningWebhook {
+    addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    pub metrics: Arc<metrics::Metrics>,
+    _cluster: Arc<cluster::Cluster>,
+}
+
+impl RunningWebhook {
+    /// The HTTPS address actually bound.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// Stops accepting, lets open requests finish (up to 5 s), and returns.
+    pub async fn stop(mut self) {
+        self.stop.send_replace(true);
+        for t in self.tasks.drain(..) {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for RunningWebhook {
+    fn drop(&mut self) {
+        self.stop.send_replace(true);
+    }
+}
+
+async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, WebhookError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| WebhookError::Bind { addr, source })
+}
+
+/// Loads the certificate, checks API access and fills the caches, binds, and serves in the
+/// background.
+pub async fn start(
+    client: kube::Client,
+    opts: WebhookOptions,
+) -> Result<RunningWebhook, WebhookError> {
+    let cert = Arc::new(tls::ReloadingCert::new(
+        &opts.tls_cert_file,
+        &opts.tls_key_file,
+    )?);
+    let tls = Arc::new(cert.server_config()?);
+    let cluster =
+        Arc::new(cluster::Cluster::start(client, opts.catalog.clone(), opts.sync_timeout).await?);
+    let metrics = Arc::new(metrics::Metrics::default());
+    let admitter = Arc::new(admit::Admitter {
+        cluster: cluster.clone(),
+        opts: admit::AdmitOptions {
+            controller_users: opts.controller_users.clone(),
+            budget: opts.budget,
+        },
+        metrics: metrics.clone(),
+    });
+    let listener = bind(opts.addr).await?;
+    let addr = listener.local_addr().map_err(|source| WebhookError::Bind {
+        addr: opts.addr,
+        source,
+    })?;
+    let (stop, stopped) = watch::channel(false);
+    let mut tasks = vec![tokio::spawn(http::serve_tls(
+        listener,
+        tls,
+        admitter,
+        stopped.clone(),
+    ))];
+    let mut metrics_addr = None;
+    if let Some(m) = opts.metrics_addr {
+        let l = bind(m).await?;
+        metrics_addr = l.local_addr().ok();
+        tasks.push(tokio::spawn(http::serve_metrics(
+            l,
+            metrics.clone(),
+            stopped,
+        )));
+    }
+    tracing::info!(%addr, metrics = ?metrics_addr, "admission webhook serving");
+    Ok(RunningWebhook {
+        addr,
+        metrics_addr,
+        stop,
+        tasks,
+        metrics,
+        _cluster: cluster,
+    })
+}
+
+/// Serves until `shutdown` resolves.
+pub async fn run(
+    client: kube::Client,
+    opts: WebhookOptions,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), WebhookError> {
+    let running = start(client, opts).await?;
+    shutdown.await;
+    running.stop().await;
+    Ok(())
+}

@@ -1,0 +1,1087 @@
+//! The admission webhook over real HTTPS (a test CA from rcgen), against the API server
+//! double: the seed scenario, exactness under concurrency across two replicas, hostile bodies,
+//! certificate reload, Queue mode, claims, and an API server that goes away.
+
+use gpuplane::doubles::apiserver::{ApiServerDouble, Fault};
+use gpuplane::quota::{GpuQuota, ReservationState, SCHEDULING_GATE};
+use gpuplane::webhook::{self, RunningWebhook, WebhookOptions};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+
+const NS: &str = "team-a";
+
+/// A test CA and the webhook's certificate files.
+struct Pki {
+    ca: CertifiedIssuer<'static, KeyPair>,
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        let pki = Pki {
+            ca,
+            dir: tempfile::tempdir().unwrap(),
+        };
+        pki.issue();
+        pki
+    }
+
+    fn cert_path(&self) -> PathBuf {
+        self.dir.path().join("tls.crt")
+    }
+
+    fn key_path(&self) -> PathBuf {
+        self.dir.path().join("tls.key")
+    }
+
+    /// Issues a new leaf for localhost and 127.0.0.1, replaces the files (atomically, as a
+    /// Secret volume update does), and returns the leaf's DER.
+    fn issue(&self) -> Vec<u8> {
+        let key = KeyPair::generate().unwrap();
+        let params =
+            CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
+        let cert = params.signed_by(&key, &self.ca).unwrap();
+        for (path, text) in [
+            (self.cert_path(), cert.pem()),
+            (self.key_path(), key.serialize_pem()),
+        ] {
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(&tmp, &path).unwrap();
+        }
+        cert.der().to_vec()
+    }
+
+    fn client_config(&self) -> Arc<rustls::ClientConfig> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(self.ca.der().clone()).unwrap();
+        let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        // Every connection does a full handshake, so it sees the certificate served now (a
+        // resumed session reports the certificate of the session it resumes).
+        cfg.resumption = rustls::client::Resumption::disabled();
+        Arc::new(cfg)
+    }
+}
+
+/// An HTTP/1.1 answer.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    body: Vec<u8>,
+    peer_cert: Vec<u8>,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
+    }
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// Sends raw `head` (request line and headers, without the blank line) and `body` over a new
+/// TLS connection; reads the answer to the end (the request says `Connection: close`).
+async fn raw(
+    tls: &Arc<rustls::ClientConfig>,
+    addr: SocketAddr,
+    head: String,
+    body: Vec<u8>,
+) -> Answer {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let conn = tokio_rustls::TlsConnector::from(tls.clone())
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+        .unwrap();
+    let peer_cert = conn
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.to_vec())
+        .unwrap_or_default();
+    let (mut rd, mut wr) = tokio::io::split(conn);
+    let writer = tokio::spawn(async move {
+        let _ = wr
+            .write_all(format!("{head}\r\nConnection: close\r\n\r\n").as_bytes())
+            .await;
+        for chunk in body.chunks(64 * 1024) {
+            if wr.write_all(chunk).await.is_err() {
+                break;
+            }
+        }
+        let _ = wr.flush().await;
+        wr
+    });
+    let mut out = Vec::new();
+    let _ = rd.read_to_end(&mut out).await;
+    writer.abort();
+    let split = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no answer: {}", String::from_utf8_lossy(&out)));
+    let head = String::from_utf8_lossy(&out[..split]).into_owned();
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let mut body = out[split + 4..].to_vec();
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        body = dechunk(&body);
+    }
+    Answer {
+        status,
+        body,
+        peer_cert,
+    }
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(p) = b.windows(2).position(|w| w == b"\r\n") {
+        let n = usize::from_str_radix(std::str::from_utf8(&b[..p]).unwrap().trim(), 16).unwrap();
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&b[p + 2..p + 2 + n]);
+        b = &b[p + 2 + n + 2..];
+    }
+    out
+}
+
+async fn post(
+    tls: &Arc<rustls::ClientConfig>,
+    addr: SocketAddr,
+    path: &str,
+    body: &[u8],
+) -> Answer {
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}",
+        body.len()
+    );
+    raw(tls, addr, head, body.to_vec()).await
+}
+
+fn review(
+    uid: &str,
+    kind: (&str, &str, &str),
+    operation: &str,
+    object: Value,
+    old: Option<Value>,
+    user: &str,
+) -> Value {
+    let (group, version, k) = kind;
+    let resource = match k {
+        "Pod" => "pods",
+        "ResourceClaim" => "resourceclaims",
+        _ => "deployments",
+    };
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": group, "version": version, "kind": k},
+            "resource": {"group": group, "version": version, "resource": resource},
+            "requestKind": {"group": group, "version": version, "kind": k},
+            "requestResource": {"group": group, "version": version, "resource": resource},
+            "name": object["metadata"]["name"],
+            "namespace": object["metadata"]["namespace"],
+            "operation": operation,
+            "userInfo": {"username": user, "groups": ["system:authenticated"]},
+            "object": object,
+            "oldObject": old,
+            "dryRun": false,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}
+        }
+    })
+}
+
+fn pod_review(uid: &str, pod: Value) -> Vec<u8> {
+    serde_json::to_vec(&review(
+        uid,
+        ("", "v1", "Pod"),
+        "CREATE",
+        pod,
+        None,
+        "alice",
+    ))
+    .unwrap()
+}
+
+fn pod(name: &str, spec: Value) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "uid": format!("uid-{name}")},
+        "spec": spec})
+}
+
+fn gpu_pod(name: &str, resource: &str, n: u32) -> Value {
+    pod(
+        name,
+        json!({"containers": [{"name": "main", "image": "cuda", "resources": {"limits": {resource: n.to_string()}}}]}),
+    )
+}
+
+fn response(a: &Answer) -> Value {
+    assert_eq!(a.status, 200, "{}", a.text());
+    a.json()["response"].clone()
+}
+
+async fn quota(api: &ApiServerDouble, name: &str, spec: Value) {
+    api.put_json(
+        json!({"apiVersion": "quota.gpuplane.dev/v1alpha1", "kind": "GpuQuota",
+        "metadata": {"name": name, "namespace": NS}, "spec": spec}),
+    )
+    .unwrap();
+}
+
+fn stored_quota(api: &ApiServerDouble, name: &str) -> GpuQuota {
+    serde_json::from_value(
+        api.get_json("quota.gpuplane.dev/v1alpha1", "gpuquotas", Some(NS), name)
+            .unwrap(),
+    )
+    .unwrap()
+}
+
+/// The shipped DeviceClasses, node `small` with one 15Gi GPU and node `h100` with 1g.10gb MIG
+/// devices of 10Gi.
+fn seed_devices(api: &ApiServerDouble) {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/daemonset/deviceclasses.yaml"
+    ))
+    .unwrap();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let v: Value = serde::Deserialize::deserialize(doc).unwrap();
+        api.put_json(v).unwrap();
+    }
+    let dev = |name: &str, ty: &str, profile: Option<&str>, mem: &str| {
+        let mut attrs =
+            json!({"type": {"string": ty}, "productName": {"string": "NVIDIA H100 80GB HBM3"}});
+        if let Some(p) = profile {
+            attrs["profile"] = json!({"string": p});
+        }
+        json!({"name": name, "attributes": attrs, "capacity": {"memory": {"value": mem}}})
+    };
+    for (node, devices) in [
+        ("small", vec![dev("gpu-0", "gpu", None, "15Gi")]),
+        (
+            "h100",
+            vec![
+                dev("gpu-0-mig-0", "mig", Some("1g.10gb"), "10Gi"),
+                dev("gpu-0-mig-1", "mig", Some("1g.10gb"), "10Gi"),
+            ],
+        ),
+    ] {
+        api.put_json(json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": format!("{node}-gpu-gpuplane-dev-0")},
+            "spec": {"driver": "gpu.gpuplane.dev", "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1}, "devices": devices}}))
+            .unwrap();
+    }
+}
+
+async fn replica(api: &ApiServerDouble, pki: &Pki) -> RunningWebhook {
+    let mut opts = WebhookOptions::new(pki.cert_path(), pki.key_path(), "gpuplane-system");
+    opts.addr = "127.0.0.1:0".parse().unwrap();
+    opts.metrics_addr = Some("127.0.0.1:0".parse().unwrap());
+    opts.sync_timeout = Duration::from_secs(10);
+    webhook::start(api.client().unwrap(), opts).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn seed_scenario_admits_15gi_and_denies_10gi_more_with_the_reason() {
+    let api = ApiServerDouble::start().await.unwrap();
+    seed_devices(&api);
+    quota(
+        &api,
+        "default",
+        json!({"hard": {"gpuMemory": "20Gi"}, "mode": "Reject"}),
+    )
+    .await;
+    // Pod A gets its GPU through a claim template: class gpu.gpuplane.dev, whose only
+    // published device has 15Gi.
+    api.put_json(json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "one-gpu", "namespace": NS},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.gpuplane.dev"}}]}}}}))
+        .unwrap();
+    let pki = Pki::new();
+    let wh = replica(&api, &pki).await;
+    let tls = pki.client_config();
+
+    let a = pod(
+        "pod-a",
+        json!({"containers": [{"name": "main", "image": "cuda", "resources": {"claims": [{"name": "gpu"}]}}],
+        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]}),
+    );
+    let r = response(&post(&tls, wh.addr(), "/validate", &pod_review("uid-1", a)).await);
+    assert_eq!(r["uid"], "uid-1");
+    assert_eq!(r["allowed"], true, "{r}");
+
+    // Pod B asks for a 1g.10gb MIG device through the device plugin: priced at 10Gi from
+    // the slices.
+    let b = gpu_pod("pod-b", "nvidia.com/mig-1g.10gb", 1);
+    let r = response(&post(&tls, wh.addr(), "/validate", &pod_review("uid-2", b)).await);
+    assert_eq!(r["allowed"], false, "{r}");
+    assert_eq!(r["status"]["code"], 403);
+    assert_eq!(
+        r["status"]["message"],
+        "gpuMemory: requested 10Gi, used 15Gi of 20Gi in GpuQuota team-a/default"
+    );
+
+    // A CPU-only pod is not affected by a full quota.
+    let cpu = pod(
+        "cpu",
+        json!({"containers": [{"name": "main", "image": "x", "resources": {"limits": {"cpu": "1"}}}]}),
+    );
+    assert_eq!(
+        response(&post(&tls, wh.addr(), "/validate", &pod_review("uid-3", cpu)).await)["allowed"],
+        true
+    );
+
+    let q = stored_quota(&api, "default");
+    let status = q.status.unwrap();
+    assert_eq!(status.reservations.len(), 1);
+    let r = &status.reservations[0];
+    assert_eq!(
+        (r.name.as_str(), r.uid.as_deref(), r.state),
+        ("pod-a", Some("uid-pod-a"), ReservationState::Reserved)
+    );
+    assert_eq!(status.reserved.gpu_memory.to_string(), "15Gi");
+    assert_eq!(status.reserved.gpus.to_string(), "1");
+
+    // Metrics count what happened.
+    let m = wh.metrics.render();
+    assert!(
+        m.contains("gpuplane_webhook_admissions_total{webhook=\"validate\",result=\"denied\"} 1"),
+        "{m}"
+    );
+    wh.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn five_hundred_concurrent_creates_over_two_replicas_admit_exactly_37() {
+    let api = ApiServerDouble::start().await.unwrap();
+    quota(
+        &api,
+        "q",
+        json!({"hard": {"devices": {"nvidia.com/gpu": 37}}}),
+    )
+    .await;
+    let pki = Pki::new();
+    let (r1, r2) = (replica(&api, &pki).await, replica(&api, &pki).await);
+    assert_ne!(r1.addr(), r2.addr());
+    let tls = pki.client_config();
+    let mut tasks = Vec::new();
+    for i in 0..500 {
+        let addr = if i % 2 == 0 { r1.addr() } else { r2.addr() };
+        let tls = tls.clone();
+        tasks.push(tokio::spawn(async move {
+            let body = pod_review(
+                &format!("uid-{i}"),
+                gpu_pod(&format!("p-{i}"), "nvidia.com/gpu", 1),
+            );
+            response(&post(&tls, addr, "/validate", &body).await)
+        }));
+    }
+    let mut admitted = 0;
+    let mut messages = std::collections::BTreeSet::new();
+    for t in tasks {
+        let r = t.await.unwrap();
+        if r["allowed"] == true {
+            admitted += 1;
+        } else {
+            messages.insert(
+                r["status"]["message"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            );
+        }
+    }
+    assert_eq!(admitted, 37, "denials: {messages:?}");
+    assert_eq!(
+        messages.into_iter().collect::<Vec<_>>(),
+        vec![
+            "devices[nvidia.com/gpu]: requested 1, used 37 of 37 in GpuQuota team-a/q".to_string()
+        ]
+    );
+    let status = stored_quota(&api, "q").status.unwrap();
+    assert_eq!(status.reservations.len(), 37);
+    assert_eq!(status.reserved.devices["nvidia.com/gpu"], 37);
+    r1.stop().await;
+    r2.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_hostile_bodies_get_clean_answers() {
+    let api = ApiServerDouble::start().await.unwrap();
+    quota(&api, "q", json!({"hard": {"gpus": 1}})).await;
+    let pki = Pki::new();
+    let wh = replica(&api, &pki).await;
+    let tls = pki.client_config();
+    let addr = wh.addr();
+
+    // Not JSON.
+    let a = post(&tls, addr, "/validate", b"{not json").await;
+    assert_eq!(a.status, 400);
+    assert!(
+        a.text().contains("not a valid AdmissionReview"),
+        "{}",
+        a.text()
+    );
+    // Empty body.
+    assert_eq!(post(&tls, addr, "/validate", b"").await.status, 400);
+    // Nested far deeper than a parser should follow.
+    assert_eq!(
+        post(&tls, addr, "/validate", "[".repeat(100_000).as_bytes())
+            .await
+            .status,
+        400
+    );
+    // Missing uid, empty uid, unknown field, wrong apiVersion, no request.
+    let mut r = review(
+        "u",
+        ("", "v1", "Pod"),
+        "CREATE",
+        gpu_pod("p", "nvidia.com/gpu", 1),
+        None,
+        "alice",
+    );
+    r["request"].as_object_mut().unwrap().remove("uid");
+    let a = post(&tls, addr, "/validate", &serde_json::to_vec(&r).unwrap()).await;
+    assert_eq!(a.status, 400);
+    assert!(a.text().contains("uid"), "{}", a.text());
+    r["request"]["uid"] = json!("");
+    let a = post(&tls, addr, "/validate", &serde_json::to_vec(&r).unwrap()).await;
+    assert_eq!(
+        (a.status, a.text().trim()),
+        (400, "the AdmissionReview request has an empty uid")
+    );
+    r["request"]["uid"] = json!("u");
+    r["request"]["extraField"] = json!(true);
+    assert_eq!(
+        post(&tls, addr, "/validate", &serde_json::to_vec(&r).unwrap())
+            .await
+            .status,
+        400
+    );
+    let a = post(
+        &tls,
+        addr,
+        "/validate",
+        br#"{"apiVersion":"admission.k8s.io/v1beta1","kind":"AdmissionReview","request":null}"#,
+    )
+    .await;
+    assert_eq!(a.status, 400);
+    assert!(a.text().contains("admission.k8s.io/v1"));
+    assert_eq!(
+        post(
+            &tls,
+            addr,
+            "/mutate",
+            br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#
+        )
+        .await
+        .status,
+        400
+    );
+
+    // Wrong content type.
+    let body = pod_review("u", gpu_pod("p", "nvidia.com/gpu", 1));
+    let head = format!("POST /validate HTTP/1.1\r\nHost: localhost\r\nContent-Type: text/plain\r\nContent-Length: {}", body.len());
+    let a = raw(&tls, addr, head, body.clone()).await;
+    assert_eq!(a.status, 415);
+    let head = format!(
+        "POST /validate HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}",
+        body.len()
+    );
+    assert_eq!(raw(&tls, addr, head, body.clone()).await.status, 415);
+
+    // Huge bodies: declared, and streamed without a length.
+    let head = "POST /validate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 104857600".to_string();
+    let a = raw(&tls, addr, head, vec![b' '; 1024]).await;
+    assert_eq!(a.status, 413);
+    let mut chunked = Vec::new();
+    for _ in 0..80 {
+        chunked.extend_from_slice(format!("{:x}\r\n", 64 * 1024).as_bytes());
+        chunked.extend_from_slice(&vec![b' '; 64 * 1024]);
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    let head = "POST /validate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked".to_string();
+    let a = raw(&tls, addr, head, chunked).await;
+    assert_eq!(a.status, 413, "{}", a.text());
+
+    // A kind this webhook does not handle: an AdmissionReview that denies, with the uid.
+    let dep = json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": NS}});
+    let r = review(
+        "u-dep",
+        ("apps", "v1", "Deployment"),
+        "CREATE",
+        dep,
+        None,
+        "alice",
+    );
+    let resp = response(&post(&tls, addr, "/validate", &serde_json::to_vec(&r).unwrap()).await);
+    assert_eq!(
+        (resp["uid"].as_str(), resp["allowed"].as_bool()),
+        (Some("u-dep"), Some(false))
+    );
+    assert_eq!(resp["status"]["code"], 400);
+    assert!(resp["status"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("Pods and ResourceClaims"));
+    // A Pod object that is not a Pod.
+    let bad = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": NS}, "spec": {"containers": "many"}});
+    let resp = response(&post(&tls, addr, "/validate", &pod_review("u-bad", bad)).await);
+    assert_eq!(
+        (resp["allowed"].as_bool(), resp["status"]["code"].as_u64()),
+        (Some(false), Some(400))
+    );
+    assert!(resp["status"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("cannot decode the Pod"));
+    // A quantity that is not a whole number of devices.
+    let frac = gpu_pod("frac", "nvidia.com/gpu", 1);
+    let mut frac = frac;
+    frac["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = json!("500m");
+    let resp = response(&post(&tls, addr, "/validate", &pod_review("u-frac", frac)).await);
+    assert_eq!(resp["allowed"], false);
+    assert!(
+        resp["status"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not a whole"),
+        "{resp}"
+    );
+
+    // Wrong method and path.
+    let a = raw(
+        &tls,
+        addr,
+        "GET /validate HTTP/1.1\r\nHost: localhost".into(),
+        vec![],
+    )
+    .await;
+    assert_eq!(a.status, 405);
+    let a = raw(
+        &tls,
+        addr,
+        "GET /nope HTTP/1.1\r\nHost: localhost".into(),
+        vec![],
+    )
+    .await;
+    assert_eq!(a.status, 404);
+    let a = raw(
+        &tls,
+        addr,
+        "GET /healthz HTTP/1.1\r\nHost: localhost".into(),
+        vec![],
+    )
+    .await;
+    assert_eq!((a.status, a.text().trim()), (200, "ok"));
+
+    // After all that, a good request still gets a good answer.
+    let resp = response(
+        &post(
+            &tls,
+            addr,
+            "/validate",
+            &pod_review("u-ok", gpu_pod("ok", "nvidia.com/gpu", 1)),
+        )
+        .await,
+    );
+    assert_eq!(resp["allowed"], true, "{resp}");
+    let m = wh.metrics.render();
+    assert!(
+        m.contains("gpuplane_webhook_rejected_bodies_total{code=\"413\"} 2"),
+        "{m}"
+    );
+    wh.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replaced_certificate_files_are_served_to_new_connections() {
+    let api = ApiServerDouble::start().await.unwrap();
+    let pki = Pki::new();
+    let first = std::fs::read_to_string(pki.cert_path()).unwrap();
+    let wh = replica(&api, &pki).await;
+    let tls = pki.client_config();
+    let get = |tls: Arc<rustls::ClientConfig>, addr| async move {
+        raw(
+            &tls,
+            addr,
+            "GET /healthz HTTP/1.1\r\nHost: localhost".into(),
+            vec![],
+        )
+        .await
+    };
+    let a = get(tls.clone(), wh.addr()).await;
+    assert_eq!(a.status, 200);
+    let first_der = CertificateDer::from_pem_slice(first.as_bytes());
+    assert_eq!(a.peer_cert, first_der.unwrap().to_vec());
+
+    let second = pki.issue();
+    let b = get(tls.clone(), wh.addr()).await;
+    assert_eq!(b.status, 200);
+    assert_eq!(
+        b.peer_cert, second,
+        "a new connection sees the new certificate"
+    );
+
+    // A broken pair (a key that does not match) is not taken: the last good one stays.
+    let other = KeyPair::generate().unwrap();
+    std::fs::write(pki.key_path(), other.serialize_pem()).unwrap();
+    let c = get(tls.clone(), wh.addr()).await;
+    assert_eq!(c.peer_cert, second);
+    let third = pki.issue();
+    assert_eq!(get(tls, wh.addr()).await.peer_cert, third);
+    wh.stop().await;
+}
+
+use rustls::pki_types::pem::PemObject;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_mode_gates_gpu_pods_and_records_them_as_queued() {
+    let api = ApiServerDouble::start().await.unwrap();
+    quota(
+        &api,
+        "q",
+        json!({"hard": {"devices": {"nvidia.com/gpu": 1}}, "mode": "Queue"}),
+    )
+    .await;
+    let pki = Pki::new();
+    let wh = replica(&api, &pki).await;
+    let tls = pki.client_config();
+    // The mutating webhook adds the gate (a JSON patch), only to GPU pods.
+    let p = gpu_pod("big", "nvidia.com/gpu", 4);
+    let r = response(&post(&tls, wh.addr(), "/mutate", &pod_review("u1", p.clone())).await);
+    assert_eq!(
+        (r["allowed"].as_bool(), r["patchType"].as_str()),
+        (Some(true), Some("JSONPatch"))
+    );
+    let patch = gpuplane::webhook::review::base64(
+        serde_json::to_string(&json!([{"op": "add", "path": "/spec/schedulingGates", "value": [{"name": SCHEDULING_GATE}]}])).unwrap().as_bytes(),
+    );
+    assert_eq!(r["patch"], patch);
+    let cpu = pod("cpu", json!({"containers": [{"name": "c", "image": "x"}]}));
+    let r = response(&post(&tls, wh.addr(), "/mutate", &pod_review("u2", cpu)).await);
+    assert!(r.get("patch").is_none(), "{r}");
+    // The gated pod (over the quota) is admitted and recorded as queued, not reserved.
+    let mut gated = p;
+    gated["spec"]["schedulingGates"] = json!([{"name": SCHEDULING_GATE}]);
+    let r = response(
+        &post(
+            &tls,
+            wh.addr(),
+            "/validate",
+            &pod_review("u3", gated.clone()),
+        )
+        .await,
+    );
+    assert_eq!(r["allowed"], true, "{r}");
+    let status = stored_quota(&api, "q").status.unwrap();
+    assert_eq!(status.reservations[0].state, ReservationState::Queued);
+    assert_eq!(status.queued.devices["nvidia.com/gpu"], 4);
+    assert!(status.reserved.is_zero());
+    // Only the controller removes the gate.
+    let mut ungated = gated.clone();
+    ungated["spec"]["schedulingGates"] = json!([]);
+    let upd = |user: &str| {
+        serde_json::to_vec(&review(
+            "u4",
+            ("", "v1", "Pod"),
+            "UPDATE",
+            ungated.clone(),
+            Some(gated.clone()),
+            user,
+        ))
+        .unwrap()
+    };
+    let r = response(&post(&tls, wh.addr(), "/validate", &upd("alice")).await);
+    assert_eq!(r["allowed"], false);
+    assert!(r["status"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("removed by the gpuplane controller"));
+    let r = response(
+        &post(
+            &tls,
+            wh.addr(),
+            "/validate",
+            &upd("system:serviceaccount:gpuplane-system:gpuplane-controller"),
+        )
+        .await,
+    );
+    assert_eq!(r["allowed"], true);
+    wh.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_claims_are_charged_and_template_claims_are_not_charged_twice() {
+    let api = ApiServerDouble::start().await.unwrap();
+    seed_devices(&api);
+    quota(
+        &api,
+        "q",
+        json!({"hard": {"gpus": "1/7", "devices": {"mig.gpuplane.dev": 1}}}),
+    )
+    .await;
+    let pki = Pki::new();
+    let wh = replica(&api, &pki).await;
+    let tls = pki.client_config();
+    let claim = |name: &str, owned: bool| {
+        let mut c = json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"devices": {"requests": [{"name": "m", "exactly": {"deviceClassName": "mig.gpuplane.dev"}}]}}});
+        if owned {
+            c["metadata"]["annotations"] = json!({"resource.kubernetes.io/pod-claim-name": "gpu"});
+            c["metadata"]["ownerReferences"] = json!([{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "x", "controller": true}]);
+        }
+        c
+    };
+    let send = |c: Value, user: &str| {
+        serde_json::to_vec(&review(
+            "u",
+            ("resource.k8s.io", "v1", "ResourceClaim"),
+            "CREATE",
+            c,
+            None,
+            user,
+        ))
+        .unwrap()
+    };
+    let r = response(
+        &post(
+            &tls,
+            wh.addr(),
+            "/validate",
+            &send(claim("c1", false), "alice"),
+        )
+        .await,
+    );
+    assert_eq!(r["allowed"], true, "{r}");
+    let r = response(
+        &post(
+            &tls,
+            wh.addr(),
+            "/validate",
+            &send(claim("c2", false), "alice"),
+        )
+        .await,
+    );
+    assert_eq!(r["allowed"], false);
+    let msg = r["status"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("gpus: requested 1/7, used 1/7 of 1/7 in GpuQuota team-a/q"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("devices[mig.gpuplane.dev]: requested 1, used 1 of 1"),
+        "{msg}"
+    );
+    // A claim made from a pod's template by the resourceclaim controller: charged via the pod.
+    let r = response(
+        &post(
+            &tls,
+            wh.addr(),
+            "/validate",
+            &send(
+                claim("p-gpu-x", true),
+                "system:serviceaccount:kube-system:resource-claim-controller",
+            ),
+        )
+        .await,
+    );
+    assert_eq!(r["allowed"], true);
+    // The same metadata from anyone else is charged like any claim.
+    let r = response(
+        &post(
+            &tls,
+            wh.addr(),
+            "/validate",
+            &send(claim("sneaky", true), "alice"),
+        )
+        .await,
+    );
+    assert_eq!(r["allowed"], false);
+    wh.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_api_server_away_it_answers_from_its_last_state_and_fails_closed() {
+    let api = ApiServerDouble::start().await.unwrap();
+    quota(&api, "q", json!({"hard": {"gpus": 8}})).await;
+    let pki = Pki::new();
+    let wh = replica(&api, &pki).await;
+    let tls = pki.client_config();
+    api.inject(Fault::status("*", "/", 500));
+    api.drop_watches();
+    // No quota in that namespace (known from the cache): admitted.
+    let mut other = gpu_pod("x", "nvidia.com/gpu", 1);
+    other["metadata"]["namespace"] = json!("elsewhere");
+    let r = response(&post(&tls, wh.addr(), "/validate", &pod_review("u1", other)).await);
+    assert_eq!(r["allowed"], true, "{r}");
+    // A pod that needs no GPU: admitted.
+    let cpu = pod("cpu", json!({"containers": [{"name": "c", "image": "x"}]}));
+    assert_eq!(
+        response(&post(&tls, wh.addr(), "/validate", &pod_review("u2", cpu)).await)["allowed"],
+        true
+    );
+    // A GPU pod under a quota: the reservation cannot be written, so it is denied.
+    let r = response(
+        &post(
+            &tls,
+            wh.addr(),
+            "/validate",
+            &pod_review("u3", gpu_pod("g", "nvidia.com/gpu", 1)),
+        )
+        .await,
+    );
+    assert_eq!(r["allowed"], false);
+    assert!(
+        r["status"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("cannot reserve GPU quota"),
+        "{r}"
+    );
+    // Back again: admitted.
+    api.clear_faults();
+    let r = response(
+        &post(
+            &tls,
+            wh.addr(),
+            "/validate",
+            &pod_review("u4", gpu_pod("g", "nvidia.com/gpu", 1)),
+        )
+        .await,
+    );
+    assert_eq!(r["allowed"], true, "{r}");
+    wh.stop().await;
+}
+
+#[tokio::test]
+async fn without_api_access_start_fails_with_a_clear_message() {
+    let pki = Pki::new();
+    let mut opts = WebhookOptions::new(pki.cert_path(), pki.key_path(), "gpuplane-system");
+    opts.addr = "127.0.0.1:0".parse().unwrap();
+    opts.sync_timeout = Duration::from_secs(5);
+    let client =
+        kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
+    let err = webhook::start(client, opts.clone())
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("cannot list GpuQuotas"), "{err}");
+    // And a missing certificate is named.
+    opts.tls_cert_file = Path::new("/nonexistent/tls.crt").to_path_buf();
+    let api = ApiServerDouble::start().await.unwrap();
+    let err = webhook::start(api.client().unwrap(), opts)
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("/nonexistent/tls.crt"), "{err}");
+}
+
+fn manifests(file: &str) -> Vec<Value> {
+    let path = format!("{}/daemonset/controller/{file}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .filter(|v: &Value| !v.is_null())
+        .collect()
+}
+
+/// (verb, group, resource with subresource) of one logged request.
+fn rbac_verb(method: &str, path_and_query: &str) -> (String, String, String) {
+    let (path, query) = path_and_query
+        .split_once('?')
+        .unwrap_or((path_and_query, ""));
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let (group, rest) = match parts[0] {
+        "api" => ("", &parts[2..]),
+        _ => (parts[1], &parts[3..]),
+    };
+    let rest = if rest.first() == Some(&"namespaces") && rest.len() >= 3 {
+        &rest[2..]
+    } else {
+        rest
+    };
+    let resource = match rest {
+        [r, _, sub] => format!("{r}/{sub}"),
+        [r, ..] => r.to_string(),
+        [] => String::new(),
+    };
+    let named = rest.len() >= 2;
+    let verb = match method {
+        "GET"
+            if query
+                .split('&')
+                .any(|q| q == "watch=true" || q == "watch=1") =>
+        {
+            "watch"
+        }
+        "GET" if named => "get",
+        "GET" => "list",
+        "PUT" => "update",
+        "POST" => "create",
+        "PATCH" => "patch",
+        "DELETE" if named => "delete",
+        _ => "deletecollection",
+    };
+    (verb.to_string(), group.to_string(), resource)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rbac_grants_every_call_the_webhook_makes() {
+    let api = ApiServerDouble::start().await.unwrap();
+    seed_devices(&api);
+    quota(&api, "default", json!({"hard": {"gpuMemory": "20Gi"}})).await;
+    api.put_json(json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "one-gpu", "namespace": NS},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.gpuplane.dev"}}]}}}}))
+        .unwrap();
+    let pki = Pki::new();
+    let wh = replica(&api, &pki).await;
+    let tls = pki.client_config();
+    let a = pod(
+        "a",
+        json!({"containers": [{"name": "c", "image": "x"}], "resourceClaims": [{"name": "g", "resourceClaimTemplateName": "one-gpu"}]}),
+    );
+    assert_eq!(
+        response(&post(&tls, wh.addr(), "/validate", &pod_review("u1", a)).await)["allowed"],
+        true
+    );
+    let b = gpu_pod("b", "nvidia.com/mig-1g.10gb", 1);
+    assert_eq!(
+        response(&post(&tls, wh.addr(), "/validate", &pod_review("u2", b)).await)["allowed"],
+        false
+    );
+    wh.stop().await;
+
+    let rbac = manifests("rbac.yaml");
+    let role = rbac.iter().find(|m| m["kind"] == "ClusterRole").unwrap();
+    let allows = |verb: &str, group: &str, resource: &str| {
+        role["rules"].as_array().unwrap().iter().any(|r| {
+            let has = |k: &str, v: &str| r[k].as_array().unwrap().iter().any(|x| x == v);
+            has("verbs", verb) && has("apiGroups", group) && has("resources", resource)
+        })
+    };
+    let calls: std::collections::BTreeSet<_> = api
+        .requests()
+        .iter()
+        .map(|(m, p)| rbac_verb(m, p))
+        .collect();
+    for (verb, group, resource) in &calls {
+        assert!(
+            allows(verb, group, resource),
+            "rbac.yaml does not allow {verb} {group}/{resource}; calls: {calls:?}"
+        );
+    }
+    // What the scenario must have exercised.
+    for c in [
+        ("update", "quota.gpuplane.dev", "gpuquotas/status"),
+        ("get", "resource.k8s.io", "resourceclaimtemplates"),
+        ("watch", "resource.k8s.io", "resourceslices"),
+    ] {
+        assert!(
+            calls.contains(&(c.0.to_string(), c.1.to_string(), c.2.to_string())),
+            "{c:?} not called: {calls:?}"
+        );
+    }
+}
+
+#[test]
+fn webhook_configurations_fail_closed_and_spare_system_namespaces() {
+    let hooks = manifests("webhooks.yaml");
+    let service = &manifests("service.yaml")[0];
+    let deployment = manifests("deployment.yaml")
+        .into_iter()
+        .find(|m| m["kind"] == "Deployment")
+        .unwrap();
+    assert_eq!(deployment["spec"]["replicas"], 2);
+    let pod = &deployment["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], "gpuplane-controller");
+    let args: Vec<&str> = pod["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert!(args.contains(&"--webhook-addr=0.0.0.0:9443"));
+    let mut kinds = Vec::new();
+    for cfg in &hooks {
+        kinds.push(cfg["kind"].as_str().unwrap().to_string());
+        for w in cfg["webhooks"].as_array().unwrap() {
+            let name = w["name"].as_str().unwrap();
+            let excluded = &w["namespaceSelector"]["matchExpressions"][0];
+            assert_eq!(
+                (excluded["key"].as_str(), excluded["operator"].as_str()),
+                (Some("kubernetes.io/metadata.name"), Some("NotIn")),
+                "{name}"
+            );
+            let values = excluded["values"].as_array().unwrap();
+            assert!(
+                values.contains(&json!("kube-system"))
+                    && values.contains(&json!("gpuplane-system")),
+                "{name}"
+            );
+            assert_eq!(w["admissionReviewVersions"], json!(["v1"]));
+            let svc = &w["clientConfig"]["service"];
+            assert_eq!(
+                (&svc["name"], &svc["namespace"]),
+                (
+                    &service["metadata"]["name"],
+                    &service["metadata"]["namespace"]
+                )
+            );
+            assert_eq!(svc["port"], service["spec"]["ports"][0]["port"]);
+            if cfg["kind"] == "ValidatingWebhookConfiguration" {
+                assert_eq!(w["failurePolicy"], "Fail", "{name}");
+                assert_eq!(svc["path"], "/validate");
+            } else {
+                assert_eq!(svc["path"], "/mutate");
+            }
+        }
+    }
+    kinds.sort();
+    assert_eq!(
+        kinds,
+        vec![
+            "MutatingWebhookConfiguration",
+            "ValidatingWebhookConfiguration"
+        ]
+    );
+    let crd = &manifests("crd.yaml")[0];
+    assert_eq!(
+        crd["spec"]["versions"][0]["subresources"]["status"],
+        json!({})
+    );
+}
