@@ -8,6 +8,10 @@
 //!
 //! Run: `cargo bench --bench deviceplugin` (results are kept in benches/results/).
 
+mod common;
+
+use common::{percentiles, row};
+
 use gpuplane::deviceplugin::allocate;
 use gpuplane::doubles::kubelet::KubeletDouble;
 use gpuplane::inventory::{Link, PathLevel};
@@ -19,24 +23,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const RPCS: usize = 3000;
-
-fn percentiles(mut v: Vec<Duration>) -> (Duration, Duration) {
-    v.sort_unstable();
-    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
-    (at(0.50), at(0.99))
-}
-
-fn row(what: &str, (p50, p99): (Duration, Duration), floor: (Duration, Duration)) {
-    println!(
-        "{what:<46} p50 {:>9.1?} p99 {:>9.1?} | floor p50 {:>9.1?} p99 {:>9.1?} | ratio p50 {:>5.1}x p99 {:>5.1}x",
-        p50,
-        p99,
-        floor.0,
-        floor.1,
-        p50.as_secs_f64() / floor.0.as_secs_f64(),
-        p99.as_secs_f64() / floor.1.as_secs_f64()
-    );
-}
 
 struct Bare;
 

@@ -15,6 +15,10 @@
 //!
 //! Run: `cargo bench --bench dra` (results are kept in benches/results/).
 
+mod common;
+
+use common::{percentiles, row};
+
 use gpuplane::doubles::apiserver::ApiServerDouble;
 use gpuplane::doubles::kubelet::KubeletDouble;
 use gpuplane::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
@@ -46,24 +50,6 @@ const LEDGER_ALLOCATES: usize = 500;
 const LEDGER_PREPARES: usize = 80;
 const LEDGER_ROUNDS: usize = 6;
 const FILE_MODE: u32 = 0o644;
-
-fn percentiles(mut v: Vec<Duration>) -> (Duration, Duration) {
-    v.sort_unstable();
-    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
-    (at(0.50), at(0.99))
-}
-
-fn row(what: &str, (p50, p99): (Duration, Duration), floor: (Duration, Duration)) {
-    println!(
-        "{what:<56} p50 {:>9.1?} p99 {:>9.1?} | floor p50 {:>9.1?} p99 {:>9.1?} | ratio p50 {:>5.2}x p99 {:>5.2}x",
-        p50,
-        p99,
-        floor.0,
-        floor.1,
-        p50.as_secs_f64() / floor.0.as_secs_f64(),
-        p99.as_secs_f64() / floor.1.as_secs_f64()
-    );
-}
 
 fn count_row(what: &str, writes: usize, floor: usize, floor_what: &str) {
     let ratio = if floor == 0 {

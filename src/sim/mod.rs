@@ -8,7 +8,7 @@
 mod profile;
 
 use crate::inventory::Inventory;
-pub use profile::ProfileFile;
+pub use profile::{ProfileFile, BRANDS};
 use std::path::Path;
 
 /// Profiles embedded in the binary, by name.

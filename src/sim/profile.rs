@@ -9,6 +9,8 @@ use std::collections::{BTreeMap, BTreeSet};
 pub const MAX_NVLINKS: u32 = 18;
 
 /// Brands and architectures as NVML names them; anything else is a typo in the profile.
+/// `BRANDS` is in `nvmlBrandType` order (a brand's position is its NVML value): the fake NVML
+/// library relies on it.
 pub const BRANDS: &[&str] = &[
     "Unknown",
     "Quadro",

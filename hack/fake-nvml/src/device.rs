@@ -5,28 +5,11 @@ use crate::{
     entry, fill_chars, put, put_str, Ret, ARGUMENT_VERSION_MISMATCH, INVALID_ARGUMENT, NOT_FOUND,
     NOT_SUPPORTED, UNKNOWN,
 };
+// NVML brand names in `nvmlBrandType` order: a brand's position is its NVML value.
+use gpuplane::sim::BRANDS;
 use nvml_wrapper_sys::bindings::*;
 use std::ffi::{c_char, c_int, c_uint, CStr};
 
-const BRANDS: &[&str] = &[
-    "Unknown",
-    "Quadro",
-    "Tesla",
-    "NVS",
-    "GRID",
-    "GeForce",
-    "Titan",
-    "VApps",
-    "VPC",
-    "VCS",
-    "VWS",
-    "CloudGaming",
-    "QuadroRTX",
-    "NvidiaRTX",
-    "Nvidia",
-    "GeForceRTX",
-    "TitanRTX",
-];
 const ARCHITECTURES: &[(&str, u32)] = &[
     ("Kepler", NVML_DEVICE_ARCH_KEPLER),
     ("Maxwell", NVML_DEVICE_ARCH_MAXWELL),
