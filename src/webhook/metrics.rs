@@ -66,6 +66,8 @@ impl Metrics {
             "gpuplane_webhook_reservation_contended_total {}",
             *lock(&self.contended)
         );
+        // The quota queue's counters, when the controller runs in this process (zero otherwise).
+        s.push_str(&crate::controller::metrics::QueueMetrics::process().render());
         s
     }
 }

@@ -1,0 +1,390 @@
+//! `gpuplane controller` benchmarks. Each figure is printed next to a floor measured in the
+//! same run on the same machine, and the ratio, because shared machines are noisy:
+//! - admission webhook decision latency (p50/p99) and decisions per second at 1, 64 and 512
+//!   concurrent clients, over HTTPS with persistent connections: pod CREATE AdmissionReviews
+//!   against a Reject-mode GpuQuota large enough that every pod is admitted (so every decision
+//!   writes one reservation to the GpuQuota status), vs a bare hyper + rustls handler on
+//!   loopback answering a fixed small JSON body, driven by the same client at the same
+//!   concurrency.
+//!
+//! The webhook runs in process against the API server double, with an rcgen test CA. Each
+//! concurrency level uses its own namespace and GpuQuota, so every level starts from an empty
+//! reservation list.
+//!
+//! Every admitted pod costs one GpuQuota status write carrying the whole reservation list, and
+//! the list grows with every admission, so the figures depend on REQUESTS; it is kept small.
+//!
+//! Run: `cargo bench --bench controller` (results are kept in benches/results/).
+
+mod common;
+
+use common::{percentiles, row};
+
+use gpuplane::doubles::apiserver::ApiServerDouble;
+use gpuplane::webhook::{self, WebhookOptions};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper_util::rt::TokioIo;
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+
+/// Timed requests per concurrency level (rounded up to a multiple of the concurrency).
+const REQUESTS: usize = 256;
+const CONCURRENCY: [usize; 3] = [1, 64, 512];
+/// The floor's answer: about the size of an admission answer.
+const FLOOR_BODY: &[u8] = br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{"uid":"u","allowed":true}}"#;
+
+/// A test CA, a leaf for localhost, and the files the webhook loads.
+struct Pki {
+    ca_der: CertificateDer<'static>,
+    cert_der: CertificateDer<'static>,
+    key_der: Vec<u8>,
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let leaf = CertificateParams::new(vec!["localhost".to_string()])
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tls.crt"), leaf.pem()).unwrap();
+        std::fs::write(dir.path().join("tls.key"), key.serialize_pem()).unwrap();
+        Pki {
+            ca_der: ca.der().clone(),
+            cert_der: leaf.der().clone(),
+            key_der: key.serialize_der(),
+            dir,
+        }
+    }
+
+    fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn client_config(&self) -> Arc<rustls::ClientConfig> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(self.ca_der.clone()).unwrap();
+        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        Arc::new(cfg)
+    }
+
+    fn server_config(&self) -> Arc<rustls::ServerConfig> {
+        let key = PrivateKeyDer::try_from(self.key_der.clone()).unwrap();
+        let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![self.cert_der.clone()], key)
+        .unwrap();
+        Arc::new(cfg)
+    }
+}
+
+/// One persistent HTTP/1.1 connection over TLS; the same client for the webhook and the floor.
+struct Conn {
+    tls: TlsStream<tokio::net::TcpStream>,
+    buf: Vec<u8>,
+}
+
+impl Conn {
+    async fn open(cfg: &Arc<rustls::ClientConfig>, addr: SocketAddr) -> Conn {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        tcp.set_nodelay(true).unwrap();
+        let tls = tokio_rustls::TlsConnector::from(cfg.clone())
+            .connect(ServerName::try_from("localhost").unwrap(), tcp)
+            .await
+            .unwrap();
+        Conn {
+            tls,
+            buf: Vec::with_capacity(8192),
+        }
+    }
+
+    /// POSTs `body` and returns the status and the answer's body (Content-Length framed).
+    async fn post(&mut self, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
+        let mut req = format!(
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        req.extend_from_slice(body);
+        self.tls.write_all(&req).await.unwrap();
+        self.tls.flush().await.unwrap();
+        let mut chunk = [0u8; 8192];
+        loop {
+            if let Some(end) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&self.buf[..end]).to_ascii_lowercase();
+                let status = head
+                    .split(' ')
+                    .nth(1)
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0);
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .expect("a Content-Length framed answer");
+                while self.buf.len() < end + 4 + len {
+                    match self.tls.read(&mut chunk).await {
+                        Ok(n) if n > 0 => self.buf.extend_from_slice(&chunk[..n]),
+                        _ => return (0, Vec::new()),
+                    }
+                }
+                let body = self.buf[end + 4..end + 4 + len].to_vec();
+                self.buf.drain(..end + 4 + len);
+                return (status, body);
+            }
+            match self.tls.read(&mut chunk).await {
+                Ok(n) if n > 0 => self.buf.extend_from_slice(&chunk[..n]),
+                // Closed by the server: status 0, counted apart.
+                _ => return (0, Vec::new()),
+            }
+        }
+    }
+}
+
+fn pod_review(ns: &str, i: usize) -> Vec<u8> {
+    let name = format!("p-{i:05}");
+    let pod = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{ns}-{name}")},
+        "spec": {"containers": [{"name": "main", "image": "cuda",
+            "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}});
+    serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": format!("req-{ns}-{i}"),
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": name,
+            "namespace": ns,
+            "operation": "CREATE",
+            "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
+            "object": pod,
+            "oldObject": null,
+            "dryRun": false,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}
+        }
+    }))
+    .unwrap()
+}
+
+/// The outcome of one concurrency level.
+struct Level {
+    samples: Vec<Duration>,
+    wall: Duration,
+    allowed: usize,
+    denied: usize,
+    /// Requests whose connection the server closed before answering.
+    closed: usize,
+}
+
+/// `clients` connections (opened and warmed up with one untimed request each, then released
+/// together), each sending `per_client` requests back to back; `body(i)` is request `i`'s body.
+async fn drive(
+    cfg: &Arc<rustls::ClientConfig>,
+    addr: SocketAddr,
+    path: &'static str,
+    clients: usize,
+    per_client: usize,
+    body: Arc<dyn Fn(usize) -> Vec<u8> + Send + Sync>,
+) -> Level {
+    let total = clients * per_client;
+    let mut conns = Vec::with_capacity(clients);
+    for c in 0..clients {
+        let mut conn = Conn::open(cfg, addr).await;
+        // Untimed warm-up in a namespace without a GpuQuota: admitted without a write.
+        let (status, _) = conn.post(path, &pod_review("warmup", total + c)).await;
+        assert_eq!(status, 200, "warm-up answer");
+        conns.push(conn);
+    }
+    let start = Arc::new(tokio::sync::Barrier::new(clients + 1));
+    let mut tasks = Vec::with_capacity(clients);
+    for (c, mut conn) in conns.into_iter().enumerate() {
+        let start = start.clone();
+        let body = body.clone();
+        tasks.push(tokio::spawn(async move {
+            let bodies: Vec<Vec<u8>> = (0..per_client).map(|k| body(c * per_client + k)).collect();
+            start.wait().await;
+            let mut out = Vec::with_capacity(per_client);
+            for b in bodies {
+                let t = Instant::now();
+                let (status, answer) = conn.post(path, &b).await;
+                out.push((t.elapsed(), status, answer));
+                if status == 0 {
+                    break;
+                }
+            }
+            out
+        }));
+    }
+    start.wait().await;
+    let t = Instant::now();
+    let mut level = Level {
+        samples: Vec::with_capacity(total),
+        wall: Duration::ZERO,
+        allowed: 0,
+        denied: 0,
+        closed: 0,
+    };
+    let mut answers = Vec::with_capacity(total);
+    for task in tasks {
+        answers.extend(task.await.unwrap());
+    }
+    level.wall = t.elapsed();
+    for (d, status, answer) in answers {
+        if status == 0 {
+            level.closed += 1;
+            continue;
+        }
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+        level.samples.push(d);
+        let v: Value = serde_json::from_slice(&answer).unwrap();
+        if v["response"]["allowed"] == json!(false) {
+            level.denied += 1;
+        } else {
+            level.allowed += 1;
+        }
+    }
+    level
+}
+
+/// The floor: hyper (HTTP/1.1) over rustls on loopback, answering a fixed small JSON body.
+async fn floor_server(tls: Arc<rustls::ServerConfig>) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                continue;
+            };
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(stream) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let svc = hyper::service::service_fn(|req: hyper::Request<Incoming>| async move {
+                    // Read the body, as any handler must.
+                    let _ = http_body_util::BodyExt::collect(req.into_body()).await;
+                    let mut r = hyper::Response::new(Full::new(Bytes::from_static(FLOOR_BODY)));
+                    r.headers_mut().insert(
+                        hyper::header::CONTENT_TYPE,
+                        hyper::header::HeaderValue::from_static("application/json"),
+                    );
+                    Ok::<_, std::convert::Infallible>(r)
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+fn quota(api: &ApiServerDouble, ns: &str) {
+    api.put_json(
+        json!({"apiVersion": "quota.gpuplane.dev/v1alpha1", "kind": "GpuQuota",
+        "metadata": {"name": "bench", "namespace": ns},
+        "spec": {"hard": {"gpus": 1_000_000}, "mode": "Reject"}}),
+    )
+    .unwrap();
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let api = ApiServerDouble::start().await.unwrap();
+        for c in CONCURRENCY {
+            quota(&api, &format!("bench-{c}"));
+        }
+        let pki = Pki::new();
+        let mut opts =
+            WebhookOptions::new(pki.path("tls.crt"), pki.path("tls.key"), "gpuplane-system");
+        opts.addr = "127.0.0.1:0".parse().unwrap();
+        opts.sync_timeout = Duration::from_secs(20);
+        let wh = webhook::start(api.client().unwrap(), opts).await.unwrap();
+        let floor_addr = floor_server(pki.server_config()).await;
+        let cfg = pki.client_config();
+
+        println!(
+            "webhook: POST /validate, pod CREATE with nvidia.com/gpu: 1, Reject-mode GpuQuota (gpus: 1000000),"
+        );
+        println!(
+            "HTTPS with persistent connections; floor: bare hyper + rustls handler, fixed {}-byte JSON answer",
+            FLOOR_BODY.len()
+        );
+        for c in CONCURRENCY {
+            let per_client = REQUESTS.div_ceil(c);
+            let ns = format!("bench-{c}");
+            let writes_before = api.count_requests("PUT", "gpuquotas")
+                + api.count_requests("PATCH", "gpuquotas");
+            let body: Arc<dyn Fn(usize) -> Vec<u8> + Send + Sync> =
+                Arc::new(move |i| pod_review(&ns, i));
+            let hook = drive(&cfg, wh.addr(), "/validate", c, per_client, body).await;
+            let writes = api.count_requests("PUT", "gpuquotas")
+                + api.count_requests("PATCH", "gpuquotas")
+                - writes_before;
+            let floor_body: Arc<dyn Fn(usize) -> Vec<u8> + Send + Sync> =
+                Arc::new(|i| pod_review("floor", i));
+            let floor = drive(&cfg, floor_addr, "/validate", c, per_client, floor_body).await;
+            if hook.samples.is_empty() || floor.samples.is_empty() {
+                println!("{c} clients: every connection was closed before answering");
+                continue;
+            }
+            let n = hook.samples.len();
+            let hook_rate = n as f64 / hook.wall.as_secs_f64();
+            let floor_rate = floor.samples.len() as f64 / floor.wall.as_secs_f64();
+            row(
+                &format!("decision latency, {c:>3} clients ({n} requests)"),
+                percentiles(hook.samples),
+                percentiles(floor.samples),
+            );
+            println!(
+                "{:<56} {hook_rate:>9.0}/s | floor {floor_rate:>9.0}/s | ratio {:>5.2}x (floor/webhook)",
+                format!("decisions per second, {c:>3} clients"),
+                floor_rate / hook_rate
+            );
+            println!(
+                "{:<56} allowed {} denied {} closed {} (floor closed {}) | GpuQuota status writes {writes} (incl. conflicts/retries; {:.2} per admission)",
+                "",
+                hook.allowed,
+                hook.denied,
+                hook.closed,
+                floor.closed,
+                writes as f64 / hook.allowed.max(1) as f64
+            );
+        }
+        println!("{}", wh.metrics.render().lines().filter(|l| l.starts_with("gpuplane_webhook_")).collect::<Vec<_>>().join("\n"));
+        wh.stop().await;
+        api.stop().await;
+    });
+}
