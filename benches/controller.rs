@@ -7,6 +7,12 @@
 //!   loopback answering a fixed small JSON body, driven by the same client at the same
 //!   concurrency.
 //!
+//! - Queue mode release rate: pods released per second from a queue of [`QUEUED`] gated pods
+//!   under one Queue-mode GpuQuota with room for all, the loop started with the pods already
+//!   there (as after a leader change), timed until the last gate is removed; vs the same number
+//!   of bare gate-removal PATCHes (the loop's own guarded JSON patch, `writes::ungate`) against
+//!   the same API server double, with the same client and the loop's write concurrency.
+//!
 //! The webhook runs in process against the API server double, with an rcgen test CA. Each
 //! concurrency level uses its own namespace and GpuQuota, so every level starts from an empty
 //! reservation list.
@@ -14,17 +20,24 @@
 //! Every admitted pod costs one GpuQuota status write carrying the whole reservation list, and
 //! the list grows with every admission, so the figures depend on REQUESTS; it is kept small.
 //!
-//! Run: `cargo bench --bench controller` (results are kept in benches/results/).
+//! Run: `cargo bench --bench controller [webhook|queue]` (results are kept in benches/results/).
 
 mod common;
 
 use common::{percentiles, row};
 
+use gpuplane::controller::metrics::QueueMetrics;
+use gpuplane::controller::pods::PodRef;
+use gpuplane::controller::queue::{self, QueueOptions};
+use gpuplane::controller::writes::{self, Ungated};
 use gpuplane::doubles::apiserver::ApiServerDouble;
+use gpuplane::quota::SCHEDULING_GATE;
 use gpuplane::webhook::{self, WebhookOptions};
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper_util::rt::TokioIo;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -39,6 +52,8 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName}
 /// Timed requests per concurrency level (rounded up to a multiple of the concurrency).
 const REQUESTS: usize = 256;
 const CONCURRENCY: [usize; 3] = [1, 64, 512];
+/// Gated pods in the queue benchmark.
+const QUEUED: usize = 10_000;
 /// The floor's answer: about the size of an admission answer.
 const FLOOR_BODY: &[u8] = br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{"uid":"u","allowed":true}}"#;
 
@@ -316,75 +331,213 @@ fn quota(api: &ApiServerDouble, ns: &str) {
     .unwrap();
 }
 
+fn gated_pod(ns: &str, i: usize) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": format!("p-{i:05}"), "namespace": ns, "uid": format!("uid-{ns}-{i}")},
+        "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}],
+            "containers": [{"name": "main", "image": "cuda",
+                "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}})
+}
+
+/// Removes the gate of every pod of `ns` with `concurrency` PATCHes in flight; the pods
+/// ungated.
+async fn bare_ungate(client: &kube::Client, ns: &str, concurrency: usize) -> usize {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let pods: Vec<PodRef> = api
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(PodRef::of)
+        .collect();
+    let work = Arc::new(std::sync::Mutex::new(pods));
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let (api, work) = (api.clone(), work.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut done = 0;
+            loop {
+                let Some(p) = work.lock().unwrap().pop() else {
+                    return done;
+                };
+                if writes::ungate(&api, &p).await.unwrap() == Ungated::Removed {
+                    done += 1;
+                }
+            }
+        }));
+    }
+    let mut done = 0;
+    for t in tasks {
+        done += t.await.unwrap();
+    }
+    done
+}
+
+async fn queue_bench() {
+    let api = ApiServerDouble::start().await.unwrap();
+    // Every pod's events stay in the history, so watches resume instead of re-listing.
+    api.set_history_limit(4 * QUEUED + 1000);
+    let ns = "bench-queue";
+    api.put_json(
+        json!({"apiVersion": "quota.gpuplane.dev/v1alpha1", "kind": "GpuQuota",
+        "metadata": {"name": "bench", "namespace": ns},
+        "spec": {"hard": {"gpus": 1_000_000}, "mode": "Queue"}}),
+    )
+    .unwrap();
+    for i in 0..QUEUED {
+        api.put_json(gated_pod(ns, i)).unwrap();
+    }
+    let client = api.client().unwrap();
+    let opts = QueueOptions {
+        batch: Duration::from_millis(20),
+        ..QueueOptions::default()
+    };
+    let concurrency = opts.concurrency;
+    let metrics = Arc::new(QueueMetrics::default());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let t = Instant::now();
+    let task = tokio::spawn(queue::run(client.clone(), opts, metrics.clone(), async {
+        let _ = stopped.await;
+    }));
+    while metrics.snapshot().released < QUEUED as u64 {
+        assert!(
+            t.elapsed() < Duration::from_secs(600),
+            "the loop released {:?} in 10 minutes",
+            metrics.snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let took = t.elapsed();
+    let _ = stop.send(());
+    task.await.unwrap();
+    let m = metrics.snapshot();
+    let patches = api.count_requests("PATCH", "/pods/");
+
+    // The floor: the same gate removals, bare, on a second queue in the same API server.
+    let floor_ns = "bench-floor";
+    for i in 0..QUEUED {
+        api.put_json(gated_pod(floor_ns, i)).unwrap();
+    }
+    let ft = Instant::now();
+    let floor_done = bare_ungate(&client, floor_ns, concurrency).await;
+    let floor_took = ft.elapsed();
+    assert_eq!(floor_done, QUEUED, "the floor ungated every pod");
+
+    let rate = QUEUED as f64 / took.as_secs_f64();
+    let floor_rate = QUEUED as f64 / floor_took.as_secs_f64();
+    println!(
+        "queue: {QUEUED} gated pods under one Queue-mode GpuQuota with room for all, loop started with them queued;"
+    );
+    println!(
+        "floor: {QUEUED} bare gate-removal PATCHes (writes::ungate), same API server double and client, {concurrency} in flight"
+    );
+    println!(
+        "{:<56} {rate:>9.0}/s | floor {floor_rate:>9.0}/s | ratio {:>5.2}x (floor/queue)",
+        format!("pods released per second ({QUEUED} queued)"),
+        floor_rate / rate
+    );
+    println!(
+        "{:<56} {:.2?} | floor {:.2?} | cycles {} status writes {} (conflicts {}) gate PATCHes {patches}",
+        "",
+        took,
+        floor_took,
+        m.cycles,
+        m.status_writes,
+        m.status_conflicts
+    );
+    api.stop().await;
+}
+
+async fn webhook_bench() {
+    let api = ApiServerDouble::start().await.unwrap();
+    for c in CONCURRENCY {
+        quota(&api, &format!("bench-{c}"));
+    }
+    let pki = Pki::new();
+    let mut opts = WebhookOptions::new(pki.path("tls.crt"), pki.path("tls.key"), "gpuplane-system");
+    opts.addr = "127.0.0.1:0".parse().unwrap();
+    opts.sync_timeout = Duration::from_secs(20);
+    let wh = webhook::start(api.client().unwrap(), opts).await.unwrap();
+    let floor_addr = floor_server(pki.server_config()).await;
+    let cfg = pki.client_config();
+
+    println!(
+        "webhook: POST /validate, pod CREATE with nvidia.com/gpu: 1, Reject-mode GpuQuota (gpus: 1000000),"
+    );
+    println!(
+        "HTTPS with persistent connections; floor: bare hyper + rustls handler, fixed {}-byte JSON answer",
+        FLOOR_BODY.len()
+    );
+    for c in CONCURRENCY {
+        let per_client = REQUESTS.div_ceil(c);
+        let ns = format!("bench-{c}");
+        let writes_before =
+            api.count_requests("PUT", "gpuquotas") + api.count_requests("PATCH", "gpuquotas");
+        let body: Arc<dyn Fn(usize) -> Vec<u8> + Send + Sync> =
+            Arc::new(move |i| pod_review(&ns, i));
+        let hook = drive(&cfg, wh.addr(), "/validate", c, per_client, body).await;
+        let writes = api.count_requests("PUT", "gpuquotas")
+            + api.count_requests("PATCH", "gpuquotas")
+            - writes_before;
+        let floor_body: Arc<dyn Fn(usize) -> Vec<u8> + Send + Sync> =
+            Arc::new(|i| pod_review("floor", i));
+        let floor = drive(&cfg, floor_addr, "/validate", c, per_client, floor_body).await;
+        if hook.samples.is_empty() || floor.samples.is_empty() {
+            println!("{c} clients: every connection was closed before answering");
+            continue;
+        }
+        let n = hook.samples.len();
+        let hook_rate = n as f64 / hook.wall.as_secs_f64();
+        let floor_rate = floor.samples.len() as f64 / floor.wall.as_secs_f64();
+        row(
+            &format!("decision latency, {c:>3} clients ({n} requests)"),
+            percentiles(hook.samples),
+            percentiles(floor.samples),
+        );
+        println!(
+            "{:<56} {hook_rate:>9.0}/s | floor {floor_rate:>9.0}/s | ratio {:>5.2}x (floor/webhook)",
+            format!("decisions per second, {c:>3} clients"),
+            floor_rate / hook_rate
+        );
+        println!(
+            "{:<56} allowed {} denied {} closed {} (floor closed {}) | GpuQuota status writes {writes} (incl. conflicts/retries; {:.2} per admission)",
+            "",
+            hook.allowed,
+            hook.denied,
+            hook.closed,
+            floor.closed,
+            writes as f64 / hook.allowed.max(1) as f64
+        );
+    }
+    let counters = wh.metrics.render();
+    let counters: Vec<&str> = counters
+        .lines()
+        .filter(|l| {
+            l.starts_with("gpuplane_webhook_admissions_total")
+                || l.starts_with("gpuplane_webhook_reservation_contended_total")
+        })
+        .collect();
+    println!("{}", counters.join("\n"));
+    wh.stop().await;
+    api.stop().await;
+}
+
 fn main() {
+    // `cargo bench --bench controller queue`: only the sections whose name contains the filter
+    // (cargo passes `--bench` itself).
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let wanted = |name: &str| filter.as_deref().is_none_or(|f| name.contains(f));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
     rt.block_on(async {
-        let api = ApiServerDouble::start().await.unwrap();
-        for c in CONCURRENCY {
-            quota(&api, &format!("bench-{c}"));
+        if wanted("webhook") {
+            webhook_bench().await;
         }
-        let pki = Pki::new();
-        let mut opts =
-            WebhookOptions::new(pki.path("tls.crt"), pki.path("tls.key"), "gpuplane-system");
-        opts.addr = "127.0.0.1:0".parse().unwrap();
-        opts.sync_timeout = Duration::from_secs(20);
-        let wh = webhook::start(api.client().unwrap(), opts).await.unwrap();
-        let floor_addr = floor_server(pki.server_config()).await;
-        let cfg = pki.client_config();
-
-        println!(
-            "webhook: POST /validate, pod CREATE with nvidia.com/gpu: 1, Reject-mode GpuQuota (gpus: 1000000),"
-        );
-        println!(
-            "HTTPS with persistent connections; floor: bare hyper + rustls handler, fixed {}-byte JSON answer",
-            FLOOR_BODY.len()
-        );
-        for c in CONCURRENCY {
-            let per_client = REQUESTS.div_ceil(c);
-            let ns = format!("bench-{c}");
-            let writes_before = api.count_requests("PUT", "gpuquotas")
-                + api.count_requests("PATCH", "gpuquotas");
-            let body: Arc<dyn Fn(usize) -> Vec<u8> + Send + Sync> =
-                Arc::new(move |i| pod_review(&ns, i));
-            let hook = drive(&cfg, wh.addr(), "/validate", c, per_client, body).await;
-            let writes = api.count_requests("PUT", "gpuquotas")
-                + api.count_requests("PATCH", "gpuquotas")
-                - writes_before;
-            let floor_body: Arc<dyn Fn(usize) -> Vec<u8> + Send + Sync> =
-                Arc::new(|i| pod_review("floor", i));
-            let floor = drive(&cfg, floor_addr, "/validate", c, per_client, floor_body).await;
-            if hook.samples.is_empty() || floor.samples.is_empty() {
-                println!("{c} clients: every connection was closed before answering");
-                continue;
-            }
-            let n = hook.samples.len();
-            let hook_rate = n as f64 / hook.wall.as_secs_f64();
-            let floor_rate = floor.samples.len() as f64 / floor.wall.as_secs_f64();
-            row(
-                &format!("decision latency, {c:>3} clients ({n} requests)"),
-                percentiles(hook.samples),
-                percentiles(floor.samples),
-            );
-            println!(
-                "{:<56} {hook_rate:>9.0}/s | floor {floor_rate:>9.0}/s | ratio {:>5.2}x (floor/webhook)",
-                format!("decisions per second, {c:>3} clients"),
-                floor_rate / hook_rate
-            );
-            println!(
-                "{:<56} allowed {} denied {} closed {} (floor closed {}) | GpuQuota status writes {writes} (incl. conflicts/retries; {:.2} per admission)",
-                "",
-                hook.allowed,
-                hook.denied,
-                hook.closed,
-                floor.closed,
-                writes as f64 / hook.allowed.max(1) as f64
-            );
+        if wanted("queue") {
+            queue_bench().await;
         }
-        println!("{}", wh.metrics.render().lines().filter(|l| l.starts_with("gpuplane_webhook_")).collect::<Vec<_>>().join("\n"));
-        wh.stop().await;
-        api.stop().await;
     });
 }

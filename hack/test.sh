@@ -2,8 +2,18 @@
 # The whole test suite, from a fresh machine: installs what the tests need, then runs
 # formatting, lints (-D warnings) and every test in the workspace.
 #   ./hack/test.sh            everything CI runs
+#   ./hack/test.sh --extended that, then every fuzz target for FUZZ_SECONDS each (default 60;
+#                             hack/fuzz.sh, which installs nightly and cargo-fuzz if missing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+extended=false
+for arg in "$@"; do
+  case "$arg" in
+    --extended) extended=true ;;
+    *) echo "hack/test.sh: unknown argument $arg (use --extended)" >&2; exit 2 ;;
+  esac
+done
 
 need_apt=()
 # The CDI tests run containers with podman + runc from a busybox-static image.
@@ -30,3 +40,7 @@ echo "== clippy -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== tests"
 cargo test --workspace
+if $extended; then
+  echo "== fuzz (extended)"
+  ./hack/fuzz.sh
+fi

@@ -5,7 +5,12 @@
 //! runtime reading a CDI spec, the agent reading its checkpoint after a crash) sees either the old
 //! content or the new, never half a file, and the new content survives a power loss once the call
 //! returns. [`remove_durable`] is the matching removal. Every error names the path it concerns.
+//! A process killed mid-write leaves its temporary file behind (never read: the name is hidden
+//! and does not end in `.json`); [`remove_stale_temps`] clears them at the next start.
+//! Crash points `file.before-rename` and `file.after-rename` ([`crate::crashpoint`]) mark the
+//! two steps a kill can split.
 
+use crate::crashpoint::{self, Step};
 use std::fs::{self, File, OpenOptions, Permissions};
 use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -50,6 +55,13 @@ pub enum FsError {
         #[source]
         source: io::Error,
     },
+    /// A directory could not be listed.
+    #[error("listing directory {dir}: {source}")]
+    ListDir {
+        dir: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     /// The directory holding the target could not be synced after a rename or removal.
     #[error("syncing directory {dir} after updating {path}: {source}")]
     SyncDir {
@@ -82,6 +94,59 @@ fn temp_name(file_name: &std::ffi::OsStr) -> std::ffi::OsString {
     name
 }
 
+/// Whether `name` is a temporary name [`temp_name`] made for a file starting with `prefix`:
+/// `.<prefix><rest>.tmp-<pid>-<n>-<nanos>`.
+fn is_temp_for(name: &str, prefix: &str) -> bool {
+    let Some(rest) = name.strip_prefix('.').filter(|r| r.starts_with(prefix)) else {
+        return false;
+    };
+    let Some((_, tail)) = rest.rsplit_once(".tmp-") else {
+        return false;
+    };
+    let parts: Vec<&str> = tail.split('-').collect();
+    parts.len() == 3
+        && parts
+            .iter()
+            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Removes the temporary files an earlier, killed writer left in `dir` for files whose names
+/// start with `prefix`, and returns them. Call it before this process writes there: in a
+/// container the agent's pid is the same on every restart, so the pid in the name cannot tell
+/// an old writer from this one. A missing directory has none.
+pub fn remove_stale_temps(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>, FsError> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(FsError::ListDir {
+                dir: dir.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let mut removed = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|source| FsError::ListDir {
+            dir: dir.to_path_buf(),
+            source,
+        })?;
+        if !is_temp_for(&entry.file_name().to_string_lossy(), prefix) {
+            continue;
+        }
+        let path = entry.path();
+        fs::remove_file(&path).map_err(|source| FsError::Remove {
+            path: path.clone(),
+            source,
+        })?;
+        removed.push(path);
+    }
+    if !removed.is_empty() {
+        sync_dir(dir, dir)?;
+    }
+    Ok(removed)
+}
+
 /// Replaces the content of `path` with `bytes`, atomically and durably, leaving the file with
 /// exactly `mode` (e.g. `0o644`; the umask does not apply). The directory must exist.
 ///
@@ -106,6 +171,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError>
             source,
         });
     }
+    crashpoint::reached_at(Step::FileBeforeRename, &path.to_string_lossy());
     if let Err(source) = fs::rename(&tmp, path) {
         let _ = fs::remove_file(&tmp);
         return Err(FsError::Rename {
@@ -114,6 +180,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError>
             source,
         });
     }
+    crashpoint::reached_at(Step::FileAfterRename, &path.to_string_lossy());
     sync_dir(path, &dir)
 }
 
@@ -243,6 +310,31 @@ mod tests {
 
         let err = write_atomic(Path::new("/"), b"x", 0o644).unwrap_err();
         assert!(err.to_string().starts_with("/:"), "{err}");
+    }
+
+    #[test]
+    fn stale_temps_of_the_prefix_are_removed_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let keep = [
+            "spec.json",
+            ".spec.json",
+            ".other.json.tmp-1-2-3",
+            ".spec.json.tmp-1-x-3",
+        ];
+        for n in keep {
+            fs::write(dir.path().join(n), b"").unwrap();
+        }
+        let stale = dir
+            .path()
+            .join(temp_name(std::ffi::OsStr::new("spec.json")));
+        fs::write(&stale, b"half").unwrap();
+        assert_eq!(remove_stale_temps(dir.path(), "spec").unwrap(), vec![stale]);
+        let mut want: Vec<String> = keep.iter().map(|s| s.to_string()).collect();
+        want.sort();
+        assert_eq!(entries(dir.path()), want);
+        assert!(remove_stale_temps(&dir.path().join("none"), "spec")
+            .unwrap()
+            .is_empty());
     }
 
     #[test]

@@ -4,11 +4,14 @@
 pub mod cdi;
 pub mod config;
 pub mod controller;
+pub mod crashpoint;
+pub mod demo;
 pub mod deviceplugin;
 pub mod discover;
 pub mod doubles;
 pub mod dra;
 pub mod fsutil;
+pub mod fuzzing;
 pub mod grpc;
 pub mod health;
 pub mod inventory;

@@ -13,8 +13,18 @@ use std::sync::Arc;
     about = "GPU node agent and quota controller for Kubernetes"
 )]
 struct Cli {
+    /// Log format on stderr: human-readable text, or one JSON object per line for log
+    /// pipelines.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -31,6 +41,21 @@ enum Command {
     Node(Box<NodeArgs>),
     /// Run the cluster-side controller: the GPU quota admission webhook.
     Controller(Box<ControllerArgs>),
+    /// The whole product on a simulated machine in one process, no cluster: agent, kubelet and
+    /// API server doubles, quota webhook and controller, narrating a short story.
+    Demo(DemoArgs),
+}
+
+#[derive(clap::Args)]
+struct DemoArgs {
+    /// The machine: a bundled profile name (dgx-a100, dgx-h100, dgx1-v100, pcie-l4x4,
+    /// a100-mig-mixed, h100-mig-single) or the path of a profile file.
+    #[arg(long, value_name = "PROFILE", default_value = "dgx-h100")]
+    profile: String,
+    /// Format of the closing summary (json: the narrative goes to stderr, the summary alone to
+    /// stdout).
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
+    output: Output,
 }
 
 #[derive(clap::Args)]
@@ -155,29 +180,60 @@ impl SourceArgs {
             }
             None => {
                 let source = gpuplane::nvml::NvmlSource::open(self.nvml_lib.as_deref())?;
-                let label = match &self.nvml_lib {
-                    Some(p) => format!("NVML ({})", p.display()),
-                    None => "NVML".to_string(),
-                };
-                Ok((Box::new(source), label))
+                Ok((Box::new(source), self.nvml_label()))
             }
         }
+    }
+
+    fn nvml_label(&self) -> String {
+        match &self.nvml_lib {
+            Some(p) => format!("NVML ({})", p.display()),
+            None => "NVML".to_string(),
+        }
+    }
+
+    /// For the agent: NVML that cannot be opened yet is retried by the agent with backoff
+    /// (node::deferred) instead of ending the process.
+    fn open_for_agent(&self) -> Result<(Box<dyn DeviceSource>, String)> {
+        if self.simulate.is_some() {
+            return self.open();
+        }
+        let lib = self.nvml_lib.clone();
+        let source = gpuplane::node::deferred::Deferred::new(move || {
+            let nvml = gpuplane::nvml::NvmlSource::open(lib.as_deref())?;
+            Ok(Box::new(nvml) as Box<dyn DeviceSource>)
+        });
+        Ok((Box::new(source), self.nvml_label()))
     }
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
+    let format = cli.log_format;
+    // The demo's story is its stdout. Its refusals and Xids are logged as warnings by design
+    // and the story already tells them, so only errors are logged unless RUST_LOG says more.
+    let default_level = match cli.command {
+        Command::Demo(_) => "error",
+        _ => "info",
+    };
+    let logs = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
+        );
+    match format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
     match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // With JSON logs every stderr line must be JSON, the final error included.
+            match format {
+                LogFormat::Text => eprintln!("error: {e:#}"),
+                LogFormat::Json => tracing::error!(error = %format!("{e:#}"), "gpuplane failed"),
+            }
             std::process::ExitCode::FAILURE
         }
     }
@@ -197,7 +253,37 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Node(args) => run_node(*args),
         Command::Controller(args) => run_controller(*args),
+        Command::Demo(args) => run_demo(args),
     }
+}
+
+fn run_demo(args: DemoArgs) -> Result<()> {
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let opts = gpuplane::demo::DemoOptions {
+        profile: args.profile,
+    };
+    let summary = runtime.block_on(async {
+        match args.output {
+            Output::Table => gpuplane::demo::run(&opts, &mut std::io::stdout()).await,
+            Output::Json => gpuplane::demo::run(&opts, &mut std::io::stderr()).await,
+        }
+    })?;
+    match args.output {
+        Output::Table => print!("{}", summary.render_table()),
+        Output::Json => println!("{}", serde_json::to_string_pretty(&summary.to_json())?),
+    }
+    if !summary.ok() {
+        let failed: Vec<&str> = summary.failed().iter().map(|s| s.key()).collect();
+        anyhow::bail!(
+            "the demo did not hold: {}",
+            if failed.is_empty() {
+                summary.verdict()
+            } else {
+                format!("step(s) {}", failed.join(", "))
+            }
+        );
+    }
+    Ok(())
 }
 
 fn run_controller(args: ControllerArgs) -> Result<()> {
@@ -212,16 +298,8 @@ fn run_controller(args: ControllerArgs) -> Result<()> {
         opts.catalog.drivers = args.driver_names;
         opts.catalog.time_slicing = args.time_sliced.into_iter().collect();
         tracing::info!(namespace = %args.namespace, leader_elect = args.leader_elect, "gpuplane controller starting");
-        // The webhook serves on every replica; the quota loops run on the Lease holder. One
-        // stop signal for both: SIGTERM, or either of them ending (an error at start).
+        // The webhook serves on every replica; the quota loops run on the Lease holder.
         let shutdown = termination()?;
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let stopped = || {
-            let mut rx = stop_rx.clone();
-            async move {
-                let _ = rx.wait_for(|s| *s).await;
-            }
-        };
         let host = std::env::var("POD_NAME")
             .or_else(|_| std::env::var("HOSTNAME"))
             .unwrap_or_else(|_| "gpuplane-controller".into());
@@ -229,31 +307,7 @@ fn run_controller(args: ControllerArgs) -> Result<()> {
         let mut loops = gpuplane::controller::ControllerOptions::new(&args.namespace, &identity);
         loops.leader_elect = args.leader_elect;
         loops.queue.catalog = opts.catalog.clone();
-        let metrics = Arc::new(gpuplane::controller::metrics::QueueMetrics::default());
-        let both = async {
-            tokio::join!(
-                async {
-                    let r = gpuplane::webhook::run(client.clone(), opts, stopped()).await;
-                    stop_tx.send_replace(true);
-                    r
-                },
-                async {
-                    let r = gpuplane::controller::run(client.clone(), loops, metrics, stopped()).await;
-                    stop_tx.send_replace(true);
-                    r
-                },
-            )
-        };
-        tokio::pin!(both);
-        let (webhook, controller) = tokio::select! {
-            r = &mut both => r,
-            _ = shutdown => {
-                stop_tx.send_replace(true);
-                both.await
-            }
-        };
-        webhook?;
-        controller?;
+        gpuplane::controller::replica::run(client, opts, loops, shutdown).await?;
         tracing::info!("gpuplane controller stopped");
         Ok(())
     })
@@ -262,7 +316,7 @@ fn run_controller(args: ControllerArgs) -> Result<()> {
 fn run_node(args: NodeArgs) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
-        let (source, label) = args.source.open()?;
+        let (source, label) = args.source.open_for_agent()?;
         tracing::info!(node = %args.node_name, source = %label, "gpuplane node starting");
         let dra_on = args.dra.unwrap_or(
             args.kubeconfig.is_some() || gpuplane::kubeclient::available_without_flags(),

@@ -39,6 +39,8 @@ struct Hist {
 struct Family {
     help: &'static str,
     kind: Kind,
+    /// Histogram bucket bounds (the first observation's choice holds for the family).
+    buckets: &'static [f64],
     values: BTreeMap<String, f64>,
     hists: BTreeMap<String, Hist>,
 }
@@ -85,6 +87,7 @@ impl Registry {
         let fam = fams.entry(name).or_insert_with(|| Family {
             help,
             kind,
+            buckets: BUCKETS,
             values: BTreeMap::new(),
             hists: BTreeMap::new(),
         });
@@ -106,17 +109,34 @@ impl Registry {
         pairs: &[(&str, &str)],
         seconds: f64,
     ) {
+        self.observe_in(name, help, pairs, seconds, BUCKETS);
+    }
+
+    /// Records one observation in a histogram with its own bucket bounds (ascending), for
+    /// values outside call latencies (e.g. minutes spent waiting in a queue).
+    pub fn observe_in(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        pairs: &[(&str, &str)],
+        value: f64,
+        buckets: &'static [f64],
+    ) {
         self.with(name, help, Kind::Histogram, |f| {
+            if f.hists.is_empty() {
+                f.buckets = buckets;
+            }
+            let bounds = f.buckets;
             let h = f.hists.entry(labels(pairs)).or_insert_with(|| Hist {
-                counts: vec![0; BUCKETS.len()],
+                counts: vec![0; bounds.len()],
                 ..Hist::default()
             });
-            for (i, b) in BUCKETS.iter().enumerate() {
-                if seconds <= *b {
+            for (i, b) in bounds.iter().enumerate() {
+                if value <= *b {
                     h.counts[i] += 1;
                 }
             }
-            h.sum += seconds;
+            h.sum += value;
             h.count += 1;
         });
     }
@@ -138,7 +158,7 @@ impl Registry {
             for (l, h) in &f.hists {
                 let base = l.trim_start_matches('{').trim_end_matches('}');
                 let sep = if base.is_empty() { "" } else { "," };
-                for (b, c) in BUCKETS.iter().zip(&h.counts) {
+                for (b, c) in f.buckets.iter().zip(&h.counts) {
                     let _ = writeln!(out, "{name}_bucket{{{base}{sep}le=\"{b}\"}} {c}");
                 }
                 let _ = writeln!(out, "{name}_bucket{{{base}{sep}le=\"+Inf\"}} {}", h.count);
@@ -195,5 +215,26 @@ mod tests {
         );
         assert!(text.contains("gpuplane_test_seconds_count 1\n"), "{text}");
         assert_eq!(labels(&[("m", "a\"b")]), "{m=\"a\\\"b\"}");
+    }
+
+    #[test]
+    fn a_histogram_may_have_its_own_buckets() {
+        let r = Registry::default();
+        r.observe_in(
+            "gpuplane_test_wait_seconds",
+            "Waits.",
+            &[("q", "a")],
+            42.0,
+            &[1.0, 60.0],
+        );
+        let text = r.render();
+        for line in [
+            "gpuplane_test_wait_seconds_bucket{q=\"a\",le=\"1\"} 0\n",
+            "gpuplane_test_wait_seconds_bucket{q=\"a\",le=\"60\"} 1\n",
+            "gpuplane_test_wait_seconds_bucket{q=\"a\",le=\"+Inf\"} 1\n",
+            "gpuplane_test_wait_seconds_sum{q=\"a\"} 42\n",
+        ] {
+            assert!(text.contains(line), "{line:?} missing from:\n{text}");
+        }
     }
 }

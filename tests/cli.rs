@@ -285,3 +285,73 @@ async fn the_node_agent_serves_metrics_healthz_and_readyz_with_real_meaning() {
     assert!(status.success());
     kubelet.stop().await;
 }
+
+/// `gpuplane node` that logs its start and then fails (DRA asked for, no API access).
+fn node_without_api(extra: &[&str]) -> Output {
+    let mut args = vec![
+        "node",
+        "--simulate",
+        "pcie-l4x4",
+        "--node-name",
+        "node-a",
+        "--dra=true",
+        "--kubeconfig",
+        "/nonexistent/kubeconfig",
+    ];
+    args.extend_from_slice(extra);
+    Command::new(env!("CARGO_BIN_EXE_gpuplane"))
+        .args(&args)
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("run gpuplane")
+}
+
+#[test]
+fn log_format_json_writes_one_json_object_per_stderr_line_with_level_and_fields() {
+    let out = node_without_api(&["--log-format", "json"]);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect();
+    let start = lines
+        .iter()
+        .find(|l| l["fields"]["message"] == "gpuplane node starting")
+        .unwrap_or_else(|| panic!("no start line: {stderr}"));
+    assert_eq!(start["level"], "INFO");
+    assert_eq!(start["fields"]["node"], "node-a");
+    assert!(start["timestamp"].is_string(), "{start}");
+    // The final error is a JSON line too, naming the cause.
+    let last = lines.last().unwrap();
+    assert_eq!(last["level"], "ERROR", "{last}");
+    let error = last["fields"]["error"].as_str().unwrap();
+    assert!(error.contains("--dra needs API access"), "{error}");
+}
+
+#[test]
+fn logs_are_human_readable_text_by_default() {
+    let out = node_without_api(&[]);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.contains("INFO") && l.contains("gpuplane node starting")),
+        "{stderr}"
+    );
+    assert!(
+        stderr.lines().all(|l| !l.trim_start().starts_with('{')),
+        "{stderr}"
+    );
+    assert!(stderr.contains("error: --dra needs API access"), "{stderr}");
+    // The flag is global: accepted before the subcommand too.
+    let out = gpuplane(&[
+        "--log-format",
+        "json",
+        "discover",
+        "--simulate",
+        "pcie-l4x4",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}

@@ -688,30 +688,3 @@ async fn a_thousand_queued_pods_are_released_in_a_few_cycles_not_one_per_cycle()
     assert!(m.status_writes <= 5, "{m:?}");
     lab.stop().await;
 }
-
-/// The benchmark of the issue: pods released per second from a queue of 10,000 gated pods.
-/// `cargo test --release --test controller -- --ignored --nocapture`
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore]
-async fn benchmark_release_rate_from_a_queue_of_ten_thousand() {
-    let lab = Lab::start(100_000, Duration::from_secs(3600)).await;
-    lab.server.set_history_limit(100_000);
-    let n = 10_000u64;
-    for i in 0..n {
-        lab.server
-            .put_json(pod(&format!("p-{i:05}"), 1, true))
-            .unwrap();
-    }
-    let t = Instant::now();
-    eventually("every pod to be released", || async {
-        lab.metrics.snapshot().released >= n
-    })
-    .await;
-    let took = t.elapsed();
-    println!(
-        "released {n} pods in {took:?}: {:.0} pods/s; {:?}",
-        n as f64 / took.as_secs_f64(),
-        lab.metrics.snapshot()
-    );
-    lab.stop().await;
-}

@@ -1,6 +1,8 @@
 //! The admission webhook over real HTTPS (a test CA from rcgen), against the API server
 //! double: the seed scenario, exactness under concurrency across two replicas, hostile bodies,
-//! certificate reload, Queue mode, claims, and an API server that goes away.
+//! certificate reload, Queue mode, claims, and an API server that goes away; whole controller
+//! replicas (webhook and loops): `/readyz` through leadership and an API outage, and
+//! `/metrics` per GpuQuota after a known scenario.
 
 use gpuplane::doubles::apiserver::{ApiServerDouble, Fault};
 use gpuplane::quota::{GpuQuota, ReservationState, SCHEDULING_GATE};
@@ -1084,4 +1086,289 @@ fn webhook_configurations_fail_closed_and_spare_system_namespaces() {
         crd["spec"]["versions"][0]["subresources"]["status"],
         json!({})
     );
+}
+
+// ---- whole replicas: probes and metrics ----
+
+use gpuplane::controller::lease::LeaseTimings;
+use gpuplane::controller::replica::{self, Replica};
+use gpuplane::controller::ControllerOptions;
+use gpuplane::webhook::probe::ProbeSettings;
+
+/// A plain HTTP/1.1 GET; the status and the body.
+async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut out = Vec::new();
+    tcp.read_to_end(&mut out).await.unwrap();
+    let split = out.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&out[..split]).into_owned();
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let mut body = out[split + 4..].to_vec();
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        body = dechunk(&body);
+    }
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// Polls `f` until it holds (20 s at most).
+async fn eventually<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = std::time::Instant::now();
+    while !f().await {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A whole controller replica named `id`: webhook, probes every 100 ms (away after 1 s
+/// without an answer), and the loops under a fast Lease (or without one).
+async fn controller_replica(api: &ApiServerDouble, pki: &Pki, id: &str, elect: bool) -> Replica {
+    let mut w = WebhookOptions::new(pki.cert_path(), pki.key_path(), "gpuplane-system");
+    w.addr = "127.0.0.1:0".parse().unwrap();
+    w.metrics_addr = Some("127.0.0.1:0".parse().unwrap());
+    w.sync_timeout = Duration::from_secs(10);
+    w.probes = ProbeSettings {
+        interval: Duration::from_millis(100),
+        stale_after: Duration::from_secs(1),
+    };
+    let mut l = ControllerOptions::new("gpuplane-system", id);
+    l.leader_elect = elect;
+    l.lease = LeaseTimings {
+        lease_duration: Duration::from_secs(1),
+        renew_deadline: Duration::from_millis(600),
+        retry_period: Duration::from_millis(100),
+    };
+    l.queue.batch = Duration::from_millis(20);
+    l.queue.resync = Duration::from_millis(300);
+    replica::start(api.client().unwrap(), w, l).await.unwrap()
+}
+
+async fn readyz(r: &Replica) -> (u16, String) {
+    get(r.webhook().metrics_addr().unwrap(), "/readyz").await
+}
+
+/// Waits until `/readyz` of `r` has a line starting with `prefix`; returns the answer.
+async fn readyz_until(r: &Replica, prefix: &str) -> (u16, String) {
+    let start = std::time::Instant::now();
+    loop {
+        let answer = readyz(r).await;
+        if answer.1.lines().any(|l| l.starts_with(prefix)) {
+            return answer;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed out waiting for readyz to say {prefix:?}; last:\n{}",
+            answer.1
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn readyz_tells_leader_from_follower_and_reports_an_api_outage_while_answering() {
+    let api = ApiServerDouble::start().await.unwrap();
+    let pki = Pki::new();
+    let a = controller_replica(&api, &pki, "replica-a", true).await;
+    let (status, body) = readyz_until(&a, "role: leader").await;
+    assert_eq!(status, 200, "{body}");
+    let lines: Vec<&str> = body.lines().collect();
+    assert_eq!(lines[0], "ready", "{body}");
+    assert_eq!(lines[1], "webhook: serving", "{body}");
+    assert!(
+        lines[2].starts_with("api: reachable (last answer "),
+        "{body}"
+    );
+    assert_eq!(lines[3], "role: leader (runs the quota loops)", "{body}");
+    // The same answer over HTTPS on the webhook's port.
+    let tls = pki.client_config();
+    let https = raw(
+        &tls,
+        a.webhook().addr(),
+        "GET /readyz HTTP/1.1\r\nHost: localhost".into(),
+        Vec::new(),
+    )
+    .await;
+    assert_eq!(https.status, 200);
+    assert!(https.text().contains("role: leader"), "{}", https.text());
+    let (status, body) = get(a.webhook().metrics_addr().unwrap(), "/healthz").await;
+    assert_eq!((status, body.as_str()), (200, "ok\n"));
+
+    let b = controller_replica(&api, &pki, "replica-b", true).await;
+    let (status, body) = readyz_until(&b, "role: follower (leader: replica-a)").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.starts_with("ready\nwebhook: serving\napi: reachable"),
+        "{body}"
+    );
+    let (_, m) = get(b.webhook().metrics_addr().unwrap(), "/metrics").await;
+    assert!(m.contains("\ngpuplane_controller_leader 0\n"), "{m}");
+    assert!(m.contains("\ngpuplane_controller_api_reachable 1\n"), "{m}");
+
+    // The API server goes away: both stay ready, say so, and keep answering from their caches;
+    // the leader cannot renew the Lease and steps down.
+    let outage = api.inject(Fault::status("*", "/", 500));
+    api.drop_watches();
+    for r in [&a, &b] {
+        let (status, body) = readyz_until(r, "api: away").await;
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            body.starts_with("ready, degraded: the API server is away; answering from the last known state\nwebhook: serving\n"),
+            "{body}"
+        );
+        assert!(
+            body.contains("GPU pods under a GpuQuota are denied until it is back"),
+            "{body}"
+        );
+        readyz_until(r, "role: follower").await;
+        let cpu = pod("cpu", json!({"containers": [{"name": "c", "image": "x"}]}));
+        let answer = post(
+            &tls,
+            r.webhook().addr(),
+            "/validate",
+            &pod_review("u-cpu", cpu),
+        )
+        .await;
+        assert_eq!(response(&answer)["allowed"], true);
+    }
+    let (_, m) = get(a.webhook().metrics_addr().unwrap(), "/metrics").await;
+    assert!(m.contains("\ngpuplane_controller_api_reachable 0\n"), "{m}");
+
+    // Back: reachable again, and one of them leads.
+    api.clear_fault(outage);
+    for r in [&a, &b] {
+        let (status, body) = readyz_until(r, "api: reachable").await;
+        assert_eq!(status, 200, "{body}");
+        assert!(body.starts_with("ready\n"), "{body}");
+    }
+    eventually("a leader again", || async {
+        let (_, ra) = readyz(&a).await;
+        let (_, rb) = readyz(&b).await;
+        ra.contains("role: leader") != rb.contains("role: leader")
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+}
+
+/// The text value of the series `series` (name and labels, exactly as rendered) in `metrics`.
+fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn metrics_count_admissions_denials_queue_and_usage_per_gpuquota() {
+    let api = ApiServerDouble::start().await.unwrap();
+    // Reject mode in team-a: room for two GPUs.
+    quota(
+        &api,
+        "gold",
+        json!({"hard": {"devices": {"nvidia.com/gpu": 2}}, "mode": "Reject"}),
+    )
+    .await;
+    // Queue mode in team-q: two GPUs, one held by a running pod.
+    api.put_json(
+        json!({"apiVersion": "quota.gpuplane.dev/v1alpha1", "kind": "GpuQuota",
+        "metadata": {"name": "queue", "namespace": "team-q"},
+        "spec": {"hard": {"gpus": 2}, "mode": "Queue"}}),
+    )
+    .unwrap();
+    let queued = |name: &str, gated: bool| {
+        let mut spec = json!({"containers": [{"name": "main", "image": "cuda",
+            "resources": {"limits": {"nvidia.com/gpu": "1"}}}]});
+        if gated {
+            spec["schedulingGates"] = json!([{"name": SCHEDULING_GATE}]);
+        } else {
+            spec["nodeName"] = json!("node-1");
+        }
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "team-q", "uid": format!("uid-{name}")},
+            "spec": spec})
+    };
+    api.put_json(queued("running", false)).unwrap();
+    let pki = Pki::new();
+    let r = controller_replica(&api, &pki, "replica-m", false).await;
+    let tls = pki.client_config();
+    for i in 0..3 {
+        let body = pod_review(
+            &format!("u{i}"),
+            gpu_pod(&format!("p{i}"), "nvidia.com/gpu", 1),
+        );
+        let allowed =
+            response(&post(&tls, r.webhook().addr(), "/validate", &body).await)["allowed"] == true;
+        assert_eq!(allowed, i < 2, "pod {i}");
+    }
+    for name in ["q0", "q1", "q2"] {
+        api.put_json(queued(name, true)).unwrap();
+    }
+    let addr = r.webhook().metrics_addr().unwrap();
+    let wanted = [
+        "gpuplane_quota_queue_length{namespace=\"team-q\",quota=\"queue\"} 2",
+        "gpuplane_quota_released_total{namespace=\"team-q\",quota=\"queue\"} 1",
+        "gpuplane_quota_reserved{namespace=\"team-q\",quota=\"queue\",resource=\"gpus\"} 1",
+        "gpuplane_quota_reserved{namespace=\"team-a\",quota=\"gold\",resource=\"devices[nvidia.com/gpu]\"} 2",
+    ];
+    // One queued pod released, two waiting, the reservations seen by the cache.
+    let start = std::time::Instant::now();
+    let m = loop {
+        let m = get(addr, "/metrics").await.1;
+        if wanted.iter().all(|w| m.lines().any(|l| l == *w)) {
+            break m;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed out; last:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let at = |ns: &str, q: &str| format!("{{namespace=\"{ns}\",quota=\"{q}\"}}");
+    for (series, want) in [
+        (format!("gpuplane_quota_admissions_total{}", at(NS, "gold")), 2.0),
+        (format!("gpuplane_quota_denials_total{}", at(NS, "gold")), 1.0),
+        ("gpuplane_webhook_decision_seconds_count{webhook=\"validate\"}".to_string(), 3.0),
+        ("gpuplane_webhook_admissions_total{webhook=\"validate\",result=\"denied\"}".to_string(), 1.0),
+        (format!("gpuplane_quota_wait_seconds_count{}", at("team-q", "queue")), 1.0),
+        ("gpuplane_quota_hard{namespace=\"team-a\",quota=\"gold\",resource=\"devices[nvidia.com/gpu]\"}".to_string(), 2.0),
+        ("gpuplane_quota_used{namespace=\"team-a\",quota=\"gold\",resource=\"devices[nvidia.com/gpu]\"}".to_string(), 0.0),
+        ("gpuplane_quota_hard{namespace=\"team-q\",quota=\"queue\",resource=\"gpus\"}".to_string(), 2.0),
+        ("gpuplane_quota_used{namespace=\"team-q\",quota=\"queue\",resource=\"gpus\"}".to_string(), 1.0),
+        ("gpuplane_quota_pods_released_total".to_string(), 1.0),
+        ("gpuplane_controller_leader".to_string(), 1.0),
+    ] {
+        assert_eq!(sample(&m, &series), Some(want), "{series} in:\n{m}");
+    }
+    // Every series sits under its family's TYPE line, once.
+    for family in [
+        "gpuplane_quota_admissions_total counter",
+        "gpuplane_quota_wait_seconds histogram",
+        "gpuplane_webhook_decision_seconds histogram",
+        "gpuplane_quota_queue_length gauge",
+        "gpuplane_quota_used gauge",
+    ] {
+        assert_eq!(
+            m.matches(&format!("# TYPE {family}\n")).count(),
+            1,
+            "{family} in:\n{m}"
+        );
+    }
+    r.stop().await;
 }

@@ -3,6 +3,7 @@
 //!
 //! Every write carries the resourceVersion it read (PUT; create for a missing Lease), so two
 //! candidates racing for one Lease cannot both win: the loser gets 409 and reads again.
+//! After every round the candidate's [`Role`] is published for `/readyz` ([`Elector::reporting`]).
 
 use super::lease::{self, Decision, LeaseTimings, LeaseView, Observation};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -51,6 +52,8 @@ pub struct Elector {
     observed: Option<Observation>,
     /// Start of the last successful create/renew/take-over request, while we hold the Lease.
     renewed_at: Option<Instant>,
+    /// Where the role is published after each round.
+    role: watch::Sender<Role>,
 }
 
 impl Elector {
@@ -70,7 +73,36 @@ impl Elector {
             timings,
             observed: None,
             renewed_at: None,
+            role: watch::channel(Role::Follower(None)).0,
         })
+    }
+
+    /// Publishes this candidate's role on `role` after every round of [`Elector::campaign`].
+    pub fn reporting(mut self, role: watch::Sender<Role>) -> Elector {
+        self.role = role;
+        self
+    }
+
+    /// The role at `now`: leading, or following whoever else holds the Lease as last read.
+    fn role_at(&self, now: Instant) -> Role {
+        if self.is_leading(now) {
+            return Role::Leader;
+        }
+        Role::Follower(
+            self.observed
+                .as_ref()
+                .and_then(|o| o.view.holder.clone())
+                .filter(|h| *h != self.identity),
+        )
+    }
+
+    fn publish_role(&self, now: Instant) {
+        let role = self.role_at(now);
+        self.role.send_if_modified(|r| {
+            let changed = *r != role;
+            *r = role;
+            changed
+        });
     }
 
     pub fn identity(&self) -> &str {
@@ -233,6 +265,7 @@ impl Elector {
             }
             let now = Instant::now();
             let lead = self.is_leading(now);
+            self.publish_role(now);
             leading.send_if_modified(|l| {
                 let changed = *l != lead;
                 if changed {
@@ -252,9 +285,11 @@ impl Elector {
             // Leadership may have lapsed while sleeping (the deadline is one of the wake-ups).
             if !self.is_leading(Instant::now()) {
                 leading.send_if_modified(|l| std::mem::replace(l, false));
+                self.publish_role(Instant::now());
             }
         }
         leading.send_replace(false);
+        self.role.send_replace(Role::Follower(None));
         if let Err(e) = self.release().await {
             tracing::warn!(identity = %self.identity, error = %e, "releasing the Lease failed");
         }

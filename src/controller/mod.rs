@@ -9,9 +9,10 @@
 //! - [`pods`] (pure): what is read from a Pod; [`cache`] (pure): watch-fed stores.
 //! - [`queue`]: the loop (watchers, reconcile, error policy); [`writes`]: pod writes.
 //! - [`lease`] (pure) and [`elector`]: leader election over a coordination.k8s.io/v1 Lease.
-//! - [`metrics`]: counters for a later export.
+//! - [`metrics`]: the loop's metrics, per GpuQuota.
+//! - [`replica`]: one `gpuplane controller` replica, the webhook and the loops side by side.
 //!
-//! [`run`] is the entry point.
+//! [`run`] runs the loops; [`replica::run`] is the command's entry point.
 
 pub mod cache;
 pub mod elector;
@@ -22,13 +23,16 @@ pub mod namespace;
 pub mod plan;
 pub mod pods;
 pub mod queue;
+pub mod replica;
 pub mod writes;
 
+use elector::Role;
 use lease::LeaseTimings;
 use metrics::QueueMetrics;
 use queue::QueueOptions;
 use std::future::Future;
 use std::sync::Arc;
+use tokio::sync::watch;
 
 /// The Lease the replicas compete for.
 pub const LEASE_NAME: &str = "gpuplane-controller";
@@ -80,8 +84,22 @@ pub async fn run(
     metrics: Arc<QueueMetrics>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), elector::ElectionError> {
+    let (role, _) = watch::channel(Role::Follower(None));
+    run_reporting(client, opts, metrics, role, shutdown).await
+}
+
+/// [`run`], publishing this replica's part on `role` (always leader without election).
+pub async fn run_reporting(
+    client: kube::Client,
+    opts: ControllerOptions,
+    metrics: Arc<QueueMetrics>,
+    role: watch::Sender<Role>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), elector::ElectionError> {
     if !opts.leader_elect {
+        role.send_replace(Role::Leader);
         queue::run(client, opts.queue, metrics, shutdown).await;
+        role.send_replace(Role::Follower(None));
         return Ok(());
     }
     let candidate = elector::Elector::new(
@@ -90,7 +108,8 @@ pub async fn run(
         LEASE_NAME,
         &opts.identity,
         opts.lease,
-    )?;
+    )?
+    .reporting(role);
     elector::lead(candidate, shutdown, |stop| {
         queue::run(client.clone(), opts.queue.clone(), metrics.clone(), stop)
     })

@@ -361,7 +361,7 @@ impl QueueLoop {
             gated.contains(uid.as_str()) && at.elapsed() < Duration::from_secs(60)
         });
         if self.quotas.in_namespace(ns).is_empty() && !pods.iter().any(|p| pods::is_queued(p)) {
-            self.metrics.set_waiting(ns, 0);
+            self.metrics.set_waiting(ns, Vec::new(), 0);
             return Ok(None);
         }
         let api: Api<GpuQuota> = Api::namespaced(self.client.clone(), ns);
@@ -397,7 +397,8 @@ impl QueueLoop {
                 source,
             })?;
         self.write_quotas(ns, &api, &decision).await?;
-        self.metrics.set_waiting(ns, decision.waiting.len() as u64);
+        self.metrics
+            .set_waiting(ns, quota_names(&decision), decision.waiting.len() as u64);
         let released = self.release(ns, &decision, &pods).await;
         self.notes(ns, &decision.waiting).await;
         self.admitted_notes(ns, released).await;
@@ -452,6 +453,7 @@ impl QueueLoop {
             .iter()
             .filter_map(|p| Some((p.metadata.uid.as_deref()?, pods::created(p))))
             .collect();
+        let quotas = quota_names(d);
         let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
         let mut told = Vec::new();
         let results = bounded(self.opts.concurrency, todo, |p| {
@@ -470,7 +472,7 @@ impl QueueLoop {
                         .and_then(|c| SystemTime::now().duration_since(*c).ok())
                         .unwrap_or_default();
                     if matches!(r, Ok(Ungated::Removed)) {
-                        self.metrics.released(waited);
+                        self.metrics.released(ns, &quotas, waited);
                     }
                     self.ungated.insert(p.uid.clone(), Instant::now());
                     if p.condition.is_some() || self.memos.contains_key(&p.uid) {
@@ -600,6 +602,14 @@ impl QueueLoop {
             }
         }
     }
+}
+
+/// The names of the namespace's GpuQuotas in a decision.
+fn quota_names(d: &Decision) -> Vec<String> {
+    d.quotas
+        .iter()
+        .filter_map(|(q, _)| q.metadata.name.clone())
+        .collect()
 }
 
 fn version(q: &GpuQuota) -> u64 {

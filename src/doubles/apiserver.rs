@@ -20,9 +20,11 @@
 //! (no kubelet to wait for).
 //!
 //! For tests: [`Fault`]s by method and path, [`ApiServerDouble::drop_watches`], a request log
-//! with [`ApiServerDouble::count_writes`], and direct store access (`get_json`, `put_json`,
-//! `list_json`) that skips HTTP but still notifies watchers.
+//! with [`ApiServerDouble::count_writes`] and, as RBAC attributes, [`ApiServerDouble::api_calls`],
+//! and direct store access (`get_json`, `put_json`, `list_json`) that skips HTTP but still
+//! notifies watchers.
 
+mod audit;
 mod faults;
 mod http;
 mod ops;
@@ -32,6 +34,7 @@ pub mod selector;
 mod store;
 mod watch;
 
+pub use audit::{ApiCall, ResourceCall};
 pub use faults::{Fault, FaultAction, FaultId};
 pub use resources::ResourceInfo;
 

@@ -5,3 +5,4 @@
 pub mod apiserver;
 pub mod kubelet;
 pub mod kubelet_dra;
+pub mod lab;

@@ -35,6 +35,8 @@
 //!
 //! # Loading
 //!
+//! - temporary files of a write that was interrupted (`.dra-checkpoint.json.tmp-…`) are
+//!   removed first: the file itself holds the old or the new content, never a part;
 //! - no file: nothing prepared;
 //! - a file that cannot be read, lacks the header, fails the checksum, is not JSON of the
 //!   expected shape or has another version: it is renamed to
@@ -56,7 +58,7 @@ use std::io;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 /// The checkpoint's file name in the state directory.
 pub const FILE_NAME: &str = "dra-checkpoint.json";
@@ -272,6 +274,16 @@ impl Checkpoint {
     /// aside (it would be overwritten and its evidence lost).
     pub fn load(state_dir: &Path, boot_id: Option<&str>) -> Result<Loaded, CheckpointError> {
         let path = state_dir.join(FILE_NAME);
+        // A write the previous agent was killed in: the file itself is the old or the new
+        // content (renames are atomic), the temporary file is garbage.
+        match fsutil::remove_stale_temps(state_dir, FILE_NAME) {
+            Ok(removed) => {
+                for p in removed {
+                    info!(path = %p.display(), "removed a temporary checkpoint file left by an interrupted write");
+                }
+            }
+            Err(e) => warn!(error = %e, "clearing stale temporary checkpoint files failed"),
+        }
         let current = boot_id.unwrap_or_default();
         let fresh = |set_aside, needs_save| Loaded {
             checkpoint: Checkpoint::empty(state_dir, current),

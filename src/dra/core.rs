@@ -161,6 +161,87 @@ pub enum PrepareError {
     },
 }
 
+/// What a user must see of a failed prepare: an Event on the ResourceClaim with a reason
+/// (PascalCase, for `kubectl get events --field-selector reason=...`) and a note naming what to
+/// do. The kubelet's `FailedPrepareDynamicResources` on the pod carries the error text, but not
+/// on the claim (which a shared claim's owner watches) and not what to do about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserEvent {
+    pub reason: &'static str,
+    pub note: String,
+}
+
+impl PrepareError {
+    /// The Event a user must see for this failure; None for failures the kubelet's retry
+    /// resolves or only the node's operator can act on (those are logged).
+    pub fn user_event(&self) -> Option<UserEvent> {
+        let (reason, advice) = match self {
+            PrepareError::Held { .. } => (
+                "DeviceInUse",
+                "another consumer (a device-plugin container or another claim) holds it; \
+                 delete this claim's pod so the scheduler allocates another device, or wait \
+                 until the holder ends",
+            ),
+            PrepareError::Plan {
+                source: ClaimError::Unhealthy { .. },
+            } => (
+                "DeviceUnhealthy",
+                "delete this claim's pod (and the claim, if it is not from a template) so the \
+                 scheduler allocates a healthy device; the device carries a health taint in its \
+                 ResourceSlice",
+            ),
+            PrepareError::Plan {
+                source:
+                    ClaimError::BadConfig { .. }
+                    | ClaimError::NotApplicable { .. }
+                    | ClaimError::UnknownSource { .. }
+                    | ClaimError::ConflictingConfigs { .. },
+            } => (
+                "InvalidDeviceConfig",
+                "fix the opaque device config (spec.devices.config of the claim or its \
+                 DeviceClass) and create the claim again",
+            ),
+            PrepareError::Plan {
+                source: ClaimError::UnknownDevice { .. } | ClaimError::OtherPool { .. },
+            } => (
+                "DeviceNotOnNode",
+                "the allocation names a device this node does not publish (a stale \
+                 ResourceSlice?); delete the pod and its claim to get a fresh allocation",
+            ),
+            PrepareError::MissingDeviceNodes { .. } => (
+                "DeviceNodesMissing",
+                "the NVIDIA driver has not created its device nodes on this node; preparing is \
+                 retried, and if this persists the node's driver installation needs a look",
+            ),
+            _ => return None,
+        };
+        Some(UserEvent {
+            reason,
+            note: truncate(format!("{self}: {advice}."), MAX_NOTE_BYTES),
+        })
+    }
+}
+
+/// The API server refuses an Event note over 1 kB.
+const MAX_NOTE_BYTES: usize = 1024;
+
+fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut cut = max - '…'.len_utf8();
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}
+
+/// The per-claim error the kubelet gets: `claim <namespace>/<name> (<uid>): <reason>`.
+pub fn kubelet_error(c: &ClaimRef, e: &PrepareError) -> String {
+    format!("claim {} ({}): {e}", claim_label(c), c.uid)
+}
+
 impl From<CheckpointError> for PrepareError {
     fn from(source: CheckpointError) -> Self {
         PrepareError::Checkpoint { source }
@@ -191,7 +272,7 @@ pub fn validate_uid(uid: &str) -> Result<(), PrepareError> {
     }
 }
 
-fn validate_name(what: &'static str, value: &str) -> Result<(), PrepareError> {
+pub(crate) fn validate_name(what: &'static str, value: &str) -> Result<(), PrepareError> {
     let alnum = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
     let ok = !value.is_empty()
         && value.len() <= 253
@@ -390,10 +471,13 @@ impl DraCore {
             cdi_spec_stem: stem.clone(),
             units: rendered.units.clone(),
         };
+        crate::crashpoint::reached(crate::crashpoint::Step::PrepareBeforeCheckpointStarted);
         cp.update(|d| {
             d.claims.insert(c.uid.clone(), started.clone());
         })?;
+        crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCheckpointStarted);
         cdi::write_spec(&self.cdi_root, &stem, &rendered.spec)?;
+        crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCdiSpec);
         cp.update(|d| {
             d.claims.insert(
                 c.uid.clone(),
@@ -404,6 +488,7 @@ impl DraCore {
                 },
             );
         })?;
+        crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCheckpointCompleted);
         Ok(rendered.devices)
     }
 
@@ -574,12 +659,15 @@ impl DraCore {
                 stems.push(derived);
             }
         }
+        crate::crashpoint::reached(crate::crashpoint::Step::UnprepareBeforeSpecRemoval);
         for stem in &stems {
             remove_claim_spec(&self.cdi_root, stem)?;
         }
+        crate::crashpoint::reached(crate::crashpoint::Step::UnprepareAfterSpecRemoval);
         cp.update(|d| {
             d.claims.remove(&c.uid);
         })?;
+        crate::crashpoint::reached(crate::crashpoint::Step::UnprepareAfterCheckpoint);
         let released = self.state.update(|s| {
             let r = s.ledger.release_claim(&c.uid);
             let changed = !r.is_empty();
@@ -597,22 +685,26 @@ fn claim_label(c: &ClaimRef) -> String {
     format!("{}/{}", c.namespace, c.name)
 }
 
-#[tonic::async_trait]
-impl DraDriver for DraCore {
-    async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
-        let mut out = BTreeMap::new();
+/// One claim's prepare outcome with its typed error.
+pub type PrepareOutcome = (ClaimRef, Result<Vec<PreparedDevice>, PrepareError>);
+
+impl DraCore {
+    /// Prepares each claim on its own (logged, counted), returning the typed errors, so the
+    /// agent can tell users about the failures they must see; [`DraDriver::prepare`] turns them
+    /// into the kubelet's strings.
+    pub async fn prepare_each(&self, claims: Vec<ClaimRef>) -> Vec<PrepareOutcome> {
+        let mut out = Vec::with_capacity(claims.len());
         for c in claims {
             let started = Instant::now();
-            let result = match self.prepare_one(&c).await {
+            let result = self.prepare_one(&c).await;
+            match &result {
                 Ok(devices) => {
                     info!(claim = %claim_label(&c), uid = %c.uid, devices = devices.len(), "claim prepared");
-                    Ok(devices)
                 }
                 Err(e) => {
                     warn!(claim = %claim_label(&c), uid = %c.uid, error = %e, "preparing claim failed");
-                    Err(format!("claim {} ({}): {e}", claim_label(&c), c.uid))
                 }
-            };
+            }
             let m = metrics::global();
             let outcome = if result.is_ok() { "prepared" } else { "failed" };
             m.inc(
@@ -626,9 +718,23 @@ impl DraDriver for DraCore {
                 &[],
                 started.elapsed().as_secs_f64(),
             );
-            out.insert(c.uid, result);
+            out.push((c, result));
         }
         out
+    }
+}
+
+#[tonic::async_trait]
+impl DraDriver for DraCore {
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
+        self.prepare_each(claims)
+            .await
+            .into_iter()
+            .map(|(c, r)| {
+                let r = r.map_err(|e| kubelet_error(&c, &e));
+                (c.uid, r)
+            })
+            .collect()
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
@@ -641,7 +747,7 @@ impl DraDriver for DraCore {
                 }
                 Err(e) => {
                     warn!(claim = %claim_label(&c), uid = %c.uid, error = %e, "unpreparing claim failed");
-                    Err(format!("claim {} ({}): {e}", claim_label(&c), c.uid))
+                    Err(kubelet_error(&c, &e))
                 }
             };
             out.insert(c.uid, result);
@@ -703,5 +809,48 @@ mod tests {
         }
         assert_eq!(spec_stem("ab-12"), "gpuplane-claim-ab-12");
         assert!(cdi::writer::spec_path(Path::new("/x"), &spec_stem("ab-12")).is_ok());
+    }
+
+    #[test]
+    fn failures_a_user_can_act_on_become_events_naming_what_to_do() {
+        let unhealthy = PrepareError::Plan {
+            source: ClaimError::Unhealthy {
+                device: "gpu-0".into(),
+                uuid: "GPU-0".into(),
+                cause: "critical Xid 48".into(),
+            },
+        };
+        let ev = unhealthy.user_event().unwrap();
+        assert_eq!(ev.reason, "DeviceUnhealthy");
+        assert!(
+            ev.note.contains("gpu-0") && ev.note.contains("Xid 48"),
+            "{}",
+            ev.note
+        );
+        assert!(ev.note.contains("delete this claim's pod"), "{}", ev.note);
+        let missing = PrepareError::MissingDeviceNodes {
+            nodes: vec!["/dev/nvidia0".into()],
+        };
+        assert_eq!(missing.user_event().unwrap().reason, "DeviceNodesMissing");
+        // The kubelet's own input, and node-local I/O: logged, not shown to users.
+        let bad = PrepareError::BadUid { uid: "X".into() };
+        assert_eq!(bad.user_event(), None);
+        let c = ClaimRef {
+            namespace: "a".into(),
+            uid: "0".into(),
+            name: "c".into(),
+        };
+        assert_eq!(
+            kubelet_error(&c, &bad),
+            "claim a/c (0): claim UID `X` is not lower-case hex digits and dashes"
+        );
+    }
+
+    #[test]
+    fn long_notes_are_cut_at_a_character_boundary_under_the_api_limit() {
+        let cut = truncate("é".repeat(600), MAX_NOTE_BYTES);
+        assert!(cut.len() <= MAX_NOTE_BYTES, "{}", cut.len());
+        assert!(cut.ends_with('…'));
+        assert_eq!(truncate("short".into(), MAX_NOTE_BYTES), "short");
     }
 }

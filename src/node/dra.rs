@@ -1,10 +1,12 @@
-//! Wires the DRA driver into the agent: the claim-preparing core, its kubelet-facing gRPC
-//! server, and the ResourceSlice publisher fed from the shared state.
+//! Wires the DRA driver into the agent: the claim-preparing core (with Events on claims for
+//! the failures users must see), its kubelet-facing gRPC server, and the ResourceSlice
+//! publisher fed from the shared state.
 
 use crate::dra::claims::KubeClaims;
 use crate::dra::core::{CoreError, DraCore, DraCoreConfig};
 use crate::dra::server::{DraServer, ServeError};
 use crate::ledger::dra_view;
+use crate::node::events::{ClaimEvents, ReportingDriver};
 use crate::node::state::{NodeState, Snapshot};
 use crate::node::NodePaths;
 use crate::slices::publisher::{keep_published, LoopOptions, SlicePublisher};
@@ -20,7 +22,7 @@ use tokio::task::JoinHandle;
 pub struct DraSettings {
     /// The driver name (`gpu.gpuplane.dev`; `gpu.nvidia.com` for a drop-in swap).
     pub driver_name: String,
-    /// Client for the API server (claims, ResourceSlices).
+    /// Client for the API server (claims, ResourceSlices, Events on claims).
     pub client: kube::Client,
 }
 
@@ -86,7 +88,9 @@ pub async fn start(
         Arc::new(KubeClaims::new(settings.client.clone())),
     )?;
     core.restore_holds().await;
-    let server = DraServer::new(&paths.kubelet_root, &driver, Arc::new(core))?;
+    let events = ClaimEvents::new(settings.client.clone(), &driver, node_name);
+    let reporting = ReportingDriver::new(Arc::new(core), events);
+    let server = DraServer::new(&paths.kubelet_root, &driver, Arc::new(reporting))?;
     let registered = server.registered();
     let mut tasks = Vec::new();
     let server_stop = stop.clone();

@@ -1,5 +1,6 @@
 //! The agent's HTTP endpoints: `/metrics` (Prometheus text), `/healthz` (the main loop is
-//! turning) and `/readyz` (registered with the kubelet for every enabled API).
+//! turning) and `/readyz` (devices discovered and registered with the kubelet for every enabled
+//! API). They are served from the start, before the devices are discovered.
 
 use crate::health::Health;
 use crate::metrics;
@@ -10,7 +11,7 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -25,8 +26,11 @@ pub struct Readiness {
     pub last_tick_ms: AtomicU64,
     /// `None`: the device plugin is off; else whether every resource is registered.
     pub device_plugin: Option<Arc<AtomicBool>>,
-    /// `None`: DRA is off; else whether the kubelet confirmed the DRA plugin's registration.
-    pub dra: Option<watch::Receiver<bool>>,
+    /// `None`: DRA is off; else, once DRA started, whether the kubelet confirmed the DRA
+    /// plugin's registration.
+    pub dra: Option<OnceLock<watch::Receiver<bool>>>,
+    /// Why the devices are not discovered yet; `None` once they are.
+    pub discovery: Mutex<Option<String>>,
 }
 
 pub fn now_ms() -> u64 {
@@ -50,6 +54,14 @@ impl Readiness {
 
     fn ready(&self) -> Result<(), String> {
         self.live()?;
+        if let Some(why) = self
+            .discovery
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            return Err(format!("devices not discovered yet: {why}"));
+        }
         if let Some(dp) = &self.device_plugin {
             if !dp.load(Ordering::Relaxed) {
                 return Err(
@@ -58,7 +70,7 @@ impl Readiness {
             }
         }
         if let Some(dra) = &self.dra {
-            if !*dra.borrow() {
+            if !dra.get().is_some_and(|r| *r.borrow()) {
                 return Err("DRA: the kubelet has not confirmed the plugin registration".into());
             }
         }

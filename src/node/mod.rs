@@ -5,7 +5,9 @@
 //! real agent in-process against doubles in a temp dir.
 
 pub mod cdi;
+pub mod deferred;
 pub mod dra;
+pub mod events;
 pub mod http;
 pub mod podresources;
 pub mod state;
@@ -126,28 +128,64 @@ fn with_lost(previous: Option<&Inventory>, found: &Discovery) -> (Inventory, Vec
     (inv, lost_uuids)
 }
 
-/// Discovers until it works, backing off; `None` if shut down meanwhile.
+/// Start-up discovery failures (NVML not loadable yet, a query every GPU needs failing).
+const DISCOVERY_FAILURES: &str = "gpuplane_discovery_failures_total";
+const DISCOVERY_FAILURES_HELP: &str =
+    "Start-up device discovery attempts that failed (each is retried with backoff).";
+/// First pause after a failed start-up discovery; it doubles up to [`DISCOVERY_RETRY_MAX`].
+const DISCOVERY_RETRY_FIRST: Duration = Duration::from_millis(500);
+const DISCOVERY_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Discovers until it works, backing off. Each failure is logged, counted and shown by
+/// `/readyz`; the readiness tick keeps turning meanwhile, so `/healthz` does not get a pod
+/// restarted that is only waiting for its driver (a crash loop would not bring it sooner).
 async fn discover_with_retry(
     source: &Arc<dyn DeviceSource>,
-    shutdown: &mut watch::Receiver<bool>,
-) -> Option<Discovery> {
-    let mut delay = Duration::from_millis(500);
+    readiness: &http::Readiness,
+) -> Discovery {
+    let mut delay = DISCOVERY_RETRY_FIRST;
+    let mut failures = 0u64;
     loop {
         let s = source.clone();
-        match tokio::task::spawn_blocking(move || s.discover()).await {
-            Ok(Ok(d)) => return Some(d),
-            Ok(Err(e)) => {
-                tracing::error!(error = %e, retry_in = ?delay, "device discovery failed; retrying")
+        let why = match tokio::task::spawn_blocking(move || s.discover()).await {
+            Ok(Ok(d)) => {
+                *readiness
+                    .discovery
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = None;
+                return d;
             }
-            Err(e) => {
-                tracing::error!(error = %e, retry_in = ?delay, "device discovery panicked; retrying")
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => format!("discovery panicked: {e}"),
+        };
+        failures += 1;
+        crate::metrics::global().inc(DISCOVERY_FAILURES, DISCOVERY_FAILURES_HELP, &[]);
+        tracing::error!(error = %why, attempt = failures, retry_in = ?delay, "device discovery failed; retrying");
+        *readiness
+            .discovery
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(format!(
+            "{failures} attempt(s) failed, retrying in {delay:?}: {why}"
+        ));
+        let until = Instant::now() + delay;
+        while let Some(left) = until.checked_duration_since(Instant::now()) {
+            readiness.tick();
+            tokio::time::sleep(left.min(Duration::from_millis(250))).await;
+        }
+        delay = (delay * 2).min(DISCOVERY_RETRY_MAX);
+    }
+}
+
+/// Removes temporary files a killed agent left half-written in the CDI root (its own names
+/// only); the checkpoint's are cleared when it is loaded.
+fn remove_stale_cdi_temps(cdi_root: &Path) {
+    match crate::fsutil::remove_stale_temps(cdi_root, "gpuplane-") {
+        Ok(removed) => {
+            for path in removed {
+                tracing::info!(path = %path.display(), "removed a temporary file left by an interrupted write");
             }
         }
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = shutdown.changed() => return None,
-        }
-        delay = (delay * 2).min(Duration::from_secs(30));
+        Err(e) => tracing::warn!(error = %e, "clearing stale temporary CDI files failed"),
     }
 }
 
@@ -213,59 +251,29 @@ pub async fn run(
     source: Arc<dyn DeviceSource>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), NodeError> {
+    crate::crashpoint::announce();
     let config_file = opts.config_file.as_deref();
     let config = load_config(config_file)?;
-    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let (stop_tx, stop_rx) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(NodeError::Signals)?;
+    remove_stale_cdi_temps(&opts.paths.cdi_root);
 
-    let found = tokio::select! {
-        found = discover_with_retry(&source, &mut stop_rx) => found,
-        _ = &mut shutdown => None,
+    // The endpoints come first, answering from an empty inventory until discovery succeeds,
+    // so a node waiting for its driver says why it is not ready.
+    let nothing_yet = Inventory {
+        driver_version: String::new(),
+        cuda_driver_version: String::new(),
+        gpus: Vec::new(),
+        topology: crate::inventory::Topology::default(),
     };
-    let Some(found) = found else { return Ok(()) };
-    for lost in &found.lost {
-        tracing::warn!(gpu = lost.index, reason = %lost.reason, "GPU not answering; it is not offered");
-    }
-    let snapshot = Snapshot::new(found.inventory, config)?;
-    for w in &snapshot.plan.warnings {
-        tracing::warn!("{w}");
-    }
-    for r in &snapshot.plan.resources {
-        tracing::info!(resource = %r.name, devices = r.devices.len(), "offering");
-    }
-    let state = Arc::new(NodeState::new(snapshot));
-
-    let pump_stop = Arc::new(AtomicBool::new(false));
-    let pump = spawn_event_pump(source.clone(), state.clone(), pump_stop.clone());
+    let state = Arc::new(NodeState::new(Snapshot::new(nothing_yet, config.clone())?));
     let dp_registered = Arc::new(AtomicBool::new(false));
-    let registrar = opts.device_plugin.then(|| {
-        tokio::spawn(registrar::run(
-            opts.paths.device_plugins(),
-            state.clone(),
-            dp_registered.clone(),
-            stop_rx.clone(),
-        ))
-    });
-
-    let (dra_tasks, dra_registered) = match opts.dra.clone() {
-        Some(settings) => {
-            let started = dra::start(
-                settings,
-                &opts.node_name,
-                &opts.paths,
-                state.clone(),
-                stop_rx.clone(),
-            )
-            .await?;
-            (started.tasks, Some(started.registered))
-        }
-        None => (Vec::new(), None),
-    };
     let readiness = Arc::new(http::Readiness {
         device_plugin: opts.device_plugin.then(|| dp_registered.clone()),
-        dra: dra_registered,
+        dra: opts.dra.is_some().then(std::sync::OnceLock::new),
+        discovery: std::sync::Mutex::new(Some("not attempted yet".into())),
         ..Default::default()
     });
     readiness.tick();
@@ -283,6 +291,61 @@ pub async fn run(
             )))
         }
         None => None,
+    };
+
+    let found = tokio::select! {
+        found = discover_with_retry(&source, &readiness) => Some(found),
+        _ = &mut shutdown => None,
+    };
+    let Some(found) = found else {
+        let _ = stop_tx.send(true);
+        if let Some(task) = metrics_task {
+            let _ = task.await;
+        }
+        return Ok(());
+    };
+    for lost in &found.lost {
+        tracing::warn!(gpu = lost.index, reason = %lost.reason, "GPU not answering; it is not offered");
+    }
+    let snapshot = Snapshot::new(found.inventory, config)?;
+    for w in &snapshot.plan.warnings {
+        tracing::warn!("{w}");
+    }
+    for r in &snapshot.plan.resources {
+        tracing::info!(resource = %r.name, devices = r.devices.len(), "offering");
+    }
+    state.update(|s| {
+        *s = snapshot;
+        ((), true)
+    });
+
+    let pump_stop = Arc::new(AtomicBool::new(false));
+    let pump = spawn_event_pump(source.clone(), state.clone(), pump_stop.clone());
+    let registrar = opts.device_plugin.then(|| {
+        tokio::spawn(registrar::run(
+            opts.paths.device_plugins(),
+            state.clone(),
+            dp_registered.clone(),
+            stop_rx.clone(),
+        ))
+    });
+
+    let dra_tasks = match opts.dra.clone() {
+        Some(settings) => {
+            let started = dra::start(
+                settings,
+                &opts.node_name,
+                &opts.paths,
+                state.clone(),
+                stop_rx.clone(),
+            )
+            .await?;
+            if let Some(cell) = &readiness.dra {
+                let _ = cell.set(started.registered);
+            }
+            started.tasks
+        }
+        None => Vec::new(),
     };
     let pod_resources = opts.device_plugin.then(|| {
         tokio::spawn(podresources::run(

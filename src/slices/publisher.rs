@@ -11,10 +11,15 @@
 //!
 //! [`keep_published`] is the loop: it syncs when the desired slices change, when a watch on
 //! this node's slices shows a change we did not make (the kubelet deletes a node's slices at
-//! its start-up), after a failed sync, and every `resync` as a safety net.
+//! its start-up), after a failed sync, and every `resync` as a safety net; it counts syncs by
+//! outcome in `gpuplane_slice_syncs_total`. A kill between two writes of a sync (crash point
+//! `slices.after-write`) leaves an incomplete pool, which consumers ignore until the next
+//! agent's first sync completes it.
 
 use super::plan::{self, Content, Delete, Echoes};
 use super::validate::{validate, Violation};
+use crate::crashpoint::{self, Step};
+use crate::metrics;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
@@ -369,6 +374,7 @@ impl SlicePublisher {
                 .await?;
             self.remember(&name, &u, &stored);
             stats.updated += 1;
+            crashpoint::reached_at(Step::SlicesAfterWrite, &name);
         }
         for c in plan.creates {
             let name = c.metadata.name.clone().unwrap_or_default();
@@ -377,6 +383,7 @@ impl SlicePublisher {
                 .await?;
             self.remember(&name, &c, &stored);
             stats.created += 1;
+            crashpoint::reached_at(Step::SlicesAfterWrite, &name);
         }
         for d in &plan.deletes {
             self.delete(d, stats).await?;
@@ -402,6 +409,7 @@ impl SlicePublisher {
                 if let Some(uid) = &d.uid {
                     push_capped(&mut self.own_deletes, uid.clone());
                 }
+                crashpoint::reached_at(Step::SlicesAfterWrite, &d.name);
                 Ok(())
             }
             // Already gone: what we wanted.
@@ -496,6 +504,10 @@ impl Default for LoopOptions {
     }
 }
 
+/// Syncs by outcome: a failing API server shows as a growing `failed` count.
+const SYNCS: &str = "gpuplane_slice_syncs_total";
+const SYNCS_HELP: &str = "ResourceSlice syncs by outcome (ok, failed: retried after a pause).";
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<Event<ResourceSlice>, watcher::Error>> + Send>>;
 
 /// Keeps `desired` published until `shutdown` completes or the sender of `desired` is
@@ -523,7 +535,10 @@ where
         let now = tokio::time::Instant::now();
         if due.is_some_and(|d| d <= now) {
             let want = desired.borrow_and_update().clone();
-            due = match publisher.sync(want).await {
+            let result = publisher.sync(want).await;
+            let outcome = if result.is_ok() { "ok" } else { "failed" };
+            metrics::global().inc(SYNCS, SYNCS_HELP, &[("outcome", outcome)]);
+            due = match result {
                 Ok(_) => None,
                 Err(e) => {
                     tracing::warn!(node = %publisher.node, driver = %publisher.driver, error = %e, retry_in = ?options.retry, "ResourceSlices not published");

@@ -306,7 +306,12 @@ impl Admitter {
                     source: kube::Error::Api(s),
                     ..
                 }) if s.code == 404 => continue,
-                Err(UpdateError::Rejected(denial)) => Verdict::deny(403, denial.to_string()),
+                Err(UpdateError::Rejected(denial)) => {
+                    if !dry_run {
+                        self.metrics.quota_denied(&key.namespace, &name);
+                    }
+                    Verdict::deny(403, denial.to_string())
+                }
                 Err(e @ UpdateError::Contended { .. }) => {
                     self.metrics.contended();
                     Verdict::deny(429, format!("{e}; try again"))
@@ -317,6 +322,11 @@ impl Admitter {
                 self.release(&key, &done).await;
             }
             return Err(verdict);
+        }
+        if !dry_run {
+            for name in &done {
+                self.metrics.quota_admitted(&key.namespace, name);
+            }
         }
         Ok(Verdict::allow())
     }

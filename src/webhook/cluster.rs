@@ -4,13 +4,15 @@
 //! The caches keep their last state while the API server is away, so the webhook keeps
 //! answering: pods in namespaces without a GpuQuota, and pods that need no GPU, are admitted
 //! from the cache; a reservation needs a fresh read and a write, and is denied (fail closed)
-//! when those fail.
+//! when those fail. A probe loop tells [`Probes`] whether the API server answers (a watch
+//! that fails to reconnect yields nothing, so the caches alone cannot tell).
 
+use super::probe::Probes;
 use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
 };
-use kube::api::{Api, ListParams};
+use kube::api::{Api, ListParams, WatchParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use std::collections::HashMap;
@@ -64,6 +66,7 @@ fn spawn_reflector<K>(
     api: Api<K>,
     generation: Option<Arc<AtomicU64>>,
     what: &'static str,
+    probes: Arc<Probes>,
 ) -> (Store<K>, JoinHandle<()>)
 where
     K: kube::Resource<DynamicType = ()>
@@ -98,6 +101,7 @@ where
                         tracing::warn!(resource = what, error = %e, "watch failing; answering from the last known state");
                         failing = true;
                     }
+                    probes.watch_failed(what, e.to_string());
                 }
             }
         }
@@ -105,32 +109,59 @@ where
     (reader, task)
 }
 
+/// One probe: a GpuQuota list, then a watch opened from it (proving the caches' watches can
+/// reconnect, not only that lists work), dropped at once.
+async fn probe(api: &Api<GpuQuota>) -> Result<(), kube::Error> {
+    let list = api.list(&ListParams::default().limit(1)).await?;
+    let rv = list.metadata.resource_version.unwrap_or_default();
+    drop(api.watch(&WatchParams::default().timeout(1), &rv).await?);
+    Ok(())
+}
+
+/// Probes the API server every interval until aborted; the heartbeat shows the loop turns.
+async fn probe_loop(api: Api<GpuQuota>, probes: Arc<Probes>) {
+    let s = probes.settings();
+    loop {
+        probes.heartbeat();
+        tokio::time::sleep(s.interval).await;
+        match tokio::time::timeout(s.stale_after, probe(&api)).await {
+            Ok(Ok(())) => probes.api_ok(),
+            Ok(Err(e)) => probes.api_failed(e.to_string()),
+            Err(_) => probes.api_failed(format!("no answer within {:?}", s.stale_after)),
+        }
+    }
+}
+
 impl Cluster {
-    /// Probes API access (a clear error when there is none), starts the watches and waits up to
-    /// `sync_timeout` for the caches to fill.
+    /// Probes API access (a clear error when there is none), starts the watches and the probe
+    /// loop, and waits up to `sync_timeout` for the caches to fill.
     pub async fn start(
         client: kube::Client,
         settings: CatalogSettings,
         sync_timeout: Duration,
+        probes: Arc<Probes>,
     ) -> Result<Cluster, ClusterError> {
         let all: Api<GpuQuota> = Api::all(client.clone());
         match tokio::time::timeout(sync_timeout, all.list(&ListParams::default().limit(1))).await {
             Err(_) => return Err(ClusterError::ProbeTimeout(sync_timeout)),
             Ok(Err(e)) => return Err(ClusterError::Probe(e)),
-            Ok(Ok(_)) => {}
+            Ok(Ok(_)) => probes.api_ok(),
         }
         let generation = Arc::new(AtomicU64::new(0));
-        let (quotas, t1) = spawn_reflector(all, None, "gpuquotas");
+        let (quotas, t1) = spawn_reflector(all.clone(), None, "gpuquotas", probes.clone());
         let (slices, t2) = spawn_reflector(
             Api::<ResourceSlice>::all(client.clone()),
             Some(generation.clone()),
             "resourceslices",
+            probes.clone(),
         );
         let (classes, t3) = spawn_reflector(
             Api::<DeviceClass>::all(client.clone()),
             Some(generation.clone()),
             "deviceclasses",
+            probes.clone(),
         );
+        let t4 = tokio::spawn(probe_loop(all, probes));
         let cluster = Cluster {
             client,
             quotas,
@@ -140,7 +171,7 @@ impl Cluster {
             settings,
             catalog: Mutex::new(None),
             locks: Mutex::new(HashMap::new()),
-            tasks: vec![t1, t2, t3],
+            tasks: vec![t1, t2, t3, t4],
         };
         for (what, ready) in [
             (
@@ -174,6 +205,11 @@ impl Cluster {
             .state_filter(|q| q.metadata.namespace.as_deref() == Some(namespace));
         q.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
         q
+    }
+
+    /// Every GpuQuota (cached), as last seen.
+    pub fn cached_quotas(&self) -> Vec<Arc<GpuQuota>> {
+        self.quotas.state()
     }
 
     /// Every GpuQuota (cached): the cohort peers.

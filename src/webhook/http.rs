@@ -3,18 +3,22 @@
 //! `POST /validate` and `POST /mutate` take an AdmissionReview (`Content-Type:
 //! application/json`, at most [`MAX_BODY`] bytes) and answer one; a body that is not one is
 //! answered 400 (415 for another content type, 413 when too large) with a plain-text message.
-//! `GET /healthz` and `GET /readyz` answer `ok`. The metrics listener (plain HTTP) serves
-//! `GET /metrics` and the same probes.
+//! `GET /healthz` and `GET /readyz` answer as [`super::probe`] says (200 or 503, a plain-text
+//! body). The metrics listener (plain HTTP) serves `GET /metrics` and the same probes.
 
 use super::admit::Admitter;
+use super::cluster::Cluster;
+use super::metrics::{exposition, Metrics};
+use super::probe::{self, Probes};
 use super::review;
+use crate::controller::metrics::QueueMetrics;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_rustls::rustls::ServerConfig;
@@ -66,6 +70,16 @@ async fn admission(
     req: Request<Incoming>,
     mutate: bool,
 ) -> Response<Body> {
+    let started = Instant::now();
+    let r = decide(&admitter, req, mutate).await;
+    admitter.metrics.decided(
+        if mutate { "mutate" } else { "validate" },
+        started.elapsed(),
+    );
+    r
+}
+
+async fn decide(admitter: &Admitter, req: Request<Incoming>, mutate: bool) -> Response<Body> {
     let fail = |code: StatusCode, msg: String| {
         admitter.metrics.rejected_body(code.as_u16());
         text(code, msg)
@@ -119,15 +133,34 @@ async fn admission(
     json(&review::encode(&request.uid, &verdict))
 }
 
+/// `/healthz` or `/readyz` (`ready` picks which).
+fn probe_answer(probes: &Probes, ready: bool) -> Response<Body> {
+    let view = probes.view();
+    let (ok, body) = if ready {
+        probe::readyz(&view, &probes.settings())
+    } else {
+        probe::healthz(&view, &probes.settings())
+    };
+    let code = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    // The body already ends with a newline.
+    text(code, body.trim_end().to_string())
+}
+
 /// Answers one HTTPS request.
 pub async fn handle(
     admitter: Arc<Admitter>,
+    probes: Arc<Probes>,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
     let r = match (req.method(), req.uri().path()) {
         (&Method::POST, "/validate") => admission(admitter, req, false).await,
         (&Method::POST, "/mutate") => admission(admitter, req, true).await,
-        (&Method::GET, "/healthz") | (&Method::GET, "/readyz") => text(StatusCode::OK, "ok"),
+        (&Method::GET, "/healthz") => probe_answer(&probes, false),
+        (&Method::GET, "/readyz") => probe_answer(&probes, true),
         (_, "/validate") | (_, "/mutate") => text(StatusCode::METHOD_NOT_ALLOWED, "use POST"),
         _ => text(StatusCode::NOT_FOUND, "not found"),
     };
@@ -147,11 +180,23 @@ fn builder() -> hyper_util::server::conn::auto::Builder<TokioExecutor> {
     b
 }
 
-/// Serves HTTPS on `listener` until `stop` turns true.
+/// Serves HTTPS on `listener` until `stop` turns true; `probes` learn when it no longer serves.
 pub async fn serve_tls(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
     admitter: Arc<Admitter>,
+    probes: Arc<Probes>,
+    stop: watch::Receiver<bool>,
+) {
+    accept_tls(listener, tls, admitter, probes.clone(), stop).await;
+    probes.set_serving(false);
+}
+
+async fn accept_tls(
+    listener: TcpListener,
+    tls: Arc<ServerConfig>,
+    admitter: Arc<Admitter>,
+    probes: Arc<Probes>,
     mut stop: watch::Receiver<bool>,
 ) {
     let acceptor = TlsAcceptor::from(tls);
@@ -174,6 +219,7 @@ pub async fn serve_tls(
         };
         let acceptor = acceptor.clone();
         let admitter = admitter.clone();
+        let probes = probes.clone();
         let mut stop = stop.clone();
         tokio::spawn(async move {
             let _permit = permit;
@@ -185,7 +231,9 @@ pub async fn serve_tls(
                 }
                 Err(_) => return,
             };
-            let svc = hyper::service::service_fn(move |req| handle(admitter.clone(), req));
+            let svc = hyper::service::service_fn(move |req| {
+                handle(admitter.clone(), probes.clone(), req)
+            });
             let b = builder();
             let conn = b.serve_connection(TokioIo::new(stream), svc);
             let mut conn = std::pin::pin!(conn);
@@ -204,10 +252,43 @@ pub async fn serve_tls(
     }
 }
 
+/// What the plain-HTTP listener reports.
+pub struct Reporter {
+    pub metrics: Arc<Metrics>,
+    pub cluster: Arc<Cluster>,
+    pub probes: Arc<Probes>,
+    /// The quota loops' metrics, when they run in this process.
+    pub loops: Option<Arc<QueueMetrics>>,
+}
+
+impl Reporter {
+    fn answer(&self, req: &Request<Incoming>) -> Response<Body> {
+        match (req.method(), req.uri().path()) {
+            (&Method::GET, "/metrics") => {
+                let body = exposition(
+                    &self.metrics,
+                    &self.cluster.cached_quotas(),
+                    &self.probes,
+                    self.loops.as_deref(),
+                );
+                let mut r = text(StatusCode::OK, body);
+                r.headers_mut().insert(
+                    hyper::header::CONTENT_TYPE,
+                    hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),
+                );
+                r
+            }
+            (&Method::GET, "/healthz") => probe_answer(&self.probes, false),
+            (&Method::GET, "/readyz") => probe_answer(&self.probes, true),
+            _ => text(StatusCode::NOT_FOUND, "not found"),
+        }
+    }
+}
+
 /// Serves the metrics and probes over plain HTTP until `stop` turns true.
 pub async fn serve_metrics(
     listener: TcpListener,
-    metrics: Arc<super::metrics::Metrics>,
+    reporter: Arc<Reporter>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
@@ -221,28 +302,11 @@ pub async fn serve_metrics(
             },
             _ = stopped(&mut stop) => return,
         };
-        let metrics = metrics.clone();
+        let reporter = reporter.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let metrics = metrics.clone();
-                async move {
-                    Ok::<_, Infallible>(match (req.method(), req.uri().path()) {
-                        (&Method::GET, "/metrics") => {
-                            let mut r = text(StatusCode::OK, metrics.render());
-                            r.headers_mut().insert(
-                                hyper::header::CONTENT_TYPE,
-                                hyper::header::HeaderValue::from_static(
-                                    "text/plain; version=0.0.4",
-                                ),
-                            );
-                            r
-                        }
-                        (&Method::GET, "/healthz") | (&Method::GET, "/readyz") => {
-                            text(StatusCode::OK, "ok")
-                        }
-                        _ => text(StatusCode::NOT_FOUND, "not found"),
-                    })
-                }
+                let r = reporter.answer(&req);
+                async move { Ok::<_, Infallible>(r) }
             });
             let _ = builder().serve_connection(TokioIo::new(tcp), svc).await;
         });

@@ -6,6 +6,7 @@
 //! - [`cluster`]: watch-fed caches (GpuQuotas, ResourceSlices, DeviceClasses) and API reads.
 //! - [`admit`]: the decisions, on top of [`crate::quota`].
 //! - [`http`]: the servers (HTTPS webhook; plain-HTTP metrics and probes).
+//! - [`probe`]: what `/healthz` and `/readyz` say; [`metrics`]: what `/metrics` says.
 //!
 //! [`run`] serves until shutdown; [`start`] returns a handle (tests run several replicas
 //! side by side).
@@ -14,9 +15,12 @@ pub mod admit;
 pub mod cluster;
 pub mod http;
 pub mod metrics;
+pub mod probe;
 pub mod review;
 pub mod tls;
 
+use crate::controller::elector::Role;
+use crate::controller::metrics::QueueMetrics;
 use crate::quota::{CatalogSettings, RetryBudget};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -43,6 +47,19 @@ pub struct WebhookOptions {
     pub sync_timeout: Duration,
     /// Conflict retries of one reservation.
     pub budget: RetryBudget,
+    /// How the API server is probed for `/readyz`.
+    pub probes: probe::ProbeSettings,
+    /// The quota loops beside the webhook, if they run in this process.
+    pub loops: Option<Loops>,
+}
+
+/// The quota loops running beside the webhook (`gpuplane controller`): what `/readyz` and
+/// `/metrics` report of them.
+#[derive(Debug, Clone)]
+pub struct Loops {
+    /// This replica's part in leader election.
+    pub role: watch::Receiver<Role>,
+    pub metrics: Arc<QueueMetrics>,
 }
 
 impl WebhookOptions {
@@ -60,6 +77,8 @@ impl WebhookOptions {
             catalog: CatalogSettings::default(),
             sync_timeout: Duration::from_secs(30),
             budget: RetryBudget::default(),
+            probes: probe::ProbeSettings::default(),
+            loops: None,
         }
     }
 }
@@ -130,8 +149,19 @@ pub async fn start(
         &opts.tls_key_file,
     )?);
     let tls = Arc::new(cert.server_config()?);
-    let cluster =
-        Arc::new(cluster::Cluster::start(client, opts.catalog.clone(), opts.sync_timeout).await?);
+    let probes = Arc::new(probe::Probes::new(
+        opts.probes,
+        opts.loops.as_ref().map(|l| l.role.clone()),
+    ));
+    let cluster = Arc::new(
+        cluster::Cluster::start(
+            client,
+            opts.catalog.clone(),
+            opts.sync_timeout,
+            probes.clone(),
+        )
+        .await?,
+    );
     let metrics = Arc::new(metrics::Metrics::default());
     let admitter = Arc::new(admit::Admitter {
         cluster: cluster.clone(),
@@ -147,21 +177,26 @@ pub async fn start(
         source,
     })?;
     let (stop, stopped) = watch::channel(false);
+    // Bound: connections wait in the backlog until the accept loop takes them.
+    probes.set_serving(true);
     let mut tasks = vec![tokio::spawn(http::serve_tls(
         listener,
         tls,
         admitter,
+        probes.clone(),
         stopped.clone(),
     ))];
     let mut metrics_addr = None;
     if let Some(m) = opts.metrics_addr {
         let l = bind(m).await?;
         metrics_addr = l.local_addr().ok();
-        tasks.push(tokio::spawn(http::serve_metrics(
-            l,
-            metrics.clone(),
-            stopped,
-        )));
+        let reporter = Arc::new(http::Reporter {
+            metrics: metrics.clone(),
+            cluster: cluster.clone(),
+            probes: probes.clone(),
+            loops: opts.loops.as_ref().map(|l| l.metrics.clone()),
+        });
+        tasks.push(tokio::spawn(http::serve_metrics(l, reporter, stopped)));
     }
     tracing::info!(%addr, metrics = ?metrics_addr, "admission webhook serving");
     Ok(RunningWebhook {

@@ -1,4 +1,5 @@
-//! Helpers shared by the integration tests.
+//! Helpers shared by the integration tests (and the soak bench); each uses a part of them.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -31,4 +32,203 @@ pub fn built_fake() -> &'static Path {
             .find(|f| f.extension().is_some_and(|e| e == "so"))
             .expect("cargo reported no libnvidia_ml.so artifact")
     })
+}
+
+/// The agent binary as a child process with its own node directory: kubelet root, CDI root,
+/// state dir, device nodes and a kubeconfig for the API server double. Killed (SIGKILL) when
+/// dropped, so a failing test leaves no agent behind.
+pub struct AgentProcess {
+    child: std::process::Child,
+    /// Where `/metrics`, `/healthz` and `/readyz` answer.
+    pub metrics: std::net::SocketAddr,
+    /// Its stdout and stderr.
+    pub log: PathBuf,
+}
+
+/// The node name the agent serves.
+pub const NODE: &str = "node-a";
+/// The DRA driver name the agent serves.
+pub const DRIVER: &str = "gpu.gpuplane.dev";
+
+/// Lays out `root` for the agent: `dev/` with `nvidia0..gpus` and the control nodes, and
+/// `kubeconfig` pointing at `api_url` (plain HTTP, no auth, as the double serves).
+pub fn lay_out_node(root: &Path, gpus: usize, api_url: &str) {
+    let dev = root.join("dev");
+    std::fs::create_dir_all(&dev).unwrap();
+    let mut names: Vec<String> = (0..gpus).map(|i| format!("nvidia{i}")).collect();
+    names.extend(["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"].map(String::from));
+    for n in names {
+        std::fs::write(dev.join(n), "").unwrap();
+    }
+    let kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: double\n  cluster: {{server: \"{api_url}\"}}\nusers:\n- name: test\n  user: {{}}\ncontexts:\n- name: test\n  context: {{cluster: double, user: test}}\ncurrent-context: test\n"
+    );
+    std::fs::write(root.join("kubeconfig"), kubeconfig).unwrap();
+}
+
+/// A port on 127.0.0.1 that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind(("127.0.0.1", 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl AgentProcess {
+    /// Runs `gpuplane node` on `root` (see [`lay_out_node`]) with `config` as its config file,
+    /// `source` (`--simulate P` or `--nvml-lib L`) and extra environment; `tag` names the log.
+    pub fn spawn(
+        root: &Path,
+        config: &str,
+        source: &[&str],
+        env: &[(&str, &std::ffi::OsStr)],
+        tag: &str,
+    ) -> AgentProcess {
+        let metrics: std::net::SocketAddr = ([127, 0, 0, 1], free_port()).into();
+        std::fs::write(root.join("config.yaml"), config).unwrap();
+        let log = root.join(format!("agent-{tag}.log"));
+        let out = std::fs::File::create(&log).unwrap();
+        let p = |d: &str| root.join(d).into_os_string();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpuplane"));
+        cmd.arg("node")
+            .args(["--node-name", NODE, "--driver-name", DRIVER])
+            .arg("--kubelet-root")
+            .arg(p("kubelet"))
+            .arg("--cdi-root")
+            .arg(p("cdi"))
+            .arg("--state-dir")
+            .arg(p("state"))
+            .arg("--driver-root")
+            .arg(p("driver"))
+            .arg("--dev-root")
+            .arg(p("dev"))
+            .arg("--config")
+            .arg(p("config.yaml"))
+            .arg("--kubeconfig")
+            .arg(p("kubeconfig"))
+            .arg("--dra=true")
+            .arg("--metrics-addr")
+            .arg(metrics.to_string())
+            .args(source)
+            .env_remove("GPUPLANE_CRASHPOINT")
+            .env_remove("KUBECONFIG")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("start the gpuplane binary");
+        AgentProcess {
+            child,
+            metrics,
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the process is still running (it has not exited or crashed).
+    pub fn running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// SIGKILL, and wait until it is gone.
+    pub fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// The log so far, for failure messages.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `GET path` on the metrics address: (status code, body); `None` while nothing answers.
+    pub fn get(&self, path: &str) -> Option<(u16, String)> {
+        http_get(self.metrics, path)
+    }
+
+    /// The value of one sample in `/metrics`, e.g. `gpuplane_ledger_held_units{api="dra"}`.
+    pub fn metric(&self, sample: &str) -> Option<f64> {
+        let (_, body) = self.get("/metrics")?;
+        metric_value(&body, sample)
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A plain HTTP/1.0 GET: (status code, body); `None` when the connection or read fails.
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: agent\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let code = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
+    Some((code, body))
+}
+
+/// The value of `sample` (name with labels, exactly as rendered) in a Prometheus text body.
+pub fn metric_value(body: &str, sample: &str) -> Option<f64> {
+    body.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        l.strip_prefix(sample)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+/// Waits for `check`, polling every 20 ms; panics naming `what` after `limit` (a hang guard,
+/// not a timing assertion).
+pub async fn eventually(what: &str, limit: std::time::Duration, mut check: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + limit;
+    while !check() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "gave up after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Stores a ResourceClaim in `team-a` allocated by the (absent) scheduler to `devices` of
+/// this node's pool, and returns it as the kubelet names it.
+pub fn put_claim(
+    api: &gpuplane::doubles::apiserver::ApiServerDouble,
+    name: &str,
+    devices: &[&str],
+) -> gpuplane::dra::ClaimRef {
+    let results: Vec<serde_json::Value> = devices
+        .iter()
+        .map(
+            |d| serde_json::json!({"request": "gpus", "driver": DRIVER, "pool": NODE, "device": d}),
+        )
+        .collect();
+    let stored = api
+        .put_json(serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "team-a"},
+            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu.gpuplane.dev", "count": devices.len()}}]}},
+            "status": {"allocation": {"devices": {"results": results}}}
+        }))
+        .unwrap();
+    gpuplane::dra::ClaimRef {
+        namespace: "team-a".into(),
+        name: name.into(),
+        uid: stored["metadata"]["uid"].as_str().unwrap().to_string(),
+    }
 }

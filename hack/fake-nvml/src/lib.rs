@@ -21,6 +21,10 @@
 //!   registrations are dropped, and every later call on it (handle lookups included) returns
 //!   `NVML_ERROR_GPU_IS_LOST`.
 //! * `restore <gpu-index>` — the GPU answers again (it must be registered for events anew).
+//! * `init-fail` — until a later `init-ok` line, `nvmlInit_v2` fails with
+//!   `NVML_ERROR_DRIVER_NOT_LOADED` (the kernel driver not loaded yet); read at every init that
+//!   has no machine yet, so a test can hold a starting agent there and then let it through.
+//!   Once initialised, both lines are no-ops.
 //!
 //! # Shape of the fake machine
 //!
@@ -62,6 +66,7 @@ pub(crate) const GPU_IS_LOST: Ret = nvmlReturn_enum_NVML_ERROR_GPU_IS_LOST;
 pub(crate) const ARGUMENT_VERSION_MISMATCH: Ret =
     nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
 pub(crate) const UNKNOWN: Ret = nvmlReturn_enum_NVML_ERROR_UNKNOWN;
+pub(crate) const DRIVER_NOT_LOADED: Ret = nvmlReturn_enum_NVML_ERROR_DRIVER_NOT_LOADED;
 
 /// Runs an export's body, turning `Err(code)` and any panic into an NVML return code.
 pub(crate) fn entry(body: impl FnOnce() -> Result<(), Ret>) -> Ret {
@@ -154,6 +159,7 @@ fn error_string(code: Ret) -> &'static CStr {
         TIMEOUT => c"Timeout",
         GPU_IS_LOST => c"GPU is lost",
         ARGUMENT_VERSION_MISMATCH => c"Argument version mismatch",
+        DRIVER_NOT_LOADED => c"Driver Not Loaded",
         _ => c"Unknown Error",
     }
 }

@@ -1,7 +1,7 @@
 //! The fake machine: built from a simulation profile at init, mutated by control-file commands,
 //! shared by every export behind one mutex.
 
-use crate::{Ret, GPU_IS_LOST, INVALID_ARGUMENT, UNINITIALIZED, UNKNOWN};
+use crate::{Ret, DRIVER_NOT_LOADED, GPU_IS_LOST, INVALID_ARGUMENT, UNINITIALIZED, UNKNOWN};
 use gpuplane::inventory::mig::{self, MigCatalogue};
 use gpuplane::inventory::{Gpu, Inventory, MigDevice};
 use gpuplane::sim::{self, ProfileFile};
@@ -143,6 +143,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub(crate) fn init() -> Result<(), Ret> {
     let mut global = lock(&GLOBAL);
     if global.fake.is_none() {
+        if init_refused() {
+            return Err(DRIVER_NOT_LOADED);
+        }
         match Fake::from_env() {
             Ok(fake) => global.fake = Some(fake),
             Err(reason) => {
@@ -155,6 +158,24 @@ pub(crate) fn init() -> Result<(), Ret> {
     }
     global.refs += 1;
     Ok(())
+}
+
+/// Whether the control file's last `init-fail` / `init-ok` line is `init-fail`.
+fn init_refused() -> bool {
+    let Some(path) = std::env::var_os(CONTROL_ENV) else {
+        return false;
+    };
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return false;
+    };
+    text.lines()
+        .filter_map(|l| match l.split('#').next().unwrap_or("").trim() {
+            "init-fail" => Some(true),
+            "init-ok" => Some(false),
+            _ => None,
+        })
+        .last()
+        .unwrap_or(false)
 }
 
 /// `nvmlShutdown`: the last shutdown discards the machine, so the next init reads the
@@ -371,7 +392,12 @@ impl Fake {
                 let gpu = gpu(*g)?;
                 self.lost.remove(&gpu);
             }
-            _ => return Err("expected `xid G CODE [GI CI]`, `lose G` or `restore G`".into()),
+            // Read by `init` only.
+            ("init-fail" | "init-ok", []) => {}
+            _ => return Err(
+                "expected `xid G CODE [GI CI]`, `lose G`, `restore G`, `init-fail` or `init-ok`"
+                    .into(),
+            ),
         }
         Ok(())
     }

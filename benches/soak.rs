@@ -1,0 +1,267 @@
+//! Soak: the demo's workloads in a loop against the real agent binary for a bounded time, with
+//! the agent's resident memory (`VmRSS` in `/proc/<pid>/status`) sampled twice a second.
+//!
+//! The agent runs `gpuplane node --nvml-lib <fake libnvidia-ml>` on a simulated DGX H100 (the
+//! real NVML code path), DRA on, against the API server double and the kubelet doubles in
+//! this process. Each cycle: a pod admitted through the device plugin API (GetPreferred +
+//! Allocate) and ended, a ResourceClaim prepared and unprepared over DRA and deleted; every
+//! 10th cycle an Xid 48 on a GPU (health recovers after 1 s of quiet); every 5th a `/metrics`
+//! scrape; every 50th both kubelet doubles restart (sockets re-created, re-registration).
+//!
+//! Memory growth is measured, not asserted: the first quarter of the run (at least 10 s) is
+//! warm-up; the figures are RSS at the end of warm-up, the steady state's range and median,
+//! and its growth (least-squares slope and last-minus-first). `SOAK_SECONDS` (default 60)
+//! bounds the run. Run: `cargo bench --bench soak`; results are kept in
+//! benches/results/soak.txt.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use gpuplane::doubles::apiserver::ApiServerDouble;
+use gpuplane::doubles::kubelet::KubeletDouble;
+use gpuplane::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
+use std::io::Write;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::{AgentProcess, DRIVER};
+
+const GPU: &str = "nvidia.com/gpu";
+const WAIT: Duration = Duration::from_secs(30);
+const CONFIG: &str = "health: {recoveryQuietPeriod: 1s}\nallocation: {podResourcesGrace: 1s}\n";
+
+/// (seconds since start, VmRSS in KiB).
+type Samples = Arc<Mutex<Vec<(f64, u64)>>>;
+
+fn vm_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+}
+
+fn sample_rss(pid: u32, start: Instant, samples: Samples, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::Relaxed) {
+        if let Some(kib) = vm_rss_kib(pid) {
+            samples
+                .lock()
+                .unwrap()
+                .push((start.elapsed().as_secs_f64(), kib));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+#[derive(Default, Debug)]
+struct Counts {
+    cycles: u64,
+    allocated: u64,
+    allocate_refused: u64,
+    prepared: u64,
+    prepare_failed: u64,
+    unprepared: u64,
+    xids: u64,
+    restarts: u64,
+    scrapes: u64,
+}
+
+fn append(control: &Path, line: &str) {
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(control)
+        .unwrap();
+    writeln!(f, "{line}").unwrap();
+}
+
+fn median(v: &[u64]) -> u64 {
+    let mut v = v.to_vec();
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+/// Least-squares slope of RSS over time, in KiB per minute.
+fn slope_per_minute(points: &[(f64, u64)]) -> f64 {
+    let n = points.len() as f64;
+    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1 as f64).sum::<f64>() / n;
+    let num: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 as f64 - my)).sum();
+    let den: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    if den == 0.0 {
+        0.0
+    } else {
+        num / den * 60.0
+    }
+}
+
+async fn soak(seconds: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let lib = root.join("libnvidia-ml.so.1");
+    std::fs::copy(support::built_fake(), &lib).unwrap();
+    let control = root.join("control");
+    std::fs::write(&control, "").unwrap();
+    let api = ApiServerDouble::start().await.unwrap();
+    let mut kubelet = KubeletDouble::start(&root.join("kubelet")).await.unwrap();
+    let mut dra = KubeletDraDouble::start(&root.join("kubelet"), KubeletDraOptions::default());
+    support::lay_out_node(root, 8, &api.url());
+    let agent = AgentProcess::spawn(
+        root,
+        CONFIG,
+        &["--nvml-lib", lib.to_str().unwrap()],
+        &[
+            ("GPUPLANE_FAKE_NVML_PROFILE", "dgx-h100".as_ref()),
+            ("GPUPLANE_FAKE_NVML_CONTROL", control.as_os_str()),
+            ("RUST_LOG", "warn".as_ref()),
+        ],
+        "soak",
+    );
+    let start = Instant::now();
+    let samples: Samples = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (samples, stop, pid) = (samples.clone(), stop.clone(), agent.pid());
+        std::thread::spawn(move || sample_rss(pid, start, samples, stop))
+    };
+    dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    kubelet
+        .wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.healthy() == 8))
+        .await
+        .unwrap();
+    dra.watch_health(DRIVER).unwrap();
+
+    let mut n = Counts::default();
+    let until = start + Duration::from_secs(seconds);
+    while Instant::now() < until {
+        let i = n.cycles;
+        n.cycles += 1;
+        let pod = format!("pod-{i}");
+        let held = match kubelet.admit("soak", &pod, "main", GPU, 1).await {
+            Ok((ids, _)) => {
+                n.allocated += 1;
+                ids
+            }
+            Err(_) => {
+                n.allocate_refused += 1;
+                Vec::new()
+            }
+        };
+        // A claim on a GPU the pod does not hold.
+        let view = kubelet
+            .plugin(GPU)
+            .unwrap_or_else(|| panic!("cycle {i}: no plugin"));
+        let free = view
+            .devices
+            .iter()
+            .position(|d| d.health == "Healthy" && !held.contains(&d.id));
+        if let Some(g) = free {
+            let claim = support::put_claim(&api, &format!("claim-{i}"), &[&format!("gpu-{g}")]);
+            match dra.prepare(DRIVER, std::slice::from_ref(&claim)).await {
+                Ok(a) if a.get(&claim.uid).is_some_and(Result::is_ok) => n.prepared += 1,
+                _ => n.prepare_failed += 1,
+            }
+            if dra
+                .unprepare(DRIVER, std::slice::from_ref(&claim))
+                .await
+                .is_ok_and(|a| a.values().all(Result::is_ok))
+            {
+                n.unprepared += 1;
+            }
+            api.delete_json(
+                "resource.k8s.io/v1",
+                "resourceclaims",
+                Some("team-a"),
+                &claim.name,
+            );
+        }
+        kubelet.end_pod("soak", &pod);
+        if i % 10 == 9 {
+            append(&control, &format!("xid {} 48", (i / 10) % 8));
+            n.xids += 1;
+        }
+        if i % 5 == 4 && agent.get("/metrics").is_some() {
+            n.scrapes += 1;
+        }
+        if i % 50 == 49 {
+            kubelet.restart().await.unwrap();
+            dra.restart().await;
+            dra.wait_registered(DRIVER, WAIT).await.unwrap();
+            kubelet
+                .wait_for(WAIT, |p| p.contains_key(GPU))
+                .await
+                .unwrap();
+            dra.watch_health(DRIVER).unwrap();
+            n.restarts += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    let mut agent = agent;
+    assert!(agent.running(), "the agent died:\n{}", agent.log_text());
+    report(seconds, &n, &samples.lock().unwrap());
+    agent.kill();
+}
+
+fn report(seconds: u64, n: &Counts, samples: &[(f64, u64)]) {
+    let warmup = (seconds as f64 / 4.0).max(10.0);
+    let (warm, steady): (Vec<_>, Vec<_>) = samples.iter().partition(|s| s.0 < warmup);
+    println!(
+        "gpuplane soak: {seconds} s against the agent binary (release), {} logical CPUs",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!(
+        "workload: {} cycles; {} Allocates ({} refused), {} prepares ({} failed), {} unprepares, {} Xids, {} kubelet restarts (both APIs), {} /metrics scrapes",
+        n.cycles, n.allocated, n.allocate_refused, n.prepared, n.prepare_failed, n.unprepared, n.xids, n.restarts, n.scrapes
+    );
+    let Some(first) = samples.first() else {
+        println!("no RSS samples");
+        return;
+    };
+    println!(
+        "RSS at start (first sample, {:.1} s): {} KiB",
+        first.0, first.1
+    );
+    if warm.len() < 5 || steady.len() < 5 {
+        println!("too few samples for warm-up and steady state");
+        return;
+    }
+    let warm_end: Vec<u64> = warm.iter().rev().take(5).map(|s| s.1).collect();
+    let steady_kib: Vec<u64> = steady.iter().map(|s| s.1).collect();
+    let head: Vec<u64> = steady_kib.iter().take(5).copied().collect();
+    let tail: Vec<u64> = steady_kib.iter().rev().take(5).copied().collect();
+    println!(
+        "warm-up (first {warmup:.0} s): RSS at its end (median of last 5 samples) {} KiB",
+        median(&warm_end)
+    );
+    println!(
+        "steady state ({} samples, {:.0}-{:.0} s): min {} KiB, median {} KiB, max {} KiB",
+        steady.len(),
+        steady[0].0,
+        steady[steady.len() - 1].0,
+        steady_kib.iter().min().unwrap(),
+        median(&steady_kib),
+        steady_kib.iter().max().unwrap()
+    );
+    let points: Vec<(f64, u64)> = steady.iter().map(|s| **s).collect();
+    println!(
+        "steady-state growth: slope {:+.1} KiB/min; last 5 vs first 5 samples (medians) {:+} KiB",
+        slope_per_minute(&points),
+        median(&tail) as i64 - median(&head) as i64
+    );
+}
+
+fn main() {
+    let seconds = std::env::var("SOAK_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(60);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(soak(seconds));
+}

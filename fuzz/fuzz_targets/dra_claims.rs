@@ -1,0 +1,3 @@
+//! Fuzz target `dra_claims`: the check is `gpuplane::fuzzing::dra_claims`.
+#![no_main]
+libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane::fuzzing::dra_claims(data));

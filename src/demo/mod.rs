@@ -1,0 +1,289 @@
+//! `gpuplane demo`: the whole product on a simulated machine in one process, no cluster.
+//!
+//! The real node agent ([`crate::node::run`], device plugin and DRA over one ledger) runs on a
+//! [`SimSource`] inside a [`NodeLab`] (kubelet doubles over unix sockets, the API server double
+//! over HTTP, all in a temp dir); the real quota webhook serves HTTPS with a certificate made in
+//! process and the real controller loops run against the same API server double. [`steps`] then
+//! tells a short story through real calls and judges each step from the answers; [`summary`]
+//! lays the outcomes out. The narrative goes to the writer the caller passes; the summary is
+//! returned for the caller to render.
+
+pub mod facts;
+pub mod steps;
+pub mod summary;
+pub mod tls;
+
+use crate::controller::metrics::QueueMetrics;
+use crate::controller::namespace::QueueSettings;
+use crate::controller::queue::QueueOptions;
+use crate::controller::ControllerOptions;
+use crate::doubles::kubelet_dra::KubeletDraOptions;
+use crate::doubles::lab::{LabError, NodeLab, DRIVER, NODE};
+use crate::inventory::Inventory;
+use crate::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode};
+use crate::sim::ProfileError;
+use crate::source::SimSource;
+use crate::webhook::{WebhookError, WebhookOptions};
+use kube::api::{Api, PostParams};
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use summary::{StepResult, Summary};
+use tls::{DemoPki, TlsError};
+
+/// How long the agent may take to register with both kubelet APIs.
+const START_WAIT: Duration = Duration::from_secs(15);
+/// The agent's quiet period before a device unhealthy by Xid is healthy again: short, so the
+/// recovery step finishes in seconds (the product's default is 5 minutes).
+pub const RECOVERY_QUIET_PERIOD: Duration = Duration::from_secs(2);
+
+/// What to run the demo on.
+#[derive(Debug, Clone)]
+pub struct DemoOptions {
+    /// A bundled profile name or the path of a profile file.
+    pub profile: String,
+}
+
+/// Why the demo could not run at all (a step that does not hold is an outcome, not an error).
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error(transparent)]
+    Profile(#[from] ProfileError),
+    #[error("creating the demo's temp dir: {0}")]
+    TempDir(#[source] std::io::Error),
+    #[error(transparent)]
+    Lab(#[from] LabError),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("starting the quota webhook: {0}")]
+    Webhook(#[from] WebhookError),
+    #[error("creating GpuQuota {name}: {source}")]
+    Quota {
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("the node agent did not come up: {0}")]
+    AgentStart(String),
+}
+
+/// The narrative: indented lines under numbered headings.
+pub struct Narrator<'w> {
+    out: &'w mut dyn Write,
+}
+
+impl<'w> Narrator<'w> {
+    pub fn new(out: &'w mut dyn Write) -> Self {
+        Narrator { out }
+    }
+
+    /// One line of the story. A reader that went away (closed pipe) does not stop the demo:
+    /// the summary still decides the exit status.
+    pub fn say(&mut self, text: impl AsRef<str>) {
+        let _ = writeln!(self.out, "   {}", text.as_ref());
+    }
+
+    fn raw(&mut self, text: impl AsRef<str>) {
+        let _ = writeln!(self.out, "{}", text.as_ref());
+    }
+}
+
+/// The agent config the demo runs with: MIG devices offered one resource per profile when the
+/// machine has any (so every unit is visible to both APIs), and a short recovery quiet period.
+pub fn agent_config(inv: &Inventory) -> String {
+    let mig = if inv.gpus.iter().any(|g| g.mig.current) {
+        "mixed"
+    } else {
+        "none"
+    };
+    format!(
+        "version: v1\nflags:\n  migStrategy: {mig}\nhealth:\n  recoveryQuietPeriod: {}ms\n",
+        RECOVERY_QUIET_PERIOD.as_millis()
+    )
+}
+
+/// The namespaces and GpuQuotas of the quota steps.
+pub const REJECT_NAMESPACE: &str = "team-a";
+pub const QUEUE_NAMESPACE: &str = "team-b";
+pub const QUOTA_NAME: &str = "default";
+/// GPUs of the Reject-mode quota (step 5) and the Queue-mode one (step 6).
+pub const REJECT_GPUS: u64 = 2;
+pub const QUEUE_GPUS: u64 = 4;
+
+async fn create_quota(
+    client: &kube::Client,
+    namespace: &str,
+    gpus: u64,
+    mode: QuotaMode,
+) -> Result<(), DemoError> {
+    let spec = GpuQuotaSpec {
+        hard: Limits {
+            gpus: Some(Gpus::whole(gpus)),
+            ..Limits::default()
+        },
+        mode,
+        ..GpuQuotaSpec::default()
+    };
+    Api::<GpuQuota>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &GpuQuota::new(QUOTA_NAME, spec))
+        .await
+        .map_err(|source| DemoError::Quota {
+            name: format!("{namespace}/{QUOTA_NAME}"),
+            source,
+        })?;
+    Ok(())
+}
+
+/// Runs the whole demo, narrating into `out`, and returns how every step ended.
+pub async fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<Summary, DemoError> {
+    let started = Instant::now();
+    let inventory = crate::sim::load(&opts.profile)?;
+    let dir = tempfile::Builder::new()
+        .prefix("gpuplane-demo-")
+        .tempdir()
+        .map_err(DemoError::TempDir)?;
+    let mut say = Narrator::new(out);
+    say.raw(format!(
+        "gpuplane demo: the whole product on a simulated {} in one process, no cluster",
+        opts.profile
+    ));
+    say.say(format!(
+        "node agent {NODE}: device plugin + DRA driver {DRIVER}, one allocation ledger"
+    ));
+    say.say("kubelet doubles on unix sockets, API server double over HTTP, quota webhook over HTTPS, controller loops");
+    say.say(format!(
+        "working dir {} (removed at the end)",
+        dir.path().display()
+    ));
+
+    let lab = NodeLab::start(
+        dir.path(),
+        SimSource::new(inventory.clone()),
+        KubeletDraOptions::default(),
+    )
+    .await?;
+    let agent = lab.start_agent(&agent_config(&inventory))?;
+    lab.dra
+        .wait_registered(DRIVER, START_WAIT)
+        .await
+        .map_err(DemoError::AgentStart)?;
+    lab.kubelet
+        .wait_for(START_WAIT, |p| !p.is_empty())
+        .await
+        .map_err(DemoError::AgentStart)?;
+    lab.dra
+        .watch_health(DRIVER)
+        .map_err(|s| DemoError::AgentStart(s.message().to_string()))?;
+
+    // The quotas exist before the webhook starts, so its first cache fill has them.
+    let client = lab.api.client().map_err(LabError::from)?;
+    create_quota(&client, REJECT_NAMESPACE, REJECT_GPUS, QuotaMode::Reject).await?;
+    create_quota(&client, QUEUE_NAMESPACE, QUEUE_GPUS, QuotaMode::Queue).await?;
+    let pki = DemoPki::issue(dir.path())?;
+    let mut wopts = WebhookOptions::new(
+        pki.cert_file.clone(),
+        pki.key_file.clone(),
+        "gpuplane-system",
+    );
+    wopts.addr = ([127, 0, 0, 1], 0).into();
+    let webhook = crate::webhook::start(client.clone(), wopts).await?;
+
+    // One replica: the loops run at once, without a Lease. Short batching and resync so the
+    // story does not wait on timers tuned for a large cluster.
+    let mut copts = ControllerOptions::new("gpuplane-system", "gpuplane-demo");
+    copts.leader_elect = false;
+    copts.queue = QueueOptions {
+        settings: QueueSettings::default(),
+        batch: Duration::from_millis(20),
+        resync: Duration::from_millis(500),
+        note_refresh: Duration::from_millis(200),
+        instance: "gpuplane-demo".into(),
+        ..QueueOptions::default()
+    };
+    let metrics = Arc::new(QueueMetrics::default());
+    let (stop_controller, controller_stopped) = tokio::sync::oneshot::channel::<()>();
+    let controller = tokio::spawn(crate::controller::run(
+        client.clone(),
+        copts,
+        metrics.clone(),
+        async {
+            let _ = controller_stopped.await;
+        },
+    ));
+
+    let cx = steps::Context {
+        lab: &lab,
+        inventory: &inventory,
+        client,
+        webhook: webhook.addr(),
+        pki: &pki,
+        queue: metrics,
+        profile: &opts.profile,
+    };
+    let mut carry = steps::Carry::default();
+    let mut results = Vec::new();
+    for step in summary::Step::ALL {
+        say.raw("");
+        say.raw(format!("{}. {}", step.number(), step.title()));
+        let outcome = steps::run(step, &cx, &mut carry, &mut say).await;
+        say.say(format!("=> {}: {}", outcome.word(), outcome.detail()));
+        results.push(StepResult { step, outcome });
+    }
+
+    say.raw("");
+    let _ = stop_controller.send(());
+    let teardown = |what: &str, r: Result<(), String>| match r {
+        Ok(()) => None,
+        Err(e) => Some(format!("{what}: {e}")),
+    };
+    let mut problems: Vec<String> = Vec::new();
+    problems.extend(teardown(
+        "controller",
+        match controller.await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        },
+    ));
+    webhook.stop().await;
+    problems.extend(teardown(
+        "node agent",
+        agent.stop().await.map_err(|e| e.to_string()),
+    ));
+    drop(lab);
+    let path = dir.path().to_path_buf();
+    problems.extend(teardown(
+        "removing the working dir",
+        dir.close().map_err(|e| e.to_string()),
+    ));
+    match problems.is_empty() {
+        true => say.say(format!("stopped everything; removed {}", path.display())),
+        false => say.say(format!("shut down with problems: {}", problems.join("; "))),
+    }
+    say.raw("");
+    Ok(Summary {
+        profile: opts.profile.clone(),
+        results,
+        elapsed: started.elapsed(),
+        shutdown: problems,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{AgentConfig, MigStrategy};
+
+    #[test]
+    fn the_agent_config_is_valid_and_offers_mig_devices_when_there_are_any() {
+        for (profile, strategy) in [
+            ("dgx-h100", MigStrategy::None),
+            ("a100-mig-mixed", MigStrategy::Mixed),
+        ] {
+            let inv = crate::sim::load(profile).unwrap_or_else(|e| panic!("{e}"));
+            let cfg = AgentConfig::parse("demo.yaml", &agent_config(&inv))
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(cfg.mig_strategy, strategy, "{profile}");
+            assert_eq!(cfg.recovery_quiet_period, RECOVERY_QUIET_PERIOD);
+        }
+    }
+}

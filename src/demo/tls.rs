@@ -1,0 +1,127 @@
+//! TLS for the demo's webhook: a throwaway CA made in process signs a serving certificate for
+//! `localhost`, written as the PEM files the webhook reads (as from a Secret); the demo's client
+//! trusts that CA only. AdmissionReviews then travel over real HTTPS with verification on, as
+//! from the API server. Also the small HTTPS client that posts them.
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use serde_json::Value;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::ServerName;
+
+/// The name the serving certificate is for, and the one the client asks for.
+const SERVER_NAME: &str = "localhost";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("making the demo's certificates: {0}")]
+    Certificate(#[from] rcgen::Error),
+    #[error("writing {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("TLS client set-up: {0}")]
+    Rustls(#[from] rustls::Error),
+    #[error("connecting to the webhook at {addr}: {source}")]
+    Connect {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("HTTP to the webhook: {0}")]
+    Http(#[from] hyper::Error),
+    #[error("building the request: {0}")]
+    Request(#[from] hyper::http::Error),
+    #[error("the webhook answered {status} with a body that is not JSON: {source}")]
+    Body {
+        status: u16,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// The webhook's certificate files and a client config that trusts them.
+pub struct DemoPki {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    client: Arc<rustls::ClientConfig>,
+}
+
+impl DemoPki {
+    /// Makes a CA and a serving certificate for `localhost` and 127.0.0.1, and writes
+    /// `tls.crt` and `tls.key` into `dir`.
+    pub fn issue(dir: &Path) -> Result<DemoPki, TlsError> {
+        let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
+        let key = KeyPair::generate()?;
+        let cert = CertificateParams::new(vec![SERVER_NAME.to_string(), "127.0.0.1".into()])?
+            .signed_by(&key, &ca)?;
+        let (cert_file, key_file) = (dir.join("tls.crt"), dir.join("tls.key"));
+        for (path, text) in [(&cert_file, cert.pem()), (&key_file, key.serialize_pem())] {
+            std::fs::write(path, text).map_err(|source| TlsError::Write {
+                path: path.clone(),
+                source,
+            })?;
+        }
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(ca.der().clone())?;
+        let client = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        Ok(DemoPki {
+            cert_file,
+            key_file,
+            client: Arc::new(client),
+        })
+    }
+
+    /// POSTs `body` as JSON to `https://localhost:<port><path>` at `addr`, verifying the
+    /// webhook's certificate; returns the status and the JSON answer.
+    pub async fn post_json(
+        &self,
+        addr: SocketAddr,
+        path: &str,
+        body: &Value,
+    ) -> Result<(u16, Value), TlsError> {
+        let connect = |source| TlsError::Connect { addr, source };
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(connect)?;
+        let name = ServerName::try_from(SERVER_NAME)
+            .map_err(|e| connect(std::io::Error::new(std::io::ErrorKind::InvalidInput, e)))?;
+        let tls = tokio_rustls::TlsConnector::from(self.client.clone())
+            .connect(name, tcp)
+            .await
+            .map_err(connect)?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
+        let driver = tokio::spawn(conn);
+        let req = hyper::Request::post(path)
+            .header(hyper::header::HOST, SERVER_NAME)
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))?;
+        let answer = sender.send_request(req).await;
+        let result = match answer {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                let bytes = resp.into_body().collect().await?.to_bytes();
+                serde_json::from_slice(&bytes)
+                    .map(|v| (status, v))
+                    .map_err(|source| TlsError::Body { status, source })
+            }
+            Err(e) => Err(e.into()),
+        };
+        driver.abort();
+        result
+    }
+}

@@ -1,0 +1,244 @@
+//! A node without a cluster: the real agent (`crate::node::run`) on a simulated machine, wired
+//! to the API server double over HTTP (real kube client) and to the kubelet doubles (device
+//! plugin and DRA) over unix sockets, every path under one directory the caller owns.
+//! `gpuplane demo` and the end-to-end tests share this wiring, so both exercise the same set-up.
+
+use super::apiserver::{ApiServerDouble, ApiServerError};
+use super::kubelet::KubeletDouble;
+use super::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
+use crate::dra::{ClaimRef, PreparedDevice};
+use crate::grpc::SocketError;
+use crate::node::dra::DraSettings;
+use crate::node::{NodeError, NodeOptions, NodePaths};
+use crate::source::{DeviceSource, SimSource, SourceError};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// The node's name, which is also the pool name of its devices.
+pub const NODE: &str = "node-a";
+/// The DRA driver name the lab's agent serves.
+pub const DRIVER: &str = crate::quota::catalog::DEFAULT_DRIVER;
+/// The device class the lab's claims name.
+pub const DEVICE_CLASS: &str = "gpu.gpuplane.dev";
+
+#[derive(Debug, thiserror::Error)]
+pub enum LabError {
+    #[error("lab: {what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("lab: {0}")]
+    ApiServer(#[from] ApiServerError),
+    #[error("lab: kubelet double: {0}")]
+    Socket(#[from] SocketError),
+    #[error("lab: the simulated machine: {0}")]
+    Source(#[from] SourceError),
+    #[error("lab: the stored ResourceClaim {0} has no uid")]
+    ClaimUid(String),
+    #[error("lab: the agent failed: {0}")]
+    Agent(#[from] NodeError),
+    #[error("lab: the agent's task ended abnormally: {0}")]
+    AgentTask(#[from] tokio::task::JoinError),
+}
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> LabError {
+    let path = path.to_path_buf();
+    move |source| LabError::Io { what, path, source }
+}
+
+/// The doubles and the simulated machine; the agent is started with [`NodeLab::start_agent`].
+pub struct NodeLab {
+    root: PathBuf,
+    pub api: ApiServerDouble,
+    pub kubelet: KubeletDouble,
+    pub dra: KubeletDraDouble,
+    /// Clones share state with the agent's source: inject Xids or lose GPUs through it.
+    pub sim: SimSource,
+}
+
+/// A running agent of a lab.
+pub struct RunningAgent {
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), NodeError>>,
+}
+
+impl RunningAgent {
+    /// Asks the agent to shut down (as SIGTERM does) and waits for it.
+    pub async fn stop(mut self) -> Result<(), LabError> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        (&mut self.task).await??;
+        Ok(())
+    }
+}
+
+impl Drop for RunningAgent {
+    fn drop(&mut self) {
+        // Dropped without `stop` (a failed run): do not leave the agent serving.
+        self.task.abort();
+    }
+}
+
+/// Empty files where the agent looks for device nodes: it writes the node CDI spec only once
+/// they exist, as on a real node.
+fn make_dev_nodes(dev: &Path, gpus: usize) -> Result<(), LabError> {
+    std::fs::create_dir_all(dev).map_err(io("creating", dev))?;
+    let mut names: Vec<String> = (0..gpus).map(|i| format!("nvidia{i}")).collect();
+    names.extend(["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"].map(String::from));
+    for n in names {
+        let path = dev.join(n);
+        std::fs::write(&path, "").map_err(io("creating", &path))?;
+    }
+    Ok(())
+}
+
+impl NodeLab {
+    /// Starts the API server double and both kubelet doubles under `root` (which must exist),
+    /// for the machine `sim` simulates.
+    pub async fn start(
+        root: &Path,
+        sim: SimSource,
+        kubelet: KubeletDraOptions,
+    ) -> Result<NodeLab, LabError> {
+        let kubelet_root = root.join("kubelet");
+        let api = ApiServerDouble::start().await?;
+        let dp = KubeletDouble::start(&kubelet_root).await?;
+        let dra = KubeletDraDouble::start(&kubelet_root, kubelet);
+        make_dev_nodes(&root.join("dev"), sim.discover()?.inventory.gpus.len())?;
+        Ok(NodeLab {
+            root: root.to_path_buf(),
+            api,
+            kubelet: dp,
+            dra,
+            sim,
+        })
+    }
+
+    /// The directory everything lives under.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The agent's paths, all under the lab's directory.
+    pub fn paths(&self) -> NodePaths {
+        let d = &self.root;
+        NodePaths {
+            kubelet_root: d.join("kubelet"),
+            cdi_root: d.join("cdi"),
+            state_dir: d.join("state"),
+            driver_root: d.join("driver"),
+            dev_root: d.join("dev"),
+        }
+    }
+
+    /// Writes `config` (the agent's YAML config) to `config.yaml` and starts the agent with the
+    /// device plugin and DRA on, in the background.
+    pub fn start_agent(&self, config: &str) -> Result<RunningAgent, LabError> {
+        let cfg = self.root.join("config.yaml");
+        std::fs::write(&cfg, config).map_err(io("writing", &cfg))?;
+        let opts = NodeOptions {
+            node_name: NODE.into(),
+            paths: self.paths(),
+            config_file: Some(cfg),
+            device_plugin: true,
+            dra: Some(DraSettings {
+                driver_name: DRIVER.into(),
+                client: self.api.client()?,
+            }),
+            metrics_addr: None,
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let source: Arc<dyn DeviceSource> = Arc::new(self.sim.clone());
+        let task = tokio::spawn(crate::node::run(opts, source, async {
+            let _ = stopped.await;
+        }));
+        Ok(RunningAgent {
+            stop: Some(stop),
+            task,
+        })
+    }
+
+    /// The published ResourceSlices, straight from the double's store.
+    pub fn slices(&self) -> Vec<Value> {
+        self.api
+            .list_json("resource.k8s.io/v1", "resourceslices", None)
+    }
+
+    /// The taints of a published device, as `key=value`.
+    pub fn taints(&self, device: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        for s in &self.slices() {
+            for d in s["spec"]["devices"].as_array().into_iter().flatten() {
+                if d["name"] == device {
+                    for t in d["taints"].as_array().into_iter().flatten() {
+                        out.push(format!(
+                            "{}={}",
+                            t["key"].as_str().unwrap_or(""),
+                            t["value"].as_str().unwrap_or("")
+                        ));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Stores a claim in `namespace` as the scheduler leaves it: allocated to `devices` of this
+    /// node's pool, one request `gpus` of class [`DEVICE_CLASS`].
+    pub fn claim(
+        &self,
+        namespace: &str,
+        name: &str,
+        devices: &[&str],
+    ) -> Result<ClaimRef, LabError> {
+        let results: Vec<Value> = devices
+            .iter()
+            .map(|d| json!({"request": "gpus", "driver": DRIVER, "pool": NODE, "device": d}))
+            .collect();
+        let obj = json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": DEVICE_CLASS, "count": devices.len()}}]}},
+            "status": {"allocation": {"devices": {"results": results}}}
+        });
+        let stored = self.api.put_json(obj)?;
+        let uid = stored["metadata"]["uid"]
+            .as_str()
+            .ok_or_else(|| LabError::ClaimUid(format!("{namespace}/{name}")))?;
+        Ok(ClaimRef {
+            namespace: namespace.into(),
+            name: name.into(),
+            uid: uid.to_string(),
+        })
+    }
+
+    /// NodePrepareResources for one claim through the DRA kubelet double: the prepared devices,
+    /// or the error the kubelet would see (a refusal, or the call failing).
+    pub async fn prepare(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
+        let mut out = self
+            .dra
+            .prepare(DRIVER, std::slice::from_ref(claim))
+            .await
+            .map_err(|s| s.message().to_string())?;
+        out.remove(&claim.uid)
+            .unwrap_or_else(|| Err(format!("no answer for claim {}", claim.uid)))
+    }
+
+    /// NodeUnprepareResources for one claim through the DRA kubelet double.
+    pub async fn unprepare(&self, claim: &ClaimRef) -> Result<(), String> {
+        let mut out = self
+            .dra
+            .unprepare(DRIVER, std::slice::from_ref(claim))
+            .await
+            .map_err(|s| s.message().to_string())?;
+        out.remove(&claim.uid)
+            .unwrap_or_else(|| Err(format!("no answer for claim {}", claim.uid)))
+    }
+}

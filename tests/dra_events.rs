@@ -1,0 +1,131 @@
+//! Events on ResourceClaims for the prepare failures a user must see, posted by the real agent
+//! to the API server double (see tests/support/lab.rs for the set-up): the Event regards the
+//! claim, says what to do, is posted once however often the kubelet retries, and a failed
+//! Event write never fails or delays the prepare.
+
+#[path = "support/lab.rs"]
+mod lab;
+
+use gpuplane::doubles::apiserver::Fault;
+use gpuplane::dra::ClaimRef;
+use lab::{Lab, DRIVER, NODE, WAIT};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+fn events_about(lab: &Lab, claim: &ClaimRef) -> Vec<Value> {
+    lab.api
+        .list_json("events.k8s.io/v1", "events", Some(&claim.namespace))
+        .into_iter()
+        .filter(|e| e["regarding"]["uid"] == claim.uid.as_str())
+        .collect()
+}
+
+fn assert_regards(event: &Value, claim: &ClaimRef, reason: &str) {
+    let r = &event["regarding"];
+    assert_eq!(r["apiVersion"], "resource.k8s.io/v1", "{event}");
+    assert_eq!(r["kind"], "ResourceClaim", "{event}");
+    assert_eq!(r["namespace"], claim.namespace.as_str(), "{event}");
+    assert_eq!(r["name"], claim.name.as_str(), "{event}");
+    assert_eq!(event["reason"], reason, "{event}");
+    assert_eq!(event["type"], "Warning", "{event}");
+    assert_eq!(event["reportingController"], DRIVER, "{event}");
+    assert_eq!(event["reportingInstance"], NODE, "{event}");
+    assert!(event["eventTime"].is_string(), "{event}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_for_a_device_the_device_plugin_holds_gets_one_event_naming_the_holder() {
+    let lab = Lab::new("a100-mig-mixed").await;
+    let agent = lab.start("flags: {migStrategy: mixed}\n");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.kubelet
+        .wait_for(WAIT, |p| p.contains_key("nvidia.com/gpu"))
+        .await
+        .unwrap();
+    // GPU 3 (MIG off) goes to a container through the device plugin API...
+    lab.kubelet
+        .admit("team-b", "pod-1", "main", "nvidia.com/gpu", 1)
+        .await
+        .unwrap();
+    // ...and a claim for it is refused; the kubelet retries.
+    let claim = lab.claim("late", &["gpu-3"]);
+    for _ in 0..3 {
+        let err = lab.prepare(&claim).await.unwrap_err();
+        assert!(err.contains("gpu-3"), "{err}");
+    }
+    lab.eventually("the Event on the claim", |l| {
+        !events_about(l, &claim).is_empty()
+    })
+    .await;
+    // One more retry after the first Event landed: still one Event.
+    lab.prepare(&claim).await.unwrap_err();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let events = events_about(&lab, &claim);
+    assert_eq!(events.len(), 1, "{events:#?}");
+    let e = &events[0];
+    assert_regards(e, &claim, "DeviceInUse");
+    assert_eq!(e["regarding"]["uid"], claim.uid.as_str());
+    let note = e["note"].as_str().unwrap();
+    // The holder: the allocation, or the container once PodResources names it.
+    assert!(
+        note.contains("gpu-3")
+            && (note.contains("device plugin allocation") || note.contains("team-b/pod-1")),
+        "{note}"
+    );
+    assert!(note.contains("delete this claim's pod"), "{note}");
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_opaque_config_is_told_on_the_claim_even_after_an_event_write_failed() {
+    let lab = Lab::new("pcie-l4x4").await;
+    let agent = lab.start("");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    let stored = lab
+        .api
+        .put_json(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": "tuned", "namespace": "team-a"},
+            "spec": {"devices": {"requests": [{"name": "gpus",
+                "exactly": {"deviceClassName": "gpu.gpuplane.dev", "count": 1}}]}},
+            "status": {"allocation": {"devices": {
+                "results": [{"request": "gpus", "driver": DRIVER, "pool": NODE, "device": "gpu-0"}],
+                "config": [{"source": "FromClaim", "requests": ["gpus"], "opaque": {
+                    "driver": DRIVER,
+                    "parameters": {"apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig",
+                        "sharing": {"strategy": "Sliced"}}}}]}}}
+        }))
+        .unwrap();
+    let claim = ClaimRef {
+        namespace: "team-a".into(),
+        name: "tuned".into(),
+        uid: stored["metadata"]["uid"].as_str().unwrap().into(),
+    };
+    // The API server refuses Events for a while: the prepare answers as always.
+    let fault = lab.api.inject(Fault::status("POST", "/events", 500));
+    let err = lab.prepare(&claim).await.unwrap_err();
+    assert!(
+        err.contains("claim team-a/tuned") && err.contains("config"),
+        "{err}"
+    );
+    lab.eventually("the refused Event write", |l| {
+        l.api.count_requests("POST", "/events") > 0
+    })
+    .await;
+    assert!(events_about(&lab, &claim).is_empty());
+    // Once Events are accepted again, a later retry posts it (the failed write is forgotten
+    // as soon as its answer arrives, which may be just after this point).
+    lab.api.clear_fault(fault);
+    let deadline = std::time::Instant::now() + WAIT;
+    while events_about(&lab, &claim).is_empty() {
+        assert!(std::time::Instant::now() < deadline, "no Event posted");
+        lab.prepare(&claim).await.unwrap_err();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let events = events_about(&lab, &claim);
+    assert_eq!(events.len(), 1, "{events:#?}");
+    assert_regards(&events[0], &claim, "InvalidDeviceConfig");
+    let note = events[0]["note"].as_str().unwrap();
+    assert!(note.contains("fix the opaque device config"), "{note}");
+    agent.stop().await;
+}

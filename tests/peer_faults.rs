@@ -1,0 +1,535 @@
+//! Peer faults: the agent keeps serving what it can and converges once its peers recover.
+//!
+//! - The API server double answers 500, 409 and 429, holds answers past the client's timeout
+//!   and drops and refuses watches: throughout, the kubelet is served (ListAndWatch follows
+//!   health, Allocate works, a prepared claim is answered from the checkpoint) and a claim the
+//!   agent cannot read gets a clear per-claim error; afterwards the slices equal the desired
+//!   ones and `gpuplane_slice_syncs_total{outcome="failed"}` counted the failures.
+//! - The kubelet doubles restart again and again, the agent's sockets vanish, streams are
+//!   opened and dropped, and calls carry garbage IDs: each gets its own error, nothing is
+//!   removed that should not be, and the agent answers correctly afterwards.
+//! - NVML fails at start-up (the fake's `init-fail`): the agent process stays up, `/healthz`
+//!   answers, `/readyz` and `gpuplane_discovery_failures_total` say why, and once NVML answers
+//!   it serves the GPUs that answer (one is lost).
+//!
+//! The outages last seconds, standing in for minutes: the agent's retry loops have no end,
+//! and the client's read timeout is set short so a held answer is a timeout here.
+
+mod support;
+
+use gpuplane::doubles::apiserver::{ApiServerDouble, Fault};
+use gpuplane::doubles::kubelet::KubeletDouble;
+use gpuplane::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
+use gpuplane::dra::ClaimRef;
+use gpuplane::node::dra::DraSettings;
+use gpuplane::node::{NodeError, NodeOptions, NodePaths};
+use gpuplane::proto::deviceplugin_v1beta1 as dp;
+use gpuplane::proto::dra_health_v1alpha1 as health;
+use gpuplane::proto::dra_v1 as v1;
+use gpuplane::source::{DeviceSource, SimSource};
+use serde_json::Value;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use support::{eventually, put_claim, AgentProcess, DRIVER, NODE};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// A hang guard for waits, never a timing assertion.
+const WAIT: Duration = Duration::from_secs(30);
+const GPU: &str = "nvidia.com/gpu";
+
+/// The real agent in this process on a simulated DGX H100 (so Xids can be injected), with the
+/// doubles, `/metrics` on a local port and a kube client whose read timeout is 2 s.
+struct Node {
+    dir: tempfile::TempDir,
+    api: ApiServerDouble,
+    kubelet: KubeletDouble,
+    dra: KubeletDraDouble,
+    sim: SimSource,
+    metrics: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), NodeError>>,
+}
+
+impl Node {
+    async fn start(config: &str) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let api = ApiServerDouble::start().await.unwrap();
+        let kubelet = KubeletDouble::start(&d.join("kubelet")).await.unwrap();
+        let dra = KubeletDraDouble::start(&d.join("kubelet"), KubeletDraOptions::default());
+        let sim = SimSource::new(gpuplane::sim::load("dgx-h100").unwrap());
+        support::lay_out_node(d, 8, &api.url());
+        std::fs::write(d.join("config.yaml"), config).unwrap();
+        let mut client_config = api.config().unwrap();
+        client_config.read_timeout = Some(Duration::from_secs(2));
+        let metrics: SocketAddr = ([127, 0, 0, 1], support::free_port()).into();
+        let opts = NodeOptions {
+            node_name: NODE.into(),
+            paths: NodePaths {
+                kubelet_root: d.join("kubelet"),
+                cdi_root: d.join("cdi"),
+                state_dir: d.join("state"),
+                driver_root: d.join("driver"),
+                dev_root: d.join("dev"),
+            },
+            config_file: Some(d.join("config.yaml")),
+            device_plugin: true,
+            dra: Some(DraSettings {
+                driver_name: DRIVER.into(),
+                client: kube::Client::try_from(client_config).unwrap(),
+            }),
+            metrics_addr: Some(metrics),
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let source: Arc<dyn DeviceSource> = Arc::new(sim.clone());
+        let task = tokio::spawn(gpuplane::node::run(opts, source, async {
+            let _ = stopped.await;
+        }));
+        let node = Node {
+            dir,
+            api,
+            kubelet,
+            dra,
+            sim,
+            metrics,
+            stop: Some(stop),
+            task,
+        };
+        node.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+        node.kubelet
+            .wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.healthy() == 8))
+            .await
+            .unwrap();
+        node
+    }
+
+    async fn stop(mut self) {
+        assert!(!self.task.is_finished(), "the agent kept running");
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        self.task.await.unwrap().unwrap();
+    }
+
+    fn uuid(&self, gpu: usize) -> String {
+        self.sim.discover().unwrap().inventory.gpus[gpu]
+            .uuid
+            .clone()
+    }
+
+    fn metric(&self, sample: &str) -> f64 {
+        support::http_get(self.metrics, "/metrics")
+            .and_then(|(_, body)| support::metric_value(&body, sample))
+            .unwrap_or(0.0)
+    }
+
+    fn slices(&self) -> Vec<Value> {
+        self.api
+            .list_json("resource.k8s.io/v1", "resourceslices", None)
+    }
+
+    /// `key=value` of every taint on `device` in the published slices.
+    fn taints(&self, device: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        for s in self.slices() {
+            for d in s["spec"]["devices"].as_array().into_iter().flatten() {
+                if d["name"] == device {
+                    for t in d["taints"].as_array().into_iter().flatten() {
+                        out.push(format!(
+                            "{}={}",
+                            t["key"].as_str().unwrap_or(""),
+                            t["value"].as_str().unwrap_or("")
+                        ));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    async fn prepare(&self, c: &ClaimRef) -> Result<Vec<String>, String> {
+        let mut out = self
+            .dra
+            .prepare(DRIVER, std::slice::from_ref(c))
+            .await
+            .map_err(|s| s.message().to_string())?;
+        out.remove(&c.uid)
+            .unwrap()
+            .map(|devs| devs.into_iter().flat_map(|d| d.cdi_ids).collect())
+    }
+
+    /// An Xid 48 on `gpu`: ListAndWatch must show it unhealthy (the kubelet is served).
+    async fn xid(&self, gpu: usize) {
+        let uuid = self.uuid(gpu);
+        self.sim.inject_xid(&uuid, None, 48);
+        self.kubelet
+            .wait_for(WAIT, |p| {
+                p[GPU]
+                    .devices
+                    .iter()
+                    .any(|d| d.id == uuid && d.health == "Unhealthy")
+            })
+            .await
+            .unwrap();
+    }
+
+    async fn tainted(&self, gpu: usize) {
+        let device = format!("gpu-{gpu}");
+        eventually(&format!("the Xid taint on {device}"), WAIT, || {
+            self.taints(&device) == ["gpu.gpuplane.dev/unhealthy=xid-48"]
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_server_errors_timeouts_and_lost_watches_leave_the_kubelet_served_and_slices_converge()
+{
+    let node = Node::start("allocation: {podResourcesGrace: 1s}\n").await;
+    eventually("the slices", WAIT, || node.slices().len() == 1).await;
+    let kept = put_claim(&node.api, "kept", &["gpu-0"]);
+    let kept_ids = node.prepare(&kept).await.unwrap();
+    let failed = r#"gpuplane_slice_syncs_total{outcome="failed"}"#;
+    let failed_before = node.metric(failed);
+
+    // An outage of the resource API: every call 500, open watches dropped.
+    let outage = node
+        .api
+        .inject(Fault::status("*", "/apis/resource.k8s.io/", 500));
+    node.api.drop_watches();
+    node.xid(5).await;
+    let (pod_ids, _) = node
+        .kubelet
+        .admit("team-b", "pod-1", "main", GPU, 1)
+        .await
+        .expect("Allocate works without the API server");
+    assert_eq!(
+        node.prepare(&kept).await.unwrap(),
+        kept_ids,
+        "a prepared claim is answered from the checkpoint"
+    );
+    let free = (1..4).find(|g| node.uuid(*g) != pod_ids[0]).unwrap();
+    let late = put_claim(&node.api, "late", &[&format!("gpu-{free}")]);
+    let err = node.prepare(&late).await.unwrap_err();
+    assert!(
+        err.contains("team-a/late"),
+        "the error names the claim: {err}"
+    );
+    eventually("a failed sync counted", WAIT, || {
+        node.metric(failed) > failed_before
+    })
+    .await;
+    assert!(node.taints("gpu-5").is_empty(), "nothing was written");
+    node.api.clear_fault(outage);
+    node.tainted(5).await;
+    assert_eq!(node.prepare(&late).await.unwrap().len(), 1);
+    node.kubelet.end_pod("team-b", "pod-1");
+
+    // Conflicts, then throttling, on the slice writes.
+    node.api
+        .inject(Fault::conflict("PUT", "/resourceslices").times(3));
+    node.xid(6).await;
+    node.tainted(6).await;
+    node.api
+        .inject(Fault::throttle("PUT", "/resourceslices", 0).times(4));
+    node.xid(7).await;
+    node.tainted(7).await;
+
+    // A server that holds its answers past the client's timeout, for a while.
+    node.api.inject(
+        Fault::delay("*", "/resourceslices", Duration::from_secs(4))
+            .lasting(Duration::from_secs(6)),
+    );
+    node.xid(4).await;
+    node.tainted(4).await;
+
+    // Watches dropped again and again, then refused for a while: a slice deleted behind the
+    // agent's back is noticed and published again.
+    for _ in 0..5 {
+        node.api.drop_watches();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    node.api.fail_watches(Duration::from_secs(3));
+    let name = node.slices()[0]["metadata"]["name"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    node.api
+        .delete_json("resource.k8s.io/v1", "resourceslices", None, &name);
+    eventually("the deleted slice back", WAIT, || node.slices().len() == 1).await;
+
+    // Converged: exactly the desired slices, valid, with every health taint and nothing else
+    // (the pod ended, so its GPU is not in use any more).
+    for gpu in [4, 5, 6, 7] {
+        node.tainted(gpu).await;
+    }
+    eventually("no taints on GPUs 0-3", WAIT, || {
+        (0..4).all(|g| node.taints(&format!("gpu-{g}")).is_empty())
+    })
+    .await;
+    for s in node.slices() {
+        let slice: k8s_openapi::api::resource::v1::ResourceSlice =
+            serde_json::from_value(s).unwrap();
+        gpuplane::slices::validate::validate(&slice).unwrap();
+    }
+    assert!(node.metric(failed) > failed_before);
+    // ListAndWatch: the Xid GPUs and the two claims' GPUs are out, the rest offered.
+    let out: Vec<String> = [0, free, 4, 5, 6, 7]
+        .iter()
+        .map(|g| node.uuid(*g))
+        .collect();
+    node.kubelet
+        .wait_for(WAIT, |p| {
+            p[GPU]
+                .devices
+                .iter()
+                .all(|d| (d.health == "Unhealthy") == out.contains(&d.id))
+        })
+        .await
+        .unwrap();
+    node.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_the_agent_serves_on()
+{
+    let mut node = Node::start("").await;
+    let claim = put_claim(&node.api, "steady", &["gpu-0"]);
+    let ids = node.prepare(&claim).await.unwrap();
+
+    // Restarts, repeatedly, of both kubelet sides.
+    for round in 0..4 {
+        let before = node.kubelet.registrations().len();
+        node.kubelet.restart().await.unwrap();
+        node.kubelet
+            .wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.healthy() == 7))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert!(node.kubelet.registrations().len() > before);
+        let before = node.dra.registrations().len();
+        node.dra.restart().await;
+        node.dra
+            .wait_until(WAIT, "a new DRA registration", |k| {
+                k.registrations().len() > before && k.plugin(DRIVER).is_some()
+            })
+            .await
+            .unwrap();
+        assert_eq!(node.prepare(&claim).await.unwrap(), ids, "round {round}");
+    }
+
+    // The agent's DRA sockets vanish: served and registered again.
+    let view = node.dra.plugin(DRIVER).unwrap();
+    let before = node.dra.registrations().len();
+    std::fs::remove_file(&view.registration_socket).unwrap();
+    std::fs::remove_file(&view.endpoint).unwrap();
+    node.dra
+        .wait_until(WAIT, "registration after the sockets vanished", |k| {
+            k.registrations().len() > before && k.plugin(DRIVER).is_some()
+        })
+        .await
+        .unwrap();
+    assert_eq!(node.prepare(&claim).await.unwrap(), ids);
+
+    // Streams opened and dropped by the kubelet side, over and over.
+    let dp_endpoint = node.kubelet.plugin(GPU).unwrap().endpoint;
+    let dra_endpoint = node.dra.plugin(DRIVER).unwrap().endpoint;
+    for _ in 0..20 {
+        let channel = gpuplane::grpc::connect(&dp_endpoint).await.unwrap();
+        let mut stream = dp::device_plugin_client::DevicePluginClient::new(channel)
+            .list_and_watch(dp::Empty {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(stream.message().await.unwrap().unwrap().devices.len(), 8);
+        drop(stream);
+        let channel = gpuplane::grpc::connect(&dra_endpoint).await.unwrap();
+        let mut stream = health::dra_resource_health_client::DraResourceHealthClient::new(channel)
+            .node_watch_resources(health::NodeWatchResourcesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(stream.message().await.unwrap().unwrap().devices.len(), 8);
+    }
+    node.xid(3).await; // the kubelet's own stream still follows
+
+    // Garbage device IDs.
+    let err = node
+        .kubelet
+        .allocate(GPU, &["GPU-nope".into(), String::new()])
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("GPU-nope"), "{}", err.message());
+    let err = node
+        .kubelet
+        .preferred(GPU, &["GPU-nope".into()], &["../x".into()], 1)
+        .await;
+    assert!(err.is_err(), "{err:?}");
+
+    // Garbage claims, with one good claim in the same request.
+    let good = put_claim(&node.api, "good", &["gpu-1"]);
+    let garbage = [
+        ("../../etc/passwd", "team-a", "x"),
+        ("", "team-a", "x"),
+        ("ABCDEF", "team-a", "x"),
+        ("0b5c3f2e-1111-4222-8333-444455556666", "team-a", "ghost"),
+        ("0b5c3f2e-1111-4222-8333-444455556667", "team-a", "Bad/Name"),
+        ("0b5c3f2e-1111-4222-8333-444455556668", "", "x"),
+    ];
+    let mut claims: Vec<ClaimRef> = garbage
+        .iter()
+        .map(|(uid, ns, name)| ClaimRef {
+            uid: uid.to_string(),
+            namespace: ns.to_string(),
+            name: name.to_string(),
+        })
+        .collect();
+    // The empty UID cannot be a map key next to another; ask it on its own below.
+    let empty = claims.remove(1);
+    claims.push(good.clone());
+    let answers = node.dra.prepare(DRIVER, &claims).await.unwrap();
+    for c in &claims[..claims.len() - 1] {
+        let err = answers[&c.uid].as_ref().unwrap_err();
+        assert!(!err.is_empty(), "{c:?}");
+    }
+    let ghost = answers["0b5c3f2e-1111-4222-8333-444455556666"]
+        .as_ref()
+        .unwrap_err();
+    assert!(ghost.contains("team-a/ghost"), "{ghost}");
+    assert!(answers[&good.uid].is_ok(), "{:?}", answers[&good.uid]);
+    let err = raw_prepare(&node, &empty).await;
+    assert!(!err.is_empty(), "an empty UID is refused");
+
+    // Unprepare of garbage removes nothing.
+    let specs = || {
+        let mut v: Vec<String> = std::fs::read_dir(node.dir.path().join("cdi"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let before = specs();
+    let answers = node
+        .dra
+        .unprepare(DRIVER, &claims[..claims.len() - 1])
+        .await
+        .unwrap();
+    // Nothing to undo is success (the kubelet would retry an error for ever); a request
+    // the shell cannot take is refused on its own.
+    for (uid, answer) in &answers {
+        match uid.as_str() {
+            "0b5c3f2e-1111-4222-8333-444455556668" => {
+                assert!(
+                    answer.as_ref().is_err_and(|e| e.contains("namespace")),
+                    "{answer:?}"
+                )
+            }
+            _ => assert!(answer.is_ok(), "{uid}: {answer:?}"),
+        }
+    }
+    assert_eq!(specs(), before);
+    assert_eq!(node.prepare(&claim).await.unwrap(), ids);
+    assert_eq!(
+        support::http_get(node.metrics, "/healthz").map(|(c, _)| c),
+        Some(200)
+    );
+    node.stop().await;
+}
+
+/// NodePrepareResources over v1 for one claim, straight on the socket; the per-claim error.
+async fn raw_prepare(node: &Node, c: &ClaimRef) -> String {
+    let endpoint = node.dra.plugin(DRIVER).unwrap().endpoint;
+    let channel = gpuplane::grpc::connect(&endpoint).await.unwrap();
+    let resp = v1::dra_plugin_client::DraPluginClient::new(channel)
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![v1::Claim {
+                namespace: c.namespace.clone(),
+                uid: c.uid.clone(),
+                name: c.name.clone(),
+            }],
+        })
+        .await;
+    match resp {
+        Ok(r) => r
+            .into_inner()
+            .claims
+            .get(&c.uid)
+            .map(|r| r.error.clone())
+            .unwrap_or_else(|| "no answer for the claim".into()),
+        Err(s) => s.message().to_string(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nvml_failing_at_start_up_is_retried_then_the_gpus_that_answer_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = dir.path().join("libnvidia-ml.so.1");
+    std::fs::copy(support::built_fake(), &lib).unwrap();
+    let control = dir.path().join("control");
+    // The driver is not loaded yet; GPU 3 will have fallen off the bus.
+    std::fs::write(&control, "init-fail\nlose 3\n").unwrap();
+    let api = ApiServerDouble::start().await.unwrap();
+    let kubelet = KubeletDouble::start(&dir.path().join("kubelet"))
+        .await
+        .unwrap();
+    let dra = KubeletDraDouble::start(&dir.path().join("kubelet"), KubeletDraOptions::default());
+    support::lay_out_node(dir.path(), 8, &api.url());
+    let mut agent = AgentProcess::spawn(
+        dir.path(),
+        "",
+        &["--nvml-lib", lib.to_str().unwrap()],
+        &[
+            ("GPUPLANE_FAKE_NVML_PROFILE", "dgx-h100".as_ref()),
+            ("GPUPLANE_FAKE_NVML_CONTROL", control.as_os_str()),
+        ],
+        "nvml",
+    );
+
+    let failures = "gpuplane_discovery_failures_total";
+    eventually("two failed discoveries", WAIT, || {
+        agent.metric(failures).is_some_and(|n| n >= 2.0)
+    })
+    .await;
+    assert!(agent.running(), "no crash loop:\n{}", agent.log_text());
+    let (code, why) = agent.get("/readyz").unwrap();
+    assert_eq!(code, 503);
+    assert!(
+        why.contains("devices not discovered yet") && why.contains("driver is not loaded"),
+        "{why}"
+    );
+    assert_eq!(agent.get("/healthz").map(|(c, _)| c), Some(200));
+    assert!(kubelet.plugins().is_empty() && dra.registered_drivers().is_empty());
+
+    // The driver comes up: the seven GPUs that answer are served through both APIs.
+    writeln!(
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&control)
+            .unwrap(),
+        "init-ok"
+    )
+    .unwrap();
+    kubelet
+        .wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.healthy() == 7))
+        .await
+        .unwrap();
+    dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    let devices = || {
+        api.list_json("resource.k8s.io/v1", "resourceslices", None)
+            .iter()
+            .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+            .map(|d| d["name"].as_str().unwrap_or_default().to_string())
+            .collect::<Vec<String>>()
+    };
+    eventually("seven published GPUs", WAIT, || devices().len() == 7).await;
+    assert!(!devices().contains(&"gpu-3".to_string()));
+    eventually("ready", WAIT, || {
+        agent.get("/readyz").is_some_and(|(c, _)| c == 200)
+    })
+    .await;
+    assert!(agent.running());
+    agent.kill();
+}
