@@ -96,8 +96,13 @@ impl Registry {
 
     /// Adds one to a counter.
     pub fn inc(&self, name: &'static str, help: &'static str, pairs: &[(&str, &str)]) {
+        self.add(name, help, pairs, 1);
+    }
+
+    /// Adds `n` to a counter.
+    pub fn add(&self, name: &'static str, help: &'static str, pairs: &[(&str, &str)], n: u64) {
         self.with(name, help, Kind::Counter, |f| {
-            *f.values.entry(labels(pairs)).or_default() += 1.0
+            *f.values.entry(labels(pairs)).or_default() += n as f64
         });
     }
 

@@ -21,7 +21,8 @@
 //! Field names follow NVIDIA's `resource.nvidia.com/v1beta1` `GpuConfig` (`sharing.go`:
 //! `strategy`, `timeSlicingConfig.interval`, `mpsConfig.defaultActiveThreadPercentage`,
 //! `mpsConfig.defaultPinnedDeviceMemoryLimit`, `mpsConfig.defaultPerDevicePinnedMemoryLimit`), so
-//! a config written for NVIDIA's driver needs only its `apiVersion` changed. The shorter
+//! a config written for NVIDIA's driver is accepted as written, under its own apiVersion
+//! [`NVIDIA_API_VERSION`]. The shorter
 //! spellings `timeSlicing` and `mps` are accepted as aliases (giving both is an error).
 //!
 //! Decoding is strict: an unknown field, apiVersion, kind, strategy or interval, a value of the
@@ -59,6 +60,10 @@ use std::fmt;
 
 /// The apiVersion of gpuplane's opaque config.
 pub const API_VERSION: &str = "gpu.gpuplane.dev/v1alpha1";
+
+/// NVIDIA's DRA driver's apiVersion for the same `GpuConfig`: accepted as written, so claims
+/// made for NVIDIA's driver keep working when gpuplane replaces it (`--driver-name gpu.nvidia.com`).
+pub const NVIDIA_API_VERSION: &str = "resource.nvidia.com/v1beta1";
 /// The only kind there is.
 pub const KIND: &str = "GpuConfig";
 
@@ -90,7 +95,7 @@ pub enum OpaqueError {
         a: &'static str,
         b: &'static str,
     },
-    #[error("apiVersion: `{found}` is not supported (expected `{API_VERSION}`)")]
+    #[error("apiVersion: `{found}` is not supported (expected `{API_VERSION}` or NVIDIA's `{NVIDIA_API_VERSION}`)")]
     ApiVersion { found: String },
     #[error("kind: `{found}` is not supported (expected `{KIND}`)")]
     Kind { found: String },
@@ -293,7 +298,7 @@ pub fn parse(raw: &Value) -> Result<GpuConfig, OpaqueError> {
         field: "apiVersion".into(),
     })?;
     let api_version = string(api_version.0, &api_version.1)?;
-    if api_version != API_VERSION {
+    if api_version != API_VERSION && api_version != NVIDIA_API_VERSION {
         return Err(OpaqueError::ApiVersion {
             found: api_version.to_string(),
         });
@@ -655,6 +660,21 @@ mod tests {
     }
 
     #[test]
+    fn nvidia_configs_are_accepted_as_written() {
+        let c = parse(&json!({
+            "apiVersion": "resource.nvidia.com/v1beta1",
+            "kind": "GpuConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}
+        }))
+        .unwrap();
+        assert_eq!(c.sharing.map(|s| s.strategy()), Some("TimeSlicing"));
+        let e = parse(&json!({"apiVersion": "resource.nvidia.com/v1", "kind": "GpuConfig"}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("resource.nvidia.com/v1beta1"), "{e}");
+    }
+
+    #[test]
     fn decodes_both_strategies_and_no_sharing() {
         assert_eq!(
             parse(&json!({"apiVersion": API_VERSION, "kind": KIND})).unwrap(),
@@ -716,7 +736,7 @@ mod tests {
             (json!("x"), "parameters: expected an object"),
             (json!({"kind": KIND}), "apiVersion: required"),
             (json!({"apiVersion": API_VERSION}), "kind: required"),
-            (json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": KIND}), "apiVersion: `resource.nvidia.com/v1beta1`"),
+            (json!({"apiVersion": "resource.nvidia.com/v1", "kind": KIND}), "apiVersion: `resource.nvidia.com/v1`"),
             (json!({"apiVersion": API_VERSION, "kind": "MigDeviceConfig"}), "kind: `MigDeviceConfig`"),
             (json!({"apiVersion": API_VERSION, "kind": KIND, "extra": 1}), "extra: unknown field"),
             (base(json!({"strategy": "Fabric"})), "sharing.strategy: `Fabric` is not one of"),

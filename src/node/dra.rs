@@ -65,6 +65,8 @@ pub struct DraStarted {
     pub tasks: Vec<JoinHandle<()>>,
     /// True once the kubelet confirmed the plugin's registration.
     pub registered: watch::Receiver<bool>,
+    /// True while the node's ResourceSlices are published as wanted.
+    pub published: watch::Receiver<bool>,
 }
 
 /// Starts the DRA core, server and slice publisher; the tasks end when `stop` turns true.
@@ -122,6 +124,7 @@ pub async fn start(
         }
     }));
     let publisher = SlicePublisher::new(settings.client, driver, node_name);
+    let published = publisher.published();
     let options = LoopOptions {
         resync: Duration::from_secs(300),
         retry: Duration::from_secs(1),
@@ -134,5 +137,9 @@ pub async fn start(
         })
         .await;
     }));
-    Ok(DraStarted { tasks, registered })
+    Ok(DraStarted {
+        tasks,
+        registered,
+        published,
+    })
 }

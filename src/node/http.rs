@@ -1,6 +1,7 @@
 //! The agent's HTTP endpoints: `/metrics` (Prometheus text), `/healthz` (the main loop is
-//! turning) and `/readyz` (devices discovered and registered with the kubelet for every enabled
-//! API). They are served from the start, before the devices are discovered.
+//! turning) and `/readyz` (devices discovered, registered with the kubelet for every enabled API,
+//! and the node's ResourceSlices published when DRA is on). They are served from the start,
+//! before the devices are discovered.
 
 use crate::health::Health;
 use crate::metrics;
@@ -26,11 +27,19 @@ pub struct Readiness {
     pub last_tick_ms: AtomicU64,
     /// `None`: the device plugin is off; else whether every resource is registered.
     pub device_plugin: Option<Arc<AtomicBool>>,
-    /// `None`: DRA is off; else, once DRA started, whether the kubelet confirmed the DRA
-    /// plugin's registration.
-    pub dra: Option<OnceLock<watch::Receiver<bool>>>,
+    /// `None`: DRA is off; else, once DRA started, its registration and publication.
+    pub dra: Option<OnceLock<DraReadiness>>,
     /// Why the devices are not discovered yet; `None` once they are.
     pub discovery: Mutex<Option<String>>,
+}
+
+/// What DRA readiness follows.
+#[derive(Debug)]
+pub struct DraReadiness {
+    /// Whether the kubelet confirmed the DRA plugin's registration.
+    pub registered: watch::Receiver<bool>,
+    /// Whether the node's ResourceSlices are published as wanted.
+    pub published: watch::Receiver<bool>,
 }
 
 pub fn now_ms() -> u64 {
@@ -70,8 +79,14 @@ impl Readiness {
             }
         }
         if let Some(dra) = &self.dra {
-            if !dra.get().is_some_and(|r| *r.borrow()) {
+            let Some(dra) = dra.get() else {
+                return Err("DRA: not started yet".into());
+            };
+            if !*dra.registered.borrow() {
                 return Err("DRA: the kubelet has not confirmed the plugin registration".into());
+            }
+            if !*dra.published.borrow() {
+                return Err("DRA: ResourceSlices not published yet or the last sync failed (see the log)".into());
             }
         }
         Ok(())

@@ -341,7 +341,10 @@ pub async fn run(
             )
             .await?;
             if let Some(cell) = &readiness.dra {
-                let _ = cell.set(started.registered);
+                let _ = cell.set(http::DraReadiness {
+                    registered: started.registered,
+                    published: started.published,
+                });
             }
             started.tasks
         }

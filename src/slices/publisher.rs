@@ -192,6 +192,8 @@ pub struct SlicePublisher {
     /// loop ignores those events.
     own_versions: VecDeque<String>,
     own_deletes: VecDeque<String>,
+    /// True while the last sync succeeded: the API server holds what we want (readiness).
+    published: watch::Sender<bool>,
 }
 
 const OWN_MEMORY: usize = 512;
@@ -209,7 +211,13 @@ impl SlicePublisher {
             last_written: 0,
             own_versions: VecDeque::new(),
             own_deletes: VecDeque::new(),
+            published: watch::Sender::new(false),
         }
+    }
+
+    /// Follows whether the last sync succeeded.
+    pub fn published(&self) -> watch::Receiver<bool> {
+        self.published.subscribe()
     }
 
     /// Makes the Node (by its UID) the controlling owner of every slice, so the garbage
@@ -254,6 +262,15 @@ impl SlicePublisher {
     /// missing, updates what differs, deletes the rest (an empty `desired` removes every slice
     /// of this node and driver). Nothing is written when nothing differs.
     pub async fn sync(&mut self, desired: Vec<ResourceSlice>) -> Result<SyncStats, PublishError> {
+        let result = self.sync_checked(desired).await;
+        self.published.send_replace(result.is_ok());
+        result
+    }
+
+    async fn sync_checked(
+        &mut self,
+        desired: Vec<ResourceSlice>,
+    ) -> Result<SyncStats, PublishError> {
         let desired = self.check(desired)?;
         let mut stats = SyncStats::default();
         let mut attempt = 0u32;
@@ -262,6 +279,15 @@ impl SlicePublisher {
                 Ok(()) => {
                     if stats.writes() > 0 {
                         tracing::info!(node = %self.node, driver = %self.driver, created = stats.created, updated = stats.updated, deleted = stats.deleted, generation = stats.generation, "ResourceSlices published");
+                    }
+                    for (op, n) in [
+                        ("create", stats.created),
+                        ("update", stats.updated),
+                        ("delete", stats.deleted),
+                    ] {
+                        if n > 0 {
+                            metrics::global().add(WRITES, WRITES_HELP, &[("op", op)], n as u64);
+                        }
                     }
                     return Ok(stats);
                 }
@@ -503,6 +529,10 @@ impl Default for LoopOptions {
         }
     }
 }
+
+/// ResourceSlice writes by operation: on a quiet node this stays flat (writes only differences).
+const WRITES: &str = "gpuplane_slice_writes_total";
+const WRITES_HELP: &str = "ResourceSlice writes to the API server, by operation.";
 
 /// Syncs by outcome: a failing API server shows as a growing `failed` count.
 const SYNCS: &str = "gpuplane_slice_syncs_total";
