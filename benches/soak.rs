@@ -207,7 +207,8 @@ async fn soak(seconds: u64) {
 
 fn report(seconds: u64, n: &Counts, samples: &[(f64, u64)]) {
     let warmup = (seconds as f64 / 4.0).max(10.0);
-    let (warm, steady): (Vec<_>, Vec<_>) = samples.iter().partition(|s| s.0 < warmup);
+    let (warm, steady): (Vec<(f64, u64)>, Vec<(f64, u64)>) =
+        samples.iter().partition(|s| s.0 < warmup);
     println!(
         "gpuplane soak: {seconds} s against the agent binary (release), {} logical CPUs",
         std::thread::available_parallelism().map_or(0, |n| n.get())
@@ -245,10 +246,9 @@ fn report(seconds: u64, n: &Counts, samples: &[(f64, u64)]) {
         median(&steady_kib),
         steady_kib.iter().max().unwrap()
     );
-    let points: Vec<(f64, u64)> = steady.iter().map(|s| **s).collect();
     println!(
         "steady-state growth: slope {:+.1} KiB/min; last 5 vs first 5 samples (medians) {:+} KiB",
-        slope_per_minute(&points),
+        slope_per_minute(&steady),
         median(&tail) as i64 - median(&head) as i64
     );
 }

@@ -28,7 +28,7 @@ use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota};
 use crate::topology::TopologyModel;
 use crate::webhook::review::{self, Verdict};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceClaimSpec};
 use prost::Message;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
@@ -346,8 +346,17 @@ pub fn admission_review(data: &[u8]) {
             let Some(Ok(pod)) = req.object.as_ref().map(Pod::deserialize) else {
                 return;
             };
-            let _ = pod_template_names(&pod);
-            pod_charge(&pod, &BTreeMap::new(), catalog())
+            // Every template the pod names exists and asks for one GPU, as the webhook's
+            // cache would answer.
+            let template: ResourceClaimSpec =
+                serde_json::from_value(json!({"devices": {"requests": [
+                {"name": "gpu", "exactly": {"deviceClassName": "gpu.gpuplane.dev"}}]}}))
+                .expect("fixture template");
+            let templates: BTreeMap<String, ResourceClaimSpec> = pod_template_names(&pod)
+                .into_iter()
+                .map(|t| (t, template.clone()))
+                .collect();
+            pod_charge(&pod, &templates, catalog())
         }
         ("resource.k8s.io", "ResourceClaim") => {
             let Some(Ok(claim)) = req.object.as_ref().map(ResourceClaim::deserialize) else {
@@ -465,6 +474,11 @@ pub fn deviceplugin_request(data: &[u8]) {
                     c.available_device_i_ds.contains(id),
                     "{id} was not available"
                 );
+            }
+            let offered: BTreeSet<&String> = c.available_device_i_ds.iter().collect();
+            if offered.len() == c.available_device_i_ds.len() {
+                let distinct: BTreeSet<&String> = ids.iter().collect();
+                assert_eq!(distinct.len(), ids.len(), "{ids:?} repeats a device");
             }
             for m in &c.must_include_device_i_ds {
                 assert!(ids.contains(m), "must-include {m} left out of {ids:?}");

@@ -93,25 +93,37 @@ fn checkpoint_seeds_are_byte_for_byte_what_the_agent_writes() {
     }
 }
 
+/// Files named `hostile-*` (inputs made to be refused) or `crash-*` (inputs a fuzzer once
+/// crashed on); the rest are seeds.
+fn seeds(target: &str) -> Vec<PathBuf> {
+    files(&corpus_root().join(target))
+        .into_iter()
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_str().unwrap();
+            !name.starts_with("hostile-") && !name.starts_with("crash-")
+        })
+        .collect()
+}
+
 /// The seeds of the other decoders are accepted inputs, so the fuzzers start from the valid
 /// shapes rather than from errors.
 #[test]
 fn profile_config_and_opaque_seeds_are_accepted() {
-    for f in files(&corpus_root().join("sim_profile")) {
+    for f in seeds("sim_profile") {
         let text = std::fs::read_to_string(&f).unwrap();
         gpuplane::sim::from_str("seed", "seed", &text)
             .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
     }
-    for f in files(&corpus_root().join("agent_config")) {
+    for f in seeds("agent_config") {
         let text = std::fs::read_to_string(&f).unwrap();
         gpuplane::config::AgentConfig::parse("seed", &text)
             .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
     }
-    for f in files(&corpus_root().join("opaque_config")) {
+    for f in seeds("opaque_config") {
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&f).unwrap()).unwrap();
         gpuplane::dra::opaque::parse(&v).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
     }
-    for f in files(&corpus_root().join("admission_review")) {
+    for f in seeds("admission_review") {
         gpuplane::webhook::review::decode(&std::fs::read(&f).unwrap())
             .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
     }

@@ -141,6 +141,15 @@ impl NodeLab {
     /// Writes `config` (the agent's YAML config) to `config.yaml` and starts the agent with the
     /// device plugin and DRA on, in the background.
     pub fn start_agent(&self, config: &str) -> Result<RunningAgent, LabError> {
+        self.start_agent_serving(config, None)
+    }
+
+    /// [`NodeLab::start_agent`], also serving `/metrics`, `/healthz` and `/readyz` on `metrics`.
+    pub fn start_agent_serving(
+        &self,
+        config: &str,
+        metrics_addr: Option<std::net::SocketAddr>,
+    ) -> Result<RunningAgent, LabError> {
         let cfg = self.root.join("config.yaml");
         std::fs::write(&cfg, config).map_err(io("writing", &cfg))?;
         let opts = NodeOptions {
@@ -152,7 +161,7 @@ impl NodeLab {
                 driver_name: DRIVER.into(),
                 client: self.api.client()?,
             }),
-            metrics_addr: None,
+            metrics_addr,
         };
         let (stop, stopped) = oneshot::channel::<()>();
         let source: Arc<dyn DeviceSource> = Arc::new(self.sim.clone());
