@@ -32,7 +32,8 @@ const WAIT: Duration = Duration::from_secs(30);
 const CONFIG: &str = "health: {recoveryQuietPeriod: 1s}\nallocation: {podResourcesGrace: 1s}\n";
 
 /// (seconds since start, VmRSS in KiB).
-type Samples = Arc<Mutex<Vec<(f64, u64)>>>;
+type Sample = (f64, u64);
+type Samples = Arc<Mutex<Vec<Sample>>>;
 
 fn vm_rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -61,6 +62,8 @@ struct Counts {
     allocated: u64,
     allocate_refused: u64,
     prepared: u64,
+    /// Refused by the ledger: the GPU was still held by a pod that just ended.
+    prepare_refused: u64,
     prepare_failed: u64,
     unprepared: u64,
     xids: u64,
@@ -131,50 +134,50 @@ async fn soak(seconds: u64) {
         .await
         .unwrap();
     dra.watch_health(DRIVER).unwrap();
+    let serving = start.elapsed().as_secs_f64();
 
     let mut n = Counts::default();
     let until = start + Duration::from_secs(seconds);
     while Instant::now() < until {
         let i = n.cycles;
         n.cycles += 1;
-        let pod = format!("pod-{i}");
-        let held = match kubelet.admit("soak", &pod, "main", GPU, 1).await {
-            Ok((ids, _)) => {
-                n.allocated += 1;
-                ids
-            }
-            Err(_) => {
-                n.allocate_refused += 1;
-                Vec::new()
-            }
-        };
-        // A claim on a GPU the pod does not hold.
-        let view = kubelet
-            .plugin(GPU)
-            .unwrap_or_else(|| panic!("cycle {i}: no plugin"));
-        let free = view
-            .devices
-            .iter()
-            .position(|d| d.health == "Healthy" && !held.contains(&d.id));
-        if let Some(g) = free {
-            let claim = support::put_claim(&api, &format!("claim-{i}"), &[&format!("gpu-{g}")]);
-            match dra.prepare(DRIVER, std::slice::from_ref(&claim)).await {
-                Ok(a) if a.get(&claim.uid).is_some_and(Result::is_ok) => n.prepared += 1,
+        // A claim first, on the next GPU in turn that the ledger gives it: a GPU a pod just
+        // ended on stays held for the PodResources grace period, and is refused meanwhile.
+        let mut claim = None;
+        for k in 0..8 {
+            let g = (i + k) % 8;
+            let c = support::put_claim(&api, &format!("claim-{i}-{k}"), &[&format!("gpu-{g}")]);
+            let answer = dra.prepare(DRIVER, std::slice::from_ref(&c)).await;
+            api.delete_json(
+                "resource.k8s.io/v1",
+                "resourceclaims",
+                Some("team-a"),
+                &c.name,
+            );
+            match answer.ok().and_then(|mut a| a.remove(&c.uid)) {
+                Some(Ok(_)) => {
+                    n.prepared += 1;
+                    claim = Some(c);
+                    break;
+                }
+                Some(Err(e)) if e.contains("held by") => n.prepare_refused += 1,
                 _ => n.prepare_failed += 1,
             }
+        }
+        // A pod through the device plugin API; the claimed GPU is withdrawn from it.
+        let pod = format!("pod-{i}");
+        match kubelet.admit("soak", &pod, "main", GPU, 1).await {
+            Ok(_) => n.allocated += 1,
+            Err(_) => n.allocate_refused += 1,
+        }
+        if let Some(c) = claim {
             if dra
-                .unprepare(DRIVER, std::slice::from_ref(&claim))
+                .unprepare(DRIVER, std::slice::from_ref(&c))
                 .await
                 .is_ok_and(|a| a.values().all(Result::is_ok))
             {
                 n.unprepared += 1;
             }
-            api.delete_json(
-                "resource.k8s.io/v1",
-                "resourceclaims",
-                Some("team-a"),
-                &claim.name,
-            );
         }
         kubelet.end_pod("soak", &pod);
         if i % 10 == 9 {
@@ -201,28 +204,27 @@ async fn soak(seconds: u64) {
     sampler.join().unwrap();
     let mut agent = agent;
     assert!(agent.running(), "the agent died:\n{}", agent.log_text());
-    report(seconds, &n, &samples.lock().unwrap());
+    report(seconds, serving, &n, &samples.lock().unwrap());
     agent.kill();
 }
 
-fn report(seconds: u64, n: &Counts, samples: &[(f64, u64)]) {
+fn report(seconds: u64, serving: f64, n: &Counts, samples: &[(f64, u64)]) {
     let warmup = (seconds as f64 / 4.0).max(10.0);
-    let (warm, steady): (Vec<(f64, u64)>, Vec<(f64, u64)>) =
-        samples.iter().partition(|s| s.0 < warmup);
+    let (warm, steady): (Vec<Sample>, Vec<Sample>) = samples.iter().partition(|s| s.0 < warmup);
     println!(
         "gpuplane soak: {seconds} s against the agent binary (release), {} logical CPUs",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(
-        "workload: {} cycles; {} Allocates ({} refused), {} prepares ({} failed), {} unprepares, {} Xids, {} kubelet restarts (both APIs), {} /metrics scrapes",
-        n.cycles, n.allocated, n.allocate_refused, n.prepared, n.prepare_failed, n.unprepared, n.xids, n.restarts, n.scrapes
+        "workload: {} cycles; {} Allocates ({} refused), {} prepares ({} refused by the ledger: GPU still held by a just-ended pod; {} failed), {} unprepares, {} Xids, {} kubelet restarts (both APIs), {} /metrics scrapes",
+        n.cycles, n.allocated, n.allocate_refused, n.prepared, n.prepare_refused, n.prepare_failed, n.unprepared, n.xids, n.restarts, n.scrapes
     );
-    let Some(first) = samples.first() else {
+    let Some(first) = samples.iter().find(|s| s.0 >= serving) else {
         println!("no RSS samples");
         return;
     };
     println!(
-        "RSS at start (first sample, {:.1} s): {} KiB",
+        "RSS once serving (first sample after registration, {:.1} s): {} KiB",
         first.0, first.1
     );
     if warm.len() < 5 || steady.len() < 5 {
