@@ -65,6 +65,7 @@ struct Counts {
     /// Refused by the ledger: the GPU was still held by a pod that just ended.
     prepare_refused: u64,
     prepare_failed: u64,
+    first_failure: Option<String>,
     unprepared: u64,
     xids: u64,
     restarts: u64,
@@ -135,6 +136,12 @@ async fn soak(seconds: u64) {
         .unwrap();
     dra.watch_health(DRIVER).unwrap();
     let serving = start.elapsed().as_secs_f64();
+    let uuids: Vec<String> = gpuplane::sim::load("dgx-h100")
+        .unwrap()
+        .gpus
+        .iter()
+        .map(|g| g.uuid.clone())
+        .collect();
 
     let mut n = Counts::default();
     let until = start + Duration::from_secs(seconds);
@@ -144,8 +151,22 @@ async fn soak(seconds: u64) {
         // A claim first, on the next GPU in turn that the ledger gives it: a GPU a pod just
         // ended on stays held for the PodResources grace period, and is refused meanwhile.
         let mut claim = None;
+        // GPUs ListAndWatch shows unhealthy (an Xid not yet recovered) are not tried.
+        let healthy: Vec<String> = kubelet
+            .plugin(GPU)
+            .map(|v| {
+                v.devices
+                    .iter()
+                    .filter(|d| d.health == "Healthy")
+                    .map(|d| d.id.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
         for k in 0..8 {
             let g = (i + k) % 8;
+            if !healthy.contains(&uuids[g as usize]) {
+                continue;
+            }
             let c = support::put_claim(&api, &format!("claim-{i}-{k}"), &[&format!("gpu-{g}")]);
             let answer = dra.prepare(DRIVER, std::slice::from_ref(&c)).await;
             api.delete_json(
@@ -161,7 +182,12 @@ async fn soak(seconds: u64) {
                     break;
                 }
                 Some(Err(e)) if e.contains("held by") => n.prepare_refused += 1,
-                _ => n.prepare_failed += 1,
+                other => {
+                    n.prepare_failed += 1;
+                    if n.first_failure.is_none() {
+                        n.first_failure = Some(format!("{other:?}"));
+                    }
+                }
             }
         }
         // A pod through the device plugin API; the claimed GPU is withdrawn from it.
@@ -219,6 +245,9 @@ fn report(seconds: u64, serving: f64, n: &Counts, samples: &[(f64, u64)]) {
         "workload: {} cycles; {} Allocates ({} refused), {} prepares ({} refused by the ledger: GPU still held by a just-ended pod; {} failed), {} unprepares, {} Xids, {} kubelet restarts (both APIs), {} /metrics scrapes",
         n.cycles, n.allocated, n.allocate_refused, n.prepared, n.prepare_refused, n.prepare_failed, n.unprepared, n.xids, n.restarts, n.scrapes
     );
+    if let Some(f) = &n.first_failure {
+        println!("first failed prepare: {f}");
+    }
     let Some(first) = samples.iter().find(|s| s.0 >= serving) else {
         println!("no RSS samples");
         return;

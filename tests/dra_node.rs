@@ -360,7 +360,10 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    let body = buf.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
+    let body = buf
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
     (code, body)
 }
 
@@ -400,7 +403,10 @@ async fn readyz_waits_until_the_slices_are_published_and_metrics_count_the_write
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(ready, "readyz never turned 200 once the API server accepted the slices");
+    assert!(
+        ready,
+        "readyz never turned 200 once the API server accepted the slices"
+    );
     assert!(!lab.slices().is_empty());
     let (_, metrics) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))
         .await

@@ -86,7 +86,10 @@ impl Readiness {
                 return Err("DRA: the kubelet has not confirmed the plugin registration".into());
             }
             if !*dra.published.borrow() {
-                return Err("DRA: ResourceSlices not published yet or the last sync failed (see the log)".into());
+                return Err(
+                    "DRA: ResourceSlices not published yet or the last sync failed (see the log)"
+                        .into(),
+                );
             }
         }
         Ok(())
