@@ -168,13 +168,14 @@ fn init_refused() -> bool {
     let Ok(text) = std::fs::read_to_string(path) else {
         return false;
     };
+    // The last init line wins.
     text.lines()
-        .filter_map(|l| match l.split('#').next().unwrap_or("").trim() {
+        .rev()
+        .find_map(|l| match l.split('#').next().unwrap_or("").trim() {
             "init-fail" => Some(true),
             "init-ok" => Some(false),
             _ => None,
         })
-        .last()
         .unwrap_or(false)
 }
 
