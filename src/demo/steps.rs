@@ -791,7 +791,22 @@ async fn pod_group(cx: &Context<'_>, say: &mut Narrator<'_>) -> Outcome {
         .iter()
         .filter(|(m, p)| m == "GET" && p.contains("/gpuquotas") && !p.contains("watch"))
         .count();
-    let count = cx.queue.snapshot().released.saturating_sub(released_before);
+    // The loop counts its releases once every gate removal of the cycle has answered, a
+    // moment after the last pod shows ungated.
+    let want = members.len() as u64;
+    let counted = poll(|| async {
+        let n = cx.queue.snapshot().released.saturating_sub(released_before);
+        if n >= want {
+            Ok(n)
+        } else {
+            Err(format!("{n} releases counted"))
+        }
+    })
+    .await;
+    let count = match counted {
+        Ok(n) => n,
+        Err(e) => return Outcome::Failed(format!("the controller's release counter: {e}")),
+    };
     say.say(format!(
         "the controller removed {} gates (PATCH) with {cycles_between} quota reads between them; it counts {count} releases",
         gates.len()
