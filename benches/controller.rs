@@ -30,6 +30,7 @@ use gpuplane::controller::metrics::QueueMetrics;
 use gpuplane::controller::pods::PodRef;
 use gpuplane::controller::queue::{self, QueueOptions};
 use gpuplane::controller::writes::{self, Ungated};
+use gpuplane::doubles::admission::pod_create_review;
 use gpuplane::doubles::apiserver::ApiServerDouble;
 use gpuplane::quota::SCHEDULING_GATE;
 use gpuplane::webhook::{self, WebhookOptions};
@@ -91,16 +92,7 @@ impl Pki {
     }
 
     fn client_config(&self) -> Arc<rustls::ClientConfig> {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(self.ca_der.clone()).unwrap();
-        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-        Arc::new(cfg)
+        Arc::new(gpuplane::demo::tls::client_trusting(self.ca_der.clone()).unwrap())
     }
 
     fn server_config(&self) -> Arc<rustls::ServerConfig> {
@@ -186,26 +178,7 @@ fn pod_review(ns: &str, i: usize) -> Vec<u8> {
         "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{ns}-{name}")},
         "spec": {"containers": [{"name": "main", "image": "cuda",
             "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}});
-    serde_json::to_vec(&json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": format!("req-{ns}-{i}"),
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
-            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": name,
-            "namespace": ns,
-            "operation": "CREATE",
-            "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
-            "object": pod,
-            "oldObject": null,
-            "dryRun": false,
-            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}
-        }
-    }))
-    .unwrap()
+    serde_json::to_vec(&pod_create_review(&format!("req-{ns}-{i}"), &pod)).unwrap()
 }
 
 /// The outcome of one concurrency level.

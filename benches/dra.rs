@@ -20,24 +20,17 @@ mod common;
 use common::{percentiles, row};
 
 use gpuplane::doubles::apiserver::ApiServerDouble;
-use gpuplane::doubles::kubelet::KubeletDouble;
-use gpuplane::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
+use gpuplane::doubles::kubelet_dra::KubeletDraOptions;
+use gpuplane::doubles::lab::{NodeLab, RunningAgent, DRIVER};
 use gpuplane::dra::ClaimRef;
-use gpuplane::node::dra::DraSettings;
-use gpuplane::node::{NodeOptions, NodePaths};
 use gpuplane::proto::deviceplugin_v1beta1 as pb;
 use gpuplane::source::{DeviceSource, SimSource};
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use serde_json::{json, Value};
 use std::collections::BTreeMap;
+use std::ops::Deref;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
-const DRIVER: &str = "gpu.gpuplane.dev";
-const NODE: &str = "bench-node";
 const NS: &str = "bench";
 const WAIT: Duration = Duration::from_secs(20);
 const WARMUP: usize = 5;
@@ -91,95 +84,39 @@ fn write_breakdown(api: &ApiServerDouble) -> String {
         .join(", ")
 }
 
-struct Agent {
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<Result<(), gpuplane::node::NodeError>>,
-}
-
-impl Agent {
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        self.task
-            .await
-            .expect("agent task")
-            .expect("agent exits cleanly");
-    }
-}
-
+/// The library's `NodeLab` in a temp dir (fields drop in order: the doubles stop first).
 struct Lab {
+    node: NodeLab,
     dir: tempfile::TempDir,
-    api: ApiServerDouble,
-    kubelet: KubeletDouble,
-    dra: KubeletDraDouble,
-    sim: SimSource,
+}
+
+impl Deref for Lab {
+    type Target = NodeLab;
+    fn deref(&self) -> &NodeLab {
+        &self.node
+    }
 }
 
 impl Lab {
     async fn new(profile: &str) -> Lab {
         let dir = tempfile::tempdir().expect("temp dir");
-        let root = dir.path().join("kubelet");
-        let api = ApiServerDouble::start().await.expect("API server double");
-        let kubelet = KubeletDouble::start(&root).await.expect("kubelet double");
-        let dra = KubeletDraDouble::start(&root, KubeletDraOptions::default());
         let sim = SimSource::new(gpuplane::sim::load(profile).expect("profile"));
-        // Prepare checks that the device nodes exist; plain files will do.
-        let dev = dir.path().join("dev");
-        std::fs::create_dir_all(&dev).expect("dev root");
-        let gpus = sim.discover().expect("discover").inventory.gpus.len();
-        let mut names: Vec<String> = (0..gpus).map(|i| format!("nvidia{i}")).collect();
-        names.extend(["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"].map(String::from));
-        for n in names {
-            std::fs::write(dev.join(n), "").expect("device node");
-        }
-        Lab {
-            dir,
-            api,
-            kubelet,
-            dra,
-            sim,
-        }
-    }
-
-    fn start(&self, config: &str) -> Agent {
-        let d = self.dir.path();
-        let cfg = d.join("config.yaml");
-        std::fs::write(&cfg, config).expect("config");
-        let opts = NodeOptions {
-            node_name: NODE.into(),
-            paths: NodePaths {
-                kubelet_root: d.join("kubelet"),
-                cdi_root: d.join("cdi"),
-                state_dir: d.join("state"),
-                driver_root: d.join("driver"),
-                dev_root: d.join("dev"),
-            },
-            config_file: Some(cfg),
-            device_plugin: true,
-            dra: Some(DraSettings {
-                driver_name: DRIVER.into(),
-                client: self.api.client().expect("kube client"),
-            }),
-            metrics_addr: None,
-        };
-        let (stop, stopped) = oneshot::channel::<()>();
-        let source: Arc<dyn DeviceSource> = Arc::new(self.sim.clone());
-        let task = tokio::spawn(gpuplane::node::run(opts, source, async {
-            let _ = stopped.await;
-        }));
-        Agent {
-            stop: Some(stop),
-            task,
-        }
+        let node = NodeLab::start(dir.path(), sim, KubeletDraOptions::default())
+            .await
+            .expect("lab");
+        Lab { node, dir }
     }
 
     /// Starts an agent and waits until both kubelet doubles saw it register anew (the doubles
     /// may still hold the previous agent's registrations).
-    async fn start_registered(&self, config: &str, plugin_devices: usize) -> (Agent, PathBuf) {
+    async fn start_registered(
+        &self,
+        config: &str,
+        plugin_devices: usize,
+    ) -> (RunningAgent, PathBuf) {
         let dra_before = self.dra.registrations().len();
         let dp_before = self.kubelet.registrations().len();
-        let agent = self.start(config);
+        let agent = self.start_agent(config).expect("agent");
         let deadline = Instant::now() + WAIT;
         while self.dra.registrations().len() <= dra_before
             || self.dra.plugin(DRIVER).is_none()
@@ -198,11 +135,6 @@ impl Lab {
             .await
             .expect("device plugin devices");
         (agent, view["nvidia.com/gpu"].endpoint.clone())
-    }
-
-    fn slices(&self) -> Vec<Value> {
-        self.api
-            .list_json("resource.k8s.io/v1", "resourceslices", None)
     }
 
     fn published_devices(&self) -> usize {
@@ -232,24 +164,9 @@ impl Lab {
         }
     }
 
-    /// A claim allocated by the (absent) scheduler to `devices` of this node's pool.
+    /// A claim in [`NS`] allocated by the (absent) scheduler to `devices` of this node's pool.
     fn claim(&self, name: &str, devices: &[&str]) -> ClaimRef {
-        let results: Vec<Value> = devices
-            .iter()
-            .map(|d| json!({"request": "gpus", "driver": DRIVER, "pool": NODE, "device": d}))
-            .collect();
-        let obj = json!({
-            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-            "metadata": {"name": name, "namespace": NS},
-            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu.gpuplane.dev", "count": devices.len()}}]}},
-            "status": {"allocation": {"devices": {"results": results}}}
-        });
-        let stored = self.api.put_json(obj).expect("store claim");
-        ClaimRef {
-            namespace: NS.into(),
-            name: name.into(),
-            uid: stored["metadata"]["uid"].as_str().expect("uid").to_string(),
-        }
+        self.node.claim(NS, name, devices).expect("store claim")
     }
 
     async fn prepare(&self, claims: &[ClaimRef]) {
@@ -367,7 +284,7 @@ async fn prepare_latency() {
             "  floors: prepare = {n} GET(s) + {n} fsync'd atomic write(s); unprepare = {n} write(s)"
         );
     }
-    agent.stop().await;
+    agent.stop().await.expect("agent exits cleanly");
 }
 
 #[derive(Default)]
@@ -420,7 +337,7 @@ async fn ledger_overhead() {
                 }
                 lab.unprepare(&claim).await;
             }
-            agent.stop().await;
+            agent.stop().await.expect("agent exits cleanly");
         }
     }
     let [shared, partitioned] = samples;
@@ -483,7 +400,7 @@ async fn api_writes() {
             "  {breakdown}; {later} more in the next 1 s; {expected} devices in {slices} slice(s)"
         );
 
-        agent.stop().await;
+        agent.stop().await.expect("agent exits cleanly");
         lab.api.clear_requests();
         let (agent, _) = lab.start_registered(config, expected).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -514,7 +431,7 @@ async fn api_writes() {
             );
             println!("  {breakdown}; {later} more in the next 1 s");
         }
-        agent.stop().await;
+        agent.stop().await.expect("agent exits cleanly");
     }
 }
 

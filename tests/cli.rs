@@ -165,40 +165,11 @@ async fn the_node_agent_stops_on_sigterm_removing_its_sockets() {
     kubelet.stop().await;
 }
 
-/// A plain HTTP/1.1 GET over loopback: (status code, body).
-fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return (0, String::new());
-    };
-    let _ = write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    );
-    let mut buf = String::new();
-    let _ = s.read_to_string(&mut buf);
-    let code = buf
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (
-        code,
-        buf.split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default(),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_node_agent_serves_metrics_healthz_and_readyz_with_real_meaning() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("kubelet");
-    let addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .to_string();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], support::free_port()).into();
     let mut child = Command::new(env!("CARGO_BIN_EXE_gpuplane"))
         .args([
             "node",
@@ -207,7 +178,7 @@ async fn the_node_agent_serves_metrics_healthz_and_readyz_with_real_meaning() {
             "--simulate",
             "pcie-l4x4",
             "--metrics-addr",
-            &addr,
+            &addr.to_string(),
             "--kubelet-root",
         ])
         .arg(&root)
@@ -216,13 +187,10 @@ async fn the_node_agent_serves_metrics_healthz_and_readyz_with_real_meaning() {
         .env("RUST_LOG", "warn")
         .spawn()
         .unwrap();
-    let get = |path: &'static str| {
-        let a = addr.clone();
-        async move {
-            tokio::task::spawn_blocking(move || http_get(&a, path))
-                .await
-                .unwrap()
-        }
+    let get = |path: &'static str| async move {
+        tokio::task::spawn_blocking(move || support::http_get(addr, path).unwrap_or_default())
+            .await
+            .unwrap()
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while get("/healthz").await.0 != 200 {

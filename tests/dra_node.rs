@@ -3,6 +3,7 @@
 
 #[path = "support/lab.rs"]
 mod lab;
+mod support;
 
 use gpuplane::dra::ClaimRef;
 use gpuplane::proto::dra_health_v1alpha1::HealthStatus;
@@ -343,47 +344,22 @@ async fn a_kubelet_that_speaks_only_dra_v1beta1_gets_the_same_answers() {
     agent.stop().await;
 }
 
-/// One plain HTTP GET; (0, "") while nothing listens yet.
-fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return (0, String::new());
-    };
-    let _ = write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    );
-    let mut buf = String::new();
-    let _ = s.read_to_string(&mut buf);
-    let code = buf
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = buf
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    (code, body)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_waits_until_the_slices_are_published_and_metrics_count_the_writes() {
     use gpuplane::doubles::apiserver::Fault;
     let lab = Lab::new("dgx-h100").await;
     let refused = lab.api.inject(Fault::status("POST", "resourceslices", 500));
-    let addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], support::free_port()).into();
     let agent = lab.start_agent_serving("", Some(addr)).unwrap();
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
     // Registered with the kubelet, but the API server refuses every slice: not ready, and why.
     let mut last = (0, String::new());
     for _ in 0..100 {
-        last = tokio::task::spawn_blocking(move || http_get(addr, "/readyz"))
-            .await
-            .unwrap();
+        last = tokio::task::spawn_blocking(move || {
+            support::http_get(addr, "/readyz").unwrap_or_default()
+        })
+        .await
+        .unwrap();
         if last.1.contains("ResourceSlices") {
             break;
         }
@@ -394,9 +370,11 @@ async fn readyz_waits_until_the_slices_are_published_and_metrics_count_the_write
     lab.api.clear_fault(refused);
     let mut ready = false;
     for _ in 0..150 {
-        let (code, _) = tokio::task::spawn_blocking(move || http_get(addr, "/readyz"))
-            .await
-            .unwrap();
+        let (code, _) = tokio::task::spawn_blocking(move || {
+            support::http_get(addr, "/readyz").unwrap_or_default()
+        })
+        .await
+        .unwrap();
         if code == 200 {
             ready = true;
             break;
@@ -408,13 +386,12 @@ async fn readyz_waits_until_the_slices_are_published_and_metrics_count_the_write
         "readyz never turned 200 once the API server accepted the slices"
     );
     assert!(!lab.slices().is_empty());
-    let (_, metrics) = tokio::task::spawn_blocking(move || http_get(addr, "/metrics"))
-        .await
-        .unwrap();
-    let created: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("gpuplane_slice_writes_total{op=\"create\"} "))
-        .and_then(|v| v.parse().ok())
+    let (_, metrics) = tokio::task::spawn_blocking(move || {
+        support::http_get(addr, "/metrics").unwrap_or_default()
+    })
+    .await
+    .unwrap();
+    let created = support::metric_value(&metrics, "gpuplane_slice_writes_total{op=\"create\"}")
         .unwrap_or_else(|| panic!("no slice write counter in {metrics}"));
     assert!(created >= lab.slices().len() as f64, "{metrics}");
     agent.stop().await.unwrap();

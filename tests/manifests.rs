@@ -896,7 +896,6 @@ mod tls {
     use std::path::PathBuf;
     use std::sync::Arc;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio_rustls::rustls;
     use tokio_rustls::rustls::pki_types::ServerName;
 
     /// A test CA and a serving certificate for localhost in a temp dir.
@@ -934,15 +933,7 @@ mod tls {
 
         /// POSTs `body` to `path` and returns the response body (HTTP/1.1, one connection).
         pub async fn post(&self, addr: SocketAddr, path: &str, body: &[u8]) -> serde_json::Value {
-            let mut roots = rustls::RootCertStore::empty();
-            roots.add(self.ca.der().clone()).unwrap();
-            let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+            let cfg = gpuplane::demo::tls::client_trusting(self.ca.der().clone()).unwrap();
             let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
             let mut conn = tokio_rustls::TlsConnector::from(Arc::new(cfg))
                 .connect(ServerName::try_from("localhost").unwrap(), tcp)
@@ -966,22 +957,7 @@ mod tls {
 }
 
 fn pod_review(uid: &str, pod: Value) -> Vec<u8> {
-    serde_json::to_vec(&json!({
-        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": {
-            "uid": uid,
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
-            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": pod["metadata"]["name"], "namespace": pod["metadata"]["namespace"],
-            "operation": "CREATE",
-            "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
-            "object": pod, "oldObject": null, "dryRun": false,
-            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}
-        }
-    }))
-    .unwrap()
+    serde_json::to_vec(&gpuplane::doubles::admission::pod_create_review(uid, &pod)).unwrap()
 }
 
 fn gpu_pod(ns: &str, name: &str, gated: bool) -> Value {

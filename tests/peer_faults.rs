@@ -20,83 +20,67 @@ mod support;
 use gpuplane::doubles::apiserver::{ApiServerDouble, Fault};
 use gpuplane::doubles::kubelet::KubeletDouble;
 use gpuplane::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
+use gpuplane::doubles::lab::{NodeLab, RunningAgent};
 use gpuplane::dra::ClaimRef;
-use gpuplane::node::dra::DraSettings;
-use gpuplane::node::{NodeError, NodeOptions, NodePaths};
 use gpuplane::proto::deviceplugin_v1beta1 as dp;
 use gpuplane::proto::dra_health_v1alpha1 as health;
 use gpuplane::proto::dra_v1 as v1;
 use gpuplane::source::{DeviceSource, SimSource};
-use serde_json::Value;
 use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::ops::{Deref, DerefMut};
 use std::time::Duration;
-use support::{eventually, put_claim, AgentProcess, DRIVER, NODE};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
+use support::{eventually, put_claim, AgentProcess, DRIVER};
 
 /// A hang guard for waits, never a timing assertion.
 const WAIT: Duration = Duration::from_secs(30);
 const GPU: &str = "nvidia.com/gpu";
 
 /// The real agent in this process on a simulated DGX H100 (so Xids can be injected), with the
-/// doubles, `/metrics` on a local port and a kube client whose read timeout is 2 s.
+/// doubles (the library's `NodeLab`), `/metrics` on a local port and a kube client whose read
+/// timeout is 2 s.
 struct Node {
-    dir: tempfile::TempDir,
-    api: ApiServerDouble,
-    kubelet: KubeletDouble,
-    dra: KubeletDraDouble,
-    sim: SimSource,
+    agent: RunningAgent,
+    lab: NodeLab,
+    _dir: tempfile::TempDir,
     metrics: SocketAddr,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<Result<(), NodeError>>,
+}
+
+impl Deref for Node {
+    type Target = NodeLab;
+    fn deref(&self) -> &NodeLab {
+        &self.lab
+    }
+}
+
+impl DerefMut for Node {
+    fn deref_mut(&mut self) -> &mut NodeLab {
+        &mut self.lab
+    }
 }
 
 impl Node {
     async fn start(config: &str) -> Node {
         let dir = tempfile::tempdir().unwrap();
-        let d = dir.path();
-        let api = ApiServerDouble::start().await.unwrap();
-        let kubelet = KubeletDouble::start(&d.join("kubelet")).await.unwrap();
-        let dra = KubeletDraDouble::start(&d.join("kubelet"), KubeletDraOptions::default());
         let sim = SimSource::new(gpuplane::sim::load("dgx-h100").unwrap());
-        support::lay_out_node(d, 8, &api.url());
-        std::fs::write(d.join("config.yaml"), config).unwrap();
-        let mut client_config = api.config().unwrap();
+        let lab = NodeLab::start(dir.path(), sim, KubeletDraOptions::default())
+            .await
+            .unwrap();
+        let mut client_config = lab.api.config().unwrap();
         client_config.read_timeout = Some(Duration::from_secs(2));
         let metrics: SocketAddr = ([127, 0, 0, 1], support::free_port()).into();
-        let opts = NodeOptions {
-            node_name: NODE.into(),
-            paths: NodePaths {
-                kubelet_root: d.join("kubelet"),
-                cdi_root: d.join("cdi"),
-                state_dir: d.join("state"),
-                driver_root: d.join("driver"),
-                dev_root: d.join("dev"),
-            },
-            config_file: Some(d.join("config.yaml")),
-            device_plugin: true,
-            dra: Some(DraSettings {
-                driver_name: DRIVER.into(),
-                client: kube::Client::try_from(client_config).unwrap(),
-            }),
-            metrics_addr: Some(metrics),
-        };
-        let (stop, stopped) = oneshot::channel::<()>();
-        let source: Arc<dyn DeviceSource> = Arc::new(sim.clone());
-        let task = tokio::spawn(gpuplane::node::run(opts, source, async {
-            let _ = stopped.await;
-        }));
+        let agent = lab
+            .start_agent_with_client(
+                config,
+                Some(metrics),
+                kube::Client::try_from(client_config).unwrap(),
+            )
+            .unwrap();
         let node = Node {
-            dir,
-            api,
-            kubelet,
-            dra,
-            sim,
+            agent,
+            lab,
+            _dir: dir,
             metrics,
-            stop: Some(stop),
-            task,
         };
         node.dra.wait_registered(DRIVER, WAIT).await.unwrap();
         node.kubelet
@@ -106,12 +90,9 @@ impl Node {
         node
     }
 
-    async fn stop(mut self) {
-        assert!(!self.task.is_finished(), "the agent kept running");
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        self.task.await.unwrap().unwrap();
+    async fn stop(self) {
+        assert!(!self.agent.is_finished(), "the agent kept running");
+        self.agent.stop().await.unwrap();
     }
 
     fn uuid(&self, gpu: usize) -> String {
@@ -126,38 +107,11 @@ impl Node {
             .unwrap_or(0.0)
     }
 
-    fn slices(&self) -> Vec<Value> {
-        self.api
-            .list_json("resource.k8s.io/v1", "resourceslices", None)
-    }
-
-    /// `key=value` of every taint on `device` in the published slices.
-    fn taints(&self, device: &str) -> Vec<String> {
-        let mut out = Vec::new();
-        for s in self.slices() {
-            for d in s["spec"]["devices"].as_array().into_iter().flatten() {
-                if d["name"] == device {
-                    for t in d["taints"].as_array().into_iter().flatten() {
-                        out.push(format!(
-                            "{}={}",
-                            t["key"].as_str().unwrap_or(""),
-                            t["value"].as_str().unwrap_or("")
-                        ));
-                    }
-                }
-            }
-        }
-        out
-    }
-
+    /// The CDI IDs NodePrepareResources answered for `c`, or the claim's error.
     async fn prepare(&self, c: &ClaimRef) -> Result<Vec<String>, String> {
-        let mut out = self
-            .dra
-            .prepare(DRIVER, std::slice::from_ref(c))
+        self.lab
+            .prepare(c)
             .await
-            .map_err(|s| s.message().to_string())?;
-        out.remove(&c.uid)
-            .unwrap()
             .map(|devs| devs.into_iter().flat_map(|d| d.cdi_ids).collect())
     }
 
@@ -404,7 +358,7 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
 
     // Unprepare of garbage removes nothing.
     let specs = || {
-        let mut v: Vec<String> = std::fs::read_dir(node.dir.path().join("cdi"))
+        let mut v: Vec<String> = std::fs::read_dir(node.root().join("cdi"))
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();

@@ -65,15 +65,7 @@ impl Pki {
     }
 
     fn client_config(&self) -> Arc<rustls::ClientConfig> {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(self.ca.der().clone()).unwrap();
-        let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+        let mut cfg = gpuplane::demo::tls::client_trusting(self.ca.der().clone()).unwrap();
         // Every connection does a full handshake, so it sees the certificate served now (a
         // resumed session reports the certificate of the session it resumes).
         cfg.resumption = rustls::client::Resumption::disabled();

@@ -9,6 +9,7 @@ use super::tls::DemoPki;
 use super::{Narrator, QUEUE_GPUS, QUEUE_NAMESPACE, QUOTA_NAME, REJECT_GPUS, REJECT_NAMESPACE};
 use crate::controller::metrics::QueueMetrics;
 use crate::controller::pods::{GROUP_LABEL, GROUP_SIZE_ANNOTATION};
+use crate::doubles::admission::pod_create_review;
 use crate::doubles::lab::{NodeLab, NODE};
 use crate::dra::ClaimRef;
 use crate::inventory::{DeviceRef, Inventory};
@@ -520,29 +521,6 @@ async fn ledger_refusal(cx: &Context<'_>, carry: &mut Carry, say: &mut Narrator<
     Outcome::Held(evidence)
 }
 
-/// An AdmissionReview v1 for creating `pod` in its namespace, as the API server sends it.
-fn pod_review(uid: &str, pod: &Value) -> Value {
-    json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "request": {
-            "uid": uid,
-            "kind": {"group": "", "version": "v1", "kind": "Pod"},
-            "resource": {"group": "", "version": "v1", "resource": "pods"},
-            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
-            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
-            "name": pod["metadata"]["name"],
-            "namespace": pod["metadata"]["namespace"],
-            "operation": "CREATE",
-            "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
-            "object": pod,
-            "oldObject": null,
-            "dryRun": false,
-            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}
-        }
-    })
-}
-
 fn gpu_pod(namespace: &str, name: &str, gpus: u32) -> Value {
     json!({
         "apiVersion": "v1", "kind": "Pod",
@@ -564,7 +542,7 @@ async fn review(
         .post_json(
             cx.webhook,
             path,
-            &pod_review(&format!("review-{name}"), pod),
+            &pod_create_review(&format!("review-{name}"), pod),
         )
         .await
         .map_err(|e| e.to_string())?;
@@ -935,7 +913,7 @@ mod tests {
     #[test]
     fn the_pod_reviews_pass_the_webhooks_strict_decoding() {
         let pod = gpu_pod("team-a", "p", 2);
-        let body = serde_json::to_vec(&pod_review("u-1", &pod)).unwrap_or_default();
+        let body = serde_json::to_vec(&pod_create_review("u-1", &pod)).unwrap_or_default();
         let req = crate::webhook::review::decode(&body).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(req.uid, "u-1");
         assert_eq!(req.operation, "CREATE");

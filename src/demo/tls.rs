@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::ServerName;
+use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
 
 /// The name the serving certificate is for, and the one the client asks for.
 const SERVER_NAME: &str = "localhost";
@@ -47,6 +47,19 @@ pub enum TlsError {
     },
 }
 
+/// A TLS client config (ring, safe default protocol versions, no client certificate) that
+/// trusts the CA `ca` only.
+pub fn client_trusting(ca: CertificateDer<'static>) -> Result<rustls::ClientConfig, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca)?;
+    Ok(rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth())
+}
+
 /// The webhook's certificate files and a client config that trusts them.
 pub struct DemoPki {
     pub cert_file: PathBuf,
@@ -71,18 +84,10 @@ impl DemoPki {
                 source,
             })?;
         }
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(ca.der().clone())?;
-        let client = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
         Ok(DemoPki {
             cert_file,
             key_file,
-            client: Arc::new(client),
+            client: Arc::new(client_trusting(ca.der().clone())?),
         })
     }
 

@@ -77,6 +77,11 @@ impl RunningAgent {
         (&mut self.task).await??;
         Ok(())
     }
+
+    /// Whether the agent's task has ended already (it failed, or was stopped).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
 }
 
 impl Drop for RunningAgent {
@@ -150,6 +155,17 @@ impl NodeLab {
         config: &str,
         metrics_addr: Option<std::net::SocketAddr>,
     ) -> Result<RunningAgent, LabError> {
+        self.start_agent_with_client(config, metrics_addr, self.api.client()?)
+    }
+
+    /// [`NodeLab::start_agent_serving`] with `client` as the agent's kube client (one with a
+    /// short read timeout, say) instead of the double's default one.
+    pub fn start_agent_with_client(
+        &self,
+        config: &str,
+        metrics_addr: Option<std::net::SocketAddr>,
+        client: kube::Client,
+    ) -> Result<RunningAgent, LabError> {
         let cfg = self.root.join("config.yaml");
         std::fs::write(&cfg, config).map_err(io("writing", &cfg))?;
         let opts = NodeOptions {
@@ -159,7 +175,7 @@ impl NodeLab {
             device_plugin: true,
             dra: Some(DraSettings {
                 driver_name: DRIVER.into(),
-                client: self.api.client()?,
+                client,
             }),
             metrics_addr,
         };

@@ -2,6 +2,7 @@
 //! tests and by `gpuplane demo`, which runs the whole story without a cluster. Nothing in the
 //! agent itself depends on this module.
 
+pub mod admission;
 pub mod apiserver;
 pub mod kubelet;
 pub mod kubelet_dra;

@@ -1,0 +1,28 @@
+//! What the API server sends an admission webhook, for the demo, tests and benches that stand
+//! in for it.
+
+use serde_json::{json, Value};
+
+/// An AdmissionReview v1 for creating `pod` in its namespace (by user `alice`), as the API
+/// server sends it.
+pub fn pod_create_review(uid: &str, pod: &Value) -> Value {
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": pod["metadata"]["name"],
+            "namespace": pod["metadata"]["namespace"],
+            "operation": "CREATE",
+            "userInfo": {"username": "alice", "groups": ["system:authenticated"]},
+            "object": pod,
+            "oldObject": null,
+            "dryRun": false,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}
+        }
+    })
+}
