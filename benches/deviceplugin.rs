@@ -49,6 +49,7 @@ async fn allocate_vs_bare_rpc() {
             cdi_root: dir.path().join("cdi"),
             state_dir: dir.path().join("state"),
             driver_root: dir.path().join("driver"),
+            driver_root_mount: None,
             dev_root: dir.path().join("dev"),
         },
         config_file: None,

@@ -120,9 +120,14 @@ struct NodeArgs {
     /// The agent's durable state.
     #[arg(long, default_value = "/var/lib/gpuplane")]
     state_dir: PathBuf,
-    /// Root of the NVIDIA driver's files (e.g. /run/nvidia/driver with the GPU operator).
+    /// Root of the NVIDIA driver's files as the host sees them (e.g. /run/nvidia/driver with
+    /// the GPU operator); CDI specs name files under it.
     #[arg(long, default_value = "/")]
     driver_root: PathBuf,
+    /// Where this process finds --driver-root when it is mounted elsewhere (a host-installed
+    /// driver in a container: the host's / mounted at /host). Default: at --driver-root.
+    #[arg(long, value_name = "DIR")]
+    driver_root_mount: Option<PathBuf>,
     /// Where device nodes live.
     #[arg(long, default_value = "/dev")]
     dev_root: PathBuf,
@@ -339,6 +344,7 @@ fn run_node(args: NodeArgs) -> Result<()> {
                 cdi_root: args.cdi_root,
                 state_dir: args.state_dir,
                 driver_root: args.driver_root,
+                driver_root_mount: args.driver_root_mount,
                 dev_root: args.dev_root,
             },
             config_file: args.config,

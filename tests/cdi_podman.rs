@@ -326,6 +326,7 @@ impl Agent {
                 cdi_root: CDI_ROOT.into(),
                 state_dir: d.join("state"),
                 driver_root: driver_root.to_path_buf(),
+                driver_root_mount: None,
                 dev_root: dev_root.to_path_buf(),
             },
             config_file: None,

@@ -35,6 +35,7 @@ fn options(dir: &Path, config: Option<&str>) -> NodeOptions {
             cdi_root: dir.join("cdi"),
             state_dir: dir.join("state"),
             driver_root: dir.join("driver"),
+            driver_root_mount: None,
             dev_root: dir.join("dev"),
         },
         config_file,

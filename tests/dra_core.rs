@@ -84,6 +84,7 @@ impl Env {
             node_name: NODE.into(),
             cdi_root: self.root.join("cdi"),
             driver_root: self.root.join("driver"),
+            driver_root_mount: None,
             dev_root: self.root.join("dev"),
             proc_root: self.root.join("proc"),
             state_dir: self.root.join("state"),

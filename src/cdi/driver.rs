@@ -257,6 +257,26 @@ impl DriverFiles {
         files
     }
 
+    /// The same files named as the host sees them, when the agent found them under `mount`
+    /// (the host's driver root `host_root` mounted elsewhere in the agent's container, e.g. the
+    /// host's `/` at `/host`): CDI specs are read by the runtime on the host. Paths outside
+    /// `mount` are left as they are.
+    pub fn seen_from_host(mut self, mount: &Path, host_root: &Path) -> DriverFiles {
+        let rebase = |p: &mut PathBuf| {
+            if let Ok(rest) = p.strip_prefix(mount) {
+                *p = host_root.join(rest);
+            }
+        };
+        for f in self.libraries.iter_mut().chain(self.binaries.iter_mut()) {
+            rebase(&mut f.host_path);
+        }
+        if let Some(h) = self.ldcache_hook.as_mut() {
+            rebase(h);
+        }
+        self.driver_root = host_root.to_path_buf();
+        self
+    }
+
     /// Nothing discovered yet: a starting point for tests and callers that fill fields in.
     pub fn empty(driver_root: &Path, dev_root: &Path) -> DriverFiles {
         DriverFiles {

@@ -432,3 +432,32 @@ fn written_node_spec_is_unchanged_on_rewrite() {
         WriteOutcome::Unchanged
     );
 }
+
+#[test]
+fn a_driver_found_under_a_mount_is_named_as_the_host_sees_it() {
+    // A host-installed driver: the agent sees the host's / at <driver>, the runtime at /.
+    let r = roots();
+    fake_driver(&r.driver);
+    let inv = inv("pcie-l4x4");
+    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps)
+        .seen_from_host(&r.driver, Path::new("/"));
+    assert!(!files.libraries.is_empty());
+    for f in files.libraries.iter().chain(&files.binaries) {
+        assert_eq!(f.host_path, f.container_path, "{f:?}");
+    }
+    assert_eq!(
+        files.ldcache_hook.as_deref(),
+        Some(Path::new("/usr/bin/nvidia-ctk"))
+    );
+    // Device nodes are not under the driver root and keep their paths.
+    assert!(files
+        .control_nodes
+        .iter()
+        .all(|n| n.host_path.starts_with(&r.dev)));
+    let spec = render_node_spec(&inv, &files, &Kind::default());
+    assert!(spec
+        .container_edits
+        .mounts
+        .iter()
+        .any(|m| m.host_path == "/usr/lib/x86_64-linux-gnu/libcuda.so.550.90.07"));
+}

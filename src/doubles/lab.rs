@@ -139,6 +139,7 @@ impl NodeLab {
             cdi_root: d.join("cdi"),
             state_dir: d.join("state"),
             driver_root: d.join("driver"),
+            driver_root_mount: None,
             dev_root: d.join("dev"),
         }
     }

@@ -72,8 +72,10 @@ pub struct DraCoreConfig {
     pub node_name: String,
     /// Where CDI specs go (`/var/run/cdi`).
     pub cdi_root: PathBuf,
-    /// Root of the NVIDIA driver's user-space files (`/`).
+    /// Root of the NVIDIA driver's user-space files as the host sees them (`/`).
     pub driver_root: PathBuf,
+    /// Where the agent finds `driver_root` when it is mounted elsewhere (see `NodePaths`).
+    pub driver_root_mount: Option<PathBuf>,
     /// Where device nodes live (`/dev`).
     pub dev_root: PathBuf,
     /// Where the kernel's `/proc` is: MIG access-capability minors are read from
@@ -93,6 +95,7 @@ impl DraCoreConfig {
             node_name: node_name.to_string(),
             cdi_root: PathBuf::from("/var/run/cdi"),
             driver_root: PathBuf::from("/"),
+            driver_root_mount: None,
             dev_root: PathBuf::from("/dev"),
             proc_root: PathBuf::from("/proc"),
             state_dir: state_dir.to_path_buf(),
@@ -328,6 +331,7 @@ pub struct DraCore {
     claims: Arc<dyn ClaimFetcher>,
     cdi_root: PathBuf,
     driver_root: PathBuf,
+    driver_root_mount: Option<PathBuf>,
     dev_root: PathBuf,
     proc_root: PathBuf,
     /// Every checkpoint change, and the CDI spec write between PrepareStarted and
@@ -387,6 +391,7 @@ impl DraCore {
             claims,
             cdi_root: config.cdi_root,
             driver_root: config.driver_root,
+            driver_root_mount: config.driver_root_mount,
             dev_root: config.dev_root,
             proc_root: config.proc_root,
             checkpoint: Mutex::new(loaded.checkpoint),
@@ -560,9 +565,12 @@ impl DraCore {
         let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health)
             .map_err(|source| PrepareError::Plan { source })?;
         let caps = ProcCaps::new(&self.proc_root);
-        let files = DriverFiles::discover_with(&self.driver_root, &self.dev_root, &inv, &|cap| {
-            caps.minor(cap)
-        });
+        let minor = |cap| caps.minor(cap);
+        let files = match &self.driver_root_mount {
+            Some(mount) => DriverFiles::discover_with(mount, &self.dev_root, &inv, &minor)
+                .seen_from_host(mount, &self.driver_root),
+            None => DriverFiles::discover_with(&self.driver_root, &self.dev_root, &inv, &minor),
+        };
         self.render_plan(&plan, c, &inv, &files)
     }
 

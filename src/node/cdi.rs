@@ -20,16 +20,23 @@ pub enum SpecState {
 pub struct NodeSpecWriter {
     cdi_root: PathBuf,
     driver_root: PathBuf,
+    driver_root_mount: Option<PathBuf>,
     dev_root: PathBuf,
     written_for: Option<Inventory>,
     missing_logged: bool,
 }
 
 impl NodeSpecWriter {
-    pub fn new(cdi_root: PathBuf, driver_root: PathBuf, dev_root: PathBuf) -> Self {
+    pub fn new(
+        cdi_root: PathBuf,
+        driver_root: PathBuf,
+        driver_root_mount: Option<PathBuf>,
+        dev_root: PathBuf,
+    ) -> Self {
         NodeSpecWriter {
             cdi_root,
             driver_root,
+            driver_root_mount,
             dev_root,
             written_for: None,
             missing_logged: false,
@@ -41,7 +48,11 @@ impl NodeSpecWriter {
         if self.written_for.as_ref() == Some(inv) {
             return SpecState::Current;
         }
-        let files = DriverFiles::discover(&self.driver_root, &self.dev_root, inv);
+        let files = match &self.driver_root_mount {
+            Some(mount) => DriverFiles::discover(mount, &self.dev_root, inv)
+                .seen_from_host(mount, &self.driver_root),
+            None => DriverFiles::discover(&self.driver_root, &self.dev_root, inv),
+        };
         if !files.is_complete() {
             if !self.missing_logged {
                 let missing: Vec<String> = files

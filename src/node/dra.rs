@@ -81,6 +81,7 @@ pub async fn start(
     let config = DraCoreConfig {
         cdi_root: paths.cdi_root.clone(),
         driver_root: paths.driver_root.clone(),
+        driver_root_mount: paths.driver_root_mount.clone(),
         dev_root: paths.dev_root.clone(),
         ..DraCoreConfig::new(&driver, node_name, &paths.state_dir)
     };

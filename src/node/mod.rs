@@ -35,8 +35,12 @@ pub struct NodePaths {
     pub cdi_root: PathBuf,
     /// The agent's own durable state (`/var/lib/gpuplane`).
     pub state_dir: PathBuf,
-    /// Root of the NVIDIA driver's user-space files (`/` or `/run/nvidia/driver`).
+    /// Root of the NVIDIA driver's user-space files as the host sees them (`/` or
+    /// `/run/nvidia/driver`): CDI specs name files under it.
     pub driver_root: PathBuf,
+    /// Where the agent itself finds `driver_root` when it is mounted elsewhere in its
+    /// container (a host-installed driver: the host's `/` at `/host`); `None`: at `driver_root`.
+    pub driver_root_mount: Option<PathBuf>,
     /// Where device nodes live (`/dev`).
     pub dev_root: PathBuf,
 }
@@ -360,6 +364,7 @@ pub async fn run(
     let mut node_spec = cdi::NodeSpecWriter::new(
         opts.paths.cdi_root.clone(),
         opts.paths.driver_root.clone(),
+        opts.paths.driver_root_mount.clone(),
         opts.paths.dev_root.clone(),
     );
     let inventory_now = || state.read().inventory.clone();
