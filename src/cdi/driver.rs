@@ -257,6 +257,23 @@ impl DriverFiles {
         files
     }
 
+    /// [`DriverFiles::discover_with`] for a driver root the host sees at `driver_root` and this
+    /// process at `mount` (`None`: at `driver_root` too).
+    pub fn discover_mounted(
+        driver_root: &Path,
+        mount: Option<&Path>,
+        dev_root: &Path,
+        inv: &Inventory,
+        cap_minor: &dyn Fn(MigCap) -> Option<u32>,
+    ) -> DriverFiles {
+        match mount {
+            Some(m) => {
+                Self::discover_with(m, dev_root, inv, cap_minor).seen_from_host(m, driver_root)
+            }
+            None => Self::discover_with(driver_root, dev_root, inv, cap_minor),
+        }
+    }
+
     /// The same files named as the host sees them, when the agent found them under `mount`
     /// (the host's driver root `host_root` mounted elsewhere in the agent's container, e.g. the
     /// host's `/` at `/host`): CDI specs are read by the runtime on the host. Paths outside

@@ -565,12 +565,13 @@ impl DraCore {
         let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health)
             .map_err(|source| PrepareError::Plan { source })?;
         let caps = ProcCaps::new(&self.proc_root);
-        let minor = |cap| caps.minor(cap);
-        let files = match &self.driver_root_mount {
-            Some(mount) => DriverFiles::discover_with(mount, &self.dev_root, &inv, &minor)
-                .seen_from_host(mount, &self.driver_root),
-            None => DriverFiles::discover_with(&self.driver_root, &self.dev_root, &inv, &minor),
-        };
+        let files = DriverFiles::discover_mounted(
+            &self.driver_root,
+            self.driver_root_mount.as_deref(),
+            &self.dev_root,
+            &inv,
+            &|cap| caps.minor(cap),
+        );
         self.render_plan(&plan, c, &inv, &files)
     }
 

@@ -2,9 +2,9 @@
 //! the inventory. A spec is only written once every device node it names exists: a spec cached
 //! before the driver created `/dev/nvidia*` gave NVIDIA users containers without GPUs (#1380).
 
-use crate::cdi::{self, DriverFiles, Kind, WriteOutcome};
+use crate::cdi::{self, DriverFiles, Kind, ProcCaps, WriteOutcome};
 use crate::inventory::Inventory;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// File stem of the node spec under the CDI root.
 pub const NODE_SPEC_STEM: &str = "gpuplane-node";
@@ -48,11 +48,14 @@ impl NodeSpecWriter {
         if self.written_for.as_ref() == Some(inv) {
             return SpecState::Current;
         }
-        let files = match &self.driver_root_mount {
-            Some(mount) => DriverFiles::discover(mount, &self.dev_root, inv)
-                .seen_from_host(mount, &self.driver_root),
-            None => DriverFiles::discover(&self.driver_root, &self.dev_root, inv),
-        };
+        let caps = ProcCaps::new(Path::new("/proc"));
+        let files = DriverFiles::discover_mounted(
+            &self.driver_root,
+            self.driver_root_mount.as_deref(),
+            &self.dev_root,
+            inv,
+            &|c| caps.minor(c),
+        );
         if !files.is_complete() {
             if !self.missing_logged {
                 let missing: Vec<String> = files
