@@ -245,6 +245,12 @@ fn sockets_are_bound_owner_only_and_replace_a_stale_file() {
         .unwrap()
         .file_type()
         .is_socket());
+    // Bound in a private directory and renamed into place: nothing else is left behind.
+    let left: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["plugin.sock"]);
 }
 
 /// Rust sources of the agent and controller (the kubelet and API server doubles simulate the
@@ -297,12 +303,18 @@ fn nothing_in_the_product_shells_out() {
 fn unix_sockets_are_bound_only_through_grpc_bind() {
     for (path, text) in product_sources() {
         let rel = path.to_string_lossy().to_string();
-        if rel.ends_with("src/grpc.rs") || rel.contains("/src/doubles/") {
+        if rel.ends_with("src/grpc/mod.rs") {
             continue;
         }
         assert!(
             !text.contains("UnixListener::bind"),
             "{rel} binds a unix socket itself; use gpuplane::grpc::bind (mode 0600)"
+        );
+        // Doubles included: a server that skips grpc::incoming resets kubelet clients whose
+        // `:authority` is a socket path (tests/kubelet_authority.rs).
+        assert!(
+            !text.contains("UnixListenerStream::new"),
+            "{rel} serves a unix socket without gpuplane::grpc::incoming"
         );
     }
 }

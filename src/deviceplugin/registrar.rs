@@ -170,7 +170,7 @@ fn serve(dir: &Path, resource: &str, state: Arc<NodeState>) -> Result<Served, gr
     ));
     let name = resource.to_string();
     let task = tokio::spawn(async move {
-        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+        let incoming = grpc::incoming(listener);
         let result = tonic::transport::Server::builder()
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, async move {

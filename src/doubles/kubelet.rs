@@ -289,21 +289,15 @@ impl KubeletDouble {
             let pod_resources = tokio::spawn(
                 tonic::transport::Server::builder()
                     .add_service(pr_svc)
-                    .serve_with_incoming_shutdown(
-                        tokio_stream::wrappers::UnixListenerStream::new(pr_listener),
-                        async {
-                            let _ = pr_stopped.await;
-                        },
-                    ),
+                    .serve_with_incoming_shutdown(grpc::incoming(pr_listener), async {
+                        let _ = pr_stopped.await;
+                    }),
             );
             let _ = tonic::transport::Server::builder()
                 .add_service(svc)
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::UnixListenerStream::new(listener),
-                    async {
-                        let _ = stopped.await;
-                    },
-                )
+                .serve_with_incoming_shutdown(grpc::incoming(listener), async {
+                    let _ = stopped.await;
+                })
                 .await;
             let _ = pr_stop.send(());
             let _ = pod_resources.await;

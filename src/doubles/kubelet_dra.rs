@@ -686,9 +686,14 @@ async fn register(
     socket: &Path,
     socket_id: FileId,
 ) -> Result<(), RegisterError> {
-    let channel = tokio::time::timeout(REGISTRATION_TIMEOUT, grpc::connect(socket))
-        .await
-        .map_err(|_| RegisterError::Timeout("registration socket"))??;
+    // As the real plugin watcher dials: a bare path target, so grpc-go sends the percent-encoded
+    // socket path as `:authority`.
+    let channel = tokio::time::timeout(
+        REGISTRATION_TIMEOUT,
+        super::dial::connect(socket, super::dial::Authority::EncodedPath),
+    )
+    .await
+    .map_err(|_| RegisterError::Timeout("registration socket"))??;
     let mut client = reg_pb::registration_client::RegistrationClient::new(channel);
     let info = tokio::time::timeout(
         REGISTRATION_TIMEOUT,

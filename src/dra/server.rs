@@ -121,7 +121,7 @@ impl Served {
         let mut stopped = stop.subscribe();
         let path = socket.to_path_buf();
         let task = tokio::spawn(async move {
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let incoming = grpc::incoming(listener);
             let result = router
                 .serve_with_incoming_shutdown(incoming, async move {
                     let _ = stopped.wait_for(|s| *s).await;
