@@ -40,16 +40,18 @@ struct Served {
 }
 
 impl Served {
+    /// Removes the socket file, then stops the server: a socket file nobody listens on is never
+    /// left for the kubelet to dial (as in `dra::server`).
     async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(true);
-        }
-        let _ = self.task.await;
         if let Err(e) = std::fs::remove_file(&self.socket) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 tracing::warn!(socket = %self.socket.display(), error = %e, "could not remove plugin socket");
             }
         }
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(true);
+        }
+        let _ = self.task.await;
     }
 }
 

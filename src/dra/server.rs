@@ -13,6 +13,12 @@
 //! so that the kubelet re-registers and re-opens its health stream. A socket that some other
 //! process replaced (another instance of the agent during an update) is left alone and is not
 //! removed at shutdown. On shutdown both sockets are removed, the registration socket first.
+//!
+//! Invariant: the registration socket exists only while the DRA socket accepts, because the
+//! kubelet dials the DRA endpoint the moment GetInfo answers. So a dead agent's registration
+//! socket is removed at start, the registration socket is created only after the DRA socket
+//! answers a connect, it is withdrawn before the DRA socket whenever both go, and a socket
+//! file is removed before its server stops (never a file nobody listens on).
 
 use super::health_service::HealthService;
 use super::registration::RegistrationService;
@@ -163,9 +169,13 @@ impl Served {
         }
     }
 
-    /// Stops the server (open streams end, in-flight calls get [`STOP_GRACE`]) and removes the
-    /// socket file if it is still ours.
+    /// Removes the socket file if it is still ours, then stops the server (open streams end,
+    /// in-flight calls get [`STOP_GRACE`]). File first: a socket file nobody listens on is what
+    /// a kubelet must never find (it dials, gets "connection refused" and backs off).
     async fn stop(mut self) {
+        if self.id.is_some() && file_id(&self.socket) == self.id {
+            remove_socket(&self.socket, self.what);
+        }
         let _ = self.stop.send(true);
         if tokio::time::timeout(STOP_GRACE, &mut self.task)
             .await
@@ -174,14 +184,21 @@ impl Served {
             tracing::warn!(socket = %self.socket.display(), "{} server did not stop within {STOP_GRACE:?}; aborting it", self.what);
             self.task.abort();
         }
-        if self.id.is_some() && file_id(&self.socket) == self.id {
-            if let Err(e) = std::fs::remove_file(&self.socket) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(socket = %self.socket.display(), error = %e, "could not remove {} socket", self.what);
-                }
-            }
+    }
+}
+
+fn remove_socket(path: &Path, what: &str) {
+    if let Err(e) = std::fs::remove_file(path) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(socket = %path.display(), error = %e, "could not remove {what} socket");
         }
     }
+}
+
+/// True when something accepts connections on the unix socket at `path` (the registration
+/// socket is only created once the DRA socket does).
+async fn accepts(path: &Path) -> bool {
+    tokio::net::UnixStream::connect(path).await.is_ok()
 }
 
 /// The DRA plugin of one driver: its sockets, its registration state and its driver.
@@ -257,16 +274,15 @@ impl DraServer {
     /// them. Fails only if a socket cannot be created at start; later failures are logged and
     /// retried every [`POLL`].
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) -> Result<(), ServeError> {
+        self.remove_stale_registration().await;
         let mut dra = Some(self.serve_dra()?);
-        let mut reg = match self.serve_registration() {
-            Ok(s) => Some(s),
-            Err(e) => {
-                if let Some(d) = dra.take() {
-                    d.stop().await;
-                }
-                return Err(e.into());
+        let mut reg = None;
+        if let Err(e) = self.restore(&mut dra, &mut reg).await {
+            if let Some(d) = dra.take() {
+                d.stop().await;
             }
-        };
+            return Err(e.into());
+        }
         tracing::info!(
             driver = %self.driver_name,
             dra = %self.paths.dra_socket.display(),
@@ -280,11 +296,12 @@ impl DraServer {
             }
             if dra.as_mut().is_some_and(Served::gone) {
                 tracing::info!(socket = %self.paths.dra_socket.display(), "DRA socket gone; serving it again");
-                if let Some(s) = dra.take() {
+                // Registration first: it must never answer while the DRA socket does not. A new
+                // DRA socket also needs a new registration so the kubelet re-dials it.
+                if let Some(s) = reg.take() {
                     s.stop().await;
                 }
-                // A new DRA socket needs a new registration so the kubelet re-dials it.
-                if let Some(s) = reg.take() {
+                if let Some(s) = dra.take() {
                     s.stop().await;
                 }
             }
@@ -298,7 +315,7 @@ impl DraServer {
                 }
             }
             if dra.is_none() || reg.is_none() {
-                let result = self.restore(&mut dra, &mut reg);
+                let result = self.restore(&mut dra, &mut reg).await;
                 match result {
                     Ok(()) => last_error = None,
                     Err(e) => {
@@ -326,8 +343,9 @@ impl DraServer {
         Ok(())
     }
 
-    /// Serves whichever socket is missing: the DRA one first, then the registration one.
-    fn restore(
+    /// Serves whichever socket is missing: the DRA one first, then the registration one, and
+    /// that only once the DRA socket accepts connections.
+    async fn restore(
         &self,
         dra: &mut Option<Served>,
         reg: &mut Option<Served>,
@@ -336,10 +354,25 @@ impl DraServer {
             *dra = Some(self.serve_dra()?);
         }
         if reg.is_none() {
+            if !accepts(&self.paths.dra_socket).await {
+                // Not yet (or no longer): the next poll tries again.
+                return Ok(());
+            }
             self.registration.reset();
             *reg = Some(self.serve_registration()?);
         }
         Ok(())
+    }
+
+    /// A registration socket that nobody answers on is a dead agent's (SIGKILL leaves its
+    /// files): removed at once, so the kubelet never finds one while our DRA socket is not up.
+    /// One that answers belongs to a live agent and is left alone.
+    async fn remove_stale_registration(&self) {
+        let path = &self.paths.registration_socket;
+        if file_id(path).is_some() && !accepts(path).await {
+            tracing::info!(socket = %path.display(), "removing the registration socket a previous agent left behind");
+            remove_socket(path, "registration");
+        }
     }
 }
 
