@@ -1,90 +1,44 @@
-//! AdmissionReview `admission.k8s.io/v1`, decoded strictly (pure).
+//! AdmissionReview `admission.k8s.io/v1`: decoding and answers (pure).
 //!
-//! Unknown or duplicate fields in the envelope, a wrong `apiVersion`/`kind`, a missing
-//! `request` or an empty `uid` are errors ([`ReviewError`]), answered HTTP 400 by the server:
-//! there is no request to answer. Everything after that (a kind or operation we do not handle,
-//! an object that does not decode) is answered with an AdmissionReview carrying the request's
-//! uid.
+//! Decoded with kube's admission types, which ignore fields they do not know: API conventions
+//! let the API server add fields to AdmissionReview, AdmissionRequest, UserInfo and the objects
+//! at any release, and a webhook that refused them would block every pod it governs on upgrade
+//! day. Checked are only `apiVersion`, `kind`, the presence of `request` and a non-empty
+//! `request.uid` ([`ReviewError`], answered HTTP 400 by the server: there is no request to
+//! answer). What the decision reads is then carried in [`AdmissionRequest`]; everything after
+//! that (a kind or operation we do not handle, an object that does not decode into its type) is
+//! answered with an AdmissionReview carrying the request's uid.
 
-use serde::{Deserialize, Serialize};
+use kube::core::admission::AdmissionReview;
+use kube::core::DynamicObject;
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
 
 pub const API_VERSION: &str = "admission.k8s.io/v1";
 pub const KIND: &str = "AdmissionReview";
 
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct GroupVersionKind {
-    #[serde(default)]
-    pub group: String,
-    pub version: String,
-    pub kind: String,
-}
+pub use kube::core::{GroupVersionKind, GroupVersionResource};
 
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct GroupVersionResource {
-    #[serde(default)]
-    pub group: String,
-    pub version: String,
-    pub resource: String,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+/// Who asked: what the decision reads of `userInfo`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct UserInfo {
-    #[serde(default)]
     pub username: String,
-    #[serde(default)]
-    pub uid: String,
-    #[serde(default)]
     pub groups: Vec<String>,
-    #[serde(default)]
-    pub extra: BTreeMap<String, Vec<String>>,
 }
 
-/// `AdmissionRequest`, every field of admission.k8s.io/v1.
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+/// What the decision reads of one AdmissionRequest.
+#[derive(Debug, Clone, PartialEq)]
 pub struct AdmissionRequest {
     pub uid: String,
     pub kind: GroupVersionKind,
-    pub resource: GroupVersionResource,
-    #[serde(default)]
     pub sub_resource: Option<String>,
-    #[serde(default)]
-    pub request_kind: Option<GroupVersionKind>,
-    #[serde(default)]
-    pub request_resource: Option<GroupVersionResource>,
-    #[serde(default)]
-    pub request_sub_resource: Option<String>,
-    #[serde(default)]
     pub name: Option<String>,
-    #[serde(default)]
     pub namespace: Option<String>,
+    /// `CREATE`, `UPDATE`, `DELETE` or `CONNECT`.
     pub operation: String,
-    #[serde(default)]
     pub user_info: UserInfo,
-    #[serde(default)]
     pub object: Option<Value>,
-    #[serde(default)]
     pub old_object: Option<Value>,
-    #[serde(default)]
     pub dry_run: Option<bool>,
-    #[serde(default)]
-    pub options: Option<Value>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct Envelope {
-    api_version: String,
-    kind: String,
-    #[serde(default)]
-    request: Option<AdmissionRequest>,
-    #[serde(default)]
-    response: Option<Value>,
 }
 
 /// Why a body is not an AdmissionReview request we can answer.
@@ -104,22 +58,44 @@ pub enum ReviewError {
 
 /// Decodes an AdmissionReview request body.
 pub fn decode(body: &[u8]) -> Result<AdmissionRequest, ReviewError> {
-    let env: Envelope =
+    let review: AdmissionReview<DynamicObject> =
         serde_json::from_slice(body).map_err(|e| ReviewError::Decode(e.to_string()))?;
-    if env.api_version != API_VERSION || env.kind != KIND {
+    if review.types.api_version != API_VERSION || review.types.kind != KIND {
         return Err(ReviewError::WrongType {
-            api_version: env.api_version,
-            kind: env.kind,
+            api_version: review.types.api_version,
+            kind: review.types.kind,
         });
     }
-    if env.response.is_some() {
+    if review.response.is_some() {
         return Err(ReviewError::HasResponse);
     }
-    let req = env.request.ok_or(ReviewError::NoRequest)?;
+    let req = review.request.ok_or(ReviewError::NoRequest)?;
     if req.uid.trim().is_empty() {
         return Err(ReviewError::NoUid);
     }
-    Ok(req)
+    let object = |o: Option<DynamicObject>| -> Result<Option<Value>, ReviewError> {
+        o.map(|o| serde_json::to_value(o).map_err(|e| ReviewError::Decode(e.to_string())))
+            .transpose()
+    };
+    let operation = serde_json::to_value(&req.operation)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default();
+    Ok(AdmissionRequest {
+        uid: req.uid,
+        kind: req.kind,
+        sub_resource: req.sub_resource,
+        name: Some(req.name).filter(|n| !n.is_empty()),
+        namespace: req.namespace,
+        operation,
+        user_info: UserInfo {
+            username: req.user_info.username.unwrap_or_default(),
+            groups: req.user_info.groups.unwrap_or_default(),
+        },
+        object: object(req.object)?,
+        old_object: object(req.old_object)?,
+        dry_run: Some(req.dry_run),
+    })
 }
 
 /// A webhook's answer to one request.
@@ -202,26 +178,10 @@ pub fn encode(uid: &str, v: &Verdict) -> Value {
     json!({"apiVersion": API_VERSION, "kind": KIND, "response": response})
 }
 
-/// Standard base64 with padding.
+/// Standard base64 with padding, as AdmissionReview's `patch` is encoded.
 pub fn base64(bytes: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(char::from(T[((n >> (18 - 6 * i)) & 63) as usize]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
 #[cfg(test)]
@@ -260,9 +220,6 @@ mod tests {
         assert!(matches!(decode(b"not json"), Err(ReviewError::Decode(_))));
         assert!(matches!(decode(b""), Err(ReviewError::Decode(_))));
         let mut r = request();
-        r["surprise"] = json!(1);
-        assert!(matches!(decode(&review(r)), Err(ReviewError::Decode(_))));
-        let mut r = request();
         r["uid"] = json!("");
         assert_eq!(decode(&review(r)), Err(ReviewError::NoUid));
         let mut r = request();
@@ -275,9 +232,22 @@ mod tests {
         assert!(matches!(decode(&body), Err(ReviewError::WrongType { .. })));
         let body = serde_json::to_vec(&json!({"apiVersion": API_VERSION, "kind": KIND})).unwrap();
         assert_eq!(decode(&body), Err(ReviewError::NoRequest));
-        let dup =
-            br#"{"apiVersion":"admission.k8s.io/v1","apiVersion":"x","kind":"AdmissionReview"}"#;
-        assert!(matches!(decode(dup), Err(ReviewError::Decode(_))));
+    }
+
+    #[test]
+    fn fields_a_later_kubernetes_adds_are_ignored_at_every_level() {
+        let mut r = request();
+        r["surprise"] = json!(1);
+        r["userInfo"]["surprise"] = json!({"nested": true});
+        r["object"]["spec"] = json!({"futureField": [1, 2]});
+        let body = serde_json::to_vec(&json!({
+            "apiVersion": API_VERSION, "kind": KIND, "request": r, "surprise": "x"
+        }))
+        .unwrap();
+        let req = decode(&body).unwrap();
+        assert_eq!(req.uid, "u-1");
+        assert_eq!(req.user_info.username, "alice");
+        assert_eq!(req.object.unwrap()["spec"]["futureField"], json!([1, 2]));
     }
 
     #[test]
