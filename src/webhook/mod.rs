@@ -1,7 +1,7 @@
 //! The admission webhook of `gpuplane controller`: GPU quota enforcement at Pod and
 //! ResourceClaim creation, over HTTPS (hyper + rustls).
 //!
-//! - [`review`] (pure): strict AdmissionReview v1 decoding and answers.
+//! - [`review`] (pure): AdmissionReview v1 decoding (kube's types, unknown fields ignored) and answers.
 //! - [`tls`]: certificate and key from PEM files, reloaded when they change.
 //! - [`cluster`]: watch-fed caches (GpuQuotas, ResourceSlices, DeviceClasses) and API reads.
 //! - [`admit`]: the decisions, on top of [`crate::quota`].
