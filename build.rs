@@ -5,9 +5,9 @@
 //! Each API is compiled on its own into `OUT_DIR/<module>/` and the single
 //! generated file is moved to `OUT_DIR/<module>.rs`, which `src/proto.rs`
 //! includes. Upstream packages use short, clashing names (`v1beta1` is the
-//! device plugin package, `v1alpha1` the DRA health one, and more kubelet
-//! APIs reuse those names), so compiling them separately keeps each API's
-//! generated code apart.
+//! device plugin package, `v1` both the DRA health and the pod resources
+//! one, and more kubelet APIs reuse those names), so compiling them
+//! separately keeps each API's generated code apart.
 
 use std::error::Error;
 use std::fs;
@@ -19,6 +19,7 @@ const APIS: &[(&str, &str)] = &[
     ("pluginregistration_v1", "pluginregistration/v1/api.proto"),
     ("dra_v1", "dra/v1/api.proto"),
     ("dra_v1beta1", "dra/v1beta1/api.proto"),
+    ("dra_health_v1", "dra-health/v1/api.proto"),
     ("dra_health_v1alpha1", "dra-health/v1alpha1/api.proto"),
     ("podresources_v1", "podresources/v1/api.proto"),
 ];

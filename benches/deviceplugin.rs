@@ -249,6 +249,9 @@ async fn idle_memory() {
             .arg(&cfg)
             .arg("--kubelet-root")
             .arg(dir.path().join("kubelet"))
+            // One agent per state directory: the two run side by side.
+            .arg("--state-dir")
+            .arg(dir.path().join(format!("state-{device_plugin}")))
             .arg(format!("--device-plugin={device_plugin}"))
             .env("RUST_LOG", "warn")
             .spawn()

@@ -1,9 +1,13 @@
-//! The `gpuplane` binary as a user runs it: discover's outputs and errors, and the node agent's
-//! SIGTERM contract.
+//! The `gpuplane` binary as a user runs it: discover's outputs and errors, the node agent's
+//! SIGTERM contract, and one agent per state directory.
 
 mod support;
 
+use gpuplane::doubles::apiserver::ApiServerDouble;
 use gpuplane::doubles::kubelet::KubeletDouble;
+use gpuplane::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -138,6 +142,8 @@ async fn the_node_agent_stops_on_sigterm_removing_its_sockets() {
         .arg(&root)
         .arg("--cdi-root")
         .arg(dir.path().join("cdi"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
         .arg("--dev-root")
         .arg(dir.path().join("dev"))
         .spawn()
@@ -184,6 +190,8 @@ async fn the_node_agent_serves_metrics_healthz_and_readyz_with_real_meaning() {
         .arg(&root)
         .arg("--cdi-root")
         .arg(dir.path().join("cdi"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
         .env("RUST_LOG", "warn")
         .spawn()
         .unwrap();
@@ -252,6 +260,103 @@ async fn the_node_agent_serves_metrics_healthz_and_readyz_with_real_meaning() {
         .unwrap();
     assert!(status.success());
     kubelet.stop().await;
+}
+
+/// A file's identity: device, inode and modification time (a re-bound socket changes it).
+fn identity(path: &Path) -> (u64, u64, i64, i64) {
+    let m = std::fs::symlink_metadata(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    (m.dev(), m.ino(), m.mtime(), m.mtime_nsec())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_agent_on_the_same_state_dir_exits_at_once_and_a_sigkilled_one_leaves_no_lock() {
+    const WAIT: Duration = Duration::from_secs(30);
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let api = ApiServerDouble::start().await.unwrap();
+    let kubelet_root = root.join("kubelet");
+    let kubelet = KubeletDouble::start(&kubelet_root).await.unwrap();
+    let dra = KubeletDraDouble::start(&kubelet_root, KubeletDraOptions::default());
+    support::lay_out_node(root, 4, &api.url());
+    let source = ["--simulate", "pcie-l4x4"];
+
+    let mut first = support::AgentProcess::spawn(root, "", &source, &[], "first");
+    dra.wait_registered(support::DRIVER, WAIT)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", first.log_text()));
+    kubelet
+        .wait_for(WAIT, |p| {
+            p.get("nvidia.com/gpu")
+                .is_some_and(|v| v.devices.len() == 4)
+        })
+        .await
+        .unwrap();
+    let lock = root.join("state").join(gpuplane::node::lock::FILE_NAME);
+    assert_eq!(
+        std::fs::read_to_string(&lock).unwrap(),
+        format!("{}\n", first.pid())
+    );
+    let sockets = [
+        kubelet_root.join(format!("plugins/{}/dra.sock", support::DRIVER)),
+        kubelet_root.join(format!("plugins_registry/{}-reg.sock", support::DRIVER)),
+        kubelet_root.join("device-plugins/gpuplane-nvidia.com_gpu.sock"),
+    ];
+    let before: Vec<_> = sockets.iter().map(|s| identity(s)).collect();
+    let registrations = dra.registrations().len();
+    let checkpoint = std::fs::read(root.join("state/dra-checkpoint.json")).ok();
+
+    // Same directories, same kubelet: refused before it binds or writes anything.
+    let mut second = support::AgentProcess::spawn(root, "", &source, &[], "second");
+    let status = second
+        .wait_exit(Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("the second agent kept running:\n{}", second.log_text()));
+    assert!(!status.success(), "{status:?}");
+    let log = second.log_text();
+    assert!(log.contains(&lock.display().to_string()), "{log}");
+    assert!(log.contains(&format!("PID {}", first.pid())), "{log}");
+    assert!(log.contains("--state-dir"), "{log}");
+
+    // The first agent is undisturbed: running, its sockets the ones it bound, its files as
+    // they were, and it still answers the kubelet.
+    assert!(first.running(), "{}", first.log_text());
+    let after: Vec<_> = sockets.iter().map(|s| identity(s)).collect();
+    assert_eq!(before, after);
+    assert_eq!(
+        std::fs::read_to_string(&lock).unwrap(),
+        format!("{}\n", first.pid())
+    );
+    assert_eq!(
+        std::fs::read(root.join("state/dra-checkpoint.json")).ok(),
+        checkpoint
+    );
+    assert_eq!(dra.registrations().len(), registrations);
+    dra.watch_health(support::DRIVER).unwrap();
+    let health = dra
+        .wait_health(support::DRIVER, WAIT, |h| h.updates >= 1)
+        .await
+        .unwrap();
+    assert_eq!(health.devices.len(), 4);
+
+    // SIGKILL: no chance to clean up, yet the kernel drops the lock with the process.
+    let killed = first.pid();
+    first.kill();
+    assert_eq!(
+        std::fs::read_to_string(&lock).unwrap(),
+        format!("{killed}\n"),
+        "a killed agent's PID stays in the file; the lock does not"
+    );
+    let mut third = support::AgentProcess::spawn(root, "", &source, &[], "third");
+    dra.wait_until(WAIT, "the third agent to register", |k| {
+        k.registrations().len() > registrations
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", third.log_text()));
+    assert!(third.running(), "{}", third.log_text());
+    assert_eq!(
+        std::fs::read_to_string(&lock).unwrap(),
+        format!("{}\n", third.pid())
+    );
+    third.kill();
 }
 
 /// `gpuplane node` that logs its start and then fails (DRA asked for, no API access).

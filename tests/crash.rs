@@ -258,6 +258,8 @@ impl Node {
                     let spec: gpuplane::cdi::Spec = serde_json::from_slice(&bytes)
                         .unwrap_or_else(|e| panic!("{name} is not a whole CDI spec: {e}"));
                     assert!(!spec.devices.is_empty(), "{name} has no devices");
+                } else if name == gpuplane::node::lock::FILE_NAME {
+                    // The one-agent lock (node/lock.rs); it holds a PID, not state.
                 } else {
                     assert_eq!(name, "dra-checkpoint.json", "nothing set aside as corrupt");
                     checkpoint::decode(&bytes).expect("the checkpoint decodes");

@@ -3,12 +3,14 @@
 //! socket re-creation and shutdown, all driven through the kubelet DRA double against a fake
 //! `DraDriver` (the real core is tested on its own).
 
-use gpuplane::doubles::kubelet_dra::{DraVersion, KubeletDraDouble, KubeletDraOptions};
+use gpuplane::doubles::kubelet_dra::{
+    DraVersion, HealthVersion, KubeletDraDouble, KubeletDraOptions,
+};
 use gpuplane::dra::server::{DraPaths, DraServer};
 use gpuplane::dra::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
 };
-use gpuplane::proto::dra_health_v1alpha1::HealthStatus;
+use gpuplane::proto::dra_health_v1::HealthStatus;
 use gpuplane::proto::pluginregistration_v1 as reg_pb;
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
@@ -213,13 +215,15 @@ async fn registers_with_the_kubelet() {
             supported_versions: vec![
                 "v1.DRAPlugin".into(),
                 "v1beta1.DRAPlugin".into(),
+                "v1.DRAResourceHealth".into(),
                 "v1alpha1.DRAResourceHealth".into()
             ],
         }
     );
     assert!(Path::new(&view.info.endpoint).is_absolute());
     assert_eq!(view.version, DraVersion::V1);
-    assert!(view.health);
+    // A 1.37 kubelet picks health v1 when both are offered.
+    assert_eq!(view.health, Some(HealthVersion::V1));
     assert_eq!(mode(&h.paths.dra_socket), 0o600);
     assert_eq!(mode(&h.paths.registration_socket), 0o600);
 
@@ -385,6 +389,7 @@ async fn health_stream_follows_the_driver() {
         .await
         .unwrap();
     assert!(first.open);
+    assert_eq!(first.version, Some(HealthVersion::V1));
     assert_eq!(first.devices.len(), 2);
     assert_eq!(first.health("node-a", "gpu-0"), Some(HealthStatus::Healthy));
     assert_eq!(first.health("node-a", "gpu-1"), Some(HealthStatus::Healthy));
@@ -419,6 +424,43 @@ async fn health_stream_follows_the_driver() {
         .wait_health(DRIVER, WAIT, |v| !v.open)
         .await
         .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_older_than_1_37_follows_health_over_v1alpha1() {
+    let h = start();
+    let kubelet =
+        KubeletDraDouble::start(&h.kubelet_root(), KubeletDraOptions::v1alpha1_health_only());
+    let view = kubelet.wait_registered(DRIVER, WAIT).await.unwrap();
+    assert_eq!(view.health, Some(HealthVersion::V1alpha1));
+    kubelet.watch_health(DRIVER).unwrap();
+    let first = kubelet
+        .wait_health(DRIVER, WAIT, |v| v.updates >= 1)
+        .await
+        .unwrap();
+    assert_eq!(first.version, Some(HealthVersion::V1alpha1));
+    assert_eq!(first.health("node-a", "gpu-0"), Some(HealthStatus::Healthy));
+
+    h.driver
+        .set_health("gpu-0", DeviceHealthState::Unhealthy, "critical Xid 48");
+    let after = kubelet
+        .wait_health(DRIVER, WAIT, |v| {
+            v.health("node-a", "gpu-0") == Some(HealthStatus::Unhealthy)
+        })
+        .await
+        .unwrap();
+    let gpu0 = after
+        .devices
+        .iter()
+        .find(|d| {
+            d.device
+                .as_ref()
+                .is_some_and(|id| id.device_name == "gpu-0")
+        })
+        .unwrap();
+    assert_eq!(gpu0.message, "critical Xid 48");
+    assert!(gpu0.health_check_timeout_seconds > 0);
+    h.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,7 @@ mod lab;
 mod support;
 
 use gpuplane::dra::ClaimRef;
-use gpuplane::proto::dra_health_v1alpha1::HealthStatus;
+use gpuplane::proto::dra_health_v1::HealthStatus;
 use gpuplane::source::DeviceSource;
 use lab::{Lab, DRIVER, NODE, WAIT};
 use serde_json::json;
@@ -321,6 +321,116 @@ async fn a_restart_rebuilds_the_same_ledger_from_pod_resources_and_the_checkpoin
         "{}",
         err.message()
     );
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_health_streams_the_same_over_dra_health_v1_and_v1alpha1() {
+    use gpuplane::doubles::kubelet_dra::HealthVersion;
+    use gpuplane::proto::{dra_health_v1 as v1, dra_health_v1alpha1 as v1alpha1};
+
+    let lab = Lab::new("dgx-h100").await;
+    // A long quiet period: gpu-5 stays unhealthy while both streams are read.
+    let agent = lab.start("health: {recoveryQuietPeriod: 10m}\n");
+    let plugin = lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    let offered = &plugin.info.supported_versions;
+    let at = |s: &str| offered.iter().position(|o| o == s);
+    assert!(
+        at("v1.DRAResourceHealth").is_some()
+            && at("v1.DRAResourceHealth") < at("v1alpha1.DRAResourceHealth"),
+        "{offered:?}"
+    );
+    // The (1.37) kubelet double picked v1.
+    assert_eq!(plugin.health, Some(HealthVersion::V1));
+    lab.dra.watch_health(DRIVER).unwrap();
+    let uuid = lab.sim.discover().unwrap().inventory.gpus[5].uuid.clone();
+    lab.sim.inject_xid(&uuid, None, 48);
+    let seen = lab
+        .dra
+        .wait_health(DRIVER, WAIT, |h| {
+            h.health(NODE, "gpu-5") == Some(HealthStatus::Unhealthy)
+        })
+        .await
+        .unwrap();
+    assert_eq!(seen.version, Some(HealthVersion::V1));
+
+    // Two clients of our own on the DRA socket, one per version.
+    let channel = gpuplane::grpc::connect(&plugin.endpoint).await.unwrap();
+    let mut v1_stream = v1::dra_resource_health_client::DraResourceHealthClient::new(channel)
+        .node_watch_resources(v1::NodeWatchResourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let channel = gpuplane::grpc::connect(&plugin.endpoint).await.unwrap();
+    let mut alpha_stream =
+        v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(channel)
+            .node_watch_resources(v1alpha1::NodeWatchResourcesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+    let from_v1 = v1_stream.message().await.unwrap().unwrap();
+    let from_alpha = alpha_stream.message().await.unwrap().unwrap();
+
+    // (pool, device, health, message, timeout) per device; times may differ by a second.
+    let v1_list: Vec<_> = from_v1
+        .devices
+        .iter()
+        .map(|d| {
+            let id = d.device.clone().unwrap();
+            let health = v1::HealthStatus::try_from(d.health).unwrap().as_str_name();
+            (
+                id.pool_name,
+                id.device_name,
+                health,
+                d.message.clone(),
+                d.health_check_timeout_seconds,
+            )
+        })
+        .collect();
+    let alpha_list: Vec<_> = from_alpha
+        .devices
+        .iter()
+        .map(|d| {
+            let id = d.device.clone().unwrap();
+            let health = v1alpha1::HealthStatus::try_from(d.health)
+                .unwrap()
+                .as_str_name();
+            (
+                id.pool_name,
+                id.device_name,
+                health,
+                d.message.clone(),
+                d.health_check_timeout_seconds,
+            )
+        })
+        .collect();
+    assert_eq!(v1_list.len(), 8, "{v1_list:?}");
+    assert_eq!(v1_list, alpha_list);
+    let gpu5 = v1_list.iter().find(|d| d.1 == "gpu-5").unwrap();
+    assert_eq!((gpu5.0.as_str(), gpu5.2), (NODE, "UNHEALTHY"));
+    assert!(gpu5.3.contains("48"), "{gpu5:?}");
+    assert_eq!(
+        v1_list.iter().filter(|d| d.2 == "HEALTHY").count(),
+        7,
+        "{v1_list:?}"
+    );
+    // And the same as the kubelet double's own stream.
+    assert_eq!(seen.devices.len(), 8);
+    for d in &from_v1.devices {
+        let id = d.device.as_ref().unwrap();
+        assert_eq!(
+            seen.health(&id.pool_name, &id.device_name)
+                .map(|h| h as i32),
+            Some(d.health),
+            "{}",
+            id.device_name
+        );
+    }
+    assert!(from_v1.devices[0].last_updated_time > 1_700_000_000);
+    assert!(
+        (from_v1.devices[0].last_updated_time - from_alpha.devices[0].last_updated_time).abs() <= 2
+    );
+    drop((v1_stream, alpha_stream));
     agent.stop().await;
 }
 

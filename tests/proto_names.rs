@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use gpuplane::proto::{
-    deviceplugin_v1beta1 as dp, dra_health_v1alpha1 as health, dra_v1, dra_v1beta1,
-    pluginregistration_v1 as reg, podresources_v1 as podres,
+    deviceplugin_v1beta1 as dp, dra_health_v1 as health_v1, dra_health_v1alpha1 as health, dra_v1,
+    dra_v1beta1, pluginregistration_v1 as reg, podresources_v1 as podres,
 };
 use prost::Message;
 use tonic::codegen::{http, Service};
@@ -34,6 +34,10 @@ fn service_names_match_upstream() {
     assert_eq!(
         dra_v1beta1::dra_plugin_server::SERVICE_NAME,
         "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
+    );
+    assert_eq!(
+        health_v1::dra_resource_health_server::SERVICE_NAME,
+        "v1.DRAResourceHealth"
     );
     assert_eq!(
         health::dra_resource_health_server::SERVICE_NAME,
@@ -166,6 +170,13 @@ async fn client_method_paths_match_upstream() {
         rec.take(),
         ["/v1alpha1.DRAResourceHealth/NodeWatchResources"]
     );
+
+    let mut c = health_v1::dra_resource_health_client::DraResourceHealthClient::new(rec.clone());
+    assert!(c
+        .node_watch_resources(health_v1::NodeWatchResourcesRequest {})
+        .await
+        .is_err());
+    assert_eq!(rec.take(), ["/v1.DRAResourceHealth/NodeWatchResources"]);
 
     let mut c = podres::pod_resources_lister_client::PodResourcesListerClient::new(rec.clone());
     assert!(c.list(podres::ListPodResourcesRequest {}).await.is_err());
@@ -305,6 +316,17 @@ impl health::dra_resource_health_server::DraResourceHealth for Fake {
 }
 
 #[tonic::async_trait]
+impl health_v1::dra_resource_health_server::DraResourceHealth for Fake {
+    type NodeWatchResourcesStream = NoStream<health_v1::NodeWatchResourcesResponse>;
+    async fn node_watch_resources(
+        &self,
+        _: Request<health_v1::NodeWatchResourcesRequest>,
+    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
+        routed("NodeWatchResources")
+    }
+}
+
+#[tonic::async_trait]
 impl podres::pod_resources_lister_server::PodResourcesLister for Fake {
     async fn list(
         &self,
@@ -422,6 +444,12 @@ async fn server_routes_match_upstream() {
     assert_routes(
         health::dra_resource_health_server::DraResourceHealthServer::new(Fake),
         "v1alpha1.DRAResourceHealth",
+        &["NodeWatchResources"],
+    )
+    .await;
+    assert_routes(
+        health_v1::dra_resource_health_server::DraResourceHealthServer::new(Fake),
+        "v1.DRAResourceHealth",
         &["NodeWatchResources"],
     )
     .await;
@@ -565,4 +593,77 @@ fn other_field_numbers() {
         ..Default::default()
     };
     assert_eq!(cr.encode_to_vec(), [0x2a, 0x03, 0x12, 0x01, b'c']);
+}
+
+#[test]
+fn dra_health_v1_is_wire_identical_to_v1alpha1() {
+    // Every field set, so every field number and type is on the wire.
+    let v1_msg = health_v1::NodeWatchResourcesResponse {
+        devices: vec![health_v1::DeviceHealth {
+            device: Some(health_v1::DeviceIdentifier {
+                pool_name: "node-a".into(),
+                device_name: "gpu-0".into(),
+            }),
+            health: health_v1::HealthStatus::Unhealthy as i32,
+            last_updated_time: 1_800_000_000,
+            health_check_timeout_seconds: 30,
+            message: "critical Xid 79".into(),
+        }],
+    };
+    let bytes = v1_msg.encode_to_vec();
+    let alpha = health::NodeWatchResourcesResponse::decode(bytes.as_slice()).unwrap();
+    assert_eq!(alpha.encode_to_vec(), bytes);
+    let d = &alpha.devices[0];
+    assert_eq!(d.device.as_ref().unwrap().device_name, "gpu-0");
+    assert_eq!(d.health, health::HealthStatus::Unhealthy as i32);
+    assert_eq!(d.last_updated_time, 1_800_000_000);
+    assert_eq!(d.health_check_timeout_seconds, 30);
+    assert_eq!(d.message, "critical Xid 79");
+
+    // Field numbers as upstream: DeviceHealth{device=1, health=2, last_updated_time=3,
+    // health_check_timeout_seconds=4, message=5}; DeviceIdentifier{pool_name=1, device_name=2}.
+    let only = |dh: health_v1::DeviceHealth| dh.encode_to_vec();
+    assert_eq!(
+        only(health_v1::DeviceHealth {
+            health: health_v1::HealthStatus::Healthy as i32,
+            ..Default::default()
+        }),
+        [0x10, 0x01]
+    );
+    assert_eq!(
+        only(health_v1::DeviceHealth {
+            last_updated_time: 1,
+            ..Default::default()
+        }),
+        [0x18, 0x01]
+    );
+    assert_eq!(
+        only(health_v1::DeviceHealth {
+            health_check_timeout_seconds: 1,
+            ..Default::default()
+        }),
+        [0x20, 0x01]
+    );
+    assert_eq!(
+        only(health_v1::DeviceHealth {
+            message: "m".into(),
+            ..Default::default()
+        }),
+        [0x2a, 0x01, b'm']
+    );
+    assert_eq!(
+        only(health_v1::DeviceHealth {
+            device: Some(health_v1::DeviceIdentifier {
+                pool_name: "p".into(),
+                device_name: "d".into(),
+            }),
+            ..Default::default()
+        }),
+        [0x0a, 0x06, 0x0a, 0x01, b'p', 0x12, 0x01, b'd']
+    );
+    assert_eq!(health_v1::HealthStatus::Unknown as i32, 0);
+    assert_eq!(
+        health_v1::HealthStatus::Unhealthy.as_str_name(),
+        "UNHEALTHY"
+    );
 }

@@ -13,7 +13,7 @@ use crate::doubles::admission::pod_create_review;
 use crate::doubles::lab::{NodeLab, NODE};
 use crate::dra::ClaimRef;
 use crate::inventory::{DeviceRef, Inventory};
-use crate::proto::dra_health_v1alpha1::HealthStatus;
+use crate::proto::dra_health_v1::HealthStatus;
 use crate::quota::catalog::GPU_RESOURCE;
 use crate::quota::{GpuQuota, ReservationState, SCHEDULING_GATE};
 use crate::slices::render::UNHEALTHY_TAINT_KEY;

@@ -12,13 +12,18 @@
 //!
 //! `prepare`/`unprepare` call the chosen version with the kubelet's 45 s call timeout and fail
 //! as the kubelet does when a claim is left out of the answer. `watch_health` follows
-//! `NodeWatchResources` (and re-opens it after every re-registration, as the kubelet does).
+//! `NodeWatchResources` (and re-opens it after every re-registration, as the kubelet does) on
+//! the health version picked at registration the way a 1.37 kubelet picks it: the first of its
+//! own list (`v1.DRAResourceHealth`, then `v1alpha1.DRAResourceHealth`) that the plugin lists,
+//! whatever the plugin's order; one stream, no fallback at run time. Both versions' messages are
+//! kept as v1 (they are wire-identical apart from the package).
 //! `restart` models a kubelet restart: plugin sockets are not deleted, the kubelet forgets every
 //! registration and re-discovers the sockets.
 
 use crate::dra::{ClaimRef, PrepareResult, PreparedDevice};
 use crate::grpc;
-use crate::proto::dra_health_v1alpha1 as health_pb;
+use crate::proto::dra_health_v1 as health_pb;
+use crate::proto::dra_health_v1alpha1 as health_v1alpha1;
 use crate::proto::pluginregistration_v1 as reg_pb;
 use crate::proto::{dra_v1 as v1, dra_v1beta1 as v1beta1};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -39,7 +44,6 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(45);
 const REGISTRATION_TIMEOUT: Duration = Duration::from_secs(5);
 
 const PLUGIN_TYPE: &str = "DRAPlugin";
-const HEALTH_SERVICE: &str = "v1alpha1.DRAResourceHealth";
 
 /// A kubelet DRA API version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -58,20 +62,40 @@ impl DraVersion {
     }
 }
 
+/// A kubelet DRA health API (`DRAResourceHealth`) version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum HealthVersion {
+    V1,
+    V1alpha1,
+}
+
+impl HealthVersion {
+    /// The service name plugins list in `supported_versions`.
+    pub fn service(self) -> &'static str {
+        match self {
+            HealthVersion::V1 => "v1.DRAResourceHealth",
+            HealthVersion::V1alpha1 => "v1alpha1.DRAResourceHealth",
+        }
+    }
+}
+
 /// How the double behaves.
 #[derive(Debug, Clone)]
 pub struct KubeletDraOptions {
     /// The DRA versions this kubelet speaks, most preferred first.
     pub versions: Vec<DraVersion>,
+    /// The health versions this kubelet speaks, most preferred first.
+    pub health_versions: Vec<HealthVersion>,
     /// Timeout of prepare and unprepare calls.
     pub call_timeout: Duration,
 }
 
 impl Default for KubeletDraOptions {
-    /// A 1.34 kubelet: v1, then v1beta1.
+    /// A 1.37 kubelet: DRA v1, then v1beta1; health v1, then v1alpha1.
     fn default() -> Self {
         KubeletDraOptions {
             versions: vec![DraVersion::V1, DraVersion::V1beta1],
+            health_versions: vec![HealthVersion::V1, HealthVersion::V1alpha1],
             call_timeout: CALL_TIMEOUT,
         }
     }
@@ -82,6 +106,14 @@ impl KubeletDraOptions {
     pub fn v1beta1_only() -> Self {
         KubeletDraOptions {
             versions: vec![DraVersion::V1beta1],
+            ..Self::default()
+        }
+    }
+
+    /// A 1.34-1.36 kubelet, whose only health client is v1alpha1.
+    pub fn v1alpha1_health_only() -> Self {
+        KubeletDraOptions {
+            health_versions: vec![HealthVersion::V1alpha1],
             ..Self::default()
         }
     }
@@ -97,8 +129,9 @@ pub struct DraPluginView {
     pub endpoint: PathBuf,
     /// The version prepare/unprepare use.
     pub version: DraVersion,
-    /// Whether the plugin offers `v1alpha1.DRAResourceHealth`.
-    pub health: bool,
+    /// The health version chosen at registration; `None` when the plugin offers none this
+    /// kubelet speaks.
+    pub health: Option<HealthVersion>,
 }
 
 /// One registration attempt that got an answer from the plugin.
@@ -114,7 +147,9 @@ pub struct RegistrationEvent {
 /// The health stream of one driver, as the kubelet sees it.
 #[derive(Debug, Clone, Default)]
 pub struct HealthView {
-    /// The latest list received.
+    /// The version of the stream opened last.
+    pub version: Option<HealthVersion>,
+    /// The latest list received, as v1 messages whatever the version.
     pub devices: Vec<health_pb::DeviceHealth>,
     /// How many messages arrived (over all streams of this driver).
     pub updates: u64,
@@ -496,9 +531,17 @@ impl KubeletDraDouble {
         let p = plugins
             .get_mut(driver)
             .ok_or_else(|| Status::not_found(format!("DRA driver {driver} is not registered")))?;
-        if !p.view.health {
+        if p.view.health.is_none() {
+            let ours: Vec<&str> = self
+                .inner
+                .options
+                .health_versions
+                .iter()
+                .map(|v| v.service())
+                .collect();
             return Err(Status::failed_precondition(format!(
-                "DRA driver {driver} does not offer {HEALTH_SERVICE}"
+                "DRA driver {driver} offers none of the health services {ours:?} (it lists {:?})",
+                p.view.info.supported_versions
             )));
         }
         start_health(&self.inner, driver, p);
@@ -578,11 +621,14 @@ fn from_v1beta1(d: v1beta1::Device) -> PreparedDevice {
 
 fn start_health(inner: &Arc<Inner>, driver: &str, plugin: &mut Plugin) {
     plugin.stop_health();
+    let Some(version) = plugin.view.health else {
+        return;
+    };
     let task_inner = inner.clone();
     let name = driver.to_string();
     let channel = plugin.channel.clone();
     plugin.health_task = Some(tokio::spawn(async move {
-        if let Err(e) = follow_health(&task_inner, &name, channel).await {
+        if let Err(e) = follow_health(&task_inner, &name, version, channel).await {
             tracing::debug!(driver = %name, error = %e, "kubelet DRA double: health stream ended");
         }
         if let Some(h) = lock(&task_inner.health).get_mut(&name) {
@@ -592,27 +638,78 @@ fn start_health(inner: &Arc<Inner>, driver: &str, plugin: &mut Plugin) {
     }));
 }
 
-async fn follow_health(inner: &Arc<Inner>, driver: &str, channel: Channel) -> Result<(), Status> {
-    let mut client = health_pb::dra_resource_health_client::DraResourceHealthClient::new(channel);
-    let mut stream = client
-        .node_watch_resources(health_pb::NodeWatchResourcesRequest {})
-        .await?
-        .into_inner();
-    lock(&inner.health)
-        .entry(driver.to_string())
-        .or_default()
-        .open = true;
+/// Opens the stream on `version` and follows it until it ends.
+async fn follow_health(
+    inner: &Arc<Inner>,
+    driver: &str,
+    version: HealthVersion,
+    channel: Channel,
+) -> Result<(), Status> {
+    match version {
+        HealthVersion::V1 => {
+            let mut client =
+                health_pb::dra_resource_health_client::DraResourceHealthClient::new(channel);
+            let stream = client
+                .node_watch_resources(health_pb::NodeWatchResourcesRequest {})
+                .await?
+                .into_inner();
+            follow_stream(inner, driver, version, stream, |m| m.devices).await
+        }
+        HealthVersion::V1alpha1 => {
+            let mut client =
+                health_v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(channel);
+            let stream = client
+                .node_watch_resources(health_v1alpha1::NodeWatchResourcesRequest {})
+                .await?
+                .into_inner();
+            follow_stream(inner, driver, version, stream, |m| {
+                m.devices.into_iter().map(v1_from_v1alpha1).collect()
+            })
+            .await
+        }
+    }
+}
+
+/// Keeps the latest list of an open stream, whatever its version.
+async fn follow_stream<M>(
+    inner: &Arc<Inner>,
+    driver: &str,
+    version: HealthVersion,
+    mut stream: tonic::Streaming<M>,
+    devices: impl Fn(M) -> Vec<health_pb::DeviceHealth>,
+) -> Result<(), Status> {
+    {
+        let mut health = lock(&inner.health);
+        let view = health.entry(driver.to_string()).or_default();
+        view.open = true;
+        view.version = Some(version);
+    }
     inner.bump();
     while let Some(msg) = stream.message().await? {
         let mut health = lock(&inner.health);
         let view = health.entry(driver.to_string()).or_default();
-        view.devices = msg.devices;
+        view.devices = devices(msg);
         view.updates += 1;
         view.open = true;
         drop(health);
         inner.bump();
     }
     Ok(())
+}
+
+/// A v1alpha1 device health as the v1 message with the same fields.
+fn v1_from_v1alpha1(d: health_v1alpha1::DeviceHealth) -> health_pb::DeviceHealth {
+    health_pb::DeviceHealth {
+        device: d.device.map(|id| health_pb::DeviceIdentifier {
+            pool_name: id.pool_name,
+            device_name: id.device_name,
+        }),
+        // Same enum numbers in both packages.
+        health: d.health,
+        last_updated_time: d.last_updated_time,
+        health_check_timeout_seconds: d.health_check_timeout_seconds,
+        message: d.message,
+    }
 }
 
 /// A socket file's identity; inode numbers are reused at once on some file systems, so the
@@ -746,7 +843,7 @@ async fn register(
                 channel,
                 health_task: None,
             };
-            if health && lock(&inner.health_wanted).contains(&info.name) {
+            if health.is_some() && lock(&inner.health_wanted).contains(&info.name) {
                 start_health(inner, &info.name, &mut plugin);
             }
             if let Some(mut old) = lock(&inner.plugins).insert(info.name.clone(), plugin) {
@@ -779,11 +876,12 @@ async fn register(
     Ok(())
 }
 
-/// The kubelet's checks on `GetInfo`: the version to use and whether health is offered.
+/// The kubelet's checks on `GetInfo`: the DRA version to use and the health version, if any.
+/// Both are picked in the kubelet's own order of preference, not the plugin's.
 fn validate(
     options: &KubeletDraOptions,
     info: &reg_pb::PluginInfo,
-) -> Result<(DraVersion, bool), String> {
+) -> Result<(DraVersion, Option<HealthVersion>), String> {
     if info.r#type != PLUGIN_TYPE {
         return Err(format!(
             "plugin type {:?} is not {PLUGIN_TYPE}",
@@ -811,8 +909,10 @@ fn validate(
                 info.supported_versions
             )
         })?;
-    Ok((
-        version,
-        info.supported_versions.iter().any(|s| s == HEALTH_SERVICE),
-    ))
+    let health = options
+        .health_versions
+        .iter()
+        .copied()
+        .find(|v| info.supported_versions.iter().any(|s| s == v.service()));
+    Ok((version, health))
 }

@@ -2,9 +2,17 @@
 //!
 //! The kubelet finds our socket in `plugins_registry/`, calls `GetInfo` and learns the plugin
 //! type (`DRAPlugin`), the driver name, the absolute path of the DRA socket and the gRPC services
-//! behind it (it picks the first DRA version it supports, and opens the health stream if
-//! `v1alpha1.DRAResourceHealth` is listed). It then reports the outcome with
-//! `NotifyRegistrationStatus`, which we record for readiness and log when it is a refusal.
+//! behind it. It then reports the outcome with `NotifyRegistrationStatus`, which we record for
+//! readiness and log when it is a refusal.
+//!
+//! How the kubelet reads `supported_versions` (pkg/kubelet/cm/dra/plugin): for the DRA plugin
+//! service and, separately, for the health service it walks its *own* list, newest first, and
+//! takes the first entry the plugin lists; our order does not decide. A 1.37 kubelet prefers
+//! `v1.DRAResourceHealth` and falls back to `v1alpha1.DRAResourceHealth`; 1.34-1.36 kubelets
+//! only know v1alpha1. It opens exactly one health stream, on the version it picked, and does
+//! not fall back at run time (an UNIMPLEMENTED stream just stops health for the driver), so we
+//! list only services the DRA socket really serves. We list newest first all the same, so that
+//! the list reads as our preference to a person or a simpler client.
 
 use crate::proto::pluginregistration_v1 as pb;
 use pb::registration_server::{Registration, RegistrationServer};
@@ -19,15 +27,23 @@ pub const PLUGIN_TYPE: &str = "DRAPlugin";
 pub const V1_SERVICE: &str = "v1.DRAPlugin";
 /// `DRAPlugin` in package `k8s.io.kubelet.pkg.apis.dra.v1beta1`.
 pub const V1BETA1_SERVICE: &str = "v1beta1.DRAPlugin";
-/// `DRAResourceHealth` in package `v1alpha1`.
-pub const HEALTH_SERVICE: &str = "v1alpha1.DRAResourceHealth";
+/// `DRAResourceHealth` in package `v1` (Kubernetes 1.37+).
+pub const HEALTH_V1_SERVICE: &str = "v1.DRAResourceHealth";
+/// `DRAResourceHealth` in package `v1alpha1`, superseded by v1; kubelets 1.34-1.36 only know it.
+pub const HEALTH_V1ALPHA1_SERVICE: &str = "v1alpha1.DRAResourceHealth";
 
-/// The gRPC services the DRA socket serves, most preferred first.
+/// The gRPC services the DRA socket serves: the DRA plugin versions, then the health versions,
+/// each newest first.
 pub fn supported_services() -> Vec<String> {
-    [V1_SERVICE, V1BETA1_SERVICE, HEALTH_SERVICE]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+    [
+        V1_SERVICE,
+        V1BETA1_SERVICE,
+        HEALTH_V1_SERVICE,
+        HEALTH_V1ALPHA1_SERVICE,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
 }
 
 #[derive(Default)]

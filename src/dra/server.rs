@@ -2,7 +2,8 @@
 //! shutdown.
 //!
 //! Socket layout under the kubelet root (both sockets mode 0600, directories created):
-//! - `plugins/<driver>/dra.sock`: `v1.DRAPlugin`, `v1beta1.DRAPlugin`, `v1alpha1.DRAResourceHealth`;
+//! - `plugins/<driver>/dra.sock`: `v1.DRAPlugin`, `v1beta1.DRAPlugin`, `v1.DRAResourceHealth`,
+//!   `v1alpha1.DRAResourceHealth`;
 //! - `plugins_registry/<driver>-reg.sock`: `pluginregistration.Registration`, whose `GetInfo`
 //!   points the kubelet at the absolute path of `dra.sock`.
 //!
@@ -247,7 +248,8 @@ impl DraServer {
         let router = tonic::transport::Server::builder()
             .add_service(dra.v1_server())
             .add_service(dra.v1beta1_server())
-            .add_service(health.server());
+            .add_service(health.v1_server())
+            .add_service(health.v1alpha1_server());
         Ok(Served::spawn(
             "DRA",
             &self.paths.dra_socket,

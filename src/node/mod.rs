@@ -9,6 +9,7 @@ pub mod deferred;
 pub mod dra;
 pub mod events;
 pub mod http;
+pub mod lock;
 pub mod podresources;
 pub mod state;
 
@@ -33,7 +34,7 @@ pub struct NodePaths {
     pub kubelet_root: PathBuf,
     /// Where CDI specs are written (`/var/run/cdi`).
     pub cdi_root: PathBuf,
-    /// The agent's own durable state (`/var/lib/gpuplane`).
+    /// The agent's own durable state (`/var/lib/gpuplane`); one agent at a time (see [`lock`]).
     pub state_dir: PathBuf,
     /// Root of the NVIDIA driver's user-space files as the host sees them (`/` or
     /// `/run/nvidia/driver`): CDI specs name files under it.
@@ -71,6 +72,9 @@ pub struct NodeOptions {
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
+    /// Another agent uses the state directory, or it cannot be locked.
+    #[error(transparent)]
+    Lock(#[from] lock::LockError),
     /// The config file is unusable at start-up.
     #[error(transparent)]
     Config(#[from] ConfigError),
@@ -250,11 +254,15 @@ fn spawn_event_pump(
 }
 
 /// Runs the agent until `shutdown` resolves, then stops serving and removes its sockets.
+/// Fails at once, before touching any socket or file, if another agent holds the state
+/// directory.
 pub async fn run(
     opts: NodeOptions,
     source: Arc<dyn DeviceSource>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), NodeError> {
+    // Held until this function returns; the kernel releases it if the process dies first.
+    let _state_lock = lock::StateLock::acquire(&opts.paths.state_dir)?;
     crate::crashpoint::announce();
     let config_file = opts.config_file.as_deref();
     let config = load_config(config_file)?;

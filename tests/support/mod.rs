@@ -137,6 +137,21 @@ impl AgentProcess {
         self.child.try_wait().unwrap().is_none()
     }
 
+    /// Waits up to `limit` for the process to exit on its own; its exit status, or `None` if
+    /// it is still running.
+    pub fn wait_exit(&mut self, limit: std::time::Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
     /// SIGKILL, and wait until it is gone.
     pub fn kill(mut self) {
         self.child.kill().unwrap();
