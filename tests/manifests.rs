@@ -803,6 +803,13 @@ fn the_quota_webhooks_receive_only_what_they_govern() {
             *want,
             "mutating: {what}"
         );
+        // The controller caches exactly the pods the webhooks receive.
+        let typed: core::Pod = serde_json::from_value(pod.clone()).unwrap();
+        assert_eq!(
+            gpuplane::quota::governs_pod(&typed),
+            *want,
+            "controller cache: {what}"
+        );
     }
     let claims = [
         (

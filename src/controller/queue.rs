@@ -17,7 +17,7 @@ use super::metrics::QueueMetrics;
 use super::namespace::{self, Decision, Inputs, Note, QueueSettings};
 use super::pods::{self, PodRef};
 use super::writes::{self, Ungated};
-use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota, QuotaMathError};
+use crate::quota::{governs_pod, CatalogSettings, DeviceCatalog, GpuQuota, QuotaMathError};
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
@@ -661,11 +661,12 @@ pub fn spawn_watchers(
     client: &kube::Client,
     tx: mpsc::Sender<Input>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
+    /// `wrap` turns an event into the loop's input, or `None` for one the loop does not need.
     fn forward<K, F>(api: Api<K>, tx: mpsc::Sender<Input>, wrap: F) -> tokio::task::JoinHandle<()>
     where
         K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
         K::DynamicType: Default,
-        F: Fn(Event<K>) -> Input + Send + 'static,
+        F: Fn(Event<K>) -> Option<Input> + Send + 'static,
     {
         tokio::spawn(async move {
             let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
@@ -673,7 +674,8 @@ pub fn spawn_watchers(
             while let Some(item) = stream.next().await {
                 match item {
                     Ok(ev) => {
-                        if tx.send(wrap(ev)).await.is_err() {
+                        let Some(input) = wrap(ev) else { continue };
+                        if tx.send(input).await.is_err() {
                             return;
                         }
                     }
@@ -683,27 +685,60 @@ pub fn spawn_watchers(
         })
     }
     vec![
+        // Only pods the quota governs are cached: a cluster's many pods without GPUs cost the
+        // controller nothing but their decoding (the rule is immutable per pod, so a dropped
+        // pod never needs a delete).
         forward(Api::<Pod>::all(client.clone()), tx.clone(), |e| {
-            Input::Pod(Box::new(e.modify(|p| p.metadata.managed_fields = None)))
+            let governed = match &e {
+                Event::Apply(p) | Event::InitApply(p) | Event::Delete(p) => governs_pod(p),
+                Event::Init | Event::InitDone => true,
+            };
+            governed.then(|| Input::Pod(Box::new(e.modify(slim_pod))))
         }),
         forward(Api::<GpuQuota>::all(client.clone()), tx.clone(), |e| {
-            Input::Quota(Box::new(e))
+            Some(Input::Quota(Box::new(e)))
         }),
         forward(Api::<ResourceClaim>::all(client.clone()), tx.clone(), |e| {
-            Input::Claim(Box::new(e))
+            Some(Input::Claim(Box::new(e)))
         }),
         forward(
             Api::<ResourceClaimTemplate>::all(client.clone()),
             tx.clone(),
-            |e| Input::Template(Box::new(e)),
+            |e| Some(Input::Template(Box::new(e))),
         ),
         forward(Api::<ResourceSlice>::all(client.clone()), tx.clone(), |e| {
-            Input::Slice(Box::new(e))
+            Some(Input::Slice(Box::new(e)))
         }),
         forward(Api::<DeviceClass>::all(client.clone()), tx, |e| {
-            Input::Class(Box::new(e))
+            Some(Input::Class(Box::new(e)))
         }),
     ]
+}
+
+/// Drops what the loop never reads of a governed pod: managed fields, annotations other than
+/// ours, container env, commands, probes and volumes (pods are large; the cache keeps many).
+fn slim_pod(p: &mut Pod) {
+    p.metadata.managed_fields = None;
+    if let Some(a) = p.metadata.annotations.as_mut() {
+        a.retain(|k, _| k.starts_with("quota.gpuplane.dev/"));
+    }
+    if let Some(spec) = p.spec.as_mut() {
+        spec.volumes = None;
+        for c in spec
+            .containers
+            .iter_mut()
+            .chain(spec.init_containers.iter_mut().flatten())
+        {
+            c.env = None;
+            c.env_from = None;
+            c.command = None;
+            c.args = None;
+            c.liveness_probe = None;
+            c.readiness_probe = None;
+            c.startup_probe = None;
+            c.volume_mounts = None;
+        }
+    }
 }
 
 /// Runs the loop with real watchers until `stop` resolves.

@@ -57,6 +57,7 @@ pub mod charge;
 pub mod check;
 pub mod crd;
 pub mod ratio;
+pub mod scope;
 pub mod selector;
 pub mod status;
 pub mod usage;
@@ -76,6 +77,7 @@ pub use crd::{
     ReservationState, SCHEDULING_GATE,
 };
 pub use ratio::{Gpus, QuotaMathError};
+pub use scope::governs_pod;
 pub use status::{
     now_rfc3339, stale_reservations, LiveObject, ReservationKey, DEFAULT_RESERVATION_GRACE,
 };
