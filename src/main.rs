@@ -190,6 +190,15 @@ impl SourceArgs {
         }
     }
 
+    /// Simulated devices exist only in the profile; NVML (also a fake libnvidia-ml) means
+    /// real device nodes and driver files.
+    fn mode(&self) -> gpuplane::source::DeviceMode {
+        match self.simulate {
+            Some(_) => gpuplane::source::DeviceMode::Simulated,
+            None => gpuplane::source::DeviceMode::Hardware,
+        }
+    }
+
     fn nvml_label(&self) -> String {
         match &self.nvml_lib {
             Some(p) => format!("NVML ({})", p.display()),
@@ -322,7 +331,7 @@ fn run_node(args: NodeArgs) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
         let (source, label) = args.source.open_for_agent()?;
-        tracing::info!(node = %args.node_name, source = %label, "gpuplane node starting");
+        tracing::info!(node = %args.node_name, source = %label, mode = ?args.source.mode(), "gpuplane node starting");
         let dra_on = args.dra.unwrap_or(
             args.kubeconfig.is_some() || gpuplane::kubeclient::available_without_flags(),
         );
@@ -351,6 +360,7 @@ fn run_node(args: NodeArgs) -> Result<()> {
             device_plugin: args.device_plugin,
             dra,
             metrics_addr: args.metrics_addr,
+            device_mode: args.source.mode(),
         };
         gpuplane::node::run(opts, Arc::from(source), termination()?).await?;
         tracing::info!("gpuplane node stopped");
