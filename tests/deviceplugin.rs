@@ -566,7 +566,10 @@ async fn on_nvml_allocate_refuses_until_the_device_nodes_are_right() {
     let gpu2 = inv.gpus[2].uuid.clone();
     assert!(view.devices.iter().any(|d| d.id == gpu2));
 
-    let err = kubelet.allocate(GPU, &[gpu2.clone()]).await.unwrap_err();
+    let err = kubelet
+        .allocate(GPU, std::slice::from_ref(&gpu2))
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
     let msg = err.message();
     for reason in [
@@ -592,7 +595,7 @@ async fn on_nvml_allocate_refuses_until_the_device_nodes_are_right() {
             .unwrap();
     }
     let grant = kubelet
-        .allocate(GPU, &[gpu2.clone()])
+        .allocate(GPU, std::slice::from_ref(&gpu2))
         .await
         .unwrap_or_else(|e| panic!("{e:?}\n{}", agent.log_text()));
     let name = format!("nvidia.com/gpu={gpu2}");

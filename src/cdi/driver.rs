@@ -169,7 +169,7 @@ impl fmt::Display for NodeProblem {
 }
 
 /// The refusal both kubelet APIs give (DRA NodePrepare, device plugin Allocate) while device
-/// nodes a spec needs are absent or wrong: no spec naming them is written, the kubelet's retry
+/// nodes a spec needs are absent or wrong: no spec naming them is written, and a retry
 /// succeeds once the driver has created them.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(

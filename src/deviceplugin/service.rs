@@ -51,7 +51,7 @@ impl DevicePluginService {
 
     /// A CDI name whose spec is not written makes the runtime fail the container after the
     /// kubelet admitted the pod; refusing here names the reason (missing or wrong device
-    /// nodes, the same as NodePrepare gives) and the kubelet's retry succeeds once they are
+    /// nodes, the same as NodePrepare gives) and a later Allocate succeeds once they are
     /// right. The inventory may change between this and the grant; the main loop then
     /// rewrites the spec for the new one.
     fn ensure_node_spec(&self) -> Result<(), Status> {

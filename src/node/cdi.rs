@@ -8,8 +8,8 @@
 //! waiting for device nodes, every second) and the device plugin's Allocate, which calls
 //! [`NodeSpec::ensure`] before it hands out a CDI name: a name whose spec is not written would
 //! make the runtime fail the container, so Allocate fails instead, with the same reason
-//! NodePrepare gives ([`DeviceNodesError`]), and the kubelet's retry succeeds once the nodes
-//! exist.
+//! NodePrepare gives ([`DeviceNodesError`]), and a later Allocate succeeds once the nodes are
+//! right.
 
 use crate::cdi::{self, DeviceNodesError, DriverFiles, Kind, ProcCaps, WriteError, WriteOutcome};
 use crate::inventory::Inventory;
