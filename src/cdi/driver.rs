@@ -735,6 +735,93 @@ mod tests {
     }
 
     #[test]
+    fn device_nodes_are_judged_by_type_and_number() {
+        let gpu3 = Expected {
+            major: Some(NVIDIA_MAJOR),
+            minor: Some(3),
+        };
+        let char_dev = |major, minor| Found::CharDevice { major, minor };
+        assert_eq!(check_node(&char_dev(195, 3), gpu3), None);
+        assert_eq!(
+            check_node(&char_dev(195, 7), gpu3),
+            Some(NodeFault::WrongNumber {
+                found: (195, 7),
+                expected: gpu3
+            })
+        );
+        assert!(check_node(&char_dev(1, 3), gpu3).is_some());
+        // An unknown major (nvidia-uvm without /proc/devices) checks the minor only.
+        let uvm = Expected {
+            major: None,
+            minor: Some(0),
+        };
+        assert_eq!(check_node(&char_dev(511, 0), uvm), None);
+        assert!(check_node(&char_dev(511, 1), uvm).is_some());
+        assert_eq!(
+            check_node(
+                &Found::Other {
+                    kind: "regular file"
+                },
+                gpu3
+            ),
+            Some(NodeFault::NotCharDevice {
+                kind: "regular file"
+            })
+        );
+        assert_eq!(check_node(&Found::Missing, uvm), Some(NodeFault::Missing));
+        let p = |fault| NodeProblem {
+            path: "/dev/nvidia3".into(),
+            fault,
+        };
+        assert_eq!(
+            p(NodeFault::WrongNumber {
+                found: (195, 7),
+                expected: gpu3
+            })
+            .to_string(),
+            "/dev/nvidia3 has device number 195:7, expected 195:3"
+        );
+        assert_eq!(
+            p(NodeFault::NotCharDevice {
+                kind: "regular file"
+            })
+            .to_string(),
+            "/dev/nvidia3 is a regular file, not a character device"
+        );
+        assert_eq!(
+            p(NodeFault::WrongNumber {
+                found: (511, 1),
+                expected: uvm
+            })
+            .to_string(),
+            "/dev/nvidia3 has device number 511:1, expected minor 0"
+        );
+    }
+
+    #[test]
+    fn parses_character_majors_from_proc_devices() {
+        let text = "Character devices:\n  1 mem\n195 nvidia-frontend\n195 nvidia\n\
+                    508 nvidia-uvm\n509 nvidia-caps\nbad line here\n\n\
+                    Block devices:\n  8 sd\n259 blkext\n";
+        let majors = parse_char_majors(text);
+        assert_eq!(majors.get("nvidia-uvm"), Some(&508));
+        assert_eq!(majors.get("nvidia-caps"), Some(&509));
+        assert_eq!(majors.get("nvidia"), Some(&195));
+        assert_eq!(
+            majors.get("sd"),
+            None,
+            "block devices are not character devices"
+        );
+        let proc = tempfile::tempdir().unwrap();
+        fs::write(proc.path().join("devices"), text).unwrap();
+        assert_eq!(ProcCaps::new(proc.path()).char_major(UVM_DRIVER), Some(508));
+        assert_eq!(
+            ProcCaps::new(Path::new("/nonexistent")).char_major(UVM_DRIVER),
+            None
+        );
+    }
+
+    #[test]
     fn parses_cap_files() {
         let access = "DeviceFileMinor: 21\nDeviceFileMode: 292\nDeviceFileModify: 1\n";
         assert_eq!(parse_device_file_minor(access), Some(21));
