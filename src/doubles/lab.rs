@@ -2,7 +2,7 @@
 //! to the API server double over HTTP (real kube client) and to the kubelet doubles (device
 //! plugin and DRA) over unix sockets, every path under one directory the caller owns.
 //! `gpuplane demo` and the end-to-end tests share this wiring, so both exercise the same set-up.
-//! The agent runs as `gpuplane node --simulate` does ([`DeviceMode::Simulated`]): no device
+//! By default the agent runs as `gpuplane node --simulate` does ([`DeviceMode::Simulated`]): no device
 //! nodes or driver files, CDI specs that carry each device's identity in the environment.
 
 use super::apiserver::{ApiServerDouble, ApiServerError};
@@ -62,6 +62,9 @@ pub struct NodeLab {
     pub dra: KubeletDraDouble,
     /// Clones share state with the agent's source: inject Xids or lose GPUs through it.
     pub sim: SimSource,
+    /// How agents started from now on treat their devices; `Simulated` unless a caller that
+    /// made device nodes under `dev/` (see `devnodes`) sets `Hardware`.
+    pub device_mode: DeviceMode,
 }
 
 /// A running agent of a lab.
@@ -111,6 +114,7 @@ impl NodeLab {
             kubelet: dp,
             dra,
             sim,
+            device_mode: DeviceMode::Simulated,
         })
     }
 
@@ -167,7 +171,7 @@ impl NodeLab {
                 client,
             }),
             metrics_addr,
-            device_mode: DeviceMode::Simulated,
+            device_mode: self.device_mode,
         };
         let (stop, stopped) = oneshot::channel::<()>();
         let source: Arc<dyn DeviceSource> = Arc::new(self.sim.clone());
