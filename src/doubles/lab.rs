@@ -2,8 +2,9 @@
 //! to the API server double over HTTP (real kube client) and to the kubelet doubles (device
 //! plugin and DRA) over unix sockets, every path under one directory the caller owns.
 //! `gpuplane demo` and the end-to-end tests share this wiring, so both exercise the same set-up.
-//! By default the agent runs as `gpuplane node --simulate` does ([`DeviceMode::Simulated`]): no device
-//! nodes or driver files, CDI specs that carry each device's identity in the environment.
+//! By default the agent runs as `gpuplane node --simulate` does ([`DeviceMode::Simulated`]):
+//! no device nodes or driver files, CDI specs that carry each device's identity in the
+//! environment.
 
 use super::apiserver::{ApiServerDouble, ApiServerError};
 use super::kubelet::KubeletDouble;
