@@ -37,16 +37,6 @@ pub enum NodeSpecError {
     Write(String),
 }
 
-impl NodeSpecError {
-    /// The device-node refusal, when that is the reason.
-    pub fn device_nodes(&self) -> Option<&DeviceNodesError> {
-        match self {
-            NodeSpecError::DeviceNodes(e) => Some(e),
-            NodeSpecError::Write(_) => None,
-        }
-    }
-}
-
 struct Writer {
     written_for: Option<Inventory>,
     /// The last refusal, so a long wait is logged once, not every second.
