@@ -56,6 +56,8 @@ async fn allocate_vs_bare_rpc() {
         device_plugin: true,
         dra: None,
         metrics_addr: None,
+        // No device nodes in the temp dir: simulated, as `--simulate` runs it.
+        device_mode: gpuplane::source::DeviceMode::Simulated,
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let source: Arc<dyn DeviceSource> = Arc::new(sim.clone());

@@ -25,6 +25,7 @@ use crate::inventory::Inventory;
 use crate::proto::{deviceplugin_v1beta1 as dp, dra_v1, dra_v1beta1};
 use crate::quota::{check, claim_charge, pod_charge, pod_template_names};
 use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota};
+use crate::source::DeviceMode;
 use crate::topology::TopologyModel;
 use crate::webhook::review::{self, Verdict};
 use k8s_openapi::api::core::v1::Pod;
@@ -426,7 +427,9 @@ pub fn deviceplugin_request(data: &[u8]) {
             return;
         };
         for c in &req.container_requests {
-            let Ok(grant) = allocate::allocate(plan, &health, cfg, &c.devices_ids) else {
+            let Ok(grant) =
+                allocate::allocate(plan, &health, cfg, &c.devices_ids, DeviceMode::Hardware)
+            else {
                 continue;
             };
             let units: BTreeSet<&str> = c

@@ -158,7 +158,9 @@ struct NodeArgs {
 #[derive(clap::Args)]
 struct SourceArgs {
     /// Simulate a machine: a bundled profile name (dgx-a100, dgx-h100, dgx1-v100, pcie-l4x4,
-    /// a100-mig-mixed, h100-mig-single) or the path of a profile file.
+    /// a100-mig-mixed, h100-mig-single) or the path of a profile file. The node agent then
+    /// needs no device nodes: containers get each device's identity in their environment
+    /// (GPUPLANE_DEVICE_*, NVIDIA_VISIBLE_DEVICES) instead.
     #[arg(long, value_name = "PROFILE", conflicts_with = "nvml_lib")]
     simulate: Option<String>,
     /// Path of libnvidia-ml.so.1 (default: the dynamic loader's search path).
@@ -187,6 +189,15 @@ impl SourceArgs {
                 let source = gpuplane::nvml::NvmlSource::open(self.nvml_lib.as_deref())?;
                 Ok((Box::new(source), self.nvml_label()))
             }
+        }
+    }
+
+    /// Simulated devices exist only in the profile; NVML (also a fake libnvidia-ml) means
+    /// real device nodes and driver files.
+    fn mode(&self) -> gpuplane::source::DeviceMode {
+        match self.simulate {
+            Some(_) => gpuplane::source::DeviceMode::Simulated,
+            None => gpuplane::source::DeviceMode::Hardware,
         }
     }
 
@@ -322,7 +333,7 @@ fn run_node(args: NodeArgs) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
         let (source, label) = args.source.open_for_agent()?;
-        tracing::info!(node = %args.node_name, source = %label, "gpuplane node starting");
+        tracing::info!(node = %args.node_name, source = %label, mode = ?args.source.mode(), "gpuplane node starting");
         let dra_on = args.dra.unwrap_or(
             args.kubeconfig.is_some() || gpuplane::kubeclient::available_without_flags(),
         );
@@ -351,6 +362,7 @@ fn run_node(args: NodeArgs) -> Result<()> {
             device_plugin: args.device_plugin,
             dra,
             metrics_addr: args.metrics_addr,
+            device_mode: args.source.mode(),
         };
         gpuplane::node::run(opts, Arc::from(source), termination()?).await?;
         tracing::info!("gpuplane node stopped");

@@ -2,12 +2,27 @@
 //!
 //! Two real implementations stand behind [`DeviceSource`]: `nvml::NvmlSource` (the driver, or the
 //! fake libnvidia-ml in tests) and [`SimSource`] (a simulation profile, with events injected in
-//! process for the demo). The agent never knows which one it talks to.
+//! process for the demo). The agent never asks which one it talks to; whoever opens the source
+//! says, as a [`DeviceMode`], whether its devices exist on this host, because only real GPUs
+//! have device nodes and driver files for containers.
 
 use crate::inventory::Inventory;
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// Whether the agent's devices are real GPUs on this host or a simulation profile's.
+///
+/// NVML means hardware, also when it is the fake libnvidia-ml of the tests: device nodes and
+/// driver files are then expected, checked and put into CDI specs. Simulated devices
+/// (`gpuplane node --simulate`, e.g. trying the DRA driver on kind) have neither: their CDI
+/// specs carry each device's identity in the environment, so containers still start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceMode {
+    #[default]
+    Hardware,
+    Simulated,
+}
 
 /// What discovery found: the devices that answered, and the GPUs that did not.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -16,15 +16,27 @@
 //! CDI root once every GPU's device node exists. In `/var/run/cdi` that spec would clash with a
 //! real one, so the DRA test leaves the last GPU's node out: the agent then never writes it,
 //! while a claim still only needs the nodes of its own devices.
+//!
+//! Device nodes are character devices with the NVIDIA driver's numbers (`nvidia<N>` 195:N,
+//! ...), made with mknod: the agent checks them, and runc creates the same in the container.
+//!
+//! Simulated nodes (`gpuplane node --simulate`) write their node spec at once, needing no
+//! device nodes, so their agents keep their CDI root in a temp dir, and the test puts into
+//! `/var/run/cdi` what podman must read: the claim's spec as written (its kind is unique
+//! already), or the node spec under a unique kind (`test-<id>.gpuplane.dev/gpu`), Allocate's
+//! `nvidia.com/gpu=<name>` becoming `<that kind>=<name>`; the devices and their edits are the
+//! agent's, byte for byte apart from the kind.
 
 #[path = "support/lab.rs"]
 mod lab;
 
 use gpuplane::cdi::{self, DriverFiles, Kind, WriteOutcome};
+use gpuplane::doubles::devnodes;
+use gpuplane::doubles::kubelet::KubeletDouble;
 use gpuplane::dra::ClaimRef;
 use gpuplane::node::dra::DraSettings;
 use gpuplane::node::{NodeError, NodeOptions, NodePaths};
-use gpuplane::source::DeviceSource;
+use gpuplane::source::{DeviceMode, DeviceSource, SimSource};
 use lab::{Lab, NODE, WAIT};
 use serde_json::{json, Value};
 use std::fs;
@@ -40,7 +52,6 @@ const CDI_ROOT: &str = "/var/run/cdi";
 const NVML_LIB: &str = "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.90.07";
 const NVML_MARKER: &str = "gpuplane-fake-libnvidia-ml";
 const SMI_MARKER: &str = "gpuplane-fake-nvidia-smi";
-const CONTROL_NODES: [&str; 3] = ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"];
 
 /// Fails under CI, skips (returning true) elsewhere.
 fn skip(why: &str) -> bool {
@@ -134,17 +145,9 @@ fn spec_file(stem: &str) -> PathBuf {
     Path::new(CDI_ROOT).join(format!("{stem}.json"))
 }
 
-fn mknod_char(path: &Path) {
-    // 1:3 is /dev/null: harmless inside and outside the container.
-    ok(Command::new("mknod").arg(path).args(["c", "1", "3"]));
-}
-
-/// `<dev_root>/<name>` as a character device for each name.
-fn make_dev_nodes<S: AsRef<str>>(dev_root: &Path, names: &[S]) {
-    fs::create_dir_all(dev_root).unwrap();
-    for n in names {
-        mknod_char(&dev_root.join(n.as_ref()));
-    }
+/// `<dev_root>/nvidia<minor>` for each minor and the control nodes, with the driver's numbers.
+fn make_dev_nodes(dev_root: &Path, minors: impl IntoIterator<Item = u32>) {
+    devnodes::make_gpu_nodes(dev_root, minors).unwrap();
 }
 
 /// A driver root with one library and one binary, in the places a real driver has them.
@@ -183,7 +186,17 @@ fn busybox_image(dir: &Path, id: &str, cleanup: &mut Cleanup) -> String {
 }
 
 fn run_args<'a>(device: &'a str, image: &'a str, script: &'a str) -> Vec<&'a str> {
-    vec![
+    run_args_env(&[device], &[], image, script)
+}
+
+/// `podman run` arguments with several CDI devices and `-e NAME=value` entries.
+fn run_args_env<'a>(
+    devices: &[&'a str],
+    env: &'a [String],
+    image: &'a str,
+    script: &'a str,
+) -> Vec<&'a str> {
+    let mut args = vec![
         "run",
         "--rm",
         "--runtime",
@@ -193,13 +206,15 @@ fn run_args<'a>(device: &'a str, image: &'a str, script: &'a str) -> Vec<&'a str
         "nofile=1024:1024",
         "--ulimit",
         "nproc=1024:1024",
-        "--device",
-        device,
-        image,
-        "sh",
-        "-c",
-        script,
-    ]
+    ];
+    for d in devices {
+        args.extend(["--device", d]);
+    }
+    for e in env {
+        args.extend(["-e", e.as_str()]);
+    }
+    args.extend([image, "sh", "-c", script]);
+    args
 }
 
 /// Runs `script` in a container of `image` with CDI device `device`; its stdout.
@@ -208,14 +223,27 @@ fn run_with_device(device: &str, image: &str, script: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// `node`'s line of `ls -l` output shows a character device 1, 3.
-fn assert_char_device(ls_output: &str, node: &str) {
+/// The `env` of a container of `image` started with CDI `devices` and `env`, as lines.
+fn container_env(devices: &[&str], env: &[String], image: &str) -> Vec<String> {
+    let out = ok(&mut podman(&run_args_env(devices, env, image, "env")));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// `node`'s line of `ls -l` output shows a character device `major, minor`.
+fn assert_char_device(ls_output: &str, node: &str, major: u64, minor: u64) {
     let line = ls_output
         .lines()
         .find(|l| l.ends_with(node))
         .unwrap_or_else(|| panic!("no {node} in:\n{ls_output}"));
     assert!(line.starts_with('c'), "{node} is not a char device: {line}");
-    assert!(line.contains("1,   3") || line.contains("1, 3"), "{line}");
+    let numbers: String = line.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        numbers.contains(&format!(" {major}, {minor} ")),
+        "{node} is not {major}:{minor}: {line}"
+    );
 }
 
 /// podman refuses to start a container with `device`: CDI cannot resolve it.
@@ -240,23 +268,13 @@ fn podman_injects_a_rendered_spec() {
     fs::create_dir_all(&dev_root).unwrap();
 
     let inv = gpuplane::sim::load("pcie-l4x4").unwrap();
-    let mut nodes: Vec<String> = inv
-        .gpus
-        .iter()
-        .map(|g| format!("nvidia{}", g.minor))
-        .collect();
-    nodes.extend(CONTROL_NODES.map(String::from));
 
     // Before the nodes exist the agent must not write the spec.
     let files = DriverFiles::discover(&driver_root, &dev_root, &inv);
     assert!(!files.is_complete());
-    make_dev_nodes(&dev_root, &nodes);
+    make_dev_nodes(&dev_root, inv.gpus.iter().map(|g| g.minor));
     let files = DriverFiles::discover(&driver_root, &dev_root, &inv);
-    assert!(
-        files.is_complete(),
-        "missing: {:?}",
-        files.missing_device_nodes
-    );
+    assert!(files.is_complete(), "{:?}", files.node_problems);
 
     let kind: Kind = format!("test-{id}.gpuplane.dev/gpu").parse().unwrap();
     let spec = cdi::render_node_spec(&inv, &files, &kind);
@@ -287,8 +305,13 @@ fn podman_injects_a_rendered_spec() {
          test -e /dev/nvidia1 && echo LEAKED-nvidia1; true"
     );
     let stdout = run_with_device(&device, &image, &script);
-    for node in ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm"] {
-        assert_char_device(&stdout, node);
+    let (uvm, _) = devnodes::dynamic_majors();
+    for (node, major, minor) in [
+        ("/dev/nvidia0", 195, u64::from(inv.gpus[0].minor)),
+        ("/dev/nvidiactl", 195, 255),
+        ("/dev/nvidia-uvm", uvm, 0),
+    ] {
+        assert_char_device(&stdout, node, major, minor);
     }
     assert!(stdout.contains(NVML_MARKER), "{stdout}");
     assert!(stdout.contains(SMI_MARKER), "{stdout}");
@@ -316,14 +339,21 @@ struct Agent {
 }
 
 impl Agent {
-    /// A DRA-only agent (no device plugin) with its CDI root in `/var/run/cdi`.
-    fn start(lab: &Lab, driver: &str, dev_root: &Path, driver_root: &Path) -> Agent {
+    /// A DRA-only agent (no device plugin) with its CDI root in `cdi_root`.
+    fn start(
+        lab: &Lab,
+        driver: &str,
+        cdi_root: &Path,
+        dev_root: &Path,
+        driver_root: &Path,
+        device_mode: DeviceMode,
+    ) -> Agent {
         let d = lab.dir.path();
         let opts = NodeOptions {
             node_name: NODE.into(),
             paths: NodePaths {
                 kubelet_root: d.join("kubelet"),
-                cdi_root: CDI_ROOT.into(),
+                cdi_root: cdi_root.to_path_buf(),
                 state_dir: d.join("state"),
                 driver_root: driver_root.to_path_buf(),
                 driver_root_mount: None,
@@ -336,6 +366,7 @@ impl Agent {
                 client: lab.api.client().unwrap(),
             }),
             metrics_addr: None,
+            device_mode,
         };
         let (stop, stopped) = oneshot::channel::<()>();
         let source: Arc<dyn DeviceSource> = Arc::new(lab.sim.clone());
@@ -392,16 +423,12 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
     let dev_root = lab.dir.path().join("devnodes");
     fake_driver_root(&driver_root);
     // Every node but the last GPU's (see the module docs): no node-wide spec.
-    let mut nodes: Vec<String> = inv.gpus[..inv.gpus.len() - 1]
+    let minors: Vec<u32> = inv.gpus[..inv.gpus.len() - 1]
         .iter()
-        .map(|g| format!("nvidia{}", g.minor))
+        .map(|g| g.minor)
         .collect();
-    assert_eq!(
-        nodes,
-        (0..7).map(|i| format!("nvidia{i}")).collect::<Vec<_>>()
-    );
-    nodes.extend(CONTROL_NODES.map(String::from));
-    make_dev_nodes(&dev_root, &nodes);
+    assert_eq!(minors, (0..7).collect::<Vec<_>>());
+    make_dev_nodes(&dev_root, minors);
 
     let node_stem = gpuplane::node::cdi::NODE_SPEC_STEM;
     let node_spec_was_there = spec_file(node_stem).exists();
@@ -411,7 +438,14 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
     }
     let image = busybox_image(lab.dir.path(), &id, &mut cleanup);
 
-    let agent = Agent::start(&lab, &driver, &dev_root, &driver_root);
+    let agent = Agent::start(
+        &lab,
+        &driver,
+        Path::new(CDI_ROOT),
+        &dev_root,
+        &driver_root,
+        DeviceMode::Hardware,
+    );
     lab.dra.wait_registered(&driver, WAIT).await.unwrap();
     let claim = mps_claim(&lab, &driver, "gpu-2", 50);
     let stem = format!("gpuplane-claim-{}", claim.uid);
@@ -444,8 +478,8 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
          test -e /dev/nvidia3 && echo LEAKED-nvidia3; true"
     );
     let stdout = run_with_device(&cdi_id, &image, &script);
-    for node in ["/dev/nvidia2", "/dev/nvidiactl"] {
-        assert_char_device(&stdout, node);
+    for (node, minor) in [("/dev/nvidia2", 2), ("/dev/nvidiactl", 255)] {
+        assert_char_device(&stdout, node, 195, minor);
     }
     let env: Vec<&str> = stdout.lines().filter(|l| l.contains('=')).collect();
     assert!(
@@ -474,4 +508,220 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
     agent.stop().await;
     drop(cleanup);
     eprintln!("cdi_podman DRA claim test took {:?}", started.elapsed());
+}
+
+/// `key=value` lines of `env` output, as a set of lines.
+fn has_line(env: &[String], line: &str) -> bool {
+    env.iter().any(|l| l == line)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn podman_runs_a_container_with_what_allocate_gives_on_a_simulated_node() {
+    if lacks_prerequisites() {
+        return;
+    }
+    let id = unique_id();
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    // A simulated machine of two GPUs; no device nodes, no driver files anywhere.
+    let mut inv = gpuplane::sim::load("pcie-l4x4").unwrap();
+    inv.gpus.truncate(2);
+    inv.topology.links.retain(|l| l.from < 2 && l.to < 2);
+    let kubelet = KubeletDouble::start(&d.join("kubelet")).await.unwrap();
+    let opts = NodeOptions {
+        node_name: NODE.into(),
+        paths: NodePaths {
+            kubelet_root: d.join("kubelet"),
+            cdi_root: d.join("cdi"),
+            state_dir: d.join("state"),
+            driver_root: d.join("driver"),
+            driver_root_mount: None,
+            dev_root: d.join("dev"),
+        },
+        config_file: None,
+        device_plugin: true,
+        dra: None,
+        metrics_addr: None,
+        device_mode: DeviceMode::Simulated,
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let source: Arc<dyn DeviceSource> = Arc::new(SimSource::new(inv.clone()));
+    let task = tokio::spawn(gpuplane::node::run(opts, source, async {
+        let _ = stopped.await;
+    }));
+    let agent = Agent { stop, task };
+    let view = kubelet
+        .wait_for(WAIT, |p| {
+            p.get("nvidia.com/gpu")
+                .is_some_and(|v| v.devices.len() == 2)
+        })
+        .await
+        .unwrap()["nvidia.com/gpu"]
+        .clone();
+    let ids: Vec<String> = view.devices.iter().map(|d| d.id.clone()).collect();
+    let grant = kubelet.allocate("nvidia.com/gpu", &ids).await.unwrap();
+    let uuids = [inv.gpus[0].uuid.as_str(), inv.gpus[1].uuid.as_str()];
+
+    // The node spec the agent wrote, into /var/run/cdi under a kind of this run's.
+    let written = d
+        .join("cdi")
+        .join(format!("{}.json", gpuplane::node::cdi::NODE_SPEC_STEM));
+    let mut spec: cdi::Spec = serde_json::from_slice(&fs::read(&written).unwrap()).unwrap();
+    assert_eq!(spec.kind, "nvidia.com/gpu");
+    assert_eq!(spec.cdi_version, "0.5.0", "podman 4.3 reads at most 0.5.0");
+    let kind = format!("test-{id}.gpuplane.dev/gpu");
+    spec.kind = kind.clone();
+    let stem = format!("gpuplane-test-{id}");
+    let mut cleanup = Cleanup {
+        stems: vec![stem.clone()],
+        image: None,
+    };
+    cdi::write_spec(Path::new(CDI_ROOT), &stem, &spec).unwrap();
+    let image = busybox_image(d, &id, &mut cleanup);
+
+    let devices: Vec<String> = grant
+        .cdi_devices
+        .iter()
+        .map(|c| {
+            let name = c
+                .name
+                .strip_prefix("nvidia.com/gpu=")
+                .unwrap_or_else(|| panic!("{} is not a node spec name", c.name));
+            format!("{kind}={name}")
+        })
+        .collect();
+    assert_eq!(devices.len(), 2, "{:?}", grant.cdi_devices);
+    let env: Vec<String> = grant.envs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let device_refs: Vec<&str> = devices.iter().map(String::as_str).collect();
+    let seen = container_env(&device_refs, &env, &image);
+    let visible = format!("NVIDIA_VISIBLE_DEVICES={}", uuids.join(","));
+    assert!(has_line(&seen, &visible), "{seen:#?}");
+    for (i, uuid) in uuids.iter().enumerate() {
+        let line = format!("GPUPLANE_DEVICE_{i}=index={i},uuid={uuid},profile=");
+        assert!(has_line(&seen, &line), "{line} not in {seen:#?}");
+    }
+    assert!(!has_line(&seen, "NVIDIA_VISIBLE_DEVICES=void"), "{seen:#?}");
+
+    agent.stop().await;
+    drop(cleanup);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn podman_runs_a_container_with_a_claim_prepared_on_a_simulated_node() {
+    if lacks_prerequisites() {
+        return;
+    }
+    let id = unique_id();
+    let driver = format!("t{id}.gpuplane.dev");
+    let lab = Lab::new("a100-mig-mixed").await;
+    let inv = lab.sim.discover().unwrap().inventory;
+    let dra_devices = inv.dra_devices();
+    let whole = *dra_devices
+        .iter()
+        .find(|d| matches!(d, gpuplane::inventory::DeviceRef::Gpu(_)))
+        .expect("a whole GPU");
+    let part = *dra_devices
+        .iter()
+        .find(|d| matches!(d, gpuplane::inventory::DeviceRef::Mig { .. }))
+        .expect("a MIG device");
+    let (parent, mig) = match part {
+        gpuplane::inventory::DeviceRef::Mig { parent, mig } => (parent, mig),
+        gpuplane::inventory::DeviceRef::Gpu(_) => unreachable!("found as MIG"),
+    };
+    let mig_index = parent
+        .mig_devices
+        .iter()
+        .position(|m| m.uuid == mig.uuid)
+        .unwrap();
+
+    let cdi_root = lab.dir.path().join("cdi-sim");
+    let nowhere = lab.dir.path().join("no-such-dir");
+    let agent = Agent::start(
+        &lab,
+        &driver,
+        &cdi_root,
+        &nowhere,
+        &nowhere,
+        DeviceMode::Simulated,
+    );
+    lab.dra.wait_registered(&driver, WAIT).await.unwrap();
+    let obj = json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "sim", "namespace": "team-a"},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": driver, "count": 1}},
+            {"name": "part", "exactly": {"deviceClassName": driver, "count": 1}}]}},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": driver, "pool": NODE, "device": whole.dra_name()},
+            {"request": "part", "driver": driver, "pool": NODE, "device": part.dra_name()}]}}}
+    });
+    let stored = lab.api.put_json(obj).unwrap();
+    let claim = ClaimRef {
+        namespace: "team-a".into(),
+        name: "sim".into(),
+        uid: stored["metadata"]["uid"].as_str().unwrap().into(),
+    };
+    let mut answers = lab
+        .dra
+        .prepare(&driver, std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    let devices = answers.remove(&claim.uid).unwrap().unwrap();
+    let ids: Vec<String> = devices
+        .iter()
+        .flat_map(|d| d.cdi_ids.iter().cloned())
+        .collect();
+    let kind = format!("k8s.{driver}/claim");
+    assert_eq!(
+        ids,
+        [
+            format!("{kind}={}-{}", claim.uid, whole.dra_name()),
+            format!("{kind}={}-{}", claim.uid, part.dra_name())
+        ]
+    );
+
+    // The claim's spec as the agent wrote it, where podman reads specs.
+    let stem = format!("gpuplane-claim-{}", claim.uid);
+    let mut cleanup = Cleanup {
+        stems: vec![stem.clone()],
+        image: None,
+    };
+    let written = cdi_root.join(format!("{stem}.json"));
+    fs::create_dir_all(CDI_ROOT).unwrap();
+    fs::copy(&written, spec_file(&stem)).unwrap();
+    let image = busybox_image(lab.dir.path(), &id, &mut cleanup);
+
+    let whole_line = format!(
+        "GPUPLANE_DEVICE_{i}=index={i},uuid={},profile=",
+        whole.uuid(),
+        i = whole.gpu().index
+    );
+    let part_line = format!(
+        "GPUPLANE_DEVICE_{p}_MIG_{mig_index}=index={p}:{mig_index},uuid={},profile={}",
+        mig.uuid,
+        mig.profile,
+        p = parent.index
+    );
+    let visible = format!("NVIDIA_VISIBLE_DEVICES={},{}", whole.uuid(), mig.uuid);
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let seen = container_env(&refs, &[], &image);
+    for line in [&whole_line, &part_line, &visible] {
+        assert!(has_line(&seen, line), "{line} not in {seen:#?}");
+    }
+    // Only the MIG request: its own identity; NVIDIA_VISIBLE_DEVICES is the claim's (the
+    // documented limit of a spec-level value).
+    let seen = container_env(&refs[1..], &[], &image);
+    assert!(has_line(&seen, &part_line), "{seen:#?}");
+    assert!(!has_line(&seen, &whole_line), "{seen:#?}");
+    assert!(has_line(&seen, &visible), "{seen:#?}");
+
+    let mut answers = lab
+        .dra
+        .unprepare(&driver, std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    answers.remove(&claim.uid).unwrap().unwrap();
+    assert!(!written.exists(), "unprepare left the claim's spec");
+    agent.stop().await;
+    drop(cleanup);
 }

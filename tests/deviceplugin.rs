@@ -1,9 +1,12 @@
 //! The device plugin end to end: the real agent (in process, simulated hardware) serving a
-//! kubelet double over unix sockets in a temp dir.
+//! kubelet double over unix sockets in a temp dir; and the agent binary on the fake
+//! libnvidia-ml (real hardware from its point of view) with device nodes in a temp dir.
+
+mod support;
 
 use gpuplane::doubles::kubelet::{KubeletDouble, PluginView};
 use gpuplane::node::{NodeOptions, NodePaths};
-use gpuplane::source::{DeviceSource, SimSource};
+use gpuplane::source::{DeviceMode, DeviceSource, SimSource};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -22,7 +25,7 @@ struct Harness {
     agent: JoinHandle<Result<(), gpuplane::node::NodeError>>,
 }
 
-fn options(dir: &Path, config: Option<&str>) -> NodeOptions {
+fn options(dir: &Path, config: Option<&str>, device_mode: DeviceMode) -> NodeOptions {
     let config_file = config.map(|text| {
         let p = dir.join("config.yaml");
         std::fs::write(&p, text).unwrap();
@@ -42,10 +45,16 @@ fn options(dir: &Path, config: Option<&str>) -> NodeOptions {
         device_plugin: true,
         dra: None,
         metrics_addr: None,
+        device_mode,
     }
 }
 
+/// The agent on a simulated machine, as `gpuplane node --simulate` runs it.
 async fn start(profile: &str, config: Option<&str>) -> Harness {
+    start_as(profile, config, DeviceMode::Simulated).await
+}
+
+async fn start_as(profile: &str, config: Option<&str>, mode: DeviceMode) -> Harness {
     let _ = tracing_subscriber::fmt()
         .with_test_writer()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -56,7 +65,7 @@ async fn start(profile: &str, config: Option<&str>) -> Harness {
         .unwrap();
     let sim = SimSource::new(gpuplane::sim::load(profile).unwrap());
     let (stop, stopped) = oneshot::channel::<()>();
-    let opts = options(dir.path(), config);
+    let opts = options(dir.path(), config, mode);
     let source: Arc<dyn DeviceSource> = Arc::new(sim.clone());
     let agent = tokio::spawn(gpuplane::node::run(opts, source, async {
         let _ = stopped.await;
@@ -148,7 +157,19 @@ async fn allocate_returns_cdi_names_and_refuses_unknown_devices() {
         grant.cdi_devices[0].name,
         format!("nvidia.com/gpu={}", h.gpu_uuid(1))
     );
-    assert!(grant.envs.is_empty());
+    // Simulated: the node spec was written without device nodes, and NVIDIA_VISIBLE_DEVICES
+    // comes from Allocate, which knows the container's whole set.
+    assert!(h.dir.path().join("cdi/gpuplane-node.json").is_file());
+    assert_eq!(
+        grant.envs,
+        [("NVIDIA_VISIBLE_DEVICES".to_string(), h.gpu_uuid(1))].into()
+    );
+    let both = [view.devices[3].id.clone(), view.devices[0].id.clone()];
+    let grant = h.kubelet.allocate(GPU, &both).await.unwrap();
+    assert_eq!(
+        grant.envs["NVIDIA_VISIBLE_DEVICES"],
+        format!("{},{}", h.gpu_uuid(3), h.gpu_uuid(0))
+    );
     let err = h
         .kubelet
         .allocate(GPU, &["GPU-not-mine".into()])
@@ -236,7 +257,7 @@ async fn an_agent_started_before_the_kubelet_registers_once_it_appears() {
     let source: Arc<dyn DeviceSource> =
         Arc::new(SimSource::new(gpuplane::sim::load("pcie-l4x4").unwrap()));
     let agent = tokio::spawn(gpuplane::node::run(
-        options(dir.path(), None),
+        options(dir.path(), None, DeviceMode::Simulated),
         source,
         async {
             let _ = stopped.await;
@@ -455,9 +476,25 @@ async fn a_config_change_is_applied_without_dropping_unchanged_registrations() {
     h.shutdown().await;
 }
 
+/// Fails under CI, skips (returning true) elsewhere, where this process cannot mknod.
+fn cannot_make_nodes() -> bool {
+    if gpuplane::doubles::devnodes::can_make_nodes() {
+        return false;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "making device nodes (mknod) needs root; CI runs as root"
+    );
+    eprintln!("SKIPPED: making device nodes (mknod) needs root");
+    true
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cdi_spec_is_written_only_once_the_device_nodes_exist() {
-    let h = start("pcie-l4x4", None).await;
+    if cannot_make_nodes() {
+        return;
+    }
+    let h = start_as("pcie-l4x4", None, DeviceMode::Hardware).await;
     h.wait_devices(GPU, 4).await;
     let spec_path = h.dir.path().join("cdi/gpuplane-node.json");
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -466,18 +503,7 @@ async fn the_cdi_spec_is_written_only_once_the_device_nodes_exist() {
         "no spec may be cached before /dev/nvidia* exist"
     );
     let dev = h.dir.path().join("dev");
-    std::fs::create_dir_all(&dev).unwrap();
-    for n in [
-        "nvidia0",
-        "nvidia1",
-        "nvidia2",
-        "nvidia3",
-        "nvidiactl",
-        "nvidia-uvm",
-        "nvidia-uvm-tools",
-    ] {
-        std::fs::write(dev.join(n), "").unwrap();
-    }
+    gpuplane::doubles::devnodes::make_gpu_nodes(&dev, 0..4).unwrap();
     let deadline = std::time::Instant::now() + WAIT;
     while !spec_path.exists() && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -496,4 +522,107 @@ async fn the_cdi_spec_is_written_only_once_the_device_nodes_exist() {
         "{names:?}"
     );
     h.shutdown().await;
+}
+
+/// The agent binary on the fake libnvidia-ml: real hardware as far as it knows. Allocate must
+/// not hand out a CDI name whose spec is not written; it refuses naming the device nodes that
+/// are missing or wrong (as NodePrepare does), and the kubelet's retry succeeds once they are
+/// right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_nvml_allocate_refuses_until_the_device_nodes_are_right() {
+    if cannot_make_nodes() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let lib = root.join("libnvidia-ml.so.1");
+    std::fs::copy(support::built_fake(), &lib).unwrap();
+    let api = gpuplane::doubles::apiserver::ApiServerDouble::start()
+        .await
+        .unwrap();
+    let kubelet = KubeletDouble::start(&root.join("kubelet")).await.unwrap();
+    let inv = gpuplane::sim::load("pcie-l4x4").unwrap();
+    support::lay_out_node(root, inv.gpus.len(), &api.url());
+    // The driver is half-way: GPU 1's node is not there yet, a stray file sits where GPU 0's
+    // must be, and GPU 3's has GPU 7's number.
+    let dev = root.join("dev");
+    let node = |i: usize| dev.join(format!("nvidia{}", inv.gpus[i].minor));
+    std::fs::remove_file(node(1)).unwrap();
+    std::fs::remove_file(node(0)).unwrap();
+    std::fs::write(node(0), "").unwrap();
+    gpuplane::doubles::devnodes::make_node(&node(3), 195, 7).unwrap();
+    let agent = support::AgentProcess::spawn(
+        root,
+        "",
+        &["--nvml-lib", lib.to_str().unwrap()],
+        &[("GPUPLANE_FAKE_NVML_PROFILE", "pcie-l4x4".as_ref())],
+        "nvml",
+    );
+    let view = kubelet
+        .wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.devices.len() == 4))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()))[GPU]
+        .clone();
+    let gpu2 = inv.gpus[2].uuid.clone();
+    assert!(view.devices.iter().any(|d| d.id == gpu2));
+
+    let err = kubelet
+        .allocate(GPU, std::slice::from_ref(&gpu2))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    let msg = err.message();
+    for reason in [
+        format!("{} does not exist yet", node(1).display()),
+        format!(
+            "{} is a regular file, not a character device",
+            node(0).display()
+        ),
+        format!(
+            "{} has device number 195:7, expected 195:{}",
+            node(3).display(),
+            inv.gpus[3].minor
+        ),
+    ] {
+        assert!(msg.contains(&reason), "{reason} not in: {msg}");
+    }
+    let spec_path = root.join("cdi/gpuplane-node.json");
+    assert!(!spec_path.exists(), "no spec names a bad node");
+
+    // The driver finishes; the kubelet's retry is granted, with a name the written spec defines.
+    for i in [0, 1, 3] {
+        gpuplane::doubles::devnodes::make_node(&node(i), 195, u64::from(inv.gpus[i].minor))
+            .unwrap();
+    }
+    let grant = kubelet
+        .allocate(GPU, std::slice::from_ref(&gpu2))
+        .await
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", agent.log_text()));
+    let name = format!("nvidia.com/gpu={gpu2}");
+    assert_eq!(
+        grant
+            .cdi_devices
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect::<Vec<_>>(),
+        [name.as_str()]
+    );
+    assert!(grant.envs.is_empty(), "{:?}", grant.envs);
+    let spec: gpuplane::cdi::Spec =
+        serde_json::from_slice(&std::fs::read(&spec_path).expect("spec written")).unwrap();
+    let device = spec
+        .devices
+        .iter()
+        .find(|d| d.name == gpu2)
+        .expect("the granted device is in the spec");
+    let host = node(2).display().to_string();
+    assert_eq!(
+        device.container_edits.device_nodes[0].host_path.as_deref(),
+        Some(host.as_str())
+    );
+    assert!(spec
+        .container_edits
+        .env
+        .contains(&"NVIDIA_VISIBLE_DEVICES=void".to_string()));
+    agent.kill();
 }

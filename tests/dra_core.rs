@@ -1,14 +1,20 @@
 //! The DRA core driven through the `DraDriver` trait: simulated hardware (`a100-mig-mixed`),
 //! ResourceClaims served from memory, CDI specs, checkpoint and device nodes in a temp dir.
+//!
+//! Most tests run the core as on real hardware (`DeviceMode::Hardware`): the device nodes are
+//! character devices with the NVIDIA driver's numbers, made with mknod, so they need root and
+//! skip without it. The simulated mode needs no nodes.
 
 use gpuplane::cdi::Spec;
 use gpuplane::config::AgentConfig;
+use gpuplane::doubles::devnodes;
 use gpuplane::dra::checkpoint::{self, CheckpointData, ClaimEntry, ClaimState};
 use gpuplane::dra::claims::{ClaimFetcher, MemoryClaims};
 use gpuplane::dra::core::{spec_stem, DraCore, DraCoreConfig};
 use gpuplane::dra::{ClaimRef, DeviceHealthState, DraDriver, PreparedDevice};
 use gpuplane::inventory::Inventory;
 use gpuplane::node::state::{NodeState, Snapshot};
+use gpuplane::source::DeviceMode;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -31,23 +37,24 @@ struct Env {
     inv: Inventory,
     state: Arc<NodeState>,
     claims: Arc<MemoryClaims>,
+    mode: DeviceMode,
 }
 
 impl Env {
-    fn new() -> Env {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().to_path_buf();
-        let inv = gpuplane::sim::load("a100-mig-mixed").unwrap();
-        // Device nodes, and MIG access capabilities with their minors under a fake /proc.
-        let dev = root.join("dev");
-        fs::create_dir_all(dev.join("nvidia-caps")).unwrap();
-        for n in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"] {
-            fs::write(dev.join(n), b"").unwrap();
+    /// As on real hardware, with every device node in place; `None` (the test skips) where
+    /// this process cannot make device nodes.
+    fn new() -> Option<Env> {
+        if !devnodes::can_make_nodes() {
+            eprintln!("SKIPPED: making device nodes (mknod) needs root");
+            return None;
         }
+        let env = Env::bare(DeviceMode::Hardware);
+        // Device nodes, and MIG access capabilities with their minors under a fake /proc.
+        let dev = env.root.join("dev");
+        devnodes::make_gpu_nodes(&dev, env.inv.gpus.iter().map(|g| g.minor)).unwrap();
         let mut minors = String::new();
         let mut next = 100;
-        for g in &inv.gpus {
-            fs::write(dev.join(format!("nvidia{}", g.minor)), b"").unwrap();
+        for g in &env.inv.gpus {
             for m in &g.mig_devices {
                 for key in [
                     format!("gpu{}/gi{}/access", g.minor, m.gpu_instance_id),
@@ -57,17 +64,28 @@ impl Env {
                     ),
                 ] {
                     minors.push_str(&format!("{key} {next}\n"));
-                    fs::write(dev.join(format!("nvidia-caps/nvidia-cap{next}")), b"").unwrap();
+                    devnodes::make_cap_node(&dev, next).unwrap();
                     next += 1;
                 }
             }
         }
-        let caps = root.join("proc/driver/nvidia-caps");
+        let caps = env.root.join("proc/driver/nvidia-caps");
         fs::create_dir_all(&caps).unwrap();
         fs::write(caps.join("mig-minors"), minors).unwrap();
+        Some(env)
+    }
+
+    /// No device nodes at all: what a simulated node (`gpuplane node --simulate`) has.
+    fn simulated() -> Env {
+        Env::bare(DeviceMode::Simulated)
+    }
+
+    fn bare(mode: DeviceMode) -> Env {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        let inv = gpuplane::sim::load("a100-mig-mixed").unwrap();
         fs::create_dir_all(root.join("driver")).unwrap();
         fs::write(root.join("boot_id"), "boot-1\n").unwrap();
-
         let snapshot = Snapshot::new(inv.clone(), AgentConfig::default()).unwrap();
         Env {
             _dir: dir,
@@ -75,6 +93,7 @@ impl Env {
             inv,
             state: Arc::new(NodeState::new(snapshot)),
             claims: Arc::new(MemoryClaims::default()),
+            mode,
         }
     }
 
@@ -89,6 +108,7 @@ impl Env {
             proc_root: self.root.join("proc"),
             state_dir: self.root.join("state"),
             boot_id_path: self.root.join("boot_id"),
+            device_mode: self.mode,
         }
     }
 
@@ -177,7 +197,7 @@ fn devices(r: &Result<Vec<PreparedDevice>, String>) -> &[PreparedDevice] {
 
 #[tokio::test]
 async fn prepares_each_claim_on_its_own_idempotently_and_unprepares() {
-    let env = Env::new();
+    let Some(env) = Env::new() else { return };
     let core = env.core();
     let mig = env.mig(0);
     let a = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
@@ -277,7 +297,7 @@ async fn prepares_each_claim_on_its_own_idempotently_and_unprepares() {
 
 #[tokio::test]
 async fn per_claim_errors_name_the_claim_and_the_reason() {
-    let env = Env::new();
+    let Some(env) = Env::new() else { return };
     let core = env.core();
     let mut cases: Vec<(ClaimRef, &str)> = Vec::new();
 
@@ -381,34 +401,124 @@ async fn per_claim_errors_name_the_claim_and_the_reason() {
 
 #[tokio::test]
 async fn missing_device_nodes_fail_the_prepare_until_they_appear() {
-    let env = Env::new();
+    let Some(env) = Env::new() else { return };
     let core = env.core();
     let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
     let node = env
         .root
         .join(format!("dev/nvidia{}", env.inv.gpu(3).unwrap().minor));
     fs::remove_file(&node).unwrap();
-    let err = core
-        .prepare(vec![c.clone()])
-        .await
-        .remove(&c.uid)
-        .unwrap()
-        .unwrap_err();
+    let prepare_error = || async {
+        core.prepare(vec![c.clone()])
+            .await
+            .remove(&c.uid)
+            .unwrap()
+            .unwrap_err()
+    };
+    let err = prepare_error().await;
     assert!(
-        err.contains("device nodes do not exist yet") && err.contains(&node.display().to_string()),
+        err.contains(&format!("{} does not exist yet", node.display())),
         "{err}"
     );
     // Another claim's devices do not care.
     let mig = env.mig(0);
     let other = env.add_claim("b", &uid(2), &[("gpu", &mig)], json!([]));
     assert!(core.prepare(vec![other.clone()]).await[&other.uid].is_ok());
+    // A regular file or another GPU's number in its place is no better.
     fs::write(&node, b"").unwrap();
+    let err = prepare_error().await;
+    assert!(
+        err.contains(&format!(
+            "{} is a regular file, not a character device",
+            node.display()
+        )),
+        "{err}"
+    );
+    devnodes::make_node(&node, 195, 9).unwrap();
+    let err = prepare_error().await;
+    assert!(
+        err.contains(&format!(
+            "{} has device number 195:9, expected 195:3",
+            node.display()
+        )),
+        "{err}"
+    );
+    assert!(!env.spec_path(&c.uid).exists(), "no spec names a bad node");
+    devnodes::make_node(&node, 195, 3).unwrap();
     assert!(core.prepare(vec![c.clone()]).await[&c.uid].is_ok());
 }
 
 #[tokio::test]
+async fn simulated_devices_are_prepared_without_device_nodes_and_carry_their_identity() {
+    let env = Env::simulated();
+    let core = env.core();
+    let mig = env.mig(1);
+    let c = env.add_claim(
+        "a",
+        &uid(1),
+        &[("gpu", "gpu-3"), ("part", &mig)],
+        json!([{"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig",
+            "sharing": {"strategy": "TimeSlicing"}}}}]),
+    );
+    let prepared = core.prepare(vec![c.clone()]).await.remove(&c.uid).unwrap();
+    assert_eq!(prepared.unwrap().len(), 2);
+    let spec = env.spec(&c.uid);
+    let gpu3 = env.inv.gpu(3).unwrap();
+    let (parent, part) = env
+        .inv
+        .gpus
+        .iter()
+        .find_map(|g| {
+            let i = g.mig_devices.iter().position(|m| {
+                gpuplane::inventory::DeviceRef::Mig { parent: g, mig: m }.dra_name() == mig
+            })?;
+            Some((g, i))
+        })
+        .unwrap();
+    let m = &parent.mig_devices[part];
+    assert_eq!(
+        spec.container_edits.env,
+        vec![format!("NVIDIA_VISIBLE_DEVICES={},{}", gpu3.uuid, m.uuid)]
+    );
+    let env_of = |suffix: &str| {
+        spec.devices
+            .iter()
+            .find(|d| d.name == format!("{}-{suffix}", c.uid))
+            .unwrap()
+            .container_edits
+            .clone()
+    };
+    let whole = env_of("gpu-3");
+    // The identity first, then the config's environment.
+    assert_eq!(
+        whole.env[0],
+        format!("GPUPLANE_DEVICE_3=index=3,uuid={},profile=", gpu3.uuid)
+    );
+    assert!(
+        whole.env[1..].contains(&"GPUPLANE_SHARING_STRATEGY=TimeSlicing".to_string()),
+        "{:?}",
+        whole.env
+    );
+    let sliced = env_of(&mig);
+    assert_eq!(
+        sliced.env,
+        vec![format!(
+            "GPUPLANE_DEVICE_{p}_MIG_{part}=index={p}:{part},uuid={},profile={}",
+            m.uuid,
+            m.profile,
+            p = parent.index
+        )]
+    );
+    for e in [&whole, &sliced, &spec.container_edits] {
+        assert!(e.device_nodes.is_empty() && e.mounts.is_empty() && e.hooks.is_empty());
+    }
+    assert_eq!(spec.cdi_version, "0.5.0");
+}
+
+#[tokio::test]
 async fn a_crash_between_started_and_completed_is_recovered() {
-    let env = Env::new();
+    let Some(env) = Env::new() else { return };
     let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
     let orphan = cref("gone", &uid(2));
     // What a crash leaves: PrepareStarted entries and half-made (here: stale) spec files.
@@ -461,7 +571,7 @@ async fn a_crash_between_started_and_completed_is_recovered() {
 
 #[tokio::test]
 async fn a_spec_removed_behind_our_back_is_written_again() {
-    let env = Env::new();
+    let Some(env) = Env::new() else { return };
     let core = env.core();
     let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
     let first = core.prepare(vec![c.clone()]).await;
@@ -472,7 +582,7 @@ async fn a_spec_removed_behind_our_back_is_written_again() {
 
 #[tokio::test]
 async fn a_corrupt_checkpoint_is_set_aside_and_the_core_starts_empty() {
-    let env = Env::new();
+    let Some(env) = Env::new() else { return };
     let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
     env.core().prepare(vec![c.clone()]).await[&c.uid]
         .as_ref()
@@ -506,7 +616,7 @@ async fn a_corrupt_checkpoint_is_set_aside_and_the_core_starts_empty() {
 
 #[tokio::test]
 async fn a_reboot_invalidates_prepared_claims_and_removes_their_specs() {
-    let env = Env::new();
+    let Some(env) = Env::new() else { return };
     let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
     env.core().prepare(vec![c.clone()]).await[&c.uid]
         .as_ref()
@@ -525,7 +635,7 @@ async fn a_reboot_invalidates_prepared_claims_and_removes_their_specs() {
 
 #[tokio::test]
 async fn configs_become_container_environment() {
-    let env = Env::new();
+    let Some(env) = Env::new() else { return };
     let core = env.core();
     let mig = env.mig(2);
     let config = json!([
@@ -579,7 +689,7 @@ async fn configs_become_container_environment() {
 
 #[tokio::test]
 async fn concurrent_prepares_of_one_claim_agree() {
-    let env = Env::new();
+    let Some(env) = Env::new() else { return };
     let core = Arc::new(env.core());
     let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
     let (x, y) = tokio::join!(core.prepare(vec![c.clone()]), core.prepare(vec![c.clone()]));

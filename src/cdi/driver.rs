@@ -15,9 +15,18 @@
 //! `<proc root>/driver/nvidia/capabilities/gpu<minor>/mig/gi<gi>[/ci<ci>]/access`, line
 //! `DeviceFileMinor: N`, and falls back to `<proc root>/driver/nvidia-caps/mig-minors`).
 //! A MIG device whose minors are unknown gets no cap nodes and a warning.
+//!
+//! Device nodes are checked for what they are, not only for existing: each must be a character
+//! device (a regular file or symlink left by a broken install is not a GPU), `/dev/nvidia<N>`
+//! must be `195:<the GPU's minor>`, `nvidiactl` `195:255`, a cap node the minor its name and
+//! `/proc` give, and `nvidia-uvm`/`nvidia-caps` nodes the major `<proc root>/devices` lists for
+//! them (when it lists them). A node that is absent or wrong is a [`NodeProblem`]; no spec may
+//! name it ([`DeviceNodesError`] is the one refusal both kubelet APIs give).
 
 use crate::inventory::Inventory;
+use nix::sys::stat::{lstat, major, minor, SFlag};
 use std::collections::BTreeMap;
+use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
 use tracing::warn;
@@ -69,6 +78,177 @@ pub const CONTROL_NODES: &[&str] = &["nvidiactl", "nvidia-uvm", "nvidia-uvm-tool
 
 /// Control nodes added only when present (display driver).
 pub const OPTIONAL_CONTROL_NODES: &[&str] = &["nvidia-modeset"];
+
+/// The NVIDIA kernel driver's fixed character-device major: `/dev/nvidia<minor>`, `nvidiactl`
+/// (minor 255) and `nvidia-modeset` (minor 254).
+pub const NVIDIA_MAJOR: u64 = 195;
+/// Minor of `/dev/nvidiactl`.
+pub const CTL_MINOR: u64 = 255;
+/// Minor of `/dev/nvidia-modeset`.
+pub const MODESET_MINOR: u64 = 254;
+/// `/proc/devices` names of the drivers with a dynamic major.
+pub const UVM_DRIVER: &str = "nvidia-uvm";
+pub const CAPS_DRIVER: &str = "nvidia-caps";
+
+/// The device number a node must have; `None` where this node cannot know it (the dynamic
+/// major of `nvidia-uvm` when `/proc/devices` does not list the driver).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct Expected {
+    pub major: Option<u64>,
+    pub minor: Option<u64>,
+}
+
+impl fmt::Display for Expected {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.major, self.minor) {
+            (Some(ma), Some(mi)) => write!(f, "{ma}:{mi}"),
+            (Some(ma), None) => write!(f, "major {ma}"),
+            (None, Some(mi)) => write!(f, "minor {mi}"),
+            (None, None) => write!(f, "any character device"),
+        }
+    }
+}
+
+/// What is at a device node's path (as `lstat` sees it: a symlink is not followed, as the
+/// container runtimes do not follow one either).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Found {
+    Missing,
+    CharDevice {
+        major: u64,
+        minor: u64,
+    },
+    /// Anything else: "regular file", "directory", "symbolic link", "block device", ...
+    Other {
+        kind: &'static str,
+    },
+    Unreadable {
+        reason: String,
+    },
+}
+
+/// Why a device node may not go into a spec.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum NodeFault {
+    Missing,
+    NotCharDevice {
+        kind: &'static str,
+    },
+    WrongNumber {
+        found: (u64, u64),
+        expected: Expected,
+    },
+    Unreadable {
+        reason: String,
+    },
+}
+
+/// A device node a spec would need that is absent or not what it must be.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct NodeProblem {
+    /// The host path.
+    pub path: PathBuf,
+    pub fault: NodeFault,
+}
+
+impl fmt::Display for NodeProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = self.path.display();
+        match &self.fault {
+            NodeFault::Missing => write!(f, "{p} does not exist yet"),
+            NodeFault::NotCharDevice { kind } => {
+                write!(f, "{p} is a {kind}, not a character device")
+            }
+            NodeFault::WrongNumber {
+                found: (ma, mi),
+                expected,
+            } => write!(f, "{p} has device number {ma}:{mi}, expected {expected}"),
+            NodeFault::Unreadable { reason } => write!(f, "{p} cannot be examined: {reason}"),
+        }
+    }
+}
+
+/// The refusal both kubelet APIs give (DRA NodePrepare, device plugin Allocate) while device
+/// nodes a spec needs are absent or wrong: no spec naming them is written, and a retry
+/// succeeds once the driver has created them.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "device nodes are missing or invalid: {}; no CDI spec names them until the NVIDIA driver has created them as it should",
+    .problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+)]
+pub struct DeviceNodesError {
+    pub problems: Vec<NodeProblem>,
+}
+
+/// Judges what was found against what must be there (pure).
+pub fn check_node(found: &Found, expected: Expected) -> Option<NodeFault> {
+    match found {
+        Found::Missing => Some(NodeFault::Missing),
+        Found::Other { kind } => Some(NodeFault::NotCharDevice { kind }),
+        Found::Unreadable { reason } => Some(NodeFault::Unreadable {
+            reason: reason.clone(),
+        }),
+        Found::CharDevice { major, minor } => {
+            let wrong = expected.major.is_some_and(|m| m != *major)
+                || expected.minor.is_some_and(|m| m != *minor);
+            wrong.then_some(NodeFault::WrongNumber {
+                found: (*major, *minor),
+                expected,
+            })
+        }
+    }
+}
+
+/// `lstat` of a device node's host path.
+pub fn examine(path: &Path) -> Found {
+    match lstat(path) {
+        Ok(st) => {
+            let kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT;
+            let other = |kind| Found::Other { kind };
+            match kind {
+                SFlag::S_IFCHR => Found::CharDevice {
+                    major: major(st.st_rdev),
+                    minor: minor(st.st_rdev),
+                },
+                SFlag::S_IFREG => other("regular file"),
+                SFlag::S_IFDIR => other("directory"),
+                SFlag::S_IFLNK => other("symbolic link"),
+                SFlag::S_IFBLK => other("block device"),
+                SFlag::S_IFIFO => other("named pipe"),
+                SFlag::S_IFSOCK => other("socket"),
+                _ => other("file of unknown type"),
+            }
+        }
+        Err(nix::errno::Errno::ENOENT) | Err(nix::errno::Errno::ENOTDIR) => Found::Missing,
+        Err(e) => Found::Unreadable {
+            reason: e.desc().to_string(),
+        },
+    }
+}
+
+/// `<proc root>/devices`: the major of each character-device driver (`195 nvidia`); block
+/// devices and malformed lines are skipped.
+pub fn parse_char_majors(text: &str) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    let mut in_char = false;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.ends_with(':') {
+            in_char = line == "Character devices:";
+            continue;
+        }
+        if !in_char {
+            continue;
+        }
+        let mut it = line.split_whitespace();
+        if let (Some(num), Some(name), None) = (it.next(), it.next(), it.next()) {
+            if let Ok(num) = num.parse() {
+                out.insert(name.to_string(), num);
+            }
+        }
+    }
+    out
+}
 
 /// A file as the host sees it and where it appears in the container.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -132,24 +312,36 @@ pub fn parse_mig_minors(text: &str) -> BTreeMap<String, u32> {
         .collect()
 }
 
-/// MIG capability minors as the NVIDIA kernel driver publishes them under a proc root.
-#[derive(Debug, Clone)]
+/// Device numbers as the NVIDIA kernel driver publishes them under a proc root: MIG
+/// capability minors and the majors of the drivers that get a dynamic one.
+#[derive(Debug, Clone, Default)]
 pub struct ProcCaps {
     proc_root: PathBuf,
     mig_minors: BTreeMap<String, u32>,
+    char_majors: BTreeMap<String, u64>,
 }
 
 impl ProcCaps {
-    /// Reads `<proc_root>/driver/nvidia-caps/mig-minors` now (absent on nodes without MIG
-    /// support: then only the per-instance access files are consulted).
+    /// Reads `<proc_root>/driver/nvidia-caps/mig-minors` (absent on nodes without MIG
+    /// support: then only the per-instance access files are consulted) and
+    /// `<proc_root>/devices` now.
     pub fn new(proc_root: &Path) -> Self {
         let mig_minors = fs::read_to_string(proc_root.join("driver/nvidia-caps/mig-minors"))
             .map(|t| parse_mig_minors(&t))
             .unwrap_or_default();
+        let char_majors = fs::read_to_string(proc_root.join("devices"))
+            .map(|t| parse_char_majors(&t))
+            .unwrap_or_default();
         ProcCaps {
             proc_root: proc_root.to_path_buf(),
             mig_minors,
+            char_majors,
         }
+    }
+
+    /// The major `/proc/devices` lists for a character-device driver (`nvidia-uvm`).
+    pub fn char_major(&self, driver: &str) -> Option<u64> {
+        self.char_majors.get(driver).copied()
     }
 
     /// The minor of `/dev/nvidia-caps/nvidia-cap<N>` for `cap`.
@@ -177,41 +369,111 @@ pub struct DriverFiles {
     pub binaries: Vec<HostFile>,
     /// Host path of `nvidia-cdi-hook` or `nvidia-ctk`; `None`: no ldcache hook.
     pub ldcache_hook: Option<PathBuf>,
-    /// Device nodes the inventory needs that do not exist (yet) under the dev root, host paths.
-    /// A spec rendered while this is non-empty must not be cached: render again once they appear.
-    pub missing_device_nodes: Vec<PathBuf>,
+    /// Device nodes the inventory needs that are absent (yet) or not what they must be, by
+    /// host path. A spec rendered while this is non-empty must not be cached: render again once
+    /// they are right.
+    pub node_problems: Vec<NodeProblem>,
+}
+
+/// The majors of the NVIDIA drivers whose major is assigned at load time (`None`: unknown,
+/// then only the node's type and minor are checked).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DynamicMajors {
+    pub uvm: Option<u64>,
+    pub caps: Option<u64>,
 }
 
 impl DriverFiles {
-    /// Discovers with MIG capability minors from the host's `/proc`.
+    /// Discovers with device numbers from the host's `/proc`.
     pub fn discover(driver_root: &Path, dev_root: &Path, inv: &Inventory) -> DriverFiles {
-        let caps = ProcCaps::new(Path::new("/proc"));
-        Self::discover_with(driver_root, dev_root, inv, &|c| caps.minor(c))
+        Self::discover_proc(
+            driver_root,
+            dev_root,
+            inv,
+            &ProcCaps::new(Path::new("/proc")),
+        )
     }
 
-    /// Discovers the files for `inv`, looking MIG capability minors up with `cap_minor`.
+    /// Discovers with MIG capability minors and dynamic majors from `proc`.
+    pub fn discover_proc(
+        driver_root: &Path,
+        dev_root: &Path,
+        inv: &Inventory,
+        proc: &ProcCaps,
+    ) -> DriverFiles {
+        let majors = DynamicMajors {
+            uvm: proc.char_major(UVM_DRIVER),
+            caps: proc.char_major(CAPS_DRIVER),
+        };
+        Self::discover_checked(driver_root, dev_root, inv, &|c| proc.minor(c), majors)
+    }
+
+    /// Discovers the files for `inv`, looking MIG capability minors up with `cap_minor` (the
+    /// dynamic majors unknown).
     pub fn discover_with(
         driver_root: &Path,
         dev_root: &Path,
         inv: &Inventory,
         cap_minor: &dyn Fn(MigCap) -> Option<u32>,
     ) -> DriverFiles {
+        Self::discover_checked(
+            driver_root,
+            dev_root,
+            inv,
+            cap_minor,
+            DynamicMajors::default(),
+        )
+    }
+
+    /// Discovers the files for `inv`, checking each device node against its expected number.
+    pub fn discover_checked(
+        driver_root: &Path,
+        dev_root: &Path,
+        inv: &Inventory,
+        cap_minor: &dyn Fn(MigCap) -> Option<u32>,
+        majors: DynamicMajors,
+    ) -> DriverFiles {
         let mut files = DriverFiles::empty(driver_root, dev_root);
-        let mut expected: Vec<HostFile> = Vec::new();
+        let mut expected: Vec<(HostFile, Expected)> = Vec::new();
+        let nvidia = |minor: u64| Expected {
+            major: Some(NVIDIA_MAJOR),
+            minor: Some(minor),
+        };
 
         for name in CONTROL_NODES {
             let node = files.dev_node(name);
-            expected.push(node.clone());
+            let number = match *name {
+                "nvidiactl" => nvidia(CTL_MINOR),
+                "nvidia-uvm" => Expected {
+                    major: majors.uvm,
+                    minor: Some(0),
+                },
+                "nvidia-uvm-tools" => Expected {
+                    major: majors.uvm,
+                    minor: Some(1),
+                },
+                _ => Expected::default(),
+            };
+            expected.push((node.clone(), number));
             files.control_nodes.push(node);
         }
         for name in OPTIONAL_CONTROL_NODES {
             let node = files.dev_node(name);
-            if exists(&node.host_path) {
-                files.control_nodes.push(node);
+            let found = examine(&node.host_path);
+            if found == Found::Missing {
+                continue;
+            }
+            // Optional: a wrong one is left out of specs, not a reason to refuse devices.
+            match check_node(&found, nvidia(MODESET_MINOR)) {
+                None => files.control_nodes.push(node),
+                Some(fault) => warn!(
+                    problem = %NodeProblem { path: node.host_path.clone(), fault },
+                    "optional device node left out of CDI specs"
+                ),
             }
         }
         for gpu in &inv.gpus {
-            expected.push(files.gpu_node(gpu.minor));
+            expected.push((files.gpu_node(gpu.minor), nvidia(u64::from(gpu.minor))));
             for mig in &gpu.mig_devices {
                 let (gi, ci) = (mig.gpu_instance_id, mig.compute_instance_id);
                 let gi_cap = MigCap::GpuInstance {
@@ -226,7 +488,13 @@ impl DriverFiles {
                 match (cap_minor(gi_cap), cap_minor(ci_cap)) {
                     (Some(g), Some(c)) => {
                         let nodes = vec![files.cap_node(g), files.cap_node(c)];
-                        expected.extend(nodes.iter().cloned());
+                        for (node, minor) in nodes.iter().zip([g, c]) {
+                            let number = Expected {
+                                major: majors.caps,
+                                minor: Some(u64::from(minor)),
+                            };
+                            expected.push((node.clone(), number));
+                        }
                         files.mig_cap_nodes.insert((gpu.minor, gi, ci), nodes);
                     }
                     _ => warn!(
@@ -236,14 +504,17 @@ impl DriverFiles {
                 }
             }
         }
-        let mut missing: Vec<PathBuf> = expected
+        expected.sort_by(|a, b| a.0.host_path.cmp(&b.0.host_path));
+        expected.dedup_by(|a, b| a.0.host_path == b.0.host_path);
+        files.node_problems = expected
             .into_iter()
-            .filter(|n| !exists(&n.host_path))
-            .map(|n| n.host_path)
+            .filter_map(|(node, number)| {
+                check_node(&examine(&node.host_path), number).map(|fault| NodeProblem {
+                    path: node.host_path,
+                    fault,
+                })
+            })
             .collect();
-        missing.sort();
-        missing.dedup();
-        files.missing_device_nodes = missing;
 
         files.libraries = find_libraries(driver_root, &inv.driver_version);
         files.binaries = BINARIES
@@ -257,20 +528,18 @@ impl DriverFiles {
         files
     }
 
-    /// [`DriverFiles::discover_with`] for a driver root the host sees at `driver_root` and this
+    /// [`DriverFiles::discover_proc`] for a driver root the host sees at `driver_root` and this
     /// process at `mount` (`None`: at `driver_root` too).
     pub fn discover_mounted(
         driver_root: &Path,
         mount: Option<&Path>,
         dev_root: &Path,
         inv: &Inventory,
-        cap_minor: &dyn Fn(MigCap) -> Option<u32>,
+        proc: &ProcCaps,
     ) -> DriverFiles {
         match mount {
-            Some(m) => {
-                Self::discover_with(m, dev_root, inv, cap_minor).seen_from_host(m, driver_root)
-            }
-            None => Self::discover_with(driver_root, dev_root, inv, cap_minor),
+            Some(m) => Self::discover_proc(m, dev_root, inv, proc).seen_from_host(m, driver_root),
+            None => Self::discover_proc(driver_root, dev_root, inv, proc),
         }
     }
 
@@ -303,9 +572,31 @@ impl DriverFiles {
         }
     }
 
-    /// True when every device node the inventory needs exists: the spec may be cached.
+    /// True when every device node the inventory needs is there and right: the spec may be
+    /// cached.
     pub fn is_complete(&self) -> bool {
-        self.missing_device_nodes.is_empty()
+        self.node_problems.is_empty()
+    }
+
+    /// The refusal for a spec that needs the nodes `needed` says yes to (host paths), if any
+    /// of them is absent or wrong.
+    pub fn check_needed(&self, needed: impl Fn(&Path) -> bool) -> Result<(), DeviceNodesError> {
+        let problems: Vec<NodeProblem> = self
+            .node_problems
+            .iter()
+            .filter(|p| needed(&p.path))
+            .cloned()
+            .collect();
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(DeviceNodesError { problems })
+        }
+    }
+
+    /// The refusal for a spec over every device of the inventory (the node spec).
+    pub fn check_all(&self) -> Result<(), DeviceNodesError> {
+        self.check_needed(|_| true)
     }
 
     /// `/dev/<rel>` in the container, `<dev root>/<rel>` on the host.
@@ -325,10 +616,6 @@ impl DriverFiles {
     pub fn cap_node(&self, minor: u32) -> HostFile {
         self.dev_node(&format!("nvidia-caps/nvidia-cap{minor}"))
     }
-}
-
-fn exists(p: &Path) -> bool {
-    fs::symlink_metadata(p).is_ok()
 }
 
 /// `<root>/<dir>/<name>` for the first dir holding it as a file (symlinks followed).
@@ -445,6 +732,93 @@ mod tests {
         ] {
             assert_eq!(library_version(no), None, "{no}");
         }
+    }
+
+    #[test]
+    fn device_nodes_are_judged_by_type_and_number() {
+        let gpu3 = Expected {
+            major: Some(NVIDIA_MAJOR),
+            minor: Some(3),
+        };
+        let char_dev = |major, minor| Found::CharDevice { major, minor };
+        assert_eq!(check_node(&char_dev(195, 3), gpu3), None);
+        assert_eq!(
+            check_node(&char_dev(195, 7), gpu3),
+            Some(NodeFault::WrongNumber {
+                found: (195, 7),
+                expected: gpu3
+            })
+        );
+        assert!(check_node(&char_dev(1, 3), gpu3).is_some());
+        // An unknown major (nvidia-uvm without /proc/devices) checks the minor only.
+        let uvm = Expected {
+            major: None,
+            minor: Some(0),
+        };
+        assert_eq!(check_node(&char_dev(511, 0), uvm), None);
+        assert!(check_node(&char_dev(511, 1), uvm).is_some());
+        assert_eq!(
+            check_node(
+                &Found::Other {
+                    kind: "regular file"
+                },
+                gpu3
+            ),
+            Some(NodeFault::NotCharDevice {
+                kind: "regular file"
+            })
+        );
+        assert_eq!(check_node(&Found::Missing, uvm), Some(NodeFault::Missing));
+        let p = |fault| NodeProblem {
+            path: "/dev/nvidia3".into(),
+            fault,
+        };
+        assert_eq!(
+            p(NodeFault::WrongNumber {
+                found: (195, 7),
+                expected: gpu3
+            })
+            .to_string(),
+            "/dev/nvidia3 has device number 195:7, expected 195:3"
+        );
+        assert_eq!(
+            p(NodeFault::NotCharDevice {
+                kind: "regular file"
+            })
+            .to_string(),
+            "/dev/nvidia3 is a regular file, not a character device"
+        );
+        assert_eq!(
+            p(NodeFault::WrongNumber {
+                found: (511, 1),
+                expected: uvm
+            })
+            .to_string(),
+            "/dev/nvidia3 has device number 511:1, expected minor 0"
+        );
+    }
+
+    #[test]
+    fn parses_character_majors_from_proc_devices() {
+        let text = "Character devices:\n  1 mem\n195 nvidia-frontend\n195 nvidia\n\
+                    508 nvidia-uvm\n509 nvidia-caps\nbad line here\n\n\
+                    Block devices:\n  8 sd\n259 blkext\n";
+        let majors = parse_char_majors(text);
+        assert_eq!(majors.get("nvidia-uvm"), Some(&508));
+        assert_eq!(majors.get("nvidia-caps"), Some(&509));
+        assert_eq!(majors.get("nvidia"), Some(&195));
+        assert_eq!(
+            majors.get("sd"),
+            None,
+            "block devices are not character devices"
+        );
+        let proc = tempfile::tempdir().unwrap();
+        fs::write(proc.path().join("devices"), text).unwrap();
+        assert_eq!(ProcCaps::new(proc.path()).char_major(UVM_DRIVER), Some(508));
+        assert_eq!(
+            ProcCaps::new(Path::new("/nonexistent")).char_major(UVM_DRIVER),
+            None
+        );
     }
 
     #[test]

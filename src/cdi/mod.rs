@@ -10,9 +10,14 @@
 //!   use) and of specs over arbitrary named device sets (DRA claims);
 //! - [`writer`]: atomic, skip-if-identical writes of `<cdi root>/<stem>.json`.
 //!
-//! A spec rendered while [`DriverFiles::missing_device_nodes`] is non-empty must not be written
-//! or cached: a container started from it would lack `/dev/nvidia*`. Render again once the
-//! nodes appear.
+//! A spec rendered while [`DriverFiles::node_problems`] is non-empty must not be written or
+//! cached: a container started from it would lack `/dev/nvidia*` (or get the wrong device).
+//! Render again once the nodes are right. [`DeviceNodesError`] is the refusal meanwhile.
+//!
+//! Simulated devices (`gpuplane node --simulate`) have no device nodes and no driver files:
+//! [`render::render_simulated_spec`] gives each device its identity in the environment instead
+//! (`GPUPLANE_DEVICE_<key>=index=…,uuid=…,profile=…`, see [`render::device_env`]), so a
+//! container on a cluster without GPUs starts and can see what it was given.
 
 pub mod driver;
 pub mod name;
@@ -20,9 +25,15 @@ pub mod render;
 pub mod spec;
 pub mod writer;
 
-pub use driver::{DriverFiles, HostFile, MigCap, ProcCaps};
+pub use driver::{
+    DeviceNodesError, DriverFiles, Expected, Found, HostFile, MigCap, NodeFault, NodeProblem,
+    ProcCaps,
+};
 pub use name::{DeviceName, Kind, NameError, QualifiedName};
-pub use render::{render_node_spec, render_spec, DeviceRef, NamedDevices};
+pub use render::{
+    render_node_spec, render_simulated_node_spec, render_simulated_spec, render_spec, DeviceRef,
+    NamedDevices,
+};
 pub use spec::{minimum_version, ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
 pub use writer::{remove_spec, write_spec, WriteError, WriteOutcome};
 

@@ -6,6 +6,17 @@
 //! [`Gpu::mig_devices`], i.e. ordered by GPU then compute instance) and by UUID (`MIG-…`), and
 //! `all`. [`render_spec`] is the building block for specs over any named device sets (the DRA
 //! per-claim specs).
+//!
+//! Simulated devices ([`render_simulated_spec`], [`render_simulated_node_spec`]) have nothing on
+//! the host to inject: no device nodes, no libraries, no hooks. Each CDI device instead sets one
+//! environment variable per inventory device, [`device_env`]:
+//! `GPUPLANE_DEVICE_<key>=index=<index>,uuid=<uuid>,profile=<MIG profile, empty for a GPU>`,
+//! where `<key>` is the GPU's index (`0`) or `<gpu index>_MIG_<mig index>` (`0_MIG_1`) and
+//! `<index>` is `0` or `0:1` as the node spec names them. The runtime applies the edits of
+//! several devices in turn and a later value of a variable replaces an earlier one, so each
+//! device needs a name of its own. `NVIDIA_VISIBLE_DEVICES` is left to whoever knows the whole
+//! set a container gets: the device plugin's Allocate, or the spec-level edits of a DRA claim's
+//! spec; so a simulated spec never sets `NVIDIA_VISIBLE_DEVICES=void`.
 
 use super::driver::{DriverFiles, HostFile};
 use super::name::{DeviceName, Kind};
@@ -137,6 +148,105 @@ pub fn ldcache_hook(files: &DriverFiles) -> Option<Hook> {
 /// A spec of `kind` with one CDI device per entry (sorted by name; a repeated name keeps its
 /// first entry, with a warning), the [`common_edits`], and the lowest cdiVersion that fits.
 pub fn render_spec(kind: &Kind, devices: &[NamedDevices<'_>], files: &DriverFiles) -> Spec {
+    assemble(
+        kind,
+        devices,
+        |d| device_edits(d, files),
+        common_edits(files),
+    )
+}
+
+/// Prefix of the per-device environment variables of simulated devices.
+pub const DEVICE_ENV_PREFIX: &str = "GPUPLANE_DEVICE_";
+
+/// `0` for GPU 0, `0_MIG_1` for its second MIG device: unique per device and valid in an
+/// environment variable name (letters, digits, `_`).
+pub fn device_env_key(dev: DeviceRef<'_>) -> String {
+    match dev {
+        DeviceRef::Gpu(gpu) => gpu.index.to_string(),
+        DeviceRef::Mig { parent, mig } => match mig_position(dev) {
+            Some(i) => format!("{}_MIG_{i}", parent.index),
+            // Not reachable for a DeviceRef built from its parent; stays unique anyway.
+            None => format!(
+                "{}_MIG_GI{}_CI{}",
+                parent.index, mig.gpu_instance_id, mig.compute_instance_id
+            ),
+        },
+    }
+}
+
+/// The position of a MIG device among its GPU's (the `<mig>` of the node spec's `<gpu>:<mig>`).
+fn mig_position(dev: DeviceRef<'_>) -> Option<usize> {
+    match dev {
+        DeviceRef::Gpu(_) => None,
+        DeviceRef::Mig { parent, mig } => {
+            parent.mig_devices.iter().position(|m| m.uuid == mig.uuid)
+        }
+    }
+}
+
+/// `GPUPLANE_DEVICE_<key>=index=<index>,uuid=<uuid>,profile=<profile>`: a simulated device's
+/// identity, as a container sees it (see the module docs).
+pub fn device_env(dev: DeviceRef<'_>) -> String {
+    let (index, profile) = match dev {
+        DeviceRef::Gpu(gpu) => (gpu.index.to_string(), ""),
+        DeviceRef::Mig { parent, mig } => {
+            let index = match mig_position(dev) {
+                Some(i) => format!("{}:{i}", parent.index),
+                None => parent.index.to_string(),
+            };
+            (index, mig.profile.as_str())
+        }
+    };
+    format!(
+        "{DEVICE_ENV_PREFIX}{}=index={index},uuid={},profile={profile}",
+        device_env_key(dev),
+        dev.uuid()
+    )
+}
+
+/// `NVIDIA_VISIBLE_DEVICES=<uuid>,...` over `devices`, in their order, each once.
+pub fn visible_devices_env(devices: &[DeviceRef<'_>]) -> String {
+    let mut seen = BTreeSet::new();
+    let uuids: Vec<&str> = devices
+        .iter()
+        .map(|d| d.uuid())
+        .filter(|u| seen.insert(*u))
+        .collect();
+    format!("NVIDIA_VISIBLE_DEVICES={}", uuids.join(","))
+}
+
+/// The edits of a simulated CDI device over `devices`: one [`device_env`] each, sorted.
+pub fn simulated_device_edits(devices: &[DeviceRef<'_>]) -> ContainerEdits {
+    let env: BTreeSet<String> = devices.iter().map(|d| device_env(*d)).collect();
+    ContainerEdits {
+        env: env.into_iter().collect(),
+        ..Default::default()
+    }
+}
+
+/// [`render_spec`] for simulated devices: per-device [`simulated_device_edits`] and
+/// `common` as the spec-level edits (nothing, or a claim's `NVIDIA_VISIBLE_DEVICES`).
+pub fn render_simulated_spec(
+    kind: &Kind,
+    devices: &[NamedDevices<'_>],
+    common: ContainerEdits,
+) -> Spec {
+    assemble(kind, devices, simulated_device_edits, common)
+}
+
+/// The node-wide spec of a simulated inventory: the names of [`render_node_spec`], identities
+/// in the environment, no spec-level edits (Allocate sets `NVIDIA_VISIBLE_DEVICES`).
+pub fn render_simulated_node_spec(inv: &Inventory, kind: &Kind) -> Spec {
+    render_simulated_spec(kind, &node_devices(inv), ContainerEdits::default())
+}
+
+fn assemble(
+    kind: &Kind,
+    devices: &[NamedDevices<'_>],
+    edits: impl Fn(&[DeviceRef<'_>]) -> ContainerEdits,
+    common: ContainerEdits,
+) -> Spec {
     let mut seen = BTreeSet::new();
     let mut out: Vec<Device> = Vec::new();
     for nd in devices {
@@ -147,7 +257,7 @@ pub fn render_spec(kind: &Kind, devices: &[NamedDevices<'_>], files: &DriverFile
         out.push(Device {
             name: nd.name.to_string(),
             annotations: Default::default(),
-            container_edits: device_edits(&nd.devices, files),
+            container_edits: edits(&nd.devices),
         });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -156,7 +266,7 @@ pub fn render_spec(kind: &Kind, devices: &[NamedDevices<'_>], files: &DriverFile
         kind: kind.to_string(),
         annotations: Default::default(),
         devices: out,
-        container_edits: common_edits(files),
+        container_edits: common,
     };
     spec.cdi_version = minimum_version(&spec).to_string();
     spec

@@ -11,10 +11,27 @@ fn inv(profile: &str) -> Inventory {
     crate::sim::load(profile).unwrap()
 }
 
-/// Regular files stand in for device nodes: discovery only checks that they exist.
 fn touch(path: &Path) {
     fs::create_dir_all(path.parent().unwrap()).unwrap();
     fs::write(path, b"").unwrap();
+}
+
+/// A character device with the NVIDIA driver's number for `/dev/<name>` (mknod: root only).
+fn node(dev: &Path, name: &str) {
+    use crate::doubles::devnodes::{dynamic_majors, make_node};
+    let (uvm, _) = dynamic_majors();
+    let (major, minor) = match name {
+        "nvidiactl" => (195, 255),
+        "nvidia-modeset" => (195, 254),
+        "nvidia-uvm" => (uvm, 0),
+        "nvidia-uvm-tools" => (uvm, 1),
+        gpu => (195, gpu.trim_start_matches("nvidia").parse().unwrap()),
+    };
+    make_node(&dev.join(name), major, minor).unwrap();
+}
+
+fn paths(problems: &[NodeProblem]) -> Vec<PathBuf> {
+    problems.iter().map(|p| p.path.clone()).collect()
 }
 
 struct Roots {
@@ -81,8 +98,28 @@ fn missing_device_nodes_are_reported() {
     .iter()
     .map(|n| r.dev.join(n))
     .collect();
-    assert_eq!(files.missing_device_nodes, expected);
+    assert_eq!(paths(&files.node_problems), expected);
+    assert!(files
+        .node_problems
+        .iter()
+        .all(|p| p.fault == NodeFault::Missing));
+    let err = files.check_all().unwrap_err().to_string();
+    assert!(
+        err.contains(&format!(
+            "{} does not exist yet",
+            r.dev.join("nvidia3").display()
+        )),
+        "{err}"
+    );
+    // Only the nodes a spec needs are its reasons.
+    let gpu1 = r.dev.join("nvidia1");
+    let err = files.check_needed(|p| p == gpu1).unwrap_err();
+    assert_eq!(paths(&err.problems), vec![gpu1]);
 
+    if !crate::doubles::devnodes::can_make_nodes() {
+        eprintln!("SKIPPED the device-node half: mknod needs root");
+        return;
+    }
     for n in [
         "nvidiactl",
         "nvidia-uvm",
@@ -91,22 +128,30 @@ fn missing_device_nodes_are_reported() {
         "nvidia2",
         "nvidia3",
     ] {
-        touch(&r.dev.join(n));
+        node(&r.dev, n);
     }
     let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     assert_eq!(
-        files.missing_device_nodes,
+        paths(&files.node_problems),
         vec![r.dev.join("nvidia-uvm-tools")]
     );
-    touch(&r.dev.join("nvidia-uvm-tools"));
+    node(&r.dev, "nvidia-uvm-tools");
     let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
-    assert!(files.is_complete(), "{:?}", files.missing_device_nodes);
+    assert!(files.is_complete(), "{:?}", files.node_problems);
     // nvidia-modeset is optional: absent, it is neither missing nor in the spec.
     assert!(!files
         .control_nodes
         .iter()
         .any(|n| n.container_path.ends_with("nvidia-modeset")));
+    // Present but a regular file: left out, not a reason to refuse the GPUs.
     touch(&r.dev.join("nvidia-modeset"));
+    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    assert!(files.is_complete(), "{:?}", files.node_problems);
+    assert!(!files
+        .control_nodes
+        .iter()
+        .any(|n| n.container_path.ends_with("nvidia-modeset")));
+    node(&r.dev, "nvidia-modeset");
     let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     assert!(files
         .control_nodes
@@ -115,14 +160,120 @@ fn missing_device_nodes_are_reported() {
 }
 
 #[test]
+fn device_nodes_that_are_not_what_they_must_be_are_refused_with_the_reason() {
+    if !crate::doubles::devnodes::can_make_nodes() {
+        eprintln!("SKIPPED: mknod needs root");
+        return;
+    }
+    let r = roots();
+    let inv = inv("pcie-l4x4");
+    for n in [
+        "nvidiactl",
+        "nvidia-uvm",
+        "nvidia-uvm-tools",
+        "nvidia1",
+        "nvidia2",
+    ] {
+        node(&r.dev, n);
+    }
+    // A regular file where /dev/nvidia0 must be, and GPU 3's node with GPU 7's number.
+    touch(&r.dev.join("nvidia0"));
+    crate::doubles::devnodes::make_node(&r.dev.join("nvidia3"), 195, 7).unwrap();
+    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let (gpu0, gpu3) = (r.dev.join("nvidia0"), r.dev.join("nvidia3"));
+    assert_eq!(
+        files.node_problems,
+        vec![
+            NodeProblem {
+                path: gpu0.clone(),
+                fault: NodeFault::NotCharDevice {
+                    kind: "regular file"
+                },
+            },
+            NodeProblem {
+                path: gpu3.clone(),
+                fault: NodeFault::WrongNumber {
+                    found: (195, 7),
+                    expected: Expected {
+                        major: Some(195),
+                        minor: Some(3),
+                    },
+                },
+            },
+        ]
+    );
+    let err = files.check_all().unwrap_err().to_string();
+    for reason in [
+        format!(
+            "{} is a regular file, not a character device",
+            gpu0.display()
+        ),
+        format!("{} has device number 195:7, expected 195:3", gpu3.display()),
+    ] {
+        assert!(err.contains(&reason), "{err}");
+    }
+    // A claim on GPU 1 or 2 alone is not held up by them.
+    assert!(files.check_needed(|p| p != gpu0 && p != gpu3).is_ok());
+}
+
+#[test]
+fn simulated_specs_carry_identities_and_need_nothing_from_the_host() {
+    let inv = inv("a100-mig-mixed");
+    let spec = render_simulated_node_spec(&inv, &Kind::default());
+    assert_eq!(spec.cdi_version, "0.5.0", "names start with a digit");
+    assert!(
+        spec.container_edits.is_empty(),
+        "no NVIDIA_VISIBLE_DEVICES=void"
+    );
+    let gpu0 = &inv.gpus[0];
+    let mig = &gpu0.mig_devices[1];
+    let whole = format!(
+        "GPUPLANE_DEVICE_{}=index={},uuid={},profile=",
+        gpu0.index, gpu0.index, gpu0.uuid
+    );
+    let part = format!(
+        "GPUPLANE_DEVICE_{}_MIG_1=index={}:1,uuid={},profile={}",
+        gpu0.index, gpu0.index, mig.uuid, mig.profile
+    );
+    assert_eq!(device(&spec, "0").container_edits.env, vec![whole.clone()]);
+    assert_eq!(device(&spec, "0:1").container_edits.env, vec![part.clone()]);
+    assert_eq!(
+        device(&spec, &mig.uuid).container_edits,
+        device(&spec, "0:1").container_edits
+    );
+    for d in &spec.devices {
+        let e = &d.container_edits;
+        assert!(
+            e.device_nodes.is_empty() && e.mounts.is_empty() && e.hooks.is_empty(),
+            "{}",
+            d.name
+        );
+    }
+    // `all`: one variable per device, each name once.
+    let all = &device(&spec, "all").container_edits.env;
+    assert!(all.contains(&whole) && all.contains(&part), "{all:?}");
+    let names: std::collections::BTreeSet<&str> = all
+        .iter()
+        .filter_map(|e| e.split_once('='))
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(names.len(), all.len());
+    assert_eq!(all.len(), inv.gpus.len() + inv.mig_device_count());
+    for n in names {
+        assert!(
+            n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'),
+            "{n} is not a valid environment variable name"
+        );
+    }
+}
+
+#[test]
 fn mig_devices_get_cap_nodes() {
     let r = roots();
     let inv = inv("a100-mig-mixed");
     let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &fake_caps);
     // Cap nodes are expected device nodes too: absent, they are reported.
-    assert!(files
-        .missing_device_nodes
-        .contains(&r.dev.join("nvidia-caps/nvidia-cap101")));
+    assert!(paths(&files.node_problems).contains(&r.dev.join("nvidia-caps/nvidia-cap101")));
     let spec = render_node_spec(&inv, &files, &Kind::default());
 
     let gpu0 = &inv.gpus[0];

@@ -7,6 +7,7 @@ use super::resources::{PluginDevice, ResourcePlan};
 use crate::config::{AgentConfig, DeviceListStrategy};
 use crate::health::{Health, HealthBook};
 use crate::ledger::{Holder, Ledger};
+use crate::source::DeviceMode;
 use crate::topology::{self, PreferError, TopologyModel};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
@@ -53,12 +54,21 @@ fn find<'a>(plan: &'a ResourcePlan, id: &str) -> Option<&'a PluginDevice> {
     plan.devices.iter().find(|d| d.id == id)
 }
 
+/// The environment variable NVIDIA's stack reads for the set of GPUs a container has.
+pub const VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
+
 /// Decides one container's request.
+///
+/// Simulated devices: the node spec cannot say which devices a container got (each CDI device
+/// only carries its own `GPUPLANE_DEVICE_*` variable), so the grant sets
+/// `NVIDIA_VISIBLE_DEVICES` to the UUIDs of the container's units, as NVIDIA's stack does;
+/// unless the `envvar` device list strategy already sets it as configured.
 pub fn allocate(
     plan: &ResourcePlan,
     health: &HealthBook,
     cfg: &AgentConfig,
     ids: &[String],
+    mode: DeviceMode,
 ) -> Result<ContainerGrant, AllocateError> {
     let resource = plan.name.clone();
     if plan.replicas > 1 && cfg.fail_requests_greater_than_one && ids.len() > 1 {
@@ -111,9 +121,10 @@ pub fn allocate(
         .contains(&DeviceListStrategy::Envvar)
     {
         let visible: Vec<&str> = unique.iter().map(|d| d.visible_id.as_str()).collect();
-        grant
-            .envs
-            .insert("NVIDIA_VISIBLE_DEVICES".into(), visible.join(","));
+        grant.envs.insert(VISIBLE_DEVICES.into(), visible.join(","));
+    } else if mode == DeviceMode::Simulated {
+        let uuids: Vec<&str> = unique.iter().map(|d| d.unit.as_str()).collect();
+        grant.envs.insert(VISIBLE_DEVICES.into(), uuids.join(","));
     }
     Ok(grant)
 }
@@ -382,12 +393,39 @@ mod tests {
             &health,
             &cfg,
             &[p.devices[0].id.clone(), p.devices[1].id.clone()],
+            DeviceMode::Hardware,
         )
         .unwrap();
         assert_eq!(
             g.cdi_devices,
             vec![format!("nvidia.com/gpu={}", p.devices[0].unit)]
         );
+        assert!(g.envs.is_empty(), "{:?}", g.envs);
+    }
+
+    #[test]
+    fn simulated_devices_get_their_uuids_in_nvidia_visible_devices() {
+        let (p, _, health, cfg) = setup("h100-mig-single", "flags: {migStrategy: single}");
+        let picked = [p.devices[3].id.clone(), p.devices[0].id.clone()];
+        let g = allocate(&p, &health, &cfg, &picked, DeviceMode::Simulated).unwrap();
+        let uuids = format!("{},{}", p.devices[3].unit, p.devices[0].unit);
+        assert!(uuids.contains("MIG-"), "{uuids}");
+        assert_eq!(g.envs.get(VISIBLE_DEVICES), Some(&uuids));
+        assert_eq!(g.cdi_devices.len(), 2);
+        // The envvar strategy's configured value stays what it was.
+        let (p, _, health, cfg) = setup(
+            "pcie-l4x4",
+            "flags: {plugin: {deviceListStrategy: [envvar, cdi-cri], deviceIDStrategy: index}}",
+        );
+        let g = allocate(
+            &p,
+            &health,
+            &cfg,
+            &[p.devices[1].id.clone()],
+            DeviceMode::Simulated,
+        )
+        .unwrap();
+        assert_eq!(g.envs.get(VISIBLE_DEVICES).map(String::as_str), Some("1"));
     }
 
     #[test]
@@ -395,7 +433,7 @@ mod tests {
         let (p, _, health, cfg) = setup("pcie-l4x4", "");
         let id = p.devices[0].id.clone();
         assert!(matches!(
-            allocate(&p, &health, &cfg, &[id.clone(), id]),
+            allocate(&p, &health, &cfg, &[id.clone(), id], DeviceMode::Hardware),
             Err(AllocateError::Duplicate { .. })
         ));
     }

@@ -8,6 +8,7 @@
 
 use super::service::{options, DevicePluginService};
 use crate::grpc;
+use crate::node::cdi::NodeSpec;
 use crate::node::state::NodeState;
 use crate::proto::deviceplugin_v1beta1 as pb;
 use std::collections::BTreeMap;
@@ -60,6 +61,7 @@ impl Served {
 pub async fn run(
     dir: PathBuf,
     state: Arc<NodeState>,
+    node_spec: Arc<NodeSpec>,
     all_registered: Arc<AtomicBool>,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -111,7 +113,7 @@ pub async fn run(
         }
         for name in &wanted {
             if !served.contains_key(name) {
-                match serve(&dir, name, state.clone()) {
+                match serve(&dir, name, state.clone(), node_spec.clone()) {
                     Ok(s) => {
                         served.insert(name.clone(), s);
                     }
@@ -160,7 +162,12 @@ pub async fn run(
     }
 }
 
-fn serve(dir: &Path, resource: &str, state: Arc<NodeState>) -> Result<Served, grpc::SocketError> {
+fn serve(
+    dir: &Path,
+    resource: &str,
+    state: Arc<NodeState>,
+    node_spec: Arc<NodeSpec>,
+) -> Result<Served, grpc::SocketError> {
     let socket = dir.join(socket_name(resource));
     let listener = grpc::bind(&socket)?;
     let (stop, stopping) = watch::channel(false);
@@ -168,6 +175,7 @@ fn serve(dir: &Path, resource: &str, state: Arc<NodeState>) -> Result<Served, gr
     let service = pb::device_plugin_server::DevicePluginServer::new(DevicePluginService::new(
         resource.to_string(),
         state,
+        node_spec,
         stopping,
     ));
     let name = resource.to_string();

@@ -1,11 +1,13 @@
 //! The `v1beta1.DevicePlugin` gRPC service for one resource: converts protobuf to the core's
-//! types and back. Decisions live in `allocate`; this file only adapts.
+//! types and back. Decisions live in `allocate`; this file only adapts. Before Allocate hands
+//! out CDI names it makes sure the node spec defining them is written (`NodeSpec::ensure`).
 
 use super::allocate::{self, AllocateError};
-use crate::config::AllocationMode;
+use crate::config::{AllocationMode, DeviceListStrategy};
 use crate::health::Health;
 use crate::ledger::{LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, LEDGER_REFUSALS, LEDGER_REFUSALS_HELP};
 use crate::metrics;
+use crate::node::cdi::NodeSpec;
 use crate::node::state::NodeState;
 use crate::proto::deviceplugin_v1beta1 as pb;
 use pb::device_plugin_server::DevicePlugin;
@@ -25,18 +27,49 @@ pub const UNHEALTHY: &str = "Unhealthy";
 pub struct DevicePluginService {
     resource: String,
     state: Arc<NodeState>,
+    /// The node CDI spec, which defines the names Allocate hands out.
+    node_spec: Arc<NodeSpec>,
     /// Turns true when this server stops; open ListAndWatch streams then end, which a graceful
     /// server shutdown waits for.
     stopping: watch::Receiver<bool>,
 }
 
 impl DevicePluginService {
-    pub fn new(resource: String, state: Arc<NodeState>, stopping: watch::Receiver<bool>) -> Self {
+    pub fn new(
+        resource: String,
+        state: Arc<NodeState>,
+        node_spec: Arc<NodeSpec>,
+        stopping: watch::Receiver<bool>,
+    ) -> Self {
         DevicePluginService {
             resource,
             state,
+            node_spec,
             stopping,
         }
+    }
+
+    /// A CDI name whose spec is not written makes the runtime fail the container after the
+    /// kubelet admitted the pod; refusing here names the reason (missing or wrong device
+    /// nodes, the same as NodePrepare gives) and a later Allocate succeeds once they are
+    /// right. The inventory may change between this and the grant; the main loop then
+    /// rewrites the spec for the new one.
+    fn ensure_node_spec(&self) -> Result<(), Status> {
+        let inventory = {
+            let s = self.state.read();
+            if !s
+                .config
+                .device_list_strategy
+                .contains(&DeviceListStrategy::CdiCri)
+            {
+                return Ok(());
+            }
+            s.inventory.clone()
+        };
+        self.node_spec.ensure(&inventory).map_err(|e| {
+            tracing::warn!(resource = %self.resource, error = %e, "Allocate refused");
+            Status::failed_precondition(format!("{}: {e}", self.resource))
+        })
     }
 
     /// The device list ListAndWatch sends now; `None` once the resource is no longer offered.
@@ -160,6 +193,11 @@ impl DevicePlugin for DevicePluginService {
         let requests = req.into_inner().container_requests;
         let resource = self.resource.as_str();
         let started = Instant::now();
+        let mode = self.node_spec.mode();
+        if let Err(status) = self.ensure_node_spec() {
+            count_allocation(resource, "refused", started);
+            return Err(status);
+        }
         // Decide and hold under one write lock, so a concurrent NodePrepare cannot take the
         // same unit between the check and the hold.
         let container_responses = self.state.update(|s| {
@@ -170,7 +208,7 @@ impl DevicePlugin for DevicePluginService {
             let mut out = Vec::new();
             let mut held = false;
             for c in &requests {
-                let grant = match allocate::allocate(plan, &s.health, &s.config, &c.devices_ids) {
+                let grant = match allocate::allocate(plan, &s.health, &s.config, &c.devices_ids, mode) {
                     Ok(g) => g,
                     Err(e) => {
                         tracing::warn!(resource, devices = ?c.devices_ids, error = %e, "Allocate refused");
@@ -201,23 +239,12 @@ impl DevicePlugin for DevicePluginService {
             }
             (Ok(out), held)
         });
-        let m = metrics::global();
         let outcome = if container_responses.is_ok() {
             "granted"
         } else {
             "refused"
         };
-        m.inc(
-            "gpuplane_allocations_total",
-            "Device plugin Allocate calls by resource and outcome.",
-            &[("resource", resource), ("outcome", outcome)],
-        );
-        m.observe(
-            "gpuplane_allocate_seconds",
-            "Device plugin Allocate latency.",
-            &[],
-            started.elapsed().as_secs_f64(),
-        );
+        count_allocation(resource, outcome, started);
         Ok(Response::new(pb::AllocateResponse {
             container_responses: container_responses?,
         }))
@@ -229,6 +256,21 @@ impl DevicePlugin for DevicePluginService {
     ) -> Result<Response<pb::PreStartContainerResponse>, Status> {
         Ok(Response::new(pb::PreStartContainerResponse {}))
     }
+}
+
+fn count_allocation(resource: &str, outcome: &str, started: Instant) {
+    let m = metrics::global();
+    m.inc(
+        "gpuplane_allocations_total",
+        "Device plugin Allocate calls by resource and outcome.",
+        &[("resource", resource), ("outcome", outcome)],
+    );
+    m.observe(
+        "gpuplane_allocate_seconds",
+        "Device plugin Allocate latency.",
+        &[],
+        started.elapsed().as_secs_f64(),
+    );
 }
 
 /// What this plugin tells the kubelet it supports.

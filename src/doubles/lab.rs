@@ -2,6 +2,9 @@
 //! to the API server double over HTTP (real kube client) and to the kubelet doubles (device
 //! plugin and DRA) over unix sockets, every path under one directory the caller owns.
 //! `gpuplane demo` and the end-to-end tests share this wiring, so both exercise the same set-up.
+//! By default the agent runs as `gpuplane node --simulate` does ([`DeviceMode::Simulated`]):
+//! no device nodes or driver files, CDI specs that carry each device's identity in the
+//! environment.
 
 use super::apiserver::{ApiServerDouble, ApiServerError};
 use super::kubelet::KubeletDouble;
@@ -10,7 +13,7 @@ use crate::dra::{ClaimRef, PreparedDevice};
 use crate::grpc::SocketError;
 use crate::node::dra::DraSettings;
 use crate::node::{NodeError, NodeOptions, NodePaths};
-use crate::source::{DeviceSource, SimSource, SourceError};
+use crate::source::{DeviceMode, DeviceSource, SimSource, SourceError};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -60,6 +63,9 @@ pub struct NodeLab {
     pub dra: KubeletDraDouble,
     /// Clones share state with the agent's source: inject Xids or lose GPUs through it.
     pub sim: SimSource,
+    /// How agents started from now on treat their devices; `Simulated` unless a caller that
+    /// made device nodes under `dev/` (see `devnodes`) sets `Hardware`.
+    pub device_mode: DeviceMode,
 }
 
 /// A running agent of a lab.
@@ -91,19 +97,6 @@ impl Drop for RunningAgent {
     }
 }
 
-/// Empty files where the agent looks for device nodes: it writes the node CDI spec only once
-/// they exist, as on a real node.
-fn make_dev_nodes(dev: &Path, gpus: usize) -> Result<(), LabError> {
-    std::fs::create_dir_all(dev).map_err(io("creating", dev))?;
-    let mut names: Vec<String> = (0..gpus).map(|i| format!("nvidia{i}")).collect();
-    names.extend(["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"].map(String::from));
-    for n in names {
-        let path = dev.join(n);
-        std::fs::write(&path, "").map_err(io("creating", &path))?;
-    }
-    Ok(())
-}
-
 impl NodeLab {
     /// Starts the API server double and both kubelet doubles under `root` (which must exist),
     /// for the machine `sim` simulates.
@@ -116,13 +109,13 @@ impl NodeLab {
         let api = ApiServerDouble::start().await?;
         let dp = KubeletDouble::start(&kubelet_root).await?;
         let dra = KubeletDraDouble::start(&kubelet_root, kubelet);
-        make_dev_nodes(&root.join("dev"), sim.discover()?.inventory.gpus.len())?;
         Ok(NodeLab {
             root: root.to_path_buf(),
             api,
             kubelet: dp,
             dra,
             sim,
+            device_mode: DeviceMode::Simulated,
         })
     }
 
@@ -179,6 +172,7 @@ impl NodeLab {
                 client,
             }),
             metrics_addr,
+            device_mode: self.device_mode,
         };
         let (stop, stopped) = oneshot::channel::<()>();
         let source: Arc<dyn DeviceSource> = Arc::new(self.sim.clone());

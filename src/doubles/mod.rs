@@ -4,6 +4,7 @@
 
 pub mod admission;
 pub mod apiserver;
+pub mod devnodes;
 pub mod dial;
 pub mod kubelet;
 pub mod kubelet_dra;

@@ -25,9 +25,17 @@
 //! dashes (it is the only input that reaches a file name), namespace and name must be DNS
 //! subdomains (they become API paths).
 //!
-//! A spec is only written once the device nodes its devices need exist (a spec made before
-//! the driver created `/dev/nvidia*` gave NVIDIA users containers without GPUs, #1380): until
-//! then the prepare fails with the missing paths and the kubelet retries.
+//! A spec is only written once the device nodes its devices need exist and are what they must
+//! be (a spec made before the driver created `/dev/nvidia*` gave NVIDIA users containers
+//! without GPUs, #1380): until then the prepare fails naming them ([`DeviceNodesError`], the
+//! refusal the device plugin's Allocate gives too) and the kubelet retries.
+//!
+//! Simulated devices ([`DeviceMode::Simulated`]) have no nodes to wait for: their spec carries
+//! each device's `GPUPLANE_DEVICE_<key>` identity and, spec-level, `NVIDIA_VISIBLE_DEVICES` with
+//! the claim's UUIDs. The runtime applies spec-level edits once for any device of the spec, so a
+//! container that references only some of a claim's requests still sees all of the claim's
+//! UUIDs there, and one that references several claims sees one claim's value (the later
+//! replaces the earlier); `GPUPLANE_DEVICE_*` are exact in both cases.
 //!
 //! File writes (checkpoint, spec) are synchronous and short (a few small files with fsync); they
 //! run on the calling task.
@@ -40,7 +48,8 @@ use super::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
 };
 use crate::cdi::{
-    self, DeviceName, DriverFiles, Kind, NameError, NamedDevices, ProcCaps, WriteError,
+    self, ContainerEdits, DeviceName, DeviceNodesError, DriverFiles, Kind, NameError, NamedDevices,
+    ProcCaps, WriteError,
 };
 use crate::config::AllocationMode;
 use crate::health::Health;
@@ -51,6 +60,7 @@ use crate::ledger::{
 };
 use crate::metrics;
 use crate::node::state::NodeState;
+use crate::source::DeviceMode;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -85,6 +95,8 @@ pub struct DraCoreConfig {
     pub state_dir: PathBuf,
     /// This boot's id (`/proc/sys/kernel/random/boot_id`); injectable for tests.
     pub boot_id_path: PathBuf,
+    /// Real GPUs (specs with device nodes and driver files) or simulated ones.
+    pub device_mode: DeviceMode,
 }
 
 impl DraCoreConfig {
@@ -100,6 +112,7 @@ impl DraCoreConfig {
             proc_root: PathBuf::from("/proc"),
             state_dir: state_dir.to_path_buf(),
             boot_id_path: PathBuf::from(checkpoint::DEFAULT_BOOT_ID_PATH),
+            device_mode: DeviceMode::Hardware,
         }
     }
 }
@@ -137,8 +150,8 @@ pub enum PrepareError {
         #[source]
         source: ClaimError,
     },
-    #[error("device nodes do not exist yet: {}", .nodes.join(", "))]
-    MissingDeviceNodes { nodes: Vec<String> },
+    #[error(transparent)]
+    MissingDeviceNodes(DeviceNodesError),
     #[error("CDI device name for {device}: {source}")]
     CdiName {
         device: String,
@@ -211,10 +224,11 @@ impl PrepareError {
                 "the allocation names a device this node does not publish (a stale \
                  ResourceSlice?); delete the pod and its claim to get a fresh allocation",
             ),
-            PrepareError::MissingDeviceNodes { .. } => (
+            PrepareError::MissingDeviceNodes(_) => (
                 "DeviceNodesMissing",
-                "the NVIDIA driver has not created its device nodes on this node; preparing is \
-                 retried, and if this persists the node's driver installation needs a look",
+                "the NVIDIA driver has not created its device nodes (or something else is in \
+                 their place) on this node; preparing is retried, and if this persists the \
+                 node's driver installation needs a look",
             ),
             _ => return None,
         };
@@ -334,6 +348,7 @@ pub struct DraCore {
     driver_root_mount: Option<PathBuf>,
     dev_root: PathBuf,
     proc_root: PathBuf,
+    device_mode: DeviceMode,
     /// Every checkpoint change, and the CDI spec write between PrepareStarted and
     /// PrepareCompleted, happens under this lock, so prepares and unprepares serialise on it:
     /// the checkpoint is one file rewritten whole, and concurrent read-modify-writes would lose
@@ -394,6 +409,7 @@ impl DraCore {
             driver_root_mount: config.driver_root_mount,
             dev_root: config.dev_root,
             proc_root: config.proc_root,
+            device_mode: config.device_mode,
             checkpoint: Mutex::new(loaded.checkpoint),
         })
     }
@@ -564,36 +580,44 @@ impl DraCore {
         };
         let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health)
             .map_err(|source| PrepareError::Plan { source })?;
-        let caps = ProcCaps::new(&self.proc_root);
-        let files = DriverFiles::discover_mounted(
-            &self.driver_root,
-            self.driver_root_mount.as_deref(),
-            &self.dev_root,
-            &inv,
-            &|cap| caps.minor(cap),
-        );
-        self.render_plan(&plan, c, &inv, &files)
+        match self.device_mode {
+            // Nothing on the host to discover: no driver files, no device nodes.
+            DeviceMode::Simulated => self.render_plan(&plan, c, &inv, None),
+            DeviceMode::Hardware => {
+                let proc = ProcCaps::new(&self.proc_root);
+                let files = DriverFiles::discover_mounted(
+                    &self.driver_root,
+                    self.driver_root_mount.as_deref(),
+                    &self.dev_root,
+                    &inv,
+                    &proc,
+                );
+                self.render_plan(&plan, c, &inv, Some(&files))
+            }
+        }
     }
 
+    /// Renders the claim's spec: over `files` on real hardware, simulated without them.
     fn render_plan(
         &self,
         plan: &ClaimPlan,
         c: &ClaimRef,
         inv: &Inventory,
-        files: &DriverFiles,
+        files: Option<&DriverFiles>,
     ) -> Result<Rendered, PrepareError> {
         let mut named: Vec<NamedDevices<'_>> = Vec::new();
         let mut needed: BTreeSet<PathBuf> = files
-            .control_nodes
             .iter()
-            .map(|n| n.host_path.clone())
+            .flat_map(|f| f.control_nodes.iter().map(|n| n.host_path.clone()))
             .collect();
+        let mut claimed = Vec::new();
         for name in plan.device_names() {
             let Some(dev) = inv.dra_device(name) else {
                 // plan_claim looked every device up in this same inventory.
                 continue;
             };
-            for node in cdi::render::device_nodes(dev, files) {
+            claimed.push(dev);
+            for node in files.iter().flat_map(|f| cdi::render::device_nodes(dev, f)) {
                 needed.insert(PathBuf::from(node.host_path.unwrap_or(node.path)));
             }
             let cdi_name = DeviceName::new(cdi_device_name(&c.uid, name)).map_err(|source| {
@@ -607,23 +631,29 @@ impl DraCore {
                 devices: vec![dev],
             });
         }
-        let missing: Vec<String> = files
-            .missing_device_nodes
-            .iter()
-            .filter(|p| needed.contains(*p))
-            .map(|p| p.display().to_string())
-            .collect();
-        if !missing.is_empty() {
-            return Err(PrepareError::MissingDeviceNodes { nodes: missing });
-        }
-        let mut spec = cdi::render_spec(&self.kind, &named, files);
+        let mut spec = match files {
+            Some(files) => {
+                files
+                    .check_needed(|p| needed.contains(p))
+                    .map_err(PrepareError::MissingDeviceNodes)?;
+                cdi::render_spec(&self.kind, &named, files)
+            }
+            None => {
+                let common = ContainerEdits {
+                    env: vec![cdi::render::visible_devices_env(&claimed)],
+                    ..Default::default()
+                };
+                cdi::render_simulated_spec(&self.kind, &named, common)
+            }
+        };
         for d in &mut spec.devices {
             if let Some(p) = plan
                 .devices
                 .iter()
                 .find(|p| cdi_device_name(&c.uid, &p.device) == d.name)
             {
-                d.container_edits.env = p.env.clone();
+                // The config's environment after the device's own (identity, in simulation).
+                d.container_edits.env.extend(p.env.iter().cloned());
             }
         }
         spec.cdi_version = cdi::minimum_version(&spec).to_string();
@@ -837,9 +867,12 @@ mod tests {
             ev.note
         );
         assert!(ev.note.contains("delete this claim's pod"), "{}", ev.note);
-        let missing = PrepareError::MissingDeviceNodes {
-            nodes: vec!["/dev/nvidia0".into()],
-        };
+        let missing = PrepareError::MissingDeviceNodes(DeviceNodesError {
+            problems: vec![cdi::NodeProblem {
+                path: "/dev/nvidia0".into(),
+                fault: cdi::NodeFault::Missing,
+            }],
+        });
         assert_eq!(missing.user_event().unwrap().reason, "DeviceNodesMissing");
         // The kubelet's own input, and node-local I/O: logged, not shown to users.
         let bad = PrepareError::BadUid { uid: "X".into() };

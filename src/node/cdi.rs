@@ -1,10 +1,21 @@
 //! Keeps the node-wide CDI spec (`nvidia.com/gpu`, the names Allocate hands out) in step with
-//! the inventory. A spec is only written once every device node it names exists: a spec cached
-//! before the driver created `/dev/nvidia*` gave NVIDIA users containers without GPUs (#1380).
+//! the inventory. On real hardware a spec is only written once every device node it names is
+//! there and right: a spec cached before the driver created `/dev/nvidia*` gave NVIDIA users
+//! containers without GPUs (#1380). Simulated devices need no nodes: their spec is written at
+//! once.
+//!
+//! One [`NodeSpec`] is shared by the main loop (which syncs it on inventory changes and, while
+//! waiting for device nodes, every second) and the device plugin's Allocate, which calls
+//! [`NodeSpec::ensure`] before it hands out a CDI name: a name whose spec is not written would
+//! make the runtime fail the container, so Allocate fails instead, with the same reason
+//! NodePrepare gives ([`DeviceNodesError`]), and a later Allocate succeeds once the nodes are
+//! right.
 
-use crate::cdi::{self, DriverFiles, Kind, ProcCaps, WriteOutcome};
+use crate::cdi::{self, DeviceNodesError, DriverFiles, Kind, ProcCaps, WriteError, WriteOutcome};
 use crate::inventory::Inventory;
+use crate::source::DeviceMode;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// File stem of the node spec under the CDI root.
 pub const NODE_SPEC_STEM: &str = "gpuplane-node";
@@ -13,75 +24,123 @@ pub const NODE_SPEC_STEM: &str = "gpuplane-node";
 pub enum SpecState {
     /// The spec on disk matches the inventory.
     Current,
-    /// Device nodes are missing; try again later.
+    /// Device nodes are missing or wrong, or the write failed; try again later.
     Waiting,
 }
 
-pub struct NodeSpecWriter {
+/// Why the node spec is not written for the current inventory.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NodeSpecError {
+    #[error("the node CDI spec `{stem}` is not written: {0}", stem = NODE_SPEC_STEM)]
+    DeviceNodes(#[source] DeviceNodesError),
+    #[error("the node CDI spec `{stem}` could not be written: {0}; check the CDI directory", stem = NODE_SPEC_STEM)]
+    Write(String),
+}
+
+struct Writer {
+    written_for: Option<Inventory>,
+    /// The last refusal, so a long wait is logged once, not every second.
+    last_error: Option<String>,
+}
+
+/// The node spec writer, shared (see the module docs).
+pub struct NodeSpec {
     cdi_root: PathBuf,
     driver_root: PathBuf,
     driver_root_mount: Option<PathBuf>,
     dev_root: PathBuf,
-    written_for: Option<Inventory>,
-    missing_logged: bool,
+    mode: DeviceMode,
+    writer: Mutex<Writer>,
 }
 
-impl NodeSpecWriter {
+impl NodeSpec {
     pub fn new(
         cdi_root: PathBuf,
         driver_root: PathBuf,
         driver_root_mount: Option<PathBuf>,
         dev_root: PathBuf,
+        mode: DeviceMode,
     ) -> Self {
-        NodeSpecWriter {
+        NodeSpec {
             cdi_root,
             driver_root,
             driver_root_mount,
             dev_root,
-            written_for: None,
-            missing_logged: false,
+            mode,
+            writer: Mutex::new(Writer {
+                written_for: None,
+                last_error: None,
+            }),
         }
     }
 
-    /// Writes the spec for `inv` unless it is already current.
-    pub fn sync(&mut self, inv: &Inventory) -> SpecState {
-        if self.written_for.as_ref() == Some(inv) {
-            return SpecState::Current;
+    /// Whether the node's devices are real or simulated.
+    pub fn mode(&self) -> DeviceMode {
+        self.mode
+    }
+
+    /// Writes the spec for `inv` unless it is already current; logs why not.
+    pub fn sync(&self, inv: &Inventory) -> SpecState {
+        match self.ensure(inv) {
+            Ok(()) => SpecState::Current,
+            Err(_) => SpecState::Waiting,
         }
-        let caps = ProcCaps::new(Path::new("/proc"));
-        let files = DriverFiles::discover_mounted(
-            &self.driver_root,
-            self.driver_root_mount.as_deref(),
-            &self.dev_root,
-            inv,
-            &|c| caps.minor(c),
-        );
-        if !files.is_complete() {
-            if !self.missing_logged {
-                let missing: Vec<String> = files
-                    .missing_device_nodes
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect();
-                tracing::warn!(missing = %missing.join(", "), "device nodes missing; the CDI spec is written once they exist");
-                self.missing_logged = true;
-            }
-            return SpecState::Waiting;
+    }
+
+    /// Makes sure the spec on disk is the one for `inv`, writing it if it can; the reason when
+    /// it cannot.
+    pub fn ensure(&self, inv: &Inventory) -> Result<(), NodeSpecError> {
+        // A poisoned lock only means a panic mid-write; the state is re-derived from disk.
+        let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        if w.written_for.as_ref() == Some(inv) {
+            return Ok(());
         }
-        self.missing_logged = false;
-        let spec = cdi::render_node_spec(inv, &files, &Kind::default());
-        match cdi::write_spec(&self.cdi_root, NODE_SPEC_STEM, &spec) {
-            Ok(outcome) => {
-                if outcome == WriteOutcome::Written {
-                    tracing::info!(dir = %self.cdi_root.display(), devices = spec.devices.len(), version = %spec.cdi_version, "CDI spec written");
-                }
-                self.written_for = Some(inv.clone());
-                SpecState::Current
+        let result = self.write(inv);
+        match &result {
+            Ok(()) => {
+                w.written_for = Some(inv.clone());
+                w.last_error = None;
             }
             Err(e) => {
-                tracing::error!(error = %e, "writing the CDI spec failed; retrying");
-                SpecState::Waiting
+                let text = e.to_string();
+                if w.last_error.as_deref() != Some(text.as_str()) {
+                    match e {
+                        NodeSpecError::DeviceNodes(_) => {
+                            tracing::warn!(error = %text, "waiting for device nodes; the CDI spec is written once they are right")
+                        }
+                        NodeSpecError::Write(_) => {
+                            tracing::error!(error = %text, "writing the CDI spec failed; retrying")
+                        }
+                    }
+                    w.last_error = Some(text);
+                }
             }
         }
+        result
+    }
+
+    fn write(&self, inv: &Inventory) -> Result<(), NodeSpecError> {
+        let kind = Kind::default();
+        let spec = match self.mode {
+            DeviceMode::Simulated => cdi::render_simulated_node_spec(inv, &kind),
+            DeviceMode::Hardware => {
+                let proc = ProcCaps::new(Path::new("/proc"));
+                let files = DriverFiles::discover_mounted(
+                    &self.driver_root,
+                    self.driver_root_mount.as_deref(),
+                    &self.dev_root,
+                    inv,
+                    &proc,
+                );
+                files.check_all().map_err(NodeSpecError::DeviceNodes)?;
+                cdi::render_node_spec(inv, &files, &kind)
+            }
+        };
+        let outcome = cdi::write_spec(&self.cdi_root, NODE_SPEC_STEM, &spec)
+            .map_err(|e: WriteError| NodeSpecError::Write(e.to_string()))?;
+        if outcome == WriteOutcome::Written {
+            tracing::info!(dir = %self.cdi_root.display(), devices = spec.devices.len(), version = %spec.cdi_version, mode = ?self.mode, "CDI spec written");
+        }
+        Ok(())
     }
 }

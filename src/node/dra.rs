@@ -11,6 +11,7 @@ use crate::node::state::{NodeState, Snapshot};
 use crate::node::NodePaths;
 use crate::slices::publisher::{keep_published, LoopOptions, SlicePublisher};
 use crate::slices::render;
+use crate::source::DeviceMode;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use std::sync::Arc;
 use std::time::Duration;
@@ -74,6 +75,7 @@ pub async fn start(
     settings: DraSettings,
     node_name: &str,
     paths: &NodePaths,
+    device_mode: DeviceMode,
     state: Arc<NodeState>,
     stop: watch::Receiver<bool>,
 ) -> Result<DraStarted, DraStartError> {
@@ -83,6 +85,7 @@ pub async fn start(
         driver_root: paths.driver_root.clone(),
         driver_root_mount: paths.driver_root_mount.clone(),
         dev_root: paths.dev_root.clone(),
+        device_mode,
         ..DraCoreConfig::new(&driver, node_name, &paths.state_dir)
     };
     let core = DraCore::new(

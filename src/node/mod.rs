@@ -18,7 +18,7 @@ use crate::deviceplugin::registrar;
 use crate::deviceplugin::resources::PlanError;
 use crate::health::{Cause, Change, Health};
 use crate::inventory::Inventory;
-use crate::source::{DeviceSource, Discovery};
+use crate::source::{DeviceMode, DeviceSource, Discovery};
 use state::{NodeState, Snapshot};
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -68,6 +68,9 @@ pub struct NodeOptions {
     pub dra: Option<dra::DraSettings>,
     /// Where to serve /metrics, /healthz and /readyz; `None` serves none.
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Real GPUs (device nodes and driver files go into CDI specs) or simulated ones (their
+    /// identity goes into the container's environment instead).
+    pub device_mode: DeviceMode,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -333,10 +336,19 @@ pub async fn run(
 
     let pump_stop = Arc::new(AtomicBool::new(false));
     let pump = spawn_event_pump(source.clone(), state.clone(), pump_stop.clone());
+    // Shared with Allocate, which must not hand out a CDI name whose spec is not written.
+    let node_spec = Arc::new(cdi::NodeSpec::new(
+        opts.paths.cdi_root.clone(),
+        opts.paths.driver_root.clone(),
+        opts.paths.driver_root_mount.clone(),
+        opts.paths.dev_root.clone(),
+        opts.device_mode,
+    ));
     let registrar = opts.device_plugin.then(|| {
         tokio::spawn(registrar::run(
             opts.paths.device_plugins(),
             state.clone(),
+            node_spec.clone(),
             dp_registered.clone(),
             stop_rx.clone(),
         ))
@@ -348,6 +360,7 @@ pub async fn run(
                 settings,
                 &opts.node_name,
                 &opts.paths,
+                opts.device_mode,
                 state.clone(),
                 stop_rx.clone(),
             )
@@ -369,12 +382,6 @@ pub async fn run(
             stop_rx.clone(),
         ))
     });
-    let mut node_spec = cdi::NodeSpecWriter::new(
-        opts.paths.cdi_root.clone(),
-        opts.paths.driver_root.clone(),
-        opts.paths.driver_root_mount.clone(),
-        opts.paths.dev_root.clone(),
-    );
     let inventory_now = || state.read().inventory.clone();
     let mut spec_state = node_spec.sync(&inventory_now());
     let mut spec_checked = Instant::now();

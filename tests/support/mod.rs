@@ -52,13 +52,22 @@ pub const DRIVER: &str = "gpu.gpuplane.dev";
 
 /// Lays out `root` for the agent: `dev/` with `nvidia0..gpus` and the control nodes, and
 /// `kubeconfig` pointing at `api_url` (plain HTTP, no auth, as the double serves).
+///
+/// The nodes are character devices with the driver's numbers where this process may mknod
+/// (root): the agent on NVML checks them. Elsewhere they are empty files, which such an agent
+/// refuses to put into CDI specs (a `--simulate` agent does not look at them).
 pub fn lay_out_node(root: &Path, gpus: usize, api_url: &str) {
     let dev = root.join("dev");
     std::fs::create_dir_all(&dev).unwrap();
-    let mut names: Vec<String> = (0..gpus).map(|i| format!("nvidia{i}")).collect();
-    names.extend(["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"].map(String::from));
-    for n in names {
-        std::fs::write(dev.join(n), "").unwrap();
+    let minors = (0..gpus).map(|i| u32::try_from(i).unwrap());
+    if gpuplane::doubles::devnodes::can_make_nodes() {
+        gpuplane::doubles::devnodes::make_gpu_nodes(&dev, minors).unwrap();
+    } else {
+        let mut names: Vec<String> = minors.map(|i| format!("nvidia{i}")).collect();
+        names.extend(["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"].map(String::from));
+        for n in names {
+            std::fs::write(dev.join(n), "").unwrap();
+        }
     }
     let kubeconfig = format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: double\n  cluster: {{server: \"{api_url}\"}}\nusers:\n- name: test\n  user: {{}}\ncontexts:\n- name: test\n  context: {{cluster: double, user: test}}\ncurrent-context: test\n"
