@@ -38,7 +38,13 @@ if [[ "${1:-}" != --inside ]]; then
   }
   rc=0
   trap 'cleanup; exit $rc' EXIT
+  # The kubelet's cgroupRoot must exist in every hierarchy (cgroup v1 here); a v1 cpuset
+  # child needs cpus and mems before any task can join it.
   for h in /sys/fs/cgroup/*/; do mkdir -p "$h$cg"; done
+  if [[ -f /sys/fs/cgroup/cpuset/cpuset.cpus ]]; then
+    cat /sys/fs/cgroup/cpuset/cpuset.cpus >"/sys/fs/cgroup/cpuset/$cg/cpuset.cpus"
+    cat /sys/fs/cgroup/cpuset/cpuset.mems >"/sys/fs/cgroup/cpuset/$cg/cpuset.mems"
+  fi
   # unshare's parent ignores SIGTERM and SIGINT, and the namespace's init (PID 1 there)
   # ignores every signal it has no handler for: the one sure stop is SIGKILL to that init,
   # which takes every process of the namespace with it. --kill-child does that should
@@ -82,13 +88,16 @@ ip addr add "$NODE_IP/24" dev lab0
 ip link set lab0 up
 ip route add default dev lab0
 
-# Mounts private to this namespace: containerd's hard-coded shim socket dir and the CNI
-# netns dir, and files shadowing the sysctls the kubelet sets.
-mount -t tmpfs tmpfs /run/containerd 2>/dev/null || { mkdir -p /run/containerd && mount -t tmpfs tmpfs /run/containerd; }
-mkdir -p /run/netns && mount -t tmpfs tmpfs /run/netns
+# Mounts private to this namespace. Some paths are hard-coded upstream and ignore every
+# root/state dir setting: the kubelet's device plugin socket dir
+# /var/lib/kubelet/device-plugins and /var/log/containers, containerd's shim sockets
+# /run/containerd/s, runc's state /run/containerd/runc, NRI's /run/nri, the CNI netns dir
+# /run/netns and libcni's cache /var/lib/cni. Fresh tmpfs over /run, /var/lib and /var/log
+# keeps all of them here (nothing in the lab reads the host's copies).
+for d in /run /var/lib /var/log; do mount -n -t tmpfs -o mode=755 tmpfs "$d"; done  # -n: no utab in the host's /run/mount
 mkdir -p "$W/sysctl"
 for s in vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops kernel/keys/root_maxkeys kernel/keys/root_maxbytes; do
-  f="$W/sysctl/${s//\//_}"; cat "/proc/sys/$s" >"$f"; mount --bind "$f" "/proc/sys/$s"
+  f="$W/sysctl/${s//\//_}"; cat "/proc/sys/$s" >"$f"; mount -n --bind "$f" "/proc/sys/$s"
 done
 
 # ---------------------------------------------------------------- certificates (openssl)
@@ -185,7 +194,7 @@ EOF
   wait_for "pod hollow Running" 120 sh -c "\"$B/kubectl\" get pod hollow -o jsonpath='{.status.phase}' | grep -qx Running"
   k get pods -o wide 2>&1 | sed 's/^/  /'
   k delete pod hollow --wait=true --timeout=60s
-  log "kubemark smoke passed"
+  log "kubemark smoke passed, ${SECONDS}s in the namespaces"
   exit 0
 fi
 
@@ -206,6 +215,11 @@ state = "$W/containerd/state"
     sandbox = "lab.local/pause:1"
 [plugins."io.containerd.cri.v1.runtime"]
   cdi_spec_dirs = ["$W/cdi"]
+  # This machine withholds CAP_SYS_RESOURCE, so no process may lower its oom_score_adj:
+  # runc fails the sandbox (-998) with "can't get final child's PID from pipe: EOF"
+  # ("failed to update /proc/self/oom_score_adj: Permission denied" under runc --debug).
+  # Clamp every container's score to containerd's own instead.
+  restrict_oom_score_adj = true
   [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
@@ -305,6 +319,8 @@ start kubelet "$B/kubelet" --config="$W/kubelet.yaml" --kubeconfig="$P/kubelet.k
 wait_for "kubelet healthz" 120 curl -sf http://127.0.0.1:10248/healthz
 wait_for "node lab-node Ready" 180 sh -c "\"$B/kubectl\" get node lab-node -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
 k get nodes -o wide 2>&1 | sed 's/^/  /'
+# Where a device plugin / DRA driver would register (the first is fixed upstream).
+ls -l /var/lib/kubelet/device-plugins/ "$W/kubelet/plugins_registry/" "$W/kubelet/pod-resources/" 2>&1 | sed 's/^/  /'
 
 cat >"$W/pods.yaml" <<EOF
 apiVersion: v1
@@ -313,6 +329,7 @@ metadata: {name: hostnet}
 spec:
   hostNetwork: true
   restartPolicy: Never
+  terminationGracePeriodSeconds: 1
   containers:
   - {name: c, image: lab.local/busybox:1, imagePullPolicy: Never, command: ["sh", "-c", "echo hello-from-hostnet; id; sleep 3600"]}
 ---
@@ -321,6 +338,7 @@ kind: Pod
 metadata: {name: podnet}
 spec:
   restartPolicy: Never
+  terminationGracePeriodSeconds: 1
   containers:
   - {name: c, image: lab.local/busybox:1, imagePullPolicy: Never, command: ["sh", "-c", "echo hello-from-podnet; ip addr; sleep 3600"]}
 EOF
@@ -337,4 +355,4 @@ done
 k get pods -o wide 2>&1 | sed 's/^/  /'
 k delete pod hostnet podnet --wait=true --timeout=60s 2>&1 | sed 's/^/  /'
 ((ok)) || exit 1
-log "kubelet smoke passed"
+log "kubelet smoke passed, ${SECONDS}s in the namespaces"
