@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Feasibility smoke test of the cluster lab (issue 13, phase 1): starts etcd, kube-apiserver,
 # kube-controller-manager, kube-scheduler, containerd 2 and one kubelet (node lab-node) from
-# the binaries hack/cluster/build.sh made, runs a hostNetwork busybox pod and a pod on the
-# lab's bridge network, then tears everything down. Needs root.
+# the binaries hack/cluster/build.sh made; checks CDI injection through the CRI (crictl),
+# runs a hostNetwork busybox pod and a pod on the lab's bridge network (logs, exec), then
+# tears everything down. Needs root. About 20 s once the binaries are built.
 #   ./hack/cluster/smoke.sh            full kubelet on containerd
 #   ./hack/cluster/smoke.sh kubemark   a kubemark hollow node instead of kubelet+containerd
 # Isolation: everything runs in fresh network, mount and PID namespaces (unshare), so
@@ -283,6 +284,30 @@ EOF
 tar -C "$W/image" -cf "$W/images.tar" .
 "${CTR[@]}" images import "$W/images.tar" 2>&1 | sed 's/^/  /'
 "${CTR[@]}" images ls -q | sed 's/^/  image: /'
+
+# CDI through the CRI, before the kubelet runs (it would collect a sandbox it did not make):
+# a spec in the lab's cdi_spec_dirs, a container asking for its device by CDI name. The
+# sandbox needs a cgroup_parent under the lab's cgroup, or containerd makes /k8s.io/<id>.
+cat >"$W/cdi/lab.yaml" <<EOF
+cdiVersion: "0.6.0"
+kind: lab.gpuplane/gpu
+devices:
+- name: "0"
+  containerEdits:
+    env: ["GPUPLANE_LAB_CDI=device-0"]
+EOF
+CRICTL=("$B/crictl" --runtime-endpoint "unix://$W/containerd/containerd.sock" --image-endpoint "unix://$W/containerd/containerd.sock" --timeout 30s)
+echo '{"metadata": {"name": "cdi", "namespace": "lab", "uid": "cdi-1"}, "log_directory": "'"$W"'/cdi-logs", "linux": {"cgroup_parent": "'"$LAB_CGROUP"'/cdi", "security_context": {"namespace_options": {"network": 2}}}}' >"$W/cdi-pod.json"
+echo '{"metadata": {"name": "c"}, "image": {"image": "lab.local/busybox:1"}, "command": ["sh", "-c", "echo $GPUPLANE_LAB_CDI"], "CDI_devices": [{"name": "lab.gpuplane/gpu=0"}], "log_path": "c.log"}' >"$W/cdi-ctr.json"
+sb="$("${CRICTL[@]}" runp "$W/cdi-pod.json")"
+cid="$("${CRICTL[@]}" create "$sb" "$W/cdi-ctr.json" "$W/cdi-pod.json")"
+"${CRICTL[@]}" start "$cid" >/dev/null
+cdi_exited() { "${CRICTL[@]}" inspect -o go-template --template '{{.status.state}}' "$cid" | grep -qx CONTAINER_EXITED; }
+wait_for "CDI container exited" 30 cdi_exited
+cdi_out="$("${CRICTL[@]}" logs "$cid" 2>/dev/null)"
+log "CDI: the container printed '$cdi_out'"
+"${CRICTL[@]}" rmp -f "$sb" >/dev/null
+[[ "$cdi_out" == device-0 ]] || { log "CDI injection FAILED"; exit 1; }
 
 cat >"$W/kubelet.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
