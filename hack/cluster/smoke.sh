@@ -15,7 +15,8 @@
 #     bind-mounted files, so the machine's values are never changed.
 # What outlives the namespaces is cleaned here afterwards: the cgroup subtree
 # /sys/fs/cgroup/*/gpuplane-lab-<id> and the temp dir.
-# SMOKE_KEEP=1 keeps the temp dir (logs) for reading; SMOKE_WORK=dir chooses it.
+# SMOKE_KEEP=1 keeps the temp dir (logs) for reading; SMOKE_WORK=dir chooses it;
+# SMOKE_HOLD=N keeps the lab up N seconds after the checks (until $W/hold is removed).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 mode="${1:-kubelet}"
@@ -96,6 +97,10 @@ ip route add default dev lab0
 # /run/netns and libcni's cache /var/lib/cni. Fresh tmpfs over /run, /var/lib and /var/log
 # keeps all of them here (nothing in the lab reads the host's copies).
 for d in /run /var/lib /var/log; do mount -n -t tmpfs -o mode=755 tmpfs "$d"; done  # -n: no utab in the host's /run/mount
+# The device plugin dir is bind-mounted from the work dir, so that a device plugin outside
+# these namespaces reaches the kubelet (and the kubelet it) through unix sockets there.
+mkdir -p "$W/device-plugins" /var/lib/kubelet/device-plugins
+mount -n --bind "$W/device-plugins" /var/lib/kubelet/device-plugins
 mkdir -p "$W/sysctl"
 for s in vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops kernel/keys/root_maxkeys kernel/keys/root_maxbytes; do
   f="$W/sysctl/${s//\//_}"; cat "/proc/sys/$s" >"$f"; mount -n --bind "$f" "/proc/sys/$s"
@@ -344,8 +349,9 @@ start kubelet "$B/kubelet" --config="$W/kubelet.yaml" --kubeconfig="$P/kubelet.k
 wait_for "kubelet healthz" 120 curl -sf http://127.0.0.1:10248/healthz
 wait_for "node lab-node Ready" 180 sh -c "\"$B/kubectl\" get node lab-node -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
 k get nodes -o wide 2>&1 | sed 's/^/  /'
-# Where a device plugin / DRA driver would register (the first is fixed upstream).
-ls -l /var/lib/kubelet/device-plugins/ "$W/kubelet/plugins_registry/" "$W/kubelet/pod-resources/" 2>&1 | sed 's/^/  /'
+# Where a device plugin / DRA driver would register (the first is /var/lib/kubelet/device-plugins
+# inside, fixed upstream).
+ls -l "$W/device-plugins/" "$W/kubelet/plugins_registry/" "$W/kubelet/pod-resources/" 2>&1 | sed 's/^/  /'
 
 cat >"$W/pods.yaml" <<EOF
 apiVersion: v1
@@ -381,3 +387,10 @@ k get pods -o wide 2>&1 | sed 's/^/  /'
 k delete pod hostnet podnet --wait=true --timeout=60s 2>&1 | sed 's/^/  /'
 ((ok)) || exit 1
 log "kubelet smoke passed, ${SECONDS}s in the namespaces"
+# SMOKE_HOLD=N: keep the lab up to N seconds more, until $W/hold is removed (for poking
+# at it from outside: the namespace's init is the child of unshare).
+if ((${SMOKE_HOLD:-0} > 0)); then
+  touch "$W/hold"; log "holding the lab up to ${SMOKE_HOLD}s: rm $W/hold to end it"
+  end=$((SECONDS + SMOKE_HOLD))
+  while [[ -e "$W/hold" ]] && ((SECONDS < end)); do sleep 1; done
+fi
