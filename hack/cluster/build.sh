@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Builds the upstream components of the test "cluster lab" from Go modules, at the versions
+# pinned in hack/cluster/*/go.mod (+ go.sum), and caches them outside target/:
+#   ${GPUPLANE_CLUSTER_CACHE:-$HOME/.cache/gpuplane-cluster}/<component>-<key>/bin/
+# where <key> hashes that component's go.mod, go.sum, the Go version and the build flags, so a
+# component is rebuilt only when one of those changes. All binaries are then linked into
+#   ${GPUPLANE_CLUSTER_CACHE}/bin-<key of all>/
+# whose path is the last line printed (GPUPLANE_CLUSTER_BIN=...).
+#   ./hack/cluster/build.sh               everything (kubemark too)
+#   ./hack/cluster/build.sh etcd kubernetes   only these components
+# As root it also installs the Debian packages the lab runs with (runc, CNI plugins,
+# iptables, busybox-static for the test image) when missing.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+cache="${GPUPLANE_CLUSTER_CACHE:-$HOME/.cache/gpuplane-cluster}"
+mkdir -p "$cache"
+
+# Debian packages: runc for containerd's shim, CNI plugins (loopback at least), iptables
+# for the kubelet, busybox-static for the lab's test image.
+need=()
+command -v runc >/dev/null || need+=(runc)
+[[ -x /usr/lib/cni/loopback ]] || need+=(containernetworking-plugins)
+command -v iptables >/dev/null || need+=(iptables)
+[[ -x /bin/busybox ]] || need+=(busybox-static)
+if ((${#need[@]})); then
+  if ((EUID == 0)); then
+    echo "build.sh: apt-get install ${need[*]}" >&2
+    apt-get install -y --no-install-recommends "${need[@]}" >/dev/null 2>&1 ||
+      { apt-get update >/dev/null && apt-get install -y --no-install-recommends "${need[@]}" >/dev/null; }
+  else
+    echo "build.sh: missing Debian packages (not root, not installing): ${need[*]}" >&2
+  fi
+fi
+
+export GOFLAGS=-mod=mod CGO_ENABLED=0
+gover="$(go env GOVERSION)"
+
+# component -> binaries (go.mod tool packages are built all at once).
+declare -A bins=(
+  [etcd]="etcd"
+  [kubernetes]="kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl kubemark"
+  [containerd]="containerd containerd-shim-runc-v2 ctr"
+  [cri-tools]="crictl"
+)
+components=("$@")
+((${#components[@]})) || components=(etcd kubernetes containerd cri-tools)
+
+# Version stamps: Kubernetes components report (and compare) their version, so stamp the
+# release they are built from, as upstream's build does.
+k8s_ldflags() {
+  local v
+  v="$(cd "$here/kubernetes" && go list -m -f '{{.Version}}' k8s.io/kubernetes)"
+  local minor="${v#v1.}"; minor="${minor%%.*}"
+  local p
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    printf -- ' -X %s.gitVersion=%s -X %s.gitMajor=1 -X %s.gitMinor=%s -X %s.gitTreeState=clean -X %s.buildDate=1970-01-01T00:00:00Z' \
+      "$p" "$v" "$p" "$p" "$minor" "$p" "$p"
+  done
+}
+ctrd_ldflags() {
+  local v
+  v="$(cd "$here/containerd" && go list -m -f '{{.Version}}' github.com/containerd/containerd/v2)"
+  printf -- ' -X github.com/containerd/containerd/v2/version.Version=%s' "$v"
+}
+
+all_keys=""
+for c in "${components[@]}"; do
+  [[ -n "${bins[$c]:-}" ]] || { echo "build.sh: unknown component $c" >&2; exit 2; }
+  dir="$here/$c"
+  ldflags="-s -w"
+  case "$c" in
+    kubernetes) ldflags+="$(k8s_ldflags)" ;;
+    containerd) ldflags+="$(ctrd_ldflags)" ;;
+  esac
+  key="$(cat "$dir/go.mod" "$dir/go.sum" <(echo "$gover $ldflags") | sha256sum | cut -c1-12)"
+  out="$cache/$c-$key/bin"
+  all_keys+="$c-$key "
+  missing=0
+  for b in ${bins[$c]}; do [[ -x "$out/$b" ]] || missing=1; done
+  if ((missing)); then
+    start=$SECONDS
+    tmp="$cache/$c-$key/tmp.$$"
+    rm -rf "$tmp" && mkdir -p "$tmp"
+    (cd "$dir" && go build -trimpath -ldflags="$ldflags" -o "$tmp/" tool)
+    # etcd's main package is go.etcd.io/etcd/server/v3, so its binary is named server (or v3).
+    if [[ "$c" == etcd ]]; then mv "$tmp/server" "$tmp/etcd" 2>/dev/null || mv "$tmp/v3" "$tmp/etcd"; fi
+    rm -rf "$out" && mv "$tmp" "$out"
+    for b in ${bins[$c]}; do
+      echo "built  $c/$b $(du -h "$out/$b" | cut -f1) in $((SECONDS - start))s: $out/$b"
+    done
+  else
+    for b in ${bins[$c]}; do echo "cached $c/$b: $out/$b"; done
+  fi
+done
+
+# One directory with every binary, named by the keys of all components in it.
+allkey="$(echo "$all_keys" | sha256sum | cut -c1-12)"
+bindir="$cache/bin-$allkey"
+if [[ ! -d "$bindir" ]]; then
+  mkdir -p "$bindir.tmp.$$"
+  for k in $all_keys; do ln -sf "$cache/$k/bin/"* "$bindir.tmp.$$/"; done
+  mv "$bindir.tmp.$$" "$bindir"
+fi
+echo "GPUPLANE_CLUSTER_BIN=$bindir"
