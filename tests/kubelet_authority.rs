@@ -4,60 +4,41 @@
 //! empty one and none. Driven against the real agent over its real sockets; the control case
 //! shows that a tonic server without `gpuplane::grpc::incoming` resets the plugin watcher.
 
+#[path = "support/lab.rs"]
+mod lab;
+
 use gpuplane::doubles::dial::{self, Authority};
-use gpuplane::doubles::kubelet_dra::KubeletDraOptions;
-use gpuplane::doubles::lab::{NodeLab, RunningAgent, DRIVER};
 use gpuplane::dra::registration::RegistrationService;
 use gpuplane::proto::deviceplugin_v1beta1 as dp;
 use gpuplane::proto::dra_v1;
 use gpuplane::proto::pluginregistration_v1 as reg_pb;
-use gpuplane::source::SimSource;
+use lab::{Agent, Lab, DRIVER};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(20);
 
 struct Node {
-    lab: NodeLab,
-    agent: RunningAgent,
-    _dir: tempfile::TempDir,
+    lab: Lab,
+    agent: Agent,
 }
 
 impl Node {
-    fn kubelet_root(&self) -> PathBuf {
-        self.lab.paths().kubelet_root
-    }
     fn registration_socket(&self) -> PathBuf {
-        self.kubelet_root()
-            .join("plugins_registry")
-            .join(format!("{DRIVER}-reg.sock"))
+        self.lab.dra_sockets().unwrap().registration_socket
     }
     fn dra_socket(&self) -> PathBuf {
-        self.kubelet_root()
-            .join("plugins")
-            .join(DRIVER)
-            .join("dra.sock")
+        self.lab.dra_sockets().unwrap().dra_socket
     }
     fn dp_socket(&self) -> PathBuf {
-        self.lab
-            .paths()
-            .device_plugins()
-            .join("gpuplane-nvidia.com_gpu.sock")
+        self.lab.device_plugin_socket("nvidia.com/gpu")
     }
 }
 
 async fn node() -> Node {
-    let dir = tempfile::tempdir().unwrap();
-    let sim = SimSource::new(gpuplane::sim::load("pcie-l4x4").unwrap());
-    let lab = NodeLab::start(dir.path(), sim, KubeletDraOptions::default())
-        .await
-        .unwrap();
-    let agent = lab.start_agent("").unwrap();
-    let n = Node {
-        lab,
-        agent,
-        _dir: dir,
-    };
+    let lab = Lab::new("pcie-l4x4").await;
+    let agent = lab.start("");
+    let n = Node { lab, agent };
     // The kubelet double registers the DRA plugin as the real plugin watcher dials.
     n.lab
         .dra
@@ -103,10 +84,7 @@ async fn every_unix_socket_server_answers_all_four_authority_forms() {
         assert_eq!(Path::new(&info.endpoint), n.dra_socket());
 
         // DRA socket: a real claim prepared and unprepared.
-        let claim = n
-            .lab
-            .claim("team-a", &format!("claim-{i}"), &["gpu-0"])
-            .unwrap();
+        let claim = n.lab.claim(&format!("claim-{i}"), &["gpu-0"]);
         let ch = dial::connect(&n.dra_socket(), authority).await.unwrap();
         let mut dra = dra_v1::dra_plugin_client::DraPluginClient::new(ch);
         let wire = dra_v1::Claim {
@@ -154,7 +132,7 @@ async fn every_unix_socket_server_answers_all_four_authority_forms() {
             .into_inner();
         assert_eq!(allocated.container_responses.len(), 1, "{authority:?}");
     }
-    n.agent.stop().await.unwrap();
+    n.agent.stop().await;
 }
 
 /// The control: the same registration service on a plain tonic server (no

@@ -3,7 +3,7 @@
 //! and cipher suites, request size limits, and no shelling out.
 
 use gpuplane::doubles::kubelet_dra::KubeletDraOptions;
-use gpuplane::doubles::lab::{NodeLab, RunningAgent, DRIVER};
+use gpuplane::doubles::lab::{NodeLab, RunningAgent};
 use gpuplane::dra::ClaimRef;
 use gpuplane::proto::{deviceplugin_v1beta1 as dp, dra_v1};
 use gpuplane::source::SimSource;
@@ -59,27 +59,15 @@ struct Running {
 
 impl Running {
     fn dp_socket(&self) -> PathBuf {
-        self.lab
-            .paths()
-            .device_plugins()
-            .join("gpuplane-nvidia.com_gpu.sock")
+        self.lab.device_plugin_socket("nvidia.com/gpu")
     }
 
     fn dra_socket(&self) -> PathBuf {
-        self.lab
-            .paths()
-            .kubelet_root
-            .join("plugins")
-            .join(DRIVER)
-            .join("dra.sock")
+        self.lab.dra_sockets().unwrap().dra_socket
     }
 
     fn registration_socket(&self) -> PathBuf {
-        self.lab
-            .paths()
-            .kubelet_root
-            .join("plugins_registry")
-            .join(format!("{DRIVER}-reg.sock"))
+        self.lab.dra_sockets().unwrap().registration_socket
     }
 }
 

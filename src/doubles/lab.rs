@@ -46,6 +46,8 @@ pub enum LabError {
     ClaimUid(String),
     #[error("lab: the agent failed: {0}")]
     Agent(#[from] NodeError),
+    #[error("lab: {0}")]
+    DraPaths(#[from] crate::dra::server::ServeError),
     #[error("lab: the agent's task ended abnormally: {0}")]
     AgentTask(#[from] tokio::task::JoinError),
 }
@@ -135,6 +137,21 @@ impl NodeLab {
             driver_root_mount: None,
             dev_root: d.join("dev"),
         }
+    }
+
+    /// The agent's DRA sockets (registration and DRA) for [`DRIVER`].
+    pub fn dra_sockets(&self) -> Result<crate::dra::server::DraPaths, LabError> {
+        Ok(crate::dra::server::DraPaths::new(
+            &self.paths().kubelet_root,
+            DRIVER,
+        )?)
+    }
+
+    /// The agent's device plugin socket for `resource`.
+    pub fn device_plugin_socket(&self, resource: &str) -> PathBuf {
+        self.paths()
+            .device_plugins()
+            .join(crate::deviceplugin::registrar::socket_name(resource))
     }
 
     /// Writes `config` (the agent's YAML config) to `config.yaml` and starts the agent with the

@@ -69,10 +69,17 @@ pub fn lay_out_node(root: &Path, gpus: usize, api_url: &str) {
             std::fs::write(dev.join(n), "").unwrap();
         }
     }
+    write_kubeconfig(root, api_url);
+}
+
+/// `<root>/kubeconfig` pointing at `api_url` (plain HTTP, no auth, as the double serves).
+pub fn write_kubeconfig(root: &Path, api_url: &str) -> PathBuf {
     let kubeconfig = format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: double\n  cluster: {{server: \"{api_url}\"}}\nusers:\n- name: test\n  user: {{}}\ncontexts:\n- name: test\n  context: {{cluster: double, user: test}}\ncurrent-context: test\n"
     );
-    std::fs::write(root.join("kubeconfig"), kubeconfig).unwrap();
+    let path = root.join("kubeconfig");
+    std::fs::write(&path, kubeconfig).unwrap();
+    path
 }
 
 /// A port on 127.0.0.1 that was free a moment ago.
@@ -255,4 +262,14 @@ pub fn put_claim(
         name: name.into(),
         uid: stored["metadata"]["uid"].as_str().unwrap().to_string(),
     }
+}
+
+/// Resident memory of process `pid` (`VmRSS` in `/proc/<pid>/status`), in KiB.
+pub fn vm_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
 }
