@@ -243,9 +243,9 @@ impl Ledger {
             p.retain(|a| listed_at.saturating_duration_since(a.at) < grace);
         }
         self.pending.retain(|_, p| !p.is_empty());
-        let pending = self.pending.clone();
-        let released = self
-            .release_device_plugin_unless(|u, _| in_use.contains_key(u) || pending.contains_key(u));
+        let pending: BTreeSet<String> = self.pending.keys().cloned().collect();
+        let released =
+            self.release_device_plugin_unless(|u, _| in_use.contains_key(u) || pending.contains(u));
         (added, released, conflicts)
     }
 
