@@ -39,7 +39,10 @@ const GPU: &str = "nvidia.com/gpu";
 /// Pods running (or ended, not yet seen gone by the agent) at once.
 const POD_SLOTS: usize = 4;
 const WAIT: Duration = Duration::from_secs(30);
-const CONFIG: &str = "health: {recoveryQuietPeriod: 1s}\nallocation: {podResourcesGrace: 1s}\n";
+/// The ledger runs with the default `podResourcesGrace` (30 s): every soak pod is listed before
+/// it ends, so the grace period protects only Allocates racing a listing, and a hold that
+/// outlived its pod would show as refused claims.
+const CONFIG: &str = "health: {recoveryQuietPeriod: 1s}\n";
 
 /// (seconds since start, VmRSS in KiB).
 type Sample = (f64, u64);
@@ -81,6 +84,7 @@ struct Counts {
     prepare_refused_other: u64,
     prepare_failed: u64,
     first_refusal: Option<String>,
+    first_allocate_refusal: Option<String>,
     first_failure: Option<String>,
     unprepared: u64,
     xids: u64,
@@ -275,7 +279,12 @@ async fn soak(seconds: u64) {
                     };
                 }
                 Ok(_) => n.allocate_refused += 1,
-                Err(_) => n.allocate_refused += 1,
+                Err(e) => {
+                    n.allocate_refused += 1;
+                    if n.first_allocate_refusal.is_none() {
+                        n.first_allocate_refusal = Some(e.message().to_string());
+                    }
+                }
             }
         }
         if let Some(c) = claim {
@@ -328,6 +337,9 @@ fn report(seconds: u64, serving: f64, n: &Counts, samples: &[(f64, u64)]) {
     );
     if let Some(r) = &n.first_refusal {
         println!("first refused prepare: {r}");
+    }
+    if let Some(r) = &n.first_allocate_refusal {
+        println!("first refused Allocate: {r}");
     }
     if let Some(f) = &n.first_failure {
         println!("first failed prepare: {f}");
