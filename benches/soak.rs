@@ -3,10 +3,18 @@
 //!
 //! The agent runs `gpuplane node --nvml-lib <fake libnvidia-ml>` on a simulated DGX H100 (the
 //! real NVML code path), DRA on, against the API server double and the kubelet doubles in
-//! this process. Each cycle: a pod admitted through the device plugin API (GetPreferred +
-//! Allocate) and ended, a ResourceClaim prepared and unprepared over DRA and deleted; every
-//! 10th cycle an Xid 48 on a GPU (health recovers after 1 s of quiet); every 5th a `/metrics`
-//! scrape; every 50th both kubelet doubles restart (sockets re-created, re-registration).
+//! this process. Each cycle: a ResourceClaim prepared and unprepared over DRA and deleted, and
+//! a pod admitted through the device plugin API (GetPreferred + Allocate) whenever one of
+//! `POD_SLOTS` is free; every 10th cycle an Xid 48 on a GPU (health recovers after 1 s of
+//! quiet); every 5th a `/metrics` scrape; every 50th both kubelet doubles restart (sockets
+//! re-created, re-registration).
+//!
+//! A pod runs until the agent has listed it in PodResources (any real container outlives a
+//! poll), then ends. Its GPU is not given to claims while it runs, nor after it ends until the
+//! agent has listed PodResources again without it: what a scheduler does seeing the in-use
+//! taint. A claim refused on that GPU afterwards is a hold that outlived its pod; the count
+//! should be zero. (Pods that end before any listing, as they did in this soak until
+//! 2026-12-01, are Allocates PodResources never listed: the grace period keeps those.)
 //!
 //! Memory growth is measured, not asserted: the first quarter of the run (at least 10 s) is
 //! warm-up; the figures are RSS at the end of warm-up, the steady state's range and median,
@@ -28,8 +36,13 @@ use std::time::{Duration, Instant};
 use support::{AgentProcess, DRIVER};
 
 const GPU: &str = "nvidia.com/gpu";
+/// Pods running (or ended, not yet seen gone by the agent) at once.
+const POD_SLOTS: usize = 4;
 const WAIT: Duration = Duration::from_secs(30);
-const CONFIG: &str = "health: {recoveryQuietPeriod: 1s}\nallocation: {podResourcesGrace: 1s}\n";
+/// The ledger runs with the default `podResourcesGrace` (30 s): every soak pod is listed before
+/// it ends, so the grace period protects only Allocates racing a listing, and a hold that
+/// outlived its pod would show as refused claims.
+const CONFIG: &str = "health: {recoveryQuietPeriod: 1s}\n";
 
 /// (seconds since start, VmRSS in KiB).
 type Sample = (f64, u64);
@@ -62,14 +75,45 @@ struct Counts {
     allocated: u64,
     allocate_refused: u64,
     prepared: u64,
-    /// Refused by the ledger: the GPU was still held by a pod that just ended.
-    prepare_refused: u64,
+    /// Refused by the ledger: the GPU was still held by a pod that ended and that the agent
+    /// had since listed PodResources without.
+    prepare_refused_ended: u64,
+    /// Refused by the ledger for an Allocate PodResources had not listed yet (grace period).
+    prepare_refused_unlisted: u64,
+    /// Refused by the ledger for another holder.
+    prepare_refused_other: u64,
     prepare_failed: u64,
+    first_refusal: Option<String>,
+    first_allocate_refusal: Option<String>,
     first_failure: Option<String>,
     unprepared: u64,
     xids: u64,
     restarts: u64,
     scrapes: u64,
+}
+
+/// One pod slot of the soak (see the module docs). `lists` is the kubelet double's
+/// PodResources List count read right after the slot's last change.
+enum Slot {
+    Free,
+    Running {
+        pod: String,
+        gpu: String,
+        lists: u64,
+    },
+    Ended {
+        gpu: String,
+        lists: u64,
+    },
+}
+
+impl Slot {
+    fn gpu(&self) -> Option<&str> {
+        match self {
+            Slot::Free => None,
+            Slot::Running { gpu, .. } | Slot::Ended { gpu, .. } => Some(gpu),
+        }
+    }
 }
 
 fn append(control: &Path, line: &str) {
@@ -144,14 +188,15 @@ async fn soak(seconds: u64) {
         .collect();
 
     let mut n = Counts::default();
+    let mut slots: Vec<Slot> = (0..POD_SLOTS).map(|_| Slot::Free).collect();
     let until = start + Duration::from_secs(seconds);
     while Instant::now() < until {
         let i = n.cycles;
         n.cycles += 1;
-        // A claim first, on the next GPU in turn that the ledger gives it: a GPU a pod just
-        // ended on stays held for the PodResources grace period, and is refused meanwhile.
+        // A claim first, on the next GPU in turn that the ledger gives it.
         let mut claim = None;
-        // GPUs ListAndWatch shows unhealthy (an Xid not yet recovered) are not tried.
+        // GPUs ListAndWatch shows unhealthy (an Xid not yet recovered) are not tried, nor
+        // those of the soak's pods until the agent has seen them gone.
         let healthy: Vec<String> = kubelet
             .plugin(GPU)
             .map(|v| {
@@ -164,7 +209,8 @@ async fn soak(seconds: u64) {
             .unwrap_or_default();
         for k in 0..8 {
             let g = (i + k) % 8;
-            if !healthy.contains(&uuids[g as usize]) {
+            let uuid = &uuids[g as usize];
+            if !healthy.contains(uuid) || slots.iter().any(|s| s.gpu() == Some(uuid.as_str())) {
                 continue;
             }
             let c = support::put_claim(&api, &format!("claim-{i}-{k}"), &[&format!("gpu-{g}")]);
@@ -181,7 +227,18 @@ async fn soak(seconds: u64) {
                     claim = Some(c);
                     break;
                 }
-                Some(Err(e)) if e.contains("held by") => n.prepare_refused += 1,
+                Some(Err(e)) if e.contains("held by") => {
+                    if e.contains("held by container soak/") {
+                        n.prepare_refused_ended += 1;
+                    } else if e.contains("held by a device plugin allocation") {
+                        n.prepare_refused_unlisted += 1;
+                    } else {
+                        n.prepare_refused_other += 1;
+                    }
+                    if n.first_refusal.is_none() {
+                        n.first_refusal = Some(e);
+                    }
+                }
                 other => {
                     n.prepare_failed += 1;
                     if n.first_failure.is_none() {
@@ -190,11 +247,45 @@ async fn soak(seconds: u64) {
                 }
             }
         }
+        // Pods: each slot moves on once the agent has listed PodResources since its change.
+        let lists = kubelet.pod_resources_lists();
+        for slot in slots.iter_mut() {
+            match slot {
+                Slot::Running {
+                    pod,
+                    gpu,
+                    lists: at,
+                } if lists >= *at + 2 => {
+                    kubelet.end_pod("soak", pod);
+                    *slot = Slot::Ended {
+                        gpu: std::mem::take(gpu),
+                        lists: kubelet.pod_resources_lists(),
+                    };
+                }
+                Slot::Ended { lists: at, .. } if lists >= *at + 2 => *slot = Slot::Free,
+                _ => {}
+            }
+        }
         // A pod through the device plugin API; the claimed GPU is withdrawn from it.
-        let pod = format!("pod-{i}");
-        match kubelet.admit("soak", &pod, "main", GPU, 1).await {
-            Ok(_) => n.allocated += 1,
-            Err(_) => n.allocate_refused += 1,
+        if let Some(slot) = slots.iter_mut().find(|s| matches!(s, Slot::Free)) {
+            let pod = format!("pod-{i}");
+            match kubelet.admit("soak", &pod, "main", GPU, 1).await {
+                Ok((mut ids, _)) if !ids.is_empty() => {
+                    n.allocated += 1;
+                    *slot = Slot::Running {
+                        pod,
+                        gpu: ids.remove(0),
+                        lists: kubelet.pod_resources_lists(),
+                    };
+                }
+                Ok(_) => n.allocate_refused += 1,
+                Err(e) => {
+                    n.allocate_refused += 1;
+                    if n.first_allocate_refusal.is_none() {
+                        n.first_allocate_refusal = Some(e.message().to_string());
+                    }
+                }
+            }
         }
         if let Some(c) = claim {
             if dra
@@ -205,7 +296,6 @@ async fn soak(seconds: u64) {
                 n.unprepared += 1;
             }
         }
-        kubelet.end_pod("soak", &pod);
         if i % 10 == 9 {
             append(&control, &format!("xid {} 48", (i / 10) % 8));
             n.xids += 1;
@@ -242,9 +332,15 @@ fn report(seconds: u64, serving: f64, n: &Counts, samples: &[(f64, u64)]) {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(
-        "workload: {} cycles; {} Allocates ({} refused), {} prepares ({} refused by the ledger: GPU still held by a just-ended pod; {} failed), {} unprepares, {} Xids, {} kubelet restarts (both APIs), {} /metrics scrapes",
-        n.cycles, n.allocated, n.allocate_refused, n.prepared, n.prepare_refused, n.prepare_failed, n.unprepared, n.xids, n.restarts, n.scrapes
+        "workload: {} cycles; {} Allocates ({} refused), {} prepares (refused by the ledger: {} on a GPU whose pod had ended and been seen gone, {} by an Allocate PodResources had not listed yet, {} other; {} failed), {} unprepares, {} Xids, {} kubelet restarts (both APIs), {} /metrics scrapes",
+        n.cycles, n.allocated, n.allocate_refused, n.prepared, n.prepare_refused_ended, n.prepare_refused_unlisted, n.prepare_refused_other, n.prepare_failed, n.unprepared, n.xids, n.restarts, n.scrapes
     );
+    if let Some(r) = &n.first_refusal {
+        println!("first refused prepare: {r}");
+    }
+    if let Some(r) = &n.first_allocate_refusal {
+        println!("first refused Allocate: {r}");
+    }
     if let Some(f) = &n.first_failure {
         println!("first failed prepare: {f}");
     }

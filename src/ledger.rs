@@ -56,7 +56,8 @@ pub fn dra_view(inv: &Inventory, mode: &AllocationMode) -> Inventory {
 /// Who holds a unit.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Holder {
-    /// A container that got the device through the device plugin API. `pod` is
+    /// A container that got the device through the device plugin API. `device_id` is the
+    /// Allocate's device IDs (or those PodResources lists), comma-separated. `pod` is
     /// `namespace/name/container` once PodResources names it, `None` between Allocate and then.
     DevicePlugin {
         resource: String,
@@ -86,6 +87,16 @@ impl fmt::Display for Holder {
 }
 
 impl Holder {
+    /// The device IDs of a device-plugin hold (none for a claim).
+    fn device_ids(&self) -> BTreeSet<&str> {
+        match self {
+            Holder::DevicePlugin { device_id, .. } => {
+                device_id.split(',').filter(|s| !s.is_empty()).collect()
+            }
+            Holder::Claim { .. } => BTreeSet::new(),
+        }
+    }
+
     /// Whether two holds may share a unit. The device plugin side counts as one consumer: the
     /// kubelet itself never assigns one device ID twice, and time-sliced replicas of one unit
     /// are meant to be shared. Claims are one consumer each.
@@ -108,11 +119,23 @@ pub struct Held {
     pub overlap: Option<String>,
 }
 
+/// A device-plugin Allocate that PodResources has not listed yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Pending {
+    /// The Allocate's device IDs; listing any of them on the unit confirms it.
+    ids: BTreeSet<String>,
+    at: Instant,
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Ledger {
     holds: BTreeMap<String, Holder>,
-    /// When each hold was last taken or confirmed (PodResources may lag Allocate).
-    since: BTreeMap<String, Instant>,
+    /// Per unit, the device-plugin Allocates PodResources has not listed yet. PodResources may
+    /// lag Allocate, so these alone keep a hold for the grace period. A hold with none left
+    /// lives exactly as long as PodResources lists its unit: once listed, a unit missing from a
+    /// listing means its container is gone. Per Allocate, not per unit, because time-sliced
+    /// replicas share a unit: a listed replica must not vouch for a newer one's Allocate.
+    pending: BTreeMap<String, Vec<Pending>>,
     parent: BTreeMap<String, String>,
     children: BTreeMap<String, Vec<String>>,
 }
@@ -169,20 +192,29 @@ impl Ledger {
         if let Some(held) = units.iter().find_map(|u| self.conflict(u, who)) {
             return Err(held);
         }
+        let ids: BTreeSet<String> = who.device_ids().into_iter().map(String::from).collect();
         for u in units {
             self.holds.insert(u.clone(), who.clone());
-            self.since.insert(u.clone(), now);
+            if matches!(who, Holder::DevicePlugin { .. }) {
+                self.pending.entry(u.clone()).or_default().push(Pending {
+                    ids: ids.clone(),
+                    at: now,
+                });
+            }
         }
         Ok(())
     }
 
     /// Reconciles the device plugin's holds with what the kubelet reports in use (`in_use`:
-    /// unit -> `namespace/pod/container`): listed units are held (and named), unlisted ones are
-    /// released once older than `grace`. Returns (units newly held, units released, conflicts).
+    /// unit -> (holder naming the listed device IDs, `namespace/pod/container`)), as listed by a
+    /// PodResources List sent at `listed_at`. Listed units are held (and named) and confirm the
+    /// Allocates of those device IDs made before `listed_at`. An unlisted unit is released at
+    /// once unless an Allocate of it that PodResources has never listed is younger than `grace`.
+    /// Returns (units newly held, units released, conflicts).
     pub fn sync_device_plugin(
         &mut self,
         in_use: &BTreeMap<String, (Holder, String)>,
-        now: Instant,
+        listed_at: Instant,
         grace: Duration,
     ) -> (Vec<String>, Vec<String>, Vec<Held>) {
         let mut added = Vec::new();
@@ -190,23 +222,30 @@ impl Ledger {
         for (unit, (holder, pod)) in in_use {
             match self.holds.get(unit) {
                 Some(Holder::DevicePlugin { .. }) => {}
-                _ => match self.hold_all(std::slice::from_ref(unit), holder, now) {
+                _ => match self.hold_all(std::slice::from_ref(unit), holder, listed_at) {
+                    // Learned from the listing itself (e.g. rebuilt after a restart): listed.
                     Ok(()) => added.push(unit.clone()),
                     Err(held) => conflicts.push(held),
                 },
             }
             self.name_pod(unit, pod);
-            if matches!(self.holds.get(unit), Some(Holder::DevicePlugin { .. })) {
-                self.since.insert(unit.clone(), now);
+            let listed = holder.device_ids();
+            if let Some(p) = self.pending.get_mut(unit) {
+                // An Allocate after the List was sent cannot be what the listing shows: the
+                // kubelet may have handed a just-freed device ID to a new container.
+                p.retain(|a| {
+                    a.at > listed_at || !a.ids.iter().any(|i| listed.contains(i.as_str()))
+                });
             }
         }
-        let since = self.since.clone();
-        let released = self.release_device_plugin_unless(|u, _| {
-            in_use.contains_key(u)
-                || since
-                    .get(u)
-                    .is_some_and(|t| now.saturating_duration_since(*t) < grace)
-        });
+        for p in self.pending.values_mut() {
+            // An Allocate never listed within the grace period protects nothing any more.
+            p.retain(|a| listed_at.saturating_duration_since(a.at) < grace);
+        }
+        self.pending.retain(|_, p| !p.is_empty());
+        let pending: BTreeSet<String> = self.pending.keys().cloned().collect();
+        let released =
+            self.release_device_plugin_unless(|u, _| in_use.contains_key(u) || pending.contains(u));
         (added, released, conflicts)
     }
 
@@ -228,7 +267,7 @@ impl Ledger {
             .collect();
         for u in &gone {
             self.holds.remove(u);
-            self.since.remove(u);
+            self.pending.remove(u);
         }
         gone
     }
@@ -242,7 +281,7 @@ impl Ledger {
             .collect();
         for u in &gone {
             self.holds.remove(u);
-            self.since.remove(u);
+            self.pending.remove(u);
         }
         gone
     }
@@ -374,6 +413,147 @@ mod tests {
         assert!(
             matches!(l.holder(&b), Some(Holder::DevicePlugin { pod: Some(p), .. }) if p == "ns/p/c")
         );
+    }
+
+    /// A PodResources listing: (unit, listed device ID, `namespace/pod/container`).
+    fn listing(entries: &[(&str, &str, &str)]) -> BTreeMap<String, (Holder, String)> {
+        entries
+            .iter()
+            .map(|(u, id, pod)| (u.to_string(), (dp(id), pod.to_string())))
+            .collect()
+    }
+
+    fn secs(s: f64) -> Duration {
+        Duration::from_secs_f64(s)
+    }
+
+    #[test]
+    fn a_listed_unit_missing_from_the_next_listing_is_released_at_that_sync() {
+        let inv = crate::sim::load("pcie-l4x4").unwrap();
+        let mut l = Ledger::new(&inv);
+        let (t0, grace) = (Instant::now(), secs(30.0));
+        let a = inv.gpus[0].uuid.clone();
+        l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
+        let listed = listing(&[(&a, &a, "ns/p/c")]);
+        assert_eq!(
+            l.sync_device_plugin(&listed, t0 + secs(0.5), grace),
+            (vec![], vec![], vec![]),
+            "an Allocate PodResources lists is kept"
+        );
+        assert!(
+            matches!(l.holder(&a), Some(Holder::DevicePlugin { pod: Some(p), .. }) if p == "ns/p/c")
+        );
+        assert!(l.conflict(&a, &claim("c")).is_some());
+        // The container ended: the first listing without it releases it, long before grace.
+        let (_, released, _) = l.sync_device_plugin(&BTreeMap::new(), t0 + secs(1.0), grace);
+        assert_eq!(released, vec![a.clone()]);
+        assert!(l.device_plugin_blocked().is_empty());
+        l.hold_all(std::slice::from_ref(&a), &claim("c"), t0 + secs(1.0))
+            .unwrap();
+        l.check_invariant().unwrap();
+    }
+
+    #[test]
+    fn an_allocate_never_listed_is_kept_until_the_grace_period_ends() {
+        let inv = crate::sim::load("pcie-l4x4").unwrap();
+        let mut l = Ledger::new(&inv);
+        let (t0, grace) = (Instant::now(), secs(30.0));
+        let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
+        l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
+        // Listings that show other units, or none, do not end an Allocate not yet listed.
+        let other = listing(&[(&b, &b, "ns/q/c")]);
+        for t in [0.5, 1.0, 10.0, 29.9] {
+            let (_, released, _) = l.sync_device_plugin(&other, t0 + secs(t), grace);
+            assert!(released.is_empty(), "released at {t} s");
+        }
+        assert!(l.conflict(&a, &claim("c")).is_some());
+        let (_, released, _) = l.sync_device_plugin(&other, t0 + grace, grace);
+        assert_eq!(released, vec![a]);
+    }
+
+    #[test]
+    fn a_listing_sent_before_an_allocate_does_not_count_as_listing_it() {
+        let inv = crate::sim::load("pcie-l4x4").unwrap();
+        let mut l = Ledger::new(&inv);
+        let (t0, grace) = (Instant::now(), secs(30.0));
+        let a = inv.gpus[0].uuid.clone();
+        l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
+        l.sync_device_plugin(&listing(&[(&a, &a, "ns/old/c")]), t0 + secs(0.5), grace);
+        // `old` ends and the kubelet gives the same device ID to `new` while a List (sent
+        // before that Allocate, still showing `old`) is answered.
+        l.hold_all(std::slice::from_ref(&a), &dp(&a), t0 + secs(0.8))
+            .unwrap();
+        l.sync_device_plugin(&listing(&[(&a, &a, "ns/old/c")]), t0 + secs(0.7), grace);
+        let (_, released, _) = l.sync_device_plugin(&BTreeMap::new(), t0 + secs(1.2), grace);
+        assert!(released.is_empty(), "new's Allocate was never listed");
+        assert!(l.conflict(&a, &claim("c")).is_some());
+    }
+
+    #[test]
+    fn a_unit_released_and_allocated_to_a_new_pod_is_protected_again_until_listed() {
+        let inv = crate::sim::load("pcie-l4x4").unwrap();
+        let mut l = Ledger::new(&inv);
+        let (t0, grace) = (Instant::now(), secs(30.0));
+        let a = inv.gpus[0].uuid.clone();
+        l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
+        l.sync_device_plugin(&listing(&[(&a, &a, "ns/p1/c")]), t0 + secs(0.5), grace);
+        let (_, released, _) = l.sync_device_plugin(&BTreeMap::new(), t0 + secs(1.0), grace);
+        assert_eq!(released, vec![a.clone()]);
+        // A new pod gets it: not listed yet, so the grace period protects it again...
+        l.hold_all(std::slice::from_ref(&a), &dp(&a), t0 + secs(1.2))
+            .unwrap();
+        let (_, released, _) = l.sync_device_plugin(&BTreeMap::new(), t0 + secs(1.5), grace);
+        assert!(released.is_empty());
+        assert!(
+            matches!(l.holder(&a), Some(Holder::DevicePlugin { pod: None, .. })),
+            "the old pod's name is gone with its hold"
+        );
+        // ...until it is listed, and then its end releases it at once.
+        l.sync_device_plugin(&listing(&[(&a, &a, "ns/p2/c")]), t0 + secs(2.0), grace);
+        assert!(
+            matches!(l.holder(&a), Some(Holder::DevicePlugin { pod: Some(p), .. }) if p == "ns/p2/c")
+        );
+        let (_, released, _) = l.sync_device_plugin(&BTreeMap::new(), t0 + secs(2.5), grace);
+        assert_eq!(released, vec![a]);
+    }
+
+    #[test]
+    fn a_listed_replica_does_not_vouch_for_another_replicas_allocate() {
+        let inv = crate::sim::load("pcie-l4x4").unwrap();
+        let mut l = Ledger::new(&inv);
+        let (t0, grace) = (Instant::now(), secs(30.0));
+        let a = inv.gpus[0].uuid.clone();
+        let (r0, r1) = (format!("{a}::0"), format!("{a}::1"));
+        l.hold_all(std::slice::from_ref(&a), &dp(&r0), t0).unwrap();
+        l.hold_all(std::slice::from_ref(&a), &dp(&r1), t0 + secs(0.1))
+            .unwrap();
+        // Only replica 0's container is listed; it ends before replica 1's is.
+        l.sync_device_plugin(&listing(&[(&a, &r0, "ns/p0/c")]), t0 + secs(0.5), grace);
+        let (_, released, _) = l.sync_device_plugin(&BTreeMap::new(), t0 + secs(1.0), grace);
+        assert!(released.is_empty(), "replica 1 is still protected");
+        let (_, released, _) = l.sync_device_plugin(&BTreeMap::new(), t0 + secs(30.1), grace);
+        assert_eq!(released, vec![a]);
+    }
+
+    #[test]
+    fn holds_rebuilt_from_pod_resources_after_a_restart_count_as_listed() {
+        let inv = crate::sim::load("dgx-h100").unwrap();
+        let (t0, grace) = (Instant::now(), secs(30.0));
+        let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
+        // A restarted agent: a new ledger whose first knowledge is a PodResources listing.
+        let mut l = Ledger::new(&inv);
+        let both = listing(&[(&a, &a, "ns/p/c"), (&b, &b, "ns/q/c")]);
+        let (added, released, conflicts) = l.sync_device_plugin(&both, t0, grace);
+        assert_eq!(
+            (added, released, conflicts),
+            (vec![a.clone(), b.clone()], vec![], vec![])
+        );
+        assert!(l.conflict(&a, &claim("c")).is_some());
+        // One pod ends: released at the next sync, not after the grace period.
+        let (_, released, _) =
+            l.sync_device_plugin(&listing(&[(&b, &b, "ns/q/c")]), t0 + secs(0.5), grace);
+        assert_eq!(released, vec![a]);
+        assert!(l.conflict(&b, &claim("c")).is_some());
     }
 
     fn dp(id: &str) -> Holder {

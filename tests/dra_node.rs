@@ -202,6 +202,93 @@ async fn a_device_is_never_held_by_both_apis_at_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_whose_pod_ended_goes_to_a_claim_after_one_poll_not_after_the_grace_period() {
+    const GPU: &str = "nvidia.com/gpu";
+    const IN_USE: &str = "gpu.gpuplane.dev/device-plugin=in-use";
+    let lab = Lab::new("dgx-h100").await;
+    let agent = lab.start("allocation: {podResourcesGrace: 30s}\n");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.kubelet
+        .wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.healthy() == 8))
+        .await
+        .unwrap();
+    let inv = lab.sim.discover().unwrap().inventory;
+    let name_of = |uuid: &str| {
+        let g = inv.gpus.iter().find(|g| g.uuid == uuid).unwrap();
+        format!("gpu-{}", g.index)
+    };
+    let (ids, _) = lab
+        .kubelet
+        .admit("team-b", "pod-1", "main", GPU, 1)
+        .await
+        .unwrap();
+    let used = name_of(&ids[0]);
+    // Another GPU Allocated with no assignment recorded: PodResources never lists it, as when
+    // the kubelet has not got that far yet. The grace period must keep protecting it.
+    let unlisted_uuid = inv
+        .gpus
+        .iter()
+        .find(|g| g.uuid != ids[0])
+        .unwrap()
+        .uuid
+        .clone();
+    lab.kubelet
+        .allocate(GPU, std::slice::from_ref(&unlisted_uuid))
+        .await
+        .unwrap();
+    let unlisted = name_of(&unlisted_uuid);
+    // While the pod runs a claim on its GPU is refused; once PodResources has been polled the
+    // refusal names the container.
+    let claim = lab.claim("next", &[&used]);
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let err = lab.prepare(&claim).await.unwrap_err();
+        assert!(err.contains("held by"), "{err}");
+        if err.contains("team-b/pod-1/main") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "PodResources never named the pod: {err}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    lab.eventually("the in-use taint on the pod's GPU", |l| {
+        l.taints(&used) == [IN_USE]
+    })
+    .await;
+    // The pod ends: the next poll (500 ms apart) releases its GPU. Retry as the kubelet does,
+    // within a bound far below the 30 s grace period.
+    lab.kubelet.end_pod("team-b", "pod-1");
+    let ended = std::time::Instant::now();
+    let bound = Duration::from_secs(5);
+    let answer = loop {
+        let answer = lab.prepare(&claim).await;
+        if answer.is_ok() || ended.elapsed() > bound {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        answer.is_ok(),
+        "the claim was still refused {:?} after the pod ended (grace 30 s): {answer:?}",
+        ended.elapsed()
+    );
+    lab.eventually("the in-use taint gone", |l| l.taints(&used).is_empty())
+        .await;
+    // A sync ran after the unlisted Allocate (it released the pod's GPU), and still that
+    // Allocate is held: it was never listed and its grace period is not over.
+    let err = lab
+        .prepare(&lab.claim("grab", &[&unlisted]))
+        .await
+        .unwrap_err();
+    assert!(err.contains("device plugin allocation"), "{err}");
+    assert_eq!(lab.taints(&unlisted), [IN_USE]);
+    lab.unprepare(&claim).await;
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitioned_mode_gives_each_api_only_its_own_devices() {
     let lab = Lab::new("a100-mig-mixed").await;
     let agent =

@@ -13,6 +13,7 @@ use crate::proto::podresources_v1 as pr;
 use pb::device_plugin_client::DevicePluginClient;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{oneshot, watch};
@@ -49,6 +50,8 @@ struct Inner {
     registrations: Mutex<Vec<pb::RegisterRequest>>,
     streams: Mutex<Vec<JoinHandle<()>>>,
     changed: Option<watch::Sender<u64>>,
+    /// PodResources List requests received, counted before the answer is read.
+    lists: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -89,6 +92,8 @@ impl pr::pod_resources_lister_server::PodResourcesLister for PodResourcesService
         &self,
         _: Request<pr::ListPodResourcesRequest>,
     ) -> Result<Response<pr::ListPodResourcesResponse>, Status> {
+        // Counted first: a List counted after a change answers with it.
+        self.inner.lists.fetch_add(1, Ordering::SeqCst);
         let assigned = lock(&self.inner.assigned).clone();
         let mut pods: BTreeMap<(String, String), Vec<pr::ContainerResources>> = BTreeMap::new();
         for ((ns, pod, container), by_resource) in assigned {
@@ -465,6 +470,14 @@ impl KubeletDouble {
     /// The pod ended: its devices are no longer assigned (PodResources stops listing them).
     pub fn end_pod(&self, namespace: &str, pod: &str) {
         lock(&self.inner.assigned).retain(|(ns, p, _), _| !(ns == namespace && p == pod));
+    }
+
+    /// How many PodResources List requests have arrived (across restarts). Read right after a
+    /// change (`admit`, `end_pod`), a count `n` means: once it reaches `n + 2`, a List that
+    /// saw the change has been answered and its caller has sent the next one. The agent lists
+    /// in a loop, so by then it has applied that answer.
+    pub fn pod_resources_lists(&self) -> u64 {
+        self.inner.lists.load(Ordering::SeqCst)
     }
 
     /// The PodResources socket path.

@@ -9,13 +9,15 @@ use crate::ledger::{Holder, LEDGER_RELEASES, LEDGER_RELEASES_HELP};
 use crate::metrics;
 use crate::node::state::NodeState;
 use crate::proto::podresources_v1 as pr;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
-/// How often PodResources is listed.
+/// How often PodResources is listed. A unit PodResources has listed is released at the first
+/// listing without it, so this (plus one List) bounds how long a device stays held after its
+/// container ends: keep it at most 1 s.
 pub const POLL: Duration = Duration::from_millis(500);
 
 #[derive(Debug, thiserror::Error)]
@@ -26,12 +28,15 @@ pub enum PodResourcesError {
     List(#[from] tonic::Status),
 }
 
-/// Units the kubelet reports assigned: unit -> (holder, `namespace/pod/container`).
+/// Units the kubelet reports assigned: unit -> (holder, `namespace/pod/container`). A unit
+/// listed more than once (time-sliced replicas in several containers) gets a holder naming all
+/// its listed device IDs and all its containers, so the ledger can match each one to its
+/// Allocate.
 pub fn units_in_use(
     list: &pr::ListPodResourcesResponse,
     plan: &Plan,
 ) -> BTreeMap<String, (Holder, String)> {
-    let mut out = BTreeMap::new();
+    let mut ids: BTreeMap<String, (String, BTreeSet<String>, BTreeSet<String>)> = BTreeMap::new();
     for pod in &list.pod_resources {
         for c in &pod.containers {
             let who = format!("{}/{}/{}", pod.namespace, pod.name, c.name);
@@ -41,19 +46,23 @@ pub fn units_in_use(
                 };
                 for id in &d.device_ids {
                     if let Some(dev) = resource.devices.iter().find(|x| &x.id == id) {
-                        out.insert(
-                            dev.unit.clone(),
-                            (
-                                allocate::holder(&resource.name, std::slice::from_ref(id)),
-                                who.clone(),
-                            ),
-                        );
+                        let e = ids.entry(dev.unit.clone()).or_insert_with(|| {
+                            (resource.name.clone(), BTreeSet::new(), BTreeSet::new())
+                        });
+                        e.1.insert(id.clone());
+                        e.2.insert(who.clone());
                     }
                 }
             }
         }
     }
-    out
+    ids.into_iter()
+        .map(|(unit, (resource, ids, pods))| {
+            let ids: Vec<String> = ids.into_iter().collect();
+            let pods: Vec<String> = pods.into_iter().collect();
+            (unit, (allocate::holder(&resource, &ids), pods.join(", ")))
+        })
+        .collect()
 }
 
 async fn list(socket: &Path) -> Result<pr::ListPodResourcesResponse, PodResourcesError> {
@@ -69,19 +78,21 @@ async fn list(socket: &Path) -> Result<pr::ListPodResourcesResponse, PodResource
 pub async fn run(socket: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Receiver<bool>) {
     let mut failing = false;
     loop {
+        // Taken before the List is sent: an Allocate after it cannot be in its answer.
+        let listed_at = Instant::now();
         match tokio::time::timeout(Duration::from_secs(5), list(&socket)).await {
             Ok(Ok(resp)) => {
                 failing = false;
                 state.update(|s| {
                     let in_use = units_in_use(&resp, &s.plan);
                     let grace = s.config.pod_resources_grace;
-                    let (added, released, conflicts) = s.ledger.sync_device_plugin(&in_use, Instant::now(), grace);
+                    let (added, released, conflicts) = s.ledger.sync_device_plugin(&in_use, listed_at, grace);
                     for u in &added {
                         tracing::info!(device = %u, holder = %in_use[u].1, "device plugin hold learned from PodResources");
                     }
                     for u in &released {
                         metrics::global().inc(LEDGER_RELEASES, LEDGER_RELEASES_HELP, &[("api", "device-plugin")]);
-                        tracing::info!(device = %u, holder = "device plugin", "released: no live container holds it");
+                        tracing::info!(device = %u, holder = "device plugin", "released: PodResources lists no container holding it");
                     }
                     for c in &conflicts {
                         tracing::error!(error = %c, "PodResources lists a device another consumer holds");
