@@ -48,18 +48,9 @@ const CONFIG: &str = "health: {recoveryQuietPeriod: 1s}\n";
 type Sample = (f64, u64);
 type Samples = Arc<Mutex<Vec<Sample>>>;
 
-fn vm_rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-}
-
 fn sample_rss(pid: u32, start: Instant, samples: Samples, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Relaxed) {
-        if let Some(kib) = vm_rss_kib(pid) {
+        if let Some(kib) = support::vm_rss_kib(pid) {
             samples
                 .lock()
                 .unwrap()
