@@ -233,7 +233,7 @@ fn sockets_are_bound_owner_only_and_replace_a_stale_file() {
         .unwrap()
         .file_type()
         .is_socket());
-    // Bound in a private directory and renamed into place: nothing else is left behind.
+    // Nothing but the socket: no temporary name for the kubelet's plugin watcher to trip over.
     let left: Vec<_> = std::fs::read_dir(path.parent().unwrap())
         .unwrap()
         .map(|e| e.unwrap().file_name())

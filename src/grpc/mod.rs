@@ -38,32 +38,46 @@ pub enum SocketError {
     },
 }
 
-/// Binds a fresh socket at `path` with mode 0600, atomically replacing a stale file.
-///
-/// The socket is bound inside a private (0700) directory next to `path`, given its mode and
-/// then renamed into place: nobody else can reach it before it is 0600, and a client never finds
-/// the path missing or pointing at a socket nobody listens on. (A umask would do the first part
-/// too, but it is per process: another thread creating a directory at that moment would get it.)
+/// Binds a fresh socket at `path` (replacing a stale file) with mode 0600 from its creation.
 pub fn bind(path: &Path) -> Result<UnixListener, SocketError> {
     let err = |source| SocketError::Bind {
         path: path.to_path_buf(),
         source,
     };
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(err)?;
-    let private = tempfile::Builder::new()
-        .prefix(".gpuplane-bind-")
-        .tempdir_in(dir)
-        .map_err(err)?;
-    // A dot name: the plugin watcher ignores it (it walks new directories in plugins_registry/).
-    let staged = private.path().join(".s");
-    let listener = UnixListener::bind(&staged).map_err(err)?;
-    std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
-    std::fs::rename(&staged, path).map_err(err)?;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(e)),
+    }
+    let listener = bind_owner_only(path).map_err(err)?;
+    // Already 0600 on Linux; said once more for any kernel that ignores the socket's mode.
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
     Ok(listener)
+}
+
+/// Creates, binds and listens on a unix socket whose file is 0600 from the moment it exists:
+/// Linux gives a new socket file the mode of the socket's own inode (less the umask), and
+/// `fchmod` sets that before `bind`. No umask change (a umask is per process: another thread
+/// creating a directory at that moment would get it), and no temporary name in a directory the
+/// kubelet watches (its plugin watcher stats every new entry, and logs an error for one that
+/// is already gone).
+fn bind_owner_only(path: &Path) -> std::io::Result<UnixListener> {
+    use nix::sys::socket::{self, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+    use nix::sys::stat::{fchmod, Mode};
+    use std::os::fd::AsRawFd;
+    let fd = socket::socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )?;
+    fchmod(&fd, Mode::from_bits_truncate(0o600))?;
+    socket::bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    socket::listen(&fd, Backlog::new(1024)?)?;
+    UnixListener::from_std(std::os::unix::net::UnixListener::from(fd))
 }
 
 /// Connects a tonic channel to the gRPC server on the unix socket at `path`.
@@ -197,5 +211,30 @@ impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
 
     fn connect_info(&self) -> Self::ConnectInfo {
         self.inner.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::FileTypeExt;
+
+    #[test]
+    fn a_socket_is_owner_only_from_its_creation_whatever_the_umask() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _guard = rt.enter();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        // The most permissive umask: only fchmod-before-bind can make the file 0600.
+        let old = nix::sys::stat::umask(nix::sys::stat::Mode::empty());
+        let bound = bind_owner_only(&path);
+        nix::sys::stat::umask(old);
+        let _listener = bound.unwrap();
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert!(meta.file_type().is_socket());
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
     }
 }
