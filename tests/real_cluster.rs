@@ -11,7 +11,6 @@ mod cluster;
 use cluster::{eventually, eventually_or, ClusterLab, LabAgent, DRIVER, NODE};
 use serde_json::Value;
 use std::collections::BTreeSet;
-use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
@@ -328,26 +327,61 @@ fn both_apis_come_back_after_kubelet_and_agent_restarts() {
     let Some((lab, kubeconfig, agent)) = lab_with_agent() else {
         return;
     };
-    let dp_socket = lab.kubelet_root().join("device-plugins/kubelet.sock");
-    let inode = || std::fs::metadata(&dp_socket).ok().map(|m| m.ino());
-    let before = inode().unwrap();
+    let registered = r#""Registered client" name="nvidia.com/gpu""#;
+    let registrations = lab.log_lines("kubelet", registered).len();
+    // The old kubelet's `8` stays in the Node object until the new kubelet has counted the
+    // re-registered plugin's devices and reported them: wait for the new one's report.
+    let reported = r#""Updated capacity for device plugin" plugin="nvidia.com/gpu" capacity=8"#;
+    let reports = lab.log_lines("kubelet", reported).len();
+    let dra_connects = dra_connections(&lab);
     lab.restart_kubelet();
-    eventually("the new kubelet to make a new kubelet.sock", || {
-        inode().filter(|i| *i != before)
+    eventually("the device plugin to register with the new kubelet", || {
+        (lab.log_lines("kubelet", registered).len() > registrations).then_some(())
     });
     // The device plugin re-registers (the new kubelet's device manager knows nothing of the
     // old one's plugins); a pod proves it end to end.
+    eventually("the new kubelet to report the plugin's 8 devices", || {
+        (lab.log_lines("kubelet", reported).len() > reports).then_some(())
+    });
     eventually(
         "nvidia.com/gpu: 8 allocatable after the kubelet restart",
         || (allocatable_gpus(&lab).as_deref() == Some("8")).then_some(()),
     );
+    eventually("the new kubelet to connect to the DRA plugin", || {
+        (dra_connections(&lab) > dra_connects).then_some(())
+    });
     run_gpu_pod(&lab, "after-kubelet-restart");
 
+    let dra_connects = dra_connections(&lab);
+    let registrations = lab.log_lines("kubelet", registered).len();
+    // The kubelet keeps the stopped plugin's devices in capacity (unhealthy): no capacity
+    // change to wait for, but the new plugin's device list must have reached it.
+    let processed = r#""Processed device updates for resource" resourceName="nvidia.com/gpu" totalCount=8 healthyCount=8"#;
+    let updates = lab.log_lines("kubelet", processed).len();
     agent.stop();
     let agent = LabAgent::start(&lab, &kubeconfig, "2");
+    eventually("the new agent's device plugin to register", || {
+        (lab.log_lines("kubelet", registered).len() > registrations).then_some(())
+    });
+    eventually(
+        "the kubelet to take the new agent's 8 healthy devices",
+        || (lab.log_lines("kubelet", processed).len() > updates).then_some(()),
+    );
     wait_registered(&lab);
+    eventually(
+        "the kubelet to connect to the new agent's DRA plugin",
+        || (dra_connections(&lab) > dra_connects).then_some(()),
+    );
     run_gpu_pod(&lab, "after-agent-restart");
     drop(agent);
+}
+
+/// How often the kubelet's DRA manager has connected to our plugin (its log).
+fn dra_connections(lab: &ClusterLab) -> usize {
+    lab.log_lines("kubelet", "\"Connection changed\"")
+        .iter()
+        .filter(|l| l.contains(&format!("driverName=\"{DRIVER}\"")) && l.contains("connected=true"))
+        .count()
 }
 
 /// A pod with one `nvidia.com/gpu` that must run to completion and see one GPU.
