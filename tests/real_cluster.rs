@@ -109,14 +109,8 @@ fn wait_registered(lab: &ClusterLab) {
             .count();
         (gpus == 8).then_some(())
     });
-    eventually("the kubelet to register the DRA plugin", || {
-        let dra = lab
-            .kubelet_root()
-            .join("plugins")
-            .join(DRIVER)
-            .join("dra.sock");
-        let registered = !lab.log_lines("kubelet", DRIVER).is_empty() && dra.exists();
-        registered.then_some(())
+    eventually("the kubelet to connect to the DRA plugin", || {
+        (dra_connections(lab) > 0).then_some(())
     });
 }
 
