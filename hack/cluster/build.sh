@@ -8,11 +8,15 @@
 # whose path is the last line printed (GPUPLANE_CLUSTER_BIN=...).
 #   ./hack/cluster/build.sh               everything (kubemark too)
 #   ./hack/cluster/build.sh etcd kubernetes   only these components
+#   ./hack/cluster/build.sh --check       build and install nothing: print the line when all
+#                                         is cached, else exit 3 (tests/cluster uses this)
 # As root it also installs the Debian packages the lab runs with (runc, CNI plugins,
 # iptables, busybox-static for the test image) when missing.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cache="${GPUPLANE_CLUSTER_CACHE:-$HOME/.cache/gpuplane-cluster}"
+check=0
+if [[ "${1:-}" == --check ]]; then check=1; shift; fi
 mkdir -p "$cache"
 
 # Debian packages: runc for containerd's shim, CNI plugins (loopback at least), iptables
@@ -23,7 +27,9 @@ command -v runc >/dev/null || need+=(runc)
 command -v iptables >/dev/null || need+=(iptables)
 [[ -x /bin/busybox ]] || need+=(busybox-static)
 if ((${#need[@]})); then
-  if ((EUID == 0)); then
+  if ((check)); then
+    echo "build.sh: missing Debian packages: ${need[*]}" >&2; exit 3
+  elif ((EUID == 0)); then
     echo "build.sh: apt-get install ${need[*]}" >&2
     apt-get install -y --no-install-recommends "${need[@]}" >/dev/null 2>&1 ||
       { apt-get update >/dev/null && apt-get install -y --no-install-recommends "${need[@]}" >/dev/null; }
@@ -77,7 +83,9 @@ for c in "${components[@]}"; do
   all_keys+="$c-$key "
   missing=0
   for b in ${bins[$c]}; do [[ -x "$out/$b" ]] || missing=1; done
-  if ((missing)); then
+  if ((missing && check)); then
+    echo "build.sh: $c not built (run ./hack/cluster/build.sh)" >&2; exit 3
+  elif ((missing)); then
     start=$SECONDS
     tmp="$cache/$c-$key/tmp.$$"
     rm -rf "$tmp" && mkdir -p "$tmp"

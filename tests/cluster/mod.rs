@@ -1,0 +1,514 @@
+//! The real-cluster lab for integration tests (issue 13): upstream etcd, kube-apiserver,
+//! kube-controller-manager, kube-scheduler, containerd and kubelet, started by
+//! `hack/cluster/lab.sh up <workdir>` inside their own network, mount and PID namespaces, and
+//! the real `gpuplane node` binary as a host process inside the lab's network namespace only.
+//! hack/cluster/README.md ("phase 2") has how it works and what it costs.
+//!
+//! [`ClusterLab::start`] skips (returns `None`, printing why) when not root or when the cluster
+//! binaries are not built (`hack/cluster/build.sh`); with the `CI` environment variable set it
+//! panics instead, so CI cannot pass by skipping.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A hang guard for each wait, never a timing assertion: a loaded machine is slow, not wrong.
+pub const WAIT: Duration = Duration::from_secs(120);
+/// The lab's node, as its kubelet registers it.
+pub const NODE: &str = "lab-node";
+/// The DRA driver name the agent serves (the DeviceClasses' driver).
+pub const DRIVER: &str = "gpu.gpuplane.dev";
+/// The agent's namespace and service account (daemonset/node/rbac.yaml).
+pub const AGENT_NS: &str = "gpuplane-system";
+pub const AGENT_SA: &str = "gpuplane-node";
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Skips the test (prints why and returns `None`), or panics under `CI`.
+fn skip(why: &str) -> Option<ClusterLab> {
+    if std::env::var_os("CI").is_some() {
+        panic!("real-cluster test cannot run, and CI is set so it may not skip: {why}");
+    }
+    eprintln!("SKIPPED: real-cluster test: {why}");
+    None
+}
+
+/// The directory of the cluster binaries: `GPUPLANE_CLUSTER_BIN`, else what
+/// `hack/cluster/build.sh --check` reports (it builds nothing).
+fn cluster_bin() -> Result<PathBuf, String> {
+    if let Some(dir) = std::env::var_os("GPUPLANE_CLUSTER_BIN") {
+        let dir = PathBuf::from(dir);
+        return if dir.join("kubelet").exists() {
+            Ok(dir)
+        } else {
+            Err(format!(
+                "GPUPLANE_CLUSTER_BIN={} has no kubelet",
+                dir.display()
+            ))
+        };
+    }
+    let out = Command::new(repo().join("hack/cluster/build.sh"))
+        .arg("--check")
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| format!("running hack/cluster/build.sh --check: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("GPUPLANE_CLUSTER_BIN="))
+    {
+        Some(dir) if out.status.success() => Ok(PathBuf::from(dir)),
+        _ => Err(format!(
+            "the cluster binaries are not built (run ./hack/cluster/build.sh, about 22 min \
+             cold): {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+    }
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// Polls `check` every 250 ms until it gives a value; panics after [`WAIT`] naming `what`.
+pub fn eventually<T>(what: &str, check: impl FnMut() -> Option<T>) -> T {
+    eventually_or(what, check, String::new)
+}
+
+/// [`eventually`], adding `context()` (e.g. a `kubectl describe`) to the panic message.
+pub fn eventually_or<T>(
+    what: &str,
+    mut check: impl FnMut() -> Option<T>,
+    context: impl FnOnce() -> String,
+) -> T {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(v) = check() {
+            return v;
+        }
+        if Instant::now() >= deadline {
+            panic!("gave up after {WAIT:?} waiting for {what}\n{}", context());
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// One lab: the `lab.sh` process, its work dir and the namespaces' init. Dropping it kills
+/// every process of the namespaces, removes their cgroups and the work dir (kept, with a
+/// printed path, when `GPUPLANE_LAB_KEEP` is set).
+pub struct ClusterLab {
+    script: Child,
+    /// The lab's work dir (`/tmp/gpl-XXXXXX`: unix socket paths are limited to 107 bytes).
+    pub work: PathBuf,
+    /// Host pid of the namespaces' init.
+    pub init: u32,
+    /// The cluster binaries.
+    pub bin: PathBuf,
+    /// How long the start took (lab.sh up to node Ready).
+    pub start_time: Duration,
+}
+
+impl ClusterLab {
+    /// Starts a lab and waits for node `lab-node` to be Ready; `None` when it must skip.
+    pub fn start() -> Option<ClusterLab> {
+        if !is_root() {
+            return skip("needs root (namespaces, mounts, cgroups)");
+        }
+        let bin = match cluster_bin() {
+            Ok(b) => b,
+            Err(e) => return skip(&e),
+        };
+        for tool in ["unshare", "nsenter", "openssl", "curl", "runc", "python3"] {
+            if Command::new("sh")
+                .args(["-c", &format!("command -v {tool}")])
+                .stdout(Stdio::null())
+                .status()
+                .map_or(true, |s| !s.success())
+            {
+                return skip(&format!("{tool} is not installed"));
+            }
+        }
+        let work = tempfile::Builder::new()
+            .prefix("gpl-")
+            .tempdir_in("/tmp")
+            .unwrap()
+            .keep();
+        let out = std::fs::File::create(work.with_extension("log")).unwrap();
+        let began = Instant::now();
+        let script = Command::new(repo().join("hack/cluster/lab.sh"))
+            .arg("up")
+            .arg(&work)
+            .env("GPUPLANE_CLUSTER_BIN", &bin)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("start hack/cluster/lab.sh");
+        let mut lab = ClusterLab {
+            script,
+            work,
+            init: 0,
+            bin,
+            start_time: Duration::ZERO,
+        };
+        lab.init = eventually("lab.sh to write init.pid", || {
+            std::fs::read_to_string(lab.work.join("init.pid"))
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+        });
+        eventually("the lab to be ready (node lab-node Ready)", || {
+            if lab.work.join("failed").exists() || lab.script.try_wait().unwrap().is_some() {
+                panic!("the lab failed to start:\n{}", lab.diagnostics());
+            }
+            lab.work.join("ready").exists().then_some(())
+        });
+        lab.start_time = began.elapsed();
+        eprintln!(
+            "cluster lab {} up in {:.1}s",
+            lab.work.display(),
+            lab.start_time.as_secs_f64()
+        );
+        Some(lab)
+    }
+
+    /// A command that runs `program` inside the lab's network namespace (only).
+    pub fn in_netns(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg("--net")
+            .arg("--target")
+            .arg(self.init.to_string())
+            .arg("--")
+            .arg(program);
+        cmd
+    }
+
+    pub fn admin_kubeconfig(&self) -> PathBuf {
+        self.work.join("pki/admin.kubeconfig")
+    }
+
+    /// The real kubectl, as cluster admin, in the lab's network namespace.
+    pub fn kubectl(&self, args: &[&str]) -> Output {
+        self.in_netns(self.bin.join("kubectl"))
+            .arg("--kubeconfig")
+            .arg(self.admin_kubeconfig())
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run kubectl")
+    }
+
+    /// `kubectl describe pod <name>` and the namespace's events, for failure messages.
+    pub fn describe_pod(&self, name: &str) -> String {
+        let d = self.kubectl(&["describe", "pod", name]);
+        let e = self.kubectl(&["get", "events", "-A"]);
+        let n = self.kubectl(&["describe", "node", NODE]);
+        format!(
+            "{}{}\n{}\n{}",
+            String::from_utf8_lossy(&d.stdout),
+            String::from_utf8_lossy(&d.stderr),
+            String::from_utf8_lossy(&e.stdout),
+            String::from_utf8_lossy(&n.stdout)
+        )
+    }
+
+    /// kubectl that must succeed; its stdout.
+    pub fn kubectl_ok(&self, args: &[&str]) -> String {
+        let out = self.kubectl(args);
+        assert!(
+            out.status.success(),
+            "kubectl {args:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// kubectl ... -o json, parsed; `None` when kubectl fails (e.g. not found yet).
+    pub fn get_json(&self, args: &[&str]) -> Option<Value> {
+        let mut a = args.to_vec();
+        a.extend(["-o", "json"]);
+        let out = self.kubectl(&a);
+        out.status
+            .success()
+            .then(|| serde_json::from_slice(&out.stdout).unwrap())
+    }
+
+    /// `kubectl apply -f -` with `yaml` on stdin.
+    pub fn apply(&self, yaml: &str) {
+        use std::io::Write;
+        let mut child = self
+            .in_netns(self.bin.join("kubectl"))
+            .arg("--kubeconfig")
+            .arg(self.admin_kubeconfig())
+            .args(["apply", "-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(yaml.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "kubectl apply failed: {}\n{yaml}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// The kubelet's `--root-dir`, complete as the host sees it (device-plugins/ is
+    /// bind-mounted inside the lab on the hard-coded /var/lib/kubelet/device-plugins).
+    pub fn kubelet_root(&self) -> PathBuf {
+        self.work.join("kubelet")
+    }
+
+    /// Where containerd reads CDI specs from.
+    pub fn cdi_dir(&self) -> PathBuf {
+        self.work.join("cdi")
+    }
+
+    /// Restarts the kubelet (SIGTERM, then a fresh one) and waits for its `/healthz`.
+    pub fn restart_kubelet(&self) {
+        let ctl = self.work.join("ctl");
+        let n = std::fs::read_dir(&ctl)
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("kubelet-restarted-")
+            })
+            .count();
+        std::fs::write(ctl.join("restart-kubelet"), "").unwrap();
+        let done = ctl.join(format!("kubelet-restarted-{}", n + 1));
+        eventually("the kubelet to restart", || done.exists().then_some(()));
+    }
+
+    /// Every component's log tail and lab.sh's own output.
+    pub fn diagnostics(&self) -> String {
+        let mut s = String::new();
+        let mut files = vec![self.work.with_extension("log")];
+        if let Ok(dir) = std::fs::read_dir(self.work.join("log")) {
+            let mut logs: Vec<PathBuf> = dir.map(|e| e.unwrap().path()).collect();
+            logs.sort();
+            files.extend(logs);
+        }
+        for f in files {
+            let text = std::fs::read_to_string(&f).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let from = lines.len().saturating_sub(30);
+            s += &format!("---- tail {}\n{}\n", f.display(), lines[from..].join("\n"));
+        }
+        s
+    }
+
+    /// Lines of `log/<component>.log` containing `needle` (for reading the kubelet's side).
+    pub fn log_lines(&self, component: &str, needle: &str) -> Vec<String> {
+        std::fs::read_to_string(self.work.join(format!("log/{component}.log")))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains(needle))
+            .map(String::from)
+            .collect()
+    }
+
+    /// Installs what the DaemonSet would run with: the namespace, the node agent's RBAC and
+    /// admission policy (daemonset/node/), the DeviceClasses; returns a kubeconfig for the
+    /// agent carrying a real token of its service account, bound to node `lab-node` (so the
+    /// admission policy sees the node, as for a token bound to the agent's pod).
+    pub fn install_agent_identity(&self) -> PathBuf {
+        self.kubectl_ok(&["create", "namespace", AGENT_NS]);
+        for f in [
+            "daemonset/node/rbac.yaml",
+            "daemonset/node/admission-policy.yaml",
+            "daemonset/deviceclasses.yaml",
+        ] {
+            self.kubectl_ok(&["apply", "-f", repo().join(f).to_str().unwrap()]);
+        }
+        let token = self.kubectl_ok(&[
+            "create",
+            "token",
+            AGENT_SA,
+            "-n",
+            AGENT_NS,
+            "--bound-object-kind",
+            "Node",
+            "--bound-object-name",
+            NODE,
+            "--duration",
+            "2h",
+        ]);
+        let path = self.work.join("agent.kubeconfig");
+        let ca = self.work.join("pki/ca.crt");
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: lab\n  cluster: {{server: \"https://127.0.0.1:6443\", certificate-authority: \"{}\"}}\nusers:\n- name: agent\n  user: {{token: \"{}\"}}\ncontexts:\n- name: lab\n  context: {{cluster: lab, user: agent, namespace: {AGENT_NS}}}\ncurrent-context: lab\n",
+                ca.display(),
+                token.trim()
+            ),
+        )
+        .unwrap();
+        path
+    }
+}
+
+impl Drop for ClusterLab {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("{}", self.diagnostics());
+        }
+        // SIGKILL to the init takes every process of the PID namespace along (SIGTERM is
+        // ignored by it); lab.sh then returns, removing the lab's cgroups.
+        if self.init != 0 {
+            let _ = Command::new("kill")
+                .args(["-KILL", &self.init.to_string()])
+                .status();
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.script.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = self.script.kill();
+                let _ = self.script.wait();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Depth-first removal of whatever cgroups lab.sh could not remove.
+        let name = format!(
+            "gpuplane-lab-{}",
+            self.work.file_name().unwrap().to_string_lossy()
+        );
+        if let Ok(hierarchies) = std::fs::read_dir("/sys/fs/cgroup") {
+            for h in hierarchies.flatten() {
+                let root = h.path().join(&name);
+                if root.is_dir() {
+                    remove_cgroup(&root);
+                }
+            }
+        }
+        if std::env::var_os("GPUPLANE_LAB_KEEP").is_some() {
+            eprintln!("cluster lab kept in {}", self.work.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.work);
+            let _ = std::fs::remove_file(self.work.with_extension("log"));
+        }
+    }
+}
+
+fn remove_cgroup(dir: &Path) {
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_cgroup(&e.path());
+            }
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
+}
+
+/// The real `gpuplane node` in the lab's network namespace (a host process otherwise: host
+/// mounts and PIDs), with the flags of daemonset/node/daemonset.yaml where they apply and
+/// `--simulate dgx-h100` for hardware. Killed when dropped.
+pub struct LabAgent {
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl LabAgent {
+    /// Starts the agent; `tag` names its log (`<work>/agent-<tag>.log`).
+    pub fn start(lab: &ClusterLab, kubeconfig: &Path, tag: &str) -> LabAgent {
+        let dir = lab.work.join("agent");
+        std::fs::create_dir_all(dir.join("dev")).unwrap();
+        std::fs::create_dir_all(dir.join("driver")).unwrap();
+        // The DaemonSet's config file: the ConfigMap's config.yaml.
+        let cm: serde_yaml::Value = serde_yaml::from_str(
+            &std::fs::read_to_string(repo().join("daemonset/node/config.yaml")).unwrap(),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("config.yaml"),
+            cm["data"]["config.yaml"].as_str().unwrap(),
+        )
+        .unwrap();
+        let log = lab.work.join(format!("agent-{tag}.log"));
+        let out = std::fs::File::create(&log).unwrap();
+        let child = lab
+            .in_netns(env!("CARGO_BIN_EXE_gpuplane"))
+            .arg("node")
+            .arg("--simulate")
+            .arg("dgx-h100")
+            .args(["--node-name", NODE])
+            .arg("--kubelet-root")
+            .arg(lab.kubelet_root())
+            .arg("--cdi-root")
+            .arg(lab.cdi_dir())
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--driver-root")
+            .arg(dir.join("driver"))
+            .arg("--dev-root")
+            .arg(dir.join("dev"))
+            .arg("--config")
+            .arg(dir.join("config.yaml"))
+            .args(["--device-plugin=true", "--dra=true"])
+            .arg(format!("--driver-name={DRIVER}"))
+            .arg("--metrics-addr=127.0.0.1:9400")
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .env("NODE_NAME", NODE)
+            .env("RUST_LOG", "info")
+            .env_remove("KUBECONFIG")
+            .env_remove("GPUPLANE_CRASHPOINT")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("start gpuplane node in the lab's network namespace");
+        LabAgent { child, log }
+    }
+
+    /// Stops it as the kubelet stops a pod: SIGTERM, then SIGKILL after 30 s.
+    pub fn stop(mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for LabAgent {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let text = self.log_text();
+            let lines: Vec<&str> = text.lines().collect();
+            let from = lines.len().saturating_sub(40);
+            eprintln!(
+                "---- tail {}\n{}",
+                self.log.display(),
+                lines[from..].join("\n")
+            );
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,404 @@
+//! gpuplane against real Kubernetes (issue 13): the upstream kube-apiserver, scheduler,
+//! controller manager, kubelet and containerd of hack/cluster/lab.sh, and the real
+//! `gpuplane node --simulate dgx-h100` in the lab's network namespace. Each test starts its
+//! own lab (one at a time: the machine's cores are few) and asserts outcomes only, with
+//! generous hang guards and no timing assertions. Skips when not root or when the cluster
+//! binaries are not built (hack/cluster/build.sh); fails instead under `CI`.
+
+#[path = "cluster/mod.rs"]
+mod cluster;
+
+use cluster::{eventually, eventually_or, ClusterLab, LabAgent, DRIVER, NODE};
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+/// One lab at a time per test binary.
+static ONE_LAB: Mutex<()> = Mutex::new(());
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    ONE_LAB.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The GPU UUIDs of the simulated dgx-h100, from `gpuplane discover`.
+fn profile_uuids() -> BTreeSet<String> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpuplane"))
+        .args(["discover", "--simulate", "dgx-h100", "-o", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "gpuplane discover failed");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut uuids = BTreeSet::new();
+    collect_uuids(&v, &mut uuids);
+    assert_eq!(uuids.len(), 8, "dgx-h100 has 8 GPUs: {v}");
+    uuids
+}
+
+fn collect_uuids(v: &Value, out: &mut BTreeSet<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                match x {
+                    Value::String(s) if k == "uuid" && s.starts_with("GPU-") => {
+                        out.insert(s.clone());
+                    }
+                    _ => collect_uuids(x, out),
+                }
+            }
+        }
+        Value::Array(a) => a.iter().for_each(|x| collect_uuids(x, out)),
+        _ => {}
+    }
+}
+
+/// The node's allocatable `nvidia.com/gpu`, if any.
+fn allocatable_gpus(lab: &ClusterLab) -> Option<String> {
+    let node = lab.get_json(&["get", "node", NODE])?;
+    node["status"]["allocatable"]["nvidia.com/gpu"]
+        .as_str()
+        .map(String::from)
+}
+
+/// The ResourceSlices of lab-node for our driver.
+fn our_slices(lab: &ClusterLab) -> Vec<Value> {
+    lab.get_json(&["get", "resourceslices"])
+        .and_then(|l| l["items"].as_array().cloned())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|s| s["spec"]["nodeName"] == NODE && s["spec"]["driver"] == DRIVER)
+        .collect()
+}
+
+/// Device name -> its `uuid` attribute, over all our slices.
+fn slice_devices(lab: &ClusterLab) -> Vec<(String, Value)> {
+    our_slices(lab)
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .map(|d| (d["name"].as_str().unwrap().to_string(), d))
+        .collect()
+}
+
+fn attr_string(device: &Value, name: &str) -> Option<String> {
+    device["attributes"][name]["string"]
+        .as_str()
+        .or_else(|| device["attributes"][format!("{DRIVER}/{name}")]["string"].as_str())
+        .map(String::from)
+}
+
+/// A lab with the agent's identity installed and the agent registered with both APIs.
+fn lab_with_agent() -> Option<(ClusterLab, PathBuf, LabAgent)> {
+    let lab = ClusterLab::start()?;
+    let kubeconfig = lab.install_agent_identity();
+    let agent = LabAgent::start(&lab, &kubeconfig, "1");
+    wait_registered(&lab);
+    Some((lab, kubeconfig, agent))
+}
+
+/// Both APIs registered with the real kubelet: 8 allocatable `nvidia.com/gpu` on the node,
+/// the DRA plugin registered with the kubelet, 8 GPUs in lab-node's ResourceSlices.
+fn wait_registered(lab: &ClusterLab) {
+    eventually(
+        "node lab-node to report nvidia.com/gpu: 8 allocatable",
+        || (allocatable_gpus(lab).as_deref() == Some("8")).then_some(()),
+    );
+    eventually("the ResourceSlices of lab-node to list 8 GPUs", || {
+        let gpus = slice_devices(lab)
+            .iter()
+            .filter(|(_, d)| attr_string(d, "type").as_deref() == Some("gpu"))
+            .count();
+        (gpus == 8).then_some(())
+    });
+    eventually("the kubelet to connect to the DRA plugin", || {
+        (dra_connections(lab) > 0).then_some(())
+    });
+}
+
+fn pod_phase(lab: &ClusterLab, name: &str) -> Option<String> {
+    lab.get_json(&["get", "pod", name])
+        .and_then(|p| p["status"]["phase"].as_str().map(String::from))
+}
+
+/// Waits for the pod to reach one of `phases`; panics (with its description) on `Failed`
+/// unless that is wanted.
+fn wait_phase(lab: &ClusterLab, name: &str, phases: &[&str]) -> String {
+    eventually_or(
+        &format!("pod {name} to reach {phases:?}"),
+        || {
+            let phase = pod_phase(lab, name)?;
+            if phase == "Failed" && !phases.contains(&"Failed") {
+                panic!("pod {name} failed:\n{}", lab.describe_pod(name));
+            }
+            phases.contains(&phase.as_str()).then_some(phase)
+        },
+        || lab.describe_pod(name),
+    )
+}
+
+fn env_value(log: &str, key: &str) -> Option<String> {
+    log.lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}=")))
+        .map(String::from)
+}
+
+#[test]
+fn both_apis_register_with_the_real_kubelet() {
+    let _one = lock();
+    let Some((lab, _kc, agent)) = lab_with_agent() else {
+        return;
+    };
+    // The kubelet's own account of the two registrations.
+    let kubelet_dp = lab.log_lines("kubelet", "nvidia.com/gpu");
+    assert!(
+        !kubelet_dp.is_empty(),
+        "the kubelet log never names nvidia.com/gpu"
+    );
+    let node = lab.get_json(&["get", "node", NODE]).unwrap();
+    assert_eq!(node["status"]["capacity"]["nvidia.com/gpu"], "8");
+    // Every GPU of the profile is in a slice, by UUID.
+    let in_slices: BTreeSet<String> = slice_devices(&lab)
+        .iter()
+        .filter_map(|(_, d)| attr_string(d, "uuid"))
+        .filter(|u| u.starts_with("GPU-"))
+        .collect();
+    assert_eq!(in_slices, profile_uuids());
+    // The agent itself reports ready (registered with every API, slices published).
+    let readyz = lab
+        .in_netns("curl")
+        .args(["-sf", "http://127.0.0.1:9400/readyz"])
+        .output()
+        .unwrap();
+    assert!(
+        readyz.status.success(),
+        "agent /readyz: {}",
+        agent.log_text()
+    );
+}
+
+#[test]
+fn a_device_plugin_pod_gets_two_gpus() {
+    let _one = lock();
+    let Some((lab, _kc, _agent)) = lab_with_agent() else {
+        return;
+    };
+    lab.apply(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {name: two-gpus, namespace: default}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["env"]
+    resources:
+      limits: {nvidia.com/gpu: 2}
+"#,
+    );
+    wait_phase(&lab, "two-gpus", &["Succeeded"]);
+    let pod = lab.get_json(&["get", "pod", "two-gpus"]).unwrap();
+    assert_eq!(
+        pod["spec"]["nodeName"], NODE,
+        "placed by the real scheduler"
+    );
+    let log = lab.kubectl_ok(&["logs", "two-gpus"]);
+    let visible = env_value(&log, "NVIDIA_VISIBLE_DEVICES")
+        .unwrap_or_else(|| panic!("no NVIDIA_VISIBLE_DEVICES in the container's env:\n{log}"));
+    let got: Vec<&str> = visible.split(',').collect();
+    let distinct: BTreeSet<String> = got.iter().map(|s| s.to_string()).collect();
+    assert_eq!(got.len(), 2, "two GPUs: {visible}");
+    assert_eq!(distinct.len(), 2, "two distinct GPUs: {visible}");
+    // dgx-h100 is an NVSwitch machine: every pair is NVLink-optimal, so any two of its GPUs.
+    assert!(
+        distinct.is_subset(&profile_uuids()),
+        "{visible} are not dgx-h100 GPUs"
+    );
+}
+
+#[test]
+fn a_dra_claim_is_prepared_and_unprepared_by_the_real_kubelet() {
+    let _one = lock();
+    let Some((lab, _kc, _agent)) = lab_with_agent() else {
+        return;
+    };
+    lab.apply(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: one-gpu, namespace: default}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpu
+        exactly: {deviceClassName: gpu.gpuplane.dev}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: dra-pod, namespace: default}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  resourceClaims:
+  - {name: gpu, resourceClaimTemplateName: one-gpu}
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["sh", "-c", "env; sleep 3600"]
+    resources:
+      claims: [{name: gpu}]
+"#,
+    );
+    wait_phase(&lab, "dra-pod", &["Running"]);
+    let pod = lab.get_json(&["get", "pod", "dra-pod"]).unwrap();
+    assert_eq!(pod["spec"]["nodeName"], NODE);
+    let claim_name = pod["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no generated claim in {}", pod["status"]))
+        .to_string();
+    let claim = lab
+        .get_json(&["get", "resourceclaim", &claim_name])
+        .unwrap();
+    let results = claim["status"]["allocation"]["devices"]["results"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        results.len(),
+        1,
+        "one device allocated: {}",
+        claim["status"]
+    );
+    assert_eq!(results[0]["driver"], DRIVER);
+    assert_eq!(results[0]["pool"], NODE);
+    let allocated = results[0]["device"].as_str().unwrap().to_string();
+    let devices = slice_devices(&lab);
+    let (_, device) = devices
+        .iter()
+        .find(|(n, _)| *n == allocated)
+        .unwrap_or_else(|| panic!("allocated device {allocated} is in no slice"));
+    let uuid = attr_string(device, "uuid").unwrap();
+    // The CDI spec of the claim, written by NodePrepareResources, read by containerd.
+    let uid = claim["metadata"]["uid"].as_str().unwrap();
+    let spec = lab.cdi_dir().join(format!("gpuplane-claim-{uid}.json"));
+    assert!(spec.exists(), "{} after prepare", spec.display());
+    // The container sees exactly the allocated device.
+    let log = eventually("the container's env in its log", || {
+        let log = lab.kubectl_ok(&["logs", "dra-pod"]);
+        log.contains("PATH=").then_some(log)
+    });
+    let seen: BTreeSet<String> = log
+        .lines()
+        .filter(|l| l.starts_with("GPUPLANE_DEVICE_"))
+        .filter_map(|l| {
+            l.split_once('=')?
+                .1
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("uuid=").map(String::from))
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        BTreeSet::from([uuid.clone()]),
+        "the container's devices:\n{log}"
+    );
+    if let Some(visible) = env_value(&log, "NVIDIA_VISIBLE_DEVICES") {
+        assert_eq!(visible, uuid);
+    }
+    // Deleting the pod unprepares the claim: its CDI spec goes.
+    lab.kubectl_ok(&["delete", "pod", "dra-pod", "--wait=true", "--timeout=120s"]);
+    eventually(
+        "the claim's CDI spec to be removed (NodeUnprepareResources)",
+        || (!spec.exists()).then_some(()),
+    );
+}
+
+#[test]
+fn both_apis_come_back_after_kubelet_and_agent_restarts() {
+    let _one = lock();
+    let Some((lab, kubeconfig, agent)) = lab_with_agent() else {
+        return;
+    };
+    let registered = r#""Registered client" name="nvidia.com/gpu""#;
+    let registrations = lab.log_lines("kubelet", registered).len();
+    // The old kubelet's `8` stays in the Node object until the new kubelet has counted the
+    // re-registered plugin's devices and reported them: wait for the new one's report.
+    let reported = r#""Updated capacity for device plugin" plugin="nvidia.com/gpu" capacity=8"#;
+    let reports = lab.log_lines("kubelet", reported).len();
+    let dra_connects = dra_connections(&lab);
+    lab.restart_kubelet();
+    eventually("the device plugin to register with the new kubelet", || {
+        (lab.log_lines("kubelet", registered).len() > registrations).then_some(())
+    });
+    // The device plugin re-registers (the new kubelet's device manager knows nothing of the
+    // old one's plugins); a pod proves it end to end.
+    eventually("the new kubelet to report the plugin's 8 devices", || {
+        (lab.log_lines("kubelet", reported).len() > reports).then_some(())
+    });
+    eventually(
+        "nvidia.com/gpu: 8 allocatable after the kubelet restart",
+        || (allocatable_gpus(&lab).as_deref() == Some("8")).then_some(()),
+    );
+    eventually("the new kubelet to connect to the DRA plugin", || {
+        (dra_connections(&lab) > dra_connects).then_some(())
+    });
+    run_gpu_pod(&lab, "after-kubelet-restart");
+
+    let dra_connects = dra_connections(&lab);
+    let registrations = lab.log_lines("kubelet", registered).len();
+    // The kubelet keeps the stopped plugin's devices in capacity (unhealthy): no capacity
+    // change to wait for, but the new plugin's device list must have reached it.
+    let processed = r#""Processed device updates for resource" resourceName="nvidia.com/gpu" totalCount=8 healthyCount=8"#;
+    let updates = lab.log_lines("kubelet", processed).len();
+    agent.stop();
+    let agent = LabAgent::start(&lab, &kubeconfig, "2");
+    eventually("the new agent's device plugin to register", || {
+        (lab.log_lines("kubelet", registered).len() > registrations).then_some(())
+    });
+    eventually(
+        "the kubelet to take the new agent's 8 healthy devices",
+        || (lab.log_lines("kubelet", processed).len() > updates).then_some(()),
+    );
+    wait_registered(&lab);
+    eventually(
+        "the kubelet to connect to the new agent's DRA plugin",
+        || (dra_connections(&lab) > dra_connects).then_some(()),
+    );
+    run_gpu_pod(&lab, "after-agent-restart");
+    drop(agent);
+}
+
+/// How often the kubelet's DRA manager has connected to our plugin (its log).
+fn dra_connections(lab: &ClusterLab) -> usize {
+    lab.log_lines("kubelet", "\"Connection changed\"")
+        .iter()
+        .filter(|l| l.contains(&format!("driverName=\"{DRIVER}\"")) && l.contains("connected=true"))
+        .count()
+}
+
+/// A pod with one `nvidia.com/gpu` that must run to completion and see one GPU.
+fn run_gpu_pod(lab: &ClusterLab, name: &str) {
+    lab.apply(&format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: default}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["env"]
+    resources:
+      limits: {{nvidia.com/gpu: 1}}
+"#
+    ));
+    wait_phase(lab, name, &["Succeeded"]);
+    let log = lab.kubectl_ok(&["logs", name]);
+    let visible = env_value(&log, "NVIDIA_VISIBLE_DEVICES")
+        .unwrap_or_else(|| panic!("no NVIDIA_VISIBLE_DEVICES in {name}:\n{log}"));
+    assert!(profile_uuids().contains(&visible), "{visible}");
+}
