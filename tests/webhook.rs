@@ -1498,6 +1498,7 @@ async fn controller_replica_with_grace(
     id: &str,
     elect: bool,
     grace: Option<Duration>,
+    resync: Option<Duration>,
 ) -> Replica {
     let mut w = WebhookOptions::new(pki.cert_path(), pki.key_path(), "gpuplane-system");
     w.addr = "127.0.0.1:0".parse().unwrap();
@@ -1519,11 +1520,60 @@ async fn controller_replica_with_grace(
     if let Some(g) = grace {
         l.queue.settings.grace = g;
     }
+    if let Some(r) = resync {
+        l.queue.resync = r;
+    }
     replica::start(api.client().unwrap(), w, l).await.unwrap()
 }
 
 async fn controller_replica(api: &ApiServerDouble, pki: &Pki, id: &str, elect: bool) -> Replica {
-    controller_replica_with_grace(api, pki, id, elect, None).await
+    controller_replica_with_grace(api, pki, id, elect, None, None).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_seen_turns_its_reservation_into_usage_at_once_while_another_waits_out_its_grace() {
+    let api = ApiServerDouble::start().await.unwrap();
+    quota(
+        &api,
+        "q",
+        json!({"hard": {"devices": {"nvidia.com/gpu": 4}}, "mode": "Reject"}),
+    )
+    .await;
+    let pki = Pki::new();
+    // Default grace (2 minutes) and a resync far away: only the pod's own event can bring
+    // the namespace's next reconcile forward.
+    let r = controller_replica_with_grace(
+        &api,
+        &pki,
+        "r1",
+        false,
+        None,
+        Some(Duration::from_secs(600)),
+    )
+    .await;
+    let tls = pki.client_config();
+    for name in ["ghost", "p-0"] {
+        let r = response(
+            &post(
+                &tls,
+                r.webhook().addr(),
+                "/validate",
+                &pod_review(&format!("uid-{name}"), gpu_pod(name, "nvidia.com/gpu", 1)),
+            )
+            .await,
+        );
+        assert_eq!(r["allowed"], true);
+    }
+    // The loop has seen both reservations (and set its next deadline to the ghost's grace).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    api.put_json(gpu_pod("p-0", "nvidia.com/gpu", 1)).unwrap();
+    eventually("p-0's reservation to turn into usage", || async {
+        let s = stored_quota(&api, "q").status.unwrap_or_default();
+        let names: Vec<&str> = s.reservations.iter().map(|r| r.name.as_str()).collect();
+        names == ["ghost"] && s.used.devices.get("nvidia.com/gpu") == Some(&1)
+    })
+    .await;
+    r.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1537,7 +1587,8 @@ async fn reservations_become_usage_once_their_pods_exist_and_expire_when_they_ne
     .await;
     let pki = Pki::new();
     let r =
-        controller_replica_with_grace(&api, &pki, "r1", false, Some(Duration::from_secs(3))).await;
+        controller_replica_with_grace(&api, &pki, "r1", false, Some(Duration::from_secs(3)), None)
+            .await;
     let tls = pki.client_config();
     let addr = r.webhook().addr();
     let admit = |name: &'static str| {
