@@ -99,11 +99,25 @@ async fn raw(
     head: String,
     body: Vec<u8>,
 ) -> Answer {
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    try_raw(tls, addr, head, body)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`raw`], with a refused or closed connection as an error (a killed replica).
+async fn try_raw(
+    tls: &Arc<rustls::ClientConfig>,
+    addr: SocketAddr,
+    head: String,
+    body: Vec<u8>,
+) -> Result<Answer, String> {
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
     let conn = tokio_rustls::TlsConnector::from(tls.clone())
         .connect(ServerName::try_from("localhost").unwrap(), tcp)
         .await
-        .unwrap();
+        .map_err(|e| format!("TLS: {e}"))?;
     let peer_cert = conn
         .get_ref()
         .1
@@ -130,7 +144,7 @@ async fn raw(
     let split = out
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
-        .unwrap_or_else(|| panic!("no answer: {}", String::from_utf8_lossy(&out)));
+        .ok_or_else(|| format!("no answer: {}", String::from_utf8_lossy(&out)))?;
     let head = String::from_utf8_lossy(&out[..split]).into_owned();
     let status = head
         .split(' ')
@@ -144,11 +158,11 @@ async fn raw(
     {
         body = dechunk(&body);
     }
-    Answer {
+    Ok(Answer {
         status,
         body,
         peer_cert,
-    }
+    })
 }
 
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
@@ -374,8 +388,9 @@ async fn seed_scenario_admits_15gi_and_denies_10gi_more_with_the_reason() {
     wh.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn five_hundred_concurrent_creates_over_two_replicas_admit_exactly_37() {
+/// 500 concurrent pod creates spread over `replicas` webhook replicas against
+/// `devices: {nvidia.com/gpu: 37}`.
+async fn five_hundred_concurrent_creates_admit_exactly_37(replicas: usize) {
     let api = ApiServerDouble::start().await.unwrap();
     quota(
         &api,
@@ -384,12 +399,15 @@ async fn five_hundred_concurrent_creates_over_two_replicas_admit_exactly_37() {
     )
     .await;
     let pki = Pki::new();
-    let (r1, r2) = (replica(&api, &pki).await, replica(&api, &pki).await);
-    assert_ne!(r1.addr(), r2.addr());
+    let mut hooks = Vec::new();
+    for _ in 0..replicas {
+        hooks.push(replica(&api, &pki).await);
+    }
+    let addrs: Vec<SocketAddr> = hooks.iter().map(|h| h.addr()).collect();
     let tls = pki.client_config();
     let mut tasks = Vec::new();
     for i in 0..500 {
-        let addr = if i % 2 == 0 { r1.addr() } else { r2.addr() };
+        let addr = addrs[i % addrs.len()];
         let tls = tls.clone();
         tasks.push(tokio::spawn(async move {
             let body = pod_review(
@@ -424,6 +442,348 @@ async fn five_hundred_concurrent_creates_over_two_replicas_admit_exactly_37() {
     let status = stored_quota(&api, "q").status.unwrap();
     assert_eq!(status.reservations.len(), 37);
     assert_eq!(status.reserved.devices["nvidia.com/gpu"], 37);
+    // Group commit: far fewer status writes than admissions.
+    let writes = api.count_requests("PUT", "/gpuquotas/q/status");
+    eprintln!("{replicas} replica(s): 37 admitted with {writes} GpuQuota status writes");
+    for h in hooks {
+        h.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn five_hundred_concurrent_creates_over_two_replicas_admit_exactly_37() {
+    five_hundred_concurrent_creates_admit_exactly_37(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn five_hundred_concurrent_creates_on_one_replica_admit_exactly_37() {
+    five_hundred_concurrent_creates_admit_exactly_37(1).await;
+}
+
+/// A webhook replica on a runtime of its own, so that the test can kill it: shutting that
+/// runtime down drops every task at its next await (a batch between its status read and its
+/// write, or with its write in flight), as SIGKILL would; its connections close unanswered.
+struct Doomed {
+    addr: SocketAddr,
+    kill: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Doomed {
+    fn start(api: &ApiServerDouble, pki: &Pki) -> Doomed {
+        let config = api.config().unwrap();
+        let (cert, key) = (pki.cert_path(), pki.key_path());
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let (kill, killed) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            let wh = rt.block_on(async move {
+                let mut opts = WebhookOptions::new(cert, key, "gpuplane-system");
+                opts.addr = "127.0.0.1:0".parse().unwrap();
+                opts.sync_timeout = Duration::from_secs(10);
+                let client = kube::Client::try_from(config).unwrap();
+                webhook::start(client, opts).await.unwrap()
+            });
+            addr_tx.send(wh.addr()).unwrap();
+            rt.block_on(async move {
+                let _ = killed.await;
+            });
+            // Every task stops where it is; nothing is let finish.
+            rt.shutdown_timeout(Duration::ZERO);
+            drop(wh);
+        });
+        Doomed {
+            addr: addr_rx.recv().unwrap(),
+            kill: Some(kill),
+            thread: Some(thread),
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(k) = self.kill.take() {
+            let _ = k.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            t.join().unwrap();
+        }
+    }
+}
+
+/// A small xorshift generator: the test prints its seed, so a failure can be replayed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % below.max(1)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_killed_mid_batch_never_admits_more_than_hard_nor_without_a_durable_reservation()
+{
+    let seed = std::env::var("GPUPLANE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        });
+    eprintln!("GPUPLANE_TEST_SEED={seed}");
+    let mut rng = Rng(seed);
+    let pki = Pki::new();
+    let tls = pki.client_config();
+    for round in 0..3 {
+        let api = ApiServerDouble::start().await.unwrap();
+        // Room for about half of the creates: the kill lands while admissions still fit.
+        let hard = 60 + rng.next(60) as usize;
+        quota(
+            &api,
+            "q",
+            json!({"hard": {"devices": {"nvidia.com/gpu": hard}}}),
+        )
+        .await;
+        let survivor = replica(&api, &pki).await;
+        let mut doomed = Doomed::start(&api, &pki);
+        // Slow status writes (carried out, answered late) and reads of the quota, so that
+        // the kill lands while batches are between their read and their write, or with the
+        // write landed and its answer still on the way.
+        let put_ms = 2 + rng.next(15);
+        let get_ms = 1 + rng.next(10);
+        api.inject(Fault::delay(
+            "PUT",
+            "/gpuquotas/q/status",
+            Duration::from_millis(put_ms),
+        ));
+        api.inject(Fault::delay(
+            "GET",
+            "/gpuquotas/q",
+            Duration::from_millis(get_ms),
+        ));
+        let n = 200;
+        let mut tasks = Vec::new();
+        let doomed_answers = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        for i in 0..n {
+            let to_doomed = rng.next(2) == 0;
+            let addr = if to_doomed {
+                doomed.addr
+            } else {
+                survivor.addr()
+            };
+            let tls = tls.clone();
+            let doomed_answers = doomed_answers.clone();
+            // Arrivals spread over 400 ms: the doomed replica has batches turning all along.
+            let arrive = Duration::from_millis(rng.next(400));
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep(arrive).await;
+                let name = format!("p-{i}");
+                let body = pod_review(&format!("uid-{i}"), gpu_pod(&name, "nvidia.com/gpu", 1));
+                let head = format!(
+                    "POST /validate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}",
+                    body.len()
+                );
+                let r = try_raw(&tls, addr, head, body).await.ok().map(|a| response(&a));
+                if to_doomed && r.is_some() {
+                    doomed_answers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                (name, to_doomed, r)
+            }));
+        }
+        // Once the doomed replica has answered a few (its batches are turning), at a random
+        // moment while the rest still arrive.
+        let answered = 1 + rng.next(8);
+        let t = std::time::Instant::now();
+        while doomed_answers.load(std::sync::atomic::Ordering::Relaxed) < answered
+            && t.elapsed() < Duration::from_secs(10)
+        {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let kill_after = rng.next(200);
+        tokio::time::sleep(Duration::from_millis(kill_after)).await;
+        tokio::task::spawn_blocking(move || doomed.kill())
+            .await
+            .unwrap();
+        let mut admitted = std::collections::BTreeSet::new();
+        let mut unanswered = 0;
+        for t in tasks {
+            let (name, to_doomed, r) = t.await.unwrap();
+            match r {
+                Some(r) if r["allowed"] == true => {
+                    admitted.insert(name);
+                }
+                Some(r) => {
+                    let m = r["status"]["message"].as_str().unwrap_or_default();
+                    assert!(
+                        m.starts_with("devices[nvidia.com/gpu]: requested 1, used ")
+                            || (to_doomed && r["status"]["code"] != 403),
+                        "round {round}: {r}"
+                    );
+                }
+                None => {
+                    assert!(
+                        to_doomed,
+                        "round {round}: the survivor did not answer {name}"
+                    );
+                    unanswered += 1;
+                }
+            }
+        }
+        // The survivor fills what is left: whatever the killed replica wrote is still counted.
+        api.clear_faults();
+        for i in 0..hard + 5 {
+            let name = format!("late-{i}");
+            let r = response(
+                &post(
+                    &tls,
+                    survivor.addr(),
+                    "/validate",
+                    &pod_review(
+                        &format!("uid-late-{i}"),
+                        gpu_pod(&name, "nvidia.com/gpu", 1),
+                    ),
+                )
+                .await,
+            );
+            if r["allowed"] == true {
+                admitted.insert(name);
+            }
+        }
+        let status = stored_quota(&api, "q").status.unwrap();
+        let durable: std::collections::BTreeSet<String> =
+            status.reservations.iter().map(|r| r.name.clone()).collect();
+        eprintln!(
+            "round {round}: hard {hard}, writes +{put_ms}ms, reads +{get_ms}ms, killed {kill_after}ms \
+             after its answer {answered}: {} admitted, {} reserved, {unanswered} unanswered \
+             (reserved, never answered: {})",
+            admitted.len(),
+            durable.len(),
+            durable.difference(&admitted).count()
+        );
+        assert!(
+            admitted.is_subset(&durable),
+            "round {round}: admitted without a durable reservation: {:?}",
+            admitted.difference(&durable).collect::<Vec<_>>()
+        );
+        assert!(admitted.len() <= hard, "round {round}");
+        assert_eq!(
+            durable.len(),
+            hard,
+            "round {round}: the quota is filled, never over"
+        );
+        assert_eq!(status.reserved.devices["nvidia.com/gpu"], hard as u64);
+        survivor.stop().await;
+        api.stop().await;
+    }
+}
+
+fn ns_gpu_pod(ns: &str, name: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{ns}-{name}")},
+        "spec": {"containers": [{"name": "main", "image": "cuda",
+            "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}})
+}
+
+fn reserved_in(api: &ApiServerDouble, ns: &str) -> u64 {
+    let q: GpuQuota = serde_json::from_value(
+        api.get_json("quota.gpuplane.dev/v1alpha1", "gpuquotas", Some(ns), "q")
+            .unwrap(),
+    )
+    .unwrap();
+    q.status
+        .map(|s| {
+            s.reserved
+                .devices
+                .get("nvidia.com/gpu")
+                .copied()
+                .unwrap_or(0)
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn borrowers_racing_over_two_replicas_never_borrow_more_than_the_cohort_has_unused() {
+    let api = ApiServerDouble::start().await.unwrap();
+    // The lender has 10 unused; the borrowers none of their own, so that every admission
+    // borrows (a quota may always use its own `hard`, lent or not: only borrowing is bounded
+    // by what the rest of the cohort has unused).
+    for (ns, hard) in [("lend", 10), ("team-a", 0), ("team-b", 0)] {
+        api.put_json(
+            json!({"apiVersion": "quota.gpuplane.dev/v1alpha1", "kind": "GpuQuota",
+            "metadata": {"name": "q", "namespace": ns},
+            "spec": {"hard": {"devices": {"nvidia.com/gpu": hard}}, "cohort": "research"}}),
+        )
+        .unwrap();
+    }
+    let pki = Pki::new();
+    let (r1, r2) = (replica(&api, &pki).await, replica(&api, &pki).await);
+    let tls = pki.client_config();
+    let mut tasks = Vec::new();
+    for i in 0..120 {
+        let ns = if i % 2 == 0 { "team-a" } else { "team-b" };
+        let addr = if (i / 2) % 2 == 0 {
+            r1.addr()
+        } else {
+            r2.addr()
+        };
+        let tls = tls.clone();
+        tasks.push(tokio::spawn(async move {
+            let body = pod_review(&format!("uid-{i}"), ns_gpu_pod(ns, &format!("p-{i}")));
+            response(&post(&tls, addr, "/validate", &body).await)
+        }));
+    }
+    let mut admitted = 0u64;
+    for t in tasks {
+        let r = t.await.unwrap();
+        if r["allowed"] == true {
+            admitted += 1;
+        } else {
+            let m = r["status"]["message"].as_str().unwrap_or_default();
+            assert!(m.contains("cohort research has "), "{r}");
+            assert_eq!(r["status"]["code"], 403, "{r}");
+        }
+    }
+    let held = reserved_in(&api, "team-a") + reserved_in(&api, "team-b");
+    eprintln!("racing: {admitted} admitted, {held} reserved of 10 to borrow");
+    assert!(
+        admitted <= 10,
+        "{admitted} admitted: more than the cohort had"
+    );
+    assert!(held <= 10, "{held} reserved: more than the cohort had");
+    // Nothing leaked either: what is left can still be borrowed, exactly.
+    for i in 0..30 {
+        let ns = if i % 2 == 0 { "team-a" } else { "team-b" };
+        let addr = if i % 4 < 2 { r1.addr() } else { r2.addr() };
+        let r = response(
+            &post(
+                &tls,
+                addr,
+                "/validate",
+                &pod_review(
+                    &format!("uid-more-{i}"),
+                    ns_gpu_pod(ns, &format!("more-{i}")),
+                ),
+            )
+            .await,
+        );
+        if r["allowed"] == true {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 10);
+    assert_eq!(
+        reserved_in(&api, "team-a") + reserved_in(&api, "team-b"),
+        10
+    );
+    assert_eq!(reserved_in(&api, "lend"), 0);
     r1.stop().await;
     r2.stop().await;
 }
@@ -1138,7 +1498,14 @@ where
 
 /// A whole controller replica named `id`: webhook, probes every 100 ms (away after 1 s
 /// without an answer), and the loops under a fast Lease (or without one).
-async fn controller_replica(api: &ApiServerDouble, pki: &Pki, id: &str, elect: bool) -> Replica {
+async fn controller_replica_with_grace(
+    api: &ApiServerDouble,
+    pki: &Pki,
+    id: &str,
+    elect: bool,
+    grace: Option<Duration>,
+    resync: Option<Duration>,
+) -> Replica {
     let mut w = WebhookOptions::new(pki.cert_path(), pki.key_path(), "gpuplane-system");
     w.addr = "127.0.0.1:0".parse().unwrap();
     w.metrics_addr = Some("127.0.0.1:0".parse().unwrap());
@@ -1156,7 +1523,131 @@ async fn controller_replica(api: &ApiServerDouble, pki: &Pki, id: &str, elect: b
     };
     l.queue.batch = Duration::from_millis(20);
     l.queue.resync = Duration::from_millis(300);
+    if let Some(g) = grace {
+        l.queue.settings.grace = g;
+    }
+    if let Some(r) = resync {
+        l.queue.resync = r;
+    }
     replica::start(api.client().unwrap(), w, l).await.unwrap()
+}
+
+async fn controller_replica(api: &ApiServerDouble, pki: &Pki, id: &str, elect: bool) -> Replica {
+    controller_replica_with_grace(api, pki, id, elect, None, None).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_seen_turns_its_reservation_into_usage_at_once_while_another_waits_out_its_grace() {
+    let api = ApiServerDouble::start().await.unwrap();
+    quota(
+        &api,
+        "q",
+        json!({"hard": {"devices": {"nvidia.com/gpu": 4}}, "mode": "Reject"}),
+    )
+    .await;
+    let pki = Pki::new();
+    // Default grace (2 minutes) and a resync far away: only the pod's own event can bring
+    // the namespace's next reconcile forward.
+    let r = controller_replica_with_grace(
+        &api,
+        &pki,
+        "r1",
+        false,
+        None,
+        Some(Duration::from_secs(600)),
+    )
+    .await;
+    let tls = pki.client_config();
+    for name in ["ghost", "p-0"] {
+        let r = response(
+            &post(
+                &tls,
+                r.webhook().addr(),
+                "/validate",
+                &pod_review(&format!("uid-{name}"), gpu_pod(name, "nvidia.com/gpu", 1)),
+            )
+            .await,
+        );
+        assert_eq!(r["allowed"], true);
+    }
+    // The loop has seen both reservations (and set its next deadline to the ghost's grace).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    api.put_json(gpu_pod("p-0", "nvidia.com/gpu", 1)).unwrap();
+    eventually("p-0's reservation to turn into usage", || async {
+        let s = stored_quota(&api, "q").status.unwrap_or_default();
+        let names: Vec<&str> = s.reservations.iter().map(|r| r.name.as_str()).collect();
+        names == ["ghost"] && s.used.devices.get("nvidia.com/gpu") == Some(&1)
+    })
+    .await;
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reservations_become_usage_once_their_pods_exist_and_expire_when_they_never_appear() {
+    let api = ApiServerDouble::start().await.unwrap();
+    quota(
+        &api,
+        "q",
+        json!({"hard": {"devices": {"nvidia.com/gpu": 4}}, "mode": "Reject"}),
+    )
+    .await;
+    let pki = Pki::new();
+    let r =
+        controller_replica_with_grace(&api, &pki, "r1", false, Some(Duration::from_secs(3)), None)
+            .await;
+    let tls = pki.client_config();
+    let addr = r.webhook().addr();
+    let admit = |name: &'static str| {
+        let tls = tls.clone();
+        async move {
+            response(
+                &post(
+                    &tls,
+                    addr,
+                    "/validate",
+                    &pod_review(&format!("uid-{name}"), gpu_pod(name, "nvidia.com/gpu", 1)),
+                )
+                .await,
+            )
+        }
+    };
+    for name in ["p-0", "p-1", "p-2", "ghost"] {
+        assert_eq!(admit(name).await["allowed"], true);
+    }
+    let full = admit("extra").await;
+    assert_eq!(
+        full["status"]["message"],
+        "devices[nvidia.com/gpu]: requested 1, used 4 of 4 in GpuQuota team-a/q"
+    );
+    // Three of them are created (pending: not scheduled yet); "ghost" never is.
+    for name in ["p-0", "p-1", "p-2"] {
+        api.put_json(gpu_pod(name, "nvidia.com/gpu", 1)).unwrap();
+    }
+    let state = || {
+        let s = stored_quota(&api, "q").status.unwrap_or_default();
+        let names: Vec<String> = s.reservations.iter().map(|r| r.name.clone()).collect();
+        (
+            names,
+            s.used.devices.get("nvidia.com/gpu").copied().unwrap_or(0),
+        )
+    };
+    eventually("the pods' reservations to turn into usage", || async {
+        let (names, used) = state();
+        used == 3 && names.iter().all(|n| n == "ghost")
+    })
+    .await;
+    eventually("the ghost's reservation to expire", || async {
+        state() == (vec![], 3)
+    })
+    .await;
+    // The numbers are the same as before: one more fits, the next is denied.
+    assert_eq!(admit("p-3").await["allowed"], true);
+    let full = admit("p-4").await;
+    assert_eq!(
+        full["status"]["message"],
+        "devices[nvidia.com/gpu]: requested 1, used 4 of 4 in GpuQuota team-a/q"
+    );
+    r.stop().await;
 }
 
 async fn readyz(r: &Replica) -> (u16, String) {

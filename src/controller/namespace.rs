@@ -3,7 +3,8 @@
 //! which gated pods are released, and what each waiting pod is told.
 //!
 //! The protocol with the webhook and the scheduler (see `crate::quota`'s contract):
-//! - `status.used` is the charge of every pod bound to a node and not finished, plus the
+//! - `status.used` is the charge of every pod that exists, is not finished and is not at the
+//!   admission gate (pending or running, [`pods::is_counted`]), plus the
 //!   settled charge of every allocated standalone ResourceClaim; reservations of counted
 //!   objects and stale ones ([`stale_reservations`]) go in the same write.
 //! - A gated pod is admitted by turning its reservation `Reserved` (creating one if the webhook

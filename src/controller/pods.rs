@@ -67,14 +67,12 @@ pub fn is_deleting(pod: &Pod) -> bool {
     pod.metadata.deletion_timestamp.is_some()
 }
 
-/// Bound to a node and not finished: its charge counts in `status.used`.
+/// Created, not finished and not waiting at our scheduling gate: its charge counts in
+/// `status.used`, scheduled or not (as Kubernetes' ResourceQuota counts every non-terminal
+/// pod), so its reservation can go as soon as the controller sees it. A pod at the gate is
+/// queued (or admitted and about to be ungated): its reservation speaks for it.
 pub fn is_counted(pod: &Pod) -> bool {
-    let bound = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.node_name.as_deref())
-        .is_some_and(|n| !n.is_empty());
-    bound && !is_terminal(pod)
+    !is_terminal(pod) && gate_index(pod).is_none()
 }
 
 /// Waiting for the controller: has our gate and is not being deleted.

@@ -243,7 +243,10 @@ impl QueueLoop {
                     let Some(input) = msg else { break };
                     let at = Instant::now() + self.opts.batch;
                     for ns in self.apply(input) {
-                        due.entry(ns).or_insert(at);
+                        // Sooner than a deadline already set (a reservation's grace, minutes
+                        // away), never later than one that is near.
+                        let e = due.entry(ns).or_insert(at);
+                        *e = (*e).min(at);
                     }
                 }
                 _ = tokio::time::sleep_until(wake), if ready => {

@@ -47,14 +47,32 @@ pub fn check(
     key: Option<&ReservationKey>,
     charge: &Charge,
 ) -> Result<Fit, Denial> {
+    let consumed = match &quota.status {
+        Some(s) => s.consumed(key),
+        None => Ok(super::usage::Usage::default()),
+    }
+    .map_err(|e| Denial {
+        quota: quota.id(),
+        reasons: vec![format!("{e} while checking GpuQuota {}", quota.id())],
+    })?;
+    check_consumed(quota, &consumed, peers, charge)
+}
+
+/// [`check`] with what counts against `hard` already summed (`consumed`: `used` plus the
+/// `Reserved` reservations, the admitted object's own excluded); `quota`'s status is not read.
+/// The batch decision keeps that sum as it goes instead of re-adding every reservation.
+pub fn check_consumed(
+    quota: &GpuQuota,
+    consumed: &super::usage::Usage,
+    peers: &[GpuQuota],
+    charge: &Charge,
+) -> Result<Fit, Denial> {
     let id = quota.id();
     let deny = |reasons: Vec<String>| Denial {
         quota: id.clone(),
         reasons,
     };
     let overflow = |e: QuotaMathError| deny(vec![format!("{e} while checking GpuQuota {id}")]);
-    let status = quota.status_or_default();
-    let consumed = status.consumed(key).map_err(overflow)?;
     let cohort: Vec<&GpuQuota> = match &quota.spec.cohort {
         Some(c) => peers
             .iter()
@@ -108,11 +126,10 @@ pub fn check(
             let Some(h) = p.spec.hard.get(&dim) else {
                 continue;
             };
-            let c = p
-                .status_or_default()
-                .consumed(None)
-                .map_err(overflow)?
-                .get(&dim);
+            let c = match &p.status {
+                Some(s) => s.consumed(None).map_err(overflow)?.get(&dim),
+                None => zero_like(hard),
+            };
             lend_hard = lend_hard.checked_add(h).map_err(overflow)?;
             lend_used = lend_used.checked_add(c).map_err(overflow)?;
         }

@@ -129,11 +129,12 @@ pub struct QuotaCondition {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuQuotaStatus {
-    /// Charged for running pods and allocated claims (written by the controller, which removes
-    /// their reservations in the same write).
+    /// Charged for the pods the controller sees (every pod not finished and not at the admission
+    /// gate, scheduled or not) and allocated claims; written by the controller, which removes
+    /// their reservations in the same write.
     #[serde(default)]
     pub used: Usage,
-    /// Sum of the `Reserved` reservations: admitted, not yet running.
+    /// Sum of the `Reserved` reservations: admitted, not yet seen by the controller.
     #[serde(default)]
     pub reserved: Usage,
     /// Sum of the `Queued` reservations: gated, waiting.

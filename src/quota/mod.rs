@@ -41,17 +41,20 @@
 //!   (object counted in `used`; or older than `grace` with no live object / another uid).
 //!   [`DEFAULT_RESERVATION_GRACE`] is 2 minutes.
 //!
-//! Writing (I/O)
-//! - [`update_status`]`(&api, name, `[`RetryBudget`]`, |quota| -> Result<`[`Step`]`<T>, E>)`:
-//!   GET, decide, PUT `/status` with the read resourceVersion, retry on 409.
+//! Group commit (pure): [`decide_batch`]`(&mut quota, &peers, &[`[`Op`]`])` decides every
+//! admission waiting for one quota in order on one state ([`Decided`]: an [`Outcome`] per op,
+//! and whether to write); [`stale_borrowers`] re-checks borrowing admissions against the
+//! cohort read after the write.
 //!
 //! Contract with the controller: it sets `status.used` to the charges of the objects it counts
-//! (running/bound pods, allocated standalone claims; [`settled_claim_charge`] for claims) and
+//! (every pod not finished and not at the admission gate, scheduled or not; allocated
+//! standalone claims, [`settled_claim_charge`]) and
 //! drops their reservations in the same write; it GCs with [`stale_reservations`]. A gated pod
 //! of a Queue-mode quota that has no `Queued` reservation must still be treated as queued:
 //! recording is best effort when the API server is unreachable, the gate is what holds it.
 //! See docs/quota.md.
 
+pub mod batch;
 pub mod catalog;
 pub mod charge;
 pub mod check;
@@ -61,8 +64,8 @@ pub mod scope;
 pub mod selector;
 pub mod status;
 pub mod usage;
-pub mod writer;
 
+pub use batch::{borrows, decide_batch, stale_borrowers, Decided, Op, Outcome};
 pub use catalog::{
     mig_resource_name, mig_share, CatalogDevice, CatalogSettings, ClassMatch, DeviceCatalog,
     DeviceKind,
@@ -71,7 +74,7 @@ pub use charge::{
     claim_charge, claim_is_pod_owned, pod_charge, pod_resource_counts, pod_template_names,
     settled_claim_charge, Charge, ChargeError, UnknownCharge,
 };
-pub use check::{check, record_queued, try_reserve, Denial, Fit};
+pub use check::{check, check_consumed, record_queued, try_reserve, Denial, Fit};
 pub use crd::{
     GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind, QuotaCondition, QuotaMode, Reservation,
     ReservationState, SCHEDULING_GATE,
@@ -82,7 +85,6 @@ pub use status::{
     now_rfc3339, stale_reservations, LiveObject, ReservationKey, DEFAULT_RESERVATION_GRACE,
 };
 pub use usage::{Amount, Dimension, Limits, Memory, Usage};
-pub use writer::{update_status, RetryBudget, Step, UpdateError};
 
 #[cfg(test)]
 mod tests;

@@ -740,3 +740,159 @@ fn the_crd_manifest_matches_the_types() {
         "{path} is out of date; regenerate it (see this test's doc)"
     );
 }
+
+fn reserve_op(name: &str, charge: &Charge) -> Op {
+    Op::Reserve {
+        reservation: reservation(name, charge),
+        charge: charge.clone(),
+        retreat: false,
+    }
+}
+
+#[test]
+fn a_batch_is_decided_in_order_on_one_state_as_one_by_one_would() {
+    let spec = json!({"hard": {"gpuMemory": "50Gi"}});
+    let ops: Vec<Op> = (0..7)
+        .map(|i| reserve_op(&format!("p{i}"), &mem_charge(10)))
+        .chain([
+            Op::Release {
+                key: ReservationKey::pod("team-a", "p1"),
+            },
+            reserve_op("late", &mem_charge(10)),
+            Op::Check {
+                key: ReservationKey::pod("team-a", "dry"),
+                charge: mem_charge(10),
+            },
+        ])
+        .collect();
+    let mut q = quota(
+        "team-a",
+        "q",
+        spec.clone(),
+        json!({"used": {"gpuMemory": "10Gi"}}),
+    );
+    let d = decide_batch(&mut q, &[], &ops);
+    assert!(d.changed);
+    let fits: Vec<bool> = d
+        .outcomes
+        .iter()
+        .map(|o| matches!(o, Outcome::Fits(_) | Outcome::Released))
+        .collect();
+    // 10Gi used: p0..p3 fit, p4..p6 do not, p1 gives back, "late" takes its place, and the
+    // dry run finds the quota full.
+    assert_eq!(
+        fits,
+        [true, true, true, true, false, false, false, true, true, false]
+    );
+    let Outcome::Denied(d4) = &d.outcomes[4] else {
+        panic!("{:?}", d.outcomes[4])
+    };
+    assert_eq!(
+        d4.to_string(),
+        "gpuMemory: requested 10Gi, used 50Gi of 50Gi in GpuQuota team-a/q"
+    );
+    let s = q.status.clone().unwrap();
+    let names: Vec<&str> = s.reservations.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["p0", "p2", "p3", "late"]);
+    assert_eq!(s.reserved.gpu_memory.to_string(), "40Gi");
+
+    // The same ops one by one through try_reserve/check/release give the same answers.
+    let mut one = quota("team-a", "q", spec, json!({"used": {"gpuMemory": "10Gi"}}));
+    let mut singles = Vec::new();
+    for op in &ops {
+        let ok = match op {
+            Op::Reserve {
+                reservation,
+                charge,
+                ..
+            } => try_reserve(&mut one, &[], reservation.clone(), charge).is_ok(),
+            Op::Check { key, charge } => check(&one, &[], Some(key), charge).is_ok(),
+            Op::Release { key } => {
+                let mut s = one.status_or_default();
+                s.release(key).unwrap();
+                one.status = Some(s);
+                true
+            }
+            Op::Queue { .. } => unreachable!(),
+        };
+        singles.push(ok);
+    }
+    assert_eq!(singles, fits);
+    assert_eq!(one.status, q.status);
+
+    // Deciding the written state again changes nothing: a retried create is not charged twice.
+    let retried = [
+        ops[0].clone(),
+        ops[2].clone(),
+        ops[3].clone(),
+        ops[8].clone(),
+    ];
+    let again = decide_batch(&mut q, &[], &retried);
+    assert!(!again.changed);
+    assert!(again.outcomes.iter().all(|o| matches!(o, Outcome::Fits(_))));
+}
+
+#[test]
+fn a_retreating_borrower_that_no_longer_fits_gives_its_reservation_back() {
+    let lender = quota(
+        "lend",
+        "l",
+        json!({"hard": {"gpus": 2}, "cohort": "c"}),
+        json!({}),
+    );
+    let spec = json!({"hard": {"gpus": 1}, "cohort": "c"});
+    let one_gpu = Charge {
+        usage: Usage {
+            gpus: Gpus::ONE,
+            ..Usage::default()
+        },
+        unknown: vec![],
+    };
+    let mut b = quota("team-a", "b", spec.clone(), json!({}));
+    let d = decide_batch(
+        &mut b,
+        std::slice::from_ref(&lender),
+        &[reserve_op("x", &one_gpu), reserve_op("y", &one_gpu)],
+    );
+    // x within hard, y borrows one of the lender's two.
+    let borrowed: Vec<usize> = d
+        .outcomes
+        .iter()
+        .map(|o| match o {
+            Outcome::Fits(f) => f.borrowed.len(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(borrowed, [0, 1]);
+    assert!(borrows(&d.outcomes));
+    let ops = [reserve_op("x", &one_gpu), reserve_op("y", &one_gpu)];
+    // Meanwhile another borrower took both of the lender's unused GPUs.
+    let other = quota(
+        "team-b",
+        "o",
+        json!({"hard": {"gpus": 0}, "cohort": "c"}),
+        json!({"reservations": [
+            {"kind": "Pod", "namespace": "team-b", "name": "z", "state": "Reserved", "charge": {"gpus": "2"}, "since": "2025-01-01T00:00:00Z"}
+        ]}),
+    );
+    let fresh = [lender.clone(), other.clone()];
+    let stale = stale_borrowers(&b, &fresh, &ops, &d.outcomes);
+    assert_eq!(stale.len(), 1);
+    assert_eq!(stale[0].0, 1);
+    assert_eq!(
+        stale[0].1.to_string(),
+        "gpus: requested 1, used 1 of 1 in GpuQuota team-a/b; cohort c has 0 unused to lend, 1 needed"
+    );
+    // Decided again on the fresh cohort, y is denied and its reservation removed.
+    let retry = Op::Reserve {
+        reservation: reservation("y", &one_gpu),
+        charge: one_gpu.clone(),
+        retreat: true,
+    };
+    let d = decide_batch(&mut b, &fresh, &[retry]);
+    assert!(matches!(d.outcomes[0], Outcome::Denied(_)), "{d:?}");
+    assert!(d.changed);
+    let s = b.status.unwrap();
+    assert_eq!(s.reservations.len(), 1);
+    assert_eq!(s.reserved.gpus, Gpus::ONE);
+}

@@ -3,10 +3,11 @@
 //! Validating, Pod CREATE: price the pod ([`crate::quota::pod_charge`]); no GpuQuota in the
 //! namespace or nothing GPU-related: allow. A gated pod of a namespace with a Queue-mode
 //! quota: record it as queued (best effort: the gate is what holds it) and allow. Otherwise
-//! reserve in every GpuQuota of the namespace, each by read-check-write with the
-//! resourceVersion, retried on conflict; the first that does not fit denies (reservations
-//! already made for this request are released again), and so does any failure to read or
-//! write (fail closed). `dryRun` requests are checked and nothing is written.
+//! reserve in every GpuQuota of the namespace, each through that quota's group commit
+//! ([`super::commit`]: one status write, with the resourceVersion, for every request waiting
+//! for the quota; a conflict decides the batch again); the first that does not fit denies
+//! (reservations already made for this request are released again), and so does any failure
+//! to read or write (fail closed). `dryRun` requests are checked and nothing is written.
 //!
 //! Validating, Pod UPDATE: only the controller may remove the scheduling gate
 //! `quota.gpuplane.dev/admission` while the namespace has a Queue-mode quota.
@@ -20,12 +21,13 @@
 //! gate.
 
 use super::cluster::Cluster;
+use super::commit::{Answer, CommitError, Committer};
 use super::metrics::Metrics;
 use super::review::{AdmissionRequest, Verdict};
 use crate::quota::{
-    check, claim_charge, claim_is_pod_owned, now_rfc3339, pod_charge, pod_template_names,
-    record_queued, try_reserve, update_status, Charge, GpuQuota, ObjectKind, QuotaMode,
-    Reservation, ReservationKey, ReservationState, RetryBudget, Step, UpdateError, SCHEDULING_GATE,
+    claim_charge, claim_is_pod_owned, now_rfc3339, pod_charge, pod_template_names, Charge,
+    GpuQuota, ObjectKind, Op, QuotaMode, Reservation, ReservationKey, ReservationState,
+    SCHEDULING_GATE,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -44,11 +46,12 @@ pub const CLAIM_CONTROLLER_USERS: &[&str] = &[
 pub struct AdmitOptions {
     /// Users allowed to remove the scheduling gate (the controller's service account).
     pub controller_users: Vec<String>,
-    pub budget: RetryBudget,
 }
 
 pub struct Admitter {
     pub cluster: Arc<Cluster>,
+    /// Reservations are written through the group commit of each quota.
+    pub commit: Arc<Committer>,
     pub opts: AdmitOptions,
     pub metrics: Arc<Metrics>,
 }
@@ -259,7 +262,8 @@ impl Admitter {
             .await
     }
 
-    /// Reserves `charge` in every quota; all or nothing.
+    /// Reserves `charge` in every quota; all or nothing. Each quota's reservation goes
+    /// through its group commit ([`Committer`]): answered once durably written.
     async fn reserve(
         &self,
         quotas: &[Arc<GpuQuota>],
@@ -268,58 +272,50 @@ impl Admitter {
         dry_run: bool,
     ) -> Result<Verdict, Verdict> {
         let key = reservation.key();
-        let peers = if quotas.iter().any(|q| q.spec.cohort.is_some()) {
-            self.cluster.all_quotas()
-        } else {
-            Vec::new()
-        };
         let mut done: Vec<String> = Vec::new();
         for q in quotas {
             let Some(name) = q.metadata.name.clone() else {
                 continue;
             };
-            let api = self.cluster.quota_api(&key.namespace);
-            let guard = self.cluster.quota_lock(&q.id());
-            let _held = guard.lock().await;
-            let result = update_status(&api, &name, self.opts.budget, |fresh| {
-                if dry_run {
-                    check(fresh, &peers, Some(&key), charge).map(|_| Step::Done(()))
-                } else {
-                    try_reserve(fresh, &peers, reservation.clone(), charge).map(|(_, changed)| {
-                        if changed {
-                            Step::Write(())
-                        } else {
-                            Step::Done(())
-                        }
-                    })
+            let op = if dry_run {
+                Op::Check {
+                    key: key.clone(),
+                    charge: charge.clone(),
                 }
-            })
-            .await;
-            drop(_held);
-            let verdict = match result {
-                Ok(()) => {
+            } else {
+                Op::Reserve {
+                    reservation: reservation.clone(),
+                    charge: charge.clone(),
+                    retreat: false,
+                }
+            };
+            let verdict = match self.commit.submit(&key.namespace, &name, op).await {
+                Answer::Fits(_) => {
                     done.push(name);
                     continue;
                 }
                 // Deleted since the cache saw it: it no longer applies.
-                Err(UpdateError::Api {
-                    source: kube::Error::Api(s),
-                    ..
-                }) if s.code == 404 => continue,
-                Err(UpdateError::Rejected(denial)) => {
+                Answer::Gone => continue,
+                Answer::Denied(denial) => {
                     if !dry_run {
                         self.metrics.quota_denied(&key.namespace, &name);
                     }
                     Verdict::deny(403, denial.to_string())
                 }
-                Err(e @ UpdateError::Contended { .. }) => {
+                Answer::Failed(e @ CommitError::Contended { .. }) => {
                     self.metrics.contended();
                     Verdict::deny(429, format!("{e}; try again"))
                 }
-                Err(e) => Verdict::deny(500, format!("cannot reserve GPU quota: {e}; try again")),
+                Answer::Failed(e) => {
+                    Verdict::deny(500, format!("cannot reserve GPU quota: {e}; try again"))
+                }
+                Answer::Queued | Answer::Released => Verdict::deny(
+                    500,
+                    format!("cannot reserve GPU quota: GpuQuota {}/{name} answered out of turn; try again", key.namespace),
+                ),
             };
             if !dry_run {
-                self.release(&key, &done).await;
+                self.release(&key, &done);
             }
             return Err(verdict);
         }
@@ -331,25 +327,11 @@ impl Admitter {
         Ok(Verdict::allow())
     }
 
-    /// Best effort: stale reservations are also collected by the controller.
-    async fn release(&self, key: &ReservationKey, quotas: &[String]) {
+    /// Best effort, not waited for: stale reservations are also collected by the controller.
+    fn release(&self, key: &ReservationKey, quotas: &[String]) {
         for name in quotas {
-            let api = self.cluster.quota_api(&key.namespace);
-            let r = update_status::<(), String, _>(&api, name, self.opts.budget, |fresh| {
-                let mut status = fresh.status_or_default();
-                match status.release(key) {
-                    Ok(Some(_)) => {
-                        fresh.status = Some(status);
-                        Ok(Step::Write(()))
-                    }
-                    Ok(None) => Ok(Step::Done(())),
-                    Err(e) => Err(e.to_string()),
-                }
-            })
-            .await;
-            if let Err(e) = r {
-                tracing::warn!(%key, quota = %name, error = %e, "releasing a reservation failed; the controller will collect it");
-            }
+            self.commit
+                .submit_detached(&key.namespace, name, Op::Release { key: key.clone() });
         }
     }
 
@@ -368,20 +350,15 @@ impl Admitter {
             let Some(name) = q.metadata.name.clone() else {
                 continue;
             };
-            let api = self.cluster.quota_api(&reservation.namespace);
-            let guard = self.cluster.quota_lock(&q.id());
-            let _held = guard.lock().await;
-            let r = update_status::<(), String, _>(&api, &name, self.opts.budget, |fresh| {
-                match record_queued(fresh, reservation.clone()) {
-                    Ok(true) => Ok(Step::Write(())),
-                    Ok(false) => Ok(Step::Done(())),
-                    Err(e) => Err(e.to_string()),
+            let op = Op::Queue {
+                reservation: reservation.clone(),
+            };
+            match self.commit.submit(&reservation.namespace, &name, op).await {
+                Answer::Queued | Answer::Gone => {}
+                other => {
+                    tracing::warn!(key = %reservation.key(), quota = %q.id(), answer = ?other, "recording a queued pod failed; the gate still holds it");
+                    failed.push(q.id());
                 }
-            })
-            .await;
-            if let Err(e) = r {
-                tracing::warn!(key = %reservation.key(), quota = %q.id(), error = %e, "recording a queued pod failed; the gate still holds it");
-                failed.push(q.id());
             }
         }
         let v = Verdict::allow();

@@ -15,7 +15,6 @@ use k8s_openapi::api::resource::v1::{
 use kube::api::{Api, ListParams, WatchParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -46,7 +45,6 @@ pub struct Cluster {
     generation: Arc<AtomicU64>,
     settings: CatalogSettings,
     catalog: Mutex<Option<(u64, Arc<DeviceCatalog>)>>,
-    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -170,7 +168,6 @@ impl Cluster {
             generation,
             settings,
             catalog: Mutex::new(None),
-            locks: Mutex::new(HashMap::new()),
             tasks: vec![t1, t2, t3, t4],
         };
         for (what, ready) in [
@@ -250,9 +247,8 @@ impl Cluster {
         Api::namespaced(self.client.clone(), namespace)
     }
 
-    /// A per-quota lock: one reservation at a time per quota in this process, so replicas
-    /// only conflict with each other, not with themselves.
-    pub fn quota_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
-        lock(&self.locks).entry(id.to_string()).or_default().clone()
+    /// The GpuQuota cache (the group commit takes cohort peers from it).
+    pub fn quota_store(&self) -> Store<GpuQuota> {
+        self.quotas.clone()
     }
 }

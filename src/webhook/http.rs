@@ -217,6 +217,11 @@ async fn accept_tls(
             },
             _ = stopped(&mut stop) => return,
         };
+        // Answers go out at once: with Nagle's algorithm, the handshake's last records (the
+        // session tickets) wait for the client's delayed ACK, ~40 ms per new connection.
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(%peer, error = %e, "TCP_NODELAY could not be set");
+        }
         let acceptor = acceptor.clone();
         let admitter = admitter.clone();
         let probes = probes.clone();

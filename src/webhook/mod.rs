@@ -4,7 +4,8 @@
 //! - [`review`] (pure): AdmissionReview v1 decoding (kube's types, unknown fields ignored) and answers.
 //! - [`tls`]: certificate and key from PEM files, reloaded when they change.
 //! - [`cluster`]: watch-fed caches (GpuQuotas, ResourceSlices, DeviceClasses) and API reads.
-//! - [`admit`]: the decisions, on top of [`crate::quota`].
+//! - [`admit`]: the decisions, on top of [`crate::quota`]; [`commit`]: the group commit of
+//!   reservations (one status write per batch of admissions to a quota).
 //! - [`http`]: the servers (HTTPS webhook; plain-HTTP metrics and probes).
 //! - [`probe`]: what `/healthz` and `/readyz` say; [`metrics`]: what `/metrics` says.
 //!
@@ -13,6 +14,7 @@
 
 pub mod admit;
 pub mod cluster;
+pub mod commit;
 pub mod http;
 pub mod metrics;
 pub mod probe;
@@ -21,7 +23,8 @@ pub mod tls;
 
 use crate::controller::elector::Role;
 use crate::controller::metrics::QueueMetrics;
-use crate::quota::{CatalogSettings, RetryBudget};
+use crate::quota::CatalogSettings;
+use commit::RetryBudget;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -45,8 +48,11 @@ pub struct WebhookOptions {
     pub catalog: CatalogSettings,
     /// How long to wait for API access and the first cache fill at start.
     pub sync_timeout: Duration,
-    /// Conflict retries of one reservation.
+    /// Conflict retries of one batch of reservations; its deadline (plus a second) bounds how
+    /// long an admission waits for its answer.
     pub budget: RetryBudget,
+    /// The most admissions to one quota decided and written together.
+    pub max_batch: usize,
     /// How the API server is probed for `/readyz`.
     pub probes: probe::ProbeSettings,
     /// The quota loops beside the webhook, if they run in this process.
@@ -76,7 +82,12 @@ impl WebhookOptions {
             )],
             catalog: CatalogSettings::default(),
             sync_timeout: Duration::from_secs(30),
-            budget: RetryBudget::default(),
+            budget: RetryBudget {
+                max_attempts: 200,
+                // Well under the API server's 10 s webhook timeout.
+                deadline: Duration::from_secs(4),
+            },
+            max_batch: commit::CommitOptions::default().max_batch,
             probes: probe::ProbeSettings::default(),
             loops: None,
         }
@@ -104,6 +115,8 @@ pub struct RunningWebhook {
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     pub metrics: Arc<metrics::Metrics>,
+    /// Batches, GpuQuota status writes and conflicts of the group commit.
+    pub commits: Arc<commit::CommitCounters>,
     _cluster: Arc<cluster::Cluster>,
 }
 
@@ -163,11 +176,19 @@ pub async fn start(
         .await?,
     );
     let metrics = Arc::new(metrics::Metrics::default());
+    let commit = commit::Committer::new(
+        cluster.client().clone(),
+        cluster.quota_store(),
+        commit::CommitOptions {
+            budget: opts.budget,
+            max_batch: opts.max_batch,
+        },
+    );
     let admitter = Arc::new(admit::Admitter {
         cluster: cluster.clone(),
+        commit: commit.clone(),
         opts: admit::AdmitOptions {
             controller_users: opts.controller_users.clone(),
-            budget: opts.budget,
         },
         metrics: metrics.clone(),
     });
@@ -205,6 +226,7 @@ pub async fn start(
         stop,
         tasks,
         metrics,
+        commits: commit.counters.clone(),
         _cluster: cluster,
     })
 }

@@ -1,0 +1,292 @@
+//! Group commit, the pure part: every admission waiting for one GpuQuota decided in arrival
+//! order on one state, so that one status write records them all.
+//!
+//! [`decide_batch`] applies a list of [`Op`]s to a quota as read, each seeing the ones before
+//! it (a reservation admitted earlier in the batch counts against the next), and says per op
+//! what happened and whether the status changed. The caller writes the status once with the
+//! resourceVersion it read and answers only after that write succeeded; a conflict means:
+//! read again and decide the whole batch again. Nothing here is admitted until written.
+//!
+//! Cohort borrowing reads the lenders' state, which the borrower's write does not guard.
+//! [`stale_borrowers`] closes that gap: after the borrower's write, the lenders (every other
+//! quota of the cohort) are read again and each borrowing admission is checked once more
+//! against them. Of two borrowers racing, each writes its reservation before it reads the
+//! other, so at least one of them sees the other's reservation; an admission is answered only
+//! when it still fits against a read made after its own reservation was durable, hence the
+//! admitted borrowers never take together more than the cohort had unused.
+
+use super::charge::Charge;
+use super::check::{check_consumed, Denial, Fit};
+use super::crd::{GpuQuota, Reservation, ReservationState};
+use super::status::ReservationKey;
+use std::collections::HashMap;
+
+/// One request waiting for a quota.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    /// Check `charge` and record `reservation` as `Reserved` when it fits. `retreat`: this
+    /// request's own reservation may already be in the status from an earlier attempt whose
+    /// borrowing did not hold up; on a denial it is removed.
+    Reserve {
+        reservation: Reservation,
+        charge: Charge,
+        retreat: bool,
+    },
+    /// A `dryRun` request: check, record nothing.
+    Check { key: ReservationKey, charge: Charge },
+    /// Record `reservation` as `Queued` (Queue mode: gated, not counted).
+    Queue { reservation: Reservation },
+    /// Remove the reservation with this key (a request denied by another quota of its
+    /// namespace gives back what it took here).
+    Release { key: ReservationKey },
+}
+
+impl Op {
+    pub fn key(&self) -> ReservationKey {
+        match self {
+            Op::Reserve { reservation, .. } | Op::Queue { reservation } => reservation.key(),
+            Op::Check { key, .. } | Op::Release { key } => key.clone(),
+        }
+    }
+}
+
+/// What happened to one [`Op`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// It fits (recorded for `Reserve`, only checked for `Check`).
+    Fits(Fit),
+    Denied(Denial),
+    Queued,
+    Released,
+    /// The arithmetic overflowed; nothing was recorded for this op.
+    Failed(String),
+}
+
+/// The decisions of one batch, in the order of the ops.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decided {
+    pub outcomes: Vec<Outcome>,
+    /// The status differs from what was read: it must be written before anyone is answered.
+    pub changed: bool,
+}
+
+fn unchanged(old: &Reservation, new: &Reservation) -> bool {
+    old.state == new.state && old.charge == new.charge && old.uid == new.uid
+}
+
+/// Decides `ops` in order on `quota` (as read), recording what fits in its status. `peers`:
+/// the cohort's other quotas (see [`super::check::check`]). Totals are recomputed once at the end.
+pub fn decide_batch(quota: &mut GpuQuota, peers: &[GpuQuota], ops: &[Op]) -> Decided {
+    let mut status = quota.status.take().unwrap_or_default();
+    let id = quota.id();
+    let mut outcomes = Vec::with_capacity(ops.len());
+    let mut changed = false;
+    let mut index: HashMap<ReservationKey, usize> = status
+        .reservations
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.key(), i))
+        .collect();
+    // `used` plus every Reserved reservation, kept current op by op.
+    let mut total = match status.consumed(None) {
+        Ok(t) => t,
+        Err(e) => {
+            let why = format!("{e} while checking GpuQuota {id}");
+            quota.status = Some(status);
+            return Decided {
+                outcomes: ops.iter().map(|_| Outcome::Failed(why.clone())).collect(),
+                changed: false,
+            };
+        }
+    };
+    let reserved_charge =
+        |r: &Reservation| (r.state == ReservationState::Reserved).then(|| r.charge.clone());
+    for op in ops {
+        let key = op.key();
+        let own = index
+            .get(&key)
+            .and_then(|&i| reserved_charge(&status.reservations[i]));
+        let without_own = match &own {
+            Some(c) => total.saturating_sub(c),
+            None => Ok(total.clone()),
+        };
+        let without_own = match without_own {
+            Ok(u) => u,
+            Err(e) => {
+                outcomes.push(Outcome::Failed(format!("{e} while checking GpuQuota {id}")));
+                continue;
+            }
+        };
+        let outcome = match op {
+            Op::Check { charge, .. } => match check_consumed(quota, &without_own, peers, charge) {
+                Ok(fit) => Outcome::Fits(fit),
+                Err(d) => Outcome::Denied(d),
+            },
+            Op::Reserve {
+                reservation,
+                charge,
+                retreat,
+            } => match check_consumed(quota, &without_own, peers, charge) {
+                Ok(fit) => {
+                    let mut r = reservation.clone();
+                    r.state = ReservationState::Reserved;
+                    r.charge = charge.usage.clone();
+                    match without_own.checked_add(&r.charge) {
+                        Ok(t) => {
+                            match index.get(&key) {
+                                Some(&i) if unchanged(&status.reservations[i], &r) => {}
+                                Some(&i) => {
+                                    status.reservations[i] = r;
+                                    changed = true;
+                                }
+                                None => {
+                                    index.insert(key, status.reservations.len());
+                                    status.reservations.push(r);
+                                    changed = true;
+                                }
+                            }
+                            total = t;
+                            Outcome::Fits(fit)
+                        }
+                        Err(e) => Outcome::Failed(format!(
+                            "{e} while recording a reservation in GpuQuota {id}"
+                        )),
+                    }
+                }
+                Err(d) => {
+                    if *retreat && index.contains_key(&key) {
+                        remove(&mut status.reservations, &mut index, &key);
+                        total = without_own;
+                        changed = true;
+                    }
+                    Outcome::Denied(d)
+                }
+            },
+            Op::Queue { reservation } => {
+                let mut r = reservation.clone();
+                r.state = ReservationState::Queued;
+                match index.get(&key) {
+                    Some(&i) if unchanged(&status.reservations[i], &r) => {}
+                    Some(&i) => {
+                        status.reservations[i] = r;
+                        total = without_own;
+                        changed = true;
+                    }
+                    None => {
+                        index.insert(key, status.reservations.len());
+                        status.reservations.push(r);
+                        changed = true;
+                    }
+                }
+                Outcome::Queued
+            }
+            Op::Release { .. } => {
+                if index.contains_key(&key) {
+                    remove(&mut status.reservations, &mut index, &key);
+                    total = without_own;
+                    changed = true;
+                }
+                Outcome::Released
+            }
+        };
+        outcomes.push(outcome);
+    }
+    if changed {
+        if let Err(e) = status.recompute_totals() {
+            // Cannot happen when every addition above succeeded; refuse the whole batch.
+            let why = format!("{e} while recording reservations in GpuQuota {id}");
+            outcomes = ops.iter().map(|_| Outcome::Failed(why.clone())).collect();
+            changed = false;
+        }
+    }
+    quota.status = Some(status);
+    Decided { outcomes, changed }
+}
+
+fn remove(
+    list: &mut Vec<Reservation>,
+    index: &mut HashMap<ReservationKey, usize>,
+    key: &ReservationKey,
+) {
+    if let Some(i) = index.remove(key) {
+        list.remove(i);
+        for v in index.values_mut() {
+            if *v > i {
+                *v -= 1;
+            }
+        }
+    }
+}
+
+/// After a batch was written: the borrowing admissions (`Reserve` ops whose outcome borrowed
+/// from the cohort) that no longer fit against `fresh_peers`, the cohort's other quotas read
+/// after the write, with the reason. `written` is the quota as written.
+///
+/// Each borrower is checked in batch order: against everything written except itself and the
+/// borrowers after it (which are checked with it included), so a batch keeps the longest
+/// prefix of borrowers that fits, and what is admitted fits as a whole.
+pub fn stale_borrowers(
+    written: &GpuQuota,
+    fresh_peers: &[GpuQuota],
+    ops: &[Op],
+    outcomes: &[Outcome],
+) -> Vec<(usize, Denial)> {
+    let id = written.id();
+    let fail = |e: super::ratio::QuotaMathError| Denial {
+        quota: id.clone(),
+        reasons: vec![format!("{e} while checking GpuQuota {id}")],
+    };
+    let status = written.status.clone().unwrap_or_default();
+    let reserved: HashMap<ReservationKey, &Reservation> = status
+        .reservations
+        .iter()
+        .filter(|r| r.state == ReservationState::Reserved)
+        .map(|r| (r.key(), r))
+        .collect();
+    let borrowers: Vec<(usize, &Charge, ReservationKey)> = ops
+        .iter()
+        .zip(outcomes)
+        .enumerate()
+        .filter_map(|(i, (op, outcome))| match (op, outcome) {
+            (Op::Reserve { charge, .. }, Outcome::Fits(fit)) if !fit.borrowed.is_empty() => {
+                Some((i, charge, op.key()))
+            }
+            _ => None,
+        })
+        .collect();
+    let mut consumed = match status.consumed(None) {
+        Ok(c) => c,
+        Err(e) => {
+            return borrowers
+                .iter()
+                .map(|(i, ..)| (*i, fail(e.clone())))
+                .collect()
+        }
+    };
+    // Walk back from the last borrower, taking each one's reservation out before checking it.
+    let mut out = Vec::new();
+    for (i, charge, key) in borrowers.iter().rev() {
+        if let Some(r) = reserved.get(key) {
+            match consumed.saturating_sub(&r.charge) {
+                Ok(c) => consumed = c,
+                Err(e) => {
+                    out.push((*i, fail(e)));
+                    continue;
+                }
+            }
+        }
+        // `consumed` now holds everything but this borrower and those after it.
+        if let Err(d) = check_consumed(written, &consumed, fresh_peers, charge) {
+            out.push((*i, d));
+        }
+    }
+    out.reverse();
+    out
+}
+
+/// Whether any outcome borrows from the cohort (the batch then needs [`stale_borrowers`]).
+pub fn borrows(outcomes: &[Outcome]) -> bool {
+    outcomes
+        .iter()
+        .any(|o| matches!(o, Outcome::Fits(f) if !f.borrowed.is_empty()))
+}
