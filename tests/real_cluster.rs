@@ -402,3 +402,163 @@ spec:
         .unwrap_or_else(|| panic!("no NVIDIA_VISIBLE_DEVICES in {name}:\n{log}"));
     assert!(profile_uuids().contains(&visible), "{visible}");
 }
+
+/// UUIDs in a container log's `GPUPLANE_DEVICE_*` lines.
+fn logged_uuids(log: &str) -> BTreeSet<String> {
+    log.lines()
+        .filter(|l| l.starts_with("GPUPLANE_DEVICE_"))
+        .filter_map(|l| {
+            l.split_once('=')?
+                .1
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("uuid=").map(String::from))
+        })
+        .collect()
+}
+
+/// A pod holding a claim of `count` GPUs from DeviceClass gpu.gpuplane.dev whose devices also
+/// match `selector` (CEL), sleeping so that it keeps them.
+fn claim_pod(lab: &ClusterLab, name: &str, count: u32, selector: &str) {
+    lab.apply(&format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: {name}, namespace: default}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpu
+        exactly:
+          deviceClassName: gpu.gpuplane.dev
+          count: {count}
+          selectors:
+          - cel: {{expression: "{selector}"}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: default}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  resourceClaims:
+  - {{name: gpu, resourceClaimTemplateName: {name}}}
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["sh", "-c", "env; sleep 3600"]
+    resources:
+      claims: [{{name: gpu}}]
+"#
+    ));
+}
+
+/// The scheduler's reason for not placing a pod: its PodScheduled=False condition message.
+fn unschedulable_reason(lab: &ClusterLab, name: &str) -> Option<String> {
+    let pod = lab.get_json(&["get", "pod", name])?;
+    pod["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "PodScheduled" && c["status"] == "False")
+        .and_then(|c| c["message"].as_str().map(String::from))
+}
+
+/// One inventory through the real scheduler and kubelet: GPUs prepared for a claim leave the
+/// device plugin's allocatable, GPUs a device-plugin pod holds are tainted in the slice so the
+/// scheduler allocates no claim on them, the two sets never meet, and a claim that nothing can
+/// satisfy (all held, or a selector that matches no device) stays Pending with the scheduler's
+/// reason.
+#[test]
+fn one_inventory_across_both_apis_and_unsatisfiable_claims_stay_pending() {
+    let _one = lock();
+    let Some((lab, _kc, _agent)) = lab_with_agent() else {
+        return;
+    };
+    claim_pod(&lab, "claims-three", 3, "true");
+    wait_phase(&lab, "claims-three", &["Running"]);
+    let dra_log = eventually("the claim pod's env in its log", || {
+        let log = lab.kubectl_ok(&["logs", "claims-three"]);
+        log.contains("PATH=").then_some(log)
+    });
+    let by_claim = logged_uuids(&dra_log);
+    assert_eq!(by_claim.len(), 3, "{dra_log}");
+    eventually(
+        "the device plugin to withdraw the 3 prepared GPUs (allocatable 5)",
+        || (allocatable_gpus(&lab).as_deref() == Some("5")).then_some(()),
+    );
+
+    // A device-plugin pod takes the other five.
+    lab.apply(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {name: dp-five, namespace: default}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["sh", "-c", "env; sleep 3600"]
+    resources:
+      limits: {nvidia.com/gpu: 5}
+"#,
+    );
+    wait_phase(&lab, "dp-five", &["Running"]);
+    let dp_log = eventually("the device plugin pod's env in its log", || {
+        let log = lab.kubectl_ok(&["logs", "dp-five"]);
+        log.contains("PATH=").then_some(log)
+    });
+    let by_plugin: BTreeSet<String> = env_value(&dp_log, "NVIDIA_VISIBLE_DEVICES")
+        .unwrap_or_default()
+        .split(',')
+        .map(String::from)
+        .collect();
+    assert_eq!(by_plugin.len(), 5, "{dp_log}");
+    assert!(
+        by_plugin.is_disjoint(&by_claim),
+        "one GPU handed out twice: claim {by_claim:?}, device plugin {by_plugin:?}"
+    );
+    let mut all = by_plugin.clone();
+    all.extend(by_claim.iter().cloned());
+    assert_eq!(all, profile_uuids());
+    eventually(
+        "the slices to taint the five device-plugin GPUs in use",
+        || {
+            let tainted: BTreeSet<String> = slice_devices(&lab)
+                .iter()
+                .filter(|(_, d)| {
+                    d["taints"]
+                        .as_array()
+                        .is_some_and(|t| t.iter().any(|t| t["value"] == "in-use"))
+                })
+                .filter_map(|(_, d)| attr_string(d, "uuid"))
+                .collect();
+            (tainted == by_plugin).then_some(())
+        },
+    );
+
+    // Nothing is left: a further claim is not allocated, and the scheduler says why.
+    claim_pod(&lab, "claims-one-more", 1, "true");
+    let reason = eventually("the scheduler's reason for claims-one-more", || {
+        unschedulable_reason(&lab, "claims-one-more")
+    });
+    assert!(
+        reason.contains("claim"),
+        "the scheduler names the claim it cannot allocate: {reason}"
+    );
+    // A selector no device matches: Pending with the scheduler's reason too.
+    claim_pod(
+        &lab,
+        "claims-no-such-gpu",
+        1,
+        "device.attributes['gpu.gpuplane.dev'].productName == 'no-such-gpu'",
+    );
+    let reason = eventually("the scheduler's reason for claims-no-such-gpu", || {
+        unschedulable_reason(&lab, "claims-no-such-gpu")
+    });
+    assert!(reason.contains("claim"), "{reason}");
+    for name in ["claims-one-more", "claims-no-such-gpu"] {
+        assert_eq!(pod_phase(&lab, name).as_deref(), Some("Pending"));
+    }
+}
