@@ -144,7 +144,7 @@ fn env_value(log: &str, key: &str) -> Option<String> {
 #[test]
 fn both_apis_register_with_the_real_kubelet() {
     let _one = lock();
-    let Some((lab, _kc, agent)) = lab_with_agent() else {
+    let Some((lab, agent_kubeconfig, agent)) = lab_with_agent() else {
         return;
     };
     // The kubelet's own account of the two registrations.
@@ -172,6 +172,52 @@ fn both_apis_register_with_the_real_kubelet() {
         readyz.status.success(),
         "agent /readyz: {}",
         agent.log_text()
+    );
+
+    // The manifests' policy holds the agent to its own node: with its real node-bound token,
+    // a ResourceSlice of another node is refused by the ValidatingAdmissionPolicy (its own
+    // were admitted above), and a call outside its RBAC is forbidden.
+    let other = r#"apiVersion: resource.k8s.io/v1
+kind: ResourceSlice
+metadata: {name: other-node-gpu}
+spec:
+  driver: gpu.gpuplane.dev
+  nodeName: other-node
+  pool: {name: other-node, generation: 1, resourceSliceCount: 1}
+  devices: [{name: gpu-0}]
+"#;
+    let out = lab.kubectl_as(&agent_kubeconfig, &["create", "-f", "-"], Some(other));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "another node's slice was admitted");
+    assert!(
+        err.contains("may not write the ResourceSlices of node 'other-node'"),
+        "{err}"
+    );
+    let out = lab.kubectl_as(&agent_kubeconfig, &["get", "secrets", "-A"], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("Forbidden"), "{err}");
+    // The GpuQuota CRD is structural: the real API server establishes it.
+    lab.kubectl_ok(&[
+        "apply",
+        "-f",
+        cluster::repo()
+            .join("daemonset/controller/crd.yaml")
+            .to_str()
+            .unwrap(),
+    ]);
+    eventually("the GpuQuota CRD to be Established", || {
+        let crd = lab.get_json(&["get", "crd", "gpuquotas.quota.gpuplane.dev"])?;
+        crd["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .any(|c| c["type"] == "Established" && c["status"] == "True")
+            .then_some(())
+    });
+    // The agent's RBAC was enough for everything it did: no refusal in its log.
+    let log = agent.log_text();
+    assert!(
+        !log.contains("403") && !log.contains("Forbidden"),
+        "the agent was refused a call:\n{log}"
     );
 }
 

@@ -24,7 +24,7 @@ pub const DRIVER: &str = "gpu.gpuplane.dev";
 pub const AGENT_NS: &str = "gpuplane-system";
 pub const AGENT_SA: &str = "gpuplane-node";
 
-fn repo() -> &'static Path {
+pub fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
@@ -195,13 +195,30 @@ impl ClusterLab {
 
     /// The real kubectl, as cluster admin, in the lab's network namespace.
     pub fn kubectl(&self, args: &[&str]) -> Output {
-        self.in_netns(self.bin.join("kubectl"))
+        self.kubectl_as(&self.admin_kubeconfig(), args, None)
+    }
+
+    /// The real kubectl with `kubeconfig`'s identity, `stdin` fed to it when given.
+    pub fn kubectl_as(&self, kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+        use std::io::Write;
+        let mut child = self
+            .in_netns(self.bin.join("kubectl"))
             .arg("--kubeconfig")
-            .arg(self.admin_kubeconfig())
+            .arg(kubeconfig)
             .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run kubectl")
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run kubectl");
+        if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            pipe.write_all(text.as_bytes()).unwrap();
+        }
+        child.wait_with_output().expect("run kubectl")
     }
 
     /// `kubectl describe pod <name>` and the namespace's events, for failure messages.
@@ -242,24 +259,7 @@ impl ClusterLab {
 
     /// `kubectl apply -f -` with `yaml` on stdin.
     pub fn apply(&self, yaml: &str) {
-        use std::io::Write;
-        let mut child = self
-            .in_netns(self.bin.join("kubectl"))
-            .arg("--kubeconfig")
-            .arg(self.admin_kubeconfig())
-            .args(["apply", "-f", "-"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(yaml.as_bytes())
-            .unwrap();
-        let out = child.wait_with_output().unwrap();
+        let out = self.kubectl_as(&self.admin_kubeconfig(), &["apply", "-f", "-"], Some(yaml));
         assert!(
             out.status.success(),
             "kubectl apply failed: {}\n{yaml}",
