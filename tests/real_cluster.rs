@@ -7,6 +7,8 @@
 
 #[path = "cluster/mod.rs"]
 mod cluster;
+#[path = "support/mod.rs"]
+mod support;
 
 use cluster::{eventually, eventually_or, ClusterLab, LabAgent, DRIVER, NODE};
 use serde_json::Value;
@@ -607,4 +609,106 @@ spec:
     for name in ["claims-one-more", "claims-no-such-gpu"] {
         assert_eq!(pod_phase(&lab, name).as_deref(), Some("Pending"));
     }
+}
+
+/// An Xid through the real kubelet and scheduler: the agent on the real NVML code path (the
+/// fake libnvidia-ml serving dgx-h100, real character device nodes) reports a critical Xid on
+/// GPU 3; the kubelet marks it unhealthy (allocatable 7), the ResourceSlice taint keeps the
+/// scheduler from allocating it to a claim (Pending with the scheduler's reason); after the
+/// quiet period it recovers: the taint goes, the waiting claim is allocated it, and once that
+/// claim is gone the kubelet counts all eight healthy.
+#[test]
+fn an_xid_makes_a_gpu_unhealthy_for_the_kubelet_and_the_scheduler_until_it_recovers() {
+    let _one = lock();
+    let Some(lab) = ClusterLab::start() else {
+        return;
+    };
+    let kubeconfig = lab.install_agent_identity();
+    let dir = LabAgent::dir(&lab);
+    let dev = dir.join("dev");
+    std::fs::create_dir_all(&dev).unwrap();
+    gpuplane::doubles::devnodes::make_gpu_nodes(&dev, 0..8).unwrap();
+    let control = dir.join("nvml-control");
+    std::fs::write(&control, "").unwrap();
+    let fake = support::built_fake();
+    // Long enough for the kubelet's node status (every 10 s) and the scheduler to see it.
+    let config = "version: v1\nhealth: {recoveryQuietPeriod: 60s}\n";
+    let _agent = LabAgent::start_with(
+        &lab,
+        &kubeconfig,
+        "xid",
+        &["--nvml-lib", fake.to_str().unwrap()],
+        &[
+            ("GPUPLANE_FAKE_NVML_PROFILE", "dgx-h100".as_ref()),
+            ("GPUPLANE_FAKE_NVML_CONTROL", control.as_os_str()),
+        ],
+        Some(config),
+    );
+    wait_registered(&lab);
+    let gpu3 = gpuplane::sim::load("dgx-h100").unwrap().gpus[3]
+        .uuid
+        .clone();
+    let unhealthy = |lab: &ClusterLab| {
+        slice_devices(lab)
+            .iter()
+            .filter(|(_, d)| {
+                d["taints"].as_array().is_some_and(|t| {
+                    t.iter().any(|t| {
+                        t["key"] == "gpu.gpuplane.dev/unhealthy" && t["effect"] == "NoSchedule"
+                    })
+                })
+            })
+            .filter_map(|(_, d)| attr_string(d, "uuid"))
+            .collect::<BTreeSet<String>>()
+    };
+
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&control)
+        .unwrap();
+    writeln!(f, "xid 3 48").unwrap();
+    eventually(
+        "the kubelet to count GPU 3 unhealthy (allocatable 7)",
+        || (allocatable_gpus(&lab).as_deref() == Some("7")).then_some(()),
+    );
+    eventually("the slice to taint GPU 3 unhealthy", || {
+        (unhealthy(&lab) == BTreeSet::from([gpu3.clone()])).then_some(())
+    });
+    claim_pod(
+        &lab,
+        "wants-gpu-3",
+        1,
+        &format!("device.attributes['gpu.gpuplane.dev'].uuid == '{gpu3}'"),
+    );
+    let reason = eventually("the scheduler's reason for wants-gpu-3", || {
+        unschedulable_reason(&lab, "wants-gpu-3")
+    });
+    assert!(reason.contains("claim"), "{reason}");
+
+    // Recovery after the quiet period: the taint goes and the waiting claim is allocated
+    // GPU 3 at once, so the device plugin keeps it withdrawn (one inventory) ...
+    eventually("the unhealthy taint to go", || {
+        unhealthy(&lab).is_empty().then_some(())
+    });
+    eventually("the waiting claim pod to be scheduled", || {
+        let pod = lab.get_json(&["get", "pod", "wants-gpu-3"])?;
+        (pod["spec"]["nodeName"] == NODE).then_some(())
+    });
+    eventually(
+        "GPU 3 withdrawn from the device plugin while the claim holds it",
+        || (allocatable_gpus(&lab).as_deref() == Some("7")).then_some(()),
+    );
+    // ... until the claim is gone: then the kubelet counts all eight healthy again.
+    lab.kubectl_ok(&[
+        "delete",
+        "pod",
+        "wants-gpu-3",
+        "--wait=true",
+        "--timeout=120s",
+    ]);
+    eventually(
+        "the kubelet to count GPU 3 healthy again (allocatable 8)",
+        || (allocatable_gpus(&lab).as_deref() == Some("8")).then_some(()),
+    );
 }

@@ -428,9 +428,28 @@ pub struct LabAgent {
 }
 
 impl LabAgent {
-    /// Starts the agent; `tag` names its log (`<work>/agent-<tag>.log`).
+    /// Starts the agent on the simulated dgx-h100 with the DaemonSet's config; `tag` names its
+    /// log (`<work>/agent-<tag>.log`).
     pub fn start(lab: &ClusterLab, kubeconfig: &Path, tag: &str) -> LabAgent {
-        let dir = lab.work.join("agent");
+        LabAgent::start_with(lab, kubeconfig, tag, &["--simulate", "dgx-h100"], &[], None)
+    }
+
+    /// The agent's directory (`dev/`, `driver/`, `state/`, `config.yaml`).
+    pub fn dir(lab: &ClusterLab) -> PathBuf {
+        lab.work.join("agent")
+    }
+
+    /// Starts the agent with device source `source` (`--simulate P` or `--nvml-lib L`), extra
+    /// environment, and `config` instead of the DaemonSet's ConfigMap when given.
+    pub fn start_with(
+        lab: &ClusterLab,
+        kubeconfig: &Path,
+        tag: &str,
+        source: &[&str],
+        env: &[(&str, &std::ffi::OsStr)],
+        config: Option<&str>,
+    ) -> LabAgent {
+        let dir = LabAgent::dir(lab);
         std::fs::create_dir_all(dir.join("dev")).unwrap();
         std::fs::create_dir_all(dir.join("driver")).unwrap();
         // The DaemonSet's config file: the ConfigMap's config.yaml.
@@ -438,18 +457,17 @@ impl LabAgent {
             &std::fs::read_to_string(repo().join("daemonset/node/config.yaml")).unwrap(),
         )
         .unwrap();
-        std::fs::write(
-            dir.join("config.yaml"),
-            cm["data"]["config.yaml"].as_str().unwrap(),
-        )
-        .unwrap();
+        let text = config.unwrap_or_else(|| cm["data"]["config.yaml"].as_str().unwrap());
+        std::fs::write(dir.join("config.yaml"), text).unwrap();
         let log = lab.work.join(format!("agent-{tag}.log"));
         let out = std::fs::File::create(&log).unwrap();
-        let child = lab
-            .in_netns(env!("CARGO_BIN_EXE_gpuplane"))
+        let mut cmd = lab.in_netns(env!("CARGO_BIN_EXE_gpuplane"));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd
             .arg("node")
-            .arg("--simulate")
-            .arg("dgx-h100")
+            .args(source)
             .args(["--node-name", NODE])
             .arg("--kubelet-root")
             .arg(lab.kubelet_root())
