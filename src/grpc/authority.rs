@@ -6,10 +6,12 @@
 //! accepts only a valid URI authority and resets any other request with PROTOCOL_ERROR, so a
 //! tonic server must never see the others. [`Rewriter`] is sans-IO: it consumes the bytes a
 //! client sends (preface, then frames), passes every frame through unchanged except header
-//! blocks (HEADERS + CONTINUATION), which it decodes with HPACK, rewrites per [`Policy`] and
-//! re-encodes as literals without indexing. Decoding every block keeps our decoder's dynamic
-//! table in step with the client's encoder; encoding without indexing leaves the server's
-//! dynamic table untouched, so the two sides never need to agree on anything else.
+//! blocks (HEADERS + CONTINUATION), which it decodes with HPACK and rewrites per [`Policy`].
+//! Decoding every block keeps our decoder's dynamic table in step with the client's encoder. A
+//! block that needs no change passes with its HPACK bytes as they were, so the server's table
+//! stays the client's; from the first block that is changed on, every block is re-encoded as
+//! literals without indexing, which leaves the server's table untouched (it then lacks what the
+//! client indexed, and nothing we send refers to it).
 
 /// The client connection preface (RFC 9113 §3.4).
 pub const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -88,6 +90,10 @@ pub struct Rewriter {
     pending: Vec<u8>,
     block: Option<Block>,
     decoder: loona_hpack::Decoder<'static>,
+    /// Set once a block was re-encoded: the server's dynamic table then lacks what the client
+    /// indexed in it, so every later block must be re-encoded too. Until then blocks pass with
+    /// their HPACK bytes as they were (the kubelet's `localhost` clients never pay for more).
+    reencoding: bool,
 }
 
 impl Rewriter {
@@ -100,6 +106,7 @@ impl Rewriter {
             pending: Vec::new(),
             block: None,
             decoder,
+            reencoding: false,
         }
     }
 
@@ -221,13 +228,18 @@ impl Rewriter {
                 stream: b.stream,
                 reason: e.to_string(),
             })?;
-        let fields = rewrite(fields, &self.policy);
+        let (fields, changed) = rewrite(fields, &self.policy);
+        self.reencoding |= changed;
         let mut encoded = Vec::with_capacity(b.fragment.len() + 32);
         if let Some(p) = &b.priority {
             encoded.extend_from_slice(p);
         }
-        for (name, value) in &fields {
-            encode_literal(name, value, &mut encoded);
+        if self.reencoding {
+            for (name, value) in &fields {
+                encode_literal(name, value, &mut encoded);
+            }
+        } else {
+            encoded.extend_from_slice(&b.fragment);
         }
         write_header_frames(b.stream, b.flags, b.priority.is_some(), &encoded, out);
         Ok(())
@@ -260,18 +272,24 @@ fn headers_frame(stream: u32, flags: u8, payload: &[u8]) -> Result<Block, Rewrit
     })
 }
 
-/// Applies `policy` to a decoded header list.
-fn rewrite(mut fields: Vec<(Vec<u8>, Vec<u8>)>, policy: &Policy) -> Vec<(Vec<u8>, Vec<u8>)> {
+/// Applies `policy` to a decoded header list; whether anything changed.
+fn rewrite(
+    mut fields: Vec<(Vec<u8>, Vec<u8>)>,
+    policy: &Policy,
+) -> (Vec<(Vec<u8>, Vec<u8>)>, bool) {
     const AUTHORITY: &[u8] = b":authority";
+    let mut changed = false;
     match policy {
         Policy::Normalize => {
             for (name, value) in fields.iter_mut() {
                 if name == AUTHORITY && !valid_authority(value) {
                     *value = Policy::LOCALHOST.to_vec();
+                    changed = true;
                 }
             }
         }
         Policy::Send(wanted) => {
+            changed = true;
             let at = fields.iter().position(|(n, _)| n == AUTHORITY);
             fields.retain(|(n, _)| n != AUTHORITY);
             if let Some(v) = wanted {
@@ -286,7 +304,7 @@ fn rewrite(mut fields: Vec<(Vec<u8>, Vec<u8>)>, policy: &Policy) -> Vec<(Vec<u8>
             }
         }
     }
-    fields
+    (fields, changed)
 }
 
 /// True when h2 accepts `value` as the authority of a request.

@@ -330,3 +330,42 @@ fn malformed_input_is_refused_or_left_to_h2() {
         Err(RewriteError::BlockTooLarge { stream: 1 })
     );
 }
+
+#[test]
+fn blocks_pass_as_they_were_until_one_is_rewritten_and_are_re_encoded_after() {
+    let mut a = vec![0x83, 0x86, 0x84]; // POST, http, "/"
+    a.push(0x41); // :authority localhost, incremental indexing
+    encode_string(b"localhost", &mut a);
+    a.push(0x40); // x-a: 1, incremental indexing, new name
+    encode_string(b"x-a", &mut a);
+    encode_string(b"1", &mut a);
+    let mut b = vec![0x83, 0x86, 0x84];
+    b.push(0x41);
+    encode_string(b"%2Fs", &mut b);
+    b.push(0x40);
+    encode_string(b"x-b", &mut b);
+    encode_string(b"2", &mut b);
+    // The client's table now: 62 x-b, 63 :authority %2Fs, 64 x-a, 65 :authority localhost.
+    let c = vec![0x83, 0x86, 0x84, 0x80 | 62, 0x80 | 64, 0x80 | 63];
+    let mut input = PREFACE.to_vec();
+    for (i, block) in [&a, &b, &c].into_iter().enumerate() {
+        input.extend(frame(HEADERS, END_HEADERS, 2 * i as u32 + 1, block));
+    }
+    let out = run(Policy::Normalize, &input, 3).unwrap();
+    // Nothing to rewrite in the first: its HPACK bytes reach the server as they were.
+    assert_eq!(frames(&out)[0].3, a);
+    let lists: Vec<Fields> = header_lists(&out).into_iter().map(|l| l.1).collect();
+    let head = [(":method", "POST"), (":scheme", "http"), (":path", "/")];
+    let with = |extra: &[(&'static str, &'static str)]| {
+        let mut v = head.to_vec();
+        v.extend_from_slice(extra);
+        fields(&v)
+    };
+    assert_eq!(lists[0], with(&[(":authority", "localhost"), ("x-a", "1")]));
+    assert_eq!(lists[1], with(&[(":authority", "localhost"), ("x-b", "2")]));
+    // The third refers to entries the server never saw indexed: it must have been re-encoded.
+    assert_eq!(
+        lists[2],
+        with(&[("x-b", "2"), ("x-a", "1"), (":authority", "localhost")])
+    );
+}
