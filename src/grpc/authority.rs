@@ -219,7 +219,7 @@ impl Rewriter {
     }
 
     fn emit(&mut self, b: Block, out: &mut Vec<u8>) -> Result<(), RewriteError> {
-        let mut fields: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        let mut fields: HeaderList = Vec::new();
         self.decoder
             .decode_with_cb(&b.fragment, |n, v| {
                 fields.push((n.into_owned(), v.into_owned()))
@@ -272,11 +272,11 @@ fn headers_frame(stream: u32, flags: u8, payload: &[u8]) -> Result<Block, Rewrit
     })
 }
 
+/// A decoded header block: (name, value) in order.
+type HeaderList = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// Applies `policy` to a decoded header list; whether anything changed.
-fn rewrite(
-    mut fields: Vec<(Vec<u8>, Vec<u8>)>,
-    policy: &Policy,
-) -> (Vec<(Vec<u8>, Vec<u8>)>, bool) {
+fn rewrite(mut fields: HeaderList, policy: &Policy) -> (HeaderList, bool) {
     const AUTHORITY: &[u8] = b":authority";
     let mut changed = false;
     match policy {
