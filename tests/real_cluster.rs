@@ -333,20 +333,8 @@ spec:
     let spec = lab.cdi_dir().join(format!("gpuplane-claim-{uid}.json"));
     assert!(spec.exists(), "{} after prepare", spec.display());
     // The container sees exactly the allocated device.
-    let log = eventually("the container's env in its log", || {
-        let log = lab.kubectl_ok(&["logs", "dra-pod"]);
-        log.contains("PATH=").then_some(log)
-    });
-    let seen: BTreeSet<String> = log
-        .lines()
-        .filter(|l| l.starts_with("GPUPLANE_DEVICE_"))
-        .filter_map(|l| {
-            l.split_once('=')?
-                .1
-                .split(',')
-                .find_map(|kv| kv.strip_prefix("uuid=").map(String::from))
-        })
-        .collect();
+    let log = env_log(&lab, "dra-pod");
+    let seen = logged_uuids(&log);
     assert_eq!(
         seen,
         BTreeSet::from([uuid.clone()]),
@@ -451,6 +439,14 @@ spec:
     assert!(profile_uuids().contains(&visible), "{visible}");
 }
 
+/// The log of a pod whose container printed its environment, once it has.
+fn env_log(lab: &ClusterLab, pod: &str) -> String {
+    eventually(&format!("pod {pod}'s env in its log"), || {
+        let log = lab.kubectl_ok(&["logs", pod]);
+        log.contains("PATH=").then_some(log)
+    })
+}
+
 /// UUIDs in a container log's `GPUPLANE_DEVICE_*` lines.
 fn logged_uuids(log: &str) -> BTreeSet<String> {
     log.lines()
@@ -524,10 +520,7 @@ fn one_inventory_across_both_apis_and_unsatisfiable_claims_stay_pending() {
     };
     claim_pod(&lab, "claims-three", 3, "true");
     wait_phase(&lab, "claims-three", &["Running"]);
-    let dra_log = eventually("the claim pod's env in its log", || {
-        let log = lab.kubectl_ok(&["logs", "claims-three"]);
-        log.contains("PATH=").then_some(log)
-    });
+    let dra_log = env_log(&lab, "claims-three");
     let by_claim = logged_uuids(&dra_log);
     assert_eq!(by_claim.len(), 3, "{dra_log}");
     eventually(
@@ -553,10 +546,7 @@ spec:
 "#,
     );
     wait_phase(&lab, "dp-five", &["Running"]);
-    let dp_log = eventually("the device plugin pod's env in its log", || {
-        let log = lab.kubectl_ok(&["logs", "dp-five"]);
-        log.contains("PATH=").then_some(log)
-    });
+    let dp_log = env_log(&lab, "dp-five");
     let by_plugin: BTreeSet<String> = env_value(&dp_log, "NVIDIA_VISIBLE_DEVICES")
         .unwrap_or_default()
         .split(',')
