@@ -267,13 +267,15 @@ impl Committer {
         let budget = self.opts.budget;
         let mut attempt = 0u32;
         self.counters.batches.fetch_add(1, Relaxed);
-        let fail = |batch: &mut Vec<Pending>, e: CommitError| {
+        // Every waiter of the batch gets `answer` (one that was already answered keeps its own).
+        let answer_all = |batch: &mut Vec<Pending>, answer: Answer| {
             for p in batch.iter_mut() {
                 if let Some(tx) = p.tx.take() {
-                    let _ = tx.send(Answer::Failed(e.clone()));
+                    let _ = tx.send(answer.clone());
                 }
             }
         };
+        let fail = |batch: &mut Vec<Pending>, e: CommitError| answer_all(batch, Answer::Failed(e));
         let (written, outcomes) = loop {
             attempt += 1;
             let (mut quota, fresh) = match last.take() {
@@ -281,11 +283,7 @@ impl Committer {
                 None => match api.get_opt(&queue.name).await {
                     Ok(Some(q)) => (q, true),
                     Ok(None) => {
-                        for p in batch.iter_mut() {
-                            if let Some(tx) = p.tx.take() {
-                                let _ = tx.send(Answer::Gone);
-                            }
-                        }
+                        answer_all(&mut batch, Answer::Gone);
                         return Vec::new();
                     }
                     Err(e) => {
@@ -319,11 +317,7 @@ impl Committer {
                     self.counters.conflicts.fetch_add(1, Relaxed);
                 }
                 Err(kube::Error::Api(s)) if s.code == 404 => {
-                    for p in batch.iter_mut() {
-                        if let Some(tx) = p.tx.take() {
-                            let _ = tx.send(Answer::Gone);
-                        }
-                    }
+                    answer_all(&mut batch, Answer::Gone);
                     return Vec::new();
                 }
                 Err(e) => {
