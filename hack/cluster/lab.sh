@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test "cluster lab" (issue 13, phase 2): one real Kubernetes control plane and node, kept
-# up until killed. tests/cluster/mod.rs (ClusterLab) drives it; smoke.sh is the phase 1
-# feasibility check it grew from (README.md has the why of every step).
+# up until killed. tests/cluster/mod.rs (ClusterLab) drives it; it grew from phase 1's
+# feasibility script (README.md has the why of every step).
 #   ./hack/cluster/lab.sh up <workdir>      (root; <workdir> short, e.g. /tmp/gpl-XXXXXX)
 # Starts etcd, kube-apiserver (--authorization-mode=Node,RBAC), kube-controller-manager,
 # kube-scheduler, containerd 2 and a kubelet (node lab-node, node IP 10.213.0.2) inside fresh
