@@ -359,20 +359,21 @@ fn both_apis_come_back_after_kubelet_and_agent_restarts() {
     };
     let registered = r#""Registered client" name="nvidia.com/gpu""#;
     let registrations = lab.log_lines("kubelet", registered).len();
-    // The old kubelet's `8` stays in the Node object until the new kubelet has counted the
-    // re-registered plugin's devices and reported them: wait for the new one's report.
-    let reported = r#""Updated capacity for device plugin" plugin="nvidia.com/gpu" capacity=8"#;
-    let reports = lab.log_lines("kubelet", reported).len();
+    // The new kubelet's device manager knows nothing of the old one's plugins: it must take the
+    // re-registered plugin's device list. (Its node-status log line "Updated capacity" is no
+    // sign: it appears only when the value changes, and the Node still holds the old kubelet's
+    // 8 when the plugin re-registers before the first status sync.)
+    let processed = r#""Processed device updates for resource" resourceName="nvidia.com/gpu" totalCount=8 healthyCount=8"#;
+    let updates = lab.log_lines("kubelet", processed).len();
     let dra_connects = dra_connections(&lab);
     lab.restart_kubelet();
     eventually("the device plugin to register with the new kubelet", || {
         (lab.log_lines("kubelet", registered).len() > registrations).then_some(())
     });
-    // The device plugin re-registers (the new kubelet's device manager knows nothing of the
-    // old one's plugins); a pod proves it end to end.
-    eventually("the new kubelet to report the plugin's 8 devices", || {
-        (lab.log_lines("kubelet", reported).len() > reports).then_some(())
-    });
+    eventually(
+        "the new kubelet to take the plugin's 8 healthy devices",
+        || (lab.log_lines("kubelet", processed).len() > updates).then_some(()),
+    );
     eventually(
         "nvidia.com/gpu: 8 allocatable after the kubelet restart",
         || (allocatable_gpus(&lab).as_deref() == Some("8")).then_some(()),
@@ -386,7 +387,6 @@ fn both_apis_come_back_after_kubelet_and_agent_restarts() {
     let registrations = lab.log_lines("kubelet", registered).len();
     // The kubelet keeps the stopped plugin's devices in capacity (unhealthy): no capacity
     // change to wait for, but the new plugin's device list must have reached it.
-    let processed = r#""Processed device updates for resource" resourceName="nvidia.com/gpu" totalCount=8 healthyCount=8"#;
     let updates = lab.log_lines("kubelet", processed).len();
     agent.stop();
     let agent = LabAgent::start(&lab, &kubeconfig, "2");
