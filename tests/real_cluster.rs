@@ -10,7 +10,7 @@ mod cluster;
 #[path = "support/mod.rs"]
 mod support;
 
-use cluster::{eventually, eventually_or, ClusterLab, LabAgent, DRIVER, NODE};
+use cluster::{eventually, eventually_or, ClusterLab, LabAgent, LabProcess, DRIVER, NODE};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -89,7 +89,7 @@ fn attr_string(device: &Value, name: &str) -> Option<String> {
 }
 
 /// A lab with the agent's identity installed and the agent registered with both APIs.
-fn lab_with_agent() -> Option<(ClusterLab, PathBuf, LabAgent)> {
+fn lab_with_agent() -> Option<(ClusterLab, PathBuf, LabProcess)> {
     let lab = ClusterLab::start()?;
     let kubeconfig = lab.install_agent_identity();
     let agent = LabAgent::start(&lab, &kubeconfig, "1");
@@ -198,23 +198,6 @@ spec:
     let out = lab.kubectl_as(&agent_kubeconfig, &["get", "secrets", "-A"], None);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("Forbidden"), "{err}");
-    // The GpuQuota CRD is structural: the real API server establishes it.
-    lab.kubectl_ok(&[
-        "apply",
-        "-f",
-        cluster::repo()
-            .join("daemonset/controller/crd.yaml")
-            .to_str()
-            .unwrap(),
-    ]);
-    eventually("the GpuQuota CRD to be Established", || {
-        let crd = lab.get_json(&["get", "crd", "gpuquotas.quota.gpuplane.dev"])?;
-        crd["status"]["conditions"]
-            .as_array()?
-            .iter()
-            .any(|c| c["type"] == "Established" && c["status"] == "True")
-            .then_some(())
-    });
     // The agent's RBAC was enough for everything it did: no refusal in its log.
     let log = agent.log_text();
     assert!(

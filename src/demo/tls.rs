@@ -64,6 +64,8 @@ pub fn client_trusting(ca: CertificateDer<'static>) -> Result<rustls::ClientConf
 pub struct DemoPki {
     pub cert_file: PathBuf,
     pub key_file: PathBuf,
+    /// The CA's certificate, PEM (what a webhook configuration's `caBundle` carries).
+    pub ca_pem: String,
     client: Arc<rustls::ClientConfig>,
 }
 
@@ -87,6 +89,7 @@ impl DemoPki {
         Ok(DemoPki {
             cert_file,
             key_file,
+            ca_pem: ca.pem(),
             client: Arc::new(client_trusting(ca.der().clone())?),
         })
     }

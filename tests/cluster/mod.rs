@@ -23,6 +23,12 @@ pub const DRIVER: &str = "gpu.gpuplane.dev";
 /// The agent's namespace and service account (daemonset/node/rbac.yaml).
 pub const AGENT_NS: &str = "gpuplane-system";
 pub const AGENT_SA: &str = "gpuplane-node";
+/// The controller's service account (daemonset/controller/rbac.yaml), same namespace.
+pub const CONTROLLER_SA: &str = "gpuplane-controller";
+/// Where the controller serves the webhook in the lab's network namespace.
+pub const WEBHOOK_ADDR: &str = "127.0.0.1:9443";
+/// Where the controller serves /metrics, /healthz and /readyz there.
+pub const CONTROLLER_METRICS_ADDR: &str = "127.0.0.1:9480";
 
 pub fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -221,9 +227,15 @@ impl ClusterLab {
         child.wait_with_output().expect("run kubectl")
     }
 
-    /// `kubectl describe pod <name>` and the namespace's events, for failure messages.
+    /// `kubectl describe pod <name>` (namespace default), the events and the node, for
+    /// failure messages.
     pub fn describe_pod(&self, name: &str) -> String {
-        let d = self.kubectl(&["describe", "pod", name]);
+        self.describe_pod_in("default", name)
+    }
+
+    /// [`ClusterLab::describe_pod`] for a pod of namespace `ns`.
+    pub fn describe_pod_in(&self, ns: &str, name: &str) -> String {
+        let d = self.kubectl(&["describe", "pod", name, "-n", ns]);
         let e = self.kubectl(&["get", "events", "-A"]);
         let n = self.kubectl(&["describe", "node", NODE]);
         format!(
@@ -324,38 +336,82 @@ impl ClusterLab {
             .collect()
     }
 
-    /// Installs what the DaemonSet would run with: the namespace, the node agent's RBAC and
-    /// admission policy (daemonset/node/), the DeviceClasses; returns a kubeconfig for the
-    /// agent carrying a real token of its service account, bound to node `lab-node` (so the
-    /// admission policy sees the node, as for a token bound to the agent's pod).
-    pub fn install_agent_identity(&self) -> PathBuf {
-        self.kubectl_ok(&["create", "namespace", AGENT_NS]);
-        for f in [
-            "daemonset/node/rbac.yaml",
-            "daemonset/node/admission-policy.yaml",
-            "daemonset/deviceclasses.yaml",
-        ] {
-            self.kubectl_ok(&["apply", "-f", repo().join(f).to_str().unwrap()]);
+    /// `kubectl apply -k` of daemonset/ through the lab's overlay (see [`lab_overlay`]):
+    /// everything gpuplane ships, the quota webhooks only when `webhooks` (a lab without the
+    /// controller must not send GPU pods to a webhook nobody serves). Waits for the GpuQuota
+    /// CRD to be Established; returns kubeconfigs with real tokens of both service accounts.
+    pub fn install(&self, webhooks: bool) -> Installed {
+        let tls = self.work.join("webhook-tls");
+        std::fs::create_dir_all(&tls).unwrap();
+        let pki = gpuplane::demo::tls::DemoPki::issue(&tls).unwrap();
+        let overlay = self.work.join("overlay");
+        std::fs::create_dir_all(&overlay).unwrap();
+        std::fs::write(
+            overlay.join("kustomization.yaml"),
+            lab_overlay(&overlay, webhooks.then_some(pki.ca_pem.as_str())),
+        )
+        .unwrap();
+        self.kubectl_ok(&["apply", "-k", overlay.to_str().unwrap()]);
+        eventually("the GpuQuota CRD to be Established", || {
+            let crd = self.get_json(&["get", "crd", "gpuquotas.quota.gpuplane.dev"])?;
+            crd["status"]["conditions"]
+                .as_array()?
+                .iter()
+                .any(|c| c["type"] == "Established" && c["status"] == "True")
+                .then_some(())
+        });
+        // The agent's token is bound to node lab-node (as a token bound to the agent's pod
+        // would be), so the admission policy sees the node.
+        let agent = self.token_kubeconfig(
+            "agent",
+            &[
+                "create",
+                "token",
+                AGENT_SA,
+                "-n",
+                AGENT_NS,
+                "--bound-object-kind",
+                "Node",
+                "--bound-object-name",
+                NODE,
+                "--duration",
+                "2h",
+            ],
+        );
+        let controller = self.token_kubeconfig(
+            "controller",
+            &[
+                "create",
+                "token",
+                CONTROLLER_SA,
+                "-n",
+                AGENT_NS,
+                "--duration",
+                "2h",
+            ],
+        );
+        Installed {
+            agent,
+            controller,
+            webhook_cert: pki.cert_file,
+            webhook_key: pki.key_file,
         }
-        let token = self.kubectl_ok(&[
-            "create",
-            "token",
-            AGENT_SA,
-            "-n",
-            AGENT_NS,
-            "--bound-object-kind",
-            "Node",
-            "--bound-object-name",
-            NODE,
-            "--duration",
-            "2h",
-        ]);
-        let path = self.work.join("agent.kubeconfig");
+    }
+
+    /// The node agent's part of [`ClusterLab::install`] (no webhooks); the agent's kubeconfig.
+    pub fn install_agent_identity(&self) -> PathBuf {
+        self.install(false).agent
+    }
+
+    /// A kubeconfig for the API server with the token `kubectl <create_token>` prints.
+    fn token_kubeconfig(&self, who: &str, create_token: &[&str]) -> PathBuf {
+        let token = self.kubectl_ok(create_token);
+        let path = self.work.join(format!("{who}.kubeconfig"));
         let ca = self.work.join("pki/ca.crt");
         std::fs::write(
             &path,
             format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: lab\n  cluster: {{server: \"https://127.0.0.1:6443\", certificate-authority: \"{}\"}}\nusers:\n- name: agent\n  user: {{token: \"{}\"}}\ncontexts:\n- name: lab\n  context: {{cluster: lab, user: agent, namespace: {AGENT_NS}}}\ncurrent-context: lab\n",
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: lab\n  cluster: {{server: \"https://127.0.0.1:6443\", certificate-authority: \"{}\"}}\nusers:\n- name: {who}\n  user: {{token: \"{}\"}}\ncontexts:\n- name: lab\n  context: {{cluster: lab, user: {who}, namespace: {AGENT_NS}}}\ncurrent-context: lab\n",
                 ca.display(),
                 token.trim()
             ),
@@ -363,6 +419,89 @@ impl ClusterLab {
         .unwrap();
         path
     }
+}
+
+/// What [`ClusterLab::install`] made: each service account's kubeconfig and the webhook's
+/// serving certificate (for 127.0.0.1, issued by a CA the webhook configurations trust).
+pub struct Installed {
+    pub agent: PathBuf,
+    pub controller: PathBuf,
+    pub webhook_cert: PathBuf,
+    pub webhook_key: PathBuf,
+}
+
+/// The kustomization the lab applies over daemonset/ (at `overlay`; kustomize takes only a
+/// relative path to a base). The patches are the loopback ones and nothing else:
+/// - cert-manager is not installed: the test is the CA (`ca_pem`), so its Issuer and
+///   Certificate go;
+/// - the agent and the controller run as host processes in the lab's network namespace (the
+///   lab has no image registry): the Deployment keeps 0 replicas and the DaemonSet selects no
+///   node, while the API server still validates both;
+/// - the webhooks are called by URL on 127.0.0.1 (the controller shares the API server's
+///   network namespace) with `ca_pem` as caBundle, or left out when `ca_pem` is `None`.
+pub fn lab_overlay(overlay: &Path, ca_pem: Option<&str>) -> String {
+    let up = "../".repeat(overlay.components().count() - 1);
+    let base = format!(
+        "{up}{}",
+        repo().join("daemonset").display().to_string().trim_start_matches('/')
+    );
+    let mut text = format!(
+        r#"apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+- {base}
+patches:
+- patch: |-
+    $patch: delete
+    apiVersion: cert-manager.io/v1
+    kind: Issuer
+    metadata: {{name: gpuplane-selfsigned, namespace: {AGENT_NS}}}
+- patch: |-
+    $patch: delete
+    apiVersion: cert-manager.io/v1
+    kind: Certificate
+    metadata: {{name: gpuplane-webhook, namespace: {AGENT_NS}}}
+- target: {{kind: Deployment, name: gpuplane-controller}}
+  patch: |-
+    - {{op: replace, path: /spec/replicas, value: 0}}
+- target: {{kind: DaemonSet, name: gpuplane-node}}
+  patch: |-
+    - {{op: replace, path: /spec/template/spec/nodeSelector, value: {{gpuplane.dev/lab: host-process}}}}
+"#
+    );
+    match ca_pem {
+        Some(pem) => {
+            use base64::Engine;
+            let ca = base64::engine::general_purpose::STANDARD.encode(pem);
+            let url = |path: &str| {
+                format!("{{url: \"https://{WEBHOOK_ADDR}{path}\", caBundle: \"{ca}\"}}")
+            };
+            let (validate, mutate) = (url("/validate"), url("/mutate"));
+            text += &format!(
+                r#"- target: {{kind: ValidatingWebhookConfiguration, name: gpuplane-quota}}
+  patch: |-
+    - {{op: remove, path: /metadata/annotations}}
+    - {{op: replace, path: /webhooks/0/clientConfig, value: {validate}}}
+    - {{op: replace, path: /webhooks/1/clientConfig, value: {validate}}}
+- target: {{kind: MutatingWebhookConfiguration, name: gpuplane-quota}}
+  patch: |-
+    - {{op: remove, path: /metadata/annotations}}
+    - {{op: replace, path: /webhooks/0/clientConfig, value: {mutate}}}
+"#
+            );
+        }
+        None => {
+            for kind in [
+                "ValidatingWebhookConfiguration",
+                "MutatingWebhookConfiguration",
+            ] {
+                text += &format!(
+                    "- patch: |-\n    $patch: delete\n    apiVersion: admissionregistration.k8s.io/v1\n    kind: {kind}\n    metadata: {{name: gpuplane-quota}}\n"
+                );
+            }
+        }
+    }
+    text
 }
 
 impl Drop for ClusterLab {
@@ -419,18 +558,21 @@ fn remove_cgroup(dir: &Path) {
     let _ = std::fs::remove_dir(dir);
 }
 
-/// The real `gpuplane node` in the lab's network namespace (a host process otherwise: host
-/// mounts and PIDs), with the flags of daemonset/node/daemonset.yaml where they apply and
-/// `--simulate dgx-h100` for hardware. Killed when dropped.
-pub struct LabAgent {
+/// A real `gpuplane` process in the lab's network namespace (a host process otherwise: host
+/// mounts and PIDs), logging to `<work>/<name>.log`. Killed when dropped.
+pub struct LabProcess {
     child: Child,
     pub log: PathBuf,
 }
 
+/// The node agent: `gpuplane node` with the flags of daemonset/node/daemonset.yaml where they
+/// apply and a simulated (or fake-NVML) device source.
+pub struct LabAgent;
+
 impl LabAgent {
     /// Starts the agent on the simulated dgx-h100 with the DaemonSet's config; `tag` names its
     /// log (`<work>/agent-<tag>.log`).
-    pub fn start(lab: &ClusterLab, kubeconfig: &Path, tag: &str) -> LabAgent {
+    pub fn start(lab: &ClusterLab, kubeconfig: &Path, tag: &str) -> LabProcess {
         LabAgent::start_with(lab, kubeconfig, tag, &["--simulate", "dgx-h100"], &[], None)
     }
 
@@ -448,7 +590,7 @@ impl LabAgent {
         source: &[&str],
         env: &[(&str, &std::ffi::OsStr)],
         config: Option<&str>,
-    ) -> LabAgent {
+    ) -> LabProcess {
         let dir = LabAgent::dir(lab);
         std::fs::create_dir_all(dir.join("dev")).unwrap();
         std::fs::create_dir_all(dir.join("driver")).unwrap();
@@ -459,14 +601,11 @@ impl LabAgent {
         .unwrap();
         let text = config.unwrap_or_else(|| cm["data"]["config.yaml"].as_str().unwrap());
         std::fs::write(dir.join("config.yaml"), text).unwrap();
-        let log = lab.work.join(format!("agent-{tag}.log"));
-        let out = std::fs::File::create(&log).unwrap();
         let mut cmd = lab.in_netns(env!("CARGO_BIN_EXE_gpuplane"));
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let child = cmd
-            .arg("node")
+        cmd.arg("node")
             .args(source)
             .args(["--node-name", NODE])
             .arg("--kubelet-root")
@@ -487,15 +626,43 @@ impl LabAgent {
             .arg("--kubeconfig")
             .arg(kubeconfig)
             .env("NODE_NAME", NODE)
+            .env_remove("GPUPLANE_CRASHPOINT");
+        LabProcess::spawn(lab, cmd, &format!("agent-{tag}"))
+    }
+}
+
+/// The quota controller: `gpuplane controller` with the Deployment's flags, serving the
+/// webhook on [`WEBHOOK_ADDR`] with the certificate [`ClusterLab::install`] issued.
+pub fn start_controller(lab: &ClusterLab, installed: &Installed, tag: &str) -> LabProcess {
+    let mut cmd = lab.in_netns(env!("CARGO_BIN_EXE_gpuplane"));
+    cmd.arg("controller")
+        .arg("--kubeconfig")
+        .arg(&installed.controller)
+        .arg(format!("--webhook-addr={WEBHOOK_ADDR}"))
+        .arg("--tls-cert-file")
+        .arg(&installed.webhook_cert)
+        .arg("--tls-key-file")
+        .arg(&installed.webhook_key)
+        .arg(format!("--metrics-addr={CONTROLLER_METRICS_ADDR}"))
+        .arg("--leader-elect=true")
+        .env("POD_NAMESPACE", AGENT_NS)
+        .env("POD_NAME", format!("controller-{tag}"));
+    LabProcess::spawn(lab, cmd, &format!("controller-{tag}"))
+}
+
+impl LabProcess {
+    fn spawn(lab: &ClusterLab, mut cmd: Command, name: &str) -> LabProcess {
+        let log = lab.work.join(format!("{name}.log"));
+        let out = std::fs::File::create(&log).unwrap();
+        let child = cmd
             .env("RUST_LOG", "info")
             .env_remove("KUBECONFIG")
-            .env_remove("GPUPLANE_CRASHPOINT")
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
             .stderr(out)
             .spawn()
-            .expect("start gpuplane node in the lab's network namespace");
-        LabAgent { child, log }
+            .unwrap_or_else(|e| panic!("start {name} in the lab's network namespace: {e}"));
+        LabProcess { child, log }
     }
 
     /// Stops it as the kubelet stops a pod: SIGTERM, then SIGKILL after 30 s.
@@ -514,7 +681,7 @@ impl LabAgent {
     }
 }
 
-impl Drop for LabAgent {
+impl Drop for LabProcess {
     fn drop(&mut self) {
         if std::thread::panicking() {
             let text = self.log_text();

@@ -1,0 +1,263 @@
+//! The whole of daemonset/ against real Kubernetes (issue 13): `kubectl apply -k` through the
+//! lab's loopback overlay, the real `gpuplane controller` serving the quota webhooks by URL,
+//! called by the real kube-apiserver, with the node agent and the real scheduler and kubelet
+//! running the pods it admits. Skips like tests/real_cluster.rs (root and the cluster binaries
+//! needed), fails instead under `CI`.
+
+#[path = "cluster/mod.rs"]
+mod cluster;
+
+use cluster::{
+    eventually, eventually_or, start_controller, ClusterLab, LabAgent, LabProcess,
+    CONTROLLER_METRICS_ADDR, NODE,
+};
+use gpuplane::quota::SCHEDULING_GATE;
+use serde_json::Value;
+use std::process::Output;
+
+/// A long-running busybox pod in `ns` asking for `gpus` whole GPUs (none: no resources).
+fn pod(ns: &str, name: &str, gpus: u32) -> String {
+    let resources = if gpus == 0 {
+        String::new()
+    } else {
+        format!("\n    resources:\n      limits: {{nvidia.com/gpu: {gpus}}}")
+    };
+    format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["sleep", "3600"]{resources}
+"#
+    )
+}
+
+/// `kubectl create -f - -o json` (as admin), as a user types it: the created object, or
+/// kubectl's error text.
+fn create(lab: &ClusterLab, yaml: &str, extra: &[&str]) -> Result<Value, String> {
+    let mut args = vec!["create", "-f", "-", "-o", "json"];
+    args.extend(extra);
+    let out: Output = lab.kubectl_as(&lab.admin_kubeconfig(), &args, Some(yaml));
+    if out.status.success() {
+        Ok(serde_json::from_slice(&out.stdout).unwrap())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+fn quota(ns: &str, gpus: u32, mode: &str) -> String {
+    format!(
+        r#"apiVersion: quota.gpuplane.dev/v1alpha1
+kind: GpuQuota
+metadata: {{name: default, namespace: {ns}}}
+spec:
+  hard:
+    devices: {{nvidia.com/gpu: {gpus}}}
+  mode: {mode}
+"#
+    )
+}
+
+/// A namespace with a GpuQuota of `gpus` `nvidia.com/gpu`, once the webhooks' caches hold it:
+/// a server-side dry run of a pod one GPU over it is refused (Reject) or gated (Queue).
+fn namespace_with_quota(lab: &ClusterLab, ns: &str, gpus: u32, mode: &str) {
+    lab.kubectl_ok(&["create", "namespace", ns]);
+    lab.apply(&quota(ns, gpus, mode));
+    let over = pod(ns, "dry-run-probe", gpus + 1);
+    eventually(&format!("the webhooks to enforce GpuQuota {ns}/default"), || {
+        match create(lab, &over, &["--dry-run=server"]) {
+            Err(e) => (mode == "Reject" && e.contains(&format!("in GpuQuota {ns}/default")))
+                .then_some(()),
+            Ok(p) => (mode == "Queue" && gates(&p) == [SCHEDULING_GATE]).then_some(()),
+        }
+    });
+}
+
+fn pod_json(lab: &ClusterLab, ns: &str, name: &str) -> Option<Value> {
+    lab.get_json(&["get", "pod", name, "-n", ns])
+}
+
+fn wait_running(lab: &ClusterLab, ns: &str, name: &str) {
+    eventually_or(
+        &format!("pod {ns}/{name} to run"),
+        || (pod_json(lab, ns, name)?["status"]["phase"] == "Running").then_some(()),
+        || lab.describe_pod_in(ns, name),
+    );
+}
+
+fn gates(pod: &Value) -> Vec<String> {
+    pod["spec"]["schedulingGates"]
+        .as_array()
+        .map(|g| {
+            g.iter()
+                .filter_map(|g| g["name"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The PodScheduled condition's reason, if any.
+fn scheduled_reason(pod: &Value) -> Option<String> {
+    pod["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "PodScheduled")?["reason"]
+        .as_str()
+        .map(String::from)
+}
+
+fn refusals(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| l.contains("403") || l.contains("Forbidden"))
+        .collect()
+}
+
+#[test]
+fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
+    let Some(lab) = ClusterLab::start() else {
+        return;
+    };
+    // The whole kustomization is accepted (apply -k succeeded, the CRD is Established) and
+    // the ValidatingAdmissionPolicy type-checks against the real schema.
+    let installed = lab.install(true);
+    let vap = lab
+        .get_json(&[
+            "get",
+            "validatingadmissionpolicy",
+            "gpuplane-node-resourceslices",
+        ])
+        .unwrap();
+    eventually("the admission policy to be type-checked", || {
+        vap["status"]["observedGeneration"].as_i64().map(|_| ())
+    });
+    let vap = lab
+        .get_json(&[
+            "get",
+            "validatingadmissionpolicy",
+            "gpuplane-node-resourceslices",
+        ])
+        .unwrap();
+    assert!(
+        vap["status"]["typeChecking"]["expressionWarnings"]
+            .as_array()
+            .is_none_or(|w| w.is_empty()),
+        "the policy has type warnings: {}",
+        vap["status"]
+    );
+    for kind in [
+        "validatingwebhookconfiguration",
+        "mutatingwebhookconfiguration",
+    ] {
+        let config = lab.get_json(&["get", kind, "gpuplane-quota"]).unwrap();
+        for hook in config["webhooks"].as_array().unwrap() {
+            let url = hook["clientConfig"]["url"].as_str().unwrap_or_default();
+            assert!(url.starts_with("https://127.0.0.1:"), "{kind}: {hook}");
+        }
+    }
+
+    let agent = LabAgent::start(&lab, &installed.agent, "1");
+    let controller = start_controller(&lab, &installed, "1");
+    eventually("the controller to be ready", || {
+        let out = lab
+            .in_netns("curl")
+            .args(["-sf", &format!("http://{CONTROLLER_METRICS_ADDR}/readyz")])
+            .output()
+            .unwrap();
+        out.status.success().then_some(())
+    });
+    eventually("node lab-node to report nvidia.com/gpu: 8", || {
+        let node = lab.get_json(&["get", "node", NODE])?;
+        (node["status"]["allocatable"]["nvidia.com/gpu"] == "8").then_some(())
+    });
+
+    // Reject mode: within quota is created and runs; over quota is refused by the real API
+    // server with our reason, as kubectl prints it.
+    namespace_with_quota(&lab, "team-a", 2, "Reject");
+    create(&lab, &pod("team-a", "two", 2), &[]).unwrap();
+    let err = create(&lab, &pod("team-a", "one-more", 1), &[]).unwrap_err();
+    assert!(
+        err.contains(r#"admission webhook "quota.gpuplane.dev" denied the request"#)
+            && err.contains("requested 1, used 2 of 2 in GpuQuota team-a/default"),
+        "kubectl's error: {err}"
+    );
+    wait_running(&lab, "team-a", "two");
+    assert!(pod_json(&lab, "team-a", "one-more").is_none());
+
+    // Queue mode: a GPU pod is created gated and released by the controller when it fits;
+    // the next waits gated until the first is deleted.
+    namespace_with_quota(&lab, "team-q", 1, "Queue");
+    let first = create(&lab, &pod("team-q", "first", 1), &[]).unwrap();
+    assert_eq!(gates(&first), [SCHEDULING_GATE], "created gated: {first}");
+    wait_running(&lab, "team-q", "first");
+    let second = create(&lab, &pod("team-q", "second", 1), &[]).unwrap();
+    assert_eq!(gates(&second), [SCHEDULING_GATE]);
+    eventually("the second pod to be queued in the GpuQuota status", || {
+        let q = lab.get_json(&["get", "gpuquota", "default", "-n", "team-q"])?;
+        let n = &q["status"]["queued"]["devices"]["nvidia.com/gpu"];
+        (n == 1 || n == "1").then_some(())
+    });
+    let waiting = pod_json(&lab, "team-q", "second").unwrap();
+    assert_eq!(gates(&waiting), [SCHEDULING_GATE], "released over quota");
+    assert_eq!(
+        scheduled_reason(&waiting).as_deref(),
+        Some("SchedulingGated")
+    );
+    // Only the controller may lift the gate: the admin's attempt is refused by the guard.
+    let lift = lab.kubectl(&[
+        "patch",
+        "pod",
+        "second",
+        "-n",
+        "team-q",
+        "--type=json",
+        "-p",
+        r#"[{"op":"remove","path":"/spec/schedulingGates"}]"#,
+    ]);
+    let err = String::from_utf8_lossy(&lift.stderr);
+    assert!(
+        !lift.status.success() && err.contains("gate-guard.quota.gpuplane.dev"),
+        "{err}"
+    );
+    lab.kubectl_ok(&[
+        "delete",
+        "pod",
+        "first",
+        "-n",
+        "team-q",
+        "--wait=true",
+        "--timeout=120s",
+    ]);
+    wait_running(&lab, "team-q", "second");
+
+    // A controller outage blocks GPU pods only: pods without GPUs are never sent.
+    let controller_log = controller.log_text();
+    controller.stop();
+    create(&lab, &pod("team-a", "no-gpus", 0), &[]).unwrap();
+    wait_running(&lab, "team-a", "no-gpus");
+    let err = create(&lab, &pod("team-a", "gpu-while-down", 1), &[]).unwrap_err();
+    assert!(
+        err.contains(r#"failed calling webhook "quota.gpuplane.dev""#),
+        "{err}"
+    );
+
+    // RBAC is exactly enough: the controller is refused what it was not granted, and neither
+    // it nor the agent was refused anything over the run.
+    let out = lab.kubectl_as(&installed.controller, &["get", "secrets", "-A"], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("Forbidden"), "{err}");
+    assert!(
+        refusals(&controller_log).is_empty(),
+        "the controller was refused a call:\n{controller_log}"
+    );
+    let agent_log = agent.log_text();
+    assert!(
+        refusals(&agent_log).is_empty(),
+        "the agent was refused a call:\n{agent_log}"
+    );
+    drop::<LabProcess>(agent);
+}
