@@ -69,13 +69,15 @@ fn namespace_with_quota(lab: &ClusterLab, ns: &str, gpus: u32, mode: &str) {
     lab.kubectl_ok(&["create", "namespace", ns]);
     lab.apply(&quota(ns, gpus, mode));
     let over = pod(ns, "dry-run-probe", gpus + 1);
-    eventually(&format!("the webhooks to enforce GpuQuota {ns}/default"), || {
-        match create(lab, &over, &["--dry-run=server"]) {
-            Err(e) => (mode == "Reject" && e.contains(&format!("in GpuQuota {ns}/default")))
-                .then_some(()),
+    eventually(
+        &format!("the webhooks to enforce GpuQuota {ns}/default"),
+        || match create(lab, &over, &["--dry-run=server"]) {
+            Err(e) => {
+                (mode == "Reject" && e.contains(&format!("in GpuQuota {ns}/default"))).then_some(())
+            }
             Ok(p) => (mode == "Queue" && gates(&p) == [SCHEDULING_GATE]).then_some(()),
-        }
-    });
+        },
+    );
 }
 
 fn pod_json(lab: &ClusterLab, ns: &str, name: &str) -> Option<Value> {

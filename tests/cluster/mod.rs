@@ -443,7 +443,11 @@ pub fn lab_overlay(overlay: &Path, ca_pem: Option<&str>) -> String {
     let up = "../".repeat(overlay.components().count() - 1);
     let base = format!(
         "{up}{}",
-        repo().join("daemonset").display().to_string().trim_start_matches('/')
+        repo()
+            .join("daemonset")
+            .display()
+            .to_string()
+            .trim_start_matches('/')
     );
     let mut text = format!(
         r#"apiVersion: kustomize.config.k8s.io/v1beta1
