@@ -900,6 +900,55 @@ fn device_classes_select_the_driver_the_node_agent_serves() {
     }
 }
 
+/// The classes that back device-plugin resource names through DRA (extendedResourceName):
+/// `gpu.gpuplane.dev` backs `nvidia.com/gpu`; each per-profile MIG class the name the device
+/// plugin gives that profile, and selects exactly that profile; no name is backed twice.
+#[test]
+fn device_classes_back_the_device_plugin_resource_names() {
+    let docs = docs();
+    let mut backed = std::collections::BTreeMap::new();
+    for d in docs.iter().filter(|d| d.kind() == "DeviceClass") {
+        let class: resource::DeviceClass = typed(d);
+        let Some(name) = class.spec.extended_resource_name.clone() else {
+            continue;
+        };
+        assert!(
+            backed.insert(name.clone(), d.name().to_string()).is_none(),
+            "{name} is backed by two classes"
+        );
+        let cel = class.spec.selectors.unwrap()[0]
+            .cel
+            .clone()
+            .unwrap()
+            .expression;
+        if name == "nvidia.com/gpu" {
+            assert_eq!(d.name(), "gpu.gpuplane.dev");
+            continue;
+        }
+        let profile = cel
+            .split("profile == '")
+            .nth(1)
+            .and_then(|r| r.split('\'').next())
+            .unwrap_or_else(|| panic!("{}: no profile in {cel}", d.name()));
+        assert_eq!(
+            name,
+            gpuplane::deviceplugin::resources::mig_resource_name(profile),
+            "{}",
+            d.name()
+        );
+        assert!(cel.contains("type == 'mig'"), "{}: {cel}", d.name());
+    }
+    assert_eq!(backed["nvidia.com/gpu"], "gpu.gpuplane.dev");
+    // Every MIG profile of the simulation profiles has its class.
+    for p in ["a100-mig-mixed", "h100-mig-single"] {
+        let inv = gpuplane::sim::load(p).unwrap();
+        for mig in inv.gpus.iter().flat_map(|g| g.mig_devices.iter()) {
+            let name = gpuplane::deviceplugin::resources::mig_resource_name(&mig.profile);
+            assert!(backed.contains_key(&name), "{p}: no class backs {name}");
+        }
+    }
+}
+
 #[test]
 fn the_node_config_map_is_a_valid_agent_config_at_the_path_the_agent_reads() {
     let docs = docs();

@@ -246,6 +246,114 @@ spec:
         distinct.is_subset(&profile_uuids()),
         "{visible} are not dgx-h100 GPUs"
     );
+    // gpu.gpuplane.dev backs nvidia.com/gpu through DRA too, but this node advertises it
+    // through the device plugin, so the scheduler took that path: no extended-resource claim.
+    assert!(
+        pod["status"]["extendedResourceClaimStatus"].is_null(),
+        "{}",
+        pod["status"]
+    );
+    let claims = lab.get_json(&["get", "resourceclaims"]).unwrap();
+    assert_eq!(
+        claims["items"].as_array().map(Vec::len),
+        Some(0),
+        "{claims}"
+    );
+}
+
+/// With the device plugin off on the node (DRA only), unchanged `nvidia.com/gpu: 1` pods are
+/// served by DRA through the DeviceClass that backs the name (extendedResourceName): the real
+/// scheduler makes each pod's claim, the kubelet prepares it, and eight pods at once get the
+/// eight GPUs, none shared; a ninth waits until one ends.
+#[test]
+fn nvidia_com_gpu_pods_are_served_by_dra_on_a_dra_only_node() {
+    let _one = lock();
+    let Some(lab) = ClusterLab::start() else {
+        return;
+    };
+    let kubeconfig = lab.install_agent_identity();
+    let _agent = LabAgent::start_with(
+        &lab,
+        &kubeconfig,
+        "dra-only",
+        &["--simulate", "dgx-h100", "--device-plugin=false"],
+        &[],
+        None,
+    );
+    eventually("the ResourceSlices of lab-node to list 8 GPUs", || {
+        let gpus = slice_devices(&lab)
+            .iter()
+            .filter(|(_, d)| attr_string(d, "type").as_deref() == Some("gpu"))
+            .count();
+        (gpus == 8).then_some(())
+    });
+    eventually("the kubelet to connect to the DRA plugin", || {
+        (dra_connections(&lab) > 0).then_some(())
+    });
+    assert_eq!(
+        allocatable_gpus(&lab),
+        None,
+        "no device plugin on this node"
+    );
+    let pod = |name: &str| {
+        format!(
+            r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: default}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["sh", "-c", "env; sleep 3600"]
+    resources:
+      limits: {{nvidia.com/gpu: 1}}
+"#
+        )
+    };
+    let names: Vec<String> = (0..8).map(|i| format!("er-{i}")).collect();
+    let all: Vec<String> = names.iter().map(|n| pod(n)).collect();
+    lab.apply(&all.join("---\n"));
+    let mut seen = BTreeSet::new();
+    for name in &names {
+        wait_phase(&lab, name, &["Running"]);
+        let p = lab.get_json(&["get", "pod", name]).unwrap();
+        let status = &p["status"]["extendedResourceClaimStatus"];
+        assert_eq!(
+            status["requestMappings"][0]["resourceName"], "nvidia.com/gpu",
+            "{name}: {status}"
+        );
+        let claim = status["resourceClaimName"].as_str().unwrap();
+        let c = lab.get_json(&["get", "resourceclaim", claim]).unwrap();
+        let results = c["status"]["allocation"]["devices"]["results"]
+            .as_array()
+            .unwrap();
+        assert_eq!(results.len(), 1, "{c}");
+        assert_eq!(results[0]["driver"], DRIVER);
+        let log = env_log(&lab, name);
+        let visible = env_value(&log, "NVIDIA_VISIBLE_DEVICES")
+            .unwrap_or_else(|| panic!("no NVIDIA_VISIBLE_DEVICES in {name}:\n{log}"));
+        assert!(seen.insert(visible.clone()), "{visible} handed out twice");
+    }
+    assert_eq!(seen, profile_uuids(), "the eight pods hold the eight GPUs");
+    lab.apply(&pod("er-waits"));
+    eventually_or(
+        "the ninth pod to be unschedulable",
+        || {
+            let p = lab.get_json(&["get", "pod", "er-waits"])?;
+            p["status"]["conditions"]
+                .as_array()?
+                .iter()
+                .any(|c| c["type"] == "PodScheduled" && c["reason"] == "Unschedulable")
+                .then_some(())
+        },
+        || lab.describe_pod("er-waits"),
+    );
+    lab.kubectl_ok(&["delete", "pod", "er-3", "--wait=true", "--timeout=120s"]);
+    wait_phase(&lab, "er-waits", &["Running"]);
+    let log = env_log(&lab, "er-waits");
+    assert!(env_value(&log, "NVIDIA_VISIBLE_DEVICES").is_some_and(|v| profile_uuids().contains(&v)));
 }
 
 #[test]
@@ -610,7 +718,7 @@ fn an_xid_makes_a_gpu_unhealthy_for_the_kubelet_and_the_scheduler_until_it_recov
         &lab,
         &kubeconfig,
         "xid",
-        &["--nvml-lib", fake.to_str().unwrap()],
+        &["--nvml-lib", fake.to_str().unwrap(), "--device-plugin=true"],
         &[
             ("GPUPLANE_FAKE_NVML_PROFILE", "dgx-h100".as_ref()),
             ("GPUPLANE_FAKE_NVML_CONTROL", control.as_os_str()),

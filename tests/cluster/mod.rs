@@ -574,10 +574,17 @@ pub struct LabProcess {
 pub struct LabAgent;
 
 impl LabAgent {
-    /// Starts the agent on the simulated dgx-h100 with the DaemonSet's config; `tag` names its
-    /// log (`<work>/agent-<tag>.log`).
+    /// Starts the agent on the simulated dgx-h100 with the DaemonSet's config and both APIs;
+    /// `tag` names its log (`<work>/agent-<tag>.log`).
     pub fn start(lab: &ClusterLab, kubeconfig: &Path, tag: &str) -> LabProcess {
-        LabAgent::start_with(lab, kubeconfig, tag, &["--simulate", "dgx-h100"], &[], None)
+        LabAgent::start_with(
+            lab,
+            kubeconfig,
+            tag,
+            &["--simulate", "dgx-h100", "--device-plugin=true"],
+            &[],
+            None,
+        )
     }
 
     /// The agent's directory (`dev/`, `driver/`, `state/`, `config.yaml`).
@@ -585,13 +592,14 @@ impl LabAgent {
         lab.work.join("agent")
     }
 
-    /// Starts the agent with device source `source` (`--simulate P` or `--nvml-lib L`), extra
-    /// environment, and `config` instead of the DaemonSet's ConfigMap when given.
+    /// Starts the agent with `args`: its device source (`--simulate P` or `--nvml-lib L`) and
+    /// `--device-plugin=BOOL` (DRA is always on), extra environment, and `config` instead of
+    /// the DaemonSet's ConfigMap when given.
     pub fn start_with(
         lab: &ClusterLab,
         kubeconfig: &Path,
         tag: &str,
-        source: &[&str],
+        args: &[&str],
         env: &[(&str, &std::ffi::OsStr)],
         config: Option<&str>,
     ) -> LabProcess {
@@ -610,7 +618,7 @@ impl LabAgent {
             cmd.env(k, v);
         }
         cmd.arg("node")
-            .args(source)
+            .args(args)
             .args(["--node-name", NODE])
             .arg("--kubelet-root")
             .arg(lab.kubelet_root())
@@ -624,7 +632,7 @@ impl LabAgent {
             .arg(dir.join("dev"))
             .arg("--config")
             .arg(dir.join("config.yaml"))
-            .args(["--device-plugin=true", "--dra=true"])
+            .arg("--dra=true")
             .arg(format!("--driver-name={DRIVER}"))
             .arg("--metrics-addr=127.0.0.1:9400")
             .arg("--kubeconfig")
