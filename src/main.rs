@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
+use gpuplane::node::apis::{self, Apis};
 use gpuplane::source::{DeviceSource, SimSource};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -334,19 +335,36 @@ fn run_node(args: NodeArgs) -> Result<()> {
     runtime.block_on(async {
         let (source, label) = args.source.open_for_agent()?;
         tracing::info!(node = %args.node_name, source = %label, mode = ?args.source.mode(), "gpuplane node starting");
-        let dra_on = args.dra.unwrap_or(
-            args.kubeconfig.is_some() || gpuplane::kubeclient::available_without_flags(),
-        );
-        let dra = if dra_on {
-            let client = gpuplane::kubeclient::client(args.kubeconfig.as_deref())
-                .await
-                .context("--dra needs API access")?;
-            Some(gpuplane::node::dra::DraSettings {
-                driver_name: args.driver_name,
-                client,
-            })
+        let api_configured =
+            args.kubeconfig.is_some() || gpuplane::kubeclient::available_without_flags();
+        let flags = Apis {
+            device_plugin: args.device_plugin,
+            dra: args.dra.unwrap_or(api_configured),
+        };
+        let client = if flags.dra || api_configured {
+            Some(
+                gpuplane::kubeclient::client(args.kubeconfig.as_deref())
+                    .await
+                    .context(if flags.dra {
+                        "--dra needs API access"
+                    } else {
+                        "connecting to the API server (--kubeconfig or in-cluster)"
+                    })?,
+            )
         } else {
             None
+        };
+        // The node's label may choose other APIs than the flags.
+        let serving = match &client {
+            Some(c) => apis::resolve(c, &args.node_name, flags).await?,
+            None => flags,
+        };
+        let dra = match (&client, serving.dra) {
+            (Some(client), true) => Some(gpuplane::node::dra::DraSettings {
+                driver_name: args.driver_name,
+                client: client.clone(),
+            }),
+            _ => None,
         };
         let opts = gpuplane::node::NodeOptions {
             node_name: args.node_name,
@@ -359,12 +377,23 @@ fn run_node(args: NodeArgs) -> Result<()> {
                 dev_root: args.dev_root,
             },
             config_file: args.config,
-            device_plugin: args.device_plugin,
+            device_plugin: serving.device_plugin,
             dra,
             metrics_addr: args.metrics_addr,
             device_mode: args.source.mode(),
         };
-        gpuplane::node::run(opts, Arc::from(source), termination()?).await?;
+        let terminated = termination()?;
+        let node = opts.node_name.clone();
+        let stop = async move {
+            match client {
+                Some(client) => tokio::select! {
+                    _ = terminated => {}
+                    _ = apis::changed(client, node, flags, serving) => {}
+                },
+                None => terminated.await,
+            }
+        };
+        gpuplane::node::run(opts, Arc::from(source), stop).await?;
         tracing::info!("gpuplane node stopped");
         Ok(())
     })

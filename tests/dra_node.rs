@@ -12,6 +12,49 @@ use lab::{Lab, DRIVER, NODE, WAIT};
 use serde_json::json;
 use std::time::Duration;
 
+/// The node's `gpuplane.dev/apis` label chooses the kubelet APIs (here DRA only: slices and
+/// DRA registration, no device plugin); a change of it stops the agent (the DaemonSet starts
+/// it again with the new APIs); a value it does not know keeps it from starting, named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_label_chooses_the_apis_and_a_change_stops_the_agent() {
+    let lab = Lab::new("pcie-l4x4").await;
+    let node = |apis: &str| {
+        json!({"apiVersion": "v1", "kind": "Node",
+               "metadata": {"name": NODE, "labels": {"gpuplane.dev/apis": apis}}})
+    };
+    lab.api.put_json(node("dra")).unwrap();
+    let agent = lab.start("");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.eventually("slices published", |l| !l.slices().is_empty())
+        .await;
+    // The device plugin registers within milliseconds when it is served; give it a second.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        lab.kubelet.registrations().is_empty(),
+        "the device plugin registered on a DRA-only node"
+    );
+
+    lab.api.put_json(node("both")).unwrap();
+    agent.ended().await.unwrap();
+    let agent = lab.start("");
+    lab.kubelet
+        .wait_for(WAIT, |p| {
+            p.get("nvidia.com/gpu").is_some_and(|v| v.healthy() == 4)
+        })
+        .await
+        .unwrap();
+    agent.stop().await;
+
+    lab.api.put_json(node("DRA")).unwrap();
+    let err = lab.start("").ended().await.unwrap_err();
+    assert!(
+        err.contains(
+            "node node-a: label gpuplane.dev/apis=\"DRA\" is not one of device-plugin, dra, both"
+        ),
+        "{err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slices_are_published_valid_and_a_restart_with_the_same_inventory_writes_nothing() {
     let lab = Lab::new("h100-mig-single").await;

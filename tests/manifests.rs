@@ -1169,6 +1169,9 @@ async fn rbac_grants_exactly_what_the_node_agent_calls() {
         rule("delete", "resource.k8s.io", "resourceslices"),
         rule("get", "resource.k8s.io", "resourceclaims"),
         rule("create", "events.k8s.io", "events"),
+        rule("get", "", "nodes"),
+        rule("list", "", "nodes"),
+        rule("watch", "", "nodes"),
     ] {
         assert!(used.contains(&r), "{r:?} not observed: {used:#?}");
     }

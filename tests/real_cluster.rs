@@ -261,10 +261,11 @@ spec:
     );
 }
 
-/// With the device plugin off on the node (DRA only), unchanged `nvidia.com/gpu: 1` pods are
-/// served by DRA through the DeviceClass that backs the name (extendedResourceName): the real
-/// scheduler makes each pod's claim, the kubelet prepares it, and eight pods at once get the
-/// eight GPUs, none shared; a ninth waits until one ends.
+/// A node labelled `gpuplane.dev/apis=dra` (the agent started with the DaemonSet's flags,
+/// both APIs): the agent serves DRA only, and unchanged `nvidia.com/gpu: 1` pods are served by
+/// DRA through the DeviceClass that backs the name (extendedResourceName): the real scheduler
+/// makes each pod's claim, the kubelet prepares it, and eight pods at once get the eight GPUs,
+/// none shared; a ninth waits until one ends.
 #[test]
 fn nvidia_com_gpu_pods_are_served_by_dra_on_a_dra_only_node() {
     let _one = lock();
@@ -272,14 +273,8 @@ fn nvidia_com_gpu_pods_are_served_by_dra_on_a_dra_only_node() {
         return;
     };
     let kubeconfig = lab.install_agent_identity();
-    let _agent = LabAgent::start_with(
-        &lab,
-        &kubeconfig,
-        "dra-only",
-        &["--simulate", "dgx-h100", "--device-plugin=false"],
-        &[],
-        None,
-    );
+    lab.kubectl_ok(&["label", "node", NODE, "gpuplane.dev/apis=dra"]);
+    let agent = LabAgent::start(&lab, &kubeconfig, "dra-only");
     eventually("the ResourceSlices of lab-node to list 8 GPUs", || {
         let gpus = slice_devices(&lab)
             .iter()
@@ -354,6 +349,12 @@ spec:
     wait_phase(&lab, "er-waits", &["Running"]);
     let log = env_log(&lab, "er-waits");
     assert!(env_value(&log, "NVIDIA_VISIBLE_DEVICES").is_some_and(|v| profile_uuids().contains(&v)));
+    let log = agent.log_text();
+    let chosen = log.lines().find(|l| l.contains("kubelet APIs"));
+    assert!(
+        chosen.is_some_and(|l| l.contains("dra") && l.contains("gpuplane.dev/apis")),
+        "{log}"
+    );
 }
 
 #[test]

@@ -11,6 +11,7 @@ use super::kubelet::KubeletDouble;
 use super::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
 use crate::dra::{ClaimRef, PreparedDevice};
 use crate::grpc::SocketError;
+use crate::node::apis::{self, Apis};
 use crate::node::dra::DraSettings;
 use crate::node::{NodeError, NodeOptions, NodePaths};
 use crate::source::{DeviceMode, DeviceSource, SimSource, SourceError};
@@ -179,23 +180,37 @@ impl NodeLab {
     ) -> Result<RunningAgent, LabError> {
         let cfg = self.root.join("config.yaml");
         std::fs::write(&cfg, config).map_err(io("writing", &cfg))?;
-        let opts = NodeOptions {
-            node_name: NODE.into(),
-            paths: self.paths(),
-            config_file: Some(cfg),
-            device_plugin: true,
-            dra: Some(DraSettings {
-                driver_name: DRIVER.into(),
-                client,
-            }),
-            metrics_addr,
-            device_mode: self.device_mode,
-        };
+        let (paths, device_mode) = (self.paths(), self.device_mode);
         let (stop, stopped) = oneshot::channel::<()>();
         let source: Arc<dyn DeviceSource> = Arc::new(self.sim.clone());
-        let task = tokio::spawn(crate::node::run(opts, source, async {
-            let _ = stopped.await;
-        }));
+        // Both APIs, unless the Node object in the double carries the APIs label (as
+        // `gpuplane node` with --device-plugin=true --dra=true).
+        let task = tokio::spawn(async move {
+            let both = Apis {
+                device_plugin: true,
+                dra: true,
+            };
+            let serving = apis::resolve(&client, NODE, both).await?;
+            let opts = NodeOptions {
+                node_name: NODE.into(),
+                paths,
+                config_file: Some(cfg),
+                device_plugin: serving.device_plugin,
+                dra: serving.dra.then(|| DraSettings {
+                    driver_name: DRIVER.into(),
+                    client: client.clone(),
+                }),
+                metrics_addr,
+                device_mode,
+            };
+            crate::node::run(opts, source, async move {
+                tokio::select! {
+                    _ = stopped => {}
+                    _ = apis::changed(client, NODE.into(), both, serving) => {}
+                }
+            })
+            .await
+        });
         Ok(RunningAgent {
             stop: Some(stop),
             task,

@@ -4,6 +4,7 @@
 //! Everything it starts takes its paths and a shutdown signal as arguments, so tests run the
 //! real agent in-process against doubles in a temp dir.
 
+pub mod apis;
 pub mod cdi;
 pub mod deferred;
 pub mod dra;
@@ -75,6 +76,9 @@ pub struct NodeOptions {
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
+    /// The node's APIs label has a value the agent does not know.
+    #[error(transparent)]
+    Apis(#[from] apis::ApisError),
     /// Another agent uses the state directory, or it cannot be locked.
     #[error(transparent)]
     Lock(#[from] lock::LockError),

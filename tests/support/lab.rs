@@ -23,6 +23,19 @@ impl Agent {
     pub async fn stop(self) {
         self.0.stop().await.unwrap();
     }
+
+    /// Waits (at most [`WAIT`]) for the agent to end by itself; its result, errors as text.
+    pub async fn ended(self) -> Result<(), String> {
+        let deadline = std::time::Instant::now() + WAIT;
+        while !self.0.is_finished() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the agent did not end"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.0.stop().await.map_err(|e| e.to_string())
+    }
 }
 
 /// Fields drop in order: the doubles stop before the temp dir goes.
