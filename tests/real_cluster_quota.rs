@@ -50,24 +50,30 @@ fn create(lab: &ClusterLab, yaml: &str, extra: &[&str]) -> Result<Value, String>
     }
 }
 
-fn quota(ns: &str, gpus: u32, mode: &str) -> String {
+/// A GpuQuota `hard` of `gpus` in dimension `dim`: `devices` (`nvidia.com/gpu` counted by
+/// name) or `gpus` (whole-GPU equivalents, whatever API the devices come through).
+fn quota(ns: &str, dim: &str, gpus: u32, mode: &str) -> String {
+    let hard = match dim {
+        "devices" => format!("devices: {{nvidia.com/gpu: {gpus}}}"),
+        _ => format!("{dim}: {gpus}"),
+    };
     format!(
         r#"apiVersion: quota.gpuplane.dev/v1alpha1
 kind: GpuQuota
 metadata: {{name: default, namespace: {ns}}}
 spec:
   hard:
-    devices: {{nvidia.com/gpu: {gpus}}}
+    {hard}
   mode: {mode}
 "#
     )
 }
 
-/// A namespace with a GpuQuota of `gpus` `nvidia.com/gpu`, once the webhooks' caches hold it:
-/// a server-side dry run of a pod one GPU over it is refused (Reject) or gated (Queue).
-fn namespace_with_quota(lab: &ClusterLab, ns: &str, gpus: u32, mode: &str) {
+/// A namespace with a GpuQuota of `gpus` in `dim` (see [`quota`]), once the webhooks' caches
+/// hold it: a server-side dry run of a pod one GPU over it is refused (Reject) or gated (Queue).
+fn namespace_with_quota(lab: &ClusterLab, ns: &str, dim: &str, gpus: u32, mode: &str) {
     lab.kubectl_ok(&["create", "namespace", ns]);
-    lab.apply(&quota(ns, gpus, mode));
+    lab.apply(&quota(ns, dim, gpus, mode));
     let over = pod(ns, "dry-run-probe", gpus + 1);
     eventually(
         &format!("the webhooks to enforce GpuQuota {ns}/default"),
@@ -179,7 +185,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
 
     // Reject mode: within quota is created and runs; over quota is refused by the real API
     // server with our reason, as kubectl prints it.
-    namespace_with_quota(&lab, "team-a", 2, "Reject");
+    namespace_with_quota(&lab, "team-a", "devices", 2, "Reject");
     create(&lab, &pod("team-a", "two", 2), &[]).unwrap();
     let err = create(&lab, &pod("team-a", "one-more", 1), &[]).unwrap_err();
     assert!(
@@ -192,7 +198,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
 
     // Queue mode: a GPU pod is created gated and released by the controller when it fits;
     // the next waits gated until the first is deleted.
-    namespace_with_quota(&lab, "team-q", 1, "Queue");
+    namespace_with_quota(&lab, "team-q", "devices", 1, "Queue");
     let first = create(&lab, &pod("team-q", "first", 1), &[]).unwrap();
     assert_eq!(gates(&first), [SCHEDULING_GATE], "created gated: {first}");
     wait_running(&lab, "team-q", "first");
@@ -235,6 +241,35 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         "--timeout=120s",
     ]);
     wait_running(&lab, "team-q", "second");
+
+    // On a DRA-only node the scheduler serves nvidia.com/gpu through a claim it creates for
+    // the pod; the pod was charged its GPU, so that claim is not charged again: a quota of
+    // exactly one whole GPU (`gpus`, which both would count in) still runs a one-GPU pod.
+    lab.kubectl_ok(&["delete", "pod", "--all", "-n", "team-a", "--wait=true"]);
+    lab.kubectl_ok(&["delete", "pod", "--all", "-n", "team-q", "--wait=true"]);
+    lab.kubectl_ok(&["label", "node", NODE, "gpuplane.dev/apis=dra"]);
+    eventually("the agent to stop for the label change", || {
+        agent.log_text().contains("changed; stopping").then_some(())
+    });
+    drop(agent);
+    let agent = LabAgent::start(&lab, &installed.agent, "dra");
+    eventually(
+        "the device plugin's nvidia.com/gpu to leave allocatable",
+        || {
+            let node = lab.get_json(&["get", "node", NODE])?;
+            let n = &node["status"]["allocatable"]["nvidia.com/gpu"];
+            (n.is_null() || n == "0").then_some(())
+        },
+    );
+    namespace_with_quota(&lab, "team-d", "gpus", 1, "Reject");
+    create(&lab, &pod("team-d", "via-dra", 1), &[]).unwrap();
+    wait_running(&lab, "team-d", "via-dra");
+    let p = pod_json(&lab, "team-d", "via-dra").unwrap();
+    assert!(
+        p["status"]["extendedResourceClaimStatus"]["resourceClaimName"].is_string(),
+        "served through DRA: {}",
+        p["status"]
+    );
 
     // A controller outage blocks GPU pods only: pods without GPUs are never sent.
     let controller_log = controller.log_text();

@@ -1189,6 +1189,32 @@ async fn standalone_claims_are_charged_and_template_claims_are_not_charged_twice
         .await,
     );
     assert_eq!(r["allowed"], false);
+    // The claim the scheduler makes for a pod's nvidia.com/gpu served through DRA: the pod
+    // was charged its nvidia.com/gpu, so the claim is not charged again; from anyone else, or
+    // by the scheduler without the annotation, it is.
+    let extended = |name: &str| {
+        let mut c = claim(name, true);
+        c["metadata"]["annotations"] =
+            json!({"resource.kubernetes.io/extended-resource-claim": "true"});
+        c
+    };
+    let r = response(
+        &post(
+            &tls,
+            wh.addr(),
+            "/validate",
+            &send(extended("p-extended-resources-x"), "system:kube-scheduler"),
+        )
+        .await,
+    );
+    assert_eq!(r["allowed"], true, "{r}");
+    for (c, user) in [
+        (extended("sneaky-2"), "alice"),
+        (claim("sneaky-3", true), "system:kube-scheduler"),
+    ] {
+        let r = response(&post(&tls, wh.addr(), "/validate", &send(c, user)).await);
+        assert_eq!(r["allowed"], false, "{user}: {r}");
+    }
     wh.stop().await;
 }
 

@@ -454,6 +454,19 @@ pub fn settled_claim_charge(
     Ok(Some(total))
 }
 
+/// Whether the scheduler made this claim for a pod's extended resources backed by a
+/// DeviceClass (`extendedResourceName`; annotation `resource.kubernetes.io/extended-resource-claim`):
+/// the pod's `nvidia.com/gpu` is charged through the pod, so its claim must not be again.
+pub fn claim_is_extended_resource_claim(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> bool {
+    claim_is_pod_owned(meta)
+        && meta.annotations.as_ref().is_some_and(|a| {
+            a.get("resource.kubernetes.io/extended-resource-claim")
+                .is_some_and(|v| v == "true")
+        })
+}
+
 /// Whether a ResourceClaim was made from a pod's template (owned by a Pod, or annotated
 /// `resource.kubernetes.io/pod-claim-name`): such claims are charged through the pod.
 pub fn claim_is_pod_owned(

@@ -25,7 +25,9 @@
 //! - [`settled_claim_charge`]`(&claim, &catalog)`: the actual charge from
 //!   `status.allocation` (`Ok(None)` while unallocated; keep the worst case while it has
 //!   unknowns).
-//! - [`claim_is_pod_owned`]: claims made from a pod's template are charged through the pod.
+//! - [`claim_is_pod_owned`]: claims made from a pod's template are charged through the pod;
+//!   [`claim_is_extended_resource_claim`]: so are those the scheduler makes for a pod's
+//!   `nvidia.com/gpu` served through DRA.
 //!
 //! Deciding (pure)
 //! - [`check`]`(&quota, &all_quotas, Some(&key), &charge) -> Result<`[`Fit`]`, `[`Denial`]`>`:
@@ -71,8 +73,9 @@ pub use catalog::{
     DeviceKind,
 };
 pub use charge::{
-    claim_charge, claim_is_pod_owned, pod_charge, pod_resource_counts, pod_template_names,
-    settled_claim_charge, Charge, ChargeError, UnknownCharge,
+    claim_charge, claim_is_extended_resource_claim, claim_is_pod_owned, pod_charge,
+    pod_resource_counts, pod_template_names, settled_claim_charge, Charge, ChargeError,
+    UnknownCharge,
 };
 pub use check::{check, check_consumed, record_queued, try_reserve, Denial, Fit};
 pub use crd::{

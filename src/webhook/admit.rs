@@ -25,9 +25,9 @@ use super::commit::{Answer, CommitError, Committer};
 use super::metrics::Metrics;
 use super::review::{AdmissionRequest, Verdict};
 use crate::quota::{
-    claim_charge, claim_is_pod_owned, now_rfc3339, pod_charge, pod_template_names, Charge,
-    GpuQuota, ObjectKind, Op, QuotaMode, Reservation, ReservationKey, ReservationState,
-    SCHEDULING_GATE,
+    claim_charge, claim_is_extended_resource_claim, claim_is_pod_owned, now_rfc3339, pod_charge,
+    pod_template_names, Charge, GpuQuota, ObjectKind, Op, QuotaMode, Reservation, ReservationKey,
+    ReservationState, SCHEDULING_GATE,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -40,6 +40,9 @@ pub const CLAIM_CONTROLLER_USERS: &[&str] = &[
     "system:serviceaccount:kube-system:resource-claim-controller",
     "system:kube-controller-manager",
 ];
+
+/// The user that creates the claims of pods' extended resources served through DRA.
+pub const SCHEDULER_USER: &str = "system:kube-scheduler";
 
 /// Settings of the admission logic.
 #[derive(Debug, Clone)]
@@ -222,8 +225,9 @@ impl Admitter {
     async fn validate_claim_create(&self, req: &AdmissionRequest) -> Result<Verdict, Verdict> {
         let claim: ResourceClaim = decode(&req.object, "ResourceClaim")?;
         let ns = Self::namespace(req, claim.metadata.namespace.as_ref())?;
-        if claim_is_pod_owned(&claim.metadata)
-            && CLAIM_CONTROLLER_USERS.contains(&req.user_info.username.as_str())
+        let user = req.user_info.username.as_str();
+        if (claim_is_pod_owned(&claim.metadata) && CLAIM_CONTROLLER_USERS.contains(&user))
+            || (claim_is_extended_resource_claim(&claim.metadata) && user == SCHEDULER_USER)
         {
             return Ok(Verdict::allow());
         }
