@@ -781,6 +781,31 @@ fn an_xid_makes_a_gpu_unhealthy_for_the_kubelet_and_the_scheduler_until_it_recov
         "GPU 3 withdrawn from the device plugin while the claim holds it",
         || (allocatable_gpus(&lab).as_deref() == Some("7")).then_some(()),
     );
+    // Health in pod status (ResourceHealthStatus, fed by our dra-health stream): an Xid on the
+    // prepared GPU shows in the container's allocatedResourcesStatus as the kubelet reports
+    // it, and recovery clears it.
+    wait_phase(&lab, "wants-gpu-3", &["Running"]);
+    let health = |lab: &ClusterLab| -> Option<String> {
+        let pod = lab.get_json(&["get", "pod", "wants-gpu-3"])?;
+        let statuses = pod["status"]["containerStatuses"][0]["allocatedResourcesStatus"]
+            .as_array()?
+            .clone();
+        let claim = statuses
+            .iter()
+            .find(|s| s["name"].as_str().is_some_and(|n| n.starts_with("claim:")))?;
+        claim["resources"][0]["health"].as_str().map(String::from)
+    };
+    eventually("the pod status to report its GPU healthy", || {
+        (health(&lab).as_deref() == Some("Healthy")).then_some(())
+    });
+    writeln!(f, "xid 3 48").unwrap();
+    eventually("the pod status to report its GPU unhealthy", || {
+        (health(&lab).as_deref() == Some("Unhealthy")).then_some(())
+    });
+    eventually(
+        "the pod status to report its GPU healthy after recovery",
+        || (health(&lab).as_deref() == Some("Healthy")).then_some(()),
+    );
     // ... until the claim is gone: then the kubelet counts all eight healthy again.
     lab.kubectl_ok(&[
         "delete",
