@@ -5,12 +5,69 @@
 mod lab;
 mod support;
 
+use gpuplane::doubles::apiserver::Fault;
 use gpuplane::dra::ClaimRef;
 use gpuplane::proto::dra_health_v1::HealthStatus;
 use gpuplane::source::DeviceSource;
 use lab::{Lab, DRIVER, NODE, WAIT};
 use serde_json::json;
 use std::time::Duration;
+
+/// A prepared claim's `status.devices` carries our entry (identity in `data`, `Ready`), and
+/// unprepare removes it; a status write that fails never fails the prepare.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepared_claims_get_device_status_and_a_failed_status_write_does_not_fail_them() {
+    let lab = Lab::new("a100-mig-mixed").await;
+    let agent = lab.start("");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.eventually("slices published", |l| !l.slices().is_empty())
+        .await;
+    let stored = |name: &str| {
+        lab.api
+            .get_json("resource.k8s.io/v1", "resourceclaims", Some("team-a"), name)
+            .unwrap()
+    };
+    let mig = lab
+        .slices()
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .find(|d| d["name"].as_str().is_some_and(|n| n.contains("-mig-")))
+        .unwrap();
+    let mig_name = mig["name"].as_str().unwrap().to_string();
+    let c = lab.claim("with-status", &[&mig_name]);
+    lab.prepare(&c).await.unwrap();
+    lab.eventually("our status.devices entry", |_| {
+        stored("with-status")["status"]["devices"]
+            .as_array()
+            .is_some_and(|d| !d.is_empty())
+    })
+    .await;
+    let entry = stored("with-status")["status"]["devices"][0].clone();
+    assert_eq!(entry["driver"], DRIVER);
+    assert_eq!(entry["pool"], NODE);
+    assert_eq!(entry["device"], mig_name.as_str());
+    assert!(
+        entry["data"]["parentUUID"]
+            .as_str()
+            .is_some_and(|u| u.starts_with("GPU-")),
+        "{entry}"
+    );
+    assert!(entry["data"]["profile"].is_string(), "{entry}");
+    assert_eq!(entry["conditions"][0]["type"], "Ready");
+    lab.unprepare(&c).await;
+    lab.eventually("our entry removed on unprepare", |_| {
+        stored("with-status")["status"]["devices"]
+            .as_array()
+            .is_none_or(|d| d.is_empty())
+    })
+    .await;
+
+    let fault = lab.api.inject(Fault::status("PATCH", "/status", 500));
+    let c = lab.claim("status-fails", &[&mig_name]);
+    lab.prepare(&c).await.unwrap();
+    lab.api.clear_fault(fault);
+    agent.stop().await;
+}
 
 /// The node's `gpuplane.dev/apis` label chooses the kubelet APIs (here DRA only: slices and
 /// DRA registration, no device plugin); a change of it stops the agent (the DaemonSet starts

@@ -435,12 +435,90 @@ spec:
     if let Some(visible) = env_value(&log, "NVIDIA_VISIBLE_DEVICES") {
         assert_eq!(visible, uuid);
     }
+    // The claim's status.devices says what was prepared (written under the manifests' RBAC,
+    // which the API server checks per driver).
+    let entry = our_device_status(&lab, &claim_name, &allocated);
+    assert_eq!(entry["data"]["uuid"], uuid.as_str(), "{entry}");
+    assert!(entry["data"]["productName"].is_string(), "{entry}");
     // Deleting the pod unprepares the claim: its CDI spec goes.
     lab.kubectl_ok(&["delete", "pod", "dra-pod", "--wait=true", "--timeout=120s"]);
     eventually(
         "the claim's CDI spec to be removed (NodeUnprepareResources)",
         || (!spec.exists()).then_some(()),
     );
+
+    // A standalone claim outlives its pod: unprepare removes our status.devices entry.
+    lab.apply(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: standalone, namespace: default}
+spec:
+  devices:
+    requests:
+    - name: gpu
+      exactly: {deviceClassName: gpu.gpuplane.dev}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: standalone-pod, namespace: default}
+spec:
+  terminationGracePeriodSeconds: 1
+  resourceClaims:
+  - {name: gpu, resourceClaimName: standalone}
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["sleep", "3600"]
+    resources:
+      claims: [{name: gpu}]
+"#,
+    );
+    wait_phase(&lab, "standalone-pod", &["Running"]);
+    let claim = lab
+        .get_json(&["get", "resourceclaim", "standalone"])
+        .unwrap();
+    let device = claim["status"]["allocation"]["devices"]["results"][0]["device"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    our_device_status(&lab, "standalone", &device);
+    lab.kubectl_ok(&[
+        "delete",
+        "pod",
+        "standalone-pod",
+        "--wait=true",
+        "--timeout=120s",
+    ]);
+    eventually(
+        "our status.devices entry to be removed on unprepare",
+        || {
+            let c = lab.get_json(&["get", "resourceclaim", "standalone"])?;
+            let ours = c["status"]["devices"]
+                .as_array()
+                .is_some_and(|d| d.iter().any(|e| e["driver"] == DRIVER));
+            (!ours).then_some(())
+        },
+    );
+}
+
+/// Our `status.devices` entry for `device` of claim `name` (namespace default), once written,
+/// with its `Ready` condition checked.
+fn our_device_status(lab: &ClusterLab, name: &str, device: &str) -> Value {
+    let entry = eventually(&format!("status.devices of claim {name}"), || {
+        let c = lab.get_json(&["get", "resourceclaim", name])?;
+        c["status"]["devices"]
+            .as_array()?
+            .iter()
+            .find(|e| e["driver"] == DRIVER && e["pool"] == NODE && e["device"] == device)
+            .cloned()
+    });
+    let ready = entry["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == "Ready"))
+        .unwrap_or_else(|| panic!("no Ready condition: {entry}"));
+    assert_eq!(ready["status"], "True", "{entry}");
+    entry
 }
 
 #[test]

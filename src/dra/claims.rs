@@ -362,8 +362,16 @@ pub fn plan_claim(
 pub enum FetchError {
     #[error("ResourceClaim {namespace}/{name} not found")]
     NotFound { namespace: String, name: String },
-    #[error("reading ResourceClaim {namespace}/{name} from the API server: {source}")]
+    #[error("status.devices for ResourceClaim {namespace}/{name} do not decode: {why}")]
+    BadStatus {
+        namespace: String,
+        name: String,
+        why: String,
+    },
+    #[error("{doing} ResourceClaim {namespace}/{name} on the API server: {source}")]
     Api {
+        /// `reading`, `writing the status of`.
+        doing: &'static str,
         namespace: String,
         name: String,
         #[source]
@@ -371,10 +379,18 @@ pub enum FetchError {
     },
 }
 
-/// Reads ResourceClaims.
+/// Reads ResourceClaims, and writes the driver's part of their status.
 #[tonic::async_trait]
 pub trait ClaimFetcher: Send + Sync + 'static {
     async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, FetchError>;
+    /// Sets this driver's `status.devices` entries of a claim to `entries` (rendered by
+    /// [`super::status::device_statuses`]; none: ours are removed).
+    async fn set_device_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        entries: Vec<serde_json::Value>,
+    ) -> Result<(), FetchError>;
 }
 
 /// [`ClaimFetcher`] over the API server.
@@ -389,21 +405,52 @@ impl KubeClaims {
     }
 }
 
-#[tonic::async_trait]
-impl ClaimFetcher for KubeClaims {
-    async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, FetchError> {
-        let api: kube::Api<ResourceClaim> = kube::Api::namespaced(self.client.clone(), namespace);
-        api.get(name).await.map_err(|source| match source {
+impl FetchError {
+    fn from_kube(
+        doing: &'static str,
+        namespace: &str,
+        name: &str,
+        source: kube::Error,
+    ) -> FetchError {
+        match source {
             kube::Error::Api(s) if s.is_not_found() => FetchError::NotFound {
                 namespace: namespace.to_string(),
                 name: name.to_string(),
             },
             source => FetchError::Api {
+                doing,
                 namespace: namespace.to_string(),
                 name: name.to_string(),
                 source,
             },
-        })
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl ClaimFetcher for KubeClaims {
+    async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, FetchError> {
+        let api: kube::Api<ResourceClaim> = kube::Api::namespaced(self.client.clone(), namespace);
+        api.get(name)
+            .await
+            .map_err(|e| FetchError::from_kube("reading", namespace, name, e))
+    }
+
+    async fn set_device_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        entries: Vec<serde_json::Value>,
+    ) -> Result<(), FetchError> {
+        let api: kube::Api<ResourceClaim> = kube::Api::namespaced(self.client.clone(), namespace);
+        // Server-side apply: `status.devices` is a map list keyed by driver, pool and device, so
+        // only the entries this field manager owns change.
+        let params = kube::api::PatchParams::apply(super::status::FIELD_MANAGER).force();
+        let body = super::status::apply_body(namespace, name, entries);
+        api.patch_status(name, &params, &kube::api::Patch::Apply(body))
+            .await
+            .map(|_| ())
+            .map_err(|e| FetchError::from_kube("writing the status of", namespace, name, e))
     }
 }
 
@@ -452,6 +499,34 @@ impl ClaimFetcher for MemoryClaims {
                 namespace: namespace.to_string(),
                 name: name.to_string(),
             })
+    }
+
+    /// Replaces the stored claim's `status.devices` (one driver per store).
+    async fn set_device_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        entries: Vec<serde_json::Value>,
+    ) -> Result<(), FetchError> {
+        let not_found = || FetchError::NotFound {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+        };
+        let devices = entries
+            .into_iter()
+            .map(serde_json::from_value)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| FetchError::BadStatus {
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+                why: e.to_string(),
+            })?;
+        let mut claims = self.lock();
+        let claim = claims
+            .get_mut(&(namespace.to_string(), name.to_string()))
+            .ok_or_else(not_found)?;
+        claim.status.get_or_insert_with(Default::default).devices = Some(devices);
+        Ok(())
     }
 }
 

@@ -44,6 +44,7 @@ use super::checkpoint::{
     self, Checkpoint, CheckpointData, CheckpointError, ClaimEntry, ClaimState,
 };
 use super::claims::{plan_claim, ClaimError, ClaimFetcher, ClaimPlan, FetchError};
+use super::status;
 use super::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
 };
@@ -53,7 +54,7 @@ use crate::cdi::{
 };
 use crate::config::AllocationMode;
 use crate::health::Health;
-use crate::inventory::Inventory;
+use crate::inventory::{DeviceRef, Inventory};
 use crate::ledger::{
     dra_view, Held, Holder, LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, LEDGER_REFUSALS,
     LEDGER_REFUSALS_HELP, LEDGER_RELEASES, LEDGER_RELEASES_HELP,
@@ -61,6 +62,7 @@ use crate::ledger::{
 use crate::metrics;
 use crate::node::state::NodeState;
 use crate::source::DeviceMode;
+use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -143,7 +145,7 @@ pub enum PrepareError {
     #[error("{source}")]
     Fetch {
         #[source]
-        source: FetchError,
+        source: Box<FetchError>,
     },
     #[error("{source}")]
     Plan {
@@ -334,6 +336,8 @@ struct Rendered {
     spec: cdi::Spec,
     devices: Vec<PreparedDevice>,
     units: BTreeMap<String, String>,
+    /// The claim's `status.devices` entries once prepared.
+    status: Vec<serde_json::Value>,
 }
 
 /// The DRA core. See the module docs.
@@ -475,7 +479,9 @@ impl DraCore {
             .claims
             .get(&c.namespace, &c.name)
             .await
-            .map_err(|source| PrepareError::Fetch { source })?;
+            .map_err(|source| PrepareError::Fetch {
+                source: Box::new(source),
+            })?;
 
         let mut cp = self.checkpoint.lock().await;
         if let Some(devices) = self.completed(&cp, &c.uid, false) {
@@ -510,6 +516,7 @@ impl DraCore {
             );
         })?;
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCheckpointCompleted);
+        self.write_device_status(c, rendered.status);
         Ok(rendered.devices)
     }
 
@@ -580,9 +587,9 @@ impl DraCore {
         };
         let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health)
             .map_err(|source| PrepareError::Plan { source })?;
-        match self.device_mode {
+        let mut rendered = match self.device_mode {
             // Nothing on the host to discover: no driver files, no device nodes.
-            DeviceMode::Simulated => self.render_plan(&plan, c, &inv, None),
+            DeviceMode::Simulated => self.render_plan(&plan, c, &inv, None)?,
             DeviceMode::Hardware => {
                 let proc = ProcCaps::new(&self.proc_root);
                 let files = DriverFiles::discover_mounted(
@@ -592,9 +599,43 @@ impl DraCore {
                     &inv,
                     &proc,
                 );
-                self.render_plan(&plan, c, &inv, Some(&files))
+                self.render_plan(&plan, c, &inv, Some(&files))?
             }
-        }
+        };
+        let devices: Vec<(String, DeviceRef<'_>)> = plan
+            .device_names()
+            .into_iter()
+            .filter_map(|n| inv.dra_device(n).map(|d| (n.to_string(), d)))
+            .collect();
+        let now = Timestamp::from_second(Timestamp::now().as_second())
+            .map(|t| t.to_string())
+            .unwrap_or_default();
+        rendered.status = status::device_statuses(
+            &self.driver,
+            &self.pool,
+            &devices,
+            claim.metadata.generation,
+            &now,
+        );
+        Ok(rendered)
+    }
+
+    /// Writes (or, with no entries, removes) our `status.devices` entries of a claim, in the
+    /// background: a failed status write never fails a prepare or an unprepare.
+    fn write_device_status(&self, c: &ClaimRef, entries: Vec<serde_json::Value>) {
+        let (claims, c) = (self.claims.clone(), c.clone());
+        tokio::spawn(async move {
+            let clearing = entries.is_empty();
+            match claims
+                .set_device_status(&c.namespace, &c.name, entries)
+                .await
+            {
+                Ok(()) => {}
+                // Unprepared after the claim was deleted: nothing left to clear.
+                Err(FetchError::NotFound { .. }) if clearing => {}
+                Err(e) => warn!(claim = %claim_label(&c), error = %e, "status.devices not written"),
+            }
+        });
     }
 
     /// Renders the claim's spec: over `files` on real hardware, simulated without them.
@@ -681,11 +722,13 @@ impl DraCore {
             spec,
             devices,
             units,
+            status: Vec::new(),
         })
     }
 
     async fn unprepare_one(&self, c: &ClaimRef) -> Result<(), PrepareError> {
         let mut cp = self.checkpoint.lock().await;
+        let was_prepared = cp.get(&c.uid).is_some();
         let mut stems: Vec<String> = cp
             .get(&c.uid)
             .map(|e| e.cdi_spec_stem.clone())
@@ -715,6 +758,9 @@ impl DraCore {
         if !released.is_empty() {
             metrics::global().inc(LEDGER_RELEASES, LEDGER_RELEASES_HELP, &[("api", "dra")]);
             info!(claim = %claim_label(c), units = ?released, "released by claim");
+        }
+        if was_prepared {
+            self.write_device_status(c, Vec::new());
         }
         Ok(())
     }

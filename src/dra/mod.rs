@@ -12,6 +12,7 @@ pub mod opaque;
 pub mod registration;
 pub mod server;
 pub mod service;
+pub mod status;
 
 use std::collections::BTreeMap;
 use tokio::sync::watch;

@@ -1,0 +1,115 @@
+//! What the driver tells users about a prepared claim in `status.devices` (KEP-4817, GA in
+//! Kubernetes 1.37): one entry per allocated device of ours, keyed by driver, pool and device,
+//! with the device's identity in `data` and a `Ready` condition. Pure rendering; the write is
+//! the claim store's ([`super::claims::ClaimFetcher::set_device_status`]), by server-side apply
+//! under [`FIELD_MANAGER`], so entries of other drivers in the same claim are left alone and an
+//! apply with no entries removes ours.
+
+use crate::inventory::DeviceRef;
+use serde_json::{json, Value};
+
+/// The field manager of our `status.devices` entries.
+pub const FIELD_MANAGER: &str = "gpuplane-node";
+
+/// The `status.devices` entries for `devices` (DRA name and inventory device) of pool `pool`,
+/// prepared at `now` (RFC 3339) for a claim of generation `generation`.
+pub fn device_statuses(
+    driver: &str,
+    pool: &str,
+    devices: &[(String, DeviceRef<'_>)],
+    generation: Option<i64>,
+    now: &str,
+) -> Vec<Value> {
+    devices
+        .iter()
+        .map(|(name, dev)| {
+            let mut data = json!({
+                "uuid": dev.uuid(),
+                "productName": dev.gpu().product_name,
+            });
+            if let DeviceRef::Mig { parent, mig } = dev {
+                data["parentUUID"] = json!(parent.uuid);
+                data["profile"] = json!(mig.profile);
+            }
+            let mut ready = json!({
+                "type": "Ready",
+                "status": "True",
+                "reason": "Prepared",
+                "message": format!("prepared by {driver}; the CDI spec is written"),
+                "lastTransitionTime": now,
+            });
+            if let Some(g) = generation {
+                ready["observedGeneration"] = json!(g);
+            }
+            json!({
+                "driver": driver,
+                "pool": pool,
+                "device": name,
+                "conditions": [ready],
+                "data": data,
+            })
+        })
+        .collect()
+}
+
+/// The server-side apply body that sets our entries of a claim's `status.devices` to
+/// `entries` (none: ours are removed).
+pub fn apply_body(namespace: &str, name: &str, entries: Vec<Value>) -> Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": namespace},
+        "status": {"devices": entries},
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_carry_identity_and_a_ready_condition() {
+        let inv = crate::sim::load("a100-mig-mixed").unwrap();
+        let devs = inv.dra_devices();
+        let gpu = devs
+            .iter()
+            .find(|d| matches!(d, DeviceRef::Gpu(_)))
+            .copied()
+            .unwrap();
+        let mig = devs
+            .iter()
+            .find(|d| matches!(d, DeviceRef::Mig { .. }))
+            .copied()
+            .unwrap();
+        let out = device_statuses(
+            "gpu.gpuplane.dev",
+            "node-a",
+            &[(gpu.dra_name(), gpu), (mig.dra_name(), mig)],
+            Some(3),
+            "2026-12-01T12:00:00Z",
+        );
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0]["driver"], "gpu.gpuplane.dev");
+        assert_eq!(out[0]["pool"], "node-a");
+        assert_eq!(out[0]["device"], gpu.dra_name());
+        assert_eq!(out[0]["data"]["uuid"], gpu.uuid());
+        assert!(out[0]["data"].get("profile").is_none());
+        let c = &out[0]["conditions"][0];
+        assert_eq!(
+            (
+                c["type"].as_str(),
+                c["status"].as_str(),
+                c["observedGeneration"].as_i64()
+            ),
+            (Some("Ready"), Some("True"), Some(3))
+        );
+        let DeviceRef::Mig { parent, mig: m } = mig else {
+            unreachable!()
+        };
+        assert_eq!(out[1]["data"]["parentUUID"], parent.uuid);
+        assert_eq!(out[1]["data"]["profile"], m.profile);
+        let body = apply_body("team-a", "c", Vec::new());
+        assert_eq!(body["status"]["devices"], json!([]));
+        assert_eq!(body["metadata"]["namespace"], "team-a");
+    }
+}
