@@ -897,3 +897,54 @@ fn an_xid_makes_a_gpu_unhealthy_for_the_kubelet_and_the_scheduler_until_it_recov
         || (allocatable_gpus(&lab).as_deref() == Some("8")).then_some(()),
     );
 }
+
+/// Draining a GPU is the admin's call, with a `DeviceTaintRule` (docs/dra.md, "Taints"): a
+/// `NoExecute` rule on one device makes the real eviction controller delete the pod whose claim
+/// holds it and the real scheduler keep new claims off it, until the rule is deleted.
+#[test]
+fn an_admin_drains_a_gpu_with_a_device_taint_rule() {
+    let _one = lock();
+    let Some((lab, _kc, _agent)) = lab_with_agent() else {
+        return;
+    };
+    let gpu5 = gpuplane::sim::load("dgx-h100").unwrap().gpus[5]
+        .uuid
+        .clone();
+    let on_gpu5 = format!("device.attributes['gpu.gpuplane.dev'].uuid == '{gpu5}'");
+    claim_pod(&lab, "on-gpu-5", 1, &on_gpu5);
+    wait_phase(&lab, "on-gpu-5", &["Running"]);
+    lab.apply(&format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: DeviceTaintRule
+metadata: {{name: drain-gpu-5}}
+spec:
+  deviceSelector: {{driver: {DRIVER}, pool: {NODE}, device: gpu-5}}
+  taint: {{key: example.com/maintenance, value: drain, effect: NoExecute}}
+"#
+    ));
+    eventually_or(
+        "the eviction controller to delete the pod on the drained GPU",
+        || {
+            let gone = match lab.get_json(&["get", "pod", "on-gpu-5"]) {
+                None => true,
+                Some(p) => !p["metadata"]["deletionTimestamp"].is_null(),
+            };
+            gone.then_some(())
+        },
+        || lab.describe_pod("on-gpu-5"),
+    );
+    lab.kubectl_ok(&[
+        "delete",
+        "pod",
+        "on-gpu-5",
+        "--ignore-not-found",
+        "--wait=true",
+    ]);
+    claim_pod(&lab, "wants-gpu-5", 1, &on_gpu5);
+    let reason = eventually("the scheduler's reason for wants-gpu-5", || {
+        unschedulable_reason(&lab, "wants-gpu-5")
+    });
+    assert!(reason.contains("claim"), "{reason}");
+    lab.kubectl_ok(&["delete", "devicetaintrule", "drain-gpu-5"]);
+    wait_phase(&lab, "wants-gpu-5", &["Running"]);
+}
