@@ -4,6 +4,7 @@
 use super::resources::{builtin, ApiError, ResourceInfo};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 
@@ -38,7 +39,7 @@ impl EventType {
 }
 
 /// One change, as a watch sees it.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct Event {
     pub rv: u64,
     pub res: ResKey,
@@ -47,6 +48,34 @@ pub(crate) struct Event {
     pub object: Value,
     /// The object before this change (for selector transitions); None for ADDED.
     pub prev: Option<Value>,
+    /// `object` as JSON, encoded once for every watch that sends it.
+    encoded: OnceLock<Vec<u8>>,
+}
+
+impl Event {
+    pub fn new(
+        rv: u64,
+        res: ResKey,
+        namespace: String,
+        kind: EventType,
+        object: Value,
+        prev: Option<Value>,
+    ) -> Event {
+        Event {
+            rv,
+            res,
+            namespace,
+            kind,
+            object,
+            prev,
+            encoded: OnceLock::new(),
+        }
+    }
+
+    pub fn encoded(&self) -> &[u8] {
+        self.encoded
+            .get_or_init(|| serde_json::to_vec(&self.object).unwrap_or_default())
+    }
 }
 
 pub(crate) const DEFAULT_HISTORY: usize = 10_000;
@@ -55,7 +84,9 @@ pub(crate) struct Store {
     pub resources: Vec<ResourceInfo>,
     pub objects: BTreeMap<ResKey, BTreeMap<ObjKey, Value>>,
     pub rv: u64,
-    history: VecDeque<Event>,
+    /// Shared with the watches that send them: an event is stored and encoded once, not
+    /// once per watch.
+    history: VecDeque<Arc<Event>>,
     history_cap: usize,
     /// Every event with rv > this is in `history`; watching from below it is 410 Gone.
     history_start: u64,
@@ -170,14 +201,14 @@ impl Store {
         object: Value,
         prev: Option<Value>,
     ) {
-        self.history.push_back(Event {
-            rv: self.rv,
-            res: res_key(info),
+        self.history.push_back(Arc::new(Event::new(
+            self.rv,
+            res_key(info),
             namespace,
             kind,
             object,
             prev,
-        });
+        )));
         while self.history.len() > self.history_cap {
             if let Some(e) = self.history.pop_front() {
                 self.history_start = e.rv;
@@ -207,13 +238,19 @@ impl Store {
         })
     }
 
-    /// Events after `rv` (all resources) and the current resourceVersion.
-    pub fn events_after(&self, rv: u64) -> Result<(Vec<Event>, u64), ApiError> {
+    /// Events of resource `res` after `rv` and the current resourceVersion.
+    pub fn events_after(&self, res: &ResKey, rv: u64) -> Result<(Vec<Arc<Event>>, u64), ApiError> {
         if let Some(e) = self.too_old(rv) {
             return Err(e);
         }
         let start = self.history.partition_point(|e| e.rv <= rv);
-        Ok((self.history.range(start..).cloned().collect(), self.rv))
+        let events = self
+            .history
+            .range(start..)
+            .filter(|e| e.res == *res)
+            .cloned()
+            .collect();
+        Ok((events, self.rv))
     }
 
     pub fn next_seq(&mut self) -> u64 {
