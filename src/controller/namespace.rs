@@ -85,26 +85,26 @@ pub struct Decision {
 }
 
 /// A queued pod with its charge.
+#[derive(Clone)]
 struct Queued<'a> {
     pod: &'a Pod,
     key: ReservationKey,
     charge: Result<Charge, String>,
 }
 
-/// Decides one namespace's cycle. `fresh` are its GpuQuotas as just read; `working` holds
-/// every quota of the cluster (this namespace's are replaced by compacted `fresh` ones and
-/// then charged with what is released, so later namespaces of a cohort see it).
-pub fn decide(
-    input: &Inputs<'_>,
-    fresh: &[GpuQuota],
-    working: &mut Working,
-) -> Result<Decision, QuotaMathError> {
-    let ns = input.namespace;
-    let now_ts = Timestamp::try_from(input.now).unwrap_or_else(|_| Timestamp::now());
-    let charge_of = |p: &Pod| {
-        pod_charge(p, input.templates, input.catalog).map_err(|e| format!("cannot be charged: {e}"))
-    };
+/// What a namespace's pods and claims come to, whatever its quotas say: usage, the live
+/// objects reservations are matched with, and the gated pods priced. [`decide`] takes it apart
+/// from the quotas so that a status write that conflicted is decided again from a fresh read
+/// without pricing every pod again: the window between that read and the write stays short.
+pub struct Observed<'a> {
+    used: Usage,
+    live: BTreeMap<ReservationKey, LiveObject>,
+    gated: Vec<Queued<'a>>,
+}
 
+/// Prices the pods and claims of `input` (see [`Observed`]).
+pub fn observe<'a>(input: &Inputs<'a>) -> Result<Observed<'a>, QuotaMathError> {
+    let ns = input.namespace;
     // Usage and live objects.
     let mut used = Usage::default();
     let mut live: BTreeMap<ReservationKey, LiveObject> = BTreeMap::new();
@@ -112,7 +112,7 @@ pub fn decide(
         let name = p.metadata.name.clone().unwrap_or_default();
         let counted = pods::is_counted(p);
         if counted {
-            match charge_of(p) {
+            match charge_of(input, p) {
                 Ok(c) => used.add_assign(&c.usage)?,
                 Err(e) => {
                     tracing::warn!(pod = %format!("{ns}/{name}"), error = %e, "a running pod cannot be charged; not counted")
@@ -152,6 +152,36 @@ pub fn decide(
             },
         );
     }
+    let gated = input
+        .pods
+        .iter()
+        .filter(|p| pods::is_queued(p))
+        .map(|p| Queued {
+            pod: p,
+            key: ReservationKey::pod(ns, p.metadata.name.as_deref().unwrap_or_default()),
+            charge: charge_of(input, p),
+        })
+        .collect();
+    Ok(Observed { used, live, gated })
+}
+
+fn charge_of(input: &Inputs<'_>, p: &Pod) -> Result<Charge, String> {
+    pod_charge(p, input.templates, input.catalog).map_err(|e| format!("cannot be charged: {e}"))
+}
+
+/// Decides one namespace's cycle from what [`observe`] saw of it. `fresh` are its GpuQuotas
+/// as just read; `working` holds every quota of the cluster (this namespace's are replaced by
+/// compacted `fresh` ones and then charged with what is released, so later namespaces of a
+/// cohort see it).
+pub fn decide(
+    input: &Inputs<'_>,
+    observed: &Observed<'_>,
+    fresh: &[GpuQuota],
+    working: &mut Working,
+) -> Result<Decision, QuotaMathError> {
+    let ns = input.namespace;
+    let now_ts = Timestamp::try_from(input.now).unwrap_or_else(|_| Timestamp::now());
+    let (used, live) = (&observed.used, &observed.live);
 
     // Drop what is counted or stale.
     let mut quotas: Vec<GpuQuota> = fresh.to_vec();
@@ -160,7 +190,7 @@ pub fn decide(
         let mut s = q.status_or_default();
         s.used = used.clone();
         let stale: BTreeSet<ReservationKey> =
-            stale_reservations(&s, &live, now_ts, input.settings.grace)
+            stale_reservations(&s, live, now_ts, input.settings.grace)
                 .into_iter()
                 .collect();
         if !stale.is_empty() {
@@ -195,16 +225,11 @@ pub fn decide(
     // The queue.
     let mut admitted_gated = Vec::new();
     let mut queued: Vec<Queued<'_>> = Vec::new();
-    for p in input.pods.iter().filter(|p| pods::is_queued(p)) {
-        let key = ReservationKey::pod(ns, p.metadata.name.as_deref().unwrap_or_default());
-        if reserved_everywhere(&key) {
-            admitted_gated.push(PodRef::of(p));
+    for g in &observed.gated {
+        if reserved_everywhere(&g.key) {
+            admitted_gated.push(PodRef::of(g.pod));
         } else {
-            queued.push(Queued {
-                pod: p,
-                key,
-                charge: charge_of(p),
-            });
+            queued.push(g.clone());
         }
     }
     let exclude: BTreeSet<ReservationKey> = queued.iter().map(|q| q.key.clone()).collect();

@@ -34,6 +34,10 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
 
+/// A namespace whose status write conflicted is decided again at once this many times before
+/// its retry waits for [`error_policy`].
+const CONFLICT_RETRIES: u32 = 8;
+
 /// Tunables of the loop.
 #[derive(Debug, Clone)]
 pub struct QueueOptions {
@@ -289,8 +293,7 @@ impl QueueLoop {
         let mut working = self.working();
         let mut again = Vec::new();
         for ns in namespaces {
-            let now = SystemTime::now();
-            match self.reconcile(ns, now, &mut working).await {
+            match self.reconcile(ns, SystemTime::now(), &mut working).await {
                 Ok(next) => {
                     self.failures.remove(ns);
                     if let Some(t) = next {
@@ -368,11 +371,6 @@ impl QueueLoop {
             return Ok(None);
         }
         let api: Api<GpuQuota> = Api::namespaced(self.client.clone(), ns);
-        let fresh = api
-            .list(&ListParams::default())
-            .await
-            .map_err(|e| api_error("listing GpuQuotas in", ns, e))?
-            .items;
         let claims = self.claims.in_namespace(ns);
         let templates: BTreeMap<String, ResourceClaimSpec> = self
             .templates
@@ -385,21 +383,42 @@ impl QueueLoop {
                 )
             })
             .collect();
+        let catalog = self.catalog.clone();
         let inputs = Inputs {
             namespace: ns,
             pods: &pods,
             claims: &claims,
             templates: &templates,
-            catalog: &self.catalog,
+            catalog: &catalog,
             now,
             settings: self.opts.settings,
         };
-        let decision =
-            namespace::decide(&inputs, &fresh, working).map_err(|source| QueueError::Math {
-                namespace: ns.into(),
-                source,
-            })?;
-        self.write_quotas(ns, &api, &decision).await?;
+        let math = |source| QueueError::Math {
+            namespace: ns.into(),
+            source,
+        };
+        let observed = namespace::observe(&inputs).map_err(math)?;
+        let mut conflicts = 0;
+        let decision = loop {
+            let fresh = api
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| api_error("listing GpuQuotas in", ns, e))?
+                .items;
+            let decision = namespace::decide(&inputs, &observed, &fresh, working).map_err(math)?;
+            match self.write_quotas(ns, &api, &decision).await {
+                // Decide again at once from a fresh read: after a backoff the webhook's group
+                // commit, which writes the same status once per batch, would win again, and
+                // the reservations this write drops would pile up in every status it writes.
+                Err(QueueError::Conflict(_)) if conflicts < CONFLICT_RETRIES => {
+                    conflicts += 1;
+                    self.metrics.status_write(true);
+                    // What this attempt charged to the cohort was never written.
+                    *working = self.working();
+                }
+                r => break r.map(|()| decision)?,
+            }
+        };
         self.metrics
             .set_waiting(ns, quota_names(&decision), decision.waiting.len() as u64);
         let released = self.release(ns, &decision, &pods).await;

@@ -64,7 +64,8 @@ fn run(
         settings: QueueSettings::default(),
     };
     let mut working = Working::default();
-    decide(&input, quotas, &mut working).unwrap()
+    let observed = observe(&input).unwrap();
+    decide(&input, &observed, quotas, &mut working).unwrap()
 }
 
 fn names(refs: &[PodRef]) -> Vec<&str> {

@@ -58,11 +58,11 @@ fn remove_meta(v: &mut Value, field: &str) {
     }
 }
 
-fn set_or_remove(obj: &mut Value, field: &str, value: Option<&Value>) {
+fn set_or_remove(obj: &mut Value, field: &str, value: Option<Value>) {
     if let Value::Object(m) = obj {
         match value {
             Some(v) => {
-                m.insert(field.into(), v.clone());
+                m.insert(field.into(), v);
             }
             None => {
                 m.remove(field);
@@ -183,7 +183,7 @@ impl Store {
             // As upstream strategies do on create: status is the server's to set.
             let fresh = (info.group.is_empty() && info.plural == "pods")
                 .then(|| json!({"phase": "Pending"}));
-            set_or_remove(&mut body, "status", fresh.as_ref());
+            set_or_remove(&mut body, "status", fresh);
         }
         let uid = self.new_uid();
         if let Some(meta) = meta_mut(&mut body) {
@@ -298,20 +298,30 @@ impl Store {
         &mut self,
         info: &ResourceInfo,
         old: Value,
-        candidate: Value,
+        mut candidate: Value,
         sub: Sub,
         dry_run: bool,
     ) -> Value {
         let mut new = match sub {
             Sub::Status => {
-                let mut n = old.clone();
-                set_or_remove(&mut n, "status", candidate.get("status"));
+                // `old` without its status (replaced at once, not worth cloning).
+                let mut n = match &old {
+                    Value::Object(m) => Value::Object(
+                        m.iter()
+                            .filter(|(k, _)| *k != "status")
+                            .map(|(k, v)| (k.clone(), v.clone()))
+                            .collect(),
+                    ),
+                    other => other.clone(),
+                };
+                let status = candidate.as_object_mut().and_then(|m| m.remove("status"));
+                set_or_remove(&mut n, "status", status);
                 n
             }
             Sub::Main => {
                 let mut n = candidate;
                 if info.has_status {
-                    set_or_remove(&mut n, "status", old.get("status"));
+                    set_or_remove(&mut n, "status", old.get("status").cloned());
                 }
                 for f in [
                     "name",
