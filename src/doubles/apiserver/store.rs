@@ -45,9 +45,9 @@ pub(crate) struct Event {
     pub res: ResKey,
     pub namespace: String,
     pub kind: EventType,
-    pub object: Value,
+    pub object: Arc<Value>,
     /// The object before this change (for selector transitions); None for ADDED.
-    pub prev: Option<Value>,
+    pub prev: Option<Arc<Value>>,
     /// `object` as JSON, encoded once for every watch that sends it.
     encoded: OnceLock<Vec<u8>>,
 }
@@ -58,8 +58,8 @@ impl Event {
         res: ResKey,
         namespace: String,
         kind: EventType,
-        object: Value,
-        prev: Option<Value>,
+        object: Arc<Value>,
+        prev: Option<Arc<Value>>,
     ) -> Event {
         Event {
             rv,
@@ -74,7 +74,7 @@ impl Event {
 
     pub fn encoded(&self) -> &[u8] {
         self.encoded
-            .get_or_init(|| serde_json::to_vec(&self.object).unwrap_or_default())
+            .get_or_init(|| serde_json::to_vec(&*self.object).unwrap_or_default())
     }
 }
 
@@ -82,7 +82,9 @@ pub(crate) const DEFAULT_HISTORY: usize = 10_000;
 
 pub(crate) struct Store {
     pub resources: Vec<ResourceInfo>,
-    pub objects: BTreeMap<ResKey, BTreeMap<ObjKey, Value>>,
+    /// Shared with the history: an event holds the object stored and the one it replaced
+    /// without copying either.
+    pub objects: BTreeMap<ResKey, BTreeMap<ObjKey, Arc<Value>>>,
     pub rv: u64,
     /// Shared with the watches that send them: an event is stored and encoded once, not
     /// once per watch.
@@ -135,6 +137,15 @@ impl Store {
         self.objects
             .get(&res_key(info))?
             .get(&(ns.to_string(), name.to_string()))
+            .map(|v| &**v)
+    }
+
+    /// The stored object itself, shared (an update compares with it and keeps parts of it).
+    pub fn get_shared(&self, info: &ResourceInfo, ns: &str, name: &str) -> Option<Arc<Value>> {
+        self.objects
+            .get(&res_key(info))?
+            .get(&(ns.to_string(), name.to_string()))
+            .cloned()
     }
 
     /// Objects of a resource in key order, optionally within one namespace.
@@ -148,6 +159,7 @@ impl Store {
             .into_iter()
             .flat_map(|m| m.iter())
             .filter(move |((n, _), _)| ns.is_none_or(|want| want == n))
+            .map(|(k, v)| (k, &**v))
     }
 
     /// Stores `object` at a new resourceVersion and records the event; returns what was stored.
@@ -162,18 +174,19 @@ impl Store {
             .unwrap_or("")
             .to_string();
         object["metadata"]["resourceVersion"] = json!(self.rv.to_string());
+        let stored = Arc::new(object);
         let prev = self
             .objects
             .entry(res_key(info))
             .or_default()
-            .insert((ns.clone(), name), object.clone());
+            .insert((ns.clone(), name), stored.clone());
         let kind = if prev.is_some() {
             EventType::Modified
         } else {
             EventType::Added
         };
-        self.record(info, ns, kind, object.clone(), prev);
-        object
+        self.record(info, ns, kind, stored.clone(), prev);
+        Arc::unwrap_or_clone(stored)
     }
 
     /// Removes an object at a new resourceVersion; returns it as the DELETED event carries it.
@@ -181,8 +194,9 @@ impl Store {
         let key = (ns.to_string(), name.to_string());
         let prev = self.objects.get_mut(&res_key(info))?.remove(&key)?;
         self.rv += 1;
-        let mut gone = prev.clone();
+        let mut gone = (*prev).clone();
         gone["metadata"]["resourceVersion"] = json!(self.rv.to_string());
+        let gone = Arc::new(gone);
         self.record(
             info,
             ns.to_string(),
@@ -190,7 +204,7 @@ impl Store {
             gone.clone(),
             Some(prev),
         );
-        Some(gone)
+        Some(Arc::unwrap_or_clone(gone))
     }
 
     fn record(
@@ -198,8 +212,8 @@ impl Store {
         info: &ResourceInfo,
         namespace: String,
         kind: EventType,
-        object: Value,
-        prev: Option<Value>,
+        object: Arc<Value>,
+        prev: Option<Arc<Value>>,
     ) {
         self.history.push_back(Arc::new(Event::new(
             self.rv,

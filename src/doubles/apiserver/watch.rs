@@ -192,8 +192,8 @@ mod tests {
             ("".into(), "v1".into(), "pods".into()),
             ns.into(),
             kind,
-            obj(now),
-            before.map(obj),
+            Arc::new(obj(now)),
+            before.map(|b| Arc::new(obj(b))),
         )
     }
 
