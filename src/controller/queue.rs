@@ -1,8 +1,9 @@
 //! The quota loop (I/O shell): watches pods, GpuQuotas, ResourceClaims, templates,
 //! ResourceSlices and DeviceClasses into [`Cache`]s, and reconciles each namespace that
 //! changed (or whose time came) with [`namespace::decide`], then applies the decision:
-//! GpuQuota status first (PUT `/status` with the resourceVersion just read; a 409 plans the
-//! namespace again), gates second, notes (conditions and Events) last.
+//! GpuQuota status first (PUT `/status` with the resourceVersion just read; a 409 lists and
+//! decides the namespace again at once, a few times, then backs off), gates second, notes
+//! (conditions and Events) last.
 //!
 //! [`QueueLoop::drive`] is the core: it takes the caches' input as a channel and a stop
 //! signal, not watchers, so tests can feed it. [`run`] wires the real watchers to it.

@@ -9,8 +9,9 @@
 //!
 //! Exactness: an admission is answered only after the write that recorded it succeeded (a
 //! request whose reservation was not durably written is never admitted). The state decided on
-//! is the one this task last wrote (the PUT's answer) or read; a 409 Conflict (another replica,
-//! the controller) reads again and decides the whole batch again. A batch that needs no write
+//! is the one this task last wrote (the PUT's answer) or read, or the watch cache's copy when
+//! that is newer; a 409 Conflict (another replica, the controller) reads again and decides the
+//! whole batch again. A batch that needs no write
 //! (all denied, all already recorded) is only answered from a state read in this round, never
 //! from the remembered one. A borrowing admission is also re-checked against the cohort read
 //! after the write ([`crate::quota::stale_borrowers`]); one that no longer fits is decided
