@@ -25,7 +25,7 @@ use crate::quota::{
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimSpec};
 use k8s_openapi::jiff::Timestamp;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -102,9 +102,44 @@ pub struct Observed<'a> {
     gated: Vec<Queued<'a>>,
 }
 
-/// Prices the pods and claims of `input` (see [`Observed`]).
-pub fn observe<'a>(input: &Inputs<'a>) -> Result<Observed<'a>, QuotaMathError> {
+/// A pod's charge as last priced, by namespace and uid, with the resourceVersion it was priced
+/// at: pricing every pod of a namespace on every reconcile held a worker for milliseconds with
+/// a thousand pods. A charge also depends on the namespace's ResourceClaimTemplates and on the
+/// device catalog; whoever feeds [`observe`] clears this when either changes.
+#[derive(Debug, Default)]
+pub struct Charges {
+    by_namespace: HashMap<String, HashMap<String, Priced>>,
+}
+
+/// The resourceVersion a pod was priced at, and what it came to.
+type Priced = (String, Result<Charge, String>);
+
+impl Charges {
+    pub fn clear(&mut self) {
+        self.by_namespace.clear();
+    }
+}
+
+/// Prices the pods and claims of `input` (see [`Observed`]); `charges` keeps the pods' charges
+/// for the next call (only those of pods still there).
+pub fn observe<'a>(
+    input: &Inputs<'a>,
+    charges: &mut Charges,
+) -> Result<Observed<'a>, QuotaMathError> {
     let ns = input.namespace;
+    let mut before = charges.by_namespace.remove(ns).unwrap_or_default();
+    let mut kept = HashMap::new();
+    let mut charge_of = |p: &Pod| {
+        let (Some(uid), Some(rv)) = (&p.metadata.uid, &p.metadata.resource_version) else {
+            return price(input, p);
+        };
+        let c = match before.remove(uid) {
+            Some((at, c)) if at == *rv => c,
+            _ => price(input, p),
+        };
+        kept.insert(uid.clone(), (rv.clone(), c.clone()));
+        c
+    };
     // Usage and live objects.
     let mut used = Usage::default();
     let mut live: BTreeMap<ReservationKey, LiveObject> = BTreeMap::new();
@@ -112,7 +147,7 @@ pub fn observe<'a>(input: &Inputs<'a>) -> Result<Observed<'a>, QuotaMathError> {
         let name = p.metadata.name.clone().unwrap_or_default();
         let counted = pods::is_counted(p);
         if counted {
-            match charge_of(input, p) {
+            match charge_of(p) {
                 Ok(c) => used.add_assign(&c.usage)?,
                 Err(e) => {
                     tracing::warn!(pod = %format!("{ns}/{name}"), error = %e, "a running pod cannot be charged; not counted")
@@ -159,13 +194,14 @@ pub fn observe<'a>(input: &Inputs<'a>) -> Result<Observed<'a>, QuotaMathError> {
         .map(|p| Queued {
             pod: p,
             key: ReservationKey::pod(ns, p.metadata.name.as_deref().unwrap_or_default()),
-            charge: charge_of(input, p),
+            charge: charge_of(p),
         })
         .collect();
+    charges.by_namespace.insert(ns.to_string(), kept);
     Ok(Observed { used, live, gated })
 }
 
-fn charge_of(input: &Inputs<'_>, p: &Pod) -> Result<Charge, String> {
+fn price(input: &Inputs<'_>, p: &Pod) -> Result<Charge, String> {
     pod_charge(p, input.templates, input.catalog).map_err(|e| format!("cannot be charged: {e}"))
 }
 

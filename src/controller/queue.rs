@@ -148,6 +148,7 @@ pub struct QueueLoop {
     ungated: HashMap<String, Instant>,
     memos: HashMap<String, Memo>,
     failures: HashMap<String, u32>,
+    charges: namespace::Charges,
 }
 
 impl QueueLoop {
@@ -168,6 +169,7 @@ impl QueueLoop {
             ungated: HashMap::new(),
             memos: HashMap::new(),
             failures: HashMap::new(),
+            charges: namespace::Charges::default(),
         }
     }
 
@@ -193,7 +195,11 @@ impl QueueLoop {
         match input {
             Input::Pod(e) => self.pods.apply(*e),
             Input::Claim(e) => self.claims.apply(*e),
-            Input::Template(e) => self.templates.apply(*e),
+            Input::Template(e) => {
+                // A pod's charge may come from its templates.
+                self.charges.clear();
+                self.templates.apply(*e)
+            }
             Input::Quota(e) => {
                 let e = *e;
                 let cohorts: Vec<String> = match &e {
@@ -290,6 +296,7 @@ impl QueueLoop {
                 self.opts.catalog.clone(),
             ));
             self.catalog_stale = false;
+            self.charges.clear();
         }
         let mut working = self.working();
         let mut again = Vec::new();
@@ -398,7 +405,7 @@ impl QueueLoop {
             namespace: ns.into(),
             source,
         };
-        let observed = namespace::observe(&inputs).map_err(math)?;
+        let observed = namespace::observe(&inputs, &mut self.charges).map_err(math)?;
         let mut conflicts = 0;
         let decision = loop {
             let fresh = api
