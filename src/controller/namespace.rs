@@ -25,7 +25,7 @@ use crate::quota::{
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimSpec};
 use k8s_openapi::jiff::Timestamp;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -85,26 +85,61 @@ pub struct Decision {
 }
 
 /// A queued pod with its charge.
+#[derive(Clone)]
 struct Queued<'a> {
     pod: &'a Pod,
     key: ReservationKey,
     charge: Result<Charge, String>,
 }
 
-/// Decides one namespace's cycle. `fresh` are its GpuQuotas as just read; `working` holds
-/// every quota of the cluster (this namespace's are replaced by compacted `fresh` ones and
-/// then charged with what is released, so later namespaces of a cohort see it).
-pub fn decide(
-    input: &Inputs<'_>,
-    fresh: &[GpuQuota],
-    working: &mut Working,
-) -> Result<Decision, QuotaMathError> {
-    let ns = input.namespace;
-    let now_ts = Timestamp::try_from(input.now).unwrap_or_else(|_| Timestamp::now());
-    let charge_of = |p: &Pod| {
-        pod_charge(p, input.templates, input.catalog).map_err(|e| format!("cannot be charged: {e}"))
-    };
+/// What a namespace's pods and claims come to, whatever its quotas say: usage, the live
+/// objects reservations are matched with, and the gated pods priced. [`decide`] takes it apart
+/// from the quotas so that a status write that conflicted is decided again from a fresh read
+/// without pricing every pod again: the window between that read and the write stays short.
+pub struct Observed<'a> {
+    used: Usage,
+    live: BTreeMap<ReservationKey, LiveObject>,
+    gated: Vec<Queued<'a>>,
+}
 
+/// A pod's charge as last priced, by namespace and uid, with the resourceVersion it was priced
+/// at: pricing every pod of a namespace on every reconcile held a worker for milliseconds with
+/// a thousand pods. A charge also depends on the namespace's ResourceClaimTemplates and on the
+/// device catalog; whoever feeds [`observe`] clears this when either changes.
+#[derive(Debug, Default)]
+pub struct Charges {
+    by_namespace: HashMap<String, HashMap<String, Priced>>,
+}
+
+/// The resourceVersion a pod was priced at, and what it came to.
+type Priced = (String, Result<Charge, String>);
+
+impl Charges {
+    pub fn clear(&mut self) {
+        self.by_namespace.clear();
+    }
+}
+
+/// Prices the pods and claims of `input` (see [`Observed`]); `charges` keeps the pods' charges
+/// for the next call (only those of pods still there).
+pub fn observe<'a>(
+    input: &Inputs<'a>,
+    charges: &mut Charges,
+) -> Result<Observed<'a>, QuotaMathError> {
+    let ns = input.namespace;
+    let mut before = charges.by_namespace.remove(ns).unwrap_or_default();
+    let mut kept = HashMap::new();
+    let mut charge_of = |p: &Pod| {
+        let (Some(uid), Some(rv)) = (&p.metadata.uid, &p.metadata.resource_version) else {
+            return price(input, p);
+        };
+        let c = match before.remove(uid) {
+            Some((at, c)) if at == *rv => c,
+            _ => price(input, p),
+        };
+        kept.insert(uid.clone(), (rv.clone(), c.clone()));
+        c
+    };
     // Usage and live objects.
     let mut used = Usage::default();
     let mut live: BTreeMap<ReservationKey, LiveObject> = BTreeMap::new();
@@ -152,6 +187,37 @@ pub fn decide(
             },
         );
     }
+    let gated = input
+        .pods
+        .iter()
+        .filter(|p| pods::is_queued(p))
+        .map(|p| Queued {
+            pod: p,
+            key: ReservationKey::pod(ns, p.metadata.name.as_deref().unwrap_or_default()),
+            charge: charge_of(p),
+        })
+        .collect();
+    charges.by_namespace.insert(ns.to_string(), kept);
+    Ok(Observed { used, live, gated })
+}
+
+fn price(input: &Inputs<'_>, p: &Pod) -> Result<Charge, String> {
+    pod_charge(p, input.templates, input.catalog).map_err(|e| format!("cannot be charged: {e}"))
+}
+
+/// Decides one namespace's cycle from what [`observe`] saw of it. `fresh` are its GpuQuotas
+/// as just read; `working` holds every quota of the cluster (this namespace's are replaced by
+/// compacted `fresh` ones and then charged with what is released, so later namespaces of a
+/// cohort see it).
+pub fn decide(
+    input: &Inputs<'_>,
+    observed: &Observed<'_>,
+    fresh: &[GpuQuota],
+    working: &mut Working,
+) -> Result<Decision, QuotaMathError> {
+    let ns = input.namespace;
+    let now_ts = Timestamp::try_from(input.now).unwrap_or_else(|_| Timestamp::now());
+    let (used, live) = (&observed.used, &observed.live);
 
     // Drop what is counted or stale.
     let mut quotas: Vec<GpuQuota> = fresh.to_vec();
@@ -160,7 +226,7 @@ pub fn decide(
         let mut s = q.status_or_default();
         s.used = used.clone();
         let stale: BTreeSet<ReservationKey> =
-            stale_reservations(&s, &live, now_ts, input.settings.grace)
+            stale_reservations(&s, live, now_ts, input.settings.grace)
                 .into_iter()
                 .collect();
         if !stale.is_empty() {
@@ -195,16 +261,11 @@ pub fn decide(
     // The queue.
     let mut admitted_gated = Vec::new();
     let mut queued: Vec<Queued<'_>> = Vec::new();
-    for p in input.pods.iter().filter(|p| pods::is_queued(p)) {
-        let key = ReservationKey::pod(ns, p.metadata.name.as_deref().unwrap_or_default());
-        if reserved_everywhere(&key) {
-            admitted_gated.push(PodRef::of(p));
+    for g in &observed.gated {
+        if reserved_everywhere(&g.key) {
+            admitted_gated.push(PodRef::of(g.pod));
         } else {
-            queued.push(Queued {
-                pod: p,
-                key,
-                charge: charge_of(p),
-            });
+            queued.push(g.clone());
         }
     }
     let exclude: BTreeSet<ReservationKey> = queued.iter().map(|q| q.key.clone()).collect();

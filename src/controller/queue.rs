@@ -1,8 +1,9 @@
 //! The quota loop (I/O shell): watches pods, GpuQuotas, ResourceClaims, templates,
 //! ResourceSlices and DeviceClasses into [`Cache`]s, and reconciles each namespace that
 //! changed (or whose time came) with [`namespace::decide`], then applies the decision:
-//! GpuQuota status first (PUT `/status` with the resourceVersion just read; a 409 plans the
-//! namespace again), gates second, notes (conditions and Events) last.
+//! GpuQuota status first (PUT `/status` with the resourceVersion just read; a 409 lists and
+//! decides the namespace again at once, a few times, then backs off), gates second, notes
+//! (conditions and Events) last.
 //!
 //! [`QueueLoop::drive`] is the core: it takes the caches' input as a channel and a stop
 //! signal, not watchers, so tests can feed it. [`run`] wires the real watchers to it.
@@ -33,6 +34,10 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
+
+/// A namespace whose status write conflicted is decided again at once this many times before
+/// its retry waits for [`error_policy`].
+const CONFLICT_RETRIES: u32 = 8;
 
 /// Tunables of the loop.
 #[derive(Debug, Clone)]
@@ -143,6 +148,7 @@ pub struct QueueLoop {
     ungated: HashMap<String, Instant>,
     memos: HashMap<String, Memo>,
     failures: HashMap<String, u32>,
+    charges: namespace::Charges,
 }
 
 impl QueueLoop {
@@ -163,6 +169,7 @@ impl QueueLoop {
             ungated: HashMap::new(),
             memos: HashMap::new(),
             failures: HashMap::new(),
+            charges: namespace::Charges::default(),
         }
     }
 
@@ -188,7 +195,11 @@ impl QueueLoop {
         match input {
             Input::Pod(e) => self.pods.apply(*e),
             Input::Claim(e) => self.claims.apply(*e),
-            Input::Template(e) => self.templates.apply(*e),
+            Input::Template(e) => {
+                // A pod's charge may come from its templates.
+                self.charges.clear();
+                self.templates.apply(*e)
+            }
             Input::Quota(e) => {
                 let e = *e;
                 let cohorts: Vec<String> = match &e {
@@ -285,12 +296,12 @@ impl QueueLoop {
                 self.opts.catalog.clone(),
             ));
             self.catalog_stale = false;
+            self.charges.clear();
         }
         let mut working = self.working();
         let mut again = Vec::new();
         for ns in namespaces {
-            let now = SystemTime::now();
-            match self.reconcile(ns, now, &mut working).await {
+            match self.reconcile(ns, SystemTime::now(), &mut working).await {
                 Ok(next) => {
                     self.failures.remove(ns);
                     if let Some(t) = next {
@@ -368,11 +379,6 @@ impl QueueLoop {
             return Ok(None);
         }
         let api: Api<GpuQuota> = Api::namespaced(self.client.clone(), ns);
-        let fresh = api
-            .list(&ListParams::default())
-            .await
-            .map_err(|e| api_error("listing GpuQuotas in", ns, e))?
-            .items;
         let claims = self.claims.in_namespace(ns);
         let templates: BTreeMap<String, ResourceClaimSpec> = self
             .templates
@@ -385,21 +391,42 @@ impl QueueLoop {
                 )
             })
             .collect();
+        let catalog = self.catalog.clone();
         let inputs = Inputs {
             namespace: ns,
             pods: &pods,
             claims: &claims,
             templates: &templates,
-            catalog: &self.catalog,
+            catalog: &catalog,
             now,
             settings: self.opts.settings,
         };
-        let decision =
-            namespace::decide(&inputs, &fresh, working).map_err(|source| QueueError::Math {
-                namespace: ns.into(),
-                source,
-            })?;
-        self.write_quotas(ns, &api, &decision).await?;
+        let math = |source| QueueError::Math {
+            namespace: ns.into(),
+            source,
+        };
+        let observed = namespace::observe(&inputs, &mut self.charges).map_err(math)?;
+        let mut conflicts = 0;
+        let decision = loop {
+            let fresh = api
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| api_error("listing GpuQuotas in", ns, e))?
+                .items;
+            let decision = namespace::decide(&inputs, &observed, &fresh, working).map_err(math)?;
+            match self.write_quotas(ns, &api, &decision).await {
+                // Decide again at once from a fresh read: after a backoff the webhook's group
+                // commit, which writes the same status once per batch, would win again, and
+                // the reservations this write drops would pile up in every status it writes.
+                Err(QueueError::Conflict(_)) if conflicts < CONFLICT_RETRIES => {
+                    conflicts += 1;
+                    self.metrics.status_write(true);
+                    // What this attempt charged to the cohort was never written.
+                    *working = self.working();
+                }
+                r => break r.map(|()| decision)?,
+            }
+        };
         self.metrics
             .set_waiting(ns, quota_names(&decision), decision.waiting.len() as u64);
         let released = self.release(ns, &decision, &pods).await;

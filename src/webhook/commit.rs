@@ -9,8 +9,9 @@
 //!
 //! Exactness: an admission is answered only after the write that recorded it succeeded (a
 //! request whose reservation was not durably written is never admitted). The state decided on
-//! is the one this task last wrote (the PUT's answer) or read; a 409 Conflict (another replica,
-//! the controller) reads again and decides the whole batch again. A batch that needs no write
+//! is the one this task last wrote (the PUT's answer) or read, or the watch cache's copy when
+//! that is newer; a 409 Conflict (another replica, the controller) reads again and decides the
+//! whole batch again. A batch that needs no write
 //! (all denied, all already recorded) is only answered from a state read in this round, never
 //! from the remembered one. A borrowing admission is also re-checked against the cohort read
 //! after the write ([`crate::quota::stale_borrowers`]); one that no longer fits is decided
@@ -19,7 +20,7 @@
 
 use crate::quota::{borrows, decide_batch, stale_borrowers, Denial, Fit, GpuQuota, Op, Outcome};
 use kube::api::{Api, PostParams};
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{ObjectRef, Store};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -236,6 +237,22 @@ impl Committer {
             .collect()
     }
 
+    /// `remembered`, or the watch cache's copy when that is newer (the controller wrote since):
+    /// deciding on it spares a 409 and a read.
+    fn newest(&self, remembered: GpuQuota) -> GpuQuota {
+        let version = |q: &GpuQuota| {
+            q.metadata
+                .resource_version
+                .as_deref()
+                .and_then(|v| v.parse::<u64>().ok())
+        };
+        let cached = self.quotas.get(&ObjectRef::from_obj(&remembered));
+        match (cached, version(&remembered)) {
+            (Some(c), Some(mine)) if version(&c).is_some_and(|v| v > mine) => (*c).clone(),
+            _ => remembered,
+        }
+    }
+
     /// The cohort's other quotas, read now.
     async fn fresh_peers(&self, quota: &GpuQuota) -> Result<Vec<GpuQuota>, kube::Error> {
         let mut out = Vec::new();
@@ -278,7 +295,7 @@ impl Committer {
         let fail = |batch: &mut Vec<Pending>, e: CommitError| answer_all(batch, Answer::Failed(e));
         let (written, outcomes) = loop {
             attempt += 1;
-            let (mut quota, fresh) = match last.take() {
+            let (mut quota, fresh) = match last.take().map(|q| self.newest(q)) {
                 Some(q) => (q, false),
                 None => match api.get_opt(&queue.name).await {
                     Ok(Some(q)) => (q, true),

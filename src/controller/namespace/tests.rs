@@ -64,7 +64,8 @@ fn run(
         settings: QueueSettings::default(),
     };
     let mut working = Working::default();
-    decide(&input, quotas, &mut working).unwrap()
+    let observed = observe(&input, &mut Charges::default()).unwrap();
+    decide(&input, &observed, quotas, &mut working).unwrap()
 }
 
 fn names(refs: &[PodRef]) -> Vec<&str> {
@@ -221,4 +222,40 @@ fn an_allocated_standalone_claim_settles_into_used_and_its_reservation_goes() {
         .reservation(&ReservationKey::claim(NS, "pending"))
         .is_some());
     assert_eq!(s.reserved.gpus, Gpus::whole(2));
+}
+
+#[test]
+fn a_remembered_charge_is_used_only_for_the_resource_version_it_was_priced_at() {
+    let templates = BTreeMap::new();
+    let catalog = DeviceCatalog::default();
+    let used_with = |pods: &[Arc<Pod>], charges: &mut Charges| {
+        let input = Inputs {
+            namespace: NS,
+            pods,
+            claims: &[],
+            templates: &templates,
+            catalog: &catalog,
+            now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_700),
+            settings: QueueSettings::default(),
+        };
+        observe(&input, charges).unwrap().used.gpus
+    };
+    let mut charges = Charges::default();
+    let v1 = |gpus| {
+        pod(
+            "p",
+            gpus,
+            false,
+            json!({"metadata": {"resourceVersion": "1"}}),
+        )
+    };
+    assert_eq!(used_with(&[v1(2)], &mut charges), Gpus::whole(2));
+    // Same pod, same resourceVersion: the remembered charge (even though this copy differs).
+    assert_eq!(used_with(&[v1(3)], &mut charges), Gpus::whole(2));
+    // A new resourceVersion is priced again.
+    let v2 = pod("p", 3, false, json!({"metadata": {"resourceVersion": "2"}}));
+    assert_eq!(used_with(&[v2], &mut charges), Gpus::whole(3));
+    // Cleared (templates or catalog changed): priced again.
+    charges.clear();
+    assert_eq!(used_with(&[v1(4)], &mut charges), Gpus::whole(4));
 }

@@ -6,6 +6,7 @@ use super::resources::{ApiError, ResourceInfo};
 use super::selector::{FieldSelector, LabelSelector};
 use super::store::{now_rfc3339, Store};
 use serde_json::{json, Map, Value};
+use std::sync::Arc;
 
 /// Which part of an object a write addresses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,11 +59,11 @@ fn remove_meta(v: &mut Value, field: &str) {
     }
 }
 
-fn set_or_remove(obj: &mut Value, field: &str, value: Option<&Value>) {
+fn set_or_remove(obj: &mut Value, field: &str, value: Option<Value>) {
     if let Value::Object(m) = obj {
         match value {
             Some(v) => {
-                m.insert(field.into(), v.clone());
+                m.insert(field.into(), v);
             }
             None => {
                 m.remove(field);
@@ -183,7 +184,7 @@ impl Store {
             // As upstream strategies do on create: status is the server's to set.
             let fresh = (info.group.is_empty() && info.plural == "pods")
                 .then(|| json!({"phase": "Pending"}));
-            set_or_remove(&mut body, "status", fresh.as_ref());
+            set_or_remove(&mut body, "status", fresh);
         }
         let uid = self.new_uid();
         if let Some(meta) = meta_mut(&mut body) {
@@ -220,7 +221,7 @@ impl Store {
             }
             _ => {}
         }
-        let Some(old) = self.get(info, ns, name).cloned() else {
+        let Some(old) = self.get_shared(info, ns, name) else {
             if info.create_on_update && sub == Sub::Main {
                 remove_meta(&mut body, "resourceVersion");
                 return Ok((self.api_create(info, ns, body, dry_run)?, true));
@@ -251,7 +252,7 @@ impl Store {
         dry_run: bool,
     ) -> Result<(Value, bool), ApiError> {
         let patch = patch::parse_body(kind, body).map_err(ApiError::bad_request)?;
-        let Some(old) = self.get(info, ns, name).cloned() else {
+        let Some(old) = self.get_shared(info, ns, name) else {
             if kind == PatchType::Apply && sub == Sub::Main {
                 let mut obj = patch;
                 if !obj.is_object() {
@@ -271,7 +272,7 @@ impl Store {
             }
             return Err(ApiError::not_found(info, name));
         };
-        let mut new = old.clone();
+        let mut new = (*old).clone();
         patch::apply(kind, &mut new, &patch).map_err(|e| ApiError::invalid(info, name, &e))?;
         if name_of(&new) != name {
             return Err(ApiError::bad_request(format!(
@@ -297,21 +298,31 @@ impl Store {
     fn update(
         &mut self,
         info: &ResourceInfo,
-        old: Value,
-        candidate: Value,
+        old: Arc<Value>,
+        mut candidate: Value,
         sub: Sub,
         dry_run: bool,
     ) -> Value {
         let mut new = match sub {
             Sub::Status => {
-                let mut n = old.clone();
-                set_or_remove(&mut n, "status", candidate.get("status"));
+                // `old` without its status (replaced at once, not worth cloning).
+                let mut n = match &*old {
+                    Value::Object(m) => Value::Object(
+                        m.iter()
+                            .filter(|(k, _)| *k != "status")
+                            .map(|(k, v)| (k.clone(), v.clone()))
+                            .collect(),
+                    ),
+                    other => other.clone(),
+                };
+                let status = candidate.as_object_mut().and_then(|m| m.remove("status"));
+                set_or_remove(&mut n, "status", status);
                 n
             }
             Sub::Main => {
                 let mut n = candidate;
                 if info.has_status {
-                    set_or_remove(&mut n, "status", old.get("status"));
+                    set_or_remove(&mut n, "status", old.get("status").cloned());
                 }
                 for f in [
                     "name",
@@ -335,7 +346,7 @@ impl Store {
             }
         };
         set_meta(&mut new, "resourceVersion", json!(rv_of(&old)));
-        if new == old || dry_run {
+        if new == *old || dry_run {
             // Upstream skips the write for a no-op update: no new resourceVersion, no event.
             return new;
         }

@@ -4,6 +4,7 @@
 use super::resources::{builtin, ApiError, ResourceInfo};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 
@@ -38,24 +39,56 @@ impl EventType {
 }
 
 /// One change, as a watch sees it.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct Event {
     pub rv: u64,
     pub res: ResKey,
     pub namespace: String,
     pub kind: EventType,
-    pub object: Value,
+    pub object: Arc<Value>,
     /// The object before this change (for selector transitions); None for ADDED.
-    pub prev: Option<Value>,
+    pub prev: Option<Arc<Value>>,
+    /// `object` as JSON, encoded once for every watch that sends it.
+    encoded: OnceLock<Vec<u8>>,
+}
+
+impl Event {
+    pub fn new(
+        rv: u64,
+        res: ResKey,
+        namespace: String,
+        kind: EventType,
+        object: Arc<Value>,
+        prev: Option<Arc<Value>>,
+    ) -> Event {
+        Event {
+            rv,
+            res,
+            namespace,
+            kind,
+            object,
+            prev,
+            encoded: OnceLock::new(),
+        }
+    }
+
+    pub fn encoded(&self) -> &[u8] {
+        self.encoded
+            .get_or_init(|| serde_json::to_vec(&*self.object).unwrap_or_default())
+    }
 }
 
 pub(crate) const DEFAULT_HISTORY: usize = 10_000;
 
 pub(crate) struct Store {
     pub resources: Vec<ResourceInfo>,
-    pub objects: BTreeMap<ResKey, BTreeMap<ObjKey, Value>>,
+    /// Shared with the history: an event holds the object stored and the one it replaced
+    /// without copying either.
+    pub objects: BTreeMap<ResKey, BTreeMap<ObjKey, Arc<Value>>>,
     pub rv: u64,
-    history: VecDeque<Event>,
+    /// Shared with the watches that send them: an event is stored and encoded once, not
+    /// once per watch.
+    history: VecDeque<Arc<Event>>,
     history_cap: usize,
     /// Every event with rv > this is in `history`; watching from below it is 410 Gone.
     history_start: u64,
@@ -104,6 +137,15 @@ impl Store {
         self.objects
             .get(&res_key(info))?
             .get(&(ns.to_string(), name.to_string()))
+            .map(|v| &**v)
+    }
+
+    /// The stored object itself, shared (an update compares with it and keeps parts of it).
+    pub fn get_shared(&self, info: &ResourceInfo, ns: &str, name: &str) -> Option<Arc<Value>> {
+        self.objects
+            .get(&res_key(info))?
+            .get(&(ns.to_string(), name.to_string()))
+            .cloned()
     }
 
     /// Objects of a resource in key order, optionally within one namespace.
@@ -117,6 +159,7 @@ impl Store {
             .into_iter()
             .flat_map(|m| m.iter())
             .filter(move |((n, _), _)| ns.is_none_or(|want| want == n))
+            .map(|(k, v)| (k, &**v))
     }
 
     /// Stores `object` at a new resourceVersion and records the event; returns what was stored.
@@ -131,18 +174,19 @@ impl Store {
             .unwrap_or("")
             .to_string();
         object["metadata"]["resourceVersion"] = json!(self.rv.to_string());
+        let stored = Arc::new(object);
         let prev = self
             .objects
             .entry(res_key(info))
             .or_default()
-            .insert((ns.clone(), name), object.clone());
+            .insert((ns.clone(), name), stored.clone());
         let kind = if prev.is_some() {
             EventType::Modified
         } else {
             EventType::Added
         };
-        self.record(info, ns, kind, object.clone(), prev);
-        object
+        self.record(info, ns, kind, stored.clone(), prev);
+        Arc::unwrap_or_clone(stored)
     }
 
     /// Removes an object at a new resourceVersion; returns it as the DELETED event carries it.
@@ -150,8 +194,9 @@ impl Store {
         let key = (ns.to_string(), name.to_string());
         let prev = self.objects.get_mut(&res_key(info))?.remove(&key)?;
         self.rv += 1;
-        let mut gone = prev.clone();
+        let mut gone = (*prev).clone();
         gone["metadata"]["resourceVersion"] = json!(self.rv.to_string());
+        let gone = Arc::new(gone);
         self.record(
             info,
             ns.to_string(),
@@ -159,7 +204,7 @@ impl Store {
             gone.clone(),
             Some(prev),
         );
-        Some(gone)
+        Some(Arc::unwrap_or_clone(gone))
     }
 
     fn record(
@@ -167,17 +212,17 @@ impl Store {
         info: &ResourceInfo,
         namespace: String,
         kind: EventType,
-        object: Value,
-        prev: Option<Value>,
+        object: Arc<Value>,
+        prev: Option<Arc<Value>>,
     ) {
-        self.history.push_back(Event {
-            rv: self.rv,
-            res: res_key(info),
+        self.history.push_back(Arc::new(Event::new(
+            self.rv,
+            res_key(info),
             namespace,
             kind,
             object,
             prev,
-        });
+        )));
         while self.history.len() > self.history_cap {
             if let Some(e) = self.history.pop_front() {
                 self.history_start = e.rv;
@@ -207,13 +252,19 @@ impl Store {
         })
     }
 
-    /// Events after `rv` (all resources) and the current resourceVersion.
-    pub fn events_after(&self, rv: u64) -> Result<(Vec<Event>, u64), ApiError> {
+    /// Events of resource `res` after `rv` and the current resourceVersion.
+    pub fn events_after(&self, res: &ResKey, rv: u64) -> Result<(Vec<Arc<Event>>, u64), ApiError> {
         if let Some(e) = self.too_old(rv) {
             return Err(e);
         }
         let start = self.history.partition_point(|e| e.rv <= rv);
-        Ok((self.history.range(start..).cloned().collect(), self.rv))
+        let events = self
+            .history
+            .range(start..)
+            .filter(|e| e.res == *res)
+            .cloned()
+            .collect();
+        Ok((events, self.rv))
     }
 
     pub fn next_seq(&mut self) -> u64 {

@@ -32,9 +32,17 @@ pub(crate) struct WatchSpec {
 }
 
 fn line(kind: &str, object: &Value) -> Frame<Bytes> {
-    let mut bytes =
-        serde_json::to_vec(&json!({"type": kind, "object": object})).unwrap_or_default();
-    bytes.push(b'\n');
+    encoded_line(kind, &serde_json::to_vec(object).unwrap_or_default())
+}
+
+/// A watch line around an object already encoded as JSON.
+fn encoded_line(kind: &str, object: &[u8]) -> Frame<Bytes> {
+    let mut bytes = Vec::with_capacity(object.len() + 32);
+    bytes.extend_from_slice(br#"{"type":""#);
+    bytes.extend_from_slice(kind.as_bytes());
+    bytes.extend_from_slice(br#"","object":"#);
+    bytes.extend_from_slice(object);
+    bytes.extend_from_slice(b"}\n");
     Frame::data(Bytes::from(bytes))
 }
 
@@ -51,7 +59,7 @@ fn bookmark(info: &ResourceInfo, rv: u64, initial_end: bool) -> Frame<Bytes> {
 
 /// What a watcher with this spec sees of `e`, with selector transitions as the watch cache
 /// reports them (an object leaving the selection is DELETED, one entering it ADDED).
-fn translate<'a>(spec: &WatchSpec, e: &'a Event) -> Option<(&'static str, &'a Value)> {
+fn translate(spec: &WatchSpec, e: &Event) -> Option<&'static str> {
     if e.res != res_key(&spec.info) || spec.ns.as_ref().is_some_and(|n| *n != e.namespace) {
         return None;
     }
@@ -65,7 +73,7 @@ fn translate<'a>(spec: &WatchSpec, e: &'a Event) -> Option<(&'static str, &'a Va
         (EventType::Deleted, true, _) => EventType::Deleted,
         _ => return None,
     };
-    Some((kind.as_str(), &e.object))
+    Some(kind.as_str())
 }
 
 /// Starts a watch; the returned body streams until the timeout, `drop_watches`, a 410, or the
@@ -99,6 +107,7 @@ pub(crate) fn start(shared: Arc<Shared>, spec: WatchSpec) -> Body {
         }
         (changes, first, pos, too_old.is_some())
     };
+    let res = res_key(&spec.info);
     tokio::spawn(async move {
         for f in first {
             if tx.send(Ok(f)).await.is_err() {
@@ -113,10 +122,10 @@ pub(crate) fn start(shared: Arc<Shared>, spec: WatchSpec) -> Body {
         ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
         ticks.tick().await;
         loop {
-            let found: Result<(Vec<Event>, u64), ApiError> = {
+            let found: Result<(Vec<Arc<Event>>, u64), ApiError> = {
                 let store = lock(&shared.store);
                 changes.borrow_and_update();
-                store.events_after(pos)
+                store.events_after(&res, pos)
             };
             match found {
                 Err(gone) => {
@@ -125,8 +134,8 @@ pub(crate) fn start(shared: Arc<Shared>, spec: WatchSpec) -> Body {
                 }
                 Ok((events, current)) => {
                     for e in &events {
-                        if let Some((kind, object)) = translate(&spec, e) {
-                            if tx.send(Ok(line(kind, object))).await.is_err() {
+                        if let Some(kind) = translate(&spec, e) {
+                            if tx.send(Ok(encoded_line(kind, e.encoded()))).await.is_err() {
                                 return;
                             }
                         }
@@ -178,20 +187,20 @@ mod tests {
 
     fn event(kind: EventType, ns: &str, before: Option<&str>, now: &str) -> Event {
         let obj = |app: &str| json!({"metadata": {"labels": {"app": app}}});
-        Event {
-            rv: 2,
-            res: ("".into(), "v1".into(), "pods".into()),
-            namespace: ns.into(),
+        Event::new(
+            2,
+            ("".into(), "v1".into(), "pods".into()),
+            ns.into(),
             kind,
-            object: obj(now),
-            prev: before.map(obj),
-        }
+            Arc::new(obj(now)),
+            before.map(|b| Arc::new(obj(b))),
+        )
     }
 
     #[test]
     fn objects_moving_across_the_selector_are_added_or_deleted() {
         let s = spec("app=gpu");
-        let kind = |e: Event| translate(&s, &e).map(|(k, _)| k);
+        let kind = |e: Event| translate(&s, &e);
         assert_eq!(
             kind(event(EventType::Modified, "a", Some("web"), "gpu")),
             Some("ADDED")
