@@ -359,6 +359,55 @@ async fn api_server_account(client: &kube::Client) {
         );
         println!("API server: GpuQuota {verb} requests: {n:.0}");
     }
+    // The controller's own count: the quota loop's status writes (the rest are the webhook's).
+    if let Some(text) = controller_metrics().await {
+        for m in [
+            "gpuplane_quota_status_writes_total",
+            "gpuplane_quota_status_conflicts_total",
+        ] {
+            let v: f64 = text
+                .lines()
+                .filter(|l| l.starts_with(m))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            println!("controller: {m} {v:.0}");
+        }
+    }
+    let quotas: Api<kube::api::DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        "governed",
+        &kube::discovery::ApiResource {
+            group: "quota.gpuplane.dev".into(),
+            version: "v1alpha1".into(),
+            api_version: "quota.gpuplane.dev/v1alpha1".into(),
+            kind: "GpuQuota".into(),
+            plural: "gpuquotas".into(),
+        },
+    );
+    if let Ok(q) = quotas.get("default").await {
+        let reservations = q.data["status"]["reservations"]
+            .as_array()
+            .map_or(0, Vec::len);
+        println!(
+            "GpuQuota governed/default at the end: {} bytes of JSON, {reservations} reservations",
+            serde_json::to_vec(&q).map_or(0, |b| b.len())
+        );
+    }
+}
+
+/// The controller's /metrics text (plain HTTP on its metrics address, in the lab's network
+/// namespace, which this process has entered).
+async fn controller_metrics() -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(cluster::CONTROLLER_METRICS_ADDR)
+        .await
+        .ok()?;
+    tcp.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .ok()?;
+    let mut body = String::new();
+    tcp.read_to_string(&mut body).await.ok()?;
+    Some(body)
 }
 
 /// CPU time (user + system) of the lab's busy processes, from /proc (host PIDs).
