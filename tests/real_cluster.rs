@@ -290,23 +290,8 @@ fn nvidia_com_gpu_pods_are_served_by_dra_on_a_dra_only_node() {
         None,
         "no device plugin on this node"
     );
-    let pod = |name: &str| {
-        format!(
-            r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: default}}
-spec:
-  terminationGracePeriodSeconds: 1
-  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: ["sh", "-c", "env; sleep 3600"]
-    resources:
-      limits: {{nvidia.com/gpu: 1}}
-"#
-        )
-    };
+    let pod =
+        |name: &str| cluster::gpu_pod("default", name, 1, r#"["sh", "-c", "env; sleep 3600"]"#);
     let names: Vec<String> = (0..8).map(|i| format!("er-{i}")).collect();
     let all: Vec<String> = names.iter().map(|n| pod(n)).collect();
     lab.apply(&all.join("---\n"));

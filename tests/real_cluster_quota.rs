@@ -17,24 +17,7 @@ use std::process::Output;
 
 /// A long-running busybox pod in `ns` asking for `gpus` whole GPUs (none: no resources).
 fn pod(ns: &str, name: &str, gpus: u32) -> String {
-    let resources = if gpus == 0 {
-        String::new()
-    } else {
-        format!("\n    resources:\n      limits: {{nvidia.com/gpu: {gpus}}}")
-    };
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: {ns}}}
-spec:
-  terminationGracePeriodSeconds: 1
-  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: ["sleep", "3600"]{resources}
-"#
-    )
+    cluster::gpu_pod(ns, name, gpus, r#"["sleep", "3600"]"#)
 }
 
 /// `kubectl create -f - -o json` (as admin), as a user types it: the created object, or
@@ -133,23 +116,14 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     // The whole kustomization is accepted (apply -k succeeded, the CRD is Established) and
     // the ValidatingAdmissionPolicy type-checks against the real schema.
     let installed = lab.install(true);
-    let vap = lab
-        .get_json(&[
+    let vap = eventually("the admission policy to be type-checked", || {
+        let vap = lab.get_json(&[
             "get",
             "validatingadmissionpolicy",
             "gpuplane-node-resourceslices",
-        ])
-        .unwrap();
-    eventually("the admission policy to be type-checked", || {
-        vap["status"]["observedGeneration"].as_i64().map(|_| ())
+        ])?;
+        vap["status"]["observedGeneration"].as_i64().map(|_| vap)
     });
-    let vap = lab
-        .get_json(&[
-            "get",
-            "validatingadmissionpolicy",
-            "gpuplane-node-resourceslices",
-        ])
-        .unwrap();
     assert!(
         vap["status"]["typeChecking"]["expressionWarnings"]
             .as_array()

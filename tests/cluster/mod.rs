@@ -106,6 +106,29 @@ pub fn eventually_or<T>(
     }
 }
 
+/// A pod that runs busybox's `command` (a JSON list) in `ns` asking for `gpus` whole
+/// `nvidia.com/gpu` (none: no resources), with a 1 s grace period.
+pub fn gpu_pod(ns: &str, name: &str, gpus: u32, command: &str) -> String {
+    let resources = if gpus == 0 {
+        String::new()
+    } else {
+        format!("\n    resources:\n      limits: {{nvidia.com/gpu: {gpus}}}")
+    };
+    format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: {command}{resources}
+"#
+    )
+}
+
 /// One lab: the `lab.sh` process, its work dir and the namespaces' init. Dropping it kills
 /// every process of the namespaces, removes their cgroups and the work dir (kept, with a
 /// printed path, when `GPUPLANE_LAB_KEEP` is set).
