@@ -16,8 +16,13 @@
 //! | capacity `memory` (bytes) | capacities `multiprocessors`, `copyEngines`, `decoders`, `encoders`, `jpegEngines`, `ofaEngines`, `memory` |
 //!
 //! `index`, `minor` and `parentIndex` are what NVIDIA's earlier driver published
-//! (NVIDIA/k8s-dra-driver, `cmd/nvidia-dra-plugin/deviceinfo.go`); its current one dropped them,
-//! but selectors written then still use them and they cost nothing.
+//! (NVIDIA/k8s-dra-driver, `cmd/nvidia-dra-plugin/deviceinfo.go`); its current one dropped them.
+//! They are gpuplane's own attributes now: under our driver name they are unqualified (so
+//! `gpu.gpuplane.dev/index`), and under NVIDIA's (`--driver-name gpu.nvidia.com`) they are
+//! published qualified as `gpu.gpuplane.dev/index` etc., so nothing appears under NVIDIA's domain
+//! that NVIDIA's driver does not publish. The `resource.kubernetes.io/` attributes are the three
+//! Kubernetes defines (k8s.io/dynamic-resource-allocation `deviceattribute`); nothing else is
+//! put there.
 //!
 //! Versions are semver as NVIDIA writes them (Masterminds `semver.MustParse(v).String()`):
 //! `9.0` -> `9.0.0`, `550.90.07` -> `550.90.7`, `12.4` -> `12.4.0`. A value the API server
@@ -126,6 +131,7 @@ pub fn render_with_generation(
             &d,
             health,
             roots.get(&d.gpu().index).map(String::as_str),
+            driver,
         );
         if last_gpu == Some(d.gpu().index) {
             if let Some(g) = groups.last_mut() {
@@ -207,11 +213,25 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
+/// Where gpuplane's own attributes live: unqualified names take the driver's name as their
+/// domain, so under another driver name (`gpu.nvidia.com`) they are qualified with ours.
+pub const OWN_DOMAIN: &str = "gpu.gpuplane.dev";
+
+/// `name` in gpuplane's own domain, as published by driver `driver`.
+fn own(driver: &str, name: &str) -> String {
+    if driver == OWN_DOMAIN {
+        name.to_string()
+    } else {
+        format!("{OWN_DOMAIN}/{name}")
+    }
+}
+
 fn render_device(
     inv: &Inventory,
     d: &DeviceRef<'_>,
     health: &HealthBook,
     pcie_root: Option<&str>,
+    driver: &str,
 ) -> Device {
     let gpu = d.gpu();
     let mut attrs: BTreeMap<String, DeviceAttribute> = BTreeMap::new();
@@ -224,15 +244,18 @@ fn render_device(
         DeviceRef::Gpu(_) => {
             put(names::TYPE, string("gpu"));
             put(names::UUID, string(&gpu.uuid));
-            put(names::INDEX, Some(int(gpu.index.into())));
-            put(names::MINOR, Some(int(gpu.minor.into())));
+            put(&own(driver, names::INDEX), Some(int(gpu.index.into())));
+            put(&own(driver, names::MINOR), Some(int(gpu.minor.into())));
         }
         DeviceRef::Mig { mig, .. } => {
             put(names::TYPE, string("mig"));
             put(names::UUID, string(&mig.uuid));
             put(names::PARENT_UUID, string(&gpu.uuid));
             put(names::PROFILE, string(&mig.profile));
-            put(names::PARENT_INDEX, Some(int(gpu.index.into())));
+            put(
+                &own(driver, names::PARENT_INDEX),
+                Some(int(gpu.index.into())),
+            );
         }
     }
     put(names::PRODUCT_NAME, string(&gpu.product_name));

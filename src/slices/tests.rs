@@ -145,6 +145,40 @@ fn gpu_attributes_follow_nvidia() {
     assert_eq!(attr(all[7], "resource.kubernetes.io/numaNode").int, Some(1));
 }
 
+/// Under NVIDIA's driver name, only what NVIDIA's driver publishes is unqualified; gpuplane's
+/// own `index`, `minor`, `parentIndex` live under `gpu.gpuplane.dev/`.
+#[test]
+fn under_nvidias_driver_name_our_own_attributes_keep_our_domain() {
+    let inv = crate::sim::load("a100-mig-mixed").unwrap();
+    let slices = render(&inv, &book(&inv), "gpu.nvidia.com", NODE);
+    for d in devices(&slices) {
+        let names: Vec<&str> = d
+            .attributes
+            .as_ref()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        for ours in ["index", "minor", "parentIndex"] {
+            assert!(!names.contains(&ours), "{}: {names:?}", d.name);
+        }
+        let own = ["gpu.gpuplane.dev/index", "gpu.gpuplane.dev/parentIndex"];
+        assert!(
+            names.iter().any(|n| own.contains(n)),
+            "{}: {names:?}",
+            d.name
+        );
+        assert!(
+            names
+                .iter()
+                .filter(|n| n.contains('/'))
+                .all(|n| n.starts_with("gpu.gpuplane.dev/")
+                    || n.starts_with("resource.kubernetes.io/")),
+            "{names:?}"
+        );
+    }
+}
+
 #[test]
 fn mig_attributes_follow_nvidia() {
     let inv = crate::sim::load("a100-mig-mixed").unwrap();
