@@ -8,7 +8,7 @@
 mod cluster;
 
 use cluster::{
-    eventually, eventually_or, start_controller, ClusterLab, LabAgent, LabProcess,
+    eventually, eventually_or, refusals, start_controller, ClusterLab, LabAgent, LabProcess,
     CONTROLLER_METRICS_ADDR, NODE,
 };
 use gpuplane::quota::SCHEDULING_GATE;
@@ -100,12 +100,6 @@ fn scheduled_reason(pod: &Value) -> Option<String> {
         .find(|c| c["type"] == "PodScheduled")?["reason"]
         .as_str()
         .map(String::from)
-}
-
-fn refusals(log: &str) -> Vec<&str> {
-    log.lines()
-        .filter(|l| l.contains("403") || l.contains("Forbidden"))
-        .collect()
 }
 
 #[test]

@@ -106,6 +106,17 @@ pub fn eventually_or<T>(
     }
 }
 
+/// Lines of a gpuplane log that report an API refusal (the API server's message reads `... is
+/// forbidden: User ...`, kube's error adds the reason `Forbidden` and `code: 403`). Not a bare
+/// `403`: timestamps' fractions and UUIDs contain it by chance.
+pub fn refusals(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| {
+            l.contains("Forbidden") || l.contains("is forbidden") || l.contains("code: 403")
+        })
+        .collect()
+}
+
 /// A pod that runs busybox's `command` (a JSON list) in `ns` asking for `gpus` whole
 /// `nvidia.com/gpu` (none: no resources), with a 1 s grace period.
 pub fn gpu_pod(ns: &str, name: &str, gpus: u32, command: &str) -> String {
