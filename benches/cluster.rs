@@ -46,18 +46,10 @@ fn main() {
         let node = lab.get_json(&["get", "node", NODE])?;
         (node["status"]["allocatable"]["nvidia.com/gpu"] == "8").then_some(())
     });
-    lab.apply(
-        r#"apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata: {name: one-gpu, namespace: default}
-spec:
-  spec:
-    devices:
-      requests:
-      - name: gpu
-        exactly: {deviceClassName: gpu.gpuplane.dev}
----
-apiVersion: v1
+    lab.apply(&format!(
+        "{}---\n{}",
+        cluster::ONE_GPU_TEMPLATE,
+        r#"apiVersion: v1
 kind: Namespace
 metadata: {name: governed}
 ---
@@ -77,8 +69,8 @@ spec:
 apiVersion: v1
 kind: Namespace
 metadata: {name: unlimited}
-"#,
-    );
+"#
+    ));
     // The client runs in the lab's network namespace, where the API server listens; threads
     // inherit the namespace of the thread that creates them, so enter it before the runtime.
     let netns = std::fs::File::open(format!("/proc/{}/ns/net", lab.init)).unwrap();

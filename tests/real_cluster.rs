@@ -348,18 +348,10 @@ fn a_dra_claim_is_prepared_and_unprepared_by_the_real_kubelet() {
     let Some((lab, _kc, _agent)) = lab_with_agent() else {
         return;
     };
-    lab.apply(
-        r#"apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata: {name: one-gpu, namespace: default}
-spec:
-  spec:
-    devices:
-      requests:
-      - name: gpu
-        exactly: {deviceClassName: gpu.gpuplane.dev}
----
-apiVersion: v1
+    lab.apply(&format!(
+        "{}---\n{}",
+        cluster::ONE_GPU_TEMPLATE,
+        r#"apiVersion: v1
 kind: Pod
 metadata: {name: dra-pod, namespace: default}
 spec:
@@ -374,8 +366,8 @@ spec:
     command: ["sh", "-c", "env; sleep 3600"]
     resources:
       claims: [{name: gpu}]
-"#,
-    );
+"#
+    ));
     wait_phase(&lab, "dra-pod", &["Running"]);
     let pod = lab.get_json(&["get", "pod", "dra-pod"]).unwrap();
     assert_eq!(pod["spec"]["nodeName"], NODE);

@@ -117,6 +117,18 @@ pub fn refusals(log: &str) -> Vec<&str> {
         .collect()
 }
 
+/// The ResourceClaimTemplate `default/one-gpu`: one device of DeviceClass `gpu.gpuplane.dev`.
+pub const ONE_GPU_TEMPLATE: &str = r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: one-gpu, namespace: default}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpu
+        exactly: {deviceClassName: gpu.gpuplane.dev}
+"#;
+
 /// A pod that runs busybox's `command` (a JSON list) in `ns` asking for `gpus` whole
 /// `nvidia.com/gpu` (none: no resources), with a 1 s grace period.
 pub fn gpu_pod(ns: &str, name: &str, gpus: u32, command: &str) -> String {
