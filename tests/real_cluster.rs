@@ -209,7 +209,7 @@ spec:
 #[test]
 fn a_device_plugin_pod_gets_two_gpus() {
     let _one = lock();
-    let Some((lab, _kc, _agent)) = lab_with_agent() else {
+    let Some((lab, _kc, agent)) = lab_with_agent() else {
         return;
     };
     lab.apply(
@@ -241,6 +241,15 @@ spec:
     let distinct: BTreeSet<String> = got.iter().map(|s| s.to_string()).collect();
     assert_eq!(got.len(), 2, "two GPUs: {visible}");
     assert_eq!(distinct.len(), 2, "two distinct GPUs: {visible}");
+    // The kubelet's device manager asked for a preferred pair first (our topology scoring),
+    // then allocated.
+    let log = agent.log_text();
+    let asked = log.find("preferred allocation");
+    let granted = log.find("Allocate granted");
+    assert!(
+        asked.is_some() && granted.is_some() && asked < granted,
+        "GetPreferredAllocation before Allocate:\n{log}"
+    );
     // dgx-h100 is an NVSwitch machine: every pair is NVLink-optimal, so any two of its GPUs.
     assert!(
         distinct.is_subset(&profile_uuids()),

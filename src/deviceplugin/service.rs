@@ -179,6 +179,9 @@ impl DevicePlugin for DevicePluginService {
                 &avoid,
             )
             .map_err(|e| Status::invalid_argument(format!("{}: {e}", self.resource)))?;
+            // Which devices the topology scoring chose, and from what: the line to read when
+            // someone asks why a pod got these GPUs.
+            tracing::info!(resource = %self.resource, available = c.available_device_i_ds.len(), must_include = ?c.must_include_device_i_ds, size, preferred = ?ids, "preferred allocation");
             container_responses.push(pb::ContainerPreferredAllocationResponse { device_i_ds: ids });
         }
         Ok(Response::new(pb::PreferredAllocationResponse {
