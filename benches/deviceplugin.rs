@@ -55,6 +55,7 @@ async fn allocate_vs_bare_rpc() {
         config_file: None,
         device_plugin: true,
         dra: None,
+        api: None,
         metrics_addr: None,
         // No device nodes in the temp dir: simulated, as `--simulate` runs it.
         device_mode: gpuplane::source::DeviceMode::Simulated,

@@ -92,6 +92,15 @@ struct RawFile {
     health: RawHealth,
     #[serde(default)]
     allocation: RawAllocation,
+    #[serde(default)]
+    node_labels: RawNodeLabels,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawNodeLabels {
+    #[serde(default)]
+    enabled: Option<bool>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -228,6 +237,8 @@ pub struct AgentConfig {
     /// A device-plugin allocation the kubelet's PodResources does not list after this long is
     /// considered released (the kubelet never tells a plugin that a pod ended).
     pub pod_resources_grace: Duration,
+    /// Label the node with GPU Feature Discovery's `nvidia.com/*` labels (src/labels.rs).
+    pub node_labels: bool,
 }
 
 impl Default for AgentConfig {
@@ -243,6 +254,7 @@ impl Default for AgentConfig {
             inventory_refresh: Duration::from_secs(30),
             allocation: AllocationMode::Shared,
             pod_resources_grace: Duration::from_secs(30),
+            node_labels: true,
         }
     }
 }
@@ -376,6 +388,9 @@ impl AgentConfig {
                         format!("`{q}` is not a positive duration like 30s"),
                     )
                 })?;
+        }
+        if let Some(on) = raw.node_labels.enabled {
+            cfg.node_labels = on;
         }
         let a = raw.allocation;
         if let Some(g) = &a.pod_resources_grace {

@@ -16,6 +16,7 @@ pub mod grpc;
 pub mod health;
 pub mod inventory;
 pub mod kubeclient;
+pub mod labels;
 pub mod ledger;
 pub mod metrics;
 pub mod node;

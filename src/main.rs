@@ -379,6 +379,7 @@ fn run_node(args: NodeArgs) -> Result<()> {
             config_file: args.config,
             device_plugin: serving.device_plugin,
             dra,
+            api: client.clone(),
             metrics_addr: args.metrics_addr,
             device_mode: args.source.mode(),
         };

@@ -365,6 +365,7 @@ impl Agent {
                 driver_name: driver.into(),
                 client: lab.api.client().unwrap(),
             }),
+            api: None,
             metrics_addr: None,
             device_mode,
         };
@@ -541,6 +542,7 @@ async fn podman_runs_a_container_with_what_allocate_gives_on_a_simulated_node() 
         config_file: None,
         device_plugin: true,
         dra: None,
+        api: None,
         metrics_addr: None,
         device_mode: DeviceMode::Simulated,
     };

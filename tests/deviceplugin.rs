@@ -44,6 +44,7 @@ fn options(dir: &Path, config: Option<&str>, device_mode: DeviceMode) -> NodeOpt
         config_file,
         device_plugin: true,
         dra: None,
+        api: None,
         metrics_addr: None,
         device_mode,
     }

@@ -69,6 +69,52 @@ async fn prepared_claims_get_device_status_and_a_failed_status_write_does_not_fa
     agent.stop().await;
 }
 
+/// The node's GPU labels follow the inventory and the config: GFD's names appear, a config
+/// change moves them (time-slicing replicas), `nodeLabels: {enabled: false}` removes them, and
+/// labels that are not ours are never touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_labels_follow_the_inventory_and_the_config() {
+    let lab = Lab::new("pcie-l4x4").await;
+    lab.api
+        .put_json(json!({"apiVersion": "v1", "kind": "Node",
+                         "metadata": {"name": NODE, "labels": {"team": "a", "nvidia.com/gpu.present": "true"}}}))
+        .unwrap();
+    let labels = || -> serde_json::Value {
+        lab.api.get_json("v1", "nodes", None, NODE).unwrap()["metadata"]["labels"].clone()
+    };
+    let agent = lab.start("");
+    lab.eventually("GFD's labels on the node", |_| {
+        labels()["nvidia.com/gpu.count"] == "4"
+    })
+    .await;
+    let l = labels();
+    assert_eq!(l["nvidia.com/gpu.product"], "NVIDIA-L4", "{l}");
+    assert_eq!(l["nvidia.com/gpu.family"], "ada-lovelace", "{l}");
+    assert_eq!(l["nvidia.com/gpu.replicas"], "1");
+    let config = lab.root().join("config.yaml");
+    std::fs::write(
+        &config,
+        "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 4}]}}\n",
+    )
+    .unwrap();
+    lab.eventually("the replicas label to follow the config", |_| {
+        labels()["nvidia.com/gpu.replicas"] == "4"
+    })
+    .await;
+    assert_eq!(labels()["nvidia.com/gpu.sharing-strategy"], "time-slicing");
+    std::fs::write(&config, "nodeLabels: {enabled: false}\n").unwrap();
+    lab.eventually("our labels removed", |_| {
+        labels()
+            .as_object()
+            .is_some_and(|m| !m.contains_key("nvidia.com/gpu.count"))
+    })
+    .await;
+    let l = labels();
+    assert_eq!(l["team"], "a", "{l}");
+    assert_eq!(l["nvidia.com/gpu.present"], "true", "not ours: {l}");
+    agent.stop().await;
+}
+
 /// The node's `gpuplane.dev/apis` label chooses the kubelet APIs (here DRA only: slices and
 /// DRA registration, no device plugin); a change of it stops the agent (the DaemonSet starts
 /// it again with the new APIs); a value it does not know keeps it from starting, named.

@@ -1134,8 +1134,18 @@ async fn rbac_grants_exactly_what_the_node_agent_calls() {
                 "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1}, "devices": []}}),
         )
         .unwrap();
+    // The node's Node object: the agent labels it (and reads its APIs label).
+    lab.api
+        .put_json(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}))
+        .unwrap();
     let agent = lab.start("health: {recoveryQuietPeriod: 1h}\n");
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.eventually("the node labelled", |l| {
+        l.api
+            .get_json("v1", "nodes", None, NODE)
+            .is_some_and(|n| n["metadata"]["labels"]["nvidia.com/gpu.count"] == "4")
+    })
+    .await;
     lab.eventually("slices published and the old one gone", |l| {
         let s = l.slices();
         !s.is_empty()
@@ -1188,6 +1198,7 @@ async fn rbac_grants_exactly_what_the_node_agent_calls() {
         rule("get", "", "nodes"),
         rule("list", "", "nodes"),
         rule("watch", "", "nodes"),
+        rule("patch", "", "nodes"),
         rule("patch", "resource.k8s.io", "resourceclaims/status"),
     ] {
         assert!(used.contains(&r), "{r:?} not observed: {used:#?}");

@@ -198,6 +198,37 @@ spec:
     let out = lab.kubectl_as(&agent_kubeconfig, &["get", "secrets", "-A"], None);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("Forbidden"), "{err}");
+    // GPU Feature Discovery's labels on the node, written with the same token; the policy
+    // holds those writes to the agent's own node and to nvidia.com/ labels.
+    eventually("GFD's labels on lab-node", || {
+        let node = lab.get_json(&["get", "node", NODE])?;
+        let l = &node["metadata"]["labels"];
+        (l["nvidia.com/gpu.count"] == "8"
+            && l["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+            && l["nvidia.com/gpu.family"] == "hopper")
+            .then_some(())
+    });
+    let out = lab.kubectl_as(
+        &agent_kubeconfig,
+        &["label", "node", NODE, "team=anyone"],
+        None,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("may change only the nvidia.com/ labels"),
+        "{err}"
+    );
+    lab.apply("apiVersion: v1\nkind: Node\nmetadata: {name: other-node}\n");
+    let out = lab.kubectl_as(
+        &agent_kubeconfig,
+        &["label", "node", "other-node", "nvidia.com/gpu.count=1"],
+        None,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("may not change node 'other-node'"),
+        "{err}"
+    );
     // The agent's RBAC was enough for everything it did: no refusal in its log.
     let log = agent.log_text();
     assert!(

@@ -110,21 +110,22 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     // The whole kustomization is accepted (apply -k succeeded, the CRD is Established) and
     // the ValidatingAdmissionPolicy type-checks against the real schema.
     let installed = lab.install(true);
-    let vap = eventually("the admission policy to be type-checked", || {
-        let vap = lab.get_json(&[
-            "get",
-            "validatingadmissionpolicy",
-            "gpuplane-node-resourceslices",
-        ])?;
-        vap["status"]["observedGeneration"].as_i64().map(|_| vap)
-    });
-    assert!(
-        vap["status"]["typeChecking"]["expressionWarnings"]
-            .as_array()
-            .is_none_or(|w| w.is_empty()),
-        "the policy has type warnings: {}",
-        vap["status"]
-    );
+    for policy in ["gpuplane-node-resourceslices", "gpuplane-node-labels"] {
+        let vap = eventually(
+            &format!("admission policy {policy} to be type-checked"),
+            || {
+                let vap = lab.get_json(&["get", "validatingadmissionpolicy", policy])?;
+                vap["status"]["observedGeneration"].as_i64().map(|_| vap)
+            },
+        );
+        assert!(
+            vap["status"]["typeChecking"]["expressionWarnings"]
+                .as_array()
+                .is_none_or(|w| w.is_empty()),
+            "{policy} has type warnings: {}",
+            vap["status"]
+        );
+    }
     for kind in [
         "validatingwebhookconfiguration",
         "mutatingwebhookconfiguration",

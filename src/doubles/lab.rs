@@ -200,6 +200,7 @@ impl NodeLab {
                     driver_name: DRIVER.into(),
                     client: client.clone(),
                 }),
+                api: Some(client.clone()),
                 metrics_addr,
                 device_mode,
             };

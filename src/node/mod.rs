@@ -10,6 +10,7 @@ pub mod deferred;
 pub mod dra;
 pub mod events;
 pub mod http;
+pub mod labeler;
 pub mod lock;
 pub mod podresources;
 pub mod state;
@@ -67,6 +68,8 @@ pub struct NodeOptions {
     pub device_plugin: bool,
     /// Serve DRA (with API access), or not.
     pub dra: Option<dra::DraSettings>,
+    /// API access for the node's GPU labels (`nodeLabels` in the config); none: no labels.
+    pub api: Option<kube::Client>,
     /// Where to serve /metrics, /healthz and /readyz; `None` serves none.
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Real GPUs (device nodes and driver files go into CDI specs) or simulated ones (their
@@ -379,6 +382,14 @@ pub async fn run(
         }
         None => Vec::new(),
     };
+    let labels = opts.api.clone().map(|client| {
+        tokio::spawn(labeler::run(
+            client,
+            opts.node_name.clone(),
+            state.clone(),
+            stop_rx.clone(),
+        ))
+    });
     let pod_resources = opts.device_plugin.then(|| {
         tokio::spawn(podresources::run(
             opts.paths.pod_resources_socket(),
@@ -477,7 +488,7 @@ pub async fn run(
 
     tracing::info!("shutting down: stopping plugins");
     let _ = stop_tx.send(true);
-    for task in [registrar, pod_resources, metrics_task]
+    for task in [registrar, pod_resources, metrics_task, labels]
         .into_iter()
         .flatten()
         .chain(dra_tasks)
