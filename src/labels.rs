@@ -24,6 +24,7 @@ pub const MANAGED: &[&str] = &[
     "nvidia.com/cuda.driver.rev",
     "nvidia.com/cuda.runtime.major",
     "nvidia.com/cuda.runtime.minor",
+    "nvidia.com/mig.capable",
     "nvidia.com/mig.strategy",
     "nvidia.com/gpu.replicas",
     "nvidia.com/gpu.sharing-strategy",
@@ -66,6 +67,8 @@ pub fn node_labels(inv: &Inventory, cfg: &AgentConfig) -> BTreeMap<String, Strin
     let mut runtime = inv.cuda_driver_version.split('.');
     put("cuda.runtime.major", runtime.next().map(String::from));
     put("cuda.runtime.minor", runtime.next().map(String::from));
+    let capable = inv.gpus.iter().any(|g| g.mig.capable);
+    put("mig.capable", Some(capable.to_string()));
     match cfg.mig_strategy {
         MigStrategy::None => {}
         MigStrategy::Single => put("mig.strategy", Some("single".into())),
@@ -166,6 +169,12 @@ mod tests {
         assert_eq!(l["nvidia.com/gpu.replicas"], "1");
         assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "none");
         assert!(!l.contains_key("nvidia.com/mig.strategy"));
+        assert_eq!(l["nvidia.com/mig.capable"], "true", "H100s support MIG");
+        let l4 = crate::sim::load("pcie-l4x4").unwrap();
+        assert_eq!(
+            node_labels(&l4, &AgentConfig::default())["nvidia.com/mig.capable"],
+            "false"
+        );
         assert!(l.keys().all(|k| MANAGED.contains(&k.as_str())));
     }
 

@@ -205,7 +205,8 @@ spec:
         let l = &node["metadata"]["labels"];
         (l["nvidia.com/gpu.count"] == "8"
             && l["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
-            && l["nvidia.com/gpu.family"] == "hopper")
+            && l["nvidia.com/gpu.family"] == "hopper"
+            && l["nvidia.com/mig.capable"] == "true")
             .then_some(())
     });
     let out = lab.kubectl_as(

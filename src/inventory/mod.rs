@@ -56,6 +56,9 @@ pub struct Gpu {
 pub struct MigMode {
     pub current: bool,
     pub pending: bool,
+    /// The GPU supports MIG (NVML answers its MIG mode), whether or not it is on.
+    #[serde(default)]
+    pub capable: bool,
 }
 
 /// One MIG device: a compute instance inside a GPU instance.

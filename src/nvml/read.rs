@@ -102,6 +102,7 @@ pub(super) fn gpu<'n>(nvml: &'n Nvml, index: u32) -> Result<GpuRead<'n>, CallErr
         Ok(m) => MigMode {
             current: m.current == NVML_DEVICE_MIG_ENABLE,
             pending: m.pending == NVML_DEVICE_MIG_ENABLE,
+            capable: true,
         },
         Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => MigMode::default(),
         Err(e) => return Err(e).call("nvmlDeviceGetMigMode"),

@@ -394,6 +394,7 @@ fn build_gpu(
         mig: MigMode {
             current: mig_spec.enabled,
             pending: mig_spec.pending.unwrap_or(mig_spec.enabled),
+            capable: catalogue.is_some(),
         },
         mig_devices,
     })
