@@ -162,6 +162,12 @@ pub async fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<Summary, Dem
         KubeletDraOptions::default(),
     )
     .await?;
+    // The node's Node object, as a cluster has it: the agent writes its GPU labels there.
+    lab.api
+        .put_json(serde_json::json!({
+            "apiVersion": "v1", "kind": "Node", "metadata": {"name": crate::doubles::lab::NODE}
+        }))
+        .map_err(LabError::from)?;
     let agent = lab.start_agent(&agent_config(&inventory))?;
     lab.dra
         .wait_registered(DRIVER, START_WAIT)

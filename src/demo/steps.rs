@@ -19,7 +19,7 @@ use crate::quota::{GpuQuota, ReservationState, SCHEDULING_GATE};
 use crate::slices::render::UNHEALTHY_TAINT_KEY;
 use crate::topology::TopologyModel;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -185,6 +185,39 @@ async fn inventory(cx: &Context<'_>, say: &mut Narrator<'_>) -> Outcome {
             say.say(format!(
                 "API server, DRA: {devices} devices in {slices} ResourceSlice(s) of pool {NODE}"
             ));
+            // GPU Feature Discovery's labels, written by the agent on its Node.
+            let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(cx.client.clone());
+            let labels = poll(|| {
+                let nodes = nodes.clone();
+                async move {
+                    let n = nodes.get(NODE).await.map_err(|e| e.to_string())?;
+                    let l = n.metadata.labels.unwrap_or_default();
+                    match l.get("nvidia.com/gpu.count") {
+                        Some(_) => Ok(l),
+                        None => Err("no GPU labels on the node yet".to_string()),
+                    }
+                }
+            })
+            .await;
+            match labels {
+                Ok(l) => say.say(format!(
+                    "node labels (as GPU Feature Discovery's): {}",
+                    [
+                        "gpu.product",
+                        "gpu.count",
+                        "gpu.memory",
+                        "gpu.family",
+                        "mig.capable"
+                    ]
+                    .iter()
+                    .filter_map(|k| l
+                        .get(&format!("nvidia.com/{k}"))
+                        .map(|v| format!("nvidia.com/{k}={v}")))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+                )),
+                Err(e) => return Outcome::Failed(format!("node labels: {e}")),
+            }
             Outcome::Held(format!(
                 "all {} units offered by both APIs; {topology}",
                 units.len()
@@ -405,8 +438,50 @@ async fn dra_claim(cx: &Context<'_>, carry: &mut Carry, say: &mut Narrator<'_>) 
             device.name
         ));
     }
+    // The claim's status.devices, as `kubectl get resourceclaim -o yaml` shows it.
+    let claims: Api<ResourceClaim> = Api::namespaced(cx.client.clone(), &claim.namespace);
+    let entry = poll(|| {
+        let (claims, name, dev) = (claims.clone(), claim.name.clone(), device.name.clone());
+        async move {
+            let c = claims.get(&name).await.map_err(|e| e.to_string())?;
+            c.status
+                .and_then(|s| s.devices)
+                .into_iter()
+                .flatten()
+                .find(|d| d.device == dev)
+                .ok_or_else(|| format!("no status.devices entry for {dev} yet"))
+        }
+    })
+    .await;
+    let entry = match entry {
+        Ok(e) => e,
+        Err(e) => return Outcome::Failed(format!("the claim's status.devices: {e}")),
+    };
+    let ready = entry
+        .conditions
+        .iter()
+        .flatten()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    let uuid = entry
+        .data
+        .as_ref()
+        .and_then(|d| d.0.get("uuid"))
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    say.say(format!(
+        "claim status.devices: {} {} (uuid {uuid})",
+        entry.device,
+        if ready { "Ready" } else { "not Ready" }
+    ));
+    if !ready || device.uuid.as_deref() != Some(uuid.as_str()) {
+        return Outcome::Failed(format!(
+            "status.devices of {} says ready={ready}, uuid {uuid:?}, not {:?}",
+            device.name, device.uuid
+        ));
+    }
     let held = format!(
-        "claim {}/{} prepared on {}; CDI spec {file}, {} device(s)",
+        "claim {}/{} prepared on {}; CDI spec {file}, {} device(s); status.devices Ready",
         claim.namespace,
         claim.name,
         device.name,
