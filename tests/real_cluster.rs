@@ -277,7 +277,7 @@ spec:
     // then allocated.
     let log = agent.log_text();
     let asked = log.find("preferred allocation");
-    let granted = log.find("Allocate granted");
+    let granted = log.find("handed out");
     assert!(
         asked.is_some() && granted.is_some() && asked < granted,
         "GetPreferredAllocation before Allocate:\n{log}"
@@ -380,6 +380,38 @@ fn nvidia_com_gpu_pods_are_served_by_dra_on_a_dra_only_node() {
     assert!(
         chosen.is_some_and(|l| l.contains("dra") && l.contains("gpuplane.dev/apis")),
         "{log}"
+    );
+
+    // The same node switched to the device plugin only: the agent stops for the label change,
+    // the new one serves the device plugin, and the same unchanged pod spec takes that path.
+    lab.kubectl_ok(&["delete", "pod", "--all", "--wait=true", "--timeout=120s"]);
+    lab.kubectl_ok(&[
+        "label",
+        "node",
+        NODE,
+        "gpuplane.dev/apis=device-plugin",
+        "--overwrite",
+    ]);
+    eventually("the agent to stop for the label change", || {
+        agent.log_text().contains("changed; stopping").then_some(())
+    });
+    drop(agent);
+    let agent = LabAgent::start(&lab, &kubeconfig, "device-plugin-only");
+    eventually(
+        "node lab-node to report nvidia.com/gpu: 8 from the device plugin",
+        || (allocatable_gpus(&lab).as_deref() == Some("8")).then_some(()),
+    );
+    run_gpu_pod(&lab, "via-device-plugin");
+    let p = lab.get_json(&["get", "pod", "via-device-plugin"]).unwrap();
+    assert!(
+        p["status"]["extendedResourceClaimStatus"].is_null(),
+        "{}",
+        p["status"]
+    );
+    let log = agent.log_text();
+    assert!(
+        log.contains("handed out") && log.contains("device plugin"),
+        "the device plugin handed it out:\n{log}"
     );
 }
 
