@@ -487,8 +487,16 @@ async fn a_four_pod_group_waits_for_four_free_devices_and_is_released_whole_in_o
         status_write.is_some(),
         "admission not recorded before the gates went"
     );
+    // The group is accounted for: reserved by the releasing cycle, or already settled into
+    // `used` by the next one (the loop may run it before this read).
     let q = lab.quota().await.status.unwrap();
-    assert_eq!(q.reserved.gpus, Gpus::whole(4));
+    assert!(
+        (q.reserved.gpus == Gpus::whole(4) && q.used.gpus == Gpus::whole(4))
+            || (q.reserved.gpus == Gpus::whole(0) && q.used.gpus == Gpus::whole(8)),
+        "reserved {:?}, used {:?}",
+        q.reserved.gpus,
+        q.used.gpus
+    );
     // Admitted pods are told so.
     eventually("the condition to turn True", || async {
         let p = lab.pods.get("train-3").await.unwrap();
