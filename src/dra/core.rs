@@ -587,9 +587,10 @@ impl DraCore {
         };
         let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health)
             .map_err(|source| PrepareError::Plan { source })?;
-        let mut rendered = match self.device_mode {
+        let generation = claim.metadata.generation;
+        match self.device_mode {
             // Nothing on the host to discover: no driver files, no device nodes.
-            DeviceMode::Simulated => self.render_plan(&plan, c, &inv, None)?,
+            DeviceMode::Simulated => self.render_plan(&plan, c, generation, &inv, None),
             DeviceMode::Hardware => {
                 let proc = ProcCaps::new(&self.proc_root);
                 let files = DriverFiles::discover_mounted(
@@ -599,25 +600,9 @@ impl DraCore {
                     &inv,
                     &proc,
                 );
-                self.render_plan(&plan, c, &inv, Some(&files))?
+                self.render_plan(&plan, c, generation, &inv, Some(&files))
             }
-        };
-        let devices: Vec<(String, DeviceRef<'_>)> = plan
-            .device_names()
-            .into_iter()
-            .filter_map(|n| inv.dra_device(n).map(|d| (n.to_string(), d)))
-            .collect();
-        let now = Timestamp::from_second(Timestamp::now().as_second())
-            .map(|t| t.to_string())
-            .unwrap_or_default();
-        rendered.status = status::device_statuses(
-            &self.driver,
-            &self.pool,
-            &devices,
-            claim.metadata.generation,
-            &now,
-        );
-        Ok(rendered)
+        }
     }
 
     /// Writes (or, with no entries, removes) our `status.devices` entries of a claim, in the
@@ -638,11 +623,13 @@ impl DraCore {
         });
     }
 
-    /// Renders the claim's spec: over `files` on real hardware, simulated without them.
+    /// Renders the claim's spec (over `files` on real hardware, simulated without them) and its
+    /// `status.devices` entries (for the claim's `generation`).
     fn render_plan(
         &self,
         plan: &ClaimPlan,
         c: &ClaimRef,
+        generation: Option<i64>,
         inv: &Inventory,
         files: Option<&DriverFiles>,
     ) -> Result<Rendered, PrepareError> {
@@ -651,13 +638,14 @@ impl DraCore {
             .iter()
             .flat_map(|f| f.control_nodes.iter().map(|n| n.host_path.clone()))
             .collect();
-        let mut claimed = Vec::new();
+        // Each device by its DRA name, for the simulated environment and the status entries.
+        let mut claimed: Vec<(String, DeviceRef<'_>)> = Vec::new();
         for name in plan.device_names() {
             let Some(dev) = inv.dra_device(name) else {
                 // plan_claim looked every device up in this same inventory.
                 continue;
             };
-            claimed.push(dev);
+            claimed.push((name.to_string(), dev));
             for node in files.iter().flat_map(|f| cdi::render::device_nodes(dev, f)) {
                 needed.insert(PathBuf::from(node.host_path.unwrap_or(node.path)));
             }
@@ -681,7 +669,9 @@ impl DraCore {
             }
             None => {
                 let common = ContainerEdits {
-                    env: vec![cdi::render::visible_devices_env(&claimed)],
+                    env: vec![cdi::render::visible_devices_env(
+                        &claimed.iter().map(|(_, d)| *d).collect::<Vec<_>>(),
+                    )],
                     ..Default::default()
                 };
                 cdi::render_simulated_spec(&self.kind, &named, common)
@@ -718,11 +708,15 @@ impl DraCore {
             .iter()
             .map(|p| (p.device.clone(), p.uuid.clone()))
             .collect();
+        let now = Timestamp::from_second(Timestamp::now().as_second())
+            .map(|t| t.to_string())
+            .unwrap_or_default();
+        let status = status::device_statuses(&self.driver, &self.pool, &claimed, generation, &now);
         Ok(Rendered {
             spec,
             devices,
             units,
-            status: Vec::new(),
+            status,
         })
     }
 

@@ -1,6 +1,6 @@
 //! Keeps this node's GPU labels ([`crate::labels`]) in step with the inventory and the config:
-//! after every state change, and every few minutes (someone may have edited them), it reads
-//! the Node and sends a JSON merge patch of the managed labels that differ. A merge patch, not
+//! when the labels they call for change, and every few minutes (someone may have edited them),
+//! it reads the Node and sends a JSON merge patch of the managed labels that differ. A merge patch, not
 //! server-side apply: it fails on a missing Node instead of creating one. Failures are logged
 //! once per distinct error and retried; they never affect the kubelet APIs.
 
@@ -38,31 +38,40 @@ pub async fn run(
     let nodes: kube::Api<Node> = kube::Api::all(client);
     let mut changes = state.subscribe();
     let mut last_error: Option<String> = None;
+    // What the node was last brought to, and when to look again regardless. The state changes
+    // on every hand-out and health tick; only a change of the wanted labels is worth a read.
+    let mut synced: Option<BTreeMap<String, String>> = None;
+    let mut next = tokio::time::Instant::now();
     loop {
         let wanted = {
             let snap = state.read();
             node_labels(&snap.inventory, &snap.config)
         };
-        let wait = match sync(&nodes, &node, &wanted).await {
-            Ok(changed) => {
-                if changed || last_error.is_some() {
-                    tracing::info!(%node, labels = wanted.len(), "node labels in step");
+        if synced.as_ref() != Some(&wanted) || tokio::time::Instant::now() >= next {
+            let wait = match sync(&nodes, &node, &wanted).await {
+                Ok(changed) => {
+                    if changed || last_error.is_some() {
+                        tracing::info!(%node, labels = wanted.len(), "node labels in step");
+                    }
+                    last_error = None;
+                    synced = Some(wanted);
+                    RESYNC
                 }
-                last_error = None;
-                RESYNC
-            }
-            Err(e) => {
-                let text = e.to_string();
-                if last_error.as_deref() != Some(text.as_str()) {
-                    tracing::warn!(%node, error = %text, "node labels not written; retrying");
-                    last_error = Some(text);
+                Err(e) => {
+                    let text = e.to_string();
+                    if last_error.as_deref() != Some(text.as_str()) {
+                        tracing::warn!(%node, error = %text, "node labels not written; retrying");
+                        last_error = Some(text);
+                    }
+                    synced = None;
+                    RETRY
                 }
-                RETRY
-            }
-        };
+            };
+            next = tokio::time::Instant::now() + wait;
+        }
         tokio::select! {
             r = changes.changed() => if r.is_err() { return },
-            _ = tokio::time::sleep(wait) => {}
+            _ = tokio::time::sleep_until(next) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
     }
