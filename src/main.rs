@@ -321,6 +321,7 @@ fn run_controller(args: ControllerArgs) -> Result<()> {
             .or_else(|_| std::env::var("HOSTNAME"))
             .unwrap_or_else(|_| "gpuplane-controller".into());
         let identity = gpuplane::controller::identity(&host);
+        opts.identity = identity.clone();
         let mut loops = gpuplane::controller::ControllerOptions::new(&args.namespace, &identity);
         loops.leader_elect = args.leader_elect;
         loops.queue.catalog = opts.catalog.clone();

@@ -16,6 +16,7 @@
 use super::ledger::{compact, Working};
 use super::plan::{plan_releases, GroupCount, Plan, WaitReason, Waiting};
 use super::pods::{self, PodRef};
+use crate::quota::escrow::stale_escrows;
 use crate::quota::status::rfc3339;
 use crate::quota::{
     claim_charge, claim_is_pod_owned, pod_charge, settled_claim_charge, stale_reservations, Charge,
@@ -231,6 +232,16 @@ pub fn decide(
                 .collect();
         if !stale.is_empty() {
             s.reservations.retain(|r| !stale.contains(&r.key()));
+        }
+        // An escrow its holder stopped renewing (the replica died): what it admitted exists
+        // as pods by now.
+        let dead = stale_escrows(&s, now_ts, input.settings.grace);
+        s.escrows.retain(|e| !dead.contains(&e.holder));
+        for e in &s.escrows {
+            if let Ok(t) = e.renewed.parse::<Timestamp>() {
+                let at = SystemTime::from(t) + input.settings.grace;
+                next_deadline = Some(next_deadline.map_or(at, |d| d.min(at)));
+            }
         }
         // A reservation without its object is dropped when its grace ends: wake up then.
         for r in &s.reservations {

@@ -7,6 +7,10 @@
 //! resourceVersion it read and answers only after that write succeeded; a conflict means:
 //! read again and decide the whole batch again. Nothing here is admitted until written.
 //!
+//! With an [`EscrowRound`] the batch also records the admissions its replica made within its
+//! escrow (as reservations, their charge leaving the escrow) and sizes the escrow it keeps
+//! (see [`super::escrow`]); the replica's own escrow is not counted against the batch's ops.
+//!
 //! Cohort borrowing reads the lenders' state, which the borrower's write does not guard.
 //! [`stale_borrowers`] closes that gap: after the borrower's write, the lenders (every other
 //! quota of the cohort) are read again and each borrowing admission is checked once more
@@ -18,7 +22,9 @@
 use super::charge::Charge;
 use super::check::{check_consumed, Denial, Fit};
 use super::crd::{GpuQuota, Reservation, ReservationState};
+use super::escrow::{self, EscrowRound};
 use super::status::ReservationKey;
+use super::usage::Usage;
 use std::collections::HashMap;
 
 /// One request waiting for a quota.
@@ -56,6 +62,9 @@ pub enum Outcome {
     /// It fits (recorded for `Reserve`, only checked for `Check`).
     Fits(Fit),
     Denied(Denial),
+    /// Does not fit now, but would without other replicas' escrows: decide it again shortly
+    /// (they are given back when idle or spent); the denial is the answer when time is up.
+    Held(Denial),
     Queued,
     Released,
     /// The arithmetic overflowed; nothing was recorded for this op.
@@ -68,6 +77,8 @@ pub struct Decided {
     pub outcomes: Vec<Outcome>,
     /// The status differs from what was read: it must be written before anyone is answered.
     pub changed: bool,
+    /// What the round's holder holds in escrow in the decided status (zero: none).
+    pub escrow: Usage,
 }
 
 fn unchanged(old: &Reservation, new: &Reservation) -> bool {
@@ -75,12 +86,54 @@ fn unchanged(old: &Reservation, new: &Reservation) -> bool {
 }
 
 /// Decides `ops` in order on `quota` (as read), recording what fits in its status. `peers`:
-/// the cohort's other quotas (see [`super::check::check`]). Totals are recomputed once at the end.
-pub fn decide_batch(quota: &mut GpuQuota, peers: &[GpuQuota], ops: &[Op]) -> Decided {
+/// the cohort's other quotas (see [`super::check::check`]); `round`: the deciding replica's
+/// escrow work, if it holds or wants one. Totals are recomputed once at the end.
+pub fn decide_batch(
+    quota: &mut GpuQuota,
+    peers: &[GpuQuota],
+    ops: &[Op],
+    round: Option<&EscrowRound>,
+) -> Decided {
     let mut status = quota.status.take().unwrap_or_default();
     let id = quota.id();
     let mut outcomes = Vec::with_capacity(ops.len());
     let mut changed = false;
+    // The holder's own escrow comes out (re-sized at the end); what it admitted within it
+    // becomes reservations.
+    let mut own_escrow = None;
+    if let Some(r) = round {
+        if let Some(i) = status.escrows.iter().position(|e| e.holder == r.holder) {
+            own_escrow = Some(status.escrows.remove(i));
+        }
+        for f in &r.flush {
+            let mut f = f.clone();
+            f.state = ReservationState::Reserved;
+            match status.reservations.iter_mut().find(|x| x.key() == f.key()) {
+                Some(x) if unchanged(x, &f) => {}
+                Some(x) => {
+                    *x = f;
+                    changed = true;
+                }
+                None => {
+                    status.reservations.push(f);
+                    changed = true;
+                }
+            }
+        }
+    }
+    let holder = round.map(|r| r.holder.as_str()).unwrap_or("");
+    let others = match escrow::held_by_others(&status, holder) {
+        Ok(u) => u,
+        Err(e) => {
+            let why = format!("{e} while checking GpuQuota {id}");
+            quota.status = Some(status);
+            return Decided {
+                outcomes: ops.iter().map(|_| Outcome::Failed(why.clone())).collect(),
+                changed: false,
+                escrow: Usage::default(),
+            };
+        }
+    };
     let mut index: HashMap<ReservationKey, usize> = status
         .reservations
         .iter()
@@ -96,6 +149,7 @@ pub fn decide_batch(quota: &mut GpuQuota, peers: &[GpuQuota], ops: &[Op]) -> Dec
             return Decided {
                 outcomes: ops.iter().map(|_| Outcome::Failed(why.clone())).collect(),
                 changed: false,
+                escrow: Usage::default(),
             };
         }
     };
@@ -154,12 +208,20 @@ pub fn decide_batch(quota: &mut GpuQuota, peers: &[GpuQuota], ops: &[Op]) -> Dec
                     }
                 }
                 Err(d) => {
+                    let held = !others.is_zero()
+                        && without_own.saturating_sub(&others).is_ok_and(|free| {
+                            check_consumed(quota, &free, peers, charge).is_ok()
+                        });
                     if *retreat && index.contains_key(&key) {
                         remove(&mut status.reservations, &mut index, &key);
                         total = without_own;
                         changed = true;
                     }
-                    Outcome::Denied(d)
+                    if held {
+                        Outcome::Held(d)
+                    } else {
+                        Outcome::Denied(d)
+                    }
                 }
             },
             Op::Queue { reservation } => {
@@ -191,6 +253,23 @@ pub fn decide_batch(quota: &mut GpuQuota, peers: &[GpuQuota], ops: &[Op]) -> Dec
         };
         outcomes.push(outcome);
     }
+    let mut held = Usage::default();
+    if let Some(r) = round {
+        let amount = match &r.unit {
+            Some(unit) if escrow::eligible(quota) => {
+                escrow::grant(&quota.spec.hard, &total, unit).unwrap_or_default()
+            }
+            _ => Usage::default(),
+        };
+        let new = escrow::entry(own_escrow.as_ref(), &r.holder, amount, r.now);
+        if new != own_escrow {
+            changed = true;
+        }
+        if let Some(e) = new {
+            held = e.amount.clone();
+            status.escrows.push(e);
+        }
+    }
     if changed {
         if let Err(e) = status.recompute_totals() {
             // Cannot happen when every addition above succeeded; refuse the whole batch.
@@ -200,7 +279,11 @@ pub fn decide_batch(quota: &mut GpuQuota, peers: &[GpuQuota], ops: &[Op]) -> Dec
         }
     }
     quota.status = Some(status);
-    Decided { outcomes, changed }
+    Decided {
+        outcomes,
+        changed,
+        escrow: held,
+    }
 }
 
 fn remove(

@@ -106,6 +106,21 @@ pub struct Reservation {
     pub since: String,
 }
 
+/// Headroom one webhook replica holds (escrow, see [`super::escrow`]): counted against `hard`
+/// as if consumed, so the replica may admit within it without a status write per admission.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Escrow {
+    /// The replica process holding it (its identity and a per-process nonce).
+    pub holder: String,
+    /// What it holds: its admissions not yet recorded as reservations, and what it may still
+    /// admit.
+    pub amount: Usage,
+    /// When the holder last wrote it (RFC 3339); the controller drops an escrow not renewed
+    /// for the reservation grace.
+    pub renewed: String,
+}
+
 /// A status condition, shaped as metav1.Condition.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -142,6 +157,9 @@ pub struct GpuQuotaStatus {
     pub queued: Usage,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reservations: Vec<Reservation>,
+    /// Headroom held by webhook replicas; counts against `hard`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub escrows: Vec<Escrow>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<QuotaCondition>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

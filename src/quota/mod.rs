@@ -61,6 +61,7 @@ pub mod catalog;
 pub mod charge;
 pub mod check;
 pub mod crd;
+pub mod escrow;
 pub mod ratio;
 pub mod scope;
 pub mod selector;
@@ -79,7 +80,7 @@ pub use charge::{
 };
 pub use check::{check, check_consumed, record_queued, try_reserve, Denial, Fit};
 pub use crd::{
-    GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind, QuotaCondition, QuotaMode, Reservation,
+    Escrow, GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind, QuotaCondition, QuotaMode, Reservation,
     ReservationState, SCHEDULING_GATE,
 };
 pub use ratio::{Gpus, QuotaMathError};

@@ -133,10 +133,13 @@ impl GpuQuotaStatus {
         Ok(())
     }
 
-    /// What counts against `hard`: `used` plus every `Reserved` reservation except
-    /// `excluding` (an object being re-admitted is not counted twice).
+    /// What counts against `hard`: `used`, every escrow, plus every `Reserved` reservation
+    /// except `excluding` (an object being re-admitted is not counted twice).
     pub fn consumed(&self, excluding: Option<&ReservationKey>) -> Result<Usage, QuotaMathError> {
         let mut total = self.used.clone();
+        for e in &self.escrows {
+            total.add_assign(&e.amount)?;
+        }
         for r in &self.reservations {
             if r.state == ReservationState::Reserved && Some(&r.key()) != excluding {
                 total.add_assign(&r.charge)?;

@@ -1,6 +1,7 @@
 //! Quota arithmetic, pricing and decisions, without sockets.
 
 use super::*;
+use super::escrow::EscrowRound;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimSpec, ResourceSlice,
@@ -771,7 +772,7 @@ fn a_batch_is_decided_in_order_on_one_state_as_one_by_one_would() {
         spec.clone(),
         json!({"used": {"gpuMemory": "10Gi"}}),
     );
-    let d = decide_batch(&mut q, &[], &ops);
+    let d = decide_batch(&mut q, &[], &ops, None);
     assert!(d.changed);
     let fits: Vec<bool> = d
         .outcomes
@@ -827,7 +828,7 @@ fn a_batch_is_decided_in_order_on_one_state_as_one_by_one_would() {
         ops[3].clone(),
         ops[8].clone(),
     ];
-    let again = decide_batch(&mut q, &[], &retried);
+    let again = decide_batch(&mut q, &[], &retried, None);
     assert!(!again.changed);
     assert!(again.outcomes.iter().all(|o| matches!(o, Outcome::Fits(_))));
 }
@@ -853,6 +854,7 @@ fn a_retreating_borrower_that_no_longer_fits_gives_its_reservation_back() {
         &mut b,
         std::slice::from_ref(&lender),
         &[reserve_op("x", &one_gpu), reserve_op("y", &one_gpu)],
+        None,
     );
     // x within hard, y borrows one of the lender's two.
     let borrowed: Vec<usize> = d
@@ -889,10 +891,101 @@ fn a_retreating_borrower_that_no_longer_fits_gives_its_reservation_back() {
         charge: one_gpu.clone(),
         retreat: true,
     };
-    let d = decide_batch(&mut b, &fresh, &[retry]);
+    let d = decide_batch(&mut b, &fresh, &[retry], None);
     assert!(matches!(d.outcomes[0], Outcome::Denied(_)), "{d:?}");
     assert!(d.changed);
     let s = b.status.unwrap();
     assert_eq!(s.reservations.len(), 1);
     assert_eq!(s.reserved.gpus, Gpus::ONE);
+}
+
+fn escrow_round(holder: &str, flush: &[&str], unit: Option<&Charge>) -> EscrowRound {
+    EscrowRound {
+        holder: holder.into(),
+        flush: flush
+            .iter()
+            .map(|n| reservation(n, &mem_charge(10)))
+            .collect(),
+        unit: unit.map(|c| c.usage.clone()),
+        now: "2026-01-01T00:00:00Z".parse().unwrap(),
+    }
+}
+
+#[test]
+fn an_escrow_round_records_its_admissions_resizes_the_escrow_and_holds_what_others_hold() {
+    let spec = json!({"hard": {"gpuMemory": "400Gi"}});
+    let mut q = quota("team-a", "q", spec.clone(), json!({"used": {"gpuMemory": "40Gi"}}));
+    // First admission on the slow path: recorded, and a quarter of what is left (320Gi)
+    // in whole 10Gi charges is held: 80Gi.
+    let ten = mem_charge(10);
+    let d = decide_batch(
+        &mut q,
+        &[],
+        &[reserve_op("p0", &ten)],
+        Some(&escrow_round("a", &[], Some(&ten))),
+    );
+    assert!(matches!(d.outcomes[0], Outcome::Fits(_)));
+    assert_eq!(d.escrow.gpu_memory.to_string(), "80Gi");
+    let s = q.status.clone().unwrap();
+    assert_eq!(s.escrows.len(), 1);
+    assert_eq!(s.consumed(None).unwrap().gpu_memory.to_string(), "130Gi");
+
+    // Three admissions made within it are flushed: reservations, escrow re-sized on the rest
+    // (400 - 40 - 40 = 320 -> 80Gi again), nothing counted twice.
+    let d = decide_batch(
+        &mut q,
+        &[],
+        &[],
+        Some(&escrow_round("a", &["p1", "p2", "p3"], Some(&ten))),
+    );
+    assert!(d.changed);
+    let s = q.status.clone().unwrap();
+    assert_eq!(s.reservations.len(), 4);
+    assert_eq!(s.reserved.gpu_memory.to_string(), "40Gi");
+    assert_eq!(d.escrow.gpu_memory.to_string(), "80Gi");
+    assert_eq!(s.consumed(None).unwrap().gpu_memory.to_string(), "160Gi");
+
+    // Another replica's request that fits only without a's escrow is held, not denied.
+    let mut full = quota(
+        "team-a",
+        "q",
+        spec.clone(),
+        json!({"used": {"gpuMemory": "300Gi"},
+               "escrows": [{"holder": "a", "amount": {"gpuMemory": "80Gi"},
+                            "renewed": "2026-01-01T00:00:00Z"}]}),
+    );
+    let d = decide_batch(
+        &mut full,
+        &[],
+        &[reserve_op("big", &mem_charge(50)), reserve_op("huge", &mem_charge(150))],
+        Some(&escrow_round("b", &[], Some(&ten))),
+    );
+    let Outcome::Held(why) = &d.outcomes[0] else {
+        panic!("{:?}", d.outcomes)
+    };
+    assert_eq!(
+        why.to_string(),
+        "gpuMemory: requested 50Gi, used 380Gi of 400Gi in GpuQuota team-a/q"
+    );
+    assert!(matches!(d.outcomes[1], Outcome::Denied(_)), "{:?}", d.outcomes);
+    // b gets no escrow (20Gi left is less than four 10Gi charges) and writes nothing.
+    assert!(d.escrow.is_zero());
+    assert!(!d.changed);
+
+    // a gives its escrow back: the entry goes, and so does the hold.
+    let d = decide_batch(&mut full, &[], &[], Some(&escrow_round("a", &[], None)));
+    assert!(d.changed && d.escrow.is_zero());
+    assert!(full.status.clone().unwrap().escrows.is_empty());
+    let d = decide_batch(&mut full, &[], &[reserve_op("big", &mem_charge(50))], None);
+    assert!(matches!(d.outcomes[0], Outcome::Fits(_)), "{:?}", d.outcomes);
+
+    // Queue mode and cohorts hold no escrow.
+    let mut queue = quota(
+        "team-a",
+        "q",
+        json!({"hard": {"gpuMemory": "400Gi"}, "mode": "Queue"}),
+        json!({}),
+    );
+    let d = decide_batch(&mut queue, &[], &[], Some(&escrow_round("a", &[], Some(&ten))));
+    assert!(d.escrow.is_zero() && !d.changed);
 }

@@ -17,14 +17,37 @@
 //! after the write ([`crate::quota::stale_borrowers`]); one that no longer fits is decided
 //! again in the next batch (its reservation stays until then, which only errs on the safe
 //! side) and, after [`BORROW_ATTEMPTS`], denied and released.
+//!
+//! Escrow ([`crate::quota::escrow`]): once a batch has admitted to a Reject-mode quota, the
+//! replica holds a share of its headroom in the status and admits within it at once, with no
+//! write ([`Committer::submit`]'s fast path). The batch task records those admissions as
+//! reservations every [`FLUSH_INTERVAL`] (one write for all of them, which also re-sizes the
+//! share) and gives the share back after [`IDLE_RETURN`] without admissions. While a write is
+//! in flight the fast path spends only what both the old and the new share cover, so whatever
+//! the write's fate, the status covers every admission made. Denials that are only due to
+//! another replica's share are decided again for up to half the deadline.
 
-use crate::quota::{borrows, decide_batch, stale_borrowers, Denial, Fit, GpuQuota, Op, Outcome};
+use crate::quota::escrow::{self, EscrowRound, SPEND_WINDOW};
+use crate::quota::{
+    borrows, decide_batch, stale_borrowers, Denial, Fit, GpuQuota, Limits, Op, Outcome,
+    Reservation, ReservationState, Usage,
+};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::runtime::reflector::{ObjectRef, Store};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
+
+/// Admissions made within an escrow are recorded (one write) at most this often.
+pub const FLUSH_INTERVAL: Duration = Duration::from_millis(100);
+
+/// An escrow is given back after this long without admissions to its quota.
+pub const IDLE_RETURN: Duration = Duration::from_millis(250);
+
+/// A request held by another replica's escrow is decided again after this pause.
+const HELD_PAUSE: Duration = Duration::from_millis(10);
 
 /// Retry bounds of one batch: how often and how long a 409 is re-decided.
 #[derive(Debug, Clone, Copy)]
@@ -47,13 +70,17 @@ impl Default for RetryBudget {
 pub const BORROW_ATTEMPTS: u32 = 8;
 
 /// Bounds of the group commit.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct CommitOptions {
     /// Conflict retries of one batch; `deadline` also bounds how long a request waits for its
     /// answer (keep it well under the API server's 10 s webhook timeout).
     pub budget: RetryBudget,
     /// The most ops decided and written together.
     pub max_batch: usize,
+    /// This replica process's name on its escrows (unique per process).
+    pub holder: String,
+    /// Hold escrows (false: every admission waits for its own batch's write).
+    pub escrow: bool,
 }
 
 impl Default for CommitOptions {
@@ -61,8 +88,18 @@ impl Default for CommitOptions {
         CommitOptions {
             budget: RetryBudget::default(),
             max_batch: 256,
+            holder: holder_name(&crate::controller::identity("gpuplane-webhook")),
+            escrow: true,
         }
     }
+}
+
+/// A name for one committer's escrows: `identity` (already unique per process) and a
+/// sequence number, so that webhooks sharing a process never share an escrow.
+pub fn holder_name(identity: &str) -> String {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{identity}#{n}")
 }
 
 /// Why a request got no decision.
@@ -100,7 +137,197 @@ pub enum Answer {
 struct Pending {
     op: Op,
     attempts: u32,
+    since: Instant,
     tx: Option<oneshot::Sender<Answer>>,
+}
+
+impl Pending {
+    fn new(op: Op, tx: Option<oneshot::Sender<Answer>>) -> Pending {
+        Pending {
+            op,
+            attempts: 0,
+            since: Instant::now(),
+            tx,
+        }
+    }
+}
+
+/// This replica's escrow for one quota. The status holds `cap` for it (as of its last
+/// successful write); `unflushed` are admissions made within it and not yet written as
+/// reservations (`spent`: their charge). Outside a write the fast path may admit while
+/// `spent + charge <= cap`; during one, only within [`Flight::budget`].
+#[derive(Default)]
+struct LocalEscrow {
+    cap: Usage,
+    flight: Option<Flight>,
+    unflushed: Vec<Reservation>,
+    spent: Usage,
+    /// The quota's `hard` and whether it takes escrows, as of the last batch.
+    hard: Limits,
+    eligible: bool,
+    /// When `cap` was last written.
+    written: Option<Instant>,
+    last_flush: Option<Instant>,
+    /// The latest admission: what the next escrow is sized by, and when.
+    unit: Option<Usage>,
+    last_admit: Option<Instant>,
+}
+
+/// A write in flight that records the first `recorded` of the unflushed admissions
+/// (`flushed`: their charge) and sets the escrow to a new amount.
+struct Flight {
+    recorded: usize,
+    flushed: Usage,
+    /// What admissions made during the write may take: what both the old escrow (less the
+    /// recorded ones) and the new one cover, so the status covers them whatever the write's
+    /// fate.
+    budget: Usage,
+}
+
+/// What the batch task owes an escrow.
+enum EscrowDue {
+    Now,
+    In(Duration),
+    Nothing,
+}
+
+/// Dimension-wise minimum.
+fn min(a: &Usage, b: &Usage) -> Usage {
+    a.saturating_sub(&a.saturating_sub(b).unwrap_or_default())
+        .unwrap_or_default()
+}
+
+impl LocalEscrow {
+    fn due(&self, now: Instant) -> EscrowDue {
+        let after = |t: Option<Instant>, d: Duration| match t {
+            Some(t) if now.duration_since(t) < d => EscrowDue::In(d - now.duration_since(t)),
+            _ => EscrowDue::Now,
+        };
+        if !self.unflushed.is_empty() {
+            after(self.last_flush, FLUSH_INTERVAL)
+        } else if !self.cap.is_zero() {
+            after(self.last_admit, IDLE_RETURN)
+        } else {
+            EscrowDue::Nothing
+        }
+    }
+
+    /// What the next escrow is sized by: the latest charge asked for in this batch, or of a
+    /// recent admission; none (give it back) when idle or not eligible.
+    fn wanted(&self, ops: &[Op], now: Instant) -> Option<Usage> {
+        if !self.eligible {
+            return None;
+        }
+        let asked = ops.iter().rev().find_map(|op| match op {
+            Op::Reserve { charge, .. } if charge.unknown.is_empty() => Some(charge.usage.clone()),
+            _ => None,
+        });
+        asked.or_else(|| {
+            self.last_admit
+                .filter(|t| now.duration_since(*t) < IDLE_RETURN)
+                .and(self.unit.clone())
+        })
+    }
+
+    /// Whether the admission at `i` of `unflushed` is being written now (it then stays).
+    fn in_flight(&self, i: usize) -> bool {
+        self.flight.as_ref().is_some_and(|f| i < f.recorded)
+    }
+
+    /// Admits `r` within the escrow, if it may (a retried create replaces its own earlier
+    /// admission).
+    fn admit(&mut self, r: &Reservation, now: Instant) -> bool {
+        if !self.eligible || self.written.is_none_or(|t| now.duration_since(t) >= SPEND_WINDOW) {
+            return false;
+        }
+        let key = r.key();
+        let earlier = self.unflushed.iter().position(|x| x.key() == key);
+        if earlier.is_some_and(|i| self.in_flight(i)) {
+            return false;
+        }
+        let spent = match earlier {
+            Some(i) => self.spent.saturating_sub(&self.unflushed[i].charge),
+            None => Ok(self.spent.clone()),
+        };
+        let Ok(spent) = spent else { return false };
+        let available = match &self.flight {
+            Some(f) => spent
+                .saturating_sub(&f.flushed)
+                .and_then(|after| f.budget.saturating_sub(&after)),
+            None => self.cap.saturating_sub(&spent),
+        };
+        let Ok(available) = available else {
+            return false;
+        };
+        if !escrow::fits(&self.hard, &available, &r.charge) {
+            return false;
+        }
+        let Ok(spent) = spent.checked_add(&r.charge) else {
+            return false;
+        };
+        match earlier {
+            Some(i) => self.unflushed[i] = r.clone(),
+            None => self.unflushed.push(r.clone()),
+        }
+        self.spent = spent;
+        self.unit = Some(r.charge.clone());
+        self.last_admit = Some(now);
+        true
+    }
+
+    /// Takes back an admission made within the escrow and not being written.
+    fn release(&mut self, key: &crate::quota::ReservationKey) -> bool {
+        let Some(i) = self.unflushed.iter().position(|x| x.key() == *key) else {
+            return false;
+        };
+        if self.in_flight(i) {
+            return false;
+        }
+        self.unflushed.remove(i);
+        self.resum();
+        true
+    }
+
+    /// Starts a write that records every unflushed admission and sets the escrow to `new`.
+    fn start_flight(&mut self, new: &Usage) {
+        let left = self.cap.saturating_sub(&self.spent).unwrap_or_default();
+        self.flight = Some(Flight {
+            recorded: self.unflushed.len(),
+            flushed: self.spent.clone(),
+            budget: min(&left, new),
+        });
+    }
+
+    /// The write landed: the status holds `new`, and the recorded admissions are reservations.
+    fn landed(&mut self, new: Usage, now: Instant) {
+        if let Some(f) = self.flight.take() {
+            self.unflushed.drain(..f.recorded.min(self.unflushed.len()));
+        }
+        self.cap = new;
+        self.written = Some(now);
+        self.last_flush = Some(now);
+        self.resum();
+    }
+
+    /// `spent` from the unflushed admissions; an overflow stops the fast path until the
+    /// next write.
+    fn resum(&mut self) {
+        match Usage::sum(self.unflushed.iter().map(|r| &r.charge)) {
+            Ok(s) => self.spent = s,
+            Err(_) => self.written = None,
+        }
+    }
+
+    /// The write did not land (`maybe`: or may have): every admission stays for the next
+    /// one; when it may have landed, the escrow counts as the smaller of the two (the
+    /// recorded admissions count in both).
+    fn not_landed(&mut self, maybe: bool, new: &Usage) {
+        if let Some(f) = self.flight.take() {
+            if maybe {
+                self.cap = min(&self.cap, &new.checked_add(&f.flushed).unwrap_or_default());
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -109,12 +336,15 @@ struct QueueState {
     running: bool,
     /// The quota as this replica last wrote or read it.
     last: Option<GpuQuota>,
+    escrow: LocalEscrow,
 }
 
 struct QuotaQueue {
     namespace: String,
     name: String,
     state: Mutex<QueueState>,
+    /// Wakes a batch task waiting for its escrow's next flush when an op arrives.
+    wake: Notify,
 }
 
 /// Writes counted by outcome (what `/metrics` and the bench report).
@@ -123,6 +353,8 @@ pub struct CommitCounters {
     pub batches: std::sync::atomic::AtomicU64,
     pub writes: std::sync::atomic::AtomicU64,
     pub conflicts: std::sync::atomic::AtomicU64,
+    /// Admissions made within an escrow (no write waited for).
+    pub escrowed: std::sync::atomic::AtomicU64,
 }
 
 /// The group committer of one replica.
@@ -150,8 +382,12 @@ impl Committer {
         })
     }
 
-    /// Puts `op` on the queue of GpuQuota `namespace/name` and waits for its answer.
+    /// Answers `op` from this replica's escrow for GpuQuota `namespace/name` when it can, or
+    /// puts it on the quota's queue and waits for its answer.
     pub async fn submit(self: &Arc<Self>, namespace: &str, name: &str, op: Op) -> Answer {
+        if let Some(answer) = self.from_escrow(namespace, name, &op) {
+            return answer;
+        }
         let rx = self.enqueue(namespace, name, op);
         let waited = self.opts.budget.deadline + Duration::from_secs(1);
         match tokio::time::timeout(waited, rx).await {
@@ -168,7 +404,50 @@ impl Committer {
 
     /// Queues `op` without waiting (a release nobody waits for).
     pub fn submit_detached(self: &Arc<Self>, namespace: &str, name: &str, op: Op) {
-        drop(self.enqueue(namespace, name, op));
+        if self.from_escrow(namespace, name, &op).is_none() {
+            drop(self.enqueue(namespace, name, op));
+        }
+    }
+
+    /// The fast path: a reservation admitted within this replica's escrow (recorded by the
+    /// next flush), or a release of one not yet recorded.
+    fn from_escrow(self: &Arc<Self>, namespace: &str, name: &str, op: &Op) -> Option<Answer> {
+        if !self.opts.escrow {
+            return None;
+        }
+        let queue = lock(&self.queues)
+            .get(&(namespace.to_string(), name.to_string()))
+            .cloned()?;
+        let now = Instant::now();
+        let answer = {
+            let mut s = lock(&queue.state);
+            let answer = match op {
+                Op::Reserve {
+                    reservation,
+                    charge,
+                    retreat: false,
+                } if charge.unknown.is_empty() => {
+                    let mut r = reservation.clone();
+                    r.state = ReservationState::Reserved;
+                    r.charge = charge.usage.clone();
+                    s.escrow.admit(&r, now).then(|| Answer::Fits(Fit::default()))
+                }
+                Op::Release { key } => s.escrow.release(key).then_some(Answer::Released),
+                _ => None,
+            }?;
+            if !std::mem::replace(&mut s.running, true) {
+                let me = self.clone();
+                let q = queue.clone();
+                tokio::spawn(async move { me.drain(q).await });
+            }
+            answer
+        };
+        if matches!(answer, Answer::Fits(_)) {
+            self.counters
+                .escrowed
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Some(answer)
     }
 
     fn enqueue(self: &Arc<Self>, namespace: &str, name: &str, op: Op) -> oneshot::Receiver<Answer> {
@@ -180,18 +459,16 @@ impl Committer {
                     namespace: namespace.to_string(),
                     name: name.to_string(),
                     state: Mutex::new(QueueState::default()),
+                    wake: Notify::new(),
                 })
             })
             .clone();
         let start = {
             let mut s = lock(&queue.state);
-            s.pending.push_back(Pending {
-                op,
-                attempts: 0,
-                tx: Some(tx),
-            });
+            s.pending.push_back(Pending::new(op, Some(tx)));
             !std::mem::replace(&mut s.running, true)
         };
+        queue.wake.notify_one();
         if start {
             let me = self.clone();
             tokio::spawn(async move { me.drain(queue).await });
@@ -199,20 +476,32 @@ impl Committer {
         rx
     }
 
-    /// The batch task: batches until the queue is empty.
+    /// The batch task: batches until the queue is empty and its escrow owes nothing.
     async fn drain(self: Arc<Self>, queue: Arc<QuotaQueue>) {
         let api: Api<GpuQuota> = Api::namespaced(self.client.clone(), &queue.namespace);
         let mut last = lock(&queue.state).last.take();
         loop {
-            let batch: Vec<Pending> = {
+            let next = {
                 let mut s = lock(&queue.state);
-                if s.pending.is_empty() {
+                let due = match s.pending.is_empty() {
+                    true => s.escrow.due(Instant::now()),
+                    false => EscrowDue::Now,
+                };
+                if let EscrowDue::Nothing = due {
                     s.running = false;
                     s.last = last;
                     return;
                 }
                 let n = s.pending.len().min(self.opts.max_batch.max(1));
-                s.pending.drain(..n).collect()
+                (due, s.pending.drain(..n).collect::<Vec<Pending>>())
+            };
+            let batch = match next {
+                (EscrowDue::In(wait), _) => {
+                    // An op arriving meanwhile is batched at once.
+                    let _ = tokio::time::timeout(wait, queue.wake.notified()).await;
+                    continue;
+                }
+                (_, batch) => batch,
             };
             let retry = self.round(&api, &queue, &mut last, batch).await;
             if !retry.is_empty() {
@@ -300,6 +589,7 @@ impl Committer {
                 None => match api.get_opt(&queue.name).await {
                     Ok(Some(q)) => (q, true),
                     Ok(None) => {
+                        lock(&queue.state).escrow = LocalEscrow::default();
                         answer_all(&mut batch, Answer::Gone);
                         return Vec::new();
                     }
@@ -316,7 +606,23 @@ impl Committer {
                 },
             };
             let peers = self.peers(&quota);
-            let decided = decide_batch(&mut quota, &peers, &ops);
+            let decided = {
+                let mut s = lock(&queue.state);
+                let e = &mut s.escrow;
+                e.hard = quota.spec.hard.clone();
+                e.eligible = self.opts.escrow && escrow::eligible(&quota);
+                let round = self.opts.escrow.then(|| EscrowRound {
+                    holder: self.opts.holder.clone(),
+                    flush: e.unflushed.clone(),
+                    unit: e.wanted(&ops, Instant::now()),
+                    now: Timestamp::now(),
+                });
+                let d = decide_batch(&mut quota, &peers, &ops, round.as_ref());
+                if d.changed {
+                    e.start_flight(&d.escrow);
+                }
+                d
+            };
             if !decided.changed {
                 if fresh {
                     break (quota, decided.outcomes);
@@ -325,28 +631,43 @@ impl Committer {
                 continue;
             }
             self.counters.writes.fetch_add(1, Relaxed);
-            match api
+            let result = api
                 .replace_status(&queue.name, &PostParams::default(), &quota)
-                .await
-            {
-                Ok(q) => break (q, decided.outcomes),
-                Err(kube::Error::Api(s)) if s.code == 409 => {
-                    self.counters.conflicts.fetch_add(1, Relaxed);
-                }
-                Err(kube::Error::Api(s)) if s.code == 404 => {
-                    answer_all(&mut batch, Answer::Gone);
-                    return Vec::new();
-                }
-                Err(e) => {
-                    // The write may or may not have landed: nobody is admitted; a
-                    // reservation that did land is collected by the controller.
-                    fail(
-                        &mut batch,
-                        CommitError::Api {
+                .await;
+            // What the write's fate means for the escrow, then for the batch.
+            let verdict = {
+                let mut s = lock(&queue.state);
+                match result {
+                    Ok(q) => {
+                        s.escrow.landed(decided.escrow, Instant::now());
+                        Ok(q)
+                    }
+                    Err(kube::Error::Api(e)) if e.code == 409 => {
+                        s.escrow.not_landed(false, &decided.escrow);
+                        Err(None)
+                    }
+                    Err(kube::Error::Api(e)) if e.code == 404 => {
+                        s.escrow = LocalEscrow::default();
+                        Err(Some(Answer::Gone))
+                    }
+                    Err(e) => {
+                        // The write may or may not have landed: nobody is admitted; a
+                        // reservation that did land is collected by the controller.
+                        s.escrow.not_landed(true, &decided.escrow);
+                        Err(Some(Answer::Failed(CommitError::Api {
                             quota: id.clone(),
                             message: e.to_string(),
-                        },
-                    );
+                        })))
+                    }
+                }
+            };
+            match verdict {
+                Ok(q) => break (q, decided.outcomes),
+                Err(None) => {
+                    self.counters.conflicts.fetch_add(1, Relaxed);
+                }
+                Err(Some(answer)) => {
+                    answer_all(&mut batch, answer);
                     return Vec::new();
                 }
             }
@@ -396,6 +717,7 @@ impl Committer {
         *last = Some(written);
 
         let mut retry = Vec::new();
+        let mut held = false;
         for (i, (mut p, outcome)) in batch.into_iter().zip(outcomes).enumerate() {
             if let Some(denial) = again.remove(&i) {
                 p.attempts += 1;
@@ -408,17 +730,29 @@ impl Committer {
                     if let Some(tx) = p.tx.take() {
                         let _ = tx.send(Answer::Denied(denial));
                     }
-                    retry.push(Pending {
-                        op: Op::Release { key: p.op.key() },
-                        attempts: 0,
-                        tx: None,
-                    });
+                    retry.push(Pending::new(Op::Release { key: p.op.key() }, None));
                 }
                 continue;
             }
+            if let Outcome::Held(denial) = &outcome {
+                if p.since.elapsed() < budget.deadline / 2 {
+                    held = true;
+                    retry.push(p);
+                    continue;
+                }
+                if let Some(tx) = p.tx.take() {
+                    let _ = tx.send(Answer::Denied(denial.clone()));
+                }
+                continue;
+            }
+            if let (Op::Reserve { charge, .. }, Outcome::Fits(_)) = (&p.op, &outcome) {
+                let mut s = lock(&queue.state);
+                s.escrow.unit = Some(charge.usage.clone());
+                s.escrow.last_admit = Some(Instant::now());
+            }
             let answer = match outcome {
                 Outcome::Fits(f) => Answer::Fits(f),
-                Outcome::Denied(d) => Answer::Denied(d),
+                Outcome::Denied(d) | Outcome::Held(d) => Answer::Denied(d),
                 Outcome::Queued => Answer::Queued,
                 Outcome::Released => Answer::Released,
                 Outcome::Failed(message) => Answer::Failed(CommitError::Math {
@@ -430,7 +764,10 @@ impl Committer {
                 let _ = tx.send(answer);
             }
         }
-        if !retry.is_empty() {
+        if held {
+            // Give the other replicas time to spend or give back their escrows.
+            tokio::time::sleep(HELD_PAUSE).await;
+        } else if !retry.is_empty() {
             // Let the other borrower's batch finish before deciding again.
             let pause = 200 + u64::from(start.elapsed().subsec_nanos() % 2_000);
             tokio::time::sleep(Duration::from_micros(pause)).await;

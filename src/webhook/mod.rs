@@ -53,6 +53,11 @@ pub struct WebhookOptions {
     pub budget: RetryBudget,
     /// The most admissions to one quota decided and written together.
     pub max_batch: usize,
+    /// This replica's name (on its escrows, with a per-webhook suffix).
+    pub identity: String,
+    /// Admit within a share of each Reject-mode quota's headroom held in its status (escrow)
+    /// instead of one status write per batch of admissions.
+    pub escrow: bool,
     /// How the API server is probed for `/readyz`.
     pub probes: probe::ProbeSettings,
     /// The quota loops beside the webhook, if they run in this process.
@@ -88,6 +93,8 @@ impl WebhookOptions {
                 deadline: Duration::from_secs(4),
             },
             max_batch: commit::CommitOptions::default().max_batch,
+            identity: crate::controller::identity("gpuplane-controller"),
+            escrow: true,
             probes: probe::ProbeSettings::default(),
             loops: None,
         }
@@ -182,6 +189,8 @@ pub async fn start(
         commit::CommitOptions {
             budget: opts.budget,
             max_batch: opts.max_batch,
+            holder: commit::holder_name(&opts.identity),
+            escrow: opts.escrow,
         },
     );
     let admitter = Arc::new(admit::Admitter {
