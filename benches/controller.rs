@@ -522,6 +522,7 @@ async fn webhook_bench() {
             api.count_requests("PUT", "gpuquotas") + api.count_requests("PATCH", "gpuquotas");
         let hook_writes_before = wh.commits.writes.load(Ordering::Relaxed);
         let conflicts_before = wh.commits.conflicts.load(Ordering::Relaxed);
+        let escrowed_before = wh.commits.escrowed.load(Ordering::Relaxed);
         let loop_before = loop_metrics.snapshot();
         let (created_tx, mut created_rx) = tokio::sync::mpsc::unbounded_channel::<usize>();
         let creator = {
@@ -552,6 +553,7 @@ async fn webhook_bench() {
             - writes_before;
         let hook_writes = wh.commits.writes.load(Ordering::Relaxed) - hook_writes_before;
         let conflicts = wh.commits.conflicts.load(Ordering::Relaxed) - conflicts_before;
+        let escrowed = wh.commits.escrowed.load(Ordering::Relaxed) - escrowed_before;
         let loop_after = loop_metrics.snapshot();
         let floor_body: Arc<dyn Fn(usize) -> Vec<u8> + Send + Sync> =
             Arc::new(|i| pod_review("floor", i));
@@ -604,7 +606,7 @@ async fn webhook_bench() {
             floor.setup
         );
         println!(
-            "{:<56} GpuQuota status writes {writes}: webhook {hook_writes} (1 per {:.1} admissions; {conflicts} conflicts), controller {} ({} conflicts, {} cycles); reservations left {reservations}",
+            "{:<56} GpuQuota status writes {writes}: webhook {hook_writes} (1 per {:.1} admissions, {escrowed} admitted within its escrow; {conflicts} conflicts), controller {} ({} conflicts, {} cycles); reservations left {reservations}",
             "",
             hook.allowed as f64 / hook_writes.max(1) as f64,
             loop_after.status_writes - loop_before.status_writes,

@@ -454,7 +454,11 @@ async fn five_hundred_concurrent_creates_admit_exactly_37(replicas: usize) {
     let writes = api.count_requests("PUT", "/gpuquotas/q/status");
     let escrowed: u64 = hooks
         .iter()
-        .map(|h| h.commits.escrowed.load(std::sync::atomic::Ordering::Relaxed))
+        .map(|h| {
+            h.commits
+                .escrowed
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
         .sum();
     eprintln!(
         "{replicas} replica(s): 37 admitted ({escrowed} within an escrow) with {writes} GpuQuota status writes"
@@ -540,8 +544,8 @@ impl Rng {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_replica_killed_mid_batch_never_admits_more_than_hard_nor_without_a_durable_reservation_or_escrow()
-{
+async fn a_replica_killed_mid_batch_never_admits_more_than_hard_nor_without_a_durable_reservation_or_escrow(
+) {
     let seed = std::env::var("GPUPLANE_TEST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -701,7 +705,11 @@ async fn a_replica_killed_mid_batch_never_admits_more_than_hard_nor_without_a_du
             durable.difference(&admitted).count(),
             uncovered.len(),
         );
-        assert!(status.escrows.len() <= 1, "round {round}: {:?}", status.escrows);
+        assert!(
+            status.escrows.len() <= 1,
+            "round {round}: {:?}",
+            status.escrows
+        );
         assert!(
             uncovered.iter().all(|n| n.starts_with("p-")) && uncovered.len() as u64 <= escrowed,
             "round {round}: admitted without a durable reservation or escrow: {uncovered:?}"
@@ -712,7 +720,10 @@ async fn a_replica_killed_mid_batch_never_admits_more_than_hard_nor_without_a_du
             hard as u64,
             "round {round}: the quota is filled, never over"
         );
-        assert_eq!(status.reserved.devices["nvidia.com/gpu"], durable.len() as u64);
+        assert_eq!(
+            status.reserved.devices["nvidia.com/gpu"],
+            durable.len() as u64
+        );
         survivor.stop().await;
         if escrowed > 0 {
             // The controller drops the dead replica's escrow once it was not renewed for the
@@ -1946,4 +1957,69 @@ async fn metrics_count_admissions_denials_queue_and_usage_per_gpuquota() {
         );
     }
     r.stop().await;
+}
+
+/// One client creating pods one after another: after the first admission, the replica admits
+/// within its escrow (no write waited for), records those admissions in few writes, never more
+/// than `hard`, and gives its escrow back when idle, leaving one reservation per admission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_steady_stream_is_admitted_within_an_escrow_with_few_writes_and_exactly() {
+    let api = ApiServerDouble::start().await.unwrap();
+    quota(
+        &api,
+        "q",
+        json!({"hard": {"devices": {"nvidia.com/gpu": 100}}}),
+    )
+    .await;
+    let pki = Pki::new();
+    let hook = replica(&api, &pki).await;
+    let tls = pki.client_config();
+    let mut admitted = 0;
+    let mut denials = std::collections::BTreeSet::new();
+    for i in 0..120 {
+        let body = pod_review(
+            &format!("uid-{i}"),
+            gpu_pod(&format!("p-{i}"), "nvidia.com/gpu", 1),
+        );
+        let r = response(&post(&tls, hook.addr(), "/validate", &body).await);
+        if r["allowed"] == true {
+            admitted += 1;
+        } else {
+            denials.insert(
+                r["status"]["message"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            );
+        }
+    }
+    let escrowed = hook
+        .commits
+        .escrowed
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let writes = api.count_requests("PUT", "/gpuquotas/q/status");
+    eprintln!(
+        "120 one by one: {admitted} admitted, {escrowed} within an escrow, {writes} status writes"
+    );
+    assert_eq!(admitted, 100, "{denials:?}");
+    assert_eq!(
+        denials.into_iter().collect::<Vec<_>>(),
+        ["devices[nvidia.com/gpu]: requested 1, used 100 of 100 in GpuQuota team-a/q"]
+    );
+    assert!(escrowed >= 50, "{escrowed} admitted within an escrow");
+    assert!(writes <= 60, "{writes} writes for 100 admissions");
+    let t = std::time::Instant::now();
+    let mut status = stored_quota(&api, "q").status.unwrap();
+    while !status.escrows.is_empty() && t.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        status = stored_quota(&api, "q").status.unwrap();
+    }
+    assert!(
+        status.escrows.is_empty(),
+        "idle escrow kept: {:?}",
+        status.escrows
+    );
+    assert_eq!(status.reservations.len(), 100);
+    assert_eq!(status.reserved.devices["nvidia.com/gpu"], 100);
+    hook.stop().await;
 }

@@ -209,9 +209,9 @@ pub fn decide_batch(
                 }
                 Err(d) => {
                     let held = !others.is_zero()
-                        && without_own.saturating_sub(&others).is_ok_and(|free| {
-                            check_consumed(quota, &free, peers, charge).is_ok()
-                        });
+                        && without_own
+                            .saturating_sub(&others)
+                            .is_ok_and(|free| check_consumed(quota, &free, peers, charge).is_ok());
                     if *retreat && index.contains_key(&key) {
                         remove(&mut status.reservations, &mut index, &key);
                         total = without_own;

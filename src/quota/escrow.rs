@@ -68,6 +68,15 @@ pub fn limited(hard: &Limits, u: &Usage) -> Usage {
     }
 }
 
+/// Whether `charge` is known in every dimension `hard` limits (what it could not price does
+/// not matter where nothing is limited; where something is, the batch decides and says why).
+pub fn priced(hard: &Limits, charge: &super::charge::Charge) -> bool {
+    charge
+        .unknown
+        .iter()
+        .all(|u| hard.get(&u.dimension).is_none())
+}
+
 /// Whether `charge` fits in `available` (an escrow's amount minus what was spent of it) in
 /// every dimension `hard` limits.
 pub fn fits(hard: &Limits, available: &Usage, charge: &Usage) -> bool {
@@ -187,8 +196,14 @@ mod tests {
 
     #[test]
     fn a_grant_is_a_quarter_of_the_headroom_in_whole_charges_and_none_when_small() {
-        assert_eq!(grant(&hard(37), &devices(1), &devices(1)).unwrap(), devices(9));
-        assert_eq!(grant(&hard(37), &devices(30), &devices(1)).unwrap(), devices(1));
+        assert_eq!(
+            grant(&hard(37), &devices(1), &devices(1)).unwrap(),
+            devices(9)
+        );
+        assert_eq!(
+            grant(&hard(37), &devices(30), &devices(1)).unwrap(),
+            devices(1)
+        );
         // Room for three more: no escrow, every admission is written.
         assert!(grant(&hard(37), &devices(34), &devices(1))
             .unwrap()
@@ -200,7 +215,10 @@ mod tests {
             grant(&hard(100_000), &Usage::default(), &devices(1)).unwrap(),
             devices(MAX_GRANT)
         );
-        assert_eq!(grant(&hard(400), &devices(0), &devices(8)).unwrap(), devices(96));
+        assert_eq!(
+            grant(&hard(400), &devices(0), &devices(8)).unwrap(),
+            devices(96)
+        );
     }
 
     #[test]

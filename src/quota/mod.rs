@@ -80,8 +80,8 @@ pub use charge::{
 };
 pub use check::{check, check_consumed, record_queued, try_reserve, Denial, Fit};
 pub use crd::{
-    Escrow, GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind, QuotaCondition, QuotaMode, Reservation,
-    ReservationState, SCHEDULING_GATE,
+    Escrow, GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind, QuotaCondition, QuotaMode,
+    Reservation, ReservationState, SCHEDULING_GATE,
 };
 pub use ratio::{Gpus, QuotaMathError};
 pub use scope::governs_pod;

@@ -1,7 +1,7 @@
 //! Quota arithmetic, pricing and decisions, without sockets.
 
-use super::*;
 use super::escrow::EscrowRound;
+use super::*;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimSpec, ResourceSlice,
@@ -914,7 +914,12 @@ fn escrow_round(holder: &str, flush: &[&str], unit: Option<&Charge>) -> EscrowRo
 #[test]
 fn an_escrow_round_records_its_admissions_resizes_the_escrow_and_holds_what_others_hold() {
     let spec = json!({"hard": {"gpuMemory": "400Gi"}});
-    let mut q = quota("team-a", "q", spec.clone(), json!({"used": {"gpuMemory": "40Gi"}}));
+    let mut q = quota(
+        "team-a",
+        "q",
+        spec.clone(),
+        json!({"used": {"gpuMemory": "40Gi"}}),
+    );
     // First admission on the slow path: recorded, and a quarter of what is left (320Gi)
     // in whole 10Gi charges is held: 80Gi.
     let ten = mem_charge(10);
@@ -957,7 +962,10 @@ fn an_escrow_round_records_its_admissions_resizes_the_escrow_and_holds_what_othe
     let d = decide_batch(
         &mut full,
         &[],
-        &[reserve_op("big", &mem_charge(50)), reserve_op("huge", &mem_charge(150))],
+        &[
+            reserve_op("big", &mem_charge(50)),
+            reserve_op("huge", &mem_charge(150)),
+        ],
         Some(&escrow_round("b", &[], Some(&ten))),
     );
     let Outcome::Held(why) = &d.outcomes[0] else {
@@ -967,7 +975,11 @@ fn an_escrow_round_records_its_admissions_resizes_the_escrow_and_holds_what_othe
         why.to_string(),
         "gpuMemory: requested 50Gi, used 380Gi of 400Gi in GpuQuota team-a/q"
     );
-    assert!(matches!(d.outcomes[1], Outcome::Denied(_)), "{:?}", d.outcomes);
+    assert!(
+        matches!(d.outcomes[1], Outcome::Denied(_)),
+        "{:?}",
+        d.outcomes
+    );
     // b gets no escrow (20Gi left is less than four 10Gi charges) and writes nothing.
     assert!(d.escrow.is_zero());
     assert!(!d.changed);
@@ -977,7 +989,11 @@ fn an_escrow_round_records_its_admissions_resizes_the_escrow_and_holds_what_othe
     assert!(d.changed && d.escrow.is_zero());
     assert!(full.status.clone().unwrap().escrows.is_empty());
     let d = decide_batch(&mut full, &[], &[reserve_op("big", &mem_charge(50))], None);
-    assert!(matches!(d.outcomes[0], Outcome::Fits(_)), "{:?}", d.outcomes);
+    assert!(
+        matches!(d.outcomes[0], Outcome::Fits(_)),
+        "{:?}",
+        d.outcomes
+    );
 
     // Queue mode and cohorts hold no escrow.
     let mut queue = quota(
@@ -986,6 +1002,11 @@ fn an_escrow_round_records_its_admissions_resizes_the_escrow_and_holds_what_othe
         json!({"hard": {"gpuMemory": "400Gi"}, "mode": "Queue"}),
         json!({}),
     );
-    let d = decide_batch(&mut queue, &[], &[], Some(&escrow_round("a", &[], Some(&ten))));
+    let d = decide_batch(
+        &mut queue,
+        &[],
+        &[],
+        Some(&escrow_round("a", &[], Some(&ten))),
+    );
     assert!(d.escrow.is_zero() && !d.changed);
 }

@@ -219,7 +219,9 @@ impl LocalEscrow {
             return None;
         }
         let asked = ops.iter().rev().find_map(|op| match op {
-            Op::Reserve { charge, .. } if charge.unknown.is_empty() => Some(charge.usage.clone()),
+            Op::Reserve { charge, .. } if escrow::priced(&self.hard, charge) => {
+                Some(charge.usage.clone())
+            }
             _ => None,
         });
         asked.or_else(|| {
@@ -237,7 +239,11 @@ impl LocalEscrow {
     /// Admits `r` within the escrow, if it may (a retried create replaces its own earlier
     /// admission).
     fn admit(&mut self, r: &Reservation, now: Instant) -> bool {
-        if !self.eligible || self.written.is_none_or(|t| now.duration_since(t) >= SPEND_WINDOW) {
+        if !self.eligible
+            || self
+                .written
+                .is_none_or(|t| now.duration_since(t) >= SPEND_WINDOW)
+        {
             return false;
         }
         let key = r.key();
@@ -426,11 +432,13 @@ impl Committer {
                     reservation,
                     charge,
                     retreat: false,
-                } if charge.unknown.is_empty() => {
+                } if escrow::priced(&s.escrow.hard, charge) => {
                     let mut r = reservation.clone();
                     r.state = ReservationState::Reserved;
                     r.charge = charge.usage.clone();
-                    s.escrow.admit(&r, now).then(|| Answer::Fits(Fit::default()))
+                    s.escrow
+                        .admit(&r, now)
+                        .then(|| Answer::Fits(Fit::default()))
                 }
                 Op::Release { key } => s.escrow.release(key).then_some(Answer::Released),
                 _ => None,
