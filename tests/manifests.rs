@@ -579,23 +579,49 @@ fn names_and_labels_that_objects_refer_to_exist() {
             );
         }
     }
-    // The admission policy's binding names it; the policy restricts the node agent's account.
-    let binding = docs
+    // Each admission policy has a binding naming it, and restricts the account of one of the
+    // workloads: the node agent's (ResourceSlices, node labels) or the controller's (the
+    // namespace label).
+    let policies: Vec<&Doc> = docs
         .iter()
-        .find(|d| d.kind() == "ValidatingAdmissionPolicyBinding")
-        .unwrap();
-    let policy_name = binding.value["spec"]["policyName"].as_str().unwrap();
-    let policy = find(&docs, "ValidatingAdmissionPolicy", None, policy_name).unwrap();
-    let (ds, template, _) = work
+        .filter(|d| d.kind() == "ValidatingAdmissionPolicy")
+        .collect();
+    let bound: BTreeSet<&str> = docs
         .iter()
-        .find(|(d, _, _)| d.kind() == "DaemonSet")
-        .unwrap();
-    let sa = template.spec.clone().unwrap().service_account_name.unwrap();
-    let user = format!("system:serviceaccount:{}:{sa}", ds.namespace().unwrap());
-    let conditions = policy.value["spec"]["matchConditions"].to_string();
-    assert!(
-        conditions.contains(&user),
-        "{conditions} does not name {user}"
+        .filter(|d| d.kind() == "ValidatingAdmissionPolicyBinding")
+        .map(|b| b.value["spec"]["policyName"].as_str().unwrap())
+        .collect();
+    let users: Vec<String> = work
+        .iter()
+        .map(|(d, t, _)| {
+            let sa = t.spec.clone().unwrap().service_account_name.unwrap();
+            format!("system:serviceaccount:{}:{sa}", d.namespace().unwrap())
+        })
+        .collect();
+    for b in &bound {
+        assert!(
+            find(&docs, "ValidatingAdmissionPolicy", None, b).is_some(),
+            "a binding names the missing policy {b}"
+        );
+    }
+    let mut restricted = BTreeSet::new();
+    for policy in &policies {
+        assert!(
+            bound.contains(policy.name()),
+            "{}: no binding",
+            policy.name()
+        );
+        let conditions = policy.value["spec"]["matchConditions"].to_string();
+        let user = users
+            .iter()
+            .find(|u| conditions.contains(u.as_str()))
+            .unwrap_or_else(|| panic!("{}: names no workload's account", policy.name()));
+        restricted.insert(user.clone());
+    }
+    assert_eq!(
+        restricted.len(),
+        2,
+        "both accounts restricted: {restricted:?}"
     );
 }
 
@@ -868,6 +894,202 @@ fn the_quota_webhooks_receive_only_what_they_govern() {
             "{exprs:?}"
         );
     }
+    // The gate is called only where the controller put the queue label; enforcement
+    // everywhere in scope.
+    let ns = |name: &str, extra: &[(&str, &str)]| {
+        let mut l = BTreeMap::from([("kubernetes.io/metadata.name".to_string(), name.to_string())]);
+        l.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        l
+    };
+    let queue = ("quota.gpuplane.dev/queue", "true");
+    let exempt = ("quota.gpuplane.dev/exempt", "true");
+    for (what, labels, validated, gated) in [
+        ("a namespace", ns("team-a", &[]), true, false),
+        ("a Queue-mode namespace", ns("team-q", &[queue]), true, true),
+        (
+            "another value",
+            ns("team-q", &[("quota.gpuplane.dev/queue", "yes")]),
+            true,
+            false,
+        ),
+        (
+            "an exempt one",
+            ns("team-q", &[queue, exempt]),
+            false,
+            false,
+        ),
+        ("kube-system", ns("kube-system", &[queue]), false, false),
+        ("the controller's", ns(NS, &[queue]), false, false),
+    ] {
+        assert_eq!(
+            selects(quota.namespace_selector.as_ref(), &labels),
+            validated,
+            "validating: {what}"
+        );
+        assert_eq!(
+            selects(gate.namespace_selector.as_ref(), &labels),
+            gated,
+            "mutating: {what}"
+        );
+    }
+}
+
+/// Whether a label selector (as a namespaceSelector) selects `labels`; none selects all.
+fn selects(
+    selector: Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector>,
+    labels: &BTreeMap<String, String>,
+) -> bool {
+    let Some(s) = selector else { return true };
+    let by_labels = s
+        .match_labels
+        .iter()
+        .flatten()
+        .all(|(k, v)| labels.get(k) == Some(v));
+    by_labels
+        && s.match_expressions.iter().flatten().all(|e| {
+            let values = e.values.clone().unwrap_or_default();
+            let value = labels.get(&e.key);
+            match e.operator.as_str() {
+                "In" => value.is_some_and(|v| values.contains(v)),
+                "NotIn" => value.is_none_or(|v| !values.contains(v)),
+                "Exists" => value.is_some(),
+                "DoesNotExist" => value.is_none(),
+                other => panic!("operator {other}"),
+            }
+        })
+}
+
+/// CEL values as an admission policy sees them: JSON objects, and the policy's variables.
+type CelVars = std::collections::HashMap<String, kube_cel::cel::Value>;
+
+/// Evaluates `expression` as the API server's CEL does for admission policies (optional
+/// syntax on) with `objects` bound and, when given, `variables`.
+fn cel_eval(
+    expression: &str,
+    objects: &[(&str, &Value)],
+    variables: Option<&CelVars>,
+) -> kube_cel::cel::Value {
+    use kube_cel::{cel, KubeCelExt};
+    let expr = cel::parser::Parser::default()
+        .enable_optional_syntax(true)
+        .parse(expression)
+        .unwrap_or_else(|e| panic!("{expression}: {e}"));
+    let mut ctx = cel::Context::default().with_all();
+    for (name, v) in objects {
+        ctx.add_variable(*name, v).unwrap();
+    }
+    if let Some(vars) = variables {
+        ctx.add_variable_from_value("variables", vars.clone());
+    }
+    cel::Value::resolve(&expr, &ctx).unwrap_or_else(|e| panic!("{expression}: {e}"))
+}
+
+/// The messages of the validations of admission policy `name` that deny an UPDATE of `old`
+/// to `new` by `user`; None when its matchConditions leave the request alone.
+fn policy_denials(
+    docs: &[Doc],
+    name: &str,
+    user: &str,
+    old: &Value,
+    new: &Value,
+) -> Option<Vec<String>> {
+    use kube_cel::cel::Value as V;
+    let policy: admission::ValidatingAdmissionPolicy =
+        typed(find(docs, "ValidatingAdmissionPolicy", None, name).unwrap());
+    let spec = policy.spec.unwrap();
+    let request = json!({"operation": "UPDATE", "userInfo": {"username": user}});
+    let objects = [("object", new), ("oldObject", old), ("request", &request)];
+    for c in spec.match_conditions.iter().flatten() {
+        if cel_eval(&c.expression, &objects, None) != V::Bool(true) {
+            return None;
+        }
+    }
+    let mut variables = CelVars::new();
+    for v in spec.variables.iter().flatten() {
+        let value = cel_eval(&v.expression, &objects, Some(&variables));
+        variables.insert(v.name.clone(), value);
+    }
+    let mut denials = Vec::new();
+    for v in spec.validations.iter().flatten() {
+        match cel_eval(&v.expression, &objects, Some(&variables)) {
+            V::Bool(true) => {}
+            V::Bool(false) => denials.push(v.message.clone().unwrap_or_default()),
+            other => panic!("{name}: {} is {other:?}", v.expression),
+        }
+    }
+    Some(denials)
+}
+
+#[test]
+fn the_controller_may_change_only_the_queue_label_of_a_namespace() {
+    let docs = docs();
+    let policy = "gpuplane-controller-namespaces";
+    let controller = "system:serviceaccount:gpuplane-system:gpuplane-controller";
+    // Every optional field the policy reads is present: the cel crate fails `.?` on a missing
+    // key where Kubernetes' CEL yields none (the real-cluster tier runs the policy itself).
+    let namespace = |labels: Value, annotations: Value, finalizers: Value| {
+        json!({"apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": "team-a", "labels": labels, "annotations": annotations,
+                "finalizers": ["example.com/keep"]},
+            "spec": {"finalizers": finalizers}})
+    };
+    let k = ["kubernetes"];
+    let old = namespace(json!({"team": "a"}), json!({"owner": "x"}), json!(k));
+    let labelled = namespace(
+        json!({"team": "a", "quota.gpuplane.dev/queue": "true"}),
+        json!({"owner": "x"}),
+        json!(k),
+    );
+    let deny = |old: &Value, new: &Value| {
+        let d = policy_denials(&docs, policy, controller, old, new).expect("matches");
+        !d.is_empty()
+    };
+    assert!(!deny(&old, &labelled), "adding the label");
+    assert!(!deny(&labelled, &old), "removing it");
+    assert!(!deny(&old, &old), "a no-op");
+    let mut changed = vec![
+        (
+            "another label",
+            namespace(json!({"team": "b"}), json!({"owner": "x"}), json!(k)),
+        ),
+        (
+            "exempting the namespace",
+            namespace(
+                json!({"team": "a", "quota.gpuplane.dev/exempt": "true"}),
+                json!({"owner": "x"}),
+                json!(k),
+            ),
+        ),
+        (
+            "dropping a label",
+            namespace(json!({}), json!({"owner": "x"}), json!(k)),
+        ),
+        (
+            "an annotation",
+            namespace(json!({"team": "a"}), json!({"owner": "y"}), json!(k)),
+        ),
+        (
+            "the spec",
+            namespace(json!({"team": "a"}), json!({"owner": "x"}), json!([])),
+        ),
+        (
+            "another value of the label",
+            namespace(
+                json!({"team": "a", "quota.gpuplane.dev/queue": "false"}),
+                json!({"owner": "x"}),
+                json!(k),
+            ),
+        ),
+    ];
+    let mut unfinalized = old.clone();
+    unfinalized["metadata"]["finalizers"] = json!([]);
+    changed.push(("a metadata finalizer", unfinalized));
+    for (what, new) in &changed {
+        assert!(deny(&old, new), "the controller changing {what} is allowed");
+    }
+    // Anyone else is not this policy's business.
+    let admin = policy_denials(&docs, policy, "kubernetes-admin", &old, &changed[0].1);
+    assert_eq!(admin, None);
 }
 
 #[test]
@@ -1299,6 +1521,13 @@ async fn eventually<F: Fn() -> bool>(what: &str, f: F) {
 }
 
 fn seed_cluster(api: &ApiServerDouble) {
+    for ns in ["team-a", "team-b"] {
+        api.put_json(
+            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns},
+            "spec": {"finalizers": ["kubernetes"]}}),
+        )
+        .unwrap();
+    }
     for d in docs().iter().filter(|d| d.kind() == "DeviceClass") {
         api.put_json(d.value.clone()).unwrap();
     }
@@ -1388,6 +1617,13 @@ async fn rbac_grants_exactly_what_the_controller_calls() {
     };
     eventually("one pod released and one waiting with an Event", || {
         (gated("q1") != gated("q2")) && !api.list_json("v1", "events", Some("team-b")).is_empty()
+    })
+    .await;
+    // The namespace labeler: team-b (Queue mode) gets the label the gate webhook selects on.
+    eventually("the queue label on team-b", || {
+        api.get_json("v1", "namespaces", None, "team-b").unwrap()["metadata"]["labels"]
+            ["quota.gpuplane.dev/queue"]
+            == "true"
     })
     .await;
     // The leader renews its Lease.

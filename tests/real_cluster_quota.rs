@@ -102,6 +102,37 @@ fn scheduled_reason(pod: &Value) -> Option<String> {
         .map(String::from)
 }
 
+/// AdmissionReviews the controller answered on `/validate` and `/mutate` so far
+/// (`gpuplane_webhook_decision_seconds_count`, one per request whatever the answer).
+fn webhook_calls(lab: &ClusterLab) -> (u64, u64) {
+    let out = lab
+        .in_netns("curl")
+        .args(["-sf", &format!("http://{CONTROLLER_METRICS_ADDR}/metrics")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "scraping the controller's metrics failed"
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let count = |webhook: &str| {
+        let series = format!("gpuplane_webhook_decision_seconds_count{{webhook=\"{webhook}\"}}");
+        text.lines()
+            .filter_map(|l| l.strip_prefix(series.as_str()))
+            .filter_map(|v| v.trim().parse::<f64>().ok())
+            .map(|v| v as u64)
+            .sum()
+    };
+    (count("validate"), count("mutate"))
+}
+
+/// The namespace's `quota.gpuplane.dev/queue` label, if any.
+fn queue_label(lab: &ClusterLab, ns: &str) -> Option<String> {
+    lab.get_json(&["get", "namespace", ns])?["metadata"]["labels"]["quota.gpuplane.dev/queue"]
+        .as_str()
+        .map(String::from)
+}
+
 #[test]
 fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     let Some(lab) = ClusterLab::start() else {
@@ -110,7 +141,11 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     // The whole kustomization is accepted (apply -k succeeded, the CRD is Established) and
     // the ValidatingAdmissionPolicy type-checks against the real schema.
     let installed = lab.install(true);
-    for policy in ["gpuplane-node-resourceslices", "gpuplane-node-labels"] {
+    for policy in [
+        "gpuplane-node-resourceslices",
+        "gpuplane-node-labels",
+        "gpuplane-controller-namespaces",
+    ] {
         let vap = eventually(
             &format!("admission policy {policy} to be type-checked"),
             || {
@@ -155,7 +190,17 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     // Reject mode: within quota is created and runs; over quota is refused by the real API
     // server with our reason, as kubectl prints it.
     namespace_with_quota(&lab, "team-a", "devices", 2, "Reject");
+    // Outside Queue mode the API server does not call the mutating gate webhook at all: the
+    // namespace has no queue label, and the pod costs one validating call only.
+    assert_eq!(queue_label(&lab, "team-a"), None);
+    let before = webhook_calls(&lab);
     create(&lab, &pod("team-a", "two", 2), &[]).unwrap();
+    let after = webhook_calls(&lab);
+    assert_eq!(
+        (after.0 - before.0, after.1 - before.1),
+        (1, 0),
+        "(validating, mutating) calls for a GPU pod of a Reject-mode namespace"
+    );
     let err = create(&lab, &pod("team-a", "one-more", 1), &[]).unwrap_err();
     assert!(
         err.contains(r#"admission webhook "quota.gpuplane.dev" denied the request"#)
@@ -167,9 +212,18 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
 
     // Queue mode: a GPU pod is created gated and released by the controller when it fits;
     // the next waits gated until the first is deleted.
+    // The gate is called there because the controller labelled the namespace (the dry run
+    // above already came back gated).
     namespace_with_quota(&lab, "team-q", "devices", 1, "Queue");
+    assert_eq!(queue_label(&lab, "team-q").as_deref(), Some("true"));
+    let before = webhook_calls(&lab);
     let first = create(&lab, &pod("team-q", "first", 1), &[]).unwrap();
     assert_eq!(gates(&first), [SCHEDULING_GATE], "created gated: {first}");
+    let after = webhook_calls(&lab);
+    assert!(
+        after.1 > before.1 && after.0 > before.0,
+        "both webhooks called: {before:?} -> {after:?}"
+    );
     wait_running(&lab, "team-q", "first");
     let second = create(&lab, &pod("team-q", "second", 1), &[]).unwrap();
     assert_eq!(gates(&second), [SCHEDULING_GATE]);
@@ -210,6 +264,11 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         "--timeout=120s",
     ]);
     wait_running(&lab, "team-q", "second");
+    // The label removed by hand comes back.
+    lab.kubectl_ok(&["label", "namespace", "team-q", "quota.gpuplane.dev/queue-"]);
+    eventually("the queue label back on team-q", || {
+        (queue_label(&lab, "team-q")? == "true").then_some(())
+    });
 
     // On a DRA-only node the scheduler serves nvidia.com/gpu through a claim it creates for
     // the pod; the pod was charged its GPU, so that claim is not charged again: a quota of
@@ -256,6 +315,38 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     let out = lab.kubectl_as(&installed.controller, &["get", "secrets", "-A"], None);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("Forbidden"), "{err}");
+    // Its `patch namespaces` covers one label only (the admission policy): another label, or
+    // taking a namespace out of the webhooks' scope, is refused.
+    // (A merge patch as the controller sends it, with its token: `kubectl label` and `kubectl
+    // patch` GET first, which RBAC does not grant.)
+    let kubeconfig = std::fs::read_to_string(&installed.controller).unwrap();
+    let token = kubeconfig
+        .split("token: \"")
+        .nth(1)
+        .and_then(|t| t.split('"').next())
+        .unwrap();
+    for label in ["team", "quota.gpuplane.dev/exempt"] {
+        let patch = format!(r#"{{"metadata":{{"labels":{{"{label}":"true"}}}}}}"#);
+        let out = lab
+            .in_netns("curl")
+            .args(["-sk", "-X", "PATCH", "-d", &patch])
+            .args(["-H", "Content-Type: application/merge-patch+json"])
+            .args(["-H", &format!("Authorization: Bearer {token}")])
+            .arg("https://127.0.0.1:6443/api/v1/namespaces/team-a")
+            .output()
+            .unwrap();
+        let answer: Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        assert!(
+            answer["code"] == 422
+                && answer["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("gpuplane-controller-namespaces")
+                        && m.contains("may change only the quota.gpuplane.dev/queue label")),
+            "{label}: {answer}"
+        );
+    }
+    let ns = lab.get_json(&["get", "namespace", "team-a"]).unwrap();
+    assert!(ns["metadata"]["labels"]["team"].is_null(), "{ns}");
     assert!(
         refusals(&controller_log).is_empty(),
         "the controller was refused a call:\n{controller_log}"

@@ -8,6 +8,8 @@
 //! - [`namespace`] (pure): one namespace's decision: status, releases, notes.
 //! - [`pods`] (pure): what is read from a Pod; [`cache`] (pure): watch-fed stores.
 //! - [`queue`]: the loop (watchers, reconcile, error policy); [`writes`]: pod writes.
+//! - [`queue_label`] (pure) and [`labeler`]: the namespace label `quota.gpuplane.dev/queue`
+//!   on namespaces with a Queue-mode GpuQuota, which the mutating gate webhook selects on.
 //! - [`lease`] (pure) and [`elector`]: leader election over a coordination.k8s.io/v1 Lease.
 //! - [`metrics`]: the loop's metrics, per GpuQuota.
 //! - [`replica`]: one `gpuplane controller` replica, the webhook and the loops side by side.
@@ -16,6 +18,7 @@
 
 pub mod cache;
 pub mod elector;
+pub mod labeler;
 pub mod lease;
 pub mod ledger;
 pub mod metrics;
@@ -23,10 +26,12 @@ pub mod namespace;
 pub mod plan;
 pub mod pods;
 pub mod queue;
+pub mod queue_label;
 pub mod replica;
 pub mod writes;
 
 use elector::Role;
+use labeler::LabelerOptions;
 use lease::LeaseTimings;
 use metrics::QueueMetrics;
 use queue::QueueOptions;
@@ -48,6 +53,7 @@ pub struct ControllerOptions {
     pub identity: String,
     pub lease: LeaseTimings,
     pub queue: QueueOptions,
+    pub labels: LabelerOptions,
 }
 
 impl ControllerOptions {
@@ -62,6 +68,7 @@ impl ControllerOptions {
             identity: identity.into(),
             lease: LeaseTimings::default(),
             queue,
+            labels: LabelerOptions::default(),
         }
     }
 }
@@ -98,7 +105,7 @@ pub async fn run_reporting(
 ) -> Result<(), elector::ElectionError> {
     if !opts.leader_elect {
         role.send_replace(Role::Leader);
-        queue::run(client, opts.queue, metrics, shutdown).await;
+        loops(client, opts.queue, opts.labels, metrics, shutdown).await;
         role.send_replace(Role::Follower(None));
         return Ok(());
     }
@@ -111,8 +118,46 @@ pub async fn run_reporting(
     )?
     .reporting(role);
     elector::lead(candidate, shutdown, |stop| {
-        queue::run(client.clone(), opts.queue.clone(), metrics.clone(), stop)
+        loops(
+            client.clone(),
+            opts.queue.clone(),
+            opts.labels.clone(),
+            metrics.clone(),
+            stop,
+        )
     })
     .await;
     Ok(())
+}
+
+/// The leader's loops side by side, both stopped by `stop`.
+async fn loops(
+    client: kube::Client,
+    queue: QueueOptions,
+    labels: LabelerOptions,
+    metrics: Arc<QueueMetrics>,
+    stop: impl Future<Output = ()>,
+) {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let relay = async {
+        stop.await;
+        stop_tx.send_replace(true);
+    };
+    let both = async {
+        tokio::join!(
+            queue::run(client.clone(), queue, metrics, stopped(stop_rx.clone())),
+            labeler::run(client, labels, stopped(stop_rx)),
+        )
+    };
+    // The loops end only when stopped (or when their watchers' channels close).
+    tokio::pin!(both);
+    tokio::select! {
+        _ = relay => {
+            both.await;
+        }
+        _ = &mut both => {}
+    };
 }

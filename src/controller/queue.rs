@@ -686,62 +686,89 @@ where
     out
 }
 
+/// Watches `api` with `config` in a task, feeding `tx` until the receiver goes away; `wrap`
+/// turns an event into the loop's input, or `None` for one the loop does not need. Shared with
+/// [`super::labeler`].
+pub(super) fn forward<K, T, F>(
+    api: Api<K>,
+    config: watcher::Config,
+    tx: mpsc::Sender<T>,
+    wrap: F,
+) -> tokio::task::JoinHandle<()>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+    K::DynamicType: Default,
+    T: Send + 'static,
+    F: Fn(Event<K>) -> Option<T> + Send + 'static,
+{
+    tokio::spawn(async move {
+        let stream = watcher::watcher(api, config).default_backoff();
+        tokio::pin!(stream);
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(ev) => {
+                    let Some(input) = wrap(ev) else { continue };
+                    if tx.send(input).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "watch failed; retrying with backoff"),
+            }
+        }
+    })
+}
+
 /// Watches every resource the loop reads, feeding `tx` until the receiver goes away.
 pub fn spawn_watchers(
     client: &kube::Client,
     tx: mpsc::Sender<Input>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
-    /// `wrap` turns an event into the loop's input, or `None` for one the loop does not need.
-    fn forward<K, F>(api: Api<K>, tx: mpsc::Sender<Input>, wrap: F) -> tokio::task::JoinHandle<()>
-    where
-        K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
-        K::DynamicType: Default,
-        F: Fn(Event<K>) -> Option<Input> + Send + 'static,
-    {
-        tokio::spawn(async move {
-            let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
-            tokio::pin!(stream);
-            while let Some(item) = stream.next().await {
-                match item {
-                    Ok(ev) => {
-                        let Some(input) = wrap(ev) else { continue };
-                        if tx.send(input).await.is_err() {
-                            return;
-                        }
-                    }
-                    Err(e) => tracing::warn!(error = %e, "watch failed; retrying with backoff"),
-                }
-            }
-        })
-    }
     vec![
         // Only pods the quota governs are cached: a cluster's many pods without GPUs cost the
         // controller nothing but their decoding (the rule is immutable per pod, so a dropped
         // pod never needs a delete).
-        forward(Api::<Pod>::all(client.clone()), tx.clone(), |e| {
-            let governed = match &e {
-                Event::Apply(p) | Event::InitApply(p) | Event::Delete(p) => governs_pod(p),
-                Event::Init | Event::InitDone => true,
-            };
-            governed.then(|| Input::Pod(Box::new(e.modify(slim_pod))))
-        }),
-        forward(Api::<GpuQuota>::all(client.clone()), tx.clone(), |e| {
-            Some(Input::Quota(Box::new(e)))
-        }),
-        forward(Api::<ResourceClaim>::all(client.clone()), tx.clone(), |e| {
-            Some(Input::Claim(Box::new(e)))
-        }),
+        forward(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default(),
+            tx.clone(),
+            |e| {
+                let governed = match &e {
+                    Event::Apply(p) | Event::InitApply(p) | Event::Delete(p) => governs_pod(p),
+                    Event::Init | Event::InitDone => true,
+                };
+                governed.then(|| Input::Pod(Box::new(e.modify(slim_pod))))
+            },
+        ),
+        forward(
+            Api::<GpuQuota>::all(client.clone()),
+            watcher::Config::default(),
+            tx.clone(),
+            |e| Some(Input::Quota(Box::new(e))),
+        ),
+        forward(
+            Api::<ResourceClaim>::all(client.clone()),
+            watcher::Config::default(),
+            tx.clone(),
+            |e| Some(Input::Claim(Box::new(e))),
+        ),
         forward(
             Api::<ResourceClaimTemplate>::all(client.clone()),
+            watcher::Config::default(),
             tx.clone(),
             |e| Some(Input::Template(Box::new(e))),
         ),
-        forward(Api::<ResourceSlice>::all(client.clone()), tx.clone(), |e| {
-            Some(Input::Slice(Box::new(e)))
-        }),
-        forward(Api::<DeviceClass>::all(client.clone()), tx, |e| {
-            Some(Input::Class(Box::new(e)))
-        }),
+        forward(
+            Api::<ResourceSlice>::all(client.clone()),
+            watcher::Config::default(),
+            tx.clone(),
+            |e| Some(Input::Slice(Box::new(e))),
+        ),
+        forward(
+            Api::<DeviceClass>::all(client.clone()),
+            watcher::Config::default(),
+            tx,
+            |e| Some(Input::Class(Box::new(e))),
+        ),
     ]
 }
 
