@@ -364,6 +364,21 @@ async fn api_server_account(client: &kube::Client) {
                 .sum();
             println!("controller: {m} {v:.0}");
         }
+        // How long the webhook itself took per decision, next to the API server's view above.
+        let series = |name: &str| -> f64 {
+            text.lines()
+                .filter(|l| l.starts_with(name) && l.contains("webhook=\"validate\""))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        let (secs, n) = (
+            series("gpuplane_webhook_decision_seconds_sum"),
+            series("gpuplane_webhook_decision_seconds_count"),
+        );
+        println!(
+            "controller: validating decisions {n:.0}, mean {:.2}ms as the webhook measured them",
+            secs * 1e3 / n.max(1.0)
+        );
     }
     let quotas: Api<kube::api::DynamicObject> = Api::namespaced_with(
         client.clone(),

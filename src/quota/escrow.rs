@@ -32,7 +32,7 @@ pub const SPEND_WINDOW: Duration = Duration::from_secs(30);
 pub const RENEW_AFTER: Duration = Duration::from_secs(10);
 
 /// The most admissions (of the latest charge) one escrow covers.
-pub const MAX_GRANT: u64 = 64;
+pub const MAX_GRANT: u64 = 256;
 
 /// An escrow takes at most 1/SHARE of the headroom, so other replicas and the controller keep
 /// most of it.

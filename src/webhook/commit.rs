@@ -21,8 +21,8 @@
 //! Escrow ([`crate::quota::escrow`]): once a batch has admitted to a Reject-mode quota, the
 //! replica holds a share of its headroom in the status and admits within it at once, with no
 //! write ([`Committer::submit`]'s fast path). The batch task records those admissions as
-//! reservations every [`FLUSH_INTERVAL`] (one write for all of them, which also re-sizes the
-//! share) and gives the share back after [`IDLE_RETURN`] without admissions. While a write is
+//! reservations every [`FLUSH_INTERVAL`], or at once when less than half of the share is
+//! left (one write for all of them, which also re-sizes the share) and gives the share back after [`IDLE_RETURN`] without admissions. While a write is
 //! in flight the fast path spends only what both the old and the new share cover, so whatever
 //! the write's fate, the status covers every admission made. Denials that are only due to
 //! another replica's share are decided again for up to half the deadline.
@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, Notify};
 
 /// Admissions made within an escrow are recorded (one write) at most this often.
-pub const FLUSH_INTERVAL: Duration = Duration::from_millis(100);
+pub const FLUSH_INTERVAL: Duration = Duration::from_millis(200);
 
 /// An escrow is given back after this long without admissions to its quota.
 pub const IDLE_RETURN: Duration = Duration::from_millis(250);
@@ -203,13 +203,26 @@ impl LocalEscrow {
             Some(t) if now.duration_since(t) < d => EscrowDue::In(d - now.duration_since(t)),
             _ => EscrowDue::Now,
         };
-        if !self.unflushed.is_empty() {
+        if !self.unflushed.is_empty() && self.low() {
+            EscrowDue::Now
+        } else if !self.unflushed.is_empty() {
             after(self.last_flush, FLUSH_INTERVAL)
         } else if !self.cap.is_zero() {
             after(self.last_admit, IDLE_RETURN)
         } else {
             EscrowDue::Nothing
         }
+    }
+
+    /// Less than half of the escrow is left (and no write is re-sizing it): refill now rather
+    /// than let the fast path run dry and admissions wait for a write.
+    fn low(&self) -> bool {
+        if self.flight.is_some() || self.cap.is_zero() {
+            return false;
+        }
+        let left = self.cap.saturating_sub(&self.spent).unwrap_or_default();
+        left.checked_mul_int(2)
+            .is_ok_and(|twice| !escrow::fits(&self.hard, &twice, &self.cap))
     }
 
     /// What the next escrow is sized by: the latest charge asked for in this batch, or of a
@@ -447,6 +460,8 @@ impl Committer {
                 let me = self.clone();
                 let q = queue.clone();
                 tokio::spawn(async move { me.drain(q).await });
+            } else if s.escrow.low() {
+                queue.wake.notify_one();
             }
             answer
         };
