@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod node;
 pub mod nvml;
 pub mod proto;
+pub mod quantity;
 pub mod quota;
 pub mod sim;
 pub mod slices;

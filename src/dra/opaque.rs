@@ -54,6 +54,7 @@
 //! The variables are set per CDI device; when one container gets devices from two requests
 //! with different configs, the runtime's merge of the clashing variables decides (last wins).
 
+use crate::quantity::{Quantity, QuantityError};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -115,7 +116,8 @@ pub enum OpaqueError {
     Quantity {
         field: String,
         value: String,
-        reason: &'static str,
+        // Boxed: this enum travels inside the DRA core's error, which clippy keeps small.
+        reason: Box<QuantityError>,
     },
     #[error("{field}: not allowed with strategy {strategy}")]
     NotWithStrategy {
@@ -204,16 +206,17 @@ pub struct MpsConfig {
     pub default_per_device_pinned_memory_limit: BTreeMap<String, MemoryLimit>,
 }
 
-/// A memory limit: the quantity as written and its value in bytes (rounded up).
+/// A memory limit: the quantity as written and its value in bytes (rounded up, as
+/// Kubernetes' `Value()` rounds).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryLimit {
     pub quantity: String,
-    pub bytes: u128,
+    pub bytes: u64,
 }
 
 impl MemoryLimit {
     /// Whole MiB, rounded down, as NVIDIA's driver hands them to MPS (`<n>M`).
-    pub fn mebibytes(&self) -> u128 {
+    pub fn mebibytes(&self) -> u64 {
         self.bytes / (1024 * 1024)
     }
 }
@@ -463,100 +466,32 @@ fn memory_limit(v: &Value, field: &str) -> Result<MemoryLimit, OpaqueError> {
             })
         }
     };
-    let bytes = parse_quantity(&text).map_err(|reason| OpaqueError::Quantity {
+    // Trimmed as Kubernetes' JSON decoding trims a quantity.
+    let q = Quantity::parse_trimmed(&text).map_err(|reason| OpaqueError::Quantity {
         field: field.to_string(),
         value: text.clone(),
-        reason,
+        reason: Box::new(reason),
     })?;
+    let out_of_range = |range| OpaqueError::OutOfRange {
+        field: field.to_string(),
+        value: text.clone(),
+        range,
+    };
+    if q.is_negative() {
+        return Err(out_of_range("at least 1Mi"));
+    }
+    let bytes = q
+        .value()
+        .and_then(|v| u64::try_from(v).ok())
+        .ok_or_else(|| out_of_range("at most 2^63-1 bytes"))?;
     let limit = MemoryLimit {
-        quantity: text,
+        quantity: text.clone(),
         bytes,
     };
     if limit.mebibytes() == 0 {
-        return Err(OpaqueError::OutOfRange {
-            field: field.to_string(),
-            value: limit.quantity,
-            range: "at least 1Mi",
-        });
+        return Err(out_of_range("at least 1Mi"));
     }
     Ok(limit)
-}
-
-/// Parses a non-negative Kubernetes quantity (`10Gi`, `512M`, `1.5Gi`, `1e9`, `100m`) to its
-/// value in base units, rounded up as `resource.Quantity.Value()` does.
-pub fn parse_quantity(s: &str) -> Result<u128, &'static str> {
-    let s = s.trim();
-    let s = s.strip_prefix('+').unwrap_or(s);
-    if s.starts_with('-') {
-        return Err("must not be negative");
-    }
-    let num_end = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (number, suffix) = s.split_at(num_end);
-    let (int_part, frac_part) = number.split_once('.').unwrap_or((number, ""));
-    if int_part.is_empty() && frac_part.is_empty() {
-        return Err("no number");
-    }
-    if frac_part.contains('.') {
-        return Err("more than one `.`");
-    }
-    // value = digits * mul_num / (mul_den * 10^frac_len)
-    let digits: String = format!("{int_part}{frac_part}");
-    let digits = digits.trim_start_matches('0');
-    if digits.len() > 30 {
-        return Err("too many digits");
-    }
-    let mantissa: u128 = if digits.is_empty() {
-        0
-    } else {
-        digits.parse().map_err(|_| "bad number")?
-    };
-    let frac_len = u32::try_from(frac_part.len()).map_err(|_| "too many digits")?;
-    let (mut num, mut den): (u128, u128) = (1, 1);
-    let mut exp10: i32 = 0;
-    match suffix {
-        "" => {}
-        "Ki" => num = 1 << 10,
-        "Mi" => num = 1 << 20,
-        "Gi" => num = 1 << 30,
-        "Ti" => num = 1 << 40,
-        "Pi" => num = 1 << 50,
-        "Ei" => num = 1 << 60,
-        "n" => exp10 = -9,
-        "u" => exp10 = -6,
-        "m" => exp10 = -3,
-        "k" => exp10 = 3,
-        "M" => exp10 = 6,
-        "G" => exp10 = 9,
-        "T" => exp10 = 12,
-        "P" => exp10 = 15,
-        "E" => exp10 = 18,
-        e if e.starts_with(['e', 'E']) => {
-            let rest = &e[1..];
-            let rest = rest.strip_prefix('+').unwrap_or(rest);
-            exp10 = rest.parse::<i32>().map_err(|_| "bad exponent")?;
-            if !(-30..=30).contains(&exp10) {
-                return Err("exponent out of range");
-            }
-        }
-        _ => {
-            return Err(
-                "unknown suffix (use Ki, Mi, Gi, Ti, Pi, Ei, k, M, G, T, P, E, m or an exponent)",
-            )
-        }
-    }
-    exp10 -= i32::try_from(frac_len).map_err(|_| "too many digits")?;
-    let pow = |e: u32| 10u128.checked_pow(e).ok_or("too large");
-    if exp10 >= 0 {
-        num = num
-            .checked_mul(pow(exp10.unsigned_abs())?)
-            .ok_or("too large")?;
-    } else {
-        den = pow(exp10.unsigned_abs())?;
-    }
-    let scaled = mantissa.checked_mul(num).ok_or("too large")?;
-    Ok(scaled.div_ceil(den))
 }
 
 /// A device a config applies to, for [`container_env`].
@@ -601,7 +536,7 @@ pub fn container_env(
             }
             let mut ordered: Vec<&ConfiguredDevice> = devices.iter().collect();
             ordered.sort_by(|a, b| (&a.pci_bus_id, &a.name).cmp(&(&b.pci_bus_id, &b.name)));
-            let mut limits: Vec<Option<u128>> = vec![
+            let mut limits: Vec<Option<u64>> = vec![
                 mps.default_pinned_device_memory_limit
                     .as_ref()
                     .map(MemoryLimit::mebibytes);
@@ -762,7 +697,9 @@ mod tests {
             (base(json!({"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "10Gb"}})),
                 "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: `10Gb` is not a valid quantity"),
             (base(json!({"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "-1Gi"}})),
-                "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: `-1Gi` is not a valid quantity: must not be negative"),
+                "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: -1Gi is out of range (at least 1Mi)"),
+            (base(json!({"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "1000E"}})),
+                "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: 1000E is out of range (at most 2^63-1 bytes)"),
             (base(json!({"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "1Ki"}})),
                 "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: 1Ki is out of range (at least 1Mi)"),
             (base(json!({"strategy": "MPS", "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {"gpu-1": true}}})),
@@ -775,28 +712,37 @@ mod tests {
     }
 
     #[test]
-    fn quantities() {
-        assert_eq!(parse_quantity("10Gi"), Ok(10 << 30));
-        assert_eq!(parse_quantity("1.5Gi"), Ok(3 << 29));
-        assert_eq!(parse_quantity("512M"), Ok(512_000_000));
-        assert_eq!(parse_quantity("1e9"), Ok(1_000_000_000));
-        assert_eq!(parse_quantity("1E+3"), Ok(1000));
-        assert_eq!(parse_quantity("1048576"), Ok(1 << 20));
-        assert_eq!(parse_quantity("1500m"), Ok(2));
-        assert_eq!(parse_quantity(".5k"), Ok(500));
-        assert_eq!(parse_quantity("0"), Ok(0));
+    fn memory_limits_read_kubernetes_quantities() {
+        let bytes = |v: Value| memory_limit(&v, "f").map(|l| l.bytes);
+        assert_eq!(bytes(json!("10Gi")), Ok(10 << 30));
+        assert_eq!(bytes(json!("1.5Gi")), Ok(3 << 29));
+        assert_eq!(bytes(json!("512M")), Ok(512_000_000));
+        assert_eq!(bytes(json!("1e9")), Ok(1_000_000_000));
+        assert_eq!(bytes(json!("1048576")), Ok(1 << 20));
+        assert_eq!(bytes(json!("1048575500m")), Ok(1 << 20));
+        assert_eq!(
+            bytes(json!(".5Mi")),
+            Err(OpaqueError::OutOfRange {
+                field: "f".into(),
+                value: ".5Mi".into(),
+                range: "at least 1Mi",
+            })
+        );
+        assert_eq!(bytes(json!(" 2Mi ")), Ok(2 << 20));
         for bad in [
             "",
-            "Gi",
+            "Mi5",
+            "1E+3k",
             "1..2",
             "1.2.3",
             "10GB",
-            "1e99",
-            "-5",
             "1 Gi",
-            "99999999999999999999999999999999Ei",
+            "1e99999999999",
         ] {
-            assert!(parse_quantity(bad).is_err(), "{bad:?} accepted");
+            assert!(
+                matches!(bytes(json!(bad)), Err(OpaqueError::Quantity { .. })),
+                "{bad:?} accepted"
+            );
         }
         let limit = memory_limit(&json!(1_073_741_824u64), "f").unwrap();
         assert_eq!(limit.mebibytes(), 1024);

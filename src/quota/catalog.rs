@@ -411,7 +411,7 @@ fn catalog_device(
     }
     let mut capacity = BTreeMap::new();
     for (k, v) in d.capacity.iter().flatten() {
-        if let Ok(q) = crate::slices::quantity::parse(&v.value.0) {
+        if let Ok(q) = crate::quantity::Quantity::parse_trimmed(&v.value.0) {
             capacity.insert(split(k), AttrValue::Quantity(q));
         }
     }
@@ -427,7 +427,8 @@ fn catalog_device(
         _ => DeviceKind::Other,
     };
     let memory = match capacity.get(&(driver.to_string(), "memory".to_string())) {
-        Some(AttrValue::Quantity(q)) => u64::try_from(*q).ok().map(Memory),
+        // Bytes rounded up, as the quota's own gpuMemory reads them; negative is no memory.
+        Some(AttrValue::Quantity(q)) => q.value().and_then(|v| u64::try_from(v).ok()).map(Memory),
         _ => None,
     };
     let share = match &kind {

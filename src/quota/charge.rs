@@ -115,10 +115,13 @@ pub enum ChargeError {
     Math(#[from] QuotaMathError),
 }
 
+/// A device count: a whole, non-negative quantity (`2`, `1000m`; not `500m` or `-1`).
 fn quantity_count(q: &Quantity) -> Option<u64> {
-    crate::slices::quantity::parse(&q.0)
-        .ok()
-        .and_then(|v| u64::try_from(v).ok())
+    let q = crate::quantity::Quantity::parse_trimmed(&q.0).ok()?;
+    if !q.is_integer() || q.is_negative() {
+        return None;
+    }
+    q.value().and_then(|v| u64::try_from(v).ok())
 }
 
 /// One container's GPU device-plugin requests.

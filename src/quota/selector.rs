@@ -12,6 +12,7 @@
 //! A selector that does not parse at all matches every device. So the set of devices
 //! [`Selector::may_match`] accepts always contains the set Kubernetes would allocate from.
 
+use crate::quantity::Quantity;
 use std::collections::BTreeMap;
 
 /// A value a device carries under one attribute or capacity name.
@@ -21,8 +22,8 @@ pub enum AttrValue {
     Int(i64),
     Bool(bool),
     Version(String),
-    /// A capacity, as an integer amount (bytes for memory).
-    Quantity(i128),
+    /// A capacity (bytes for memory).
+    Quantity(Quantity),
 }
 
 /// What a selector sees of a device: its driver and attributes and capacities by
@@ -435,7 +436,7 @@ enum Val {
     Bool(bool),
     Int(i128),
     Str(String),
-    Quantity(i128),
+    Quantity(Quantity),
     Unknown,
 }
 
@@ -472,7 +473,8 @@ fn eval(n: &Node, d: &dyn DeviceView) -> Val {
         Node::Attr(dom, name) => attr_val(d.attribute(dom, name)),
         Node::Cap(dom, name) => attr_val(d.capacity(dom, name)),
         Node::Quantity(arg) => match eval(arg, d) {
-            Val::Str(s) => crate::slices::quantity::parse(&s)
+            // CEL's quantity() is ParseQuantity: the same grammar, no whitespace.
+            Val::Str(s) => Quantity::parse(&s)
                 .map(Val::Quantity)
                 .unwrap_or(Val::Unknown),
             _ => Val::Unknown,
@@ -548,7 +550,7 @@ mod tests {
 
     const D: &str = "gpu.gpuplane.dev";
 
-    fn dev(kind: &str, profile: Option<&str>, mem: i128) -> SimpleDevice {
+    fn dev(kind: &str, profile: Option<&str>, mem: i64) -> SimpleDevice {
         let mut d = SimpleDevice {
             driver: D.into(),
             ..Default::default()
@@ -559,8 +561,10 @@ mod tests {
             d.attributes
                 .insert((D.into(), "profile".into()), AttrValue::Str(p.into()));
         }
-        d.capacity
-            .insert((D.into(), "memory".into()), AttrValue::Quantity(mem));
+        d.capacity.insert(
+            (D.into(), "memory".into()),
+            AttrValue::Quantity(Quantity::new(mem, crate::quantity::Format::BinarySI)),
+        );
         d
     }
 

@@ -2,15 +2,15 @@
 //! (pure): whole-GPU equivalents, GPU memory, and device counts by resource or class name.
 
 use super::ratio::{Gpus, QuotaMathError};
-use crate::slices::quantity::binary_string;
+use crate::quantity::{Format, Quantity, QuantityError};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
 
 /// Bytes of GPU memory. Read from any Kubernetes quantity spelling (`20Gi`, `1.5Gi`,
-/// `21474836480`, `20G`; a fraction of a byte rounds up); written in the API server's canonical
-/// binary form (`20Gi`, `15360Mi`).
+/// `21474836480`, `20G`; a fraction of a byte rounds up, see [`Memory::parse`]); written in the
+/// API server's canonical binary form (`20Gi`, `15360Mi`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Memory(pub u64);
 
@@ -51,65 +51,40 @@ impl Memory {
         Ok(Memory(self.0.div_ceil(k)))
     }
 
-    /// A quantity of bytes: digits with an optional decimal part and an optional suffix
-    /// (`Ki`..`Ei`, `k`..`E`, `e<N>`). Negative values and milli-units are refused.
-    pub fn parse(text: &str) -> Result<Memory, QuotaMathError> {
-        let bad = || QuotaMathError::Malformed(text.to_string());
-        let s = text.trim();
-        let s = s.strip_prefix('+').unwrap_or(s);
-        let end = s
-            .find(|c: char| !c.is_ascii_digit() && c != '.')
-            .unwrap_or(s.len());
-        let (number, suffix) = s.split_at(end);
-        let (int, frac) = number.split_once('.').unwrap_or((number, ""));
-        if int.is_empty()
-            || int.len() > 30
-            || frac.len() > 30
-            || !frac.bytes().all(|b| b.is_ascii_digit())
-            || (number.contains('.') && frac.is_empty())
-        {
-            return Err(bad());
+    /// A quantity of bytes, read as Kubernetes reads any quantity ([`Quantity`]): a fraction
+    /// of a byte rounds up, as `Value()` rounds (`0.1` and `100m` are 1 byte), and binary
+    /// values above 2^63-1 are capped there (`9Ei`). Negative amounts are refused, and so are
+    /// decimal ones past 2^63-1 (`1e19`), which `Value()` cannot return.
+    pub fn parse(text: &str) -> Result<Memory, MemoryError> {
+        let q = Quantity::parse_trimmed(text).map_err(|reason| MemoryError::NotAQuantity {
+            text: text.to_string(),
+            reason,
+        })?;
+        if q.is_negative() {
+            return Err(MemoryError::Negative(text.to_string()));
         }
-        let factor: u128 = match suffix {
-            "" => 1,
-            "Ki" => 1 << 10,
-            "Mi" => 1 << 20,
-            "Gi" => 1 << 30,
-            "Ti" => 1 << 40,
-            "Pi" => 1 << 50,
-            "Ei" => 1 << 60,
-            "k" => 1_000,
-            "M" => 1_000_000,
-            "G" => 1_000_000_000,
-            "T" => 1_000_000_000_000,
-            "P" => 1_000_000_000_000_000,
-            "E" => 1_000_000_000_000_000_000,
-            e if e.len() > 1 && e.starts_with(['e', 'E']) => {
-                let n: u32 = e[1..].parse().map_err(|_| bad())?;
-                10u128.checked_pow(n).ok_or(QuotaMathError::Overflow)?
-            }
-            _ => return Err(bad()),
-        };
-        let mantissa: u128 = format!("{int}{frac}").parse().map_err(|_| bad())?;
-        let scale = 10u128
-            .checked_pow(u32::try_from(frac.len()).map_err(|_| bad())?)
-            .ok_or(QuotaMathError::Overflow)?;
-        let bytes = mantissa
-            .checked_mul(factor)
-            .ok_or(QuotaMathError::Overflow)?
-            .div_ceil(scale);
-        u64::try_from(bytes)
+        q.value()
+            .and_then(|v| u64::try_from(v).ok())
             .map(Memory)
-            .map_err(|_| QuotaMathError::Overflow)
+            .ok_or_else(|| MemoryError::TooLarge(text.to_string()))
     }
+}
+
+/// Why a value is not an amount of GPU memory. Memory is only ever the `gpuMemory` field
+/// (of `hard`, `borrowingLimit` and the status amounts), so the messages name it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MemoryError {
+    #[error("gpuMemory: `{text}` is not a quantity: {reason}")]
+    NotAQuantity { text: String, reason: QuantityError },
+    #[error("gpuMemory: `{0}` is negative")]
+    Negative(String),
+    #[error("gpuMemory: `{0}` is more bytes than a Kubernetes quantity counts (2^63-1)")]
+    TooLarge(String),
 }
 
 impl fmt::Display for Memory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match i64::try_from(self.0) {
-            Ok(v) => f.write_str(&binary_string(v)),
-            Err(_) => write!(f, "{}", self.0),
-        }
+        Quantity::from_u64(self.0, Format::BinarySI).fmt(f)
     }
 }
 
@@ -133,7 +108,7 @@ impl<'de> Deserialize<'de> for Memory {
             fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Memory, E> {
                 u64::try_from(v)
                     .map(Memory)
-                    .map_err(|_| E::custom(format!("memory {v} is negative")))
+                    .map_err(|_| E::custom(MemoryError::Negative(v.to_string())))
             }
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Memory, E> {
                 Memory::parse(v).map_err(E::custom)
@@ -156,7 +131,8 @@ impl JsonSchema for Memory {
             "x-kubernetes-int-or-string": true,
             "anyOf": [
                 {"type": "integer", "minimum": 0},
-                {"type": "string", "pattern": "^\\+?[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|[eE][0-9]+)?$"}
+                // Kubernetes' quantity grammar without a minus sign ([`Memory::parse`]).
+                {"type": "string", "pattern": "^\\+?([0-9]+(\\.[0-9]*)?|\\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"}
             ]
         })
     }
@@ -394,19 +370,27 @@ mod tests {
         assert_eq!(Memory::parse("20G").unwrap(), Memory(20_000_000_000));
         assert_eq!(Memory::parse("2e3").unwrap(), Memory(2000));
         assert_eq!(Memory::parse("0.1").unwrap(), Memory(1));
+        // Kubernetes' reading: fractions of a byte round up, binary values cap at 2^63-1.
+        assert_eq!(Memory::parse("100m").unwrap(), Memory(1));
+        assert_eq!(Memory::parse("1.Gi").unwrap(), Memory(1 << 30));
+        assert_eq!(
+            Memory::parse("99999999999Ei").unwrap(),
+            Memory(i64::MAX as u64)
+        );
         assert_eq!(Memory(15 << 30).to_string(), "15Gi");
         assert_eq!(Memory(9984 << 20).to_string(), "9984Mi");
-        for bad in [
-            "",
-            "-1Gi",
-            "1.Gi",
-            "Gi",
-            "5Xi",
-            "100m",
-            "1e999",
-            "99999999999Ei",
-        ] {
-            assert!(Memory::parse(bad).is_err(), "{bad}");
+        assert_eq!(Memory(u64::MAX).to_string(), "18446744073709551615");
+        let bad = |s: &str| Memory::parse(s).unwrap_err().to_string();
+        assert_eq!(bad("-1Gi"), "gpuMemory: `-1Gi` is negative");
+        assert_eq!(
+            bad("1e999"),
+            "gpuMemory: `1e999` is more bytes than a Kubernetes quantity counts (2^63-1)"
+        );
+        for s in ["", "5Xi", "10GB", "1 Gi", "lots"] {
+            assert!(
+                bad(s).starts_with(&format!("gpuMemory: `{s}` is not a quantity: ")),
+                "{s}"
+            );
         }
     }
 

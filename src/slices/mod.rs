@@ -13,7 +13,6 @@
 
 pub mod plan;
 pub mod publisher;
-pub mod quantity;
 pub mod render;
 pub mod validate;
 

@@ -14,7 +14,7 @@
 //! incomplete, hence unused, until they are). A desired generation above the existing one
 //! wins. An unchanged pool, whoever wrote it, therefore needs no writes at all.
 
-use super::quantity;
+use crate::quantity::{Format, Quantity};
 use k8s_openapi::api::resource::v1::{Device, DeviceTaint, ResourceSlice, ResourceSliceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use std::collections::{BTreeMap, BTreeSet};
@@ -51,7 +51,11 @@ fn normalize_device(d: &mut Device) {
     }
     if let Some(c) = d.capacity.as_mut() {
         for cap in c.values_mut() {
-            cap.value.0 = quantity::normalized(&cap.value);
+            // One spelling per value whatever the writer's format; text that is no quantity
+            // is compared as written.
+            if let Ok(q) = Quantity::parse_trimmed(&cap.value.0) {
+                cap.value.0 = q.with_format(Format::BinarySI).to_string();
+            }
         }
     }
     if d.attributes.as_ref().is_some_and(BTreeMap::is_empty) {

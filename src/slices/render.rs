@@ -56,10 +56,10 @@
 //! `<node>-<driver with dots as dashes>-<i>` (hashed to fit 253 bytes), so the publisher can
 //! match existing slices by name and write nothing when nothing changed.
 
-use super::quantity;
 use super::MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS;
 use crate::health::{Cause, Health, HealthBook};
 use crate::inventory::{DeviceRef, Gpu, Inventory, MigDevice, PathLevel};
+use crate::quantity::{Format, Quantity};
 use k8s_openapi::api::resource::v1::{
     Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice,
     ResourceSliceSpec,
@@ -297,12 +297,12 @@ fn render_device(
 fn gpu_capacity(g: &Gpu) -> BTreeMap<String, DeviceCapacity> {
     BTreeMap::from([(
         names::MEMORY.to_string(),
-        cap(quantity::mebibytes(g.memory_mib)),
+        cap(Quantity::mebibytes(g.memory_mib)),
     )])
 }
 
 fn mig_capacity(m: &MigDevice) -> BTreeMap<String, DeviceCapacity> {
-    let count = |n: u32| cap(quantity::binary(n.into()));
+    let count = |n: u32| cap(Quantity::new(n.into(), Format::BinarySI));
     BTreeMap::from([
         (names::MULTIPROCESSORS.to_string(), count(m.multiprocessors)),
         (names::COPY_ENGINES.to_string(), count(m.copy_engines)),
@@ -312,14 +312,15 @@ fn mig_capacity(m: &MigDevice) -> BTreeMap<String, DeviceCapacity> {
         (names::OFA_ENGINES.to_string(), count(m.ofa_engines)),
         (
             names::MEMORY.to_string(),
-            cap(quantity::mebibytes(m.memory_mib)),
+            cap(Quantity::mebibytes(m.memory_mib)),
         ),
     ])
 }
 
-fn cap(value: k8s_openapi::apimachinery::pkg::api::resource::Quantity) -> DeviceCapacity {
+/// A capacity in the API server's canonical spelling, so a slice we write reads back unchanged.
+fn cap(value: Quantity) -> DeviceCapacity {
     DeviceCapacity {
-        value,
+        value: k8s_openapi::apimachinery::pkg::api::resource::Quantity(value.to_string()),
         request_policy: None,
     }
 }

@@ -224,8 +224,10 @@ fn mig_attributes_follow_nvidia() {
         mig.multiprocessors.to_string()
     );
     assert_eq!(
-        quantity::parse(&cap["memory"].value.0).unwrap(),
-        i128::from(mig.memory_mib) << 20
+        crate::quantity::Quantity::parse(&cap["memory"].value.0)
+            .unwrap()
+            .value(),
+        Some(i64::try_from(mig.memory_mib << 20).unwrap())
     );
     // The whole GPU with MIG off is a plain GPU device.
     assert_eq!(s(attr(all.last().unwrap(), "type")), "gpu");

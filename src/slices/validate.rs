@@ -9,7 +9,7 @@
 //! `NoExecute`; `None` came later).
 
 use super::{
-    quantity, MAX_ATTRIBUTES_AND_CAPACITIES, MAX_ATTRIBUTE_VALUE_LEN, MAX_DEVICES_PER_SLICE,
+    MAX_ATTRIBUTES_AND_CAPACITIES, MAX_ATTRIBUTE_VALUE_LEN, MAX_DEVICES_PER_SLICE,
     MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS,
 };
 use k8s_openapi::api::resource::v1::{
@@ -309,11 +309,8 @@ impl Checker {
         for (name, c) in caps.into_iter().flatten() {
             let p = format!("{path}.capacity[{}]", truncate_key(name));
             self.qualified_name(name, &p);
-            if let Err(e) = quantity::parse(&c.value.0) {
-                // Fractions are valid quantities; only reject what is not a quantity at all.
-                if !matches!(e, quantity::QuantityError::Fractional { .. }) {
-                    self.push(format!("{p}.value"), invalid(&c.value.0, e.to_string()));
-                }
+            if let Err(e) = crate::quantity::Quantity::parse_trimmed(&c.value.0) {
+                self.push(format!("{p}.value"), invalid(&c.value.0, e.to_string()));
             }
             if c.request_policy.is_some() && !multi {
                 self.push(
