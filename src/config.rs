@@ -28,7 +28,7 @@ pub enum ConfigError {
     Parse {
         path: String,
         #[source]
-        source: serde_yaml::Error,
+        source: serde_yaml_ng::Error,
     },
     /// A value is out of range or inconsistent.
     #[error("config file {path}: `{field}`: {reason}")]
@@ -296,7 +296,7 @@ impl AgentConfig {
         let raw: RawFile = if text.trim().is_empty() {
             RawFile::default()
         } else {
-            serde_yaml::from_str(text).map_err(|source| ConfigError::Parse {
+            serde_yaml_ng::from_str(text).map_err(|source| ConfigError::Parse {
                 path: path.to_string(),
                 source,
             })?

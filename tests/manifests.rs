@@ -53,7 +53,7 @@ impl Doc {
 
 fn read_docs(path: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path).unwrap();
-    serde_yaml::Deserializer::from_str(&text)
+    serde_yaml_ng::Deserializer::from_str(&text)
         .map(|d| Value::deserialize(d).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
         .filter(|v| !v.is_null())
         .collect()

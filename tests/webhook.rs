@@ -280,7 +280,7 @@ fn seed_devices(api: &ApiServerDouble) {
         "/daemonset/deviceclasses.yaml"
     ))
     .unwrap();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
+    for doc in serde_yaml_ng::Deserializer::from_str(&text) {
         let v: Value = serde::Deserialize::deserialize(doc).unwrap();
         api.put_json(v).unwrap();
     }
@@ -1370,7 +1370,7 @@ async fn without_api_access_start_fails_with_a_clear_message() {
 fn manifests(file: &str) -> Vec<Value> {
     let path = format!("{}/daemonset/controller/{file}", env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(&path).unwrap();
-    serde_yaml::Deserializer::from_str(&text)
+    serde_yaml_ng::Deserializer::from_str(&text)
         .map(|d| serde::Deserialize::deserialize(d).unwrap())
         .filter(|v: &Value| !v.is_null())
         .collect()

@@ -107,7 +107,7 @@ mod tests {
         let mut covered = BTreeSet::new();
         for name in sim::bundled_names() {
             let text = sim::bundled_text(name).unwrap();
-            let file: ProfileFile = serde_yaml::from_str(text).unwrap();
+            let file: ProfileFile = serde_yaml_ng::from_str(text).unwrap();
             for model in file.models.values() {
                 let Some(table) = model.mig_catalogue.as_deref() else {
                     continue;

@@ -44,16 +44,16 @@ fn class(name: &str, expr: &str) -> DeviceClass {
 
 fn shipped_classes() -> Vec<DeviceClass> {
     let text = include_str!("../../daemonset/deviceclasses.yaml");
-    serde_yaml::Deserializer::from_str(text)
+    serde_yaml_ng::Deserializer::from_str(text)
         .map(|d| DeviceClass::deserialize_from(d))
         .collect()
 }
 
 trait FromYamlDoc: Sized {
-    fn deserialize_from(d: serde_yaml::Deserializer<'_>) -> Self;
+    fn deserialize_from(d: serde_yaml_ng::Deserializer<'_>) -> Self;
 }
 impl FromYamlDoc for DeviceClass {
-    fn deserialize_from(d: serde_yaml::Deserializer<'_>) -> Self {
+    fn deserialize_from(d: serde_yaml_ng::Deserializer<'_>) -> Self {
         serde::Deserialize::deserialize(d).unwrap()
     }
 }
@@ -730,7 +730,7 @@ fn the_crd_manifest_matches_the_types() {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/daemonset/controller/crd.yaml");
     let generated = format!(
         "# Generated from src/quota/crd.rs (GpuQuota::crd()); do not edit by hand.\n# Regenerate: GPUPLANE_WRITE_CRD=1 cargo test --lib quota::tests::the_crd_manifest\n{}",
-        serde_yaml::to_string(&GpuQuota::crd()).unwrap()
+        serde_yaml_ng::to_string(&GpuQuota::crd()).unwrap()
     );
     if std::env::var_os("GPUPLANE_WRITE_CRD").is_some() {
         std::fs::write(path, &generated).unwrap();

@@ -43,7 +43,7 @@ pub enum ProfileError {
     Parse {
         file: String,
         #[source]
-        source: serde_yaml::Error,
+        source: serde_yaml_ng::Error,
     },
     /// The file parses but describes an impossible machine.
     #[error("simulation profile {file}: field `{field}`: {reason}")]
@@ -84,7 +84,7 @@ pub fn load(spec: &str) -> Result<Inventory, ProfileError> {
 
 /// Parses and validates profile text. `file` names it in errors; `label` seeds generated UUIDs.
 pub fn from_str(file: &str, label: &str, text: &str) -> Result<Inventory, ProfileError> {
-    let parsed: ProfileFile = serde_yaml::from_str(text).map_err(|source| ProfileError::Parse {
+    let parsed: ProfileFile = serde_yaml_ng::from_str(text).map_err(|source| ProfileError::Parse {
         file: file.to_string(),
         source,
     })?;

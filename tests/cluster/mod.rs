@@ -653,7 +653,7 @@ impl LabAgent {
         std::fs::create_dir_all(dir.join("dev")).unwrap();
         std::fs::create_dir_all(dir.join("driver")).unwrap();
         // The DaemonSet's config file: the ConfigMap's config.yaml.
-        let cm: serde_yaml::Value = serde_yaml::from_str(
+        let cm: serde_yaml_ng::Value = serde_yaml_ng::from_str(
             &std::fs::read_to_string(repo().join("daemonset/node/config.yaml")).unwrap(),
         )
         .unwrap();

@@ -219,7 +219,7 @@ impl Fake {
             }
         };
         let file: ProfileFile =
-            serde_yaml::from_str(&text).map_err(|e| format!("fake NVML: {spec}: {e}"))?;
+            serde_yaml_ng::from_str(&text).map_err(|e| format!("fake NVML: {spec}: {e}"))?;
         let extra = extras(&inventory, &file)?;
         let control = std::env::var_os(CONTROL_ENV).map(|p| Control {
             path: PathBuf::from(p),

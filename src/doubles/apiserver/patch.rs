@@ -37,7 +37,7 @@ pub(crate) fn parse_body(kind: PatchType, body: &[u8]) -> Result<Value, String> 
     match serde_json::from_slice(body) {
         Ok(v) => Ok(v),
         Err(e) if kind == PatchType::Apply => {
-            serde_yaml::from_slice(body).map_err(|y| format!("{e}; as YAML: {y}"))
+            serde_yaml_ng::from_slice(body).map_err(|y| format!("{e}; as YAML: {y}"))
         }
         Err(e) => Err(e.to_string()),
     }
