@@ -14,6 +14,7 @@ pub mod fsutil;
 pub mod fuzzing;
 pub mod grpc;
 pub mod health;
+pub mod httpserve;
 pub mod inventory;
 pub mod kubeclient;
 pub mod labels;

@@ -4,12 +4,12 @@
 //! before the devices are discovered.
 
 use crate::health::Health;
+use crate::httpserve::{serve as serve_http, ServeLimits};
 use crate::metrics;
 use crate::node::state::NodeState;
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -167,30 +167,18 @@ pub async fn serve(
     listener: TcpListener,
     state: Arc<NodeState>,
     readiness: Arc<Readiness>,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) {
-    loop {
-        let (stream, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "metrics listener accept failed");
-                    continue;
-                }
-            },
-            _ = shutdown.wait_for(|s| *s) => return,
-        };
-        let (state, readiness) = (state.clone(), readiness.clone());
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let resp = route(req.uri().path(), &state, &readiness);
-                async move { Ok::<_, std::convert::Infallible>(resp) }
-            });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
-        });
-    }
+    let answer = move |_peer, req: Request<hyper::body::Incoming>| {
+        let resp = route(req.uri().path(), &state, &readiness);
+        async move { resp }
+    };
+    // Scrapes and probes are few; a small pool keeps a flood from costing the agent memory.
+    let limits = ServeLimits {
+        max_connections: 64,
+        ..ServeLimits::default()
+    };
+    serve_http("node-metrics", listener, None, limits, answer, shutdown).await;
 }
 
 /// Binds the metrics address.

@@ -84,10 +84,11 @@ pub fn load(spec: &str) -> Result<Inventory, ProfileError> {
 
 /// Parses and validates profile text. `file` names it in errors; `label` seeds generated UUIDs.
 pub fn from_str(file: &str, label: &str, text: &str) -> Result<Inventory, ProfileError> {
-    let parsed: ProfileFile = serde_yaml_ng::from_str(text).map_err(|source| ProfileError::Parse {
-        file: file.to_string(),
-        source,
-    })?;
+    let parsed: ProfileFile =
+        serde_yaml_ng::from_str(text).map_err(|source| ProfileError::Parse {
+            file: file.to_string(),
+            source,
+        })?;
     parsed
         .into_inventory(label)
         .map_err(|(field, reason)| ProfileError::Invalid {

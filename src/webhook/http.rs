@@ -12,13 +12,12 @@ use super::metrics::{exposition, Metrics};
 use super::probe::{self, Probes};
 use super::review;
 use crate::controller::metrics::QueueMetrics;
+use crate::httpserve::{serve, ServeLimits};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_rustls::rustls::ServerConfig;
@@ -27,12 +26,6 @@ use tokio_rustls::TlsAcceptor;
 /// Largest AdmissionReview body read: a Pod may be up to ~1.5 MiB (etcd's limit) and an
 /// UPDATE carries two.
 pub const MAX_BODY: usize = 4 * 1024 * 1024;
-/// Time a client has for the TLS handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Time a client has to send a request's headers.
-const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
-/// Most connections served at once; more wait in the listen backlog.
-const MAX_CONNECTIONS: usize = 4096;
 
 type Body = Full<Bytes>;
 
@@ -155,29 +148,15 @@ pub async fn handle(
     admitter: Arc<Admitter>,
     probes: Arc<Probes>,
     req: Request<Incoming>,
-) -> Result<Response<Body>, Infallible> {
-    let r = match (req.method(), req.uri().path()) {
+) -> Response<Body> {
+    match (req.method(), req.uri().path()) {
         (&Method::POST, "/validate") => admission(admitter, req, false).await,
         (&Method::POST, "/mutate") => admission(admitter, req, true).await,
         (&Method::GET, "/healthz") => probe_answer(&probes, false),
         (&Method::GET, "/readyz") => probe_answer(&probes, true),
         (_, "/validate") | (_, "/mutate") => text(StatusCode::METHOD_NOT_ALLOWED, "use POST"),
         _ => text(StatusCode::NOT_FOUND, "not found"),
-    };
-    Ok(r)
-}
-
-/// Resolves once `stop` turns true (or its sender is gone).
-async fn stopped(stop: &mut watch::Receiver<bool>) {
-    let _ = stop.wait_for(|s| *s).await.is_ok();
-}
-
-fn builder() -> hyper_util::server::conn::auto::Builder<TokioExecutor> {
-    let mut b = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    b.http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_TIMEOUT);
-    b
+    }
 }
 
 /// Serves HTTPS on `listener` until `stop` turns true; `probes` learn when it no longer serves.
@@ -188,73 +167,19 @@ pub async fn serve_tls(
     probes: Arc<Probes>,
     stop: watch::Receiver<bool>,
 ) {
-    accept_tls(listener, tls, admitter, probes.clone(), stop).await;
+    let p = probes.clone();
+    let answer = move |_peer, req| handle(admitter.clone(), p.clone(), req);
+    let tls = Some(TlsAcceptor::from(tls));
+    serve(
+        "webhook",
+        listener,
+        tls,
+        ServeLimits::default(),
+        answer,
+        stop,
+    )
+    .await;
     probes.set_serving(false);
-}
-
-async fn accept_tls(
-    listener: TcpListener,
-    tls: Arc<ServerConfig>,
-    admitter: Arc<Admitter>,
-    probes: Arc<Probes>,
-    mut stop: watch::Receiver<bool>,
-) {
-    let acceptor = TlsAcceptor::from(tls);
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        let permit = tokio::select! {
-            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
-            _ = stopped(&mut stop) => return,
-        };
-        let (tcp, peer) = tokio::select! {
-            a = listener.accept() => match a {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accepting a connection failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = stopped(&mut stop) => return,
-        };
-        // Answers go out at once: with Nagle's algorithm, the handshake's last records (the
-        // session tickets) wait for the client's delayed ACK, ~40 ms per new connection.
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(%peer, error = %e, "TCP_NODELAY could not be set");
-        }
-        let acceptor = acceptor.clone();
-        let admitter = admitter.clone();
-        let probes = probes.clone();
-        let mut stop = stop.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                    return;
-                }
-                Err(_) => return,
-            };
-            let svc = hyper::service::service_fn(move |req| {
-                handle(admitter.clone(), probes.clone(), req)
-            });
-            let b = builder();
-            let conn = b.serve_connection(TokioIo::new(stream), svc);
-            let mut conn = std::pin::pin!(conn);
-            tokio::select! {
-                r = conn.as_mut() => {
-                    if let Err(e) = r {
-                        tracing::debug!(%peer, error = %e, "connection ended with an error");
-                    }
-                }
-                _ = stopped(&mut stop) => {
-                    conn.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
-                }
-            }
-        });
-    }
 }
 
 /// What the plain-HTTP listener reports.
@@ -294,26 +219,19 @@ impl Reporter {
 pub async fn serve_metrics(
     listener: TcpListener,
     reporter: Arc<Reporter>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
-    loop {
-        let (tcp, _) = tokio::select! {
-            a = listener.accept() => match a {
-                Ok(a) => a,
-                Err(_) => {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = stopped(&mut stop) => return,
-        };
-        let reporter = reporter.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let r = reporter.answer(&req);
-                async move { Ok::<_, Infallible>(r) }
-            });
-            let _ = builder().serve_connection(TokioIo::new(tcp), svc).await;
-        });
-    }
+    let answer = move |_peer, req: Request<Incoming>| {
+        let r = reporter.answer(&req);
+        async move { r }
+    };
+    serve(
+        "webhook-metrics",
+        listener,
+        None,
+        ServeLimits::default(),
+        answer,
+        stop,
+    )
+    .await;
 }
