@@ -35,9 +35,11 @@ rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup com
 echo "== rustfmt"
 cargo fmt --all -- --check
 echo "== build (the fake libnvidia-ml included)"
-cargo build --workspace --all-targets
+cargo build --workspace --all-targets --features gpuplane/crashpoints
 echo "== clippy -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
+# The shipped build leaves the crash points out; the tests need them.
+cargo clippy --workspace --all-targets --features gpuplane/crashpoints -- -D warnings
 echo "== cluster binaries for tests/real_cluster.rs (hack/cluster/build.sh: about 22 min cold, cached after)"
 if cluster_out="$(./hack/cluster/build.sh)"; then
   export GPUPLANE_CLUSTER_BIN="$(sed -n 's/^GPUPLANE_CLUSTER_BIN=//p' <<<"$cluster_out")"
@@ -49,7 +51,7 @@ else
   echo "hack/test.sh: hack/cluster/build.sh failed; the real-cluster tests will skip" >&2
 fi
 echo "== tests"
-cargo test --workspace
+cargo test --workspace --features gpuplane/crashpoints
 if $extended; then
   echo "== fuzz (extended)"
   ./hack/fuzz.sh

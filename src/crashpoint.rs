@@ -8,8 +8,14 @@
 //! file `GPUPLANE_CRASHPOINT_MARKER` (when set), logs it and blocks that thread for good,
 //! leaving the caller to kill the process. Unset, a step costs one initialised-once load.
 //! A value naming no step is logged once and arms nothing.
+//!
+//! Only a build with the cargo feature `crashpoints` (the test suite's, `hack/test.sh`) can
+//! stop there: without it, the shipped binary's, every step is an empty inline function and
+//! `GPUPLANE_CRASHPOINT` means nothing.
 
+#[cfg(feature = "crashpoints")]
 use std::sync::atomic::{AtomicU32, Ordering};
+#[cfg(feature = "crashpoints")]
 use std::sync::OnceLock;
 
 /// The variable that arms a crash point.
@@ -74,6 +80,7 @@ impl Step {
 }
 
 /// The armed step, parsed from the environment once.
+#[cfg(feature = "crashpoints")]
 #[derive(Debug)]
 struct Armed {
     step: Step,
@@ -84,6 +91,7 @@ struct Armed {
 }
 
 /// `<step>[@<detail>][#<n>]`; `None` when it names no step or `n` is not a positive number.
+#[cfg(feature = "crashpoints")]
 fn parse(spec: &str) -> Option<Armed> {
     let (rest, nth) = match spec.rsplit_once('#') {
         Some((rest, n)) => (rest, n.parse::<u32>().ok().filter(|n| *n > 0)?),
@@ -100,6 +108,7 @@ fn parse(spec: &str) -> Option<Armed> {
     })
 }
 
+#[cfg(feature = "crashpoints")]
 fn armed() -> Option<&'static Armed> {
     static ARMED: OnceLock<Option<Armed>> = OnceLock::new();
     ARMED
@@ -120,6 +129,7 @@ fn armed() -> Option<&'static Armed> {
 }
 
 /// Logs the armed crash point, if any, so a run under test says so at start-up.
+#[cfg(feature = "crashpoints")]
 pub fn announce() {
     if let Some(a) = armed() {
         tracing::warn!(crashpoint = %a.spec, "crash point armed: the agent stops there for good");
@@ -132,6 +142,7 @@ pub fn reached(step: Step) {
 }
 
 /// The agent reached `step` about `detail` (a file or slice name).
+#[cfg(feature = "crashpoints")]
 pub fn reached_at(step: Step, detail: &str) {
     let Some(a) = armed() else { return };
     if a.step != step || !detail.contains(a.detail.as_str()) {
@@ -151,7 +162,17 @@ pub fn reached_at(step: Step, detail: &str) {
     }
 }
 
-#[cfg(test)]
+/// Without the `crashpoints` feature: nothing is armed, nothing is said.
+#[cfg(not(feature = "crashpoints"))]
+#[inline(always)]
+pub fn announce() {}
+
+/// Without the `crashpoints` feature: a step is nothing.
+#[cfg(not(feature = "crashpoints"))]
+#[inline(always)]
+pub fn reached_at(_step: Step, _detail: &str) {}
+
+#[cfg(all(test, feature = "crashpoints"))]
 mod tests {
     use super::*;
 

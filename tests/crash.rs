@@ -11,6 +11,8 @@
 //! allocated, an unprepare leaves no CDI spec and no checkpoint entry and frees every unit,
 //! and a pool whose publication was cut is completed by the next agent.
 
+#![cfg(feature = "crashpoints")]
+
 mod support;
 
 use gpuplane::doubles::apiserver::ApiServerDouble;
