@@ -21,16 +21,16 @@
 //! Escrow ([`crate::quota::escrow`]): once a batch has admitted to a Reject-mode quota, the
 //! replica holds a share of its headroom in the status and admits within it at once, with no
 //! write ([`Committer::submit`]'s fast path). The batch task records those admissions as
-//! reservations every [`FLUSH_INTERVAL`], or at once when less than half of the share is
-//! left (one write for all of them, which also re-sizes the share) and gives the share back after [`IDLE_RETURN`] without admissions. While a write is
+//! reservations every [`super::escrow::FLUSH_INTERVAL`], or at once when less than half of the share is
+//! left (one write for all of them, which also re-sizes the share) and gives the share back after [`super::escrow::IDLE_RETURN`] without admissions. While a write is
 //! in flight the fast path spends only what both the old and the new share cover, so whatever
 //! the write's fate, the status covers every admission made. Denials that are only due to
 //! another replica's share are decided again for up to half the deadline.
 
-use crate::quota::escrow::{self, EscrowRound, SPEND_WINDOW};
+use super::escrow::{EscrowDue, LocalEscrow};
+use crate::quota::escrow::{self, EscrowRound};
 use crate::quota::{
-    borrows, decide_batch, stale_borrowers, Denial, Fit, GpuQuota, Limits, Op, Outcome,
-    Reservation, ReservationState, Usage,
+    borrows, decide_batch, stale_borrowers, Denial, Fit, GpuQuota, Op, Outcome, ReservationState,
 };
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
@@ -39,12 +39,6 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, Notify};
-
-/// Admissions made within an escrow are recorded (one write) at most this often.
-pub const FLUSH_INTERVAL: Duration = Duration::from_millis(200);
-
-/// An escrow is given back after this long without admissions to its quota.
-pub const IDLE_RETURN: Duration = Duration::from_millis(250);
 
 /// A request held by another replica's escrow is decided again after this pause.
 const HELD_PAUSE: Duration = Duration::from_millis(10);
@@ -88,18 +82,10 @@ impl Default for CommitOptions {
         CommitOptions {
             budget: RetryBudget::default(),
             max_batch: 256,
-            holder: holder_name(&crate::controller::identity("gpuplane-webhook")),
+            holder: super::escrow::holder_name(&crate::controller::identity("gpuplane-webhook")),
             escrow: true,
         }
     }
-}
-
-/// A name for one committer's escrows: `identity` (already unique per process) and a
-/// sequence number, so that webhooks sharing a process never share an escrow.
-pub fn holder_name(identity: &str) -> String {
-    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("{identity}#{n}")
 }
 
 /// Why a request got no decision.
@@ -148,203 +134,6 @@ impl Pending {
             attempts: 0,
             since: Instant::now(),
             tx,
-        }
-    }
-}
-
-/// This replica's escrow for one quota. The status holds `cap` for it (as of its last
-/// successful write); `unflushed` are admissions made within it and not yet written as
-/// reservations (`spent`: their charge). Outside a write the fast path may admit while
-/// `spent + charge <= cap`; during one, only within [`Flight::budget`].
-#[derive(Default)]
-struct LocalEscrow {
-    cap: Usage,
-    flight: Option<Flight>,
-    unflushed: Vec<Reservation>,
-    spent: Usage,
-    /// The quota's `hard` and whether it takes escrows, as of the last batch.
-    hard: Limits,
-    eligible: bool,
-    /// When `cap` was last written.
-    written: Option<Instant>,
-    last_flush: Option<Instant>,
-    /// The latest admission: what the next escrow is sized by, and when.
-    unit: Option<Usage>,
-    last_admit: Option<Instant>,
-}
-
-/// A write in flight that records the first `recorded` of the unflushed admissions
-/// (`flushed`: their charge) and sets the escrow to a new amount.
-struct Flight {
-    recorded: usize,
-    flushed: Usage,
-    /// What admissions made during the write may take: what both the old escrow (less the
-    /// recorded ones) and the new one cover, so the status covers them whatever the write's
-    /// fate.
-    budget: Usage,
-}
-
-/// What the batch task owes an escrow.
-enum EscrowDue {
-    Now,
-    In(Duration),
-    Nothing,
-}
-
-/// Dimension-wise minimum.
-fn min(a: &Usage, b: &Usage) -> Usage {
-    a.saturating_sub(&a.saturating_sub(b).unwrap_or_default())
-        .unwrap_or_default()
-}
-
-impl LocalEscrow {
-    fn due(&self, now: Instant) -> EscrowDue {
-        let after = |t: Option<Instant>, d: Duration| match t {
-            Some(t) if now.duration_since(t) < d => EscrowDue::In(d - now.duration_since(t)),
-            _ => EscrowDue::Now,
-        };
-        if !self.unflushed.is_empty() && self.low() {
-            EscrowDue::Now
-        } else if !self.unflushed.is_empty() {
-            after(self.last_flush, FLUSH_INTERVAL)
-        } else if !self.cap.is_zero() {
-            after(self.last_admit, IDLE_RETURN)
-        } else {
-            EscrowDue::Nothing
-        }
-    }
-
-    /// Less than half of the escrow is left (and no write is re-sizing it): refill now rather
-    /// than let the fast path run dry and admissions wait for a write.
-    fn low(&self) -> bool {
-        if self.flight.is_some() || self.cap.is_zero() {
-            return false;
-        }
-        let left = self.cap.saturating_sub(&self.spent).unwrap_or_default();
-        left.checked_mul_int(2)
-            .is_ok_and(|twice| !escrow::fits(&self.hard, &twice, &self.cap))
-    }
-
-    /// What the next escrow is sized by: the latest charge asked for in this batch, or of a
-    /// recent admission; none (give it back) when idle or not eligible.
-    fn wanted(&self, ops: &[Op], now: Instant) -> Option<Usage> {
-        if !self.eligible {
-            return None;
-        }
-        let asked = ops.iter().rev().find_map(|op| match op {
-            Op::Reserve { charge, .. } if escrow::priced(&self.hard, charge) => {
-                Some(charge.usage.clone())
-            }
-            _ => None,
-        });
-        asked.or_else(|| {
-            self.last_admit
-                .filter(|t| now.duration_since(*t) < IDLE_RETURN)
-                .and(self.unit.clone())
-        })
-    }
-
-    /// Whether the admission at `i` of `unflushed` is being written now (it then stays).
-    fn in_flight(&self, i: usize) -> bool {
-        self.flight.as_ref().is_some_and(|f| i < f.recorded)
-    }
-
-    /// Admits `r` within the escrow, if it may (a retried create replaces its own earlier
-    /// admission).
-    fn admit(&mut self, r: &Reservation, now: Instant) -> bool {
-        if !self.eligible
-            || self
-                .written
-                .is_none_or(|t| now.duration_since(t) >= SPEND_WINDOW)
-        {
-            return false;
-        }
-        let key = r.key();
-        let earlier = self.unflushed.iter().position(|x| x.key() == key);
-        if earlier.is_some_and(|i| self.in_flight(i)) {
-            return false;
-        }
-        let spent = match earlier {
-            Some(i) => self.spent.saturating_sub(&self.unflushed[i].charge),
-            None => Ok(self.spent.clone()),
-        };
-        let Ok(spent) = spent else { return false };
-        let available = match &self.flight {
-            Some(f) => spent
-                .saturating_sub(&f.flushed)
-                .and_then(|after| f.budget.saturating_sub(&after)),
-            None => self.cap.saturating_sub(&spent),
-        };
-        let Ok(available) = available else {
-            return false;
-        };
-        if !escrow::fits(&self.hard, &available, &r.charge) {
-            return false;
-        }
-        let Ok(spent) = spent.checked_add(&r.charge) else {
-            return false;
-        };
-        match earlier {
-            Some(i) => self.unflushed[i] = r.clone(),
-            None => self.unflushed.push(r.clone()),
-        }
-        self.spent = spent;
-        self.unit = Some(r.charge.clone());
-        self.last_admit = Some(now);
-        true
-    }
-
-    /// Takes back an admission made within the escrow and not being written.
-    fn release(&mut self, key: &crate::quota::ReservationKey) -> bool {
-        let Some(i) = self.unflushed.iter().position(|x| x.key() == *key) else {
-            return false;
-        };
-        if self.in_flight(i) {
-            return false;
-        }
-        self.unflushed.remove(i);
-        self.resum();
-        true
-    }
-
-    /// Starts a write that records every unflushed admission and sets the escrow to `new`.
-    fn start_flight(&mut self, new: &Usage) {
-        let left = self.cap.saturating_sub(&self.spent).unwrap_or_default();
-        self.flight = Some(Flight {
-            recorded: self.unflushed.len(),
-            flushed: self.spent.clone(),
-            budget: min(&left, new),
-        });
-    }
-
-    /// The write landed: the status holds `new`, and the recorded admissions are reservations.
-    fn landed(&mut self, new: Usage, now: Instant) {
-        if let Some(f) = self.flight.take() {
-            self.unflushed.drain(..f.recorded.min(self.unflushed.len()));
-        }
-        self.cap = new;
-        self.written = Some(now);
-        self.last_flush = Some(now);
-        self.resum();
-    }
-
-    /// `spent` from the unflushed admissions; an overflow stops the fast path until the
-    /// next write.
-    fn resum(&mut self) {
-        match Usage::sum(self.unflushed.iter().map(|r| &r.charge)) {
-            Ok(s) => self.spent = s,
-            Err(_) => self.written = None,
-        }
-    }
-
-    /// The write did not land (`maybe`: or may have): every admission stays for the next
-    /// one; when it may have landed, the escrow counts as the smaller of the two (the
-    /// recorded admissions count in both).
-    fn not_landed(&mut self, maybe: bool, new: &Usage) {
-        if let Some(f) = self.flight.take() {
-            if maybe {
-                self.cap = min(&self.cap, &new.checked_add(&f.flushed).unwrap_or_default());
-            }
         }
     }
 }

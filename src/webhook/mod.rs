@@ -5,7 +5,8 @@
 //! - [`tls`]: certificate and key from PEM files, reloaded when they change.
 //! - [`cluster`]: watch-fed caches (GpuQuotas, ResourceSlices, DeviceClasses) and API reads.
 //! - [`admit`]: the decisions, on top of [`crate::quota`]; [`commit`]: the group commit of
-//!   reservations (one status write per batch of admissions to a quota).
+//!   reservations (one status write per batch of admissions to a quota); [`escrow`]: the
+//!   replica's share of a quota's headroom, admitted within without a write.
 //! - [`http`]: the servers (HTTPS webhook; plain-HTTP metrics and probes).
 //! - [`probe`]: what `/healthz` and `/readyz` say; [`metrics`]: what `/metrics` says.
 //!
@@ -15,6 +16,7 @@
 pub mod admit;
 pub mod cluster;
 pub mod commit;
+pub mod escrow;
 pub mod http;
 pub mod metrics;
 pub mod probe;
@@ -189,7 +191,7 @@ pub async fn start(
         commit::CommitOptions {
             budget: opts.budget,
             max_batch: opts.max_batch,
-            holder: commit::holder_name(&opts.identity),
+            holder: escrow::holder_name(&opts.identity),
             escrow: opts.escrow,
         },
     );
