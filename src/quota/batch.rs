@@ -21,7 +21,7 @@
 
 use super::charge::Charge;
 use super::check::{check_consumed, Denial, Fit};
-use super::crd::{GpuQuota, Reservation, ReservationState};
+use super::crd::{Escrow, GpuQuota, GpuQuotaStatus, Reservation, ReservationState};
 use super::escrow::{self, EscrowRound};
 use super::status::ReservationKey;
 use super::usage::Usage;
@@ -96,52 +96,16 @@ pub fn decide_batch(
 ) -> Decided {
     let mut status = quota.status.take().unwrap_or_default();
     let id = quota.id();
-    let mut outcomes = Vec::with_capacity(ops.len());
-    let mut changed = false;
     // The holder's own escrow comes out (re-sized at the end); what it admitted within it
     // becomes reservations.
-    let mut own_escrow = None;
-    if let Some(r) = round {
-        if let Some(i) = status.escrows.iter().position(|e| e.holder == r.holder) {
-            own_escrow = Some(status.escrows.remove(i));
-        }
-        for f in &r.flush {
-            let mut f = f.clone();
-            f.state = ReservationState::Reserved;
-            match status.reservations.iter_mut().find(|x| x.key() == f.key()) {
-                Some(x) if unchanged(x, &f) => {}
-                Some(x) => {
-                    *x = f;
-                    changed = true;
-                }
-                None => {
-                    status.reservations.push(f);
-                    changed = true;
-                }
-            }
-        }
-    }
-    let holder = round.map(|r| r.holder.as_str()).unwrap_or("");
-    let others = match escrow::held_by_others(&status, holder) {
-        Ok(u) => u,
-        Err(e) => {
-            let why = format!("{e} while checking GpuQuota {id}");
-            quota.status = Some(status);
-            return Decided {
-                outcomes: ops.iter().map(|_| Outcome::Failed(why.clone())).collect(),
-                changed: false,
-                escrow: Usage::default(),
-            };
-        }
+    let (own_escrow, flushed) = match round {
+        Some(r) => take_escrow(&mut status, r),
+        None => (None, false),
     };
-    let mut index: HashMap<ReservationKey, usize> = status
-        .reservations
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (r.key(), i))
-        .collect();
-    // `used` plus every Reserved reservation, kept current op by op.
-    let mut total = match status.consumed(None) {
+    let holder = round.map(|r| r.holder.as_str()).unwrap_or("");
+    let start = escrow::held_by_others(&status, holder)
+        .and_then(|others| Ok((others, status.consumed(None)?)));
+    let (others, total) = match start {
         Ok(t) => t,
         Err(e) => {
             let why = format!("{e} while checking GpuQuota {id}");
@@ -153,106 +117,23 @@ pub fn decide_batch(
             };
         }
     };
-    let reserved_charge =
-        |r: &Reservation| (r.state == ReservationState::Reserved).then(|| r.charge.clone());
-    for op in ops {
-        let key = op.key();
-        let own = index
-            .get(&key)
-            .and_then(|&i| reserved_charge(&status.reservations[i]));
-        let without_own = match &own {
-            Some(c) => total.saturating_sub(c),
-            None => Ok(total.clone()),
-        };
-        let without_own = match without_own {
-            Ok(u) => u,
-            Err(e) => {
-                outcomes.push(Outcome::Failed(format!("{e} while checking GpuQuota {id}")));
-                continue;
-            }
-        };
-        let outcome = match op {
-            Op::Check { charge, .. } => match check_consumed(quota, &without_own, peers, charge) {
-                Ok(fit) => Outcome::Fits(fit),
-                Err(d) => Outcome::Denied(d),
-            },
-            Op::Reserve {
-                reservation,
-                charge,
-                retreat,
-            } => match check_consumed(quota, &without_own, peers, charge) {
-                Ok(fit) => {
-                    let mut r = reservation.clone();
-                    r.state = ReservationState::Reserved;
-                    r.charge = charge.usage.clone();
-                    match without_own.checked_add(&r.charge) {
-                        Ok(t) => {
-                            match index.get(&key) {
-                                Some(&i) if unchanged(&status.reservations[i], &r) => {}
-                                Some(&i) => {
-                                    status.reservations[i] = r;
-                                    changed = true;
-                                }
-                                None => {
-                                    index.insert(key, status.reservations.len());
-                                    status.reservations.push(r);
-                                    changed = true;
-                                }
-                            }
-                            total = t;
-                            Outcome::Fits(fit)
-                        }
-                        Err(e) => Outcome::Failed(format!(
-                            "{e} while recording a reservation in GpuQuota {id}"
-                        )),
-                    }
-                }
-                Err(d) => {
-                    let held = !others.is_zero()
-                        && without_own
-                            .saturating_sub(&others)
-                            .is_ok_and(|free| check_consumed(quota, &free, peers, charge).is_ok());
-                    if *retreat && index.contains_key(&key) {
-                        remove(&mut status.reservations, &mut index, &key);
-                        total = without_own;
-                        changed = true;
-                    }
-                    if held {
-                        Outcome::Held(d)
-                    } else {
-                        Outcome::Denied(d)
-                    }
-                }
-            },
-            Op::Queue { reservation } => {
-                let mut r = reservation.clone();
-                r.state = ReservationState::Queued;
-                match index.get(&key) {
-                    Some(&i) if unchanged(&status.reservations[i], &r) => {}
-                    Some(&i) => {
-                        status.reservations[i] = r;
-                        total = without_own;
-                        changed = true;
-                    }
-                    None => {
-                        index.insert(key, status.reservations.len());
-                        status.reservations.push(r);
-                        changed = true;
-                    }
-                }
-                Outcome::Queued
-            }
-            Op::Release { .. } => {
-                if index.contains_key(&key) {
-                    remove(&mut status.reservations, &mut index, &key);
-                    total = without_own;
-                    changed = true;
-                }
-                Outcome::Released
-            }
-        };
-        outcomes.push(outcome);
-    }
+    let mut b = Batch {
+        quota,
+        peers,
+        id: &id,
+        index: index_of(&status.reservations),
+        status,
+        total,
+        others,
+        changed: flushed,
+    };
+    let mut outcomes: Vec<Outcome> = ops.iter().map(|op| b.decide(op)).collect();
+    let Batch {
+        mut status,
+        total,
+        mut changed,
+        ..
+    } = b;
     let mut held = Usage::default();
     if let Some(r) = round {
         let amount = match &r.unit {
@@ -286,18 +167,165 @@ pub fn decide_batch(
     }
 }
 
-fn remove(
-    list: &mut Vec<Reservation>,
-    index: &mut HashMap<ReservationKey, usize>,
-    key: &ReservationKey,
-) {
-    if let Some(i) = index.remove(key) {
-        list.remove(i);
-        for v in index.values_mut() {
+/// Takes `round`'s holder's escrow out of `status` and records what it admitted within it as
+/// reservations. Returns the escrow taken and whether a reservation changed.
+fn take_escrow(status: &mut GpuQuotaStatus, round: &EscrowRound) -> (Option<Escrow>, bool) {
+    let own = status
+        .escrows
+        .iter()
+        .position(|e| e.holder == round.holder)
+        .map(|i| status.escrows.remove(i));
+    let mut changed = false;
+    for f in &round.flush {
+        let mut f = f.clone();
+        f.state = ReservationState::Reserved;
+        match status.reservations.iter_mut().find(|x| x.key() == f.key()) {
+            Some(x) if unchanged(x, &f) => {}
+            Some(x) => {
+                *x = f;
+                changed = true;
+            }
+            None => {
+                status.reservations.push(f);
+                changed = true;
+            }
+        }
+    }
+    (own, changed)
+}
+
+fn index_of(list: &[Reservation]) -> HashMap<ReservationKey, usize> {
+    list.iter().enumerate().map(|(i, r)| (r.key(), i)).collect()
+}
+
+/// One batch being decided: the status as it stands after the ops so far, and what counts
+/// against `hard` (`total`: `used`, the escrows and every Reserved reservation).
+struct Batch<'a> {
+    quota: &'a GpuQuota,
+    peers: &'a [GpuQuota],
+    id: &'a str,
+    status: GpuQuotaStatus,
+    index: HashMap<ReservationKey, usize>,
+    total: Usage,
+    /// Escrows of the other replicas (a denial they alone cause is [`Outcome::Held`]).
+    others: Usage,
+    changed: bool,
+}
+
+impl Batch<'_> {
+    fn decide(&mut self, op: &Op) -> Outcome {
+        let key = op.key();
+        // An object being re-decided is not counted twice.
+        let own = self.index.get(&key).and_then(|&i| {
+            let r = &self.status.reservations[i];
+            (r.state == ReservationState::Reserved).then(|| r.charge.clone())
+        });
+        let without_own = match &own {
+            Some(c) => self.total.saturating_sub(c),
+            None => Ok(self.total.clone()),
+        };
+        let without_own = match without_own {
+            Ok(u) => u,
+            Err(e) => return Outcome::Failed(format!("{e} while checking GpuQuota {}", self.id)),
+        };
+        match op {
+            Op::Check { charge, .. } => {
+                match check_consumed(self.quota, &without_own, self.peers, charge) {
+                    Ok(fit) => Outcome::Fits(fit),
+                    Err(d) => Outcome::Denied(d),
+                }
+            }
+            Op::Reserve {
+                reservation,
+                charge,
+                retreat,
+            } => self.reserve(key, reservation, charge, *retreat, without_own),
+            Op::Queue { reservation } => {
+                let mut r = reservation.clone();
+                r.state = ReservationState::Queued;
+                if self.upsert(key, r) && own.is_some() {
+                    self.total = without_own;
+                }
+                Outcome::Queued
+            }
+            Op::Release { .. } => {
+                if self.remove(&key) {
+                    self.total = without_own;
+                }
+                Outcome::Released
+            }
+        }
+    }
+
+    fn reserve(
+        &mut self,
+        key: ReservationKey,
+        reservation: &Reservation,
+        charge: &Charge,
+        retreat: bool,
+        without_own: Usage,
+    ) -> Outcome {
+        match check_consumed(self.quota, &without_own, self.peers, charge) {
+            Ok(fit) => {
+                let mut r = reservation.clone();
+                r.state = ReservationState::Reserved;
+                r.charge = charge.usage.clone();
+                match without_own.checked_add(&r.charge) {
+                    Ok(t) => {
+                        self.upsert(key, r);
+                        self.total = t;
+                        Outcome::Fits(fit)
+                    }
+                    Err(e) => Outcome::Failed(format!(
+                        "{e} while recording a reservation in GpuQuota {}",
+                        self.id
+                    )),
+                }
+            }
+            Err(d) => {
+                let held = !self.others.is_zero()
+                    && without_own.saturating_sub(&self.others).is_ok_and(|free| {
+                        check_consumed(self.quota, &free, self.peers, charge).is_ok()
+                    });
+                if retreat && self.remove(&key) {
+                    self.total = without_own;
+                }
+                if held {
+                    Outcome::Held(d)
+                } else {
+                    Outcome::Denied(d)
+                }
+            }
+        }
+    }
+
+    /// Records `r` under `key`; whether the status changed.
+    fn upsert(&mut self, key: ReservationKey, r: Reservation) -> bool {
+        match self.index.get(&key) {
+            Some(&i) if unchanged(&self.status.reservations[i], &r) => return false,
+            Some(&i) => self.status.reservations[i] = r,
+            None => {
+                self.index.insert(key, self.status.reservations.len());
+                self.status.reservations.push(r);
+            }
+        }
+        self.changed = true;
+        true
+    }
+
+    /// Removes the reservation under `key`; whether there was one.
+    fn remove(&mut self, key: &ReservationKey) -> bool {
+        let Some(i) = self.index.remove(key) else {
+            return false;
+        };
+        self.status.reservations.remove(i);
+        for v in self.index.values_mut() {
             if *v > i {
                 *v -= 1;
             }
         }
+        self.changed = true;
+        true
     }
 }
 

@@ -30,7 +30,8 @@
 use super::escrow::{EscrowDue, LocalEscrow};
 use crate::quota::escrow::{self, EscrowRound};
 use crate::quota::{
-    borrows, decide_batch, stale_borrowers, Denial, Fit, GpuQuota, Op, Outcome, ReservationState,
+    borrows, decide_batch, stale_borrowers, Decided, Denial, Fit, GpuQuota, Op, Outcome,
+    ReservationState,
 };
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
@@ -370,7 +371,8 @@ impl Committer {
     }
 
     /// Decides and writes one batch, answers what is final, and returns the ops to decide
-    /// again (borrowers whose borrowing did not hold up).
+    /// again (borrowers whose borrowing did not hold up, admissions held by other replicas'
+    /// escrows).
     async fn round(
         &self,
         api: &Api<GpuQuota>,
@@ -378,23 +380,64 @@ impl Committer {
         last: &mut Option<GpuQuota>,
         mut batch: Vec<Pending>,
     ) -> Vec<Pending> {
-        use std::sync::atomic::Ordering::Relaxed;
+        self.counters
+            .batches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let id = format!("{}/{}", queue.namespace, queue.name);
         let ops: Vec<Op> = batch.iter().map(|p| p.op.clone()).collect();
         let start = Instant::now();
-        let budget = self.opts.budget;
-        let mut attempt = 0u32;
-        self.counters.batches.fetch_add(1, Relaxed);
-        // Every waiter of the batch gets `answer` (one that was already answered keeps its own).
-        let answer_all = |batch: &mut Vec<Pending>, answer: Answer| {
-            for p in batch.iter_mut() {
-                if let Some(tx) = p.tx.take() {
-                    let _ = tx.send(answer.clone());
+        let (written, outcomes) = match self.settle(api, queue, last, &ops, &id, start).await {
+            Ok(done) => done,
+            Err(answer) => {
+                // Every waiter gets it (one that was already answered keeps its own).
+                for p in batch.iter_mut() {
+                    if let Some(tx) = p.tx.take() {
+                        let _ = tx.send(answer.clone());
+                    }
                 }
+                return Vec::new();
             }
         };
-        let fail = |batch: &mut Vec<Pending>, e: CommitError| answer_all(batch, Answer::Failed(e));
-        let (written, outcomes) = loop {
+        // Borrowers: check again against the cohort as it is now, after our write.
+        let again = if borrows(&outcomes) {
+            self.recheck_borrowers(&written, &ops, &outcomes, &id).await
+        } else {
+            HashMap::new()
+        };
+        *last = Some(written);
+        let (retry, held) = self.answer(queue, batch, outcomes, again, &id);
+        if held {
+            // Give the other replicas time to spend or give back their escrows.
+            tokio::time::sleep(HELD_PAUSE).await;
+        } else if !retry.is_empty() {
+            // Let the other borrower's batch finish before deciding again.
+            let pause = 200 + u64::from(start.elapsed().subsec_nanos() % 2_000);
+            tokio::time::sleep(Duration::from_micros(pause)).await;
+        }
+        retry
+    }
+
+    /// Decides `ops` and writes the status until a write lands (or no write is needed, on a
+    /// fresh read); a conflict decides again. `Err`: the answer every waiter gets.
+    async fn settle(
+        &self,
+        api: &Api<GpuQuota>,
+        queue: &QuotaQueue,
+        last: &mut Option<GpuQuota>,
+        ops: &[Op],
+        id: &str,
+        start: Instant,
+    ) -> Result<(GpuQuota, Vec<Outcome>), Answer> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let budget = self.opts.budget;
+        let api_error = |message: String| {
+            Answer::Failed(CommitError::Api {
+                quota: id.to_string(),
+                message,
+            })
+        };
+        let mut attempt = 0u32;
+        loop {
             attempt += 1;
             let (mut quota, fresh) = match last.take().map(|q| self.newest(q)) {
                 Some(q) => (q, false),
@@ -402,42 +445,15 @@ impl Committer {
                     Ok(Some(q)) => (q, true),
                     Ok(None) => {
                         lock(&queue.state).escrow = LocalEscrow::default();
-                        answer_all(&mut batch, Answer::Gone);
-                        return Vec::new();
+                        return Err(Answer::Gone);
                     }
-                    Err(e) => {
-                        fail(
-                            &mut batch,
-                            CommitError::Api {
-                                quota: id.clone(),
-                                message: e.to_string(),
-                            },
-                        );
-                        return Vec::new();
-                    }
+                    Err(e) => return Err(api_error(e.to_string())),
                 },
             };
-            let peers = self.peers(&quota);
-            let decided = {
-                let mut s = lock(&queue.state);
-                let e = &mut s.escrow;
-                e.hard = quota.spec.hard.clone();
-                e.eligible = self.opts.escrow && escrow::eligible(&quota);
-                let round = self.opts.escrow.then(|| EscrowRound {
-                    holder: self.opts.holder.clone(),
-                    flush: e.unflushed.clone(),
-                    unit: e.wanted(&ops, Instant::now()),
-                    now: Timestamp::now(),
-                });
-                let d = decide_batch(&mut quota, &peers, &ops, round.as_ref());
-                if d.changed {
-                    e.start_flight(&d.escrow);
-                }
-                d
-            };
+            let decided = self.decide(queue, &mut quota, ops);
             if !decided.changed {
                 if fresh {
-                    break (quota, decided.outcomes);
+                    return Ok((quota, decided.outcomes));
                 }
                 // Decided on the remembered state: answer only from a fresh read.
                 continue;
@@ -446,88 +462,114 @@ impl Committer {
             let result = api
                 .replace_status(&queue.name, &PostParams::default(), &quota)
                 .await;
-            // What the write's fate means for the escrow, then for the batch.
-            let verdict = {
+            // What the write's fate means for the escrow, then for the batch (`None`: a
+            // conflict, decide again).
+            let fate = {
                 let mut s = lock(&queue.state);
                 match result {
                     Ok(q) => {
                         s.escrow.landed(decided.escrow, Instant::now());
-                        Ok(q)
+                        Some(Ok(q))
                     }
                     Err(kube::Error::Api(e)) if e.code == 409 => {
                         s.escrow.not_landed(false, &decided.escrow);
-                        Err(None)
+                        None
                     }
                     Err(kube::Error::Api(e)) if e.code == 404 => {
                         s.escrow = LocalEscrow::default();
-                        Err(Some(Answer::Gone))
+                        Some(Err(Answer::Gone))
                     }
                     Err(e) => {
                         // The write may or may not have landed: nobody is admitted; a
                         // reservation that did land is collected by the controller.
                         s.escrow.not_landed(true, &decided.escrow);
-                        Err(Some(Answer::Failed(CommitError::Api {
-                            quota: id.clone(),
-                            message: e.to_string(),
-                        })))
+                        Some(Err(api_error(e.to_string())))
                     }
                 }
             };
-            match verdict {
-                Ok(q) => break (q, decided.outcomes),
-                Err(None) => {
+            match fate {
+                Some(Ok(q)) => return Ok((q, decided.outcomes)),
+                Some(Err(answer)) => return Err(answer),
+                None => {
                     self.counters.conflicts.fetch_add(1, Relaxed);
-                }
-                Err(Some(answer)) => {
-                    answer_all(&mut batch, answer);
-                    return Vec::new();
                 }
             }
             if attempt >= budget.max_attempts || start.elapsed() >= budget.deadline {
-                fail(
-                    &mut batch,
-                    CommitError::Contended {
-                        quota: id.clone(),
-                        attempts: attempt,
-                        elapsed: start.elapsed(),
-                    },
-                );
-                return Vec::new();
+                return Err(Answer::Failed(CommitError::Contended {
+                    quota: id.to_string(),
+                    attempts: attempt,
+                    elapsed: start.elapsed(),
+                }));
             }
             // A little jitter spreads competing replicas apart.
             let jitter = u64::from(start.elapsed().subsec_nanos() % 5_000)
                 + u64::from(attempt.min(20)) * 200;
             tokio::time::sleep(Duration::from_micros(jitter)).await;
-        };
+        }
+    }
 
-        // Borrowers: check again against the cohort as it is now, after our write.
-        let mut again: HashMap<usize, Denial> = HashMap::new();
-        if borrows(&outcomes) {
-            match self.fresh_peers(&written).await {
-                Ok(fresh) => {
-                    again.extend(stale_borrowers(&written, &fresh, &ops, &outcomes));
-                }
-                Err(e) => {
-                    let err = CommitError::Api {
-                        quota: id.clone(),
-                        message: format!("reading the cohort: {e}"),
-                    };
-                    for (i, o) in outcomes.iter().enumerate() {
-                        if matches!(o, Outcome::Fits(f) if !f.borrowed.is_empty()) {
-                            again.insert(
-                                i,
-                                Denial {
-                                    quota: id.clone(),
-                                    reasons: vec![format!("{err}; try again")],
-                                },
-                            );
-                        }
-                    }
-                }
+    /// Decides `ops` on `quota` with this replica's escrow work, under the queue's lock (so
+    /// the fast path sees the write's budget from the moment the write is decided).
+    fn decide(&self, queue: &QuotaQueue, quota: &mut GpuQuota, ops: &[Op]) -> Decided {
+        let peers = self.peers(quota);
+        let mut s = lock(&queue.state);
+        let e = &mut s.escrow;
+        e.hard = quota.spec.hard.clone();
+        e.eligible = self.opts.escrow && escrow::eligible(quota);
+        let round = self.opts.escrow.then(|| EscrowRound {
+            holder: self.opts.holder.clone(),
+            flush: e.unflushed.clone(),
+            unit: e.wanted(ops, Instant::now()),
+            now: Timestamp::now(),
+        });
+        let d = decide_batch(quota, &peers, ops, round.as_ref());
+        if d.changed {
+            e.start_flight(&d.escrow);
+        }
+        d
+    }
+
+    /// The borrowing admissions of a written batch that no longer fit the cohort as read now.
+    async fn recheck_borrowers(
+        &self,
+        written: &GpuQuota,
+        ops: &[Op],
+        outcomes: &[Outcome],
+        id: &str,
+    ) -> HashMap<usize, Denial> {
+        match self.fresh_peers(written).await {
+            Ok(fresh) => stale_borrowers(written, &fresh, ops, outcomes)
+                .into_iter()
+                .collect(),
+            Err(e) => {
+                let err = CommitError::Api {
+                    quota: id.to_string(),
+                    message: format!("reading the cohort: {e}"),
+                };
+                let denial = Denial {
+                    quota: id.to_string(),
+                    reasons: vec![format!("{err}; try again")],
+                };
+                outcomes
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, o)| matches!(o, Outcome::Fits(f) if !f.borrowed.is_empty()))
+                    .map(|(i, _)| (i, denial.clone()))
+                    .collect()
             }
         }
-        *last = Some(written);
+    }
 
+    /// Answers what is final and returns what to decide again, and whether an admission is
+    /// held by another replica's escrow.
+    fn answer(
+        &self,
+        queue: &QuotaQueue,
+        batch: Vec<Pending>,
+        outcomes: Vec<Outcome>,
+        mut again: HashMap<usize, Denial>,
+        id: &str,
+    ) -> (Vec<Pending>, bool) {
         let mut retry = Vec::new();
         let mut held = false;
         for (i, (mut p, outcome)) in batch.into_iter().zip(outcomes).enumerate() {
@@ -546,15 +588,11 @@ impl Committer {
                 }
                 continue;
             }
-            if let Outcome::Held(denial) = &outcome {
-                if p.since.elapsed() < budget.deadline / 2 {
-                    held = true;
-                    retry.push(p);
-                    continue;
-                }
-                if let Some(tx) = p.tx.take() {
-                    let _ = tx.send(Answer::Denied(denial.clone()));
-                }
+            if matches!(outcome, Outcome::Held(_))
+                && p.since.elapsed() < self.opts.budget.deadline / 2
+            {
+                held = true;
+                retry.push(p);
                 continue;
             }
             if let (Op::Reserve { charge, .. }, Outcome::Fits(_)) = (&p.op, &outcome) {
@@ -564,11 +602,12 @@ impl Committer {
             }
             let answer = match outcome {
                 Outcome::Fits(f) => Answer::Fits(f),
+                // Held past half the deadline: the denial is the answer.
                 Outcome::Denied(d) | Outcome::Held(d) => Answer::Denied(d),
                 Outcome::Queued => Answer::Queued,
                 Outcome::Released => Answer::Released,
                 Outcome::Failed(message) => Answer::Failed(CommitError::Math {
-                    quota: id.clone(),
+                    quota: id.to_string(),
                     message,
                 }),
             };
@@ -576,14 +615,6 @@ impl Committer {
                 let _ = tx.send(answer);
             }
         }
-        if held {
-            // Give the other replicas time to spend or give back their escrows.
-            tokio::time::sleep(HELD_PAUSE).await;
-        } else if !retry.is_empty() {
-            // Let the other borrower's batch finish before deciding again.
-            let pause = 200 + u64::from(start.elapsed().subsec_nanos() % 2_000);
-            tokio::time::sleep(Duration::from_micros(pause)).await;
-        }
-        retry
+        (retry, held)
     }
 }
