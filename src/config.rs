@@ -259,19 +259,10 @@ impl Default for AgentConfig {
     }
 }
 
-/// Parses durations like `300ms`, `30s`, `5m`, `1h`.
+/// Parses durations like `300ms`, `30s`, `5m`, `1h`, `1h 30m` (humantime's grammar; a bare
+/// number has no unit and is refused).
 pub fn parse_duration(s: &str) -> Option<Duration> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit())?;
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().ok()?;
-    match unit {
-        "ms" => Some(Duration::from_millis(n)),
-        "s" => Some(Duration::from_secs(n)),
-        "m" => Some(Duration::from_secs(n.checked_mul(60)?)),
-        "h" => Some(Duration::from_secs(n.checked_mul(3600)?)),
-        _ => None,
-    }
+    humantime::parse_duration(s.trim()).ok()
 }
 
 impl AgentConfig {
@@ -537,7 +528,9 @@ health:
     fn durations_parse() {
         assert_eq!(parse_duration("300ms"), Some(Duration::from_millis(300)));
         assert_eq!(parse_duration("5m"), Some(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1h 30m"), Some(Duration::from_secs(5400)));
         assert_eq!(parse_duration("5"), None);
         assert_eq!(parse_duration("m"), None);
+        assert_eq!(parse_duration("-5s"), None);
     }
 }
