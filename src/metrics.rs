@@ -179,13 +179,18 @@ pub type Gauge<'a> = (&'a str, &'a str, Vec<(String, f64)>);
 
 /// Renders gauges computed at scrape time.
 pub fn render_gauges(gauges: &[Gauge<'_>]) -> String {
+    render_computed(Kind::Gauge, gauges)
+}
+
+/// Renders counters kept elsewhere (plain atomics) and read at scrape time.
+pub fn render_counters(counters: &[Gauge<'_>]) -> String {
+    render_computed(Kind::Counter, counters)
+}
+
+fn render_computed(kind: Kind, families: &[Gauge<'_>]) -> String {
     let mut out = String::new();
-    for (name, help, series) in gauges {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} {}",
-            Kind::Gauge.as_str()
-        );
+    for (name, help, series) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {}", kind.as_str());
         for (l, v) in series {
             let _ = writeln!(out, "{name}{l} {v}");
         }

@@ -2008,6 +2008,19 @@ async fn a_steady_stream_is_admitted_within_an_escrow_with_few_writes_and_exactl
     );
     assert!(escrowed >= 50, "{escrowed} admitted within an escrow");
     assert!(writes <= 60, "{writes} writes for 100 admissions");
+    // Operators see the same counts.
+    let (code, metrics) = get(hook.metrics_addr().unwrap(), "/metrics").await;
+    assert_eq!(code, 200);
+    assert_eq!(
+        sample(&metrics, "gpuplane_webhook_escrow_admissions_total"),
+        Some(escrowed as f64),
+        "{metrics}"
+    );
+    let webhook_writes = sample(&metrics, "gpuplane_webhook_status_writes_total").unwrap_or(0.0);
+    assert!(
+        webhook_writes >= 1.0 && webhook_writes <= writes as f64,
+        "{metrics}"
+    );
     let t = std::time::Instant::now();
     let mut status = stored_quota(&api, "q").status.unwrap();
     while !status.escrows.is_empty() && t.elapsed() < Duration::from_secs(5) {

@@ -8,6 +8,7 @@
 
 use super::admit::Admitter;
 use super::cluster::Cluster;
+use super::commit::CommitCounters;
 use super::metrics::{exposition, Metrics};
 use super::probe::{self, Probes};
 use super::review;
@@ -187,6 +188,8 @@ pub struct Reporter {
     pub metrics: Arc<Metrics>,
     pub cluster: Arc<Cluster>,
     pub probes: Arc<Probes>,
+    /// The group commit's and escrow's counts.
+    pub commits: Arc<CommitCounters>,
     /// The quota loops' metrics, when they run in this process.
     pub loops: Option<Arc<QueueMetrics>>,
 }
@@ -199,6 +202,7 @@ impl Reporter {
                     &self.metrics,
                     &self.cluster.cached_quotas(),
                     &self.probes,
+                    &self.commits,
                     self.loops.as_deref(),
                 );
                 let mut r = text(StatusCode::OK, body);

@@ -3,11 +3,12 @@
 //! computed at scrape time, the usage of every GpuQuota as last seen, whether the API server
 //! answers, and the quota loops' metrics when they run beside the webhook.
 
+use super::commit::CommitCounters;
 use super::probe::Probes;
 use super::review::Verdict;
 use crate::controller::elector::Role;
 use crate::controller::metrics::QueueMetrics;
-use crate::metrics::{labels, render_gauges, Registry};
+use crate::metrics::{labels, render_counters, render_gauges, Registry};
 use crate::quota::{Amount, Dimension, GpuQuota};
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -161,13 +162,44 @@ pub fn quota_gauges(quotas: &[Arc<GpuQuota>]) -> String {
 }
 
 /// Everything `/metrics` serves.
+/// The group commit's counts: batches, GpuQuota status writes and their conflicts, and the
+/// admissions made within an escrow (no write waited for).
+fn commit_counters(c: &CommitCounters) -> String {
+    use std::sync::atomic::Ordering::Relaxed;
+    let one = |v: &std::sync::atomic::AtomicU64| vec![(String::new(), v.load(Relaxed) as f64)];
+    render_counters(&[
+        (
+            "gpuplane_webhook_commit_batches_total",
+            "Batches of admissions decided together for one GpuQuota.",
+            one(&c.batches),
+        ),
+        (
+            "gpuplane_webhook_status_writes_total",
+            "GpuQuota status writes by the webhook (group commits, escrow flushes and refills).",
+            one(&c.writes),
+        ),
+        (
+            "gpuplane_webhook_status_conflicts_total",
+            "Webhook GpuQuota status writes answered 409 Conflict (decided again).",
+            one(&c.conflicts),
+        ),
+        (
+            "gpuplane_webhook_escrow_admissions_total",
+            "Admissions made within this replica's escrow, with no status write waited for.",
+            one(&c.escrowed),
+        ),
+    ])
+}
+
 pub fn exposition(
     metrics: &Metrics,
     quotas: &[Arc<GpuQuota>],
     probes: &Probes,
+    commits: &CommitCounters,
     loops: Option<&QueueMetrics>,
 ) -> String {
     let mut out = metrics.render();
+    out.push_str(&commit_counters(commits));
     out.push_str(&quota_gauges(quotas));
     let view = probes.view();
     let reachable = if probes.api_reachable() { 1.0 } else { 0.0 };

@@ -226,6 +226,7 @@ pub async fn start(
             metrics: metrics.clone(),
             cluster: cluster.clone(),
             probes: probes.clone(),
+            commits: commit.counters.clone(),
             loops: opts.loops.as_ref().map(|l| l.metrics.clone()),
         });
         tasks.push(tokio::spawn(http::serve_metrics(l, reporter, stopped)));
