@@ -141,6 +141,41 @@ impl HealthBook {
         self.mark(gpu_uuid, Cause::Lost, now)
     }
 
+    /// Recovers Xid-marked units whose last critical Xid is older than `quiet`.
+    pub fn expire_xids(&mut self, now: Instant, quiet: Duration) -> Vec<Change> {
+        self.tick(now, quiet, |_| false)
+    }
+
+    /// The GPUs marked lost, to ask the driver about (off the state lock: the query may hang).
+    pub fn lost(&self) -> Vec<String> {
+        self.marks
+            .iter()
+            .filter(|(_, m)| m.cause == Cause::Lost)
+            .map(|(u, _)| u.clone())
+            .collect()
+    }
+
+    /// Recovers the lost GPUs in `answered`, which answered a probe started at `asked_at`. A GPU
+    /// marked lost again after that (a newer Xid 79) keeps its mark: the answer predates it. A
+    /// GPU no longer in the inventory has no mark, so an answer for it changes nothing.
+    pub fn recover_answered(&mut self, answered: &[String], asked_at: Instant) -> Vec<Change> {
+        let mut out = Vec::new();
+        for unit in answered {
+            let Some(m) = self.marks.get(unit) else {
+                continue;
+            };
+            if m.cause != Cause::Lost || m.since > asked_at {
+                continue;
+            }
+            self.marks.remove(unit);
+            out.push(Change::Recovered {
+                unit: unit.clone(),
+                after: Cause::Lost,
+            });
+        }
+        out
+    }
+
     /// Recovers units: Xid marks older than `quiet`, lost GPUs that `responds` again.
     pub fn tick(
         &mut self,
@@ -188,6 +223,37 @@ mod tests {
             mig_uuid: mig.map(Into::into),
             xid,
         }
+    }
+
+    #[test]
+    fn a_probe_answer_recovers_only_marks_older_than_the_probe() {
+        let (mut book, inv, _) = setup();
+        let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
+        let t0 = Instant::now();
+        book.on_lost(&a, t0);
+        book.on_lost(&b, t0);
+        assert_eq!(book.lost(), {
+            let mut v = vec![a.clone(), b.clone()];
+            v.sort();
+            v
+        });
+        let asked = t0 + Duration::from_secs(1);
+        // B fell off the bus again while the probe ran: its answer is older than the mark.
+        book.on_lost(&b, asked + Duration::from_millis(1));
+        let rec = book.recover_answered(&[a.clone(), b.clone(), "GPU-gone".into()], asked);
+        assert_eq!(
+            rec,
+            vec![Change::Recovered {
+                unit: a.clone(),
+                after: Cause::Lost
+            }]
+        );
+        assert_eq!(book.health(&a), Health::Healthy);
+        assert_eq!(book.health(&b), Health::Unhealthy(Cause::Lost));
+        // Xid expiry never touches a lost GPU.
+        assert!(book
+            .expire_xids(asked + Duration::from_secs(3600), Duration::ZERO)
+            .is_empty());
     }
 
     #[test]

@@ -8,7 +8,7 @@
 
 use crate::inventory::Inventory;
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 /// Whether the agent's devices are real GPUs on this host or a simulation profile's.
@@ -69,7 +69,9 @@ pub trait DeviceSource: Send + Sync {
     /// Waits up to `timeout` for the next device event; `Ok(None)` when none came.
     fn next_event(&self, timeout: Duration) -> Result<Option<DeviceEvent>, SourceError>;
 
-    /// Whether the GPU with this UUID answers queries right now.
+    /// Whether the GPU with this UUID answers queries right now. May block for as long as the
+    /// driver does (NVML stalls on a GPU that fell off the bus): the agent calls it only from
+    /// its probe thread (`node::probe`), never on the async runtime or under the state lock.
     fn responds(&self, gpu_uuid: &str) -> bool;
 }
 
@@ -85,6 +87,59 @@ struct SimState {
     lost: Mutex<BTreeSet<String>>,
     events: Mutex<std::sync::mpsc::Receiver<DeviceEvent>>,
     sender: Mutex<std::sync::mpsc::Sender<DeviceEvent>>,
+    stall: Mutex<Option<Arc<ProbeStall>>>,
+}
+
+/// A hold on a simulated source's [`DeviceSource::responds`]: while it is in place every probe
+/// blocks until [`ProbeStall::release`], as NVML does for a GPU that fell off the bus. Tests
+/// use it to show that a hung probe stalls nothing else.
+#[derive(Debug, Default)]
+pub struct ProbeStall {
+    state: Mutex<StallState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct StallState {
+    entered: u64,
+    released: bool,
+}
+
+impl ProbeStall {
+    /// How many probes have reached the hold so far.
+    pub fn entered(&self) -> u64 {
+        lock(&self.state).entered
+    }
+
+    /// Waits up to `timeout` until a probe is held; whether one is.
+    pub fn wait_entered(&self, timeout: Duration) -> bool {
+        let guard = lock(&self.state);
+        let (guard, _) = self
+            .changed
+            .wait_timeout_while(guard, timeout, |s| s.entered == 0)
+            .unwrap_or_else(|p| p.into_inner());
+        guard.entered > 0
+    }
+
+    /// Whether [`ProbeStall::release`] was called: a probe held until now has not returned.
+    pub fn released(&self) -> bool {
+        lock(&self.state).released
+    }
+
+    /// Lets every held probe (and every later one) through.
+    pub fn release(&self) {
+        lock(&self.state).released = true;
+        self.changed.notify_all();
+    }
+
+    fn hold(&self) {
+        let mut guard = lock(&self.state);
+        guard.entered += 1;
+        self.changed.notify_all();
+        while !guard.released {
+            guard = self.changed.wait(guard).unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 impl SimSource {
@@ -96,6 +151,7 @@ impl SimSource {
                 lost: Mutex::new(BTreeSet::new()),
                 events: Mutex::new(events),
                 sender: Mutex::new(sender),
+                stall: Mutex::new(None),
             }),
         }
     }
@@ -119,6 +175,13 @@ impl SimSource {
         } else {
             lock(&self.inner.lost).remove(gpu_uuid);
         }
+    }
+
+    /// Makes every probe ([`DeviceSource::responds`]) block until the returned hold is released.
+    pub fn stall_probes(&self) -> Arc<ProbeStall> {
+        let stall = Arc::new(ProbeStall::default());
+        *lock(&self.inner.stall) = Some(stall.clone());
+        stall
     }
 
     /// Replaces the simulated machine, e.g. after a MIG reconfiguration.
@@ -163,6 +226,10 @@ impl DeviceSource for SimSource {
     }
 
     fn responds(&self, gpu_uuid: &str) -> bool {
+        let stall = lock(&self.inner.stall).clone();
+        if let Some(stall) = stall {
+            stall.hold();
+        }
         !lock(&self.inner.lost).contains(gpu_uuid)
     }
 }

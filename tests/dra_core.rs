@@ -700,3 +700,66 @@ async fn concurrent_prepares_of_one_claim_agree() {
         ClaimState::PrepareCompleted
     );
 }
+
+/// Host paths of every mount a spec makes (spec-wide and per device).
+fn mounted(spec: &Spec) -> Vec<String> {
+    spec.container_edits
+        .mounts
+        .iter()
+        .chain(spec.devices.iter().flat_map(|d| &d.container_edits.mounts))
+        .map(|m| m.host_path.clone())
+        .collect()
+}
+
+/// The driver's libraries are scanned once per driver version, not per prepare: a library
+/// installed after the first prepare is not in the second claim's spec (no scan saw it), and a
+/// new driver version (an upgrade the inventory reports) scans again. Device nodes are still
+/// checked on every prepare (see `missing_device_nodes_fail_the_prepare_until_they_appear`).
+#[tokio::test]
+async fn driver_libraries_are_scanned_once_per_driver_version() {
+    let Some(env) = Env::new() else { return };
+    let lib = env.root.join("driver/usr/lib64");
+    fs::create_dir_all(&lib).unwrap();
+    let version = env.inv.driver_version.clone();
+    let cuda = lib.join(format!("libcuda.so.{version}"));
+    let nvml = lib.join(format!("libnvidia-ml.so.{version}"));
+    fs::write(&cuda, b"").unwrap();
+    let core = env.core();
+    let prepare = |name: &str, n: u8, device: String| {
+        let c = env.add_claim(name, &uid(n), &[("gpu", &device)], json!([]));
+        let core = &core;
+        async move {
+            let out = core.prepare(vec![c.clone()]).await;
+            assert!(out[&c.uid].is_ok(), "{:?}", out[&c.uid]);
+            c.uid
+        }
+    };
+    let has =
+        |uid: &str, file: &Path| mounted(&env.spec(uid)).contains(&file.display().to_string());
+
+    let first = prepare("a", 1, env.mig(0)).await;
+    assert!(has(&first, &cuda));
+    fs::write(&nvml, b"").unwrap();
+    let second = prepare("b", 2, env.mig(1)).await;
+    assert!(has(&second, &cuda));
+    assert!(!has(&second, &nvml), "the second prepare scanned again");
+    assert_eq!(core.install_scans(), 1);
+
+    let upgraded = "999.10.1";
+    let new_cuda = lib.join(format!("libcuda.so.{upgraded}"));
+    fs::write(&new_cuda, b"").unwrap();
+    env.state.update(|s| {
+        let mut inv = s.inventory.clone();
+        inv.driver_version = upgraded.into();
+        let config = s.config.clone();
+        s.replace(inv, config).unwrap();
+        ((), true)
+    });
+    let third = prepare("c", 3, env.mig(2)).await;
+    assert!(has(&third, &new_cuda), "{:?}", mounted(&env.spec(&third)));
+    assert!(
+        has(&third, &nvml),
+        "the new version's scan sees every library"
+    );
+    assert_eq!(core.install_scans(), 2);
+}

@@ -739,3 +739,91 @@ async fn readyz_waits_until_the_slices_are_published_and_metrics_count_the_write
     assert!(created >= lab.slices().len() as f64, "{metrics}");
     agent.stop().await.unwrap();
 }
+
+/// A probe of a lost GPU that hangs (NVML does, for a GPU off the bus) holds up nothing else.
+/// The probe blocks until the test releases it, and the test releases it only after
+/// ListAndWatch reported the GPU unhealthy and Allocate, GetPreferredAllocation,
+/// NodePrepareResources and /metrics answered: each answer came while the probe hung. Once the
+/// probe returns, its answer is applied (the GPU recovers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_probe_of_a_lost_gpu_holds_up_no_kubelet_call_and_its_answer_still_counts() {
+    const GPU: &str = "nvidia.com/gpu";
+    let lab = Lab::new("dgx-h100").await;
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], support::free_port()).into();
+    let agent = lab.start_agent_serving("", Some(addr)).unwrap();
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    let view = lab
+        .kubelet
+        .wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.healthy() == 8))
+        .await
+        .unwrap();
+    lab.eventually("slices published", |l| !l.slices().is_empty())
+        .await;
+    let ids: Vec<String> = view[GPU].devices.iter().map(|d| d.id.clone()).collect();
+    let inv = lab.sim.discover().unwrap().inventory;
+    let lost = inv.gpus[3].uuid.clone();
+
+    let stall = lab.sim.stall_probes();
+    // Hang guard: an agent that probed under its state lock would block the runtime this test
+    // shares with it; released late, the answers below come after the probe returned and the
+    // ordering assertion fails instead of the test hanging.
+    let guard = stall.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(WAIT * 2);
+        guard.release();
+    });
+    lab.sim.set_lost(&lost, true);
+    let held = stall.clone();
+    let probing = tokio::task::spawn_blocking(move || held.wait_entered(WAIT))
+        .await
+        .unwrap();
+    assert!(probing, "the agent never probed the lost GPU");
+
+    // Everything below answers while the probe is held.
+    let l = &lab;
+    lab.kubelet
+        .wait_for(WAIT, |p| {
+            p[GPU]
+                .devices
+                .iter()
+                .any(|d| d.id == lost && d.health == "Unhealthy")
+        })
+        .await
+        .expect("ListAndWatch reports the lost GPU while its probe hangs");
+    let answered = tokio::time::timeout(WAIT, async {
+        let grant = l.kubelet.allocate(GPU, &ids[..1]).await;
+        let healthy: Vec<String> = ids.iter().filter(|i| **i != lost).cloned().collect();
+        let preferred = l.kubelet.preferred(GPU, &healthy[1..], &[], 2).await;
+        let claim = l.claim("while-probing", &["gpu-5"]);
+        let prepared = l.prepare(&claim).await;
+        let metrics =
+            tokio::task::spawn_blocking(move || support::http_get(addr, "/metrics")).await;
+        (grant, preferred, prepared, metrics)
+    })
+    .await
+    .expect("kubelet calls and /metrics answer while a probe hangs");
+    assert!(
+        !stall.released(),
+        "the kubelet calls answered only after the hung probe was released"
+    );
+    let (grant, preferred, prepared, metrics) = answered;
+    assert!(!grant.unwrap().cdi_devices.is_empty());
+    assert_eq!(preferred.unwrap().len(), 2);
+    assert_eq!(prepared.unwrap().len(), 1);
+    assert_eq!(metrics.unwrap().map(|(code, _)| code), Some(200));
+    assert_eq!(stall.entered(), 1, "one probe round at a time");
+
+    // The GPU answers again; the held probe returns and its answer is applied.
+    lab.sim.set_lost(&lost, false);
+    stall.release();
+    lab.kubelet
+        .wait_for(WAIT, |p| {
+            p[GPU]
+                .devices
+                .iter()
+                .any(|d| d.id == lost && d.health == "Healthy")
+        })
+        .await
+        .expect("the lost GPU recovers once its probe returns");
+    agent.stop().await.unwrap();
+}

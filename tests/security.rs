@@ -307,6 +307,43 @@ fn unix_sockets_are_bound_only_through_grpc_bind() {
     }
 }
 
+/// NVML stalls on a GPU that fell off the bus, so the agent calls its device source only from
+/// threads that may block: `responds` on the probe thread, `next_event` on the event pump
+/// thread, `discover` through `spawn_blocking`; never on a runtime worker or under the state
+/// lock (ARCHITECTURE.md, `node/`). `node/deferred.rs` is a source itself (it delegates).
+#[test]
+fn device_source_calls_stay_off_the_runtime_and_the_state_lock() {
+    let calls = [".responds(", ".discover()", ".next_event("];
+    for (path, text) in product_sources() {
+        let rel = path.to_string_lossy().to_string();
+        let agent = ["src/node/", "src/dra/", "src/deviceplugin/", "src/slices/"]
+            .iter()
+            .any(|d| rel.contains(d));
+        if !agent || rel.ends_with("src/node/deferred.rs") {
+            continue;
+        }
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            for call in calls {
+                if !code.contains(call) {
+                    continue;
+                }
+                let allowed = match call {
+                    ".responds(" => rel.ends_with("src/node/probe.rs"),
+                    ".discover()" => code.contains("spawn_blocking"),
+                    _ => rel.ends_with("src/node/mod.rs") && text.contains("fn spawn_event_pump"),
+                };
+                assert!(
+                    allowed,
+                    "{rel}:{}: `{}` calls the device source where it may stall the agent",
+                    n + 1,
+                    line.trim()
+                );
+            }
+        }
+    }
+}
+
 // The webhook reads at most 4 MiB of body (tests/webhook.rs sends larger ones); raising the
 // bound is a decision for docs/security.md, so it does not compile without changing this too.
 const _: () = assert!(gpuplane::webhook::http::MAX_BODY <= 4 * 1024 * 1024);

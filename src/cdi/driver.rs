@@ -375,6 +375,33 @@ pub struct DriverFiles {
     pub node_problems: Vec<NodeProblem>,
 }
 
+/// The driver's user-space files under a driver root: what a directory scan finds. It depends
+/// only on the root and the driver version, so it is scanned once per driver version
+/// ([`InstallCache`](super::install::InstallCache)), not per claim.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DriverInstall {
+    pub libraries: Vec<HostFile>,
+    pub binaries: Vec<HostFile>,
+    pub ldcache_hook: Option<PathBuf>,
+}
+
+impl DriverInstall {
+    /// Scans `driver_root` for the libraries of `driver_version`, the binaries and the hook.
+    pub fn scan(driver_root: &Path, driver_version: &str) -> DriverInstall {
+        DriverInstall {
+            libraries: find_libraries(driver_root, driver_version),
+            binaries: BINARIES
+                .iter()
+                .filter_map(|b| find_in(driver_root, BINARY_DIRS, b))
+                .collect(),
+            ldcache_hook: HOOK_BINARIES
+                .iter()
+                .find_map(|b| find_in(driver_root, BINARY_DIRS, b))
+                .map(|f| f.host_path),
+        }
+    }
+}
+
 /// The majors of the NVIDIA drivers whose major is assigned at load time (`None`: unknown,
 /// then only the node's type and minor are checked).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -427,6 +454,18 @@ impl DriverFiles {
 
     /// Discovers the files for `inv`, checking each device node against its expected number.
     pub fn discover_checked(
+        driver_root: &Path,
+        dev_root: &Path,
+        inv: &Inventory,
+        cap_minor: &dyn Fn(MigCap) -> Option<u32>,
+        majors: DynamicMajors,
+    ) -> DriverFiles {
+        Self::discover_nodes(driver_root, dev_root, inv, cap_minor, majors)
+            .with_install(&DriverInstall::scan(driver_root, &inv.driver_version))
+    }
+
+    /// The device-node half of discovery: control, GPU and MIG capability nodes, checked.
+    fn discover_nodes(
         driver_root: &Path,
         dev_root: &Path,
         inv: &Inventory,
@@ -516,16 +555,38 @@ impl DriverFiles {
             })
             .collect();
 
-        files.libraries = find_libraries(driver_root, &inv.driver_version);
-        files.binaries = BINARIES
-            .iter()
-            .filter_map(|b| find_in(driver_root, BINARY_DIRS, b))
-            .collect();
-        files.ldcache_hook = HOOK_BINARIES
-            .iter()
-            .find_map(|b| find_in(driver_root, BINARY_DIRS, b))
-            .map(|f| f.host_path);
-        files
+        files.with_install(&DriverInstall::scan(driver_root, &inv.driver_version))
+    }
+
+    /// The device nodes of `inv` checked now, with an install scanned earlier (see
+    /// [`InstallCache`](super::install::InstallCache)): per call, only `lstat`s and small
+    /// `/proc` reads, no directory scan. `install` must have been scanned under `driver_root`.
+    pub fn discover_nodes_with(
+        driver_root: &Path,
+        mount: Option<&Path>,
+        dev_root: &Path,
+        inv: &Inventory,
+        proc: &ProcCaps,
+        install: &DriverInstall,
+    ) -> DriverFiles {
+        let majors = DynamicMajors {
+            uvm: proc.char_major(UVM_DRIVER),
+            caps: proc.char_major(CAPS_DRIVER),
+        };
+        let scan_root = mount.unwrap_or(driver_root);
+        let files = Self::discover_nodes(scan_root, dev_root, inv, &|c| proc.minor(c), majors)
+            .with_install(install);
+        match mount {
+            Some(m) => files.seen_from_host(m, driver_root),
+            None => files,
+        }
+    }
+
+    fn with_install(mut self, install: &DriverInstall) -> DriverFiles {
+        self.libraries = install.libraries.clone();
+        self.binaries = install.binaries.clone();
+        self.ldcache_hook = install.ldcache_hook.clone();
+        self
     }
 
     /// [`DriverFiles::discover_proc`] for a driver root the host sees at `driver_root` and this

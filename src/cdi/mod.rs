@@ -6,6 +6,7 @@
 //! - [`name`]: validated kinds, device names and qualified names (`nvidia.com/gpu=0`);
 //! - [`driver`]: discovery of device nodes, driver libraries, binaries and the ldcache hook on
 //!   the host (the only I/O besides writing);
+//! - [`install`]: the driver-install scan, cached per driver root and driver version;
 //! - [`render`]: pure rendering of the node spec (`nvidia.com/gpu`, the names NVIDIA's specs
 //!   use) and of specs over arbitrary named device sets (DRA claims);
 //! - [`writer`]: atomic, skip-if-identical writes of `<cdi root>/<stem>.json`.
@@ -20,15 +21,17 @@
 //! container on a cluster without GPUs starts and can see what it was given.
 
 pub mod driver;
+pub mod install;
 pub mod name;
 pub mod render;
 pub mod spec;
 pub mod writer;
 
 pub use driver::{
-    DeviceNodesError, DriverFiles, Expected, Found, HostFile, MigCap, NodeFault, NodeProblem,
-    ProcCaps,
+    DeviceNodesError, DriverFiles, DriverInstall, Expected, Found, HostFile, MigCap, NodeFault,
+    NodeProblem, ProcCaps,
 };
+pub use install::InstallCache;
 pub use name::{DeviceName, Kind, NameError, QualifiedName};
 pub use render::{
     render_node_spec, render_simulated_node_spec, render_simulated_spec, render_spec, DeviceRef,

@@ -37,8 +37,14 @@
 //! UUIDs there, and one that references several claims sees one claim's value (the later
 //! replaces the earlier); `GPUPLANE_DEVICE_*` are exact in both cases.
 //!
-//! File writes (checkpoint, spec) are synchronous and short (a few small files with fsync); they
-//! run on the calling task.
+//! Everything after the API read (the second checkpoint look, rendering with its device-node
+//! checks, the ledger hold, both checkpoint writes and the spec write, each fsync'd) runs as one
+//! job on tokio's blocking pool ([`off_runtime`]), never on a runtime worker, with the
+//! checkpoint lock moved into the job: the steps keep their order, the answer waits for the
+//! job, and a kubelet call cancelled meanwhile does not cut the job short. The state lock is
+//! taken only for the short plan read and the hold, never across a file operation. The
+//! driver's libraries are scanned once per driver version ([`InstallCache`]); device nodes are
+//! checked on every prepare.
 
 use super::checkpoint::{
     self, Checkpoint, CheckpointData, CheckpointError, ClaimEntry, ClaimState,
@@ -49,8 +55,8 @@ use super::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
 };
 use crate::cdi::{
-    self, ContainerEdits, DeviceName, DeviceNodesError, DriverFiles, Kind, NameError, NamedDevices,
-    ProcCaps, WriteError,
+    self, ContainerEdits, DeviceName, DeviceNodesError, DriverFiles, InstallCache, Kind, NameError,
+    NamedDevices, ProcCaps, WriteError,
 };
 use crate::config::AllocationMode;
 use crate::health::Health;
@@ -67,7 +73,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::sync::{watch, Mutex};
+use tokio::sync::{watch, Mutex, OwnedMutexGuard};
 use tracing::{error, info, warn};
 
 /// CDI class of the per-claim specs; the vendor is `k8s.<driver>`.
@@ -170,6 +176,9 @@ pub enum PrepareError {
         #[source]
         source: WriteError,
     },
+    /// The blocking-pool job that writes the claim's files panicked (a bug).
+    #[error("the file-writing job failed: {0}")]
+    Worker(String),
     /// Another consumer (a device-plugin container, another claim) holds a device of the claim.
     #[error("device {device}: {source}; it cannot be given out twice")]
     Held {
@@ -342,6 +351,22 @@ struct Rendered {
 
 /// The DRA core. See the module docs.
 pub struct DraCore {
+    shared: Arc<Shared>,
+    /// Every checkpoint change, and the CDI spec write between PrepareStarted and
+    /// PrepareCompleted, happens under this lock, so prepares and unprepares serialise on it:
+    /// the checkpoint is one file rewritten whole, and concurrent read-modify-writes would lose
+    /// entries; and the kubelet may retry a prepare (after its 45 s timeout) while the first
+    /// call still runs, and the two must not interleave their steps on one claim. The API read
+    /// happens before taking it, so a slow API server does not hold up other claims; the
+    /// claim's state is checked again once the lock is held. Its guard moves into the
+    /// blocking-pool job that writes the files ([`off_runtime`]); no runtime task holds it
+    /// across an await other than the wait for that job.
+    checkpoint: Arc<Mutex<Checkpoint>>,
+}
+
+/// What the core knows besides the checkpoint: fixed at start, shared with the blocking-pool
+/// jobs.
+struct Shared {
     driver: String,
     pool: String,
     kind: Kind,
@@ -353,14 +378,18 @@ pub struct DraCore {
     dev_root: PathBuf,
     proc_root: PathBuf,
     device_mode: DeviceMode,
-    /// Every checkpoint change, and the CDI spec write between PrepareStarted and
-    /// PrepareCompleted, happens under this lock, so prepares and unprepares serialise on it:
-    /// the checkpoint is one file rewritten whole, and concurrent read-modify-writes would lose
-    /// entries; and the kubelet may retry a prepare (after its 45 s timeout) while the first
-    /// call still runs, and the two must not interleave their steps on one claim. The API read
-    /// happens before taking it, so a slow API server does not hold up other claims; the
-    /// claim's state is checked again once the lock is held. Nothing awaits while it is held.
-    checkpoint: Mutex<Checkpoint>,
+    /// The driver's libraries, scanned once per driver version rather than per prepare.
+    installs: InstallCache,
+}
+
+/// Runs `job` on tokio's blocking pool (file writes with fsync, device-node checks) and waits
+/// for it; a runtime worker never blocks on the disk.
+async fn off_runtime<T: Send + 'static>(
+    job: impl FnOnce() -> Result<T, PrepareError> + Send + 'static,
+) -> Result<T, PrepareError> {
+    tokio::task::spawn_blocking(job)
+        .await
+        .map_err(|e| PrepareError::Worker(e.to_string()))?
 }
 
 impl DraCore {
@@ -403,33 +432,41 @@ impl DraCore {
             }
         }
         Ok(DraCore {
-            driver: config.driver,
-            pool: config.node_name,
-            kind,
-            state,
-            claims,
-            cdi_root: config.cdi_root,
-            driver_root: config.driver_root,
-            driver_root_mount: config.driver_root_mount,
-            dev_root: config.dev_root,
-            proc_root: config.proc_root,
-            device_mode: config.device_mode,
-            checkpoint: Mutex::new(loaded.checkpoint),
+            shared: Arc::new(Shared {
+                driver: config.driver,
+                pool: config.node_name,
+                kind,
+                state,
+                claims,
+                cdi_root: config.cdi_root,
+                driver_root: config.driver_root,
+                driver_root_mount: config.driver_root_mount,
+                dev_root: config.dev_root,
+                proc_root: config.proc_root,
+                device_mode: config.device_mode,
+                installs: InstallCache::default(),
+            }),
+            checkpoint: Arc::new(Mutex::new(loaded.checkpoint)),
         })
     }
 
     /// The CDI kind of the per-claim specs (`k8s.<driver>/claim`).
     pub fn cdi_kind(&self) -> &Kind {
-        &self.kind
+        &self.shared.kind
     }
 
     pub fn driver(&self) -> &str {
-        &self.driver
+        &self.shared.driver
     }
 
     /// The pool (node name) of this node's devices.
     pub fn pool(&self) -> &str {
-        &self.pool
+        &self.shared.pool
+    }
+
+    /// How often the driver's libraries were scanned (once per driver version).
+    pub fn install_scans(&self) -> u64 {
+        self.shared.installs.scans()
     }
 
     /// Unit UUID (GPU or MIG) → UID of the claim it is prepared (or being prepared) for.
@@ -451,6 +488,52 @@ impl DraCore {
         self.checkpoint.lock().await.data().clone()
     }
 
+    async fn prepare_one(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
+        validate_uid(&c.uid)?;
+        validate_name("namespace", &c.namespace)?;
+        validate_name("name", &c.name)?;
+        let done = self
+            .shared
+            .completed(&*self.checkpoint.lock().await, &c.uid, true);
+        if let Some(devices) = done {
+            return Ok(devices);
+        }
+        let claim = self
+            .shared
+            .claims
+            .get(&c.namespace, &c.name)
+            .await
+            .map_err(|source| PrepareError::Fetch {
+                source: Box::new(source),
+            })?;
+        let cp = self.checkpoint.clone().lock_owned().await;
+        let (shared, c) = (self.shared.clone(), c.clone());
+        off_runtime(move || shared.prepare_locked(cp, &claim, &c)).await
+    }
+
+    async fn unprepare_one(&self, c: &ClaimRef) -> Result<(), PrepareError> {
+        let cp = self.checkpoint.clone().lock_owned().await;
+        let (shared, c) = (self.shared.clone(), c.clone());
+        off_runtime(move || shared.unprepare_locked(cp, &c)).await
+    }
+
+    /// Puts every checkpointed claim's units back into the ledger (agent start-up).
+    pub async fn restore_holds(&self) {
+        let cp = self.checkpoint.lock().await;
+        for (uid, entry) in &cp.data().claims {
+            let c = ClaimRef {
+                namespace: entry.namespace.clone(),
+                uid: uid.clone(),
+                name: entry.name.clone(),
+            };
+            if let Err(e) = self.shared.hold(&c, &entry.units) {
+                error!(claim = %claim_label(&c), error = %e, "checkpointed claim overlaps another holder");
+            }
+        }
+    }
+}
+
+impl Shared {
     /// The recorded devices of a completed claim whose spec is still on disk.
     fn completed(&self, cp: &Checkpoint, uid: &str, log: bool) -> Option<Vec<PreparedDevice>> {
         let entry = cp
@@ -468,26 +551,18 @@ impl DraCore {
         Some(entry.devices.clone())
     }
 
-    async fn prepare_one(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
-        validate_uid(&c.uid)?;
-        validate_name("namespace", &c.namespace)?;
-        validate_name("name", &c.name)?;
-        if let Some(devices) = self.completed(&*self.checkpoint.lock().await, &c.uid, true) {
-            return Ok(devices);
-        }
-        let claim = self
-            .claims
-            .get(&c.namespace, &c.name)
-            .await
-            .map_err(|source| PrepareError::Fetch {
-                source: Box::new(source),
-            })?;
-
-        let mut cp = self.checkpoint.lock().await;
+    /// Steps 1 (again, under the lock) to 5 of the module docs, on the blocking pool with the
+    /// checkpoint lock held.
+    fn prepare_locked(
+        &self,
+        mut cp: OwnedMutexGuard<Checkpoint>,
+        claim: &k8s_openapi::api::resource::v1::ResourceClaim,
+        c: &ClaimRef,
+    ) -> Result<Vec<PreparedDevice>, PrepareError> {
         if let Some(devices) = self.completed(&cp, &c.uid, false) {
             return Ok(devices);
         }
-        let rendered = self.render(&claim, c)?;
+        let rendered = self.render(claim, c)?;
         self.hold(c, &rendered.units)?;
         let stem = spec_stem(&c.uid);
         let started = ClaimEntry {
@@ -518,21 +593,6 @@ impl DraCore {
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCheckpointCompleted);
         self.write_device_status(c, rendered.status);
         Ok(rendered.devices)
-    }
-
-    /// Puts every checkpointed claim's units back into the ledger (agent start-up).
-    pub async fn restore_holds(&self) {
-        let cp = self.checkpoint.lock().await;
-        for (uid, entry) in &cp.data().claims {
-            let c = ClaimRef {
-                namespace: entry.namespace.clone(),
-                uid: uid.clone(),
-                name: entry.name.clone(),
-            };
-            if let Err(e) = self.hold(&c, &entry.units) {
-                error!(claim = %claim_label(&c), error = %e, "checkpointed claim overlaps another holder");
-            }
-        }
     }
 
     /// Records the claim's units in the allocation ledger (shared mode), refusing units another
@@ -593,12 +653,17 @@ impl DraCore {
             DeviceMode::Simulated => self.render_plan(&plan, c, generation, &inv, None),
             DeviceMode::Hardware => {
                 let proc = ProcCaps::new(&self.proc_root);
-                let files = DriverFiles::discover_mounted(
+                let mount = self.driver_root_mount.as_deref();
+                let install = self
+                    .installs
+                    .get(mount.unwrap_or(&self.driver_root), &inv.driver_version);
+                let files = DriverFiles::discover_nodes_with(
                     &self.driver_root,
-                    self.driver_root_mount.as_deref(),
+                    mount,
                     &self.dev_root,
                     &inv,
                     &proc,
+                    &install,
                 );
                 self.render_plan(&plan, c, generation, &inv, Some(&files))
             }
@@ -606,7 +671,8 @@ impl DraCore {
     }
 
     /// Writes (or, with no entries, removes) our `status.devices` entries of a claim, in the
-    /// background: a failed status write never fails a prepare or an unprepare.
+    /// background: a failed status write never fails a prepare or an unprepare. Called on the
+    /// blocking pool, whose threads run inside the runtime, so `tokio::spawn` works there.
     fn write_device_status(&self, c: &ClaimRef, entries: Vec<serde_json::Value>) {
         let (claims, c) = (self.claims.clone(), c.clone());
         tokio::spawn(async move {
@@ -720,8 +786,13 @@ impl DraCore {
         })
     }
 
-    async fn unprepare_one(&self, c: &ClaimRef) -> Result<(), PrepareError> {
-        let mut cp = self.checkpoint.lock().await;
+    /// Unprepare on the blocking pool with the checkpoint lock held: specs first, then the
+    /// checkpoint, then the ledger.
+    fn unprepare_locked(
+        &self,
+        mut cp: OwnedMutexGuard<Checkpoint>,
+        c: &ClaimRef,
+    ) -> Result<(), PrepareError> {
         let was_prepared = cp.get(&c.uid).is_some();
         let mut stems: Vec<String> = cp
             .get(&c.uid)
@@ -835,7 +906,7 @@ impl DraDriver for DraCore {
     }
 
     fn device_health(&self) -> Vec<DeviceHealthReport> {
-        let snap = self.state.read();
+        let snap = self.shared.state.read();
         dra_view(&snap.inventory, &snap.config.allocation)
             .dra_devices()
             .iter()
@@ -845,7 +916,7 @@ impl DraDriver for DraCore {
                     Health::Unhealthy(cause) => (DeviceHealthState::Unhealthy, cause.to_string()),
                 };
                 DeviceHealthReport {
-                    pool: self.pool.clone(),
+                    pool: self.shared.pool.clone(),
                     device: d.dra_name(),
                     health,
                     message,
@@ -855,7 +926,7 @@ impl DraDriver for DraCore {
     }
 
     fn health_changes(&self) -> watch::Receiver<u64> {
-        self.state.subscribe()
+        self.shared.state.subscribe()
     }
 }
 

@@ -11,7 +11,9 @@
 //! NodePrepare gives ([`DeviceNodesError`]), and a later Allocate succeeds once the nodes are
 //! right.
 
-use crate::cdi::{self, DeviceNodesError, DriverFiles, Kind, ProcCaps, WriteError, WriteOutcome};
+use crate::cdi::{
+    self, DeviceNodesError, DriverFiles, InstallCache, Kind, ProcCaps, WriteError, WriteOutcome,
+};
 use crate::inventory::Inventory;
 use crate::source::DeviceMode;
 use std::path::{Path, PathBuf};
@@ -51,6 +53,9 @@ pub struct NodeSpec {
     dev_root: PathBuf,
     mode: DeviceMode,
     writer: Mutex<Writer>,
+    /// While waiting for device nodes the spec is retried every second: scan the driver's
+    /// libraries once per driver version, not per retry.
+    installs: InstallCache,
 }
 
 impl NodeSpec {
@@ -71,6 +76,7 @@ impl NodeSpec {
                 written_for: None,
                 last_error: None,
             }),
+            installs: InstallCache::default(),
         }
     }
 
@@ -125,12 +131,17 @@ impl NodeSpec {
             DeviceMode::Simulated => cdi::render_simulated_node_spec(inv, &kind),
             DeviceMode::Hardware => {
                 let proc = ProcCaps::new(Path::new("/proc"));
-                let files = DriverFiles::discover_mounted(
+                let mount = self.driver_root_mount.as_deref();
+                let install = self
+                    .installs
+                    .get(mount.unwrap_or(&self.driver_root), &inv.driver_version);
+                let files = DriverFiles::discover_nodes_with(
                     &self.driver_root,
-                    self.driver_root_mount.as_deref(),
+                    mount,
                     &self.dev_root,
                     inv,
                     &proc,
+                    &install,
                 );
                 files.check_all().map_err(NodeSpecError::DeviceNodes)?;
                 cdi::render_node_spec(inv, &files, &kind)

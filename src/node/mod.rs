@@ -13,6 +13,7 @@ pub mod http;
 pub mod labeler;
 pub mod lock;
 pub mod podresources;
+pub mod probe;
 pub mod state;
 
 use crate::config::{AgentConfig, ConfigError};
@@ -104,6 +105,9 @@ pub enum NodeError {
     /// Signal handlers could not be installed.
     #[error("installing signal handlers: {0}")]
     Signals(#[source] std::io::Error),
+    /// The thread that probes lost GPUs could not be started.
+    #[error("starting the device probe thread: {0}")]
+    ProbeThread(#[source] std::io::Error),
 }
 
 fn load_config(path: Option<&Path>) -> Result<AgentConfig, ConfigError> {
@@ -341,6 +345,7 @@ pub async fn run(
         ((), true)
     });
 
+    let mut prober = probe::Prober::start(source.clone()).map_err(NodeError::ProbeThread)?;
     let pump_stop = Arc::new(AtomicBool::new(false));
     let pump = spawn_event_pump(source.clone(), state.clone(), pump_stop.clone());
     // Shared with Allocate, which must not hand out a CDI name whose spec is not written.
@@ -398,7 +403,7 @@ pub async fn run(
         ))
     });
     let inventory_now = || state.read().inventory.clone();
-    let mut spec_state = node_spec.sync(&inventory_now());
+    let mut spec_state = sync_spec(&node_spec, inventory_now()).await;
     let mut spec_checked = Instant::now();
 
     let mut tick = tokio::time::interval(Duration::from_millis(250));
@@ -422,20 +427,27 @@ pub async fn run(
             let s = state.read();
             (s.config.recovery_quiet_period, s.config.inventory_refresh)
         };
-        let src = source.clone();
-        let changes = state.update(|s| {
-            let c = s
-                .health
-                .tick(Instant::now(), quiet, |uuid| src.responds(uuid));
+        let mut changes = state.update(|s| {
+            let c = s.health.expire_xids(Instant::now(), quiet);
             let changed = !c.is_empty();
             (c, changed)
         });
+        // Lost GPUs are asked on the probe thread, never under the lock (see `probe`).
+        if let Some(answer) = prober.poll() {
+            changes.extend(state.update(|s| {
+                let c = s.health.recover_answered(&answer.answered, answer.asked_at);
+                let changed = !c.is_empty();
+                (c, changed)
+            }));
+        }
+        let lost = state.read().health.lost();
+        prober.ask(lost);
         log_changes(&changes);
         // Waiting for device nodes: look again every second; otherwise only on inventory change.
         if spec_state == cdi::SpecState::Waiting && spec_checked.elapsed() >= Duration::from_secs(1)
         {
             spec_checked = Instant::now();
-            spec_state = node_spec.sync(&inventory_now());
+            spec_state = sync_spec(&node_spec, inventory_now()).await;
         }
 
         let mut config = state.read().config.clone();
@@ -483,7 +495,7 @@ pub async fn run(
             }
         }
         apply(&state, inventory, config);
-        spec_state = node_spec.sync(&inventory_now());
+        spec_state = sync_spec(&node_spec, inventory_now()).await;
     }
 
     tracing::info!("shutting down: stopping plugins");
@@ -498,6 +510,17 @@ pub async fn run(
     pump_stop.store(true, Ordering::Relaxed);
     let _ = tokio::task::spawn_blocking(move || pump.join()).await;
     Ok(())
+}
+
+/// Brings the node CDI spec in step with `inv` on the blocking pool (it writes and fsyncs).
+async fn sync_spec(node_spec: &Arc<cdi::NodeSpec>, inv: Inventory) -> cdi::SpecState {
+    let spec = node_spec.clone();
+    tokio::task::spawn_blocking(move || spec.sync(&inv))
+        .await
+        .unwrap_or_else(|e| {
+            tracing::error!(error = %e, "writing the node CDI spec panicked; retrying");
+            cdi::SpecState::Waiting
+        })
 }
 
 /// Installs a new inventory and config if they differ from the running ones.
