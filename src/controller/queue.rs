@@ -18,7 +18,9 @@ use super::metrics::QueueMetrics;
 use super::namespace::{self, Decision, Inputs, Note, QueueSettings};
 use super::pods::{self, PodRef};
 use super::writes::{self, Ungated};
-use crate::quota::{governs_pod, CatalogSettings, DeviceCatalog, GpuQuota, QuotaMathError};
+use crate::quota::{
+    governs_pod, CatalogSettings, DeviceCatalog, GpuQuota, QuotaMathError, QuotaMode,
+};
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
@@ -56,6 +58,12 @@ pub struct QueueOptions {
     pub notes_per_cycle: usize,
     /// `reportingInstance` of Events (the replica's identity).
     pub instance: String,
+    /// A namespace's quotas are rewritten at most this often when the write would only settle
+    /// usage (count pods in `used`, drop their reservations, expire stale ones): each status
+    /// write of the custom resource costs the API server milliseconds of CPU, and what is
+    /// settled late is still counted (as a reservation or an escrow). Queue releases are
+    /// never held back.
+    pub settle_interval: Duration,
 }
 
 impl Default for QueueOptions {
@@ -69,6 +77,7 @@ impl Default for QueueOptions {
             concurrency: 64,
             notes_per_cycle: 500,
             instance: "gpuplane-controller".into(),
+            settle_interval: Duration::from_millis(500),
         }
     }
 }
@@ -149,6 +158,8 @@ pub struct QueueLoop {
     memos: HashMap<String, Memo>,
     failures: HashMap<String, u32>,
     charges: namespace::Charges,
+    /// When each namespace's quotas were last written.
+    settled: HashMap<String, Instant>,
 }
 
 impl QueueLoop {
@@ -170,6 +181,7 @@ impl QueueLoop {
             memos: HashMap::new(),
             failures: HashMap::new(),
             charges: namespace::Charges::default(),
+            settled: HashMap::new(),
         }
     }
 
@@ -378,6 +390,10 @@ impl QueueLoop {
             self.metrics.set_waiting(ns, Vec::new(), 0);
             return Ok(None);
         }
+        if let Some(wait) = self.settle_later(ns, &pods) {
+            // Only usage to settle, and the last write was just now: come back for it.
+            return Ok(Some(now + wait));
+        }
         let api: Api<GpuQuota> = Api::namespaced(self.client.clone(), ns);
         let claims = self.claims.in_namespace(ns);
         let templates: BTreeMap<String, ResourceClaimSpec> = self
@@ -435,6 +451,19 @@ impl QueueLoop {
         Ok(decision.next_deadline)
     }
 
+    /// How long to hold back a reconcile of `ns`: `Some` when all it could write is settled
+    /// usage (its quotas are all in Reject mode, so nothing is queued to release) and it was
+    /// written less than `settle_interval` ago.
+    fn settle_later(&self, ns: &str, pods: &[Arc<Pod>]) -> Option<Duration> {
+        let elapsed = self.settled.get(ns)?.elapsed();
+        let wait = self.opts.settle_interval.checked_sub(elapsed)?;
+        let quotas = self.quotas.in_namespace(ns);
+        let reject_only = !quotas.is_empty()
+            && quotas.iter().all(|q| q.spec.mode == QuotaMode::Reject)
+            && !pods.iter().any(|p| pods::is_queued(p));
+        reject_only.then_some(wait)
+    }
+
     async fn write_quotas(
         &mut self,
         ns: &str,
@@ -445,6 +474,7 @@ impl QueueLoop {
             if !changed {
                 continue;
             }
+            self.settled.insert(ns.to_string(), Instant::now());
             let name = q.metadata.name.clone().unwrap_or_default();
             match api.replace_status(&name, &PostParams::default(), q).await {
                 Ok(w) => {

@@ -8,7 +8,7 @@ use crate::quota::{Limits, Op, Reservation, Usage};
 use std::time::{Duration, Instant};
 
 /// Admissions made within an escrow are recorded (one write) at most this often.
-pub const FLUSH_INTERVAL: Duration = Duration::from_millis(200);
+pub const FLUSH_INTERVAL: Duration = Duration::from_millis(500);
 
 /// An escrow is given back after this long without admissions to its quota.
 pub const IDLE_RETURN: Duration = Duration::from_millis(250);
