@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 const STARTS: usize = 12;
 const CREATES: usize = 400;
 const CLIENTS: usize = 16;
-const ROUNDS: usize = 2;
+const ROUNDS: usize = 4;
 
 fn main() {
     let Some(lab) = ClusterLab::start() else {
