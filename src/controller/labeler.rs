@@ -17,11 +17,13 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::watcher::{self, Event};
 use kube::ResourceExt;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+
+use super::schedule::{drive, Keyed, Timing};
 
 /// Tunables of the labeler.
 #[derive(Debug, Clone)]
@@ -152,53 +154,16 @@ impl Labeler {
     /// Runs until `stop` resolves or the input ends.
     pub async fn drive(
         &mut self,
-        mut inputs: mpsc::Receiver<LabelInput>,
+        inputs: mpsc::Receiver<LabelInput>,
         stop: impl Future<Output = ()>,
     ) {
-        tokio::pin!(stop);
-        let mut due: BTreeMap<String, Instant> = BTreeMap::new();
-        let mut next_resync = Instant::now() + self.opts.resync;
-        loop {
-            let wake = due
-                .values()
-                .min()
-                .copied()
-                .unwrap_or(next_resync)
-                .min(next_resync);
-            let ready = self.ready();
-            tokio::select! {
-                biased;
-                _ = &mut stop => break,
-                msg = inputs.recv() => {
-                    let Some(input) = msg else { break };
-                    let at = Instant::now() + self.opts.batch;
-                    for ns in self.apply(input) {
-                        // A backoff already running stays: the retry looks at the caches anyway.
-                        due.entry(ns).or_insert(at);
-                    }
-                }
-                _ = tokio::time::sleep_until(wake), if ready => {
-                    let now = Instant::now();
-                    if now >= next_resync {
-                        for ns in self.candidates() {
-                            due.entry(ns).or_insert(now);
-                        }
-                        next_resync = now + self.opts.resync;
-                    }
-                    let run: Vec<String> = due
-                        .iter()
-                        .filter(|(_, t)| **t <= now)
-                        .map(|(ns, _)| ns.clone())
-                        .collect();
-                    for ns in run {
-                        due.remove(&ns);
-                        if let Some(again) = self.sync_logged(&ns).await {
-                            due.insert(ns, Instant::now() + again);
-                        }
-                    }
-                }
-            }
-        }
+        let timing = Timing {
+            batch: self.opts.batch,
+            resync: self.opts.resync,
+            // A backoff already running stays: the retry looks at the caches anyway.
+            sooner: false,
+        };
+        drive(self, inputs, timing, stop).await;
     }
 
     /// [`Labeler::sync`] with logging and the error policy; when to try again, if at all.
@@ -301,6 +266,32 @@ pub async fn run(client: kube::Client, opts: LabelerOptions, stop: impl Future<O
     Labeler::new(client, opts).drive(rx, stop).await;
     for w in watchers {
         w.abort();
+    }
+}
+
+impl Keyed for Labeler {
+    type Input = LabelInput;
+
+    fn ready(&self) -> bool {
+        Labeler::ready(self)
+    }
+
+    fn apply(&mut self, input: LabelInput) -> BTreeSet<String> {
+        Labeler::apply(self, input)
+    }
+
+    fn known(&self) -> BTreeSet<String> {
+        self.candidates()
+    }
+
+    async fn run(&mut self, due: Vec<String>) -> Vec<(String, Instant)> {
+        let mut again = Vec::new();
+        for ns in due {
+            if let Some(after) = self.sync_logged(&ns).await {
+                again.push((ns, Instant::now() + after));
+            }
+        }
+        again
     }
 }
 

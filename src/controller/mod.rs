@@ -13,6 +13,7 @@
 //! - [`lease`] (pure) and [`elector`]: leader election over a coordination.k8s.io/v1 Lease.
 //! - [`metrics`]: the loop's metrics, per GpuQuota.
 //! - [`replica`]: one `gpuplane controller` replica, the webhook and the loops side by side.
+//! - [`schedule`]: the driver both loops share (batched inputs, deadlines, resync).
 //!
 //! [`run`] runs the loops; [`replica::run`] is the command's entry point.
 
@@ -28,6 +29,7 @@ pub mod pods;
 pub mod queue;
 pub mod queue_label;
 pub mod replica;
+pub mod schedule;
 pub mod writes;
 
 use elector::Role;

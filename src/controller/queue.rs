@@ -35,6 +35,8 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+
+use super::schedule::{drive, Keyed, Timing};
 use tokio_stream::StreamExt;
 
 /// A namespace whose status write conflicted is decided again at once this many times before
@@ -243,58 +245,15 @@ impl QueueLoop {
     }
 
     /// Runs until `stop` resolves or the input ends.
-    pub async fn drive(
-        &mut self,
-        mut inputs: mpsc::Receiver<Input>,
-        stop: impl Future<Output = ()>,
-    ) {
-        tokio::pin!(stop);
-        let mut due: BTreeMap<String, Instant> = BTreeMap::new();
-        let mut next_resync = Instant::now() + self.opts.resync;
-        loop {
-            let wake = due
-                .values()
-                .min()
-                .copied()
-                .unwrap_or(next_resync)
-                .min(next_resync);
-            let ready = self.ready();
-            tokio::select! {
-                biased;
-                _ = &mut stop => break,
-                msg = inputs.recv() => {
-                    let Some(input) = msg else { break };
-                    let at = Instant::now() + self.opts.batch;
-                    for ns in self.apply(input) {
-                        // Sooner than a deadline already set (a reservation's grace, minutes
-                        // away), never later than one that is near.
-                        let e = due.entry(ns).or_insert(at);
-                        *e = (*e).min(at);
-                    }
-                }
-                _ = tokio::time::sleep_until(wake), if ready => {
-                    let now = Instant::now();
-                    if now >= next_resync {
-                        for ns in self.known_namespaces() {
-                            due.insert(ns, now);
-                        }
-                        next_resync = now + self.opts.resync;
-                    }
-                    let run: Vec<String> = due
-                        .iter()
-                        .filter(|(_, t)| **t <= now)
-                        .map(|(ns, _)| ns.clone())
-                        .collect();
-                    for ns in &run {
-                        due.remove(ns);
-                    }
-                    for (ns, at) in self.cycle(&run).await {
-                        let e = due.entry(ns).or_insert(at);
-                        *e = (*e).min(at);
-                    }
-                }
-            }
-        }
+    pub async fn drive(&mut self, inputs: mpsc::Receiver<Input>, stop: impl Future<Output = ()>) {
+        let timing = Timing {
+            batch: self.opts.batch,
+            resync: self.opts.resync,
+            // Sooner than a deadline already set (a reservation's grace, minutes away), never
+            // later than one that is near.
+            sooner: true,
+        };
+        drive(self, inputs, timing, stop).await;
     }
 
     /// Reconciles `namespaces`; returns when each wants to run again.
@@ -841,5 +800,25 @@ pub async fn run(
     l.drive(rx, stop).await;
     for w in watchers {
         w.abort();
+    }
+}
+
+impl Keyed for QueueLoop {
+    type Input = Input;
+
+    fn ready(&self) -> bool {
+        QueueLoop::ready(self)
+    }
+
+    fn apply(&mut self, input: Input) -> BTreeSet<String> {
+        QueueLoop::apply(self, input)
+    }
+
+    fn known(&self) -> BTreeSet<String> {
+        self.known_namespaces()
+    }
+
+    async fn run(&mut self, due: Vec<String>) -> Vec<(String, Instant)> {
+        self.cycle(&due).await
     }
 }
