@@ -5,9 +5,13 @@ pub mod cdi;
 pub mod config;
 pub mod controller;
 pub mod crashpoint;
+// The demo and the test doubles it runs on (API server, kubelet, labs): the default build has
+// them, the image's (`--no-default-features`) does not.
+#[cfg(feature = "demo")]
 pub mod demo;
 pub mod deviceplugin;
 pub mod discover;
+#[cfg(feature = "demo")]
 pub mod doubles;
 pub mod dra;
 pub mod fsutil;

@@ -44,9 +44,11 @@ enum Command {
     Controller(Box<ControllerArgs>),
     /// The whole product on a simulated machine in one process, no cluster: agent, kubelet and
     /// API server doubles, quota webhook and controller, narrating a short story.
+    #[cfg(feature = "demo")]
     Demo(DemoArgs),
 }
 
+#[cfg(feature = "demo")]
 #[derive(clap::Args)]
 struct DemoArgs {
     /// The machine: a bundled profile name (dgx-a100, dgx-h100, dgx1-v100, pcie-l4x4,
@@ -230,6 +232,7 @@ fn main() -> std::process::ExitCode {
     // The demo's story is its stdout. Its refusals and Xids are logged as warnings by design
     // and the story already tells them, so only errors are logged unless RUST_LOG says more.
     let default_level = match cli.command {
+        #[cfg(feature = "demo")]
         Command::Demo(_) => "error",
         _ => "info",
     };
@@ -270,10 +273,12 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Node(args) => run_node(*args),
         Command::Controller(args) => run_controller(*args),
+        #[cfg(feature = "demo")]
         Command::Demo(args) => run_demo(args),
     }
 }
 
+#[cfg(feature = "demo")]
 fn run_demo(args: DemoArgs) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let opts = gpuplane::demo::DemoOptions {
