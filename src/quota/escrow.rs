@@ -19,6 +19,7 @@
 
 use super::crd::{Escrow, GpuQuota, GpuQuotaStatus, QuotaMode};
 use super::ratio::QuotaMathError;
+use super::status::age;
 use super::usage::{Limits, Usage};
 use k8s_openapi::jiff::Timestamp;
 use std::time::Duration;
@@ -143,10 +144,7 @@ pub fn stale_escrows(status: &GpuQuotaStatus, now: Timestamp, grace: Duration) -
         .escrows
         .iter()
         .filter(|e| match e.renewed.parse::<Timestamp>() {
-            Ok(t) => {
-                let age = now.as_millisecond().saturating_sub(t.as_millisecond());
-                u128::try_from(age).unwrap_or(0) >= grace.as_millis()
-            }
+            Ok(t) => age(t, now).is_some_and(|a| a >= grace),
             Err(_) => true,
         })
         .map(|e| e.holder.clone())
@@ -160,10 +158,10 @@ pub fn entry(old: Option<&Escrow>, holder: &str, amount: Usage, now: Timestamp) 
         return None;
     }
     if let Some(o) = old {
-        let recent = o.renewed.parse::<Timestamp>().is_ok_and(|t| {
-            let age = now.as_millisecond().saturating_sub(t.as_millisecond());
-            u128::try_from(age).unwrap_or(u128::MAX) < RENEW_AFTER.as_millis()
-        });
+        let recent = o
+            .renewed
+            .parse::<Timestamp>()
+            .is_ok_and(|t| age(t, now).is_some_and(|a| a < RENEW_AFTER));
         if o.amount == amount && recent {
             return Some(o.clone());
         }

@@ -67,6 +67,12 @@ pub fn now_rfc3339() -> String {
     rfc3339(Timestamp::now())
 }
 
+/// How long before `now` the time `since` was; `None` when it is later (clocks apart).
+pub fn age(since: Timestamp, now: Timestamp) -> Option<Duration> {
+    let ms = now.as_millisecond().checked_sub(since.as_millisecond())?;
+    u64::try_from(ms).ok().map(Duration::from_millis)
+}
+
 /// `t` to the second, as RFC 3339.
 pub fn rfc3339(t: Timestamp) -> String {
     Timestamp::from_second(t.as_second())
@@ -195,10 +201,7 @@ pub fn stale_reservations(
     for r in &status.reservations {
         let key = r.key();
         let old = match r.since_time() {
-            Some(t) => {
-                let age = now.as_millisecond().saturating_sub(t.as_millisecond());
-                u128::try_from(age).unwrap_or(0) >= grace.as_millis()
-            }
+            Some(t) => age(t, now).is_some_and(|a| a >= grace),
             None => true,
         };
         let stale = match live.get(&key) {

@@ -223,6 +223,22 @@ impl Usage {
         }
     }
 
+    /// Dimension-wise minimum (what two budgets both cover); a device count only one of them
+    /// has is zero.
+    pub fn min(&self, o: &Usage) -> Usage {
+        let devices = self
+            .devices
+            .iter()
+            .filter_map(|(k, v)| Some((k.clone(), (*v).min(*o.devices.get(k)?))))
+            .filter(|(_, v)| *v != 0)
+            .collect();
+        Usage {
+            gpus: self.gpus.min(o.gpus),
+            gpu_memory: self.gpu_memory.min(o.gpu_memory),
+            devices,
+        }
+    }
+
     pub fn checked_mul_int(&self, k: u64) -> Result<Usage, QuotaMathError> {
         let mut devices = BTreeMap::new();
         for (n, v) in &self.devices {
@@ -362,6 +378,25 @@ impl Limits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn min_is_what_both_cover() {
+        let a = Usage {
+            gpus: Gpus::ONE,
+            gpu_memory: Memory(10),
+            devices: BTreeMap::from([("a".to_string(), 3), ("b".to_string(), 1)]),
+        };
+        let b = Usage {
+            gpus: Gpus::ZERO,
+            gpu_memory: Memory(20),
+            devices: BTreeMap::from([("a".to_string(), 2), ("c".to_string(), 5)]),
+        };
+        let m = a.min(&b);
+        assert_eq!(m.gpus, Gpus::ZERO);
+        assert_eq!(m.gpu_memory, Memory(10));
+        assert_eq!(m.devices, BTreeMap::from([("a".to_string(), 2)]));
+        assert_eq!(m, b.min(&a));
+    }
 
     #[test]
     fn memory_reads_every_spelling_and_writes_canonical() {

@@ -60,12 +60,6 @@ pub(super) enum EscrowDue {
     Nothing,
 }
 
-/// Dimension-wise minimum.
-fn min(a: &Usage, b: &Usage) -> Usage {
-    a.saturating_sub(&a.saturating_sub(b).unwrap_or_default())
-        .unwrap_or_default()
-}
-
 impl LocalEscrow {
     pub(super) fn due(&self, now: Instant) -> EscrowDue {
         let after = |t: Option<Instant>, d: Duration| match t {
@@ -182,7 +176,7 @@ impl LocalEscrow {
         self.flight = Some(Flight {
             recorded: self.unflushed.len(),
             flushed: self.spent.clone(),
-            budget: min(&left, new),
+            budget: left.min(new),
         });
     }
 
@@ -212,7 +206,9 @@ impl LocalEscrow {
     pub(super) fn not_landed(&mut self, maybe: bool, new: &Usage) {
         if let Some(f) = self.flight.take() {
             if maybe {
-                self.cap = min(&self.cap, &new.checked_add(&f.flushed).unwrap_or_default());
+                self.cap = self
+                    .cap
+                    .min(&new.checked_add(&f.flushed).unwrap_or_default());
             }
         }
     }
