@@ -1,5 +1,7 @@
 //! The `gpuplane` command line: parses arguments, picks a device source, runs a face.
 
+#![forbid(unsafe_code)]
+
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use gpuplane::node::apis::{self, Apis};

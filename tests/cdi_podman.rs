@@ -30,7 +30,7 @@
 #[path = "support/lab.rs"]
 mod lab;
 
-use gpuplane::cdi::{self, DriverFiles, Kind, WriteOutcome};
+use gpuplane::cdi::{self, Kind, WriteOutcome};
 use gpuplane::doubles::devnodes;
 use gpuplane::doubles::kubelet::KubeletDouble;
 use gpuplane::dra::ClaimRef;
@@ -270,10 +270,10 @@ fn podman_injects_a_rendered_spec() {
     let inv = gpuplane::sim::load("pcie-l4x4").unwrap();
 
     // Before the nodes exist the agent must not write the spec.
-    let files = DriverFiles::discover(&driver_root, &dev_root, &inv);
+    let files = cdi::driver::discover(&driver_root, &dev_root, &inv);
     assert!(!files.is_complete());
     make_dev_nodes(&dev_root, inv.gpus.iter().map(|g| g.minor));
-    let files = DriverFiles::discover(&driver_root, &dev_root, &inv);
+    let files = cdi::driver::discover(&driver_root, &dev_root, &inv);
     assert!(files.is_complete(), "{:?}", files.node_problems);
 
     let kind: Kind = format!("test-{id}.gpuplane.dev/gpu").parse().unwrap();

@@ -246,7 +246,7 @@ fn sockets_are_bound_owner_only_and_replace_a_stale_file() {
 fn product_sources() -> Vec<(PathBuf, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut out = Vec::new();
-    for base in ["src", "hack/fake-nvml/src"] {
+    for base in ["src", "crates/model/src", "hack/fake-nvml/src"] {
         for f in tree(&root.join(base)) {
             let p = root.join(base).join(&f);
             if p.extension().is_some_and(|e| e == "rs") {

@@ -6,7 +6,7 @@
 //! without the version changing (#1380), so callers still check them per spec, which costs
 //! `lstat`s only.
 
-use super::driver::DriverInstall;
+use super::DriverInstall;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,7 +38,7 @@ impl InstallCache {
                 return e.install.clone();
             }
         }
-        let install = Arc::new(DriverInstall::scan(root, driver_version));
+        let install = Arc::new(super::driver::scan_install(root, driver_version));
         self.scans.fetch_add(1, Ordering::Relaxed);
         *last = Some(Entry {
             root: root.to_path_buf(),

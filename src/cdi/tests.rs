@@ -1,8 +1,8 @@
 //! Discovery over fake driver/dev/proc trees and rendering over simulated inventories.
 
-use super::driver::{DriverFiles, MigCap};
 use super::render::{node_devices, render_spec, DeviceRef, NamedDevices};
 use super::*;
+use super::{DriverFiles, MigCap};
 use crate::inventory::Inventory;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -84,7 +84,7 @@ fn node_paths(d: &Device) -> Vec<&str> {
 fn missing_device_nodes_are_reported() {
     let r = roots();
     let inv = inv("pcie-l4x4");
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     assert!(!files.is_complete());
     let expected: Vec<PathBuf> = [
         "nvidia-uvm",
@@ -130,13 +130,13 @@ fn missing_device_nodes_are_reported() {
     ] {
         node(&r.dev, n);
     }
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     assert_eq!(
         paths(&files.node_problems),
         vec![r.dev.join("nvidia-uvm-tools")]
     );
     node(&r.dev, "nvidia-uvm-tools");
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     assert!(files.is_complete(), "{:?}", files.node_problems);
     // nvidia-modeset is optional: absent, it is neither missing nor in the spec.
     assert!(!files
@@ -145,14 +145,14 @@ fn missing_device_nodes_are_reported() {
         .any(|n| n.container_path.ends_with("nvidia-modeset")));
     // Present but a regular file: left out, not a reason to refuse the GPUs.
     touch(&r.dev.join("nvidia-modeset"));
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     assert!(files.is_complete(), "{:?}", files.node_problems);
     assert!(!files
         .control_nodes
         .iter()
         .any(|n| n.container_path.ends_with("nvidia-modeset")));
     node(&r.dev, "nvidia-modeset");
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     assert!(files
         .control_nodes
         .iter()
@@ -179,7 +179,7 @@ fn device_nodes_that_are_not_what_they_must_be_are_refused_with_the_reason() {
     // A regular file where /dev/nvidia0 must be, and GPU 3's node with GPU 7's number.
     touch(&r.dev.join("nvidia0"));
     crate::doubles::devnodes::make_node(&r.dev.join("nvidia3"), 195, 7).unwrap();
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     let (gpu0, gpu3) = (r.dev.join("nvidia0"), r.dev.join("nvidia3"));
     assert_eq!(
         files.node_problems,
@@ -271,7 +271,7 @@ fn simulated_specs_carry_identities_and_need_nothing_from_the_host() {
 fn mig_devices_get_cap_nodes() {
     let r = roots();
     let inv = inv("a100-mig-mixed");
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &fake_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &fake_caps);
     // Cap nodes are expected device nodes too: absent, they are reported.
     assert!(paths(&files.node_problems).contains(&r.dev.join("nvidia-caps/nvidia-cap101")));
     let spec = render_node_spec(&inv, &files, &Kind::default());
@@ -325,7 +325,7 @@ fn mig_devices_get_cap_nodes() {
     assert_eq!(node_paths(all), expected);
 
     // Unknown minors: no cap nodes, the device still has its parent's node.
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     assert!(files.mig_cap_nodes.is_empty());
     let spec = render_node_spec(&inv, &files, &Kind::default());
     assert_eq!(node_paths(device(&spec, "0:1")), vec![gpu_node.as_str()]);
@@ -436,7 +436,7 @@ fn discovers_libraries_binaries_and_hook() {
     let r = roots();
     fake_driver(&r.driver);
     let inv = inv("pcie-l4x4");
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     let libs: Vec<&Path> = files
         .libraries
         .iter()
@@ -511,7 +511,7 @@ fn discovers_libraries_binaries_and_hook() {
     );
     // The dedicated hook binary is preferred and takes no `hook` subcommand.
     fs::write(r.driver.join("usr/bin/nvidia-cdi-hook"), b"").unwrap();
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     let spec = render_node_spec(&inv, &files, &Kind::default());
     assert_eq!(
         spec.container_edits.hooks[0].args[..2],
@@ -529,7 +529,7 @@ fn no_libraries_no_hook() {
     fs::create_dir_all(&bin).unwrap();
     fs::write(bin.join("nvidia-cdi-hook"), b"").unwrap();
     let inv = inv("pcie-l4x4");
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     assert!(files.ldcache_hook.is_some());
     let spec = render_node_spec(&inv, &files, &Kind::default());
     assert!(spec.container_edits.hooks.is_empty());
@@ -545,7 +545,7 @@ fn falls_back_to_the_highest_library_version() {
         fs::write(lib.join(f), b"").unwrap();
     }
     let inv = inv("pcie-l4x4"); // driver 550.90.07: neither matches
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     assert_eq!(files.libraries.len(), 1);
     assert!(files.libraries[0]
         .container_path
@@ -570,7 +570,7 @@ fn invalid_inventory_names_are_skipped() {
 fn written_node_spec_is_unchanged_on_rewrite() {
     let r = roots();
     let inv = inv("pcie-l4x4");
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps);
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     let spec = render_node_spec(&inv, &files, &Kind::default());
     let cdi = r.driver.join("cdi");
     assert_eq!(
@@ -590,7 +590,7 @@ fn a_driver_found_under_a_mount_is_named_as_the_host_sees_it() {
     let r = roots();
     fake_driver(&r.driver);
     let inv = inv("pcie-l4x4");
-    let files = DriverFiles::discover_with(&r.driver, &r.dev, &inv, &no_caps)
+    let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps)
         .seen_from_host(&r.driver, Path::new("/"));
     assert!(!files.libraries.is_empty());
     for f in files.libraries.iter().chain(&files.binaries) {

@@ -3,12 +3,11 @@
 //! GpuQuota usage and reservations current, and runs only on the replica holding the Lease
 //! (the webhook, `crate::webhook`, is served by every replica).
 //!
-//! - [`plan`] (pure): the release planner over plain data, with the starvation rule.
-//! - [`ledger`] (pure): the quota model (`crate::quota`) as the planner's ledger.
-//! - [`namespace`] (pure): one namespace's decision: status, releases, notes.
-//! - [`pods`] (pure): what is read from a Pod; [`cache`] (pure): watch-fed stores.
+//! - `plan`, `ledger`, `namespace`, `pods`, `queue_label`: the pure decisions
+//!   (`gpuplane_model::controller`, re-exported here).
+//! - [`cache`] (pure): watch-fed stores.
 //! - [`queue`]: the loop (watchers, reconcile, error policy); [`writes`]: pod writes.
-//! - [`queue_label`] (pure) and [`labeler`]: the namespace label `quota.gpuplane.dev/queue`
+//! - [`labeler`]: the namespace label `quota.gpuplane.dev/queue`
 //!   on namespaces with a Queue-mode GpuQuota, which the mutating gate webhook selects on.
 //! - [`lease`] (pure) and [`elector`]: leader election over a coordination.k8s.io/v1 Lease.
 //! - [`metrics`]: the loop's metrics, per GpuQuota.
@@ -21,16 +20,13 @@ pub mod cache;
 pub mod elector;
 pub mod labeler;
 pub mod lease;
-pub mod ledger;
 pub mod metrics;
-pub mod namespace;
-pub mod plan;
-pub mod pods;
 pub mod queue;
-pub mod queue_label;
 pub mod replica;
 pub mod schedule;
 pub mod writes;
+
+pub use gpuplane_model::controller::*;
 
 use elector::Role;
 use labeler::LabelerOptions;

@@ -49,7 +49,8 @@
 use super::checkpoint::{
     self, Checkpoint, CheckpointData, CheckpointError, ClaimEntry, ClaimState,
 };
-use super::claims::{plan_claim, ClaimError, ClaimFetcher, ClaimPlan, FetchError};
+use super::claims::{plan_claim, ClaimError, ClaimPlan};
+use super::fetch::{ClaimFetcher, FetchError};
 use super::status;
 use super::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
@@ -657,7 +658,7 @@ impl Shared {
                 let install = self
                     .installs
                     .get(mount.unwrap_or(&self.driver_root), &inv.driver_version);
-                let files = DriverFiles::discover_nodes_with(
+                let files = crate::cdi::driver::discover_nodes_with(
                     &self.driver_root,
                     mount,
                     &self.dev_root,

@@ -11,9 +11,7 @@
 //! NodePrepare gives ([`DeviceNodesError`]), and a later Allocate succeeds once the nodes are
 //! right.
 
-use crate::cdi::{
-    self, DeviceNodesError, DriverFiles, InstallCache, Kind, ProcCaps, WriteError, WriteOutcome,
-};
+use crate::cdi::{self, DeviceNodesError, InstallCache, Kind, ProcCaps, WriteError, WriteOutcome};
 use crate::inventory::Inventory;
 use crate::source::DeviceMode;
 use std::path::{Path, PathBuf};
@@ -135,7 +133,7 @@ impl NodeSpec {
                 let install = self
                     .installs
                     .get(mount.unwrap_or(&self.driver_root), &inv.driver_version);
-                let files = DriverFiles::discover_nodes_with(
+                let files = cdi::driver::discover_nodes_with(
                     &self.driver_root,
                     mount,
                     &self.dev_root,

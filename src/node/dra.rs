@@ -2,8 +2,8 @@
 //! the failures users must see), its kubelet-facing gRPC server, and the ResourceSlice
 //! publisher fed from the shared state.
 
-use crate::dra::claims::KubeClaims;
 use crate::dra::core::{CoreError, DraCore, DraCoreConfig};
+use crate::dra::fetch::KubeClaims;
 use crate::dra::server::{DraServer, ServeError};
 use crate::ledger::dra_view;
 use crate::node::events::{ClaimEvents, ReportingDriver};

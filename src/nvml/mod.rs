@@ -13,6 +13,7 @@
 
 mod events;
 mod naming;
+#[allow(unsafe_code)]
 mod raw;
 mod read;
 

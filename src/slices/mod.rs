@@ -1,35 +1,13 @@
-//! ResourceSlices: what this node offers to the DRA scheduler, and keeping the API server in step.
-//!
-//! - [`render`] (pure): inventory + health -> the `resource.k8s.io/v1` ResourceSlices of this
-//!   node's pool, with NVIDIA-compatible attribute names, taints for unhealthy devices and a
-//!   deterministic split into slices.
-//! - [`validate`] (pure): the API server's ResourceSlice validation rules, so a bad slice is
-//!   caught in tests and before a write, with the field paths the API server would name.
-//! - [`plan`] (pure): existing + desired slices -> the creates, updates and deletes to make,
-//!   and the pool generation.
-//! - [`publisher`] (I/O shell): lists this node's slices, writes only what differs, deletes
-//!   orphans, retries conflicts and transient failures, and re-syncs when the desired slices
-//!   change or someone (the kubelet at its start-up) deletes ours.
+//! ResourceSlices: what this node offers to the DRA scheduler, and keeping the API server in
+//! step. Rendering, validation and the write plan are pure (`gpuplane_model::slices`, all
+//! re-exported here); [`publisher`] is the I/O shell: it lists this node's slices, writes only
+//! what differs, deletes orphans, retries conflicts and transient failures, and re-syncs when
+//! the desired slices change or someone (the kubelet at its start-up) deletes ours.
 
-pub mod plan;
+pub use gpuplane_model::slices::*;
+
 pub mod publisher;
-pub mod render;
-pub mod validate;
 
 pub use publisher::{
     keep_published, LoopOptions, PublishError, RetryPolicy, SlicePublisher, SyncStats,
 };
-pub use render::{render, render_with_generation, slice_name, UNHEALTHY_TAINT_KEY};
-pub use validate::{validate, Problem, Violation};
-
-/// Most devices in one ResourceSlice (`resource.ResourceSliceMaxDevices`).
-pub const MAX_DEVICES_PER_SLICE: usize = 128;
-/// Most devices in one ResourceSlice when any of them has taints or consumes counters.
-pub const MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS: usize = 64;
-/// Most attributes and capacities, together, on one device.
-pub const MAX_ATTRIBUTES_AND_CAPACITIES: usize = 32;
-/// Longest string or version attribute value.
-pub const MAX_ATTRIBUTE_VALUE_LEN: usize = 64;
-
-#[cfg(test)]
-mod tests;

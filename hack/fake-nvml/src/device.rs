@@ -6,7 +6,7 @@ use crate::{
     NOT_SUPPORTED, UNKNOWN,
 };
 // NVML brand names in `nvmlBrandType` order: a brand's position is its NVML value.
-use gpuplane::sim::BRANDS;
+use gpuplane_model::sim::BRANDS;
 use nvml_wrapper_sys::bindings::*;
 use std::ffi::{c_char, c_int, c_uint, CStr};
 

@@ -1,6 +1,6 @@
 //! A fake `libnvidia-ml.so` for tests: it serves a gpuplane simulation profile through NVML's C
 //! ABI, so the real NVML code path (`gpuplane::nvml::NvmlSource` over `nvml-wrapper`) can be run
-//! and compared field by field against `gpuplane::sim::load` — the very loader used here.
+//! and compared field by field against `gpuplane_model::sim::load` — the very loader used here.
 //!
 //! # Environment (read by `nvmlInit_v2`; the machine is built when the first init finds none)
 //!

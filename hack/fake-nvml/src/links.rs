@@ -3,7 +3,7 @@
 use crate::device::pci_info;
 use crate::state::{with_fake, Fake, LinkEnd};
 use crate::{entry, put, Ret, INVALID_ARGUMENT, NOT_SUPPORTED};
-use gpuplane::inventory::PathLevel;
+use gpuplane_model::inventory::PathLevel;
 use nvml_wrapper_sys::bindings::*;
 use std::ffi::c_uint;
 

@@ -2,7 +2,7 @@
 
 use crate::state::{with_fake, Dev, Handle};
 use crate::{entry, put, INVALID_ARGUMENT, NOT_FOUND, NOT_SUPPORTED};
-use gpuplane::inventory::MigDevice;
+use gpuplane_model::inventory::MigDevice;
 use nvml_wrapper_sys::bindings::*;
 use std::ffi::c_uint;
 

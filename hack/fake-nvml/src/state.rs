@@ -2,9 +2,9 @@
 //! shared by every export behind one mutex.
 
 use crate::{Ret, DRIVER_NOT_LOADED, GPU_IS_LOST, INVALID_ARGUMENT, UNINITIALIZED, UNKNOWN};
-use gpuplane::inventory::mig::{self, MigCatalogue};
-use gpuplane::inventory::{Gpu, Inventory, MigDevice};
-use gpuplane::sim::{self, ProfileFile};
+use gpuplane_model::inventory::mig::{self, MigCatalogue};
+use gpuplane_model::inventory::{Gpu, Inventory, MigDevice};
+use gpuplane_model::sim::{self, ProfileFile};
 use nvml_wrapper_sys::bindings::{nvmlDevice_t, nvmlEventTypeXidCriticalError};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ffi::{CStr, CString};

@@ -18,7 +18,7 @@
 //! set a container gets: the device plugin's Allocate, or the spec-level edits of a DRA claim's
 //! spec; so a simulated spec never sets `NVIDIA_VISIBLE_DEVICES=void`.
 
-use super::driver::{DriverFiles, HostFile};
+use super::files::{DriverFiles, HostFile};
 use super::name::{DeviceName, Kind};
 use super::spec::{minimum_version, ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
 pub use crate::inventory::DeviceRef;

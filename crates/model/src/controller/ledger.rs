@@ -186,7 +186,7 @@ mod tests {
         GpuQuotaSpec, GpuQuotaStatus, Gpus, Limits, ObjectKind, Reservation, ReservationState,
         Usage,
     };
-    use kube::api::ObjectMeta;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
     fn quota(ns: &str, hard_gpus: u64, used: u64) -> GpuQuota {
         GpuQuota {

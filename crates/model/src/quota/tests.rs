@@ -43,7 +43,7 @@ fn class(name: &str, expr: &str) -> DeviceClass {
 }
 
 fn shipped_classes() -> Vec<DeviceClass> {
-    let text = include_str!("../../daemonset/deviceclasses.yaml");
+    let text = include_str!("../../../../daemonset/deviceclasses.yaml");
     serde_yaml_ng::Deserializer::from_str(text)
         .map(|d| DeviceClass::deserialize_from(d))
         .collect()
@@ -726,8 +726,11 @@ fn the_status_round_trips_through_json() {
 /// `GPUPLANE_WRITE_CRD=1 cargo test --lib quota::tests::the_crd_manifest`.
 #[test]
 fn the_crd_manifest_matches_the_types() {
-    use kube::CustomResourceExt;
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/daemonset/controller/crd.yaml");
+    use kube_core::CustomResourceExt;
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../daemonset/controller/crd.yaml"
+    );
     let generated = format!(
         "# Generated from src/quota/crd.rs (GpuQuota::crd()); do not edit by hand.\n# Regenerate: GPUPLANE_WRITE_CRD=1 cargo test --lib quota::tests::the_crd_manifest\n{}",
         serde_yaml_ng::to_string(&GpuQuota::crd()).unwrap()

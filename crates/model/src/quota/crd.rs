@@ -3,7 +3,7 @@
 //! (`GpuQuota::crd()`); a test keeps the two equal.
 
 use super::usage::{Limits, Usage};
-use kube::CustomResource;
+use kube_derive::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -21,6 +21,7 @@ pub const SCHEDULING_GATE: &str = "quota.gpuplane.dev/admission";
 /// A limit on the GPUs the pods and ResourceClaims of one namespace may hold.
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
+    crates(kube_core = "::kube_core"),
     group = "quota.gpuplane.dev",
     version = "v1alpha1",
     kind = "GpuQuota",

@@ -1,0 +1,51 @@
+//! DRA, the pure half: the plain types the kubelet's DRA calls carry ([`ClaimRef`],
+//! [`PreparedDevice`], health reports), claim planning ([`claims`]), our opaque device config
+//! ([`opaque`]) and the claim `status.devices` entries ([`status`]). The gRPC shell and the
+//! core that does the I/O are the product's `dra`.
+
+pub mod claims;
+pub mod opaque;
+pub mod status;
+
+/// A claim as the kubelet names it in NodePrepareResources / NodeUnprepareResources.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ClaimRef {
+    pub namespace: String,
+    pub uid: String,
+    pub name: String,
+}
+
+/// One device prepared for a claim, as returned to the kubelet.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PreparedDevice {
+    /// The claim's request names this device satisfies.
+    pub requests: Vec<String>,
+    pub pool: String,
+    pub device: String,
+    /// Fully qualified CDI device ids to inject.
+    pub cdi_ids: Vec<String>,
+    /// Set for devices allocated with a share id (consumable capacity); v1 only.
+    #[serde(default)]
+    pub share_id: Option<String>,
+}
+
+/// Per-claim answer: the prepared devices, or an error message the kubelet shows and retries.
+pub type PrepareResult = Result<Vec<PreparedDevice>, String>;
+
+/// Health of one published device, for the DRA health stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceHealthReport {
+    pub pool: String,
+    pub device: String,
+    pub health: DeviceHealthState,
+    /// Why, e.g. `critical Xid 48`; empty when healthy.
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceHealthState {
+    Unknown,
+    Healthy,
+    Unhealthy,
+}

@@ -1,0 +1,24 @@
+//! gpuplane's pure core: what a node has and how it is shared, as plain data and plain
+//! functions. Inventory, topology scoring, health, the allocation ledger, one Kubernetes
+//! `Quantity`, quota arithmetic, the device plugin's resource plans and decisions, claim
+//! planning, and the rendering of CDI specs, ResourceSlices and node labels. Nothing here does
+//! network I/O or waits on a runtime: the product crate (`gpuplane`) holds the shells. The
+//! only file I/O is reading simulation profiles and the agent config a caller names.
+
+#![forbid(unsafe_code)]
+
+pub mod cdi;
+pub mod config;
+pub mod controller;
+pub mod deviceplugin;
+pub mod dra;
+pub mod health;
+pub mod inventory;
+pub mod labels;
+pub mod ledger;
+pub mod quantity;
+pub mod quota;
+pub mod sim;
+pub mod slices;
+pub mod source;
+pub mod topology;

@@ -1,0 +1,107 @@
+//! The crate edges ARCHITECTURE.md's invariants rest on, checked: the model crate's
+//! dependency tree holds no runtime, network, RPC or NVML crate, and unsafe code is refused
+//! everywhere but at the NVML edge.
+
+use std::path::Path;
+use std::process::Command;
+
+/// What the pure core must never link, directly or through another crate.
+const NOT_IN_THE_MODEL: &[&str] = &[
+    "tokio",
+    "tonic",
+    "prost",
+    "hyper",
+    "h2",
+    "tower",
+    "kube",
+    "kube-client",
+    "kube-runtime",
+    "rustls",
+    "nvml-wrapper",
+    "nvml-wrapper-sys",
+    "nix",
+];
+
+fn normal_dependencies(package: &str) -> Vec<String> {
+    let out = Command::new(env!("CARGO"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["tree", "--offline", "--locked", "-p", package])
+        .args(["-e", "normal", "--prefix", "none", "--format", "{p}"])
+        .output()
+        .expect("cargo tree runs");
+    assert!(
+        out.status.success(),
+        "cargo tree -p {package}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn the_model_crate_links_no_runtime_network_rpc_or_nvml_crate() {
+    let deps = normal_dependencies("gpuplane-model");
+    assert!(
+        deps.iter().any(|d| d == "k8s-openapi"),
+        "the tree was not read: {deps:?}"
+    );
+    let found: Vec<&String> = deps
+        .iter()
+        .filter(|d| NOT_IN_THE_MODEL.contains(&d.as_str()))
+        .collect();
+    assert!(
+        found.is_empty(),
+        "gpuplane-model must stay pure, but it links {found:?} (move the code that needs them \
+         to the product crate)"
+    );
+}
+
+#[test]
+fn the_product_links_the_model_and_the_fake_nvml_only_the_model() {
+    assert!(normal_dependencies("gpuplane")
+        .iter()
+        .any(|d| d == "gpuplane-model"));
+    let fake = normal_dependencies("fake-nvml");
+    assert!(fake.iter().any(|d| d == "gpuplane-model"));
+    assert!(
+        !fake.iter().any(|d| d == "gpuplane" || d == "tokio"),
+        "the fake NVML library loads profiles through the model crate alone: {fake:?}"
+    );
+}
+
+fn read(rel: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn unsafe_code_is_refused_outside_the_nvml_edge() {
+    assert!(read("crates/model/src/lib.rs").contains("#![forbid(unsafe_code)]"));
+    assert!(read("src/main.rs").contains("#![forbid(unsafe_code)]"));
+    assert!(read("src/lib.rs").contains("#![deny(unsafe_code)]"));
+    // The one exemption in the product: the raw NVML calls.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut allowed = Vec::new();
+    let mut stack = vec![root.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("src is readable") {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).expect("a source file");
+                if text.contains("allow(unsafe_code)") {
+                    allowed.push(path.strip_prefix(&root).unwrap().display().to_string());
+                }
+            }
+        }
+    }
+    assert_eq!(
+        allowed,
+        ["nvml/mod.rs"],
+        "only `mod raw` may allow unsafe code"
+    );
+}
