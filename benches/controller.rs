@@ -30,14 +30,14 @@ mod common;
 
 use common::{percentiles, row};
 
-use gpuplane::controller::metrics::QueueMetrics;
-use gpuplane::controller::pods::PodRef;
-use gpuplane::controller::queue::{self, QueueOptions};
-use gpuplane::controller::writes::{self, Ungated};
-use gpuplane::doubles::admission::pod_create_review;
-use gpuplane::doubles::apiserver::ApiServerDouble;
-use gpuplane::quota::{GpuQuota, SCHEDULING_GATE};
-use gpuplane::webhook::{self, WebhookOptions};
+use gpuplane_shell::controller::metrics::QueueMetrics;
+use gpuplane_shell::controller::pods::PodRef;
+use gpuplane_shell::controller::queue::{self, QueueOptions};
+use gpuplane_shell::controller::writes::{self, Ungated};
+use gpuplane_shell::quota::{GpuQuota, SCHEDULING_GATE};
+use gpuplane_shell::webhook::{self, WebhookOptions};
+use gpuplane_testkit::doubles::admission::pod_create_review;
+use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper_util::rt::TokioIo;
@@ -97,7 +97,7 @@ impl Pki {
     }
 
     fn client_config(&self) -> Arc<rustls::ClientConfig> {
-        Arc::new(gpuplane::demo::tls::client_trusting(self.ca_der.clone()).unwrap())
+        Arc::new(gpuplane_testkit::demo::tls::client_trusting(self.ca_der.clone()).unwrap())
     }
 
     fn server_config(&self) -> Arc<rustls::ServerConfig> {

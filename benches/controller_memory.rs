@@ -11,8 +11,8 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use gpuplane::demo::tls::DemoPki;
-use gpuplane::doubles::apiserver::ApiServerDouble;
+use gpuplane_testkit::demo::tls::DemoPki;
+use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use serde_json::{json, Value};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};

@@ -12,12 +12,12 @@ mod common;
 
 use common::{percentiles, row};
 
-use gpuplane::deviceplugin::allocate;
-use gpuplane::doubles::kubelet::KubeletDouble;
-use gpuplane::inventory::{Link, PathLevel};
-use gpuplane::proto::deviceplugin_v1beta1 as pb;
-use gpuplane::source::{DeviceSource, SimSource};
-use gpuplane::topology::{self, TopologyModel};
+use gpuplane_shell::deviceplugin::allocate;
+use gpuplane_shell::inventory::{Link, PathLevel};
+use gpuplane_shell::proto::deviceplugin_v1beta1 as pb;
+use gpuplane_shell::source::{DeviceSource, SimSource};
+use gpuplane_shell::topology::{self, TopologyModel};
+use gpuplane_testkit::doubles::kubelet::KubeletDouble;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -41,10 +41,10 @@ async fn allocate_vs_bare_rpc() {
     let mut kubelet = KubeletDouble::start(&dir.path().join("kubelet"))
         .await
         .expect("kubelet double");
-    let sim = SimSource::new(gpuplane::sim::load("dgx-h100").expect("profile"));
-    let opts = gpuplane::node::NodeOptions {
+    let sim = SimSource::new(gpuplane_shell::sim::load("dgx-h100").expect("profile"));
+    let opts = gpuplane_shell::node::NodeOptions {
         node_name: "bench".into(),
-        paths: gpuplane::node::NodePaths {
+        paths: gpuplane_shell::node::NodePaths {
             kubelet_root: dir.path().join("kubelet"),
             cdi_root: dir.path().join("cdi"),
             state_dir: dir.path().join("state"),
@@ -58,11 +58,11 @@ async fn allocate_vs_bare_rpc() {
         api: None,
         metrics_addr: None,
         // No device nodes in the temp dir: simulated, as `--simulate` runs it.
-        device_mode: gpuplane::source::DeviceMode::Simulated,
+        device_mode: gpuplane_shell::source::DeviceMode::Simulated,
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let source: Arc<dyn DeviceSource> = Arc::new(sim.clone());
-    let agent = tokio::spawn(gpuplane::node::run(opts, source, async {
+    let agent = tokio::spawn(gpuplane_shell::node::run(opts, source, async {
         let _ = stopped.await;
     }));
     let view = kubelet
@@ -81,33 +81,33 @@ async fn allocate_vs_bare_rpc() {
 
     // Floor: a bare unary RPC on a unix socket, same runtime, same client stack.
     let bare_sock = dir.path().join("bare.sock");
-    let listener = gpuplane::grpc::bind(&bare_sock).expect("bind");
+    let listener = gpuplane_shell::grpc::bind(&bare_sock).expect("bind");
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(pb::registration_server::RegistrationServer::new(Bare))
             .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
     );
     let mut bare = pb::registration_client::RegistrationClient::new(
-        gpuplane::grpc::connect(&bare_sock)
+        gpuplane_shell::grpc::connect(&bare_sock)
             .await
             .expect("dial bare"),
     );
     // The same bare RPC through `grpc::incoming` (the `:authority` rewriter every unix-socket
     // server of ours uses): what the rewriter alone costs.
     let rewritten_sock = dir.path().join("rewritten.sock");
-    let listener = gpuplane::grpc::bind(&rewritten_sock).expect("bind");
+    let listener = gpuplane_shell::grpc::bind(&rewritten_sock).expect("bind");
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(pb::registration_server::RegistrationServer::new(Bare))
-            .serve_with_incoming(gpuplane::grpc::incoming(listener)),
+            .serve_with_incoming(gpuplane_shell::grpc::incoming(listener)),
     );
     let mut rewritten = pb::registration_client::RegistrationClient::new(
-        gpuplane::grpc::connect(&rewritten_sock)
+        gpuplane_shell::grpc::connect(&rewritten_sock)
             .await
             .expect("dial rewritten"),
     );
     let mut plugin = pb::device_plugin_client::DevicePluginClient::new(
-        gpuplane::grpc::connect(&endpoint)
+        gpuplane_shell::grpc::connect(&endpoint)
             .await
             .expect("dial plugin"),
     );
@@ -176,8 +176,8 @@ fn synthetic(islands: u32, per: u32) -> TopologyModel {
 }
 
 fn preferred_compute() {
-    let h100 = TopologyModel::new(&gpuplane::sim::load("dgx-h100").expect("profile"));
-    let v100 = TopologyModel::new(&gpuplane::sim::load("dgx1-v100").expect("profile"));
+    let h100 = TopologyModel::new(&gpuplane_shell::sim::load("dgx-h100").expect("profile"));
+    let v100 = TopologyModel::new(&gpuplane_shell::sim::load("dgx1-v100").expect("profile"));
     let cases: Vec<(String, TopologyModel, usize)> = vec![
         ("8 GPUs (dgx-h100, NVSwitch), size 4".into(), h100, 4),
         ("8 GPUs (dgx1-v100, cube mesh), size 4".into(), v100, 4),
@@ -219,10 +219,10 @@ fn preferred_compute() {
         );
     }
     // The gRPC-facing wrapper adds ID mapping on top of the same computation.
-    let inv = gpuplane::sim::load("h100-mig-single").expect("profile");
-    let cfg = gpuplane::config::AgentConfig::parse("bench", "flags: {migStrategy: single}")
+    let inv = gpuplane_shell::sim::load("h100-mig-single").expect("profile");
+    let cfg = gpuplane_shell::config::AgentConfig::parse("bench", "flags: {migStrategy: single}")
         .expect("config");
-    let plan = gpuplane::deviceplugin::resources::plan(&inv, &cfg)
+    let plan = gpuplane_shell::deviceplugin::resources::plan(&inv, &cfg)
         .expect("plan")
         .resources
         .remove(0);

@@ -19,12 +19,12 @@ mod common;
 
 use common::{percentiles, row};
 
-use gpuplane::doubles::apiserver::ApiServerDouble;
-use gpuplane::doubles::kubelet_dra::KubeletDraOptions;
-use gpuplane::doubles::lab::{NodeLab, RunningAgent, DRIVER};
-use gpuplane::dra::ClaimRef;
-use gpuplane::proto::deviceplugin_v1beta1 as pb;
-use gpuplane::source::{DeviceSource, SimSource};
+use gpuplane_shell::dra::ClaimRef;
+use gpuplane_shell::proto::deviceplugin_v1beta1 as pb;
+use gpuplane_shell::source::{DeviceSource, SimSource};
+use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
+use gpuplane_testkit::doubles::kubelet_dra::KubeletDraOptions;
+use gpuplane_testkit::doubles::lab::{NodeLab, RunningAgent, DRIVER};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use std::collections::BTreeMap;
 use std::ops::Deref;
@@ -100,7 +100,7 @@ impl Deref for Lab {
 impl Lab {
     async fn new(profile: &str) -> Lab {
         let dir = tempfile::tempdir().expect("temp dir");
-        let sim = SimSource::new(gpuplane::sim::load(profile).expect("profile"));
+        let sim = SimSource::new(gpuplane_shell::sim::load(profile).expect("profile"));
         let node = NodeLab::start(dir.path(), sim, KubeletDraOptions::default())
             .await
             .expect("lab");
@@ -217,8 +217,12 @@ async fn floor_once(
     let gets = t.elapsed();
     let t = Instant::now();
     for i in 0..refs.len() {
-        gpuplane::fsutil::write_atomic(&dir.join(format!("floor-{i}.json")), bytes, FILE_MODE)
-            .expect("floor write");
+        gpuplane_shell::fsutil::write_atomic(
+            &dir.join(format!("floor-{i}.json")),
+            bytes,
+            FILE_MODE,
+        )
+        .expect("floor write");
     }
     (gets, t.elapsed())
 }
@@ -313,7 +317,7 @@ async fn ledger_overhead() {
         for (m, (_, config, plugin_devices)) in modes.iter().enumerate() {
             let (agent, endpoint) = lab.start_registered(config, *plugin_devices).await;
             let mut plugin = pb::device_plugin_client::DevicePluginClient::new(
-                gpuplane::grpc::connect(&endpoint)
+                gpuplane_shell::grpc::connect(&endpoint)
                     .await
                     .expect("dial plugin"),
             );

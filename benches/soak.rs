@@ -25,9 +25,9 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use gpuplane::doubles::apiserver::ApiServerDouble;
-use gpuplane::doubles::kubelet::KubeletDouble;
-use gpuplane::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
+use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
+use gpuplane_testkit::doubles::kubelet::KubeletDouble;
+use gpuplane_testkit::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
 use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -171,7 +171,7 @@ async fn soak(seconds: u64) {
         .unwrap();
     dra.watch_health(DRIVER).unwrap();
     let serving = start.elapsed().as_secs_f64();
-    let uuids: Vec<String> = gpuplane::sim::load("dgx-h100")
+    let uuids: Vec<String> = gpuplane_shell::sim::load("dgx-h100")
         .unwrap()
         .gpus
         .iter()

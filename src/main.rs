@@ -4,8 +4,8 @@
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use gpuplane::node::apis::{self, Apis};
-use gpuplane::source::{DeviceSource, SimSource};
+use gpuplane_shell::node::apis::{self, Apis};
+use gpuplane_shell::source::{DeviceSource, SimSource};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -184,14 +184,14 @@ impl SourceArgs {
     fn open(&self) -> Result<(Box<dyn DeviceSource>, String)> {
         match &self.simulate {
             Some(spec) => {
-                let inventory = gpuplane::sim::load(spec)?;
+                let inventory = gpuplane_shell::sim::load(spec)?;
                 Ok((
                     Box::new(SimSource::new(inventory)),
                     format!("simulated ({spec})"),
                 ))
             }
             None => {
-                let source = gpuplane::nvml::NvmlSource::open(self.nvml_lib.as_deref())?;
+                let source = gpuplane_shell::nvml::NvmlSource::open(self.nvml_lib.as_deref())?;
                 Ok((Box::new(source), self.nvml_label()))
             }
         }
@@ -199,10 +199,10 @@ impl SourceArgs {
 
     /// Simulated devices exist only in the profile; NVML (also a fake libnvidia-ml) means
     /// real device nodes and driver files.
-    fn mode(&self) -> gpuplane::source::DeviceMode {
+    fn mode(&self) -> gpuplane_shell::source::DeviceMode {
         match self.simulate {
-            Some(_) => gpuplane::source::DeviceMode::Simulated,
-            None => gpuplane::source::DeviceMode::Hardware,
+            Some(_) => gpuplane_shell::source::DeviceMode::Simulated,
+            None => gpuplane_shell::source::DeviceMode::Hardware,
         }
     }
 
@@ -220,8 +220,8 @@ impl SourceArgs {
             return self.open();
         }
         let lib = self.nvml_lib.clone();
-        let source = gpuplane::node::deferred::Deferred::new(move || {
-            let nvml = gpuplane::nvml::NvmlSource::open(lib.as_deref())?;
+        let source = gpuplane_shell::node::deferred::Deferred::new(move || {
+            let nvml = gpuplane_shell::nvml::NvmlSource::open(lib.as_deref())?;
             Ok(Box::new(nvml) as Box<dyn DeviceSource>)
         });
         Ok((Box::new(source), self.nvml_label()))
@@ -267,8 +267,8 @@ fn run(cli: Cli) -> Result<()> {
             let (source, label) = source.open()?;
             let found = source.discover().context("discovering devices")?;
             let text = match output {
-                Output::Table => gpuplane::discover::render_table(&label, &found),
-                Output::Json => gpuplane::discover::render_json(&label, &found)?,
+                Output::Table => gpuplane_shell::discover::render_table(&label, &found),
+                Output::Json => gpuplane_shell::discover::render_json(&label, &found)?,
             };
             print!("{text}");
             Ok(())
@@ -283,13 +283,13 @@ fn run(cli: Cli) -> Result<()> {
 #[cfg(feature = "demo")]
 fn run_demo(args: DemoArgs) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    let opts = gpuplane::demo::DemoOptions {
+    let opts = gpuplane_testkit::demo::DemoOptions {
         profile: args.profile,
     };
     let summary = runtime.block_on(async {
         match args.output {
-            Output::Table => gpuplane::demo::run(&opts, &mut std::io::stdout()).await,
-            Output::Json => gpuplane::demo::run(&opts, &mut std::io::stderr()).await,
+            Output::Table => gpuplane_testkit::demo::run(&opts, &mut std::io::stdout()).await,
+            Output::Json => gpuplane_testkit::demo::run(&opts, &mut std::io::stderr()).await,
         }
     })?;
     match args.output {
@@ -313,10 +313,10 @@ fn run_demo(args: DemoArgs) -> Result<()> {
 fn run_controller(args: ControllerArgs) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
-        let client = gpuplane::kubeclient::client(args.kubeconfig.as_deref())
+        let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref())
             .await
             .context("the controller needs API access")?;
-        let mut opts = gpuplane::webhook::WebhookOptions::new(args.tls_cert_file, args.tls_key_file, &args.namespace);
+        let mut opts = gpuplane_shell::webhook::WebhookOptions::new(args.tls_cert_file, args.tls_key_file, &args.namespace);
         opts.addr = args.webhook_addr;
         opts.metrics_addr = args.metrics_addr;
         opts.catalog.drivers = args.driver_names;
@@ -327,12 +327,12 @@ fn run_controller(args: ControllerArgs) -> Result<()> {
         let host = std::env::var("POD_NAME")
             .or_else(|_| std::env::var("HOSTNAME"))
             .unwrap_or_else(|_| "gpuplane-controller".into());
-        let identity = gpuplane::controller::identity(&host);
+        let identity = gpuplane_shell::controller::identity(&host);
         opts.identity = identity.clone();
-        let mut loops = gpuplane::controller::ControllerOptions::new(&args.namespace, &identity);
+        let mut loops = gpuplane_shell::controller::ControllerOptions::new(&args.namespace, &identity);
         loops.leader_elect = args.leader_elect;
         loops.queue.catalog = opts.catalog.clone();
-        gpuplane::controller::replica::run(client, opts, loops, shutdown).await?;
+        gpuplane_shell::controller::replica::run(client, opts, loops, shutdown).await?;
         tracing::info!("gpuplane controller stopped");
         Ok(())
     })
@@ -344,14 +344,14 @@ fn run_node(args: NodeArgs) -> Result<()> {
         let (source, label) = args.source.open_for_agent()?;
         tracing::info!(node = %args.node_name, source = %label, mode = ?args.source.mode(), "gpuplane node starting");
         let api_configured =
-            args.kubeconfig.is_some() || gpuplane::kubeclient::available_without_flags();
+            args.kubeconfig.is_some() || gpuplane_shell::kubeclient::available_without_flags();
         let flags = Apis {
             device_plugin: args.device_plugin,
             dra: args.dra.unwrap_or(api_configured),
         };
         let client = if flags.dra || api_configured {
             Some(
-                gpuplane::kubeclient::client(args.kubeconfig.as_deref())
+                gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref())
                     .await
                     .context(if flags.dra {
                         "--dra needs API access"
@@ -368,15 +368,15 @@ fn run_node(args: NodeArgs) -> Result<()> {
             None => flags,
         };
         let dra = match (&client, serving.dra) {
-            (Some(client), true) => Some(gpuplane::node::dra::DraSettings {
+            (Some(client), true) => Some(gpuplane_shell::node::dra::DraSettings {
                 driver_name: args.driver_name,
                 client: client.clone(),
             }),
             _ => None,
         };
-        let opts = gpuplane::node::NodeOptions {
+        let opts = gpuplane_shell::node::NodeOptions {
             node_name: args.node_name,
-            paths: gpuplane::node::NodePaths {
+            paths: gpuplane_shell::node::NodePaths {
                 kubelet_root: args.kubelet_root,
                 cdi_root: args.cdi_root,
                 state_dir: args.state_dir,
@@ -402,7 +402,7 @@ fn run_node(args: NodeArgs) -> Result<()> {
                 None => terminated.await,
             }
         };
-        gpuplane::node::run(opts, Arc::from(source), stop).await?;
+        gpuplane_shell::node::run(opts, Arc::from(source), stop).await?;
         tracing::info!("gpuplane node stopped");
         Ok(())
     })

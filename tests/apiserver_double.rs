@@ -1,7 +1,7 @@
 //! The API server double against the real kube client: CRUD, conflicts, the status
 //! subresource, watches (and their recovery), faults, time-outs and the request log.
 
-use gpuplane::doubles::apiserver::{ApiServerDouble, Fault};
+use gpuplane_testkit::doubles::apiserver::{ApiServerDouble, Fault};
 use k8s_openapi::api::core::v1::{Pod, PodSpec};
 use k8s_openapi::api::resource::v1::{
     ResourceClaim, ResourceClaimConsumerReference, ResourceClaimStatus, ResourcePool,

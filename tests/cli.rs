@@ -3,9 +3,9 @@
 
 mod support;
 
-use gpuplane::doubles::apiserver::ApiServerDouble;
-use gpuplane::doubles::kubelet::KubeletDouble;
-use gpuplane::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
+use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
+use gpuplane_testkit::doubles::kubelet::KubeletDouble;
+use gpuplane_testkit::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -62,7 +62,7 @@ fn discover_json_is_parseable_with_the_documented_fields() {
 fn a_bad_profile_file_names_the_file_the_field_and_exits_non_zero() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("mine.yaml");
-    let text_in = gpuplane::sim::bundled_text("a100-mig-mixed")
+    let text_in = gpuplane_shell::sim::bundled_text("a100-mig-mixed")
         .unwrap()
         .replacen("profile: 3g.20gb", "profile: 3g.99gb", 1);
     std::fs::write(&path, text_in).unwrap();
@@ -291,7 +291,9 @@ async fn a_second_agent_on_the_same_state_dir_exits_at_once_and_a_sigkilled_one_
         })
         .await
         .unwrap();
-    let lock = root.join("state").join(gpuplane::node::lock::FILE_NAME);
+    let lock = root
+        .join("state")
+        .join(gpuplane_shell::node::lock::FILE_NAME);
     assert_eq!(
         std::fs::read_to_string(&lock).unwrap(),
         format!("{}\n", first.pid())

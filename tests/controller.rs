@@ -1,13 +1,13 @@
 //! The quota controller's loops against the API server double with the real kube client:
 //! leader election over a Lease, and the queue that releases gated GPU pods.
 
-use gpuplane::controller::elector::{self, Elector, Role};
-use gpuplane::controller::lease::LeaseTimings;
-use gpuplane::controller::metrics::QueueMetrics;
-use gpuplane::controller::namespace::QueueSettings;
-use gpuplane::controller::queue::{self, QueueOptions};
-use gpuplane::doubles::apiserver::ApiServerDouble;
-use gpuplane::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode, SCHEDULING_GATE};
+use gpuplane_shell::controller::elector::{self, Elector, Role};
+use gpuplane_shell::controller::lease::LeaseTimings;
+use gpuplane_shell::controller::metrics::QueueMetrics;
+use gpuplane_shell::controller::namespace::QueueSettings;
+use gpuplane_shell::controller::queue::{self, QueueOptions};
+use gpuplane_shell::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode, SCHEDULING_GATE};
+use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Event, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -699,7 +699,7 @@ async fn a_thousand_queued_pods_are_released_in_a_few_cycles_not_one_per_cycle()
 
 // ---- the namespace label the mutating gate webhook selects on ----
 
-const QUEUE_LABEL: &str = gpuplane::controller::queue_label::QUEUE_LABEL;
+const QUEUE_LABEL: &str = gpuplane_shell::controller::queue_label::QUEUE_LABEL;
 
 /// The namespace labeler running against `server` with fast timings; stopped when the sender
 /// is dropped or sent to.
@@ -709,7 +709,7 @@ fn start_labeler(
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<()>,
 ) {
-    use gpuplane::controller::labeler::{self, LabelerOptions};
+    use gpuplane_shell::controller::labeler::{self, LabelerOptions};
     let opts = LabelerOptions {
         batch: Duration::from_millis(10),
         resync: Duration::from_millis(300),
@@ -859,7 +859,7 @@ async fn the_queue_label_follows_queue_quotas_and_comes_back_after_removal_by_ha
 
 #[tokio::test]
 async fn a_failed_label_patch_is_retried_with_backoff() {
-    use gpuplane::doubles::apiserver::Fault;
+    use gpuplane_testkit::doubles::apiserver::Fault;
     let server = ApiServerDouble::start().await.unwrap();
     namespace(&server, "team-q", json!({}));
     server.inject(Fault::status("PATCH", "/api/v1/namespaces/team-q", 500).times(3));

@@ -15,11 +15,11 @@
 
 mod support;
 
-use gpuplane::doubles::apiserver::ApiServerDouble;
-use gpuplane::doubles::kubelet::KubeletDouble;
-use gpuplane::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
-use gpuplane::dra::checkpoint::{self, CheckpointData, ClaimState};
-use gpuplane::dra::ClaimRef;
+use gpuplane_shell::dra::checkpoint::{self, CheckpointData, ClaimState};
+use gpuplane_shell::dra::ClaimRef;
+use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
+use gpuplane_testkit::doubles::kubelet::KubeletDouble;
+use gpuplane_testkit::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -58,7 +58,7 @@ impl Node {
             &kubelet_root,
             KubeletDraOptions::default(),
         ));
-        let uuids: Vec<String> = gpuplane::sim::load(profile)
+        let uuids: Vec<String> = gpuplane_shell::sim::load(profile)
             .unwrap()
             .gpus
             .iter()
@@ -257,10 +257,10 @@ impl Node {
                     assert!(!restarted, "{name} left behind after the restart");
                 } else if dir == "cdi" {
                     assert!(name.ends_with(".json"), "{name}");
-                    let spec: gpuplane::cdi::Spec = serde_json::from_slice(&bytes)
+                    let spec: gpuplane_shell::cdi::Spec = serde_json::from_slice(&bytes)
                         .unwrap_or_else(|e| panic!("{name} is not a whole CDI spec: {e}"));
                     assert!(!spec.devices.is_empty(), "{name} has no devices");
-                } else if name == gpuplane::node::lock::FILE_NAME {
+                } else if name == gpuplane_shell::node::lock::FILE_NAME {
                     // The one-agent lock (node/lock.rs); it holds a PID, not state.
                 } else {
                     assert_eq!(name, "dra-checkpoint.json", "nothing set aside as corrupt");
@@ -409,7 +409,7 @@ async fn a_kill_at_any_step_of_prepare_then_the_retried_prepare_answers_the_allo
         }
         let entry = node.checkpoint().claims[&c.uid].clone();
         assert_eq!(entry.state, ClaimState::PrepareCompleted, "{step}");
-        let spec: gpuplane::cdi::Spec =
+        let spec: gpuplane_shell::cdi::Spec =
             serde_json::from_slice(&std::fs::read(node.spec_path(&c)).unwrap()).unwrap();
         let mut names: Vec<String> = spec.devices.iter().map(|d| d.name.clone()).collect();
         names.sort();
@@ -468,7 +468,7 @@ async fn a_kill_at_any_step_of_unprepare_then_the_retried_unprepare_leaves_no_tr
 
 /// A DGX H100 with every GPU in MIG mode, doubled to 16 GPUs: 112 MIG devices, two slices.
 fn sixteen_gpu_profile(dir: &Path) -> PathBuf {
-    let text = gpuplane::sim::bundled_text("h100-mig-single").unwrap();
+    let text = gpuplane_shell::sim::bundled_text("h100-mig-single").unwrap();
     let (head, rest) = text.split_once("gpus:\n").unwrap();
     let (gpus, _) = rest.split_once("topology:\n").unwrap();
     let more = gpus.replace("pciBusId: \"00000000:", "pciBusId: \"00000001:");
@@ -532,7 +532,7 @@ async fn a_kill_between_slice_writes_leaves_a_pool_the_next_agent_completes() {
     for s in pool(&node.api) {
         let slice: k8s_openapi::api::resource::v1::ResourceSlice =
             serde_json::from_value(s).unwrap();
-        gpuplane::slices::validate::validate(&slice).unwrap();
+        gpuplane_shell::slices::validate::validate(&slice).unwrap();
     }
     node.kill().await;
 
@@ -575,7 +575,7 @@ async fn a_kill_while_the_node_cdi_spec_is_replaced_leaves_the_old_or_the_new_on
         } else {
             assert_eq!(at_kill, old, "{step}");
         }
-        node.uuids = gpuplane::sim::load("dgx-a100")
+        node.uuids = gpuplane_shell::sim::load("dgx-a100")
             .unwrap()
             .gpus
             .iter()

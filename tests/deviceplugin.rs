@@ -4,9 +4,9 @@
 
 mod support;
 
-use gpuplane::doubles::kubelet::{KubeletDouble, PluginView};
-use gpuplane::node::{NodeOptions, NodePaths};
-use gpuplane::source::{DeviceMode, DeviceSource, SimSource};
+use gpuplane_shell::node::{NodeOptions, NodePaths};
+use gpuplane_shell::source::{DeviceMode, DeviceSource, SimSource};
+use gpuplane_testkit::doubles::kubelet::{KubeletDouble, PluginView};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -22,7 +22,7 @@ struct Harness {
     kubelet: KubeletDouble,
     sim: SimSource,
     stop: Option<oneshot::Sender<()>>,
-    agent: JoinHandle<Result<(), gpuplane::node::NodeError>>,
+    agent: JoinHandle<Result<(), gpuplane_shell::node::NodeError>>,
 }
 
 fn options(dir: &Path, config: Option<&str>, device_mode: DeviceMode) -> NodeOptions {
@@ -64,11 +64,11 @@ async fn start_as(profile: &str, config: Option<&str>, mode: DeviceMode) -> Harn
     let kubelet = KubeletDouble::start(&dir.path().join("kubelet"))
         .await
         .unwrap();
-    let sim = SimSource::new(gpuplane::sim::load(profile).unwrap());
+    let sim = SimSource::new(gpuplane_shell::sim::load(profile).unwrap());
     let (stop, stopped) = oneshot::channel::<()>();
     let opts = options(dir.path(), config, mode);
     let source: Arc<dyn DeviceSource> = Arc::new(sim.clone());
-    let agent = tokio::spawn(gpuplane::node::run(opts, source, async {
+    let agent = tokio::spawn(gpuplane_shell::node::run(opts, source, async {
         let _ = stopped.await;
     }));
     Harness {
@@ -216,7 +216,7 @@ async fn preferred_allocation_on_the_cube_mesh_picks_nvlink_pairs() {
     let view = h.wait_devices(GPU, 8).await;
     let all = ids(&view);
     let pair = h.kubelet.preferred(GPU, &all, &[], 2).await.unwrap();
-    let inv = gpuplane::sim::load("dgx1-v100").unwrap();
+    let inv = gpuplane_shell::sim::load("dgx1-v100").unwrap();
     let (a, b): (u32, u32) = (pair[0].parse().unwrap(), pair[1].parse().unwrap());
     assert_eq!(inv.topology.link(a, b).unwrap().nvlinks, 2, "{pair:?}");
     // must_include is honoured and only offered devices come back.
@@ -255,9 +255,10 @@ async fn a_kubelet_restart_gets_every_resource_registered_again() {
 async fn an_agent_started_before_the_kubelet_registers_once_it_appears() {
     let dir = tempfile::tempdir().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let source: Arc<dyn DeviceSource> =
-        Arc::new(SimSource::new(gpuplane::sim::load("pcie-l4x4").unwrap()));
-    let agent = tokio::spawn(gpuplane::node::run(
+    let source: Arc<dyn DeviceSource> = Arc::new(SimSource::new(
+        gpuplane_shell::sim::load("pcie-l4x4").unwrap(),
+    ));
+    let agent = tokio::spawn(gpuplane_shell::node::run(
         options(dir.path(), None, DeviceMode::Simulated),
         source,
         async {
@@ -411,8 +412,8 @@ async fn mig_reconfiguration_is_picked_up_without_a_restart() {
     )
     .await;
     h.wait_devices("nvidia.com/mig-4g.20gb", 1).await;
-    let mut inv = gpuplane::sim::load("a100-mig-mixed").unwrap();
-    let mut seven = gpuplane::sim::load("h100-mig-single").unwrap().gpus[0]
+    let mut inv = gpuplane_shell::sim::load("a100-mig-mixed").unwrap();
+    let mut seven = gpuplane_shell::sim::load("h100-mig-single").unwrap().gpus[0]
         .mig_devices
         .clone();
     for (i, m) in seven.iter_mut().enumerate() {
@@ -479,7 +480,7 @@ async fn a_config_change_is_applied_without_dropping_unchanged_registrations() {
 
 /// Fails under CI, skips (returning true) elsewhere, where this process cannot mknod.
 fn cannot_make_nodes() -> bool {
-    if gpuplane::doubles::devnodes::can_make_nodes() {
+    if gpuplane_testkit::doubles::devnodes::can_make_nodes() {
         return false;
     }
     assert!(
@@ -504,7 +505,7 @@ async fn the_cdi_spec_is_written_only_once_the_device_nodes_exist() {
         "no spec may be cached before /dev/nvidia* exist"
     );
     let dev = h.dir.path().join("dev");
-    gpuplane::doubles::devnodes::make_gpu_nodes(&dev, 0..4).unwrap();
+    gpuplane_testkit::doubles::devnodes::make_gpu_nodes(&dev, 0..4).unwrap();
     let deadline = std::time::Instant::now() + WAIT;
     while !spec_path.exists() && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -538,11 +539,11 @@ async fn on_nvml_allocate_refuses_until_the_device_nodes_are_right() {
     let root = dir.path();
     let lib = root.join("libnvidia-ml.so.1");
     std::fs::copy(support::built_fake(), &lib).unwrap();
-    let api = gpuplane::doubles::apiserver::ApiServerDouble::start()
+    let api = gpuplane_testkit::doubles::apiserver::ApiServerDouble::start()
         .await
         .unwrap();
     let kubelet = KubeletDouble::start(&root.join("kubelet")).await.unwrap();
-    let inv = gpuplane::sim::load("pcie-l4x4").unwrap();
+    let inv = gpuplane_shell::sim::load("pcie-l4x4").unwrap();
     support::lay_out_node(root, inv.gpus.len(), &api.url());
     // The driver is half-way: GPU 1's node is not there yet, a stray file sits where GPU 0's
     // must be, and GPU 3's has GPU 7's number.
@@ -551,7 +552,7 @@ async fn on_nvml_allocate_refuses_until_the_device_nodes_are_right() {
     std::fs::remove_file(node(1)).unwrap();
     std::fs::remove_file(node(0)).unwrap();
     std::fs::write(node(0), "").unwrap();
-    gpuplane::doubles::devnodes::make_node(&node(3), 195, 7).unwrap();
+    gpuplane_testkit::doubles::devnodes::make_node(&node(3), 195, 7).unwrap();
     let agent = support::AgentProcess::spawn(
         root,
         "",
@@ -592,7 +593,7 @@ async fn on_nvml_allocate_refuses_until_the_device_nodes_are_right() {
 
     // The driver finishes; the kubelet's retry is granted, with a name the written spec defines.
     for i in [0, 1, 3] {
-        gpuplane::doubles::devnodes::make_node(&node(i), 195, u64::from(inv.gpus[i].minor))
+        gpuplane_testkit::doubles::devnodes::make_node(&node(i), 195, u64::from(inv.gpus[i].minor))
             .unwrap();
     }
     let grant = kubelet
@@ -609,7 +610,7 @@ async fn on_nvml_allocate_refuses_until_the_device_nodes_are_right() {
         [name.as_str()]
     );
     assert!(grant.envs.is_empty(), "{:?}", grant.envs);
-    let spec: gpuplane::cdi::Spec =
+    let spec: gpuplane_shell::cdi::Spec =
         serde_json::from_slice(&std::fs::read(&spec_path).expect("spec written")).unwrap();
     let device = spec
         .devices

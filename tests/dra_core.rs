@@ -5,16 +5,16 @@
 //! character devices with the NVIDIA driver's numbers, made with mknod, so they need root and
 //! skip without it. The simulated mode needs no nodes.
 
-use gpuplane::cdi::Spec;
-use gpuplane::config::AgentConfig;
-use gpuplane::doubles::devnodes;
-use gpuplane::dra::checkpoint::{self, CheckpointData, ClaimEntry, ClaimState};
-use gpuplane::dra::core::{spec_stem, DraCore, DraCoreConfig};
-use gpuplane::dra::fetch::{ClaimFetcher, MemoryClaims};
-use gpuplane::dra::{ClaimRef, DeviceHealthState, DraDriver, PreparedDevice};
-use gpuplane::inventory::Inventory;
-use gpuplane::node::state::{NodeState, Snapshot};
-use gpuplane::source::DeviceMode;
+use gpuplane_shell::cdi::Spec;
+use gpuplane_shell::config::AgentConfig;
+use gpuplane_shell::dra::checkpoint::{self, CheckpointData, ClaimEntry, ClaimState};
+use gpuplane_shell::dra::core::{spec_stem, DraCore, DraCoreConfig};
+use gpuplane_shell::dra::fetch::{ClaimFetcher, MemoryClaims};
+use gpuplane_shell::dra::{ClaimRef, DeviceHealthState, DraDriver, PreparedDevice};
+use gpuplane_shell::inventory::Inventory;
+use gpuplane_shell::node::state::{NodeState, Snapshot};
+use gpuplane_shell::source::DeviceMode;
+use gpuplane_testkit::doubles::devnodes;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -83,7 +83,7 @@ impl Env {
     fn bare(mode: DeviceMode) -> Env {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().to_path_buf();
-        let inv = gpuplane::sim::load("a100-mig-mixed").unwrap();
+        let inv = gpuplane_shell::sim::load("a100-mig-mixed").unwrap();
         fs::create_dir_all(root.join("driver")).unwrap();
         fs::write(root.join("boot_id"), "boot-1\n").unwrap();
         let snapshot = Snapshot::new(inv.clone(), AgentConfig::default()).unwrap();
@@ -141,7 +141,7 @@ impl Env {
         self.inv
             .dra_devices()
             .into_iter()
-            .filter(|d| matches!(d, gpuplane::inventory::DeviceRef::Mig { .. }))
+            .filter(|d| matches!(d, gpuplane_shell::inventory::DeviceRef::Mig { .. }))
             .nth(i)
             .unwrap()
             .dra_name()
@@ -348,7 +348,7 @@ async fn per_claim_errors_name_the_claim_and_the_reason() {
     env.state.update(|s| {
         let policy = s.config.xid_policy.clone();
         s.health.on_event(
-            &gpuplane::source::DeviceEvent::Xid {
+            &gpuplane_shell::source::DeviceEvent::Xid {
                 gpu_uuid: String::new(),
                 mig_uuid: Some(mig_uuid.clone()),
                 xid: 48,
@@ -471,7 +471,7 @@ async fn simulated_devices_are_prepared_without_device_nodes_and_carry_their_ide
         .iter()
         .find_map(|g| {
             let i = g.mig_devices.iter().position(|m| {
-                gpuplane::inventory::DeviceRef::Mig { parent: g, mig: m }.dra_name() == mig
+                gpuplane_shell::inventory::DeviceRef::Mig { parent: g, mig: m }.dra_name() == mig
             })?;
             Some((g, i))
         })

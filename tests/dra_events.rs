@@ -6,8 +6,8 @@
 #[path = "support/lab.rs"]
 mod lab;
 
-use gpuplane::doubles::apiserver::Fault;
-use gpuplane::dra::ClaimRef;
+use gpuplane_shell::dra::ClaimRef;
+use gpuplane_testkit::doubles::apiserver::Fault;
 use lab::{Lab, DRIVER, NODE, WAIT};
 use serde_json::{json, Value};
 use std::time::Duration;

@@ -3,15 +3,15 @@
 //! socket re-creation and shutdown, all driven through the kubelet DRA double against a fake
 //! `DraDriver` (the real core is tested on its own).
 
-use gpuplane::doubles::kubelet_dra::{
-    DraVersion, HealthVersion, KubeletDraDouble, KubeletDraOptions,
-};
-use gpuplane::dra::server::{DraPaths, DraServer};
-use gpuplane::dra::{
+use gpuplane_shell::dra::server::{DraPaths, DraServer};
+use gpuplane_shell::dra::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
 };
-use gpuplane::proto::dra_health_v1::HealthStatus;
-use gpuplane::proto::pluginregistration_v1 as reg_pb;
+use gpuplane_shell::proto::dra_health_v1::HealthStatus;
+use gpuplane_shell::proto::pluginregistration_v1 as reg_pb;
+use gpuplane_testkit::doubles::kubelet_dra::{
+    DraVersion, HealthVersion, KubeletDraDouble, KubeletDraOptions,
+};
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -126,7 +126,7 @@ struct Harness {
     paths: DraPaths,
     registered: watch::Receiver<bool>,
     stop: watch::Sender<bool>,
-    server: JoinHandle<Result<(), gpuplane::dra::server::ServeError>>,
+    server: JoinHandle<Result<(), gpuplane_shell::dra::server::ServeError>>,
 }
 
 fn start() -> Harness {
@@ -258,7 +258,7 @@ async fn refusal_is_recorded_by_the_plugin() {
         .path()
         .join("kubelet/plugins_registry/gpu.nvidia.com-reg.sock");
     let channel = loop {
-        match gpuplane::grpc::connect(&sock).await {
+        match gpuplane_shell::grpc::connect(&sock).await {
             Ok(c) => break c,
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }

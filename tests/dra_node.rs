@@ -5,10 +5,10 @@
 mod lab;
 mod support;
 
-use gpuplane::doubles::apiserver::Fault;
-use gpuplane::dra::ClaimRef;
-use gpuplane::proto::dra_health_v1::HealthStatus;
-use gpuplane::source::DeviceSource;
+use gpuplane_shell::dra::ClaimRef;
+use gpuplane_shell::proto::dra_health_v1::HealthStatus;
+use gpuplane_shell::source::DeviceSource;
+use gpuplane_testkit::doubles::apiserver::Fault;
 use lab::{Lab, DRIVER, NODE, WAIT};
 use serde_json::json;
 use std::time::Duration;
@@ -174,7 +174,7 @@ async fn slices_are_published_valid_and_a_restart_with_the_same_inventory_writes
     for s in lab.slices() {
         let slice: k8s_openapi::api::resource::v1::ResourceSlice =
             serde_json::from_value(s).unwrap();
-        gpuplane::slices::validate::validate(&slice).unwrap();
+        gpuplane_shell::slices::validate::validate(&slice).unwrap();
         assert_eq!(slice.spec.node_name.as_deref(), Some(NODE));
     }
     assert!(Lab::device(&lab.slices(), "gpu-0-mig-1g10gb-1").is_some());
@@ -559,8 +559,8 @@ async fn a_restart_rebuilds_the_same_ledger_from_pod_resources_and_the_checkpoin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn device_health_streams_the_same_over_dra_health_v1_and_v1alpha1() {
-    use gpuplane::doubles::kubelet_dra::HealthVersion;
-    use gpuplane::proto::{dra_health_v1 as v1, dra_health_v1alpha1 as v1alpha1};
+    use gpuplane_shell::proto::{dra_health_v1 as v1, dra_health_v1alpha1 as v1alpha1};
+    use gpuplane_testkit::doubles::kubelet_dra::HealthVersion;
 
     let lab = Lab::new("dgx-h100").await;
     // A long quiet period: gpu-5 stays unhealthy while both streams are read.
@@ -588,13 +588,17 @@ async fn device_health_streams_the_same_over_dra_health_v1_and_v1alpha1() {
     assert_eq!(seen.version, Some(HealthVersion::V1));
 
     // Two clients of our own on the DRA socket, one per version.
-    let channel = gpuplane::grpc::connect(&plugin.endpoint).await.unwrap();
+    let channel = gpuplane_shell::grpc::connect(&plugin.endpoint)
+        .await
+        .unwrap();
     let mut v1_stream = v1::dra_resource_health_client::DraResourceHealthClient::new(channel)
         .node_watch_resources(v1::NodeWatchResourcesRequest {})
         .await
         .unwrap()
         .into_inner();
-    let channel = gpuplane::grpc::connect(&plugin.endpoint).await.unwrap();
+    let channel = gpuplane_shell::grpc::connect(&plugin.endpoint)
+        .await
+        .unwrap();
     let mut alpha_stream =
         v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(channel)
             .node_watch_resources(v1alpha1::NodeWatchResourcesRequest {})
@@ -669,7 +673,7 @@ async fn device_health_streams_the_same_over_dra_health_v1_and_v1alpha1() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kubelet_that_speaks_only_dra_v1beta1_gets_the_same_answers() {
-    use gpuplane::doubles::kubelet_dra::{DraVersion, KubeletDraOptions};
+    use gpuplane_testkit::doubles::kubelet_dra::{DraVersion, KubeletDraOptions};
     let lab = Lab::with_kubelet("a100-mig-mixed", KubeletDraOptions::v1beta1_only()).await;
     let agent = lab.start("flags: {migStrategy: mixed}\n");
     let plugin = lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
@@ -689,7 +693,7 @@ async fn a_kubelet_that_speaks_only_dra_v1beta1_gets_the_same_answers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_waits_until_the_slices_are_published_and_metrics_count_the_writes() {
-    use gpuplane::doubles::apiserver::Fault;
+    use gpuplane_testkit::doubles::apiserver::Fault;
     let lab = Lab::new("dgx-h100").await;
     let refused = lab.api.inject(Fault::status("POST", "resourceslices", 500));
     let addr: std::net::SocketAddr = ([127, 0, 0, 1], support::free_port()).into();

@@ -6,10 +6,10 @@
 
 mod support;
 
-use gpuplane::doubles::apiserver::ApiServerDouble;
-use gpuplane::doubles::dial::{self, Authority};
-use gpuplane::proto::dra_v1;
-use gpuplane::proto::pluginregistration_v1 as reg_pb;
+use gpuplane_shell::proto::dra_v1;
+use gpuplane_shell::proto::pluginregistration_v1 as reg_pb;
+use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
+use gpuplane_testkit::doubles::dial::{self, Authority};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use support::{AgentProcess, DRIVER};

@@ -2,16 +2,16 @@
 //! client sends: `localhost` (device manager, DRA client), the percent-encoded socket path (the
 //! plugin watcher: grpc-go with a bare path target), the raw path (grpc-java, older grpc-go), an
 //! empty one and none. Driven against the real agent over its real sockets; the control case
-//! shows that a tonic server without `gpuplane::grpc::incoming` resets the plugin watcher.
+//! shows that a tonic server without `gpuplane_shell::grpc::incoming` resets the plugin watcher.
 
 #[path = "support/lab.rs"]
 mod lab;
 
-use gpuplane::doubles::dial::{self, Authority};
-use gpuplane::dra::registration::RegistrationService;
-use gpuplane::proto::deviceplugin_v1beta1 as dp;
-use gpuplane::proto::dra_v1;
-use gpuplane::proto::pluginregistration_v1 as reg_pb;
+use gpuplane_shell::dra::registration::RegistrationService;
+use gpuplane_shell::proto::deviceplugin_v1beta1 as dp;
+use gpuplane_shell::proto::dra_v1;
+use gpuplane_shell::proto::pluginregistration_v1 as reg_pb;
+use gpuplane_testkit::doubles::dial::{self, Authority};
 use lab::{Agent, Lab, DRIVER};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -136,13 +136,13 @@ async fn every_unix_socket_server_answers_all_four_authority_forms() {
 }
 
 /// The control: the same registration service on a plain tonic server (no
-/// `gpuplane::grpc::incoming`) answers `localhost` and resets the plugin watcher's request, as
+/// `gpuplane_shell::grpc::incoming`) answers `localhost` and resets the plugin watcher's request, as
 /// it did before the rewriter. If this starts passing, h2 learned to accept such authorities.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plain_tonic_server_resets_the_plugin_watchers_request() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("x-reg.sock");
-    let listener = gpuplane::grpc::bind(&socket).unwrap();
+    let listener = gpuplane_shell::grpc::bind(&socket).unwrap();
     let service = RegistrationService::new(DRIVER, &dir.path().join("dra.sock"));
     let server = tokio::spawn(
         tonic::transport::Server::builder()

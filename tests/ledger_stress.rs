@@ -7,9 +7,9 @@
 #[path = "support/lab.rs"]
 mod lab;
 
-use gpuplane::dra::ClaimRef;
-use gpuplane::inventory::Inventory;
-use gpuplane::source::DeviceSource;
+use gpuplane_shell::dra::ClaimRef;
+use gpuplane_shell::inventory::Inventory;
+use gpuplane_shell::source::DeviceSource;
 use lab::{Lab, WAIT};
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -7,8 +7,8 @@
 #[path = "support/lab.rs"]
 mod lab;
 
-use gpuplane::doubles::apiserver::{ApiCall, ApiServerDouble};
-use gpuplane::source::DeviceSource;
+use gpuplane_shell::source::DeviceSource;
+use gpuplane_testkit::doubles::apiserver::{ApiCall, ApiServerDouble};
 use k8s_openapi::api::admissionregistration::v1 as admission;
 use k8s_openapi::api::apps::v1 as apps;
 use k8s_openapi::api::core::v1 as core;
@@ -832,7 +832,7 @@ fn the_quota_webhooks_receive_only_what_they_govern() {
         // The controller caches exactly the pods the webhooks receive.
         let typed: core::Pod = serde_json::from_value(pod.clone()).unwrap();
         assert_eq!(
-            gpuplane::quota::governs_pod(&typed),
+            gpuplane_shell::quota::governs_pod(&typed),
             *want,
             "controller cache: {what}"
         );
@@ -1154,7 +1154,7 @@ fn device_classes_back_the_device_plugin_resource_names() {
             .unwrap_or_else(|| panic!("{}: no profile in {cel}", d.name()));
         assert_eq!(
             name,
-            gpuplane::deviceplugin::resources::mig_resource_name(profile),
+            gpuplane_shell::deviceplugin::resources::mig_resource_name(profile),
             "{}",
             d.name()
         );
@@ -1163,9 +1163,9 @@ fn device_classes_back_the_device_plugin_resource_names() {
     assert_eq!(backed["nvidia.com/gpu"], "gpu.gpuplane.dev");
     // Every MIG profile of the simulation profiles has its class.
     for p in ["a100-mig-mixed", "h100-mig-single"] {
-        let inv = gpuplane::sim::load(p).unwrap();
+        let inv = gpuplane_shell::sim::load(p).unwrap();
         for mig in inv.gpus.iter().flat_map(|g| g.mig_devices.iter()) {
-            let name = gpuplane::deviceplugin::resources::mig_resource_name(&mig.profile);
+            let name = gpuplane_shell::deviceplugin::resources::mig_resource_name(&mig.profile);
             assert!(backed.contains_key(&name), "{p}: no class backs {name}");
         }
     }
@@ -1194,8 +1194,11 @@ fn the_node_config_map_is_a_valid_agent_config_at_the_path_the_agent_reads() {
     let cm: core::ConfigMap = typed(find(&docs, "ConfigMap", Some(NS), cm_name).unwrap());
     let key = config.file_name().unwrap().to_str().unwrap();
     let text = &cm.data.unwrap()[key];
-    let parsed = gpuplane::config::AgentConfig::parse(key, text).unwrap();
-    assert_eq!(parsed.allocation, gpuplane::config::AllocationMode::Shared);
+    let parsed = gpuplane_shell::config::AgentConfig::parse(key, text).unwrap();
+    assert_eq!(
+        parsed.allocation,
+        gpuplane_shell::config::AllocationMode::Shared
+    );
 }
 
 // ---- RBAC against the calls the code makes ----
@@ -1472,7 +1475,7 @@ mod tls {
 
         /// POSTs `body` to `path` and returns the response body (HTTP/1.1, one connection).
         pub async fn post(&self, addr: SocketAddr, path: &str, body: &[u8]) -> serde_json::Value {
-            let cfg = gpuplane::demo::tls::client_trusting(self.ca.der().clone()).unwrap();
+            let cfg = gpuplane_testkit::demo::tls::client_trusting(self.ca.der().clone()).unwrap();
             let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
             let mut conn = tokio_rustls::TlsConnector::from(Arc::new(cfg))
                 .connect(ServerName::try_from("localhost").unwrap(), tcp)
@@ -1496,14 +1499,17 @@ mod tls {
 }
 
 fn pod_review(uid: &str, pod: Value) -> Vec<u8> {
-    serde_json::to_vec(&gpuplane::doubles::admission::pod_create_review(uid, &pod)).unwrap()
+    serde_json::to_vec(&gpuplane_testkit::doubles::admission::pod_create_review(
+        uid, &pod,
+    ))
+    .unwrap()
 }
 
 fn gpu_pod(ns: &str, name: &str, gated: bool) -> Value {
     let mut spec = json!({"containers": [{"name": "main", "image": "cuda",
         "resources": {"limits": {"nvidia.com/gpu": "1"}}}]});
     if gated {
-        spec["schedulingGates"] = json!([{"name": gpuplane::quota::SCHEDULING_GATE}]);
+        spec["schedulingGates"] = json!([{"name": gpuplane_shell::quota::SCHEDULING_GATE}]);
     }
     json!({"apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{name}")}, "spec": spec})
@@ -1564,14 +1570,14 @@ fn seed_cluster(api: &ApiServerDouble) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rbac_grants_exactly_what_the_controller_calls() {
-    use gpuplane::controller::{self, lease::LeaseTimings, ControllerOptions};
+    use gpuplane_shell::controller::{self, lease::LeaseTimings, ControllerOptions};
     let api = ApiServerDouble::start().await.unwrap();
     seed_cluster(&api);
     let pki = tls::Pki::new();
-    let mut opts = gpuplane::webhook::WebhookOptions::new(pki.cert(), pki.key(), NS);
+    let mut opts = gpuplane_shell::webhook::WebhookOptions::new(pki.cert(), pki.key(), NS);
     opts.addr = "127.0.0.1:0".parse().unwrap();
     opts.sync_timeout = Duration::from_secs(10);
-    let webhook = gpuplane::webhook::start(api.client().unwrap(), opts)
+    let webhook = gpuplane_shell::webhook::start(api.client().unwrap(), opts)
         .await
         .unwrap();
     let mut loops = ControllerOptions::new(NS, "replica-1");

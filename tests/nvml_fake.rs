@@ -1,6 +1,6 @@
 //! The NVML backend, black-box: hack/fake-nvml serves simulation profiles through NVML's C ABI,
 //! `NvmlSource` loads it like the real `libnvidia-ml.so.1`, and what it reads must equal what
-//! `gpuplane::sim::load` yields for the same profile.
+//! `gpuplane_shell::sim::load` yields for the same profile.
 //!
 //! The fake keeps its machine in library statics chosen from environment variables at
 //! `nvmlInit_v2`. So each test loads its own copy of the library (a different file is a separate
@@ -8,9 +8,9 @@
 
 mod support;
 
-use gpuplane::nvml::NvmlSource;
-use gpuplane::sim;
-use gpuplane::source::{DeviceEvent, DeviceSource, SimSource};
+use gpuplane_shell::nvml::NvmlSource;
+use gpuplane_shell::sim;
+use gpuplane_shell::source::{DeviceEvent, DeviceSource, SimSource};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -43,7 +43,7 @@ impl Lab {
         Lab { dir, lib }
     }
 
-    fn try_open(&self, profile: &str) -> Result<NvmlSource, gpuplane::source::SourceError> {
+    fn try_open(&self, profile: &str) -> Result<NvmlSource, gpuplane_shell::source::SourceError> {
         let control = self.dir.path().join("control");
         std::fs::write(&control, "").unwrap();
         let _env = ENV.lock().unwrap_or_else(|p| p.into_inner());

@@ -837,7 +837,7 @@ fn an_xid_makes_a_gpu_unhealthy_for_the_kubelet_and_the_scheduler_until_it_recov
     let dir = LabAgent::dir(&lab);
     let dev = dir.join("dev");
     std::fs::create_dir_all(&dev).unwrap();
-    gpuplane::doubles::devnodes::make_gpu_nodes(&dev, 0..8).unwrap();
+    gpuplane_testkit::doubles::devnodes::make_gpu_nodes(&dev, 0..8).unwrap();
     let control = dir.join("nvml-control");
     std::fs::write(&control, "").unwrap();
     let fake = support::built_fake();
@@ -855,7 +855,7 @@ fn an_xid_makes_a_gpu_unhealthy_for_the_kubelet_and_the_scheduler_until_it_recov
         Some(config),
     );
     wait_registered(&lab);
-    let gpu3 = gpuplane::sim::load("dgx-h100").unwrap().gpus[3]
+    let gpu3 = gpuplane_shell::sim::load("dgx-h100").unwrap().gpus[3]
         .uuid
         .clone();
     let unhealthy = |lab: &ClusterLab| {
@@ -957,7 +957,7 @@ fn an_admin_drains_a_gpu_with_a_device_taint_rule() {
     let Some((lab, _kc, _agent)) = lab_with_agent() else {
         return;
     };
-    let gpu5 = gpuplane::sim::load("dgx-h100").unwrap().gpus[5]
+    let gpu5 = gpuplane_shell::sim::load("dgx-h100").unwrap().gpus[5]
         .uuid
         .clone();
     let on_gpu5 = format!("device.attributes['gpu.gpuplane.dev'].uuid == '{gpu5}'");

@@ -11,7 +11,7 @@ use cluster::{
     eventually, eventually_or, refusals, start_controller, ClusterLab, LabAgent, LabProcess,
     CONTROLLER_METRICS_ADDR, NODE,
 };
-use gpuplane::quota::SCHEDULING_GATE;
+use gpuplane_shell::quota::SCHEDULING_GATE;
 use serde_json::Value;
 use std::process::Output;
 

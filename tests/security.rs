@@ -2,11 +2,11 @@
 //! running agent, claim identifiers that cannot steer a file name, the webhook's TLS versions
 //! and cipher suites, request size limits, and no shelling out.
 
-use gpuplane::doubles::kubelet_dra::KubeletDraOptions;
-use gpuplane::doubles::lab::{NodeLab, RunningAgent};
-use gpuplane::dra::ClaimRef;
-use gpuplane::proto::{deviceplugin_v1beta1 as dp, dra_v1};
-use gpuplane::source::SimSource;
+use gpuplane_shell::dra::ClaimRef;
+use gpuplane_shell::proto::{deviceplugin_v1beta1 as dp, dra_v1};
+use gpuplane_shell::source::SimSource;
+use gpuplane_testkit::doubles::kubelet_dra::KubeletDraOptions;
+use gpuplane_testkit::doubles::lab::{NodeLab, RunningAgent};
 use std::collections::BTreeSet;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -74,7 +74,7 @@ impl Running {
 /// The real agent (device plugin and DRA) on a simulated 4-GPU machine, once both APIs serve.
 async fn agent() -> Running {
     let dir = tempfile::tempdir().unwrap();
-    let sim = SimSource::new(gpuplane::sim::load("pcie-l4x4").unwrap());
+    let sim = SimSource::new(gpuplane_shell::sim::load("pcie-l4x4").unwrap());
     let lab = NodeLab::start(dir.path(), sim, KubeletDraOptions::default())
         .await
         .unwrap();
@@ -110,7 +110,9 @@ async fn sockets_state_and_cdi_files_have_the_documented_modes() {
         assert_eq!(mode(&s), 0o600, "{}", s.display());
     }
     assert_eq!(mode(&paths.state_dir), 0o700, "state dir");
-    let checkpoint = paths.state_dir.join(gpuplane::dra::checkpoint::FILE_NAME);
+    let checkpoint = paths
+        .state_dir
+        .join(gpuplane_shell::dra::checkpoint::FILE_NAME);
     assert_eq!(mode(&checkpoint), 0o600, "checkpoint");
     let claim_spec = paths
         .cdi_root
@@ -188,7 +190,7 @@ async fn grpc_requests_over_four_mebibytes_are_refused_before_any_handler_runs()
     let r = agent().await;
     let huge = "0".repeat(5 << 20);
 
-    let ch = gpuplane::grpc::connect(&r.dp_socket()).await.unwrap();
+    let ch = gpuplane_shell::grpc::connect(&r.dp_socket()).await.unwrap();
     let mut client = dp::device_plugin_client::DevicePluginClient::new(ch);
     let err = client
         .allocate(dp::AllocateRequest {
@@ -200,7 +202,9 @@ async fn grpc_requests_over_four_mebibytes_are_refused_before_any_handler_runs()
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::OutOfRange, "{err:?}");
 
-    let ch = gpuplane::grpc::connect(&r.dra_socket()).await.unwrap();
+    let ch = gpuplane_shell::grpc::connect(&r.dra_socket())
+        .await
+        .unwrap();
     let mut client = dra_v1::dra_plugin_client::DraPluginClient::new(ch);
     let err = client
         .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
@@ -227,7 +231,7 @@ fn sockets_are_bound_owner_only_and_replace_a_stale_file() {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     std::fs::write(&path, "stale").unwrap();
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let _listener = gpuplane::grpc::bind(&path).unwrap();
+    let _listener = gpuplane_shell::grpc::bind(&path).unwrap();
     assert_eq!(mode(&path), 0o600);
     assert!(std::fs::symlink_metadata(&path)
         .unwrap()
@@ -246,7 +250,12 @@ fn sockets_are_bound_owner_only_and_replace_a_stale_file() {
 fn product_sources() -> Vec<(PathBuf, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut out = Vec::new();
-    for base in ["src", "crates/model/src", "hack/fake-nvml/src"] {
+    for base in [
+        "src",
+        "crates/shell/src",
+        "crates/model/src",
+        "hack/fake-nvml/src",
+    ] {
         for f in tree(&root.join(base)) {
             let p = root.join(base).join(&f);
             if p.extension().is_some_and(|e| e == "rs") {
@@ -296,13 +305,13 @@ fn unix_sockets_are_bound_only_through_grpc_bind() {
         }
         assert!(
             !text.contains("UnixListener::bind"),
-            "{rel} binds a unix socket itself; use gpuplane::grpc::bind (mode 0600)"
+            "{rel} binds a unix socket itself; use gpuplane_shell::grpc::bind (mode 0600)"
         );
         // Doubles included: a server that skips grpc::incoming resets kubelet clients whose
         // `:authority` is a socket path (tests/kubelet_authority.rs).
         assert!(
             !text.contains("UnixListenerStream::new"),
-            "{rel} serves a unix socket without gpuplane::grpc::incoming"
+            "{rel} serves a unix socket without gpuplane_shell::grpc::incoming"
         );
     }
 }
@@ -346,7 +355,7 @@ fn device_source_calls_stay_off_the_runtime_and_the_state_lock() {
 
 // The webhook reads at most 4 MiB of body (tests/webhook.rs sends larger ones); raising the
 // bound is a decision for docs/security.md, so it does not compile without changing this too.
-const _: () = assert!(gpuplane::webhook::http::MAX_BODY <= 4 * 1024 * 1024);
+const _: () = assert!(gpuplane_shell::webhook::http::MAX_BODY <= 4 * 1024 * 1024);
 
 // ---- TLS -----------------------------------------------------------------------------------
 
@@ -358,7 +367,7 @@ fn server_config() -> Arc<rustls::ServerConfig> {
     std::fs::write(&cert_path, cert.cert.pem()).unwrap();
     std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
     let resolver =
-        Arc::new(gpuplane::webhook::tls::ReloadingCert::new(&cert_path, &key_path).unwrap());
+        Arc::new(gpuplane_shell::webhook::tls::ReloadingCert::new(&cert_path, &key_path).unwrap());
     Arc::new(resolver.server_config().unwrap())
 }
 

@@ -4,9 +4,9 @@
 //! replicas (webhook and loops): `/readyz` through leadership and an API outage, and
 //! `/metrics` per GpuQuota after a known scenario.
 
-use gpuplane::doubles::apiserver::{ApiServerDouble, Fault};
-use gpuplane::quota::{GpuQuota, ReservationState, SCHEDULING_GATE};
-use gpuplane::webhook::{self, RunningWebhook, WebhookOptions};
+use gpuplane_shell::quota::{GpuQuota, ReservationState, SCHEDULING_GATE};
+use gpuplane_shell::webhook::{self, RunningWebhook, WebhookOptions};
+use gpuplane_testkit::doubles::apiserver::{ApiServerDouble, Fault};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -65,7 +65,7 @@ impl Pki {
     }
 
     fn client_config(&self) -> Arc<rustls::ClientConfig> {
-        let mut cfg = gpuplane::demo::tls::client_trusting(self.ca.der().clone()).unwrap();
+        let mut cfg = gpuplane_testkit::demo::tls::client_trusting(self.ca.der().clone()).unwrap();
         // Every connection does a full handshake, so it sees the certificate served now (a
         // resumed session reports the certificate of the session it resumes).
         cfg.resumption = rustls::client::Resumption::disabled();
@@ -1115,7 +1115,7 @@ async fn queue_mode_gates_gpu_pods_and_records_them_as_queued() {
         (r["allowed"].as_bool(), r["patchType"].as_str()),
         (Some(true), Some("JSONPatch"))
     );
-    let patch = gpuplane::webhook::review::base64(
+    let patch = gpuplane_shell::webhook::review::base64(
         serde_json::to_string(&json!([{"op": "add", "path": "/spec/schedulingGates", "value": [{"name": SCHEDULING_GATE}]}])).unwrap().as_bytes(),
     );
     assert_eq!(r["patch"], patch);
@@ -1545,10 +1545,10 @@ fn webhook_configurations_fail_closed_and_spare_system_namespaces() {
 
 // ---- whole replicas: probes and metrics ----
 
-use gpuplane::controller::lease::LeaseTimings;
-use gpuplane::controller::replica::{self, Replica};
-use gpuplane::controller::ControllerOptions;
-use gpuplane::webhook::probe::ProbeSettings;
+use gpuplane_shell::controller::lease::LeaseTimings;
+use gpuplane_shell::controller::replica::{self, Replica};
+use gpuplane_shell::controller::ControllerOptions;
+use gpuplane_shell::webhook::probe::ProbeSettings;
 
 /// A plain HTTP/1.1 GET; the status and the body.
 async fn get(addr: SocketAddr, path: &str) -> (u16, String) {

@@ -1,3 +1,3 @@
-//! Fuzz target `admission_review`: the check is `gpuplane::fuzzing::admission_review`.
+//! Fuzz target `admission_review`: the check is `gpuplane_testkit::fuzzing::admission_review`.
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane::fuzzing::admission_review(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane_testkit::fuzzing::admission_review(data));

@@ -1,3 +1,3 @@
-//! Fuzz target `cdi_names`: the check is `gpuplane::fuzzing::cdi_names`.
+//! Fuzz target `cdi_names`: the check is `gpuplane_testkit::fuzzing::cdi_names`.
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane::fuzzing::cdi_names(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane_testkit::fuzzing::cdi_names(data));

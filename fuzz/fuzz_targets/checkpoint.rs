@@ -1,3 +1,3 @@
-//! Fuzz target `checkpoint`: the check is `gpuplane::fuzzing::checkpoint_file`.
+//! Fuzz target `checkpoint`: the check is `gpuplane_testkit::fuzzing::checkpoint_file`.
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane::fuzzing::checkpoint_file(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane_testkit::fuzzing::checkpoint_file(data));

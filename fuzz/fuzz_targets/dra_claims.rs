@@ -1,3 +1,3 @@
-//! Fuzz target `dra_claims`: the check is `gpuplane::fuzzing::dra_claims`.
+//! Fuzz target `dra_claims`: the check is `gpuplane_testkit::fuzzing::dra_claims`.
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane::fuzzing::dra_claims(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane_testkit::fuzzing::dra_claims(data));

@@ -1,3 +1,3 @@
-//! Fuzz target `opaque_config`: the check is `gpuplane::fuzzing::opaque_config`.
+//! Fuzz target `opaque_config`: the check is `gpuplane_testkit::fuzzing::opaque_config`.
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane::fuzzing::opaque_config(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane_testkit::fuzzing::opaque_config(data));

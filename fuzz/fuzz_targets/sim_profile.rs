@@ -1,3 +1,3 @@
-//! Fuzz target `sim_profile`: the check is `gpuplane::fuzzing::sim_profile`.
+//! Fuzz target `sim_profile`: the check is `gpuplane_testkit::fuzzing::sim_profile`.
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane::fuzzing::sim_profile(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| gpuplane_testkit::fuzzing::sim_profile(data));

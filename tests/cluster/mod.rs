@@ -389,7 +389,7 @@ impl ClusterLab {
     pub fn install(&self, webhooks: bool) -> Installed {
         let tls = self.work.join("webhook-tls");
         std::fs::create_dir_all(&tls).unwrap();
-        let pki = gpuplane::demo::tls::DemoPki::issue(&tls).unwrap();
+        let pki = gpuplane_testkit::demo::tls::DemoPki::issue(&tls).unwrap();
         let overlay = self.work.join("overlay");
         std::fs::create_dir_all(&overlay).unwrap();
         std::fs::write(

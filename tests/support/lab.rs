@@ -4,17 +4,17 @@
 //! test crates; each uses a part of it.
 #![allow(dead_code)]
 
-use gpuplane::doubles::kubelet_dra::KubeletDraOptions;
-use gpuplane::doubles::lab::{NodeLab, RunningAgent};
-use gpuplane::dra::ClaimRef;
-use gpuplane::source::SimSource;
+use gpuplane_shell::dra::ClaimRef;
+use gpuplane_shell::source::SimSource;
+use gpuplane_testkit::doubles::kubelet_dra::KubeletDraOptions;
+use gpuplane_testkit::doubles::lab::{NodeLab, RunningAgent};
 use serde_json::Value;
 use std::ops::Deref;
 use std::time::Duration;
 
 // Each test crate uses some of these.
 #[allow(unused_imports)]
-pub use gpuplane::doubles::lab::{DRIVER, NODE};
+pub use gpuplane_testkit::doubles::lab::{DRIVER, NODE};
 pub const WAIT: Duration = Duration::from_secs(15);
 
 pub struct Agent(RunningAgent);
@@ -59,7 +59,7 @@ impl Lab {
     /// A lab whose DRA kubelet double negotiates as `options` say (e.g. v1beta1 only).
     pub async fn with_kubelet(profile: &str, options: KubeletDraOptions) -> Lab {
         let dir = tempfile::tempdir().unwrap();
-        let sim = SimSource::new(gpuplane::sim::load(profile).unwrap());
+        let sim = SimSource::new(gpuplane_shell::sim::load(profile).unwrap());
         let node = NodeLab::start(dir.path(), sim, options).await.unwrap();
         Lab { node, dir }
     }

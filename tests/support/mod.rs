@@ -60,8 +60,8 @@ pub fn lay_out_node(root: &Path, gpus: usize, api_url: &str) {
     let dev = root.join("dev");
     std::fs::create_dir_all(&dev).unwrap();
     let minors = (0..gpus).map(|i| u32::try_from(i).unwrap());
-    if gpuplane::doubles::devnodes::can_make_nodes() {
-        gpuplane::doubles::devnodes::make_gpu_nodes(&dev, minors).unwrap();
+    if gpuplane_testkit::doubles::devnodes::can_make_nodes() {
+        gpuplane_testkit::doubles::devnodes::make_gpu_nodes(&dev, minors).unwrap();
     } else {
         let mut names: Vec<String> = minors.map(|i| format!("nvidia{i}")).collect();
         names.extend(["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"].map(String::from));
@@ -239,10 +239,10 @@ pub async fn eventually(what: &str, limit: std::time::Duration, mut check: impl 
 /// Stores a ResourceClaim in `team-a` allocated by the (absent) scheduler to `devices` of
 /// this node's pool, and returns it as the kubelet names it.
 pub fn put_claim(
-    api: &gpuplane::doubles::apiserver::ApiServerDouble,
+    api: &gpuplane_testkit::doubles::apiserver::ApiServerDouble,
     name: &str,
     devices: &[&str],
-) -> gpuplane::dra::ClaimRef {
+) -> gpuplane_shell::dra::ClaimRef {
     let results: Vec<serde_json::Value> = devices
         .iter()
         .map(
@@ -257,7 +257,7 @@ pub fn put_claim(
             "status": {"allocation": {"devices": {"results": results}}}
         }))
         .unwrap();
-    gpuplane::dra::ClaimRef {
+    gpuplane_shell::dra::ClaimRef {
         namespace: "team-a".into(),
         name: name.into(),
         uid: stored["metadata"]["uid"].as_str().unwrap().to_string(),

@@ -301,7 +301,7 @@ pub fn validate_uid(uid: &str) -> Result<(), PrepareError> {
     }
 }
 
-pub(crate) fn validate_name(what: &'static str, value: &str) -> Result<(), PrepareError> {
+pub fn validate_name(what: &'static str, value: &str) -> Result<(), PrepareError> {
     let alnum = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
     let ok = !value.is_empty()
         && value.len() <= 253

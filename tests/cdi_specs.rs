@@ -1,14 +1,14 @@
-//! Discovery over fake driver/dev/proc trees and rendering over simulated inventories.
+//! CDI specs: driver discovery over fake driver/dev/proc trees, and rendering over simulated
+//! inventories.
 
-use super::render::{node_devices, render_spec, DeviceRef, NamedDevices};
-use super::*;
-use super::{DriverFiles, MigCap};
-use crate::inventory::Inventory;
+use gpuplane_shell::cdi::render::{node_devices, render_spec, DeviceRef, NamedDevices};
+use gpuplane_shell::cdi::*;
+use gpuplane_shell::inventory::Inventory;
 use std::fs;
 use std::path::{Path, PathBuf};
 
 fn inv(profile: &str) -> Inventory {
-    crate::sim::load(profile).unwrap()
+    gpuplane_shell::sim::load(profile).unwrap()
 }
 
 fn touch(path: &Path) {
@@ -18,7 +18,7 @@ fn touch(path: &Path) {
 
 /// A character device with the NVIDIA driver's number for `/dev/<name>` (mknod: root only).
 fn node(dev: &Path, name: &str) {
-    use crate::doubles::devnodes::{dynamic_majors, make_node};
+    use gpuplane_testkit::doubles::devnodes::{dynamic_majors, make_node};
     let (uvm, _) = dynamic_majors();
     let (major, minor) = match name {
         "nvidiactl" => (195, 255),
@@ -116,7 +116,7 @@ fn missing_device_nodes_are_reported() {
     let err = files.check_needed(|p| p == gpu1).unwrap_err();
     assert_eq!(paths(&err.problems), vec![gpu1]);
 
-    if !crate::doubles::devnodes::can_make_nodes() {
+    if !gpuplane_testkit::doubles::devnodes::can_make_nodes() {
         eprintln!("SKIPPED the device-node half: mknod needs root");
         return;
     }
@@ -161,7 +161,7 @@ fn missing_device_nodes_are_reported() {
 
 #[test]
 fn device_nodes_that_are_not_what_they_must_be_are_refused_with_the_reason() {
-    if !crate::doubles::devnodes::can_make_nodes() {
+    if !gpuplane_testkit::doubles::devnodes::can_make_nodes() {
         eprintln!("SKIPPED: mknod needs root");
         return;
     }
@@ -178,7 +178,7 @@ fn device_nodes_that_are_not_what_they_must_be_are_refused_with_the_reason() {
     }
     // A regular file where /dev/nvidia0 must be, and GPU 3's node with GPU 7's number.
     touch(&r.dev.join("nvidia0"));
-    crate::doubles::devnodes::make_node(&r.dev.join("nvidia3"), 195, 7).unwrap();
+    gpuplane_testkit::doubles::devnodes::make_node(&r.dev.join("nvidia3"), 195, 7).unwrap();
     let files = driver::discover_with(&r.driver, &r.dev, &inv, &no_caps);
     let (gpu0, gpu3) = (r.dev.join("nvidia0"), r.dev.join("nvidia3"));
     assert_eq!(

@@ -1,6 +1,6 @@
 //! `gpuplane demo`: the whole product on a simulated machine in one process, no cluster.
 //!
-//! The real node agent ([`crate::node::run`], device plugin and DRA over one ledger) runs on a
+//! The real node agent ([`gpuplane_shell::node::run`], device plugin and DRA over one ledger) runs on a
 //! [`SimSource`] inside a [`NodeLab`] (kubelet doubles over unix sockets, the API server double
 //! over HTTP, all in a temp dir); the real quota webhook serves HTTPS with a certificate made in
 //! process and the real controller loops run against the same API server double. [`steps`] then
@@ -13,17 +13,17 @@ pub mod steps;
 pub mod summary;
 pub mod tls;
 
-use crate::controller::metrics::QueueMetrics;
-use crate::controller::namespace::QueueSettings;
-use crate::controller::queue::QueueOptions;
-use crate::controller::ControllerOptions;
 use crate::doubles::kubelet_dra::KubeletDraOptions;
 use crate::doubles::lab::{LabError, NodeLab, DRIVER, NODE};
-use crate::inventory::Inventory;
-use crate::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode};
-use crate::sim::ProfileError;
-use crate::source::SimSource;
-use crate::webhook::{WebhookError, WebhookOptions};
+use gpuplane_shell::controller::metrics::QueueMetrics;
+use gpuplane_shell::controller::namespace::QueueSettings;
+use gpuplane_shell::controller::queue::QueueOptions;
+use gpuplane_shell::controller::ControllerOptions;
+use gpuplane_shell::inventory::Inventory;
+use gpuplane_shell::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode};
+use gpuplane_shell::sim::ProfileError;
+use gpuplane_shell::source::SimSource;
+use gpuplane_shell::webhook::{WebhookError, WebhookOptions};
 use kube::api::{Api, PostParams};
 use std::io::Write;
 use std::sync::Arc;
@@ -137,7 +137,7 @@ async fn create_quota(
 /// Runs the whole demo, narrating into `out`, and returns how every step ended.
 pub async fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<Summary, DemoError> {
     let started = Instant::now();
-    let inventory = crate::sim::load(&opts.profile)?;
+    let inventory = gpuplane_shell::sim::load(&opts.profile)?;
     let dir = tempfile::Builder::new()
         .prefix("gpuplane-demo-")
         .tempdir()
@@ -192,7 +192,7 @@ pub async fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<Summary, Dem
         "gpuplane-system",
     );
     wopts.addr = ([127, 0, 0, 1], 0).into();
-    let webhook = crate::webhook::start(client.clone(), wopts).await?;
+    let webhook = gpuplane_shell::webhook::start(client.clone(), wopts).await?;
 
     // One replica: the loops run at once, without a Lease. Short batching and resync so the
     // story does not wait on timers tuned for a large cluster.
@@ -208,7 +208,7 @@ pub async fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<Summary, Dem
     };
     let metrics = Arc::new(QueueMetrics::default());
     let (stop_controller, controller_stopped) = tokio::sync::oneshot::channel::<()>();
-    let controller = tokio::spawn(crate::controller::run(
+    let controller = tokio::spawn(gpuplane_shell::controller::run(
         client.clone(),
         copts,
         metrics.clone(),
@@ -277,7 +277,7 @@ pub async fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<Summary, Dem
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{AgentConfig, MigStrategy};
+    use gpuplane_shell::config::{AgentConfig, MigStrategy};
 
     #[test]
     fn the_agent_config_is_valid_and_offers_mig_devices_when_there_are_any() {
@@ -285,7 +285,7 @@ mod tests {
             ("dgx-h100", MigStrategy::None),
             ("a100-mig-mixed", MigStrategy::Mixed),
         ] {
-            let inv = crate::sim::load(profile).unwrap_or_else(|e| panic!("{e}"));
+            let inv = gpuplane_shell::sim::load(profile).unwrap_or_else(|e| panic!("{e}"));
             let cfg = AgentConfig::parse("demo.yaml", &agent_config(&inv))
                 .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(cfg.mig_strategy, strategy, "{profile}");

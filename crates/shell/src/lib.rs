@@ -1,5 +1,7 @@
-//! gpuplane: a Kubernetes GPU node agent (kubelet device plugin + DRA driver from one inventory)
-//! and a cluster-side GPU quota controller. ARCHITECTURE.md has the codemap.
+//! gpuplane's shells: the node agent (kubelet device plugin + DRA driver from one inventory)
+//! and the cluster-side GPU quota controller, around the pure core in `gpuplane-model`. Here
+//! is everything that touches a socket, a file, NVML or the API server. ARCHITECTURE.md has
+//! the codemap.
 
 // Unsafe code is refused everywhere but at the NVML edge (`nvml/raw.rs`); the model crate
 // forbids it outright.
@@ -8,17 +10,10 @@
 pub mod cdi;
 pub mod controller;
 pub mod crashpoint;
-// The demo and the test doubles it runs on (API server, kubelet, labs): the default build has
-// them, the image's (`--no-default-features`) does not.
-#[cfg(feature = "demo")]
-pub mod demo;
 pub mod deviceplugin;
 pub mod discover;
-#[cfg(feature = "demo")]
-pub mod doubles;
 pub mod dra;
 pub mod fsutil;
-pub mod fuzzing;
 pub mod grpc;
 pub mod httpserve;
 pub mod kubeclient;

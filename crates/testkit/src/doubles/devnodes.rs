@@ -6,8 +6,8 @@
 //!
 //! The agent checks nodes for what they are, so an empty file no longer stands in for one.
 
-use crate::cdi::files::{CAPS_DRIVER, CTL_MINOR, NVIDIA_MAJOR, UVM_DRIVER};
-use crate::cdi::ProcCaps;
+use gpuplane_shell::cdi::files::{CAPS_DRIVER, CTL_MINOR, NVIDIA_MAJOR, UVM_DRIVER};
+use gpuplane_shell::cdi::ProcCaps;
 use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 use std::io;
 use std::path::Path;

@@ -19,6 +19,3 @@ pub use gpuplane_model::cdi::*;
 pub use driver::ProcCaps;
 pub use install::InstallCache;
 pub use writer::{remove_spec, write_spec, WriteError, WriteOutcome};
-
-#[cfg(test)]
-mod tests;

@@ -41,10 +41,10 @@ pub struct DraService {
 
 /// A claim as it arrived, before validation.
 #[derive(Debug, Clone)]
-pub(crate) struct RawClaim {
-    pub(crate) namespace: String,
-    pub(crate) uid: String,
-    pub(crate) name: String,
+pub struct RawClaim {
+    pub namespace: String,
+    pub uid: String,
+    pub name: String,
 }
 
 impl From<v1::Claim> for RawClaim {
@@ -70,9 +70,7 @@ impl From<v1beta1::Claim> for RawClaim {
 /// Splits the request into claims for the driver and per-claim rejections (keyed by uid).
 /// A claim listed twice under the same identity is passed once; the same uid under two
 /// different names is rejected.
-pub(crate) fn validate(
-    raw: Vec<RawClaim>,
-) -> (Vec<ClaimRef>, BTreeMap<String, (RawClaim, String)>) {
+pub fn validate(raw: Vec<RawClaim>) -> (Vec<ClaimRef>, BTreeMap<String, (RawClaim, String)>) {
     let mut accepted: BTreeMap<String, ClaimRef> = BTreeMap::new();
     let mut rejected: BTreeMap<String, (RawClaim, String)> = BTreeMap::new();
     for c in raw {

@@ -12,22 +12,22 @@
 //! controller calls it. Like the gRPC services, it knows protobuf types: request bytes are
 //! decoded by prost, as they are when they arrive.
 
-use crate::cdi::{self, DeviceName, Kind, QualifiedName};
-use crate::config::{AgentConfig, DeviceListStrategy};
-use crate::deviceplugin::allocate;
-use crate::deviceplugin::resources::{self, ResourcePlan};
-use crate::dra::checkpoint;
-use crate::dra::core::{cdi_device_name, spec_stem, validate_name, validate_uid};
-use crate::dra::opaque::{self, GpuConfig, Sharing, TimeSliceInterval};
-use crate::dra::service::{validate, RawClaim};
-use crate::health::HealthBook;
-use crate::inventory::Inventory;
-use crate::proto::{deviceplugin_v1beta1 as dp, dra_v1, dra_v1beta1};
-use crate::quota::{check, claim_charge, pod_charge, pod_template_names};
-use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota};
-use crate::source::DeviceMode;
-use crate::topology::TopologyModel;
-use crate::webhook::review::{self, Verdict};
+use gpuplane_shell::cdi::{self, DeviceName, Kind, QualifiedName};
+use gpuplane_shell::config::{AgentConfig, DeviceListStrategy};
+use gpuplane_shell::deviceplugin::allocate;
+use gpuplane_shell::deviceplugin::resources::{self, ResourcePlan};
+use gpuplane_shell::dra::checkpoint;
+use gpuplane_shell::dra::core::{cdi_device_name, spec_stem, validate_name, validate_uid};
+use gpuplane_shell::dra::opaque::{self, GpuConfig, Sharing, TimeSliceInterval};
+use gpuplane_shell::dra::service::{validate, RawClaim};
+use gpuplane_shell::health::HealthBook;
+use gpuplane_shell::inventory::Inventory;
+use gpuplane_shell::proto::{deviceplugin_v1beta1 as dp, dra_v1, dra_v1beta1};
+use gpuplane_shell::quota::{check, claim_charge, pod_charge, pod_template_names};
+use gpuplane_shell::quota::{CatalogSettings, DeviceCatalog, GpuQuota};
+use gpuplane_shell::source::DeviceMode;
+use gpuplane_shell::topology::TopologyModel;
+use gpuplane_shell::webhook::review::{self, Verdict};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceClaimSpec};
 use prost::Message;
@@ -61,8 +61,8 @@ const DRIVER: &str = "gpu.gpuplane.dev";
 const NODE: &str = "node-1";
 
 fn bundled(name: &str) -> Inventory {
-    let text = crate::sim::bundled_text(name).unwrap_or_default();
-    crate::sim::from_str(name, name, text).expect("bundled profiles are valid")
+    let text = gpuplane_shell::sim::bundled_text(name).unwrap_or_default();
+    gpuplane_shell::sim::from_str(name, name, text).expect("bundled profiles are valid")
 }
 
 fn config(text: &str) -> AgentConfig {
@@ -76,10 +76,10 @@ pub fn sim_profile(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    let Ok(inv) = crate::sim::from_str("fuzz.yaml", "fuzz", text) else {
+    let Ok(inv) = gpuplane_shell::sim::from_str("fuzz.yaml", "fuzz", text) else {
         return;
     };
-    let again = crate::sim::from_str("fuzz.yaml", "fuzz", text).expect("accepted once");
+    let again = gpuplane_shell::sim::from_str("fuzz.yaml", "fuzz", text).expect("accepted once");
     assert_eq!(inv, again, "a profile must load the same way every time");
     let mut uuids = BTreeSet::new();
     for (i, g) in inv.gpus.iter().enumerate() {
@@ -109,7 +109,7 @@ pub fn sim_profile(data: &[u8]) {
     let _ = resources::plan(&inv, &AgentConfig::default());
     let mut health = HealthBook::default();
     health.set_inventory(&inv);
-    let _ = crate::slices::render::render(&inv, &health, DRIVER, NODE);
+    let _ = gpuplane_shell::slices::render::render(&inv, &health, DRIVER, NODE);
 }
 
 /// The agent config file. Accepted configs parse the same way twice and plan against every
@@ -131,7 +131,7 @@ pub fn agent_config(data: &[u8]) {
     }
     static MACHINES: OnceLock<Vec<Inventory>> = OnceLock::new();
     let machines = MACHINES.get_or_init(|| {
-        crate::sim::bundled_names()
+        gpuplane_shell::sim::bundled_names()
             .into_iter()
             .map(bundled)
             .collect()
@@ -302,7 +302,7 @@ fn catalog() -> &'static DeviceCatalog {
             let inv = bundled(profile);
             let mut health = HealthBook::default();
             health.set_inventory(&inv);
-            slices.extend(crate::slices::render::render(&inv, &health, DRIVER, node));
+            slices.extend(gpuplane_shell::slices::render::render(&inv, &health, DRIVER, node));
         }
         let class = |name: &str, ty: &str| -> DeviceClass {
             serde_json::from_value(json!({

@@ -2,9 +2,9 @@
 //! set of GPUs can reach (by trying every set, independently of the agent's search), CDI device
 //! ids, published devices as plain data, and JSON patches from an AdmissionReview.
 
-use crate::inventory::Inventory;
-use crate::topology::TopologyModel;
 use base64::Engine;
+use gpuplane_shell::inventory::Inventory;
+use gpuplane_shell::topology::TopologyModel;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -143,8 +143,8 @@ pub fn published_devices(slices: &[ResourceSlice]) -> Vec<PublishedDevice> {
             out.push(PublishedDevice {
                 slice: slice.clone(),
                 name: d.name.clone(),
-                kind: attr(crate::slices::render::names::TYPE),
-                uuid: attr(crate::slices::render::names::UUID),
+                kind: attr(gpuplane_shell::slices::render::names::TYPE),
+                uuid: attr(gpuplane_shell::slices::render::names::UUID),
                 taints: d
                     .taints
                     .iter()
@@ -180,11 +180,11 @@ pub fn apply_review_patch(object: &mut Value, patch_b64: &str) -> Result<(), Pat
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::inventory::{Link, PathLevel, Topology};
+    use gpuplane_shell::inventory::{Link, PathLevel, Topology};
     use serde_json::json;
 
     fn inventory(profile: &str) -> Inventory {
-        crate::sim::load(profile).unwrap_or_else(|e| panic!("{e}"))
+        gpuplane_shell::sim::load(profile).unwrap_or_else(|e| panic!("{e}"))
     }
 
     #[test]
@@ -289,7 +289,9 @@ mod tests {
     fn a_review_patch_is_applied_like_the_api_server_does() {
         let patch =
             json!([{"op": "add", "path": "/spec/schedulingGates", "value": [{"name": "g"}]}]);
-        let b64 = crate::webhook::review::base64(&serde_json::to_vec(&patch).unwrap_or_default());
+        let b64 = gpuplane_shell::webhook::review::base64(
+            &serde_json::to_vec(&patch).unwrap_or_default(),
+        );
         let mut pod = json!({"spec": {"containers": []}});
         apply_review_patch(&mut pod, &b64).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(pod["spec"]["schedulingGates"][0]["name"], "g");

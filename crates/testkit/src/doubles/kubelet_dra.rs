@@ -20,12 +20,12 @@
 //! `restart` models a kubelet restart: plugin sockets are not deleted, the kubelet forgets every
 //! registration and re-discovers the sockets.
 
-use crate::dra::{ClaimRef, PrepareResult, PreparedDevice};
-use crate::grpc;
-use crate::proto::dra_health_v1 as health_pb;
-use crate::proto::dra_health_v1alpha1 as health_v1alpha1;
-use crate::proto::pluginregistration_v1 as reg_pb;
-use crate::proto::{dra_v1 as v1, dra_v1beta1 as v1beta1};
+use gpuplane_shell::dra::{ClaimRef, PrepareResult, PreparedDevice};
+use gpuplane_shell::grpc;
+use gpuplane_shell::proto::dra_health_v1 as health_pb;
+use gpuplane_shell::proto::dra_health_v1alpha1 as health_v1alpha1;
+use gpuplane_shell::proto::pluginregistration_v1 as reg_pb;
+use gpuplane_shell::proto::{dra_v1 as v1, dra_v1beta1 as v1beta1};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};

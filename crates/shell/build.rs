@@ -3,7 +3,7 @@
 //! `protoc` is needed.
 //!
 //! Each API is compiled on its own into `OUT_DIR/<module>/` and the single
-//! generated file is moved to `OUT_DIR/<module>.rs`, which `src/proto.rs`
+//! generated file is moved to `OUT_DIR/<module>.rs`, which `crates/shell/src/proto.rs`
 //! includes. Upstream packages use short, clashing names (`v1beta1` is the
 //! device plugin package, `v1` both the DRA health and the pod resources
 //! one, and more kubelet APIs reuse those names), so compiling them
@@ -24,8 +24,12 @@ const APIS: &[(&str, &str)] = &[
     ("podresources_v1", "podresources/v1/api.proto"),
 ];
 
+/// The protos live at the top of the repository (`proto/`), beside the crates; a build script
+/// runs in its package's directory.
+const PROTO_DIR: &str = "../../proto";
+
 fn main() -> Result<(), Box<dyn Error>> {
-    println!("cargo:rerun-if-changed=proto");
+    println!("cargo:rerun-if-changed={PROTO_DIR}");
     println!("cargo:rerun-if-changed=build.rs");
 
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
@@ -37,7 +41,7 @@ fn main() -> Result<(), Box<dyn Error>> {
 
 fn generate(out_dir: &Path, module: &str, file: &str) -> Result<(), Box<dyn Error>> {
     let fds =
-        protox::compile([file], ["proto"]).map_err(|e| format!("compiling proto/{file}: {e}"))?;
+        protox::compile([file], [PROTO_DIR]).map_err(|e| format!("compiling proto/{file}: {e}"))?;
 
     let dir = out_dir.join(module);
     if dir.exists() {

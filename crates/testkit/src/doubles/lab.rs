@@ -1,4 +1,4 @@
-//! A node without a cluster: the real agent (`crate::node::run`) on a simulated machine, wired
+//! A node without a cluster: the real agent (`gpuplane_shell::node::run`) on a simulated machine, wired
 //! to the API server double over HTTP (real kube client) and to the kubelet doubles (device
 //! plugin and DRA) over unix sockets, every path under one directory the caller owns.
 //! `gpuplane demo` and the end-to-end tests share this wiring, so both exercise the same set-up.
@@ -9,12 +9,12 @@
 use super::apiserver::{ApiServerDouble, ApiServerError};
 use super::kubelet::KubeletDouble;
 use super::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
-use crate::dra::{ClaimRef, PreparedDevice};
-use crate::grpc::SocketError;
-use crate::node::apis::{self, Apis};
-use crate::node::dra::DraSettings;
-use crate::node::{NodeError, NodeOptions, NodePaths};
-use crate::source::{DeviceMode, DeviceSource, SimSource, SourceError};
+use gpuplane_shell::dra::{ClaimRef, PreparedDevice};
+use gpuplane_shell::grpc::SocketError;
+use gpuplane_shell::node::apis::{self, Apis};
+use gpuplane_shell::node::dra::DraSettings;
+use gpuplane_shell::node::{NodeError, NodeOptions, NodePaths};
+use gpuplane_shell::source::{DeviceMode, DeviceSource, SimSource, SourceError};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -24,7 +24,7 @@ use tokio::task::JoinHandle;
 /// The node's name, which is also the pool name of its devices.
 pub const NODE: &str = "node-a";
 /// The DRA driver name the lab's agent serves.
-pub const DRIVER: &str = crate::quota::catalog::DEFAULT_DRIVER;
+pub const DRIVER: &str = gpuplane_shell::quota::catalog::DEFAULT_DRIVER;
 /// The device class the lab's claims name.
 pub const DEVICE_CLASS: &str = "gpu.gpuplane.dev";
 
@@ -48,7 +48,7 @@ pub enum LabError {
     #[error("lab: the agent failed: {0}")]
     Agent(#[from] NodeError),
     #[error("lab: {0}")]
-    DraPaths(#[from] crate::dra::server::ServeError),
+    DraPaths(#[from] gpuplane_shell::dra::server::ServeError),
     #[error("lab: the agent's task ended abnormally: {0}")]
     AgentTask(#[from] tokio::task::JoinError),
 }
@@ -141,8 +141,8 @@ impl NodeLab {
     }
 
     /// The agent's DRA sockets (registration and DRA) for [`DRIVER`].
-    pub fn dra_sockets(&self) -> Result<crate::dra::server::DraPaths, LabError> {
-        Ok(crate::dra::server::DraPaths::new(
+    pub fn dra_sockets(&self) -> Result<gpuplane_shell::dra::server::DraPaths, LabError> {
+        Ok(gpuplane_shell::dra::server::DraPaths::new(
             &self.paths().kubelet_root,
             DRIVER,
         )?)
@@ -152,7 +152,9 @@ impl NodeLab {
     pub fn device_plugin_socket(&self, resource: &str) -> PathBuf {
         self.paths()
             .device_plugins()
-            .join(crate::deviceplugin::registrar::socket_name(resource))
+            .join(gpuplane_shell::deviceplugin::registrar::socket_name(
+                resource,
+            ))
     }
 
     /// Writes `config` (the agent's YAML config) to `config.yaml` and starts the agent with the
@@ -204,7 +206,7 @@ impl NodeLab {
                 metrics_addr,
                 device_mode,
             };
-            crate::node::run(opts, source, async move {
+            gpuplane_shell::node::run(opts, source, async move {
                 tokio::select! {
                     _ = stopped => {}
                     _ = apis::changed(client, NODE.into(), both, serving) => {}
