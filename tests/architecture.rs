@@ -79,6 +79,60 @@ fn the_fake_nvml_links_only_the_model() {
     );
 }
 
+/// Every `.rs` file under `dir` (relative to the repository), with its text.
+fn sources(dir: &str) -> Vec<(String, String)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let mut out = Vec::new();
+    let mut stack = vec![root.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("a source directory") {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).expect("a source file");
+                let rel = path.strip_prefix(&root).unwrap().display().to_string();
+                out.push((rel, text));
+            }
+        }
+    }
+    out.sort();
+    assert!(out.len() > 10, "no sources under {dir}");
+    out
+}
+
+/// The gRPC edge: the only shell files whose code names protobuf or tonic items. Everything
+/// else (the DRA core, the node state, the ledger's callers) sees plain types.
+const GRPC_EDGE: &[&str] = &[
+    "deviceplugin/registrar.rs",
+    "deviceplugin/service.rs",
+    "dra/health_service.rs",
+    "dra/registration.rs",
+    "dra/server.rs",
+    "dra/service.rs",
+    "grpc/mod.rs",
+    "node/podresources.rs",
+    "proto.rs",
+];
+
+#[test]
+fn protobuf_and_tonic_stay_at_the_grpc_edge() {
+    let mut naming = Vec::new();
+    for (rel, text) in sources("crates/shell/src") {
+        let code = text
+            .lines()
+            .map(|l| l.split("//").next().unwrap_or(""))
+            .any(|l| l.contains("proto::") || l.contains("tonic::") || l.contains("tonic_prost"));
+        if code {
+            naming.push(rel);
+        }
+    }
+    assert_eq!(
+        naming, GRPC_EDGE,
+        "protobuf/tonic types outside the gRPC edge: convert to plain types in the service"
+    );
+}
+
 fn read(rel: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))

@@ -1,6 +1,6 @@
 //! Crash consistency: the real agent binary is killed with SIGKILL at every step of prepare,
 //! unprepare, the CDI spec and checkpoint writes and slice publication, restarted, and checked
-//! from the outside. A crash point (`GPUPLANE_CRASHPOINT`, src/crashpoint.rs) only chooses
+//! from the outside. A crash point (`GPUPLANE_CRASHPOINT`, crates/shell/src/crashpoint.rs) only chooses
 //! where the kill lands: the agent stops there, writes a marker, and the test kills it.
 //!
 //! After every kill: every `*.json` in the CDI root is a whole CDI spec and the checkpoint

@@ -76,7 +76,7 @@ fn device_for(uid: &str) -> PreparedDevice {
     }
 }
 
-#[tonic::async_trait]
+#[async_trait::async_trait]
 impl DraDriver for FakeDriver {
     async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
         self.calls.lock().unwrap().push(("prepare", claims.clone()));

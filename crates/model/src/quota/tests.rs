@@ -732,7 +732,7 @@ fn the_crd_manifest_matches_the_types() {
         "/../../daemonset/controller/crd.yaml"
     );
     let generated = format!(
-        "# Generated from src/quota/crd.rs (GpuQuota::crd()); do not edit by hand.\n# Regenerate: GPUPLANE_WRITE_CRD=1 cargo test --lib quota::tests::the_crd_manifest\n{}",
+        "# Generated from crates/model/src/quota/crd.rs (GpuQuota::crd()); do not edit by hand.\n# Regenerate: GPUPLANE_WRITE_CRD=1 cargo test -p gpuplane-model --lib quota::tests::the_crd_manifest\n{}",
         serde_yaml_ng::to_string(&GpuQuota::crd()).unwrap()
     );
     if std::env::var_os("GPUPLANE_WRITE_CRD").is_some() {

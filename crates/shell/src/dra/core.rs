@@ -875,7 +875,7 @@ impl DraCore {
     }
 }
 
-#[tonic::async_trait]
+#[async_trait::async_trait]
 impl DraDriver for DraCore {
     async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
         self.prepare_each(claims)

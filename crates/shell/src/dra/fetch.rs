@@ -29,7 +29,7 @@ pub enum FetchError {
 }
 
 /// Reads ResourceClaims, and writes the driver's part of their status.
-#[tonic::async_trait]
+#[async_trait::async_trait]
 pub trait ClaimFetcher: Send + Sync + 'static {
     async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, FetchError>;
     /// Sets this driver's `status.devices` entries of a claim to `entries` (rendered by
@@ -76,7 +76,7 @@ impl FetchError {
     }
 }
 
-#[tonic::async_trait]
+#[async_trait::async_trait]
 impl ClaimFetcher for KubeClaims {
     async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, FetchError> {
         let api: kube::Api<ResourceClaim> = kube::Api::namespaced(self.client.clone(), namespace);
@@ -138,7 +138,7 @@ impl MemoryClaims {
     }
 }
 
-#[tonic::async_trait]
+#[async_trait::async_trait]
 impl ClaimFetcher for MemoryClaims {
     async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, FetchError> {
         self.lock()

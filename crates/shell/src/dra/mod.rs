@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use tokio::sync::watch;
 
 /// What the gRPC shell needs from the DRA core.
-#[tonic::async_trait]
+#[async_trait::async_trait]
 pub trait DraDriver: Send + Sync + 'static {
     /// Prepares each claim independently; every claim UID gets an entry.
     async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult>;

@@ -186,7 +186,7 @@ impl ReportingDriver {
     }
 }
 
-#[tonic::async_trait]
+#[async_trait::async_trait]
 impl DraDriver for ReportingDriver {
     async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
         self.core
