@@ -430,3 +430,40 @@ fn logs_are_human_readable_text_by_default() {
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
 }
+
+/// Each error prints its cause once (crates/model/src/report.rs): the message carries it and
+/// it is not also a `source()` that `main`'s `{:#}` would print again.
+#[test]
+fn an_error_prints_its_cause_once() {
+    let state = tempfile::tempdir().unwrap();
+    let state_dir = state.path().to_str().unwrap();
+    let config = gpuplane(&[
+        "node",
+        "--node-name",
+        "n1",
+        "--simulate",
+        "dgx-h100",
+        "--config",
+        "/nonexistent/gpuplane-config.yaml",
+        "--state-dir",
+        state_dir,
+    ]);
+    let profile = gpuplane(&["discover", "--simulate", "/nonexistent/gpuplane-profile.yaml"]);
+    for (out, object) in [
+        (config, "reading config file /nonexistent/gpuplane-config.yaml"),
+        (profile, "simulation profile `/nonexistent/gpuplane-profile.yaml`"),
+    ] {
+        assert!(!out.status.success());
+        let stderr = text(&out.stderr);
+        let line = stderr
+            .lines()
+            .find(|l| l.starts_with("error: "))
+            .unwrap_or_else(|| panic!("no error line in {stderr}"));
+        assert!(line.contains(object), "{line}");
+        assert_eq!(
+            line.matches("No such file or directory").count(),
+            1,
+            "the cause must print once: {line}"
+        );
+    }
+}

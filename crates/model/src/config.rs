@@ -4,6 +4,7 @@
 //! existing file keeps working, plus gpuplane's own `health` section. Unknown fields are errors:
 //! a typo must not silently fall back to a default on a thousand nodes.
 
+use crate::report::chain;
 use serde::Deserialize;
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -17,18 +18,13 @@ pub const DEFAULT_SKIPPED_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("reading config file {path}: {source}")]
-    Read {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("reading config file {path}: {}", chain(.cause))]
+    Read { path: String, cause: std::io::Error },
     /// The file is not valid YAML for the schema.
-    #[error("config file {path}: {source}")]
+    #[error("config file {path}: {}", chain(.cause))]
     Parse {
         path: String,
-        #[source]
-        source: serde_yaml_ng::Error,
+        cause: serde_yaml_ng::Error,
     },
     /// A value is out of range or inconsistent.
     #[error("config file {path}: `{field}`: {reason}")]
@@ -271,7 +267,7 @@ impl AgentConfig {
         let name = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: name.clone(),
-            source,
+            cause: source,
         })?;
         Self::parse(&name, &text)
     }
@@ -289,7 +285,7 @@ impl AgentConfig {
         } else {
             serde_yaml_ng::from_str(text).map_err(|source| ConfigError::Parse {
                 path: path.to_string(),
-                source,
+                cause: source,
             })?
         };
         if let Some(v) = &raw.version {

@@ -18,6 +18,7 @@ pub mod labels;
 pub mod ledger;
 pub mod quantity;
 pub mod quota;
+pub mod report;
 pub mod sim;
 pub mod slices;
 pub mod source;

@@ -11,6 +11,7 @@
 //! two steps a kill can split.
 
 use crate::crashpoint::{self, Step};
+use gpuplane_model::report::chain;
 use std::fs::{self, File, OpenOptions, Permissions};
 use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -25,50 +26,38 @@ pub enum FsError {
     #[error("{path}: not a file path")]
     NotAFile { path: PathBuf },
     /// The temporary file next to the target could not be created.
-    #[error("creating a temporary file in {dir} for {path}: {source}")]
+    #[error("creating a temporary file in {dir} for {path}: {}", chain(.cause))]
     CreateTemp {
         path: PathBuf,
         dir: PathBuf,
-        #[source]
-        source: io::Error,
+        cause: io::Error,
     },
     /// Writing, setting the mode of or syncing the temporary file failed.
-    #[error("writing {tmp} (new content for {path}): {source}")]
+    #[error("writing {tmp} (new content for {path}): {}", chain(.cause))]
     Write {
         path: PathBuf,
         tmp: PathBuf,
-        #[source]
-        source: io::Error,
+        cause: io::Error,
     },
     /// The temporary file could not be renamed over the target.
-    #[error("renaming {tmp} to {path}: {source}")]
+    #[error("renaming {tmp} to {path}: {}", chain(.cause))]
     Rename {
         path: PathBuf,
         tmp: PathBuf,
-        #[source]
-        source: io::Error,
+        cause: io::Error,
     },
     /// The target could not be removed.
-    #[error("removing {path}: {source}")]
-    Remove {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    #[error("removing {path}: {}", chain(.cause))]
+    Remove { path: PathBuf, cause: io::Error },
     /// A directory could not be listed.
-    #[error("listing directory {dir}: {source}")]
-    ListDir {
-        dir: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    #[error("listing directory {dir}: {}", chain(.cause))]
+    ListDir { dir: PathBuf, cause: io::Error },
     /// The directory holding the target could not be synced after a rename or removal.
-    #[error("syncing directory {dir} after updating {path}: {source}")]
+    #[error("syncing directory {dir} after updating {path}: {}", chain(.cause))]
     SyncDir {
         path: PathBuf,
         dir: PathBuf,
-        #[source]
-        source: io::Error,
+        cause: io::Error,
     },
 }
 
@@ -121,7 +110,7 @@ pub fn remove_stale_temps(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>, FsEr
         Err(source) => {
             return Err(FsError::ListDir {
                 dir: dir.to_path_buf(),
-                source,
+                cause: source,
             })
         }
     };
@@ -129,7 +118,7 @@ pub fn remove_stale_temps(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>, FsEr
     for entry in entries {
         let entry = entry.map_err(|source| FsError::ListDir {
             dir: dir.to_path_buf(),
-            source,
+            cause: source,
         })?;
         if !is_temp_for(&entry.file_name().to_string_lossy(), prefix) {
             continue;
@@ -137,7 +126,7 @@ pub fn remove_stale_temps(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>, FsEr
         let path = entry.path();
         fs::remove_file(&path).map_err(|source| FsError::Remove {
             path: path.clone(),
-            source,
+            cause: source,
         })?;
         removed.push(path);
     }
@@ -168,7 +157,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError>
         return Err(FsError::Write {
             path: path.to_path_buf(),
             tmp,
-            source,
+            cause: source,
         });
     }
     crashpoint::reached_at(Step::FileBeforeRename, &path.to_string_lossy());
@@ -177,7 +166,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError>
         return Err(FsError::Rename {
             path: path.to_path_buf(),
             tmp,
-            source,
+            cause: source,
         });
     }
     crashpoint::reached_at(Step::FileAfterRename, &path.to_string_lossy());
@@ -207,7 +196,7 @@ fn create_temp(
                 return Err(FsError::CreateTemp {
                     path: path.to_path_buf(),
                     dir: dir.to_path_buf(),
-                    source,
+                    cause: source,
                 })
             }
         }
@@ -215,7 +204,7 @@ fn create_temp(
     Err(FsError::CreateTemp {
         path: path.to_path_buf(),
         dir: dir.to_path_buf(),
-        source: last.unwrap_or_else(|| io::Error::other("no unique temporary name")),
+        cause: last.unwrap_or_else(|| io::Error::other("no unique temporary name")),
     })
 }
 
@@ -225,7 +214,7 @@ fn sync_dir(path: &Path, dir: &Path) -> Result<(), FsError> {
         .map_err(|source| FsError::SyncDir {
             path: path.to_path_buf(),
             dir: dir.to_path_buf(),
-            source,
+            cause: source,
         })
 }
 
@@ -236,7 +225,7 @@ pub fn remove_durable(path: &Path) -> Result<(), FsError> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         Err(source) => Err(FsError::Remove {
             path: path.to_path_buf(),
-            source,
+            cause: source,
         }),
     }
 }
@@ -294,7 +283,12 @@ mod tests {
             err.to_string().contains(&path.display().to_string()),
             "{err}"
         );
-        assert!(std::error::Error::source(&err).is_some());
+        // The OS's reason is in the message once, not also a source() (report.rs).
+        assert!(
+            err.to_string().contains("No such file or directory"),
+            "{err}"
+        );
+        assert!(std::error::Error::source(&err).is_none());
 
         // Renaming over a non-empty directory fails; the temp file is cleaned up.
         let target = dir.path().join("occupied");

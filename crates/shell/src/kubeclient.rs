@@ -6,15 +6,15 @@
 //! sources swapped: an agent runs in a pod, so the pod's own identity wins over a kubeconfig
 //! that happens to be mounted. Errors name every source tried and what to pass instead.
 
+use gpuplane_model::report::chain;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum KubeClientError {
-    #[error("loading kubeconfig {path}: {source}")]
+    #[error("loading kubeconfig {path}: {}", chain(.cause))]
     Kubeconfig {
         path: PathBuf,
-        #[source]
-        source: kube::config::KubeconfigError,
+        cause: kube::config::KubeconfigError,
     },
     #[error(
         "no Kubernetes API server configured: in-cluster config: {incluster}; kubeconfig \
@@ -26,18 +26,17 @@ pub enum KubeClientError {
         kubeconfig_source: String,
         kubeconfig: kube::config::KubeconfigError,
     },
-    #[error("building a Kubernetes client from {from}: {source}")]
-    Client {
-        from: String,
-        #[source]
-        source: kube::Error,
-    },
+    #[error("building a Kubernetes client from {from}: {}", chain(.cause))]
+    Client { from: String, cause: kube::Error },
 }
 
 /// A client from `kubeconfig` if given, else in-cluster, else `KUBECONFIG`/`~/.kube/config`.
 pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, KubeClientError> {
     let (config, from) = config(kubeconfig).await?;
-    kube::Client::try_from(config).map_err(|source| KubeClientError::Client { from, source })
+    kube::Client::try_from(config).map_err(|source| KubeClientError::Client {
+        from,
+        cause: source,
+    })
 }
 
 /// The config `client` would use, and a description of where it came from.
@@ -47,14 +46,14 @@ pub async fn config(kubeconfig: Option<&Path>) -> Result<(kube::Config, String),
         let kc = kube::config::Kubeconfig::read_from(path).map_err(|source| {
             KubeClientError::Kubeconfig {
                 path: path.to_path_buf(),
-                source,
+                cause: source,
             }
         })?;
         let config = kube::Config::from_custom_kubeconfig(kc, &options)
             .await
             .map_err(|source| KubeClientError::Kubeconfig {
                 path: path.to_path_buf(),
-                source,
+                cause: source,
             })?;
         return Ok((config, format!("kubeconfig {}", path.display())));
     }

@@ -27,5 +27,6 @@ pub mod webhook;
 // The pure core lives in its own crate, so nothing there can reach a socket, a runtime or
 // NVML; its modules keep their names here.
 pub use gpuplane_model::{
-    config, health, inventory, labels, ledger, quantity, quota, sim, source, topology,
+    causes_from, config, health, inventory, labels, ledger, quantity, quota, report, sim, source,
+    topology,
 };

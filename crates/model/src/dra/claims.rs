@@ -24,6 +24,7 @@ use super::opaque::{self, ConfiguredDevice, GpuConfig, OpaqueError};
 use super::ClaimRef;
 use crate::health::{Health, HealthBook};
 use crate::inventory::{DeviceRef, Inventory};
+use crate::report::chain;
 use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
 use std::collections::BTreeMap;
 
@@ -77,20 +78,18 @@ pub enum ClaimError {
     },
     #[error("allocation config #{index} has source `{value}`, expected FromClass or FromClaim")]
     UnknownSource { index: usize, value: String },
-    #[error("allocation config #{index} ({origin}): {source}")]
+    #[error("allocation config #{index} ({origin}): {}", chain(.cause))]
     BadConfig {
         index: usize,
         origin: ConfigSource,
-        #[source]
-        source: OpaqueError,
+        cause: OpaqueError,
     },
-    #[error("allocation config #{index} ({origin}) cannot apply to devices {devices}: {source}")]
+    #[error("allocation config #{index} ({origin}) cannot apply to devices {devices}: {}", chain(.cause))]
     NotApplicable {
         index: usize,
         origin: ConfigSource,
         devices: String,
-        #[source]
-        source: OpaqueError,
+        cause: OpaqueError,
     },
     #[error("device {device} gets config #{first} through request {first_request} and config #{second} through request {second_request}")]
     ConflictingConfigs {
@@ -184,7 +183,7 @@ fn our_configs<'a>(
             opaque::parse(&opaque.parameters.0).map_err(|source| ClaimError::BadConfig {
                 index,
                 origin,
-                source,
+                cause: source,
             })?;
         out.push(OurConfig {
             index,
@@ -342,7 +341,7 @@ pub fn plan_claim(
                 index: c.index,
                 origin: c.origin,
                 devices: group.join(", "),
-                source,
+                cause: source,
             }
         })?;
         for p in plan
@@ -524,7 +523,8 @@ mod tests {
             e.to_string().contains("defaultActiveThreadPercentage"),
             "{e}"
         );
-        assert!(std::error::Error::source(&e).is_some());
+        // The cause is in the message once, not also a source() (crate::report).
+        assert!(std::error::Error::source(&e).is_none());
 
         let mig_interval = cfg(
             "FromClass",

@@ -8,6 +8,7 @@
 mod profile;
 
 use crate::inventory::Inventory;
+use crate::report::chain;
 pub use profile::{ProfileFile, BRANDS};
 use std::path::Path;
 
@@ -31,19 +32,17 @@ const BUNDLED: &[(&str, &str)] = &[
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
     /// The argument is neither a bundled profile name nor a readable file.
-    #[error("simulation profile `{name}` is neither a bundled profile ({bundled}) nor a readable file: {source}")]
+    #[error("simulation profile `{name}` is neither a bundled profile ({bundled}) nor a readable file: {}", chain(.cause))]
     NotFound {
         name: String,
         bundled: String,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The file is not valid YAML for the profile schema.
-    #[error("simulation profile {file}: {source}")]
+    #[error("simulation profile {file}: {}", chain(.cause))]
     Parse {
         file: String,
-        #[source]
-        source: serde_yaml_ng::Error,
+        cause: serde_yaml_ng::Error,
     },
     /// The file parses but describes an impossible machine.
     #[error("simulation profile {file}: field `{field}`: {reason}")]
@@ -73,7 +72,7 @@ pub fn load(spec: &str) -> Result<Inventory, ProfileError> {
     let text = std::fs::read_to_string(path).map_err(|source| ProfileError::NotFound {
         name: spec.to_string(),
         bundled: bundled_names().join(", "),
-        source,
+        cause: source,
     })?;
     let label = path
         .file_stem()
@@ -87,7 +86,7 @@ pub fn from_str(file: &str, label: &str, text: &str) -> Result<Inventory, Profil
     let parsed: ProfileFile =
         serde_yaml_ng::from_str(text).map_err(|source| ProfileError::Parse {
             file: file.to_string(),
-            source,
+            cause: source,
         })?;
     parsed
         .into_inventory(label)

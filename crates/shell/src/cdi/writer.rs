@@ -4,6 +4,7 @@
 
 use super::spec::Spec;
 use crate::fsutil::{self, FsError};
+use gpuplane_model::report::chain;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -16,30 +17,17 @@ pub const SPEC_MODE: u32 = 0o644;
 pub enum WriteError {
     #[error("CDI spec file stem `{stem}`: {reason}")]
     BadStem { stem: String, reason: &'static str },
-    #[error("creating CDI spec directory {dir}: {source}")]
-    CreateDir {
-        dir: PathBuf,
-        #[source]
-        source: io::Error,
-    },
-    #[error("serialising CDI spec {path}: {source}")]
+    #[error("creating CDI spec directory {dir}: {}", chain(.cause))]
+    CreateDir { dir: PathBuf, cause: io::Error },
+    #[error("serialising CDI spec {path}: {}", chain(.cause))]
     Serialise {
         path: PathBuf,
-        #[source]
-        source: serde_json::Error,
+        cause: serde_json::Error,
     },
-    #[error("writing CDI spec {path}: {source}")]
-    Write {
-        path: PathBuf,
-        #[source]
-        source: FsError,
-    },
-    #[error("removing CDI spec {path}: {source}")]
-    Remove {
-        path: PathBuf,
-        #[source]
-        source: FsError,
-    },
+    #[error("writing CDI spec {path}: {}", chain(.cause))]
+    Write { path: PathBuf, cause: FsError },
+    #[error("removing CDI spec {path}: {}", chain(.cause))]
+    Remove { path: PathBuf, cause: FsError },
 }
 
 /// What [`write_spec`] did.
@@ -96,7 +84,7 @@ pub fn write_spec(
     let path = spec_path(cdi_root, file_stem)?;
     let bytes = spec_bytes(spec).map_err(|source| WriteError::Serialise {
         path: path.clone(),
-        source,
+        cause: source,
     })?;
     // Any read failure (absent, unreadable) just means: write.
     if fs::read(&path).is_ok_and(|old| old == bytes) {
@@ -104,17 +92,22 @@ pub fn write_spec(
     }
     fs::create_dir_all(cdi_root).map_err(|source| WriteError::CreateDir {
         dir: cdi_root.to_path_buf(),
-        source,
+        cause: source,
     })?;
-    fsutil::write_atomic(&path, &bytes, SPEC_MODE)
-        .map_err(|source| WriteError::Write { path, source })?;
+    fsutil::write_atomic(&path, &bytes, SPEC_MODE).map_err(|source| WriteError::Write {
+        path,
+        cause: source,
+    })?;
     Ok(WriteOutcome::Written)
 }
 
 /// Removes `<cdi_root>/<file_stem>.json`; a spec that is not there is not an error.
 pub fn remove_spec(cdi_root: &Path, file_stem: &str) -> Result<(), WriteError> {
     let path = spec_path(cdi_root, file_stem)?;
-    fsutil::remove_durable(&path).map_err(|source| WriteError::Remove { path, source })
+    fsutil::remove_durable(&path).map_err(|source| WriteError::Remove {
+        path,
+        cause: source,
+    })
 }
 
 #[cfg(test)]
@@ -186,6 +179,8 @@ mod tests {
         fs::write(&root, b"").unwrap();
         let err = write_spec(&root, "gpuplane", &spec("nvidia.com/gpu")).unwrap_err();
         assert!(err.to_string().contains("not-a-dir"), "{err}");
-        assert!(std::error::Error::source(&err).is_some());
+        // The OS's reason is in the message once, not also a source() (report.rs).
+        assert!(err.to_string().contains("(os error"), "{err}");
+        assert!(std::error::Error::source(&err).is_none());
     }
 }

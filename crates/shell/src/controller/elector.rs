@@ -6,6 +6,7 @@
 //! After every round the candidate's [`Role`] is published for `/readyz` ([`Elector::reporting`]).
 
 use super::lease::{self, Decision, LeaseTimings, LeaseView, Observation};
+use gpuplane_model::report::chain;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Api, PostParams};
@@ -18,13 +19,12 @@ use tokio::time::Instant;
 #[derive(Debug, thiserror::Error)]
 pub enum ElectionError {
     /// The API server answered with an error other than a lost race.
-    #[error("{op} Lease {namespace}/{name}: {source}")]
+    #[error("{op} Lease {namespace}/{name}: {}", chain(.cause))]
     Api {
         op: &'static str,
         namespace: String,
         name: String,
-        #[source]
-        source: Box<kube::Error>,
+        cause: Box<kube::Error>,
     },
     /// The API server did not answer within the time left.
     #[error("Lease {namespace}/{name}: no answer in time")]
@@ -120,7 +120,7 @@ impl Elector {
             op,
             namespace: self.namespace.clone(),
             name: self.name.clone(),
-            source: Box::new(source),
+            cause: Box::new(source),
         }
     }
 

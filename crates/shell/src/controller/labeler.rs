@@ -13,6 +13,7 @@ use super::cache::Cache;
 use super::queue::forward;
 use super::queue_label::{queue_label_patch, QUEUE_LABEL};
 use crate::quota::GpuQuota;
+use gpuplane_model::report::chain;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::watcher::{self, Event};
@@ -62,11 +63,10 @@ impl LabelerOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum LabelError {
     /// The merge patch failed (other than the namespace being gone).
-    #[error("patching label {QUEUE_LABEL} of namespace {namespace}: {source}")]
+    #[error("patching label {QUEUE_LABEL} of namespace {namespace}: {}", chain(.cause))]
     Patch {
         namespace: String,
-        #[source]
-        source: Box<kube::Error>,
+        cause: Box<kube::Error>,
     },
 }
 
@@ -230,7 +230,7 @@ impl Labeler {
             Err(kube::Error::Api(s)) if s.code == 404 => Ok(Synced::Missing),
             Err(e) => Err(LabelError::Patch {
                 namespace: ns.to_string(),
-                source: Box::new(e),
+                cause: Box::new(e),
             }),
         }
     }

@@ -21,6 +21,7 @@ use super::writes::{self, Ungated};
 use crate::quota::{
     governs_pod, CatalogSettings, DeviceCatalog, GpuQuota, QuotaMathError, QuotaMode,
 };
+use gpuplane_model::report::chain;
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
@@ -88,22 +89,20 @@ impl Default for QueueOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum QueueError {
     /// An API call failed.
-    #[error("{op} {object}: {source}")]
+    #[error("{op} {object}: {}", chain(.cause))]
     Api {
         op: &'static str,
         object: String,
-        #[source]
-        source: Box<kube::Error>,
+        cause: Box<kube::Error>,
     },
     /// A GpuQuota changed between our read and our write; the namespace is planned again.
     #[error("GpuQuota {0} changed while being written")]
     Conflict(String),
     /// Quota arithmetic overflowed.
-    #[error("namespace {namespace}: {source}")]
+    #[error("namespace {namespace}: {}", chain(.cause))]
     Math {
         namespace: String,
-        #[source]
-        source: QuotaMathError,
+        cause: QuotaMathError,
     },
 }
 
@@ -378,7 +377,7 @@ impl QueueLoop {
         };
         let math = |source| QueueError::Math {
             namespace: ns.into(),
-            source,
+            cause: source,
         };
         let observed = namespace::observe(&inputs, &mut self.charges).map_err(math)?;
         let mut conflicts = 0;
@@ -643,7 +642,7 @@ fn api_error(op: &'static str, object: &str, e: kube::Error) -> QueueError {
     QueueError::Api {
         op,
         object: object.into(),
-        source: Box::new(e),
+        cause: Box::new(e),
     }
 }
 

@@ -11,6 +11,7 @@ use crate::grpc;
 use crate::node::cdi::NodeSpec;
 use crate::node::state::NodeState;
 use crate::proto::deviceplugin_v1beta1 as pb;
+use gpuplane_model::report::chain;
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -204,8 +205,8 @@ fn serve(
 enum RegisterError {
     #[error(transparent)]
     Socket(#[from] grpc::SocketError),
-    #[error("kubelet refused registration: {0}")]
-    Refused(#[from] tonic::Status),
+    #[error("kubelet refused registration: {}", chain(.0))]
+    Refused(tonic::Status),
     #[error("kubelet did not answer within {0:?}")]
     Timeout(Duration),
 }
@@ -225,7 +226,8 @@ async fn register(kubelet_sock: &Path, resource: &str, socket: &Path) -> Result<
                 resource_name: resource.to_string(),
                 options: Some(options()),
             })
-            .await?;
+            .await
+            .map_err(RegisterError::Refused)?;
         Ok(())
     };
     tokio::time::timeout(TIMEOUT, call)

@@ -50,6 +50,7 @@
 
 use super::PreparedDevice;
 use crate::fsutil::{self, FsError};
+use gpuplane_model::report::chain;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -126,40 +127,28 @@ pub enum DecodeError {
     Checksum { expected: String, actual: String },
     #[error("unsupported version {found} (this agent reads version {VERSION})")]
     Version { found: String },
-    #[error("malformed content: {source}")]
-    Json {
-        #[source]
-        source: serde_json::Error,
-    },
+    #[error("malformed content: {}", chain(.cause))]
+    Json { cause: serde_json::Error },
 }
 
 /// Why the checkpoint could not be loaded or saved.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    #[error("moving the unusable DRA checkpoint {path} aside to {to}: {source}")]
+    #[error("moving the unusable DRA checkpoint {path} aside to {to}: {}", chain(.cause))]
     SetAside {
         path: PathBuf,
         to: PathBuf,
-        #[source]
-        source: io::Error,
+        cause: io::Error,
     },
-    #[error("creating the state directory {dir}: {source}")]
-    CreateDir {
-        dir: PathBuf,
-        #[source]
-        source: io::Error,
-    },
-    #[error("serialising the DRA checkpoint {path}: {source}")]
+    #[error("creating the state directory {dir}: {}", chain(.cause))]
+    CreateDir { dir: PathBuf, cause: io::Error },
+    #[error("serialising the DRA checkpoint {path}: {}", chain(.cause))]
     Encode {
         path: PathBuf,
-        #[source]
-        source: serde_json::Error,
+        cause: serde_json::Error,
     },
-    #[error("saving the DRA checkpoint: {source}")]
-    Write {
-        #[source]
-        source: FsError,
-    },
+    #[error("saving the DRA checkpoint: {}", chain(.cause))]
+    Write { cause: FsError },
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -204,13 +193,13 @@ pub fn decode(bytes: &[u8]) -> Result<CheckpointData, DecodeError> {
         version: serde_json::Value,
     }
     let probe: Probe =
-        serde_json::from_slice(body).map_err(|source| DecodeError::Json { source })?;
+        serde_json::from_slice(body).map_err(|source| DecodeError::Json { cause: source })?;
     if probe.version.as_u64() != Some(VERSION) {
         return Err(DecodeError::Version {
             found: probe.version.to_string(),
         });
     }
-    serde_json::from_slice(body).map_err(|source| DecodeError::Json { source })
+    serde_json::from_slice(body).map_err(|source| DecodeError::Json { cause: source })
 }
 
 /// This boot's id, or `None` (with a warning) when it cannot be read.
@@ -362,14 +351,14 @@ fn write(state_dir: &Path, data: &CheckpointData) -> Result<(), CheckpointError>
         .create(state_dir)
         .map_err(|source| CheckpointError::CreateDir {
             dir: state_dir.to_path_buf(),
-            source,
+            cause: source,
         })?;
     let bytes = encode(data).map_err(|source| CheckpointError::Encode {
         path: path.clone(),
-        source,
+        cause: source,
     })?;
     fsutil::write_atomic(&path, &bytes, FILE_MODE)
-        .map_err(|source| CheckpointError::Write { source })
+        .map_err(|source| CheckpointError::Write { cause: source })
 }
 
 /// Renames an unusable checkpoint to `<file>.corrupt-<unix seconds>[-n]` and logs it once.
@@ -389,7 +378,7 @@ fn set_aside(path: &Path, reason: &str) -> Result<PathBuf, CheckpointError> {
     fs::rename(path, &to).map_err(|source| CheckpointError::SetAside {
         path: path.to_path_buf(),
         to: to.clone(),
-        source,
+        cause: source,
     })?;
     error!(
         path = %path.display(), moved_to = %to.display(), reason,

@@ -69,6 +69,7 @@ use crate::ledger::{
 use crate::metrics;
 use crate::node::state::NodeState;
 use crate::source::DeviceMode;
+use gpuplane_model::report::chain;
 use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -129,17 +130,10 @@ impl DraCoreConfig {
 /// Why the core could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum CoreError {
-    #[error("driver name `{driver}` does not make a CDI vendor `k8s.{driver}`: {source}")]
-    Kind {
-        driver: String,
-        #[source]
-        source: NameError,
-    },
-    #[error("loading the DRA checkpoint: {source}")]
-    Checkpoint {
-        #[source]
-        source: CheckpointError,
-    },
+    #[error("driver name `{driver}` does not make a CDI vendor `k8s.{driver}`: {}", chain(.cause))]
+    Kind { driver: String, cause: NameError },
+    #[error("loading the DRA checkpoint: {}", chain(.cause))]
+    Checkpoint { cause: CheckpointError },
 }
 
 /// Why one claim could not be prepared or unprepared (the claim is named by the caller).
@@ -149,44 +143,24 @@ pub enum PrepareError {
     BadUid { uid: String },
     #[error("claim {what} `{value}` is not a DNS subdomain")]
     BadName { what: &'static str, value: String },
-    #[error("{source}")]
-    Fetch {
-        #[source]
-        source: Box<FetchError>,
-    },
-    #[error("{source}")]
-    Plan {
-        #[source]
-        source: ClaimError,
-    },
+    #[error("{}", chain(.cause))]
+    Fetch { cause: Box<FetchError> },
+    #[error("{}", chain(.cause))]
+    Plan { cause: ClaimError },
     #[error(transparent)]
     MissingDeviceNodes(DeviceNodesError),
-    #[error("CDI device name for {device}: {source}")]
-    CdiName {
-        device: String,
-        #[source]
-        source: NameError,
-    },
-    #[error("{source}")]
-    Checkpoint {
-        #[source]
-        source: CheckpointError,
-    },
-    #[error("{source}")]
-    Spec {
-        #[source]
-        source: WriteError,
-    },
+    #[error("CDI device name for {device}: {}", chain(.cause))]
+    CdiName { device: String, cause: NameError },
+    #[error("{}", chain(.cause))]
+    Checkpoint { cause: CheckpointError },
+    #[error("{}", chain(.cause))]
+    Spec { cause: WriteError },
     /// The blocking-pool job that writes the claim's files panicked (a bug).
     #[error("the file-writing job failed: {0}")]
     Worker(String),
     /// Another consumer (a device-plugin container, another claim) holds a device of the claim.
-    #[error("device {device}: {source}; it cannot be given out twice")]
-    Held {
-        device: String,
-        #[source]
-        source: Box<Held>,
-    },
+    #[error("device {device}: {}; it cannot be given out twice", chain(.cause))]
+    Held { device: String, cause: Box<Held> },
 }
 
 /// What a user must see of a failed prepare: an Event on the ResourceClaim with a reason
@@ -211,7 +185,7 @@ impl PrepareError {
                  until the holder ends",
             ),
             PrepareError::Plan {
-                source: ClaimError::Unhealthy { .. },
+                cause: ClaimError::Unhealthy { .. },
             } => (
                 "DeviceUnhealthy",
                 "delete this claim's pod (and the claim, if it is not from a template) so the \
@@ -219,7 +193,7 @@ impl PrepareError {
                  ResourceSlice",
             ),
             PrepareError::Plan {
-                source:
+                cause:
                     ClaimError::BadConfig { .. }
                     | ClaimError::NotApplicable { .. }
                     | ClaimError::UnknownSource { .. }
@@ -230,7 +204,7 @@ impl PrepareError {
                  DeviceClass) and create the claim again",
             ),
             PrepareError::Plan {
-                source: ClaimError::UnknownDevice { .. } | ClaimError::OtherPool { .. },
+                cause: ClaimError::UnknownDevice { .. } | ClaimError::OtherPool { .. },
             } => (
                 "DeviceNotOnNode",
                 "the allocation names a device this node does not publish (a stale \
@@ -273,13 +247,13 @@ pub fn kubelet_error(c: &ClaimRef, e: &PrepareError) -> String {
 
 impl From<CheckpointError> for PrepareError {
     fn from(source: CheckpointError) -> Self {
-        PrepareError::Checkpoint { source }
+        PrepareError::Checkpoint { cause: source }
     }
 }
 
 impl From<WriteError> for PrepareError {
     fn from(source: WriteError) -> Self {
-        PrepareError::Spec { source }
+        PrepareError::Spec { cause: source }
     }
 }
 
@@ -405,12 +379,12 @@ impl DraCore {
         let kind = Kind::new(&format!("k8s.{}", config.driver), CDI_CLASS).map_err(|source| {
             CoreError::Kind {
                 driver: config.driver.clone(),
-                source,
+                cause: source,
             }
         })?;
         let boot_id = checkpoint::read_boot_id(&config.boot_id_path);
         let loaded = Checkpoint::load(&config.state_dir, boot_id.as_deref())
-            .map_err(|source| CoreError::Checkpoint { source })?;
+            .map_err(|source| CoreError::Checkpoint { cause: source })?;
         // Specs first, then the checkpoint: a crash in between invalidates them again.
         for (uid, entry) in &loaded.invalidated {
             let claim = format!("{}/{}", entry.namespace, entry.name);
@@ -505,7 +479,7 @@ impl DraCore {
             .get(&c.namespace, &c.name)
             .await
             .map_err(|source| PrepareError::Fetch {
-                source: Box::new(source),
+                cause: Box::new(source),
             })?;
         let cp = self.checkpoint.clone().lock_owned().await;
         let (shared, c) = (self.shared.clone(), c.clone());
@@ -624,7 +598,7 @@ impl Shared {
                     (
                         Err(PrepareError::Held {
                             device,
-                            source: Box::new(held),
+                            cause: Box::new(held),
                         }),
                         false,
                     )
@@ -647,7 +621,7 @@ impl Shared {
             )
         };
         let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health)
-            .map_err(|source| PrepareError::Plan { source })?;
+            .map_err(|source| PrepareError::Plan { cause: source })?;
         let generation = claim.metadata.generation;
         match self.device_mode {
             // Nothing on the host to discover: no driver files, no device nodes.
@@ -719,7 +693,7 @@ impl Shared {
             let cdi_name = DeviceName::new(cdi_device_name(&c.uid, name)).map_err(|source| {
                 PrepareError::CdiName {
                     device: name.to_string(),
-                    source,
+                    cause: source,
                 }
             })?;
             named.push(NamedDevices {
@@ -965,7 +939,7 @@ mod tests {
     #[test]
     fn failures_a_user_can_act_on_become_events_naming_what_to_do() {
         let unhealthy = PrepareError::Plan {
-            source: ClaimError::Unhealthy {
+            cause: ClaimError::Unhealthy {
                 device: "gpu-0".into(),
                 uuid: "GPU-0".into(),
                 cause: "critical Xid 48".into(),

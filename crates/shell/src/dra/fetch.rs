@@ -2,6 +2,7 @@
 //! preparation needs ([`ClaimFetcher`]), over the API server ([`KubeClaims`]) or in memory
 //! ([`MemoryClaims`], for the demo and tests).
 
+use gpuplane_model::report::chain;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -17,14 +18,13 @@ pub enum FetchError {
         name: String,
         why: String,
     },
-    #[error("{doing} ResourceClaim {namespace}/{name} on the API server: {source}")]
+    #[error("{doing} ResourceClaim {namespace}/{name} on the API server: {}", chain(.cause))]
     Api {
         /// `reading`, `writing the status of`.
         doing: &'static str,
         namespace: String,
         name: String,
-        #[source]
-        source: kube::Error,
+        cause: kube::Error,
     },
 }
 
@@ -70,7 +70,7 @@ impl FetchError {
                 doing,
                 namespace: namespace.to_string(),
                 name: name.to_string(),
-                source,
+                cause: source,
             },
         }
     }

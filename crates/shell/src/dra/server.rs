@@ -26,6 +26,7 @@ use super::registration::RegistrationService;
 use super::service::DraService;
 use super::DraDriver;
 use crate::grpc;
+use gpuplane_model::report::chain;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -46,11 +47,10 @@ pub enum ServeError {
     #[error("invalid DRA driver name {0:?}: must be a DNS subdomain")]
     DriverName(String),
     /// The kubelet root could not be made absolute.
-    #[error("resolving kubelet root {path}: {source}")]
+    #[error("resolving kubelet root {path}: {}", chain(.cause))]
     Root {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error(transparent)]
     Socket(#[from] grpc::SocketError),
@@ -72,7 +72,7 @@ impl DraPaths {
         }
         let root = std::path::absolute(kubelet_root).map_err(|source| ServeError::Root {
             path: kubelet_root.to_path_buf(),
-            source,
+            cause: source,
         })?;
         Ok(DraPaths {
             dra_socket: root.join("plugins").join(driver_name).join("dra.sock"),

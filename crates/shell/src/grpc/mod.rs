@@ -9,6 +9,7 @@
 
 pub mod authority;
 
+use gpuplane_model::report::chain;
 use hyper_util::rt::TokioIo;
 use std::io;
 use std::os::unix::fs::PermissionsExt;
@@ -23,18 +24,16 @@ use tonic::transport::{Channel, Endpoint};
 #[derive(Debug, thiserror::Error)]
 pub enum SocketError {
     /// The socket could not be created.
-    #[error("binding unix socket {path}: {source}")]
+    #[error("binding unix socket {path}: {}", chain(.cause))]
     Bind {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The peer's socket could not be reached.
-    #[error("connecting to unix socket {path}: {source}")]
+    #[error("connecting to unix socket {path}: {}", chain(.cause))]
     Connect {
         path: PathBuf,
-        #[source]
-        source: tonic::transport::Error,
+        cause: tonic::transport::Error,
     },
 }
 
@@ -42,7 +41,7 @@ pub enum SocketError {
 pub fn bind(path: &Path) -> Result<UnixListener, SocketError> {
     let err = |source| SocketError::Bind {
         path: path.to_path_buf(),
-        source,
+        cause: source,
     };
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(err)?;
@@ -108,7 +107,7 @@ where
         .await
         .map_err(|source| SocketError::Connect {
             path: path.to_path_buf(),
-            source,
+            cause: source,
         })
 }
 

@@ -14,6 +14,7 @@
 use crate::cdi::{self, DeviceNodesError, InstallCache, Kind, ProcCaps, WriteError, WriteOutcome};
 use crate::inventory::Inventory;
 use crate::source::DeviceMode;
+use gpuplane_model::report::chain;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -31,8 +32,8 @@ pub enum SpecState {
 /// Why the node spec is not written for the current inventory.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum NodeSpecError {
-    #[error("the node CDI spec `{stem}` is not written: {0}", stem = NODE_SPEC_STEM)]
-    DeviceNodes(#[source] DeviceNodesError),
+    #[error("the node CDI spec `{stem}` is not written: {}", chain(.0), stem = NODE_SPEC_STEM)]
+    DeviceNodes(DeviceNodesError),
     #[error("the node CDI spec `{stem}` could not be written: {0}; check the CDI directory", stem = NODE_SPEC_STEM)]
     Write(String),
 }

@@ -12,6 +12,7 @@ use crate::node::NodePaths;
 use crate::slices::publisher::{keep_published, LoopOptions, SlicePublisher};
 use crate::slices::render;
 use crate::source::DeviceMode;
+use gpuplane_model::report::chain;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,10 +30,10 @@ pub struct DraSettings {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DraStartError {
-    #[error("starting the DRA driver: {0}")]
-    Core(#[from] CoreError),
-    #[error("starting the DRA driver's sockets: {0}")]
-    Serve(#[from] ServeError),
+    #[error("starting the DRA driver: {}", chain(.0))]
+    Core(CoreError),
+    #[error("starting the DRA driver's sockets: {}", chain(.0))]
+    Serve(ServeError),
 }
 
 /// The slices this node should publish now: the DRA view of the inventory with health taints,
@@ -92,11 +93,13 @@ pub async fn start(
         config,
         state.clone(),
         Arc::new(KubeClaims::new(settings.client.clone())),
-    )?;
+    )
+    .map_err(DraStartError::Core)?;
     core.restore_holds().await;
     let events = ClaimEvents::new(settings.client.clone(), &driver, node_name);
     let reporting = ReportingDriver::new(Arc::new(core), events);
-    let server = DraServer::new(&paths.kubelet_root, &driver, Arc::new(reporting))?;
+    let server = DraServer::new(&paths.kubelet_root, &driver, Arc::new(reporting))
+        .map_err(DraStartError::Serve)?;
     let registered = server.registered();
     let mut tasks = Vec::new();
     let server_stop = stop.clone();

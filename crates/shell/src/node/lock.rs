@@ -8,6 +8,7 @@
 //! file so that a refused agent can say who is in the way; the file itself stays (removing it
 //! would let a third agent lock a new file while a second still waits on the old one).
 
+use gpuplane_model::report::chain;
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 use std::fs::{File, OpenOptions};
@@ -32,34 +33,26 @@ pub enum LockError {
     )]
     Held { path: PathBuf, holder: Holder },
     #[error(
-        "creating the state directory {dir}: {source}; check that --state-dir names a \
-         writable directory"
+        "creating the state directory {dir}: {}; check that --state-dir names a \
+         writable directory",
+        chain(.cause)
     )]
-    CreateDir {
-        dir: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    CreateDir { dir: PathBuf, cause: std::io::Error },
     #[error(
-        "opening the lock file {path}: {source}; it must be a regular file (not a symlink) \
-         that this agent may write"
+        "opening the lock file {path}: {}; it must be a regular file (not a symlink) \
+         that this agent may write",
+        chain(.cause)
     )]
     Open {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
-    #[error("locking {path}: {source}; the state directory's file system must support flock")]
-    Lock {
-        path: PathBuf,
-        #[source]
-        source: Errno,
-    },
-    #[error("writing this agent's PID into {path}: {source}")]
+    #[error("locking {path}: {}; the state directory's file system must support flock", chain(.cause))]
+    Lock { path: PathBuf, cause: Errno },
+    #[error("writing this agent's PID into {path}: {}", chain(.cause))]
     Write {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
@@ -97,7 +90,7 @@ impl StateLock {
             .create(state_dir)
             .map_err(|source| LockError::CreateDir {
                 dir: state_dir.to_path_buf(),
-                source,
+                cause: source,
             })?;
         let path = state_dir.join(FILE_NAME);
         // No truncation here: until we hold the lock the file's PID is the holder's.
@@ -114,7 +107,7 @@ impl StateLock {
         };
         let mut file = open().map_err(|source| LockError::Open {
             path: path.clone(),
-            source,
+            cause: source,
         })?;
         let mut locked = loop {
             match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
@@ -124,13 +117,18 @@ impl StateLock {
                     let holder = read_holder(f);
                     return Err(LockError::Held { path, holder });
                 }
-                Err((_, source)) => return Err(LockError::Lock { path, source }),
+                Err((_, source)) => {
+                    return Err(LockError::Lock {
+                        path,
+                        cause: source,
+                    })
+                }
             }
         };
         let pid = std::process::id();
         write_pid(&mut locked, pid).map_err(|source| LockError::Write {
             path: path.clone(),
-            source,
+            cause: source,
         })?;
         tracing::info!(lock = %path.display(), pid, "holding the state directory lock");
         Ok(StateLock { file: locked, path })

@@ -22,6 +22,7 @@ use crate::deviceplugin::resources::PlanError;
 use crate::health::{Cause, Change, Health};
 use crate::inventory::Inventory;
 use crate::source::{DeviceMode, DeviceSource, Discovery};
+use gpuplane_model::report::chain;
 use state::{NodeState, Snapshot};
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -90,24 +91,23 @@ pub enum NodeError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// The devices cannot be offered as configured.
-    #[error("cannot offer this node's devices: {0}")]
-    Plan(#[from] PlanError),
+    #[error("cannot offer this node's devices: {}", chain(.0))]
+    Plan(PlanError),
     /// The DRA driver could not start.
     #[error(transparent)]
     Dra(#[from] dra::DraStartError),
     /// The metrics address could not be bound.
-    #[error("binding the metrics address {addr}: {source}")]
+    #[error("binding the metrics address {addr}: {}", chain(.cause))]
     Metrics {
         addr: std::net::SocketAddr,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Signal handlers could not be installed.
-    #[error("installing signal handlers: {0}")]
-    Signals(#[source] std::io::Error),
+    #[error("installing signal handlers: {}", chain(.0))]
+    Signals(std::io::Error),
     /// The thread that probes lost GPUs could not be started.
-    #[error("starting the device probe thread: {0}")]
-    ProbeThread(#[source] std::io::Error),
+    #[error("starting the device probe thread: {}", chain(.0))]
+    ProbeThread(std::io::Error),
 }
 
 fn load_config(path: Option<&Path>) -> Result<AgentConfig, ConfigError> {
@@ -294,7 +294,9 @@ pub async fn run(
         gpus: Vec::new(),
         topology: crate::inventory::Topology::default(),
     };
-    let state = Arc::new(NodeState::new(Snapshot::new(nothing_yet, config.clone())?));
+    let state = Arc::new(NodeState::new(
+        Snapshot::new(nothing_yet, config.clone()).map_err(NodeError::Plan)?,
+    ));
     let dp_registered = Arc::new(AtomicBool::new(false));
     let readiness = Arc::new(http::Readiness {
         device_plugin: opts.device_plugin.then(|| dp_registered.clone()),
@@ -307,7 +309,10 @@ pub async fn run(
         Some(addr) => {
             let listener = http::bind(addr)
                 .await
-                .map_err(|source| NodeError::Metrics { addr, source })?;
+                .map_err(|source| NodeError::Metrics {
+                    addr,
+                    cause: source,
+                })?;
             tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
             Some(tokio::spawn(http::serve(
                 listener,
@@ -333,7 +338,7 @@ pub async fn run(
     for lost in &found.lost {
         tracing::warn!(gpu = lost.index, reason = %lost.reason, "GPU not answering; it is not offered");
     }
-    let snapshot = Snapshot::new(found.inventory, config)?;
+    let snapshot = Snapshot::new(found.inventory, config).map_err(NodeError::Plan)?;
     for w in &snapshot.plan.warnings {
         tracing::warn!("{w}");
     }

@@ -9,6 +9,7 @@ use crate::ledger::{Holder, LEDGER_RELEASES, LEDGER_RELEASES_HELP};
 use crate::metrics;
 use crate::node::state::NodeState;
 use crate::proto::podresources_v1 as pr;
+use gpuplane_model::report::chain;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -24,8 +25,8 @@ pub const POLL: Duration = Duration::from_millis(500);
 pub enum PodResourcesError {
     #[error(transparent)]
     Socket(#[from] grpc::SocketError),
-    #[error("PodResources List failed: {0}")]
-    List(#[from] tonic::Status),
+    #[error("PodResources List failed: {}", chain(.0))]
+    List(tonic::Status),
 }
 
 /// Units the kubelet reports assigned: unit -> (holder, `namespace/pod/container`). A unit
@@ -70,7 +71,8 @@ async fn list(socket: &Path) -> Result<pr::ListPodResourcesResponse, PodResource
     let mut client = pr::pod_resources_lister_client::PodResourcesListerClient::new(channel);
     Ok(client
         .list(pr::ListPodResourcesRequest {})
-        .await?
+        .await
+        .map_err(PodResourcesError::List)?
         .into_inner())
 }
 

@@ -20,6 +20,7 @@ use super::plan::{self, Content, Delete, Echoes};
 use super::validate::{validate, Violation};
 use crate::crashpoint::{self, Step};
 use crate::metrics;
+use gpuplane_model::report::chain;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
@@ -45,12 +46,11 @@ pub enum PublishError {
     #[error("desired ResourceSlice {name:?} does not belong here: {reason}")]
     Foreign { name: String, reason: String },
     /// The API server answered with an error.
-    #[error("{op} ResourceSlice {name:?}: {source}")]
+    #[error("{op} ResourceSlice {name:?}: {}", chain(.cause))]
     Api {
         op: &'static str,
         name: String,
-        #[source]
-        source: kube::Error,
+        cause: kube::Error,
     },
     /// The API server did not answer in time.
     #[error("{op} ResourceSlice {name:?}: no answer within {after:?}")]
@@ -63,7 +63,6 @@ pub enum PublishError {
     #[error("gave up after {attempts} attempts: {last}")]
     Exhausted {
         attempts: u32,
-        #[source]
         last: Box<PublishError>,
     },
 }
@@ -87,7 +86,9 @@ enum Retry {
 impl PublishError {
     fn retry(&self) -> Retry {
         match self {
-            PublishError::Api { source, op, .. } => match source {
+            PublishError::Api {
+                cause: source, op, ..
+            } => match source {
                 kube::Error::Api(status) => match status.code {
                     409 => Retry::Conflict,
                     404 if *op != "list" => Retry::Conflict,
@@ -440,7 +441,7 @@ impl SlicePublisher {
             }
             // Already gone: what we wanted.
             Err(PublishError::Api {
-                source: kube::Error::Api(s),
+                cause: kube::Error::Api(s),
                 ..
             }) if s.code == 404 => Ok(()),
             Err(e) => Err(e),
@@ -474,7 +475,7 @@ impl SlicePublisher {
             Ok(Err(source)) => Err(PublishError::Api {
                 op,
                 name: name.to_string(),
-                source,
+                cause: source,
             }),
             Err(_) => Err(PublishError::Timeout {
                 op,

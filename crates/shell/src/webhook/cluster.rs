@@ -9,6 +9,7 @@
 
 use super::probe::Probes;
 use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota};
+use gpuplane_model::report::chain;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
 };
@@ -24,11 +25,12 @@ use tokio_stream::StreamExt;
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
     #[error(
-        "cannot list GpuQuotas (quota.gpuplane.dev/v1alpha1) from the API server: {0}. Is the API \
+        "cannot list GpuQuotas (quota.gpuplane.dev/v1alpha1) from the API server: {}. Is the API \
          server reachable, is the CRD installed (daemonset/controller/crd.yaml), and may this \
-         service account list gpuquotas (daemonset/controller/rbac.yaml)?"
+         service account list gpuquotas (daemonset/controller/rbac.yaml)?",
+        chain(.0)
     )]
-    Probe(#[source] kube::Error),
+    Probe(kube::Error),
     #[error("the API server did not answer the first GpuQuota list within {0:?}")]
     ProbeTimeout(Duration),
     #[error("the caches of {0} did not fill within {1:?}: is the API server reachable and may this service account list and watch them?")]

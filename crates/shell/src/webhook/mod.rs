@@ -27,6 +27,7 @@ use crate::controller::elector::Role;
 use crate::controller::metrics::QueueMetrics;
 use crate::quota::CatalogSettings;
 use commit::RetryBudget;
+use gpuplane_model::report::chain;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -109,11 +110,10 @@ pub enum WebhookError {
     Tls(#[from] tls::TlsError),
     #[error(transparent)]
     Cluster(#[from] cluster::ClusterError),
-    #[error("binding {addr}: {source}")]
+    #[error("binding {addr}: {}", chain(.cause))]
     Bind {
         addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
@@ -157,7 +157,10 @@ impl Drop for RunningWebhook {
 async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, WebhookError> {
     tokio::net::TcpListener::bind(addr)
         .await
-        .map_err(|source| WebhookError::Bind { addr, source })
+        .map_err(|source| WebhookError::Bind {
+            addr,
+            cause: source,
+        })
 }
 
 /// Loads the certificate, checks API access and fills the caches, binds, and serves in the
@@ -206,7 +209,7 @@ pub async fn start(
     let listener = bind(opts.addr).await?;
     let addr = listener.local_addr().map_err(|source| WebhookError::Bind {
         addr: opts.addr,
-        source,
+        cause: source,
     })?;
     let (stop, stopped) = watch::channel(false);
     // Bound: connections wait in the backlog until the accept loop takes them.

@@ -6,6 +6,7 @@
 //! certificate) is logged and the previous pair stays in use, so rotation never breaks
 //! serving. New connections get the new certificate; open ones keep theirs.
 
+use gpuplane_model::report::chain;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -18,29 +19,26 @@ use tokio_rustls::rustls::sign::CertifiedKey;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    #[error("reading TLS certificate file {path}: {source}")]
+    #[error("reading TLS certificate file {path}: {}", chain(.cause))]
     Cert {
         path: PathBuf,
-        #[source]
-        source: rustls::pki_types::pem::Error,
+        cause: rustls::pki_types::pem::Error,
     },
     #[error("TLS certificate file {0} holds no certificate")]
     NoCert(PathBuf),
-    #[error("reading TLS key file {path}: {source}")]
+    #[error("reading TLS key file {path}: {}", chain(.cause))]
     Key {
         path: PathBuf,
-        #[source]
-        source: rustls::pki_types::pem::Error,
+        cause: rustls::pki_types::pem::Error,
     },
-    #[error("TLS key {key} does not fit certificate {cert}: {source}")]
+    #[error("TLS key {key} does not fit certificate {cert}: {}", chain(.cause))]
     Mismatch {
         cert: PathBuf,
         key: PathBuf,
-        #[source]
-        source: rustls::Error,
+        cause: rustls::Error,
     },
-    #[error("building the TLS server config: {0}")]
-    Config(#[source] rustls::Error),
+    #[error("building the TLS server config: {}", chain(.0))]
+    Config(rustls::Error),
 }
 
 /// What identifies one version of a file on disk.
@@ -78,19 +76,19 @@ fn load(cert: &Path, key: &Path, provider: &CryptoProvider) -> Result<CertifiedK
         .and_then(|it| it.collect::<Result<Vec<_>, _>>())
         .map_err(|source| TlsError::Cert {
             path: cert.to_path_buf(),
-            source,
+            cause: source,
         })?;
     if chain.is_empty() {
         return Err(TlsError::NoCert(cert.to_path_buf()));
     }
     let der = PrivateKeyDer::from_pem_file(key).map_err(|source| TlsError::Key {
         path: key.to_path_buf(),
-        source,
+        cause: source,
     })?;
     CertifiedKey::from_der(chain, der, provider).map_err(|source| TlsError::Mismatch {
         cert: cert.to_path_buf(),
         key: key.to_path_buf(),
-        source,
+        cause: source,
     })
 }
 

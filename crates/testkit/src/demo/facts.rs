@@ -4,6 +4,7 @@
 
 use base64::Engine;
 use gpuplane_shell::inventory::Inventory;
+use gpuplane_shell::report::chain;
 use gpuplane_shell::topology::TopologyModel;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::Value;
@@ -160,13 +161,19 @@ pub fn published_devices(slices: &[ResourceSlice]) -> Vec<PublishedDevice> {
 /// Why an AdmissionReview's patch could not be applied.
 #[derive(Debug, thiserror::Error)]
 pub enum PatchError {
-    #[error("the patch is not base64: {0}")]
-    Base64(#[from] base64::DecodeError),
-    #[error("the patch is not a JSON patch: {0}")]
-    Json(#[from] serde_json::Error),
-    #[error("the patch does not apply: {0}")]
-    Apply(#[from] json_patch::PatchError),
+    #[error("the patch is not base64: {}", chain(.0))]
+    Base64(base64::DecodeError),
+    #[error("the patch is not a JSON patch: {}", chain(.0))]
+    Json(serde_json::Error),
+    #[error("the patch does not apply: {}", chain(.0))]
+    Apply(json_patch::PatchError),
 }
+
+gpuplane_shell::causes_from!(PatchError {
+    Base64(base64::DecodeError),
+    Json(serde_json::Error),
+    Apply(json_patch::PatchError),
+});
 
 /// Applies the base64 JSONPatch of an AdmissionReview response to `object`, as the API server
 /// does before storing it.

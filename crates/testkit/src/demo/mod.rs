@@ -21,6 +21,7 @@ use gpuplane_shell::controller::queue::QueueOptions;
 use gpuplane_shell::controller::ControllerOptions;
 use gpuplane_shell::inventory::Inventory;
 use gpuplane_shell::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode};
+use gpuplane_shell::report::chain;
 use gpuplane_shell::sim::ProfileError;
 use gpuplane_shell::source::SimSource;
 use gpuplane_shell::webhook::{WebhookError, WebhookOptions};
@@ -49,23 +50,21 @@ pub struct DemoOptions {
 pub enum DemoError {
     #[error(transparent)]
     Profile(#[from] ProfileError),
-    #[error("creating the demo's temp dir: {0}")]
-    TempDir(#[source] std::io::Error),
+    #[error("creating the demo's temp dir: {}", chain(.0))]
+    TempDir(std::io::Error),
     #[error(transparent)]
     Lab(#[from] LabError),
     #[error(transparent)]
     Tls(#[from] TlsError),
-    #[error("starting the quota webhook: {0}")]
-    Webhook(#[from] WebhookError),
-    #[error("creating GpuQuota {name}: {source}")]
-    Quota {
-        name: String,
-        #[source]
-        source: kube::Error,
-    },
+    #[error("starting the quota webhook: {}", chain(.0))]
+    Webhook(WebhookError),
+    #[error("creating GpuQuota {name}: {}", chain(.cause))]
+    Quota { name: String, cause: kube::Error },
     #[error("the node agent did not come up: {0}")]
     AgentStart(String),
 }
+
+gpuplane_shell::causes_from!(DemoError { Webhook(WebhookError) });
 
 /// The narrative: indented lines under numbered headings.
 pub struct Narrator<'w> {
@@ -129,7 +128,7 @@ async fn create_quota(
         .await
         .map_err(|source| DemoError::Quota {
             name: format!("{namespace}/{QUOTA_NAME}"),
-            source,
+            cause: source,
         })?;
     Ok(())
 }

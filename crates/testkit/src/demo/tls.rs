@@ -3,6 +3,7 @@
 //! trusts that CA only. AdmissionReviews then travel over real HTTPS with verification on, as
 //! from the API server. Also the small HTTPS client that posts them.
 
+use gpuplane_shell::report::chain;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
@@ -19,33 +20,37 @@ const SERVER_NAME: &str = "localhost";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    #[error("making the demo's certificates: {0}")]
-    Certificate(#[from] rcgen::Error),
-    #[error("writing {}: {source}", path.display())]
+    #[error("making the demo's certificates: {}", chain(.0))]
+    Certificate(rcgen::Error),
+    #[error("writing {}: {}", path.display(), chain(.cause))]
     Write {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
-    #[error("TLS client set-up: {0}")]
-    Rustls(#[from] rustls::Error),
-    #[error("connecting to the webhook at {addr}: {source}")]
+    #[error("TLS client set-up: {}", chain(.0))]
+    Rustls(rustls::Error),
+    #[error("connecting to the webhook at {addr}: {}", chain(.cause))]
     Connect {
         addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
-    #[error("HTTP to the webhook: {0}")]
-    Http(#[from] hyper::Error),
-    #[error("building the request: {0}")]
-    Request(#[from] hyper::http::Error),
-    #[error("the webhook answered {status} with a body that is not JSON: {source}")]
+    #[error("HTTP to the webhook: {}", chain(.0))]
+    Http(hyper::Error),
+    #[error("building the request: {}", chain(.0))]
+    Request(hyper::http::Error),
+    #[error("the webhook answered {status} with a body that is not JSON: {}", chain(.cause))]
     Body {
         status: u16,
-        #[source]
-        source: serde_json::Error,
+        cause: serde_json::Error,
     },
 }
+
+gpuplane_shell::causes_from!(TlsError {
+    Certificate(rcgen::Error),
+    Rustls(rustls::Error),
+    Http(hyper::Error),
+    Request(hyper::http::Error),
+});
 
 /// A TLS client config (ring, safe default protocol versions, no client certificate) that
 /// trusts the CA `ca` only.
@@ -83,7 +88,7 @@ impl DemoPki {
         for (path, text) in [(&cert_file, cert.pem()), (&key_file, key.serialize_pem())] {
             std::fs::write(path, text).map_err(|source| TlsError::Write {
                 path: path.clone(),
-                source,
+                cause: source,
             })?;
         }
         Ok(DemoPki {
@@ -102,7 +107,10 @@ impl DemoPki {
         path: &str,
         body: &Value,
     ) -> Result<(u16, Value), TlsError> {
-        let connect = |source| TlsError::Connect { addr, source };
+        let connect = |source| TlsError::Connect {
+            addr,
+            cause: source,
+        };
         let tcp = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(connect)?;
@@ -125,7 +133,10 @@ impl DemoPki {
                 let bytes = resp.into_body().collect().await?.to_bytes();
                 serde_json::from_slice(&bytes)
                     .map(|v| (status, v))
-                    .map_err(|source| TlsError::Body { status, source })
+                    .map_err(|source| TlsError::Body {
+                        status,
+                        cause: source,
+                    })
             }
             Err(e) => Err(e.into()),
         };

@@ -39,6 +39,7 @@ pub use faults::{Fault, FaultAction, FaultId};
 pub use resources::ResourceInfo;
 
 use faults::{FaultBook, RequestLog};
+use gpuplane_shell::report::chain;
 use serde_json::Value;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -49,14 +50,10 @@ use tokio::task::JoinHandle;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiServerError {
-    #[error("apiserver double: binding 127.0.0.1:0: {0}")]
-    Bind(#[source] std::io::Error),
-    #[error("apiserver double: building a kube client for {url}: {source}")]
-    Client {
-        url: String,
-        #[source]
-        source: kube::Error,
-    },
+    #[error("apiserver double: binding 127.0.0.1:0: {}", chain(.0))]
+    Bind(std::io::Error),
+    #[error("apiserver double: building a kube client for {url}: {}", chain(.cause))]
+    Client { url: String, cause: kube::Error },
     #[error("apiserver double: {0}")]
     Object(String),
 }
@@ -126,7 +123,7 @@ impl ApiServerDouble {
     pub fn client(&self) -> Result<kube::Client, ApiServerError> {
         kube::Client::try_from(self.config()?).map_err(|source| ApiServerError::Client {
             url: self.url(),
-            source,
+            cause: source,
         })
     }
 

@@ -14,6 +14,7 @@ use gpuplane_shell::grpc::SocketError;
 use gpuplane_shell::node::apis::{self, Apis};
 use gpuplane_shell::node::dra::DraSettings;
 use gpuplane_shell::node::{NodeError, NodeOptions, NodePaths};
+use gpuplane_shell::report::chain;
 use gpuplane_shell::source::{DeviceMode, DeviceSource, SimSource, SourceError};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -30,32 +31,44 @@ pub const DEVICE_CLASS: &str = "gpu.gpuplane.dev";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LabError {
-    #[error("lab: {what} {}: {source}", path.display())]
+    #[error("lab: {what} {}: {}", path.display(), chain(.cause))]
     Io {
         what: &'static str,
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
-    #[error("lab: {0}")]
-    ApiServer(#[from] ApiServerError),
-    #[error("lab: kubelet double: {0}")]
-    Socket(#[from] SocketError),
-    #[error("lab: the simulated machine: {0}")]
-    Source(#[from] SourceError),
+    #[error("lab: {}", chain(.0))]
+    ApiServer(ApiServerError),
+    #[error("lab: kubelet double: {}", chain(.0))]
+    Socket(SocketError),
+    #[error("lab: the simulated machine: {}", chain(.0))]
+    Source(SourceError),
     #[error("lab: the stored ResourceClaim {0} has no uid")]
     ClaimUid(String),
-    #[error("lab: the agent failed: {0}")]
-    Agent(#[from] NodeError),
-    #[error("lab: {0}")]
-    DraPaths(#[from] gpuplane_shell::dra::server::ServeError),
-    #[error("lab: the agent's task ended abnormally: {0}")]
-    AgentTask(#[from] tokio::task::JoinError),
+    #[error("lab: the agent failed: {}", chain(.0))]
+    Agent(NodeError),
+    #[error("lab: {}", chain(.0))]
+    DraPaths(gpuplane_shell::dra::server::ServeError),
+    #[error("lab: the agent's task ended abnormally: {}", chain(.0))]
+    AgentTask(tokio::task::JoinError),
 }
+
+gpuplane_shell::causes_from!(LabError {
+    ApiServer(ApiServerError),
+    Socket(SocketError),
+    Source(SourceError),
+    Agent(NodeError),
+    DraPaths(gpuplane_shell::dra::server::ServeError),
+    AgentTask(tokio::task::JoinError),
+});
 
 fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> LabError {
     let path = path.to_path_buf();
-    move |source| LabError::Io { what, path, source }
+    move |source| LabError::Io {
+        what,
+        path,
+        cause: source,
+    }
 }
 
 /// The doubles and the simulated machine; the agent is started with [`NodeLab::start_agent`].
