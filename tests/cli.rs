@@ -448,10 +448,20 @@ fn an_error_prints_its_cause_once() {
         "--state-dir",
         state_dir,
     ]);
-    let profile = gpuplane(&["discover", "--simulate", "/nonexistent/gpuplane-profile.yaml"]);
+    let profile = gpuplane(&[
+        "discover",
+        "--simulate",
+        "/nonexistent/gpuplane-profile.yaml",
+    ]);
     for (out, object) in [
-        (config, "reading config file /nonexistent/gpuplane-config.yaml"),
-        (profile, "simulation profile `/nonexistent/gpuplane-profile.yaml`"),
+        (
+            config,
+            "reading config file /nonexistent/gpuplane-config.yaml",
+        ),
+        (
+            profile,
+            "simulation profile `/nonexistent/gpuplane-profile.yaml`",
+        ),
     ] {
         assert!(!out.status.success());
         let stderr = text(&out.stderr);

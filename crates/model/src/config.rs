@@ -261,6 +261,15 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
     humantime::parse_duration(s.trim()).ok()
 }
 
+/// An invalid field of the config file at `path`.
+fn invalid(path: &str, field: &str, reason: String) -> ConfigError {
+    ConfigError::Invalid {
+        path: path.to_string(),
+        field: field.to_string(),
+        reason,
+    }
+}
+
 impl AgentConfig {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
@@ -274,11 +283,6 @@ impl AgentConfig {
 
     /// Validates config text; `path` names it in errors.
     pub fn parse(path: &str, text: &str) -> Result<AgentConfig, ConfigError> {
-        let invalid = |field: &str, reason: String| ConfigError::Invalid {
-            path: path.to_string(),
-            field: field.to_string(),
-            reason,
-        };
         // An empty file is a valid, all-defaults config.
         let raw: RawFile = if text.trim().is_empty() {
             RawFile::default()
@@ -291,6 +295,7 @@ impl AgentConfig {
         if let Some(v) = &raw.version {
             if v != "v1" {
                 return Err(invalid(
+                    path,
                     "version",
                     format!("unsupported version `{v}`; use v1"),
                 ));
@@ -307,6 +312,7 @@ impl AgentConfig {
             };
             if list.is_empty() {
                 return Err(invalid(
+                    path,
                     "flags.plugin.deviceListStrategy",
                     "needs at least one of cdi-cri, envvar".into(),
                 ));
@@ -317,81 +323,107 @@ impl AgentConfig {
             cfg.device_id_strategy = s;
         }
         if let Some(ts) = raw.sharing.time_slicing {
-            cfg.fail_requests_greater_than_one = ts.fail_requests_greater_than_one;
-            let mut seen = BTreeSet::new();
-            for (i, r) in ts.resources.into_iter().enumerate() {
-                let field = format!("sharing.timeSlicing.resources[{i}]");
-                if !r.name.starts_with("nvidia.com/") {
-                    return Err(invalid(&format!("{field}.name"), format!("`{}` is not a resource gpuplane serves (nvidia.com/gpu or nvidia.com/mig-<profile>)", r.name)));
-                }
-                if !(2..=1024).contains(&r.replicas) {
-                    return Err(invalid(
-                        &format!("{field}.replicas"),
-                        format!("{} is out of range; use 2 to 1024", r.replicas),
-                    ));
-                }
-                if !seen.insert(r.name.clone()) {
-                    return Err(invalid(
-                        &format!("{field}.name"),
-                        format!("`{}` is listed twice", r.name),
-                    ));
-                }
-                let advertised_as = match r.rename {
-                    Some(n) => n,
-                    None if ts.rename_by_default => format!("{}.shared", r.name),
-                    None => r.name.clone(),
-                };
-                cfg.time_slicing.push(Replication {
-                    name: r.name,
-                    replicas: r.replicas,
-                    advertised_as,
-                });
-            }
+            cfg.apply_time_slicing(path, ts)?;
         }
-        match (raw.health.skip_xids, raw.health.critical_xids) {
+        cfg.apply_health(path, raw.health)?;
+        if let Some(on) = raw.node_labels.enabled {
+            cfg.node_labels = on;
+        }
+        cfg.apply_allocation(path, raw.allocation)?;
+        Ok(cfg)
+    }
+
+    /// The `sharing.timeSlicing` section: which resources are advertised as replicas.
+    fn apply_time_slicing(&mut self, path: &str, ts: RawTimeSlicing) -> Result<(), ConfigError> {
+        self.fail_requests_greater_than_one = ts.fail_requests_greater_than_one;
+        let mut seen = BTreeSet::new();
+        for (i, r) in ts.resources.into_iter().enumerate() {
+            let field = format!("sharing.timeSlicing.resources[{i}]");
+            if !r.name.starts_with("nvidia.com/") {
+                return Err(invalid(path, &format!("{field}.name"), format!("`{}` is not a resource gpuplane serves (nvidia.com/gpu or nvidia.com/mig-<profile>)", r.name)));
+            }
+            if !(2..=1024).contains(&r.replicas) {
+                return Err(invalid(
+                    path,
+                    &format!("{field}.replicas"),
+                    format!("{} is out of range; use 2 to 1024", r.replicas),
+                ));
+            }
+            if !seen.insert(r.name.clone()) {
+                return Err(invalid(
+                    path,
+                    &format!("{field}.name"),
+                    format!("`{}` is listed twice", r.name),
+                ));
+            }
+            let advertised_as = match r.rename {
+                Some(n) => n,
+                None if ts.rename_by_default => format!("{}.shared", r.name),
+                None => r.name.clone(),
+            };
+            self.time_slicing.push(Replication {
+                name: r.name,
+                replicas: r.replicas,
+                advertised_as,
+            });
+        }
+        Ok(())
+    }
+
+    /// The `health` section: which XIDs count, and the recovery and refresh periods.
+    fn apply_health(&mut self, path: &str, health: RawHealth) -> Result<(), ConfigError> {
+        match (health.skip_xids, health.critical_xids) {
             (Some(_), Some(_)) => {
                 return Err(invalid(
+                    path,
                     "health",
                     "set skipXids or criticalXids, not both".into(),
                 ))
             }
-            (Some(skip), None) => cfg.xid_policy = XidPolicy::AllExcept(skip.into_iter().collect()),
-            (None, Some(only)) => cfg.xid_policy = XidPolicy::Only(only.into_iter().collect()),
+            (Some(skip), None) => {
+                self.xid_policy = XidPolicy::AllExcept(skip.into_iter().collect())
+            }
+            (None, Some(only)) => self.xid_policy = XidPolicy::Only(only.into_iter().collect()),
             (None, None) => {}
         }
-        if let Some(q) = raw.health.recovery_quiet_period {
-            cfg.recovery_quiet_period = parse_duration(&q).ok_or_else(|| {
+        if let Some(q) = health.recovery_quiet_period {
+            self.recovery_quiet_period = parse_duration(&q).ok_or_else(|| {
                 invalid(
+                    path,
                     "health.recoveryQuietPeriod",
                     format!("`{q}` is not a duration like 30s or 5m"),
                 )
             })?;
         }
-        if let Some(q) = raw.health.inventory_refresh {
-            cfg.inventory_refresh =
+        if let Some(q) = health.inventory_refresh {
+            self.inventory_refresh =
                 parse_duration(&q).filter(|d| !d.is_zero()).ok_or_else(|| {
                     invalid(
+                        path,
                         "health.inventoryRefresh",
                         format!("`{q}` is not a positive duration like 30s"),
                     )
                 })?;
         }
-        if let Some(on) = raw.node_labels.enabled {
-            cfg.node_labels = on;
-        }
-        let a = raw.allocation;
+        Ok(())
+    }
+
+    /// The `allocation` section: shared, or partitioned between the device plugin and DRA.
+    fn apply_allocation(&mut self, path: &str, a: RawAllocation) -> Result<(), ConfigError> {
         if let Some(g) = &a.pod_resources_grace {
-            cfg.pod_resources_grace = parse_duration(g).ok_or_else(|| {
+            self.pod_resources_grace = parse_duration(g).ok_or_else(|| {
                 invalid(
+                    path,
                     "allocation.podResourcesGrace",
                     format!("`{g}` is not a duration like 30s"),
                 )
             })?;
         }
-        cfg.allocation = match (a.mode.as_deref(), a.dra_gpus, a.mig_to_dra) {
+        self.allocation = match (a.mode.as_deref(), a.dra_gpus, a.mig_to_dra) {
             (None | Some("shared"), None, None | Some(false)) => AllocationMode::Shared,
             (None | Some("shared"), _, _) => {
                 return Err(invalid(
+                    path,
                     "allocation",
                     "draGpus and migToDra need `mode: partitioned`".into(),
                 ));
@@ -404,6 +436,7 @@ impl AgentConfig {
             }
             (Some("partitioned"), _, _) => {
                 return Err(invalid(
+                    path,
                     "allocation",
                     "`mode: partitioned` needs exactly one of draGpus: [indices] or migToDra: true"
                         .into(),
@@ -411,12 +444,13 @@ impl AgentConfig {
             }
             (Some(other), _, _) => {
                 return Err(invalid(
+                    path,
                     "allocation.mode",
                     format!("unknown mode `{other}`; use shared or partitioned"),
                 ))
             }
         };
-        Ok(cfg)
+        Ok(())
     }
 
     /// The time-slicing entry for a resource, if it is shared.

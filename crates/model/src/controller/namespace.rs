@@ -13,8 +13,10 @@
 //!   the status, then stopped) is released without planning.
 //! - Everything else gated is planned by [`plan_releases`] against the compacted quotas.
 
+mod units;
+
 use super::ledger::{compact, Working};
-use super::plan::{plan_releases, GroupCount, Plan, WaitReason, Waiting};
+use super::plan::plan_releases;
 use super::pods::{self, PodRef};
 use crate::quota::escrow::stale_escrows;
 use crate::quota::status::rfc3339;
@@ -29,6 +31,7 @@ use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
+use units::{build_units, notes};
 
 /// The GpuQuota condition the controller keeps on Queue-mode quotas.
 pub const QUEUE_CONDITION: &str = "QueueWaiting";
@@ -218,67 +221,22 @@ pub fn decide(
 ) -> Result<Decision, QuotaMathError> {
     let ns = input.namespace;
     let now_ts = Timestamp::try_from(input.now).unwrap_or_else(|_| Timestamp::now());
-    let (used, live) = (&observed.used, &observed.live);
 
     // Drop what is counted or stale.
     let mut quotas: Vec<GpuQuota> = fresh.to_vec();
     let mut next_deadline: Option<SystemTime> = None;
     for q in &mut quotas {
-        let mut s = q.status_or_default();
-        s.used = used.clone();
-        let stale: BTreeSet<ReservationKey> =
-            stale_reservations(&s, live, now_ts, input.settings.grace)
-                .into_iter()
-                .collect();
-        if !stale.is_empty() {
-            s.reservations.retain(|r| !stale.contains(&r.key()));
-        }
-        // An escrow its holder stopped renewing (the replica died): what it admitted exists
-        // as pods by now.
-        let dead = stale_escrows(&s, now_ts, input.settings.grace);
-        s.escrows.retain(|e| !dead.contains(&e.holder));
-        for e in &s.escrows {
-            if let Ok(t) = e.renewed.parse::<Timestamp>() {
-                let at = SystemTime::from(t) + input.settings.grace;
-                next_deadline = Some(next_deadline.map_or(at, |d| d.min(at)));
-            }
-        }
-        // A reservation without its object is dropped when its grace ends: wake up then.
-        for r in &s.reservations {
-            if !live.contains_key(&r.key()) {
-                if let Some(t) = r.since_time() {
-                    let at = SystemTime::from(t) + input.settings.grace;
-                    next_deadline = Some(next_deadline.map_or(at, |d| d.min(at)));
-                }
-            }
-        }
-        s.recompute_totals()?;
-        q.status = Some(s);
+        refresh_status(
+            q,
+            observed,
+            now_ts,
+            input.settings.grace,
+            &mut next_deadline,
+        )?;
     }
-    let reserved: Vec<BTreeSet<ReservationKey>> = quotas
-        .iter()
-        .map(|q| {
-            q.status
-                .iter()
-                .flat_map(|s| &s.reservations)
-                .filter(|r| r.state == ReservationState::Reserved)
-                .map(|r| r.key())
-                .collect()
-        })
-        .collect();
-    let reserved_everywhere =
-        |key: &ReservationKey| !reserved.is_empty() && reserved.iter().all(|r| r.contains(key));
 
     // The queue.
-    let mut admitted_gated = Vec::new();
-    let mut queued: Vec<Queued<'_>> = Vec::new();
-    for g in &observed.gated {
-        if reserved_everywhere(&g.key) {
-            admitted_gated.push(PodRef::of(g.pod));
-        } else {
-            queued.push(g.clone());
-        }
-    }
+    let (admitted_gated, queued) = split_admitted(&quotas, &observed.gated);
     let exclude: BTreeSet<ReservationKey> = queued.iter().map(|q| q.key.clone()).collect();
     for q in &quotas {
         working.put(compact(q, &exclude)?);
@@ -291,7 +249,7 @@ pub fn decide(
         input.settings.bound,
     );
     if let Some(d) = plan.next_deadline {
-        next_deadline = Some(next_deadline.map_or(d, |x| x.min(d)));
+        earliest(&mut next_deadline, d);
     }
 
     // Record the admissions.
@@ -315,11 +273,102 @@ pub fn decide(
     }
     waiting.extend(notes(input, &units, &members, &queued, &plan));
 
-    let waiting_pods = waiting.len();
     let head = plan
         .waits
         .first()
         .map(|w| format!("; first: {} ({})", units[w.index].key, w.reason.kind()));
+    let quotas = finish_statuses(quotas, fresh, waiting.len(), head, now_ts)?;
+    Ok(Decision {
+        quotas,
+        releases,
+        admitted_gated,
+        waiting,
+        next_deadline,
+    })
+}
+
+/// Moves `next` to `at` when that is sooner.
+fn earliest(next: &mut Option<SystemTime>, at: SystemTime) {
+    *next = Some(next.map_or(at, |d| d.min(at)));
+}
+
+/// Sets a quota's usage to what was observed and drops the reservations of counted objects,
+/// stale reservations and dead escrows; `next_deadline` moves to the soonest grace end left.
+fn refresh_status(
+    q: &mut GpuQuota,
+    observed: &Observed<'_>,
+    now_ts: Timestamp,
+    grace: Duration,
+    next_deadline: &mut Option<SystemTime>,
+) -> Result<(), QuotaMathError> {
+    let live = &observed.live;
+    let mut s = q.status_or_default();
+    s.used = observed.used.clone();
+    let stale: BTreeSet<ReservationKey> = stale_reservations(&s, live, now_ts, grace)
+        .into_iter()
+        .collect();
+    if !stale.is_empty() {
+        s.reservations.retain(|r| !stale.contains(&r.key()));
+    }
+    // An escrow its holder stopped renewing (the replica died): what it admitted exists
+    // as pods by now.
+    let dead = stale_escrows(&s, now_ts, grace);
+    s.escrows.retain(|e| !dead.contains(&e.holder));
+    for e in &s.escrows {
+        if let Ok(t) = e.renewed.parse::<Timestamp>() {
+            earliest(next_deadline, SystemTime::from(t) + grace);
+        }
+    }
+    // A reservation without its object is dropped when its grace ends: wake up then.
+    for r in &s.reservations {
+        if !live.contains_key(&r.key()) {
+            if let Some(t) = r.since_time() {
+                earliest(next_deadline, SystemTime::from(t) + grace);
+            }
+        }
+    }
+    s.recompute_totals()?;
+    q.status = Some(s);
+    Ok(())
+}
+
+/// Splits the gated pods into those already `Reserved` in every quota (admitted earlier:
+/// ungate without planning) and those still queued.
+fn split_admitted<'a>(quotas: &[GpuQuota], gated: &[Queued<'a>]) -> (Vec<PodRef>, Vec<Queued<'a>>) {
+    let reserved: Vec<BTreeSet<ReservationKey>> = quotas
+        .iter()
+        .map(|q| {
+            q.status
+                .iter()
+                .flat_map(|s| &s.reservations)
+                .filter(|r| r.state == ReservationState::Reserved)
+                .map(|r| r.key())
+                .collect()
+        })
+        .collect();
+    let reserved_everywhere =
+        |key: &ReservationKey| !reserved.is_empty() && reserved.iter().all(|r| r.contains(key));
+    let mut admitted_gated = Vec::new();
+    let mut queued: Vec<Queued<'_>> = Vec::new();
+    for g in gated {
+        if reserved_everywhere(&g.key) {
+            admitted_gated.push(PodRef::of(g.pod));
+        } else {
+            queued.push(g.clone());
+        }
+    }
+    (admitted_gated, queued)
+}
+
+/// The quotas as they should be written: totals recomputed, the observed generation, the
+/// queue condition on Queue-mode quotas; each with whether it differs from `fresh`.
+fn finish_statuses(
+    quotas: Vec<GpuQuota>,
+    fresh: &[GpuQuota],
+    waiting_pods: usize,
+    head: Option<String>,
+    now_ts: Timestamp,
+) -> Result<Vec<(GpuQuota, bool)>, QuotaMathError> {
     let mut out = Vec::new();
     for (q, f) in quotas.into_iter().zip(fresh) {
         let mut q = q;
@@ -352,13 +401,7 @@ pub fn decide(
         let changed = q.status != f.status;
         out.push((q, changed));
     }
-    Ok(Decision {
-        quotas: out,
-        releases,
-        admitted_gated,
-        waiting,
-        next_deadline,
-    })
+    Ok(out)
 }
 
 /// Turns the reservations of `admitted` pods `Reserved` with their current charge, creating
@@ -402,147 +445,6 @@ fn admit(s: &mut crate::quota::GpuQuotaStatus, admitted: &[&Queued<'_>], now: Ti
             }
         }
     }
-}
-
-type Units = (Vec<Waiting<Charge>>, Vec<Vec<usize>>, Vec<(PodRef, Note)>);
-
-/// Queued pods as planner units (single pods and groups); pods that cannot be planned at all
-/// (no price, a bad group annotation) get their note here.
-fn build_units(input: &Inputs<'_>, queued: &[Queued<'_>]) -> Result<Units, QuotaMathError> {
-    let mut units = Vec::new();
-    let mut members = Vec::new();
-    let mut waiting = Vec::new();
-    let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-    // Every live member counts toward the size, gated or not.
-    let mut live_members: BTreeMap<String, Vec<&Pod>> = BTreeMap::new();
-    for p in input
-        .pods
-        .iter()
-        .filter(|p| !pods::is_terminal(p) && !pods::is_deleting(p))
-    {
-        if let Some((name, _)) = pods::group(p) {
-            live_members.entry(name).or_default().push(p);
-        }
-    }
-    for (i, q) in queued.iter().enumerate() {
-        if let Err(e) = &q.charge {
-            waiting.push((PodRef::of(q.pod), note("Unpriced", e.clone())));
-            continue;
-        }
-        match pods::group(q.pod) {
-            Some((name, _)) => groups.entry(name).or_default().push(i),
-            None => {
-                let created = pods::created(q.pod);
-                units.push(Waiting {
-                    key: format!("pod {}/{}", q.key.namespace, q.key.name),
-                    priority: pods::priority(q.pod),
-                    created,
-                    since: created,
-                    charge: q.charge.clone().unwrap_or_default(),
-                    group: None,
-                });
-                members.push(vec![i]);
-            }
-        }
-    }
-    for (name, idx) in groups {
-        let all = live_members
-            .get(&name)
-            .map(Vec::as_slice)
-            .unwrap_or_default();
-        let mut size: Result<u32, String> = Err(String::new());
-        for p in all {
-            if let Some((_, s)) = pods::group(p) {
-                size = match (size, s) {
-                    (Ok(a), Ok(b)) => Ok(a.max(b)),
-                    (Err(_), Ok(b)) => Ok(b),
-                    (a, Err(e)) => a.or(Err(e)),
-                };
-            }
-        }
-        let size = match size {
-            Ok(s) => s,
-            Err(e) => {
-                for &i in &idx {
-                    waiting.push((
-                        PodRef::of(queued[i].pod),
-                        note("BadGroup", format!("pod group {name}: {e}")),
-                    ));
-                }
-                continue;
-            }
-        };
-        let mut charge = Charge::default();
-        for &i in &idx {
-            if let Ok(c) = &queued[i].charge {
-                charge.add_assign(c)?;
-            }
-        }
-        let created = idx.iter().map(|&i| pods::created(queued[i].pod)).min();
-        let since = all.iter().map(|p| pods::created(p)).max();
-        units.push(Waiting {
-            key: format!("pod group {}/{name}", input.namespace),
-            priority: idx
-                .iter()
-                .map(|&i| pods::priority(queued[i].pod))
-                .max()
-                .unwrap_or(0),
-            created: created.unwrap_or(SystemTime::UNIX_EPOCH),
-            since: since.unwrap_or(SystemTime::UNIX_EPOCH),
-            charge,
-            group: Some(GroupCount {
-                present: u32::try_from(all.len()).unwrap_or(u32::MAX),
-                size,
-            }),
-        });
-        members.push(idx);
-    }
-    Ok((units, members, waiting))
-}
-
-fn note(kind: &'static str, message: String) -> Note {
-    Note { kind, message }
-}
-
-fn notes(
-    input: &Inputs<'_>,
-    units: &[Waiting<Charge>],
-    members: &[Vec<usize>],
-    queued: &[Queued<'_>],
-    plan: &Plan,
-) -> Vec<(PodRef, Note)> {
-    let mut out = Vec::new();
-    for w in &plan.waits {
-        let unit = &units[w.index];
-        let who = if unit.group.is_some() {
-            format!("{} ({} pods waiting): ", unit.key, members[w.index].len())
-        } else {
-            String::new()
-        };
-        let message = match &w.reason {
-            WaitReason::GroupIncomplete { present, size } => {
-                format!("{who}{present} of {size} members exist; released together once all do")
-            }
-            WaitReason::ExceedsQuota(why) => format!("{who}can never be admitted: {why}"),
-            WaitReason::Insufficient(why) => format!("{who}waiting for quota: {why}"),
-            WaitReason::BehindStarved {
-                head,
-                waited,
-                head_short,
-            } => format!(
-                "{who}queued behind {head}, which has waited {}s (the bound is {}s) and goes first: {head_short}",
-                waited.as_secs(),
-                input.settings.bound.as_secs()
-            ),
-        };
-        for &i in &members[w.index] {
-            out.push((
-                PodRef::of(queued[i].pod),
-                note(w.reason.kind(), message.clone()),
-            ));
-        }
-    }
-    out
 }
 
 fn set_condition(

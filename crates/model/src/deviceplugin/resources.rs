@@ -97,10 +97,7 @@ fn mig_unit(g: &Gpu, pos: usize, m: &MigDevice, ids: DeviceIdStrategy) -> Plugin
 
 /// Computes the resources the node offers.
 pub fn plan(inv: &Inventory, cfg: &AgentConfig) -> Result<Plan, PlanError> {
-    let ids = cfg.device_id_strategy;
-    let mut by_name: BTreeMap<String, Vec<PluginDevice>> = BTreeMap::new();
     let mut warnings = Vec::new();
-    let empty_mig = |g: &Gpu| g.mig.current && g.mig_devices.is_empty();
     for g in inv.gpus.iter().filter(|g| empty_mig(g)) {
         warnings.push(format!("GPU {} ({}) has MIG enabled but no MIG devices; it is not offered until instances are created", g.index, g.uuid));
     }
@@ -112,6 +109,34 @@ pub fn plan(inv: &Inventory, cfg: &AgentConfig) -> Result<Plan, PlanError> {
         }
         s => s,
     };
+    let by_name = units_by_resource(inv, strategy, cfg.device_id_strategy, &mut warnings)?;
+    for r in &cfg.time_slicing {
+        if !by_name.contains_key(&r.name) {
+            warnings.push(format!(
+                "time-slicing is configured for {} but this node does not offer it",
+                r.name
+            ));
+        }
+    }
+    Ok(Plan {
+        resources: resources(by_name, cfg),
+        warnings,
+    })
+}
+
+/// A GPU in MIG mode with no instances yet: it offers nothing.
+fn empty_mig(g: &Gpu) -> bool {
+    g.mig.current && g.mig_devices.is_empty()
+}
+
+/// The units each resource offers under `strategy`: whole GPUs, MIG devices, or both.
+fn units_by_resource(
+    inv: &Inventory,
+    strategy: MigStrategy,
+    ids: DeviceIdStrategy,
+    warnings: &mut Vec<String>,
+) -> Result<BTreeMap<String, Vec<PluginDevice>>, PlanError> {
+    let mut by_name: BTreeMap<String, Vec<PluginDevice>> = BTreeMap::new();
     match strategy {
         MigStrategy::None => {
             for g in &inv.gpus {
@@ -128,29 +153,7 @@ pub fn plan(inv: &Inventory, cfg: &AgentConfig) -> Result<Plan, PlanError> {
             }
         }
         MigStrategy::Single => {
-            let off: Vec<String> = inv
-                .gpus
-                .iter()
-                .filter(|g| !g.mig.current)
-                .map(|g| g.index.to_string())
-                .collect();
-            if !off.is_empty() {
-                return Err(PlanError::MixedModes {
-                    off: off.join(", "),
-                });
-            }
-            let mut profiles: Vec<&str> = inv
-                .gpus
-                .iter()
-                .flat_map(|g| g.mig_devices.iter().map(|m| m.profile.as_str()))
-                .collect();
-            profiles.sort_unstable();
-            profiles.dedup();
-            if profiles.len() > 1 {
-                return Err(PlanError::MixedProfiles {
-                    profiles: profiles.join(", "),
-                });
-            }
+            check_single(inv)?;
             for g in &inv.gpus {
                 for (pos, m) in g.mig_devices.iter().enumerate() {
                     by_name
@@ -177,14 +180,41 @@ pub fn plan(inv: &Inventory, cfg: &AgentConfig) -> Result<Plan, PlanError> {
             }
         }
     }
-    for r in &cfg.time_slicing {
-        if !by_name.contains_key(&r.name) {
-            warnings.push(format!(
-                "time-slicing is configured for {} but this node does not offer it",
-                r.name
-            ));
-        }
+    Ok(by_name)
+}
+
+/// The `single` strategy offers MIG devices as `nvidia.com/gpu`: every GPU must be in MIG
+/// mode, all with one profile.
+fn check_single(inv: &Inventory) -> Result<(), PlanError> {
+    let off: Vec<String> = inv
+        .gpus
+        .iter()
+        .filter(|g| !g.mig.current)
+        .map(|g| g.index.to_string())
+        .collect();
+    if !off.is_empty() {
+        return Err(PlanError::MixedModes {
+            off: off.join(", "),
+        });
     }
+    let mut profiles: Vec<&str> = inv
+        .gpus
+        .iter()
+        .flat_map(|g| g.mig_devices.iter().map(|m| m.profile.as_str()))
+        .collect();
+    profiles.sort_unstable();
+    profiles.dedup();
+    if profiles.len() > 1 {
+        return Err(PlanError::MixedProfiles {
+            profiles: profiles.join(", "),
+        });
+    }
+    Ok(())
+}
+
+/// One resource per name, each device repeated `replicas` times where the resource is
+/// time-sliced (and advertised under its shared name); sorted by name.
+fn resources(by_name: BTreeMap<String, Vec<PluginDevice>>, cfg: &AgentConfig) -> Vec<ResourcePlan> {
     let mut resources = Vec::new();
     for (name, devices) in by_name {
         match cfg.replication(&name) {
@@ -213,10 +243,7 @@ pub fn plan(inv: &Inventory, cfg: &AgentConfig) -> Result<Plan, PlanError> {
         }
     }
     resources.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(Plan {
-        resources,
-        warnings,
-    })
+    resources
 }
 
 #[cfg(test)]

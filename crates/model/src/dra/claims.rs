@@ -25,7 +25,9 @@ use super::ClaimRef;
 use crate::health::{Health, HealthBook};
 use crate::inventory::{DeviceRef, Inventory};
 use crate::report::chain;
-use k8s_openapi::api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim};
+use k8s_openapi::api::resource::v1::{
+    DeviceAllocationConfiguration, DeviceRequestAllocationResult, ResourceClaim,
+};
 use std::collections::BTreeMap;
 
 /// Where an allocation config came from.
@@ -242,55 +244,97 @@ pub fn plan_claim(
     let configs = our_configs(devices.config.as_deref().unwrap_or_default(), driver)?;
 
     let mut plan = ClaimPlan::default();
-    // Per planned device: the config index it got, and through which request.
-    let mut chosen: BTreeMap<String, (Option<usize>, String)> = BTreeMap::new();
+    let mut chosen = Chosen::new();
     for result in devices
         .results
         .iter()
         .flatten()
         .filter(|r| r.driver == driver)
     {
-        if result.pool != pool {
-            return Err(ClaimError::OtherPool {
-                request: result.request.clone(),
-                device: result.device.clone(),
-                pool: result.pool.clone(),
-                expected: pool.to_string(),
-            });
-        }
-        let dev = inv
-            .dra_device(&result.device)
-            .ok_or_else(|| ClaimError::UnknownDevice {
-                request: result.request.clone(),
-                device: result.device.clone(),
-            })?;
-        if let Health::Unhealthy(cause) = health.health(dev.uuid()) {
-            return Err(ClaimError::Unhealthy {
-                device: result.device.clone(),
-                uuid: dev.uuid().to_string(),
-                cause: cause.to_string(),
-            });
-        }
+        let dev = allocated_device(result, pool, inv, health)?;
         let config = config_for(&configs, &result.request);
-        let index = config.map(|c| c.index);
-        match chosen.get(&result.device) {
-            Some((prev, prev_request)) if *prev != index => {
-                let show =
-                    |i: Option<usize>| i.map_or_else(|| "none".to_string(), |i| i.to_string());
-                return Err(ClaimError::ConflictingConfigs {
-                    device: result.device.clone(),
-                    first: show(*prev),
-                    first_request: prev_request.clone(),
-                    second: show(index),
-                    second_request: result.request.clone(),
-                });
-            }
-            Some(_) => {}
-            None => {
-                chosen.insert(result.device.clone(), (index, result.request.clone()));
-            }
+        choose_config(&mut chosen, result, config.map(|c| c.index))?;
+        plan.add(result, dev, config);
+    }
+    if plan.devices.is_empty() {
+        return Err(ClaimError::NoDevices {
+            driver: driver.to_string(),
+        });
+    }
+    apply_env(&mut plan, &configs, &chosen, inv)?;
+    Ok(plan)
+}
+
+/// Per planned device: the config index it got, and through which request.
+type Chosen = BTreeMap<String, (Option<usize>, String)>;
+
+/// The inventory device an allocation result names, if it is in our pool and healthy.
+fn allocated_device<'i>(
+    result: &DeviceRequestAllocationResult,
+    pool: &str,
+    inv: &'i Inventory,
+    health: &HealthBook,
+) -> Result<DeviceRef<'i>, ClaimError> {
+    if result.pool != pool {
+        return Err(ClaimError::OtherPool {
+            request: result.request.clone(),
+            device: result.device.clone(),
+            pool: result.pool.clone(),
+            expected: pool.to_string(),
+        });
+    }
+    let dev = inv
+        .dra_device(&result.device)
+        .ok_or_else(|| ClaimError::UnknownDevice {
+            request: result.request.clone(),
+            device: result.device.clone(),
+        })?;
+    if let Health::Unhealthy(cause) = health.health(dev.uuid()) {
+        return Err(ClaimError::Unhealthy {
+            device: result.device.clone(),
+            uuid: dev.uuid().to_string(),
+            cause: cause.to_string(),
+        });
+    }
+    Ok(dev)
+}
+
+/// Records the config a result's device gets; a device reached through several requests must
+/// get the same one through each.
+fn choose_config(
+    chosen: &mut Chosen,
+    result: &DeviceRequestAllocationResult,
+    index: Option<usize>,
+) -> Result<(), ClaimError> {
+    match chosen.get(&result.device) {
+        Some((prev, prev_request)) if *prev != index => {
+            let show = |i: Option<usize>| i.map_or_else(|| "none".to_string(), |i| i.to_string());
+            return Err(ClaimError::ConflictingConfigs {
+                device: result.device.clone(),
+                first: show(*prev),
+                first_request: prev_request.clone(),
+                second: show(index),
+                second_request: result.request.clone(),
+            });
         }
-        let existing = plan
+        Some(_) => {}
+        None => {
+            chosen.insert(result.device.clone(), (index, result.request.clone()));
+        }
+    }
+    Ok(())
+}
+
+impl ClaimPlan {
+    /// Adds an allocation result: a new planned device, or one more request of a device
+    /// (and share) already planned.
+    fn add(
+        &mut self,
+        result: &DeviceRequestAllocationResult,
+        dev: DeviceRef<'_>,
+        config: Option<&OurConfig<'_>>,
+    ) {
+        let existing = self
             .devices
             .iter_mut()
             .find(|p| p.device == result.device && p.share_id == result.share_id);
@@ -300,7 +344,7 @@ pub fn plan_claim(
                     p.requests.push(result.request.clone());
                 }
             }
-            None => plan.devices.push(PlannedDevice {
+            None => self.devices.push(PlannedDevice {
                 requests: vec![result.request.clone()],
                 device: result.device.clone(),
                 uuid: dev.uuid().to_string(),
@@ -314,14 +358,16 @@ pub fn plan_claim(
             }),
         }
     }
-    if plan.devices.is_empty() {
-        return Err(ClaimError::NoDevices {
-            driver: driver.to_string(),
-        });
-    }
+}
 
-    // The environment of each config's device group.
-    for c in &configs {
+/// The environment of each config's device group, set on every planned device of the group.
+fn apply_env(
+    plan: &mut ClaimPlan,
+    configs: &[OurConfig<'_>],
+    chosen: &Chosen,
+    inv: &Inventory,
+) -> Result<(), ClaimError> {
+    for c in configs {
         let group: Vec<String> = plan
             .device_names()
             .into_iter()
@@ -352,7 +398,7 @@ pub fn plan_claim(
             p.env = env.clone();
         }
     }
-    Ok(plan)
+    Ok(())
 }
 
 #[cfg(test)]

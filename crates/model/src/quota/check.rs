@@ -118,22 +118,7 @@ pub fn check_consumed(
                 continue;
             }
         }
-        // Unused in the rest of the cohort: sum of their hard minus sum of their consumption
-        // (their own borrowing included).
-        let mut lend_hard = zero_like(hard);
-        let mut lend_used = zero_like(hard);
-        for p in &cohort {
-            let Some(h) = p.spec.hard.get(&dim) else {
-                continue;
-            };
-            let c = match &p.status {
-                Some(s) => s.consumed(None).map_err(overflow)?.get(&dim),
-                None => zero_like(hard),
-            };
-            lend_hard = lend_hard.checked_add(h).map_err(overflow)?;
-            lend_used = lend_used.checked_add(c).map_err(overflow)?;
-        }
-        let unused = lend_hard.saturating_sub(lend_used).map_err(overflow)?;
+        let unused = cohort_unused(&cohort, &dim, hard).map_err(overflow)?;
         if borrow > unused {
             reasons.push(format!(
                 "{base}; cohort {cohort_name} has {unused} unused to lend, {borrow} needed"
@@ -147,6 +132,29 @@ pub fn check_consumed(
     } else {
         Err(deny(reasons))
     }
+}
+
+/// What the rest of the cohort leaves unused of `dim`: the sum of their hard minus the sum of
+/// their consumption (their own borrowing included).
+fn cohort_unused(
+    cohort: &[&GpuQuota],
+    dim: &Dimension,
+    hard: Amount,
+) -> Result<Amount, QuotaMathError> {
+    let mut lend_hard = zero_like(hard);
+    let mut lend_used = zero_like(hard);
+    for p in cohort {
+        let Some(h) = p.spec.hard.get(dim) else {
+            continue;
+        };
+        let c = match &p.status {
+            Some(s) => s.consumed(None)?.get(dim),
+            None => zero_like(hard),
+        };
+        lend_hard = lend_hard.checked_add(h)?;
+        lend_used = lend_used.checked_add(c)?;
+    }
+    lend_hard.saturating_sub(lend_used)
 }
 
 fn zero_like(a: Amount) -> Amount {

@@ -167,102 +167,84 @@ fn tokenize(s: &str) -> Option<Vec<Tok>> {
     let mut out = Vec::new();
     while i < b.len() {
         let c = b[i];
-        let next = b.get(i + 1).copied();
-        match c {
-            ' ' | '\t' | '\n' | '\r' => i += 1,
-            '.' => {
-                out.push(Tok::Dot);
-                i += 1
-            }
-            '[' => {
-                out.push(Tok::LBrack);
-                i += 1
-            }
-            ']' => {
-                out.push(Tok::RBrack);
-                i += 1
-            }
-            '(' => {
-                out.push(Tok::LParen);
-                i += 1
-            }
-            ')' => {
-                out.push(Tok::RParen);
-                i += 1
-            }
-            ',' => {
-                out.push(Tok::Comma);
-                i += 1
-            }
-            '&' if next == Some('&') => {
-                out.push(Tok::And);
-                i += 2
-            }
-            '|' if next == Some('|') => {
-                out.push(Tok::Or);
-                i += 2
-            }
-            '=' if next == Some('=') => {
-                out.push(Tok::Cmp(CmpOp::Eq));
-                i += 2
-            }
-            '!' if next == Some('=') => {
-                out.push(Tok::Cmp(CmpOp::Ne));
-                i += 2
-            }
-            '!' => {
-                out.push(Tok::Not);
-                i += 1
-            }
-            '<' | '>' => {
-                let eq = next == Some('=');
-                out.push(Tok::Cmp(match (c, eq) {
-                    ('<', true) => CmpOp::Le,
-                    ('<', false) => CmpOp::Lt,
-                    (_, true) => CmpOp::Ge,
-                    _ => CmpOp::Gt,
-                }));
-                i += if eq { 2 } else { 1 };
-            }
-            '\'' | '"' => {
-                let mut j = i + 1;
-                let mut v = String::new();
-                loop {
-                    let ch = *b.get(j)?;
-                    if ch == c {
-                        break;
-                    }
-                    if ch == '\\' {
-                        // Escapes are rare in selectors; refuse rather than guess.
-                        return None;
-                    }
-                    v.push(ch);
-                    j += 1;
-                }
-                out.push(Tok::Str(v));
-                i = j + 1;
-            }
-            d if d.is_ascii_digit() => {
-                let mut j = i;
-                while j < b.len() && b[j].is_ascii_digit() {
-                    j += 1;
-                }
-                let text: String = b[i..j].iter().collect();
-                out.push(Tok::Int(text.parse().ok()?));
-                i = j;
-            }
-            a if a.is_ascii_alphabetic() || a == '_' => {
-                let mut j = i;
-                while j < b.len() && (b[j].is_ascii_alphanumeric() || b[j] == '_') {
-                    j += 1;
-                }
-                out.push(Tok::Ident(b[i..j].iter().collect()));
-                i = j;
-            }
-            _ => return None,
+        if matches!(c, ' ' | '\t' | '\n' | '\r') {
+            i += 1;
+            continue;
         }
+        let (tok, len) = match operator(c, b.get(i + 1).copied()) {
+            Some(op) => op,
+            None => literal(&b[i..])?,
+        };
+        out.push(tok);
+        i += len;
     }
     Some(out)
+}
+
+/// The punctuation or operator token that `c` (then `next`) starts, with its length in chars.
+fn operator(c: char, next: Option<char>) -> Option<(Tok, usize)> {
+    let tok = match c {
+        '.' => (Tok::Dot, 1),
+        '[' => (Tok::LBrack, 1),
+        ']' => (Tok::RBrack, 1),
+        '(' => (Tok::LParen, 1),
+        ')' => (Tok::RParen, 1),
+        ',' => (Tok::Comma, 1),
+        '&' if next == Some('&') => (Tok::And, 2),
+        '|' if next == Some('|') => (Tok::Or, 2),
+        '=' if next == Some('=') => (Tok::Cmp(CmpOp::Eq), 2),
+        '!' if next == Some('=') => (Tok::Cmp(CmpOp::Ne), 2),
+        '!' => (Tok::Not, 1),
+        '<' | '>' => {
+            let eq = next == Some('=');
+            let op = match (c, eq) {
+                ('<', true) => CmpOp::Le,
+                ('<', false) => CmpOp::Lt,
+                (_, true) => CmpOp::Ge,
+                _ => CmpOp::Gt,
+            };
+            (Tok::Cmp(op), if eq { 2 } else { 1 })
+        }
+        _ => return None,
+    };
+    Some(tok)
+}
+
+/// The string, integer or identifier at the start of `b`, with its length in chars; `None`
+/// for anything else, an unterminated or escaped string, or an integer that does not fit.
+fn literal(b: &[char]) -> Option<(Tok, usize)> {
+    let c = *b.first()?;
+    // How many chars from the start satisfy `f`.
+    let run = |f: fn(&char) -> bool| b.iter().position(|x| !f(x)).unwrap_or(b.len());
+    match c {
+        '\'' | '"' => {
+            let mut j = 1;
+            let mut v = String::new();
+            loop {
+                let ch = *b.get(j)?;
+                if ch == c {
+                    break;
+                }
+                if ch == '\\' {
+                    // Escapes are rare in selectors; refuse rather than guess.
+                    return None;
+                }
+                v.push(ch);
+                j += 1;
+            }
+            Some((Tok::Str(v), j + 1))
+        }
+        d if d.is_ascii_digit() => {
+            let j = run(char::is_ascii_digit);
+            let text: String = b[..j].iter().collect();
+            Some((Tok::Int(text.parse().ok()?), j))
+        }
+        a if a.is_ascii_alphabetic() || a == '_' => {
+            let j = run(|x| x.is_ascii_alphanumeric() || *x == '_');
+            Some((Tok::Ident(b[..j].iter().collect()), j))
+        }
+        _ => None,
+    }
 }
 
 #[derive(Debug, Clone)]

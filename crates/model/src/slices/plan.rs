@@ -147,45 +147,8 @@ pub fn plan(
     echoes: &Echoes,
     last_written: i64,
 ) -> Plan {
-    let pool = desired.first().map(|d| d.spec.pool.name.as_str());
-    let desired_names: BTreeSet<&str> = desired
-        .iter()
-        .filter_map(|d| d.metadata.name.as_deref())
-        .collect();
-    let is_ours = |s: &ResourceSlice| {
-        Some(s.spec.pool.name.as_str()) == pool
-            && s.spec.driver == driver
-            && s.spec.node_name.as_deref() == Some(node)
-            && s.metadata.deletion_timestamp.is_none()
-    };
-
-    let mut by_name: BTreeMap<&str, &ResourceSlice> = BTreeMap::new();
     let mut out = Plan::default();
-    let mut obsolete: Vec<&ResourceSlice> = Vec::new();
-    for s in existing {
-        let name = s.metadata.name.as_deref().unwrap_or_default();
-        if is_ours(s) && desired_names.contains(name) && !by_name.contains_key(name) {
-            by_name.insert(name, s);
-            continue;
-        }
-        if s.metadata.deletion_timestamp.is_some() {
-            continue;
-        }
-        let del = Delete {
-            name: name.to_string(),
-            uid: s.metadata.uid.clone(),
-            resource_version: s.metadata.resource_version.clone(),
-        };
-        if desired_names.contains(name) {
-            out.delete_first.push(del);
-        } else {
-            if is_ours(s) {
-                obsolete.push(s);
-            }
-            out.deletes.push(del);
-        }
-    }
-
+    let (by_name, obsolete) = sort_existing(existing, desired, driver, node, &mut out);
     let current = by_name
         .values()
         .chain(obsolete.iter())
@@ -202,26 +165,12 @@ pub fn plan(
         .map(|d| d.spec.pool.generation)
         .max()
         .unwrap_or(0);
-    let mut changed = Vec::new();
-    let mut unchanged = Vec::new();
-    let mut stale = Vec::new();
-    let mut creates = Vec::new();
-    for d in desired {
-        let mut d = d.clone();
-        let name = d.metadata.name.clone().unwrap_or_default();
-        let existing = by_name.get(name.as_str()).copied();
-        // Owner references are ours to set only when configured; otherwise leave them be.
-        d.metadata.owner_references = match owners {
-            Some(o) => Some(o.to_vec()),
-            None => existing.and_then(|e| e.metadata.owner_references.clone()),
-        };
-        match existing {
-            None => creates.push(d),
-            Some(e) if !same_content(e, &d, echoes) => changed.push((e, d)),
-            Some(e) if e.spec.pool.generation < current => stale.push((e, d)),
-            Some(e) => unchanged.push((e, d)),
-        }
-    }
+    let Matched {
+        creates,
+        changed,
+        stale,
+        unchanged,
+    } = match_desired(desired, &by_name, owners, echoes, current);
 
     // Slices an interrupted sync left behind the highest generation mean the pool at that
     // generation is incomplete, so consumers are not using it yet: completing it needs no
@@ -264,6 +213,96 @@ pub fn plan(
         })
         .collect();
     out
+}
+
+/// Sorts the existing slices: ours that a desired slice names (the first of each name), by
+/// name; ours that no desired slice names (obsolete). Every other slice not being deleted
+/// goes into `out`: into `delete_first` when it blocks a desired name, else into `deletes`
+/// (with the obsolete ones).
+fn sort_existing<'a>(
+    existing: &'a [ResourceSlice],
+    desired: &[ResourceSlice],
+    driver: &str,
+    node: &str,
+    out: &mut Plan,
+) -> (BTreeMap<&'a str, &'a ResourceSlice>, Vec<&'a ResourceSlice>) {
+    let pool = desired.first().map(|d| d.spec.pool.name.as_str());
+    let desired_names: BTreeSet<&str> = desired
+        .iter()
+        .filter_map(|d| d.metadata.name.as_deref())
+        .collect();
+    let is_ours = |s: &ResourceSlice| {
+        Some(s.spec.pool.name.as_str()) == pool
+            && s.spec.driver == driver
+            && s.spec.node_name.as_deref() == Some(node)
+            && s.metadata.deletion_timestamp.is_none()
+    };
+
+    let mut by_name: BTreeMap<&str, &ResourceSlice> = BTreeMap::new();
+    let mut obsolete: Vec<&ResourceSlice> = Vec::new();
+    for s in existing {
+        let name = s.metadata.name.as_deref().unwrap_or_default();
+        if is_ours(s) && desired_names.contains(name) && !by_name.contains_key(name) {
+            by_name.insert(name, s);
+            continue;
+        }
+        if s.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let del = Delete {
+            name: name.to_string(),
+            uid: s.metadata.uid.clone(),
+            resource_version: s.metadata.resource_version.clone(),
+        };
+        if desired_names.contains(name) {
+            out.delete_first.push(del);
+        } else {
+            if is_ours(s) {
+                obsolete.push(s);
+            }
+            out.deletes.push(del);
+        }
+    }
+    (by_name, obsolete)
+}
+
+/// The desired slices by what each needs against the existing one of its name.
+#[derive(Default)]
+struct Matched<'e> {
+    /// No existing slice of that name.
+    creates: Vec<ResourceSlice>,
+    /// The content differs.
+    changed: Vec<(&'e ResourceSlice, ResourceSlice)>,
+    /// Same content at an older generation than the pool's highest.
+    stale: Vec<(&'e ResourceSlice, ResourceSlice)>,
+    unchanged: Vec<(&'e ResourceSlice, ResourceSlice)>,
+}
+
+fn match_desired<'e>(
+    desired: &[ResourceSlice],
+    by_name: &BTreeMap<&str, &'e ResourceSlice>,
+    owners: Option<&[OwnerReference]>,
+    echoes: &Echoes,
+    current: i64,
+) -> Matched<'e> {
+    let mut m = Matched::default();
+    for d in desired {
+        let mut d = d.clone();
+        let name = d.metadata.name.clone().unwrap_or_default();
+        let existing = by_name.get(name.as_str()).copied();
+        // Owner references are ours to set only when configured; otherwise leave them be.
+        d.metadata.owner_references = match owners {
+            Some(o) => Some(o.to_vec()),
+            None => existing.and_then(|e| e.metadata.owner_references.clone()),
+        };
+        match existing {
+            None => m.creates.push(d),
+            Some(e) if !same_content(e, &d, echoes) => m.changed.push((e, d)),
+            Some(e) if e.spec.pool.generation < current => m.stale.push((e, d)),
+            Some(e) => m.unchanged.push((e, d)),
+        }
+    }
+    m
 }
 
 /// The update of `existing` to say `desired` at `generation`: existing metadata (labels,
