@@ -9,8 +9,10 @@ use gpuplane_shell::dra::ClaimRef;
 use gpuplane_shell::proto::dra_health_v1::HealthStatus;
 use gpuplane_shell::source::DeviceSource;
 use gpuplane_testkit::doubles::apiserver::Fault;
+use gpuplane_testkit::doubles::kubelet::PluginView;
 use lab::{Lab, DRIVER, NODE, WAIT};
 use serde_json::json;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// A prepared claim's `status.devices` carries our entry (identity in `data`, `Ready`), and
@@ -694,6 +696,7 @@ async fn a_kubelet_that_speaks_only_dra_v1beta1_gets_the_same_answers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_waits_until_the_slices_are_published_and_metrics_count_the_writes() {
     use gpuplane_testkit::doubles::apiserver::Fault;
+    use gpuplane_testkit::doubles::kubelet::PluginView;
     let lab = Lab::new("dgx-h100").await;
     let refused = lab.api.inject(Fault::status("POST", "resourceslices", 500));
     let addr: std::net::SocketAddr = ([127, 0, 0, 1], support::free_port()).into();
@@ -741,6 +744,84 @@ async fn readyz_waits_until_the_slices_are_published_and_metrics_count_the_write
     let created = support::metric_value(&metrics, "gpuplane_slice_writes_total{op=\"create\"}")
         .unwrap_or_else(|| panic!("no slice write counter in {metrics}"));
     assert!(created >= lab.slices().len() as f64, "{metrics}");
+    agent.stop().await.unwrap();
+}
+
+/// An inventory refresh that hangs (NVML stalls) holds up only the next refresh: the state
+/// owner keeps turning. While the refresh is held, an Xid still marks a GPU unhealthy and it
+/// recovers after the quiet period, a config change still applies (time-slicing replicas in
+/// ListAndWatch), Allocate answers, and `/healthz` stays healthy past the time after which it
+/// would call the agent stuck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_inventory_refresh_holds_up_no_health_change_config_reload_or_kubelet_call() {
+    const GPU: &str = "nvidia.com/gpu";
+    let lab = Lab::new("dgx-h100").await;
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], support::free_port()).into();
+    let config = "health: {inventoryRefresh: 1s, recoveryQuietPeriod: 1s}\n";
+    let agent = lab.start_agent_serving(config, Some(addr)).unwrap();
+    let view = lab
+        .kubelet
+        .wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.healthy() == 8))
+        .await
+        .unwrap();
+    assert_eq!(view[GPU].devices.len(), 8);
+    let inv = lab.sim.discover().unwrap().inventory;
+    let stall = lab.sim.stall_discovery();
+    // Hang guard, as in the probe test: released late, the ordering assertion fails instead.
+    let guard = stall.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(WAIT * 3);
+        guard.release();
+    });
+    let held = stall.clone();
+    let refreshing = tokio::task::spawn_blocking(move || held.wait_entered(WAIT))
+        .await
+        .unwrap();
+    assert!(refreshing, "the agent never refreshed its inventory");
+
+    let uuid = inv.gpus[5].uuid.clone();
+    let health = |want: &'static str| {
+        let uuid = uuid.clone();
+        move |p: &BTreeMap<String, PluginView>| {
+            p[GPU]
+                .devices
+                .iter()
+                .any(|d| d.id == uuid && d.health == want)
+        }
+    };
+    lab.sim.inject_xid(&uuid, None, 48);
+    lab.kubelet
+        .wait_for(WAIT, health("Unhealthy"))
+        .await
+        .expect("an Xid marks the GPU unhealthy while a refresh hangs");
+    lab.kubelet
+        .wait_for(WAIT, health("Healthy"))
+        .await
+        .expect("the GPU recovers after the quiet period while a refresh hangs");
+    std::fs::write(
+        lab.root().join("config.yaml"),
+        format!("{config}sharing: {{timeSlicing: {{resources: [{{name: nvidia.com/gpu, replicas: 2}}]}}}}\n"),
+    )
+    .unwrap();
+    lab.kubelet
+        .wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.devices.len() == 16))
+        .await
+        .expect("a config change applies while a refresh hangs");
+    let replica = lab.kubelet.plugins()[GPU].devices[0].id.clone();
+    let grant = lab.kubelet.allocate(GPU, &[replica]).await;
+    assert!(!grant.unwrap().cdi_devices.is_empty());
+    // Past the stuck threshold, /healthz still says the agent turns.
+    tokio::time::sleep(gpuplane_shell::node::http::STUCK_AFTER + Duration::from_secs(1)).await;
+    let healthz = tokio::task::spawn_blocking(move || support::http_get(addr, "/healthz"))
+        .await
+        .unwrap();
+    assert_eq!(healthz.map(|(code, _)| code), Some(200));
+    assert!(
+        !stall.released(),
+        "the checks above passed only after the hung refresh was released"
+    );
+    assert_eq!(stall.entered(), 1, "one refresh at a time");
+    stall.release();
     agent.stop().await.unwrap();
 }
 

@@ -349,7 +349,7 @@ fn device_source_calls_stay_off_the_runtime_and_the_state_lock() {
                         ".responds(" => rel.ends_with("crates/shell/src/node/probe.rs"),
                         ".discover()" => code.contains("spawn_blocking"),
                         _ => {
-                            rel.ends_with("crates/shell/src/node/mod.rs")
+                            rel.ends_with("crates/shell/src/node/tasks.rs")
                                 && text.contains("fn spawn_event_pump")
                         }
                     };

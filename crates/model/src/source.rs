@@ -88,11 +88,13 @@ struct SimState {
     events: Mutex<std::sync::mpsc::Receiver<DeviceEvent>>,
     sender: Mutex<std::sync::mpsc::Sender<DeviceEvent>>,
     stall: Mutex<Option<Arc<ProbeStall>>>,
+    discovery_stall: Mutex<Option<Arc<ProbeStall>>>,
 }
 
-/// A hold on a simulated source's [`DeviceSource::responds`]: while it is in place every probe
+/// A hold on a simulated source's [`DeviceSource::responds`] (or, from
+/// [`SimSource::stall_discovery`], its `discover`): while it is in place every such call
 /// blocks until [`ProbeStall::release`], as NVML does for a GPU that fell off the bus. Tests
-/// use it to show that a hung probe stalls nothing else.
+/// use it to show that a hung NVML call stalls nothing else.
 #[derive(Debug, Default)]
 pub struct ProbeStall {
     state: Mutex<StallState>,
@@ -152,6 +154,7 @@ impl SimSource {
                 events: Mutex::new(events),
                 sender: Mutex::new(sender),
                 stall: Mutex::new(None),
+                discovery_stall: Mutex::new(None),
             }),
         }
     }
@@ -184,6 +187,13 @@ impl SimSource {
         stall
     }
 
+    /// Makes every later [`DeviceSource::discover`] block until the returned hold is released.
+    pub fn stall_discovery(&self) -> Arc<ProbeStall> {
+        let stall = Arc::new(ProbeStall::default());
+        *lock(&self.inner.discovery_stall) = Some(stall.clone());
+        stall
+    }
+
     /// Replaces the simulated machine, e.g. after a MIG reconfiguration.
     pub fn set_inventory(&self, inventory: Inventory) {
         *lock(&self.inner.inventory) = inventory;
@@ -198,6 +208,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl DeviceSource for SimSource {
     fn discover(&self) -> Result<Discovery, SourceError> {
+        let stall = lock(&self.inner.discovery_stall).clone();
+        if let Some(stall) = stall {
+            stall.hold();
+        }
         let mut inventory = lock(&self.inner.inventory).clone();
         let lost_uuids = lock(&self.inner.lost).clone();
         let lost: Vec<LostGpu> = inventory

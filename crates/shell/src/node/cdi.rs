@@ -4,7 +4,7 @@
 //! containers without GPUs (#1380). Simulated devices need no nodes: their spec is written at
 //! once.
 //!
-//! One [`NodeSpec`] is shared by the main loop (which syncs it on inventory changes and, while
+//! One [`NodeSpec`] is shared by the spec keeper (`tasks::keep_node_spec`, which syncs it on inventory changes and, while
 //! waiting for device nodes, every second) and the device plugin's Allocate, which calls
 //! [`NodeSpec::ensure`] before it hands out a CDI name: a name whose spec is not written would
 //! make the runtime fail the container, so Allocate fails instead, with the same reason

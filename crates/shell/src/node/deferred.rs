@@ -14,7 +14,7 @@ type Open = dyn Fn() -> Result<Box<dyn DeviceSource>, SourceError> + Send + Sync
 pub struct Deferred {
     open: Box<Open>,
     opened: OnceLock<Box<dyn DeviceSource>>,
-    /// Serialises openings: the event pump and the main loop may ask at once.
+    /// Serialises openings: the event pump and the inventory refresher may ask at once.
     opening: Mutex<()>,
 }
 

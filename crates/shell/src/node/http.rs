@@ -1,4 +1,4 @@
-//! The agent's HTTP endpoints: `/metrics` (Prometheus text), `/healthz` (the main loop is
+//! The agent's HTTP endpoints: `/metrics` (Prometheus text), `/healthz` (the state owner is
 //! turning) and `/readyz` (devices discovered, registered with the kubelet for every enabled API,
 //! and the node's ResourceSlices published when DRA is on). They are served from the start,
 //! before the devices are discovered.
@@ -17,13 +17,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-/// The main loop is considered stuck after this long without a tick.
+/// The state owner is considered stuck after this long without a tick.
 pub const STUCK_AFTER: Duration = Duration::from_secs(10);
 
 /// What `/healthz` and `/readyz` report, updated by the agent's tasks.
 #[derive(Debug, Default)]
 pub struct Readiness {
-    /// Unix milliseconds of the main loop's last tick.
+    /// Unix milliseconds of the state owner's last tick.
     pub last_tick_ms: AtomicU64,
     /// `None`: the device plugin is off; else whether every resource is registered.
     pub device_plugin: Option<Arc<AtomicBool>>,
@@ -56,7 +56,7 @@ impl Readiness {
     fn live(&self) -> Result<(), String> {
         let age = now_ms().saturating_sub(self.last_tick_ms.load(Ordering::Relaxed));
         if age > u64::try_from(STUCK_AFTER.as_millis()).unwrap_or(u64::MAX) {
-            return Err(format!("main loop has not turned for {age} ms"));
+            return Err(format!("the state owner has not turned for {age} ms"));
         }
         Ok(())
     }

@@ -1,8 +1,11 @@
-//! `gpuplane node`: the agent's main loop. Wires the device source, the shared state, health
-//! and the kubelet-facing servers together; owns start-up, reloads and shutdown.
+//! `gpuplane node`: start-up, the servers, the tasks around the state owner, and shutdown.
 //!
-//! Everything it starts takes its paths and a shutdown signal as arguments, so tests run the
-//! real agent in-process against doubles in a temp dir.
+//! [`run`] takes the state directory's lock, starts the HTTP endpoints (they answer, from an
+//! empty inventory, while discovery waits for the driver), discovers with retry, then starts
+//! the kubelet-facing servers (device plugin registrar, DRA, PodResources follower, labeler)
+//! and the tasks ([`tasks`]) that post to the state owner ([`owner`]), which runs until
+//! shutdown. Everything it starts takes its paths and a shutdown signal as arguments, so tests
+//! run the real agent in-process against doubles in a temp dir.
 
 pub mod apis;
 pub mod cdi;
@@ -12,24 +15,27 @@ pub mod events;
 pub mod http;
 pub mod labeler;
 pub mod lock;
+pub mod owner;
 pub mod podresources;
 pub mod probe;
 pub mod state;
+pub mod tasks;
 
 use crate::config::{AgentConfig, ConfigError};
 use crate::deviceplugin::registrar;
 use crate::deviceplugin::resources::PlanError;
-use crate::health::{Cause, Change, Health};
 use crate::inventory::Inventory;
 use crate::source::{DeviceMode, DeviceSource, Discovery};
 use gpuplane_model::report::chain;
+use owner::{Input, Owner};
 use state::{NodeState, Snapshot};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
-use tokio::sync::watch;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
 
 /// Host paths the agent uses, each under its own name.
 #[derive(Debug, Clone)]
@@ -110,46 +116,6 @@ pub enum NodeError {
     ProbeThread(std::io::Error),
 }
 
-fn load_config(path: Option<&Path>) -> Result<AgentConfig, ConfigError> {
-    match path {
-        Some(p) => AgentConfig::load(p),
-        None => Ok(AgentConfig::default()),
-    }
-}
-
-fn mtime(path: Option<&Path>) -> Option<SystemTime> {
-    path.and_then(|p| std::fs::metadata(p).ok())
-        .and_then(|m| m.modified().ok())
-}
-
-/// The inventory to serve: what answered, plus GPUs known from before that are now lost (so they
-/// stay listed, as Unhealthy, instead of silently vanishing).
-fn with_lost(previous: Option<&Inventory>, found: &Discovery) -> (Inventory, Vec<String>) {
-    let mut inv = found.inventory.clone();
-    let mut lost_uuids = Vec::new();
-    if let Some(prev) = previous {
-        for lost in &found.lost {
-            if let Some(g) = prev.gpu(lost.index) {
-                if inv.gpu(lost.index).is_none() {
-                    inv.gpus.push(g.clone());
-                    inv.topology.links.extend(
-                        prev.topology
-                            .links
-                            .iter()
-                            .filter(|l| l.from == lost.index || l.to == lost.index)
-                            .copied(),
-                    );
-                }
-                lost_uuids.push(g.uuid.clone());
-            }
-        }
-    }
-    inv.gpus.sort_by_key(|g| g.index);
-    inv.topology.links.sort_by_key(|l| (l.from, l.to));
-    inv.topology.links.dedup_by_key(|l| (l.from, l.to));
-    (inv, lost_uuids)
-}
-
 /// Start-up discovery failures (NVML not loadable yet, a query every GPU needs failing).
 const DISCOVERY_FAILURES: &str = "gpuplane_discovery_failures_total";
 const DISCOVERY_FAILURES_HELP: &str =
@@ -167,14 +133,17 @@ async fn discover_with_retry(
 ) -> Discovery {
     let mut delay = DISCOVERY_RETRY_FIRST;
     let mut failures = 0u64;
+    let waiting = |why: Option<String>| {
+        *readiness
+            .discovery
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = why;
+    };
     loop {
         let s = source.clone();
         let why = match tokio::task::spawn_blocking(move || s.discover()).await {
             Ok(Ok(d)) => {
-                *readiness
-                    .discovery
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner()) = None;
+                waiting(None);
                 return d;
             }
             Ok(Err(e)) => e.to_string(),
@@ -183,12 +152,9 @@ async fn discover_with_retry(
         failures += 1;
         crate::metrics::global().inc(DISCOVERY_FAILURES, DISCOVERY_FAILURES_HELP, &[]);
         tracing::error!(error = %why, attempt = failures, retry_in = ?delay, "device discovery failed; retrying");
-        *readiness
-            .discovery
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Some(format!(
+        waiting(Some(format!(
             "{failures} attempt(s) failed, retrying in {delay:?}: {why}"
-        ));
+        )));
         let until = Instant::now() + delay;
         while let Some(left) = until.checked_duration_since(Instant::now()) {
             readiness.tick();
@@ -211,60 +177,36 @@ fn remove_stale_cdi_temps(cdi_root: &Path) {
     }
 }
 
-fn log_changes(changes: &[Change]) {
-    for c in changes {
-        match c {
-            Change::Unhealthy { unit, cause } => {
-                tracing::warn!(device = %unit, %cause, "device unhealthy")
-            }
-            Change::Recovered { unit, after } => {
-                tracing::info!(device = %unit, after = %after, "device healthy again")
-            }
-            Change::Ignored { unit, xid } => {
-                tracing::info!(device = %unit, xid, "Xid ignored by policy")
-            }
-        }
+/// What the agent serves before discovery: no GPUs, no driver.
+fn nothing_yet() -> Inventory {
+    Inventory {
+        driver_version: String::new(),
+        cuda_driver_version: String::new(),
+        gpus: Vec::new(),
+        topology: crate::inventory::Topology::default(),
     }
 }
 
-/// Reads driver events on a thread of its own (NVML's wait blocks) into the health book.
-fn spawn_event_pump(
-    source: Arc<dyn DeviceSource>,
-    state: Arc<NodeState>,
-    stop: Arc<AtomicBool>,
-) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let mut failing = false;
-        while !stop.load(Ordering::Relaxed) {
-            match source.next_event(Duration::from_millis(200)) {
-                Ok(Some(event)) => {
-                    failing = false;
-                    let crate::source::DeviceEvent::Xid { xid, .. } = &event;
-                    crate::metrics::global().inc(
-                        "gpuplane_xid_events_total",
-                        "Xid events reported by the driver, by code.",
-                        &[("xid", &xid.to_string())],
-                    );
-                    let change = state.update(|s| {
-                        let c = s
-                            .health
-                            .on_event(&event, Instant::now(), &s.config.xid_policy);
-                        let changed = !matches!(c, Change::Ignored { .. });
-                        (c, changed)
-                    });
-                    log_changes(&[change]);
-                }
-                Ok(None) => failing = false,
-                Err(e) => {
-                    if !failing {
-                        tracing::error!(error = %e, "waiting for driver events failed; retrying");
-                    }
-                    failing = true;
-                    std::thread::sleep(Duration::from_secs(1));
-                }
-            }
+/// What runs until shutdown: the tasks to await, the event pump to stop, and the signal that
+/// stops them all.
+struct Running {
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    pump: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+}
+
+impl Running {
+    /// Stops serving, removes the sockets (each server does on stop) and waits for them.
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
         }
-    })
+        if let Some((stop, pump)) = self.pump {
+            stop.store(true, Ordering::Relaxed);
+            let _ = tokio::task::spawn_blocking(move || pump.join()).await;
+        }
+    }
 }
 
 /// Runs the agent until `shutdown` resolves, then stops serving and removes its sockets.
@@ -278,24 +220,16 @@ pub async fn run(
     // Held until this function returns; the kernel releases it if the process dies first.
     let _state_lock = lock::StateLock::acquire(&opts.paths.state_dir)?;
     crate::crashpoint::announce();
-    let config_file = opts.config_file.as_deref();
-    let config = load_config(config_file)?;
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let mut shutdown = std::pin::pin!(shutdown);
-    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+    let config = tasks::load_config(opts.config_file.as_deref())?;
+    let hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(NodeError::Signals)?;
     remove_stale_cdi_temps(&opts.paths.cdi_root);
+    let mut shutdown = std::pin::pin!(shutdown);
 
     // The endpoints come first, answering from an empty inventory until discovery succeeds,
     // so a node waiting for its driver says why it is not ready.
-    let nothing_yet = Inventory {
-        driver_version: String::new(),
-        cuda_driver_version: String::new(),
-        gpus: Vec::new(),
-        topology: crate::inventory::Topology::default(),
-    };
     let state = Arc::new(NodeState::new(
-        Snapshot::new(nothing_yet, config.clone()).map_err(NodeError::Plan)?,
+        Snapshot::new(nothing_yet(), config.clone()).map_err(NodeError::Plan)?,
     ));
     let dp_registered = Arc::new(AtomicBool::new(false));
     let readiness = Arc::new(http::Readiness {
@@ -305,250 +239,203 @@ pub async fn run(
         ..Default::default()
     });
     readiness.tick();
-    let metrics_task = match opts.metrics_addr {
-        Some(addr) => {
-            let listener = http::bind(addr)
-                .await
-                .map_err(|source| NodeError::Metrics {
-                    addr,
-                    cause: source,
-                })?;
-            tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
-            Some(tokio::spawn(http::serve(
-                listener,
-                state.clone(),
-                readiness.clone(),
-                stop_rx.clone(),
-            )))
-        }
-        None => None,
+    let (stop, stop_rx) = watch::channel(false);
+    let mut running = Running {
+        stop,
+        tasks: Vec::new(),
+        pump: None,
     };
+    if let Some(addr) = opts.metrics_addr {
+        let listener = http::bind(addr)
+            .await
+            .map_err(|cause| NodeError::Metrics { addr, cause })?;
+        tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+        running.tasks.push(tokio::spawn(http::serve(
+            listener,
+            state.clone(),
+            readiness.clone(),
+            stop_rx.clone(),
+        )));
+    }
 
     let found = tokio::select! {
         found = discover_with_retry(&source, &readiness) => Some(found),
         _ = &mut shutdown => None,
     };
-    let Some(found) = found else {
-        let _ = stop_tx.send(true);
-        if let Some(task) = metrics_task {
-            let _ = task.await;
+    let result = match found {
+        Some(found) => {
+            let agent = Agent {
+                opts: &opts,
+                source: &source,
+                state: &state,
+                readiness: &readiness,
+                dp_registered: &dp_registered,
+                stop: &stop_rx,
+            };
+            agent
+                .serve(found, config, hangup, &mut running, &mut shutdown)
+                .await
         }
-        return Ok(());
+        None => Ok(()),
     };
-    for lost in &found.lost {
-        tracing::warn!(gpu = lost.index, reason = %lost.reason, "GPU not answering; it is not offered");
-    }
-    let snapshot = Snapshot::new(found.inventory, config).map_err(NodeError::Plan)?;
-    for w in &snapshot.plan.warnings {
-        tracing::warn!("{w}");
-    }
-    for r in &snapshot.plan.resources {
-        tracing::info!(resource = %r.name, devices = r.devices.len(), "offering");
-    }
-    state.update(|s| {
-        *s = snapshot;
-        ((), true)
-    });
+    running.stop().await;
+    result
+}
 
-    let mut prober = probe::Prober::start(source.clone()).map_err(NodeError::ProbeThread)?;
-    let pump_stop = Arc::new(AtomicBool::new(false));
-    let pump = spawn_event_pump(source.clone(), state.clone(), pump_stop.clone());
-    // Shared with Allocate, which must not hand out a CDI name whose spec is not written.
-    let node_spec = Arc::new(cdi::NodeSpec::new(
-        opts.paths.cdi_root.clone(),
-        opts.paths.driver_root.clone(),
-        opts.paths.driver_root_mount.clone(),
-        opts.paths.dev_root.clone(),
-        opts.device_mode,
-    ));
-    let registrar = opts.device_plugin.then(|| {
-        tokio::spawn(registrar::run(
-            opts.paths.device_plugins(),
-            state.clone(),
-            node_spec.clone(),
-            dp_registered.clone(),
-            stop_rx.clone(),
-        ))
-    });
+/// What starting the servers and tasks needs, borrowed from [`run`].
+struct Agent<'a> {
+    opts: &'a NodeOptions,
+    source: &'a Arc<dyn DeviceSource>,
+    state: &'a Arc<NodeState>,
+    readiness: &'a Arc<http::Readiness>,
+    dp_registered: &'a Arc<AtomicBool>,
+    stop: &'a watch::Receiver<bool>,
+}
 
-    let dra_tasks = match opts.dra.clone() {
-        Some(settings) => {
+impl Agent<'_> {
+    /// Offers the first discovery, starts everything and runs the state owner until
+    /// `shutdown`; what was started stays in `running` for [`Running::stop`], also on error.
+    async fn serve(
+        &self,
+        found: Discovery,
+        config: AgentConfig,
+        hangup: tokio::signal::unix::Signal,
+        running: &mut Running,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), NodeError> {
+        self.offer(found, config).map_err(NodeError::Plan)?;
+        let (owner, inputs) = self.start(hangup, running).await?;
+        owner.run(inputs, shutdown).await;
+        tracing::info!("shutting down: stopping plugins");
+        Ok(())
+    }
+
+    /// Installs the first discovery, logging what is offered.
+    fn offer(&self, found: Discovery, config: AgentConfig) -> Result<(), PlanError> {
+        for lost in &found.lost {
+            tracing::warn!(gpu = lost.index, reason = %lost.reason, "GPU not answering; it is not offered");
+        }
+        let snapshot = Snapshot::new(found.inventory, config)?;
+        for w in &snapshot.plan.warnings {
+            tracing::warn!("{w}");
+        }
+        for r in &snapshot.plan.resources {
+            tracing::info!(resource = %r.name, devices = r.devices.len(), "offering");
+        }
+        self.state.update(|s| {
+            *s = snapshot;
+            ((), true)
+        });
+        Ok(())
+    }
+
+    /// Starts the kubelet-facing servers and the tasks around the state owner, recording them
+    /// in `running`; the owner and its inputs to run.
+    async fn start(
+        &self,
+        hangup: tokio::signal::unix::Signal,
+        running: &mut Running,
+    ) -> Result<(Owner, mpsc::UnboundedReceiver<Input>), NodeError> {
+        let prober = probe::Prober::start(self.source.clone()).map_err(NodeError::ProbeThread)?;
+        let opts = self.opts;
+        // Shared with Allocate, which must not hand out a CDI name whose spec is not written.
+        let node_spec = Arc::new(cdi::NodeSpec::new(
+            opts.paths.cdi_root.clone(),
+            opts.paths.driver_root.clone(),
+            opts.paths.driver_root_mount.clone(),
+            opts.paths.dev_root.clone(),
+            opts.device_mode,
+        ));
+        self.start_servers(&node_spec, running).await?;
+        let inbox = self.start_tasks(node_spec, hangup, running);
+        let owner = Owner {
+            state: self.state.clone(),
+            prober,
+            readiness: self.readiness.clone(),
+        };
+        Ok((owner, inbox))
+    }
+
+    /// The device plugin registrar and PodResources follower, DRA, and the node labeler, as
+    /// the options ask.
+    async fn start_servers(
+        &self,
+        node_spec: &Arc<cdi::NodeSpec>,
+        running: &mut Running,
+    ) -> Result<(), NodeError> {
+        let (opts, state, stop) = (self.opts, self.state, self.stop);
+        if opts.device_plugin {
+            running.tasks.push(tokio::spawn(registrar::run(
+                opts.paths.device_plugins(),
+                state.clone(),
+                node_spec.clone(),
+                self.dp_registered.clone(),
+                stop.clone(),
+            )));
+            running.tasks.push(tokio::spawn(podresources::run(
+                opts.paths.pod_resources_socket(),
+                state.clone(),
+                stop.clone(),
+            )));
+        }
+        if let Some(settings) = opts.dra.clone() {
             let started = dra::start(
                 settings,
                 &opts.node_name,
                 &opts.paths,
                 opts.device_mode,
                 state.clone(),
-                stop_rx.clone(),
+                stop.clone(),
             )
             .await?;
-            if let Some(cell) = &readiness.dra {
+            if let Some(cell) = &self.readiness.dra {
                 let _ = cell.set(http::DraReadiness {
                     registered: started.registered,
                     published: started.published,
                 });
             }
-            started.tasks
+            running.tasks.extend(started.tasks);
         }
-        None => Vec::new(),
-    };
-    let labels = opts.api.clone().map(|client| {
-        tokio::spawn(labeler::run(
-            client,
-            opts.node_name.clone(),
-            state.clone(),
-            stop_rx.clone(),
-        ))
-    });
-    let pod_resources = opts.device_plugin.then(|| {
-        tokio::spawn(podresources::run(
-            opts.paths.pod_resources_socket(),
-            state.clone(),
-            stop_rx.clone(),
-        ))
-    });
-    let inventory_now = || state.read().inventory.clone();
-    let mut spec_state = sync_spec(&node_spec, inventory_now()).await;
-    let mut spec_checked = Instant::now();
-
-    let mut tick = tokio::time::interval(Duration::from_millis(250));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_refresh = Instant::now();
-    let mut config_mtime = mtime(config_file);
-    loop {
-        readiness.tick();
-        let reload = tokio::select! {
-            _ = &mut shutdown => break,
-            _ = hangup.recv() => { tracing::info!("SIGHUP: reloading config"); true }
-            _ = tick.tick() => {
-                let now_mtime = mtime(config_file);
-                let changed = now_mtime != config_mtime;
-                config_mtime = now_mtime;
-                if changed { tracing::info!("config file changed: reloading"); }
-                changed
-            }
-        };
-        let (quiet, refresh_every) = {
-            let s = state.read();
-            (s.config.recovery_quiet_period, s.config.inventory_refresh)
-        };
-        let mut changes = state.update(|s| {
-            let c = s.health.expire_xids(Instant::now(), quiet);
-            let changed = !c.is_empty();
-            (c, changed)
-        });
-        // Lost GPUs are asked on the probe thread, never under the lock (see `probe`).
-        if let Some(answer) = prober.poll() {
-            changes.extend(state.update(|s| {
-                let c = s.health.recover_answered(&answer.answered, answer.asked_at);
-                let changed = !c.is_empty();
-                (c, changed)
-            }));
+        if let Some(client) = opts.api.clone() {
+            running.tasks.push(tokio::spawn(labeler::run(
+                client,
+                opts.node_name.clone(),
+                state.clone(),
+                stop.clone(),
+            )));
         }
-        let lost = state.read().health.lost();
-        prober.ask(lost);
-        log_changes(&changes);
-        // Waiting for device nodes: look again every second; otherwise only on inventory change.
-        if spec_state == cdi::SpecState::Waiting && spec_checked.elapsed() >= Duration::from_secs(1)
-        {
-            spec_checked = Instant::now();
-            spec_state = sync_spec(&node_spec, inventory_now()).await;
-        }
-
-        let mut config = state.read().config.clone();
-        if reload {
-            match load_config(config_file) {
-                Ok(c) => config = c,
-                Err(e) => {
-                    tracing::error!(error = %e, "config reload failed; keeping the running config")
-                }
-            }
-        }
-        let refresh = last_refresh.elapsed() >= refresh_every;
-        if !refresh && !reload {
-            continue;
-        }
-        let mut inventory = state.read().inventory.clone();
-        if refresh {
-            last_refresh = Instant::now();
-            let s = source.clone();
-            match tokio::task::spawn_blocking(move || s.discover()).await {
-                Ok(Ok(found)) => {
-                    let (inv, lost) = with_lost(Some(&inventory), &found);
-                    state.update(|s| {
-                        let now = Instant::now();
-                        let fresh: Vec<&String> = lost
-                            .iter()
-                            .filter(|u| s.health.health(u) != Health::Unhealthy(Cause::Lost))
-                            .collect();
-                        let newly: Vec<Change> = fresh
-                            .into_iter()
-                            .map(|u| s.health.on_lost(u, now))
-                            .collect();
-                        log_changes(&newly);
-                        let changed = !newly.is_empty();
-                        ((), changed)
-                    });
-                    inventory = inv;
-                }
-                Ok(Err(e)) => {
-                    tracing::error!(error = %e, "inventory refresh failed; serving the last known inventory")
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "inventory refresh panicked; serving the last known inventory")
-                }
-            }
-        }
-        apply(&state, inventory, config);
-        spec_state = sync_spec(&node_spec, inventory_now()).await;
+        Ok(())
     }
 
-    tracing::info!("shutting down: stopping plugins");
-    let _ = stop_tx.send(true);
-    for task in [registrar, pod_resources, metrics_task, labels]
-        .into_iter()
-        .flatten()
-        .chain(dra_tasks)
-    {
-        let _ = task.await;
+    /// The tasks that post to the state owner, and the node CDI spec keeper; the owner's inbox.
+    fn start_tasks(
+        &self,
+        node_spec: Arc<cdi::NodeSpec>,
+        hangup: tokio::signal::unix::Signal,
+        running: &mut Running,
+    ) -> mpsc::UnboundedReceiver<Input> {
+        let (state, stop) = (self.state, self.stop);
+        let (inputs, inbox) = mpsc::unbounded_channel();
+        let pump_stop = Arc::new(AtomicBool::new(false));
+        let pump = tasks::spawn_event_pump(self.source.clone(), inputs.clone(), pump_stop.clone());
+        running.pump = Some((pump_stop, pump));
+        running.tasks.push(tokio::spawn(tasks::keep_node_spec(
+            node_spec,
+            state.clone(),
+            stop.clone(),
+        )));
+        running.tasks.push(tokio::spawn(tasks::watch_config(
+            self.opts.config_file.clone(),
+            hangup,
+            inputs.clone(),
+            stop.clone(),
+        )));
+        running.tasks.push(tokio::spawn(tasks::refresh_inventory(
+            self.source.clone(),
+            state.clone(),
+            inputs,
+            stop.clone(),
+        )));
+        inbox
     }
-    pump_stop.store(true, Ordering::Relaxed);
-    let _ = tokio::task::spawn_blocking(move || pump.join()).await;
-    Ok(())
-}
-
-/// Brings the node CDI spec in step with `inv` on the blocking pool (it writes and fsyncs).
-async fn sync_spec(node_spec: &Arc<cdi::NodeSpec>, inv: Inventory) -> cdi::SpecState {
-    let spec = node_spec.clone();
-    tokio::task::spawn_blocking(move || spec.sync(&inv))
-        .await
-        .unwrap_or_else(|e| {
-            tracing::error!(error = %e, "writing the node CDI spec panicked; retrying");
-            cdi::SpecState::Waiting
-        })
-}
-
-/// Installs a new inventory and config if they differ from the running ones.
-fn apply(state: &NodeState, inventory: Inventory, config: AgentConfig) {
-    state.update(|s| {
-        if s.inventory == inventory && s.config == config {
-            return ((), false);
-        }
-        let inventory_changed = s.inventory != inventory;
-        match s.replace(inventory, config) {
-            Ok(()) => {
-                if inventory_changed {
-                    tracing::info!(gpus = s.inventory.gpus.len(), mig_devices = s.inventory.mig_device_count(), "inventory changed");
-                }
-                for w in &s.plan.warnings {
-                    tracing::warn!("{w}");
-                }
-                ((), true)
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "new inventory or config cannot be offered; keeping the previous plan");
-                ((), false)
-            }
-        }
-    });
 }

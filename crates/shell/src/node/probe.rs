@@ -2,7 +2,7 @@
 //!
 //! A GPU that fell off the bus is exactly when NVML stalls: `device_by_uuid` and `memory_info`
 //! may take seconds or never return. So [`DeviceSource::responds`] never runs on the async
-//! runtime nor under the state lock: the main loop copies the lost GPUs out of the health book,
+//! runtime nor under the state lock: the state owner copies the lost GPUs out of the health book,
 //! hands them to this thread ([`Prober::ask`]), keeps turning, and applies an answer
 //! ([`Prober::poll`]) under the lock only once it came, through
 //! [`crate::health::HealthBook::recover_answered`], which ignores marks newer than the question.
@@ -27,7 +27,7 @@ pub struct Answer {
     pub asked_at: Instant,
 }
 
-/// The probe thread's handle, owned by the main loop.
+/// The probe thread's handle, owned by the state owner.
 pub struct Prober {
     questions: Sender<Question>,
     answers: Receiver<Answer>,
