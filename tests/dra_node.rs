@@ -696,7 +696,6 @@ async fn a_kubelet_that_speaks_only_dra_v1beta1_gets_the_same_answers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_waits_until_the_slices_are_published_and_metrics_count_the_writes() {
     use gpuplane_testkit::doubles::apiserver::Fault;
-    use gpuplane_testkit::doubles::kubelet::PluginView;
     let lab = Lab::new("dgx-h100").await;
     let refused = lab.api.inject(Fault::status("POST", "resourceslices", 500));
     let addr: std::net::SocketAddr = ([127, 0, 0, 1], support::free_port()).into();
