@@ -56,12 +56,12 @@ pub fn dra_view(inv: &Inventory, mode: &AllocationMode) -> Inventory {
 /// Who holds a unit.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Holder {
-    /// A container that got the device through the device plugin API. `device_id` is the
-    /// Allocate's device IDs (or those PodResources lists), comma-separated. `pod` is
+    /// A container that got the device through the device plugin API: the Allocate's device
+    /// IDs (or those PodResources lists), in the kubelet's order. `pod` is
     /// `namespace/name/container` once PodResources names it, `None` between Allocate and then.
     DevicePlugin {
         resource: String,
-        device_id: String,
+        device_ids: Vec<String>,
         pod: Option<String>,
     },
     /// A prepared DRA claim.
@@ -73,14 +73,18 @@ impl fmt::Display for Holder {
         match self {
             Holder::DevicePlugin {
                 resource,
-                device_id,
+                device_ids,
                 pod: Some(pod),
-            } => write!(f, "container {pod} ({resource} {device_id})"),
+            } => write!(f, "container {pod} ({resource} {})", device_ids.join(",")),
             Holder::DevicePlugin {
                 resource,
-                device_id,
+                device_ids,
                 pod: None,
-            } => write!(f, "a device plugin allocation ({resource} {device_id})"),
+            } => write!(
+                f,
+                "a device plugin allocation ({resource} {})",
+                device_ids.join(",")
+            ),
             Holder::Claim { uid, name } => write!(f, "ResourceClaim {name} (uid {uid})"),
         }
     }
@@ -90,8 +94,8 @@ impl Holder {
     /// The device IDs of a device-plugin hold (none for a claim).
     fn device_ids(&self) -> BTreeSet<&str> {
         match self {
-            Holder::DevicePlugin { device_id, .. } => {
-                device_id.split(',').filter(|s| !s.is_empty()).collect()
+            Holder::DevicePlugin { device_ids, .. } => {
+                device_ids.iter().map(String::as_str).collect()
             }
             Holder::Claim { .. } => BTreeSet::new(),
         }
@@ -559,7 +563,7 @@ mod tests {
     fn dp(id: &str) -> Holder {
         Holder::DevicePlugin {
             resource: "nvidia.com/gpu".into(),
-            device_id: id.into(),
+            device_ids: id.split(',').map(str::to_string).collect(),
             pod: None,
         }
     }

@@ -133,7 +133,7 @@ pub fn allocate(
 pub fn holder(resource: &str, ids: &[String]) -> Holder {
     Holder::DevicePlugin {
         resource: resource.to_string(),
-        device_id: ids.join(","),
+        device_ids: ids.to_vec(),
         pod: None,
     }
 }
