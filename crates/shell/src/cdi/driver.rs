@@ -182,7 +182,7 @@ pub fn discover_nodes(
         expected.extend(gpu_nodes(&mut files, gpu, cap_minor, majors));
     }
     files.node_problems = node_problems(expected);
-    files.with_install(&scan_install(driver_root, &inv.driver_version))
+    files
 }
 
 /// The number of an NVIDIA node of static major (`nvidia<N>`, `nvidiactl`, `nvidia-modeset`).
