@@ -89,57 +89,11 @@ pub fn render_table(source: &str, d: &Discovery) -> String {
         inv.gpus.len(),
         inv.mig_device_count()
     );
-
-    let mut rows = vec![[
-        "GPU",
-        "PRODUCT",
-        "MEMORY",
-        "CC",
-        "NUMA",
-        "PCI BUS ID",
-        "MIG",
-        "UUID",
-    ]
-    .map(String::from)
-    .to_vec()];
-    for g in &inv.gpus {
-        rows.push(vec![
-            g.index.to_string(),
-            g.product_name.clone(),
-            gib(g.memory_mib),
-            g.cuda_compute_capability.clone(),
-            g.numa_node.map_or("-".into(), |n| n.to_string()),
-            g.pci_bus_id.clone(),
-            mig_state(g),
-            g.uuid.clone(),
-        ]);
-    }
-    out.push_str(&columns(&rows));
-
+    out.push_str(&columns(&gpu_rows(inv)));
     if inv.mig_device_count() > 0 {
         out.push_str("\nMIG devices\n");
-        let mut rows = vec![[
-            "GPU", "GI", "CI", "PROFILE", "SLICES", "MEMORY", "SMS", "UUID",
-        ]
-        .map(String::from)
-        .to_vec()];
-        for g in &inv.gpus {
-            for m in &g.mig_devices {
-                rows.push(vec![
-                    g.index.to_string(),
-                    m.gpu_instance_id.to_string(),
-                    m.compute_instance_id.to_string(),
-                    m.profile.clone(),
-                    format!("{}-{}", m.placement.start, m.placement.end() - 1),
-                    gib(m.memory_mib),
-                    m.multiprocessors.to_string(),
-                    m.uuid.clone(),
-                ]);
-            }
-        }
-        out.push_str(&columns(&rows));
+        out.push_str(&columns(&mig_rows(inv)));
     }
-
     let _ = writeln!(
         out,
         "\nTopology{}",
@@ -149,10 +103,74 @@ pub fn render_table(source: &str, d: &Discovery) -> String {
             ""
         }
     );
-    let mut header = vec![String::new()];
-    header.extend(inv.gpus.iter().map(|g| format!("GPU{}", g.index)));
-    header.push("NUMA".into());
-    let mut rows = vec![header];
+    out.push_str(&columns(&topology_rows(inv)));
+    out.push_str("\nLegend: X = self, NV# = # NVLinks, PIX = one PCIe switch, PXB = several PCIe switches,\n        PHB = host bridge, NODE = same NUMA node, SYS = across sockets, PSB = same board\n");
+    for l in &d.lost {
+        let _ = writeln!(out, "\nGPU {} is not served: {}", l.index, l.reason);
+    }
+    out
+}
+
+/// A table's header row.
+fn header(names: &[&str]) -> Vec<String> {
+    names.iter().map(|n| n.to_string()).collect()
+}
+
+/// One row per GPU.
+fn gpu_rows(inv: &Inventory) -> Vec<Vec<String>> {
+    let mut rows = vec![header(&[
+        "GPU",
+        "PRODUCT",
+        "MEMORY",
+        "CC",
+        "NUMA",
+        "PCI BUS ID",
+        "MIG",
+        "UUID",
+    ])];
+    for g in &inv.gpus {
+        rows.push(vec![
+            g.index.to_string(),
+            g.product_name.clone(),
+            gib(g.memory_mib),
+            g.cuda_compute_capability.clone(),
+            numa(g),
+            g.pci_bus_id.clone(),
+            mig_state(g),
+            g.uuid.clone(),
+        ]);
+    }
+    rows
+}
+
+/// One row per MIG device, under its GPU's index.
+fn mig_rows(inv: &Inventory) -> Vec<Vec<String>> {
+    let mut rows = vec![header(&[
+        "GPU", "GI", "CI", "PROFILE", "SLICES", "MEMORY", "SMS", "UUID",
+    ])];
+    for g in &inv.gpus {
+        for m in &g.mig_devices {
+            rows.push(vec![
+                g.index.to_string(),
+                m.gpu_instance_id.to_string(),
+                m.compute_instance_id.to_string(),
+                m.profile.clone(),
+                format!("{}-{}", m.placement.start, m.placement.end() - 1),
+                gib(m.memory_mib),
+                m.multiprocessors.to_string(),
+                m.uuid.clone(),
+            ]);
+        }
+    }
+    rows
+}
+
+/// The GPU-to-GPU matrix as `nvidia-smi topo -m` prints it, with each GPU's NUMA node.
+fn topology_rows(inv: &Inventory) -> Vec<Vec<String>> {
+    let mut names = vec![String::new()];
+    names.extend(inv.gpus.iter().map(|g| format!("GPU{}", g.index)));
+    names.push("NUMA".into());
+    let mut rows = vec![names];
     for a in &inv.gpus {
         let mut row = vec![format!("GPU{}", a.index)];
         for b in &inv.gpus {
@@ -163,16 +181,14 @@ pub fn render_table(source: &str, d: &Discovery) -> String {
                 None => "?".into(),
             });
         }
-        row.push(a.numa_node.map_or("-".into(), |n| n.to_string()));
+        row.push(numa(a));
         rows.push(row);
     }
-    out.push_str(&columns(&rows));
-    out.push_str("\nLegend: X = self, NV# = # NVLinks, PIX = one PCIe switch, PXB = several PCIe switches,\n        PHB = host bridge, NODE = same NUMA node, SYS = across sockets, PSB = same board\n");
+    rows
+}
 
-    for l in &d.lost {
-        let _ = writeln!(out, "\nGPU {} is not served: {}", l.index, l.reason);
-    }
-    out
+fn numa(g: &Gpu) -> String {
+    g.numa_node.map_or("-".into(), |n| n.to_string())
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@
 //! name it ([`DeviceNodesError`] is the one refusal both kubelet APIs give).
 
 use gpuplane_model::cdi::files::*;
-use gpuplane_model::inventory::Inventory;
+use gpuplane_model::inventory::{Gpu, Inventory};
 use nix::sys::stat::{lstat, major, minor, SFlag};
 use std::collections::BTreeMap;
 use std::fs;
@@ -176,12 +176,26 @@ pub fn discover_nodes(
     majors: DynamicMajors,
 ) -> DriverFiles {
     let mut files = DriverFiles::empty(driver_root, dev_root);
-    let mut expected: Vec<(HostFile, Expected)> = Vec::new();
-    let nvidia = |minor: u64| Expected {
+    let mut expected = control_nodes(&mut files, majors);
+    add_optional_control_nodes(&mut files);
+    for gpu in &inv.gpus {
+        expected.extend(gpu_nodes(&mut files, gpu, cap_minor, majors));
+    }
+    files.node_problems = node_problems(expected);
+    files
+}
+
+/// The number of an NVIDIA node of static major (`nvidia<N>`, `nvidiactl`, `nvidia-modeset`).
+fn nvidia(minor: u64) -> Expected {
+    Expected {
         major: Some(NVIDIA_MAJOR),
         minor: Some(minor),
-    };
+    }
+}
 
+/// The control nodes every spec names, recorded in `files`, each with the number it must have.
+fn control_nodes(files: &mut DriverFiles, majors: DynamicMajors) -> Vec<(HostFile, Expected)> {
+    let mut expected = Vec::new();
     for name in CONTROL_NODES {
         let node = files.dev_node(name);
         let number = match *name {
@@ -199,6 +213,11 @@ pub fn discover_nodes(
         expected.push((node.clone(), number));
         files.control_nodes.push(node);
     }
+    expected
+}
+
+/// Records the optional control nodes that are there and right.
+fn add_optional_control_nodes(files: &mut DriverFiles) {
     for name in OPTIONAL_CONTROL_NODES {
         let node = files.dev_node(name);
         let found = examine(&node.host_path);
@@ -214,41 +233,54 @@ pub fn discover_nodes(
             ),
         }
     }
-    for gpu in &inv.gpus {
-        expected.push((files.gpu_node(gpu.minor), nvidia(u64::from(gpu.minor))));
-        for mig in &gpu.mig_devices {
-            let (gi, ci) = (mig.gpu_instance_id, mig.compute_instance_id);
-            let gi_cap = MigCap::GpuInstance {
-                gpu_minor: gpu.minor,
-                gi,
-            };
-            let ci_cap = MigCap::ComputeInstance {
-                gpu_minor: gpu.minor,
-                gi,
-                ci,
-            };
-            match (cap_minor(gi_cap), cap_minor(ci_cap)) {
-                (Some(g), Some(c)) => {
-                    let nodes = vec![files.cap_node(g), files.cap_node(c)];
-                    for (node, minor) in nodes.iter().zip([g, c]) {
-                        let number = Expected {
-                            major: majors.caps,
-                            minor: Some(u64::from(minor)),
-                        };
-                        expected.push((node.clone(), number));
-                    }
-                    files.mig_cap_nodes.insert((gpu.minor, gi, ci), nodes);
+}
+
+/// The GPU's node and, per MIG device whose capability minors are known, its two access
+/// nodes (recorded in `files`), each with the number it must have.
+fn gpu_nodes(
+    files: &mut DriverFiles,
+    gpu: &Gpu,
+    cap_minor: &dyn Fn(MigCap) -> Option<u32>,
+    majors: DynamicMajors,
+) -> Vec<(HostFile, Expected)> {
+    let mut expected = vec![(files.gpu_node(gpu.minor), nvidia(u64::from(gpu.minor)))];
+    for mig in &gpu.mig_devices {
+        let (gi, ci) = (mig.gpu_instance_id, mig.compute_instance_id);
+        let gi_cap = MigCap::GpuInstance {
+            gpu_minor: gpu.minor,
+            gi,
+        };
+        let ci_cap = MigCap::ComputeInstance {
+            gpu_minor: gpu.minor,
+            gi,
+            ci,
+        };
+        match (cap_minor(gi_cap), cap_minor(ci_cap)) {
+            (Some(g), Some(c)) => {
+                let nodes = vec![files.cap_node(g), files.cap_node(c)];
+                for (node, minor) in nodes.iter().zip([g, c]) {
+                    let number = Expected {
+                        major: majors.caps,
+                        minor: Some(u64::from(minor)),
+                    };
+                    expected.push((node.clone(), number));
                 }
-                _ => warn!(
-                    mig = %mig.uuid, gpu_minor = gpu.minor, gi, ci,
-                    "MIG access capability minors unknown; the CDI device gets no nvidia-caps nodes"
-                ),
+                files.mig_cap_nodes.insert((gpu.minor, gi, ci), nodes);
             }
+            _ => warn!(
+                mig = %mig.uuid, gpu_minor = gpu.minor, gi, ci,
+                "MIG access capability minors unknown; the CDI device gets no nvidia-caps nodes"
+            ),
         }
     }
+    expected
+}
+
+/// Each node (once, however many devices name it) that is absent or not what it must be.
+fn node_problems(mut expected: Vec<(HostFile, Expected)>) -> Vec<NodeProblem> {
     expected.sort_by(|a, b| a.0.host_path.cmp(&b.0.host_path));
     expected.dedup_by(|a, b| a.0.host_path == b.0.host_path);
-    files.node_problems = expected
+    expected
         .into_iter()
         .filter_map(|(node, number)| {
             check_node(&examine(&node.host_path), number).map(|fault| NodeProblem {
@@ -256,9 +288,7 @@ pub fn discover_nodes(
                 fault,
             })
         })
-        .collect();
-
-    files.with_install(&scan_install(driver_root, &inv.driver_version))
+        .collect()
 }
 
 /// The device nodes of `inv` checked now, with an install scanned earlier (see

@@ -10,8 +10,8 @@
 //! wires the real watchers to it.
 
 use super::cache::Cache;
-use super::queue::forward;
 use super::queue_label::{queue_label_patch, QUEUE_LABEL};
+use super::watchers::forward;
 use crate::quota::GpuQuota;
 use gpuplane_model::report::chain;
 use k8s_openapi::api::core::v1::Namespace;

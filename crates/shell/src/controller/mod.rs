@@ -24,6 +24,7 @@ pub mod metrics;
 pub mod queue;
 pub mod replica;
 pub mod schedule;
+mod watchers;
 pub mod writes;
 
 pub use gpuplane_model::controller::*;

@@ -12,33 +12,31 @@
 //! lost cycle, a restart or a new leader just decides again. Errors go through
 //! [`error_policy`], which says when to try the namespace again.
 
+mod pod_writes;
+
+pub use super::watchers::{spawn_watchers, Input};
+
 use super::cache::Cache;
 use super::ledger::{compact, Working};
 use super::metrics::QueueMetrics;
-use super::namespace::{self, Decision, Inputs, Note, QueueSettings};
-use super::pods::{self, PodRef};
-use super::writes::{self, Ungated};
-use crate::quota::{
-    governs_pod, CatalogSettings, DeviceCatalog, GpuQuota, QuotaMathError, QuotaMode,
-};
+use super::namespace::{self, Decision, Inputs, QueueSettings};
+use super::pods;
+use super::schedule::{drive, Keyed, Timing};
+use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota, QuotaMathError, QuotaMode};
 use gpuplane_model::report::chain;
-use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
 };
 use kube::api::{Api, ListParams, PostParams};
-use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::Event;
+use pod_writes::Memo;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::sync::mpsc;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
-
-use super::schedule::{drive, Keyed, Timing};
-use tokio_stream::StreamExt;
 
 /// A namespace whose status write conflicted is decided again at once this many times before
 /// its retry waits for [`error_policy`].
@@ -117,26 +115,6 @@ pub fn error_policy(error: &QueueError, failures: u32) -> Duration {
         QueueError::Api { .. } => exp(200, Duration::from_secs(30)),
         QueueError::Math { .. } => Duration::from_secs(60),
     }
-}
-
-/// One change seen by a watcher (boxed: pods are large).
-#[derive(Debug)]
-pub enum Input {
-    Pod(Box<Event<Pod>>),
-    Quota(Box<Event<GpuQuota>>),
-    Claim(Box<Event<ResourceClaim>>),
-    Template(Box<Event<ResourceClaimTemplate>>),
-    Slice(Box<Event<ResourceSlice>>),
-    Class(Box<Event<DeviceClass>>),
-}
-
-/// What was last said to a waiting pod.
-#[derive(Debug, Clone)]
-struct Memo {
-    namespace: String,
-    kind: &'static str,
-    message: String,
-    at: Instant,
 }
 
 /// The loop's state.
@@ -330,6 +308,40 @@ impl QueueLoop {
     ) -> Result<Option<SystemTime>, QueueError> {
         self.metrics.cycle();
         let pods = self.pods.in_namespace(ns);
+        self.forget_gone(ns, &pods);
+        if self.quotas.in_namespace(ns).is_empty() && !pods.iter().any(|p| pods::is_queued(p)) {
+            self.metrics.set_waiting(ns, Vec::new(), 0);
+            return Ok(None);
+        }
+        if let Some(wait) = self.settle_later(ns, &pods) {
+            // Only usage to settle, and the last write was just now: come back for it.
+            return Ok(Some(now + wait));
+        }
+        let claims = self.claims.in_namespace(ns);
+        let templates = self.template_specs(ns);
+        let catalog = self.catalog.clone();
+        let inputs = Inputs {
+            namespace: ns,
+            pods: &pods,
+            claims: &claims,
+            templates: &templates,
+            catalog: &catalog,
+            now,
+            settings: self.opts.settings,
+        };
+        let decision = self.decide_and_write(&inputs, working).await?;
+        self.metrics
+            .set_waiting(ns, quota_names(&decision), decision.waiting.len() as u64);
+        let released = self.release(ns, &decision, &pods).await;
+        self.notes(ns, &decision.waiting).await;
+        self.admitted_notes(ns, released).await;
+        Ok(decision.next_deadline)
+    }
+
+    /// Forgets what was said to pods of `ns` that are gone, and every ungate whose pod the
+    /// cache no longer shows gated (or that is a minute old: the cache missed it, so the gate
+    /// is removed again).
+    fn forget_gone(&mut self, ns: &str, pods: &[Arc<Pod>]) {
         let uids: BTreeSet<&str> = pods
             .iter()
             .filter_map(|p| p.metadata.uid.as_deref())
@@ -344,18 +356,11 @@ impl QueueLoop {
         self.ungated.retain(|uid, at| {
             gated.contains(uid.as_str()) && at.elapsed() < Duration::from_secs(60)
         });
-        if self.quotas.in_namespace(ns).is_empty() && !pods.iter().any(|p| pods::is_queued(p)) {
-            self.metrics.set_waiting(ns, Vec::new(), 0);
-            return Ok(None);
-        }
-        if let Some(wait) = self.settle_later(ns, &pods) {
-            // Only usage to settle, and the last write was just now: come back for it.
-            return Ok(Some(now + wait));
-        }
-        let api: Api<GpuQuota> = Api::namespaced(self.client.clone(), ns);
-        let claims = self.claims.in_namespace(ns);
-        let templates: BTreeMap<String, ResourceClaimSpec> = self
-            .templates
+    }
+
+    /// The namespace's ResourceClaimTemplates by name: a pod's charge may come from them.
+    fn template_specs(&self, ns: &str) -> BTreeMap<String, ResourceClaimSpec> {
+        self.templates
             .in_namespace(ns)
             .iter()
             .map(|t| {
@@ -364,30 +369,31 @@ impl QueueLoop {
                     t.spec.spec.clone(),
                 )
             })
-            .collect();
-        let catalog = self.catalog.clone();
-        let inputs = Inputs {
-            namespace: ns,
-            pods: &pods,
-            claims: &claims,
-            templates: &templates,
-            catalog: &catalog,
-            now,
-            settings: self.opts.settings,
-        };
+            .collect()
+    }
+
+    /// Decides the namespace on a fresh list of its quotas and writes them; a conflicting
+    /// write decides again at once, up to [`CONFLICT_RETRIES`] times.
+    async fn decide_and_write(
+        &mut self,
+        inputs: &Inputs<'_>,
+        working: &mut Working,
+    ) -> Result<Decision, QueueError> {
+        let ns = inputs.namespace;
         let math = |source| QueueError::Math {
             namespace: ns.into(),
             cause: source,
         };
-        let observed = namespace::observe(&inputs, &mut self.charges).map_err(math)?;
+        let observed = namespace::observe(inputs, &mut self.charges).map_err(math)?;
+        let api: Api<GpuQuota> = Api::namespaced(self.client.clone(), ns);
         let mut conflicts = 0;
-        let decision = loop {
+        loop {
             let fresh = api
                 .list(&ListParams::default())
                 .await
                 .map_err(|e| api_error("listing GpuQuotas in", ns, e))?
                 .items;
-            let decision = namespace::decide(&inputs, &observed, &fresh, working).map_err(math)?;
+            let decision = namespace::decide(inputs, &observed, &fresh, working).map_err(math)?;
             match self.write_quotas(ns, &api, &decision).await {
                 // Decide again at once from a fresh read: after a backoff the webhook's group
                 // commit, which writes the same status once per batch, would win again, and
@@ -398,15 +404,9 @@ impl QueueLoop {
                     // What this attempt charged to the cohort was never written.
                     *working = self.working();
                 }
-                r => break r.map(|()| decision)?,
+                r => return r.map(|()| decision),
             }
-        };
-        self.metrics
-            .set_waiting(ns, quota_names(&decision), decision.waiting.len() as u64);
-        let released = self.release(ns, &decision, &pods).await;
-        self.notes(ns, &decision.waiting).await;
-        self.admitted_notes(ns, released).await;
-        Ok(decision.next_deadline)
+        }
     }
 
     /// How long to hold back a reconcile of `ns`: `Some` when all it could write is settled
@@ -453,173 +453,6 @@ impl QueueLoop {
         }
         Ok(())
     }
-
-    /// Removes the gates of the released units and of pods admitted earlier; returns the pods
-    /// released that had been told to wait (they are told they are admitted).
-    async fn release(&mut self, ns: &str, d: &Decision, all: &[Arc<Pod>]) -> Vec<PodRef> {
-        let mut todo: Vec<PodRef> = d.releases.iter().flatten().cloned().collect();
-        todo.extend(
-            d.admitted_gated
-                .iter()
-                .filter(|p| !self.ungated.contains_key(&p.uid))
-                .cloned(),
-        );
-        if todo.is_empty() {
-            return Vec::new();
-        }
-        let created: HashMap<&str, SystemTime> = all
-            .iter()
-            .filter_map(|p| Some((p.metadata.uid.as_deref()?, pods::created(p))))
-            .collect();
-        let quotas = quota_names(d);
-        let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
-        let mut told = Vec::new();
-        let results = bounded(self.opts.concurrency, todo, |p| {
-            let api = api.clone();
-            async move {
-                let r = writes::ungate(&api, &p).await;
-                (p, r)
-            }
-        })
-        .await;
-        for (p, r) in results {
-            match r {
-                Ok(Ungated::Removed) | Ok(Ungated::AlreadyGone) => {
-                    let waited = created
-                        .get(p.uid.as_str())
-                        .and_then(|c| SystemTime::now().duration_since(*c).ok())
-                        .unwrap_or_default();
-                    if matches!(r, Ok(Ungated::Removed)) {
-                        self.metrics.released(ns, &quotas, waited);
-                    }
-                    self.ungated.insert(p.uid.clone(), Instant::now());
-                    if p.condition.is_some() || self.memos.contains_key(&p.uid) {
-                        told.push(p);
-                    }
-                }
-                Ok(Ungated::PodGone) => {}
-                Err(e) => {
-                    self.metrics.error();
-                    tracing::warn!(pod = %format!("{ns}/{}", p.name), error = %e, "removing the admission gate failed; retried next cycle");
-                }
-            }
-        }
-        told
-    }
-
-    /// Tells waiting pods why (condition always current in kind, numbers refreshed at most
-    /// every `note_refresh`; an Event when the kind of reason changes).
-    async fn notes(&mut self, ns: &str, waiting: &[(PodRef, Note)]) {
-        let now = Instant::now();
-        let mut todo = Vec::new();
-        for (p, note) in waiting {
-            let memo = self.memos.get(&p.uid);
-            let shown = p
-                .condition
-                .as_ref()
-                .filter(|(_, s, _)| s == "False")
-                .map(|(_, _, m)| m.as_str());
-            let said = memo.map(|m| m.message.as_str());
-            let current =
-                shown == Some(note.message.as_str()) || said == Some(note.message.as_str());
-            let kind_changed = memo.is_none_or(|m| m.kind != note.kind);
-            let refresh_due =
-                memo.is_none_or(|m| now.duration_since(m.at) >= self.opts.note_refresh);
-            let condition = shown.is_none() || (!current && (kind_changed || refresh_due));
-            let event = match memo {
-                Some(m) => m.kind != note.kind,
-                // After a restart: only pods never told before.
-                None => shown.is_none(),
-            };
-            if condition || event {
-                todo.push((p.clone(), note.clone(), condition, event));
-            }
-            if todo.len() >= self.opts.notes_per_cycle {
-                break;
-            }
-        }
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), ns);
-        let events: Api<CoreEvent> = Api::namespaced(self.client.clone(), ns);
-        let instance = self.opts.instance.clone();
-        let results = bounded(
-            self.opts.concurrency,
-            todo,
-            |(p, note, condition, event)| {
-                let (pods, events, instance) = (pods.clone(), events.clone(), instance.clone());
-                async move {
-                    let mut r = Ok(());
-                    if condition {
-                        r = writes::set_condition(&pods, &p, false, "Waiting", &note.message).await;
-                    }
-                    if event && r.is_ok() {
-                        let warning = matches!(note.kind, "ExceedsQuota" | "Unpriced" | "BadGroup");
-                        r = writes::event(
-                            &events,
-                            &p,
-                            warning,
-                            &format!("Quota{}", note.kind),
-                            &note.message,
-                            &instance,
-                        )
-                        .await;
-                    }
-                    (p, note, r)
-                }
-            },
-        )
-        .await;
-        for (p, note, r) in results {
-            match r {
-                Ok(()) => {
-                    self.memos.insert(
-                        p.uid.clone(),
-                        Memo {
-                            namespace: ns.into(),
-                            kind: note.kind,
-                            message: note.message,
-                            at: now,
-                        },
-                    );
-                }
-                Err(e) => {
-                    tracing::warn!(pod = %format!("{ns}/{}", p.name), error = %e, "recording why a pod waits failed")
-                }
-            }
-        }
-    }
-
-    async fn admitted_notes(&mut self, ns: &str, told: Vec<PodRef>) {
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), ns);
-        let events: Api<CoreEvent> = Api::namespaced(self.client.clone(), ns);
-        let instance = self.opts.instance.clone();
-        let message =
-            format!("admitted by the GpuQuotas of namespace {ns}; the scheduling gate is removed");
-        for p in &told {
-            self.memos.remove(&p.uid);
-        }
-        let results = bounded(self.opts.concurrency, told, |p| {
-            let (pods, events, instance, message) = (
-                pods.clone(),
-                events.clone(),
-                instance.clone(),
-                message.clone(),
-            );
-            async move {
-                let mut r = writes::set_condition(&pods, &p, true, "Admitted", &message).await;
-                if r.is_ok() {
-                    r = writes::event(&events, &p, false, "QuotaAdmitted", &message, &instance)
-                        .await;
-                }
-                (p, r)
-            }
-        })
-        .await;
-        for (p, r) in results {
-            if let Err(e) = r {
-                tracing::warn!(pod = %format!("{ns}/{}", p.name), error = %e, "recording a pod's admission failed");
-            }
-        }
-    }
 }
 
 /// The names of the namespace's GpuQuotas in a decision.
@@ -643,146 +476,6 @@ fn api_error(op: &'static str, object: &str, e: kube::Error) -> QueueError {
         op,
         object: object.into(),
         cause: Box::new(e),
-    }
-}
-
-/// Runs `f` over `items` with at most `limit` in flight; results in completion order.
-async fn bounded<T, R, F, Fut>(limit: usize, items: Vec<T>, f: F) -> Vec<R>
-where
-    F: Fn(T) -> Fut,
-    Fut: Future<Output = R> + Send + 'static,
-    R: Send + 'static,
-{
-    let mut set = JoinSet::new();
-    let mut out = Vec::with_capacity(items.len());
-    let mut items = items.into_iter();
-    loop {
-        while set.len() < limit.max(1) {
-            match items.next() {
-                Some(t) => {
-                    set.spawn(f(t));
-                }
-                None => break,
-            }
-        }
-        match set.join_next().await {
-            Some(Ok(r)) => out.push(r),
-            Some(Err(e)) => tracing::warn!(error = %e, "a write task failed"),
-            None => break,
-        }
-    }
-    out
-}
-
-/// Watches `api` with `config` in a task, feeding `tx` until the receiver goes away; `wrap`
-/// turns an event into the loop's input, or `None` for one the loop does not need. Shared with
-/// [`super::labeler`].
-pub(super) fn forward<K, T, F>(
-    api: Api<K>,
-    config: watcher::Config,
-    tx: mpsc::Sender<T>,
-    wrap: F,
-) -> tokio::task::JoinHandle<()>
-where
-    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
-    K::DynamicType: Default,
-    T: Send + 'static,
-    F: Fn(Event<K>) -> Option<T> + Send + 'static,
-{
-    tokio::spawn(async move {
-        let stream = watcher::watcher(api, config).default_backoff();
-        tokio::pin!(stream);
-        while let Some(item) = stream.next().await {
-            match item {
-                Ok(ev) => {
-                    let Some(input) = wrap(ev) else { continue };
-                    if tx.send(input).await.is_err() {
-                        return;
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "watch failed; retrying with backoff"),
-            }
-        }
-    })
-}
-
-/// Watches every resource the loop reads, feeding `tx` until the receiver goes away.
-pub fn spawn_watchers(
-    client: &kube::Client,
-    tx: mpsc::Sender<Input>,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    vec![
-        // Only pods the quota governs are cached: a cluster's many pods without GPUs cost the
-        // controller nothing but their decoding (the rule is immutable per pod, so a dropped
-        // pod never needs a delete).
-        forward(
-            Api::<Pod>::all(client.clone()),
-            watcher::Config::default(),
-            tx.clone(),
-            |e| {
-                let governed = match &e {
-                    Event::Apply(p) | Event::InitApply(p) | Event::Delete(p) => governs_pod(p),
-                    Event::Init | Event::InitDone => true,
-                };
-                governed.then(|| Input::Pod(Box::new(e.modify(slim_pod))))
-            },
-        ),
-        forward(
-            Api::<GpuQuota>::all(client.clone()),
-            watcher::Config::default(),
-            tx.clone(),
-            |e| Some(Input::Quota(Box::new(e))),
-        ),
-        forward(
-            Api::<ResourceClaim>::all(client.clone()),
-            watcher::Config::default(),
-            tx.clone(),
-            |e| Some(Input::Claim(Box::new(e))),
-        ),
-        forward(
-            Api::<ResourceClaimTemplate>::all(client.clone()),
-            watcher::Config::default(),
-            tx.clone(),
-            |e| Some(Input::Template(Box::new(e))),
-        ),
-        forward(
-            Api::<ResourceSlice>::all(client.clone()),
-            watcher::Config::default(),
-            tx.clone(),
-            |e| Some(Input::Slice(Box::new(e))),
-        ),
-        forward(
-            Api::<DeviceClass>::all(client.clone()),
-            watcher::Config::default(),
-            tx,
-            |e| Some(Input::Class(Box::new(e))),
-        ),
-    ]
-}
-
-/// Drops what the loop never reads of a governed pod: managed fields, annotations other than
-/// ours, container env, commands, probes and volumes (pods are large; the cache keeps many).
-fn slim_pod(p: &mut Pod) {
-    p.metadata.managed_fields = None;
-    if let Some(a) = p.metadata.annotations.as_mut() {
-        a.retain(|k, _| k.starts_with("quota.gpuplane.dev/"));
-    }
-    if let Some(spec) = p.spec.as_mut() {
-        spec.volumes = None;
-        for c in spec
-            .containers
-            .iter_mut()
-            .chain(spec.init_containers.iter_mut().flatten())
-        {
-            c.env = None;
-            c.env_from = None;
-            c.command = None;
-            c.args = None;
-            c.liveness_probe = None;
-            c.readiness_probe = None;
-            c.startup_probe = None;
-            c.volume_mounts = None;
-        }
     }
 }
 

@@ -66,89 +66,30 @@ pub async fn run(
     all_registered: Arc<AtomicBool>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let kubelet_sock = dir.join(KUBELET_SOCKET);
-    let mut served: BTreeMap<String, Served> = BTreeMap::new();
-    let mut kubelet_id: Option<(u64, u64)> = None;
     let mut changes = state.subscribe();
-    let mut waiting_logged = false;
+    let mut plugins = Plugins {
+        kubelet_sock: dir.join(KUBELET_SOCKET),
+        dir,
+        state,
+        node_spec,
+        served: BTreeMap::new(),
+        kubelet_id: None,
+        waiting_logged: false,
+    };
     loop {
-        let now_id = std::fs::metadata(&kubelet_sock)
-            .ok()
-            .map(|m| (m.dev(), m.ino()));
-        if now_id != kubelet_id {
-            if kubelet_id.is_some() || now_id.is_none() {
-                tracing::info!(socket = %kubelet_sock.display(), "kubelet socket changed; registering again");
-            }
-            for s in served.values_mut() {
-                s.registered = false;
-            }
-            kubelet_id = now_id;
-        }
-        if kubelet_id.is_none() && !waiting_logged {
-            tracing::info!(socket = %kubelet_sock.display(), "waiting for the kubelet");
-            waiting_logged = true;
-        }
-        let wanted: Vec<String> = state
+        plugins.notice_kubelet();
+        let wanted: Vec<String> = plugins
+            .state
             .read()
             .plan
             .resources
             .iter()
             .map(|r| r.name.clone())
             .collect();
-        let stale: Vec<String> = served
-            .iter()
-            .filter(|(name, s)| {
-                !wanted.contains(name) || !s.socket.exists() || s.task.is_finished()
-            })
-            .map(|(name, _)| name.clone())
-            .collect();
-        for name in stale {
-            if let Some(s) = served.remove(&name) {
-                if wanted.contains(&name) {
-                    tracing::info!(resource = %name, "plugin socket gone (kubelet restart?); serving it again");
-                } else {
-                    tracing::info!(resource = %name, "resource no longer offered; stopping its plugin");
-                }
-                s.stop().await;
-            }
-        }
-        for name in &wanted {
-            if !served.contains_key(name) {
-                match serve(&dir, name, state.clone(), node_spec.clone()) {
-                    Ok(s) => {
-                        served.insert(name.clone(), s);
-                    }
-                    Err(e) => {
-                        tracing::error!(resource = %name, error = %e, "cannot serve plugin socket")
-                    }
-                }
-            }
-        }
-        if kubelet_id.is_some() {
-            waiting_logged = false;
-            for (name, s) in served.iter_mut().filter(|(_, s)| !s.registered) {
-                match register(&kubelet_sock, name, &s.socket).await {
-                    Ok(()) => {
-                        tracing::info!(resource = %name, endpoint = %s.socket.display(), "registered with the kubelet");
-                        s.registered = true;
-                        s.last_error = None;
-                    }
-                    Err(e) => {
-                        let msg = format!("{e:#}");
-                        if s.last_error.as_ref() != Some(&msg) {
-                            tracing::warn!(resource = %name, error = %msg, "registration with the kubelet failed; retrying");
-                        }
-                        s.last_error = Some(msg);
-                    }
-                }
-            }
-        }
-        all_registered.store(
-            kubelet_id.is_some()
-                && served.len() == wanted.len()
-                && served.values().all(|s| s.registered),
-            Ordering::Relaxed,
-        );
+        plugins.stop_stale(&wanted).await;
+        plugins.serve_missing(&wanted);
+        plugins.register_unregistered().await;
+        all_registered.store(plugins.all_registered(&wanted), Ordering::Relaxed);
         tokio::select! {
             _ = tokio::time::sleep(POLL) => {}
             _ = changes.changed() => {}
@@ -158,8 +99,118 @@ pub async fn run(
             break;
         }
     }
-    for (_, s) in std::mem::take(&mut served) {
+    for (_, s) in std::mem::take(&mut plugins.served) {
         s.stop().await;
+    }
+}
+
+/// What [`run`] keeps between polls.
+struct Plugins {
+    dir: PathBuf,
+    kubelet_sock: PathBuf,
+    state: Arc<NodeState>,
+    node_spec: Arc<NodeSpec>,
+    /// Per resource served, its socket and registration.
+    served: BTreeMap<String, Served>,
+    /// The identity (device, inode) of `kubelet.sock` when last seen; a new one is a new
+    /// kubelet, which knows none of our registrations.
+    kubelet_id: Option<(u64, u64)>,
+    /// "waiting for the kubelet" is logged once per absence.
+    waiting_logged: bool,
+}
+
+impl Plugins {
+    /// Notices a kubelet restart (or its socket appearing or going): every resource is then
+    /// registered again.
+    fn notice_kubelet(&mut self) {
+        let now_id = std::fs::metadata(&self.kubelet_sock)
+            .ok()
+            .map(|m| (m.dev(), m.ino()));
+        if now_id != self.kubelet_id {
+            if self.kubelet_id.is_some() || now_id.is_none() {
+                tracing::info!(socket = %self.kubelet_sock.display(), "kubelet socket changed; registering again");
+            }
+            for s in self.served.values_mut() {
+                s.registered = false;
+            }
+            self.kubelet_id = now_id;
+        }
+        if self.kubelet_id.is_none() && !self.waiting_logged {
+            tracing::info!(socket = %self.kubelet_sock.display(), "waiting for the kubelet");
+            self.waiting_logged = true;
+        }
+    }
+
+    /// Stops the plugins of resources no longer offered, and those whose socket is gone (the
+    /// kubelet deletes them at its start) or whose server ended; the latter are served again.
+    async fn stop_stale(&mut self, wanted: &[String]) {
+        let stale: Vec<String> = self
+            .served
+            .iter()
+            .filter(|(name, s)| {
+                !wanted.contains(name) || !s.socket.exists() || s.task.is_finished()
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in stale {
+            if let Some(s) = self.served.remove(&name) {
+                if wanted.contains(&name) {
+                    tracing::info!(resource = %name, "plugin socket gone (kubelet restart?); serving it again");
+                } else {
+                    tracing::info!(resource = %name, "resource no longer offered; stopping its plugin");
+                }
+                s.stop().await;
+            }
+        }
+    }
+
+    /// Serves every wanted resource not served yet; one that cannot be is tried again at the
+    /// next poll.
+    fn serve_missing(&mut self, wanted: &[String]) {
+        for name in wanted {
+            if !self.served.contains_key(name) {
+                match serve(&self.dir, name, self.state.clone(), self.node_spec.clone()) {
+                    Ok(s) => {
+                        self.served.insert(name.clone(), s);
+                    }
+                    Err(e) => {
+                        tracing::error!(resource = %name, error = %e, "cannot serve plugin socket")
+                    }
+                }
+            }
+        }
+    }
+
+    /// Registers every served resource the kubelet (if there is one) does not know yet; a
+    /// failure is logged when it differs from the last one and retried at the next poll.
+    async fn register_unregistered(&mut self) {
+        if self.kubelet_id.is_none() {
+            return;
+        }
+        self.waiting_logged = false;
+        for (name, s) in self.served.iter_mut().filter(|(_, s)| !s.registered) {
+            match register(&self.kubelet_sock, name, &s.socket).await {
+                Ok(()) => {
+                    tracing::info!(resource = %name, endpoint = %s.socket.display(), "registered with the kubelet");
+                    s.registered = true;
+                    s.last_error = None;
+                }
+                Err(e) => {
+                    let msg = format!("{e:#}");
+                    if s.last_error.as_ref() != Some(&msg) {
+                        tracing::warn!(resource = %name, error = %msg, "registration with the kubelet failed; retrying");
+                    }
+                    s.last_error = Some(msg);
+                }
+            }
+        }
+    }
+
+    /// Whether the kubelet knows every resource offered (readiness).
+    fn all_registered(&self, wanted: &[String]) -> bool {
+        self.kubelet_id.is_some()
+            && self.served.len() == wanted.len()
+            && self.served.values().all(|s| s.registered)
     }
 }
 

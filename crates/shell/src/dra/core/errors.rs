@@ -1,0 +1,193 @@
+//! Why the core could not start, why a claim could not be prepared, and what of a failure
+//! the kubelet and the claim's user are told.
+
+use super::claim_label;
+use crate::cdi::{DeviceNodesError, NameError, WriteError};
+use crate::dra::checkpoint::CheckpointError;
+use crate::dra::claims::ClaimError;
+use crate::dra::fetch::FetchError;
+use crate::dra::ClaimRef;
+use crate::ledger::Held;
+use gpuplane_model::report::chain;
+
+/// Why the core could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    #[error("driver name `{driver}` does not make a CDI vendor `k8s.{driver}`: {}", chain(.cause))]
+    Kind { driver: String, cause: NameError },
+    #[error("loading the DRA checkpoint: {}", chain(.cause))]
+    Checkpoint { cause: CheckpointError },
+}
+
+/// Why one claim could not be prepared or unprepared (the claim is named by the caller).
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error("claim UID `{uid}` is not lower-case hex digits and dashes")]
+    BadUid { uid: String },
+    #[error("claim {what} `{value}` is not a DNS subdomain")]
+    BadName { what: &'static str, value: String },
+    #[error("{}", chain(.cause))]
+    Fetch { cause: Box<FetchError> },
+    #[error("{}", chain(.cause))]
+    Plan { cause: ClaimError },
+    #[error(transparent)]
+    MissingDeviceNodes(DeviceNodesError),
+    #[error("CDI device name for {device}: {}", chain(.cause))]
+    CdiName { device: String, cause: NameError },
+    #[error("{}", chain(.cause))]
+    Checkpoint { cause: CheckpointError },
+    #[error("{}", chain(.cause))]
+    Spec { cause: WriteError },
+    /// The blocking-pool job that writes the claim's files panicked (a bug).
+    #[error("the file-writing job failed: {0}")]
+    Worker(String),
+    /// Another consumer (a device-plugin container, another claim) holds a device of the claim.
+    #[error("device {device}: {}; it cannot be given out twice", chain(.cause))]
+    Held { device: String, cause: Box<Held> },
+}
+
+/// What a user must see of a failed prepare: an Event on the ResourceClaim with a reason
+/// (PascalCase, for `kubectl get events --field-selector reason=...`) and a note naming what to
+/// do. The kubelet's `FailedPrepareDynamicResources` on the pod carries the error text, but not
+/// on the claim (which a shared claim's owner watches) and not what to do about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserEvent {
+    pub reason: &'static str,
+    pub note: String,
+}
+
+impl PrepareError {
+    /// The Event a user must see for this failure; None for failures the kubelet's retry
+    /// resolves or only the node's operator can act on (those are logged).
+    pub fn user_event(&self) -> Option<UserEvent> {
+        let (reason, advice) = match self {
+            PrepareError::Held { .. } => (
+                "DeviceInUse",
+                "another consumer (a device-plugin container or another claim) holds it; \
+                 delete this claim's pod so the scheduler allocates another device, or wait \
+                 until the holder ends",
+            ),
+            PrepareError::Plan {
+                cause: ClaimError::Unhealthy { .. },
+            } => (
+                "DeviceUnhealthy",
+                "delete this claim's pod (and the claim, if it is not from a template) so the \
+                 scheduler allocates a healthy device; the device carries a health taint in its \
+                 ResourceSlice",
+            ),
+            PrepareError::Plan {
+                cause:
+                    ClaimError::BadConfig { .. }
+                    | ClaimError::NotApplicable { .. }
+                    | ClaimError::UnknownSource { .. }
+                    | ClaimError::ConflictingConfigs { .. },
+            } => (
+                "InvalidDeviceConfig",
+                "fix the opaque device config (spec.devices.config of the claim or its \
+                 DeviceClass) and create the claim again",
+            ),
+            PrepareError::Plan {
+                cause: ClaimError::UnknownDevice { .. } | ClaimError::OtherPool { .. },
+            } => (
+                "DeviceNotOnNode",
+                "the allocation names a device this node does not publish (a stale \
+                 ResourceSlice?); delete the pod and its claim to get a fresh allocation",
+            ),
+            PrepareError::MissingDeviceNodes(_) => (
+                "DeviceNodesMissing",
+                "the NVIDIA driver has not created its device nodes (or something else is in \
+                 their place) on this node; preparing is retried, and if this persists the \
+                 node's driver installation needs a look",
+            ),
+            _ => return None,
+        };
+        Some(UserEvent {
+            reason,
+            note: truncate(format!("{self}: {advice}."), MAX_NOTE_BYTES),
+        })
+    }
+}
+
+/// The API server refuses an Event note over 1 kB.
+const MAX_NOTE_BYTES: usize = 1024;
+
+fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut cut = max - '…'.len_utf8();
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}
+
+/// The per-claim error the kubelet gets: `claim <namespace>/<name> (<uid>): <reason>`.
+pub fn kubelet_error(c: &ClaimRef, e: &PrepareError) -> String {
+    format!("claim {} ({}): {e}", claim_label(c), c.uid)
+}
+
+impl From<CheckpointError> for PrepareError {
+    fn from(source: CheckpointError) -> Self {
+        PrepareError::Checkpoint { cause: source }
+    }
+}
+
+impl From<WriteError> for PrepareError {
+    fn from(source: WriteError) -> Self {
+        PrepareError::Spec { cause: source }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cdi;
+
+    #[test]
+    fn failures_a_user_can_act_on_become_events_naming_what_to_do() {
+        let unhealthy = PrepareError::Plan {
+            cause: ClaimError::Unhealthy {
+                device: "gpu-0".into(),
+                uuid: "GPU-0".into(),
+                cause: "critical Xid 48".into(),
+            },
+        };
+        let ev = unhealthy.user_event().unwrap();
+        assert_eq!(ev.reason, "DeviceUnhealthy");
+        assert!(
+            ev.note.contains("gpu-0") && ev.note.contains("Xid 48"),
+            "{}",
+            ev.note
+        );
+        assert!(ev.note.contains("delete this claim's pod"), "{}", ev.note);
+        let missing = PrepareError::MissingDeviceNodes(DeviceNodesError {
+            problems: vec![cdi::NodeProblem {
+                path: "/dev/nvidia0".into(),
+                fault: cdi::NodeFault::Missing,
+            }],
+        });
+        assert_eq!(missing.user_event().unwrap().reason, "DeviceNodesMissing");
+        // The kubelet's own input, and node-local I/O: logged, not shown to users.
+        let bad = PrepareError::BadUid { uid: "X".into() };
+        assert_eq!(bad.user_event(), None);
+        let c = ClaimRef {
+            namespace: "a".into(),
+            uid: "0".into(),
+            name: "c".into(),
+        };
+        assert_eq!(
+            kubelet_error(&c, &bad),
+            "claim a/c (0): claim UID `X` is not lower-case hex digits and dashes"
+        );
+    }
+
+    #[test]
+    fn long_notes_are_cut_at_a_character_boundary_under_the_api_limit() {
+        let cut = truncate("é".repeat(600), MAX_NOTE_BYTES);
+        assert!(cut.len() <= MAX_NOTE_BYTES, "{}", cut.len());
+        assert!(cut.ends_with('…'));
+        assert_eq!(truncate("short".into(), MAX_NOTE_BYTES), "short");
+    }
+}

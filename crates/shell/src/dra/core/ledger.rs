@@ -1,0 +1,70 @@
+//! A claim's units in the allocation ledger: held when it is prepared (refused while another
+//! consumer holds one), released when it is unprepared, each counted per API.
+
+use super::{claim_label, PrepareError, Shared};
+use crate::config::AllocationMode;
+use crate::dra::ClaimRef;
+use crate::ledger::{
+    Holder, LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, LEDGER_REFUSALS, LEDGER_REFUSALS_HELP,
+    LEDGER_RELEASES, LEDGER_RELEASES_HELP,
+};
+use crate::metrics;
+use std::collections::BTreeMap;
+use std::time::Instant;
+use tracing::info;
+
+impl Shared {
+    /// Records the claim's units in the allocation ledger (shared mode), refusing units another
+    /// consumer holds. Under the checkpoint lock, so two prepares cannot race for a unit; the
+    /// device plugin's Allocate holds under the state's write lock, which `update` takes too.
+    pub(super) fn hold(
+        &self,
+        c: &ClaimRef,
+        units: &BTreeMap<String, String>,
+    ) -> Result<(), PrepareError> {
+        let who = Holder::Claim {
+            uid: c.uid.clone(),
+            name: claim_label(c),
+        };
+        self.state.update(|s| {
+            if s.config.allocation != AllocationMode::Shared {
+                return (Ok(()), false);
+            }
+            let list: Vec<String> = units.values().cloned().collect();
+            match s.ledger.hold_all(&list, &who, Instant::now()) {
+                Ok(()) => {
+                    metrics::global().inc(LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, &[("api", "dra")]);
+                    info!(claim = %claim_label(c), units = ?list, "handed out to claim");
+                    (Ok(()), true)
+                }
+                Err(held) => {
+                    metrics::global().inc(LEDGER_REFUSALS, LEDGER_REFUSALS_HELP, &[("api", "dra")]);
+                    let device = units
+                        .iter()
+                        .find(|(_, u)| **u == held.unit)
+                        .map_or(held.unit.clone(), |(d, _)| d.clone());
+                    (
+                        Err(PrepareError::Held {
+                            device,
+                            cause: Box::new(held),
+                        }),
+                        false,
+                    )
+                }
+            }
+        })
+    }
+
+    /// Gives back whatever the claim holds (nothing, outside shared mode).
+    pub(super) fn release(&self, c: &ClaimRef) {
+        let released = self.state.update(|s| {
+            let r = s.ledger.release_claim(&c.uid);
+            let changed = !r.is_empty();
+            (r, changed)
+        });
+        if !released.is_empty() {
+            metrics::global().inc(LEDGER_RELEASES, LEDGER_RELEASES_HELP, &[("api", "dra")]);
+            info!(claim = %claim_label(c), units = ?released, "released by claim");
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! A claim's CDI spec: planned against the current inventory and health, rendered with its
+//! device nodes checked (or simulated), the devices the kubelet gets back, the ledger units and
+//! the claim's `status.devices` entries; and the one removal of a claim's spec file.
+
+use super::names::{cdi_device_name, SPEC_STEM_PREFIX};
+use super::{PrepareError, Shared};
+use crate::cdi::{
+    self, ContainerEdits, DeviceName, DriverFiles, NamedDevices, ProcCaps, WriteError,
+};
+use crate::dra::claims::{plan_claim, ClaimPlan};
+use crate::dra::{status, ClaimRef, PreparedDevice};
+use crate::inventory::{DeviceRef, Inventory};
+use crate::ledger::dra_view;
+use crate::source::DeviceMode;
+use k8s_openapi::jiff::Timestamp;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use tracing::warn;
+
+/// Removes a claim's spec; a stem that is not a claim spec's (a damaged or hand-edited
+/// checkpoint) is left alone with a warning, so the node spec can never be removed here.
+pub(super) fn remove_claim_spec(cdi_root: &Path, stem: &str) -> Result<(), WriteError> {
+    if !stem.starts_with(SPEC_STEM_PREFIX) {
+        warn!(
+            stem,
+            "the checkpoint names a CDI spec that is not a claim spec; leaving it"
+        );
+        return Ok(());
+    }
+    cdi::remove_spec(cdi_root, stem)
+}
+
+/// A rendered preparation, not yet written.
+pub(super) struct Rendered {
+    pub(super) spec: cdi::Spec,
+    pub(super) devices: Vec<PreparedDevice>,
+    pub(super) units: BTreeMap<String, String>,
+    /// The claim's `status.devices` entries once prepared.
+    pub(super) status: Vec<serde_json::Value>,
+}
+
+/// The claim's devices as its spec and its status name them, and the device nodes they need.
+struct Claimed<'a> {
+    /// One CDI device per DRA device, `<claim uid>-<DRA device name>`.
+    named: Vec<NamedDevices<'a>>,
+    /// Each device by its DRA name, for the simulated environment and the status entries.
+    by_name: Vec<(String, DeviceRef<'a>)>,
+    /// Host paths of the device nodes the spec names, control nodes included (none when
+    /// simulated): each must be right before the spec is written.
+    needed: BTreeSet<PathBuf>,
+}
+
+impl Shared {
+    /// Plans the claim against the current inventory and health and renders its spec.
+    pub(super) fn render(
+        &self,
+        claim: &k8s_openapi::api::resource::v1::ResourceClaim,
+        c: &ClaimRef,
+    ) -> Result<Rendered, PrepareError> {
+        let (inv, health) = {
+            let snap = self.state.read();
+            (
+                dra_view(&snap.inventory, &snap.config.allocation),
+                snap.health.clone(),
+            )
+        };
+        let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health)
+            .map_err(|source| PrepareError::Plan { cause: source })?;
+        let generation = claim.metadata.generation;
+        match self.device_mode {
+            // Nothing on the host to discover: no driver files, no device nodes.
+            DeviceMode::Simulated => self.render_plan(&plan, c, generation, &inv, None),
+            DeviceMode::Hardware => {
+                let proc = ProcCaps::new(&self.proc_root);
+                let mount = self.driver_root_mount.as_deref();
+                let install = self
+                    .installs
+                    .get(mount.unwrap_or(&self.driver_root), &inv.driver_version);
+                let files = crate::cdi::driver::discover_nodes_with(
+                    &self.driver_root,
+                    mount,
+                    &self.dev_root,
+                    &inv,
+                    &proc,
+                    &install,
+                );
+                self.render_plan(&plan, c, generation, &inv, Some(&files))
+            }
+        }
+    }
+
+    /// Renders the claim's spec (over `files` on real hardware, simulated without them) and its
+    /// `status.devices` entries (for the claim's `generation`).
+    fn render_plan(
+        &self,
+        plan: &ClaimPlan,
+        c: &ClaimRef,
+        generation: Option<i64>,
+        inv: &Inventory,
+        files: Option<&DriverFiles>,
+    ) -> Result<Rendered, PrepareError> {
+        let claimed = claimed_devices(plan, &c.uid, inv, files)?;
+        let mut spec = self.spec_over(&claimed, files)?;
+        add_config_env(&mut spec, plan, &c.uid);
+        spec.cdi_version = cdi::minimum_version(&spec).to_string();
+        let units = plan
+            .devices
+            .iter()
+            .map(|p| (p.device.clone(), p.uuid.clone()))
+            .collect();
+        let now = Timestamp::from_second(Timestamp::now().as_second())
+            .map(|t| t.to_string())
+            .unwrap_or_default();
+        let status =
+            status::device_statuses(&self.driver, &self.pool, &claimed.by_name, generation, &now);
+        Ok(Rendered {
+            spec,
+            devices: self.prepared_devices(plan, &c.uid),
+            units,
+            status,
+        })
+    }
+
+    /// The spec of `claimed`: over the driver's files once every needed device node is right,
+    /// or simulated (each device's identity, and the claim's UUIDs spec-level).
+    fn spec_over(
+        &self,
+        claimed: &Claimed<'_>,
+        files: Option<&DriverFiles>,
+    ) -> Result<cdi::Spec, PrepareError> {
+        match files {
+            Some(files) => {
+                files
+                    .check_needed(|p| claimed.needed.contains(p))
+                    .map_err(PrepareError::MissingDeviceNodes)?;
+                Ok(cdi::render_spec(&self.kind, &claimed.named, files))
+            }
+            None => {
+                let common = ContainerEdits {
+                    env: vec![cdi::render::visible_devices_env(
+                        &claimed.by_name.iter().map(|(_, d)| *d).collect::<Vec<_>>(),
+                    )],
+                    ..Default::default()
+                };
+                Ok(cdi::render_simulated_spec(
+                    &self.kind,
+                    &claimed.named,
+                    common,
+                ))
+            }
+        }
+    }
+
+    /// What the kubelet gets back: per device its requests, share and CDI ID.
+    fn prepared_devices(&self, plan: &ClaimPlan, uid: &str) -> Vec<PreparedDevice> {
+        plan.devices
+            .iter()
+            .map(|p| PreparedDevice {
+                requests: p.requests.clone(),
+                pool: self.pool.clone(),
+                device: p.device.clone(),
+                cdi_ids: vec![format!("{}={}", self.kind, cdi_device_name(uid, &p.device))],
+                share_id: p.share_id.clone(),
+            })
+            .collect()
+    }
+}
+
+/// Looks up the plan's devices in `inv` (where `plan_claim` found them) and names them.
+fn claimed_devices<'a>(
+    plan: &ClaimPlan,
+    uid: &str,
+    inv: &'a Inventory,
+    files: Option<&DriverFiles>,
+) -> Result<Claimed<'a>, PrepareError> {
+    let mut claimed = Claimed {
+        named: Vec::new(),
+        by_name: Vec::new(),
+        needed: files
+            .iter()
+            .flat_map(|f| f.control_nodes.iter().map(|n| n.host_path.clone()))
+            .collect(),
+    };
+    for name in plan.device_names() {
+        let Some(dev) = inv.dra_device(name) else {
+            // plan_claim looked every device up in this same inventory.
+            continue;
+        };
+        claimed.by_name.push((name.to_string(), dev));
+        for node in files.iter().flat_map(|f| cdi::render::device_nodes(dev, f)) {
+            claimed
+                .needed
+                .insert(PathBuf::from(node.host_path.unwrap_or(node.path)));
+        }
+        let cdi_name = DeviceName::new(cdi_device_name(uid, name)).map_err(|source| {
+            PrepareError::CdiName {
+                device: name.to_string(),
+                cause: source,
+            }
+        })?;
+        claimed.named.push(NamedDevices {
+            name: cdi_name,
+            devices: vec![dev],
+        });
+    }
+    Ok(claimed)
+}
+
+/// Adds each device's config environment after the device's own (its identity, in simulation).
+fn add_config_env(spec: &mut cdi::Spec, plan: &ClaimPlan, uid: &str) {
+    for d in &mut spec.devices {
+        if let Some(p) = plan
+            .devices
+            .iter()
+            .find(|p| cdi_device_name(uid, &p.device) == d.name)
+        {
+            d.container_edits.env.extend(p.env.iter().cloned());
+        }
+    }
+}
