@@ -212,7 +212,7 @@ async fn soak(seconds: u64) {
                 Some("team-a"),
                 &c.name,
             );
-            match answer.ok().and_then(|mut a| a.remove(&c.uid)) {
+            match answer.ok().and_then(|mut a| a.remove(c.uid.as_str())) {
                 Some(Ok(_)) => {
                     n.prepared += 1;
                     claim = Some(c);

@@ -399,11 +399,7 @@ fn mps_claim(lab: &Lab, driver: &str, device: &str, threads: u8) -> ClaimRef {
         }}}
     });
     let stored = lab.api.put_json(obj).unwrap();
-    ClaimRef {
-        namespace: namespace.into(),
-        name: name.into(),
-        uid: stored["metadata"]["uid"].as_str().unwrap().into(),
-    }
+    ClaimRef::parse(namespace, stored["metadata"]["uid"].as_str().unwrap(), name).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -457,7 +453,7 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
         .prepare(&driver, std::slice::from_ref(&claim))
         .await
         .unwrap();
-    let devices = answers.remove(&claim.uid).unwrap().unwrap();
+    let devices = answers.remove(claim.uid.as_str()).unwrap().unwrap();
     let kind = format!("k8s.{driver}/claim");
     let cdi_id = format!("{kind}={}-gpu-2", claim.uid);
     let ids: Vec<&str> = devices
@@ -499,7 +495,7 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
         .unprepare(&driver, std::slice::from_ref(&claim))
         .await
         .unwrap();
-    answers.remove(&claim.uid).unwrap().unwrap();
+    answers.remove(claim.uid.as_str()).unwrap().unwrap();
     assert!(
         !spec_file(&stem).exists(),
         "unprepare left the claim's spec"
@@ -659,17 +655,14 @@ async fn podman_runs_a_container_with_a_claim_prepared_on_a_simulated_node() {
             {"request": "part", "driver": driver, "pool": NODE, "device": part.dra_name()}]}}}
     });
     let stored = lab.api.put_json(obj).unwrap();
-    let claim = ClaimRef {
-        namespace: "team-a".into(),
-        name: "sim".into(),
-        uid: stored["metadata"]["uid"].as_str().unwrap().into(),
-    };
+    let claim =
+        ClaimRef::parse("team-a", stored["metadata"]["uid"].as_str().unwrap(), "sim").unwrap();
     let mut answers = lab
         .dra
         .prepare(&driver, std::slice::from_ref(&claim))
         .await
         .unwrap();
-    let devices = answers.remove(&claim.uid).unwrap().unwrap();
+    let devices = answers.remove(claim.uid.as_str()).unwrap().unwrap();
     let ids: Vec<String> = devices
         .iter()
         .flat_map(|d| d.cdi_ids.iter().cloned())
@@ -723,7 +716,7 @@ async fn podman_runs_a_container_with_a_claim_prepared_on_a_simulated_node() {
         .unprepare(&driver, std::slice::from_ref(&claim))
         .await
         .unwrap();
-    answers.remove(&claim.uid).unwrap().unwrap();
+    answers.remove(claim.uid.as_str()).unwrap().unwrap();
     assert!(!written.exists(), "unprepare left the claim's spec");
     agent.stop().await;
     drop(cleanup);

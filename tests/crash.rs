@@ -214,7 +214,7 @@ impl Node {
             .await
             .map_err(|s| s.message().to_string())?;
         let mut ids: Vec<String> = out
-            .remove(&c.uid)
+            .remove(c.uid.as_str())
             .unwrap()?
             .into_iter()
             .flat_map(|d| d.cdi_ids)
@@ -229,7 +229,7 @@ impl Node {
             .unprepare(DRIVER, std::slice::from_ref(c))
             .await
             .map_err(|s| s.message().to_string())?;
-        out.remove(&c.uid).unwrap()
+        out.remove(c.uid.as_str()).unwrap()
     }
 
     fn spec_path(&self, c: &ClaimRef) -> PathBuf {
@@ -316,7 +316,7 @@ impl Node {
 
     /// The unit holds the checkpoint on disk implies for `c`: its GPUs if listed, else none.
     fn held_by_checkpoint(&self, c: &ClaimRef, gpus: &[usize]) -> Vec<usize> {
-        if self.checkpoint().claims.contains_key(&c.uid) {
+        if self.checkpoint().claims.contains_key(c.uid.as_str()) {
             gpus.to_vec()
         } else {
             Vec::new()
@@ -330,7 +330,7 @@ impl Node {
             !self.spec_path(c).exists(),
             "the CDI spec of an unprepared claim is gone"
         );
-        assert!(!self.checkpoint().claims.contains_key(&c.uid));
+        assert!(!self.checkpoint().claims.contains_key(c.uid.as_str()));
         self.check_ledger(&[], "").await;
         let next = self.claim(&format!("next-{}", self.runs), gpus);
         assert_eq!(self.prepare(&next).await.unwrap(), cdi_ids(&next, gpus));
@@ -392,7 +392,7 @@ async fn a_kill_at_any_step_of_prepare_then_the_retried_prepare_answers_the_allo
         let completed = node
             .checkpoint()
             .claims
-            .get(&c.uid)
+            .get(c.uid.as_str())
             .is_some_and(|e| e.state == ClaimState::PrepareCompleted);
         let before = std::fs::metadata(node.spec_path(&c))
             .and_then(|m| m.modified())
@@ -407,7 +407,7 @@ async fn a_kill_at_any_step_of_prepare_then_the_retried_prepare_answers_the_allo
                 "{step}: a completed claim is answered, not rewritten"
             );
         }
-        let entry = node.checkpoint().claims[&c.uid].clone();
+        let entry = node.checkpoint().claims[c.uid.as_str()].clone();
         assert_eq!(entry.state, ClaimState::PrepareCompleted, "{step}");
         let spec: gpuplane_shell::cdi::Spec =
             serde_json::from_slice(&std::fs::read(node.spec_path(&c)).unwrap()).unwrap();

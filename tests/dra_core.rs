@@ -10,7 +10,7 @@ use gpuplane_shell::config::AgentConfig;
 use gpuplane_shell::dra::checkpoint::{self, CheckpointData, ClaimEntry, ClaimState};
 use gpuplane_shell::dra::core::{spec_stem, DraCore, DraCoreConfig};
 use gpuplane_shell::dra::fetch::{ClaimFetcher, MemoryClaims};
-use gpuplane_shell::dra::{ClaimRef, DeviceHealthState, DraDriver, PreparedDevice};
+use gpuplane_shell::dra::{ClaimRef, ClaimUid, DeviceHealthState, DraDriver, PreparedDevice};
 use gpuplane_shell::inventory::Inventory;
 use gpuplane_shell::node::state::{NodeState, Snapshot};
 use gpuplane_shell::source::DeviceMode;
@@ -122,7 +122,8 @@ impl Env {
     }
 
     fn spec_path(&self, uid: &str) -> PathBuf {
-        self.cdi().join(format!("{}.json", spec_stem(uid)))
+        let uid = ClaimUid::parse(uid).unwrap();
+        self.cdi().join(format!("{}.json", spec_stem(&uid)))
     }
 
     fn spec(&self, uid: &str) -> Spec {
@@ -171,11 +172,7 @@ impl Env {
 }
 
 fn cref(name: &str, uid: &str) -> ClaimRef {
-    ClaimRef {
-        namespace: "ns".into(),
-        uid: uid.into(),
-        name: name.into(),
-    }
+    ClaimRef::parse("ns", uid, name).unwrap()
 }
 
 fn mtimes(dir: &Path) -> BTreeMap<String, std::time::SystemTime> {
@@ -206,7 +203,7 @@ async fn prepares_each_claim_on_its_own_idempotently_and_unprepares() {
 
     let first = core.prepare(vec![a.clone(), b.clone(), bad.clone()]).await;
     assert_eq!(first.len(), 3);
-    let da = devices(&first[&a.uid]);
+    let da = devices(&first[a.uid.as_str()]);
     assert_eq!(
         da,
         &[PreparedDevice {
@@ -218,12 +215,12 @@ async fn prepares_each_claim_on_its_own_idempotently_and_unprepares() {
         }]
     );
     assert_eq!(
-        devices(&first[&b.uid])[0].cdi_ids,
+        devices(&first[b.uid.as_str()])[0].cdi_ids,
         vec![format!("{KIND}={}-{mig}", b.uid)]
     );
-    let err = first[&bad.uid].as_ref().unwrap_err();
+    let err = first[bad.uid.as_str()].as_ref().unwrap_err();
     assert!(
-        err.contains("ns/bad") && err.contains("gpu-0") && err.contains(&bad.uid),
+        err.contains("ns/bad") && err.contains("gpu-0") && err.contains(bad.uid.as_str()),
         "{err}"
     );
 
@@ -254,10 +251,13 @@ async fn prepares_each_claim_on_its_own_idempotently_and_unprepares() {
 
     let cp = env.checkpoint();
     assert_eq!(cp.claims.len(), 2);
-    assert_eq!(cp.claims[&a.uid].state, ClaimState::PrepareCompleted);
-    assert_eq!(cp.claims[&a.uid].devices, da);
+    assert_eq!(
+        cp.claims[a.uid.as_str()].state,
+        ClaimState::PrepareCompleted
+    );
+    assert_eq!(cp.claims[a.uid.as_str()].devices, da);
     let units = core.prepared_units().await;
-    assert_eq!(units.get(&gpu3.uuid), Some(&a.uid));
+    assert_eq!(units.get(&gpu3.uuid), Some(&a.uid.to_string()));
     assert_eq!(units.len(), 2);
 
     // Again: the same answer, nothing rewritten.
@@ -265,9 +265,9 @@ async fn prepares_each_claim_on_its_own_idempotently_and_unprepares() {
     let cp_before = fs::read(env.checkpoint_path()).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(20));
     let second = core.prepare(vec![a.clone(), b.clone(), bad.clone()]).await;
-    assert_eq!(second[&a.uid], first[&a.uid]);
-    assert_eq!(second[&b.uid], first[&b.uid]);
-    assert!(second[&bad.uid].is_err());
+    assert_eq!(second[a.uid.as_str()], first[a.uid.as_str()]);
+    assert_eq!(second[b.uid.as_str()], first[b.uid.as_str()]);
+    assert!(second[bad.uid.as_str()].is_err());
     assert_eq!(mtimes(&env.cdi()), before);
     assert_eq!(fs::read(env.checkpoint_path()).unwrap(), cp_before);
 
@@ -275,8 +275,8 @@ async fn prepares_each_claim_on_its_own_idempotently_and_unprepares() {
     env.claims.remove("ns", "a");
     let restarted = env.core();
     assert_eq!(
-        restarted.prepare(vec![a.clone()]).await[&a.uid],
-        first[&a.uid]
+        restarted.prepare(vec![a.clone()]).await[a.uid.as_str()],
+        first[a.uid.as_str()]
     );
     assert_eq!(mtimes(&env.cdi()), before);
 
@@ -288,10 +288,9 @@ async fn prepares_each_claim_on_its_own_idempotently_and_unprepares() {
     assert!(env.checkpoint().claims.is_empty());
     assert!(restarted.prepared_units().await.is_empty());
     assert_eq!(fs::read_dir(env.cdi()).unwrap().count(), 0);
-    // Unpreparing again, or an unknown claim, or a UID that is not one: all fine.
-    let out = restarted
-        .unprepare(vec![a.clone(), cref("x", "../../etc/passwd")])
-        .await;
+    // Unpreparing again is fine. (A UID that is not one never reaches the core: the gRPC edge
+    // answers its unprepare with success, tests/security.rs.)
+    let out = restarted.unprepare(vec![a.clone()]).await;
     assert!(out.values().all(Result::is_ok), "{out:?}");
 }
 
@@ -331,15 +330,12 @@ async fn per_claim_errors_name_the_claim_and_the_reason() {
     let c = env.add_claim("badconfig", &uid(5), &[("gpu", "gpu-3")], bad_config);
     cases.push((c, "sharing.strategy: `Turbo`"));
 
-    cases.push((cref("evil", "../../x"), "claim UID `../../x`"));
-    cases.push((
-        ClaimRef {
-            namespace: "a/b".into(),
-            uid: uid(6),
-            name: "x".into(),
-        },
-        "namespace `a/b`",
-    ));
+    // A UID or namespace that could reach a path never reaches the core: the gRPC edge parses
+    // claims into ClaimRef, which refuses them (tests/security.rs sends them over the socket).
+    let evil = ClaimRef::parse("ns", "../../x", "evil").unwrap_err();
+    assert!(evil.to_string().contains("claim UID `../../x`"), "{evil}");
+    let evil = ClaimRef::parse("a/b", uid(6), "x").unwrap_err();
+    assert!(evil.to_string().contains("namespace `a/b`"), "{evil}");
 
     let mig = env.mig(1);
     let c = env.add_claim("sick", &uid(7), &[("gpu", &mig)], json!([]));
@@ -369,13 +365,13 @@ async fn per_claim_errors_name_the_claim_and_the_reason() {
         .collect();
     let out = core.prepare(claims).await;
     for (c, want) in &cases {
-        let err = out[&c.uid].as_ref().unwrap_err();
+        let err = out[c.uid.as_str()].as_ref().unwrap_err();
         assert!(
             err.contains(&format!("claim {}/{}", c.namespace, c.name)) && err.contains(want),
             "{err}\nwant {want}"
         );
     }
-    assert!(out[&ok.uid].is_ok());
+    assert!(out[ok.uid.as_str()].is_ok());
     assert_eq!(
         fs::read_dir(env.cdi()).unwrap().count(),
         1,
@@ -411,7 +407,7 @@ async fn missing_device_nodes_fail_the_prepare_until_they_appear() {
     let prepare_error = || async {
         core.prepare(vec![c.clone()])
             .await
-            .remove(&c.uid)
+            .remove(c.uid.as_str())
             .unwrap()
             .unwrap_err()
     };
@@ -423,7 +419,7 @@ async fn missing_device_nodes_fail_the_prepare_until_they_appear() {
     // Another claim's devices do not care.
     let mig = env.mig(0);
     let other = env.add_claim("b", &uid(2), &[("gpu", &mig)], json!([]));
-    assert!(core.prepare(vec![other.clone()]).await[&other.uid].is_ok());
+    assert!(core.prepare(vec![other.clone()]).await[other.uid.as_str()].is_ok());
     // A regular file or another GPU's number in its place is no better.
     fs::write(&node, b"").unwrap();
     let err = prepare_error().await;
@@ -445,7 +441,7 @@ async fn missing_device_nodes_fail_the_prepare_until_they_appear() {
     );
     assert!(!env.spec_path(&c.uid).exists(), "no spec names a bad node");
     devnodes::make_node(&node, 195, 3).unwrap();
-    assert!(core.prepare(vec![c.clone()]).await[&c.uid].is_ok());
+    assert!(core.prepare(vec![c.clone()]).await[c.uid.as_str()].is_ok());
 }
 
 #[tokio::test]
@@ -461,7 +457,11 @@ async fn simulated_devices_are_prepared_without_device_nodes_and_carry_their_ide
             "apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig",
             "sharing": {"strategy": "TimeSlicing"}}}}]),
     );
-    let prepared = core.prepare(vec![c.clone()]).await.remove(&c.uid).unwrap();
+    let prepared = core
+        .prepare(vec![c.clone()])
+        .await
+        .remove(c.uid.as_str())
+        .unwrap();
     assert_eq!(prepared.unwrap().len(), 2);
     let spec = env.spec(&c.uid);
     let gpu3 = env.inv.gpu(3).unwrap();
@@ -525,10 +525,10 @@ async fn a_crash_between_started_and_completed_is_recovered() {
     let mut data = CheckpointData::empty("boot-1");
     for r in [&c, &orphan] {
         data.claims.insert(
-            r.uid.clone(),
+            r.uid.to_string(),
             ClaimEntry {
-                namespace: r.namespace.clone(),
-                name: r.name.clone(),
+                namespace: r.namespace.to_string(),
+                name: r.name.to_string(),
                 state: ClaimState::PrepareStarted,
                 devices: vec![],
                 cdi_spec_stem: spec_stem(&r.uid),
@@ -550,19 +550,22 @@ async fn a_crash_between_started_and_completed_is_recovered() {
         "kept until the kubelet retries"
     );
     let out = core.prepare(vec![c.clone()]).await;
-    assert_eq!(devices(&out[&c.uid])[0].device, "gpu-3");
+    assert_eq!(devices(&out[c.uid.as_str()])[0].device, "gpu-3");
     assert_eq!(
         env.spec(&c.uid).devices.len(),
         1,
         "the stale spec was rewritten"
     );
     assert_eq!(
-        env.checkpoint().claims[&c.uid].state,
+        env.checkpoint().claims[c.uid.as_str()].state,
         ClaimState::PrepareCompleted
     );
 
     // Preparing again changes nothing; unprepare then leaves nothing behind, for both.
-    assert_eq!(core.prepare(vec![c.clone()]).await[&c.uid], out[&c.uid]);
+    assert_eq!(
+        core.prepare(vec![c.clone()]).await[c.uid.as_str()],
+        out[c.uid.as_str()]
+    );
     let out = core.unprepare(vec![c.clone(), orphan.clone()]).await;
     assert!(out.values().all(Result::is_ok), "{out:?}");
     assert_eq!(fs::read_dir(env.cdi()).unwrap().count(), 0);
@@ -584,7 +587,7 @@ async fn a_spec_removed_behind_our_back_is_written_again() {
 async fn a_corrupt_checkpoint_is_set_aside_and_the_core_starts_empty() {
     let Some(env) = Env::new() else { return };
     let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
-    env.core().prepare(vec![c.clone()]).await[&c.uid]
+    env.core().prepare(vec![c.clone()]).await[c.uid.as_str()]
         .as_ref()
         .unwrap();
     let mut bytes = fs::read(env.checkpoint_path()).unwrap();
@@ -610,7 +613,7 @@ async fn a_corrupt_checkpoint_is_set_aside_and_the_core_starts_empty() {
     );
     // The claim's spec outlived its entry; unprepare still removes it.
     assert!(env.spec_path(&c.uid).exists());
-    assert!(core.unprepare(vec![c.clone()]).await[&c.uid].is_ok());
+    assert!(core.unprepare(vec![c.clone()]).await[c.uid.as_str()].is_ok());
     assert!(!env.spec_path(&c.uid).exists());
 }
 
@@ -618,7 +621,7 @@ async fn a_corrupt_checkpoint_is_set_aside_and_the_core_starts_empty() {
 async fn a_reboot_invalidates_prepared_claims_and_removes_their_specs() {
     let Some(env) = Env::new() else { return };
     let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
-    env.core().prepare(vec![c.clone()]).await[&c.uid]
+    env.core().prepare(vec![c.clone()]).await[c.uid.as_str()]
         .as_ref()
         .unwrap();
     assert!(env.spec_path(&c.uid).exists());
@@ -629,7 +632,7 @@ async fn a_reboot_invalidates_prepared_claims_and_removes_their_specs() {
     assert!(cp.claims.is_empty());
     assert_eq!(cp.boot_id, "boot-2");
     // The kubelet prepares it again after the reboot.
-    assert!(core.prepare(vec![c.clone()]).await[&c.uid].is_ok());
+    assert!(core.prepare(vec![c.clone()]).await[c.uid.as_str()].is_ok());
     assert!(env.spec_path(&c.uid).exists());
 }
 
@@ -655,7 +658,7 @@ async fn configs_become_container_environment() {
         config,
     );
     let out = core.prepare(vec![c.clone()]).await;
-    assert_eq!(devices(&out[&c.uid]).len(), 2, "{out:?}");
+    assert_eq!(devices(&out[c.uid.as_str()]).len(), 2, "{out:?}");
     let spec = env.spec(&c.uid);
     let env_of = |device: &str| {
         spec.devices
@@ -694,9 +697,9 @@ async fn concurrent_prepares_of_one_claim_agree() {
     let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
     let (x, y) = tokio::join!(core.prepare(vec![c.clone()]), core.prepare(vec![c.clone()]));
     assert_eq!(x, y);
-    assert!(x[&c.uid].is_ok());
+    assert!(x[c.uid.as_str()].is_ok());
     assert_eq!(
-        env.checkpoint().claims[&c.uid].state,
+        env.checkpoint().claims[c.uid.as_str()].state,
         ClaimState::PrepareCompleted
     );
 }
@@ -730,7 +733,7 @@ async fn driver_libraries_are_scanned_once_per_driver_version() {
         let core = &core;
         async move {
             let out = core.prepare(vec![c.clone()]).await;
-            assert!(out[&c.uid].is_ok(), "{:?}", out[&c.uid]);
+            assert!(out[c.uid.as_str()].is_ok(), "{:?}", out[c.uid.as_str()]);
             c.uid
         }
     };

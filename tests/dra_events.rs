@@ -96,11 +96,12 @@ async fn a_bad_opaque_config_is_told_on_the_claim_even_after_an_event_write_fail
                         "sharing": {"strategy": "Sliced"}}}}]}}}
         }))
         .unwrap();
-    let claim = ClaimRef {
-        namespace: "team-a".into(),
-        name: "tuned".into(),
-        uid: stored["metadata"]["uid"].as_str().unwrap().into(),
-    };
+    let claim = ClaimRef::parse(
+        "team-a",
+        stored["metadata"]["uid"].as_str().unwrap(),
+        "tuned",
+    )
+    .unwrap();
     // The API server refuses Events for a while: the prepare answers as always.
     let fault = lab.api.inject(Fault::status("POST", "/events", 500));
     let err = lab.prepare(&claim).await.unwrap_err();

@@ -4,6 +4,7 @@
 //! `DraDriver` (the real core is tested on its own).
 
 use gpuplane_shell::dra::server::{DraPaths, DraServer};
+use gpuplane_shell::dra::service::RawClaim;
 use gpuplane_shell::dra::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
 };
@@ -22,8 +23,10 @@ use tokio::task::JoinHandle;
 
 const WAIT: Duration = Duration::from_secs(10);
 const DRIVER: &str = "gpu.nvidia.com";
-const FAILING_UID: &str = "uid-broken";
-const SHARED_UID: &str = "uid-shared";
+// Claim UIDs are checked at the gRPC edge (lower-case hex and dashes), so these are too.
+const OK_UID: &str = "0001";
+const FAILING_UID: &str = "00b0-0e";
+const SHARED_UID: &str = "05a0-ed";
 
 /// Records every call; prepares every claim except `FAILING_UID`.
 struct FakeDriver {
@@ -88,7 +91,7 @@ impl DraDriver for FakeDriver {
                 } else {
                     Ok(vec![device_for(&c.uid)])
                 };
-                (c.uid, r)
+                (c.uid.into(), r)
             })
             .collect()
     }
@@ -106,7 +109,7 @@ impl DraDriver for FakeDriver {
                 } else {
                     Ok(())
                 };
-                (c.uid, r)
+                (c.uid.into(), r)
             })
             .collect()
     }
@@ -172,8 +175,9 @@ impl Harness {
     }
 }
 
-fn claim(ns: &str, uid: &str, name: &str) -> ClaimRef {
-    ClaimRef {
+/// A claim as the kubelet sends it, unchecked (some of these are malformed on purpose).
+fn claim(ns: &str, uid: &str, name: &str) -> RawClaim {
+    RawClaim {
         namespace: ns.into(),
         uid: uid.into(),
         name: name.into(),
@@ -293,9 +297,9 @@ async fn refusal_is_recorded_by_the_plugin() {
         .unwrap();
 }
 
-fn batch() -> Vec<ClaimRef> {
+fn batch() -> Vec<RawClaim> {
     vec![
-        claim("team-a", "uid-1", "train"),
+        claim("team-a", OK_UID, "train"),
         claim("team-a", FAILING_UID, "gone"),
         claim("team-b", SHARED_UID, "infer"),
         claim("team-b", "uid-no-name", ""),
@@ -314,9 +318,9 @@ async fn prepare_and_unprepare(options: KubeletDraOptions, version: DraVersion) 
     let uids: Vec<&str> = prepared.keys().map(String::as_str).collect();
     assert_eq!(
         uids,
-        vec!["uid-1", FAILING_UID, "uid-no-name", "uid-no-ns", SHARED_UID]
+        vec![OK_UID, FAILING_UID, SHARED_UID, "uid-no-name", "uid-no-ns"]
     );
-    assert_eq!(prepared["uid-1"], Ok(vec![device_for("uid-1")]));
+    assert_eq!(prepared[OK_UID], Ok(vec![device_for(OK_UID)]));
     assert_eq!(
         prepared[FAILING_UID],
         Err("claim not found in the API server".to_string())
@@ -342,7 +346,7 @@ async fn prepare_and_unprepare(options: KubeletDraOptions, version: DraVersion) 
 
     let unprepared = kubelet.unprepare(DRIVER, &claims).await.unwrap();
     assert_eq!(unprepared.len(), claims.len());
-    assert_eq!(unprepared["uid-1"], Ok(()));
+    assert_eq!(unprepared[OK_UID], Ok(()));
     assert_eq!(unprepared[SHARED_UID], Ok(()));
     assert_eq!(unprepared[FAILING_UID], Err("checkpoint busy".to_string()));
     assert!(unprepared["uid-no-name"].is_err());
@@ -350,9 +354,9 @@ async fn prepare_and_unprepare(options: KubeletDraOptions, version: DraVersion) 
 
     // Malformed claims never reach the driver.
     let good = vec![
-        claim("team-a", "uid-1", "train"),
-        claim("team-a", FAILING_UID, "gone"),
-        claim("team-b", SHARED_UID, "infer"),
+        ClaimRef::parse("team-a", OK_UID, "train").unwrap(),
+        ClaimRef::parse("team-a", FAILING_UID, "gone").unwrap(),
+        ClaimRef::parse("team-b", SHARED_UID, "infer").unwrap(),
     ];
     let calls = h.driver.calls();
     assert_eq!(calls.len(), 2, "{calls:?}");
@@ -492,10 +496,10 @@ async fn registration_socket_is_recreated() {
         .unwrap();
     kubelet.wait_registered(DRIVER, WAIT).await.unwrap();
     let prepared = kubelet
-        .prepare(DRIVER, &[claim("team-a", "uid-1", "train")])
+        .prepare(DRIVER, &[claim("team-a", OK_UID, "train")])
         .await
         .unwrap();
-    assert!(prepared["uid-1"].is_ok());
+    assert!(prepared[OK_UID].is_ok());
     h.shutdown().await;
 }
 

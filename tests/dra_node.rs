@@ -205,18 +205,19 @@ async fn a_claim_is_prepared_once_with_its_own_cdi_spec_and_unprepared_without_a
         let obj = json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "elsewhere", "namespace": "team-a"},
             "status": {"allocation": {"devices": {"results": [{"request": "gpus", "driver": DRIVER, "pool": "node-b", "device": "gpu-0"}]}}}});
         let stored = lab.api.put_json(obj).unwrap();
-        ClaimRef {
-            namespace: "team-a".into(),
-            name: "elsewhere".into(),
-            uid: stored["metadata"]["uid"].as_str().unwrap().into(),
-        }
+        ClaimRef::parse(
+            "team-a",
+            stored["metadata"]["uid"].as_str().unwrap(),
+            "elsewhere",
+        )
+        .unwrap()
     };
     let answers = lab
         .dra
         .prepare(DRIVER, &[good.clone(), foreign.clone()])
         .await
         .unwrap();
-    let ids: Vec<String> = answers[&good.uid]
+    let ids: Vec<String> = answers[good.uid.as_str()]
         .as_ref()
         .unwrap()
         .iter()
@@ -224,7 +225,7 @@ async fn a_claim_is_prepared_once_with_its_own_cdi_spec_and_unprepared_without_a
         .collect();
     assert_eq!(ids.len(), 2);
     assert!(ids[0].starts_with("k8s.gpu.gpuplane.dev/claim="), "{ids:?}");
-    let err = answers[&foreign.uid].as_ref().unwrap_err();
+    let err = answers[foreign.uid.as_str()].as_ref().unwrap_err();
     assert!(
         err.contains("node-b") && err.contains("team-a/elsewhere"),
         "{err}"

@@ -62,9 +62,9 @@ async fn the_dra_socket_accepts_the_moment_a_restarted_agents_registration_answe
         .join(format!("{DRIVER}-reg.sock"));
     let claim = support::put_claim(&api, "restart", &["gpu-1"]);
     let wire = dra_v1::Claim {
-        namespace: claim.namespace.clone(),
-        uid: claim.uid.clone(),
-        name: claim.name.clone(),
+        namespace: claim.namespace.to_string(),
+        uid: claim.uid.to_string(),
+        name: claim.name.to_string(),
     };
     let mut refused = Vec::new();
     for run in 0..RUNS {

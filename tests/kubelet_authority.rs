@@ -88,9 +88,9 @@ async fn every_unix_socket_server_answers_all_four_authority_forms() {
         let ch = dial::connect(&n.dra_socket(), authority).await.unwrap();
         let mut dra = dra_v1::dra_plugin_client::DraPluginClient::new(ch);
         let wire = dra_v1::Claim {
-            namespace: claim.namespace.clone(),
-            uid: claim.uid.clone(),
-            name: claim.name.clone(),
+            namespace: claim.namespace.to_string(),
+            uid: claim.uid.to_string(),
+            name: claim.name.to_string(),
         };
         let prepared = dra
             .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
@@ -99,7 +99,7 @@ async fn every_unix_socket_server_answers_all_four_authority_forms() {
             .await
             .unwrap_or_else(|s| panic!("NodePrepareResources with {authority:?}: {s:?}"))
             .into_inner();
-        let answer = &prepared.claims[&claim.uid];
+        let answer = &prepared.claims[claim.uid.as_str()];
         assert_eq!(answer.error, "", "{authority:?}");
         assert_eq!(answer.devices[0].device_name, "gpu-0");
         let unprepared = dra
@@ -107,7 +107,11 @@ async fn every_unix_socket_server_answers_all_four_authority_forms() {
             .await
             .unwrap_or_else(|s| panic!("NodeUnprepareResources with {authority:?}: {s:?}"))
             .into_inner();
-        assert_eq!(unprepared.claims[&claim.uid].error, "", "{authority:?}");
+        assert_eq!(
+            unprepared.claims[claim.uid.as_str()].error,
+            "",
+            "{authority:?}"
+        );
 
         // Device plugin socket: ListAndWatch's first list, then Allocate of one of its devices.
         let ch = dial::connect(&n.dp_socket(), authority).await.unwrap();

@@ -17,6 +17,7 @@
 
 mod support;
 
+use gpuplane_shell::dra::service::RawClaim;
 use gpuplane_shell::dra::ClaimRef;
 use gpuplane_shell::proto::deviceplugin_v1beta1 as dp;
 use gpuplane_shell::proto::dra_health_v1alpha1 as health;
@@ -332,9 +333,9 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
         ("0b5c3f2e-1111-4222-8333-444455556667", "team-a", "Bad/Name"),
         ("0b5c3f2e-1111-4222-8333-444455556668", "", "x"),
     ];
-    let mut claims: Vec<ClaimRef> = garbage
+    let mut claims: Vec<RawClaim> = garbage
         .iter()
-        .map(|(uid, ns, name)| ClaimRef {
+        .map(|(uid, ns, name)| RawClaim {
             uid: uid.to_string(),
             namespace: ns.to_string(),
             name: name.to_string(),
@@ -342,7 +343,7 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
         .collect();
     // The empty UID cannot be a map key next to another; ask it on its own below.
     let empty = claims.remove(1);
-    claims.push(good.clone());
+    claims.push(RawClaim::from(&good));
     let answers = node.dra.prepare(DRIVER, &claims).await.unwrap();
     for c in &claims[..claims.len() - 1] {
         let err = answers[&c.uid].as_ref().unwrap_err();
@@ -352,7 +353,11 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
         .as_ref()
         .unwrap_err();
     assert!(ghost.contains("team-a/ghost"), "{ghost}");
-    assert!(answers[&good.uid].is_ok(), "{:?}", answers[&good.uid]);
+    assert!(
+        answers[good.uid.as_str()].is_ok(),
+        "{:?}",
+        answers[good.uid.as_str()]
+    );
     let err = raw_prepare(&node, &empty).await;
     assert!(!err.is_empty(), "an empty UID is refused");
 
@@ -394,15 +399,15 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
 }
 
 /// NodePrepareResources over v1 for one claim, straight on the socket; the per-claim error.
-async fn raw_prepare(node: &Node, c: &ClaimRef) -> String {
+async fn raw_prepare(node: &Node, c: &RawClaim) -> String {
     let endpoint = node.dra.plugin(DRIVER).unwrap().endpoint;
     let channel = gpuplane_shell::grpc::connect(&endpoint).await.unwrap();
     let resp = v1::dra_plugin_client::DraPluginClient::new(channel)
         .node_prepare_resources(v1::NodePrepareResourcesRequest {
             claims: vec![v1::Claim {
-                namespace: c.namespace.clone(),
-                uid: c.uid.clone(),
-                name: c.name.clone(),
+                namespace: c.namespace.to_string(),
+                uid: c.uid.to_string(),
+                name: c.name.to_string(),
             }],
         })
         .await;
@@ -410,7 +415,7 @@ async fn raw_prepare(node: &Node, c: &ClaimRef) -> String {
         Ok(r) => r
             .into_inner()
             .claims
-            .get(&c.uid)
+            .get(c.uid.as_str())
             .map(|r| r.error.clone())
             .unwrap_or_else(|| "no answer for the claim".into()),
         Err(s) => s.message().to_string(),

@@ -2,7 +2,7 @@
 //! running agent, claim identifiers that cannot steer a file name, the webhook's TLS versions
 //! and cipher suites, request size limits, and no shelling out.
 
-use gpuplane_shell::dra::ClaimRef;
+use gpuplane_shell::dra::service::RawClaim;
 use gpuplane_shell::proto::{deviceplugin_v1beta1 as dp, dra_v1};
 use gpuplane_shell::source::SimSource;
 use gpuplane_testkit::doubles::kubelet_dra::KubeletDraOptions;
@@ -88,6 +88,12 @@ async fn agent() -> Running {
         r.dp_socket().exists() && r.dra_socket().exists() && r.registration_socket().exists()
     })
     .await;
+    // Registered, so a call below reaches the agent rather than failing in the double.
+    r.lab
+        .dra
+        .wait_registered(gpuplane_testkit::doubles::lab::DRIVER, WAIT)
+        .await
+        .unwrap();
     r
 }
 
@@ -157,15 +163,30 @@ async fn hostile_claim_identifiers_write_and_remove_nothing() {
         ("team-a", "0123abcd", long.as_str()),
     ];
     for (namespace, uid, name) in hostile {
-        let c = ClaimRef {
+        let c = RawClaim {
             namespace: namespace.into(),
             uid: uid.into(),
             name: name.into(),
         };
         let answer = r.lab.prepare(&c).await;
-        assert!(answer.is_err(), "{c:?} was prepared: {answer:?}");
-        // Unknown claims unprepare fine; what matters is that nothing is removed.
-        let _ = r.lab.unprepare(&c).await;
+        // Refused by the agent, naming what is wrong with the claim.
+        let refusal = answer.expect_err("a hostile claim was prepared");
+        assert!(
+            [
+                "claim UID",
+                "is not a DNS subdomain",
+                "invalid claim: empty"
+            ]
+            .iter()
+            .any(|why| refusal.contains(why)),
+            "{c:?}: {refusal}"
+        );
+        // Unknown claims unprepare fine, and so does a claim that could never be prepared
+        // (refused at the edge); what matters is that nothing is removed.
+        let unprepared = r.lab.unprepare(&c).await;
+        if !(namespace.is_empty() || uid.is_empty() || name.is_empty()) {
+            assert_eq!(unprepared, Ok(()), "{c:?}");
+        }
     }
     assert_eq!(std::fs::read_to_string(&sentinel).unwrap(), "keep");
     let after = tree(r.lab.root());

@@ -257,11 +257,12 @@ pub fn put_claim(
             "status": {"allocation": {"devices": {"results": results}}}
         }))
         .unwrap();
-    gpuplane_shell::dra::ClaimRef {
-        namespace: "team-a".into(),
-        name: name.into(),
-        uid: stored["metadata"]["uid"].as_str().unwrap().to_string(),
-    }
+    gpuplane_shell::dra::ClaimRef::parse(
+        "team-a",
+        stored["metadata"]["uid"].as_str().unwrap(),
+        name,
+    )
+    .unwrap()
 }
 
 /// Resident memory of process `pid` (`VmRSS` in `/proc/<pid>/status`), in KiB.

@@ -17,9 +17,10 @@ use gpuplane_shell::config::{AgentConfig, DeviceListStrategy};
 use gpuplane_shell::deviceplugin::allocate;
 use gpuplane_shell::deviceplugin::resources::{self, ResourcePlan};
 use gpuplane_shell::dra::checkpoint;
-use gpuplane_shell::dra::core::{cdi_device_name, spec_stem, validate_name, validate_uid};
+use gpuplane_shell::dra::core::{cdi_device_name, spec_stem};
 use gpuplane_shell::dra::opaque::{self, GpuConfig, Sharing, TimeSliceInterval};
 use gpuplane_shell::dra::service::{validate, RawClaim};
+use gpuplane_shell::dra::{ClaimUid, ObjectName};
 use gpuplane_shell::health::HealthBook;
 use gpuplane_shell::inventory::Inventory;
 use gpuplane_shell::proto::{deviceplugin_v1beta1 as dp, dra_v1, dra_v1beta1};
@@ -511,43 +512,47 @@ pub fn dra_claims(data: &[u8]) {
     }
     .unwrap_or_default();
     let asked: BTreeSet<String> = raw.iter().map(|c| c.uid.clone()).collect();
-    let (accepted, rejected) = validate(raw);
+    let checked = validate(raw);
     let mut answered = BTreeSet::new();
-    for c in &accepted {
-        assert!(!c.uid.is_empty() && !c.namespace.is_empty() && !c.name.is_empty());
-        assert!(answered.insert(c.uid.clone()), "uid {} passed twice", c.uid);
+    for c in &checked.accepted {
         assert!(
-            !rejected.contains_key(&c.uid),
-            "uid {} accepted and rejected",
+            answered.insert(c.uid.to_string()),
+            "uid {} passed twice",
             c.uid
         );
-    }
-    answered.extend(rejected.keys().cloned());
-    assert_eq!(asked, answered, "every uid asked about gets one answer");
-    for c in &accepted {
         claim_names(&c.uid, &c.namespace, &c.name);
+    }
+    for uid in checked.rejected.keys().chain(checked.invalid.keys()) {
+        assert!(answered.insert(uid.clone()), "uid {uid} answered twice");
+    }
+    assert_eq!(asked, answered, "every uid asked about gets one answer");
+}
+
+/// What the DRA core derives from a claim's uid, namespace and name once the edge accepted
+/// them: a spec file directly inside the CDI root, a valid CDI device name, and names that
+/// are single path segments.
+fn claim_names(uid: &ClaimUid, namespace: &ObjectName, name: &ObjectName) {
+    uid_names(uid);
+    for v in [namespace, name] {
+        name_is_one_segment(v);
     }
 }
 
-/// What the DRA core derives from a claim's uid, namespace and name once it accepts them.
-fn claim_names(uid: &str, namespace: &str, name: &str) {
-    if validate_uid(uid).is_ok() {
-        let root = Path::new("/var/run/cdi");
-        let stem = spec_stem(uid);
-        assert!(
-            cdi::writer::spec_path(root, &stem).is_ok(),
-            "{stem:?} refused"
-        );
-        assert_contained(root, &stem);
-        let device = cdi_device_name(uid, "gpu-0");
-        assert!(DeviceName::new(device.as_str()).is_ok(), "{device:?}");
-    }
-    for v in [namespace, name] {
-        if validate_name("name", v).is_ok() {
-            assert!(!v.contains('/') && v != "." && v != ".." && !v.contains('\0'));
-            assert!(v.len() <= 253);
-        }
-    }
+fn uid_names(uid: &ClaimUid) {
+    let root = Path::new("/var/run/cdi");
+    let stem = spec_stem(uid);
+    assert!(
+        cdi::writer::spec_path(root, &stem).is_ok(),
+        "{stem:?} refused"
+    );
+    assert_contained(root, &stem);
+    let device = cdi_device_name(uid, "gpu-0");
+    assert!(DeviceName::new(device.as_str()).is_ok(), "{device:?}");
+}
+
+fn name_is_one_segment(v: &ObjectName) {
+    assert!(!v.is_empty() && !v.contains('/') && *v != "." && *v != ".." && !v.contains('\0'));
+    assert!(v.len() <= 253);
 }
 
 /// CDI names (device names, kinds, qualified names) and spec file stems: accepted names print
@@ -571,5 +576,12 @@ pub fn cdi_names(data: &[u8]) {
         assert_eq!(q.to_string().parse::<QualifiedName>(), Ok(q));
     }
     assert_contained(Path::new("/var/run/cdi"), s);
-    claim_names(s, s, s);
+    if let Ok(uid) = ClaimUid::parse(s) {
+        assert_eq!(uid.as_str(), s);
+        uid_names(&uid);
+    }
+    if let Ok(name) = ObjectName::parse("name", s) {
+        assert_eq!(name.as_str(), s);
+        name_is_one_segment(&name);
+    }
 }

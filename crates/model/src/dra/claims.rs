@@ -227,7 +227,7 @@ pub fn plan_claim(
     let uid = claim.metadata.uid.as_deref().unwrap_or_default();
     if uid != claim_ref.uid {
         return Err(ClaimError::UidMismatch {
-            expected: claim_ref.uid.clone(),
+            expected: claim_ref.uid.to_string(),
             found: if uid.is_empty() {
                 "empty".into()
             } else {
@@ -428,11 +428,7 @@ mod tests {
     }
 
     fn cref() -> ClaimRef {
-        ClaimRef {
-            namespace: "ns".into(),
-            uid: UID.into(),
-            name: "c".into(),
-        }
+        ClaimRef::parse("ns", UID, "c").unwrap()
     }
 
     fn setup() -> (Inventory, HealthBook) {

@@ -1,18 +1,39 @@
-//! DRA, the pure half: the plain types the kubelet's DRA calls carry ([`ClaimRef`],
-//! [`PreparedDevice`], health reports), claim planning ([`claims`]), our opaque device config
-//! ([`opaque`]) and the claim `status.devices` entries ([`status`]). The gRPC shell and the
+//! DRA, the pure half: the plain types the kubelet's DRA calls carry ([`ClaimRef`], checked
+//! once where it arrives ([`identity`]), [`PreparedDevice`], health reports), claim planning
+//! ([`claims`]), our opaque device config ([`opaque`]) and the claim `status.devices` entries
+//! ([`status`]). The gRPC shell and the
 //! core that does the I/O are the product's `dra`.
 
 pub mod claims;
+pub mod identity;
 pub mod opaque;
 pub mod status;
 
-/// A claim as the kubelet names it in NodePrepareResources / NodeUnprepareResources.
+pub use identity::{ClaimUid, IdentityError, ObjectName};
+
+/// A claim as the kubelet names it in NodePrepareResources / NodeUnprepareResources, each part
+/// already checked ([`ClaimRef::parse`]).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ClaimRef {
-    pub namespace: String,
-    pub uid: String,
-    pub name: String,
+    pub namespace: ObjectName,
+    pub uid: ClaimUid,
+    pub name: ObjectName,
+}
+
+impl ClaimRef {
+    /// Checks the kubelet's strings: the UID first, then the namespace, then the name.
+    pub fn parse(
+        namespace: impl Into<String>,
+        uid: impl Into<String>,
+        name: impl Into<String>,
+    ) -> Result<ClaimRef, IdentityError> {
+        let uid = ClaimUid::parse(uid)?;
+        Ok(ClaimRef {
+            namespace: ObjectName::parse("namespace", namespace)?,
+            uid,
+            name: ObjectName::parse("name", name)?,
+        })
+    }
 }
 
 /// One device prepared for a claim, as returned to the kubelet.

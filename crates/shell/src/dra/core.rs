@@ -57,9 +57,7 @@ mod spec;
 
 pub use config::DraCoreConfig;
 pub use errors::{kubelet_error, CoreError, PrepareError, UserEvent};
-pub use names::{
-    cdi_device_name, spec_stem, validate_name, validate_uid, CDI_CLASS, SPEC_STEM_PREFIX,
-};
+pub use names::{cdi_device_name, spec_stem, CDI_CLASS, SPEC_STEM_PREFIX};
 
 use super::checkpoint::{self, Checkpoint, CheckpointData, ClaimEntry, ClaimState};
 use super::fetch::{ClaimFetcher, FetchError};
@@ -220,9 +218,6 @@ impl DraCore {
     }
 
     async fn prepare_one(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
-        validate_uid(&c.uid)?;
-        validate_name("namespace", &c.namespace)?;
-        validate_name("name", &c.name)?;
         let done = self
             .shared
             .completed(&*self.checkpoint.lock().await, &c.uid, true);
@@ -252,10 +247,18 @@ impl DraCore {
     pub async fn restore_holds(&self) {
         let cp = self.checkpoint.lock().await;
         for (uid, entry) in &cp.data().claims {
-            let c = ClaimRef {
-                namespace: entry.namespace.clone(),
-                uid: uid.clone(),
-                name: entry.name.clone(),
+            // Only this agent writes the checkpoint, from claims checked at the edge; a
+            // hand-edited entry that is not a claim's identity holds nothing.
+            let c = match ClaimRef::parse(
+                entry.namespace.as_str(),
+                uid.as_str(),
+                entry.name.as_str(),
+            ) {
+                Ok(c) => c,
+                Err(e) => {
+                    error!(uid = %uid, error = %e, "checkpointed claim is not a valid claim; its devices are not held");
+                    continue;
+                }
             };
             if let Err(e) = self.shared.hold(&c, &entry.units) {
                 error!(claim = %claim_label(&c), error = %e, "checkpointed claim overlaps another holder");
@@ -297,8 +300,8 @@ impl Shared {
         self.hold(c, &rendered.units)?;
         let stem = spec_stem(&c.uid);
         let started = ClaimEntry {
-            namespace: c.namespace.clone(),
-            name: c.name.clone(),
+            namespace: c.namespace.to_string(),
+            name: c.name.to_string(),
             state: ClaimState::PrepareStarted,
             devices: Vec::new(),
             cdi_spec_stem: stem.clone(),
@@ -306,14 +309,14 @@ impl Shared {
         };
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareBeforeCheckpointStarted);
         cp.update(|d| {
-            d.claims.insert(c.uid.clone(), started.clone());
+            d.claims.insert(c.uid.to_string(), started.clone());
         })?;
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCheckpointStarted);
         cdi::write_spec(&self.cdi_root, &stem, &rendered.spec)?;
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCdiSpec);
         cp.update(|d| {
             d.claims.insert(
-                c.uid.clone(),
+                c.uid.to_string(),
                 ClaimEntry {
                     state: ClaimState::PrepareCompleted,
                     devices: rendered.devices.clone(),
@@ -358,11 +361,9 @@ impl Shared {
             .into_iter()
             .collect();
         // Also the stem the UID implies: a spec may outlive its entry (a checkpoint set aside).
-        if validate_uid(&c.uid).is_ok() {
-            let derived = spec_stem(&c.uid);
-            if !stems.contains(&derived) {
-                stems.push(derived);
-            }
+        let derived = spec_stem(&c.uid);
+        if !stems.contains(&derived) {
+            stems.push(derived);
         }
         crate::crashpoint::reached(crate::crashpoint::Step::UnprepareBeforeSpecRemoval);
         for stem in &stems {
@@ -370,7 +371,7 @@ impl Shared {
         }
         crate::crashpoint::reached(crate::crashpoint::Step::UnprepareAfterSpecRemoval);
         cp.update(|d| {
-            d.claims.remove(&c.uid);
+            d.claims.remove(c.uid.as_str());
         })?;
         crate::crashpoint::reached(crate::crashpoint::Step::UnprepareAfterCheckpoint);
         self.release(c);
@@ -432,7 +433,7 @@ impl DraDriver for DraCore {
             .into_iter()
             .map(|(c, r)| {
                 let r = r.map_err(|e| kubelet_error(&c, &e));
-                (c.uid, r)
+                (c.uid.into(), r)
             })
             .collect()
     }
@@ -450,7 +451,7 @@ impl DraDriver for DraCore {
                     Err(kubelet_error(&c, &e))
                 }
             };
-            out.insert(c.uid, result);
+            out.insert(c.uid.into(), result);
         }
         out
     }

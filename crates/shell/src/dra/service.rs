@@ -11,7 +11,7 @@
 //! prepare or unprepare still finishes instead of being cancelled half way, and a panic in the
 //! driver becomes a per-claim error instead of a broken call.
 
-use super::{ClaimRef, DraDriver, PrepareResult, PreparedDevice};
+use super::{ClaimRef, DraDriver, IdentityError, PrepareResult, PreparedDevice};
 use crate::proto::{dra_v1 as v1, dra_v1beta1 as v1beta1};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -67,36 +67,68 @@ impl From<v1beta1::Claim> for RawClaim {
     }
 }
 
-/// Splits the request into claims for the driver and per-claim rejections (keyed by uid).
+/// A request's claims, checked once at the edge: those for the driver, already parsed
+/// ([`ClaimRef::parse`]), and the rest by uid with why.
+#[derive(Debug, Default)]
+pub struct Checked {
+    pub accepted: Vec<ClaimRef>,
+    /// Malformed requests (an empty field, one uid under two names): refused, whatever the
+    /// operation.
+    pub rejected: BTreeMap<String, (RawClaim, String)>,
+    /// Well-formed but not a valid identity (a UID that is not a UUID's characters, a name
+    /// that is not a DNS subdomain): no such claim can be prepared, so preparing it is
+    /// refused and unpreparing it has nothing to do.
+    pub invalid: BTreeMap<String, (RawClaim, IdentityError)>,
+}
+
+impl From<&ClaimRef> for RawClaim {
+    fn from(c: &ClaimRef) -> Self {
+        RawClaim {
+            namespace: c.namespace.to_string(),
+            uid: c.uid.to_string(),
+            name: c.name.to_string(),
+        }
+    }
+}
+
+impl RawClaim {
+    fn label(&self) -> String {
+        format!("claim {}/{} ({})", self.namespace, self.name, self.uid)
+    }
+}
+
+/// Splits the request into claims for the driver and per-claim refusals (keyed by uid).
 /// A claim listed twice under the same identity is passed once; the same uid under two
 /// different names is rejected.
-pub fn validate(raw: Vec<RawClaim>) -> (Vec<ClaimRef>, BTreeMap<String, (RawClaim, String)>) {
+pub fn validate(raw: Vec<RawClaim>) -> Checked {
     let mut accepted: BTreeMap<String, ClaimRef> = BTreeMap::new();
-    let mut rejected: BTreeMap<String, (RawClaim, String)> = BTreeMap::new();
+    let mut checked = Checked::default();
     for c in raw {
-        if rejected.contains_key(&c.uid) {
+        if checked.rejected.contains_key(&c.uid) || checked.invalid.contains_key(&c.uid) {
             continue;
         }
-        let mut missing = Vec::new();
-        if c.uid.is_empty() {
-            missing.push("uid");
-        }
-        if c.namespace.is_empty() {
-            missing.push("namespace");
-        }
-        if c.name.is_empty() {
-            missing.push("name");
-        }
+        let missing: Vec<&str> = [
+            ("uid", &c.uid),
+            ("namespace", &c.namespace),
+            ("name", &c.name),
+        ]
+        .into_iter()
+        .filter(|(_, v)| v.is_empty())
+        .map(|(what, _)| what)
+        .collect();
         if !missing.is_empty() {
             accepted.remove(&c.uid);
             let msg = format!("invalid claim: empty {}", missing.join(", "));
-            rejected.insert(c.uid.clone(), (c, msg));
+            checked.rejected.insert(c.uid.clone(), (c, msg));
             continue;
         }
-        let claim = ClaimRef {
-            namespace: c.namespace.clone(),
-            uid: c.uid.clone(),
-            name: c.name.clone(),
+        let claim = match ClaimRef::parse(c.namespace.as_str(), c.uid.as_str(), c.name.as_str()) {
+            Ok(claim) => claim,
+            Err(e) => {
+                accepted.remove(&c.uid);
+                checked.invalid.insert(c.uid.clone(), (c, e));
+                continue;
+            }
         };
         match accepted.get(&c.uid) {
             Some(seen) if *seen != claim => {
@@ -105,7 +137,7 @@ pub fn validate(raw: Vec<RawClaim>) -> (Vec<ClaimRef>, BTreeMap<String, (RawClai
                     c.uid, seen.namespace, seen.name, c.namespace, c.name
                 );
                 accepted.remove(&c.uid);
-                rejected.insert(c.uid.clone(), (c, msg));
+                checked.rejected.insert(c.uid.clone(), (c, msg));
             }
             Some(_) => {}
             None => {
@@ -113,7 +145,8 @@ pub fn validate(raw: Vec<RawClaim>) -> (Vec<ClaimRef>, BTreeMap<String, (RawClai
             }
         }
     }
-    (accepted.into_values().collect(), rejected)
+    checked.accepted = accepted.into_values().collect();
+    checked
 }
 
 fn log_failure(api: Api, op: &str, namespace: &str, name: &str, uid: &str, error: &str) {
@@ -148,9 +181,16 @@ impl DraService {
         api: Api,
         raw: Vec<RawClaim>,
     ) -> BTreeMap<String, PrepareResult> {
-        let (claims, rejected) = validate(raw);
+        let Checked {
+            accepted: claims,
+            rejected,
+            invalid,
+        } = validate(raw);
         let mut results: BTreeMap<String, PrepareResult> = BTreeMap::new();
-        for (uid, (c, msg)) in rejected {
+        let invalid = invalid
+            .into_iter()
+            .map(|(uid, (c, e))| (uid, (c.clone(), format!("{}: {e}", c.label()))));
+        for (uid, (c, msg)) in rejected.into_iter().chain(invalid) {
             log_failure(
                 api,
                 "NodePrepareResources",
@@ -174,7 +214,7 @@ impl DraService {
             }
         };
         for c in claims {
-            let result = answers.remove(&c.uid).unwrap_or_else(|| {
+            let result = answers.remove(c.uid.as_str()).unwrap_or_else(|| {
                 Err("internal error: the driver returned no result for this claim".to_string())
             });
             match &result {
@@ -195,7 +235,7 @@ impl DraService {
                     msg,
                 ),
             }
-            results.insert(c.uid, result);
+            results.insert(c.uid.into(), result);
         }
         results
     }
@@ -206,8 +246,16 @@ impl DraService {
         api: Api,
         raw: Vec<RawClaim>,
     ) -> BTreeMap<String, Result<(), String>> {
-        let (claims, rejected) = validate(raw);
+        let Checked {
+            accepted: claims,
+            rejected,
+            invalid,
+        } = validate(raw);
         let mut results: BTreeMap<String, Result<(), String>> = BTreeMap::new();
+        for (uid, (c, e)) in invalid {
+            tracing::debug!(api = api.as_str(), claim = %c.label(), reason = %e, "nothing to unprepare: no such claim can be prepared");
+            results.insert(uid, Ok(()));
+        }
         for (uid, (c, msg)) in rejected {
             log_failure(
                 api,
@@ -232,7 +280,7 @@ impl DraService {
             }
         };
         for c in claims {
-            let result = answers.remove(&c.uid).unwrap_or_else(|| {
+            let result = answers.remove(c.uid.as_str()).unwrap_or_else(|| {
                 Err("internal error: the driver returned no result for this claim".to_string())
             });
             match &result {
@@ -252,7 +300,7 @@ impl DraService {
                     msg,
                 ),
             }
-            results.insert(c.uid, result);
+            results.insert(c.uid.into(), result);
         }
         results
     }
@@ -419,7 +467,11 @@ mod tests {
 
     #[test]
     fn validate_rejects_per_claim() {
-        let (ok, bad) = validate(vec![
+        let Checked {
+            accepted: ok,
+            rejected: bad,
+            invalid,
+        } = validate(vec![
             raw("ns", "a", "one"),
             raw("", "b", "two"),
             raw("ns", "c", ""),
@@ -428,14 +480,8 @@ mod tests {
             raw("ns", "d", "y"),
             raw("ns", "", "z"),
         ]);
-        assert_eq!(
-            ok,
-            vec![ClaimRef {
-                namespace: "ns".into(),
-                uid: "a".into(),
-                name: "one".into()
-            }]
-        );
+        assert!(invalid.is_empty());
+        assert_eq!(ok, vec![ClaimRef::parse("ns", "a", "one").unwrap()]);
         assert_eq!(
             bad.keys().cloned().collect::<Vec<_>>(),
             vec!["", "b", "c", "d"]
@@ -444,6 +490,28 @@ mod tests {
         assert_eq!(bad["c"].1, "invalid claim: empty name");
         assert!(bad["d"].1.contains("listed as both"), "{}", bad["d"].1);
         assert_eq!(bad[""].1, "invalid claim: empty uid");
+    }
+
+    #[test]
+    fn validate_parses_identities_once() {
+        let checked = validate(vec![
+            raw("ns", "0b5c-12", "ok"),
+            raw("ns", "../etc", "x"),
+            raw("a/b", "0c", "x"),
+            raw("ns", "0d", "Bad"),
+        ]);
+        assert_eq!(
+            checked.accepted,
+            vec![ClaimRef::parse("ns", "0b5c-12", "ok").unwrap()]
+        );
+        assert!(checked.rejected.is_empty());
+        let why = |uid: &str| checked.invalid[uid].1.to_string();
+        assert_eq!(
+            why("../etc"),
+            "claim UID `../etc` is not lower-case hex digits and dashes"
+        );
+        assert_eq!(why("0c"), "claim namespace `a/b` is not a DNS subdomain");
+        assert_eq!(why("0d"), "claim name `Bad` is not a DNS subdomain");
     }
 
     #[test]

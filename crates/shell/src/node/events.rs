@@ -99,7 +99,7 @@ pub fn claim_event(
     Event {
         metadata: ObjectMeta {
             name: Some(format!("{stem}.{:x}", now.as_nanosecond())),
-            namespace: Some(claim.namespace.clone()),
+            namespace: Some(claim.namespace.to_string()),
             ..ObjectMeta::default()
         },
         event_time: Some(MicroTime(now)),
@@ -110,9 +110,9 @@ pub fn claim_event(
         regarding: Some(ObjectReference {
             api_version: Some("resource.k8s.io/v1".into()),
             kind: Some("ResourceClaim".into()),
-            namespace: Some(claim.namespace.clone()),
-            name: Some(claim.name.clone()),
-            uid: Some(claim.uid.clone()),
+            namespace: Some(claim.namespace.to_string()),
+            name: Some(claim.name.to_string()),
+            uid: Some(claim.uid.to_string()),
             ..ObjectReference::default()
         }),
         reporting_controller: Some(driver.into()),
@@ -143,7 +143,7 @@ impl ClaimEvents {
     /// Posts `event` about `claim` in the background, unless the same was posted within the
     /// window. Needs a tokio runtime.
     pub fn report(&self, claim: &ClaimRef, event: &UserEvent) {
-        let key: Key = (claim.uid.clone(), event.reason, event.note.clone());
+        let key: Key = (claim.uid.to_string(), event.reason, event.note.clone());
         if !lock(&self.dedup).admit(key.clone(), Instant::now()) {
             debug!(claim = %format!("{}/{}", claim.namespace, claim.name), reason = event.reason,
                 "Event already posted lately; not posting it again");
@@ -200,7 +200,7 @@ impl DraDriver for ReportingDriver {
                     }
                     kubelet_error(&c, &e)
                 });
-                (c.uid, r)
+                (c.uid.into(), r)
             })
             .collect()
     }
@@ -259,11 +259,7 @@ mod tests {
 
     #[test]
     fn the_event_regards_the_claim_and_names_the_reporter() {
-        let c = ClaimRef {
-            namespace: "team-a".into(),
-            uid: "0b5c".into(),
-            name: "train".into(),
-        };
+        let c = ClaimRef::parse("team-a", "0b5c", "train").unwrap();
         let ev = UserEvent {
             reason: "DeviceUnhealthy",
             note: "device gpu-0 is unhealthy: delete the pod.".into(),

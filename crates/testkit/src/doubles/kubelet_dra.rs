@@ -20,6 +20,7 @@
 //! `restart` models a kubelet restart: plugin sockets are not deleted, the kubelet forgets every
 //! registration and re-discovers the sockets.
 
+use gpuplane_shell::dra::service::RawClaim;
 use gpuplane_shell::dra::{ClaimRef, PrepareResult, PreparedDevice};
 use gpuplane_shell::grpc;
 use gpuplane_shell::proto::dra_health_v1 as health_pb;
@@ -398,16 +399,16 @@ impl KubeletDraDouble {
     pub async fn prepare(
         &self,
         driver: &str,
-        claims: &[ClaimRef],
+        claims: &[impl WireClaim],
     ) -> Result<BTreeMap<String, PrepareResult>, Status> {
         let (version, channel) = self.connection(driver)?;
         let timeout = self.inner.options.call_timeout;
         let answers: HashMap<String, PrepareResult> = match version {
             DraVersion::V1 => {
                 let claims = claims.iter().map(|c| v1::Claim {
-                    namespace: c.namespace.clone(),
-                    uid: c.uid.clone(),
-                    name: c.name.clone(),
+                    namespace: c.namespace().to_string(),
+                    uid: c.uid().to_string(),
+                    name: c.name().to_string(),
                 });
                 let mut req = Request::new(v1::NodePrepareResourcesRequest {
                     claims: claims.collect(),
@@ -434,9 +435,9 @@ impl KubeletDraDouble {
             }
             DraVersion::V1beta1 => {
                 let claims = claims.iter().map(|c| v1beta1::Claim {
-                    namespace: c.namespace.clone(),
-                    uid: c.uid.clone(),
-                    name: c.name.clone(),
+                    namespace: c.namespace().to_string(),
+                    uid: c.uid().to_string(),
+                    name: c.name().to_string(),
                 });
                 let mut req = Request::new(v1beta1::NodePrepareResourcesRequest {
                     claims: claims.collect(),
@@ -469,7 +470,7 @@ impl KubeletDraDouble {
     pub async fn unprepare(
         &self,
         driver: &str,
-        claims: &[ClaimRef],
+        claims: &[impl WireClaim],
     ) -> Result<BTreeMap<String, Result<(), String>>, Status> {
         let (version, channel) = self.connection(driver)?;
         let timeout = self.inner.options.call_timeout;
@@ -477,9 +478,9 @@ impl KubeletDraDouble {
         let answers: HashMap<String, Result<(), String>> = match version {
             DraVersion::V1 => {
                 let claims = claims.iter().map(|c| v1::Claim {
-                    namespace: c.namespace.clone(),
-                    uid: c.uid.clone(),
-                    name: c.name.clone(),
+                    namespace: c.namespace().to_string(),
+                    uid: c.uid().to_string(),
+                    name: c.name().to_string(),
                 });
                 let mut req = Request::new(v1::NodeUnprepareResourcesRequest {
                     claims: claims.collect(),
@@ -499,9 +500,9 @@ impl KubeletDraDouble {
             }
             DraVersion::V1beta1 => {
                 let claims = claims.iter().map(|c| v1beta1::Claim {
-                    namespace: c.namespace.clone(),
-                    uid: c.uid.clone(),
-                    name: c.name.clone(),
+                    namespace: c.namespace().to_string(),
+                    uid: c.uid().to_string(),
+                    name: c.name().to_string(),
                 });
                 let mut req = Request::new(v1beta1::NodeUnprepareResourcesRequest {
                     claims: claims.collect(),
@@ -573,21 +574,53 @@ async fn bounded<T>(
     }
 }
 
+/// A claim as the kubelet puts it on the wire: three strings nobody has checked yet. Tests send
+/// checked claims ([`ClaimRef`]) and hostile ones ([`RawClaim`]) alike.
+pub trait WireClaim {
+    fn namespace(&self) -> &str;
+    fn uid(&self) -> &str;
+    fn name(&self) -> &str;
+}
+
+impl WireClaim for ClaimRef {
+    fn namespace(&self) -> &str {
+        &self.namespace
+    }
+    fn uid(&self) -> &str {
+        &self.uid
+    }
+    fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl WireClaim for RawClaim {
+    fn namespace(&self) -> &str {
+        &self.namespace
+    }
+    fn uid(&self) -> &str {
+        &self.uid
+    }
+    fn name(&self) -> &str {
+        &self.name
+    }
+}
+
 /// As the kubelet: a claim missing from the answer fails the call; extra entries are ignored.
 fn every_claim<T>(
     call: &str,
-    claims: &[ClaimRef],
+    claims: &[impl WireClaim],
     mut answers: HashMap<String, T>,
 ) -> Result<BTreeMap<String, T>, Status> {
     let mut out = BTreeMap::new();
     let mut missing = Vec::new();
     for c in claims {
-        match answers.remove(&c.uid) {
+        match answers.remove(c.uid()) {
             Some(a) => {
-                out.insert(c.uid.clone(), a);
+                out.insert(c.uid().to_string(), a);
             }
-            None if out.contains_key(&c.uid) => {}
-            None => missing.push(c.uid.clone()),
+            None if out.contains_key(c.uid()) => {}
+            None => missing.push(c.uid().to_string()),
         }
     }
     if !missing.is_empty() {

@@ -8,7 +8,7 @@
 
 use super::apiserver::{ApiServerDouble, ApiServerError};
 use super::kubelet::KubeletDouble;
-use super::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
+use super::kubelet_dra::{KubeletDraDouble, KubeletDraOptions, WireClaim};
 use gpuplane_shell::dra::{ClaimRef, PreparedDevice};
 use gpuplane_shell::grpc::SocketError;
 use gpuplane_shell::node::apis::{self, Apis};
@@ -280,33 +280,30 @@ impl NodeLab {
         let uid = stored["metadata"]["uid"]
             .as_str()
             .ok_or_else(|| LabError::ClaimUid(format!("{namespace}/{name}")))?;
-        Ok(ClaimRef {
-            namespace: namespace.into(),
-            name: name.into(),
-            uid: uid.to_string(),
-        })
+        ClaimRef::parse(namespace, uid, name)
+            .map_err(|e| LabError::ClaimUid(format!("{namespace}/{name} ({e})")))
     }
 
     /// NodePrepareResources for one claim through the DRA kubelet double: the prepared devices,
     /// or the error the kubelet would see (a refusal, or the call failing).
-    pub async fn prepare(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
+    pub async fn prepare<C: WireClaim>(&self, claim: &C) -> Result<Vec<PreparedDevice>, String> {
         let mut out = self
             .dra
             .prepare(DRIVER, std::slice::from_ref(claim))
             .await
             .map_err(|s| s.message().to_string())?;
-        out.remove(&claim.uid)
-            .unwrap_or_else(|| Err(format!("no answer for claim {}", claim.uid)))
+        out.remove(claim.uid())
+            .unwrap_or_else(|| Err(format!("no answer for claim {}", claim.uid())))
     }
 
     /// NodeUnprepareResources for one claim through the DRA kubelet double.
-    pub async fn unprepare(&self, claim: &ClaimRef) -> Result<(), String> {
+    pub async fn unprepare<C: WireClaim>(&self, claim: &C) -> Result<(), String> {
         let mut out = self
             .dra
             .unprepare(DRIVER, std::slice::from_ref(claim))
             .await
             .map_err(|s| s.message().to_string())?;
-        out.remove(&claim.uid)
-            .unwrap_or_else(|| Err(format!("no answer for claim {}", claim.uid)))
+        out.remove(claim.uid())
+            .unwrap_or_else(|| Err(format!("no answer for claim {}", claim.uid())))
     }
 }

@@ -22,10 +22,6 @@ pub enum CoreError {
 /// Why one claim could not be prepared or unprepared (the claim is named by the caller).
 #[derive(Debug, thiserror::Error)]
 pub enum PrepareError {
-    #[error("claim UID `{uid}` is not lower-case hex digits and dashes")]
-    BadUid { uid: String },
-    #[error("claim {what} `{value}` is not a DNS subdomain")]
-    BadName { what: &'static str, value: String },
     #[error("{}", chain(.cause))]
     Fetch { cause: Box<FetchError> },
     #[error("{}", chain(.cause))]
@@ -169,17 +165,13 @@ mod tests {
             }],
         });
         assert_eq!(missing.user_event().unwrap().reason, "DeviceNodesMissing");
-        // The kubelet's own input, and node-local I/O: logged, not shown to users.
-        let bad = PrepareError::BadUid { uid: "X".into() };
+        // Node-local I/O: logged, not shown to users.
+        let bad = PrepareError::Worker("the job panicked".into());
         assert_eq!(bad.user_event(), None);
-        let c = ClaimRef {
-            namespace: "a".into(),
-            uid: "0".into(),
-            name: "c".into(),
-        };
+        let c = ClaimRef::parse("a", "0", "c").unwrap();
         assert_eq!(
             kubelet_error(&c, &bad),
-            "claim a/c (0): claim UID `X` is not lower-case hex digits and dashes"
+            "claim a/c (0): the file-writing job failed: the job panicked"
         );
     }
 

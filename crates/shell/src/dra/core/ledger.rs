@@ -23,7 +23,7 @@ impl Shared {
         units: &BTreeMap<String, String>,
     ) -> Result<(), PrepareError> {
         let who = Holder::Claim {
-            uid: c.uid.clone(),
+            uid: c.uid.to_string(),
             name: claim_label(c),
         };
         self.state.update(|s| {

@@ -8,7 +8,7 @@ use crate::cdi::{
     self, ContainerEdits, DeviceName, DriverFiles, NamedDevices, ProcCaps, WriteError,
 };
 use crate::dra::claims::{plan_claim, ClaimPlan};
-use crate::dra::{status, ClaimRef, PreparedDevice};
+use crate::dra::{status, ClaimRef, ClaimUid, PreparedDevice};
 use crate::inventory::{DeviceRef, Inventory};
 use crate::ledger::dra_view;
 use crate::source::DeviceMode;
@@ -152,7 +152,7 @@ impl Shared {
     }
 
     /// What the kubelet gets back: per device its requests, share and CDI ID.
-    fn prepared_devices(&self, plan: &ClaimPlan, uid: &str) -> Vec<PreparedDevice> {
+    fn prepared_devices(&self, plan: &ClaimPlan, uid: &ClaimUid) -> Vec<PreparedDevice> {
         plan.devices
             .iter()
             .map(|p| PreparedDevice {
@@ -169,7 +169,7 @@ impl Shared {
 /// Looks up the plan's devices in `inv` (where `plan_claim` found them) and names them.
 fn claimed_devices<'a>(
     plan: &ClaimPlan,
-    uid: &str,
+    uid: &ClaimUid,
     inv: &'a Inventory,
     files: Option<&DriverFiles>,
 ) -> Result<Claimed<'a>, PrepareError> {
@@ -207,7 +207,7 @@ fn claimed_devices<'a>(
 }
 
 /// Adds each device's config environment after the device's own (its identity, in simulation).
-fn add_config_env(spec: &mut cdi::Spec, plan: &ClaimPlan, uid: &str) {
+fn add_config_env(spec: &mut cdi::Spec, plan: &ClaimPlan, uid: &ClaimUid) {
     for d in &mut spec.devices {
         if let Some(p) = plan
             .devices
