@@ -76,7 +76,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{watch, Mutex, OwnedMutexGuard};
-use tracing::{error, info, warn};
+use tracing::{error, info, warn, Instrument};
 
 /// The DRA core. See the module docs.
 pub struct DraCore {
@@ -386,6 +386,11 @@ fn claim_label(c: &ClaimRef) -> String {
     format!("{}/{}", c.namespace, c.name)
 }
 
+/// The span every line logged while preparing or unpreparing a claim carries.
+fn claim_span(c: &ClaimRef) -> tracing::Span {
+    tracing::info_span!("claim", namespace = %c.namespace, name = %c.name, uid = %c.uid)
+}
+
 /// One claim's prepare outcome with its typed error.
 pub type PrepareOutcome = (ClaimRef, Result<Vec<PreparedDevice>, PrepareError>);
 
@@ -397,15 +402,9 @@ impl DraCore {
         let mut out = Vec::with_capacity(claims.len());
         for c in claims {
             let started = Instant::now();
-            let result = self.prepare_one(&c).await;
-            match &result {
-                Ok(devices) => {
-                    info!(claim = %claim_label(&c), uid = %c.uid, devices = devices.len(), "claim prepared");
-                }
-                Err(e) => {
-                    warn!(claim = %claim_label(&c), uid = %c.uid, error = %e, "preparing claim failed");
-                }
-            }
+            // The outcome is logged once, by the gRPC service that was asked; lines logged on
+            // the way carry the claim through this span.
+            let result = self.prepare_one(&c).instrument(claim_span(&c)).await;
             let m = metrics::global();
             let outcome = if result.is_ok() { "prepared" } else { "failed" };
             m.inc(
@@ -441,16 +440,11 @@ impl DraDriver for DraCore {
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
         let mut out = BTreeMap::new();
         for c in claims {
-            let result = match self.unprepare_one(&c).await {
-                Ok(()) => {
-                    info!(claim = %claim_label(&c), uid = %c.uid, "claim unprepared");
-                    Ok(())
-                }
-                Err(e) => {
-                    warn!(claim = %claim_label(&c), uid = %c.uid, error = %e, "unpreparing claim failed");
-                    Err(kubelet_error(&c, &e))
-                }
-            };
+            let result = self
+                .unprepare_one(&c)
+                .instrument(claim_span(&c))
+                .await
+                .map_err(|e| kubelet_error(&c, &e));
             out.insert(c.uid.into(), result);
         }
         out

@@ -34,6 +34,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use tracing::Instrument;
 
 /// Users that create claims from pods' templates.
 pub const CLAIM_CONTROLLER_USERS: &[&str] = &[
@@ -77,8 +78,33 @@ fn outcome(v: Result<Verdict, Verdict>) -> Verdict {
     v.unwrap_or_else(|v| v)
 }
 
+/// The span every line logged while deciding an admission carries: which object, which call.
+fn admission_span(req: &AdmissionRequest, webhook: &'static str) -> tracing::Span {
+    tracing::info_span!(
+        "admission",
+        webhook,
+        kind = %req.kind.kind,
+        operation = %req.operation,
+        namespace = req.namespace.as_deref().unwrap_or(""),
+        name = req.name.as_deref().unwrap_or(""),
+        uid = %req.uid,
+    )
+}
+
 impl Admitter {
     pub async fn validate(&self, req: &AdmissionRequest) -> Verdict {
+        self.validate_in_span(req)
+            .instrument(admission_span(req, "validate"))
+            .await
+    }
+
+    pub async fn mutate(&self, req: &AdmissionRequest) -> Verdict {
+        self.mutate_in_span(req)
+            .instrument(admission_span(req, "mutate"))
+            .await
+    }
+
+    async fn validate_in_span(&self, req: &AdmissionRequest) -> Verdict {
         let v = if req.sub_resource.as_deref().is_some_and(|s| !s.is_empty()) {
             Verdict::allow()
         } else {
@@ -110,7 +136,7 @@ impl Admitter {
         v
     }
 
-    pub async fn mutate(&self, req: &AdmissionRequest) -> Verdict {
+    async fn mutate_in_span(&self, req: &AdmissionRequest) -> Verdict {
         let v = match (
             req.kind.group.as_str(),
             req.kind.kind.as_str(),
