@@ -11,6 +11,7 @@
 mod common;
 
 use common::{percentiles, row};
+use gpuplane_shell::paths::HostPaths;
 
 use gpuplane_shell::deviceplugin::allocate;
 use gpuplane_shell::inventory::{Link, PathLevel};
@@ -44,13 +45,14 @@ async fn allocate_vs_bare_rpc() {
     let sim = SimSource::new(gpuplane_shell::sim::load("dgx-h100").expect("profile"));
     let opts = gpuplane_shell::node::NodeOptions {
         node_name: "bench".into(),
-        paths: gpuplane_shell::node::NodePaths {
+        paths: HostPaths {
             kubelet_root: dir.path().join("kubelet"),
             cdi_root: dir.path().join("cdi"),
             state_dir: dir.path().join("state"),
             driver_root: dir.path().join("driver"),
             driver_root_mount: None,
             dev_root: dir.path().join("dev"),
+            ..HostPaths::standard()
         },
         config_file: None,
         device_plugin: true,

@@ -5,6 +5,7 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use gpuplane_shell::node::apis::{self, Apis};
+use gpuplane_shell::paths::HostPaths;
 use gpuplane_shell::source::{DeviceSource, SimSource};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -117,24 +118,24 @@ struct NodeArgs {
     #[arg(long, env = "NODE_NAME")]
     node_name: String,
     /// The kubelet's root directory.
-    #[arg(long, default_value = "/var/lib/kubelet")]
+    #[arg(long, default_value_os_t = HostPaths::standard().kubelet_root)]
     kubelet_root: PathBuf,
     /// Where CDI specs are written.
-    #[arg(long, default_value = "/var/run/cdi")]
+    #[arg(long, default_value_os_t = HostPaths::standard().cdi_root)]
     cdi_root: PathBuf,
     /// The agent's durable state.
-    #[arg(long, default_value = "/var/lib/gpuplane")]
+    #[arg(long, default_value_os_t = HostPaths::standard().state_dir)]
     state_dir: PathBuf,
     /// Root of the NVIDIA driver's files as the host sees them (e.g. /run/nvidia/driver with
     /// the GPU operator); CDI specs name files under it.
-    #[arg(long, default_value = "/")]
+    #[arg(long, default_value_os_t = HostPaths::standard().driver_root)]
     driver_root: PathBuf,
     /// Where this process finds --driver-root when it is mounted elsewhere (a host-installed
     /// driver in a container: the host's / mounted at /host). Default: at --driver-root.
     #[arg(long, value_name = "DIR")]
     driver_root_mount: Option<PathBuf>,
     /// Where device nodes live.
-    #[arg(long, default_value = "/dev")]
+    #[arg(long, default_value_os_t = HostPaths::standard().dev_root)]
     dev_root: PathBuf,
     /// Agent config file (YAML); reloaded on SIGHUP or when it changes.
     #[arg(long, value_name = "FILE")]
@@ -376,13 +377,14 @@ fn run_node(args: NodeArgs) -> Result<()> {
         };
         let opts = gpuplane_shell::node::NodeOptions {
             node_name: args.node_name,
-            paths: gpuplane_shell::node::NodePaths {
+            paths: HostPaths {
                 kubelet_root: args.kubelet_root,
                 cdi_root: args.cdi_root,
                 state_dir: args.state_dir,
                 driver_root: args.driver_root,
                 driver_root_mount: args.driver_root_mount,
                 dev_root: args.dev_root,
+                ..HostPaths::standard()
             },
             config_file: args.config,
             device_plugin: serving.device_plugin,

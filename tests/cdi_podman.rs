@@ -33,7 +33,8 @@ mod lab;
 use gpuplane_shell::cdi::{self, Kind, WriteOutcome};
 use gpuplane_shell::dra::ClaimRef;
 use gpuplane_shell::node::dra::DraSettings;
-use gpuplane_shell::node::{NodeError, NodeOptions, NodePaths};
+use gpuplane_shell::node::{NodeError, NodeOptions};
+use gpuplane_shell::paths::HostPaths;
 use gpuplane_shell::source::{DeviceMode, DeviceSource, SimSource};
 use gpuplane_testkit::doubles::devnodes;
 use gpuplane_testkit::doubles::kubelet::KubeletDouble;
@@ -270,10 +271,11 @@ fn podman_injects_a_rendered_spec() {
     let inv = gpuplane_shell::sim::load("pcie-l4x4").unwrap();
 
     // Before the nodes exist the agent must not write the spec.
-    let files = cdi::driver::discover(&driver_root, &dev_root, &inv);
+    let proc = cdi::ProcCaps::new(&HostPaths::standard().proc_root);
+    let files = cdi::driver::discover_proc(&driver_root, &dev_root, &inv, &proc);
     assert!(!files.is_complete());
     make_dev_nodes(&dev_root, inv.gpus.iter().map(|g| g.minor));
-    let files = cdi::driver::discover(&driver_root, &dev_root, &inv);
+    let files = cdi::driver::discover_proc(&driver_root, &dev_root, &inv, &proc);
     assert!(files.is_complete(), "{:?}", files.node_problems);
 
     let kind: Kind = format!("test-{id}.gpuplane.dev/gpu").parse().unwrap();
@@ -351,13 +353,14 @@ impl Agent {
         let d = lab.dir.path();
         let opts = NodeOptions {
             node_name: NODE.into(),
-            paths: NodePaths {
+            paths: HostPaths {
                 kubelet_root: d.join("kubelet"),
                 cdi_root: cdi_root.to_path_buf(),
                 state_dir: d.join("state"),
                 driver_root: driver_root.to_path_buf(),
                 driver_root_mount: None,
                 dev_root: dev_root.to_path_buf(),
+                ..HostPaths::standard()
             },
             config_file: None,
             device_plugin: false,
@@ -527,13 +530,14 @@ async fn podman_runs_a_container_with_what_allocate_gives_on_a_simulated_node() 
     let kubelet = KubeletDouble::start(&d.join("kubelet")).await.unwrap();
     let opts = NodeOptions {
         node_name: NODE.into(),
-        paths: NodePaths {
+        paths: HostPaths {
             kubelet_root: d.join("kubelet"),
             cdi_root: d.join("cdi"),
             state_dir: d.join("state"),
             driver_root: d.join("driver"),
             driver_root_mount: None,
             dev_root: d.join("dev"),
+            ..HostPaths::standard()
         },
         config_file: None,
         device_plugin: true,

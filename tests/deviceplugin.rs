@@ -4,7 +4,8 @@
 
 mod support;
 
-use gpuplane_shell::node::{NodeOptions, NodePaths};
+use gpuplane_shell::node::NodeOptions;
+use gpuplane_shell::paths::HostPaths;
 use gpuplane_shell::source::{DeviceMode, DeviceSource, SimSource};
 use gpuplane_testkit::doubles::kubelet::{KubeletDouble, PluginView};
 use std::collections::BTreeMap;
@@ -33,13 +34,14 @@ fn options(dir: &Path, config: Option<&str>, device_mode: DeviceMode) -> NodeOpt
     });
     NodeOptions {
         node_name: "node-a".into(),
-        paths: NodePaths {
+        paths: HostPaths {
             kubelet_root: dir.join("kubelet"),
             cdi_root: dir.join("cdi"),
             state_dir: dir.join("state"),
             driver_root: dir.join("driver"),
             driver_root_mount: None,
             dev_root: dir.join("dev"),
+            ..HostPaths::standard()
         },
         config_file,
         device_plugin: true,

@@ -13,6 +13,7 @@ use gpuplane_shell::dra::fetch::{ClaimFetcher, MemoryClaims};
 use gpuplane_shell::dra::{ClaimRef, ClaimUid, DeviceHealthState, DraDriver, PreparedDevice};
 use gpuplane_shell::inventory::Inventory;
 use gpuplane_shell::node::state::{NodeState, Snapshot};
+use gpuplane_shell::paths::HostPaths;
 use gpuplane_shell::source::DeviceMode;
 use gpuplane_testkit::doubles::devnodes;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -85,7 +86,8 @@ impl Env {
         let root = dir.path().to_path_buf();
         let inv = gpuplane_shell::sim::load("a100-mig-mixed").unwrap();
         fs::create_dir_all(root.join("driver")).unwrap();
-        fs::write(root.join("boot_id"), "boot-1\n").unwrap();
+        fs::create_dir_all(root.join("proc/sys/kernel/random")).unwrap();
+        fs::write(root.join("proc/sys/kernel/random/boot_id"), "boot-1\n").unwrap();
         let snapshot = Snapshot::new(inv.clone(), AgentConfig::default()).unwrap();
         Env {
             _dir: dir,
@@ -101,13 +103,15 @@ impl Env {
         DraCoreConfig {
             driver: DRIVER.into(),
             node_name: NODE.into(),
-            cdi_root: self.root.join("cdi"),
-            driver_root: self.root.join("driver"),
-            driver_root_mount: None,
-            dev_root: self.root.join("dev"),
-            proc_root: self.root.join("proc"),
-            state_dir: self.root.join("state"),
-            boot_id_path: self.root.join("boot_id"),
+            paths: HostPaths {
+                kubelet_root: self.root.join("kubelet"),
+                cdi_root: self.root.join("cdi"),
+                state_dir: self.root.join("state"),
+                driver_root: self.root.join("driver"),
+                driver_root_mount: None,
+                dev_root: self.root.join("dev"),
+                proc_root: self.root.join("proc"),
+            },
             device_mode: self.mode,
         }
     }
@@ -625,7 +629,7 @@ async fn a_reboot_invalidates_prepared_claims_and_removes_their_specs() {
         .as_ref()
         .unwrap();
     assert!(env.spec_path(&c.uid).exists());
-    fs::write(env.root.join("boot_id"), "boot-2\n").unwrap();
+    fs::write(env.root.join("proc/sys/kernel/random/boot_id"), "boot-2\n").unwrap();
     let core = env.core();
     assert!(!env.spec_path(&c.uid).exists());
     let cp = env.checkpoint();

@@ -20,6 +20,7 @@ pub mod kubeclient;
 pub mod metrics;
 pub mod node;
 pub mod nvml;
+pub mod paths;
 pub mod proto;
 pub mod slices;
 pub mod webhook;

@@ -114,16 +114,6 @@ pub fn scan_install(driver_root: &Path, driver_version: &str) -> DriverInstall {
     }
 }
 
-/// Discovers with device numbers from the host's `/proc`.
-pub fn discover(driver_root: &Path, dev_root: &Path, inv: &Inventory) -> DriverFiles {
-    discover_proc(
-        driver_root,
-        dev_root,
-        inv,
-        &ProcCaps::new(Path::new("/proc")),
-    )
-}
-
 /// Discovers with MIG capability minors and dynamic majors from `proc`.
 pub fn discover_proc(
     driver_root: &Path,

@@ -1,12 +1,14 @@
 //! The driver-install scan, once per driver root and driver version.
 //!
-//! [`DriverInstall::scan`] lists library directories under the driver root; its result depends
+//! [`super::driver::scan_install`] lists library directories under the driver root; its result depends
 //! only on that root and the driver version (a driver upgrade changes the version the
 //! inventory reports, and with it the key). Device nodes are not cached: they can appear or go
 //! without the version changing (#1380), so callers still check them per spec, which costs
 //! `lstat`s only.
 
-use super::DriverInstall;
+use super::{DriverFiles, DriverInstall, ProcCaps};
+use crate::inventory::Inventory;
+use crate::paths::HostPaths;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -46,6 +48,22 @@ impl InstallCache {
             install: install.clone(),
         });
         install
+    }
+
+    /// The driver files for `inv` on the host `paths` names: device nodes (and their numbers
+    /// in `/proc`) checked now, the install from this cache. What the node spec and every
+    /// claim's spec are rendered from.
+    pub fn discover(&self, paths: &HostPaths, inv: &Inventory) -> DriverFiles {
+        let proc = ProcCaps::new(&paths.proc_root);
+        let install = self.get(paths.driver_files(), &inv.driver_version);
+        super::driver::discover_nodes_with(
+            &paths.driver_root,
+            paths.driver_root_mount.as_deref(),
+            &paths.dev_root,
+            inv,
+            &proc,
+            &install,
+        )
     }
 
     /// How many scans ran (for tests and logs).

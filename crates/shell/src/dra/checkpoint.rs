@@ -67,8 +67,6 @@ pub const FILE_NAME: &str = "dra-checkpoint.json";
 pub const VERSION: u64 = 1;
 /// Mode of the checkpoint file.
 pub const FILE_MODE: u32 = 0o600;
-/// Where the kernel tells this boot's id.
-pub const DEFAULT_BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
 const HEADER_PREFIX: &str = "sha256:";
 

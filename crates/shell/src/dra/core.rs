@@ -69,10 +69,10 @@ use crate::health::Health;
 use crate::ledger::dra_view;
 use crate::metrics;
 use crate::node::state::NodeState;
+use crate::paths::HostPaths;
 use crate::source::DeviceMode;
 use spec::remove_claim_spec;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{watch, Mutex, OwnedMutexGuard};
@@ -101,11 +101,7 @@ struct Shared {
     kind: Kind,
     state: Arc<NodeState>,
     claims: Arc<dyn ClaimFetcher>,
-    cdi_root: PathBuf,
-    driver_root: PathBuf,
-    driver_root_mount: Option<PathBuf>,
-    dev_root: PathBuf,
-    proc_root: PathBuf,
+    paths: HostPaths,
     device_mode: DeviceMode,
     /// The driver's libraries, scanned once per driver version rather than per prepare.
     installs: InstallCache,
@@ -136,13 +132,13 @@ impl DraCore {
                 cause: source,
             }
         })?;
-        let boot_id = checkpoint::read_boot_id(&config.boot_id_path);
-        let loaded = Checkpoint::load(&config.state_dir, boot_id.as_deref())
+        let boot_id = checkpoint::read_boot_id(&config.paths.boot_id());
+        let loaded = Checkpoint::load(&config.paths.state_dir, boot_id.as_deref())
             .map_err(|source| CoreError::Checkpoint { cause: source })?;
         // Specs first, then the checkpoint: a crash in between invalidates them again.
         for (uid, entry) in &loaded.invalidated {
             let claim = format!("{}/{}", entry.namespace, entry.name);
-            match remove_claim_spec(&config.cdi_root, &entry.cdi_spec_stem) {
+            match remove_claim_spec(&config.paths.cdi_root, &entry.cdi_spec_stem) {
                 Ok(()) => info!(claim = %claim, uid = %uid,
                     "removed the CDI spec of a claim prepared before the reboot"),
                 Err(e) => error!(claim = %claim, uid = %uid, error = %e,
@@ -167,11 +163,7 @@ impl DraCore {
                 kind,
                 state,
                 claims,
-                cdi_root: config.cdi_root,
-                driver_root: config.driver_root,
-                driver_root_mount: config.driver_root_mount,
-                dev_root: config.dev_root,
-                proc_root: config.proc_root,
+                paths: config.paths,
                 device_mode: config.device_mode,
                 installs: InstallCache::default(),
             }),
@@ -273,8 +265,8 @@ impl Shared {
         let entry = cp
             .get(uid)
             .filter(|e| e.state == ClaimState::PrepareCompleted)?;
-        let spec_present =
-            cdi::writer::spec_path(&self.cdi_root, &entry.cdi_spec_stem).is_ok_and(|p| p.exists());
+        let spec_present = cdi::writer::spec_path(&self.paths.cdi_root, &entry.cdi_spec_stem)
+            .is_ok_and(|p| p.exists());
         if !spec_present {
             if log {
                 warn!(claim = %format!("{}/{}", entry.namespace, entry.name), uid = %uid,
@@ -312,7 +304,7 @@ impl Shared {
             d.claims.insert(c.uid.to_string(), started.clone());
         })?;
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCheckpointStarted);
-        cdi::write_spec(&self.cdi_root, &stem, &rendered.spec)?;
+        cdi::write_spec(&self.paths.cdi_root, &stem, &rendered.spec)?;
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCdiSpec);
         cp.update(|d| {
             d.claims.insert(
@@ -367,7 +359,7 @@ impl Shared {
         }
         crate::crashpoint::reached(crate::crashpoint::Step::UnprepareBeforeSpecRemoval);
         for stem in &stems {
-            remove_claim_spec(&self.cdi_root, stem)?;
+            remove_claim_spec(&self.paths.cdi_root, stem)?;
         }
         crate::crashpoint::reached(crate::crashpoint::Step::UnprepareAfterSpecRemoval);
         cp.update(|d| {

@@ -11,11 +11,11 @@
 //! NodePrepare gives ([`DeviceNodesError`]), and a later Allocate succeeds once the nodes are
 //! right.
 
-use crate::cdi::{self, DeviceNodesError, InstallCache, Kind, ProcCaps, WriteError, WriteOutcome};
+use crate::cdi::{self, DeviceNodesError, InstallCache, Kind, WriteError, WriteOutcome};
 use crate::inventory::Inventory;
+use crate::paths::HostPaths;
 use crate::source::DeviceMode;
 use gpuplane_model::report::chain;
-use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 /// File stem of the node spec under the CDI root.
@@ -46,10 +46,7 @@ struct Writer {
 
 /// The node spec writer, shared (see the module docs).
 pub struct NodeSpec {
-    cdi_root: PathBuf,
-    driver_root: PathBuf,
-    driver_root_mount: Option<PathBuf>,
-    dev_root: PathBuf,
+    paths: HostPaths,
     mode: DeviceMode,
     writer: Mutex<Writer>,
     /// While waiting for device nodes the spec is retried every second: scan the driver's
@@ -58,18 +55,9 @@ pub struct NodeSpec {
 }
 
 impl NodeSpec {
-    pub fn new(
-        cdi_root: PathBuf,
-        driver_root: PathBuf,
-        driver_root_mount: Option<PathBuf>,
-        dev_root: PathBuf,
-        mode: DeviceMode,
-    ) -> Self {
+    pub fn new(paths: HostPaths, mode: DeviceMode) -> Self {
         NodeSpec {
-            cdi_root,
-            driver_root,
-            driver_root_mount,
-            dev_root,
+            paths,
             mode,
             writer: Mutex::new(Writer {
                 written_for: None,
@@ -129,27 +117,15 @@ impl NodeSpec {
         let spec = match self.mode {
             DeviceMode::Simulated => cdi::render_simulated_node_spec(inv, &kind),
             DeviceMode::Hardware => {
-                let proc = ProcCaps::new(Path::new("/proc"));
-                let mount = self.driver_root_mount.as_deref();
-                let install = self
-                    .installs
-                    .get(mount.unwrap_or(&self.driver_root), &inv.driver_version);
-                let files = cdi::driver::discover_nodes_with(
-                    &self.driver_root,
-                    mount,
-                    &self.dev_root,
-                    inv,
-                    &proc,
-                    &install,
-                );
+                let files = self.installs.discover(&self.paths, inv);
                 files.check_all().map_err(NodeSpecError::DeviceNodes)?;
                 cdi::render_node_spec(inv, &files, &kind)
             }
         };
-        let outcome = cdi::write_spec(&self.cdi_root, NODE_SPEC_STEM, &spec)
+        let outcome = cdi::write_spec(&self.paths.cdi_root, NODE_SPEC_STEM, &spec)
             .map_err(|e: WriteError| NodeSpecError::Write(e.to_string()))?;
         if outcome == WriteOutcome::Written {
-            tracing::info!(dir = %self.cdi_root.display(), devices = spec.devices.len(), version = %spec.cdi_version, mode = ?self.mode, "CDI spec written");
+            tracing::info!(dir = %self.paths.cdi_root.display(), devices = spec.devices.len(), version = %spec.cdi_version, mode = ?self.mode, "CDI spec written");
         }
         Ok(())
     }

@@ -8,7 +8,7 @@ use crate::dra::server::{DraServer, ServeError};
 use crate::ledger::dra_view;
 use crate::node::events::{ClaimEvents, ReportingDriver};
 use crate::node::state::{NodeState, Snapshot};
-use crate::node::NodePaths;
+use crate::paths::HostPaths;
 use crate::slices::publisher::{keep_published, LoopOptions, SlicePublisher};
 use crate::slices::render;
 use crate::source::DeviceMode;
@@ -75,19 +75,16 @@ pub struct DraStarted {
 pub async fn start(
     settings: DraSettings,
     node_name: &str,
-    paths: &NodePaths,
+    paths: &HostPaths,
     device_mode: DeviceMode,
     state: Arc<NodeState>,
     stop: watch::Receiver<bool>,
 ) -> Result<DraStarted, DraStartError> {
     let driver = settings.driver_name.clone();
     let config = DraCoreConfig {
-        cdi_root: paths.cdi_root.clone(),
-        driver_root: paths.driver_root.clone(),
-        driver_root_mount: paths.driver_root_mount.clone(),
-        dev_root: paths.dev_root.clone(),
+        paths: paths.clone(),
         device_mode,
-        ..DraCoreConfig::new(&driver, node_name, &paths.state_dir)
+        ..DraCoreConfig::new(&driver, node_name)
     };
     let core = DraCore::new(
         config,

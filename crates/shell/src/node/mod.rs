@@ -25,6 +25,7 @@ use crate::config::{AgentConfig, ConfigError};
 use crate::deviceplugin::registrar;
 use crate::deviceplugin::resources::PlanError;
 use crate::inventory::Inventory;
+use crate::paths::HostPaths;
 use crate::source::{DeviceMode, DeviceSource, Discovery};
 use gpuplane_model::report::chain;
 use owner::{Input, Owner};
@@ -37,39 +38,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-/// Host paths the agent uses, each under its own name.
-#[derive(Debug, Clone)]
-pub struct NodePaths {
-    /// The kubelet's root (`/var/lib/kubelet`): device-plugins/, plugins_registry/, pod-resources/.
-    pub kubelet_root: PathBuf,
-    /// Where CDI specs are written (`/var/run/cdi`).
-    pub cdi_root: PathBuf,
-    /// The agent's own durable state (`/var/lib/gpuplane`); one agent at a time (see [`lock`]).
-    pub state_dir: PathBuf,
-    /// Root of the NVIDIA driver's user-space files as the host sees them (`/` or
-    /// `/run/nvidia/driver`): CDI specs name files under it.
-    pub driver_root: PathBuf,
-    /// Where the agent itself finds `driver_root` when it is mounted elsewhere in its
-    /// container (a host-installed driver: the host's `/` at `/host`); `None`: at `driver_root`.
-    pub driver_root_mount: Option<PathBuf>,
-    /// Where device nodes live (`/dev`).
-    pub dev_root: PathBuf,
-}
-
-impl NodePaths {
-    pub fn device_plugins(&self) -> PathBuf {
-        self.kubelet_root.join("device-plugins")
-    }
-
-    pub fn pod_resources_socket(&self) -> PathBuf {
-        self.kubelet_root.join("pod-resources").join("kubelet.sock")
-    }
-}
-
 #[derive(Clone)]
 pub struct NodeOptions {
     pub node_name: String,
-    pub paths: NodePaths,
+    pub paths: HostPaths,
     /// The agent config file; reloaded on SIGHUP and when it changes.
     pub config_file: Option<PathBuf>,
     /// Serve the kubelet device plugin API.
@@ -339,13 +311,7 @@ impl Agent<'_> {
         let prober = probe::Prober::start(self.source.clone()).map_err(NodeError::ProbeThread)?;
         let opts = self.opts;
         // Shared with Allocate, which must not hand out a CDI name whose spec is not written.
-        let node_spec = Arc::new(cdi::NodeSpec::new(
-            opts.paths.cdi_root.clone(),
-            opts.paths.driver_root.clone(),
-            opts.paths.driver_root_mount.clone(),
-            opts.paths.dev_root.clone(),
-            opts.device_mode,
-        ));
+        let node_spec = Arc::new(cdi::NodeSpec::new(opts.paths.clone(), opts.device_mode));
         self.start_servers(&node_spec, running).await?;
         let inbox = self.start_tasks(node_spec, hangup, running);
         let owner = Owner {

@@ -18,7 +18,7 @@ pub const STAND_IN_MAJOR: u64 = 510;
 
 /// The majors the agent will expect on this host for the drivers with a dynamic one.
 pub fn dynamic_majors() -> (u64, u64) {
-    let proc = ProcCaps::new(Path::new("/proc"));
+    let proc = ProcCaps::new(&gpuplane_shell::paths::HostPaths::standard().proc_root);
     (
         proc.char_major(UVM_DRIVER).unwrap_or(STAND_IN_MAJOR),
         proc.char_major(CAPS_DRIVER).unwrap_or(STAND_IN_MAJOR),

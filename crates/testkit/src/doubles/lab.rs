@@ -13,7 +13,8 @@ use gpuplane_shell::dra::{ClaimRef, PreparedDevice};
 use gpuplane_shell::grpc::SocketError;
 use gpuplane_shell::node::apis::{self, Apis};
 use gpuplane_shell::node::dra::DraSettings;
-use gpuplane_shell::node::{NodeError, NodeOptions, NodePaths};
+use gpuplane_shell::node::{NodeError, NodeOptions};
+use gpuplane_shell::paths::HostPaths;
 use gpuplane_shell::report::chain;
 use gpuplane_shell::source::{DeviceMode, DeviceSource, SimSource, SourceError};
 use serde_json::{json, Value};
@@ -141,15 +142,17 @@ impl NodeLab {
     }
 
     /// The agent's paths, all under the lab's directory.
-    pub fn paths(&self) -> NodePaths {
+    pub fn paths(&self) -> HostPaths {
         let d = &self.root;
-        NodePaths {
+        HostPaths {
             kubelet_root: d.join("kubelet"),
             cdi_root: d.join("cdi"),
             state_dir: d.join("state"),
             driver_root: d.join("driver"),
             driver_root_mount: None,
             dev_root: d.join("dev"),
+            // The host's: device-node tests compare with the numbers its drivers registered.
+            proc_root: HostPaths::standard().proc_root,
         }
     }
 

@@ -4,9 +4,7 @@
 
 use super::names::{cdi_device_name, SPEC_STEM_PREFIX};
 use super::{PrepareError, Shared};
-use crate::cdi::{
-    self, ContainerEdits, DeviceName, DriverFiles, NamedDevices, ProcCaps, WriteError,
-};
+use crate::cdi::{self, ContainerEdits, DeviceName, DriverFiles, NamedDevices, WriteError};
 use crate::dra::claims::{plan_claim, ClaimPlan};
 use crate::dra::{status, ClaimRef, ClaimUid, PreparedDevice};
 use crate::inventory::{DeviceRef, Inventory};
@@ -71,19 +69,7 @@ impl Shared {
             // Nothing on the host to discover: no driver files, no device nodes.
             DeviceMode::Simulated => self.render_plan(&plan, c, generation, &inv, None),
             DeviceMode::Hardware => {
-                let proc = ProcCaps::new(&self.proc_root);
-                let mount = self.driver_root_mount.as_deref();
-                let install = self
-                    .installs
-                    .get(mount.unwrap_or(&self.driver_root), &inv.driver_version);
-                let files = crate::cdi::driver::discover_nodes_with(
-                    &self.driver_root,
-                    mount,
-                    &self.dev_root,
-                    &inv,
-                    &proc,
-                    &install,
-                );
+                let files = self.installs.discover(&self.paths, &inv);
                 self.render_plan(&plan, c, generation, &inv, Some(&files))
             }
         }
