@@ -112,6 +112,7 @@ const GRPC_EDGE: &[&str] = &[
     "dra/server.rs",
     "dra/service.rs",
     "grpc/mod.rs",
+    "grpc/served.rs",
     "node/podresources.rs",
 ];
 

@@ -19,7 +19,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 /// How often the kubelet socket and our own sockets are checked. The kubelet must see us again
 /// within a second of its restart.
@@ -33,28 +32,11 @@ pub fn socket_name(resource: &str) -> String {
     format!("gpuplane-{}.sock", resource.replace('/', "_"))
 }
 
-struct Served {
-    socket: PathBuf,
-    stop: Option<watch::Sender<bool>>,
-    task: JoinHandle<()>,
+/// One resource's plugin: its socket's server, and whether the kubelet took the registration.
+struct Plugin {
+    served: grpc::Served,
     registered: bool,
     last_error: Option<String>,
-}
-
-impl Served {
-    /// Removes the socket file, then stops the server: a socket file nobody listens on is never
-    /// left for the kubelet to dial (as in `dra::server`).
-    async fn stop(mut self) {
-        if let Err(e) = std::fs::remove_file(&self.socket) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(socket = %self.socket.display(), error = %e, "could not remove plugin socket");
-            }
-        }
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(true);
-        }
-        let _ = self.task.await;
-    }
 }
 
 /// Serves and registers every resource in the plan until `shutdown` turns true; then removes
@@ -100,7 +82,7 @@ pub async fn run(
         }
     }
     for (_, s) in std::mem::take(&mut plugins.served) {
-        s.stop().await;
+        s.served.stop().await;
     }
 }
 
@@ -111,7 +93,7 @@ struct Plugins {
     state: Arc<NodeState>,
     node_spec: Arc<NodeSpec>,
     /// Per resource served, its socket and registration.
-    served: BTreeMap<String, Served>,
+    served: BTreeMap<String, Plugin>,
     /// The identity (device, inode) of `kubelet.sock` when last seen; a new one is a new
     /// kubelet, which knows none of our registrations.
     kubelet_id: Option<(u64, u64)>,
@@ -146,11 +128,10 @@ impl Plugins {
     async fn stop_stale(&mut self, wanted: &[String]) {
         let stale: Vec<String> = self
             .served
-            .iter()
-            .filter(|(name, s)| {
-                !wanted.contains(name) || !s.socket.exists() || s.task.is_finished()
+            .iter_mut()
+            .filter_map(|(name, p)| {
+                (!wanted.contains(name) || p.served.gone()).then(|| name.clone())
             })
-            .map(|(name, _)| name.clone())
             .collect();
         for name in stale {
             if let Some(s) = self.served.remove(&name) {
@@ -159,7 +140,7 @@ impl Plugins {
                 } else {
                     tracing::info!(resource = %name, "resource no longer offered; stopping its plugin");
                 }
-                s.stop().await;
+                s.served.stop().await;
             }
         }
     }
@@ -189,9 +170,9 @@ impl Plugins {
         }
         self.waiting_logged = false;
         for (name, s) in self.served.iter_mut().filter(|(_, s)| !s.registered) {
-            match register(&self.kubelet_sock, name, &s.socket).await {
+            match register(&self.kubelet_sock, name, s.served.socket()).await {
                 Ok(()) => {
-                    tracing::info!(resource = %name, endpoint = %s.socket.display(), "registered with the kubelet");
+                    tracing::info!(resource = %name, endpoint = %s.served.socket().display(), "registered with the kubelet");
                     s.registered = true;
                     s.last_error = None;
                 }
@@ -219,34 +200,23 @@ fn serve(
     resource: &str,
     state: Arc<NodeState>,
     node_spec: Arc<NodeSpec>,
-) -> Result<Served, grpc::SocketError> {
-    let socket = dir.join(socket_name(resource));
-    let listener = grpc::bind(&socket)?;
+) -> Result<Plugin, grpc::SocketError> {
     let (stop, stopping) = watch::channel(false);
-    let mut stopped = stopping.clone();
     let service = pb::device_plugin_server::DevicePluginServer::new(DevicePluginService::new(
         resource.to_string(),
         state,
         node_spec,
         stopping,
     ));
-    let name = resource.to_string();
-    let task = tokio::spawn(async move {
-        let incoming = grpc::incoming(listener);
-        let result = tonic::transport::Server::builder()
-            .add_service(service)
-            .serve_with_incoming_shutdown(incoming, async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            })
-            .await;
-        if let Err(e) = result {
-            tracing::error!(resource = %name, error = %e, "plugin server stopped");
-        }
-    });
-    Ok(Served {
-        socket,
-        stop: Some(stop),
-        task,
+    let router = tonic::transport::Server::builder().add_service(service);
+    let served = grpc::Served::start(
+        "device plugin",
+        &dir.join(socket_name(resource)),
+        router,
+        stop,
+    )?;
+    Ok(Plugin {
+        served,
         registered: false,
         last_error: None,
     })

@@ -25,21 +25,16 @@ use super::health_service::HealthService;
 use super::registration::RegistrationService;
 use super::service::DraService;
 use super::DraDriver;
-use crate::grpc;
+use crate::grpc::served::{file_id, remove_socket};
+use crate::grpc::{self, Served};
 use gpuplane_model::report::chain;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::UnixListener;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 /// How often both sockets are checked. The kubelet must see us again within a second.
 pub const POLL: Duration = Duration::from_millis(200);
-
-/// How long a stopping server may take to finish in-flight calls before it is aborted.
-pub const STOP_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -97,105 +92,6 @@ fn valid_driver_name(name: &str) -> bool {
     !name.is_empty() && name.len() <= 253 && name.split('.').all(label_ok)
 }
 
-/// The identity of the file at `path`, if any: inode numbers are reused at once on some file
-/// systems, so the modification time (set by `bind`, untouched by `chmod`) is part of it.
-type FileId = (u64, u64, i64, i64);
-
-fn file_id(path: &Path) -> Option<FileId> {
-    std::fs::symlink_metadata(path)
-        .ok()
-        .map(|m| (m.dev(), m.ino(), m.mtime(), m.mtime_nsec()))
-}
-
-/// One socket we serve.
-struct Served {
-    what: &'static str,
-    socket: PathBuf,
-    id: Option<FileId>,
-    stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
-    replaced_logged: bool,
-}
-
-impl Served {
-    fn spawn(
-        what: &'static str,
-        socket: &Path,
-        listener: UnixListener,
-        router: tonic::transport::server::Router,
-        stop: watch::Sender<bool>,
-    ) -> Served {
-        let mut stopped = stop.subscribe();
-        let path = socket.to_path_buf();
-        let task = tokio::spawn(async move {
-            let incoming = grpc::incoming(listener);
-            let result = router
-                .serve_with_incoming_shutdown(incoming, async move {
-                    let _ = stopped.wait_for(|s| *s).await;
-                })
-                .await;
-            if let Err(e) = result {
-                tracing::error!(socket = %path.display(), error = %e, "{what} server stopped");
-            }
-        });
-        Served {
-            what,
-            socket: socket.to_path_buf(),
-            id: file_id(socket),
-            stop,
-            task,
-            replaced_logged: false,
-        }
-    }
-
-    /// Our socket file is gone or its server died: it must be served again.
-    fn gone(&mut self) -> bool {
-        if self.task.is_finished() {
-            return true;
-        }
-        match file_id(&self.socket) {
-            None => true,
-            Some(id) if Some(id) == self.id => false,
-            Some(_) => {
-                if !self.replaced_logged {
-                    tracing::warn!(
-                        socket = %self.socket.display(),
-                        "{} socket replaced by another process (another agent instance?); leaving it alone",
-                        self.what
-                    );
-                    self.replaced_logged = true;
-                }
-                false
-            }
-        }
-    }
-
-    /// Removes the socket file if it is still ours, then stops the server (open streams end,
-    /// in-flight calls get [`STOP_GRACE`]). File first: a socket file nobody listens on is what
-    /// a kubelet must never find (it dials, gets "connection refused" and backs off).
-    async fn stop(mut self) {
-        if self.id.is_some() && file_id(&self.socket) == self.id {
-            remove_socket(&self.socket, self.what);
-        }
-        let _ = self.stop.send(true);
-        if tokio::time::timeout(STOP_GRACE, &mut self.task)
-            .await
-            .is_err()
-        {
-            tracing::warn!(socket = %self.socket.display(), "{} server did not stop within {STOP_GRACE:?}; aborting it", self.what);
-            self.task.abort();
-        }
-    }
-}
-
-fn remove_socket(path: &Path, what: &str) {
-    if let Err(e) = std::fs::remove_file(path) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            tracing::warn!(socket = %path.display(), error = %e, "could not remove {what} socket");
-        }
-    }
-}
-
 /// True when something accepts connections on the unix socket at `path` (the registration
 /// socket is only created once the DRA socket does).
 async fn accepts(path: &Path) -> bool {
@@ -241,7 +137,6 @@ impl DraServer {
     }
 
     fn serve_dra(&self) -> Result<Served, grpc::SocketError> {
-        let listener = grpc::bind(&self.paths.dra_socket)?;
         let (stop, stopping) = watch::channel(false);
         let dra = DraService::new(self.driver.clone());
         let health = HealthService::new(self.driver.clone(), stopping);
@@ -250,26 +145,18 @@ impl DraServer {
             .add_service(dra.v1beta1_server())
             .add_service(health.v1_server())
             .add_service(health.v1alpha1_server());
-        Ok(Served::spawn(
-            "DRA",
-            &self.paths.dra_socket,
-            listener,
-            router,
-            stop,
-        ))
+        Served::start("DRA", &self.paths.dra_socket, router, stop)
     }
 
     fn serve_registration(&self) -> Result<Served, grpc::SocketError> {
-        let listener = grpc::bind(&self.paths.registration_socket)?;
         let (stop, _) = watch::channel(false);
         let router = tonic::transport::Server::builder().add_service(self.registration.server());
-        Ok(Served::spawn(
+        Served::start(
             "registration",
             &self.paths.registration_socket,
-            listener,
             router,
             stop,
-        ))
+        )
     }
 
     /// Serves both sockets until `shutdown` turns true (or its sender is dropped), then removes

@@ -8,6 +8,9 @@
 //! watcher sends the percent-encoded socket path), and this is where they become `localhost`.
 
 pub mod authority;
+pub mod served;
+
+pub use served::{Served, STOP_GRACE};
 
 use gpuplane_model::report::chain;
 use hyper_util::rt::TokioIo;
