@@ -181,63 +181,16 @@ impl DraService {
         api: Api,
         raw: Vec<RawClaim>,
     ) -> BTreeMap<String, PrepareResult> {
-        let Checked {
-            accepted: claims,
-            rejected,
-            invalid,
-        } = validate(raw);
-        let mut results: BTreeMap<String, PrepareResult> = BTreeMap::new();
-        let invalid = invalid
-            .into_iter()
-            .map(|(uid, (c, e))| (uid, (c.clone(), format!("{}: {e}", c.label()))));
-        for (uid, (c, msg)) in rejected.into_iter().chain(invalid) {
-            log_failure(
-                api,
-                "NodePrepareResources",
-                &c.namespace,
-                &c.name,
-                &uid,
-                &msg,
-            );
-            results.insert(uid, Err(msg));
-        }
-        if claims.is_empty() {
-            return results;
-        }
         let driver = self.driver.clone();
-        let asked = claims.clone();
-        let mut answers = match tokio::spawn(async move { driver.prepare(asked).await }).await {
-            Ok(answers) => answers,
-            Err(e) => {
-                tracing::error!(api = api.as_str(), error = %e, "DRA driver failed while preparing claims");
-                BTreeMap::new()
-            }
-        };
-        for c in claims {
-            let result = answers.remove(c.uid.as_str()).unwrap_or_else(|| {
-                Err("internal error: the driver returned no result for this claim".to_string())
-            });
-            match &result {
-                Ok(devices) => tracing::info!(
-                    api = api.as_str(),
-                    namespace = %c.namespace,
-                    name = %c.name,
-                    uid = %c.uid,
-                    devices = devices.len(),
-                    "claim prepared"
-                ),
-                Err(msg) => log_failure(
-                    api,
-                    "NodePrepareResources",
-                    &c.namespace,
-                    &c.name,
-                    &c.uid,
-                    msg,
-                ),
-            }
-            results.insert(c.uid.into(), result);
-        }
-        results
+        answer(
+            api,
+            "NodePrepareResources",
+            validate(raw),
+            // No claim can be prepared under an identity that is not one.
+            |c, e| Err(format!("{}: {e}", c.label())),
+            move |claims| async move { driver.prepare(claims).await },
+        )
+        .await
     }
 
     /// Unprepares the claims; every uid in `raw` gets an entry, failures are logged once.
@@ -246,64 +199,80 @@ impl DraService {
         api: Api,
         raw: Vec<RawClaim>,
     ) -> BTreeMap<String, Result<(), String>> {
-        let Checked {
-            accepted: claims,
-            rejected,
-            invalid,
-        } = validate(raw);
-        let mut results: BTreeMap<String, Result<(), String>> = BTreeMap::new();
-        for (uid, (c, e)) in invalid {
-            tracing::debug!(api = api.as_str(), claim = %c.label(), reason = %e, "nothing to unprepare: no such claim can be prepared");
-            results.insert(uid, Ok(()));
-        }
-        for (uid, (c, msg)) in rejected {
-            log_failure(
-                api,
-                "NodeUnprepareResources",
-                &c.namespace,
-                &c.name,
-                &uid,
-                &msg,
-            );
-            results.insert(uid, Err(msg));
-        }
-        if claims.is_empty() {
-            return results;
-        }
         let driver = self.driver.clone();
-        let asked = claims.clone();
-        let mut answers = match tokio::spawn(async move { driver.unprepare(asked).await }).await {
-            Ok(answers) => answers,
-            Err(e) => {
-                tracing::error!(api = api.as_str(), error = %e, "DRA driver failed while unpreparing claims");
-                BTreeMap::new()
-            }
-        };
-        for c in claims {
-            let result = answers.remove(c.uid.as_str()).unwrap_or_else(|| {
-                Err("internal error: the driver returned no result for this claim".to_string())
-            });
-            match &result {
-                Ok(()) => tracing::info!(
-                    api = api.as_str(),
-                    namespace = %c.namespace,
-                    name = %c.name,
-                    uid = %c.uid,
-                    "claim unprepared"
-                ),
-                Err(msg) => log_failure(
-                    api,
-                    "NodeUnprepareResources",
-                    &c.namespace,
-                    &c.name,
-                    &c.uid,
-                    msg,
-                ),
-            }
-            results.insert(c.uid.into(), result);
-        }
-        results
+        answer(
+            api,
+            "NodeUnprepareResources",
+            validate(raw),
+            // Nothing was ever prepared under an identity that is not one: nothing to undo.
+            |c, e| {
+                tracing::debug!(api = api.as_str(), claim = %c.label(), reason = %e, "nothing to unprepare: no such claim can be prepared");
+                Ok(())
+            },
+            move |claims| async move { driver.unprepare(claims).await },
+        )
+        .await
     }
+}
+
+/// One kubelet call's answer, per claim uid: malformed claims are refused here, an invalid
+/// identity is answered by `invalid`, and the rest are asked of the driver in a task of its own
+/// (a panicking driver fails those claims, not the server). Each failure is logged once.
+async fn answer<T, F>(
+    api: Api,
+    op: &'static str,
+    checked: Checked,
+    invalid: impl Fn(&RawClaim, &IdentityError) -> Result<T, String>,
+    ask: impl FnOnce(Vec<ClaimRef>) -> F,
+) -> BTreeMap<String, Result<T, String>>
+where
+    T: Send + 'static,
+    F: std::future::Future<Output = BTreeMap<String, Result<T, String>>> + Send + 'static,
+{
+    let Checked {
+        accepted: claims,
+        rejected,
+        invalid: bad,
+    } = checked;
+    let mut results = BTreeMap::new();
+    for (uid, (c, e)) in bad {
+        let result = invalid(&c, &e);
+        if let Err(msg) = &result {
+            log_failure(api, op, &c.namespace, &c.name, &uid, msg);
+        }
+        results.insert(uid, result);
+    }
+    for (uid, (c, msg)) in rejected {
+        log_failure(api, op, &c.namespace, &c.name, &uid, &msg);
+        results.insert(uid, Err(msg));
+    }
+    if claims.is_empty() {
+        return results;
+    }
+    let mut answers = match tokio::spawn(ask(claims.clone())).await {
+        Ok(answers) => answers,
+        Err(e) => {
+            tracing::error!(api = api.as_str(), error = %e, "DRA driver failed during {op}");
+            BTreeMap::new()
+        }
+    };
+    for c in claims {
+        let result = answers.remove(c.uid.as_str()).unwrap_or_else(|| {
+            Err("internal error: the driver returned no result for this claim".to_string())
+        });
+        match &result {
+            Ok(_) => tracing::info!(
+                api = api.as_str(),
+                namespace = %c.namespace,
+                name = %c.name,
+                uid = %c.uid,
+                "{op} done for claim"
+            ),
+            Err(msg) => log_failure(api, op, &c.namespace, &c.name, &c.uid, msg),
+        }
+        results.insert(c.uid.into(), result);
+    }
+    results
 }
 
 fn v1_device(d: PreparedDevice) -> v1::Device {
