@@ -168,3 +168,57 @@ fn unsafe_code_is_refused_outside_the_nvml_edge() {
         "only `mod raw` may allow unsafe code"
     );
 }
+
+/// The product crates stay readable: no file over 600 lines of non-test code (what comes
+/// before its first `#[cfg(test)]`) and no function over 80 lines. Test kits, tests and
+/// generated code do not count.
+#[test]
+fn product_files_and_functions_stay_small() {
+    const FILE_LINES: usize = 600;
+    const FN_LINES: usize = 80;
+    let mut too_long = Vec::new();
+    for dir in ["crates/model/src", "crates/shell/src"] {
+        for (rel, text) in sources(dir) {
+            if rel.ends_with("tests.rs") {
+                continue;
+            }
+            let lines: Vec<&str> = text
+                .lines()
+                .take_while(|l| !l.starts_with("#[cfg(test)]"))
+                .collect();
+            if lines.len() > FILE_LINES {
+                too_long.push(format!("{dir}/{rel}: {} lines", lines.len()));
+            }
+            for (start, line) in lines.iter().enumerate() {
+                let Some(indent) = fn_indent(line) else {
+                    continue;
+                };
+                let close = format!("{}}}", " ".repeat(indent));
+                let end = lines[start..]
+                    .iter()
+                    .position(|l| *l == close)
+                    .map_or(lines.len() - start, |n| n + 1);
+                if end > FN_LINES {
+                    too_long.push(format!("{dir}/{rel}:{}: a {end}-line function", start + 1));
+                }
+            }
+        }
+    }
+    assert!(too_long.is_empty(), "split these: {too_long:#?}");
+}
+
+/// The indentation of a line that opens a function body (`fn`, `pub fn`, `async fn`, ...).
+fn fn_indent(line: &str) -> Option<usize> {
+    let code = line.trim_start();
+    let indent = line.len() - code.len();
+    let mut words = code.split_whitespace().peekable();
+    while let Some(w) = words.peek() {
+        if *w == "pub" || w.starts_with("pub(") || ["async", "const", "unsafe"].contains(w) {
+            words.next();
+        } else {
+            break;
+        }
+    }
+    let opens = words.next() == Some("fn") && !code.trim_end().ends_with(';');
+    opens.then_some(indent)
+}
