@@ -80,12 +80,6 @@ macro_rules! text_newtype {
             }
         }
 
-        impl AsRef<str> for $t {
-            fn as_ref(&self) -> &str {
-                &self.0
-            }
-        }
-
         impl fmt::Display for $t {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(&self.0)
@@ -104,21 +98,9 @@ macro_rules! text_newtype {
             }
         }
 
-        impl PartialEq<$t> for str {
-            fn eq(&self, other: &$t) -> bool {
-                *self == other.0
-            }
-        }
-
         impl PartialEq<$t> for &str {
             fn eq(&self, other: &$t) -> bool {
                 **self == other.0
-            }
-        }
-
-        impl PartialEq<$t> for String {
-            fn eq(&self, other: &$t) -> bool {
-                *self == other.0
             }
         }
 

@@ -13,7 +13,6 @@ use crate::node::state::NodeState;
 use crate::proto::deviceplugin_v1beta1 as pb;
 use gpuplane_model::report::chain;
 use std::collections::BTreeMap;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -96,7 +95,7 @@ struct Plugins {
     served: BTreeMap<String, Plugin>,
     /// The identity (device, inode) of `kubelet.sock` when last seen; a new one is a new
     /// kubelet, which knows none of our registrations.
-    kubelet_id: Option<(u64, u64)>,
+    kubelet_id: Option<grpc::served::FileId>,
     /// "waiting for the kubelet" is logged once per absence.
     waiting_logged: bool,
 }
@@ -105,9 +104,8 @@ impl Plugins {
     /// Notices a kubelet restart (or its socket appearing or going): every resource is then
     /// registered again.
     fn notice_kubelet(&mut self) {
-        let now_id = std::fs::metadata(&self.kubelet_sock)
-            .ok()
-            .map(|m| (m.dev(), m.ino()));
+        // The same identity our own sockets are watched by (inode numbers alone are reused).
+        let now_id = grpc::served::file_id(&self.kubelet_sock);
         if now_id != self.kubelet_id {
             if self.kubelet_id.is_some() || now_id.is_none() {
                 tracing::info!(socket = %self.kubelet_sock.display(), "kubelet socket changed; registering again");

@@ -44,7 +44,7 @@ pub enum LabError {
     Socket(SocketError),
     #[error("lab: the simulated machine: {}", chain(.0))]
     Source(SourceError),
-    #[error("lab: the stored ResourceClaim {0} has no uid")]
+    #[error("lab: the stored ResourceClaim {0} has no usable uid")]
     ClaimUid(String),
     #[error("lab: the agent failed: {}", chain(.0))]
     Agent(NodeError),
