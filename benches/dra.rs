@@ -250,7 +250,7 @@ async fn prepare_latency() {
         floor_once(&claims, &one, &floor_dir, &spec).await;
     }
     println!(
-        "(floor write payload: the {} B CDI spec of a one-device claim; prepare writes it plus the checkpoint twice)",
+        "(floor write payload: the {} B CDI spec of a one-device claim; prepare writes the checkpoint with it fsync'd, then the spec file unsynced)",
         spec.len()
     );
 

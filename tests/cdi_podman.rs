@@ -288,11 +288,11 @@ fn podman_injects_a_rendered_spec() {
         image: None,
     };
     assert_eq!(
-        cdi::write_spec(Path::new(CDI_ROOT), &stem, &spec).unwrap(),
+        cdi::write_spec(Path::new(CDI_ROOT), &stem, &spec, cdi::Durability::Durable).unwrap(),
         WriteOutcome::Written
     );
     assert_eq!(
-        cdi::write_spec(Path::new(CDI_ROOT), &stem, &spec).unwrap(),
+        cdi::write_spec(Path::new(CDI_ROOT), &stem, &spec, cdi::Durability::Durable).unwrap(),
         WriteOutcome::Unchanged
     );
     let spec_file = spec_file(&stem);
@@ -579,7 +579,7 @@ async fn podman_runs_a_container_with_what_allocate_gives_on_a_simulated_node() 
         stems: vec![stem.clone()],
         image: None,
     };
-    cdi::write_spec(Path::new(CDI_ROOT), &stem, &spec).unwrap();
+    cdi::write_spec(Path::new(CDI_ROOT), &stem, &spec, cdi::Durability::Durable).unwrap();
     let image = busybox_image(d, &id, &mut cleanup);
 
     let devices: Vec<String> = grant

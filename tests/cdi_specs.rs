@@ -574,12 +574,12 @@ fn written_node_spec_is_unchanged_on_rewrite() {
     let spec = render_node_spec(&inv, &files, &Kind::default());
     let cdi = r.driver.join("cdi");
     assert_eq!(
-        write_spec(&cdi, "gpuplane", &spec).unwrap(),
+        write_spec(&cdi, "gpuplane", &spec, Durability::Durable).unwrap(),
         WriteOutcome::Written
     );
     let again = render_node_spec(&inv, &files, &Kind::default());
     assert_eq!(
-        write_spec(&cdi, "gpuplane", &again).unwrap(),
+        write_spec(&cdi, "gpuplane", &again, Durability::Durable).unwrap(),
         WriteOutcome::Unchanged
     );
 }

@@ -305,7 +305,11 @@ async fn a_second_agent_on_the_same_state_dir_exits_at_once_and_a_sigkilled_one_
     ];
     let before: Vec<_> = sockets.iter().map(|s| identity(s)).collect();
     let registrations = dra.registrations().len();
-    let checkpoint = std::fs::read(root.join("state/dra-checkpoint.json")).ok();
+    let slots = || {
+        gpuplane_shell::dra::checkpoint::SLOTS
+            .map(|slot| std::fs::read(root.join("state").join(slot)).ok())
+    };
+    let checkpoint = slots();
 
     // Same directories, same kubelet: refused before it binds or writes anything.
     let mut second = support::AgentProcess::spawn(root, "", &source, &[], "second");
@@ -327,10 +331,7 @@ async fn a_second_agent_on_the_same_state_dir_exits_at_once_and_a_sigkilled_one_
         std::fs::read_to_string(&lock).unwrap(),
         format!("{}\n", first.pid())
     );
-    assert_eq!(
-        std::fs::read(root.join("state/dra-checkpoint.json")).ok(),
-        checkpoint
-    );
+    assert_eq!(slots(), checkpoint);
     assert_eq!(dra.registrations().len(), registrations);
     dra.watch_health(support::DRIVER).unwrap();
     let health = dra

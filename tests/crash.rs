@@ -236,11 +236,9 @@ impl Node {
         self.path(&format!("cdi/gpuplane-claim-{}.json", c.uid))
     }
 
+    /// The newest checkpoint slot (check_files checks that every slot decodes).
     fn checkpoint(&self) -> CheckpointData {
-        match std::fs::read(self.path("state/dra-checkpoint.json")) {
-            Ok(bytes) => checkpoint::decode(&bytes).expect("the checkpoint decodes"),
-            Err(_) => CheckpointData::empty(""),
-        }
+        checkpoint::read(&self.path("state")).unwrap_or_else(|| CheckpointData::empty(""))
     }
 
     /// Nobody can read half a file: every spec a runtime would load (`*.json`) is a whole CDI
@@ -263,8 +261,11 @@ impl Node {
                 } else if name == gpuplane_shell::node::lock::FILE_NAME {
                     // The one-agent lock (node/lock.rs); it holds a PID, not state.
                 } else {
-                    assert_eq!(name, "dra-checkpoint.json", "nothing set aside as corrupt");
-                    checkpoint::decode(&bytes).expect("the checkpoint decodes");
+                    assert!(
+                        checkpoint::SLOTS.contains(&name.as_str()),
+                        "{name}: nothing set aside as corrupt"
+                    );
+                    checkpoint::decode(&bytes).expect("each checkpoint slot decodes");
                 }
             }
         }
@@ -354,27 +355,32 @@ fn cdi_ids(c: &ClaimRef, gpus: &[usize]) -> Vec<String> {
     ids
 }
 
-/// Every step a prepare passes, in order, as crash point specs.
-const PREPARE_STEPS: [&str; 10] = [
-    "prepare.before-checkpoint-started",
-    "file.before-rename@dra-checkpoint", // writing PrepareStarted
-    "file.after-rename@dra-checkpoint",
-    "prepare.after-checkpoint-started",
-    "file.before-rename@gpuplane-claim-", // writing the claim's CDI spec
-    "file.after-rename@gpuplane-claim-",
-    "prepare.after-cdi-spec",
-    "file.before-rename@dra-checkpoint#2", // writing PrepareCompleted
-    "file.after-rename@dra-checkpoint#2",
-    "prepare.after-checkpoint-completed",
+/// Every step a prepare passes, in order, as crash point specs, and whether an earlier claim
+/// must have been prepared and unprepared first: the checkpoint's first two writes create its
+/// two slot files, every later one overwrites the older slot in place.
+const PREPARE_STEPS: [(&str, bool); 8] = [
+    ("prepare.before-checkpoint", false),
+    ("file.before-rename@dra-checkpoint", false), // creating a slot, recording the claim
+    ("file.after-rename@dra-checkpoint", false),
+    ("file.before-sync@dra-checkpoint", true), // overwriting a slot in place
+    ("prepare.after-checkpoint", false),
+    ("file.before-rename@gpuplane-claim-", false), // the claim's CDI spec file
+    ("file.after-rename@gpuplane-claim-", false),
+    ("prepare.after-cdi-spec", false),
 ];
 
 const CLAIMED: [usize; 2] = [2, 5];
 
 /// Kills the agent at `step` of a prepare of a new claim and restarts it; checks the files and
 /// that the checkpoint's holds are back. Returns the node (agent running) and the claim.
-async fn crash_in_prepare(step: &str) -> (Node, ClaimRef) {
+async fn crash_in_prepare((step, warm): (&str, bool)) -> (Node, ClaimRef) {
     let mut node = Node::new(PROFILE, "").await;
     node.start(Some(step)).await;
+    if warm {
+        let w = node.claim("warm-up", &CLAIMED);
+        assert_eq!(node.prepare(&w).await, Ok(cdi_ids(&w, &CLAIMED)), "{step}");
+        node.unprepare(&w).await.unwrap();
+    }
     let c = node.claim("train", &CLAIMED);
     node.prepare_until_crash(&c).await;
     node.check_files(false);
@@ -387,8 +393,8 @@ async fn crash_in_prepare(step: &str) -> (Node, ClaimRef) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kill_at_any_step_of_prepare_then_the_retried_prepare_answers_the_allocated_devices() {
-    for step in PREPARE_STEPS {
-        let (node, c) = crash_in_prepare(step).await;
+    for (step, warm) in PREPARE_STEPS {
+        let (node, c) = crash_in_prepare((step, warm)).await;
         let completed = node
             .checkpoint()
             .claims
@@ -397,6 +403,10 @@ async fn a_kill_at_any_step_of_prepare_then_the_retried_prepare_answers_the_allo
         let before = std::fs::metadata(node.spec_path(&c))
             .and_then(|m| m.modified())
             .ok();
+        assert!(
+            !completed || before.is_some(),
+            "{step}: the restarted agent restored the spec its checkpoint records"
+        );
         assert_eq!(node.prepare(&c).await, Ok(cdi_ids(&c, &CLAIMED)), "{step}");
         if completed {
             let after = std::fs::metadata(node.spec_path(&c))
@@ -427,8 +437,8 @@ async fn a_kill_at_any_step_of_prepare_then_the_retried_prepare_answers_the_allo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kill_at_any_step_of_prepare_then_unprepare_leaves_no_spec_and_frees_the_devices() {
-    for step in PREPARE_STEPS {
-        let (node, c) = crash_in_prepare(step).await;
+    for (step, warm) in PREPARE_STEPS {
+        let (node, c) = crash_in_prepare((step, warm)).await;
         node.unprepare(&c)
             .await
             .unwrap_or_else(|e| panic!("{step}: {e}"));
@@ -442,9 +452,10 @@ async fn a_kill_at_any_step_of_unprepare_then_the_retried_unprepare_leaves_no_tr
     let steps = [
         "unprepare.before-spec-removal",
         "unprepare.after-spec-removal",
-        // The prepare wrote the checkpoint twice; the unprepare's write is the third.
-        "file.before-rename@dra-checkpoint#3",
-        "file.after-rename@dra-checkpoint#3",
+        // The prepare wrote the checkpoint once; the unprepare's write is the second, which
+        // creates the second slot.
+        "file.before-rename@dra-checkpoint#2",
+        "file.after-rename@dra-checkpoint#2",
         "unprepare.after-checkpoint",
     ];
     for step in steps {

@@ -139,7 +139,7 @@ impl Env {
     }
 
     fn checkpoint(&self) -> CheckpointData {
-        checkpoint::decode(&fs::read(self.checkpoint_path()).unwrap()).unwrap()
+        checkpoint::read(&self.root.join("state")).expect("a usable checkpoint slot")
     }
 
     fn mig(&self, i: usize) -> String {
@@ -525,7 +525,8 @@ async fn a_crash_between_started_and_completed_is_recovered() {
     let Some(env) = Env::new() else { return };
     let c = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
     let orphan = cref("gone", &uid(2));
-    // What a crash leaves: PrepareStarted entries and half-made (here: stale) spec files.
+    // What a crash of an agent before `cdiSpec` left: PrepareStarted entries and half-made
+    // (here: stale) spec files.
     let mut data = CheckpointData::empty("boot-1");
     for r in [&c, &orphan] {
         data.claims.insert(
@@ -537,6 +538,7 @@ async fn a_crash_between_started_and_completed_is_recovered() {
                 devices: vec![],
                 cdi_spec_stem: spec_stem(&r.uid),
                 units: BTreeMap::new(),
+                cdi_spec: None,
             },
         );
     }
@@ -574,6 +576,30 @@ async fn a_crash_between_started_and_completed_is_recovered() {
     assert!(out.values().all(Result::is_ok), "{out:?}");
     assert_eq!(fs::read_dir(env.cdi()).unwrap().count(), 0);
     assert!(env.checkpoint().claims.is_empty());
+}
+
+#[tokio::test]
+async fn specs_lost_or_left_empty_are_restored_from_the_checkpoint_at_start() {
+    let Some(env) = Env::new() else { return };
+    let a = env.add_claim("a", &uid(1), &[("gpu", "gpu-3")], json!([]));
+    let b = env.add_claim("b", &uid(2), &[("gpu", &env.mig(0))], json!([]));
+    let core = env.core();
+    let first = core.prepare(vec![a.clone(), b.clone()]).await;
+    assert!(first.values().all(Result::is_ok), "{first:?}");
+    let (spec_a, spec_b) = (
+        fs::read(env.spec_path(&a.uid)).unwrap(),
+        fs::read(env.spec_path(&b.uid)).unwrap(),
+    );
+    drop(core);
+    // The spec files are written without fsync: a power loss can leave one empty, or take it.
+    fs::write(env.spec_path(&a.uid), b"").unwrap();
+    fs::remove_file(env.spec_path(&b.uid)).unwrap();
+    let core = env.core();
+    assert_eq!(fs::read(env.spec_path(&a.uid)).unwrap(), spec_a);
+    assert_eq!(fs::read(env.spec_path(&b.uid)).unwrap(), spec_b);
+    let before = mtimes(&env.cdi());
+    assert_eq!(core.prepare(vec![a.clone(), b.clone()]).await, first);
+    assert_eq!(mtimes(&env.cdi()), before, "answered from the checkpoint");
 }
 
 #[tokio::test]

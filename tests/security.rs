@@ -116,10 +116,16 @@ async fn sockets_state_and_cdi_files_have_the_documented_modes() {
         assert_eq!(mode(&s), 0o600, "{}", s.display());
     }
     assert_eq!(mode(&paths.state_dir), 0o700, "state dir");
-    let checkpoint = paths
-        .state_dir
-        .join(gpuplane_shell::dra::checkpoint::FILE_NAME);
-    assert_eq!(mode(&checkpoint), 0o600, "checkpoint");
+    // The checkpoint's second write creates its second slot file.
+    let second = r.lab.claim("team-a", "second", &["gpu-1"]).unwrap();
+    r.lab.prepare(&second).await.unwrap();
+    for slot in gpuplane_shell::dra::checkpoint::SLOTS {
+        assert_eq!(
+            mode(&paths.state_dir.join(slot)),
+            0o600,
+            "checkpoint {slot}"
+        );
+    }
     let claim_spec = paths
         .cdi_root
         .join(format!("gpuplane-claim-{}.json", claim.uid));
@@ -197,8 +203,11 @@ async fn hostile_claim_identifiers_write_and_remove_nothing() {
     assert!(new.is_empty(), "hostile claims created {new:?}");
     let gone: Vec<&PathBuf> = before.difference(&after).collect();
     assert!(gone.is_empty(), "hostile claims removed {gone:?}");
-    let checkpoint = std::fs::read(paths.state_dir.join("dra-checkpoint.json")).unwrap_or_default();
-    let text = String::from_utf8_lossy(&checkpoint);
+    let text: String = gpuplane_shell::dra::checkpoint::SLOTS
+        .iter()
+        .map(|slot| std::fs::read(paths.state_dir.join(slot)).unwrap_or_default())
+        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+        .collect();
     assert!(
         !text.contains("sentinel") && !text.contains("etc"),
         "{text}"

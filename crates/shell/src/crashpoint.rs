@@ -27,53 +27,53 @@ pub const MARKER_ENV: &str = "GPUPLANE_CRASHPOINT_MARKER";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
     /// Prepare: devices held in the ledger, nothing written yet.
-    PrepareBeforeCheckpointStarted,
-    /// Prepare: the checkpoint says PrepareStarted, no CDI spec written yet.
-    PrepareAfterCheckpointStarted,
-    /// Prepare: the claim's CDI spec is written, the checkpoint still says PrepareStarted.
+    PrepareBeforeCheckpoint,
+    /// Prepare: the checkpoint records the claim and its spec, no spec file written yet.
+    PrepareAfterCheckpoint,
+    /// Prepare: the claim's CDI spec file is written, the answer not yet sent.
     PrepareAfterCdiSpec,
-    /// Prepare: the checkpoint says PrepareCompleted, the answer not yet sent.
-    PrepareAfterCheckpointCompleted,
     /// Unprepare: nothing removed yet.
     UnprepareBeforeSpecRemoval,
     /// Unprepare: the CDI spec is removed, the checkpoint still lists the claim.
     UnprepareAfterSpecRemoval,
     /// Unprepare: the checkpoint no longer lists the claim, the ledger still holds its units.
     UnprepareAfterCheckpoint,
-    /// Durable write: the temporary file is written and fsynced, not yet renamed.
+    /// File write: the temporary file is written (and fsynced, when durable), not yet renamed.
     FileBeforeRename,
     /// Durable write: renamed over the target, the directory not yet fsynced.
     FileAfterRename,
+    /// In-place overwrite: the new bytes are written, not yet fdatasynced.
+    FileBeforeSync,
     /// Slice publication: one create, update or delete done, the rest of the sync not.
     SlicesAfterWrite,
 }
 
 impl Step {
     pub const ALL: [Step; 10] = [
-        Step::PrepareBeforeCheckpointStarted,
-        Step::PrepareAfterCheckpointStarted,
+        Step::PrepareBeforeCheckpoint,
+        Step::PrepareAfterCheckpoint,
         Step::PrepareAfterCdiSpec,
-        Step::PrepareAfterCheckpointCompleted,
         Step::UnprepareBeforeSpecRemoval,
         Step::UnprepareAfterSpecRemoval,
         Step::UnprepareAfterCheckpoint,
         Step::FileBeforeRename,
         Step::FileAfterRename,
+        Step::FileBeforeSync,
         Step::SlicesAfterWrite,
     ];
 
     /// The name `GPUPLANE_CRASHPOINT` uses.
     pub fn name(self) -> &'static str {
         match self {
-            Step::PrepareBeforeCheckpointStarted => "prepare.before-checkpoint-started",
-            Step::PrepareAfterCheckpointStarted => "prepare.after-checkpoint-started",
+            Step::PrepareBeforeCheckpoint => "prepare.before-checkpoint",
+            Step::PrepareAfterCheckpoint => "prepare.after-checkpoint",
             Step::PrepareAfterCdiSpec => "prepare.after-cdi-spec",
-            Step::PrepareAfterCheckpointCompleted => "prepare.after-checkpoint-completed",
             Step::UnprepareBeforeSpecRemoval => "unprepare.before-spec-removal",
             Step::UnprepareAfterSpecRemoval => "unprepare.after-spec-removal",
             Step::UnprepareAfterCheckpoint => "unprepare.after-checkpoint",
             Step::FileBeforeRename => "file.before-rename",
             Step::FileAfterRename => "file.after-rename",
+            Step::FileBeforeSync => "file.before-sync",
             Step::SlicesAfterWrite => "slices.after-write",
         }
     }

@@ -9,6 +9,15 @@
 //! and does not end in `.json`); [`remove_stale_temps`] clears them at the next start.
 //! Crash points `file.before-rename` and `file.after-rename` ([`crate::crashpoint`]) mark the
 //! two steps a kill can split.
+//!
+//! [`overwrite_in_place`] rewrites an existing file with one fdatasync and no rename, for the
+//! DRA checkpoint's slots, which a checksum and a second copy make safe to tear.
+//!
+//! [`write_atomic_recreatable`] is the same write without the two syncs: atomic for every
+//! reader and across a killed process (the page cache survives it), but not across a power
+//! loss. It is only for a file the agent recreates at start from a record that was itself
+//! written durably (a claim's CDI spec, recorded in the DRA checkpoint): a prepare then pays
+//! for one durable write, not two.
 
 use crate::crashpoint::{self, Step};
 use gpuplane_model::report::chain;
@@ -46,6 +55,9 @@ pub enum FsError {
         tmp: PathBuf,
         cause: io::Error,
     },
+    /// Writing over or syncing an existing file in place failed.
+    #[error("writing {path} in place: {}", chain(.cause))]
+    Overwrite { path: PathBuf, cause: io::Error },
     /// The target could not be removed.
     #[error("removing {path}: {}", chain(.cause))]
     Remove { path: PathBuf, cause: io::Error },
@@ -141,6 +153,18 @@ pub fn remove_stale_temps(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>, FsEr
 ///
 /// On error the target is untouched and no temporary file is left behind.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError> {
+    replace(path, bytes, mode, true)
+}
+
+/// [`write_atomic`] without fsyncing the file or the directory: readers and a restarted
+/// process see the old content or the new, never half a file, but a power loss may lose the
+/// new content (or leave the file empty). Only for files recreated at start from a durable
+/// record.
+pub fn write_atomic_recreatable(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError> {
+    replace(path, bytes, mode, false)
+}
+
+fn replace(path: &Path, bytes: &[u8], mode: u32, durable: bool) -> Result<(), FsError> {
     let file_name = path.file_name().ok_or_else(|| FsError::NotAFile {
         path: path.to_path_buf(),
     })?;
@@ -150,7 +174,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError>
     let written = file
         .write_all(bytes)
         .and_then(|()| file.set_permissions(Permissions::from_mode(mode)))
-        .and_then(|()| file.sync_all());
+        .and_then(|()| if durable { file.sync_all() } else { Ok(()) });
     drop(file);
     if let Err(source) = written {
         let _ = fs::remove_file(&tmp);
@@ -170,7 +194,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError>
         });
     }
     crashpoint::reached_at(Step::FileAfterRename, &path.to_string_lossy());
-    sync_dir(path, &dir)
+    if durable {
+        sync_dir(path, &dir)?;
+    }
+    Ok(())
 }
 
 fn create_temp(
@@ -216,6 +243,27 @@ fn sync_dir(path: &Path, dir: &Path) -> Result<(), FsError> {
             dir: dir.to_path_buf(),
             cause: source,
         })
+}
+
+/// Replaces the content of the existing file `path` in place and fdatasyncs it: one flush, no
+/// rename, no directory sync. Not atomic: a crash midway leaves a mix of old and new bytes. Only
+/// for a file read back through a checksum, beside another copy of the previous content (the
+/// DRA checkpoint's two slots). A missing `path` is an error: create it with [`write_atomic`].
+pub fn overwrite_in_place(path: &Path, bytes: &[u8]) -> Result<(), FsError> {
+    use std::os::unix::fs::FileExt;
+    let overwrite = |cause| FsError::Overwrite {
+        path: path.to_path_buf(),
+        cause,
+    };
+    let file = OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(overwrite)?;
+    file.write_all_at(bytes, 0)
+        .and_then(|()| file.set_len(bytes.len() as u64))
+        .map_err(overwrite)?;
+    crashpoint::reached_at(Step::FileBeforeSync, &path.to_string_lossy());
+    file.sync_data().map_err(overwrite)
 }
 
 /// Removes `path` and syncs its directory. A file that is already gone is not an error.
@@ -329,6 +377,32 @@ mod tests {
         assert!(remove_stale_temps(&dir.path().join("none"), "spec")
             .unwrap()
             .is_empty());
+    }
+
+    #[test]
+    fn a_recreatable_write_replaces_content_with_the_mode_and_no_temp_files() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("claim.json");
+        write_atomic_recreatable(&path, b"one", 0o644).unwrap();
+        write_atomic_recreatable(&path, b"two", 0o644).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"two");
+        let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o644);
+        assert_eq!(entries(dir.path()), vec!["claim.json".to_string()]);
+    }
+
+    #[test]
+    fn an_in_place_overwrite_replaces_longer_and_shorter_content_and_needs_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("slot");
+        write_atomic(&path, b"0123456789", 0o600).unwrap();
+        overwrite_in_place(&path, b"abc").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"abc");
+        overwrite_in_place(&path, b"a longer content").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"a longer content");
+        let err = overwrite_in_place(&dir.path().join("none"), b"x").unwrap_err();
+        assert!(err.to_string().contains("none"), "{err}");
     }
 
     #[test]

@@ -18,4 +18,4 @@ pub use gpuplane_model::cdi::*;
 
 pub use driver::ProcCaps;
 pub use install::InstallCache;
-pub use writer::{remove_spec, write_spec, WriteError, WriteOutcome};
+pub use writer::{remove_spec, write_spec, Durability, WriteError, WriteOutcome};

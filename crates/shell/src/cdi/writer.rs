@@ -1,6 +1,7 @@
-//! Writing CDI spec files: `<cdi root>/<stem>.json`, 0644, replaced atomically and durably
-//! through [`crate::fsutil`], and not rewritten when the bytes on disk are already the same (so
-//! a runtime's directory watcher sees no churn).
+//! Writing CDI spec files: `<cdi root>/<stem>.json`, 0644, replaced atomically through
+//! [`crate::fsutil`] (durably, or recreatable when a durable record can rewrite the file at
+//! start: [`Durability`]), and not rewritten when the bytes on disk are already the same (so a
+//! runtime's directory watcher sees no churn).
 
 use super::spec::Spec;
 use crate::fsutil::{self, FsError};
@@ -28,6 +29,17 @@ pub enum WriteError {
     Write { path: PathBuf, cause: FsError },
     #[error("removing CDI spec {path}: {}", chain(.cause))]
     Remove { path: PathBuf, cause: FsError },
+}
+
+/// How a spec write must survive a crash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Fsync'd: the new spec survives a power loss once the write returns (the node spec,
+    /// which nothing else records).
+    Durable,
+    /// Atomic but not fsync'd ([`fsutil::write_atomic_recreatable`]): for a claim's spec, which
+    /// the DRA checkpoint records durably and the agent rewrites from it at start.
+    Recreatable,
 }
 
 /// What [`write_spec`] did.
@@ -80,6 +92,7 @@ pub fn write_spec(
     cdi_root: &Path,
     file_stem: &str,
     spec: &Spec,
+    durability: Durability,
 ) -> Result<WriteOutcome, WriteError> {
     let path = spec_path(cdi_root, file_stem)?;
     let bytes = spec_bytes(spec).map_err(|source| WriteError::Serialise {
@@ -94,7 +107,11 @@ pub fn write_spec(
         dir: cdi_root.to_path_buf(),
         cause: source,
     })?;
-    fsutil::write_atomic(&path, &bytes, SPEC_MODE).map_err(|source| WriteError::Write {
+    let write = match durability {
+        Durability::Durable => fsutil::write_atomic,
+        Durability::Recreatable => fsutil::write_atomic_recreatable,
+    };
+    write(&path, &bytes, SPEC_MODE).map_err(|source| WriteError::Write {
         path,
         cause: source,
     })?;
@@ -129,13 +146,13 @@ mod tests {
         let root = dir.path().join("run/cdi");
         let s = spec("nvidia.com/gpu");
         assert_eq!(
-            write_spec(&root, "gpuplane-node", &s).unwrap(),
+            write_spec(&root, "gpuplane-node", &s, Durability::Durable).unwrap(),
             WriteOutcome::Written
         );
         let path = root.join("gpuplane-node.json");
         let mtime = fs::metadata(&path).unwrap().modified().unwrap();
         assert_eq!(
-            write_spec(&root, "gpuplane-node", &s).unwrap(),
+            write_spec(&root, "gpuplane-node", &s, Durability::Durable).unwrap(),
             WriteOutcome::Unchanged
         );
         assert_eq!(fs::metadata(&path).unwrap().modified().unwrap(), mtime);
@@ -147,7 +164,13 @@ mod tests {
         assert_eq!(back, s);
 
         assert_eq!(
-            write_spec(&root, "gpuplane-node", &spec("example.com/gpu")).unwrap(),
+            write_spec(
+                &root,
+                "gpuplane-node",
+                &spec("example.com/gpu"),
+                Durability::Durable
+            )
+            .unwrap(),
             WriteOutcome::Written
         );
         remove_spec(&root, "gpuplane-node").unwrap();
@@ -162,7 +185,13 @@ mod tests {
         for bad in [
             "", "../x", "a/b", "..", ".hidden", "a..b", "Upper", "a b", "x.json/",
         ] {
-            let err = write_spec(dir.path(), bad, &spec("nvidia.com/gpu")).unwrap_err();
+            let err = write_spec(
+                dir.path(),
+                bad,
+                &spec("nvidia.com/gpu"),
+                Durability::Durable,
+            )
+            .unwrap_err();
             assert!(matches!(err, WriteError::BadStem { .. }), "{bad:?}: {err}");
             assert!(remove_spec(dir.path(), bad).is_err());
         }
@@ -177,7 +206,13 @@ mod tests {
         // The CDI root is a regular file: it cannot be created as a directory.
         let root = dir.path().join("not-a-dir");
         fs::write(&root, b"").unwrap();
-        let err = write_spec(&root, "gpuplane", &spec("nvidia.com/gpu")).unwrap_err();
+        let err = write_spec(
+            &root,
+            "gpuplane",
+            &spec("nvidia.com/gpu"),
+            Durability::Durable,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("not-a-dir"), "{err}");
         // The OS's reason is in the message once, not also a source() (report.rs).
         assert!(err.to_string().contains("(os error"), "{err}");

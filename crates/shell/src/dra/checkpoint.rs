@@ -4,13 +4,21 @@
 //!
 //! # File format
 //!
-//! `<state-dir>/dra-checkpoint.json`, mode 0600, replaced atomically ([`crate::fsutil`]). Two
-//! parts: a header line and a JSON body.
+//! Two slot files in the state directory, `dra-checkpoint.json` and `dra-checkpoint.2.json`,
+//! mode 0600, each a whole checkpoint: a header line and a JSON body. Writes go to the two in
+//! turn, each overwriting the older slot in place with one fdatasync
+//! ([`fsutil::overwrite_in_place`]; a slot's first write creates it atomically). A crash in a
+//! write tears at most that slot, which then fails its checksum, and the other slot holds the
+//! content before the write. The newest slot that checks is the checkpoint (`sequence`, one
+//! more on every write). One fdatasync per write rather than a replacement's two (file, then
+//! directory) is what keeps a prepare near one durable write (benches/dra.rs).
+//!
 //!
 //! ```text
 //! sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08
 //! {
 //!   "version": 1,
+//!   "sequence": 42,
 //!   "bootId": "2b1c…",
 //!   "claims": {
 //!     "<claim uid>": {
@@ -20,7 +28,8 @@
 //!       "devices": [{"requests": ["gpu"], "pool": "node-1", "device": "gpu-3",
 //!                    "cdiIds": ["k8s.gpu.gpuplane.dev/claim=<uid>-gpu-3"], "shareId": null}],
 //!       "cdiSpecStem": "gpuplane-claim-<uid>",
-//!       "units": {"gpu-3": "GPU-…"}
+//!       "units": {"gpu-3": "GPU-…"},
+//!       "cdiSpec": {"cdiVersion": "0.5.0", "kind": "k8s.gpu.gpuplane.dev/claim", "devices": […]}
 //!     }
 //!   }
 //! }
@@ -33,22 +42,33 @@
 //! reason unknown fields in a version-1 body are tolerated: only the version number says
 //! whether this code understands the file.
 //!
+//! A claim's entry is the durable record of its preparation: written (fsync'd) before the
+//! claim's CDI spec file exists, and holding that spec (`cdiSpec`), so the spec file is a copy
+//! the agent rewrites from here at start ([`crate::dra::DraCore::new`]) and is itself written
+//! without an fsync. Entries written by agents before `cdiSpec` existed lack it; such a claim
+//! whose spec file is gone is prepared again when the kubelet retries.
+//!
 //! # Loading
 //!
-//! - temporary files of a write that was interrupted (`.dra-checkpoint.json.tmp-…`) are
-//!   removed first: the file itself holds the old or the new content, never a part;
-//! - no file: nothing prepared;
-//! - a file that cannot be read, lacks the header, fails the checksum, is not JSON of the
-//!   expected shape or has another version: it is renamed to
-//!   `dra-checkpoint.json.corrupt-<unix seconds>`, one `error!` line says so, and loading goes
-//!   on with nothing prepared. An agent that refused to start would crash-loop and leave every
-//!   claim on the node unpreparable;
+//! - temporary files of an interrupted first write of a slot (`.dra-checkpoint.json.tmp-…`)
+//!   are removed first;
+//! - no slot file: nothing prepared;
+//! - a slot that cannot be read, lacks the header, fails the checksum, is not JSON of the
+//!   expected shape or has another version is unusable. Beside a usable slot that is what an
+//!   interrupted write leaves: it is ignored (one `warn!`) and overwritten by the next write.
+//!   When no slot is usable, each unusable one is renamed to `<name>.corrupt-<unix seconds>`,
+//!   one `error!` line says so, and loading goes on with nothing prepared. An agent that
+//!   refused to start would crash-loop and leave every claim on the node unpreparable;
+//! - a checkpoint of an agent before the slots is `dra-checkpoint.json` alone, read as
+//!   sequence 0; an older agent started after this one reads only that slot, which may lack
+//!   the last write;
 //! - a file written under another boot id (`/proc/sys/kernel/random/boot_id`): the node
 //!   rebooted, every container of its claims is gone, and the kubelet prepares them afresh.
 //!   The claims are dropped from the checkpoint and handed back in [`Loaded::invalidated`] so
 //!   the caller removes their CDI spec files (`/etc/cdi` survives a reboot).
 
 use super::PreparedDevice;
+use crate::cdi::Spec;
 use crate::fsutil::{self, FsError};
 use gpuplane_model::report::chain;
 use serde::{Deserialize, Serialize};
@@ -61,8 +81,12 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tracing::{error, info, warn};
 
-/// The checkpoint's file name in the state directory.
+/// The first slot's file name in the state directory (the only one before the slots).
 pub const FILE_NAME: &str = "dra-checkpoint.json";
+/// The second slot's file name.
+pub const SECOND_FILE_NAME: &str = "dra-checkpoint.2.json";
+/// Both slots, by index.
+pub const SLOTS: [&str; 2] = [FILE_NAME, SECOND_FILE_NAME];
 /// The body version this code writes and reads.
 pub const VERSION: u64 = 1;
 /// Mode of the checkpoint file.
@@ -73,9 +97,11 @@ const HEADER_PREFIX: &str = "sha256:";
 /// How far a claim's preparation got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ClaimState {
-    /// Preparation began; the CDI spec may or may not be on disk.
+    /// Preparation began; the CDI spec may or may not be on disk. Only agents before `cdiSpec`
+    /// wrote this state (one entry before the spec, another after it); it is still read.
     PrepareStarted,
-    /// The CDI spec is written and `devices` were returned to the kubelet.
+    /// `devices` are what the kubelet gets, and `cdiSpec` (when present) is the claim's spec:
+    /// written before the spec file, which may not exist yet after a crash.
     PrepareCompleted,
 }
 
@@ -94,6 +120,9 @@ pub struct ClaimEntry {
     /// DRA device name → unit UUID, for the allocation ledger.
     #[serde(default)]
     pub units: BTreeMap<String, String>,
+    /// The claim's CDI spec, which the file `<stem>.json` copies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cdi_spec: Option<Spec>,
 }
 
 /// The checkpoint's content.
@@ -101,6 +130,9 @@ pub struct ClaimEntry {
 #[serde(rename_all = "camelCase")]
 pub struct CheckpointData {
     pub version: u64,
+    /// One more on every write: the newer of two usable slots is the checkpoint.
+    #[serde(default)]
+    pub sequence: u64,
     pub boot_id: String,
     /// By claim UID.
     pub claims: BTreeMap<String, ClaimEntry>,
@@ -110,6 +142,7 @@ impl CheckpointData {
     pub fn empty(boot_id: &str) -> Self {
         CheckpointData {
             version: VERSION,
+            sequence: 0,
             boot_id: boot_id.to_string(),
             claims: BTreeMap::new(),
         }
@@ -215,11 +248,13 @@ pub fn read_boot_id(path: &Path) -> Option<String> {
     }
 }
 
-/// The checkpoint file and its content as last saved.
+/// The checkpoint's slots and its content as last saved.
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
     state_dir: PathBuf,
     data: CheckpointData,
+    /// The slot holding `data`; `None` before the first write.
+    slot: Option<usize>,
 }
 
 /// What [`Checkpoint::load`] found.
@@ -228,8 +263,8 @@ pub struct Loaded {
     pub checkpoint: Checkpoint,
     /// Claims of an earlier boot, dropped: remove their CDI specs.
     pub invalidated: BTreeMap<String, ClaimEntry>,
-    /// Where an unusable file was moved.
-    pub set_aside: Option<PathBuf>,
+    /// Where unusable slots were moved (when no slot was usable).
+    pub set_aside: Vec<PathBuf>,
     /// The content differs from the file (or there is no file worth keeping): save it.
     pub needs_save: bool,
 }
@@ -240,12 +275,13 @@ impl Checkpoint {
         Checkpoint {
             state_dir: state_dir.to_path_buf(),
             data: CheckpointData::empty(boot_id),
+            slot: None,
         }
     }
 
-    /// `<state_dir>/dra-checkpoint.json`.
+    /// The slot file holding the content (the first slot before any write).
     pub fn path(&self) -> PathBuf {
-        self.state_dir.join(FILE_NAME)
+        self.state_dir.join(SLOTS[self.slot.unwrap_or(0)])
     }
 
     pub fn data(&self) -> &CheckpointData {
@@ -256,14 +292,13 @@ impl Checkpoint {
         self.data.claims.get(uid)
     }
 
-    /// Loads `<state_dir>/dra-checkpoint.json` for the boot `boot_id` (`None`: unknown, claims
-    /// are kept whatever boot wrote them). Fails only when an unusable file cannot be moved
-    /// aside (it would be overwritten and its evidence lost).
+    /// Loads the newest usable slot in `state_dir` for the boot `boot_id` (`None`: unknown,
+    /// claims are kept whatever boot wrote them). Fails only when an unusable slot cannot be
+    /// moved aside (it would be overwritten and its evidence lost).
     pub fn load(state_dir: &Path, boot_id: Option<&str>) -> Result<Loaded, CheckpointError> {
-        let path = state_dir.join(FILE_NAME);
-        // A write the previous agent was killed in: the file itself is the old or the new
-        // content (renames are atomic), the temporary file is garbage.
-        match fsutil::remove_stale_temps(state_dir, FILE_NAME) {
+        // A first write of a slot the previous agent was killed in: the slot itself is absent
+        // or whole (renames are atomic), the temporary file is garbage.
+        match fsutil::remove_stale_temps(state_dir, "dra-checkpoint") {
             Ok(removed) => {
                 for p in removed {
                     info!(path = %p.display(), "removed a temporary checkpoint file left by an interrupted write");
@@ -272,33 +307,32 @@ impl Checkpoint {
             Err(e) => warn!(error = %e, "clearing stale temporary checkpoint files failed"),
         }
         let current = boot_id.unwrap_or_default();
-        let fresh = |set_aside, needs_save| Loaded {
-            checkpoint: Checkpoint::empty(state_dir, current),
-            invalidated: BTreeMap::new(),
-            set_aside,
-            needs_save,
-        };
-        let bytes = match fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(fresh(None, false)),
-            Err(e) => {
-                let to = set_aside(&path, &format!("cannot be read: {e}"))?;
-                return Ok(fresh(Some(to), true));
+        let slots = read_slots(state_dir);
+        let Some((slot, mut data)) = newest(&slots) else {
+            let mut moved = Vec::new();
+            for (i, read) in slots.iter().enumerate() {
+                if let SlotRead::Unusable(reason) = read {
+                    moved.push(set_aside(&state_dir.join(SLOTS[i]), reason)?);
+                }
             }
+            let needs_save = !moved.is_empty();
+            return Ok(Loaded {
+                checkpoint: Checkpoint::empty(state_dir, current),
+                invalidated: BTreeMap::new(),
+                set_aside: moved,
+                needs_save,
+            });
         };
-        let mut data = match decode(&bytes) {
-            Ok(d) => d,
-            Err(e) => {
-                let to = set_aside(&path, &e.to_string())?;
-                return Ok(fresh(Some(to), true));
-            }
-        };
+        if let SlotRead::Unusable(reason) = &slots[1 - slot] {
+            warn!(path = %state_dir.join(SLOTS[1 - slot]).display(), reason = %reason,
+                "ignoring an unusable DRA checkpoint slot (an interrupted write); the other slot holds the checkpoint");
+        }
         let mut invalidated = BTreeMap::new();
         let mut needs_save = false;
         if !current.is_empty() && data.boot_id != current {
             if !data.boot_id.is_empty() && !data.claims.is_empty() {
                 warn!(
-                    path = %path.display(), old_boot = %data.boot_id, boot = %current, claims = data.claims.len(),
+                    path = %state_dir.join(SLOTS[slot]).display(), old_boot = %data.boot_id, boot = %current, claims = data.claims.len(),
                     "the node rebooted since the DRA checkpoint was written; its claims are no longer prepared"
                 );
             }
@@ -312,20 +346,22 @@ impl Checkpoint {
             checkpoint: Checkpoint {
                 state_dir: state_dir.to_path_buf(),
                 data,
+                slot: Some(slot),
             },
             invalidated,
-            set_aside: None,
+            set_aside: Vec::new(),
             needs_save,
         })
     }
 
-    /// Writes the content as it is.
-    pub fn save(&self) -> Result<(), CheckpointError> {
-        write(&self.state_dir, &self.data)
+    /// Writes the content as it is (into the other slot).
+    pub fn save(&mut self) -> Result<(), CheckpointError> {
+        let next = self.data.clone();
+        self.write(next)
     }
 
     /// Applies `change` to a copy, saves the copy and only then adopts it: the content in
-    /// memory is always what the file holds.
+    /// memory is always what the newest slot holds.
     pub fn update(
         &mut self,
         change: impl FnOnce(&mut CheckpointData),
@@ -335,14 +371,61 @@ impl Checkpoint {
         if next == self.data {
             return Ok(());
         }
-        write(&self.state_dir, &next)?;
+        self.write(next)
+    }
+
+    /// Writes `next`, one sequence on, into the slot not holding the current content, and
+    /// adopts it.
+    fn write(&mut self, mut next: CheckpointData) -> Result<(), CheckpointError> {
+        next.sequence = self.data.sequence + 1;
+        let slot = self.slot.map_or(0, |s| 1 - s);
+        write_slot(&self.state_dir, SLOTS[slot], &next)?;
         self.data = next;
+        self.slot = Some(slot);
         Ok(())
     }
 }
 
-fn write(state_dir: &Path, data: &CheckpointData) -> Result<(), CheckpointError> {
-    let path = state_dir.join(FILE_NAME);
+/// One slot as read from disk.
+#[derive(Debug)]
+enum SlotRead {
+    Absent,
+    Unusable(String),
+    Usable(CheckpointData),
+}
+
+fn read_slots(state_dir: &Path) -> [SlotRead; 2] {
+    SLOTS.map(|name| match fs::read(state_dir.join(name)) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => SlotRead::Absent,
+        Err(e) => SlotRead::Unusable(format!("cannot be read: {e}")),
+        Ok(bytes) => match decode(&bytes) {
+            Ok(data) => SlotRead::Usable(data),
+            Err(e) => SlotRead::Unusable(e.to_string()),
+        },
+    })
+}
+
+/// The usable slot with the higher sequence (the first on a tie), and its content.
+fn newest(slots: &[SlotRead; 2]) -> Option<(usize, CheckpointData)> {
+    slots
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| match s {
+            SlotRead::Usable(d) => Some((i, d)),
+            _ => None,
+        })
+        .max_by_key(|(i, d)| (d.sequence, std::cmp::Reverse(*i)))
+        .map(|(i, d)| (i, d.clone()))
+}
+
+/// The checkpoint as the newest usable slot in `state_dir` holds it, if any; reads only (for
+/// tools and tests that look at what an agent left).
+pub fn read(state_dir: &Path) -> Option<CheckpointData> {
+    newest(&read_slots(state_dir)).map(|(_, d)| d)
+}
+
+fn write_slot(state_dir: &Path, name: &str, data: &CheckpointData) -> Result<(), CheckpointError> {
+    let path = state_dir.join(name);
     fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -355,8 +438,13 @@ fn write(state_dir: &Path, data: &CheckpointData) -> Result<(), CheckpointError>
         path: path.clone(),
         cause: source,
     })?;
-    fsutil::write_atomic(&path, &bytes, FILE_MODE)
-        .map_err(|source| CheckpointError::Write { cause: source })
+    // An existing slot is overwritten in place (one fdatasync); the first write of a slot
+    // creates it whole, so a slot file never exists half-made by a crash in its creation.
+    let written = match fs::symlink_metadata(&path) {
+        Ok(m) if m.file_type().is_file() => fsutil::overwrite_in_place(&path, &bytes),
+        _ => fsutil::write_atomic(&path, &bytes, FILE_MODE),
+    };
+    written.map_err(|source| CheckpointError::Write { cause: source })
 }
 
 /// Renames an unusable checkpoint to `<file>.corrupt-<unix seconds>[-n]` and logs it once.
@@ -365,7 +453,11 @@ fn set_aside(path: &Path, reason: &str) -> Result<PathBuf, CheckpointError> {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let base = format!("{FILE_NAME}.corrupt-{secs}");
+    let name = path.file_name().map_or_else(
+        || FILE_NAME.to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let base = format!("{name}.corrupt-{secs}");
     let dir = path.parent().unwrap_or_else(|| Path::new("."));
     let mut to = dir.join(&base);
     let mut n = 1;
@@ -403,6 +495,11 @@ mod tests {
             }],
             cdi_spec_stem: "gpuplane-claim-abc".into(),
             units: [("gpu-3".to_string(), "GPU-x".to_string())].into(),
+            cdi_spec: Some(Spec {
+                cdi_version: "0.3.0".into(),
+                kind: "k8s.gpu.gpuplane.dev/claim".into(),
+                ..Default::default()
+            }),
         }
     }
 
@@ -434,11 +531,13 @@ mod tests {
         assert_eq!(mode, 0o600);
         let loaded = Checkpoint::load(&state, Some("boot-1")).unwrap();
         assert_eq!(loaded.checkpoint.data(), cp.data());
-        assert!(loaded.invalidated.is_empty() && loaded.set_aside.is_none() && !loaded.needs_save);
+        assert!(loaded.invalidated.is_empty() && loaded.set_aside.is_empty() && !loaded.needs_save);
         let text = fs::read_to_string(cp.path()).unwrap();
         assert!(text.starts_with("sha256:"), "{text}");
         assert!(
-            text.contains("\"PrepareCompleted\"") && text.contains("\"cdiSpecStem\""),
+            text.contains("\"PrepareCompleted\"")
+                && text.contains("\"cdiSpecStem\"")
+                && text.contains("\"cdiSpec\": {"),
             "{text}"
         );
     }
@@ -448,7 +547,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let loaded = Checkpoint::load(dir.path(), Some("b")).unwrap();
         assert!(loaded.checkpoint.data().claims.is_empty());
-        assert!(!loaded.needs_save && loaded.set_aside.is_none());
+        assert!(!loaded.needs_save && loaded.set_aside.is_empty());
     }
 
     #[test]
@@ -468,7 +567,7 @@ mod tests {
         fs::write(cp.path(), &bad).unwrap();
         let loaded = Checkpoint::load(dir.path(), Some("b")).unwrap();
         assert!(loaded.checkpoint.data().claims.is_empty());
-        let aside = loaded.set_aside.unwrap();
+        let aside = loaded.set_aside[0].clone();
         assert_eq!(fs::read(&aside).unwrap(), bad, "the evidence is kept");
         assert!(!cp.path().exists());
         assert_eq!(corrupt_files(dir.path()).len(), 1);
@@ -485,6 +584,83 @@ mod tests {
     }
 
     #[test]
+    fn an_entry_without_a_spec_from_an_older_agent_loads() {
+        let body = br#"{"version":1,"bootId":"b","claims":{"abc":{"namespace":"ns","name":"c",
+            "state":"PrepareStarted","cdiSpecStem":"gpuplane-claim-abc"}}}"#;
+        let mut bytes = format!("sha256:{}\n", sha256_hex(body)).into_bytes();
+        bytes.extend_from_slice(body);
+        let entry = decode(&bytes).unwrap().claims["abc"].clone();
+        assert_eq!(entry.state, ClaimState::PrepareStarted);
+        assert!(entry.cdi_spec.is_none() && entry.devices.is_empty());
+    }
+
+    fn claim(n: u32) -> impl FnOnce(&mut CheckpointData) {
+        move |d| {
+            d.claims
+                .insert(format!("c{n}"), entry(ClaimState::PrepareCompleted));
+        }
+    }
+
+    #[test]
+    fn writes_alternate_between_the_slots_and_the_newest_is_loaded() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cp = Checkpoint::empty(dir.path(), "b");
+        for n in 1..=3 {
+            cp.update(claim(n)).unwrap();
+            assert_eq!(cp.data().sequence, u64::from(n));
+            let expected = if n % 2 == 1 {
+                FILE_NAME
+            } else {
+                SECOND_FILE_NAME
+            };
+            assert_eq!(cp.path(), dir.path().join(expected));
+        }
+        let loaded = Checkpoint::load(dir.path(), Some("b")).unwrap();
+        assert_eq!(loaded.checkpoint.data(), cp.data());
+        assert_eq!(read(dir.path()).as_ref(), Some(cp.data()));
+        // The older slot holds the content before the last write.
+        let older = decode(&fs::read(dir.path().join(SECOND_FILE_NAME)).unwrap()).unwrap();
+        assert_eq!((older.sequence, older.claims.len()), (2, 2));
+    }
+
+    #[test]
+    fn a_torn_slot_falls_back_to_the_other_and_is_overwritten_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cp = Checkpoint::empty(dir.path(), "b");
+        cp.update(claim(1)).unwrap();
+        cp.update(claim(2)).unwrap();
+        // What a crash in the middle of the second write leaves: half its bytes.
+        let torn = dir.path().join(SECOND_FILE_NAME);
+        let bytes = fs::read(&torn).unwrap();
+        fs::write(&torn, &bytes[..bytes.len() / 2]).unwrap();
+        let mut loaded = Checkpoint::load(dir.path(), Some("b")).unwrap();
+        assert!(loaded.set_aside.is_empty() && !loaded.needs_save);
+        let data = loaded.checkpoint.data();
+        assert_eq!((data.sequence, data.claims.len()), (1, 1));
+        loaded.checkpoint.update(claim(3)).unwrap();
+        assert_eq!(loaded.checkpoint.path(), torn);
+        let again = Checkpoint::load(dir.path(), Some("b")).unwrap();
+        assert_eq!(again.checkpoint.data().sequence, 2);
+        assert_eq!(again.checkpoint.data().claims.len(), 2);
+    }
+
+    #[test]
+    fn a_checkpoint_from_before_the_slots_is_read_and_continued() {
+        let dir = tempfile::tempdir().unwrap();
+        let body = br#"{"version":1,"bootId":"b","claims":{}}"#;
+        let mut bytes = format!("sha256:{}\n", sha256_hex(body)).into_bytes();
+        bytes.extend_from_slice(body);
+        fs::write(dir.path().join(FILE_NAME), &bytes).unwrap();
+        let mut loaded = Checkpoint::load(dir.path(), Some("b")).unwrap();
+        assert_eq!(loaded.checkpoint.data().sequence, 0);
+        loaded.checkpoint.update(claim(1)).unwrap();
+        assert_eq!(loaded.checkpoint.path(), dir.path().join(SECOND_FILE_NAME));
+        let again = Checkpoint::load(dir.path(), Some("b")).unwrap();
+        assert_eq!(again.checkpoint.data().claims.len(), 1);
+        assert_eq!(fs::read(dir.path().join(FILE_NAME)).unwrap(), bytes);
+    }
+
+    #[test]
     fn unknown_version_and_garbage_are_set_aside() {
         let dir = tempfile::tempdir().unwrap();
         let mut data = CheckpointData::empty("b");
@@ -493,7 +669,7 @@ mod tests {
         let e = decode(&fs::read(dir.path().join(FILE_NAME)).unwrap()).unwrap_err();
         assert!(matches!(e, DecodeError::Version { .. }), "{e}");
         let loaded = Checkpoint::load(dir.path(), Some("b")).unwrap();
-        assert!(loaded.set_aside.is_some() && loaded.needs_save);
+        assert!(!loaded.set_aside.is_empty() && loaded.needs_save);
 
         for garbage in [
             &b""[..],
@@ -503,7 +679,7 @@ mod tests {
         ] {
             fs::write(dir.path().join(FILE_NAME), garbage).unwrap();
             let loaded = Checkpoint::load(dir.path(), Some("b")).unwrap();
-            assert!(loaded.set_aside.is_some(), "{garbage:?}");
+            assert!(!loaded.set_aside.is_empty(), "{garbage:?}");
         }
         assert_eq!(
             corrupt_files(dir.path()).len(),

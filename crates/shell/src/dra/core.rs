@@ -8,15 +8,20 @@
 //!    unprepare failed for ever, #727/#729);
 //! 2. otherwise the claim is read from the API server and [`plan_claim`] decides its devices
 //!    and their config;
-//! 3. the checkpoint records `PrepareStarted` (with the spec's file stem), so a crash after
-//!    the next step leaves a trace unprepare can clean up;
-//! 4. one CDI spec per claim is written, `<cdi root>/gpuplane-claim-<uid>.json`, kind
+//! 3. the checkpoint records the claim as `PrepareCompleted` with the devices the kubelet gets,
+//!    the ledger units and the claim's whole CDI spec, fsync'd: this one durable write is the
+//!    preparation's record;
+//! 4. the claim's spec file is written from it, `<cdi root>/gpuplane-claim-<uid>.json`, kind
 //!    `k8s.<driver>/claim` (`k8s.gpu.gpuplane.dev/claim` by default), one CDI device per DRA
-//!    device named `<claim uid>-<DRA device name>`, carrying the config's environment;
-//! 5. the checkpoint records `PrepareCompleted` with the devices returned to the kubelet.
+//!    device named `<claim uid>-<DRA device name>`, carrying the config's environment. The
+//!    write is atomic but not fsync'd ([`cdi::Durability::Recreatable`]): at start the agent
+//!    rewrites every recorded spec whose file is missing or differs ([`DraCore::new`]), so the
+//!    checkpoint is the one record a crash must not lose, and a prepare costs one durable write.
 //!
-//! A claim left `PrepareStarted` by a crash is simply prepared again (its spec rewritten) when
-//! the kubelet retries, which it always does until prepare or unprepare succeeds.
+//! A crash before step 3 leaves nothing; after it, the claim is prepared and its devices held
+//! once the agent is back, its spec restored. A claim left `PrepareStarted` by an older agent,
+//! or a completed one whose spec file is gone, is prepared again (its spec rewritten) when the
+//! kubelet retries, which it always does until prepare or unprepare succeeds.
 //!
 //! Each claim succeeds or fails on its own; a failure is an error string naming the claim
 //! (`claim <namespace>/<name> (<uid>): <reason>`), logged once.
@@ -38,7 +43,7 @@
 //! replaces the earlier); `GPUPLANE_DEVICE_*` are exact in both cases.
 //!
 //! Everything after the API read (the second checkpoint look, rendering with its device-node
-//! checks, the ledger hold, both checkpoint writes and the spec write, each fsync'd) runs as one
+//! checks, the ledger hold, the checkpoint write and the spec write) runs as one
 //! job on tokio's blocking pool ([`off_runtime`]), never on a runtime worker, with the
 //! checkpoint lock moved into the job: the steps keep their order, the answer waits for the
 //! job, and a kubelet call cancelled meanwhile does not cut the job short. The state lock is
@@ -81,8 +86,7 @@ use tracing::{error, info, warn, Instrument};
 /// The DRA core. See the module docs.
 pub struct DraCore {
     shared: Arc<Shared>,
-    /// Every checkpoint change, and the CDI spec write between PrepareStarted and
-    /// PrepareCompleted, happens under this lock, so prepares and unprepares serialise on it:
+    /// Every checkpoint change, and the CDI spec write after it, happens under this lock, so prepares and unprepares serialise on it:
     /// the checkpoint is one file rewritten whole, and concurrent read-modify-writes would lose
     /// entries; and the kubelet may retry a prepare (after its 45 s timeout) while the first
     /// call still runs, and the two must not interleave their steps on one claim. The API read
@@ -119,8 +123,8 @@ async fn off_runtime<T: Send + 'static>(
 
 impl DraCore {
     /// Loads the checkpoint (setting an unusable one aside, dropping claims of an earlier boot
-    /// and removing their CDI specs). Claims left `PrepareStarted` stay until the kubelet
-    /// retries them.
+    /// and removing their CDI specs) and rewrites each recorded claim spec whose file is
+    /// missing or differs. Claims left `PrepareStarted` stay until the kubelet retries them.
     pub fn new(
         config: DraCoreConfig,
         state: Arc<NodeState>,
@@ -133,7 +137,7 @@ impl DraCore {
             }
         })?;
         let boot_id = checkpoint::read_boot_id(&config.paths.boot_id());
-        let loaded = Checkpoint::load(&config.paths.state_dir, boot_id.as_deref())
+        let mut loaded = Checkpoint::load(&config.paths.state_dir, boot_id.as_deref())
             .map_err(|source| CoreError::Checkpoint { cause: source })?;
         // Specs first, then the checkpoint: a crash in between invalidates them again.
         for (uid, entry) in &loaded.invalidated {
@@ -155,6 +159,7 @@ impl DraCore {
                 info!(claim = %format!("{}/{}", entry.namespace, entry.name), uid = %uid,
                     "claim was being prepared when the agent stopped; it is prepared again or cleaned up when the kubelet retries");
             }
+            restore_spec(&config.paths.cdi_root, uid, entry);
         }
         Ok(DraCore {
             shared: Arc::new(Shared {
@@ -291,32 +296,30 @@ impl Shared {
         let rendered = self.render(claim, c)?;
         self.hold(c, &rendered.units)?;
         let stem = spec_stem(&c.uid);
-        let started = ClaimEntry {
+        let entry = ClaimEntry {
             namespace: c.namespace.to_string(),
             name: c.name.to_string(),
-            state: ClaimState::PrepareStarted,
-            devices: Vec::new(),
+            state: ClaimState::PrepareCompleted,
+            devices: rendered.devices.clone(),
             cdi_spec_stem: stem.clone(),
-            units: rendered.units.clone(),
+            units: rendered.units,
+            cdi_spec: Some(rendered.spec.clone()),
         };
-        crate::crashpoint::reached(crate::crashpoint::Step::PrepareBeforeCheckpointStarted);
+        crate::crashpoint::reached(crate::crashpoint::Step::PrepareBeforeCheckpoint);
         cp.update(|d| {
-            d.claims.insert(c.uid.to_string(), started.clone());
+            d.claims.insert(c.uid.to_string(), entry);
         })?;
-        crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCheckpointStarted);
-        cdi::write_spec(&self.paths.cdi_root, &stem, &rendered.spec)?;
+        crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCheckpoint);
+        // Not fsync'd: the entry just written is the durable record, and start-up rewrites
+        // the file from it (restore_spec). A failed write leaves the entry; the kubelet's
+        // retry finds the spec missing and prepares the claim again.
+        cdi::write_spec(
+            &self.paths.cdi_root,
+            &stem,
+            &rendered.spec,
+            cdi::Durability::Recreatable,
+        )?;
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCdiSpec);
-        cp.update(|d| {
-            d.claims.insert(
-                c.uid.to_string(),
-                ClaimEntry {
-                    state: ClaimState::PrepareCompleted,
-                    devices: rendered.devices.clone(),
-                    ..started
-                },
-            );
-        })?;
-        crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCheckpointCompleted);
         self.write_device_status(c, rendered.status);
         Ok(rendered.devices)
     }
@@ -371,6 +374,39 @@ impl Shared {
             self.write_device_status(c, Vec::new());
         }
         Ok(())
+    }
+}
+
+/// Makes a checkpointed claim's spec file hold the spec its entry records (start-up): a
+/// crash between the checkpoint write and the spec file, or a power loss that took the
+/// unsynced file, leaves it missing or short. A failure is logged; the kubelet's retry
+/// finds the spec missing and prepares the claim again.
+fn restore_spec(cdi_root: &std::path::Path, uid: &str, entry: &ClaimEntry) {
+    let Some(spec) = entry
+        .cdi_spec
+        .as_ref()
+        .filter(|_| entry.state == ClaimState::PrepareCompleted)
+    else {
+        return;
+    };
+    let claim = format!("{}/{}", entry.namespace, entry.name);
+    if !entry.cdi_spec_stem.starts_with(SPEC_STEM_PREFIX) {
+        warn!(claim = %claim, uid, stem = %entry.cdi_spec_stem,
+            "the checkpoint names a CDI spec that is not a claim spec; not restoring it");
+        return;
+    }
+    match cdi::write_spec(
+        cdi_root,
+        &entry.cdi_spec_stem,
+        spec,
+        cdi::Durability::Durable,
+    ) {
+        Ok(cdi::WriteOutcome::Unchanged) => {}
+        Ok(cdi::WriteOutcome::Written) => {
+            info!(claim = %claim, uid, "restored the CDI spec of a prepared claim from the checkpoint")
+        }
+        Err(e) => error!(claim = %claim, uid, error = %e,
+            "restoring the CDI spec of a prepared claim failed; it is prepared again when the kubelet retries"),
     }
 }
 

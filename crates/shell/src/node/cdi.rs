@@ -122,8 +122,13 @@ impl NodeSpec {
                 cdi::render_node_spec(inv, &files, &kind)
             }
         };
-        let outcome = cdi::write_spec(&self.paths.cdi_root, NODE_SPEC_STEM, &spec)
-            .map_err(|e: WriteError| NodeSpecError::Write(e.to_string()))?;
+        let outcome = cdi::write_spec(
+            &self.paths.cdi_root,
+            NODE_SPEC_STEM,
+            &spec,
+            cdi::Durability::Durable,
+        )
+        .map_err(|e: WriteError| NodeSpecError::Write(e.to_string()))?;
         if outcome == WriteOutcome::Written {
             tracing::info!(dir = %self.paths.cdi_root.display(), devices = spec.devices.len(), version = %spec.cdi_version, mode = ?self.mode, "CDI spec written");
         }
