@@ -5,23 +5,23 @@
 //! counts (a gRPC handler, the ledger's caller) needs no handle threaded through it. The
 //! webhook's (`webhook/metrics.rs`) and the quota loops' (`controller/metrics.rs`) live in a
 //! registry per instance, so two replicas in one process (tests, the demo) never mix their
-//! numbers. Values computed from state when `/metrics` is scraped are [`Collector`]s
-//! (`prometheus_client::collector::Collector`) written with [`gauges`] and [`counter`].
+//! numbers. Values computed from state when `/metrics` is scraped are
+//! [`Collector`](prometheus_client::collector::Collector)s, written with [`gauges`], [`gauge`]
+//! and [`counter`], in a registry made for the scrape; [`render`] encodes them all as one
+//! exposition.
 //!
-//! Counters are registered without their `_total` suffix (the encoder appends it), and help
-//! texts without their final full stop (the registry appends it).
+//! Counters are named without their `_total` suffix (the encoder appends it); a registered
+//! family's help has no final full stop (the registry appends it), a collector's has.
 
-use prometheus_client::encoding::NoLabelSet;
-use prometheus_client::encoding::{text, DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet};
+use prometheus_client::encoding::{
+    text, DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, NoLabelSet,
+};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Metric, Registry};
 use std::sync::OnceLock;
-
-#[cfg(doc)]
-use prometheus_client::collector::Collector;
 
 /// The content type of [`render`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -284,7 +284,7 @@ pub fn render(registries: &[&Registry]) -> String {
     out
 }
 
-/// A gauge family computed at scrape time, one sample per series (from a [`Collector`]).
+/// A gauge family computed at scrape time (by a collector), one sample per series.
 pub fn gauges<L: EncodeLabelSet, V: EncodeGaugeValue>(
     e: &mut DescriptorEncoder<'_>,
     name: &str,
