@@ -20,6 +20,8 @@ const NOT_IN_THE_MODEL: &[&str] = &[
     "nvml-wrapper",
     "nvml-wrapper-sys",
     "nix",
+    // Metrics are the shell's (crates/shell/src/metrics.rs).
+    "prometheus-client",
 ];
 
 fn normal_dependencies(package: &str) -> Vec<String> {

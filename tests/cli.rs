@@ -236,6 +236,7 @@ async fn the_node_agent_serves_metrics_healthz_and_readyz_with_real_meaning() {
     }
     let (code, metrics) = get("/metrics").await;
     assert_eq!(code, 200);
+    assert!(metrics.ends_with("\n# EOF\n"), "{metrics}");
     assert!(
         metrics.contains("gpuplane_devices{resource=\"nvidia.com/gpu\",health=\"healthy\"} 4"),
         "{metrics}"

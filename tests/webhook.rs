@@ -1908,16 +1908,19 @@ async fn metrics_count_admissions_denials_queue_and_usage_per_gpuquota() {
     }
     let addr = r.webhook().metrics_addr().unwrap();
     let wanted = [
-        "gpuplane_quota_queue_length{namespace=\"team-q\",quota=\"queue\"} 2",
-        "gpuplane_quota_released_total{namespace=\"team-q\",quota=\"queue\"} 1",
-        "gpuplane_quota_reserved{namespace=\"team-q\",quota=\"queue\",resource=\"gpus\"} 1",
-        "gpuplane_quota_reserved{namespace=\"team-a\",quota=\"gold\",resource=\"devices[nvidia.com/gpu]\"} 2",
+        ("gpuplane_quota_queue_length{namespace=\"team-q\",quota=\"queue\"}", 2.0),
+        ("gpuplane_quota_released_total{namespace=\"team-q\",quota=\"queue\"}", 1.0),
+        ("gpuplane_quota_reserved{namespace=\"team-q\",quota=\"queue\",resource=\"gpus\"}", 1.0),
+        ("gpuplane_quota_reserved{namespace=\"team-a\",quota=\"gold\",resource=\"devices[nvidia.com/gpu]\"}", 2.0),
     ];
     // One queued pod released, two waiting, the reservations seen by the cache.
     let start = std::time::Instant::now();
     let m = loop {
         let m = get(addr, "/metrics").await.1;
-        if wanted.iter().all(|w| m.lines().any(|l| l == *w)) {
+        if wanted
+            .iter()
+            .all(|(series, want)| sample(&m, series) == Some(*want))
+        {
             break m;
         }
         assert!(
@@ -1942,9 +1945,11 @@ async fn metrics_count_admissions_denials_queue_and_usage_per_gpuquota() {
     ] {
         assert_eq!(sample(&m, &series), Some(want), "{series} in:\n{m}");
     }
-    // Every series sits under its family's TYPE line, once.
+    assert!(m.ends_with("\n# EOF\n"), "one OpenMetrics exposition:\n{m}");
+    // Every series sits under its family's TYPE line, once (OpenMetrics names a counter's
+    // family without the `_total` of its samples).
     for family in [
-        "gpuplane_quota_admissions_total counter",
+        "gpuplane_quota_admissions counter",
         "gpuplane_quota_wait_seconds histogram",
         "gpuplane_webhook_decision_seconds histogram",
         "gpuplane_quota_queue_length gauge",

@@ -11,15 +11,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-/// Metric names for hand-outs, releases and refusals, labelled by `api`.
-pub const LEDGER_HANDOUTS: &str = "gpuplane_ledger_handouts_total";
-pub const LEDGER_HANDOUTS_HELP: &str = "Devices handed out through the allocation ledger, by API.";
-pub const LEDGER_RELEASES: &str = "gpuplane_ledger_releases_total";
-pub const LEDGER_RELEASES_HELP: &str = "Devices released in the allocation ledger, by API.";
-pub const LEDGER_REFUSALS: &str = "gpuplane_ledger_refusals_total";
-pub const LEDGER_REFUSALS_HELP: &str =
-    "Requests refused because another consumer held a device, by API.";
-
 /// Keeps the GPUs `keep` accepts, and the links among them.
 fn restrict(inv: &Inventory, keep: impl Fn(&Gpu) -> bool) -> Inventory {
     let mut out = inv.clone();

@@ -1,250 +1,462 @@
-//! Prometheus metrics (text exposition format, `gpuplane_` prefix): a small process-wide
-//! registry of counters and histograms, plus gauges the caller computes at scrape time.
+//! Prometheus metrics (`gpuplane_` prefix) on prometheus-client, served as OpenMetrics text.
 //!
-//! Process-wide like the Prometheus clients' default registry: the code that counts (a gRPC
-//! handler, the ledger's caller) should not need a handle threaded through it.
+//! Each family is defined once, with its name, help and typed label set. The node agent's are
+//! [`Node`], in a process-wide registry like the Prometheus clients' default one: the code that
+//! counts (a gRPC handler, the ledger's caller) needs no handle threaded through it. The
+//! webhook's (`webhook/metrics.rs`) and the quota loops' (`controller/metrics.rs`) live in a
+//! registry per instance, so two replicas in one process (tests, the demo) never mix their
+//! numbers. Values computed from state when `/metrics` is scraped are
+//! [`Collector`](prometheus_client::collector::Collector)s, written with [`gauges`], [`gauge`]
+//! and [`counter`], in a registry made for the scrape; [`render`] encodes them all as one
+//! exposition.
+//!
+//! Counters are named without their `_total` suffix (the encoder appends it); a registered
+//! family's help has no final full stop (the registry appends it), a collector's has.
 
-use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::{Mutex, OnceLock};
+use prometheus_client::encoding::{
+    text, DescriptorEncoder, EncodeGaugeValue, EncodeLabelSet, NoLabelSet,
+};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Metric, Registry};
+use std::sync::OnceLock;
+
+/// The content type of [`render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Histogram buckets for call latencies, in seconds.
-const BUCKETS: &[f64] = &[0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0];
+pub const BUCKETS: &[f64] = &[0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0];
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Counter,
-    Gauge,
-    Histogram,
+/// A histogram with the call-latency [`BUCKETS`].
+pub fn latency() -> Histogram {
+    Histogram::new(BUCKETS.iter().copied())
 }
 
-impl Kind {
-    fn as_str(self) -> &'static str {
-        match self {
-            Kind::Counter => "counter",
-            Kind::Gauge => "gauge",
-            Kind::Histogram => "histogram",
+/// Histograms by label set, each made by a constructor that picks the buckets (e.g. [`latency`]).
+pub type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Registers a clone of `metric` (they share their values) and returns `metric`.
+pub fn register<M: Metric + Clone>(r: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    r.register(name, help, metric.clone());
+    metric
+}
+
+/// Declares an enum of label values and the text each is exposed as (the derive would expose
+/// the variant's name).
+macro_rules! label_values {
+    ($(#[$m:meta])* $vis:vis enum $name:ident { $($variant:ident => $text:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        $vis enum $name {
+            $($variant),+
         }
+
+        impl prometheus_client::encoding::EncodeLabelValue for $name {
+            fn encode(
+                &self,
+                e: &mut prometheus_client::encoding::LabelValueEncoder,
+            ) -> std::fmt::Result {
+                std::fmt::Write::write_str(e, match self {
+                    $($name::$variant => $text),+
+                })
+            }
+        }
+    };
+}
+pub(crate) use label_values;
+
+label_values! {
+    /// The kubelet API a unit went through.
+    pub enum Api {
+        DevicePlugin => "device-plugin",
+        Dra => "dra",
     }
 }
 
-#[derive(Debug, Clone, Default)]
-struct Hist {
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
+label_values! {
+    /// How a device plugin Allocate ended.
+    pub enum Allocation {
+        Granted => "granted",
+        Refused => "refused",
+    }
 }
 
+label_values! {
+    /// How preparing one claim ended.
+    pub enum Prepare {
+        Prepared => "prepared",
+        Failed => "failed",
+    }
+}
+
+label_values! {
+    /// How a ResourceSlice sync ended.
+    pub enum SliceSync {
+        Ok => "ok",
+        Failed => "failed",
+    }
+}
+
+label_values! {
+    /// A ResourceSlice write.
+    pub enum SliceOp {
+        Create => "create",
+        Update => "update",
+        Delete => "delete",
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+pub struct ApiLabel {
+    pub api: Api,
+}
+
+impl ApiLabel {
+    pub const DEVICE_PLUGIN: ApiLabel = ApiLabel {
+        api: Api::DevicePlugin,
+    };
+    pub const DRA: ApiLabel = ApiLabel { api: Api::Dra };
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+pub struct AllocationLabels {
+    pub resource: String,
+    pub outcome: Allocation,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+pub struct PrepareLabel {
+    pub outcome: Prepare,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+pub struct XidLabel {
+    pub xid: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+pub struct SliceSyncLabel {
+    pub outcome: SliceSync,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+pub struct SliceOpLabel {
+    pub op: SliceOp,
+}
+
+/// The node agent's counters and histograms (its scrape-time gauges are in `node/http.rs`).
 #[derive(Debug)]
-struct Family {
-    help: &'static str,
-    kind: Kind,
-    /// Histogram bucket bounds (the first observation's choice holds for the family).
-    buckets: &'static [f64],
-    values: BTreeMap<String, f64>,
-    hists: BTreeMap<String, Hist>,
+pub struct Node {
+    /// `gpuplane_ledger_handouts_total{api}`
+    pub ledger_handouts: Family<ApiLabel, Counter>,
+    /// `gpuplane_ledger_releases_total{api}`
+    pub ledger_releases: Family<ApiLabel, Counter>,
+    /// `gpuplane_ledger_refusals_total{api}`
+    pub ledger_refusals: Family<ApiLabel, Counter>,
+    /// `gpuplane_allocations_total{resource,outcome}`
+    pub allocations: Family<AllocationLabels, Counter>,
+    /// `gpuplane_allocate_seconds`
+    pub allocate_seconds: Histogram,
+    /// `gpuplane_prepares_total{outcome}`
+    pub prepares: Family<PrepareLabel, Counter>,
+    /// `gpuplane_prepare_seconds`
+    pub prepare_seconds: Histogram,
+    /// `gpuplane_discovery_failures_total`: NVML not loadable yet, a query every GPU needs failing.
+    pub discovery_failures: Counter,
+    /// `gpuplane_xid_events_total{xid}`
+    pub xid_events: Family<XidLabel, Counter>,
+    /// `gpuplane_slice_syncs_total{outcome}`: a failing API server shows as a growing `failed`.
+    pub slice_syncs: Family<SliceSyncLabel, Counter>,
+    /// `gpuplane_slice_writes_total{op}`: on a quiet node this stays flat.
+    pub slice_writes: Family<SliceOpLabel, Counter>,
 }
 
-#[derive(Debug, Default)]
-pub struct Registry {
-    families: Mutex<BTreeMap<&'static str, Family>>,
-}
-
-/// The process-wide registry.
-pub fn global() -> &'static Registry {
-    static R: OnceLock<Registry> = OnceLock::new();
-    R.get_or_init(Registry::default)
-}
-
-/// Renders labels as `{a="x",b="y"}` with values escaped.
-pub fn labels(pairs: &[(&str, &str)]) -> String {
-    if pairs.is_empty() {
-        return String::new();
-    }
-    let inner: Vec<String> = pairs
-        .iter()
-        .map(|(k, v)| {
-            format!(
-                "{k}=\"{}\"",
-                v.replace('\\', "\\\\")
-                    .replace('"', "\\\"")
-                    .replace('\n', "\\n")
-            )
-        })
-        .collect();
-    format!("{{{}}}", inner.join(","))
-}
-
-impl Registry {
-    fn with(
-        &self,
-        name: &'static str,
-        help: &'static str,
-        kind: Kind,
-        f: impl FnOnce(&mut Family),
-    ) {
-        let mut fams = self.families.lock().unwrap_or_else(|p| p.into_inner());
-        let fam = fams.entry(name).or_insert_with(|| Family {
-            help,
-            kind,
-            buckets: BUCKETS,
-            values: BTreeMap::new(),
-            hists: BTreeMap::new(),
-        });
-        f(fam);
-    }
-
-    /// Adds one to a counter.
-    pub fn inc(&self, name: &'static str, help: &'static str, pairs: &[(&str, &str)]) {
-        self.add(name, help, pairs, 1);
-    }
-
-    /// Adds `n` to a counter.
-    pub fn add(&self, name: &'static str, help: &'static str, pairs: &[(&str, &str)], n: u64) {
-        self.with(name, help, Kind::Counter, |f| {
-            *f.values.entry(labels(pairs)).or_default() += n as f64
-        });
-    }
-
-    /// Records one observation (seconds) in a latency histogram.
-    pub fn observe(
-        &self,
-        name: &'static str,
-        help: &'static str,
-        pairs: &[(&str, &str)],
-        seconds: f64,
-    ) {
-        self.observe_in(name, help, pairs, seconds, BUCKETS);
-    }
-
-    /// Records one observation in a histogram with its own bucket bounds (ascending), for
-    /// values outside call latencies (e.g. minutes spent waiting in a queue).
-    pub fn observe_in(
-        &self,
-        name: &'static str,
-        help: &'static str,
-        pairs: &[(&str, &str)],
-        value: f64,
-        buckets: &'static [f64],
-    ) {
-        self.with(name, help, Kind::Histogram, |f| {
-            if f.hists.is_empty() {
-                f.buckets = buckets;
-            }
-            let bounds = f.buckets;
-            let h = f.hists.entry(labels(pairs)).or_insert_with(|| Hist {
-                counts: vec![0; bounds.len()],
-                ..Hist::default()
-            });
-            for (i, b) in bounds.iter().enumerate() {
-                if value <= *b {
-                    h.counts[i] += 1;
-                }
-            }
-            h.sum += value;
-            h.count += 1;
-        });
-    }
-
-    /// The text exposition of every registered family.
-    pub fn render(&self) -> String {
-        let fams = self.families.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out = String::new();
-        for (name, f) in fams.iter() {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {}\n# TYPE {name} {}",
-                f.help,
-                f.kind.as_str()
-            );
-            for (l, v) in &f.values {
-                let _ = writeln!(out, "{name}{l} {v}");
-            }
-            for (l, h) in &f.hists {
-                let base = l.trim_start_matches('{').trim_end_matches('}');
-                let sep = if base.is_empty() { "" } else { "," };
-                for (b, c) in f.buckets.iter().zip(&h.counts) {
-                    let _ = writeln!(out, "{name}_bucket{{{base}{sep}le=\"{b}\"}} {c}");
-                }
-                let _ = writeln!(out, "{name}_bucket{{{base}{sep}le=\"+Inf\"}} {}", h.count);
-                let _ = writeln!(out, "{name}_sum{l} {}\n{name}_count{l} {}", h.sum, h.count);
-            }
+impl Node {
+    fn register(r: &mut Registry) -> Node {
+        Node {
+            ledger_handouts: register(
+                r,
+                "gpuplane_ledger_handouts",
+                "Devices handed out through the allocation ledger, by API",
+                Family::default(),
+            ),
+            ledger_releases: register(
+                r,
+                "gpuplane_ledger_releases",
+                "Devices released in the allocation ledger, by API",
+                Family::default(),
+            ),
+            ledger_refusals: register(
+                r,
+                "gpuplane_ledger_refusals",
+                "Requests refused because another consumer held a device, by API",
+                Family::default(),
+            ),
+            allocations: register(
+                r,
+                "gpuplane_allocations",
+                "Device plugin Allocate calls by resource and outcome",
+                Family::default(),
+            ),
+            allocate_seconds: register(
+                r,
+                "gpuplane_allocate_seconds",
+                "Device plugin Allocate latency",
+                latency(),
+            ),
+            prepares: register(
+                r,
+                "gpuplane_prepares",
+                "NodePrepareResources claims by outcome",
+                Family::default(),
+            ),
+            prepare_seconds: register(
+                r,
+                "gpuplane_prepare_seconds",
+                "Time to prepare one claim",
+                latency(),
+            ),
+            discovery_failures: register(
+                r,
+                "gpuplane_discovery_failures",
+                "Start-up device discovery attempts that failed (each is retried with backoff)",
+                Counter::default(),
+            ),
+            xid_events: register(
+                r,
+                "gpuplane_xid_events",
+                "Xid events reported by the driver, by code",
+                Family::default(),
+            ),
+            slice_syncs: register(
+                r,
+                "gpuplane_slice_syncs",
+                "ResourceSlice syncs by outcome (ok, failed: retried after a pause)",
+                Family::default(),
+            ),
+            slice_writes: register(
+                r,
+                "gpuplane_slice_writes",
+                "ResourceSlice writes to the API server, by operation",
+                Family::default(),
+            ),
         }
-        out
     }
 }
 
-/// A gauge computed at scrape time: name, help, and (rendered labels, value) per series.
-pub type Gauge<'a> = (&'a str, &'a str, Vec<(String, f64)>);
-
-/// Renders gauges computed at scrape time.
-pub fn render_gauges(gauges: &[Gauge<'_>]) -> String {
-    render_computed(Kind::Gauge, gauges)
+struct Global {
+    registry: Registry,
+    node: Node,
 }
 
-/// Renders counters kept elsewhere (plain atomics) and read at scrape time.
-pub fn render_counters(counters: &[Gauge<'_>]) -> String {
-    render_computed(Kind::Counter, counters)
+fn global() -> &'static Global {
+    static G: OnceLock<Global> = OnceLock::new();
+    G.get_or_init(|| {
+        let mut registry = Registry::default();
+        let node = Node::register(&mut registry);
+        Global { registry, node }
+    })
 }
 
-fn render_computed(kind: Kind, families: &[Gauge<'_>]) -> String {
+/// The node agent's families.
+pub fn node() -> &'static Node {
+    &global().node
+}
+
+/// The process-wide registry (the node agent's families).
+pub fn registry() -> &'static Registry {
+    &global().registry
+}
+
+/// `registries` as one OpenMetrics exposition, ending with `# EOF`.
+pub fn render(registries: &[&Registry]) -> String {
     let mut out = String::new();
-    for (name, help, series) in families {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {}", kind.as_str());
-        for (l, v) in series {
-            let _ = writeln!(out, "{name}{l} {v}");
-        }
+    let written = registries
+        .iter()
+        .try_for_each(|r| text::encode_registry(&mut out, r))
+        .and_then(|()| text::encode_eof(&mut out));
+    if written.is_err() {
+        // Writing to a String does not fail; only a collector could, and ours do not.
+        tracing::error!("encoding the metrics failed; the exposition is cut short");
     }
     out
+}
+
+/// A gauge family computed at scrape time (by a collector), one sample per series.
+pub fn gauges<L: EncodeLabelSet, V: EncodeGaugeValue>(
+    e: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    series: &[(L, V)],
+) -> std::fmt::Result {
+    let mut family = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, value) in series {
+        family.encode_family(labels)?.encode_gauge(value)?;
+    }
+    Ok(())
+}
+
+/// A gauge without labels computed at scrape time.
+pub fn gauge<V: EncodeGaugeValue>(
+    e: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    value: V,
+) -> std::fmt::Result {
+    e.encode_descriptor(name, help, None, MetricType::Gauge)?
+        .encode_gauge(&value)
+}
+
+/// A counter without labels kept elsewhere (a plain atomic) and read at scrape time; `name`
+/// without `_total`, which the encoder appends.
+pub fn counter(
+    e: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> std::fmt::Result {
+    e.encode_descriptor(name, help, None, MetricType::Counter)?
+        .encode_counter::<NoLabelSet, _, u64>(&value, None)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prometheus_client::collector::Collector;
 
-    #[test]
-    fn counters_and_histograms_render_in_the_text_format() {
-        let r = Registry::default();
-        r.inc("gpuplane_test_total", "A test counter.", &[("api", "dra")]);
-        r.inc("gpuplane_test_total", "A test counter.", &[("api", "dra")]);
-        r.observe("gpuplane_test_seconds", "A test histogram.", &[], 0.003);
-        let text = r.render();
-        assert!(
-            text.contains(
-                "# TYPE gpuplane_test_total counter\ngpuplane_test_total{api=\"dra\"} 2\n"
-            ),
-            "{text}"
-        );
-        assert!(
-            text.contains("gpuplane_test_seconds_bucket{le=\"0.001\"} 0\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("gpuplane_test_seconds_bucket{le=\"0.005\"} 1\n"),
-            "{text}"
-        );
-        assert!(text.contains("gpuplane_test_seconds_count 1\n"), "{text}");
-        assert_eq!(labels(&[("m", "a\"b")]), "{m=\"a\\\"b\"}");
+    fn node_metrics() -> (Registry, Node) {
+        let mut r = Registry::default();
+        let node = Node::register(&mut r);
+        (r, node)
+    }
+
+    fn assert_lines(text: &str, lines: &[&str]) {
+        for line in lines {
+            assert!(
+                text.lines().any(|l| l == *line),
+                "{line:?} missing from:\n{text}"
+            );
+        }
     }
 
     #[test]
-    fn a_histogram_may_have_its_own_buckets() {
-        let r = Registry::default();
-        r.observe_in(
-            "gpuplane_test_wait_seconds",
-            "Waits.",
-            &[("q", "a")],
-            42.0,
-            &[1.0, 60.0],
+    fn counters_and_histograms_render_as_openmetrics_under_their_names() {
+        let (r, m) = node_metrics();
+        let prepared = PrepareLabel {
+            outcome: Prepare::Prepared,
+        };
+        m.prepares.get_or_create(&prepared).inc();
+        m.prepares.get_or_create(&prepared).inc();
+        m.prepare_seconds.observe(0.003);
+        m.allocations
+            .get_or_create(&AllocationLabels {
+                resource: "nvidia.com/gpu".into(),
+                outcome: Allocation::Granted,
+            })
+            .inc();
+        m.ledger_handouts
+            .get_or_create(&ApiLabel {
+                api: Api::DevicePlugin,
+            })
+            .inc();
+        m.ledger_refusals.get_or_create(&ApiLabel::DRA).inc();
+        m.ledger_releases.get_or_create(&ApiLabel::DRA).inc();
+        m.xid_events.get_or_create(&XidLabel { xid: 79 }).inc();
+        m.slice_syncs
+            .get_or_create(&SliceSyncLabel {
+                outcome: SliceSync::Failed,
+            })
+            .inc();
+        m.slice_writes
+            .get_or_create(&SliceOpLabel {
+                op: SliceOp::Create,
+            })
+            .inc_by(3);
+        let text = render(&[&r]);
+        assert_lines(
+            &text,
+            &[
+                "# HELP gpuplane_prepares NodePrepareResources claims by outcome.",
+                "# TYPE gpuplane_prepares counter",
+                "gpuplane_prepares_total{outcome=\"prepared\"} 2",
+                "# TYPE gpuplane_prepare_seconds histogram",
+                "gpuplane_prepare_seconds_bucket{le=\"0.001\"} 0",
+                "gpuplane_prepare_seconds_bucket{le=\"0.005\"} 1",
+                "gpuplane_prepare_seconds_bucket{le=\"5.0\"} 1",
+                "gpuplane_prepare_seconds_bucket{le=\"+Inf\"} 1",
+                "gpuplane_prepare_seconds_count 1",
+                "gpuplane_prepare_seconds_sum 0.003",
+                "gpuplane_allocations_total{resource=\"nvidia.com/gpu\",outcome=\"granted\"} 1",
+                "gpuplane_ledger_handouts_total{api=\"device-plugin\"} 1",
+                "gpuplane_ledger_refusals_total{api=\"dra\"} 1",
+                "gpuplane_ledger_releases_total{api=\"dra\"} 1",
+                "gpuplane_xid_events_total{xid=\"79\"} 1",
+                "gpuplane_slice_syncs_total{outcome=\"failed\"} 1",
+                "gpuplane_slice_writes_total{op=\"create\"} 3",
+                "gpuplane_discovery_failures_total 0",
+                "gpuplane_allocate_seconds_count 0",
+            ],
         );
-        let text = r.render();
-        for line in [
-            "gpuplane_test_wait_seconds_bucket{q=\"a\",le=\"1\"} 0\n",
-            "gpuplane_test_wait_seconds_bucket{q=\"a\",le=\"60\"} 1\n",
-            "gpuplane_test_wait_seconds_bucket{q=\"a\",le=\"+Inf\"} 1\n",
-            "gpuplane_test_wait_seconds_sum{q=\"a\"} 42\n",
-        ] {
-            assert!(text.contains(line), "{line:?} missing from:\n{text}");
+        assert!(text.ends_with("\n# EOF\n"), "{text}");
+        assert!(!text.contains("_total_total"), "{text}");
+    }
+
+    #[derive(Debug)]
+    struct Scraped;
+
+    #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+    struct ResourceLabel {
+        resource: String,
+    }
+
+    impl Collector for Scraped {
+        fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
+            let series = [
+                (
+                    ResourceLabel {
+                        resource: "a\"b".into(),
+                    },
+                    0.5,
+                ),
+                (
+                    ResourceLabel {
+                        resource: "c".into(),
+                    },
+                    2.0,
+                ),
+            ];
+            gauges(&mut e, "gpuplane_test_share", "Shares.", &series)?;
+            gauge(&mut e, "gpuplane_test_up", "Up.", 1i64)?;
+            counter(&mut e, "gpuplane_test_writes", "Writes.", 7)
         }
+    }
+
+    #[test]
+    fn scrape_time_values_render_after_the_registries_before_them() {
+        let (node, _m) = node_metrics();
+        let mut scrape = Registry::default();
+        scrape.register_collector(Box::new(Scraped));
+        let text = render(&[&node, &scrape]);
+        assert_lines(
+            &text,
+            &[
+                "# HELP gpuplane_test_share Shares.",
+                "# TYPE gpuplane_test_share gauge",
+                "gpuplane_test_share{resource=\"a\\\"b\"} 0.5",
+                "gpuplane_test_share{resource=\"c\"} 2.0",
+                "gpuplane_test_up 1",
+                "# TYPE gpuplane_test_writes counter",
+                "gpuplane_test_writes_total 7",
+            ],
+        );
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+        // A family shows once it has a series: a histogram or a counter without labels at
+        // once, a family by label set after its first count.
+        let histogram = text.find("# TYPE gpuplane_prepare_seconds histogram");
+        assert!(histogram.is_some(), "{text}");
+        assert!(histogram < text.find("gpuplane_test_up"), "{text}");
+        assert!(!text.contains("gpuplane_prepares"), "{text}");
     }
 }

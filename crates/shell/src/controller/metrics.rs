@@ -1,37 +1,132 @@
-//! Metrics of the quota loop, exported in Prometheus text as `gpuplane_quota_*`: process
-//! totals (releases, cycles, status writes) and, per GpuQuota (labels `namespace`, `quota`),
-//! pods released from the queue, their wait from creation to release (histogram) and the
-//! queue's length. The webhook's `/metrics` renders them when the loops run beside it.
+//! Metrics of the quota loop, `gpuplane_quota_*`: process totals (releases, cycles, status
+//! writes) and, per GpuQuota (labels `namespace`, `quota`), pods released from the queue,
+//! their wait from creation to release (histogram) and, read at scrape time, the queue's
+//! length. In a registry of their own, which the webhook's `/metrics` renders when the loops
+//! run beside it.
 
-use crate::metrics::{labels, render_gauges, Registry};
+use crate::metrics::{self, register, Histograms};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-const RELEASED: &str = "gpuplane_quota_released_total";
-const RELEASED_HELP: &str =
-    "Pods released from the queue (their scheduling gate removed): Queue-mode admissions, by GpuQuota.";
-const WAIT: &str = "gpuplane_quota_wait_seconds";
-const WAIT_HELP: &str = "Time from a queued pod's creation to its release, by GpuQuota.";
 /// Queue waits run from seconds to hours; the starvation bound defaults to 2 minutes.
 const WAIT_BUCKETS: &[f64] = &[
     1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
 ];
 
-/// Shared by the loops; cheap to update from any task.
+fn wait_histogram() -> Histogram {
+    Histogram::new(WAIT_BUCKETS.iter().copied())
+}
+
+/// The labels of a per-GpuQuota series.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct QuotaLabels {
+    pub namespace: String,
+    pub quota: String,
+}
+
+/// Per namespace: its GpuQuotas and how many of its pods wait; `gpuplane_quota_queue_length`
+/// when scraped.
 #[derive(Debug, Default)]
+struct Waiting(Mutex<BTreeMap<String, (Vec<String>, u64)>>);
+
+impl Waiting {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, (Vec<String>, u64)>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Collector for Waiting {
+    fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
+        let series: Vec<(QuotaLabels, i64)> = self
+            .lock()
+            .iter()
+            .flat_map(|(ns, (quotas, n))| {
+                quotas.iter().map(move |q| {
+                    let labels = QuotaLabels {
+                        namespace: ns.clone(),
+                        quota: q.clone(),
+                    };
+                    (labels, i64::try_from(*n).unwrap_or(i64::MAX))
+                })
+            })
+            .collect();
+        metrics::gauges(
+            &mut e,
+            "gpuplane_quota_queue_length",
+            "Gated pods waiting for the GpuQuotas of their namespace, by GpuQuota.",
+            &series,
+        )
+    }
+}
+
+/// Shared by the loops; cheap to update from any task.
+#[derive(Debug)]
 pub struct QueueMetrics {
-    released: AtomicU64,
-    cycles: AtomicU64,
-    status_writes: AtomicU64,
-    status_conflicts: AtomicU64,
-    errors: AtomicU64,
-    /// Per namespace: its GpuQuotas and how many of its pods wait.
-    waiting: Mutex<BTreeMap<String, (Vec<String>, u64)>>,
-    /// The per-GpuQuota counters and histograms.
     registry: Registry,
+    pods_released: Counter,
+    cycles: Counter,
+    status_writes: Counter,
+    status_conflicts: Counter,
+    errors: Counter,
+    released: Family<QuotaLabels, Counter>,
+    wait: Histograms<QuotaLabels>,
+    waiting: Arc<Waiting>,
+}
+
+impl Default for QueueMetrics {
+    fn default() -> Self {
+        let mut r = Registry::default();
+        let mut counter = |name: &str, help: &str| register(&mut r, name, help, Counter::default());
+        let pods_released = counter(
+            "gpuplane_quota_pods_released",
+            "Pods whose scheduling gate the quota queue removed",
+        );
+        let cycles = counter(
+            "gpuplane_quota_cycles",
+            "Namespace reconciles run by the quota queue",
+        );
+        let status_writes = counter("gpuplane_quota_status_writes", "GpuQuota status writes");
+        let status_conflicts = counter(
+            "gpuplane_quota_status_conflicts",
+            "GpuQuota status writes that hit a conflict (409)",
+        );
+        let errors = counter(
+            "gpuplane_quota_reconcile_errors",
+            "Namespace reconciles that failed and were retried",
+        );
+        let released = register(
+            &mut r,
+            "gpuplane_quota_released",
+            "Pods released from the queue (their scheduling gate removed): Queue-mode admissions, by GpuQuota",
+            Family::default(),
+        );
+        let wait = register(
+            &mut r,
+            "gpuplane_quota_wait_seconds",
+            "Time from a queued pod's creation to its release, by GpuQuota",
+            Histograms::new_with_constructor(wait_histogram as fn() -> Histogram),
+        );
+        let waiting = Arc::<Waiting>::default();
+        r.register_collector(Box::new(waiting.clone()));
+        QueueMetrics {
+            registry: r,
+            pods_released,
+            cycles,
+            status_writes,
+            status_conflicts,
+            errors,
+            released,
+            wait,
+            waiting,
+        }
+    }
 }
 
 /// A copy of the counters at one moment.
@@ -53,34 +148,36 @@ pub struct MetricsSnapshot {
 impl QueueMetrics {
     /// A pod of `namespace`, whose GpuQuotas are `quotas`, was released after `waited`.
     pub fn released(&self, namespace: &str, quotas: &[String], waited: Duration) {
-        self.released.fetch_add(1, Ordering::Relaxed);
+        self.pods_released.inc();
         for q in quotas {
-            let at = [("namespace", namespace), ("quota", q.as_str())];
-            self.registry.inc(RELEASED, RELEASED_HELP, &at);
-            self.registry
-                .observe_in(WAIT, WAIT_HELP, &at, waited.as_secs_f64(), WAIT_BUCKETS);
+            let at = QuotaLabels {
+                namespace: namespace.to_string(),
+                quota: q.clone(),
+            };
+            self.released.get_or_create(&at).inc();
+            self.wait.get_or_create(&at).observe(waited.as_secs_f64());
         }
     }
 
     pub fn cycle(&self) {
-        self.cycles.fetch_add(1, Ordering::Relaxed);
+        self.cycles.inc();
     }
 
     pub fn status_write(&self, conflicted: bool) {
-        self.status_writes.fetch_add(1, Ordering::Relaxed);
+        self.status_writes.inc();
         if conflicted {
-            self.status_conflicts.fetch_add(1, Ordering::Relaxed);
+            self.status_conflicts.inc();
         }
     }
 
     pub fn error(&self) {
-        self.errors.fetch_add(1, Ordering::Relaxed);
+        self.errors.inc();
     }
 
     /// After a reconcile of `namespace`: `n` of its pods wait for its GpuQuotas `quotas`
     /// (none: the namespace is forgotten).
     pub fn set_waiting(&self, namespace: &str, quotas: Vec<String>, n: u64) {
-        let mut w = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = self.waiting.lock();
         if quotas.is_empty() {
             w.remove(namespace);
         } else {
@@ -88,78 +185,20 @@ impl QueueMetrics {
         }
     }
 
-    /// Everything in Prometheus text format.
-    pub fn render(&self) -> String {
-        let m = self.snapshot();
-        let mut s = String::new();
-        let mut one = |name: &str, help: &str, value: u64| {
-            let _ = writeln!(s, "# HELP {name} {help}");
-            let _ = writeln!(s, "# TYPE {name} counter");
-            let _ = writeln!(s, "{name} {value}");
-        };
-        one(
-            "gpuplane_quota_pods_released_total",
-            "Pods whose scheduling gate the quota queue removed.",
-            m.released,
-        );
-        one(
-            "gpuplane_quota_cycles_total",
-            "Namespace reconciles run by the quota queue.",
-            m.cycles,
-        );
-        one(
-            "gpuplane_quota_status_writes_total",
-            "GpuQuota status writes.",
-            m.status_writes,
-        );
-        one(
-            "gpuplane_quota_status_conflicts_total",
-            "GpuQuota status writes that hit a conflict (409).",
-            m.status_conflicts,
-        );
-        one(
-            "gpuplane_quota_reconcile_errors_total",
-            "Namespace reconciles that failed and were retried.",
-            m.errors,
-        );
-        s.push_str(&self.registry.render());
-        let series: Vec<(String, f64)> = self
-            .waiting
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .flat_map(|(ns, (quotas, n))| {
-                quotas.iter().map(move |q| {
-                    (
-                        labels(&[("namespace", ns.as_str()), ("quota", q.as_str())]),
-                        *n as f64,
-                    )
-                })
-            })
-            .collect();
-        s.push_str(&render_gauges(&[(
-            "gpuplane_quota_queue_length",
-            "Gated pods waiting for the GpuQuotas of their namespace, by GpuQuota.",
-            series,
-        )]));
-        s
+    /// The registry of every family above, the queue length included.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     pub fn snapshot(&self) -> MetricsSnapshot {
-        let waiting = self
-            .waiting
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .map(|(_, n)| n)
-            .sum();
+        let waiting = self.waiting.lock().values().map(|(_, n)| n).sum();
         MetricsSnapshot {
-            released: self.released.load(Ordering::Relaxed),
+            released: self.pods_released.get(),
             waiting,
-            cycles: self.cycles.load(Ordering::Relaxed),
-            status_writes: self.status_writes.load(Ordering::Relaxed),
-            status_conflicts: self.status_conflicts.load(Ordering::Relaxed),
-            errors: self.errors.load(Ordering::Relaxed),
+            cycles: self.cycles.get(),
+            status_writes: self.status_writes.get(),
+            status_conflicts: self.status_conflicts.get(),
+            errors: self.errors.get(),
         }
     }
 }
@@ -169,7 +208,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn renders_totals_and_per_quota_series_in_prometheus_text() {
+    fn renders_totals_and_per_quota_series_as_openmetrics() {
         let m = QueueMetrics::default();
         let quotas = vec!["a".to_string(), "b".to_string()];
         m.released("team-a", &quotas, Duration::from_millis(1500));
@@ -181,25 +220,44 @@ mod tests {
         m.set_waiting("team-b", vec!["q".into()], 0);
         m.set_waiting("team-c", vec!["q".into()], 5);
         m.set_waiting("team-c", Vec::new(), 0);
-        let text = m.render();
+        let text = metrics::render(&[m.registry()]);
         for line in [
-            "# TYPE gpuplane_quota_pods_released_total counter",
-            "gpuplane_quota_pods_released_total 2\n",
-            "gpuplane_quota_cycles_total 1\n",
-            "gpuplane_quota_status_writes_total 2\n",
-            "gpuplane_quota_status_conflicts_total 1\n",
-            "gpuplane_quota_reconcile_errors_total 0\n",
-            "gpuplane_quota_released_total{namespace=\"team-a\",quota=\"b\"} 2\n",
-            "gpuplane_quota_wait_seconds_bucket{namespace=\"team-a\",quota=\"a\",le=\"5\"} 1\n",
-            "gpuplane_quota_wait_seconds_bucket{namespace=\"team-a\",quota=\"a\",le=\"120\"} 2\n",
-            "gpuplane_quota_wait_seconds_sum{namespace=\"team-a\",quota=\"a\"} 91.5\n",
+            "# TYPE gpuplane_quota_pods_released counter",
+            "gpuplane_quota_pods_released_total 2",
+            "gpuplane_quota_cycles_total 1",
+            "gpuplane_quota_status_writes_total 2",
+            "gpuplane_quota_status_conflicts_total 1",
+            "gpuplane_quota_reconcile_errors_total 0",
+            "gpuplane_quota_released_total{namespace=\"team-a\",quota=\"b\"} 2",
+            "# TYPE gpuplane_quota_wait_seconds histogram",
+            "gpuplane_quota_wait_seconds_bucket{le=\"1.0\",namespace=\"team-a\",quota=\"a\"} 0",
+            "gpuplane_quota_wait_seconds_bucket{le=\"5.0\",namespace=\"team-a\",quota=\"a\"} 1",
+            "gpuplane_quota_wait_seconds_bucket{le=\"120.0\",namespace=\"team-a\",quota=\"a\"} 2",
+            "gpuplane_quota_wait_seconds_bucket{le=\"7200.0\",namespace=\"team-a\",quota=\"a\"} 2",
+            "gpuplane_quota_wait_seconds_bucket{le=\"+Inf\",namespace=\"team-a\",quota=\"a\"} 2",
+            "gpuplane_quota_wait_seconds_sum{namespace=\"team-a\",quota=\"a\"} 91.5",
+            "gpuplane_quota_wait_seconds_count{namespace=\"team-a\",quota=\"a\"} 2",
             "# TYPE gpuplane_quota_queue_length gauge",
-            "gpuplane_quota_queue_length{namespace=\"team-a\",quota=\"a\"} 3\n",
-            "gpuplane_quota_queue_length{namespace=\"team-b\",quota=\"q\"} 0\n",
+            "gpuplane_quota_queue_length{namespace=\"team-a\",quota=\"a\"} 3",
+            "gpuplane_quota_queue_length{namespace=\"team-b\",quota=\"q\"} 0",
+            "# EOF",
         ] {
-            assert!(text.contains(line), "{line:?} missing from:\n{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing from:\n{text}"
+            );
         }
         assert!(!text.contains("team-c"), "{text}");
-        assert_eq!(m.snapshot().waiting, 3);
+        assert_eq!(
+            m.snapshot(),
+            MetricsSnapshot {
+                released: 2,
+                waiting: 3,
+                cycles: 1,
+                status_writes: 2,
+                status_conflicts: 1,
+                errors: 0,
+            }
+        );
     }
 }

@@ -5,8 +5,7 @@
 use super::allocate::{self, AllocateError};
 use crate::config::{AllocationMode, DeviceListStrategy};
 use crate::health::Health;
-use crate::ledger::{LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, LEDGER_REFUSALS, LEDGER_REFUSALS_HELP};
-use crate::metrics;
+use crate::metrics::{self, Allocation, AllocationLabels, ApiLabel};
 use crate::node::cdi::NodeSpec;
 use crate::node::state::NodeState;
 use crate::proto::deviceplugin_v1beta1 as pb;
@@ -198,7 +197,7 @@ impl DevicePlugin for DevicePluginService {
         let started = Instant::now();
         let mode = self.node_spec.mode();
         if let Err(status) = self.ensure_node_spec() {
-            count_allocation(resource, "refused", started);
+            count_allocation(resource, Allocation::Refused, started);
             return Err(status);
         }
         // Decide and hold under one write lock, so a concurrent NodePrepare cannot take the
@@ -222,11 +221,11 @@ impl DevicePlugin for DevicePluginService {
                     match allocate::hold(plan, &mut s.ledger, &c.devices_ids, Instant::now()) {
                         Ok((units, newly)) => {
                             held |= newly;
-                            metrics::global().inc(LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, &[("api", "device-plugin")]);
+                            metrics::node().ledger_handouts.get_or_create(&ApiLabel::DEVICE_PLUGIN).inc();
                             tracing::info!(resource, devices = ?c.devices_ids, units = ?units, holder = "device plugin", "handed out");
                         }
                         Err(e) => {
-                            metrics::global().inc(LEDGER_REFUSALS, LEDGER_REFUSALS_HELP, &[("api", "device-plugin")]);
+                            metrics::node().ledger_refusals.get_or_create(&ApiLabel::DEVICE_PLUGIN).inc();
                             tracing::warn!(resource, devices = ?c.devices_ids, error = %e, "Allocate refused");
                             return (Err(refusal(&e)), held);
                         }
@@ -243,9 +242,9 @@ impl DevicePlugin for DevicePluginService {
             (Ok(out), held)
         });
         let outcome = if container_responses.is_ok() {
-            "granted"
+            Allocation::Granted
         } else {
-            "refused"
+            Allocation::Refused
         };
         count_allocation(resource, outcome, started);
         Ok(Response::new(pb::AllocateResponse {
@@ -261,19 +260,15 @@ impl DevicePlugin for DevicePluginService {
     }
 }
 
-fn count_allocation(resource: &str, outcome: &str, started: Instant) {
-    let m = metrics::global();
-    m.inc(
-        "gpuplane_allocations_total",
-        "Device plugin Allocate calls by resource and outcome.",
-        &[("resource", resource), ("outcome", outcome)],
-    );
-    m.observe(
-        "gpuplane_allocate_seconds",
-        "Device plugin Allocate latency.",
-        &[],
-        started.elapsed().as_secs_f64(),
-    );
+fn count_allocation(resource: &str, outcome: Allocation, started: Instant) {
+    let m = metrics::node();
+    m.allocations
+        .get_or_create(&AllocationLabels {
+            resource: resource.to_string(),
+            outcome,
+        })
+        .inc();
+    m.allocate_seconds.observe(started.elapsed().as_secs_f64());
 }
 
 /// What this plugin tells the kubelet it supports.

@@ -433,19 +433,16 @@ impl DraCore {
             // The outcome is logged once, by the gRPC service that was asked; lines logged on
             // the way carry the claim through this span.
             let result = self.prepare_one(&c).instrument(claim_span(&c)).await;
-            let m = metrics::global();
-            let outcome = if result.is_ok() { "prepared" } else { "failed" };
-            m.inc(
-                "gpuplane_prepares_total",
-                "NodePrepareResources claims by outcome.",
-                &[("outcome", outcome)],
-            );
-            m.observe(
-                "gpuplane_prepare_seconds",
-                "Time to prepare one claim.",
-                &[],
-                started.elapsed().as_secs_f64(),
-            );
+            let m = metrics::node();
+            let outcome = if result.is_ok() {
+                metrics::Prepare::Prepared
+            } else {
+                metrics::Prepare::Failed
+            };
+            m.prepares
+                .get_or_create(&metrics::PrepareLabel { outcome })
+                .inc();
+            m.prepare_seconds.observe(started.elapsed().as_secs_f64());
             out.push((c, result));
         }
         out

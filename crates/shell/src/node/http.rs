@@ -1,15 +1,18 @@
-//! The agent's HTTP endpoints: `/metrics` (Prometheus text), `/healthz` (the state owner is
+//! The agent's HTTP endpoints: `/metrics` (OpenMetrics text), `/healthz` (the state owner is
 //! turning) and `/readyz` (devices discovered, registered with the kubelet for every enabled API,
 //! and the node's ResourceSlices published when DRA is on). They are served from the start,
 //! before the devices are discovered.
 
 use crate::health::Health;
 use crate::httpserve::{serve as serve_http, ServeLimits};
-use crate::metrics;
+use crate::metrics::{self, label_values, ApiLabel};
 use crate::node::state::NodeState;
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Request, Response, StatusCode};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
+use prometheus_client::registry::Registry;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -96,45 +99,82 @@ impl Readiness {
     }
 }
 
-/// Gauges derived from the current state.
-fn state_gauges(state: &NodeState) -> String {
-    let snap = state.read();
-    let mut devices = Vec::new();
-    for r in &snap.plan.resources {
-        let unhealthy = r
-            .devices
-            .iter()
-            .filter(|d| matches!(snap.health.health(&d.unit), Health::Unhealthy(_)))
-            .count();
-        for (health, n) in [
-            ("healthy", r.devices.len() - unhealthy),
-            ("unhealthy", unhealthy),
-        ] {
-            devices.push((
-                metrics::labels(&[("resource", &r.name), ("health", health)]),
-                n as f64,
-            ));
+label_values! {
+    /// Whether a device is offered as healthy.
+    enum HealthLabel {
+        Healthy => "healthy",
+        Unhealthy => "unhealthy",
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DeviceLabels {
+    resource: String,
+    health: HealthLabel,
+}
+
+/// The gauges derived from the state at a scrape.
+#[derive(Debug)]
+struct StateGauges {
+    devices: Vec<(DeviceLabels, i64)>,
+    held: [(ApiLabel, i64); 2],
+}
+
+impl StateGauges {
+    fn read(state: &NodeState) -> StateGauges {
+        let snap = state.read();
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        let mut devices = Vec::new();
+        for r in &snap.plan.resources {
+            let unhealthy = r
+                .devices
+                .iter()
+                .filter(|d| matches!(snap.health.health(&d.unit), Health::Unhealthy(_)))
+                .count();
+            for (health, n) in [
+                (HealthLabel::Healthy, r.devices.len() - unhealthy),
+                (HealthLabel::Unhealthy, unhealthy),
+            ] {
+                let resource = r.name.clone();
+                devices.push((DeviceLabels { resource, health }, count(n)));
+            }
+        }
+        let held = snap.ledger.holds().fold([0usize; 2], |mut acc, (_, h)| {
+            acc[usize::from(matches!(h, crate::ledger::Holder::Claim { .. }))] += 1;
+            acc
+        });
+        StateGauges {
+            devices,
+            held: [
+                (ApiLabel::DEVICE_PLUGIN, count(held[0])),
+                (ApiLabel::DRA, count(held[1])),
+            ],
         }
     }
-    let held = snap.ledger.holds().fold([0usize; 2], |mut acc, (_, h)| {
-        acc[usize::from(matches!(h, crate::ledger::Holder::Claim { .. }))] += 1;
-        acc
-    });
-    metrics::render_gauges(&[
-        (
+}
+
+impl Collector for StateGauges {
+    fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
+        metrics::gauges(
+            &mut e,
             "gpuplane_devices",
             "Devices offered through the device plugin API, by resource and health.",
-            devices,
-        ),
-        (
+            &self.devices,
+        )?;
+        metrics::gauges(
+            &mut e,
             "gpuplane_ledger_held_units",
             "Units (GPUs or MIG devices) held in the allocation ledger, by API.",
-            vec![
-                (metrics::labels(&[("api", "device-plugin")]), held[0] as f64),
-                (metrics::labels(&[("api", "dra")]), held[1] as f64),
-            ],
-        ),
-    ])
+            &self.held,
+        )
+    }
+}
+
+/// The process-wide families and the gauges of `state`.
+fn exposition(state: &NodeState) -> String {
+    let mut scrape = Registry::default();
+    scrape.register_collector(Box::new(StateGauges::read(state)));
+    metrics::render(&[metrics::registry(), &scrape])
 }
 
 fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
@@ -149,10 +189,14 @@ fn route(path: &str, state: &NodeState, readiness: &Readiness) -> Response<Full<
         Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
     };
     match path {
-        "/metrics" => text(
-            StatusCode::OK,
-            format!("{}{}", metrics::global().render(), state_gauges(state)),
-        ),
+        "/metrics" => {
+            let mut r = text(StatusCode::OK, exposition(state));
+            r.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static(metrics::CONTENT_TYPE),
+            );
+            r
+        }
         "/healthz" => check(readiness.live()),
         "/readyz" => check(readiness.ready()),
         _ => text(

@@ -88,10 +88,6 @@ pub enum NodeError {
     ProbeThread(std::io::Error),
 }
 
-/// Start-up discovery failures (NVML not loadable yet, a query every GPU needs failing).
-const DISCOVERY_FAILURES: &str = "gpuplane_discovery_failures_total";
-const DISCOVERY_FAILURES_HELP: &str =
-    "Start-up device discovery attempts that failed (each is retried with backoff).";
 /// First pause after a failed start-up discovery; it doubles up to [`DISCOVERY_RETRY_MAX`].
 const DISCOVERY_RETRY_FIRST: Duration = Duration::from_millis(500);
 const DISCOVERY_RETRY_MAX: Duration = Duration::from_secs(30);
@@ -122,7 +118,7 @@ async fn discover_with_retry(
             Err(e) => format!("discovery panicked: {e}"),
         };
         failures += 1;
-        crate::metrics::global().inc(DISCOVERY_FAILURES, DISCOVERY_FAILURES_HELP, &[]);
+        crate::metrics::node().discovery_failures.inc();
         tracing::error!(error = %why, attempt = failures, retry_in = ?delay, "device discovery failed; retrying");
         waiting(Some(format!(
             "{failures} attempt(s) failed, retrying in {delay:?}: {why}"

@@ -104,11 +104,10 @@ impl Owner {
 
     fn on_device_event(&mut self, event: &DeviceEvent) {
         let DeviceEvent::Xid { xid, .. } = event;
-        crate::metrics::global().inc(
-            "gpuplane_xid_events_total",
-            "Xid events reported by the driver, by code.",
-            &[("xid", &xid.to_string())],
-        );
+        crate::metrics::node()
+            .xid_events
+            .get_or_create(&crate::metrics::XidLabel { xid: *xid })
+            .inc();
         let change = self.state.update(|s| {
             let c = s
                 .health

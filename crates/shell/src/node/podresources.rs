@@ -5,8 +5,8 @@
 use crate::deviceplugin::allocate;
 use crate::deviceplugin::resources::Plan;
 use crate::grpc;
-use crate::ledger::{Holder, LEDGER_RELEASES, LEDGER_RELEASES_HELP};
-use crate::metrics;
+use crate::ledger::Holder;
+use crate::metrics::{self, ApiLabel};
 use crate::node::state::NodeState;
 use crate::proto::podresources_v1 as pr;
 use gpuplane_model::report::chain;
@@ -93,7 +93,7 @@ pub async fn run(socket: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Re
                         tracing::info!(device = %u, holder = %in_use[u].1, "device plugin hold learned from PodResources");
                     }
                     for u in &released {
-                        metrics::global().inc(LEDGER_RELEASES, LEDGER_RELEASES_HELP, &[("api", "device-plugin")]);
+                        metrics::node().ledger_releases.get_or_create(&ApiLabel::DEVICE_PLUGIN).inc();
                         tracing::info!(device = %u, holder = "device plugin", "released: PodResources lists no container holding it");
                     }
                     for c in &conflicts {

@@ -23,7 +23,7 @@ pub use keep::{keep_published, LoopOptions};
 use super::plan::{self, Content, Delete, Echoes};
 use super::validate::{validate, Violation};
 use crate::crashpoint::{self, Step};
-use crate::metrics;
+use crate::metrics::{self, SliceOp, SliceOpLabel};
 use gpuplane_model::report::chain;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -282,12 +282,16 @@ impl SlicePublisher {
                         tracing::info!(node = %self.node, driver = %self.driver, created = stats.created, updated = stats.updated, deleted = stats.deleted, generation = stats.generation, "ResourceSlices published");
                     }
                     for (op, n) in [
-                        ("create", stats.created),
-                        ("update", stats.updated),
-                        ("delete", stats.deleted),
+                        (SliceOp::Create, stats.created),
+                        (SliceOp::Update, stats.updated),
+                        (SliceOp::Delete, stats.deleted),
                     ] {
                         if n > 0 {
-                            metrics::global().add(WRITES, WRITES_HELP, &[("op", op)], n as u64);
+                            let n = u64::try_from(n).unwrap_or(u64::MAX);
+                            metrics::node()
+                                .slice_writes
+                                .get_or_create(&SliceOpLabel { op })
+                                .inc_by(n);
                         }
                     }
                     return Ok(stats);
@@ -509,7 +513,3 @@ fn push_capped(q: &mut VecDeque<String>, v: String) {
     }
     q.push_back(v);
 }
-
-/// ResourceSlice writes by operation: on a quiet node this stays flat (writes only differences).
-const WRITES: &str = "gpuplane_slice_writes_total";
-const WRITES_HELP: &str = "ResourceSlice writes to the API server, by operation.";

@@ -22,7 +22,7 @@
 
 use super::cluster::Cluster;
 use super::commit::{Answer, CommitError, Committer};
-use super::metrics::Metrics;
+use super::metrics::{Metrics, Webhook};
 use super::review::{AdmissionRequest, Verdict};
 use crate::quota::{
     claim_charge, claim_is_extended_resource_claim, claim_is_pod_owned, now_rfc3339, pod_charge,
@@ -132,7 +132,7 @@ impl Admitter {
                 ),
             }
         };
-        self.metrics.admission("validate", &v);
+        self.metrics.admission(Webhook::Validate, &v);
         v
     }
 
@@ -147,7 +147,7 @@ impl Admitter {
             ("", "Pod", _) => Verdict::allow(),
             (g, k, _) => Verdict::deny(400, format!("this webhook mutates Pods, not {g}/{k}")),
         };
-        self.metrics.admission("mutate", &v);
+        self.metrics.admission(Webhook::Mutate, &v);
         v
     }
 

@@ -9,7 +9,7 @@
 use super::admit::Admitter;
 use super::cluster::Cluster;
 use super::commit::CommitCounters;
-use super::metrics::{exposition, Metrics};
+use super::metrics::{exposition, Metrics, Webhook};
 use super::probe::{self, Probes};
 use super::review;
 use crate::controller::metrics::QueueMetrics;
@@ -66,10 +66,12 @@ async fn admission(
 ) -> Response<Body> {
     let started = Instant::now();
     let r = decide(&admitter, req, mutate).await;
-    admitter.metrics.decided(
-        if mutate { "mutate" } else { "validate" },
-        started.elapsed(),
-    );
+    let webhook = if mutate {
+        Webhook::Mutate
+    } else {
+        Webhook::Validate
+    };
+    admitter.metrics.decided(webhook, started.elapsed());
     r
 }
 
@@ -205,10 +207,11 @@ impl Reporter {
                     &self.commits,
                     self.loops.as_deref(),
                 );
-                let mut r = text(StatusCode::OK, body);
+                // As encoded: nothing may follow its `# EOF`.
+                let mut r = Response::new(Full::new(Bytes::from(body)));
                 r.headers_mut().insert(
                     hyper::header::CONTENT_TYPE,
-                    hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),
+                    hyper::header::HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
                 );
                 r
             }

@@ -4,11 +4,8 @@
 use super::{claim_label, PrepareError, Shared};
 use crate::config::AllocationMode;
 use crate::dra::ClaimRef;
-use crate::ledger::{
-    Holder, LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, LEDGER_REFUSALS, LEDGER_REFUSALS_HELP,
-    LEDGER_RELEASES, LEDGER_RELEASES_HELP,
-};
-use crate::metrics;
+use crate::ledger::Holder;
+use crate::metrics::{self, ApiLabel};
 use std::collections::BTreeMap;
 use std::time::Instant;
 use tracing::info;
@@ -33,12 +30,18 @@ impl Shared {
             let list: Vec<String> = units.values().cloned().collect();
             match s.ledger.hold_all(&list, &who, Instant::now()) {
                 Ok(()) => {
-                    metrics::global().inc(LEDGER_HANDOUTS, LEDGER_HANDOUTS_HELP, &[("api", "dra")]);
+                    metrics::node()
+                        .ledger_handouts
+                        .get_or_create(&ApiLabel::DRA)
+                        .inc();
                     info!(claim = %claim_label(c), units = ?list, "handed out to claim");
                     (Ok(()), true)
                 }
                 Err(held) => {
-                    metrics::global().inc(LEDGER_REFUSALS, LEDGER_REFUSALS_HELP, &[("api", "dra")]);
+                    metrics::node()
+                        .ledger_refusals
+                        .get_or_create(&ApiLabel::DRA)
+                        .inc();
                     let device = units
                         .iter()
                         .find(|(_, u)| **u == held.unit)
@@ -63,7 +66,10 @@ impl Shared {
             (r, changed)
         });
         if !released.is_empty() {
-            metrics::global().inc(LEDGER_RELEASES, LEDGER_RELEASES_HELP, &[("api", "dra")]);
+            metrics::node()
+                .ledger_releases
+                .get_or_create(&ApiLabel::DRA)
+                .inc();
             info!(claim = %claim_label(c), units = ?released, "released by claim");
         }
     }

@@ -3,7 +3,7 @@
 //! after a failed sync and every `resync`, counting syncs by outcome.
 
 use super::SlicePublisher;
-use crate::metrics;
+use crate::metrics::{self, SliceSync, SliceSyncLabel};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
@@ -34,10 +34,6 @@ impl Default for LoopOptions {
     }
 }
 
-/// Syncs by outcome: a failing API server shows as a growing `failed` count.
-const SYNCS: &str = "gpuplane_slice_syncs_total";
-const SYNCS_HELP: &str = "ResourceSlice syncs by outcome (ok, failed: retried after a pause).";
-
 type EventStream = Pin<Box<dyn Stream<Item = Result<Event<ResourceSlice>, watcher::Error>> + Send>>;
 
 /// Keeps `desired` published until `shutdown` completes or the sender of `desired` is
@@ -66,8 +62,15 @@ where
         if due.is_some_and(|d| d <= now) {
             let want = desired.borrow_and_update().clone();
             let result = publisher.sync(want).await;
-            let outcome = if result.is_ok() { "ok" } else { "failed" };
-            metrics::global().inc(SYNCS, SYNCS_HELP, &[("outcome", outcome)]);
+            let outcome = if result.is_ok() {
+                SliceSync::Ok
+            } else {
+                SliceSync::Failed
+            };
+            metrics::node()
+                .slice_syncs
+                .get_or_create(&SliceSyncLabel { outcome })
+                .inc();
             due = match result {
                 Ok(_) => None,
                 Err(e) => {
