@@ -42,6 +42,8 @@ cargo clippy --workspace --all-targets -- -D warnings
 cargo clippy --workspace --all-targets --features gpuplane/crashpoints -- -D warnings
 # The image's build: no demo, no test doubles (Dockerfile: --no-default-features).
 cargo clippy -p gpuplane --bin gpuplane --no-default-features -- -D warnings
+echo "== rustdoc -D warnings (intra-doc links resolve across the crate edges)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 echo "== cluster binaries for tests/real_cluster.rs (hack/cluster/build.sh: about 22 min cold, cached after)"
 if cluster_out="$(./hack/cluster/build.sh)"; then
   export GPUPLANE_CLUSTER_BIN="$(sed -n 's/^GPUPLANE_CLUSTER_BIN=//p' <<<"$cluster_out")"

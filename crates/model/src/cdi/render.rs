@@ -3,7 +3,7 @@
 //! The node spec names devices the way NVIDIA's `nvidia-ctk cdi generate` does, so pod specs and
 //! runtime configurations written for NVIDIA's specs keep working: every GPU by index (`0`) and
 //! UUID (`GPU-…`), every MIG device by `<gpu index>:<mig index>` (the MIG index is the position in
-//! [`Gpu::mig_devices`], i.e. ordered by GPU then compute instance) and by UUID (`MIG-…`), and
+//! [`Gpu::mig_devices`](crate::inventory::Gpu::mig_devices), i.e. ordered by GPU then compute instance) and by UUID (`MIG-…`), and
 //! `all`. [`render_spec`] is the building block for specs over any named device sets (the DRA
 //! per-claim specs).
 //!

@@ -1,5 +1,5 @@
 //! The quota model as the planner's [`Ledger`] (pure): every fit question goes to
-//! [`crate::quota::check`], every sum to the model's `Usage`; nothing here re-implements quota
+//! [`crate::quota::check()`], every sum to the model's `Usage`; nothing here re-implements quota
 //! arithmetic.
 //!
 //! For planning, each GpuQuota is *compacted*: its `status.used` becomes everything it holds

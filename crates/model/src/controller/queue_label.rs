@@ -1,7 +1,7 @@
 //! The namespace label `quota.gpuplane.dev/queue: "true"` (pure): wanted on every namespace
 //! with at least one Queue-mode GpuQuota, and on no other. The mutating gate webhook's
 //! namespaceSelector requires it, so the API server calls that webhook only where it can act.
-//! [`super::labeler`] applies the patch decided here.
+//! The shell's `controller::labeler` applies the patch decided here.
 //!
 //! The key is the controller's: it is set and removed whatever put it there, and no other
 //! label is ever touched. A namespace without the label is still governed, only not gated:

@@ -1,6 +1,6 @@
 //! What preparing a ResourceClaim means on this node: a pure decision over the claim object,
 //! the inventory and the health book ([`plan_claim`]), and the one I/O it needs, reading the
-//! claim from the API server ([`ClaimFetcher`], [`KubeClaims`]).
+//! claim from the API server (the shell's `ClaimFetcher`, `KubeClaims`).
 //!
 //! Rules, from the resource.k8s.io/v1 API:
 //!

@@ -1,7 +1,7 @@
 //! What the driver tells users about a prepared claim in `status.devices` (KEP-4817, GA in
 //! Kubernetes 1.37): one entry per allocated device of ours, keyed by driver, pool and device,
 //! with the device's identity in `data` and a `Ready` condition. Pure rendering; the write is
-//! the claim store's ([`super::claims::ClaimFetcher::set_device_status`]), by server-side apply
+//! the claim store's (the shell's `ClaimFetcher::set_device_status`), by server-side apply
 //! under [`FIELD_MANAGER`], so entries of other drivers in the same claim are left alone and an
 //! apply with no entries removes ours.
 

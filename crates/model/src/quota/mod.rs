@@ -30,7 +30,7 @@
 //!   `nvidia.com/gpu` served through DRA.
 //!
 //! Deciding (pure)
-//! - [`check`]`(&quota, &all_quotas, Some(&key), &charge) -> Result<`[`Fit`]`, `[`Denial`]`>`:
+//! - [`check()`]`(&quota, &all_quotas, Some(&key), &charge) -> Result<`[`Fit`]`, `[`Denial`]`>`:
 //!   `used + reserved (minus key's own) + charge <= hard`, with cohort borrowing. `Denial`
 //!   displays as `gpuMemory: requested 10Gi, used 15Gi of 20Gi in GpuQuota team-a/default`.
 //! - [`try_reserve`]: check and record a `Reserved` reservation; [`record_queued`]: record a

@@ -1,9 +1,9 @@
 //! ResourceSlices, the pure half: what this node offers to the DRA scheduler.
 //!
-//! - [`render`] (pure): inventory + health -> the `resource.k8s.io/v1` ResourceSlices of this
+//! - [`mod@render`] (pure): inventory + health -> the `resource.k8s.io/v1` ResourceSlices of this
 //!   node's pool, with NVIDIA-compatible attribute names, taints for unhealthy devices and a
 //!   deterministic split into slices.
-//! - [`validate`] (pure): the API server's ResourceSlice validation rules, so a bad slice is
+//! - [`mod@validate`] (pure): the API server's ResourceSlice validation rules, so a bad slice is
 //!   caught in tests and before a write, with the field paths the API server would name.
 //! - [`plan`] (pure): existing + desired slices -> the creates, updates and deletes to make,
 //!   and the pool generation.

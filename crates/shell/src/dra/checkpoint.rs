@@ -44,7 +44,7 @@
 //!
 //! A claim's entry is the durable record of its preparation: written (fsync'd) before the
 //! claim's CDI spec file exists, and holding that spec (`cdiSpec`), so the spec file is a copy
-//! the agent rewrites from here at start ([`crate::dra::DraCore::new`]) and is itself written
+//! the agent rewrites from here at start ([`crate::dra::core::DraCore::new`]) and is itself written
 //! without an fsync. Entries written by agents before `cdiSpec` existed lack it; such a claim
 //! whose spec file is gone is prepared again when the kubelet retries.
 //!

@@ -44,7 +44,7 @@
 //!
 //! Everything after the API read (the second checkpoint look, rendering with its device-node
 //! checks, the ledger hold, the checkpoint write and the spec write) runs as one
-//! job on tokio's blocking pool ([`off_runtime`]), never on a runtime worker, with the
+//! job on tokio's blocking pool (`off_runtime`), never on a runtime worker, with the
 //! checkpoint lock moved into the job: the steps keep their order, the answer waits for the
 //! job, and a kubelet call cancelled meanwhile does not cut the job short. The state lock is
 //! taken only for the short plan read and the hold, never across a file operation. The

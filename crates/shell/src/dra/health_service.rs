@@ -4,7 +4,7 @@
 //! Both versions are served from one implementation. They are wire-identical apart from the
 //! package name; a 1.37 kubelet speaks v1, older ones v1alpha1 (superseded), and the kubelet
 //! picks one of them at registration (see `registration.rs`). One stream task produces
-//! version-neutral [`Report`]s and each version only converts them to its own messages.
+//! version-neutral `Report`s and each version only converts them to its own messages.
 //!
 //! `NodeWatchResources` sends the full list from [`DraDriver::device_health`] at once, again
 //! whenever [`DraDriver::health_changes`] ticks and the list differs from the last one sent, and

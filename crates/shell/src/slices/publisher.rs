@@ -1,7 +1,7 @@
 //! Keeps this node's ResourceSlices on the API server equal to the rendered ones (I/O shell).
 //!
 //! [`SlicePublisher::sync`] lists the slices of this node and driver (field selector
-//! `spec.nodeName=<node>,spec.driver=<driver>`), asks [`plan`](super::plan) what differs and
+//! `spec.nodeName=<node>,spec.driver=<driver>`), asks [`super::plan`] what differs and
 //! makes only those writes: an unchanged pool costs one LIST and no writes, also right after
 //! an agent restart, because content is compared and the existing generation reused.
 //! Conflicts (409: someone wrote in between, a name already taken, a delete precondition)
