@@ -34,6 +34,8 @@ pub enum DraStartError {
     Core(CoreError),
     #[error("starting the DRA driver's sockets: {}", chain(.0))]
     Serve(ServeError),
+    #[error("starting the DRA driver: its start-up job did not finish: {0}")]
+    Worker(String),
 }
 
 /// The slices this node should publish now: the DRA view of the inventory with health taints,
@@ -86,12 +88,13 @@ pub async fn start(
         device_mode,
         ..DraCoreConfig::new(&driver, node_name)
     };
-    let core = DraCore::new(
-        config,
-        state.clone(),
-        Arc::new(KubeClaims::new(settings.client.clone())),
-    )
-    .map_err(DraStartError::Core)?;
+    let claims = Arc::new(KubeClaims::new(settings.client.clone()));
+    let core_state = state.clone();
+    // Loading the checkpoint and restoring claim specs read and write files: off the runtime.
+    let core = tokio::task::spawn_blocking(move || DraCore::new(config, core_state, claims))
+        .await
+        .map_err(|e| DraStartError::Worker(e.to_string()))?
+        .map_err(DraStartError::Core)?;
     core.restore_holds().await;
     let events = ClaimEvents::new(settings.client.clone(), &driver, node_name);
     let reporting = ReportingDriver::new(Arc::new(core), events);
