@@ -132,8 +132,8 @@ pub struct QueueLoop {
     catalog_stale: bool,
     /// Our own last writes of GpuQuotas, newer than the cache until its watch catches up.
     written: HashMap<String, GpuQuota>,
-    /// Pods we ungated, by uid, until the cache shows it.
-    ungated: HashMap<String, Instant>,
+    /// Pods we ungated, by uid, with their namespace and when, until the cache shows it.
+    ungated: HashMap<String, (String, Instant)>,
     memos: HashMap<String, Memo>,
     failures: HashMap<String, u32>,
     charges: namespace::Charges,
@@ -353,8 +353,10 @@ impl QueueLoop {
             .filter(|p| pods::gate_index(p).is_some())
             .filter_map(|p| p.metadata.uid.as_deref())
             .collect();
-        self.ungated.retain(|uid, at| {
-            gated.contains(uid.as_str()) && at.elapsed() < Duration::from_secs(60)
+        // Only this namespace's marks: `gated` says nothing about other namespaces' pods.
+        self.ungated.retain(|uid, (namespace, at)| {
+            namespace != ns
+                || (gated.contains(uid.as_str()) && at.elapsed() < Duration::from_secs(60))
         });
     }
 

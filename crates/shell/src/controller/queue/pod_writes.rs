@@ -69,7 +69,8 @@ impl QueueLoop {
                     if matches!(r, Ok(Ungated::Removed)) {
                         self.metrics.released(ns, &quotas, waited);
                     }
-                    self.ungated.insert(p.uid.clone(), Instant::now());
+                    self.ungated
+                        .insert(p.uid.clone(), (ns.to_string(), Instant::now()));
                     if p.condition.is_some() || self.memos.contains_key(&p.uid) {
                         told.push(p);
                     }
