@@ -132,7 +132,7 @@ struct Cleanup {
 impl Drop for Cleanup {
     fn drop(&mut self) {
         for stem in &self.stems {
-            if let Err(e) = cdi::remove_spec(Path::new(CDI_ROOT), stem) {
+            if let Err(e) = cdi::remove_spec(Path::new(CDI_ROOT), stem, cdi::Durability::Durable) {
                 eprintln!("cleanup: {e}");
             }
         }

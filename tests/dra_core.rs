@@ -655,9 +655,19 @@ async fn a_reboot_invalidates_prepared_claims_and_removes_their_specs() {
         .as_ref()
         .unwrap();
     assert!(env.spec_path(&c.uid).exists());
+    // A claim spec no entry names (an unsynced removal a power loss undid), and another file.
+    let orphan = env.spec_path(&uid(9));
+    fs::copy(env.spec_path(&c.uid), &orphan).unwrap();
+    let other = env.cdi().join("vendor-spec.json");
+    fs::write(&other, b"{}").unwrap();
     fs::write(env.root.join("proc/sys/kernel/random/boot_id"), "boot-2\n").unwrap();
     let core = env.core();
     assert!(!env.spec_path(&c.uid).exists());
+    assert!(
+        !orphan.exists(),
+        "every claim spec of the earlier boot is swept"
+    );
+    assert!(other.exists(), "only claim specs");
     let cp = env.checkpoint();
     assert!(cp.claims.is_empty());
     assert_eq!(cp.boot_id, "boot-2");

@@ -13,10 +13,10 @@
 //! [`overwrite_in_place`] rewrites an existing file with one fdatasync and no rename, for the
 //! DRA checkpoint's slots, which a checksum and a second copy make safe to tear.
 //!
-//! [`write_atomic_recreatable`] is the same write without the two syncs: atomic for every
-//! reader and across a killed process (the page cache survives it), but not across a power
-//! loss. It is only for a file the agent recreates at start from a record that was itself
-//! written durably (a claim's CDI spec, recorded in the DRA checkpoint): a prepare then pays
+//! [`write_atomic_unsynced`] and [`remove_unsynced`] are the same without the syncs: atomic for
+//! every reader and across a killed process (the page cache survives it), but not across a
+//! power loss. They are only for files the agent repairs at start: a claim's CDI spec, which
+//! the DRA checkpoint records durably and which is swept after a reboot. A prepare then pays
 //! for one durable write, not two.
 
 use crate::crashpoint::{self, Step};
@@ -160,7 +160,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError>
 /// process see the old content or the new, never half a file, but a power loss may lose the
 /// new content (or leave the file empty). Only for files recreated at start from a durable
 /// record.
-pub fn write_atomic_recreatable(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError> {
+pub fn write_atomic_unsynced(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FsError> {
     replace(path, bytes, mode, false)
 }
 
@@ -264,6 +264,18 @@ pub fn overwrite_in_place(path: &Path, bytes: &[u8]) -> Result<(), FsError> {
         .map_err(overwrite)?;
     crashpoint::reached_at(Step::FileBeforeSync, &path.to_string_lossy());
     file.sync_data().map_err(overwrite)
+}
+
+/// Removes `path` without syncing its directory: a power loss may bring it back. A file that
+/// is already gone is not an error.
+pub fn remove_unsynced(path: &Path) -> Result<(), FsError> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(FsError::Remove {
+            path: path.to_path_buf(),
+            cause: e,
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Removes `path` and syncs its directory. A file that is already gone is not an error.
@@ -384,8 +396,8 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("claim.json");
-        write_atomic_recreatable(&path, b"one", 0o644).unwrap();
-        write_atomic_recreatable(&path, b"two", 0o644).unwrap();
+        write_atomic_unsynced(&path, b"one", 0o644).unwrap();
+        write_atomic_unsynced(&path, b"two", 0o644).unwrap();
         assert_eq!(fs::read(&path).unwrap(), b"two");
         let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o644);
@@ -413,6 +425,10 @@ mod tests {
         remove_durable(&path).unwrap();
         assert!(!path.exists());
         remove_durable(&path).unwrap();
+        write_atomic(&path, b"x", 0o644).unwrap();
+        remove_unsynced(&path).unwrap();
+        assert!(!path.exists());
+        remove_unsynced(&path).unwrap();
         let sub = dir.path().join("sub");
         fs::create_dir(&sub).unwrap();
         fs::write(sub.join("f"), b"").unwrap();

@@ -37,9 +37,10 @@ pub enum Durability {
     /// Fsync'd: the new spec survives a power loss once the write returns (the node spec,
     /// which nothing else records).
     Durable,
-    /// Atomic but not fsync'd ([`fsutil::write_atomic_recreatable`]): for a claim's spec, which
-    /// the DRA checkpoint records durably and the agent rewrites from it at start.
-    Recreatable,
+    /// Atomic but not fsync'd ([`fsutil::write_atomic_unsynced`], [`fsutil::remove_unsynced`]):
+    /// for a claim's spec, which the DRA checkpoint records durably (the agent rewrites it from
+    /// there at start) and which the agent sweeps away after a reboot.
+    Recoverable,
 }
 
 /// What [`write_spec`] did.
@@ -109,7 +110,7 @@ pub fn write_spec(
     })?;
     let write = match durability {
         Durability::Durable => fsutil::write_atomic,
-        Durability::Recreatable => fsutil::write_atomic_recreatable,
+        Durability::Recoverable => fsutil::write_atomic_unsynced,
     };
     write(&path, &bytes, SPEC_MODE).map_err(|source| WriteError::Write {
         path,
@@ -119,9 +120,17 @@ pub fn write_spec(
 }
 
 /// Removes `<cdi_root>/<file_stem>.json`; a spec that is not there is not an error.
-pub fn remove_spec(cdi_root: &Path, file_stem: &str) -> Result<(), WriteError> {
+pub fn remove_spec(
+    cdi_root: &Path,
+    file_stem: &str,
+    durability: Durability,
+) -> Result<(), WriteError> {
     let path = spec_path(cdi_root, file_stem)?;
-    fsutil::remove_durable(&path).map_err(|source| WriteError::Remove {
+    let remove = match durability {
+        Durability::Durable => fsutil::remove_durable,
+        Durability::Recoverable => fsutil::remove_unsynced,
+    };
+    remove(&path).map_err(|source| WriteError::Remove {
         path,
         cause: source,
     })
@@ -173,9 +182,9 @@ mod tests {
             .unwrap(),
             WriteOutcome::Written
         );
-        remove_spec(&root, "gpuplane-node").unwrap();
+        remove_spec(&root, "gpuplane-node", Durability::Durable).unwrap();
         assert!(!path.exists());
-        remove_spec(&root, "gpuplane-node").unwrap();
+        remove_spec(&root, "gpuplane-node", Durability::Recoverable).unwrap();
         assert_eq!(fs::read_dir(&root).unwrap().count(), 0);
     }
 
@@ -193,7 +202,7 @@ mod tests {
             )
             .unwrap_err();
             assert!(matches!(err, WriteError::BadStem { .. }), "{bad:?}: {err}");
-            assert!(remove_spec(dir.path(), bad).is_err());
+            assert!(remove_spec(dir.path(), bad, Durability::Durable).is_err());
         }
         for ok in ["gpuplane", "gpuplane-claim-0a1b.2_c"] {
             assert!(spec_path(dir.path(), ok).is_ok());

@@ -64,8 +64,9 @@
 //!   the last write;
 //! - a file written under another boot id (`/proc/sys/kernel/random/boot_id`): the node
 //!   rebooted, every container of its claims is gone, and the kubelet prepares them afresh.
-//!   The claims are dropped from the checkpoint and handed back in [`Loaded::invalidated`] so
-//!   the caller removes their CDI spec files (`/etc/cdi` survives a reboot).
+//!   The claims are dropped from the checkpoint and handed back in [`Loaded::invalidated`], and
+//!   [`Loaded::rebooted`] tells the caller to remove every claim's CDI spec file (`/etc/cdi`
+//!   survives a reboot; so may a spec whose unsynced removal the power loss undid).
 
 use super::PreparedDevice;
 use crate::cdi::Spec;
@@ -263,6 +264,9 @@ pub struct Loaded {
     pub checkpoint: Checkpoint,
     /// Claims of an earlier boot, dropped: remove their CDI specs.
     pub invalidated: BTreeMap<String, ClaimEntry>,
+    /// The checkpoint was written under another (known) boot id: every claim spec on disk is of
+    /// an earlier boot.
+    pub rebooted: bool,
     /// Where unusable slots were moved (when no slot was usable).
     pub set_aside: Vec<PathBuf>,
     /// The content differs from the file (or there is no file worth keeping): save it.
@@ -319,6 +323,7 @@ impl Checkpoint {
             return Ok(Loaded {
                 checkpoint: Checkpoint::empty(state_dir, current),
                 invalidated: BTreeMap::new(),
+                rebooted: false,
                 set_aside: moved,
                 needs_save,
             });
@@ -329,6 +334,7 @@ impl Checkpoint {
         }
         let mut invalidated = BTreeMap::new();
         let mut needs_save = false;
+        let rebooted = !current.is_empty() && !data.boot_id.is_empty() && data.boot_id != current;
         if !current.is_empty() && data.boot_id != current {
             if !data.boot_id.is_empty() && !data.claims.is_empty() {
                 warn!(
@@ -349,6 +355,7 @@ impl Checkpoint {
                 slot: Some(slot),
             },
             invalidated,
+            rebooted,
             set_aside: Vec::new(),
             needs_save,
         })
@@ -696,7 +703,7 @@ mod tests {
         assert!(loaded.checkpoint.data().claims.is_empty());
         assert_eq!(loaded.checkpoint.data().boot_id, "boot-2");
         assert_eq!(loaded.invalidated.keys().collect::<Vec<_>>(), vec!["abc"]);
-        assert!(loaded.needs_save);
+        assert!(loaded.needs_save && loaded.rebooted);
         // An unknown boot id keeps the claims.
         let loaded = Checkpoint::load(dir.path(), None).unwrap();
         assert_eq!(loaded.checkpoint.data().claims.len(), 1);

@@ -14,7 +14,7 @@
 //! 4. the claim's spec file is written from it, `<cdi root>/gpuplane-claim-<uid>.json`, kind
 //!    `k8s.<driver>/claim` (`k8s.gpu.gpuplane.dev/claim` by default), one CDI device per DRA
 //!    device named `<claim uid>-<DRA device name>`, carrying the config's environment. The
-//!    write is atomic but not fsync'd ([`cdi::Durability::Recreatable`]): at start the agent
+//!    write is atomic but not fsync'd ([`cdi::Durability::Recoverable`]): at start the agent
 //!    rewrites every recorded spec whose file is missing or differs ([`DraCore::new`]), so the
 //!    checkpoint is the one record a crash must not lose, and a prepare costs one durable write.
 //!
@@ -22,6 +22,10 @@
 //! once the agent is back, its spec restored. A claim left `PrepareStarted` by an older agent,
 //! or a completed one whose spec file is gone, is prepared again (its spec rewritten) when the
 //! kubelet retries, which it always does until prepare or unprepare succeeds.
+//!
+//! Unpreparing removes the claim's spec file (unsynced), then its checkpoint entry (the durable
+//! write), then its ledger hold. A power loss can bring a removed spec file back; that is a
+//! reboot, and the first start after one removes every claim spec in the CDI root.
 //!
 //! Each claim succeeds or fails on its own; a failure is an error string naming the claim
 //! (`claim <namespace>/<name> (<uid>): <reason>`), logged once.
@@ -76,7 +80,7 @@ use crate::metrics;
 use crate::node::state::NodeState;
 use crate::paths::HostPaths;
 use crate::source::DeviceMode;
-use spec::remove_claim_spec;
+use spec::{remove_claim_spec, sweep_claim_specs};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -86,8 +90,8 @@ use tracing::{error, info, warn, Instrument};
 /// The DRA core. See the module docs.
 pub struct DraCore {
     shared: Arc<Shared>,
-    /// Every checkpoint change, and the CDI spec write after it, happens under this lock, so prepares and unprepares serialise on it:
-    /// the checkpoint is one file rewritten whole, and concurrent read-modify-writes would lose
+    /// Every checkpoint change, and the CDI spec write after it, happens under this lock, so
+    /// prepares and unprepares serialise on it: the checkpoint is rewritten whole, and concurrent read-modify-writes would lose
     /// entries; and the kubelet may retry a prepare (after its 45 s timeout) while the first
     /// call still runs, and the two must not interleave their steps on one claim. The API read
     /// happens before taking it, so a slow API server does not hold up other claims; the
@@ -139,14 +143,16 @@ impl DraCore {
         let boot_id = checkpoint::read_boot_id(&config.paths.boot_id());
         let mut loaded = Checkpoint::load(&config.paths.state_dir, boot_id.as_deref())
             .map_err(|source| CoreError::Checkpoint { cause: source })?;
-        // Specs first, then the checkpoint: a crash in between invalidates them again.
-        for (uid, entry) in &loaded.invalidated {
-            let claim = format!("{}/{}", entry.namespace, entry.name);
-            match remove_claim_spec(&config.paths.cdi_root, &entry.cdi_spec_stem) {
-                Ok(()) => info!(claim = %claim, uid = %uid,
-                    "removed the CDI spec of a claim prepared before the reboot"),
-                Err(e) => error!(claim = %claim, uid = %uid, error = %e,
-                    "removing the CDI spec of a claim prepared before the reboot failed"),
+        // Specs first, then the checkpoint: a crash in between finds the old boot id again.
+        if loaded.rebooted {
+            for stem in sweep_claim_specs(&config.paths.cdi_root) {
+                let claim = loaded
+                    .invalidated
+                    .iter()
+                    .find(|(_, e)| e.cdi_spec_stem == stem)
+                    .map(|(uid, e)| format!("{}/{} ({uid})", e.namespace, e.name));
+                info!(stem = %stem, claim = claim.as_deref().unwrap_or("none in the checkpoint"),
+                    "removed the CDI spec of a claim prepared before the reboot");
             }
         }
         if loaded.needs_save {
@@ -317,7 +323,7 @@ impl Shared {
             &self.paths.cdi_root,
             &stem,
             &rendered.spec,
-            cdi::Durability::Recreatable,
+            cdi::Durability::Recoverable,
         )?;
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCdiSpec);
         self.write_device_status(c, rendered.status);
@@ -361,8 +367,10 @@ impl Shared {
             stems.push(derived);
         }
         crate::crashpoint::reached(crate::crashpoint::Step::UnprepareBeforeSpecRemoval);
+        // Not synced: a power loss that brings a spec back is a reboot, after which start-up
+        // sweeps every claim spec away.
         for stem in &stems {
-            remove_claim_spec(&self.paths.cdi_root, stem)?;
+            remove_claim_spec(&self.paths.cdi_root, stem, cdi::Durability::Recoverable)?;
         }
         crate::crashpoint::reached(crate::crashpoint::Step::UnprepareAfterSpecRemoval);
         cp.update(|d| {

@@ -1,6 +1,7 @@
 //! A claim's CDI spec: planned against the current inventory and health, rendered with its
 //! device nodes checked (or simulated), the devices the kubelet gets back, the ledger units and
-//! the claim's `status.devices` entries; and the one removal of a claim's spec file.
+//! the claim's `status.devices` entries; the one removal of a claim's spec file, and the sweep
+//! of every claim spec after a reboot.
 
 use super::names::{cdi_device_name, SPEC_STEM_PREFIX};
 use super::{PrepareError, Shared};
@@ -17,7 +18,11 @@ use tracing::warn;
 
 /// Removes a claim's spec; a stem that is not a claim spec's (a damaged or hand-edited
 /// checkpoint) is left alone with a warning, so the node spec can never be removed here.
-pub(super) fn remove_claim_spec(cdi_root: &Path, stem: &str) -> Result<(), WriteError> {
+pub(super) fn remove_claim_spec(
+    cdi_root: &Path,
+    stem: &str,
+    durability: cdi::Durability,
+) -> Result<(), WriteError> {
     if !stem.starts_with(SPEC_STEM_PREFIX) {
         warn!(
             stem,
@@ -25,7 +30,41 @@ pub(super) fn remove_claim_spec(cdi_root: &Path, stem: &str) -> Result<(), Write
         );
         return Ok(());
     }
-    cdi::remove_spec(cdi_root, stem)
+    cdi::remove_spec(cdi_root, stem, durability)
+}
+
+/// After a reboot every claim spec in `cdi_root` is of a claim no longer prepared (its
+/// containers are gone; the kubelet prepares it again): removes them all, durably, and returns
+/// their stems. This also takes the specs whose unsynced removal a power loss undid, which no
+/// checkpoint entry names any more. A directory that cannot be listed is logged.
+pub(super) fn sweep_claim_specs(cdi_root: &Path) -> Vec<String> {
+    let entries = match std::fs::read_dir(cdi_root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Vec::new(),
+        Err(e) => {
+            warn!(dir = %cdi_root.display(), error = %e, "listing the CDI specs of claims prepared before the reboot failed");
+            return Vec::new();
+        }
+    };
+    let mut removed = Vec::new();
+    for name in entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+    {
+        let Some(stem) = name
+            .strip_suffix(".json")
+            .filter(|s| s.starts_with(SPEC_STEM_PREFIX))
+        else {
+            continue;
+        };
+        match remove_claim_spec(cdi_root, stem, cdi::Durability::Durable) {
+            Ok(()) => removed.push(stem.to_string()),
+            Err(e) => {
+                warn!(stem, error = %e, "removing the CDI spec of a claim prepared before the reboot failed")
+            }
+        }
+    }
+    removed
 }
 
 /// A rendered preparation, not yet written.
