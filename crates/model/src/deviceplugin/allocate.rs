@@ -150,7 +150,7 @@ pub fn hold(
     let mut units: Vec<String> = ids
         .iter()
         .filter_map(|id| find(plan, id))
-        .map(|d| d.unit.clone())
+        .map(|d| d.unit.to_string())
         .collect();
     units.sort();
     units.dedup();
@@ -228,7 +228,7 @@ pub fn preferred(
     }
     // Devices on avoided units go last, whatever else is true of them.
     let (free, held): (Vec<&PluginDevice>, Vec<&PluginDevice>) =
-        avail.iter().partition(|d| !avoid.contains(&d.unit));
+        avail.iter().partition(|d| !avoid.contains(d.unit.as_str()));
     let whole_gpus = plan.replicas == 1 && avail.iter().all(|d| !d.unit.starts_with("MIG-"));
     let chosen = if whole_gpus {
         pick_gpus(model, &free, &held, &must, size)?
@@ -441,7 +441,7 @@ mod tests {
     #[test]
     fn held_units_are_avoided_while_others_remain() {
         let (p, model, _, _) = setup("dgx-h100", "flags: {plugin: {deviceIDStrategy: index}}");
-        let avoid: BTreeSet<String> = p.devices[..4].iter().map(|d| d.unit.clone()).collect();
+        let avoid: BTreeSet<String> = p.devices[..4].iter().map(|d| d.unit.to_string()).collect();
         let got = preferred(&p, &model, &ids(&p), &[], 4, &avoid).unwrap();
         assert_eq!(got, ["4", "5", "6", "7"]);
         // With only held ones left, they are still offered rather than failing.

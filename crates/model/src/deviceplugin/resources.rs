@@ -5,7 +5,7 @@
 //! or one MIG device) so health and Allocate can be answered per unit.
 
 use crate::config::{AgentConfig, DeviceIdStrategy, MigStrategy};
-use crate::inventory::{Gpu, Inventory, MigDevice};
+use crate::inventory::{DeviceUuid, Gpu, Inventory, MigDevice};
 use std::collections::BTreeMap;
 
 /// The resource name whole GPUs (and MIG devices under the `single` strategy) are offered as.
@@ -17,7 +17,7 @@ pub struct PluginDevice {
     /// The kubelet device ID.
     pub id: String,
     /// UUID of the physical unit: the GPU, or the MIG device.
-    pub unit: String,
+    pub unit: DeviceUuid,
     /// Index of the physical GPU (the parent, for a MIG device).
     pub gpu_index: u32,
     pub numa_node: Option<u32>,
@@ -66,7 +66,7 @@ pub fn mig_resource_name(profile: &str) -> String {
 
 fn gpu_unit(g: &Gpu, ids: DeviceIdStrategy) -> PluginDevice {
     let id = match ids {
-        DeviceIdStrategy::Uuid => g.uuid.clone(),
+        DeviceIdStrategy::Uuid => g.uuid.to_string(),
         DeviceIdStrategy::Index => g.index.to_string(),
     };
     PluginDevice {
@@ -81,7 +81,7 @@ fn gpu_unit(g: &Gpu, ids: DeviceIdStrategy) -> PluginDevice {
 
 fn mig_unit(g: &Gpu, pos: usize, m: &MigDevice, ids: DeviceIdStrategy) -> PluginDevice {
     let id = match ids {
-        DeviceIdStrategy::Uuid => m.uuid.clone(),
+        DeviceIdStrategy::Uuid => m.uuid.to_string(),
         DeviceIdStrategy::Index => format!("{}:{}", g.index, pos),
     };
     // MIG devices sit on their parent's PCIe function, so they share its NUMA node.
