@@ -70,7 +70,7 @@ pub fn allocate(
     ids: &[String],
     mode: DeviceMode,
 ) -> Result<ContainerGrant, AllocateError> {
-    let resource = plan.name.clone();
+    let resource = plan.name.to_string();
     if plan.replicas > 1 && cfg.fail_requests_greater_than_one && ids.len() > 1 {
         return Err(AllocateError::TooManyReplicas {
             resource,
@@ -167,7 +167,7 @@ pub fn hold(
                 .find(|d| d.unit == held.unit && ids.contains(&d.id))
                 .map_or(held.unit.clone(), |d| d.id.clone());
             AllocateError::Held {
-                resource: plan.name.clone(),
+                resource: plan.name.to_string(),
                 id,
                 holder: held.holder.to_string(),
             }
@@ -200,7 +200,7 @@ pub fn preferred(
 ) -> Result<Vec<String>, PreferredError> {
     let lookup = |id: &String| {
         find(plan, id).ok_or_else(|| PreferredError::UnknownDevice {
-            resource: plan.name.clone(),
+            resource: plan.name.to_string(),
             id: id.clone(),
         })
     };

@@ -123,7 +123,9 @@ fn common_text(v: &str) -> Result<(), &'static str> {
 
 /// A MIG profile name as NVML prints it, without its `MIG ` prefix: `[<c>c.]<g>g.<mem>gb`
 /// and any attributes (`+me`, `+me.all`, `-me`, `+gfx`): `1g.10gb`, `1g.10gb+me`, `7g.80gb`,
-/// `1c.3g.40gb`. At most 63 bytes.
+/// `1c.3g.40gb`. At most 59 bytes, so that its resource name `mig-<profile>` fits 63.
+/// Every profile is also a valid resource name part once `+` is written `.`
+/// ([`ResourceName::mig`]).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub struct MigProfile(String);
@@ -137,7 +139,7 @@ impl MigProfile {
         if let Err(rule) = common_text(&value) {
             return Err(IdError::new(PROFILE, value, rule));
         }
-        if value.len() > 63 || !profile_shape(&value) {
+        if value.len() > 59 || !profile_shape(&value) {
             return Err(IdError::new(PROFILE, value, PROFILE_RULE));
         }
         Ok(MigProfile(value))
@@ -162,7 +164,8 @@ fn profile_shape(v: &str) -> bool {
     let Some(rest) = count(rest, "g.").and_then(|r| count(r, "gb")) else {
         return false;
     };
-    // Attributes: `+name` or `-name`, names of lower-case letters, digits and `.`.
+    // Attributes: `+name` or `-name`, names of lower-case letters, digits and `.`, with a
+    // letter or digit at both ends.
     let mut attrs = rest;
     while !attrs.is_empty() {
         let Some(tail) = attrs.strip_prefix(['+', '-']) else {
@@ -172,7 +175,7 @@ fn profile_shape(v: &str) -> bool {
             .bytes()
             .take_while(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'.')
             .count();
-        if len == 0 || tail.as_bytes()[0] == b'.' {
+        if len == 0 || tail.as_bytes()[0] == b'.' || tail.as_bytes()[len - 1] == b'.' {
             return false;
         }
         attrs = &tail[len..];
@@ -201,6 +204,23 @@ impl ResourceName {
 
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// `nvidia.com/gpu`, the resource whole GPUs are offered as.
+    pub fn gpu() -> ResourceName {
+        ResourceName(crate::deviceplugin::resources::GPU_RESOURCE.to_string())
+    }
+
+    /// `nvidia.com/mig-<profile>` with `+` written as `.`, as NVIDIA's plugin names them. A
+    /// [`MigProfile`] is at most 59 bytes of digits, lower-case letters, `.`, `+` and `-`,
+    /// starting with a digit and ending with a letter: always a valid name.
+    pub fn mig(profile: &MigProfile) -> ResourceName {
+        ResourceName(format!("nvidia.com/mig-{}", profile.replace('+', ".")))
+    }
+
+    /// `<self>.shared`, the name a time-sliced resource is advertised under by default.
+    pub fn shared(&self) -> Result<ResourceName, IdError> {
+        ResourceName::parse(format!("{}.shared", self.0))
     }
 
     /// The part after the `/`.
@@ -421,6 +441,7 @@ mod tests {
             "1g.10gb+",
             "1g.10gb+ME",
             "1g.10gb+.x",
+            "1g.10gb+me.",
             "1g.10gb x",
             "1c.1g",
             "1g.10gb,2g.20gb",
@@ -464,6 +485,16 @@ mod tests {
             assert_eq!((e.what, e.value.as_str()), ("resource name", bad));
         }
         assert!(ResourceName::parse(format!("nvidia.com/{}", "a".repeat(63))).is_ok());
+        assert_eq!(ResourceName::gpu(), "nvidia.com/gpu");
+        for p in ["1g.10gb+me", "1g.23gb+me.all", "1g.12gb-me", "1c.3g.40gb"] {
+            let r = ResourceName::mig(&MigProfile::parse(p).unwrap());
+            assert_eq!(ResourceName::parse(r.as_str()), Ok(r));
+        }
+        let longest = MigProfile::parse(format!("1g.1gb+{}", "a".repeat(52))).unwrap();
+        assert_eq!(ResourceName::mig(&longest).name().len(), 63);
+        assert!(MigProfile::parse(format!("1g.1gb+{}", "a".repeat(53))).is_err());
+        let gpu = ResourceName::gpu();
+        assert_eq!(gpu.shared().unwrap(), "nvidia.com/gpu.shared");
     }
 
     #[test]
