@@ -301,7 +301,7 @@ async fn ledger_overhead() {
     let lab = Lab::new("dgx-h100").await;
     let gpu0 = lab.sim.discover().expect("discover").inventory.gpus[0]
         .uuid
-        .clone();
+        .to_string();
     // gpu-4 is DRA's in both modes; GPU 0 is the device plugin's in both modes.
     let claim = vec![lab.claim("ledger", &["gpu-4"])];
     let modes = [

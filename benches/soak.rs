@@ -175,7 +175,7 @@ async fn soak(seconds: u64) {
         .unwrap()
         .gpus
         .iter()
-        .map(|g| g.uuid.clone())
+        .map(|g| g.uuid.to_string())
         .collect();
 
     let mut n = Counts::default();

@@ -340,10 +340,10 @@ fn node_spec_names_every_device() {
     let mut expected = vec!["all".to_string()];
     for g in &inv.gpus {
         expected.push(g.index.to_string());
-        expected.push(g.uuid.clone());
+        expected.push(g.uuid.to_string());
         for (i, m) in g.mig_devices.iter().enumerate() {
             expected.push(format!("{}:{i}", g.index));
-            expected.push(m.uuid.clone());
+            expected.push(m.uuid.to_string());
         }
     }
     expected.sort();
@@ -555,7 +555,8 @@ fn falls_back_to_the_highest_library_version() {
 #[test]
 fn invalid_inventory_names_are_skipped() {
     let mut inv = inv("pcie-l4x4");
-    inv.gpus[1].uuid = "GPU with spaces".to_string();
+    // A UUID NVML may give (the legacy MIG form) that CDI does not take as a device name.
+    inv.gpus[1].uuid = "MIG-GPU-abc/1/0".parse().unwrap();
     let files = DriverFiles::empty(Path::new("/"), Path::new("/dev"));
     let spec = render_node_spec(&inv, &files, &Kind::default());
     assert!(spec

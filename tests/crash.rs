@@ -62,7 +62,7 @@ impl Node {
             .unwrap()
             .gpus
             .iter()
-            .map(|g| g.uuid.clone())
+            .map(|g| g.uuid.to_string())
             .collect();
         support::lay_out_node(dir.path(), uuids.len(), &api.url());
         Node {
@@ -590,7 +590,7 @@ async fn a_kill_while_the_node_cdi_spec_is_replaced_leaves_the_old_or_the_new_on
             .unwrap()
             .gpus
             .iter()
-            .map(|g| g.uuid.clone())
+            .map(|g| g.uuid.to_string())
             .collect();
         node.start(None).await;
         node.check_files(true);

@@ -4,6 +4,7 @@
 
 mod support;
 
+use gpuplane_shell::inventory::DeviceUuid;
 use gpuplane_shell::node::NodeOptions;
 use gpuplane_shell::paths::HostPaths;
 use gpuplane_shell::source::{DeviceMode, DeviceSource, SimSource};
@@ -111,7 +112,7 @@ impl Harness {
         self.kubelet.stop().await;
     }
 
-    fn gpu_uuid(&self, i: usize) -> String {
+    fn gpu_uuid(&self, i: usize) -> DeviceUuid {
         self.sim.discover().unwrap().inventory.gpus[i].uuid.clone()
     }
 }
@@ -165,7 +166,11 @@ async fn allocate_returns_cdi_names_and_refuses_unknown_devices() {
     assert!(h.dir.path().join("cdi/gpuplane-node.json").is_file());
     assert_eq!(
         grant.envs,
-        [("NVIDIA_VISIBLE_DEVICES".to_string(), h.gpu_uuid(1))].into()
+        [(
+            "NVIDIA_VISIBLE_DEVICES".to_string(),
+            h.gpu_uuid(1).to_string()
+        )]
+        .into()
     );
     let both = [view.devices[3].id.clone(), view.devices[0].id.clone()];
     let grant = h.kubelet.allocate(GPU, &both).await.unwrap();
@@ -358,7 +363,7 @@ async fn an_xid_makes_a_device_unhealthy_and_it_recovers_after_the_quiet_period(
     assert_eq!(view[GPU].healthy(), 7);
     let err = h
         .kubelet
-        .allocate(GPU, std::slice::from_ref(&uuid))
+        .allocate(GPU, &[uuid.to_string()])
         .await
         .unwrap_err();
     assert!(
@@ -367,7 +372,7 @@ async fn an_xid_makes_a_device_unhealthy_and_it_recovers_after_the_quiet_period(
         err.message()
     );
     h.wait("GPU 3 recovered", |p| p[GPU].healthy() == 8).await;
-    assert!(h.kubelet.allocate(GPU, &[uuid]).await.is_ok());
+    assert!(h.kubelet.allocate(GPU, &[uuid.to_string()]).await.is_ok());
     h.shutdown().await;
 }
 
@@ -396,11 +401,7 @@ async fn a_lost_gpu_is_unhealthy_alone_and_the_others_stay_allocatable() {
     let others: Vec<String> = ids(&view).into_iter().filter(|id| *id != lost).collect();
     let pick = h.kubelet.preferred(GPU, &others, &[], 4).await.unwrap();
     assert!(h.kubelet.allocate(GPU, &pick).await.is_ok());
-    assert!(h
-        .kubelet
-        .allocate(GPU, std::slice::from_ref(&lost))
-        .await
-        .is_err());
+    assert!(h.kubelet.allocate(GPU, &[lost.to_string()]).await.is_err());
     h.sim.set_lost(&lost, false);
     h.wait("GPU 2 back", |p| p[GPU].healthy() == 8).await;
     h.shutdown().await;
@@ -420,7 +421,7 @@ async fn mig_reconfiguration_is_picked_up_without_a_restart() {
         .clone();
     for (i, m) in seven.iter_mut().enumerate() {
         m.parent_uuid = inv.gpus[1].uuid.clone();
-        m.uuid = format!("MIG-00000000-0000-0000-0000-00000000000{i}");
+        m.uuid = DeviceUuid::parse(format!("MIG-00000000-0000-0000-0000-00000000000{i}")).unwrap();
     }
     inv.gpus[1].mig_devices = seven;
     h.sim.set_inventory(inv);
@@ -567,7 +568,7 @@ async fn on_nvml_allocate_refuses_until_the_device_nodes_are_right() {
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", agent.log_text()))[GPU]
         .clone();
-    let gpu2 = inv.gpus[2].uuid.clone();
+    let gpu2 = inv.gpus[2].uuid.to_string();
     assert!(view.devices.iter().any(|d| d.id == gpu2));
 
     let err = kubelet

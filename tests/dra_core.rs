@@ -11,7 +11,7 @@ use gpuplane_shell::dra::checkpoint::{self, CheckpointData, ClaimEntry, ClaimSta
 use gpuplane_shell::dra::core::{spec_stem, DraCore, DraCoreConfig};
 use gpuplane_shell::dra::fetch::{ClaimFetcher, MemoryClaims};
 use gpuplane_shell::dra::{ClaimRef, ClaimUid, DeviceHealthState, DraDriver, PreparedDevice};
-use gpuplane_shell::inventory::Inventory;
+use gpuplane_shell::inventory::{DeviceRef, Inventory};
 use gpuplane_shell::node::state::{NodeState, Snapshot};
 use gpuplane_shell::paths::HostPaths;
 use gpuplane_shell::source::DeviceMode;
@@ -261,7 +261,7 @@ async fn prepares_each_claim_on_its_own_idempotently_and_unprepares() {
     );
     assert_eq!(cp.claims[a.uid.as_str()].devices, da);
     let units = core.prepared_units().await;
-    assert_eq!(units.get(&gpu3.uuid), Some(&a.uid.to_string()));
+    assert_eq!(units.get(gpu3.uuid.as_str()), Some(&a.uid.to_string()));
     assert_eq!(units.len(), 2);
 
     // Again: the same answer, nothing rewritten.
@@ -343,13 +343,16 @@ async fn per_claim_errors_name_the_claim_and_the_reason() {
 
     let mig = env.mig(1);
     let c = env.add_claim("sick", &uid(7), &[("gpu", &mig)], json!([]));
-    let mig_uuid = env.inv.dra_device(&mig).unwrap().uuid().to_string();
+    let (parent_uuid, mig_uuid) = match env.inv.dra_device(&mig).unwrap() {
+        DeviceRef::Mig { parent, mig } => (parent.uuid.clone(), mig.uuid.clone()),
+        DeviceRef::Gpu(_) => unreachable!(),
+    };
     let changes = core.health_changes();
     env.state.update(|s| {
         let policy = s.config.xid_policy.clone();
         s.health.on_event(
             &gpuplane_shell::source::DeviceEvent::Xid {
-                gpu_uuid: String::new(),
+                gpu_uuid: parent_uuid,
                 mig_uuid: Some(mig_uuid.clone()),
                 xid: 48,
             },

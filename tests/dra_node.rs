@@ -380,7 +380,7 @@ async fn a_gpu_whose_pod_ended_goes_to_a_claim_after_one_poll_not_after_the_grac
         .find(|g| g.uuid != ids[0])
         .unwrap()
         .uuid
-        .clone();
+        .to_string();
     lab.kubelet
         .allocate(GPU, std::slice::from_ref(&unlisted_uuid))
         .await
@@ -492,7 +492,7 @@ async fn a_restart_rebuilds_the_same_ledger_from_pod_resources_and_the_checkpoin
     let free: Vec<String> = inv
         .gpus
         .iter()
-        .filter(|g| !pod_ids.contains(&g.uuid))
+        .filter(|g| !pod_ids.iter().any(|id| g.uuid == *id))
         .map(|g| format!("gpu-{}", g.index))
         .collect();
     let claim = lab.claim("keep", &[&free[0], &free[1]]);
@@ -546,7 +546,7 @@ async fn a_restart_rebuilds_the_same_ledger_from_pod_resources_and_the_checkpoin
         .find(|g| format!("gpu-{}", g.index) == free[0])
         .unwrap()
         .uuid
-        .clone();
+        .to_string();
     let err = lab
         .kubelet
         .allocate("nvidia.com/gpu", &[claimed])

@@ -36,7 +36,7 @@ fn overlapping(inv: &Inventory, unit: &str) -> BTreeSet<String> {
         if g.uuid == unit {
             out.extend(migs.iter().map(|m| m.to_string()));
         } else if migs.contains(&unit) {
-            out.insert(g.uuid.clone());
+            out.insert(g.uuid.to_string());
         }
     }
     out

@@ -19,6 +19,7 @@ mod support;
 
 use gpuplane_shell::dra::service::RawClaim;
 use gpuplane_shell::dra::ClaimRef;
+use gpuplane_shell::inventory::DeviceUuid;
 use gpuplane_shell::proto::deviceplugin_v1beta1 as dp;
 use gpuplane_shell::proto::dra_health_v1alpha1 as health;
 use gpuplane_shell::proto::dra_v1 as v1;
@@ -96,7 +97,7 @@ impl Node {
         self.agent.stop().await.unwrap();
     }
 
-    fn uuid(&self, gpu: usize) -> String {
+    fn uuid(&self, gpu: usize) -> DeviceUuid {
         self.sim.discover().unwrap().inventory.gpus[gpu]
             .uuid
             .clone()
@@ -234,7 +235,7 @@ async fn api_server_errors_timeouts_and_lost_watches_leave_the_kubelet_served_an
     // ListAndWatch: the Xid GPUs and the two claims' GPUs are out, the rest offered.
     let out: Vec<String> = [0, free, 4, 5, 6, 7]
         .iter()
-        .map(|g| node.uuid(*g))
+        .map(|g| node.uuid(*g).to_string())
         .collect();
     node.kubelet
         .wait_for(WAIT, |p| {

@@ -857,7 +857,7 @@ fn an_xid_makes_a_gpu_unhealthy_for_the_kubelet_and_the_scheduler_until_it_recov
     wait_registered(&lab);
     let gpu3 = gpuplane_shell::sim::load("dgx-h100").unwrap().gpus[3]
         .uuid
-        .clone();
+        .to_string();
     let unhealthy = |lab: &ClusterLab| {
         slice_devices(lab)
             .iter()

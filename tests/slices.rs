@@ -3,7 +3,7 @@
 //! server errors and timeouts, and leaves no orphans behind.
 
 use gpuplane_shell::health::HealthBook;
-use gpuplane_shell::inventory::Inventory;
+use gpuplane_shell::inventory::{DeviceUuid, Inventory};
 use gpuplane_shell::slices::{
     keep_published, render, LoopOptions, RetryPolicy, SlicePublisher, UNHEALTHY_TAINT_KEY,
 };
@@ -29,10 +29,15 @@ fn inventory(profile: &str, copies: u32) -> Inventory {
             let mut g = g.clone();
             g.index += c * base.gpus.len() as u32;
             g.minor = g.index;
-            g.uuid = format!("GPU-{:08x}-0000-0000-0000-000000000000", g.index);
+            g.uuid = DeviceUuid::parse(format!("GPU-{:08x}-0000-0000-0000-000000000000", g.index))
+                .unwrap();
             g.pci_bus_id = format!("00000000:{:02X}:00.0", g.index + 1);
             for (k, m) in g.mig_devices.iter_mut().enumerate() {
-                m.uuid = format!("MIG-{:08x}-{k:04x}-0000-0000-000000000000", g.index);
+                m.uuid = DeviceUuid::parse(format!(
+                    "MIG-{:08x}-{k:04x}-0000-0000-000000000000",
+                    g.index
+                ))
+                .unwrap();
                 m.parent_uuid = g.uuid.clone();
             }
             inv.gpus.push(g);

@@ -4,6 +4,7 @@
 //! existing file keeps working, plus gpuplane's own `health` section. Unknown fields are errors:
 //! a typo must not silently fall back to a default on a thousand nodes.
 
+use crate::inventory::ResourceName;
 use crate::report::chain;
 use serde::Deserialize;
 use std::collections::BTreeSet;
@@ -174,10 +175,10 @@ struct RawHealth {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Replication {
     /// The resource being shared, e.g. `nvidia.com/gpu` or `nvidia.com/mig-1g.10gb`.
-    pub name: String,
+    pub name: ResourceName,
     pub replicas: u32,
     /// Name the shared resource is advertised under (`<name>.shared` with renameByDefault).
-    pub advertised_as: String,
+    pub advertised_as: ResourceName,
 }
 
 /// Which Xids mark a device unhealthy.
@@ -339,7 +340,9 @@ impl AgentConfig {
         let mut seen = BTreeSet::new();
         for (i, r) in ts.resources.into_iter().enumerate() {
             let field = format!("sharing.timeSlicing.resources[{i}]");
-            if !r.name.starts_with("nvidia.com/") {
+            let name = ResourceName::parse(r.name.as_str())
+                .map_err(|e| invalid(path, &format!("{field}.name"), e.to_string()))?;
+            if name.domain() != "nvidia.com" {
                 return Err(invalid(path, &format!("{field}.name"), format!("`{}` is not a resource gpuplane serves (nvidia.com/gpu or nvidia.com/mig-<profile>)", r.name)));
             }
             if !(2..=1024).contains(&r.replicas) {
@@ -349,7 +352,7 @@ impl AgentConfig {
                     format!("{} is out of range; use 2 to 1024", r.replicas),
                 ));
             }
-            if !seen.insert(r.name.clone()) {
+            if !seen.insert(name.clone()) {
                 return Err(invalid(
                     path,
                     &format!("{field}.name"),
@@ -357,12 +360,15 @@ impl AgentConfig {
                 ));
             }
             let advertised_as = match r.rename {
-                Some(n) => n,
-                None if ts.rename_by_default => format!("{}.shared", r.name),
-                None => r.name.clone(),
+                Some(n) => ResourceName::parse(n)
+                    .map_err(|e| invalid(path, &format!("{field}.rename"), e.to_string()))?,
+                None if ts.rename_by_default => name.shared().map_err(|e| {
+                    invalid(path, "sharing.timeSlicing.renameByDefault", e.to_string())
+                })?,
+                None => name.clone(),
             };
             self.time_slicing.push(Replication {
-                name: r.name,
+                name,
                 replicas: r.replicas,
                 advertised_as,
             });
@@ -530,6 +536,36 @@ health:
         ] {
             match AgentConfig::parse("c.yaml", text) {
                 Err(ConfigError::Invalid { field: f, .. }) => assert_eq!(f, field, "{text}"),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn resource_names_are_checked_naming_the_field_and_value() {
+        let long = "a".repeat(60);
+        for (text, field, value) in [
+            (
+                "sharing: {timeSlicing: {resources: [{name: 'nvidia.com/gpu,x', replicas: 2}]}}".to_string(),
+                "sharing.timeSlicing.resources[0].name",
+                "nvidia.com/gpu,x",
+            ),
+            (
+                "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2, rename: Shared}]}}".to_string(),
+                "sharing.timeSlicing.resources[0].rename",
+                "Shared",
+            ),
+            (
+                format!("sharing: {{timeSlicing: {{renameByDefault: true, resources: [{{name: nvidia.com/{long}, replicas: 2}}]}}}}"),
+                "sharing.timeSlicing.renameByDefault",
+                &format!("nvidia.com/{long}.shared"),
+            ),
+        ] {
+            match AgentConfig::parse("c.yaml", &text) {
+                Err(ConfigError::Invalid { field: f, reason, .. }) => {
+                    assert_eq!(f, field, "{text}");
+                    assert!(reason.contains(&format!("resource name {value:?}")), "{reason}");
+                }
                 other => panic!("{text}: {other:?}"),
             }
         }

@@ -76,7 +76,7 @@ impl HealthBook {
             .flat_map(|g| {
                 g.mig_devices
                     .iter()
-                    .map(move |m| (m.uuid.clone(), g.uuid.clone()))
+                    .map(move |m| (m.uuid.to_string(), g.uuid.to_string()))
             })
             .collect();
         let known: std::collections::BTreeSet<&str> = inv
@@ -123,7 +123,7 @@ impl HealthBook {
             mig_uuid,
             xid,
         } = event;
-        let unit = mig_uuid.as_deref().unwrap_or(gpu_uuid);
+        let unit = mig_uuid.as_deref().unwrap_or(gpu_uuid.as_str());
         if *xid == XID_FALLEN_OFF_BUS {
             return self.mark(gpu_uuid, Cause::Lost, now);
         }
@@ -209,6 +209,7 @@ impl HealthBook {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inventory::DeviceUuid;
 
     fn setup() -> (HealthBook, Inventory, XidPolicy) {
         let inv = crate::sim::load("a100-mig-mixed").unwrap();
@@ -219,8 +220,8 @@ mod tests {
 
     fn xid(gpu: &str, mig: Option<&str>, xid: u64) -> DeviceEvent {
         DeviceEvent::Xid {
-            gpu_uuid: gpu.into(),
-            mig_uuid: mig.map(Into::into),
+            gpu_uuid: DeviceUuid::parse(gpu).unwrap(),
+            mig_uuid: mig.map(|m| DeviceUuid::parse(m).unwrap()),
             xid,
         }
     }
@@ -228,7 +229,7 @@ mod tests {
     #[test]
     fn a_probe_answer_recovers_only_marks_older_than_the_probe() {
         let (mut book, inv, _) = setup();
-        let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
+        let (a, b) = (inv.gpus[0].uuid.to_string(), inv.gpus[1].uuid.to_string());
         let t0 = Instant::now();
         book.on_lost(&a, t0);
         book.on_lost(&b, t0);
@@ -317,7 +318,7 @@ mod tests {
     fn a_lost_gpu_recovers_only_when_it_answers_and_not_by_time() {
         let (mut book, inv, policy) = setup();
         let t0 = Instant::now();
-        let uuid = inv.gpus[3].uuid.clone();
+        let uuid = inv.gpus[3].uuid.to_string();
         book.on_event(&xid(&uuid, None, XID_FALLEN_OFF_BUS), t0, &policy);
         book.on_event(&xid(&uuid, None, 48), t0, &policy);
         assert_eq!(book.health(&uuid), Health::Unhealthy(Cause::Lost));

@@ -149,11 +149,11 @@ impl Ledger {
         self.children.clear();
         for g in &inv.gpus {
             for m in &g.mig_devices {
-                self.parent.insert(m.uuid.clone(), g.uuid.clone());
+                self.parent.insert(m.uuid.to_string(), g.uuid.to_string());
                 self.children
-                    .entry(g.uuid.clone())
+                    .entry(g.uuid.to_string())
                     .or_default()
-                    .push(m.uuid.clone());
+                    .push(m.uuid.to_string());
             }
         }
     }
@@ -348,7 +348,7 @@ mod tests {
     fn device_plugin_replicas_share_a_unit_but_block_claims() {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
-        let u = vec![inv.gpus[0].uuid.clone()];
+        let u = vec![inv.gpus[0].uuid.to_string()];
         l.hold_all(&u, &dp("GPU-a::0"), Instant::now()).unwrap();
         l.hold_all(&u, &dp("GPU-a::1"), Instant::now()).unwrap();
         assert!(l.hold_all(&u, &claim("c"), Instant::now()).is_err());
@@ -389,7 +389,7 @@ mod tests {
         let mut l = Ledger::new(&inv);
         let t0 = Instant::now();
         let grace = Duration::from_secs(30);
-        let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
+        let (a, b) = (inv.gpus[0].uuid.to_string(), inv.gpus[1].uuid.to_string());
         l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
         let none = BTreeMap::new();
         assert!(
@@ -427,7 +427,7 @@ mod tests {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
         let (t0, grace) = (Instant::now(), secs(30.0));
-        let a = inv.gpus[0].uuid.clone();
+        let a = inv.gpus[0].uuid.to_string();
         l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
         let listed = listing(&[(&a, &a, "ns/p/c")]);
         assert_eq!(
@@ -453,7 +453,7 @@ mod tests {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
         let (t0, grace) = (Instant::now(), secs(30.0));
-        let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
+        let (a, b) = (inv.gpus[0].uuid.to_string(), inv.gpus[1].uuid.to_string());
         l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
         // Listings that show other units, or none, do not end an Allocate not yet listed.
         let other = listing(&[(&b, &b, "ns/q/c")]);
@@ -471,7 +471,7 @@ mod tests {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
         let (t0, grace) = (Instant::now(), secs(30.0));
-        let a = inv.gpus[0].uuid.clone();
+        let a = inv.gpus[0].uuid.to_string();
         l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
         l.sync_device_plugin(&listing(&[(&a, &a, "ns/old/c")]), t0 + secs(0.5), grace);
         // `old` ends and the kubelet gives the same device ID to `new` while a List (sent
@@ -489,7 +489,7 @@ mod tests {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
         let (t0, grace) = (Instant::now(), secs(30.0));
-        let a = inv.gpus[0].uuid.clone();
+        let a = inv.gpus[0].uuid.to_string();
         l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
         l.sync_device_plugin(&listing(&[(&a, &a, "ns/p1/c")]), t0 + secs(0.5), grace);
         let (_, released, _) = l.sync_device_plugin(&BTreeMap::new(), t0 + secs(1.0), grace);
@@ -517,7 +517,7 @@ mod tests {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
         let (t0, grace) = (Instant::now(), secs(30.0));
-        let a = inv.gpus[0].uuid.clone();
+        let a = inv.gpus[0].uuid.to_string();
         let (r0, r1) = (format!("{a}::0"), format!("{a}::1"));
         l.hold_all(std::slice::from_ref(&a), &dp(&r0), t0).unwrap();
         l.hold_all(std::slice::from_ref(&a), &dp(&r1), t0 + secs(0.1))
@@ -534,7 +534,7 @@ mod tests {
     fn holds_rebuilt_from_pod_resources_after_a_restart_count_as_listed() {
         let inv = crate::sim::load("dgx-h100").unwrap();
         let (t0, grace) = (Instant::now(), secs(30.0));
-        let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
+        let (a, b) = (inv.gpus[0].uuid.to_string(), inv.gpus[1].uuid.to_string());
         // A restarted agent: a new ledger whose first knowledge is a PodResources listing.
         let mut l = Ledger::new(&inv);
         let both = listing(&[(&a, &a, "ns/p/c"), (&b, &b, "ns/q/c")]);
@@ -563,8 +563,8 @@ mod tests {
     fn a_gpu_and_its_mig_devices_block_each_other() {
         let inv = crate::sim::load("a100-mig-mixed").unwrap();
         let mut l = Ledger::new(&inv);
-        let gpu = inv.gpus[0].uuid.clone();
-        let mig = inv.gpus[0].mig_devices[1].uuid.clone();
+        let gpu = inv.gpus[0].uuid.to_string();
+        let mig = inv.gpus[0].mig_devices[1].uuid.to_string();
         l.hold_all(std::slice::from_ref(&mig), &claim("c1"), Instant::now())
             .unwrap();
         let err = l
@@ -575,7 +575,7 @@ mod tests {
         assert_eq!(l.release_claim("c1"), vec![mig]);
         l.hold_all(std::slice::from_ref(&gpu), &dp(&gpu), Instant::now())
             .unwrap();
-        let other = inv.gpus[0].mig_devices[0].uuid.clone();
+        let other = inv.gpus[0].mig_devices[0].uuid.to_string();
         assert!(l.conflict(&other, &claim("c2")).is_some());
         l.check_invariant().unwrap();
     }
@@ -584,7 +584,7 @@ mod tests {
     fn holds_are_all_or_nothing_and_idempotent_for_the_same_consumer() {
         let inv = crate::sim::load("dgx-h100").unwrap();
         let mut l = Ledger::new(&inv);
-        let u: Vec<String> = inv.gpus.iter().map(|g| g.uuid.clone()).collect();
+        let u: Vec<String> = inv.gpus.iter().map(|g| g.uuid.to_string()).collect();
         l.hold_all(&u[..2], &claim("a"), Instant::now()).unwrap();
         l.hold_all(&u[..2], &claim("a"), Instant::now()).unwrap();
         assert!(l.hold_all(&u[1..3], &claim("b"), Instant::now()).is_err());

@@ -6,7 +6,7 @@
 //! says, as a [`DeviceMode`], whether its devices exist on this host, because only real GPUs
 //! have device nodes and driver files for containers.
 
-use crate::inventory::Inventory;
+use crate::inventory::{DeviceUuid, Inventory};
 use std::collections::BTreeSet;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -44,8 +44,8 @@ pub struct LostGpu {
 pub enum DeviceEvent {
     /// A critical Xid error; `mig_uuid` is set when NVML attributes it to one MIG device.
     Xid {
-        gpu_uuid: String,
-        mig_uuid: Option<String>,
+        gpu_uuid: DeviceUuid,
+        mig_uuid: Option<DeviceUuid>,
         xid: u64,
     },
 }
@@ -160,10 +160,10 @@ impl SimSource {
     }
 
     /// Delivers an Xid as the driver would.
-    pub fn inject_xid(&self, gpu_uuid: &str, mig_uuid: Option<&str>, xid: u64) {
+    pub fn inject_xid(&self, gpu_uuid: &DeviceUuid, mig_uuid: Option<&DeviceUuid>, xid: u64) {
         let event = DeviceEvent::Xid {
-            gpu_uuid: gpu_uuid.to_string(),
-            mig_uuid: mig_uuid.map(str::to_string),
+            gpu_uuid: gpu_uuid.clone(),
+            mig_uuid: mig_uuid.cloned(),
             xid,
         };
         // The receiver lives as long as `inner`, which `self` keeps alive: sending cannot fail.
@@ -171,12 +171,12 @@ impl SimSource {
     }
 
     /// Makes a GPU fall off the bus (Xid 79) or, with `lost == false`, come back.
-    pub fn set_lost(&self, gpu_uuid: &str, lost: bool) {
+    pub fn set_lost(&self, gpu_uuid: &DeviceUuid, lost: bool) {
         if lost {
             lock(&self.inner.lost).insert(gpu_uuid.to_string());
             self.inject_xid(gpu_uuid, None, 79);
         } else {
-            lock(&self.inner.lost).remove(gpu_uuid);
+            lock(&self.inner.lost).remove(gpu_uuid.as_str());
         }
     }
 
@@ -217,7 +217,7 @@ impl DeviceSource for SimSource {
         let lost: Vec<LostGpu> = inventory
             .gpus
             .iter()
-            .filter(|g| lost_uuids.contains(&g.uuid))
+            .filter(|g| lost_uuids.contains(g.uuid.as_str()))
             .map(|g| LostGpu {
                 index: g.index,
                 reason: "GPU is lost (fell off the bus)".into(),

@@ -339,7 +339,7 @@ pub fn preference(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::inventory::{Gpu, MigMode, Topology};
+    use crate::inventory::{DeviceUuid, Gpu, MigMode, Topology};
     use std::cmp::Reverse;
 
     fn link(from: u32, to: u32, nvlinks: u32, level: PathLevel) -> Link {
@@ -355,7 +355,8 @@ mod tests {
         Gpu {
             index,
             minor: index,
-            uuid: format!("GPU-{index:08x}-0000-0000-0000-000000000000"),
+            uuid: DeviceUuid::parse(format!("GPU-{index:08x}-0000-0000-0000-000000000000"))
+                .unwrap(),
             product_name: "Test GPU".into(),
             brand: "Nvidia".into(),
             architecture: "Hopper".into(),

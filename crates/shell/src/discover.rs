@@ -137,7 +137,7 @@ fn gpu_rows(inv: &Inventory) -> Vec<Vec<String>> {
             numa(g),
             g.pci_bus_id.clone(),
             mig_state(g),
-            g.uuid.clone(),
+            g.uuid.to_string(),
         ]);
     }
     rows
@@ -154,11 +154,11 @@ fn mig_rows(inv: &Inventory) -> Vec<Vec<String>> {
                 g.index.to_string(),
                 m.gpu_instance_id.to_string(),
                 m.compute_instance_id.to_string(),
-                m.profile.clone(),
+                m.profile.to_string(),
                 format!("{}-{}", m.placement.start, m.placement.end() - 1),
                 gib(m.memory_mib),
                 m.multiprocessors.to_string(),
-                m.uuid.clone(),
+                m.uuid.to_string(),
             ]);
         }
     }

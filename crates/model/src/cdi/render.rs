@@ -210,7 +210,7 @@ pub fn visible_devices_env(devices: &[DeviceRef<'_>]) -> String {
     let mut seen = BTreeSet::new();
     let uuids: Vec<&str> = devices
         .iter()
-        .map(|d| d.uuid())
+        .map(|d| d.uuid().as_str())
         .filter(|u| seen.insert(*u))
         .collect();
     format!("NVIDIA_VISIBLE_DEVICES={}", uuids.join(","))
@@ -291,12 +291,12 @@ pub fn node_devices(inv: &Inventory) -> Vec<NamedDevices<'_>> {
         let dev = DeviceRef::Gpu(gpu);
         all.push(dev);
         push_named(&mut out, gpu.index.to_string(), dev);
-        push_named(&mut out, gpu.uuid.clone(), dev);
+        push_named(&mut out, gpu.uuid.to_string(), dev);
         for (i, mig) in gpu.mig_devices.iter().enumerate() {
             let dev = DeviceRef::Mig { parent: gpu, mig };
             all.push(dev);
             push_named(&mut out, format!("{}:{i}", gpu.index), dev);
-            push_named(&mut out, mig.uuid.clone(), dev);
+            push_named(&mut out, mig.uuid.to_string(), dev);
         }
     }
     if let Ok(name) = DeviceName::new(ALL) {

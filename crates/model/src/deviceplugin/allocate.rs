@@ -70,7 +70,7 @@ pub fn allocate(
     ids: &[String],
     mode: DeviceMode,
 ) -> Result<ContainerGrant, AllocateError> {
-    let resource = plan.name.clone();
+    let resource = plan.name.to_string();
     if plan.replicas > 1 && cfg.fail_requests_greater_than_one && ids.len() > 1 {
         return Err(AllocateError::TooManyReplicas {
             resource,
@@ -150,7 +150,7 @@ pub fn hold(
     let mut units: Vec<String> = ids
         .iter()
         .filter_map(|id| find(plan, id))
-        .map(|d| d.unit.clone())
+        .map(|d| d.unit.to_string())
         .collect();
     units.sort();
     units.dedup();
@@ -167,7 +167,7 @@ pub fn hold(
                 .find(|d| d.unit == held.unit && ids.contains(&d.id))
                 .map_or(held.unit.clone(), |d| d.id.clone());
             AllocateError::Held {
-                resource: plan.name.clone(),
+                resource: plan.name.to_string(),
                 id,
                 holder: held.holder.to_string(),
             }
@@ -200,7 +200,7 @@ pub fn preferred(
 ) -> Result<Vec<String>, PreferredError> {
     let lookup = |id: &String| {
         find(plan, id).ok_or_else(|| PreferredError::UnknownDevice {
-            resource: plan.name.clone(),
+            resource: plan.name.to_string(),
             id: id.clone(),
         })
     };
@@ -228,7 +228,7 @@ pub fn preferred(
     }
     // Devices on avoided units go last, whatever else is true of them.
     let (free, held): (Vec<&PluginDevice>, Vec<&PluginDevice>) =
-        avail.iter().partition(|d| !avoid.contains(&d.unit));
+        avail.iter().partition(|d| !avoid.contains(d.unit.as_str()));
     let whole_gpus = plan.replicas == 1 && avail.iter().all(|d| !d.unit.starts_with("MIG-"));
     let chosen = if whole_gpus {
         pick_gpus(model, &free, &held, &must, size)?
@@ -441,7 +441,7 @@ mod tests {
     #[test]
     fn held_units_are_avoided_while_others_remain() {
         let (p, model, _, _) = setup("dgx-h100", "flags: {plugin: {deviceIDStrategy: index}}");
-        let avoid: BTreeSet<String> = p.devices[..4].iter().map(|d| d.unit.clone()).collect();
+        let avoid: BTreeSet<String> = p.devices[..4].iter().map(|d| d.unit.to_string()).collect();
         let got = preferred(&p, &model, &ids(&p), &[], 4, &avoid).unwrap();
         assert_eq!(got, ["4", "5", "6", "7"]);
         // With only held ones left, they are still offered rather than failing.

@@ -5,7 +5,7 @@
 //! or one MIG device) so health and Allocate can be answered per unit.
 
 use crate::config::{AgentConfig, DeviceIdStrategy, MigStrategy};
-use crate::inventory::{Gpu, Inventory, MigDevice};
+use crate::inventory::{DeviceUuid, Gpu, Inventory, MigDevice, MigProfile, ResourceName};
 use std::collections::BTreeMap;
 
 /// The resource name whole GPUs (and MIG devices under the `single` strategy) are offered as.
@@ -17,7 +17,7 @@ pub struct PluginDevice {
     /// The kubelet device ID.
     pub id: String,
     /// UUID of the physical unit: the GPU, or the MIG device.
-    pub unit: String,
+    pub unit: DeviceUuid,
     /// Index of the physical GPU (the parent, for a MIG device).
     pub gpu_index: u32,
     pub numa_node: Option<u32>,
@@ -30,7 +30,7 @@ pub struct PluginDevice {
 /// One resource and its devices.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResourcePlan {
-    pub name: String,
+    pub name: ResourceName,
     /// Replicas per physical unit; 1 when not time-sliced.
     pub replicas: u32,
     pub devices: Vec<PluginDevice>,
@@ -60,13 +60,13 @@ pub enum PlanError {
 }
 
 /// `nvidia.com/mig-<profile>` with `+` written as `.`, as NVIDIA's plugin names them.
-pub fn mig_resource_name(profile: &str) -> String {
-    format!("nvidia.com/mig-{}", profile.replace('+', "."))
+pub fn mig_resource_name(profile: &MigProfile) -> ResourceName {
+    ResourceName::mig(profile)
 }
 
 fn gpu_unit(g: &Gpu, ids: DeviceIdStrategy) -> PluginDevice {
     let id = match ids {
-        DeviceIdStrategy::Uuid => g.uuid.clone(),
+        DeviceIdStrategy::Uuid => g.uuid.to_string(),
         DeviceIdStrategy::Index => g.index.to_string(),
     };
     PluginDevice {
@@ -81,7 +81,7 @@ fn gpu_unit(g: &Gpu, ids: DeviceIdStrategy) -> PluginDevice {
 
 fn mig_unit(g: &Gpu, pos: usize, m: &MigDevice, ids: DeviceIdStrategy) -> PluginDevice {
     let id = match ids {
-        DeviceIdStrategy::Uuid => m.uuid.clone(),
+        DeviceIdStrategy::Uuid => m.uuid.to_string(),
         DeviceIdStrategy::Index => format!("{}:{}", g.index, pos),
     };
     // MIG devices sit on their parent's PCIe function, so they share its NUMA node.
@@ -135,8 +135,8 @@ fn units_by_resource(
     strategy: MigStrategy,
     ids: DeviceIdStrategy,
     warnings: &mut Vec<String>,
-) -> Result<BTreeMap<String, Vec<PluginDevice>>, PlanError> {
-    let mut by_name: BTreeMap<String, Vec<PluginDevice>> = BTreeMap::new();
+) -> Result<BTreeMap<ResourceName, Vec<PluginDevice>>, PlanError> {
+    let mut by_name: BTreeMap<ResourceName, Vec<PluginDevice>> = BTreeMap::new();
     match strategy {
         MigStrategy::None => {
             for g in &inv.gpus {
@@ -146,7 +146,7 @@ fn units_by_resource(
                     }
                 } else {
                     by_name
-                        .entry(GPU_RESOURCE.into())
+                        .entry(ResourceName::gpu())
                         .or_default()
                         .push(gpu_unit(g, ids));
                 }
@@ -157,7 +157,7 @@ fn units_by_resource(
             for g in &inv.gpus {
                 for (pos, m) in g.mig_devices.iter().enumerate() {
                     by_name
-                        .entry(GPU_RESOURCE.into())
+                        .entry(ResourceName::gpu())
                         .or_default()
                         .push(mig_unit(g, pos, m, ids));
                 }
@@ -167,7 +167,7 @@ fn units_by_resource(
             for g in &inv.gpus {
                 if !g.mig.current {
                     by_name
-                        .entry(GPU_RESOURCE.into())
+                        .entry(ResourceName::gpu())
                         .or_default()
                         .push(gpu_unit(g, ids));
                 }
@@ -214,7 +214,10 @@ fn check_single(inv: &Inventory) -> Result<(), PlanError> {
 
 /// One resource per name, each device repeated `replicas` times where the resource is
 /// time-sliced (and advertised under its shared name); sorted by name.
-fn resources(by_name: BTreeMap<String, Vec<PluginDevice>>, cfg: &AgentConfig) -> Vec<ResourcePlan> {
+fn resources(
+    by_name: BTreeMap<ResourceName, Vec<PluginDevice>>,
+    cfg: &AgentConfig,
+) -> Vec<ResourcePlan> {
     let mut resources = Vec::new();
     for (name, devices) in by_name {
         match cfg.replication(&name) {

@@ -581,7 +581,7 @@ mod tests {
         assert!(matches!(e, ClaimError::NotApplicable { .. }), "{e}");
 
         let (inv, mut health) = setup();
-        let uuid = inv.dra_device("gpu-3").unwrap().uuid().to_string();
+        let uuid = inv.dra_device("gpu-3").unwrap().uuid().clone();
         let policy = crate::config::AgentConfig::default().xid_policy;
         health.on_event(
             &crate::source::DeviceEvent::Xid {

@@ -92,7 +92,7 @@ mod tests {
         assert_eq!(out[0]["driver"], "gpu.gpuplane.dev");
         assert_eq!(out[0]["pool"], "node-a");
         assert_eq!(out[0]["device"], gpu.dra_name());
-        assert_eq!(out[0]["data"]["uuid"], gpu.uuid());
+        assert_eq!(out[0]["data"]["uuid"], gpu.uuid().as_str());
         assert!(out[0]["data"].get("profile").is_none());
         let c = &out[0]["conditions"][0];
         assert_eq!(
@@ -106,8 +106,8 @@ mod tests {
         let DeviceRef::Mig { parent, mig: m } = mig else {
             unreachable!()
         };
-        assert_eq!(out[1]["data"]["parentUUID"], parent.uuid);
-        assert_eq!(out[1]["data"]["profile"], m.profile);
+        assert_eq!(out[1]["data"]["parentUUID"], parent.uuid.as_str());
+        assert_eq!(out[1]["data"]["profile"], m.profile.as_str());
         let body = apply_body("team-a", "c", Vec::new());
         assert_eq!(body["status"]["devices"], json!([]));
         assert_eq!(body["metadata"]["namespace"], "team-a");

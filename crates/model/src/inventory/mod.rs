@@ -4,9 +4,11 @@
 //! (discover, the device plugin, DRA, CDI) reads only these types. Keeping one model is what lets
 //! the NVML path be tested against the simulated one field by field.
 
+mod ids;
 pub mod mig;
 mod names;
 
+pub use ids::{DeviceUuid, IdError, MigProfile, ResourceName, UnitKind};
 pub use names::DeviceRef;
 
 use serde::{Deserialize, Serialize};
@@ -32,7 +34,7 @@ pub struct Gpu {
     pub index: u32,
     /// Minor number of `/dev/nvidia<minor>`.
     pub minor: u32,
-    pub uuid: String,
+    pub uuid: DeviceUuid,
     pub product_name: String,
     /// NVML brand, e.g. `Nvidia`, `Tesla`.
     pub brand: String,
@@ -65,10 +67,10 @@ pub struct MigMode {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct MigDevice {
-    pub uuid: String,
-    pub parent_uuid: String,
+    pub uuid: DeviceUuid,
+    pub parent_uuid: DeviceUuid,
     /// Profile name as NVIDIA writes it, e.g. `1g.10gb`, `1g.10gb+me`, `1c.3g.40gb`.
-    pub profile: String,
+    pub profile: MigProfile,
     pub gpu_instance_id: u32,
     pub compute_instance_id: u32,
     /// GPU slices (of the parent's seven) this device's GPU instance takes.

@@ -1,7 +1,7 @@
 //! Names of devices in the DRA world: one DNS label per whole GPU and per MIG device, stable
 //! across restarts for an unchanged inventory (they appear in ResourceSlices and allocations).
 
-use super::{Gpu, Inventory, MigDevice};
+use super::{DeviceUuid, Gpu, Inventory, MigDevice};
 
 /// A device as DRA sees it: a whole GPU or one MIG device on its parent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -12,7 +12,7 @@ pub enum DeviceRef<'a> {
 
 impl<'a> DeviceRef<'a> {
     /// The unit's UUID (GPU or MIG).
-    pub fn uuid(&self) -> &'a str {
+    pub fn uuid(&self) -> &'a DeviceUuid {
         match self {
             DeviceRef::Gpu(g) => &g.uuid,
             DeviceRef::Mig { mig, .. } => &mig.uuid,

@@ -2,7 +2,7 @@ use super::plan::{plan, Echoes};
 use super::render::{pci_address, pcie_roots, semver, DEVICES_PER_SLICE};
 use super::*;
 use crate::health::HealthBook;
-use crate::inventory::Inventory;
+use crate::inventory::{DeviceUuid, Inventory};
 use crate::source::DeviceEvent;
 use k8s_openapi::api::resource::v1::{DeviceAttribute, DeviceTaint, ResourceSlice};
 use std::time::{Duration, Instant};
@@ -48,10 +48,15 @@ fn synthetic(profile: &str, copies: u32) -> Inventory {
             let mut g = g.clone();
             g.index += c * base.gpus.len() as u32;
             g.minor = g.index;
-            g.uuid = format!("GPU-{:08x}-0000-0000-0000-000000000000", g.index);
+            g.uuid = DeviceUuid::parse(format!("GPU-{:08x}-0000-0000-0000-000000000000", g.index))
+                .unwrap();
             g.pci_bus_id = format!("{:08X}:{:02X}:00.0", g.index / 200, g.index % 200);
             for (k, m) in g.mig_devices.iter_mut().enumerate() {
-                m.uuid = format!("MIG-{:08x}-{k:04x}-0000-0000-000000000000", g.index);
+                m.uuid = DeviceUuid::parse(format!(
+                    "MIG-{:08x}-{k:04x}-0000-0000-000000000000",
+                    g.index
+                ))
+                .unwrap();
                 m.parent_uuid = g.uuid.clone();
             }
             inv.gpus.push(g);
@@ -299,7 +304,7 @@ fn an_unhealthy_device_is_tainted_until_it_recovers() {
     assert_eq!(tainted.len(), 1, "{tainted:?}");
     let (name, taint) = tainted[0];
     assert_eq!(
-        inv.dra_device(name).unwrap().uuid(),
+        *inv.dra_device(name).unwrap().uuid(),
         gpu.mig_devices[1].uuid
     );
     assert_eq!(taint.key, UNHEALTHY_TAINT_KEY);

@@ -11,6 +11,7 @@ use crate::grpc;
 use crate::node::cdi::NodeSpec;
 use crate::node::state::NodeState;
 use crate::proto::deviceplugin_v1beta1 as pb;
+use gpuplane_model::inventory::ResourceName;
 use gpuplane_model::report::chain;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -59,7 +60,7 @@ pub async fn run(
     };
     loop {
         plugins.notice_kubelet();
-        let wanted: Vec<String> = plugins
+        let wanted: Vec<ResourceName> = plugins
             .state
             .read()
             .plan
@@ -92,7 +93,7 @@ struct Plugins {
     state: Arc<NodeState>,
     node_spec: Arc<NodeSpec>,
     /// Per resource served, its socket and registration.
-    served: BTreeMap<String, Plugin>,
+    served: BTreeMap<ResourceName, Plugin>,
     /// The identity (device, inode) of `kubelet.sock` when last seen; a new one is a new
     /// kubelet, which knows none of our registrations.
     kubelet_id: Option<grpc::served::FileId>,
@@ -123,8 +124,8 @@ impl Plugins {
 
     /// Stops the plugins of resources no longer offered, and those whose socket is gone (the
     /// kubelet deletes them at its start) or whose server ended; the latter are served again.
-    async fn stop_stale(&mut self, wanted: &[String]) {
-        let stale: Vec<String> = self
+    async fn stop_stale(&mut self, wanted: &[ResourceName]) {
+        let stale: Vec<ResourceName> = self
             .served
             .iter_mut()
             .filter_map(|(name, p)| {
@@ -145,7 +146,7 @@ impl Plugins {
 
     /// Serves every wanted resource not served yet; one that cannot be is tried again at the
     /// next poll.
-    fn serve_missing(&mut self, wanted: &[String]) {
+    fn serve_missing(&mut self, wanted: &[ResourceName]) {
         for name in wanted {
             if !self.served.contains_key(name) {
                 match serve(&self.dir, name, self.state.clone(), self.node_spec.clone()) {
@@ -186,7 +187,7 @@ impl Plugins {
     }
 
     /// Whether the kubelet knows every resource offered (readiness).
-    fn all_registered(&self, wanted: &[String]) -> bool {
+    fn all_registered(&self, wanted: &[ResourceName]) -> bool {
         self.kubelet_id.is_some()
             && self.served.len() == wanted.len()
             && self.served.values().all(|s| s.registered)

@@ -85,7 +85,7 @@ impl DevicePluginService {
                 .map(|d| pb::Device {
                     id: d.id.clone(),
                     health: match snap.health.health(&d.unit) {
-                        Health::Healthy if !withdrawn.contains(&d.unit) => HEALTHY.into(),
+                        Health::Healthy if !withdrawn.contains(d.unit.as_str()) => HEALTHY.into(),
                         _ => UNHEALTHY.into(),
                     },
                     topology: d.numa_node.map(|n| pb::TopologyInfo {

@@ -53,7 +53,7 @@ pub fn desired_slices(s: &Snapshot, driver: &str, node: &str) -> Vec<ResourceSli
     {
         if inv
             .dra_device(&device.name)
-            .is_some_and(|d| blocked.contains(d.uuid()))
+            .is_some_and(|d| blocked.contains(d.uuid().as_str()))
         {
             device
                 .taints

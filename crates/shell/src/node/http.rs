@@ -135,7 +135,7 @@ impl StateGauges {
                 (HealthLabel::Healthy, r.devices.len() - unhealthy),
                 (HealthLabel::Unhealthy, unhealthy),
             ] {
-                let resource = r.name.clone();
+                let resource = r.name.to_string();
                 devices.push((DeviceLabels { resource, health }, count(n)));
             }
         }

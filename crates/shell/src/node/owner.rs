@@ -162,7 +162,7 @@ pub fn with_lost(previous: Option<&Inventory>, found: &Discovery) -> (Inventory,
                             .copied(),
                     );
                 }
-                lost_uuids.push(g.uuid.clone());
+                lost_uuids.push(g.uuid.to_string());
             }
         }
     }

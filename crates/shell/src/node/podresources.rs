@@ -47,8 +47,8 @@ pub fn units_in_use(
                 };
                 for id in &d.device_ids {
                     if let Some(dev) = resource.devices.iter().find(|x| &x.id == id) {
-                        let e = ids.entry(dev.unit.clone()).or_insert_with(|| {
-                            (resource.name.clone(), BTreeSet::new(), BTreeSet::new())
+                        let e = ids.entry(dev.unit.to_string()).or_insert_with(|| {
+                            (resource.name.to_string(), BTreeSet::new(), BTreeSet::new())
                         });
                         e.1.insert(id.clone());
                         e.2.insert(who.clone());

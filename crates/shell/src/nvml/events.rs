@@ -3,7 +3,7 @@
 
 use super::raw::{self, RawEventSet};
 use super::read::describe;
-use crate::inventory::Inventory;
+use crate::inventory::{DeviceUuid, Inventory};
 use crate::source::{DeviceEvent, SourceError};
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
@@ -121,11 +121,11 @@ impl Events {
             .map(|m| {
                 (
                     (
-                        m.parent_uuid.clone(),
+                        m.parent_uuid.to_string(),
                         m.gpu_instance_id,
                         m.compute_instance_id,
                     ),
-                    m.uuid.clone(),
+                    m.uuid.to_string(),
                 )
             })
             .collect();
@@ -193,6 +193,19 @@ impl Events {
             } else {
                 None
             };
+        let gpu_uuid = match DeviceUuid::parse(gpu_uuid) {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::warn!(xid = event.data, error = %e, "Xid from a device whose UUID is refused; dropped");
+                return None;
+            }
+        };
+        // A MIG UUID that does not parse leaves the Xid on the whole GPU, the safe side.
+        let mig_uuid = mig_uuid.and_then(|m| {
+            DeviceUuid::parse(m)
+                .inspect_err(|e| tracing::warn!(xid = event.data, error = %e, "Xid attributed to a MIG device whose UUID is refused; marking the GPU"))
+                .ok()
+        });
         Some(DeviceEvent::Xid {
             gpu_uuid,
             mig_uuid,

@@ -2,7 +2,9 @@
 
 use super::naming;
 use super::raw;
-use crate::inventory::{Gpu, Link, MigDevice, MigMode, PathLevel, Placement, Topology};
+use crate::inventory::{
+    DeviceUuid, Gpu, IdError, Link, MigDevice, MigMode, MigProfile, PathLevel, Placement, Topology,
+};
 use nvml_wrapper::enum_wrappers::device::TopologyLevel;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::device::ProfileInfo;
@@ -41,6 +43,15 @@ impl<T> Call<T> for Result<T, NvmlError> {
     }
 }
 
+/// An identity NVML answered that gpuplane does not accept (a UUID or MIG profile name that
+/// does not parse): a failure of GPU `index`, naming the value and the rule it breaks.
+fn refused(call: &'static str, index: u32, e: IdError) -> CallError {
+    CallError {
+        call,
+        reason: format!("GPU {index}: NVML answered an {e}"),
+    }
+}
+
 /// Human wording of an NVML error; "GPU is lost" gets the words operators search for.
 pub(super) fn describe(e: &NvmlError) -> String {
     match e {
@@ -71,6 +82,7 @@ pub(super) fn gpu<'n>(nvml: &'n Nvml, index: u32) -> Result<GpuRead<'n>, CallErr
         .device_by_index(index)
         .call("nvmlDeviceGetHandleByIndex_v2")?;
     let uuid = device.uuid().call("nvmlDeviceGetUUID")?;
+    let uuid = DeviceUuid::parse(uuid).map_err(|e| refused("nvmlDeviceGetUUID", index, e))?;
     let minor = device.minor_number().call("nvmlDeviceGetMinorNumber")?;
     let product_name = device.name().call("nvmlDeviceGetName")?;
     let brand = match device.brand() {
@@ -108,7 +120,7 @@ pub(super) fn gpu<'n>(nvml: &'n Nvml, index: u32) -> Result<GpuRead<'n>, CallErr
         Err(e) => return Err(e).call("nvmlDeviceGetMigMode"),
     };
     let mig_devices = if mig.current {
-        mig_devices(nvml, &device, &uuid, total_bytes)?
+        mig_devices(nvml, &device, index, &uuid, total_bytes)?
     } else {
         Vec::new()
     };
@@ -147,7 +159,8 @@ fn instance_profiles(parent: &Device<'_>) -> Result<Vec<(u32, ProfileInfo)>, Cal
 fn mig_devices(
     nvml: &Nvml,
     parent: &Device<'_>,
-    parent_uuid: &str,
+    index: u32,
+    parent_uuid: &DeviceUuid,
     total_bytes: u64,
 ) -> Result<Vec<MigDevice>, CallError> {
     let slots = parent
@@ -162,6 +175,7 @@ fn mig_devices(
             Err(e) => return Err(e).call("nvmlDeviceGetMigDeviceHandleByIndex"),
         };
         let uuid = mig.uuid().call("nvmlDeviceGetUUID")?;
+        let uuid = DeviceUuid::parse(uuid).map_err(|e| refused("nvmlDeviceGetUUID", index, e))?;
         let gpu_instance_id =
             raw::gpu_instance_id(nvml, &mig).call("nvmlDeviceGetGpuInstanceId")?;
         let compute_instance_id =
@@ -172,7 +186,7 @@ fn mig_devices(
         if profiles.is_none() {
             profiles = Some(instance_profiles(parent)?);
         }
-        let (index, profile) = profiles
+        let (profile_index, profile) = profiles
             .iter()
             .flatten()
             .find(|(_, p)| p.id == info.profileId)
@@ -185,7 +199,7 @@ fn mig_devices(
                 ),
             })?;
         let profile_name = naming::mig_profile_name(
-            *index,
+            *profile_index,
             profile.slice_count,
             attrs.compute_instance_slice_count,
             profile.memory_size_mb,
@@ -193,8 +207,9 @@ fn mig_devices(
         );
         out.push(MigDevice {
             uuid,
-            parent_uuid: parent_uuid.to_string(),
-            profile: profile_name,
+            parent_uuid: parent_uuid.clone(),
+            profile: MigProfile::parse(profile_name)
+                .map_err(|e| refused("nvmlDeviceGetGpuInstanceProfileInfo", index, e))?,
             gpu_instance_id,
             compute_instance_id,
             gpu_slices: attrs.gpu_instance_slice_count,

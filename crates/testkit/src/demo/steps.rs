@@ -902,7 +902,7 @@ async fn xid_health(cx: &Context<'_>, carry: &mut Carry, say: &mut Narrator<'_>)
         None => return Outcome::Failed(format!("{device} is not in the inventory")),
     };
     let injected = Instant::now();
-    cx.lab.sim.inject_xid(&gpu_uuid, mig_uuid.as_deref(), XID);
+    cx.lab.sim.inject_xid(&gpu_uuid, mig_uuid.as_ref(), XID);
     say.say(format!("the driver reports Xid {XID} on {device} ({uuid})"));
     let state = |want_unhealthy: bool| {
         let (device, uuid) = (device.clone(), uuid.clone());

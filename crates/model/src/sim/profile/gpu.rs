@@ -3,7 +3,7 @@
 
 use super::{invalid, GpuSpec, Invalid, MigDeviceSpec, MigSpec, ModelSpec};
 use crate::inventory::mig::{self, MigCatalogue, MigProfileSpec};
-use crate::inventory::{Gpu, MigDevice, MigMode, Placement};
+use crate::inventory::{DeviceUuid, Gpu, MigDevice, MigMode, MigProfile, Placement};
 use std::collections::BTreeMap;
 
 fn is_hex(s: &str, len: usize) -> bool {
@@ -35,7 +35,7 @@ fn normalize_bus_id(field: &str, raw: &str) -> Result<String, Invalid> {
     Ok(up)
 }
 
-fn check_uuid(field: &str, uuid: &str, prefix: &str) -> Result<(), Invalid> {
+fn check_uuid(field: &str, uuid: &str, prefix: &str) -> Result<DeviceUuid, Invalid> {
     let body = uuid.strip_prefix(prefix).unwrap_or("");
     let groups: Vec<&str> = body.split('-').collect();
     let lens = [8, 4, 4, 4, 12];
@@ -45,10 +45,11 @@ fn check_uuid(field: &str, uuid: &str, prefix: &str) -> Result<(), Invalid> {
             format!("`{uuid}` is not a UUID like {prefix}xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"),
         ));
     }
-    Ok(())
+    DeviceUuid::parse(uuid).map_err(|e| invalid(field, e.to_string()))
 }
 
-/// A stable UUID for simulated devices, so repeated runs and the fake NVML agree.
+/// A stable UUID for simulated devices, so repeated runs and the fake NVML agree; `prefix`
+/// is `GPU-` or `MIG-`.
 pub fn derived_uuid(prefix: &str, seed: &str) -> String {
     let hash = |basis: u64| {
         seed.bytes().fold(basis, |h, b| {
@@ -85,12 +86,14 @@ pub(super) fn build_gpu(
         )
     })?;
     let pci_bus_id = normalize_bus_id(&format!("{field}.pciBusId"), &spec.pci_bus_id)?;
+    let uuid_field = format!("{field}.uuid");
     let uuid = match &spec.uuid {
-        Some(u) => {
-            check_uuid(&format!("{field}.uuid"), u, "GPU-")?;
-            u.clone()
-        }
-        None => derived_uuid("GPU-", &format!("{label}/{pci_bus_id}")),
+        Some(u) => check_uuid(&uuid_field, u, "GPU-")?,
+        None => check_uuid(
+            &uuid_field,
+            &derived_uuid("GPU-", &format!("{label}/{pci_bus_id}")),
+            "GPU-",
+        )?,
     };
     let mig_spec = spec.mig.clone().unwrap_or(MigSpec {
         enabled: false,
@@ -141,7 +144,7 @@ pub(super) fn build_gpu(
 fn build_mig_devices(
     c: &MigCatalogue,
     specs: &[MigDeviceSpec],
-    parent_uuid: &str,
+    parent_uuid: &DeviceUuid,
     field: &str,
 ) -> Result<Vec<MigDevice>, Invalid> {
     let mut out: Vec<MigDevice> = Vec::with_capacity(specs.len());
@@ -171,17 +174,21 @@ fn build_mig_devices(
         }
         let start = mig_start(p, spec.placement, &out, &f)?;
         let gpu_instance_id = i as u32 + 1;
+        let uuid_field = format!("{f}.uuid");
         let uuid = match &spec.uuid {
-            Some(u) => {
-                check_uuid(&format!("{f}.uuid"), u, "MIG-")?;
-                u.clone()
-            }
-            None => derived_uuid("MIG-", &format!("{parent_uuid}/{gpu_instance_id}/0")),
+            Some(u) => check_uuid(&uuid_field, u, "MIG-")?,
+            None => check_uuid(
+                &uuid_field,
+                &derived_uuid("MIG-", &format!("{parent_uuid}/{gpu_instance_id}/0")),
+                "MIG-",
+            )?,
         };
+        let profile = MigProfile::parse(p.name)
+            .map_err(|e| invalid(format!("{f}.profile"), e.to_string()))?;
         out.push(MigDevice {
             uuid,
-            parent_uuid: parent_uuid.to_string(),
-            profile: p.name.to_string(),
+            parent_uuid: parent_uuid.clone(),
+            profile,
             gpu_instance_id,
             compute_instance_id: 0,
             gpu_slices: p.gpu_slices,
