@@ -7,6 +7,9 @@
 
 #![forbid(unsafe_code)]
 
+#[macro_use]
+mod newtype;
+
 pub mod cdi;
 pub mod config;
 pub mod controller;

@@ -3,9 +3,6 @@
 //! device names) and its namespace and name ([`ObjectName`], DNS subdomains). Past the gRPC
 //! edge a [`super::ClaimRef`] holds only these, so nothing further in re-validates them.
 
-use std::fmt;
-use std::ops::Deref;
-
 /// Why a claim's UID, namespace or name was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdentityError {
@@ -71,49 +68,8 @@ impl ObjectName {
     }
 }
 
-macro_rules! text_newtype {
-    ($t:ty) => {
-        impl Deref for $t {
-            type Target = str;
-            fn deref(&self) -> &str {
-                &self.0
-            }
-        }
-
-        impl fmt::Display for $t {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(&self.0)
-            }
-        }
-
-        impl PartialEq<str> for $t {
-            fn eq(&self, other: &str) -> bool {
-                self.0 == other
-            }
-        }
-
-        impl PartialEq<&str> for $t {
-            fn eq(&self, other: &&str) -> bool {
-                self.0 == *other
-            }
-        }
-
-        impl PartialEq<$t> for &str {
-            fn eq(&self, other: &$t) -> bool {
-                **self == other.0
-            }
-        }
-
-        impl From<$t> for String {
-            fn from(v: $t) -> String {
-                v.0
-            }
-        }
-    };
-}
-
-text_newtype!(ClaimUid);
-text_newtype!(ObjectName);
+str_newtype!(ClaimUid);
+str_newtype!(ObjectName);
 
 #[cfg(test)]
 mod tests {

@@ -5,9 +5,6 @@
 //! them and a bad value (a `,` in a comma-joined device list, a stray newline) cannot get in.
 
 use serde::{Deserialize, Serialize};
-use std::borrow::Borrow;
-use std::fmt;
-use std::ops::Deref;
 
 /// Why a UUID, profile or resource name was refused: the value and the rule it breaks.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -274,72 +271,7 @@ fn dns_subdomain(s: &str) -> bool {
 
 macro_rules! id_newtype {
     ($t:ident) => {
-        impl Deref for $t {
-            type Target = str;
-            fn deref(&self) -> &str {
-                &self.0
-            }
-        }
-
-        impl AsRef<str> for $t {
-            fn as_ref(&self) -> &str {
-                &self.0
-            }
-        }
-
-        impl Borrow<str> for $t {
-            fn borrow(&self) -> &str {
-                &self.0
-            }
-        }
-
-        impl fmt::Display for $t {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(&self.0)
-            }
-        }
-
-        impl PartialEq<str> for $t {
-            fn eq(&self, other: &str) -> bool {
-                self.0 == other
-            }
-        }
-
-        impl PartialEq<&str> for $t {
-            fn eq(&self, other: &&str) -> bool {
-                self.0 == *other
-            }
-        }
-
-        impl PartialEq<String> for $t {
-            fn eq(&self, other: &String) -> bool {
-                self.0 == *other
-            }
-        }
-
-        impl PartialEq<$t> for str {
-            fn eq(&self, other: &$t) -> bool {
-                *self == other.0
-            }
-        }
-
-        impl PartialEq<$t> for &str {
-            fn eq(&self, other: &$t) -> bool {
-                **self == other.0
-            }
-        }
-
-        impl PartialEq<$t> for String {
-            fn eq(&self, other: &$t) -> bool {
-                *self == other.0
-            }
-        }
-
-        impl From<$t> for String {
-            fn from(v: $t) -> String {
-                v.0
-            }
-        }
+        str_newtype!($t);
 
         impl TryFrom<String> for $t {
             type Error = IdError;
