@@ -91,9 +91,10 @@ use tracing::{error, info, warn, Instrument};
 pub struct DraCore {
     shared: Arc<Shared>,
     /// Every checkpoint change, and the CDI spec write after it, happens under this lock, so
-    /// prepares and unprepares serialise on it: the checkpoint is rewritten whole, and concurrent read-modify-writes would lose
-    /// entries; and the kubelet may retry a prepare (after its 45 s timeout) while the first
-    /// call still runs, and the two must not interleave their steps on one claim. The API read
+    /// prepares and unprepares serialise on it: the checkpoint is rewritten whole, and
+    /// concurrent read-modify-writes would lose entries; and the kubelet may retry a prepare
+    /// (after its 45 s timeout) while the first call still runs, and the two must not
+    /// interleave their steps on one claim. The API read
     /// happens before taking it, so a slow API server does not hold up other claims; the
     /// claim's state is checked again once the lock is held. Its guard moves into the
     /// blocking-pool job that writes the files ([`off_runtime`]); no runtime task holds it
