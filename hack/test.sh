@@ -32,18 +32,24 @@ fi
 
 rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt clippy
 
+# One profile for every build below so they share artifacts; Cargo.toml says why it is lean.
+profile=(--profile ci)
+target_dir="${CARGO_TARGET_DIR:-target}"
+mkdir -p "$target_dir"
+echo "== disk: $(df -h --output=avail "$target_dir" | tail -1 | tr -d ' ') free for $target_dir (a cold run needs about 4 GB)"
+
 echo "== rustfmt"
 cargo fmt --all -- --check
 echo "== build (the fake libnvidia-ml included)"
-cargo build --workspace --all-targets --features gpuplane/crashpoints
+cargo build "${profile[@]}" --workspace --all-targets --features gpuplane/crashpoints
 echo "== clippy -D warnings"
-cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy "${profile[@]}" --workspace --all-targets -- -D warnings
 # The shipped build leaves the crash points out; the tests need them.
-cargo clippy --workspace --all-targets --features gpuplane/crashpoints -- -D warnings
+cargo clippy "${profile[@]}" --workspace --all-targets --features gpuplane/crashpoints -- -D warnings
 # The image's build: no demo, no test doubles (Dockerfile: --no-default-features).
-cargo clippy -p gpuplane --bin gpuplane --no-default-features -- -D warnings
+cargo clippy "${profile[@]}" -p gpuplane --bin gpuplane --no-default-features -- -D warnings
 echo "== rustdoc -D warnings (intra-doc links resolve across the crate edges)"
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+RUSTDOCFLAGS="-D warnings" cargo doc "${profile[@]}" --workspace --no-deps
 echo "== cluster binaries for tests/real_cluster.rs (hack/cluster/build.sh: about 22 min cold, cached after)"
 if cluster_out="$(./hack/cluster/build.sh)"; then
   export GPUPLANE_CLUSTER_BIN="$(sed -n 's/^GPUPLANE_CLUSTER_BIN=//p' <<<"$cluster_out")"
@@ -55,7 +61,7 @@ else
   echo "hack/test.sh: hack/cluster/build.sh failed; the real-cluster tests will skip" >&2
 fi
 echo "== tests"
-cargo test --workspace --features gpuplane/crashpoints
+cargo test "${profile[@]}" --workspace --features gpuplane/crashpoints
 if $extended; then
   echo "== fuzz (extended)"
   ./hack/fuzz.sh

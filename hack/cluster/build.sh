@@ -12,6 +12,9 @@
 #                                         is cached, else exit 3 (tests/cluster uses this)
 # As root it also installs the Debian packages the lab runs with (runc, CNI plugins,
 # iptables, busybox-static for the test image) when missing.
+# Disk: Go's build cache for these builds (several GB) lives in the cache dir only while they
+# run, and a component's entries for older keys are removed once its new one is built; only
+# the binaries stay (about 700 MB).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cache="${GPUPLANE_CLUSTER_CACHE:-$HOME/.cache/gpuplane-cluster}"
@@ -39,6 +42,10 @@ if ((${#need[@]})); then
 fi
 
 export GOFLAGS=-mod=mod CGO_ENABLED=0
+# A private build cache, removed on exit: a rebuild happens only when a pin changes, and then
+# little of an old cache would apply.
+export GOCACHE="$cache/go-build.$$"
+trap 'rm -rf "$GOCACHE"' EXIT
 gover="$(go env GOVERSION)"
 
 # component -> binaries (go.mod tool packages are built all at once).
@@ -93,6 +100,10 @@ for c in "${components[@]}"; do
     # etcd's main package is go.etcd.io/etcd/server/v3, so its binary is named server (or v3).
     if [[ "$c" == etcd ]]; then mv "$tmp/server" "$tmp/etcd" 2>/dev/null || mv "$tmp/v3" "$tmp/etcd"; fi
     rm -rf "$out" && mv "$tmp" "$out"
+    # Older builds of this component (other keys) are dead weight now.
+    for old in "$cache/$c"-*; do
+      [[ "$old" == "$cache/$c-$key" ]] || rm -rf "$old"
+    done
     for b in ${bins[$c]}; do
       echo "built  $c/$b $(du -h "$out/$b" | cut -f1) in $((SECONDS - start))s: $out/$b"
     done
@@ -109,4 +120,9 @@ if [[ ! -d "$bindir" ]]; then
   for k in $all_keys; do ln -sf "$cache/$k/bin/"* "$bindir.tmp.$$/"; done
   mv "$bindir.tmp.$$" "$bindir"
 fi
+# Link dirs whose targets were pruned above point at nothing.
+for d in "$cache"/bin-*; do
+  [[ "$d" == "$bindir" ]] && continue
+  [[ -z "$(find "$d" -maxdepth 1 -xtype l)" ]] || rm -rf "$d"
+done
 echo "GPUPLANE_CLUSTER_BIN=$bindir"

@@ -5,18 +5,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
-/// Builds the fake (once per test binary) and returns the path cargo reports for it.
+/// Builds the fake (once per test binary) and returns the path cargo reports for it. It is
+/// built with the profile this test was (hack/test.sh uses `ci`), so it shares its artifacts.
 pub fn built_fake() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
     LIB.get_or_init(|| {
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let out = Command::new(cargo)
-            .args([
-                "build",
-                "-p",
-                "fake-nvml",
-                "--message-format=json-render-diagnostics",
-            ])
+            .args(["build", "-p", "fake-nvml", "--profile", own_profile()])
+            .arg("--message-format=json-render-diagnostics")
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .stderr(Stdio::inherit())
             .output()
@@ -32,6 +29,20 @@ pub fn built_fake() -> &'static Path {
             .find(|f| f.extension().is_some_and(|e| e == "so"))
             .expect("cargo reported no libnvidia_ml.so artifact")
     })
+}
+
+/// The cargo profile this test binary was built with, read from where cargo put the agent
+/// binary: `target/<dir>/gpuplane`, where the dir of `dev` is `debug`.
+fn own_profile() -> &'static str {
+    let dir = Path::new(env!("CARGO_BIN_EXE_gpuplane"))
+        .parent()
+        .and_then(Path::file_name)
+        .and_then(|d| d.to_str())
+        .unwrap_or("debug");
+    match dir {
+        "debug" => "dev",
+        other => other,
+    }
 }
 
 /// The agent binary as a child process with its own node directory: kubelet root, CDI root,

@@ -19,6 +19,7 @@ pub mod health;
 pub mod inventory;
 pub mod labels;
 pub mod ledger;
+pub mod names;
 pub mod quantity;
 pub mod quota;
 pub mod report;

@@ -236,37 +236,17 @@ fn check_resource(v: &str) -> Result<(), &'static str> {
     let Some((domain, name)) = v.split_once('/') else {
         return Err("has no `<domain>/` prefix");
     };
-    if !dns_subdomain(domain) {
+    if !crate::names::is_dns_subdomain(domain) {
         return Err("has a domain that is not a DNS subdomain (lower-case, at most 253 bytes)");
     }
     if domain == "kubernetes.io" || domain.ends_with(".kubernetes.io") {
         return Err("is in the kubernetes.io domain, which extended resources may not use");
     }
-    let alnum = |b: u8| b.is_ascii_alphanumeric();
-    let ok = !name.is_empty()
-        && name.len() <= 63
-        && name
-            .bytes()
-            .all(|b| alnum(b) || matches!(b, b'-' | b'_' | b'.'))
-        && name.bytes().next().is_some_and(alnum)
-        && name.bytes().last().is_some_and(alnum);
-    if !ok {
+    if name.len() > crate::names::QUALIFIED_NAME_MAX || !crate::names::is_qualified_name_part(name)
+    {
         return Err("has a name part that is not a qualified name (at most 63 letters, digits, `-`, `_` or `.`, alphanumeric at both ends)");
     }
     Ok(())
-}
-
-fn dns_subdomain(s: &str) -> bool {
-    let alnum = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && label.bytes().all(|b| alnum(b) || b == b'-')
-                && label.bytes().next().is_some_and(alnum)
-                && label.bytes().last().is_some_and(alnum)
-        })
 }
 
 macro_rules! id_newtype {

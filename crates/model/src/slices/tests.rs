@@ -560,7 +560,7 @@ fn helpers() {
     let a = slice_name(&long, DRIVER, 0);
     let b = slice_name(&format!("{}m", "n".repeat(249)), DRIVER, 0);
     assert!(a.len() <= 253 && b.len() <= 253 && a != b, "{a} {b}");
-    assert!(validate::is_dns_subdomain(&a));
+    assert!(crate::names::is_dns_subdomain(&a));
     assert_eq!(slice_name(NODE, DRIVER, 3), "node-a-gpu-gpuplane-dev-3");
 }
 

@@ -289,7 +289,3 @@ impl Checker {
         }
     }
 }
-
-// The slice tests check the subdomain rule directly, at its old path.
-#[cfg(test)]
-pub(crate) use names::is_dns_subdomain;

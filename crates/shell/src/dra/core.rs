@@ -66,7 +66,7 @@ mod spec;
 
 pub use config::DraCoreConfig;
 pub use errors::{kubelet_error, CoreError, PrepareError, UserEvent};
-pub use names::{cdi_device_name, spec_stem, CDI_CLASS, SPEC_STEM_PREFIX};
+pub use names::{cdi_device_name, spec_stem, CDI_CLASS};
 
 use super::checkpoint::{self, Checkpoint, CheckpointData, ClaimEntry, ClaimState};
 use super::fetch::{ClaimFetcher, FetchError};
@@ -399,7 +399,7 @@ fn restore_spec(cdi_root: &std::path::Path, uid: &str, entry: &ClaimEntry) {
         return;
     };
     let claim = format!("{}/{}", entry.namespace, entry.name);
-    if !entry.cdi_spec_stem.starts_with(SPEC_STEM_PREFIX) {
+    if !names::is_claim_spec_stem(&entry.cdi_spec_stem) {
         warn!(claim = %claim, uid, stem = %entry.cdi_spec_stem,
             "the checkpoint names a CDI spec that is not a claim spec; not restoring it");
         return;

@@ -5,11 +5,8 @@
 //! list of violations in field order.
 
 use super::{invalid, Checker, Problem};
-
-/// Longest DNS label (device names, counter names, label-name parts).
-const DNS_LABEL_MAX: usize = 63;
-/// Longest DNS subdomain (object names, node names, pool-name parts).
-pub(super) const DNS_SUBDOMAIN_MAX: usize = 253;
+pub(super) use crate::names::DNS_SUBDOMAIN_MAX;
+use crate::names::{is_dns_label, is_dns_subdomain, is_qualified_name_part, DNS_LABEL_MAX};
 /// Longest driver name and attribute-name domain.
 const DRIVER_NAME_MAX: usize = 63;
 /// Longest attribute or capacity name after the domain.
@@ -151,40 +148,6 @@ pub(super) fn truncate_key(key: &str) -> String {
         &key[..remaining.div_ceil(2)],
         &key[key.len() - remaining / 2..]
     )
-}
-
-fn is_dns_label(s: &str) -> bool {
-    let b = s.as_bytes();
-    !b.is_empty()
-        && b.len() <= DNS_LABEL_MAX
-        && b.iter()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
-        && b[0] != b'-'
-        && b[b.len() - 1] != b'-'
-}
-
-pub(crate) fn is_dns_subdomain(s: &str) -> bool {
-    s.len() <= DNS_SUBDOMAIN_MAX
-        && s.split('.').all(|l| {
-            !l.is_empty()
-                && l.bytes()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        })
-}
-
-fn is_qualified_name_part(s: &str) -> bool {
-    let b = s.as_bytes();
-    match (b.first(), b.last()) {
-        (Some(f), Some(l)) => {
-            f.is_ascii_alphanumeric()
-                && l.is_ascii_alphanumeric()
-                && b.iter()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
-        }
-        _ => false,
-    }
 }
 
 /// semver.org 2.0.0, as the server's regular expression has it.

@@ -6,11 +6,17 @@ use crate::dra::ClaimUid;
 /// CDI class of the per-claim specs; the vendor is `k8s.<driver>`.
 pub const CDI_CLASS: &str = "claim";
 /// File stem prefix of the per-claim specs: `gpuplane-claim-<uid>`.
-pub const SPEC_STEM_PREFIX: &str = "gpuplane-claim-";
+const SPEC_STEM_PREFIX: &str = "gpuplane-claim-";
 
 /// `gpuplane-claim-<uid>`: the spec file stem of a claim.
 pub fn spec_stem(uid: &ClaimUid) -> String {
     format!("{SPEC_STEM_PREFIX}{uid}")
+}
+
+/// Whether `stem` is a claim spec's (`gpuplane-claim-…`): the only specs the claim paths may
+/// restore or remove, whatever a damaged or hand-edited checkpoint names.
+pub fn is_claim_spec_stem(stem: &str) -> bool {
+    stem.starts_with(SPEC_STEM_PREFIX)
 }
 
 /// `<uid>-<DRA device name>`: the CDI device name of a claim's device.

@@ -3,7 +3,7 @@
 //! the claim's `status.devices` entries; the one removal of a claim's spec file, and the sweep
 //! of every claim spec after a reboot.
 
-use super::names::{cdi_device_name, SPEC_STEM_PREFIX};
+use super::names::{cdi_device_name, is_claim_spec_stem};
 use super::{PrepareError, Shared};
 use crate::cdi::{self, ContainerEdits, DeviceName, DriverFiles, NamedDevices, WriteError};
 use crate::dra::claims::{plan_claim, ClaimPlan};
@@ -23,7 +23,7 @@ pub(super) fn remove_claim_spec(
     stem: &str,
     durability: cdi::Durability,
 ) -> Result<(), WriteError> {
-    if !stem.starts_with(SPEC_STEM_PREFIX) {
+    if !is_claim_spec_stem(stem) {
         warn!(
             stem,
             "the checkpoint names a CDI spec that is not a claim spec; leaving it"
@@ -51,10 +51,7 @@ pub(super) fn sweep_claim_specs(cdi_root: &Path) -> Vec<String> {
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
     {
-        let Some(stem) = name
-            .strip_suffix(".json")
-            .filter(|s| s.starts_with(SPEC_STEM_PREFIX))
-        else {
+        let Some(stem) = name.strip_suffix(".json").filter(|s| is_claim_spec_stem(s)) else {
             continue;
         };
         match remove_claim_spec(cdi_root, stem, cdi::Durability::Durable) {

@@ -84,16 +84,6 @@ fn desired_state(v: &Value) -> Value {
     v
 }
 
-fn is_dns_subdomain(name: &str) -> bool {
-    let b = name.as_bytes();
-    !b.is_empty()
-        && b.len() <= 253
-        && b.iter()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'.')
-        && b[0].is_ascii_alphanumeric()
-        && b[b.len() - 1].is_ascii_alphanumeric()
-}
-
 impl Store {
     /// Checks the body's type and namespace against the request and stamps apiVersion/kind.
     fn check_body(&self, info: &ResourceInfo, ns: &str, body: &mut Value) -> Result<(), ApiError> {
@@ -170,7 +160,7 @@ impl Store {
                 }
             }
         }
-        if !is_dns_subdomain(&name) {
+        if !gpuplane_shell::names::is_dns_subdomain(&name) {
             return Err(ApiError::invalid(
                 info,
                 &name,
