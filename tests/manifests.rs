@@ -1154,7 +1154,7 @@ fn device_classes_back_the_device_plugin_resource_names() {
             .unwrap_or_else(|| panic!("{}: no profile in {cel}", d.name()));
         assert_eq!(
             name,
-            gpuplane_shell::deviceplugin::resources::mig_resource_name(&profile.parse().unwrap()),
+            gpuplane_shell::inventory::ResourceName::mig(&profile.parse().unwrap()),
             "{}",
             d.name()
         );
@@ -1165,7 +1165,7 @@ fn device_classes_back_the_device_plugin_resource_names() {
     for p in ["a100-mig-mixed", "h100-mig-single"] {
         let inv = gpuplane_shell::sim::load(p).unwrap();
         for mig in inv.gpus.iter().flat_map(|g| g.mig_devices.iter()) {
-            let name = gpuplane_shell::deviceplugin::resources::mig_resource_name(&mig.profile);
+            let name = gpuplane_shell::inventory::ResourceName::mig(&mig.profile);
             assert!(
                 backed.contains_key(name.as_str()),
                 "{p}: no class backs {name}"

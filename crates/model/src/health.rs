@@ -6,7 +6,7 @@
 //! it answers the driver again. The caller supplies the clock, so tests need no sleeping.
 
 use crate::config::XidPolicy;
-use crate::inventory::Inventory;
+use crate::inventory::{DeviceUuid, Inventory};
 use crate::source::DeviceEvent;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -47,24 +47,24 @@ struct Mark {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
     Unhealthy {
-        unit: String,
+        unit: DeviceUuid,
         cause: Cause,
     },
     Recovered {
-        unit: String,
+        unit: DeviceUuid,
         after: Cause,
     },
     /// A non-critical Xid, ignored by policy.
     Ignored {
-        unit: String,
+        unit: DeviceUuid,
         xid: u64,
     },
 }
 
 #[derive(Debug, Clone, Default)]
 pub struct HealthBook {
-    marks: BTreeMap<String, Mark>,
-    parent: BTreeMap<String, String>,
+    marks: BTreeMap<DeviceUuid, Mark>,
+    parent: BTreeMap<DeviceUuid, DeviceUuid>,
 }
 
 impl HealthBook {
@@ -76,7 +76,7 @@ impl HealthBook {
             .flat_map(|g| {
                 g.mig_devices
                     .iter()
-                    .map(move |m| (m.uuid.to_string(), g.uuid.to_string()))
+                    .map(move |m| (m.uuid.clone(), g.uuid.clone()))
             })
             .collect();
         let known: std::collections::BTreeSet<&str> = inv
@@ -100,7 +100,7 @@ impl HealthBook {
         }
     }
 
-    fn mark(&mut self, unit: &str, cause: Cause, now: Instant) -> Change {
+    fn mark(&mut self, unit: &DeviceUuid, cause: Cause, now: Instant) -> Change {
         // A lost GPU stays lost until it answers again, whatever Xids follow.
         let cause = match self.marks.get(unit) {
             Some(Mark {
@@ -108,10 +108,9 @@ impl HealthBook {
             }) => Cause::Lost,
             _ => cause,
         };
-        self.marks
-            .insert(unit.to_string(), Mark { cause, since: now });
+        self.marks.insert(unit.clone(), Mark { cause, since: now });
         Change::Unhealthy {
-            unit: unit.to_string(),
+            unit: unit.clone(),
             cause,
         }
     }
@@ -123,13 +122,13 @@ impl HealthBook {
             mig_uuid,
             xid,
         } = event;
-        let unit = mig_uuid.as_deref().unwrap_or(gpu_uuid.as_str());
+        let unit = mig_uuid.as_ref().unwrap_or(gpu_uuid);
         if *xid == XID_FALLEN_OFF_BUS {
             return self.mark(gpu_uuid, Cause::Lost, now);
         }
         if !policy.is_critical(*xid) {
             return Change::Ignored {
-                unit: unit.to_string(),
+                unit: unit.clone(),
                 xid: *xid,
             };
         }
@@ -137,7 +136,7 @@ impl HealthBook {
     }
 
     /// Marks a GPU lost (discovery could not reach it).
-    pub fn on_lost(&mut self, gpu_uuid: &str, now: Instant) -> Change {
+    pub fn on_lost(&mut self, gpu_uuid: &DeviceUuid, now: Instant) -> Change {
         self.mark(gpu_uuid, Cause::Lost, now)
     }
 
@@ -147,7 +146,7 @@ impl HealthBook {
     }
 
     /// The GPUs marked lost, to ask the driver about (off the state lock: the query may hang).
-    pub fn lost(&self) -> Vec<String> {
+    pub fn lost(&self) -> Vec<DeviceUuid> {
         self.marks
             .iter()
             .filter(|(_, m)| m.cause == Cause::Lost)
@@ -158,7 +157,7 @@ impl HealthBook {
     /// Recovers the lost GPUs in `answered`, which answered a probe started at `asked_at`. A GPU
     /// marked lost again after that (a newer Xid 79) keeps its mark: the answer predates it. A
     /// GPU no longer in the inventory has no mark, so an answer for it changes nothing.
-    pub fn recover_answered(&mut self, answered: &[String], asked_at: Instant) -> Vec<Change> {
+    pub fn recover_answered(&mut self, answered: &[DeviceUuid], asked_at: Instant) -> Vec<Change> {
         let mut out = Vec::new();
         for unit in answered {
             let Some(m) = self.marks.get(unit) else {
@@ -229,7 +228,7 @@ mod tests {
     #[test]
     fn a_probe_answer_recovers_only_marks_older_than_the_probe() {
         let (mut book, inv, _) = setup();
-        let (a, b) = (inv.gpus[0].uuid.to_string(), inv.gpus[1].uuid.to_string());
+        let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
         let t0 = Instant::now();
         book.on_lost(&a, t0);
         book.on_lost(&b, t0);
@@ -241,7 +240,8 @@ mod tests {
         let asked = t0 + Duration::from_secs(1);
         // B fell off the bus again while the probe ran: its answer is older than the mark.
         book.on_lost(&b, asked + Duration::from_millis(1));
-        let rec = book.recover_answered(&[a.clone(), b.clone(), "GPU-gone".into()], asked);
+        let gone = DeviceUuid::parse("GPU-gone").unwrap();
+        let rec = book.recover_answered(&[a.clone(), b.clone(), gone], asked);
         assert_eq!(
             rec,
             vec![Change::Recovered {

@@ -6,7 +6,8 @@
 //! API asked. It is rebuilt from what the kubelet reports (PodResources) and the DRA checkpoint.
 
 use crate::config::{AllocationMode, Partition};
-use crate::inventory::{Gpu, Inventory};
+use crate::dra::ClaimUid;
+use crate::inventory::{DeviceUuid, Gpu, Inventory, ResourceName};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -51,12 +52,12 @@ pub enum Holder {
     /// IDs (or those PodResources lists), in the kubelet's order. `pod` is
     /// `namespace/name/container` once PodResources names it, `None` between Allocate and then.
     DevicePlugin {
-        resource: String,
+        resource: ResourceName,
         device_ids: Vec<String>,
         pod: Option<String>,
     },
     /// A prepared DRA claim.
-    Claim { uid: String, name: String },
+    Claim { uid: ClaimUid, name: String },
 }
 
 impl fmt::Display for Holder {
@@ -108,10 +109,10 @@ impl Holder {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("device {unit} is held by {holder}{}", overlap.as_ref().map(|o| format!(" (through overlapping device {o})")).unwrap_or_default())]
 pub struct Held {
-    pub unit: String,
+    pub unit: DeviceUuid,
     pub holder: Holder,
     /// The overlapping unit actually held, when not `unit` itself.
-    pub overlap: Option<String>,
+    pub overlap: Option<DeviceUuid>,
 }
 
 /// A device-plugin Allocate that PodResources has not listed yet.
@@ -124,15 +125,15 @@ struct Pending {
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Ledger {
-    holds: BTreeMap<String, Holder>,
+    holds: BTreeMap<DeviceUuid, Holder>,
     /// Per unit, the device-plugin Allocates PodResources has not listed yet. PodResources may
     /// lag Allocate, so these alone keep a hold for the grace period. A hold with none left
     /// lives exactly as long as PodResources lists its unit: once listed, a unit missing from a
     /// listing means its container is gone. Per Allocate, not per unit, because time-sliced
     /// replicas share a unit: a listed replica must not vouch for a newer one's Allocate.
-    pending: BTreeMap<String, Vec<Pending>>,
-    parent: BTreeMap<String, String>,
-    children: BTreeMap<String, Vec<String>>,
+    pending: BTreeMap<DeviceUuid, Vec<Pending>>,
+    parent: BTreeMap<DeviceUuid, DeviceUuid>,
+    children: BTreeMap<DeviceUuid, Vec<DeviceUuid>>,
 }
 
 impl Ledger {
@@ -149,18 +150,18 @@ impl Ledger {
         self.children.clear();
         for g in &inv.gpus {
             for m in &g.mig_devices {
-                self.parent.insert(m.uuid.to_string(), g.uuid.to_string());
+                self.parent.insert(m.uuid.clone(), g.uuid.clone());
                 self.children
-                    .entry(g.uuid.to_string())
+                    .entry(g.uuid.clone())
                     .or_default()
-                    .push(m.uuid.to_string());
+                    .push(m.uuid.clone());
             }
         }
     }
 
     /// Units that overlap `unit`, itself first.
-    fn overlapping(&self, unit: &str) -> Vec<String> {
-        let mut out = vec![unit.to_string()];
+    fn overlapping(&self, unit: &DeviceUuid) -> Vec<DeviceUuid> {
+        let mut out = vec![unit.clone()];
         if let Some(p) = self.parent.get(unit) {
             out.push(p.clone());
         }
@@ -171,19 +172,24 @@ impl Ledger {
     }
 
     /// Another consumer's hold that blocks `unit` for `who`, if any.
-    pub fn conflict(&self, unit: &str, who: &Holder) -> Option<Held> {
+    pub fn conflict(&self, unit: &DeviceUuid, who: &Holder) -> Option<Held> {
         self.overlapping(unit).into_iter().find_map(|u| {
             let h = self.holds.get(&u)?;
             (!h.same_consumer(who)).then(|| Held {
-                unit: unit.to_string(),
+                unit: unit.clone(),
                 holder: h.clone(),
-                overlap: (u != unit).then_some(u),
+                overlap: (u != *unit).then_some(u),
             })
         })
     }
 
     /// Holds every unit for `who`, or none of them.
-    pub fn hold_all(&mut self, units: &[String], who: &Holder, now: Instant) -> Result<(), Held> {
+    pub fn hold_all(
+        &mut self,
+        units: &[DeviceUuid],
+        who: &Holder,
+        now: Instant,
+    ) -> Result<(), Held> {
         if let Some(held) = units.iter().find_map(|u| self.conflict(u, who)) {
             return Err(held);
         }
@@ -208,10 +214,10 @@ impl Ledger {
     /// Returns (units newly held, units released, conflicts).
     pub fn sync_device_plugin(
         &mut self,
-        in_use: &BTreeMap<String, (Holder, String)>,
+        in_use: &BTreeMap<DeviceUuid, (Holder, String)>,
         listed_at: Instant,
         grace: Duration,
-    ) -> (Vec<String>, Vec<String>, Vec<Held>) {
+    ) -> (Vec<DeviceUuid>, Vec<DeviceUuid>, Vec<Held>) {
         let mut added = Vec::new();
         let mut conflicts = Vec::new();
         for (unit, (holder, pod)) in in_use {
@@ -238,23 +244,23 @@ impl Ledger {
             p.retain(|a| listed_at.saturating_duration_since(a.at) < grace);
         }
         self.pending.retain(|_, p| !p.is_empty());
-        let pending: BTreeSet<String> = self.pending.keys().cloned().collect();
+        let pending: BTreeSet<DeviceUuid> = self.pending.keys().cloned().collect();
         let released =
             self.release_device_plugin_unless(|u, _| in_use.contains_key(u) || pending.contains(u));
         (added, released, conflicts)
     }
 
     /// Releases everything a claim holds; returns the units freed.
-    pub fn release_claim(&mut self, uid: &str) -> Vec<String> {
-        self.release_where(|h| matches!(h, Holder::Claim { uid: u, .. } if u == uid))
+    pub fn release_claim(&mut self, uid: &str) -> Vec<DeviceUuid> {
+        self.release_where(|h| matches!(h, Holder::Claim { uid: u, .. } if *u == *uid))
     }
 
     /// Releases device-plugin holds for which `keep` is false; returns the units freed.
     pub fn release_device_plugin_unless(
         &mut self,
         keep: impl Fn(&str, &Holder) -> bool,
-    ) -> Vec<String> {
-        let gone: Vec<String> = self
+    ) -> Vec<DeviceUuid> {
+        let gone: Vec<DeviceUuid> = self
             .holds
             .iter()
             .filter(|(u, h)| matches!(h, Holder::DevicePlugin { .. }) && !keep(u, h))
@@ -267,8 +273,8 @@ impl Ledger {
         gone
     }
 
-    fn release_where(&mut self, pred: impl Fn(&Holder) -> bool) -> Vec<String> {
-        let gone: Vec<String> = self
+    fn release_where(&mut self, pred: impl Fn(&Holder) -> bool) -> Vec<DeviceUuid> {
+        let gone: Vec<DeviceUuid> = self
             .holds
             .iter()
             .filter(|(_, h)| pred(h))
@@ -292,12 +298,12 @@ impl Ledger {
         self.holds.get(unit)
     }
 
-    pub fn holds(&self) -> impl Iterator<Item = (&str, &Holder)> {
-        self.holds.iter().map(|(u, h)| (u.as_str(), h))
+    pub fn holds(&self) -> impl Iterator<Item = (&DeviceUuid, &Holder)> {
+        self.holds.iter()
     }
 
     /// Units blocked for `who`: held by someone else, directly or through an overlap.
-    pub fn blocked_for(&self, who: &Holder) -> BTreeSet<String> {
+    pub fn blocked_for(&self, who: &Holder) -> BTreeSet<DeviceUuid> {
         let mut out = BTreeSet::new();
         for (u, h) in &self.holds {
             if h.same_consumer(who) {
@@ -310,7 +316,7 @@ impl Ledger {
 
     /// Units the device plugin side holds, directly or through an overlap: what DRA must not
     /// offer right now.
-    pub fn device_plugin_blocked(&self) -> BTreeSet<String> {
+    pub fn device_plugin_blocked(&self) -> BTreeSet<DeviceUuid> {
         self.holds
             .iter()
             .filter(|(_, h)| matches!(h, Holder::DevicePlugin { .. }))
@@ -339,7 +345,7 @@ mod tests {
 
     fn claim(uid: &str) -> Holder {
         Holder::Claim {
-            uid: uid.into(),
+            uid: ClaimUid::parse(uid).unwrap(),
             name: format!("ns/{uid}"),
         }
     }
@@ -348,7 +354,7 @@ mod tests {
     fn device_plugin_replicas_share_a_unit_but_block_claims() {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
-        let u = vec![inv.gpus[0].uuid.to_string()];
+        let u = vec![inv.gpus[0].uuid.clone()];
         l.hold_all(&u, &dp("GPU-a::0"), Instant::now()).unwrap();
         l.hold_all(&u, &dp("GPU-a::1"), Instant::now()).unwrap();
         assert!(l.hold_all(&u, &claim("c"), Instant::now()).is_err());
@@ -389,7 +395,7 @@ mod tests {
         let mut l = Ledger::new(&inv);
         let t0 = Instant::now();
         let grace = Duration::from_secs(30);
-        let (a, b) = (inv.gpus[0].uuid.to_string(), inv.gpus[1].uuid.to_string());
+        let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
         l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
         let none = BTreeMap::new();
         assert!(
@@ -411,10 +417,10 @@ mod tests {
     }
 
     /// A PodResources listing: (unit, listed device ID, `namespace/pod/container`).
-    fn listing(entries: &[(&str, &str, &str)]) -> BTreeMap<String, (Holder, String)> {
+    fn listing(entries: &[(&str, &str, &str)]) -> BTreeMap<DeviceUuid, (Holder, String)> {
         entries
             .iter()
-            .map(|(u, id, pod)| (u.to_string(), (dp(id), pod.to_string())))
+            .map(|(u, id, pod)| (DeviceUuid::parse(*u).unwrap(), (dp(id), pod.to_string())))
             .collect()
     }
 
@@ -427,7 +433,7 @@ mod tests {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
         let (t0, grace) = (Instant::now(), secs(30.0));
-        let a = inv.gpus[0].uuid.to_string();
+        let a = inv.gpus[0].uuid.clone();
         l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
         let listed = listing(&[(&a, &a, "ns/p/c")]);
         assert_eq!(
@@ -453,7 +459,7 @@ mod tests {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
         let (t0, grace) = (Instant::now(), secs(30.0));
-        let (a, b) = (inv.gpus[0].uuid.to_string(), inv.gpus[1].uuid.to_string());
+        let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
         l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
         // Listings that show other units, or none, do not end an Allocate not yet listed.
         let other = listing(&[(&b, &b, "ns/q/c")]);
@@ -471,7 +477,7 @@ mod tests {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
         let (t0, grace) = (Instant::now(), secs(30.0));
-        let a = inv.gpus[0].uuid.to_string();
+        let a = inv.gpus[0].uuid.clone();
         l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
         l.sync_device_plugin(&listing(&[(&a, &a, "ns/old/c")]), t0 + secs(0.5), grace);
         // `old` ends and the kubelet gives the same device ID to `new` while a List (sent
@@ -489,7 +495,7 @@ mod tests {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
         let (t0, grace) = (Instant::now(), secs(30.0));
-        let a = inv.gpus[0].uuid.to_string();
+        let a = inv.gpus[0].uuid.clone();
         l.hold_all(std::slice::from_ref(&a), &dp(&a), t0).unwrap();
         l.sync_device_plugin(&listing(&[(&a, &a, "ns/p1/c")]), t0 + secs(0.5), grace);
         let (_, released, _) = l.sync_device_plugin(&BTreeMap::new(), t0 + secs(1.0), grace);
@@ -517,7 +523,7 @@ mod tests {
         let inv = crate::sim::load("pcie-l4x4").unwrap();
         let mut l = Ledger::new(&inv);
         let (t0, grace) = (Instant::now(), secs(30.0));
-        let a = inv.gpus[0].uuid.to_string();
+        let a = inv.gpus[0].uuid.clone();
         let (r0, r1) = (format!("{a}::0"), format!("{a}::1"));
         l.hold_all(std::slice::from_ref(&a), &dp(&r0), t0).unwrap();
         l.hold_all(std::slice::from_ref(&a), &dp(&r1), t0 + secs(0.1))
@@ -534,7 +540,7 @@ mod tests {
     fn holds_rebuilt_from_pod_resources_after_a_restart_count_as_listed() {
         let inv = crate::sim::load("dgx-h100").unwrap();
         let (t0, grace) = (Instant::now(), secs(30.0));
-        let (a, b) = (inv.gpus[0].uuid.to_string(), inv.gpus[1].uuid.to_string());
+        let (a, b) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
         // A restarted agent: a new ledger whose first knowledge is a PodResources listing.
         let mut l = Ledger::new(&inv);
         let both = listing(&[(&a, &a, "ns/p/c"), (&b, &b, "ns/q/c")]);
@@ -553,7 +559,7 @@ mod tests {
 
     fn dp(id: &str) -> Holder {
         Holder::DevicePlugin {
-            resource: "nvidia.com/gpu".into(),
+            resource: ResourceName::gpu(),
             device_ids: id.split(',').map(str::to_string).collect(),
             pod: None,
         }
@@ -563,8 +569,8 @@ mod tests {
     fn a_gpu_and_its_mig_devices_block_each_other() {
         let inv = crate::sim::load("a100-mig-mixed").unwrap();
         let mut l = Ledger::new(&inv);
-        let gpu = inv.gpus[0].uuid.to_string();
-        let mig = inv.gpus[0].mig_devices[1].uuid.to_string();
+        let gpu = inv.gpus[0].uuid.clone();
+        let mig = inv.gpus[0].mig_devices[1].uuid.clone();
         l.hold_all(std::slice::from_ref(&mig), &claim("c1"), Instant::now())
             .unwrap();
         let err = l
@@ -575,7 +581,7 @@ mod tests {
         assert_eq!(l.release_claim("c1"), vec![mig]);
         l.hold_all(std::slice::from_ref(&gpu), &dp(&gpu), Instant::now())
             .unwrap();
-        let other = inv.gpus[0].mig_devices[0].uuid.to_string();
+        let other = inv.gpus[0].mig_devices[0].uuid.clone();
         assert!(l.conflict(&other, &claim("c2")).is_some());
         l.check_invariant().unwrap();
     }
@@ -584,7 +590,7 @@ mod tests {
     fn holds_are_all_or_nothing_and_idempotent_for_the_same_consumer() {
         let inv = crate::sim::load("dgx-h100").unwrap();
         let mut l = Ledger::new(&inv);
-        let u: Vec<String> = inv.gpus.iter().map(|g| g.uuid.to_string()).collect();
+        let u: Vec<DeviceUuid> = inv.gpus.iter().map(|g| g.uuid.clone()).collect();
         l.hold_all(&u[..2], &claim("a"), Instant::now()).unwrap();
         l.hold_all(&u[..2], &claim("a"), Instant::now()).unwrap();
         assert!(l.hold_all(&u[1..3], &claim("b"), Instant::now()).is_err());

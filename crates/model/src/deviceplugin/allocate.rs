@@ -6,6 +6,7 @@
 use super::resources::{PluginDevice, ResourcePlan};
 use crate::config::{AgentConfig, DeviceListStrategy};
 use crate::health::{Health, HealthBook};
+use crate::inventory::{DeviceUuid, ResourceName};
 use crate::ledger::{Holder, Ledger};
 use crate::source::DeviceMode;
 use crate::topology::{self, PreferError, TopologyModel};
@@ -130,9 +131,9 @@ pub fn allocate(
 }
 
 /// The ledger holder the device plugin records for a container's devices.
-pub fn holder(resource: &str, ids: &[String]) -> Holder {
+pub fn holder(resource: &ResourceName, ids: &[String]) -> Holder {
     Holder::DevicePlugin {
-        resource: resource.to_string(),
+        resource: resource.clone(),
         device_ids: ids.to_vec(),
         pod: None,
     }
@@ -146,11 +147,11 @@ pub fn hold(
     ledger: &mut Ledger,
     ids: &[String],
     now: Instant,
-) -> Result<(Vec<String>, bool), AllocateError> {
-    let mut units: Vec<String> = ids
+) -> Result<(Vec<DeviceUuid>, bool), AllocateError> {
+    let mut units: Vec<DeviceUuid> = ids
         .iter()
         .filter_map(|id| find(plan, id))
-        .map(|d| d.unit.to_string())
+        .map(|d| d.unit.clone())
         .collect();
     units.sort();
     units.dedup();
@@ -165,7 +166,7 @@ pub fn hold(
                 .devices
                 .iter()
                 .find(|d| d.unit == held.unit && ids.contains(&d.id))
-                .map_or(held.unit.clone(), |d| d.id.clone());
+                .map_or(held.unit.to_string(), |d| d.id.clone());
             AllocateError::Held {
                 resource: plan.name.to_string(),
                 id,
@@ -196,7 +197,7 @@ pub fn preferred(
     available: &[String],
     must_include: &[String],
     size: usize,
-    avoid: &BTreeSet<String>,
+    avoid: &BTreeSet<DeviceUuid>,
 ) -> Result<Vec<String>, PreferredError> {
     let lookup = |id: &String| {
         find(plan, id).ok_or_else(|| PreferredError::UnknownDevice {
@@ -228,7 +229,7 @@ pub fn preferred(
     }
     // Devices on avoided units go last, whatever else is true of them.
     let (free, held): (Vec<&PluginDevice>, Vec<&PluginDevice>) =
-        avail.iter().partition(|d| !avoid.contains(d.unit.as_str()));
+        avail.iter().partition(|d| !avoid.contains(&d.unit));
     let whole_gpus = plan.replicas == 1 && avail.iter().all(|d| !d.unit.starts_with("MIG-"));
     let chosen = if whole_gpus {
         pick_gpus(model, &free, &held, &must, size)?
@@ -441,7 +442,7 @@ mod tests {
     #[test]
     fn held_units_are_avoided_while_others_remain() {
         let (p, model, _, _) = setup("dgx-h100", "flags: {plugin: {deviceIDStrategy: index}}");
-        let avoid: BTreeSet<String> = p.devices[..4].iter().map(|d| d.unit.to_string()).collect();
+        let avoid: BTreeSet<DeviceUuid> = p.devices[..4].iter().map(|d| d.unit.clone()).collect();
         let got = preferred(&p, &model, &ids(&p), &[], 4, &avoid).unwrap();
         assert_eq!(got, ["4", "5", "6", "7"]);
         // With only held ones left, they are still offered rather than failing.

@@ -5,11 +5,15 @@
 //! or one MIG device) so health and Allocate can be answered per unit.
 
 use crate::config::{AgentConfig, DeviceIdStrategy, MigStrategy};
-use crate::inventory::{DeviceUuid, Gpu, Inventory, MigDevice, MigProfile, ResourceName};
+use crate::inventory::{DeviceUuid, Gpu, Inventory, MigDevice, ResourceName};
 use std::collections::BTreeMap;
 
 /// The resource name whole GPUs (and MIG devices under the `single` strategy) are offered as.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+/// Prefix of MIG resources under the `mixed` strategy (`nvidia.com/mig-1g.10gb`).
+pub const MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
+/// Suffix of time-sliced resources renamed by `renameByDefault`.
+pub const SHARED_SUFFIX: &str = ".shared";
 
 /// One device as the kubelet sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,11 +61,6 @@ pub enum PlanError {
     /// The `single` strategy needs MIG on every GPU or on none.
     #[error("MIG strategy `single` needs MIG on all GPUs or on none, but GPU(s) {off} have MIG off; use migStrategy `mixed` or enable MIG on them")]
     MixedModes { off: String },
-}
-
-/// `nvidia.com/mig-<profile>` with `+` written as `.`, as NVIDIA's plugin names them.
-pub fn mig_resource_name(profile: &MigProfile) -> ResourceName {
-    ResourceName::mig(profile)
 }
 
 fn gpu_unit(g: &Gpu, ids: DeviceIdStrategy) -> PluginDevice {
@@ -173,7 +172,7 @@ fn units_by_resource(
                 }
                 for (pos, m) in g.mig_devices.iter().enumerate() {
                     by_name
-                        .entry(mig_resource_name(&m.profile))
+                        .entry(ResourceName::mig(&m.profile))
                         .or_default()
                         .push(mig_unit(g, pos, m, ids));
                 }

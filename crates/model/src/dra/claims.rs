@@ -23,7 +23,7 @@
 use super::opaque::{self, ConfiguredDevice, GpuConfig, OpaqueError};
 use super::ClaimRef;
 use crate::health::{Health, HealthBook};
-use crate::inventory::{DeviceRef, Inventory};
+use crate::inventory::{DeviceRef, DeviceUuid, Inventory};
 use crate::report::chain;
 use k8s_openapi::api::resource::v1::{
     DeviceAllocationConfiguration, DeviceRequestAllocationResult, ResourceClaim,
@@ -120,7 +120,7 @@ pub struct PlannedDevice {
     /// DRA device name.
     pub device: String,
     /// The unit's UUID (GPU or MIG device).
-    pub uuid: String,
+    pub uuid: DeviceUuid,
     pub share_id: Option<String>,
     pub config: Option<AppliedConfig>,
     /// What the config means for the container ([`opaque::container_env`]).
@@ -347,7 +347,7 @@ impl ClaimPlan {
             None => self.devices.push(PlannedDevice {
                 requests: vec![result.request.clone()],
                 device: result.device.clone(),
-                uuid: dev.uuid().to_string(),
+                uuid: dev.uuid().clone(),
                 share_id: result.share_id.clone(),
                 config: config.map(|c| AppliedConfig {
                     index: c.index,

@@ -4,6 +4,7 @@
 //! them at their edge; past it the core holds only these, so nothing further in re-validates
 //! them and a bad value (a `,` in a comma-joined device list, a stray newline) cannot get in.
 
+use crate::deviceplugin::resources::{GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX};
 use serde::{Deserialize, Serialize};
 
 /// Why a UUID, profile or resource name was refused: the value and the rule it breaks.
@@ -205,19 +206,22 @@ impl ResourceName {
 
     /// `nvidia.com/gpu`, the resource whole GPUs are offered as.
     pub fn gpu() -> ResourceName {
-        ResourceName(crate::deviceplugin::resources::GPU_RESOURCE.to_string())
+        ResourceName(GPU_RESOURCE.to_string())
     }
 
     /// `nvidia.com/mig-<profile>` with `+` written as `.`, as NVIDIA's plugin names them. A
     /// [`MigProfile`] is at most 59 bytes of digits, lower-case letters, `.`, `+` and `-`,
     /// starting with a digit and ending with a letter: always a valid name.
     pub fn mig(profile: &MigProfile) -> ResourceName {
-        ResourceName(format!("nvidia.com/mig-{}", profile.replace('+', ".")))
+        ResourceName(format!(
+            "{MIG_RESOURCE_PREFIX}{}",
+            profile.replace('+', ".")
+        ))
     }
 
     /// `<self>.shared`, the name a time-sliced resource is advertised under by default.
     pub fn shared(&self) -> Result<ResourceName, IdError> {
-        ResourceName::parse(format!("{}.shared", self.0))
+        ResourceName::parse(format!("{}{SHARED_SUFFIX}", self.0))
     }
 
     /// The part after the `/`.
@@ -402,6 +406,8 @@ mod tests {
             let r = ResourceName::mig(&MigProfile::parse(p).unwrap());
             assert_eq!(ResourceName::parse(r.as_str()), Ok(r));
         }
+        let me = ResourceName::mig(&MigProfile::parse("1g.10gb+me").unwrap());
+        assert_eq!(me, "nvidia.com/mig-1g.10gb.me");
         let longest = MigProfile::parse(format!("1g.1gb+{}", "a".repeat(52))).unwrap();
         assert_eq!(ResourceName::mig(&longest).name().len(), 63);
         assert!(MigProfile::parse(format!("1g.1gb+{}", "a".repeat(53))).is_err());

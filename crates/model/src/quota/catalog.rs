@@ -24,12 +24,8 @@ use std::collections::BTreeMap;
 
 /// The default DRA driver name of gpuplane's node agent.
 pub const DEFAULT_DRIVER: &str = "gpu.gpuplane.dev";
-/// Whole GPUs as a device-plugin resource.
-pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
-/// Prefix of MIG device-plugin resources (`nvidia.com/mig-1g.10gb`).
-pub const MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
-/// Suffix of time-sliced resources renamed by `renameByDefault`.
-pub const SHARED_SUFFIX: &str = ".shared";
+/// The device plugin's resource names, which quota charges.
+pub use crate::deviceplugin::resources::{GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX};
 
 /// What the catalog is told rather than reads from the cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -136,11 +132,6 @@ pub fn mig_share(profile: &str, product: Option<&str>) -> Option<Gpus> {
     let n = mig_profile_slices(profile)?;
     let c = mig_compute_slices(product);
     Gpus::new(n.min(c), c)
-}
-
-/// `nvidia.com/mig-<profile>` with `+` written as `.` (the device plugin's resource naming).
-pub fn mig_resource_name(profile: &str) -> String {
-    format!("{MIG_RESOURCE_PREFIX}{}", profile.replace('+', "."))
 }
 
 impl DeviceCatalog {

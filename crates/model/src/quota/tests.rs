@@ -168,7 +168,6 @@ fn a_mig_1g_slice_on_an_h100_is_a_seventh_and_on_an_a30_a_quarter() {
     assert_eq!(seven.usage.gpus, Gpus::ONE);
     assert!(seven.unknown.is_empty());
     assert_eq!(mig_share("7g.80gb", Some("NVIDIA H100")), Some(Gpus::ONE));
-    assert_eq!(mig_resource_name("1g.10gb+me"), "nvidia.com/mig-1g.10gb.me");
 }
 
 #[test]

@@ -196,13 +196,13 @@ impl Plugins {
 
 fn serve(
     dir: &Path,
-    resource: &str,
+    resource: &ResourceName,
     state: Arc<NodeState>,
     node_spec: Arc<NodeSpec>,
 ) -> Result<Plugin, grpc::SocketError> {
     let (stop, stopping) = watch::channel(false);
     let service = pb::device_plugin_server::DevicePluginServer::new(DevicePluginService::new(
-        resource.to_string(),
+        resource.clone(),
         state,
         node_spec,
         stopping,

@@ -5,6 +5,7 @@
 use super::allocate::{self, AllocateError};
 use crate::config::{AllocationMode, DeviceListStrategy};
 use crate::health::Health;
+use crate::inventory::{DeviceUuid, ResourceName};
 use crate::metrics::{self, Allocation, AllocationLabels, ApiLabel};
 use crate::node::cdi::NodeSpec;
 use crate::node::state::NodeState;
@@ -24,7 +25,7 @@ pub const UNHEALTHY: &str = "Unhealthy";
 /// Serves one resource name from the shared node state.
 #[derive(Clone)]
 pub struct DevicePluginService {
-    resource: String,
+    resource: ResourceName,
     state: Arc<NodeState>,
     /// The node CDI spec, which defines the names Allocate hands out.
     node_spec: Arc<NodeSpec>,
@@ -35,7 +36,7 @@ pub struct DevicePluginService {
 
 impl DevicePluginService {
     pub fn new(
-        resource: String,
+        resource: ResourceName,
         state: Arc<NodeState>,
         node_spec: Arc<NodeSpec>,
         stopping: watch::Receiver<bool>,
@@ -158,7 +159,7 @@ impl DevicePlugin for DevicePluginService {
             .plan
             .resource(&self.resource)
             .ok_or_else(|| gone(&self.resource))?;
-        let avoid: BTreeSet<String> = snap
+        let avoid: BTreeSet<DeviceUuid> = snap
             .ledger
             .blocked_for(&allocate::holder(&self.resource, &[]));
         let mut container_responses = Vec::new();

@@ -71,6 +71,7 @@
 use super::PreparedDevice;
 use crate::cdi::Spec;
 use crate::fsutil::{self, FsError};
+use crate::inventory::DeviceUuid;
 use gpuplane_model::report::chain;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -120,7 +121,7 @@ pub struct ClaimEntry {
     pub cdi_spec_stem: String,
     /// DRA device name → unit UUID, for the allocation ledger.
     #[serde(default)]
-    pub units: BTreeMap<String, String>,
+    pub units: BTreeMap<String, DeviceUuid>,
     /// The claim's CDI spec, which the file `<stem>.json` copies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cdi_spec: Option<Spec>,
@@ -501,7 +502,7 @@ mod tests {
                 share_id: None,
             }],
             cdi_spec_stem: "gpuplane-claim-abc".into(),
-            units: [("gpu-3".to_string(), "GPU-x".to_string())].into(),
+            units: [("gpu-3".to_string(), DeviceUuid::parse("GPU-x").unwrap())].into(),
             cdi_spec: Some(Spec {
                 cdi_version: "0.3.0".into(),
                 kind: "k8s.gpu.gpuplane.dev/claim".into(),

@@ -75,6 +75,7 @@ use super::{
 };
 use crate::cdi::{self, InstallCache, Kind};
 use crate::health::Health;
+use crate::inventory::DeviceUuid;
 use crate::ledger::dra_view;
 use crate::metrics;
 use crate::node::state::NodeState;
@@ -203,7 +204,7 @@ impl DraCore {
     }
 
     /// Unit UUID (GPU or MIG) → UID of the claim it is prepared (or being prepared) for.
-    pub async fn prepared_units(&self) -> BTreeMap<String, String> {
+    pub async fn prepared_units(&self) -> BTreeMap<DeviceUuid, String> {
         let cp = self.checkpoint.lock().await;
         cp.data()
             .claims

@@ -13,7 +13,7 @@ use super::probe::Prober;
 use super::state::NodeState;
 use crate::config::{AgentConfig, ConfigError};
 use crate::health::{Cause, Change, Health};
-use crate::inventory::Inventory;
+use crate::inventory::{DeviceUuid, Inventory};
 use crate::source::{DeviceEvent, Discovery};
 use std::future::Future;
 use std::sync::Arc;
@@ -128,7 +128,7 @@ impl Owner {
         let (inventory, lost) = with_lost(Some(&inventory), found);
         self.state.update(|s| {
             let now = Instant::now();
-            let fresh: Vec<&String> = lost
+            let fresh: Vec<&DeviceUuid> = lost
                 .iter()
                 .filter(|u| s.health.health(u) != Health::Unhealthy(Cause::Lost))
                 .collect();
@@ -146,7 +146,7 @@ impl Owner {
 
 /// The inventory to serve: what answered, plus GPUs known from before that are now lost (so
 /// they stay listed, as Unhealthy, instead of silently vanishing).
-pub fn with_lost(previous: Option<&Inventory>, found: &Discovery) -> (Inventory, Vec<String>) {
+pub fn with_lost(previous: Option<&Inventory>, found: &Discovery) -> (Inventory, Vec<DeviceUuid>) {
     let mut inv = found.inventory.clone();
     let mut lost_uuids = Vec::new();
     if let Some(prev) = previous {
@@ -162,7 +162,7 @@ pub fn with_lost(previous: Option<&Inventory>, found: &Discovery) -> (Inventory,
                             .copied(),
                     );
                 }
-                lost_uuids.push(g.uuid.to_string());
+                lost_uuids.push(g.uuid.clone());
             }
         }
     }

@@ -5,6 +5,7 @@
 use crate::deviceplugin::allocate;
 use crate::deviceplugin::resources::Plan;
 use crate::grpc;
+use crate::inventory::{DeviceUuid, ResourceName};
 use crate::ledger::Holder;
 use crate::metrics::{self, ApiLabel};
 use crate::node::state::NodeState;
@@ -36,8 +37,9 @@ pub enum PodResourcesError {
 pub fn units_in_use(
     list: &pr::ListPodResourcesResponse,
     plan: &Plan,
-) -> BTreeMap<String, (Holder, String)> {
-    let mut ids: BTreeMap<String, (String, BTreeSet<String>, BTreeSet<String>)> = BTreeMap::new();
+) -> BTreeMap<DeviceUuid, (Holder, String)> {
+    type Listed = (ResourceName, BTreeSet<String>, BTreeSet<String>);
+    let mut ids: BTreeMap<DeviceUuid, Listed> = BTreeMap::new();
     for pod in &list.pod_resources {
         for c in &pod.containers {
             let who = format!("{}/{}/{}", pod.namespace, pod.name, c.name);
@@ -47,8 +49,8 @@ pub fn units_in_use(
                 };
                 for id in &d.device_ids {
                     if let Some(dev) = resource.devices.iter().find(|x| &x.id == id) {
-                        let e = ids.entry(dev.unit.to_string()).or_insert_with(|| {
-                            (resource.name.to_string(), BTreeSet::new(), BTreeSet::new())
+                        let e = ids.entry(dev.unit.clone()).or_insert_with(|| {
+                            (resource.name.clone(), BTreeSet::new(), BTreeSet::new())
                         });
                         e.1.insert(id.clone());
                         e.2.insert(who.clone());

@@ -9,6 +9,7 @@
 //! One round at a time: a hung probe delays recoveries, nothing else. The thread is not joined
 //! at shutdown (a hung driver call must not keep the process from exiting).
 
+use crate::inventory::DeviceUuid;
 use crate::source::DeviceSource;
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
@@ -16,14 +17,14 @@ use std::time::Instant;
 
 /// One round's question: these GPUs, asked at this moment.
 struct Question {
-    gpus: Vec<String>,
+    gpus: Vec<DeviceUuid>,
     asked_at: Instant,
 }
 
 /// One round's answer: the GPUs of the question that answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Answer {
-    pub answered: Vec<String>,
+    pub answered: Vec<DeviceUuid>,
     pub asked_at: Instant,
 }
 
@@ -64,7 +65,7 @@ impl Prober {
     }
 
     /// Starts a round for `gpus` unless one is still running (or there is nothing to ask).
-    pub fn ask(&mut self, gpus: Vec<String>) {
+    pub fn ask(&mut self, gpus: Vec<DeviceUuid>) {
         if self.in_flight || self.gone || gpus.is_empty() {
             return;
         }

@@ -4,6 +4,7 @@
 use super::{claim_label, PrepareError, Shared};
 use crate::config::AllocationMode;
 use crate::dra::ClaimRef;
+use crate::inventory::DeviceUuid;
 use crate::ledger::Holder;
 use crate::metrics::{self, ApiLabel};
 use std::collections::BTreeMap;
@@ -17,17 +18,17 @@ impl Shared {
     pub(super) fn hold(
         &self,
         c: &ClaimRef,
-        units: &BTreeMap<String, String>,
+        units: &BTreeMap<String, DeviceUuid>,
     ) -> Result<(), PrepareError> {
         let who = Holder::Claim {
-            uid: c.uid.to_string(),
+            uid: c.uid.clone(),
             name: claim_label(c),
         };
         self.state.update(|s| {
             if s.config.allocation != AllocationMode::Shared {
                 return (Ok(()), false);
             }
-            let list: Vec<String> = units.values().cloned().collect();
+            let list: Vec<DeviceUuid> = units.values().cloned().collect();
             match s.ledger.hold_all(&list, &who, Instant::now()) {
                 Ok(()) => {
                     metrics::node()
@@ -45,7 +46,7 @@ impl Shared {
                     let device = units
                         .iter()
                         .find(|(_, u)| **u == held.unit)
-                        .map_or(held.unit.clone(), |(d, _)| d.clone());
+                        .map_or(held.unit.to_string(), |(d, _)| d.clone());
                     (
                         Err(PrepareError::Held {
                             device,

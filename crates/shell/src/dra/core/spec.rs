@@ -8,7 +8,7 @@ use super::{PrepareError, Shared};
 use crate::cdi::{self, ContainerEdits, DeviceName, DriverFiles, NamedDevices, WriteError};
 use crate::dra::claims::{plan_claim, ClaimPlan};
 use crate::dra::{status, ClaimRef, ClaimUid, PreparedDevice};
-use crate::inventory::{DeviceRef, Inventory};
+use crate::inventory::{DeviceRef, DeviceUuid, Inventory};
 use crate::ledger::dra_view;
 use crate::source::DeviceMode;
 use k8s_openapi::jiff::Timestamp;
@@ -68,7 +68,7 @@ pub(super) fn sweep_claim_specs(cdi_root: &Path) -> Vec<String> {
 pub(super) struct Rendered {
     pub(super) spec: cdi::Spec,
     pub(super) devices: Vec<PreparedDevice>,
-    pub(super) units: BTreeMap<String, String>,
+    pub(super) units: BTreeMap<String, DeviceUuid>,
     /// The claim's `status.devices` entries once prepared.
     pub(super) status: Vec<serde_json::Value>,
 }
