@@ -36,7 +36,7 @@ rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup com
 profile=(--profile ci)
 target_dir="${CARGO_TARGET_DIR:-target}"
 mkdir -p "$target_dir"
-echo "== disk: $(df -h --output=avail "$target_dir" | tail -1 | tr -d ' ') free for $target_dir (a cold run needs about 4 GB)"
+echo "== disk: $(df -h --output=avail "$target_dir" | tail -1 | tr -d ' ') free for $target_dir (a cold run needs about 3 GB here)"
 
 echo "== rustfmt"
 cargo fmt --all -- --check
