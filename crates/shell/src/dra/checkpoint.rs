@@ -602,6 +602,22 @@ mod tests {
         assert!(entry.cdi_spec.is_none() && entry.devices.is_empty());
     }
 
+    #[test]
+    fn a_unit_that_is_not_a_device_uuid_is_refused_by_name() {
+        // The ledger keys on checked UUIDs: a hand-edited unit must not slip into it.
+        let body = br#"{"version":1,"bootId":"b","claims":{"abc":{"namespace":"ns","name":"c",
+            "state":"PrepareCompleted","cdiSpecStem":"gpuplane-claim-abc",
+            "units":{"gpu-0":"not a uuid"}}}}"#;
+        let mut bytes = format!("sha256:{}\n", sha256_hex(body)).into_bytes();
+        bytes.extend_from_slice(body);
+        let e = decode(&bytes).unwrap_err().to_string();
+        assert!(e.contains("not a uuid"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join(FILE_NAME), &bytes).unwrap();
+        let loaded = Checkpoint::load(dir.path(), Some("b")).unwrap();
+        assert!(!loaded.set_aside.is_empty() && loaded.checkpoint.data().claims.is_empty());
+    }
+
     fn claim(n: u32) -> impl FnOnce(&mut CheckpointData) {
         move |d| {
             d.claims
