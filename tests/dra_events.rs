@@ -39,7 +39,10 @@ async fn a_claim_for_a_device_the_device_plugin_holds_gets_one_event_naming_the_
     let agent = lab.start("flags: {migStrategy: mixed}\n");
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
     lab.kubelet
-        .wait_for(WAIT, |p| p.contains_key("nvidia.com/gpu"))
+        // Registered is not yet listed: admission needs the first ListAndWatch answer.
+        .wait_for(WAIT, |p| {
+            p.get("nvidia.com/gpu").is_some_and(|v| v.healthy() > 0)
+        })
         .await
         .unwrap();
     // GPU 3 (MIG off) goes to a container through the device plugin API...

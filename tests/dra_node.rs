@@ -294,7 +294,10 @@ async fn a_device_is_never_held_by_both_apis_at_once() {
     let agent = lab.start("flags: {migStrategy: mixed}\nallocation: {podResourcesGrace: 1s}\n");
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
     lab.kubelet
-        .wait_for(WAIT, |p| p.contains_key("nvidia.com/gpu"))
+        // Registered is not yet listed: admission needs the first ListAndWatch answer.
+        .wait_for(WAIT, |p| {
+            p.get("nvidia.com/gpu").is_some_and(|v| v.healthy() > 0)
+        })
         .await
         .unwrap();
     // GPU 3 (MIG off) through the device plugin...
