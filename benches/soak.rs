@@ -39,7 +39,7 @@ const GPU: &str = "nvidia.com/gpu";
 /// Pods running (or ended, not yet seen gone by the agent) at once.
 const POD_SLOTS: usize = 4;
 const WAIT: Duration = Duration::from_secs(30);
-/// The ledger runs with the default `podResourcesGrace` (30 s): every soak pod is listed before
+/// The ledger runs with the default `podResourcesGrace` (1 s): every soak pod is listed before
 /// it ends, so the grace period protects only Allocates racing a listing, and a hold that
 /// outlived its pod would show as refused claims.
 const CONFIG: &str = "health: {recoveryQuietPeriod: 1s}\n";

@@ -915,3 +915,75 @@ async fn a_hung_probe_of_a_lost_gpu_holds_up_no_kubelet_call_and_its_answer_stil
         .expect("the lost GPU recovers once its probe returns");
     agent.stop().await.unwrap();
 }
+
+/// Issue 22: until the kubelet's PodResources has told a (re)started agent what the device
+/// plugin holds, the agent writes no ResourceSlice (the previous agent's, with their in-use
+/// taints, stay) and prepares no claim (the kubelet retries); its first answer lifts both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_slice_is_written_and_no_claim_prepared_before_pod_resources_answers() {
+    let mut lab = Lab::new("dgx-h100").await;
+    // The device-plugin side of the kubelet (registration and PodResources) is not there.
+    lab.kubelet.stop().await;
+    let agent = lab.start("");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    let claim = lab.claim("early", &["gpu-0"]);
+    let err = lab.prepare(&claim).await.unwrap_err();
+    assert!(
+        err.contains("does not know yet which devices the device plugin API holds"),
+        "{err}"
+    );
+    assert!(lab.slices().is_empty(), "{:?}", lab.slices());
+    assert_eq!(lab.api.count_requests("POST", "/resourceslices"), 0);
+    lab.kubelet.restart().await.unwrap();
+    lab.eventually("slices published once PodResources answers", |l| {
+        !l.slices().is_empty()
+    })
+    .await;
+    assert_eq!(lab.prepare(&claim).await.unwrap().len(), 1);
+    lab.unprepare(&claim).await;
+    agent.stop().await;
+}
+
+/// Issue 22: the kubelet records a container's devices as soon as Allocate returns, so with
+/// the default config a pod that ends before any PodResources listing saw it frees its GPU at
+/// the first listing a second later, not after a long grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_that_ends_before_any_listing_saw_it_frees_its_gpu_within_seconds() {
+    const GPU: &str = "nvidia.com/gpu";
+    let lab = Lab::new("dgx-h100").await;
+    let agent = lab.start("");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.kubelet
+        .wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.healthy() == 8))
+        .await
+        .unwrap();
+    let inv = lab.sim.discover().unwrap().inventory;
+    let (ids, _) = lab
+        .kubelet
+        .admit("team-b", "short", "main", GPU, 1)
+        .await
+        .unwrap();
+    lab.kubelet.end_pod("team-b", "short");
+    let ended = std::time::Instant::now();
+    let gpu = inv.gpus.iter().find(|g| g.uuid == ids[0]).unwrap();
+    let claim = lab.claim("after-short", &[&format!("gpu-{}", gpu.index)]);
+    // Retried as the kubelet does. The bound separates "the next listings" from the 30 s
+    // such a hold used to outlive its pod; it is no latency target.
+    let bound = Duration::from_secs(10);
+    loop {
+        match lab.prepare(&claim).await {
+            Ok(_) => break,
+            Err(e) => {
+                assert!(e.contains("held by"), "{e}");
+                assert!(
+                    ended.elapsed() < bound,
+                    "still held {:?} after its pod ended: {e}",
+                    ended.elapsed()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    lab.unprepare(&claim).await;
+    agent.stop().await;
+}

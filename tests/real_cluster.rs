@@ -10,9 +10,11 @@ mod cluster;
 #[path = "support/mod.rs"]
 mod support;
 
-use cluster::{eventually, eventually_or, ClusterLab, LabAgent, LabProcess, DRIVER, NODE};
+use cluster::{
+    eventually, eventually_or, ClusterLab, LabAgent, LabProcess, AGENT_USER, DRIVER, NODE,
+};
 use serde_json::Value;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
@@ -997,4 +999,147 @@ spec:
     assert!(reason.contains("claim"), "{reason}");
     lab.kubectl_ok(&["delete", "devicetaintrule", "drain-gpu-5"]);
     wait_phase(&lab, "wants-gpu-5", &["Running"]);
+}
+
+/// Device name -> resourceVersion of lab-node's slices.
+fn slice_versions(lab: &ClusterLab) -> BTreeMap<String, String> {
+    our_slices(lab)
+        .iter()
+        .map(|s| {
+            (
+                s["metadata"]["name"].as_str().unwrap_or("").to_string(),
+                s["metadata"]["resourceVersion"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string(),
+            )
+        })
+        .collect()
+}
+
+/// UUIDs of the GPUs lab-node's slices carry the device plugin's in-use taint on.
+fn tainted_in_use(lab: &ClusterLab) -> BTreeSet<String> {
+    slice_devices(lab)
+        .iter()
+        .filter(|(_, d)| {
+            d["taints"]
+                .as_array()
+                .is_some_and(|t| t.iter().any(|t| t["value"] == "in-use"))
+        })
+        .filter_map(|(_, d)| attr_string(d, "uuid"))
+        .collect()
+}
+
+/// The allocation of the claim a pod's template made (`<pod>-gpu-<suffix>`), if any.
+fn pod_claim_allocation(lab: &ClusterLab, pod: &str) -> Option<Value> {
+    let p = lab.get_json(&["get", "pod", pod])?;
+    let claim = p["status"]["resourceClaimStatuses"][0]["resourceClaimName"].as_str()?;
+    let c = lab.get_json(&["get", "resourceclaim", claim])?;
+    Some(c["status"]["allocation"].clone()).filter(|a| !a.is_null())
+}
+
+/// Issue 22: a SIGKILLed agent (an OOM kill, a crash) restarted while pods of both APIs run
+/// and a claim waits for a GPU the device plugin holds. The new agent learns the device
+/// plugin's holds from the kubelet before it writes anything, so the slices (and their in-use
+/// taints) are not rewritten, it makes no API write at all (the API server's audit log), and
+/// the waiting claim stays unallocated until the device-plugin pod ends; then it runs.
+#[test]
+fn a_killed_agent_restarts_without_a_write_and_a_waiting_claim_gets_no_held_gpu() {
+    let _one = lock();
+    let Some((lab, kubeconfig, agent)) = lab_with_agent() else {
+        return;
+    };
+    claim_pod(&lab, "claims-three", 3, "true");
+    wait_phase(&lab, "claims-three", &["Running"]);
+    let by_claim = logged_uuids(&env_log(&lab, "claims-three"));
+    eventually(
+        "the device plugin to withdraw the 3 prepared GPUs (allocatable 5)",
+        || (allocatable_gpus(&lab).as_deref() == Some("5")).then_some(()),
+    );
+    lab.apply(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {name: dp-five, namespace: default}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["sh", "-c", "env; sleep 3600"]
+    resources:
+      limits: {nvidia.com/gpu: 5}
+"#,
+    );
+    wait_phase(&lab, "dp-five", &["Running"]);
+    let by_plugin: BTreeSet<String> =
+        env_value(&env_log(&lab, "dp-five"), "NVIDIA_VISIBLE_DEVICES")
+            .unwrap_or_default()
+            .split(',')
+            .map(String::from)
+            .collect();
+    assert_eq!(by_plugin.len(), 5);
+    assert!(by_plugin.is_disjoint(&by_claim));
+    eventually("the slices to taint the five device-plugin GPUs", || {
+        (tainted_in_use(&lab) == by_plugin).then_some(())
+    });
+    claim_pod(&lab, "claims-waiting", 1, "true");
+    eventually("the scheduler's reason for claims-waiting", || {
+        unschedulable_reason(&lab, "claims-waiting")
+    });
+
+    let versions = slice_versions(&lab);
+    let writes = lab.audited_writes(AGENT_USER);
+    assert!(
+        writes.iter().any(|w| w.contains("resourceslices")),
+        "the audit log shows the first agent's slice writes: {writes:?}"
+    );
+    agent.kill();
+    let agent = LabAgent::start(&lab, &kubeconfig, "after-kill");
+    eventually(
+        "the restarted agent's /readyz (registered, slices published)",
+        || {
+            lab.in_netns("curl")
+                .args(["-sf", "http://127.0.0.1:9400/readyz"])
+                .output()
+                .ok()
+                .filter(|o| o.status.success())
+        },
+    );
+    eventually("the kubelet to take the new agent's devices", || {
+        (allocatable_gpus(&lab).as_deref() == Some("5")).then_some(())
+    });
+    // A window for anything the new agent would still write: several PodResources polls, a
+    // slice sync after each state change, the node labeler. Not a timing assertion: a
+    // write at any later time fails the same checks.
+    std::thread::sleep(std::time::Duration::from_secs(5));
+    let after: Vec<String> = lab.audited_writes(AGENT_USER)[writes.len()..].to_vec();
+    assert!(
+        after.is_empty(),
+        "the restarted agent wrote to the API server with nothing changed: {after:?}\n{}",
+        agent.log_text()
+    );
+    assert_eq!(
+        slice_versions(&lab),
+        versions,
+        "the restart rewrote lab-node's ResourceSlices"
+    );
+    assert_eq!(tainted_in_use(&lab), by_plugin);
+    assert_eq!(
+        pod_phase(&lab, "claims-waiting").as_deref(),
+        Some("Pending")
+    );
+    assert!(
+        pod_claim_allocation(&lab, "claims-waiting").is_none(),
+        "claims-waiting was allocated while every GPU was held"
+    );
+
+    // The device-plugin pod ends: its GPUs lose the taint and the waiting claim gets one.
+    lab.kubectl_ok(&["delete", "pod", "dp-five", "--wait=false"]);
+    wait_phase(&lab, "claims-waiting", &["Running"]);
+    let got = logged_uuids(&env_log(&lab, "claims-waiting"));
+    assert_eq!(got.len(), 1);
+    assert!(got.is_subset(&by_plugin), "{got:?} was one of dp-five's");
+    drop(agent);
 }

@@ -144,8 +144,21 @@ start etcd "$B/etcd" --name lab --data-dir "$W/etcd" \
   --initial-cluster lab=http://127.0.0.1:2380 --unsafe-no-fsync --log-level warn
 wait_for etcd 60 curl -sf http://127.0.0.1:2379/health
 
+# Audit: every write by gpuplane's service accounts (one event per request), so tests can
+# count what the agent and the controller change, e.g. none on an agent restart.
+cat >"$W/audit-policy.yaml" <<EOF
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: Metadata
+  verbs: [create, update, patch, delete, deletecollection]
+  userGroups: ["system:serviceaccounts:gpuplane-system"]
+- level: None
+EOF
 start kube-apiserver "$B/kube-apiserver" \
   --etcd-servers=http://127.0.0.1:2379 \
+  --audit-policy-file="$W/audit-policy.yaml" --audit-log-path="$W/audit.log" \
   --bind-address=0.0.0.0 --secure-port=6443 --advertise-address="$NODE_IP" \
   --tls-cert-file="$P/apiserver.crt" --tls-private-key-file="$P/apiserver.key" \
   --client-ca-file="$P/ca.crt" \

@@ -23,6 +23,8 @@ pub const DRIVER: &str = "gpu.gpuplane.dev";
 /// The agent's namespace and service account (daemonset/node/rbac.yaml).
 pub const AGENT_NS: &str = "gpuplane-system";
 pub const AGENT_SA: &str = "gpuplane-node";
+/// The agent's user name on the API server (its service account).
+pub const AGENT_USER: &str = "system:serviceaccount:gpuplane-system:gpuplane-node";
 /// The controller's service account (daemonset/controller/rbac.yaml), same namespace.
 pub const CONTROLLER_SA: &str = "gpuplane-controller";
 /// Where the controller serves the webhook in the lab's network namespace.
@@ -325,6 +327,33 @@ impl ClusterLab {
         );
     }
 
+    /// The writes by `user` (a service account's user name) the API server has audited so far
+    /// (hack/cluster/lab.sh audits gpuplane's service accounts), each as
+    /// `verb resource[/subresource] namespace/name -> code`.
+    pub fn audited_writes(&self, user: &str) -> Vec<String> {
+        let text = std::fs::read_to_string(self.work.join("audit.log")).unwrap_or_default();
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|e| e["user"]["username"] == user)
+            .map(|e| {
+                let o = &e["objectRef"];
+                let s = |v: &Value| v.as_str().unwrap_or("").to_string();
+                let sub = o["subresource"]
+                    .as_str()
+                    .map(|x| format!("/{x}"))
+                    .unwrap_or_default();
+                format!(
+                    "{} {}{sub} {}/{} -> {}",
+                    s(&e["verb"]),
+                    s(&o["resource"]),
+                    s(&o["namespace"]),
+                    s(&o["name"]),
+                    e["responseStatus"]["code"]
+                )
+            })
+            .collect()
+    }
+
     /// The kubelet's `--root-dir`, complete as the host sees it (device-plugins/ is
     /// bind-mounted inside the lab on the hard-coded /var/lib/kubelet/device-plugins).
     pub fn kubelet_root(&self) -> PathBuf {
@@ -397,7 +426,24 @@ impl ClusterLab {
             lab_overlay(&overlay, webhooks.then_some(pki.ca_pem.as_str())),
         )
         .unwrap();
-        self.kubectl_ok(&["apply", "-k", overlay.to_str().unwrap()]);
+        // As users run it: it must succeed, and without a `Warning:` from the API server (an
+        // unknown schema format, a deprecated field), which users would read on every apply.
+        let out = self.kubectl(&["apply", "-k", overlay.to_str().unwrap()]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "kubectl apply -k daemonset/ failed: {}{stderr}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let warnings: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.starts_with("Warning:"))
+            .collect();
+        assert!(
+            warnings.is_empty(),
+            "kubectl apply -k daemonset/ printed warnings:\n{}",
+            warnings.join("\n")
+        );
         eventually("the GpuQuota CRD to be Established", || {
             let crd = self.get_json(&["get", "crd", "gpuquotas.quota.gpuplane.dev"])?;
             crd["status"]["conditions"]
@@ -732,6 +778,12 @@ impl LabProcess {
         while self.child.try_wait().unwrap().is_none() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// SIGKILL, as an OOM kill or a node's crash does, and wait until it is gone.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     pub fn log_text(&self) -> String {

@@ -51,6 +51,12 @@ impl Deref for Lab {
     }
 }
 
+impl std::ops::DerefMut for Lab {
+    fn deref_mut(&mut self) -> &mut NodeLab {
+        &mut self.node
+    }
+}
+
 impl Lab {
     pub async fn new(profile: &str) -> Lab {
         Lab::with_kubelet(profile, KubeletDraOptions::default()).await

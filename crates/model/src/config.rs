@@ -231,12 +231,18 @@ pub struct AgentConfig {
     /// How often the inventory is read again (MIG reconfiguration, lost GPUs coming back).
     pub inventory_refresh: Duration,
     pub allocation: AllocationMode,
-    /// A device-plugin allocation the kubelet's PodResources does not list after this long is
-    /// considered released (the kubelet never tells a plugin that a pod ended).
+    /// A device-plugin Allocate that no PodResources listing sent this long after it shows is
+    /// released (the kubelet never tells a plugin that a pod ended, and it records an
+    /// Allocate's devices as soon as the call returns, so a later listing without them means
+    /// the container is gone). At least [`MIN_POD_RESOURCES_GRACE`].
     pub pod_resources_grace: Duration,
     /// Label the node with GPU Feature Discovery's `nvidia.com/*` labels (src/labels.rs).
     pub node_labels: bool,
 }
+
+/// The shortest `allocation.podResourcesGrace`: below it a listing could race the kubelet's
+/// record of a just-returned Allocate and free a device its container is about to use.
+pub const MIN_POD_RESOURCES_GRACE: Duration = Duration::from_millis(500);
 
 impl Default for AgentConfig {
     fn default() -> Self {
@@ -250,7 +256,7 @@ impl Default for AgentConfig {
             recovery_quiet_period: Duration::from_secs(300),
             inventory_refresh: Duration::from_secs(30),
             allocation: AllocationMode::Shared,
-            pod_resources_grace: Duration::from_secs(30),
+            pod_resources_grace: Duration::from_secs(1),
             node_labels: true,
         }
     }
@@ -417,13 +423,21 @@ impl AgentConfig {
     /// The `allocation` section: shared, or partitioned between the device plugin and DRA.
     fn apply_allocation(&mut self, path: &str, a: RawAllocation) -> Result<(), ConfigError> {
         if let Some(g) = &a.pod_resources_grace {
-            self.pod_resources_grace = parse_duration(g).ok_or_else(|| {
-                invalid(
+            let field = "allocation.podResourcesGrace";
+            let grace = parse_duration(g)
+                .ok_or_else(|| invalid(path, field, format!("`{g}` is not a duration like 1s")))?;
+            if grace < MIN_POD_RESOURCES_GRACE {
+                return Err(invalid(
                     path,
-                    "allocation.podResourcesGrace",
-                    format!("`{g}` is not a duration like 30s"),
-                )
-            })?;
+                    field,
+                    format!(
+                        "`{g}` is shorter than {MIN_POD_RESOURCES_GRACE:?}: the kubelet records an \
+                         Allocate's devices just after the call returns, and a listing sent sooner \
+                         may not show them yet (use 1s, the default)"
+                    ),
+                ));
+            }
+            self.pod_resources_grace = grace;
         }
         self.allocation = match (a.mode.as_deref(), a.dra_gpus, a.mig_to_dra) {
             (None | Some("shared"), None, None | Some(false)) => AllocationMode::Shared,
@@ -533,6 +547,18 @@ health:
             ("allocation: {mode: split}", "allocation.mode"),
             ("allocation: {mode: partitioned}", "allocation"),
             ("allocation: {draGpus: [1]}", "allocation"),
+            (
+                "allocation: {podResourcesGrace: 0s}",
+                "allocation.podResourcesGrace",
+            ),
+            (
+                "allocation: {podResourcesGrace: 100ms}",
+                "allocation.podResourcesGrace",
+            ),
+            (
+                "allocation: {podResourcesGrace: soon}",
+                "allocation.podResourcesGrace",
+            ),
         ] {
             match AgentConfig::parse("c.yaml", text) {
                 Err(ConfigError::Invalid { field: f, .. }) => assert_eq!(f, field, "{text}"),

@@ -118,6 +118,15 @@ impl<'de> Deserialize<'de> for Memory {
     }
 }
 
+/// `devices`: counts by name. schemars calls a `u64` `format: uint64`, a format the API server
+/// does not know and warns about on every apply; `int64` with a minimum of 0 is its name for it.
+fn device_counts_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "additionalProperties": {"type": "integer", "format": "int64", "minimum": 0}
+    })
+}
+
 impl JsonSchema for Memory {
     fn schema_name() -> std::borrow::Cow<'static, str> {
         "Memory".into()
@@ -169,6 +178,7 @@ pub struct Usage {
     pub gpu_memory: Memory,
     /// Devices by device-plugin resource name or DeviceClass name.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "device_counts_schema")]
     pub devices: BTreeMap<String, u64>,
 }
 
@@ -343,6 +353,7 @@ pub struct Limits {
     /// Device counts by device-plugin resource name (`nvidia.com/gpu`,
     /// `nvidia.com/mig-1g.10gb`) or DeviceClass name (`gpu.gpuplane.dev`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "device_counts_schema")]
     pub devices: BTreeMap<String, u64>,
 }
 

@@ -127,6 +127,10 @@ async fn off_runtime<T: Send + 'static>(
         .map_err(|e| PrepareError::Worker(e.to_string()))?
 }
 
+/// How long a prepare waits for the device plugin's holds after a (re)start before it is
+/// refused (and retried by the kubelet).
+const HOLDS_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl DraCore {
     /// Loads the checkpoint (setting an unusable one aside, dropping claims of an earlier boot
     /// and removing their CDI specs) and rewrites each recorded claim spec whose file is
@@ -228,6 +232,17 @@ impl DraCore {
             .completed(&*self.checkpoint.lock().await, &c.uid, true);
         if let Some(devices) = done {
             return Ok(devices);
+        }
+        // A prepare before the device plugin's holds are in the ledger could hand out a GPU a
+        // device-plugin container has: wait for the first listing (it is usually there).
+        let deadline = tokio::time::Instant::now() + HOLDS_WAIT;
+        if !self
+            .shared
+            .state
+            .device_plugin_holds_known(Some(deadline))
+            .await
+        {
+            return Err(PrepareError::HoldsUnknown { waited: HOLDS_WAIT });
         }
         let claim = self
             .shared

@@ -109,18 +109,55 @@ pub async fn start(
         }
     }));
 
-    // Desired slices follow every state change; the publisher writes only differences.
-    let (tx, rx) = watch::channel(desired_slices(&state.read(), &driver, node_name));
+    let publisher = SlicePublisher::new(settings.client, driver.clone(), node_name);
+    let published = publisher.published();
+    tasks.push(tokio::spawn(publish(
+        publisher,
+        state,
+        driver,
+        node_name.to_string(),
+        stop,
+    )));
+    Ok(DraStarted {
+        tasks,
+        registered,
+        published,
+    })
+}
+
+/// Keeps this node's slices equal to [`desired_slices`] of the state, from the moment the
+/// device plugin's holds are known until `stop`. Before that, a slice written would lack the
+/// in-use taints the previous agent published, and the scheduler would hand those GPUs to
+/// claims: the slices on the API server stay as they are. The first desired value is computed
+/// only then, so the first sync already carries every hold (and, unchanged, writes nothing).
+async fn publish(
+    publisher: SlicePublisher,
+    state: Arc<NodeState>,
+    driver: String,
+    node: String,
+    mut stop: watch::Receiver<bool>,
+) {
+    if state.read().awaiting_device_plugin_holds {
+        tracing::info!(
+            "ResourceSlices wait for the first PodResources listing (the device plugin's holds)"
+        );
+    }
+    tokio::select! {
+        _ = state.device_plugin_holds_known(None) => {}
+        _ = stop.wait_for(|s| *s) => return,
+    }
+    // Subscribed before the first value is computed: no change falls in between.
     let mut changes = state.subscribe();
+    let (tx, rx) = watch::channel(desired_slices(&state.read(), &driver, &node));
     let mut follow_stop = stop.clone();
-    let (d, n, st) = (driver.clone(), node_name.to_string(), state.clone());
-    tasks.push(tokio::spawn(async move {
+    // Desired slices follow every state change; the publisher writes only differences.
+    let follow = async move {
         loop {
             tokio::select! {
                 r = changes.changed() => if r.is_err() { return },
                 _ = follow_stop.wait_for(|s| *s) => return,
             }
-            let next = desired_slices(&st.read(), &d, &n);
+            let next = desired_slices(&state.read(), &driver, &node);
             tx.send_if_modified(|cur| {
                 let differs = *cur != next;
                 if differs {
@@ -129,24 +166,14 @@ pub async fn start(
                 differs
             });
         }
-    }));
-    let publisher = SlicePublisher::new(settings.client, driver, node_name);
-    let published = publisher.published();
+    };
     let options = LoopOptions {
         resync: Duration::from_secs(300),
         retry: Duration::from_secs(1),
         watch: true,
     };
-    let mut publish_stop = stop;
-    tasks.push(tokio::spawn(async move {
-        keep_published(publisher, rx, options, async move {
-            let _ = publish_stop.wait_for(|s| *s).await;
-        })
-        .await;
-    }));
-    Ok(DraStarted {
-        tasks,
-        registered,
-        published,
-    })
+    let keep = keep_published(publisher, rx, options, async move {
+        let _ = stop.wait_for(|s| *s).await;
+    });
+    tokio::join!(follow, keep);
 }

@@ -283,7 +283,11 @@ impl Agent<'_> {
         for lost in &found.lost {
             tracing::warn!(gpu = lost.index, reason = %lost.reason, "GPU not answering; it is not offered");
         }
-        let snapshot = Snapshot::new(found.inventory, config)?;
+        let mut snapshot = Snapshot::new(found.inventory, config)?;
+        // The kubelet kept the device plugin's assignments while we were away; until the
+        // follower's first listing brings them into the ledger, nothing is published or
+        // prepared on the strength of it.
+        snapshot.awaiting_device_plugin_holds = self.opts.device_plugin;
         for w in &snapshot.plan.warnings {
             tracing::warn!("{w}");
         }

@@ -78,7 +78,18 @@ async fn list(socket: &Path) -> Result<pr::ListPodResourcesResponse, PodResource
         .into_inner())
 }
 
-/// Reconciles the ledger's device-plugin holds with PodResources until shutdown.
+/// What a failing first listing holds up, for its log line.
+fn unknown_note(state: &NodeState) -> &'static str {
+    if state.read().awaiting_device_plugin_holds {
+        " (until then this node's ResourceSlices are not written and no claim is prepared: \
+         check that the kubelet's pod-resources directory is mounted)"
+    } else {
+        ""
+    }
+}
+
+/// Reconciles the ledger's device-plugin holds with PodResources until shutdown. The first
+/// answer clears [`crate::node::state::Snapshot::awaiting_device_plugin_holds`].
 pub async fn run(socket: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Receiver<bool>) {
     let mut failing = false;
     loop {
@@ -101,18 +112,22 @@ pub async fn run(socket: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Re
                     for c in &conflicts {
                         tracing::error!(error = %c, "PodResources lists a device another consumer holds");
                     }
-                    ((), !added.is_empty() || !released.is_empty())
+                    let first = std::mem::take(&mut s.awaiting_device_plugin_holds);
+                    if first {
+                        tracing::info!(held = in_use.len(), "device plugin holds known from the kubelet's PodResources");
+                    }
+                    ((), first || !added.is_empty() || !released.is_empty())
                 });
             }
             Ok(Err(e)) => {
                 if !failing {
-                    tracing::warn!(socket = %socket.display(), error = %e, "cannot read PodResources; device-plugin holds are kept until it answers");
+                    tracing::warn!(socket = %socket.display(), error = %e, "cannot read PodResources; device-plugin holds are kept until it answers{}", unknown_note(&state));
                 }
                 failing = true;
             }
             Err(_) => {
                 if !failing {
-                    tracing::warn!(socket = %socket.display(), "PodResources did not answer in 5s; device-plugin holds are kept");
+                    tracing::warn!(socket = %socket.display(), "PodResources did not answer in 5s; device-plugin holds are kept{}", unknown_note(&state));
                 }
                 failing = true;
             }

@@ -23,6 +23,11 @@ pub struct Snapshot {
     pub health: HealthBook,
     /// Who holds which unit, across both kubelet APIs.
     pub ledger: Ledger,
+    /// True from a (re)start until the first PodResources listing has told the ledger what the
+    /// device plugin API holds (the kubelet keeps those assignments across our restarts). While
+    /// true, the ledger may lack holds: no ResourceSlice is written and no claim is prepared.
+    /// False where nothing follows PodResources (the device plugin API is off).
+    pub awaiting_device_plugin_holds: bool,
 }
 
 impl Snapshot {
@@ -39,6 +44,7 @@ impl Snapshot {
             model,
             health,
             ledger,
+            awaiting_device_plugin_holds: false,
         })
     }
 
@@ -92,5 +98,31 @@ impl NodeState {
     /// A receiver that wakes on every change.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.generation.subscribe()
+    }
+
+    /// Waits until the ledger knows the device plugin's holds
+    /// ([`Snapshot::awaiting_device_plugin_holds`] false), at most until `deadline` (`None`:
+    /// for as long as it takes); whether they are known.
+    pub async fn device_plugin_holds_known(&self, deadline: Option<tokio::time::Instant>) -> bool {
+        if !self.read().awaiting_device_plugin_holds {
+            return true;
+        }
+        // Subscribed before the next look: an update in between still wakes us.
+        let mut changes = self.subscribe();
+        loop {
+            if !self.read().awaiting_device_plugin_holds {
+                return true;
+            }
+            let changed = match deadline {
+                Some(d) => tokio::time::timeout_at(d, changes.changed())
+                    .await
+                    .unwrap_or(Ok(())),
+                None => changes.changed().await,
+            };
+            let expired = deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
+            if changed.is_err() || expired {
+                return !self.read().awaiting_device_plugin_holds;
+            }
+        }
     }
 }

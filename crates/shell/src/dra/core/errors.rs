@@ -40,6 +40,10 @@ pub enum PrepareError {
     /// Another consumer (a device-plugin container, another claim) holds a device of the claim.
     #[error("device {device}: {}; it cannot be given out twice", chain(.cause))]
     Held { device: String, cause: Box<Held> },
+    /// The agent (re)started and the kubelet's PodResources has not told it yet which devices
+    /// the device plugin API holds; the kubelet retries.
+    #[error("the agent does not know yet which devices the device plugin API holds (no PodResources listing within {waited:?} of its start); preparing is retried")]
+    HoldsUnknown { waited: std::time::Duration },
 }
 
 /// What a user must see of a failed prepare: an Event on the ResourceClaim with a reason
