@@ -156,6 +156,11 @@ struct NodeArgs {
     /// The DRA driver name; `gpu.nvidia.com` makes gpuplane a drop-in for NVIDIA's driver.
     #[arg(long, default_value = "gpu.gpuplane.dev")]
     driver_name: String,
+    /// Simulate the bundled profile the node's label `gpuplane.dev/simulate` names (e.g.
+    /// dgx-h100), read at start; a node without the label uses --simulate/--nvml-lib as given.
+    /// Lets one DaemonSet serve different simulated machines (needs API access).
+    #[arg(long)]
+    simulate_from_node_label: bool,
     #[command(flatten)]
     source: SourceArgs,
 }
@@ -239,8 +244,13 @@ fn main() -> std::process::ExitCode {
         Command::Demo(_) => "error",
         _ => "info",
     };
+    // Colour only for a person at a terminal: `kubectl logs` and log collectors read the
+    // escape sequences as text. NO_COLOR (no-color.org) turns it off there too.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none();
     let logs = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
@@ -339,13 +349,25 @@ fn run_controller(args: ControllerArgs) -> Result<()> {
     })
 }
 
-fn run_node(args: NodeArgs) -> Result<()> {
+fn run_node(mut args: NodeArgs) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
-        let (source, label) = args.source.open_for_agent()?;
-        tracing::info!(node = %args.node_name, source = %label, mode = ?args.source.mode(), "gpuplane node starting");
         let api_configured =
             args.kubeconfig.is_some() || gpuplane_shell::kubeclient::available_without_flags();
+        if args.simulate_from_node_label {
+            let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref())
+                .await
+                .context("--simulate-from-node-label needs API access")?;
+            if let Some(profile) =
+                gpuplane_shell::node::simulate::profile_from_label(&client, &args.node_name)
+                    .await?
+            {
+                args.source.simulate = Some(profile);
+                args.source.nvml_lib = None;
+            }
+        }
+        let (source, label) = args.source.open_for_agent()?;
+        tracing::info!(node = %args.node_name, source = %label, mode = ?args.source.mode(), "gpuplane node starting");
         let flags = Apis {
             device_plugin: args.device_plugin,
             dra: args.dra.unwrap_or(api_configured),

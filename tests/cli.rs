@@ -479,3 +479,77 @@ fn an_error_prints_its_cause_once() {
         );
     }
 }
+
+/// Logs read by `kubectl logs` or a collector carry no terminal colour codes: stderr is not a
+/// terminal here.
+#[test]
+fn logs_to_a_pipe_carry_no_ansi_escape_codes() {
+    let out = node_without_api(&[]);
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("gpuplane node starting"), "{stderr}");
+    assert!(!stderr.contains('\u{1b}'), "escape codes in {stderr:?}");
+}
+
+/// `--simulate-from-node-label`: the node's `gpuplane.dev/simulate` label picks the bundled
+/// profile; a value that is not one stops the start, naming the node, the label and the value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_label_picks_the_simulated_machine_and_a_bad_value_is_named() {
+    let api = ApiServerDouble::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = support::write_kubeconfig(dir.path(), &api.url());
+    for (name, profile) in [("l4-node", "pcie-l4x4"), ("odd-node", "dgx-9000")] {
+        api.put_json(serde_json::json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"gpuplane.dev/simulate": profile}}
+        }))
+        .unwrap();
+    }
+    let run = |node: &str| {
+        let state = dir.path().join(node);
+        Command::new(env!("CARGO_BIN_EXE_gpuplane"))
+            .args(["node", "--simulate-from-node-label", "--node-name", node])
+            .args(["--device-plugin=false", "--dra=false", "--kubeconfig"])
+            .arg(&kubeconfig)
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--kubelet-root")
+            .arg(dir.path().join("kubelet"))
+            .arg("--cdi-root")
+            .arg(dir.path().join("cdi"))
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let bad = tokio::task::spawn_blocking({
+        let child = run("odd-node");
+        move || child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(!bad.status.success());
+    let err = text(&bad.stderr);
+    assert!(
+        err.contains(
+            "node odd-node: label gpuplane.dev/simulate=\"dgx-9000\" is not a bundled profile"
+        ),
+        "{err}"
+    );
+    // The good one serves (no API here but the label's): its start line names the profile.
+    let mut good = run("l4-node");
+    let stderr = good.stderr.take().unwrap();
+    let line = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .find(|l| l.contains("gpuplane node starting"))
+    })
+    .await
+    .unwrap();
+    let _ = good.kill();
+    let _ = good.wait();
+    let line = line.expect("the agent logged its start");
+    assert!(line.contains("simulated (pcie-l4x4)"), "{line}");
+}

@@ -73,7 +73,12 @@ pub fn choose(node: &str, label: Option<&str>, flags: Apis) -> Result<Apis, Apis
 }
 
 fn label_of(node: &Node) -> Option<String> {
-    node.metadata.labels.as_ref()?.get(APIS_LABEL).cloned()
+    node_label(node, APIS_LABEL)
+}
+
+/// The value of label `key` on `node`, if it has it.
+pub fn node_label(node: &Node, key: &str) -> Option<String> {
+    node.metadata.labels.as_ref()?.get(key).cloned()
 }
 
 /// The node's label value; `None` when it has none, or when the Node object does not exist

@@ -18,6 +18,7 @@ pub mod lock;
 pub mod owner;
 pub mod podresources;
 pub mod probe;
+pub mod simulate;
 pub mod state;
 pub mod tasks;
 
