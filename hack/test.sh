@@ -40,6 +40,11 @@ echo "== disk: $(df -h --output=avail "$target_dir" | tail -1 | tr -d ' ') free 
 
 echo "== rustfmt"
 cargo fmt --all -- --check
+echo "== the image's binary (the Dockerfile's build: --no-default-features) for the test image"
+# Built first and copied aside: the build below puts the tests' binary (demo, crash points)
+# back at target/ci/gpuplane, and the deployment tests put this one into their image.
+cargo build "${profile[@]}" -p gpuplane --bin gpuplane --no-default-features
+install -D -m 0755 "$target_dir/ci/gpuplane" "$target_dir/ci/image/gpuplane"
 echo "== build (the fake libnvidia-ml included)"
 cargo build "${profile[@]}" --workspace --all-targets --features gpuplane/crashpoints
 echo "== clippy -D warnings"

@@ -367,7 +367,7 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
             }
         }
         let (source, label) = args.source.open_for_agent()?;
-        tracing::info!(node = %args.node_name, source = %label, mode = ?args.source.mode(), "gpuplane node starting");
+        tracing::info!(node = %args.node_name, source = %label, mode = ?args.source.mode(), version = env!("CARGO_PKG_VERSION"), build = %build_stamp(), "gpuplane node starting");
         let flags = Apis {
             device_plugin: args.device_plugin,
             dra: args.dra.unwrap_or(api_configured),
@@ -430,6 +430,12 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
         tracing::info!("gpuplane node stopped");
         Ok(())
     })
+}
+
+/// The image build's stamp (`GPUPLANE_BUILD`, set by the image), so the logs of a rollout show
+/// which build each agent is; empty when not in such an image.
+fn build_stamp() -> String {
+    std::env::var("GPUPLANE_BUILD").unwrap_or_default()
 }
 
 /// Resolves on SIGTERM (how Kubernetes stops a pod) or SIGINT.

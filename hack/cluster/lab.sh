@@ -3,22 +3,35 @@
 # up until killed. tests/cluster/mod.rs (ClusterLab) drives it; it grew from phase 1's
 # feasibility script (README.md has the why of every step).
 #   ./hack/cluster/lab.sh up <workdir>      (root; <workdir> short, e.g. /tmp/gpl-XXXXXX)
+#   LAB_NODES=3 ./hack/cluster/lab.sh up <workdir>   (N nodes; default 1)
 # Starts etcd, kube-apiserver (--authorization-mode=Node,RBAC), kube-controller-manager,
-# kube-scheduler, containerd 2 and a kubelet (node lab-node, node IP 10.213.0.2) inside fresh
-# network, mount and PID namespaces (unshare), imports the offline images lab.local/busybox:1
-# and lab.local/pause:1, and then waits. Files in <workdir> for the driving side:
+# kube-scheduler and, per node, containerd 2 and a kubelet (node lab-node, node IP 10.213.0.2;
+# then lab-node-2 at 10.213.0.3, ...) inside fresh network, mount and PID namespaces (unshare),
+# imports the offline images lab.local/busybox:1 and lab.local/pause:1 into every node, and
+# then waits. Each node's kubelet and containerd run in a mount namespace of their own in which
+# /var/lib/kubelet, /var/run/cdi and /var/lib/gpuplane are that node's directories, so a
+# DaemonSet's hostPaths as shipped resolve per node, as on real hosts. All nodes share the
+# lab's one network namespace: node IPs on the bridge lab0, each node's pods on a bridge and
+# subnet of its own (10.214.<n-1>.0/24), routed to each other; no kube-proxy, so the one
+# Service pods need, `kubernetes` (10.0.0.1:443), is a DNAT rule to the API server, and the
+# API server reaches webhook Services through their endpoints (--enable-aggregator-routing).
+# Files in <workdir> for the driving side:
 #   init.pid            host pid of the namespaces' init (PID 1 there): `nsenter --net
 #                       --target <pid>` joins the lab's network; SIGKILL to it ends the lab
 #   ready               written once node lab-node is Ready
 #   failed              written (with the reason) when a start step failed; the script exits
 #   pki/admin.kubeconfig  cluster-admin (server https://127.0.0.1:6443, in the lab's netns)
 #   pki/ca.crt          the cluster CA
-#   kubelet/            the kubelet's --root-dir, complete as seen from the host:
-#                       device-plugins/ (bind-mounted inside on the hard-coded
-#                       /var/lib/kubelet/device-plugins), plugins_registry/, plugins/,
+#   kubelet/            node lab-node's /var/lib/kubelet (its kubelet's --root-dir), as seen
+#                       from the host: device-plugins/, plugins_registry/, plugins/,
 #                       pod-resources/
-#   cdi/                the directory containerd reads CDI specs from
-#   log/<component>.log every component's output
+#   cdi/                node lab-node's /var/run/cdi, which its containerd reads CDI specs from
+#   gpuplane/           node lab-node's /var/lib/gpuplane
+#   nodes/<name>/       the same three (and containerd/) of every further node
+#   nodes.txt           one line per node: name, node IP, node dir, containerd socket
+#   audit.log           the API server's audit of gpuplane's service accounts' writes
+#   log/<component>.log every component's output (kubelet.log, containerd.log: lab-node's;
+#                       kubelet-<name>.log, containerd-<name>.log: the others')
 #   ctl/restart-kubelet create it to restart the kubelet (SIGTERM, then a fresh one); the lab
 #                       removes it and writes ctl/kubelet-restarted-<n> once the new kubelet's
 #                       /healthz answers
@@ -84,18 +97,23 @@ wait_for() { # what timeout-seconds cmd...
 dump() { for f in "$W"/log/*.log; do echo "---- tail $f"; tail -n 25 "$f"; done; }
 trap 'rc=$?; ((rc == 0)) || { [[ -e "$W/failed" ]] || echo "exit $rc" >"$W/failed"; dump; }; exit $rc' EXIT
 
-NODE_IP=10.213.0.2
+NODES="${LAB_NODES:-1}"
+[[ "$NODES" =~ ^[1-9]$ ]] || { echo "lab.sh: LAB_NODES must be 1..9, not $NODES" >&2; exit 2; }
+node_name() { if (($1 == 1)); then echo lab-node; else echo "lab-node-$1"; fi; }
+node_ip() { echo "10.213.0.$(($1 + 1))"; }
+# lab-node keeps the work dir's top-level layout, which single-node tests know.
+node_dir() { if (($1 == 1)); then echo "$W"; else echo "$W/nodes/$(node_name "$1")"; fi; }
+node_log() { if (($1 == 1)); then echo "$2"; else echo "$2-$(node_name "$1")"; fi; }
+NODE_IP="$(node_ip 1)"
 ip link set lo up
 ip link add lab0 type bridge  # no dummy driver in this kernel; a lone bridge serves
-ip addr add "$NODE_IP/24" dev lab0
+for i in $(seq "$NODES"); do ip addr add "$(node_ip "$i")/24" dev lab0; done
 ip link set lab0 up
 ip route add default dev lab0
+# Pods of different nodes reach each other through this namespace.
+echo 1 >/proc/sys/net/ipv4/ip_forward
 
 for d in /run /var/lib /var/log; do mount -n -t tmpfs -o mode=755 tmpfs "$d"; done  # -n: no utab in the host's /run/mount
-# The device plugin dir is hard-coded upstream; bind-mount the one under the kubelet's
-# --root-dir on it, so that the root dir is a complete kubelet root seen from the host too.
-mkdir -p /var/lib/kubelet/device-plugins
-mount -n --bind "$W/kubelet/device-plugins" /var/lib/kubelet/device-plugins
 mkdir -p "$W/sysctl"
 for s in vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops kernel/keys/root_maxkeys kernel/keys/root_maxbytes; do
   f="$W/sysctl/${s//\//_}"; cat "/proc/sys/$s" >"$f"; mount -n --bind "$f" "/proc/sys/$s"
@@ -118,8 +136,11 @@ cert admin "/O=system:masters/CN=lab-admin"
 cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client"
 cert kcm "/CN=system:kube-controller-manager"
 cert scheduler "/CN=system:kube-scheduler"
-cert kubelet "/O=system:nodes/CN=system:node:lab-node"
-cert kubelet-serving "/CN=lab-node" "IP:127.0.0.1,IP:$NODE_IP,DNS:lab-node"
+for i in $(seq "$NODES"); do
+  n="$(node_name "$i")"
+  cert "$(node_log "$i" kubelet)" "/O=system:nodes/CN=system:node:$n"
+  cert "$(node_log "$i" kubelet-serving)" "/CN=$n" "IP:127.0.0.1,IP:$(node_ip "$i"),DNS:$n"
+done
 openssl genrsa -out sa.key 2048 2>/dev/null && openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
 kubeconfig() { # name user
   cat >"$1.kubeconfig" <<EOF
@@ -131,7 +152,8 @@ contexts: [{name: lab, context: {cluster: lab, user: $1}}]
 current-context: lab
 EOF
 }
-for n in admin kcm scheduler kubelet; do kubeconfig $n; done
+for n in admin kcm scheduler; do kubeconfig $n; done
+for i in $(seq "$NODES"); do kubeconfig "$(node_log "$i" kubelet)"; done
 cd "$W"
 export KUBECONFIG="$P/admin.kubeconfig"
 k() { "$B/kubectl" "$@"; }
@@ -168,6 +190,7 @@ start kube-apiserver "$B/kube-apiserver" \
   --service-account-key-file="$P/sa.pub" --service-account-signing-key-file="$P/sa.key" \
   --service-cluster-ip-range=10.0.0.0/24 \
   --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \
+  --enable-aggregator-routing=true \
   --allow-privileged=true
 wait_for kube-apiserver 120 curl -sf --cacert "$P/ca.crt" --cert "$P/admin.crt" --key "$P/admin.key" https://127.0.0.1:6443/readyz
 
@@ -184,24 +207,72 @@ wait_for kube-controller-manager 120 curl -skf https://127.0.0.1:10257/healthz
 wait_for kube-scheduler 120 curl -skf https://127.0.0.1:10259/healthz
 wait_for "default serviceaccount" 60 k get serviceaccount default
 
-# ---------------------------------------------------------------- the node
-# containerd 2, CRI plugin with CDI (always on in 2.x; spec dir set here), runc from Debian.
-cat >"$W/containerd.toml" <<EOF
+# ---------------------------------------------------------------- the nodes
+# No kube-proxy: pods reach the Service `kubernetes` (10.0.0.1:443, where in-cluster clients
+# dial) through this one rule, as kube-proxy's would; nothing else needs a ClusterIP here.
+for chain in PREROUTING OUTPUT; do
+  iptables -t nat -A "$chain" -d 10.0.0.1/32 -p tcp --dport 443 -j DNAT --to-destination "$NODE_IP:6443"
+done
+
+# The offline images, made once for all nodes (oci-image.py: no base image, no registry).
+mkdir -p "$W/image"
+printf 'root:x:0:0:root:/:/bin/sh\n' >"$W/image/passwd"
+printf 'root:x:0:\n' >"$W/image/group"
+bb=(--env PATH=/bin --file /bin/busybox:/bin/busybox --file "$W/image/passwd:/etc/passwd"
+    --file "$W/image/group:/etc/group" --dir /tmp --dir /proc --dir /sys --dir /dev)
+for a in sh sleep echo cat ls env hostname ip id true wget; do bb+=(--symlink "/bin/$a:busybox"); done
+python3 "$here/oci-image.py" "$W/image/busybox.tar" --name lab.local/busybox:1 --cmd '["/bin/sh"]' "${bb[@]}"
+python3 "$here/oci-image.py" "$W/image/pause.tar" --name lab.local/pause:1 --cmd '["/bin/sleep", "2147483647"]' "${bb[@]}"
+export PATH="$B:$PATH"
+
+healthz_port() { if (($1 == 1)); then echo 10248; else echo $((20246 + $1)); fi; }
+declare -A holder kubelet_pid
+# A node's own mount namespace: a process kept in it, entered by everything the node runs.
+node_ns() { local i="$1"; shift; nsenter --mount --target "${holder[$i]}" -- "$@"; }
+
+up_node() { # i: containerd (with the images) and the kubelet config of node i
+  local i="$1" n d ip
+  n="$(node_name "$i")"; d="$(node_dir "$i")"; ip="$(node_ip "$i")"
+  mkdir -p "$d"/{kubelet,cdi,gpuplane,containerd/root,containerd/state,pod-logs,cni}
+  unshare --mount --propagation private sleep infinity &
+  holder[$i]=$!
+  until [[ "$(readlink "/proc/${holder[$i]}/ns/mnt")" != "$(readlink /proc/self/ns/mnt)" ]]; do sleep 0.02; done
+  # Fresh /run and /var/lib, with the node's directories where a host has them; shared
+  # propagation as systemd sets it up on a real host (mountPropagation: HostToContainer, as
+  # the DaemonSet asks for the driver root, needs it). The lab's namespace keeps it from the
+  # host.
+  node_ns "$i" sh -ec "
+    mount -n -t tmpfs -o mode=755 tmpfs /run; mkdir -p /run/cdi; mount -n --bind '$d/cdi' /run/cdi
+    mount -n -t tmpfs -o mode=755 tmpfs /var/lib; mkdir -p /var/lib/kubelet /var/lib/gpuplane
+    mount -n --bind '$d/kubelet' /var/lib/kubelet; mount -n --bind '$d/gpuplane' /var/lib/gpuplane
+    mount -n --make-rshared /"
+  # Its own cgroup root (lab-node's is the lab's, as before).
+  local cgroot="$LAB_CGROUP"
+  if ((i > 1)); then
+    cgroot="$LAB_CGROUP/$n"
+    for h in /sys/fs/cgroup/*/; do mkdir -p "$h${cgroot#/}"; done
+    if [[ -f "/sys/fs/cgroup/cpuset$LAB_CGROUP/cpuset.cpus" ]]; then
+      cat "/sys/fs/cgroup/cpuset$LAB_CGROUP/cpuset.cpus" >"/sys/fs/cgroup/cpuset$cgroot/cpuset.cpus"
+      cat "/sys/fs/cgroup/cpuset$LAB_CGROUP/cpuset.mems" >"/sys/fs/cgroup/cpuset$cgroot/cpuset.mems"
+    fi
+  fi
+  # containerd 2, CRI plugin with CDI (always on in 2.x), runc from Debian.
+  cat >"$d/containerd.toml" <<CONF
 version = 3
-root = "$W/containerd/root"
-state = "$W/containerd/state"
+root = "$d/containerd/root"
+state = "$d/containerd/state"
 [grpc]
-  address = "$W/containerd/containerd.sock"
+  address = "$d/containerd/containerd.sock"
 [ttrpc]
-  address = "$W/containerd/containerd.sock.ttrpc"
+  address = "$d/containerd/containerd.sock.ttrpc"
 [debug]
-  address = "$W/containerd/debug.sock"
+  address = "$d/containerd/debug.sock"
 [plugins."io.containerd.cri.v1.images"]
   snapshotter = "overlayfs"
   [plugins."io.containerd.cri.v1.images".pinned_images]
     sandbox = "lab.local/pause:1"
 [plugins."io.containerd.cri.v1.runtime"]
-  cdi_spec_dirs = ["$W/cdi"]
+  cdi_spec_dirs = ["/var/run/cdi"]
   # This machine withholds CAP_SYS_RESOURCE, so no process may lower its oom_score_adj:
   # runc fails the sandbox (-998) with "can't get final child's PID from pipe: EOF"
   # ("failed to update /proc/self/oom_score_adj: Permission denied" under runc --debug).
@@ -216,77 +287,38 @@ state = "$W/containerd/state"
         SystemdCgroup = false
   [plugins."io.containerd.cri.v1.runtime".cni]
     bin_dirs = ["/usr/lib/cni"]
-    conf_dir = "$W/cni"
+    conf_dir = "$d/cni"
 [plugins."io.containerd.grpc.v1.cri"]
   disable_tcp_service = true
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
-EOF
-cat >"$W/cni/10-lab.conflist" <<EOF
+CONF
+  cat >"$d/cni/10-lab.conflist" <<CONF
 {"cniVersion": "1.0.0", "name": "lab", "plugins": [
-  {"type": "bridge", "bridge": "lab-br0", "isGateway": true, "ipMasq": false,
-   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.214.0.0/24"}]], "dataDir": "$W/cni-ipam"}},
+  {"type": "bridge", "bridge": "lab-br$((i - 1))", "isDefaultGateway": true, "ipMasq": false,
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.214.$((i - 1)).0/24"}]], "dataDir": "$d/cni-ipam"}},
   {"type": "loopback"}]}
-EOF
-export PATH="$B:$PATH"
-start containerd "$B/containerd" --config "$W/containerd.toml" --log-level info
-CTR=("$B/ctr" --address "$W/containerd/containerd.sock" -n k8s.io)
-wait_for containerd 60 "${CTR[@]}" version
-
-# Two images made offline from busybox-static: an OCI image layout written by hand.
-python3 - "$W/image" <<'EOF'
-import hashlib, io, json, os, sys, tarfile
-out = sys.argv[1]
-def blob(data):
-    d = hashlib.sha256(data).hexdigest()
-    os.makedirs(f"{out}/blobs/sha256", exist_ok=True)
-    open(f"{out}/blobs/sha256/{d}", "wb").write(data)
-    return {"digest": "sha256:" + d, "size": len(data)}
-buf = io.BytesIO()
-with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
-    for d in ("bin", "etc", "tmp", "proc", "sys", "dev"):
-        ti = tarfile.TarInfo(d); ti.type = tarfile.DIRTYPE; ti.mode = 0o1777 if d == "tmp" else 0o755; t.addfile(ti)
-    t.add("/bin/busybox", "bin/busybox")
-    for a in ("sh", "sleep", "echo", "cat", "ls", "env", "hostname", "ip", "id", "true"):
-        ti = tarfile.TarInfo("bin/" + a); ti.type = tarfile.SYMTYPE; ti.linkname = "busybox"; t.addfile(ti)
-    for name, body in (("etc/passwd", b"root:x:0:0:root:/:/bin/sh\n"), ("etc/group", b"root:x:0:\n")):
-        ti = tarfile.TarInfo(name); ti.size = len(body); t.addfile(ti, io.BytesIO(body))
-layer = buf.getvalue()
-diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
-lay = blob(layer)
-manifests = []
-for name, cmd in (("lab.local/busybox:1", ["/bin/sh"]), ("lab.local/pause:1", ["/bin/sleep", "2147483647"])):
-    cfg = blob(json.dumps({"architecture": "amd64", "os": "linux",
-        "config": {"Env": ["PATH=/bin"], "Cmd": cmd}, "rootfs": {"type": "layers", "diff_ids": [diff_id]}}).encode())
-    man = blob(json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": dict(cfg, mediaType="application/vnd.oci.image.config.v1+json"),
-        "layers": [dict(lay, mediaType="application/vnd.oci.image.layer.v1.tar")]}).encode())
-    manifests.append(dict(man, mediaType="application/vnd.oci.image.manifest.v1+json",
-        platform={"architecture": "amd64", "os": "linux"},
-        annotations={"io.containerd.image.name": name, "org.opencontainers.image.ref.name": name.split(":")[1]}))
-json.dump({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": manifests}, open(f"{out}/index.json", "w"))
-json.dump({"imageLayoutVersion": "1.0.0"}, open(f"{out}/oci-layout", "w"))
-EOF
-tar -C "$W/image" -cf "$W/images.tar" .
-"${CTR[@]}" images import "$W/images.tar" 2>&1 | sed 's/^/  /'
-"${CTR[@]}" images ls -q | sed 's/^/  image: /'
-
-cat >"$W/kubelet.yaml" <<EOF
+CONF
+  start "$(node_log "$i" containerd)" nsenter --mount --target "${holder[$i]}" -- "$B/containerd" --config "$d/containerd.toml" --log-level info
+  local ctr=("$B/ctr" --address "$d/containerd/containerd.sock" -n k8s.io)
+  wait_for "$(node_log "$i" containerd)" 60 "${ctr[@]}" version
+  for img in busybox pause; do "${ctr[@]}" images import "$W/image/$img.tar" 2>&1 | sed "s/^/  $n: /"; done
+  cat >"$d/kubelet.yaml" <<CONF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 failCgroupV1: false
 cgroupDriver: cgroupfs
-cgroupRoot: "$LAB_CGROUP"
+cgroupRoot: "$cgroot"
 failSwapOn: false
-containerRuntimeEndpoint: "unix://$W/containerd/containerd.sock"
-podLogsDir: "$W/pod-logs"
-address: "$NODE_IP"
+containerRuntimeEndpoint: "unix://$d/containerd/containerd.sock"
+podLogsDir: "$d/pod-logs"
+address: "$ip"
 port: 10250
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
-healthzPort: 10248
-tlsCertFile: "$P/kubelet-serving.crt"
-tlsPrivateKeyFile: "$P/kubelet-serving.key"
+healthzPort: $(healthz_port "$i")
+tlsCertFile: "$P/$(node_log "$i" kubelet-serving).crt"
+tlsPrivateKeyFile: "$P/$(node_log "$i" kubelet-serving).key"
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: true}
@@ -300,35 +332,51 @@ serializeImagePulls: false
 registerNode: true
 clusterDomain: cluster.local
 resolvConf: /etc/resolv.conf
-EOF
-kubelet_pid=
-start_kubelet() {
-  "$B/kubelet" --config="$W/kubelet.yaml" --kubeconfig="$P/kubelet.kubeconfig" \
-    --root-dir="$W/kubelet" --hostname-override=lab-node --node-ip="$NODE_IP" --v=2 \
-    >>"$W/log/kubelet.log" 2>&1 &
-  kubelet_pid=$!
-  log "started kubelet (pid $kubelet_pid)"
+CONF
+  echo "$n $ip $d $d/containerd/containerd.sock" >>"$W/nodes.txt.tmp"
 }
-start_kubelet
-wait_for "kubelet healthz" 120 curl -sf http://127.0.0.1:10248/healthz
-wait_for "node lab-node Ready" 180 sh -c "\"$B/kubectl\" get node lab-node -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
-log "lab up, ${SECONDS}s in the namespaces"
+
+start_kubelet() { # i
+  local i="$1"
+  node_ns "$i" "$B/kubelet" --config="$(node_dir "$i")/kubelet.yaml" \
+    --kubeconfig="$P/$(node_log "$i" kubelet).kubeconfig" --root-dir=/var/lib/kubelet \
+    --hostname-override="$(node_name "$i")" --node-ip="$(node_ip "$i")" --v=2 \
+    >>"$W/log/$(node_log "$i" kubelet).log" 2>&1 &
+  kubelet_pid[$i]=$!
+  log "started $(node_log "$i" kubelet) (pid ${kubelet_pid[$i]})"
+}
+
+rm -f "$W/nodes.txt.tmp"
+for i in $(seq "$NODES"); do up_node "$i"; done
+mv "$W/nodes.txt.tmp" "$W/nodes.txt"
+for i in $(seq "$NODES"); do start_kubelet "$i"; done
+for i in $(seq "$NODES"); do
+  wait_for "$(node_log "$i" kubelet) healthz" 120 curl -sf "http://127.0.0.1:$(healthz_port "$i")/healthz"
+done
+for i in $(seq "$NODES"); do
+  n="$(node_name "$i")"
+  wait_for "node $n Ready" 180 sh -c "\"$B/kubectl\" get node $n -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
+done
+log "lab up ($NODES node(s)), ${SECONDS}s in the namespaces"
 echo "$SECONDS" >"$W/ready"
 
-# Wait until killed; serve restart requests meanwhile.
-restarts=0
+# Wait until killed; serve restart requests meanwhile: ctl/restart-kubelet (lab-node),
+# ctl/restart-kubelet-<name> (the others); done: ctl/<same>-restarted-<count>.
+declare -A restarts
 while true; do
-  if [[ -e "$W/ctl/restart-kubelet" ]]; then
-    log "restarting the kubelet"
-    kill -TERM "$kubelet_pid" 2>/dev/null || true
-    for _ in $(seq 100); do kill -0 "$kubelet_pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$kubelet_pid" 2>/dev/null || true
-    wait "$kubelet_pid" 2>/dev/null || true
-    rm -f "$W/ctl/restart-kubelet"
-    start_kubelet
-    wait_for "kubelet healthz" 120 curl -sf http://127.0.0.1:10248/healthz || { rm -f "$W/failed"; continue; }
-    restarts=$((restarts + 1))
-    touch "$W/ctl/kubelet-restarted-$restarts"
-  fi
+  for i in $(seq "$NODES"); do
+    k="$(node_log "$i" kubelet)"
+    [[ -e "$W/ctl/restart-$k" ]] || continue
+    log "restarting $k"
+    kill -TERM "${kubelet_pid[$i]}" 2>/dev/null || true
+    for _ in $(seq 100); do kill -0 "${kubelet_pid[$i]}" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "${kubelet_pid[$i]}" 2>/dev/null || true
+    wait "${kubelet_pid[$i]}" 2>/dev/null || true
+    rm -f "$W/ctl/restart-$k"
+    start_kubelet "$i"
+    wait_for "$k healthz" 120 curl -sf "http://127.0.0.1:$(healthz_port "$i")/healthz" || { rm -f "$W/failed"; continue; }
+    restarts[$i]=$((${restarts[$i]:-0} + 1))
+    if ((i == 1)); then touch "$W/ctl/kubelet-restarted-${restarts[$i]}"; else touch "$W/ctl/$k-restarted-${restarts[$i]}"; fi
+  done
   sleep 0.2
 done

@@ -9,6 +9,8 @@
 //! panics instead, so CI cannot pass by skipping.
 #![allow(dead_code)]
 
+pub mod image;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -170,8 +172,14 @@ pub struct ClusterLab {
 }
 
 impl ClusterLab {
-    /// Starts a lab and waits for node `lab-node` to be Ready; `None` when it must skip.
+    /// Starts a one-node lab and waits for node `lab-node` to be Ready; `None` when it must skip.
     pub fn start() -> Option<ClusterLab> {
+        ClusterLab::start_nodes(1)
+    }
+
+    /// Starts a lab of `nodes` nodes (lab-node, lab-node-2, ...) and waits until all are
+    /// Ready; `None` when it must skip.
+    pub fn start_nodes(nodes: usize) -> Option<ClusterLab> {
         if !is_root() {
             return skip("needs root (namespaces, mounts, cgroups)");
         }
@@ -200,6 +208,7 @@ impl ClusterLab {
             .arg("up")
             .arg(&work)
             .env("GPUPLANE_CLUSTER_BIN", &bin)
+            .env("LAB_NODES", nodes.to_string())
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
             .stderr(out)
@@ -230,6 +239,47 @@ impl ClusterLab {
             lab.start_time.as_secs_f64()
         );
         Some(lab)
+    }
+
+    /// The lab's nodes, lab-node first (lab.sh's nodes.txt).
+    pub fn nodes(&self) -> Vec<LabNode> {
+        std::fs::read_to_string(self.work.join("nodes.txt"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                match f.as_slice() {
+                    [name, ip, dir, sock] => Some(LabNode {
+                        name: name.to_string(),
+                        ip: ip.to_string(),
+                        dir: PathBuf::from(dir),
+                        containerd: PathBuf::from(sock),
+                    }),
+                    _ => None,
+                }
+            })
+            .collect()
+    }
+
+    /// `ctr images import` of an image tar into every node's containerd (namespace k8s.io,
+    /// the CRI's).
+    pub fn import_image(&self, tar: &Path) {
+        for node in self.nodes() {
+            let out = Command::new(self.bin.join("ctr"))
+                .arg("--address")
+                .arg(&node.containerd)
+                .args(["-n", "k8s.io", "images", "import"])
+                .arg(tar)
+                .output()
+                .expect("run ctr");
+            assert!(
+                out.status.success(),
+                "importing {} into {}: {}",
+                tar.display(),
+                node.name,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
     }
 
     /// A command that runs `program` inside the lab's network namespace (only).
@@ -510,6 +560,28 @@ impl ClusterLab {
         )
         .unwrap();
         path
+    }
+}
+
+/// One node of the lab: its name, node IP, the directory that is its `/var/lib/kubelet`
+/// (`kubelet/`), `/var/run/cdi` (`cdi/`) and `/var/lib/gpuplane` (`gpuplane/`), and its
+/// containerd's socket.
+pub struct LabNode {
+    pub name: String,
+    pub ip: String,
+    pub dir: PathBuf,
+    pub containerd: PathBuf,
+}
+
+impl LabNode {
+    pub fn kubelet_root(&self) -> PathBuf {
+        self.dir.join("kubelet")
+    }
+    pub fn cdi_dir(&self) -> PathBuf {
+        self.dir.join("cdi")
+    }
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.join("gpuplane")
     }
 }
 

@@ -1,0 +1,349 @@
+//! gpuplane deployed as users deploy it (issue 23): `kubectl apply -k` of daemonset/ on a
+//! three-node lab (hack/cluster/lab.sh with LAB_NODES=3), the DaemonSet's and the Deployment's
+//! pods running our test image (tests/cluster/image.rs) in the nodes' containerd. The overlay
+//! changes only what a loopback lab cannot have: the image (ours, `imagePullPolicy: Never`),
+//! cert-manager's Certificate (a Secret of the same name and keys, made here), the webhooks'
+//! caBundle, and `--simulate-from-node-label` so each node serves the machine its
+//! `gpuplane.dev/simulate` label names. Everything else runs as shipped: mounts,
+//! securityContext, probes, env, ServiceAccounts and their projected tokens, RBAC, the
+//! node-scoped admission policy, the Service in front of the webhook.
+
+#[path = "cluster/mod.rs"]
+mod cluster;
+
+use cluster::{eventually, image, ClusterLab, AGENT_NS, DRIVER, NODE};
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::Mutex;
+
+static ONE_LAB: Mutex<()> = Mutex::new(());
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    ONE_LAB.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Each node and the bundled machine it simulates.
+const MACHINES: [(&str, &str); 3] = [
+    (NODE, "dgx-h100"),
+    ("lab-node-2", "a100-mig-mixed"),
+    ("lab-node-3", "pcie-l4x4"),
+];
+
+/// The test image matches the users' image where it matters: the binary's path, the
+/// entrypoint and the user come out the same as the Dockerfile's final stage.
+#[test]
+fn the_test_image_matches_the_dockerfile() {
+    if let Err(why) = image::binary() {
+        assert!(std::env::var_os("CI").is_none(), "{why}");
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let built = image::build(dir.path(), "check", "check").unwrap();
+    let (entrypoint, user, files) = image::image_config(&built.tar);
+    let users = image::dockerfile_runtime();
+    assert_eq!(entrypoint, users.entrypoint, "ENTRYPOINT drifted");
+    assert_eq!(user, users.user, "USER drifted");
+    assert_eq!(users.binary, image::BINARY, "the binary's path drifted");
+    assert!(files.contains(&users.binary), "{files:?}");
+    // A dynamically linked binary (the agent dlopens the host driver's libnvidia-ml): the
+    // loader and glibc come along.
+    assert!(
+        files.iter().any(|f| f.contains("ld-linux"))
+            && files.iter().any(|f| f.ends_with("libc.so.6")),
+        "{files:?}"
+    );
+}
+
+/// The webhook's serving certificate for the Service's names and its CA, as cert-manager's
+/// Certificate would make them: (Secret manifest, CA PEM).
+fn webhook_secret() -> (String, String) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec![
+        format!("gpuplane-controller.{AGENT_NS}.svc"),
+        format!("gpuplane-controller.{AGENT_NS}.svc.cluster.local"),
+    ])
+    .unwrap()
+    .signed_by(&key, &ca)
+    .unwrap();
+    let secret = serde_json::json!({
+        "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": {"name": "gpuplane-webhook-tls", "namespace": AGENT_NS},
+        "stringData": {"tls.crt": cert.pem(), "tls.key": key.serialize_pem(), "ca.crt": ca.pem()}
+    });
+    (serde_json::to_string(&secret).unwrap(), ca.pem())
+}
+
+/// The deployment overlay over daemonset/ at `overlay` (see the module docs for what it
+/// changes, and nothing else).
+fn deploy_overlay(overlay: &Path, image_ref: &str) -> String {
+    use base64::Engine;
+    let up = "../".repeat(overlay.components().count() - 1);
+    let base = format!(
+        "{up}{}",
+        cluster::repo()
+            .join("daemonset")
+            .display()
+            .to_string()
+            .trim_start_matches('/')
+    );
+    let (secret, ca_pem) = webhook_secret();
+    std::fs::write(overlay.join("webhook-tls.json"), secret).unwrap();
+    let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
+    let mut text = format!(
+        r#"apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+- {base}
+- webhook-tls.json
+patches:
+- patch: |-
+    $patch: delete
+    apiVersion: cert-manager.io/v1
+    kind: Issuer
+    metadata: {{name: gpuplane-selfsigned, namespace: {AGENT_NS}}}
+- patch: |-
+    $patch: delete
+    apiVersion: cert-manager.io/v1
+    kind: Certificate
+    metadata: {{name: gpuplane-webhook, namespace: {AGENT_NS}}}
+- target: {{kind: DaemonSet, name: gpuplane-node}}
+  patch: |-
+    - {{op: replace, path: /spec/template/spec/containers/0/image, value: "{image_ref}"}}
+    - {{op: add, path: /spec/template/spec/containers/0/imagePullPolicy, value: Never}}
+    - {{op: add, path: /spec/template/spec/containers/0/args/-, value: --simulate-from-node-label}}
+- target: {{kind: Deployment, name: gpuplane-controller}}
+  patch: |-
+    - {{op: replace, path: /spec/template/spec/containers/0/image, value: "{image_ref}"}}
+    - {{op: add, path: /spec/template/spec/containers/0/imagePullPolicy, value: Never}}
+"#
+    );
+    for (kind, hooks) in [
+        ("ValidatingWebhookConfiguration", 2),
+        ("MutatingWebhookConfiguration", 1),
+    ] {
+        text += &format!(
+            "- target: {{kind: {kind}, name: gpuplane-quota}}\n  patch: |-\n    - {{op: remove, path: /metadata/annotations}}\n"
+        );
+        for i in 0..hooks {
+            text += &format!(
+                "    - {{op: add, path: /webhooks/{i}/clientConfig/caBundle, value: \"{ca}\"}}\n"
+            );
+        }
+    }
+    text
+}
+
+/// A three-node lab with our image in every node and the machines' labels on the nodes.
+fn lab_with_image(tag: &str) -> Option<(ClusterLab, image::TestImage)> {
+    let lab = ClusterLab::start_nodes(3)?;
+    let built = match image::build(&lab.work, tag, tag) {
+        Ok(b) => b,
+        Err(why) => panic!("{why}"),
+    };
+    lab.import_image(&built.tar);
+    for (node, machine) in MACHINES {
+        lab.kubectl_ok(&[
+            "label",
+            "node",
+            node,
+            "nvidia.com/gpu.present=true",
+            &format!("gpuplane.dev/simulate={machine}"),
+        ]);
+    }
+    Some((lab, built))
+}
+
+/// `kubectl apply -k` of the deployment overlay; it must print no warning.
+fn apply_overlay(lab: &ClusterLab, image_ref: &str) {
+    let overlay = lab.work.join("deploy");
+    std::fs::create_dir_all(&overlay).unwrap();
+    std::fs::write(
+        overlay.join("kustomization.yaml"),
+        deploy_overlay(&overlay, image_ref),
+    )
+    .unwrap();
+    let out = lab.kubectl(&["apply", "-k", overlay.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "kubectl apply -k: {stderr}");
+    assert!(!stderr.contains("Warning:"), "{stderr}");
+}
+
+/// The agent pods by node: node -> (pod name, ready).
+fn agent_pods(lab: &ClusterLab) -> Vec<(String, String, bool)> {
+    let pods = lab
+        .get_json(&[
+            "get",
+            "pods",
+            "-n",
+            AGENT_NS,
+            "-l",
+            "app.kubernetes.io/name=gpuplane-node",
+        ])
+        .unwrap_or(Value::Null);
+    pods["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            let ready = p["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True");
+            (
+                p["spec"]["nodeName"].as_str().unwrap_or("").to_string(),
+                p["metadata"]["name"].as_str().unwrap_or("").to_string(),
+                ready,
+            )
+        })
+        .collect()
+}
+
+/// A bundled machine, from `gpuplane discover`: the UUIDs its DRA devices carry (the MIG
+/// devices of a GPU in MIG mode, else the GPU) and its GPUs not in MIG mode (what the shipped
+/// config, MIG strategy `none`, offers as `nvidia.com/gpu`).
+fn machine(name: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpuplane"))
+        .args(["discover", "--simulate", name, "-o", "json"])
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (mut dra, mut whole) = (BTreeSet::new(), BTreeSet::new());
+    for g in v["gpus"].as_array().into_iter().flatten() {
+        let uuid = g["uuid"].as_str().unwrap().to_string();
+        if g["mig"]["current"] == true {
+            dra.extend(
+                g["migDevices"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|m| m["uuid"].as_str().map(String::from)),
+            );
+        } else {
+            dra.insert(uuid.clone());
+            whole.insert(uuid);
+        }
+    }
+    (dra, whole)
+}
+
+/// The node's allocatable `nvidia.com/gpu`.
+fn allocatable_gpus(lab: &ClusterLab, node: &str) -> Option<String> {
+    let n = lab.get_json(&["get", "node", node])?;
+    n["status"]["allocatable"]["nvidia.com/gpu"]
+        .as_str()
+        .map(String::from)
+}
+
+/// The `uuid` attributes of node `node`'s ResourceSlices for our driver.
+fn slice_uuids(lab: &ClusterLab, node: &str) -> BTreeSet<String> {
+    lab.get_json(&["get", "resourceslices"])
+        .and_then(|l| l["items"].as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .filter(|s| s["spec"]["nodeName"] == node && s["spec"]["driver"] == DRIVER)
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .filter_map(|d| {
+            d["attributes"]["uuid"]["string"]
+                .as_str()
+                .or_else(|| d["attributes"][format!("{DRIVER}/uuid")]["string"].as_str())
+                .map(String::from)
+        })
+        .collect()
+}
+
+/// A pod on `node` printing its environment and sleeping, holding one `nvidia.com/gpu`
+/// (`claim`: false) or one GPU through a claim from DeviceClass gpu.gpuplane.dev.
+fn gpu_pod(lab: &ClusterLab, name: &str, node: &str, claim: bool) {
+    let (claims, resources) = if claim {
+        (
+            format!("  resourceClaims:\n  - {{name: gpu, resourceClaimTemplateName: {name}}}\n"),
+            "      claims: [{name: gpu}]\n".to_string(),
+        )
+    } else {
+        (
+            String::new(),
+            "      limits: {nvidia.com/gpu: 1}\n".to_string(),
+        )
+    };
+    if claim {
+        lab.apply(&format!(
+            "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  spec:\n    devices:\n      requests:\n      - name: gpu\n        exactly: {{deviceClassName: gpu.gpuplane.dev, count: 1}}\n"
+        ));
+    }
+    lab.apply(&format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  nodeName: {node}\n  restartPolicy: Never\n  terminationGracePeriodSeconds: 1\n{claims}  containers:\n  - name: c\n    image: lab.local/busybox:1\n    imagePullPolicy: Never\n    command: [\"sh\", \"-c\", \"env; sleep 3600\"]\n    resources:\n{resources}"
+    ));
+}
+
+/// The GPU UUIDs a pod's container was given (its environment), once it printed it.
+fn pod_gpus(lab: &ClusterLab, pod: &str) -> BTreeSet<String> {
+    let log = eventually(&format!("pod {pod}'s env in its log"), || {
+        let out = lab.kubectl(&["logs", pod]);
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.contains("PATH=").then_some(text)
+    });
+    log.lines()
+        .find_map(|l| l.strip_prefix("NVIDIA_VISIBLE_DEVICES="))
+        .unwrap_or_else(|| panic!("no NVIDIA_VISIBLE_DEVICES in {pod}:\n{log}"))
+        .split(',')
+        .filter(|u| u.starts_with("GPU-"))
+        .map(String::from)
+        .collect()
+}
+
+/// The DaemonSet as shipped becomes Ready on all three nodes by its own readiness probe; each
+/// node's allocatable and ResourceSlices are its own machine's; device-plugin and claim pods
+/// land on their nodes and get that node's GPUs. The slices were written by the agents' pods
+/// with their projected ServiceAccount tokens, through the node-scoped admission policy.
+#[test]
+fn the_daemonset_serves_each_nodes_own_machine_from_its_pods() {
+    let _one = lock();
+    let Some((lab, built)) = lab_with_image("1") else {
+        return;
+    };
+    let began = std::time::Instant::now();
+    apply_overlay(&lab, &built.reference);
+    let pods = eventually("an agent pod Ready on each of the 3 nodes", || {
+        let pods = agent_pods(&lab);
+        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(pods)
+    });
+    eprintln!(
+        "apply -k to 3 agents Ready: {:.1}s",
+        began.elapsed().as_secs_f64()
+    );
+    let nodes: BTreeSet<&str> = pods.iter().map(|p| p.0.as_str()).collect();
+    assert_eq!(nodes, MACHINES.iter().map(|m| m.0).collect());
+    for (node, name) in MACHINES {
+        let (dra, whole) = machine(name);
+        eventually(&format!("{node}'s slices to list {name}'s devices"), || {
+            (slice_uuids(&lab, node) == dra).then_some(())
+        });
+        let count = whole.len().to_string();
+        eventually(
+            &format!("{node} to have {count} allocatable nvidia.com/gpu ({name})"),
+            || (allocatable_gpus(&lab, node).as_deref() == Some(count.as_str())).then_some(()),
+        );
+    }
+    for (node, machine_name, claim) in [
+        ("lab-node-3", "pcie-l4x4", false),
+        ("lab-node-2", "a100-mig-mixed", true),
+        (NODE, "dgx-h100", true),
+    ] {
+        let pod = format!("{}-on-{node}", if claim { "claim" } else { "dp" });
+        gpu_pod(&lab, &pod, node, claim);
+        let got = pod_gpus(&lab, &pod);
+        let (_, whole) = machine(machine_name);
+        assert_eq!(got.len(), 1, "{pod}: {got:?}");
+        assert!(
+            got.is_subset(&whole),
+            "{pod} on {node} got {got:?}, not one of {machine_name}'s GPUs"
+        );
+    }
+}
