@@ -23,6 +23,7 @@ use gpuplane_shell::inventory::Inventory;
 use gpuplane_shell::source::DeviceSource;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
 use lab::Lab;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -89,35 +90,43 @@ impl Machine {
 }
 
 /// Every ResourceSlice version the API server double stored, in order, as a watch saw them.
-#[derive(Clone, Default)]
-struct SliceLog(Arc<Mutex<Vec<Value>>>);
+/// The watch ends when this is dropped (the double goes away with the test).
+struct SliceLog {
+    seen: Arc<Mutex<Vec<Value>>>,
+    watch: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for SliceLog {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
+}
 
 impl SliceLog {
     fn start(client: kube::Client) -> SliceLog {
-        let log = SliceLog::default();
-        let sink = log.clone();
-        tokio::spawn(async move {
+        let seen: Arc<Mutex<Vec<Value>>> = Arc::default();
+        let sink = seen.clone();
+        let watch = tokio::spawn(async move {
             let api: kube::Api<ResourceSlice> = kube::Api::all(client);
-            let mut events = std::pin::pin!(watcher::watcher(api, watcher::Config::default()));
+            // Backing off: once the double is gone at the end, errors must not spin.
+            let events = watcher::watcher(api, watcher::Config::default()).default_backoff();
+            let mut events = std::pin::pin!(events);
             while let Some(e) = events.next().await {
                 if let Ok(Event::Apply(s) | Event::InitApply(s)) = e {
-                    sink.0
-                        .lock()
-                        .unwrap()
-                        .push(serde_json::to_value(s).unwrap());
+                    sink.lock().unwrap().push(serde_json::to_value(s).unwrap());
                 }
             }
         });
-        log
+        SliceLog { seen, watch }
     }
 
     fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
+        self.seen.lock().unwrap().len()
     }
 
     /// Devices that lack the in-use taint in a version stored after the first `from`.
     fn untainted_since(&self, from: usize) -> Vec<(String, String)> {
-        let seen = self.0.lock().unwrap();
+        let seen = self.seen.lock().unwrap();
         let mut out = Vec::new();
         for s in &seen[from.min(seen.len())..] {
             let version = s["metadata"]["resourceVersion"].as_str().unwrap_or("");
