@@ -278,7 +278,7 @@ fn gpu_pod(lab: &ClusterLab, name: &str, node: &str, claim: bool) {
         ));
     }
     lab.apply(&format!(
-        "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  nodeName: {node}\n  restartPolicy: Never\n  terminationGracePeriodSeconds: 1\n{claims}  containers:\n  - name: c\n    image: lab.local/busybox:1\n    imagePullPolicy: Never\n    command: [\"sh\", \"-c\", \"env; sleep 3600\"]\n    resources:\n{resources}"
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  nodeSelector: {{kubernetes.io/hostname: {node}}}\n  restartPolicy: Never\n  terminationGracePeriodSeconds: 1\n{claims}  containers:\n  - name: c\n    image: lab.local/busybox:1\n    imagePullPolicy: Never\n    command: [\"sh\", \"-c\", \"env; sleep 3600\"]\n    resources:\n{resources}"
     ));
 }
 
@@ -345,5 +345,432 @@ fn the_daemonset_serves_each_nodes_own_machine_from_its_pods() {
             got.is_subset(&whole),
             "{pod} on {node} got {got:?}, not one of {machine_name}'s GPUs"
         );
+    }
+}
+
+/// A kubeconfig with a token of the agent's ServiceAccount bound to agent pod `pod`, as the
+/// kubelet projects into it (the API server adds the pod's node to the user's extra).
+fn pod_token_kubeconfig(lab: &ClusterLab, pod: &str) -> std::path::PathBuf {
+    let p = lab.get_json(&["get", "pod", pod, "-n", AGENT_NS]).unwrap();
+    let uid = p["metadata"]["uid"].as_str().unwrap().to_string();
+    lab.token_kubeconfig(
+        &format!("pod-{pod}"),
+        &[
+            "create",
+            "token",
+            cluster::AGENT_SA,
+            "-n",
+            AGENT_NS,
+            "--bound-object-kind",
+            "Pod",
+            "--bound-object-name",
+            pod,
+            "--bound-object-uid",
+            &uid,
+        ],
+    )
+}
+
+/// The agents' writes pass the node-scoped admission policy with their pods' own tokens (their
+/// slices are there), and with the token of the agent pod on lab-node-2 a ResourceSlice of
+/// lab-node-3 is refused by the policy.
+#[test]
+fn an_agent_pods_token_writes_only_its_own_nodes_slices() {
+    let _one = lock();
+    let Some((lab, built)) = lab_with_image("1") else {
+        return;
+    };
+    apply_overlay(&lab, &built.reference);
+    let pods = eventually("an agent pod Ready on each of the 3 nodes", || {
+        let pods = agent_pods(&lab);
+        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(pods)
+    });
+    for (node, _) in MACHINES {
+        eventually(
+            &format!("{node}'s slices, written by its agent pod"),
+            || (!slice_uuids(&lab, node).is_empty()).then_some(()),
+        );
+    }
+    let on_2 = &pods.iter().find(|p| p.0 == "lab-node-2").unwrap().1;
+    let kubeconfig = pod_token_kubeconfig(&lab, on_2);
+    let other = r#"apiVersion: resource.k8s.io/v1
+kind: ResourceSlice
+metadata: {name: not-mine}
+spec:
+  driver: gpu.gpuplane.dev
+  nodeName: lab-node-3
+  pool: {name: lab-node-3, generation: 1, resourceSliceCount: 1}
+  devices: [{name: gpu-0}]
+"#;
+    let out = lab.kubectl_as(&kubeconfig, &["create", "-f", "-"], Some(other));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "another node's slice was admitted");
+    assert!(
+        err.contains("may not write the ResourceSlices of node 'lab-node-3'"),
+        "{err}"
+    );
+}
+
+/// The current holder of the controller's Lease.
+fn lease_holder(lab: &ClusterLab) -> Option<String> {
+    let lease = lab.get_json(&["get", "lease", "gpuplane-controller", "-n", AGENT_NS])?;
+    lease["spec"]["holderIdentity"].as_str().map(String::from)
+}
+
+/// The controller pods: (name, ready).
+fn controller_pods(lab: &ClusterLab) -> Vec<(String, bool)> {
+    let pods = lab
+        .get_json(&[
+            "get",
+            "pods",
+            "-n",
+            AGENT_NS,
+            "-l",
+            "app.kubernetes.io/name=gpuplane-controller",
+        ])
+        .unwrap_or(Value::Null);
+    pods["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+        .map(|p| {
+            let ready = p["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True");
+            (
+                p["metadata"]["name"].as_str().unwrap_or("").to_string(),
+                ready,
+            )
+        })
+        .collect()
+}
+
+/// A pod of namespace `ns` asking for `gpus` nvidia.com/gpu; kubectl create's answer.
+fn create_gpu_pod(lab: &ClusterLab, ns: &str, name: &str, gpus: u32) -> Result<(), String> {
+    let pod = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  restartPolicy: Never\n  terminationGracePeriodSeconds: 1\n  containers:\n  - name: c\n    image: lab.local/busybox:1\n    imagePullPolicy: Never\n    command: [\"sleep\", \"3600\"]\n    resources:\n      limits: {{nvidia.com/gpu: {gpus}}}\n"
+    );
+    let out = lab.kubectl_as(&lab.admin_kubeconfig(), &["create", "-f", "-"], Some(&pod));
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).to_string())
+    }
+}
+
+/// The controller's two replicas run as pods and one holds the Lease; the API server calls the
+/// webhook through the Service (a pod over quota is denied with our reason). Deleting the
+/// leader's pod moves the Lease to the other replica within its lease duration, and GPU pods
+/// created meanwhile are all decided: none lost, none admitted over quota.
+#[test]
+fn the_controller_serves_through_its_service_and_its_lease_moves_when_the_leader_goes() {
+    let _one = lock();
+    let Some((lab, built)) = lab_with_image("1") else {
+        return;
+    };
+    apply_overlay(&lab, &built.reference);
+    let pods = eventually("the controller's 2 replicas Ready", || {
+        let pods = controller_pods(&lab);
+        (pods.len() == 2 && pods.iter().all(|p| p.1)).then_some(pods)
+    });
+    let leader = eventually("a Lease holder among the replicas", || {
+        let h = lease_holder(&lab)?;
+        pods.iter()
+            .find(|p| h.starts_with(&p.0))
+            .map(|p| p.0.clone())
+    });
+    lab.kubectl_ok(&["create", "namespace", "team-a"]);
+    lab.apply(
+        "apiVersion: quota.gpuplane.dev/v1alpha1\nkind: GpuQuota\nmetadata: {name: default, namespace: team-a}\nspec:\n  hard: {devices: {nvidia.com/gpu: 2}}\n  mode: Reject\n",
+    );
+    // Through the Service: the webhook's caches hold the quota once a dry run over it is denied.
+    eventually(
+        "the webhook, through its Service, to enforce team-a's quota",
+        || {
+            let out = lab.kubectl_as(
+            &lab.admin_kubeconfig(),
+            &["create", "--dry-run=server", "-f", "-"],
+            Some("apiVersion: v1\nkind: Pod\nmetadata: {name: probe, namespace: team-a}\nspec:\n  containers:\n  - name: c\n    image: lab.local/busybox:1\n    resources:\n      limits: {nvidia.com/gpu: 3}\n"),
+        );
+            let err = String::from_utf8_lossy(&out.stderr);
+            err.contains("in GpuQuota team-a/default").then_some(())
+        },
+    );
+    let lease = lab
+        .get_json(&["get", "lease", "gpuplane-controller", "-n", AGENT_NS])
+        .unwrap();
+    let duration = lease["spec"]["leaseDurationSeconds"].as_u64().unwrap();
+
+    let began = std::time::Instant::now();
+    lab.kubectl_ok(&["delete", "pod", &leader, "-n", AGENT_NS, "--wait=false"]);
+    let mut outcomes = Vec::new();
+    let mut moved = None;
+    for i in 0..8 {
+        outcomes.push(create_gpu_pod(&lab, "team-a", &format!("during-{i}"), 1));
+        if moved.is_none() {
+            if let Some(h) = lease_holder(&lab).filter(|h| !h.starts_with(&leader)) {
+                moved = Some((h, began.elapsed()));
+            }
+        }
+    }
+    let (holder, after) = moved.unwrap_or_else(|| {
+        eventually("the Lease to move off the deleted leader", || {
+            lease_holder(&lab)
+                .filter(|h| !h.starts_with(&leader))
+                .map(|h| (h, began.elapsed()))
+        })
+    });
+    eprintln!(
+        "the Lease moved from {leader} to {holder} in {:.1}s (lease duration {duration}s)",
+        after.as_secs_f64()
+    );
+    assert!(
+        after.as_secs() <= duration,
+        "the Lease took {after:?}, longer than its duration {duration}s"
+    );
+    let admitted = outcomes.iter().filter(|o| o.is_ok()).count();
+    assert!(
+        admitted <= 2,
+        "{admitted} GPU pods admitted over a quota of 2: {outcomes:?}"
+    );
+    for o in &outcomes {
+        if let Err(e) = o {
+            assert!(
+                e.contains("in GpuQuota team-a/default") || e.contains("failed calling webhook"),
+                "a create was neither admitted nor denied by the quota webhook: {e}"
+            );
+        }
+    }
+    // Every admitted pod exists: none lost.
+    let listed = lab
+        .get_json(&["get", "pods", "-n", "team-a"])
+        .and_then(|l| l["items"].as_array().map(Vec::len))
+        .unwrap_or(0);
+    assert_eq!(listed, admitted, "{outcomes:?}");
+}
+
+/// `kubectl rollout status` of the agents' DaemonSet, until it completes.
+fn rollout(lab: &ClusterLab) {
+    let out = lab.kubectl(&[
+        "rollout",
+        "status",
+        "daemonset/gpuplane-node",
+        "-n",
+        AGENT_NS,
+        "--timeout=300s",
+    ]);
+    assert!(
+        out.status.success(),
+        "the rollout did not complete: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// name -> resourceVersion of every ResourceSlice of our driver.
+fn slice_versions(lab: &ClusterLab) -> std::collections::BTreeMap<String, String> {
+    lab.get_json(&["get", "resourceslices"])
+        .and_then(|l| l["items"].as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .filter(|s| s["spec"]["driver"] == DRIVER)
+        .map(|s| {
+            (
+                s["metadata"]["name"].as_str().unwrap_or("").to_string(),
+                s["metadata"]["resourceVersion"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string(),
+            )
+        })
+        .collect()
+}
+
+fn pod_phase(lab: &ClusterLab, ns: &str, pod: &str) -> Option<String> {
+    lab.get_json(&["get", "pod", pod, "-n", ns])?["status"]["phase"]
+        .as_str()
+        .map(String::from)
+}
+
+/// Files in a directory whose names start with `prefix`.
+fn files_with_prefix(dir: &Path, prefix: &str) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .filter(|n| n.starts_with(prefix))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A rolling update of the agents to a second image build while a claim pod and a
+/// device-plugin pod run on lab-node: both keep their GPUs and keep running, the new agent
+/// adopts the checkpoint (it unprepares the claim when its pod goes) and hands out none of the
+/// held GPUs, no ResourceSlice is rewritten (unchanged inventory), and the rollout completes.
+/// Then an agent pod is deleted: the DaemonSet makes a new one, and every hold survives.
+#[test]
+fn a_rolling_update_and_a_deleted_agent_pod_keep_every_hold() {
+    let _one = lock();
+    let Some((lab, first)) = lab_with_image("1") else {
+        return;
+    };
+    let second = image::build(&lab.work, "2", "2").unwrap();
+    lab.import_image(&second.tar);
+    apply_overlay(&lab, &first.reference);
+    eventually("an agent pod Ready on each of the 3 nodes", || {
+        let pods = agent_pods(&lab);
+        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(())
+    });
+    gpu_pod(&lab, "claim-held", NODE, true);
+    gpu_pod(&lab, "dp-held", NODE, false);
+    let held: BTreeSet<String> = ["claim-held", "dp-held"]
+        .iter()
+        .flat_map(|p| pod_gpus(&lab, p))
+        .collect();
+    assert_eq!(held.len(), 2, "{held:?}");
+    eventually("the device-plugin pod's GPU tainted in use", || {
+        let v = lab.get_json(&["get", "resourceslices"])?;
+        let tainted = v["items"].as_array()?.iter().any(|s| {
+            s["spec"]["devices"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|d| {
+                    d["taints"]
+                        .as_array()
+                        .is_some_and(|t| t.iter().any(|t| t["value"] == "in-use"))
+                })
+        });
+        tainted.then_some(())
+    });
+    let versions = slice_versions(&lab);
+
+    let began = std::time::Instant::now();
+    apply_overlay(&lab, &second.reference);
+    rollout(&lab);
+    eprintln!(
+        "rolling update of 3 agents: {:.1}s",
+        began.elapsed().as_secs_f64()
+    );
+    let pods = agent_pods(&lab);
+    assert_eq!(pods.len(), 3);
+    for (node, pod, ready) in &pods {
+        assert!(ready, "{pod} on {node}");
+        let p = lab.get_json(&["get", "pod", pod, "-n", AGENT_NS]).unwrap();
+        assert_eq!(
+            p["spec"]["containers"][0]["image"],
+            second.reference.as_str()
+        );
+    }
+    let new_agent = &pods.iter().find(|p| p.0 == NODE).unwrap().1;
+    let log = lab.kubectl_ok(&["logs", new_agent, "-n", AGENT_NS]);
+    assert!(log.contains("build=2"), "{log}");
+    for p in ["claim-held", "dp-held"] {
+        assert_eq!(
+            pod_phase(&lab, "default", p).as_deref(),
+            Some("Running"),
+            "{p}"
+        );
+    }
+    assert_eq!(
+        slice_versions(&lab),
+        versions,
+        "the rollout rewrote ResourceSlices of an unchanged inventory"
+    );
+    // The new agent hands out none of the held GPUs: six more fill lab-node's eight.
+    for i in 0..6 {
+        gpu_pod(&lab, &format!("more-{i}"), NODE, i % 2 == 0);
+    }
+    let mut all = held.clone();
+    for i in 0..6 {
+        let got = pod_gpus(&lab, &format!("more-{i}"));
+        assert!(
+            got.is_disjoint(&all),
+            "more-{i} got {got:?}, already held: {all:?}"
+        );
+        all.extend(got);
+    }
+
+    // A deleted agent pod comes back, and the holds are still there.
+    lab.kubectl_ok(&["delete", "pod", new_agent, "-n", AGENT_NS, "--wait=false"]);
+    eventually("a new agent pod Ready on lab-node", || {
+        agent_pods(&lab)
+            .iter()
+            .any(|p| p.0 == NODE && p.1 != *new_agent && p.2)
+            .then_some(())
+    });
+    gpu_pod(&lab, "after-delete", NODE, false);
+    let got = pod_gpus(&lab, "after-delete");
+    assert!(
+        got.is_disjoint(&all),
+        "after-delete got {got:?}, already held: {all:?}"
+    );
+    // The claim prepared two agents ago is unprepared by this one: its spec goes.
+    let cdi = lab.nodes()[0].cdi_dir();
+    let specs = files_with_prefix(&cdi, "gpuplane-claim-").len();
+    lab.kubectl_ok(&[
+        "delete",
+        "pod",
+        "claim-held",
+        "--wait=true",
+        "--timeout=120s",
+    ]);
+    eventually("the claim's CDI spec removed by NodeUnprepare", || {
+        (files_with_prefix(&cdi, "gpuplane-claim-").len() < specs).then_some(())
+    });
+}
+
+/// `kubectl delete -k` uninstalls: no gpuplane socket is left in any node's kubelet
+/// directories, the driver's ResourceSlices are gone within a minute (the kubelet removes a
+/// driver's slices once its plugin is gone), and no claim spec is left behind.
+#[test]
+fn uninstalling_leaves_no_socket_slice_or_claim_spec() {
+    let _one = lock();
+    let Some((lab, built)) = lab_with_image("1") else {
+        return;
+    };
+    apply_overlay(&lab, &built.reference);
+    eventually("an agent pod Ready on each of the 3 nodes", || {
+        let pods = agent_pods(&lab);
+        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(())
+    });
+    gpu_pod(&lab, "claim-then-gone", "lab-node-2", true);
+    pod_gpus(&lab, "claim-then-gone");
+    lab.kubectl_ok(&[
+        "delete",
+        "pod",
+        "claim-then-gone",
+        "--wait=true",
+        "--timeout=120s",
+    ]);
+    let overlay = lab.work.join("deploy");
+    let began = std::time::Instant::now();
+    lab.kubectl_ok(&[
+        "delete",
+        "-k",
+        overlay.to_str().unwrap(),
+        "--wait=true",
+        "--timeout=180s",
+    ]);
+    eventually("our ResourceSlices gone", || {
+        slice_versions(&lab).is_empty().then_some(())
+    });
+    let gone = began.elapsed();
+    eprintln!("uninstall to no ResourceSlice: {:.1}s", gone.as_secs_f64());
+    assert!(gone.as_secs() <= 60, "slices lingered {gone:?}");
+    for node in lab.nodes() {
+        let k = node.kubelet_root();
+        let left: Vec<String> = [
+            files_with_prefix(&k.join("device-plugins"), "gpuplane"),
+            files_with_prefix(&k.join("plugins_registry"), DRIVER),
+            files_with_prefix(&k.join("plugins").join(DRIVER), ""),
+            files_with_prefix(&node.cdi_dir(), "gpuplane-claim-"),
+        ]
+        .concat();
+        assert!(left.is_empty(), "{}: left behind {left:?}", node.name);
     }
 }

@@ -546,7 +546,7 @@ impl ClusterLab {
     }
 
     /// A kubeconfig for the API server with the token `kubectl <create_token>` prints.
-    fn token_kubeconfig(&self, who: &str, create_token: &[&str]) -> PathBuf {
+    pub fn token_kubeconfig(&self, who: &str, create_token: &[&str]) -> PathBuf {
         let token = self.kubectl_ok(create_token);
         let path = self.work.join(format!("{who}.kubeconfig"));
         let ca = self.work.join("pki/ca.crt");
