@@ -6,7 +6,7 @@
 # component is rebuilt only when one of those changes. All binaries are then linked into
 #   ${GPUPLANE_CLUSTER_CACHE}/bin-<key of all>/
 # whose path is the last line printed (GPUPLANE_CLUSTER_BIN=...).
-#   ./hack/cluster/build.sh               everything (kubemark too)
+#   ./hack/cluster/build.sh               everything (kubemark too; helm for tests/helm.rs)
 #   ./hack/cluster/build.sh etcd kubernetes   only these components
 #   ./hack/cluster/build.sh --check       build and install nothing: print the line when all
 #                                         is cached, else exit 3 (tests/cluster uses this)
@@ -54,9 +54,10 @@ declare -A bins=(
   [kubernetes]="kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl kubemark"
   [containerd]="containerd containerd-shim-runc-v2 ctr"
   [cri-tools]="crictl"
+  [helm]="helm"
 )
 components=("$@")
-((${#components[@]})) || components=(etcd kubernetes containerd cri-tools)
+((${#components[@]})) || components=(etcd kubernetes containerd cri-tools helm)
 
 # Version stamps: Kubernetes components report (and compare) their version, so stamp the
 # release they are built from, as upstream's build does.
@@ -76,6 +77,21 @@ ctrd_ldflags() {
   printf -- ' -X github.com/containerd/containerd/v2/version.Version=%s' "$v"
 }
 
+# Helm reports its version, and renders and lints for a Kubernetes version (`.Capabilities.KubeVersion`,
+# checked against a chart's kubeVersion) that defaults to v1.20 unless stamped: stamp both as
+# helm's Makefile does (the Kubernetes minor of its client-go, major + 1 as client-go is v0.x).
+helm_ldflags() {
+  local v kv minor
+  v="$(cd "$here/helm" && go list -m -f '{{.Version}}' helm.sh/helm/v3)"
+  kv="$(cd "$here/helm" && go list -m -f '{{.Version}}' k8s.io/client-go)"
+  minor="${kv#v0.}"; minor="${minor%%.*}"
+  printf -- ' -X helm.sh/helm/v3/internal/version.version=%s -X helm.sh/helm/v3/internal/version.gitTreeState=clean' "$v"
+  local p
+  for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+    printf -- ' -X %s.k8sVersionMajor=1 -X %s.k8sVersionMinor=%s' "$p" "$p" "$minor"
+  done
+}
+
 all_keys=""
 for c in "${components[@]}"; do
   [[ -n "${bins[$c]:-}" ]] || { echo "build.sh: unknown component $c" >&2; exit 2; }
@@ -84,6 +100,7 @@ for c in "${components[@]}"; do
   case "$c" in
     kubernetes) ldflags+="$(k8s_ldflags)" ;;
     containerd) ldflags+="$(ctrd_ldflags)" ;;
+    helm) ldflags+="$(helm_ldflags)" ;;
   esac
   key="$(cat "$dir/go.mod" "$dir/go.sum" <(echo "$gover $ldflags") | sha256sum | cut -c1-12)"
   out="$cache/$c-$key/bin"
