@@ -58,7 +58,7 @@ fn the_test_image_matches_the_dockerfile() {
 
 /// The webhook's serving certificate for the Service's names and its CA, as cert-manager's
 /// Certificate would make them: (Secret manifest, CA PEM).
-fn webhook_secret() -> (String, String) {
+fn webhook_secret(name: &str) -> (String, String) {
     use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -73,7 +73,7 @@ fn webhook_secret() -> (String, String) {
     .unwrap();
     let secret = serde_json::json!({
         "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-        "metadata": {"name": "gpuplane-webhook-tls", "namespace": AGENT_NS},
+        "metadata": {"name": name, "namespace": AGENT_NS},
         "stringData": {"tls.crt": cert.pem(), "tls.key": key.serialize_pem(), "ca.crt": ca.pem()}
     });
     (serde_json::to_string(&secret).unwrap(), ca.pem())
@@ -92,7 +92,7 @@ fn deploy_overlay(overlay: &Path, image_ref: &str) -> String {
             .to_string()
             .trim_start_matches('/')
     );
-    let (secret, ca_pem) = webhook_secret();
+    let (secret, ca_pem) = webhook_secret("gpuplane-webhook-tls");
     std::fs::write(overlay.join("webhook-tls.json"), secret).unwrap();
     let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
     let mut text = format!(
@@ -625,12 +625,14 @@ fn a_rolling_update_and_a_deleted_agent_pod_keep_every_hold() {
         let pods = agent_pods(&lab);
         (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(())
     });
-    gpu_pod(&lab, "claim-held", NODE, true);
-    gpu_pod(&lab, "dp-held", NODE, false);
-    let held: BTreeSet<String> = ["claim-held", "dp-held"]
-        .iter()
-        .flat_map(|p| pod_gpus(&lab, p))
-        .collect();
+    // One at a time: a device-plugin pod admitted while the scheduler allocates a claim may
+    // take the claim's GPU before its slice says so (the ledger then refuses the prepare,
+    // issue 22's race), which is not what this test is about.
+    let mut held = BTreeSet::new();
+    for (pod, claim) in [("claim-held", true), ("dp-held", false)] {
+        gpu_pod(&lab, pod, NODE, claim);
+        held.extend(pod_gpus(&lab, pod));
+    }
     assert_eq!(held.len(), 2, "{held:?}");
     eventually("the device-plugin pod's GPU tainted in use", || {
         let v = lab.get_json(&["get", "resourceslices"])?;
@@ -682,11 +684,9 @@ fn a_rolling_update_and_a_deleted_agent_pod_keep_every_hold() {
         "the rollout rewrote ResourceSlices of an unchanged inventory"
     );
     // The new agent hands out none of the held GPUs: six more fill lab-node's eight.
-    for i in 0..6 {
-        gpu_pod(&lab, &format!("more-{i}"), NODE, i % 2 == 0);
-    }
     let mut all = held.clone();
     for i in 0..6 {
+        gpu_pod(&lab, &format!("more-{i}"), NODE, i % 2 == 0);
         let got = pod_gpus(&lab, &format!("more-{i}"));
         assert!(
             got.is_disjoint(&all),
@@ -773,4 +773,162 @@ fn uninstalling_leaves_no_socket_slice_or_claim_spec() {
         .concat();
         assert!(left.is_empty(), "{}: left behind {left:?}", node.name);
     }
+}
+
+/// Helm, as docs/install.md has it, on the three-node lab with our image: the namespace first,
+/// then `helm install --take-ownership` with the image, `simulate.fromNodeLabel` and the
+/// webhook certificate from a Secret of our own (no cert-manager here): the agents become
+/// Ready on all nodes and serve GPU pods. `helm upgrade --reuse-values` with a changed agent
+/// config (MIG strategy `mixed`) reaches the agents (lab-node-2 then offers its MIG devices).
+/// `helm uninstall` removes the release but the CRD (Helm never deletes crds/), the agents'
+/// sockets and slices go, and the documented command removes the node labels they wrote.
+#[test]
+fn helm_installs_upgrades_and_uninstalls_the_agents() {
+    let _one = lock();
+    let Some((lab, built)) = lab_with_image("1") else {
+        return;
+    };
+    let home = lab.work.join("helm-home");
+    let helm = |args: &[&str]| {
+        let mut cmd = lab.in_netns(lab.bin.join("helm"));
+        for (var, dir) in [
+            ("HELM_CACHE_HOME", "cache"),
+            ("HELM_CONFIG_HOME", "config"),
+            ("HELM_DATA_HOME", "data"),
+        ] {
+            cmd.env(var, home.join(dir));
+        }
+        let out = cmd
+            .args(args)
+            .arg("--kubeconfig")
+            .arg(lab.admin_kubeconfig())
+            .current_dir(cluster::repo())
+            .output()
+            .expect("run helm");
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "helm {args:?} failed:\n{said}");
+        said
+    };
+    lab.kubectl_ok(&["create", "namespace", AGENT_NS]);
+    let (secret, ca_pem) = webhook_secret("my-webhook-tls");
+    lab.apply(&secret);
+    let ca = lab.work.join("webhook-ca.pem");
+    std::fs::write(&ca, ca_pem).unwrap();
+    let (repo, tag) = built.reference.rsplit_once(':').unwrap();
+    let began = std::time::Instant::now();
+    let said = helm(&[
+        "install",
+        "gpuplane",
+        "deployments/helm/gpuplane",
+        "--namespace",
+        AGENT_NS,
+        "--take-ownership",
+        "--set",
+        &format!("image.repository={repo}"),
+        // A tag such as `1` is a string to the schema, not a number.
+        "--set-string",
+        &format!("image.tag={tag}"),
+        "--set",
+        "image.pullPolicy=Never",
+        "--set",
+        "simulate.fromNodeLabel=true",
+        "--set",
+        "webhookCertificate.existingSecret=my-webhook-tls",
+        "--set-file",
+        &format!("webhookCertificate.caBundle={}", ca.display()),
+    ]);
+    assert!(said.contains("STATUS: deployed"), "{said}");
+    assert!(!said.contains("Warning"), "helm install warned:\n{said}");
+    eventually("an agent pod Ready on each of the 3 nodes", || {
+        let pods = agent_pods(&lab);
+        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(())
+    });
+    eprintln!(
+        "helm install to 3 agents Ready: {:.1}s",
+        began.elapsed().as_secs_f64()
+    );
+    eventually("the controller's 2 replicas Ready", || {
+        let pods = controller_pods(&lab);
+        (pods.len() == 2 && pods.iter().all(|p| p.1)).then_some(())
+    });
+    gpu_pod(&lab, "dp-helm", "lab-node-3", false);
+    let (_, l4) = machine("pcie-l4x4");
+    assert!(pod_gpus(&lab, "dp-helm").is_subset(&l4));
+    let mig_resources = || {
+        let n = lab.get_json(&["get", "node", "lab-node-2"])?;
+        let keys: Vec<String> = n["status"]["allocatable"]
+            .as_object()?
+            .keys()
+            .filter(|k| k.starts_with("nvidia.com/mig-"))
+            .cloned()
+            .collect();
+        Some(keys)
+    };
+    assert_eq!(
+        mig_resources(),
+        Some(vec![]),
+        "strategy none offers no MIG resource"
+    );
+
+    helm(&[
+        "upgrade",
+        "gpuplane",
+        "deployments/helm/gpuplane",
+        "--namespace",
+        AGENT_NS,
+        "--reuse-values",
+        "--set",
+        "config.flags.migStrategy=mixed",
+    ]);
+    let offered = eventually(
+        "lab-node-2's agent to offer its MIG devices (strategy mixed)",
+        || mig_resources().filter(|k| !k.is_empty()),
+    );
+    assert!(
+        offered.iter().any(|k| k == "nvidia.com/mig-1g.5gb"),
+        "{offered:?}"
+    );
+
+    lab.kubectl_ok(&["delete", "pod", "dp-helm", "--wait=true", "--timeout=120s"]);
+    helm(&[
+        "uninstall",
+        "gpuplane",
+        "--namespace",
+        AGENT_NS,
+        "--wait",
+        "--timeout",
+        "180s",
+    ]);
+    assert!(lab
+        .get_json(&["get", "crd", "gpuquotas.quota.gpuplane.dev"])
+        .is_some());
+    assert!(lab
+        .get_json(&["get", "deviceclass", "gpu.gpuplane.dev"])
+        .is_none());
+    eventually("the agents' ResourceSlices gone", || {
+        slice_versions(&lab).is_empty().then_some(())
+    });
+    for node in lab.nodes() {
+        let left = files_with_prefix(&node.kubelet_root().join("device-plugins"), "gpuplane");
+        assert!(left.is_empty(), "{}: {left:?}", node.name);
+    }
+    // The agents labelled their nodes (GPU Feature Discovery's labels); the documented command
+    // removes them.
+    let labelled = lab.get_json(&["get", "node", NODE]).unwrap();
+    assert_eq!(labelled["metadata"]["labels"]["nvidia.com/gpu.count"], "8");
+    let removal = cluster::documented_label_removal();
+    let removal: Vec<&str> = removal.iter().map(String::as_str).collect();
+    lab.kubectl_ok(&removal);
+    let node = lab.get_json(&["get", "node", NODE]).unwrap();
+    assert!(
+        node["metadata"]["labels"]
+            .get("nvidia.com/gpu.count")
+            .is_none(),
+        "{}",
+        node["metadata"]["labels"]
+    );
 }

@@ -338,7 +338,9 @@ CONF
 
 start_kubelet() { # i
   local i="$1"
-  node_ns "$i" "$B/kubelet" --config="$(node_dir "$i")/kubelet.yaml" \
+  # nsenter itself, not the node_ns function: a function sent to the background is a subshell,
+  # and its pid is not the kubelet's (a restart must signal the kubelet). nsenter execs it.
+  nsenter --mount --target "${holder[$i]}" -- "$B/kubelet" --config="$(node_dir "$i")/kubelet.yaml" \
     --kubeconfig="$P/$(node_log "$i" kubelet).kubeconfig" --root-dir=/var/lib/kubelet \
     --hostname-override="$(node_name "$i")" --node-ip="$(node_ip "$i")" --v=2 \
     >>"$W/log/$(node_log "$i" kubelet).log" 2>&1 &

@@ -879,3 +879,19 @@ impl Drop for LabProcess {
         let _ = self.child.wait();
     }
 }
+
+/// The arguments of the `kubectl label nodes --all ...` command in docs/install.md (Helm,
+/// Uninstall; backslash-continued lines), without `kubectl`.
+pub fn documented_label_removal() -> Vec<String> {
+    let doc = std::fs::read_to_string(repo().join("docs/install.md")).unwrap();
+    let start = doc
+        .find("kubectl label nodes --all")
+        .expect("docs/install.md has no `kubectl label nodes --all ...` command");
+    let end = start + doc[start..].find("```").unwrap();
+    doc[start..end]
+        .split_whitespace()
+        .filter(|w| *w != "\\")
+        .skip(1)
+        .map(String::from)
+        .collect()
+}
