@@ -900,15 +900,12 @@ fn helm_installs_upgrades_and_uninstalls_the_agents() {
     );
 
     lab.kubectl_ok(&["delete", "pod", "dp-helm", "--wait=true", "--timeout=120s"]);
-    helm(&[
-        "uninstall",
-        "gpuplane",
-        "--namespace",
-        AGENT_NS,
-        "--wait",
-        "--timeout",
-        "180s",
-    ]);
+    // As docs/install.md says it (no --wait: the release's Secret lives in the namespace the
+    // release deletes, so Helm must drop it before the namespace is gone).
+    helm(&["uninstall", "gpuplane", "--namespace", AGENT_NS]);
+    eventually("the agent pods gone", || {
+        agent_pods(&lab).is_empty().then_some(())
+    });
     assert!(lab
         .get_json(&["get", "crd", "gpuquotas.quota.gpuplane.dev"])
         .is_some());
@@ -936,5 +933,71 @@ fn helm_installs_upgrades_and_uninstalls_the_agents() {
             .is_none(),
         "{}",
         node["metadata"]["labels"]
+    );
+}
+
+/// A failed start says what is wrong, where an operator looks: with a config the agent refuses
+/// (a field below its minimum), a new agent pod exits naming the file, the field and the fix,
+/// in `kubectl logs` (no terminal colour codes) and in the pod's status, which `kubectl
+/// describe` shows (terminationMessagePolicy: FallbackToLogsOnError).
+#[test]
+fn a_failed_start_names_what_to_fix_in_the_pods_log_and_status() {
+    let _one = lock();
+    let Some((lab, built)) = lab_with_image("1") else {
+        return;
+    };
+    apply_overlay(&lab, &built.reference);
+    let pods = eventually("an agent pod Ready on each of the 3 nodes", || {
+        let pods = agent_pods(&lab);
+        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(pods)
+    });
+    let bad = "version: v1\nallocation:\n  podResourcesGrace: 100ms\n";
+    let patch = serde_json::json!({"data": {"config.yaml": bad}}).to_string();
+    lab.kubectl_ok(&[
+        "patch",
+        "configmap",
+        "gpuplane-node-config",
+        "-n",
+        AGENT_NS,
+        "--type=merge",
+        "-p",
+        &patch,
+    ]);
+    let old = pods.iter().find(|p| p.0 == "lab-node-3").unwrap().1.clone();
+    lab.kubectl_ok(&["delete", "pod", &old, "-n", AGENT_NS, "--wait=false"]);
+    let (pod, message) = eventually("the new agent pod on lab-node-3 to fail its start", || {
+        let json = lab.get_json(&[
+            "get",
+            "pods",
+            "-n",
+            AGENT_NS,
+            "-l",
+            "app.kubernetes.io/name=gpuplane-node",
+        ])?;
+        json["items"].as_array()?.iter().find_map(|p| {
+            let name = p["metadata"]["name"].as_str()?;
+            (p["spec"]["nodeName"] == "lab-node-3" && name != old).then_some(())?;
+            let status = &p["status"]["containerStatuses"][0];
+            let msg = status["lastState"]["terminated"]["message"]
+                .as_str()
+                .or_else(|| status["state"]["terminated"]["message"].as_str())?;
+            Some((name.to_string(), msg.to_string()))
+        })
+    });
+    assert!(
+        message.contains("allocation.podResourcesGrace") && message.contains("use 1s"),
+        "the termination message does not say what to fix: {message}"
+    );
+    let describe = lab.kubectl_ok(&["describe", "pod", &pod, "-n", AGENT_NS]);
+    assert!(
+        describe.contains("allocation.podResourcesGrace"),
+        "{describe}"
+    );
+    let out = lab.kubectl(&["logs", &pod, "-n", AGENT_NS, "--previous"]);
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(log.contains("allocation.podResourcesGrace"), "{log}");
+    assert!(
+        !log.contains('\u{1b}'),
+        "colour codes in kubectl logs: {log:?}"
     );
 }
