@@ -83,36 +83,12 @@ fn webhook_secret(name: &str) -> (String, String) {
 /// changes, and nothing else).
 fn deploy_overlay(overlay: &Path, image_ref: &str) -> String {
     use base64::Engine;
-    let up = "../".repeat(overlay.components().count() - 1);
-    let base = format!(
-        "{up}{}",
-        cluster::repo()
-            .join("daemonset")
-            .display()
-            .to_string()
-            .trim_start_matches('/')
-    );
     let (secret, ca_pem) = webhook_secret("gpuplane-webhook-tls");
     std::fs::write(overlay.join("webhook-tls.json"), secret).unwrap();
     let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
-    let mut text = format!(
-        r#"apiVersion: kustomize.config.k8s.io/v1beta1
-kind: Kustomization
-resources:
-- {base}
-- webhook-tls.json
-patches:
-- patch: |-
-    $patch: delete
-    apiVersion: cert-manager.io/v1
-    kind: Issuer
-    metadata: {{name: gpuplane-selfsigned, namespace: {AGENT_NS}}}
-- patch: |-
-    $patch: delete
-    apiVersion: cert-manager.io/v1
-    kind: Certificate
-    metadata: {{name: gpuplane-webhook, namespace: {AGENT_NS}}}
-- target: {{kind: DaemonSet, name: gpuplane-node}}
+    let mut text = cluster::overlay_head(overlay, &["webhook-tls.json"]);
+    text += &format!(
+        r#"- target: {{kind: DaemonSet, name: gpuplane-node}}
   patch: |-
     - {{op: replace, path: /spec/template/spec/containers/0/image, value: "{image_ref}"}}
     - {{op: add, path: /spec/template/spec/containers/0/imagePullPolicy, value: Never}}
@@ -174,35 +150,59 @@ fn apply_overlay(lab: &ClusterLab, image_ref: &str) {
     assert!(!stderr.contains("Warning:"), "{stderr}");
 }
 
-/// The agent pods by node: node -> (pod name, ready).
-fn agent_pods(lab: &ClusterLab) -> Vec<(String, String, bool)> {
+/// A pod: (node, name, ready).
+type PodOnNode = (String, String, bool);
+
+/// The pods of app `app` (`app.kubernetes.io/name`) in gpuplane's namespace that are not being
+/// deleted: (node, pod name, ready).
+fn app_pods(lab: &ClusterLab, app: &str) -> Vec<PodOnNode> {
+    let selector = format!("app.kubernetes.io/name={app}");
     let pods = lab
-        .get_json(&[
-            "get",
-            "pods",
-            "-n",
-            AGENT_NS,
-            "-l",
-            "app.kubernetes.io/name=gpuplane-node",
-        ])
+        .get_json(&["get", "pods", "-n", AGENT_NS, "-l", &selector])
         .unwrap_or(Value::Null);
     pods["items"]
         .as_array()
         .into_iter()
         .flatten()
+        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
         .map(|p| {
             let ready = p["status"]["conditions"]
                 .as_array()
                 .into_iter()
                 .flatten()
                 .any(|c| c["type"] == "Ready" && c["status"] == "True");
+            let field = |v: &Value| v.as_str().unwrap_or("").to_string();
             (
-                p["spec"]["nodeName"].as_str().unwrap_or("").to_string(),
-                p["metadata"]["name"].as_str().unwrap_or("").to_string(),
+                field(&p["spec"]["nodeName"]),
+                field(&p["metadata"]["name"]),
                 ready,
             )
         })
         .collect()
+}
+
+/// The agent pods: (node, pod name, ready).
+fn agent_pods(lab: &ClusterLab) -> Vec<PodOnNode> {
+    app_pods(lab, "gpuplane-node")
+}
+
+/// Waits until an agent pod is Ready on each of the three nodes; those pods.
+fn agents_ready(lab: &ClusterLab) -> Vec<PodOnNode> {
+    eventually("an agent pod Ready on each of the 3 nodes", || {
+        let pods = agent_pods(lab);
+        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(pods)
+    })
+}
+
+/// The three-node lab with daemonset/ applied through the deployment overlay (image `1`) and
+/// every agent Ready: the lab, the image, the agent pods, and how long from apply to Ready.
+fn deployed() -> Option<(ClusterLab, image::TestImage, Vec<PodOnNode>, f64)> {
+    let (lab, built) = lab_with_image("1")?;
+    let began = std::time::Instant::now();
+    apply_overlay(&lab, &built.reference);
+    let pods = agents_ready(&lab);
+    let took = began.elapsed().as_secs_f64();
+    Some((lab, built, pods, took))
 }
 
 /// A bundled machine, from `gpuplane discover`: the UUIDs its DRA devices carry (the MIG
@@ -305,19 +305,10 @@ fn pod_gpus(lab: &ClusterLab, pod: &str) -> BTreeSet<String> {
 #[test]
 fn the_daemonset_serves_each_nodes_own_machine_from_its_pods() {
     let _one = lock();
-    let Some((lab, built)) = lab_with_image("1") else {
+    let Some((lab, _, pods, took)) = deployed() else {
         return;
     };
-    let began = std::time::Instant::now();
-    apply_overlay(&lab, &built.reference);
-    let pods = eventually("an agent pod Ready on each of the 3 nodes", || {
-        let pods = agent_pods(&lab);
-        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(pods)
-    });
-    eprintln!(
-        "apply -k to 3 agents Ready: {:.1}s",
-        began.elapsed().as_secs_f64()
-    );
+    eprintln!("apply -k to 3 agents Ready: {took:.1}s");
     let nodes: BTreeSet<&str> = pods.iter().map(|p| p.0.as_str()).collect();
     assert_eq!(nodes, MACHINES.iter().map(|m| m.0).collect());
     for (node, name) in MACHINES {
@@ -377,14 +368,9 @@ fn pod_token_kubeconfig(lab: &ClusterLab, pod: &str) -> std::path::PathBuf {
 #[test]
 fn an_agent_pods_token_writes_only_its_own_nodes_slices() {
     let _one = lock();
-    let Some((lab, built)) = lab_with_image("1") else {
+    let Some((lab, _, pods, _)) = deployed() else {
         return;
     };
-    apply_overlay(&lab, &built.reference);
-    let pods = eventually("an agent pod Ready on each of the 3 nodes", || {
-        let pods = agent_pods(&lab);
-        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(pods)
-    });
     for (node, _) in MACHINES {
         eventually(
             &format!("{node}'s slices, written by its agent pod"),
@@ -419,32 +405,9 @@ fn lease_holder(lab: &ClusterLab) -> Option<String> {
 
 /// The controller pods: (name, ready).
 fn controller_pods(lab: &ClusterLab) -> Vec<(String, bool)> {
-    let pods = lab
-        .get_json(&[
-            "get",
-            "pods",
-            "-n",
-            AGENT_NS,
-            "-l",
-            "app.kubernetes.io/name=gpuplane-controller",
-        ])
-        .unwrap_or(Value::Null);
-    pods["items"]
-        .as_array()
+    app_pods(lab, "gpuplane-controller")
         .into_iter()
-        .flatten()
-        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
-        .map(|p| {
-            let ready = p["status"]["conditions"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|c| c["type"] == "Ready" && c["status"] == "True");
-            (
-                p["metadata"]["name"].as_str().unwrap_or("").to_string(),
-                ready,
-            )
-        })
+        .map(|(_, name, ready)| (name, ready))
         .collect()
 }
 
@@ -468,10 +431,9 @@ fn create_gpu_pod(lab: &ClusterLab, ns: &str, name: &str, gpus: u32) -> Result<(
 #[test]
 fn the_controller_serves_through_its_service_and_its_lease_moves_when_the_leader_goes() {
     let _one = lock();
-    let Some((lab, built)) = lab_with_image("1") else {
+    let Some((lab, ..)) = deployed() else {
         return;
     };
-    apply_overlay(&lab, &built.reference);
     let pods = eventually("the controller's 2 replicas Ready", || {
         let pods = controller_pods(&lab);
         (pods.len() == 2 && pods.iter().all(|p| p.1)).then_some(pods)
@@ -570,25 +532,6 @@ fn rollout(lab: &ClusterLab) {
     );
 }
 
-/// name -> resourceVersion of every ResourceSlice of our driver.
-fn slice_versions(lab: &ClusterLab) -> std::collections::BTreeMap<String, String> {
-    lab.get_json(&["get", "resourceslices"])
-        .and_then(|l| l["items"].as_array().cloned())
-        .unwrap_or_default()
-        .iter()
-        .filter(|s| s["spec"]["driver"] == DRIVER)
-        .map(|s| {
-            (
-                s["metadata"]["name"].as_str().unwrap_or("").to_string(),
-                s["metadata"]["resourceVersion"]
-                    .as_str()
-                    .unwrap_or("")
-                    .to_string(),
-            )
-        })
-        .collect()
-}
-
 fn pod_phase(lab: &ClusterLab, ns: &str, pod: &str) -> Option<String> {
     lab.get_json(&["get", "pod", pod, "-n", ns])?["status"]["phase"]
         .as_str()
@@ -615,16 +558,11 @@ fn files_with_prefix(dir: &Path, prefix: &str) -> Vec<String> {
 #[test]
 fn a_rolling_update_and_a_deleted_agent_pod_keep_every_hold() {
     let _one = lock();
-    let Some((lab, first)) = lab_with_image("1") else {
+    let Some((lab, ..)) = deployed() else {
         return;
     };
     let second = image::build(&lab.work, "2", "2").unwrap();
     lab.import_image(&second.tar);
-    apply_overlay(&lab, &first.reference);
-    eventually("an agent pod Ready on each of the 3 nodes", || {
-        let pods = agent_pods(&lab);
-        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(())
-    });
     // One at a time: a device-plugin pod admitted while the scheduler allocates a claim may
     // take the claim's GPU before its slice says so (the ledger then refuses the prepare,
     // issue 22's race), which is not what this test is about.
@@ -649,7 +587,7 @@ fn a_rolling_update_and_a_deleted_agent_pod_keep_every_hold() {
         });
         tainted.then_some(())
     });
-    let versions = slice_versions(&lab);
+    let versions = cluster::slice_versions(&lab, "");
 
     let began = std::time::Instant::now();
     apply_overlay(&lab, &second.reference);
@@ -679,7 +617,7 @@ fn a_rolling_update_and_a_deleted_agent_pod_keep_every_hold() {
         );
     }
     assert_eq!(
-        slice_versions(&lab),
+        cluster::slice_versions(&lab, ""),
         versions,
         "the rollout rewrote ResourceSlices of an unchanged inventory"
     );
@@ -736,14 +674,9 @@ fn a_rolling_update_and_a_deleted_agent_pod_keep_every_hold() {
 #[test]
 fn uninstalling_leaves_no_socket_slice_or_claim_spec() {
     let _one = lock();
-    let Some((lab, built)) = lab_with_image("1") else {
+    let Some((lab, ..)) = deployed() else {
         return;
     };
-    apply_overlay(&lab, &built.reference);
-    eventually("an agent pod Ready on each of the 3 nodes", || {
-        let pods = agent_pods(&lab);
-        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(())
-    });
     gpu_pod(&lab, "claim-then-gone", "lab-node-2", true);
     pod_gpus(&lab, "claim-then-gone");
     lab.kubectl_ok(&[
@@ -763,7 +696,7 @@ fn uninstalling_leaves_no_socket_slice_or_claim_spec() {
         "--timeout=180s",
     ]);
     eventually("our ResourceSlices gone", || {
-        slice_versions(&lab).is_empty().then_some(())
+        cluster::slice_versions(&lab, "").is_empty().then_some(())
     });
     let gone = began.elapsed();
     eprintln!("uninstall to no ResourceSlice: {:.1}s", gone.as_secs_f64());
@@ -849,10 +782,7 @@ fn helm_installs_upgrades_and_uninstalls_the_agents() {
     ]);
     assert!(said.contains("STATUS: deployed"), "{said}");
     assert!(!said.contains("Warning"), "helm install warned:\n{said}");
-    eventually("an agent pod Ready on each of the 3 nodes", || {
-        let pods = agent_pods(&lab);
-        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(())
-    });
+    agents_ready(&lab);
     eprintln!(
         "helm install to 3 agents Ready: {:.1}s",
         began.elapsed().as_secs_f64()
@@ -913,7 +843,7 @@ fn helm_installs_upgrades_and_uninstalls_the_agents() {
         .get_json(&["get", "deviceclass", "gpu.gpuplane.dev"])
         .is_none());
     eventually("the agents' ResourceSlices gone", || {
-        slice_versions(&lab).is_empty().then_some(())
+        cluster::slice_versions(&lab, "").is_empty().then_some(())
     });
     for node in lab.nodes() {
         let left = files_with_prefix(&node.kubelet_root().join("device-plugins"), "gpuplane");
@@ -943,14 +873,9 @@ fn helm_installs_upgrades_and_uninstalls_the_agents() {
 #[test]
 fn a_failed_start_names_what_to_fix_in_the_pods_log_and_status() {
     let _one = lock();
-    let Some((lab, built)) = lab_with_image("1") else {
+    let Some((lab, _, pods, _)) = deployed() else {
         return;
     };
-    apply_overlay(&lab, &built.reference);
-    let pods = eventually("an agent pod Ready on each of the 3 nodes", || {
-        let pods = agent_pods(&lab);
-        (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(pods)
-    });
     let bad = "version: v1\nallocation:\n  podResourcesGrace: 100ms\n";
     let patch = serde_json::json!({"data": {"config.yaml": bad}}).to_string();
     lab.kubectl_ok(&[

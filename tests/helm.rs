@@ -38,7 +38,7 @@ struct Tools {
 
 /// The tools, or `None` after printing why the test skips (a panic under `CI`).
 fn tools() -> Option<Tools> {
-    match tool_dir() {
+    match cluster::cluster_bin_with(&["helm", "kubectl"]) {
         Ok(dir) => Some(Tools {
             helm: dir.join("helm"),
             kubectl: dir.join("kubectl"),
@@ -51,39 +51,6 @@ fn tools() -> Option<Tools> {
             eprintln!("SKIPPED: helm test: {why}");
             None
         }
-    }
-}
-
-/// The directory holding helm and kubectl: `GPUPLANE_CLUSTER_BIN`, else what `build.sh --check`
-/// reports for the two components (it builds nothing).
-fn tool_dir() -> Result<PathBuf, String> {
-    let has_both = |d: &Path| d.join("helm").exists() && d.join("kubectl").exists();
-    if let Some(dir) = std::env::var_os("GPUPLANE_CLUSTER_BIN") {
-        let dir = PathBuf::from(dir);
-        return if has_both(&dir) {
-            Ok(dir)
-        } else {
-            Err(format!(
-                "GPUPLANE_CLUSTER_BIN={} has no helm or no kubectl (run ./hack/cluster/build.sh)",
-                dir.display()
-            ))
-        };
-    }
-    let out = Command::new(cluster::repo().join("hack/cluster/build.sh"))
-        .args(["--check", "kubernetes", "helm"])
-        .stderr(Stdio::piped())
-        .output()
-        .map_err(|e| format!("running hack/cluster/build.sh --check: {e}"))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    match stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("GPUPLANE_CLUSTER_BIN="))
-    {
-        Some(dir) if out.status.success() && has_both(Path::new(dir)) => Ok(PathBuf::from(dir)),
-        _ => Err(format!(
-            "helm and kubectl are not built (run ./hack/cluster/build.sh kubernetes helm): {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )),
     }
 }
 

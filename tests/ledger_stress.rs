@@ -10,37 +10,8 @@ mod lab;
 use gpuplane_shell::dra::ClaimRef;
 use gpuplane_shell::inventory::Inventory;
 use gpuplane_shell::source::DeviceSource;
-use lab::{Lab, WAIT};
-use std::collections::{BTreeMap, BTreeSet};
-
-/// A tiny deterministic PRNG (xorshift64*), so a failing seed can be replayed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
-/// Units that overlap `unit`: itself and its MIG parent or children.
-fn overlapping(inv: &Inventory, unit: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::from([unit.to_string()]);
-    for g in &inv.gpus {
-        let migs: Vec<&str> = g.mig_devices.iter().map(|m| m.uuid.as_str()).collect();
-        if g.uuid == unit {
-            out.extend(migs.iter().map(|m| m.to_string()));
-        } else if migs.contains(&unit) {
-            out.insert(g.uuid.to_string());
-        }
-    }
-    out
-}
+use lab::{overlapping, Lab, Rng, WAIT};
+use std::collections::BTreeMap;
 
 /// Everything handed out right now, by consumer: pods through the device plugin (by the
 /// kubelet double's record) and prepared claims (by our record of successful prepares).

@@ -14,7 +14,7 @@ use cluster::{
     eventually, eventually_or, ClusterLab, LabAgent, LabProcess, AGENT_USER, DRIVER, NODE,
 };
 use serde_json::Value;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
@@ -729,28 +729,19 @@ fn unschedulable_reason(lab: &ClusterLab, name: &str) -> Option<String> {
         .and_then(|c| c["message"].as_str().map(String::from))
 }
 
-/// One inventory through the real scheduler and kubelet: GPUs prepared for a claim leave the
-/// device plugin's allocatable, GPUs a device-plugin pod holds are tainted in the slice so the
-/// scheduler allocates no claim on them, the two sets never meet, and a claim that nothing can
-/// satisfy (all held, or a selector that matches no device) stays Pending with the scheduler's
-/// reason.
-#[test]
-fn one_inventory_across_both_apis_and_unsatisfiable_claims_stay_pending() {
-    let _one = lock();
-    let Some((lab, _kc, _agent)) = lab_with_agent() else {
-        return;
-    };
-    claim_pod(&lab, "claims-three", 3, "true");
-    wait_phase(&lab, "claims-three", &["Running"]);
-    let dra_log = env_log(&lab, "claims-three");
+/// A claim pod holding 3 GPUs, then a device-plugin pod (`dp-five`) taking the other five:
+/// the device plugin withdraws the prepared three, the two sets are disjoint and together all
+/// eight, and the slices taint the five in use. The (claim, device plugin) UUIDs.
+fn every_gpu_held_by_both_apis(lab: &ClusterLab) -> (BTreeSet<String>, BTreeSet<String>) {
+    claim_pod(lab, "claims-three", 3, "true");
+    wait_phase(lab, "claims-three", &["Running"]);
+    let dra_log = env_log(lab, "claims-three");
     let by_claim = logged_uuids(&dra_log);
     assert_eq!(by_claim.len(), 3, "{dra_log}");
     eventually(
         "the device plugin to withdraw the 3 prepared GPUs (allocatable 5)",
-        || (allocatable_gpus(&lab).as_deref() == Some("5")).then_some(()),
+        || (allocatable_gpus(lab).as_deref() == Some("5")).then_some(()),
     );
-
-    // A device-plugin pod takes the other five.
     lab.apply(
         r#"apiVersion: v1
 kind: Pod
@@ -767,8 +758,8 @@ spec:
       limits: {nvidia.com/gpu: 5}
 "#,
     );
-    wait_phase(&lab, "dp-five", &["Running"]);
-    let dp_log = env_log(&lab, "dp-five");
+    wait_phase(lab, "dp-five", &["Running"]);
+    let dp_log = env_log(lab, "dp-five");
     let by_plugin: BTreeSet<String> = env_value(&dp_log, "NVIDIA_VISIBLE_DEVICES")
         .unwrap_or_default()
         .split(',')
@@ -784,19 +775,23 @@ spec:
     assert_eq!(all, profile_uuids());
     eventually(
         "the slices to taint the five device-plugin GPUs in use",
-        || {
-            let tainted: BTreeSet<String> = slice_devices(&lab)
-                .iter()
-                .filter(|(_, d)| {
-                    d["taints"]
-                        .as_array()
-                        .is_some_and(|t| t.iter().any(|t| t["value"] == "in-use"))
-                })
-                .filter_map(|(_, d)| attr_string(d, "uuid"))
-                .collect();
-            (tainted == by_plugin).then_some(())
-        },
+        || (tainted_in_use(lab) == by_plugin).then_some(()),
     );
+    (by_claim, by_plugin)
+}
+
+/// One inventory through the real scheduler and kubelet: GPUs prepared for a claim leave the
+/// device plugin's allocatable, GPUs a device-plugin pod holds are tainted in the slice so the
+/// scheduler allocates no claim on them, the two sets never meet, and a claim that nothing can
+/// satisfy (all held, or a selector that matches no device) stays Pending with the scheduler's
+/// reason.
+#[test]
+fn one_inventory_across_both_apis_and_unsatisfiable_claims_stay_pending() {
+    let _one = lock();
+    let Some((lab, _kc, _agent)) = lab_with_agent() else {
+        return;
+    };
+    every_gpu_held_by_both_apis(&lab);
 
     // Nothing is left: a further claim is not allocated, and the scheduler says why.
     claim_pod(&lab, "claims-one-more", 1, "true");
@@ -1001,22 +996,6 @@ spec:
     wait_phase(&lab, "wants-gpu-5", &["Running"]);
 }
 
-/// Device name -> resourceVersion of lab-node's slices.
-fn slice_versions(lab: &ClusterLab) -> BTreeMap<String, String> {
-    our_slices(lab)
-        .iter()
-        .map(|s| {
-            (
-                s["metadata"]["name"].as_str().unwrap_or("").to_string(),
-                s["metadata"]["resourceVersion"]
-                    .as_str()
-                    .unwrap_or("")
-                    .to_string(),
-            )
-        })
-        .collect()
-}
-
 /// UUIDs of the GPUs lab-node's slices carry the device plugin's in-use taint on.
 fn tainted_in_use(lab: &ClusterLab) -> BTreeSet<String> {
     slice_devices(lab)
@@ -1049,47 +1028,13 @@ fn a_killed_agent_restarts_without_a_write_and_a_waiting_claim_gets_no_held_gpu(
     let Some((lab, kubeconfig, agent)) = lab_with_agent() else {
         return;
     };
-    claim_pod(&lab, "claims-three", 3, "true");
-    wait_phase(&lab, "claims-three", &["Running"]);
-    let by_claim = logged_uuids(&env_log(&lab, "claims-three"));
-    eventually(
-        "the device plugin to withdraw the 3 prepared GPUs (allocatable 5)",
-        || (allocatable_gpus(&lab).as_deref() == Some("5")).then_some(()),
-    );
-    lab.apply(
-        r#"apiVersion: v1
-kind: Pod
-metadata: {name: dp-five, namespace: default}
-spec:
-  restartPolicy: Never
-  terminationGracePeriodSeconds: 1
-  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: ["sh", "-c", "env; sleep 3600"]
-    resources:
-      limits: {nvidia.com/gpu: 5}
-"#,
-    );
-    wait_phase(&lab, "dp-five", &["Running"]);
-    let by_plugin: BTreeSet<String> =
-        env_value(&env_log(&lab, "dp-five"), "NVIDIA_VISIBLE_DEVICES")
-            .unwrap_or_default()
-            .split(',')
-            .map(String::from)
-            .collect();
-    assert_eq!(by_plugin.len(), 5);
-    assert!(by_plugin.is_disjoint(&by_claim));
-    eventually("the slices to taint the five device-plugin GPUs", || {
-        (tainted_in_use(&lab) == by_plugin).then_some(())
-    });
+    let (_, by_plugin) = every_gpu_held_by_both_apis(&lab);
     claim_pod(&lab, "claims-waiting", 1, "true");
     eventually("the scheduler's reason for claims-waiting", || {
         unschedulable_reason(&lab, "claims-waiting")
     });
 
-    let versions = slice_versions(&lab);
+    let versions = cluster::slice_versions(&lab, NODE);
     let writes = lab.audited_writes(AGENT_USER);
     assert!(
         writes.iter().any(|w| w.contains("resourceslices")),
@@ -1121,7 +1066,7 @@ spec:
         agent.log_text()
     );
     assert_eq!(
-        slice_versions(&lab),
+        cluster::slice_versions(&lab, NODE),
         versions,
         "the restart rewrote lab-node's ResourceSlices"
     );

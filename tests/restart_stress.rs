@@ -24,7 +24,7 @@ use gpuplane_shell::source::DeviceSource;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
-use lab::Lab;
+use lab::{overlapping, Lab, Rng};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -39,21 +39,6 @@ const IN_USE: &str = "gpu.gpuplane.dev/device-plugin=in-use";
 const WAIT: Duration = Duration::from_secs(30);
 const ROUNDS: usize = 24;
 
-/// xorshift64*, so a failing seed can be replayed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 /// The machine: DRA device name <-> unit UUID, and which units overlap.
 struct Machine {
     inv: Inventory,
@@ -61,18 +46,8 @@ struct Machine {
 }
 
 impl Machine {
-    /// Units that overlap `unit`: itself and its MIG parent or children.
     fn overlapping(&self, unit: &str) -> BTreeSet<String> {
-        let mut out = BTreeSet::from([unit.to_string()]);
-        for g in &self.inv.gpus {
-            let migs: Vec<&str> = g.mig_devices.iter().map(|m| m.uuid.as_str()).collect();
-            if g.uuid == unit {
-                out.extend(migs.iter().map(|m| m.to_string()));
-            } else if migs.contains(&unit) {
-                out.insert(g.uuid.to_string());
-            }
-        }
-        out
+        overlapping(&self.inv, unit)
     }
 
     /// DRA device names that must carry the in-use taint while `units` are held by pods.

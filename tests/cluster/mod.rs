@@ -50,14 +50,28 @@ fn skip(why: &str) -> Option<ClusterLab> {
 /// The directory of the cluster binaries: `GPUPLANE_CLUSTER_BIN`, else what
 /// `hack/cluster/build.sh --check` reports (it builds nothing).
 fn cluster_bin() -> Result<PathBuf, String> {
+    cluster_bin_with(&["kubelet"])
+}
+
+/// [`cluster_bin`], which must hold each of `needed` (e.g. helm and kubectl).
+pub fn cluster_bin_with(needed: &[&str]) -> Result<PathBuf, String> {
+    let missing = |d: &Path| -> Vec<String> {
+        needed
+            .iter()
+            .filter(|b| !d.join(b).exists())
+            .map(|b| b.to_string())
+            .collect()
+    };
     if let Some(dir) = std::env::var_os("GPUPLANE_CLUSTER_BIN") {
         let dir = PathBuf::from(dir);
-        return if dir.join("kubelet").exists() {
+        let lacks = missing(&dir);
+        return if lacks.is_empty() {
             Ok(dir)
         } else {
             Err(format!(
-                "GPUPLANE_CLUSTER_BIN={} has no kubelet",
-                dir.display()
+                "GPUPLANE_CLUSTER_BIN={} has no {} (run ./hack/cluster/build.sh)",
+                dir.display(),
+                lacks.join(", ")
             ))
         };
     }
@@ -71,9 +85,11 @@ fn cluster_bin() -> Result<PathBuf, String> {
         .lines()
         .find_map(|l| l.strip_prefix("GPUPLANE_CLUSTER_BIN="))
     {
-        Some(dir) if out.status.success() => Ok(PathBuf::from(dir)),
+        Some(dir) if out.status.success() && missing(Path::new(dir)).is_empty() => {
+            Ok(PathBuf::from(dir))
+        }
         _ => Err(format!(
-            "the cluster binaries are not built (run ./hack/cluster/build.sh, about 22 min \
+            "the cluster binaries are not built (run ./hack/cluster/build.sh, about 26 min \
              cold): {}",
             String::from_utf8_lossy(&out.stderr).trim()
         )),
@@ -594,16 +610,10 @@ pub struct Installed {
     pub webhook_key: PathBuf,
 }
 
-/// The kustomization the lab applies over daemonset/ (at `overlay`; kustomize takes only a
-/// relative path to a base). The patches are the loopback ones and nothing else:
-/// - cert-manager is not installed: the test is the CA (`ca_pem`), so its Issuer and
-///   Certificate go;
-/// - the agent and the controller run as host processes in the lab's network namespace (the
-///   lab has no image registry): the Deployment keeps 0 replicas and the DaemonSet selects no
-///   node, while the API server still validates both;
-/// - the webhooks are called by URL on 127.0.0.1 (the controller shares the API server's
-///   network namespace) with `ca_pem` as caBundle, or left out when `ca_pem` is `None`.
-pub fn lab_overlay(overlay: &Path, ca_pem: Option<&str>) -> String {
+/// The start of a kustomization at `overlay` over daemonset/ (kustomize takes only a relative
+/// path to a base) with `resources` of its own, and the patches every lab needs: cert-manager
+/// is not installed, so its Issuer and Certificate go. Patches follow.
+pub fn overlay_head(overlay: &Path, resources: &[&str]) -> String {
     let up = "../".repeat(overlay.components().count() - 1);
     let base = format!(
         "{up}{}",
@@ -613,12 +623,13 @@ pub fn lab_overlay(overlay: &Path, ca_pem: Option<&str>) -> String {
             .to_string()
             .trim_start_matches('/')
     );
-    let mut text = format!(
+    let own: String = resources.iter().map(|r| format!("- {r}\n")).collect();
+    format!(
         r#"apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
 - {base}
-patches:
+{own}patches:
 - patch: |-
     $patch: delete
     apiVersion: cert-manager.io/v1
@@ -629,14 +640,28 @@ patches:
     apiVersion: cert-manager.io/v1
     kind: Certificate
     metadata: {{name: gpuplane-webhook, namespace: {AGENT_NS}}}
-- target: {{kind: Deployment, name: gpuplane-controller}}
-  patch: |-
-    - {{op: replace, path: /spec/replicas, value: 0}}
-- target: {{kind: DaemonSet, name: gpuplane-node}}
-  patch: |-
-    - {{op: replace, path: /spec/template/spec/nodeSelector, value: {{gpuplane.dev/lab: host-process}}}}
 "#
-    );
+    )
+}
+
+/// The kustomization the lab applies over daemonset/ (at `overlay`; kustomize takes only a
+/// relative path to a base). The patches are the loopback ones and nothing else:
+/// - cert-manager is not installed: the test is the CA (`ca_pem`), so its Issuer and
+///   Certificate go;
+/// - the agent and the controller run as host processes in the lab's network namespace (the
+///   lab has no image registry): the Deployment keeps 0 replicas and the DaemonSet selects no
+///   node, while the API server still validates both;
+/// - the webhooks are called by URL on 127.0.0.1 (the controller shares the API server's
+///   network namespace) with `ca_pem` as caBundle, or left out when `ca_pem` is `None`.
+pub fn lab_overlay(overlay: &Path, ca_pem: Option<&str>) -> String {
+    let mut text = overlay_head(overlay, &[]);
+    text += r#"- target: {kind: Deployment, name: gpuplane-controller}
+  patch: |-
+    - {op: replace, path: /spec/replicas, value: 0}
+- target: {kind: DaemonSet, name: gpuplane-node}
+  patch: |-
+    - {op: replace, path: /spec/template/spec/nodeSelector, value: {gpuplane.dev/lab: host-process}}
+"#;
     match ca_pem {
         Some(pem) => {
             use base64::Engine;
@@ -893,5 +918,22 @@ pub fn documented_label_removal() -> Vec<String> {
         .filter(|w| *w != "\\")
         .skip(1)
         .map(String::from)
+        .collect()
+}
+
+/// name -> resourceVersion of the ResourceSlices of our driver (of node `node` only, unless
+/// it is empty).
+pub fn slice_versions(lab: &ClusterLab, node: &str) -> std::collections::BTreeMap<String, String> {
+    lab.get_json(&["get", "resourceslices"])
+        .and_then(|l| l["items"].as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .filter(|s| {
+            s["spec"]["driver"] == DRIVER && (node.is_empty() || s["spec"]["nodeName"] == node)
+        })
+        .map(|s| {
+            let field = |k: &str| s["metadata"][k].as_str().unwrap_or("").to_string();
+            (field("name"), field("resourceVersion"))
+        })
         .collect()
 }

@@ -5,10 +5,12 @@
 #![allow(dead_code)]
 
 use gpuplane_shell::dra::ClaimRef;
+use gpuplane_shell::inventory::Inventory;
 use gpuplane_shell::source::SimSource;
 use gpuplane_testkit::doubles::kubelet_dra::KubeletDraOptions;
 use gpuplane_testkit::doubles::lab::{NodeLab, RunningAgent};
 use serde_json::Value;
+use std::collections::BTreeSet;
 use std::ops::Deref;
 use std::time::Duration;
 
@@ -115,4 +117,33 @@ impl Lab {
     pub async fn unprepare(&self, c: &ClaimRef) {
         self.node.unprepare(c).await.unwrap();
     }
+}
+
+/// A tiny deterministic PRNG (xorshift64*), so a failing seed can be replayed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// Units that overlap `unit`: itself and its MIG parent or children.
+pub fn overlapping(inv: &Inventory, unit: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::from([unit.to_string()]);
+    for g in &inv.gpus {
+        let migs: Vec<&str> = g.mig_devices.iter().map(|m| m.uuid.as_str()).collect();
+        if g.uuid == unit {
+            out.extend(migs.iter().map(|m| m.to_string()));
+        } else if migs.contains(&unit) {
+            out.insert(g.uuid.to_string());
+        }
+    }
+    out
 }
