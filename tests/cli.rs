@@ -208,7 +208,14 @@ async fn the_node_agent_serves_metrics_healthz_and_readyz_with_real_meaning() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let (code, body) = get("/readyz").await;
+    // /healthz answers from the start; discovery (off the runtime) may still be under way.
+    let (code, body) = loop {
+        let (code, body) = get("/readyz").await;
+        if !body.contains("devices not discovered yet") || std::time::Instant::now() > deadline {
+            break (code, body);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(code, 503, "not ready without a kubelet: {body}");
     assert!(body.contains("not every resource is registered"), "{body}");
     let mut kubelet = KubeletDouble::start(&root).await.unwrap();
