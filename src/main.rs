@@ -1,6 +1,8 @@
 //! The `gpuplane` command line: parses arguments, picks a device source, runs a face.
 
 #![forbid(unsafe_code)]
+// No panics on what a user, peer or file can influence: a check, not a habit.
+#![deny(clippy::unwrap_used, clippy::expect_used)]
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};

@@ -141,6 +141,37 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// The product crates deny `unwrap` and `expect` (their unit tests exempt), and nothing in
+/// them allows either back.
+#[test]
+fn the_product_crates_deny_unwrap_and_expect() {
+    let deny = "deny(clippy::unwrap_used, clippy::expect_used)";
+    for lib in [
+        "crates/model/src/lib.rs",
+        "crates/shell/src/lib.rs",
+        "src/main.rs",
+    ] {
+        assert!(read(lib).contains(deny), "{lib} does not {deny}");
+    }
+    let mut stack: Vec<std::path::PathBuf> = ["crates/model/src", "crates/shell/src", "src"]
+        .iter()
+        .map(|d| Path::new(env!("CARGO_MANIFEST_DIR")).join(d))
+        .collect();
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("src is readable") {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).expect("a source file");
+                for lint in ["allow(clippy::unwrap_used", "allow(clippy::expect_used"] {
+                    assert!(!text.contains(lint), "{} has {lint}", path.display());
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn unsafe_code_is_refused_outside_the_nvml_edge() {
     assert!(read("crates/model/src/lib.rs").contains("#![forbid(unsafe_code)]"));

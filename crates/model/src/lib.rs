@@ -6,6 +6,8 @@
 //! only file I/O is reading simulation profiles and the agent config a caller names.
 
 #![forbid(unsafe_code)]
+// No panics on what a user, peer or file can influence: a check, not a habit (unit tests exempt).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 #[macro_use]
 mod newtype;

@@ -6,6 +6,8 @@
 // Unsafe code is refused everywhere but at the NVML edge (`nvml/raw.rs`); the model crate
 // forbids it outright.
 #![deny(unsafe_code)]
+// No panics on what a user, peer or file can influence: a check, not a habit (unit tests exempt).
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod cdi;
 pub mod controller;
