@@ -11,6 +11,8 @@ use gpuplane_shell::source::DeviceEvent;
 use gpuplane_testkit::doubles::apiserver::{ApiServerDouble, Fault};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::{json, Value};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 const DRIVER: &str = "gpu.gpuplane.dev";
@@ -479,4 +481,99 @@ async fn the_loop_follows_desired_changes_and_repairs_deletions() {
         .unwrap()
         .unwrap();
     assert_eq!(publisher.node(), NODE);
+}
+
+/// Every attribute and capacity name the docs give is one our slices publish (as a selector
+/// must name it: `gpu.gpuplane.dev/<name>` for the driver's own, `resource.kubernetes.io/<name>`
+/// for Kubernetes' standard ones): the list opening docs/dra.md, and every
+/// `device.attributes['gpu.gpuplane.dev'].x`, `device.capacity['gpu.gpuplane.dev'].x` and
+/// `resource.kubernetes.io/x` in docs/ and the README. Rendered for every bundled machine.
+#[test]
+fn every_attribute_the_docs_name_is_published() {
+    let qualify = |k: &str| {
+        if k.contains('/') {
+            k.to_string()
+        } else {
+            format!("{DRIVER}/{k}")
+        }
+    };
+    let (mut attributes, mut capacities) = (BTreeSet::new(), BTreeSet::new());
+    for machine in gpuplane_shell::sim::bundled_names() {
+        let inv = gpuplane_shell::sim::load(machine).unwrap();
+        let mut health = HealthBook::default();
+        health.set_inventory(&inv);
+        for s in render::render(&inv, &health, DRIVER, NODE) {
+            for d in s.spec.devices.iter().flatten() {
+                attributes.extend(d.attributes.iter().flatten().map(|(k, _)| qualify(k)));
+                capacities.extend(d.capacity.iter().flatten().map(|(k, _)| qualify(k)));
+            }
+        }
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.push(root.join("README.md"));
+    let mut named: Vec<(String, &BTreeSet<String>, String)> = Vec::new();
+    for doc in &docs {
+        let text = std::fs::read_to_string(doc).unwrap();
+        let file = doc.file_name().unwrap().to_string_lossy().to_string();
+        for (prefix, set) in [
+            (format!("device.attributes['{DRIVER}']."), &attributes),
+            (format!("device.capacity['{DRIVER}']."), &capacities),
+        ] {
+            for (at, _) in text.match_indices(&prefix) {
+                let name: String = text[at + prefix.len()..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric())
+                    .collect();
+                named.push((qualify(&name), set, file.clone()));
+            }
+        }
+        const STANDARD: &str = "resource.kubernetes.io/";
+        for (at, _) in text.match_indices(STANDARD) {
+            let rest = &text[at + STANDARD.len()..];
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric())
+                .collect();
+            // `resource.kubernetes.io/pod-claim-name` and the like are annotations and
+            // labels, not attributes (attribute names have no '-').
+            if rest[name.len()..].starts_with('-') {
+                continue;
+            }
+            named.push((format!("{STANDARD}{name}"), &attributes, file.clone()));
+        }
+    }
+    // The attribute list opening docs/dra.md (to its sentence's end): every backticked name.
+    let dra = std::fs::read_to_string(root.join("docs/dra.md")).unwrap();
+    let list = dra
+        .split_once("attribute names (")
+        .and_then(|(_, rest)| rest.split_once("`."))
+        .map(|(list, _)| format!("{list}`"))
+        .expect("docs/dra.md lists the attribute names");
+    for (i, token) in list.split('`').enumerate() {
+        if i % 2 == 1 && token != "..." {
+            named.push((
+                qualify(token),
+                &attributes,
+                "dra.md (attribute list)".into(),
+            ));
+        }
+    }
+    assert!(
+        named.len() > 10,
+        "the docs' attribute names were not found: {named:?}"
+    );
+    let unknown: Vec<String> = named
+        .iter()
+        .filter(|(name, set, _)| !set.contains(name))
+        .map(|(name, _, file)| format!("{file}: {name}"))
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "named in the docs but never published: {unknown:?} (published attributes: {attributes:?}, capacities: {capacities:?})"
+    );
 }
