@@ -202,6 +202,8 @@ fn deployed() -> Option<(ClusterLab, image::TestImage, Vec<PodOnNode>, f64)> {
     apply_overlay(&lab, &built.reference);
     let pods = agents_ready(&lab);
     let took = began.elapsed().as_secs_f64();
+    // GPU pods need the quota webhook (it fails closed for them): both replicas serving.
+    controllers_ready(&lab);
     Some((lab, built, pods, took))
 }
 
@@ -403,6 +405,14 @@ fn lease_holder(lab: &ClusterLab) -> Option<String> {
     lease["spec"]["holderIdentity"].as_str().map(String::from)
 }
 
+/// Waits until the controller's 2 replicas are Ready; those pods.
+fn controllers_ready(lab: &ClusterLab) -> Vec<(String, bool)> {
+    eventually("the controller's 2 replicas Ready", || {
+        let pods = controller_pods(lab);
+        (pods.len() == 2 && pods.iter().all(|p| p.1)).then_some(pods)
+    })
+}
+
 /// The controller pods: (name, ready).
 fn controller_pods(lab: &ClusterLab) -> Vec<(String, bool)> {
     app_pods(lab, "gpuplane-controller")
@@ -434,10 +444,7 @@ fn the_controller_serves_through_its_service_and_its_lease_moves_when_the_leader
     let Some((lab, ..)) = deployed() else {
         return;
     };
-    let pods = eventually("the controller's 2 replicas Ready", || {
-        let pods = controller_pods(&lab);
-        (pods.len() == 2 && pods.iter().all(|p| p.1)).then_some(pods)
-    });
+    let pods = controllers_ready(&lab);
     let leader = eventually("a Lease holder among the replicas", || {
         let h = lease_holder(&lab)?;
         pods.iter()
@@ -787,10 +794,7 @@ fn helm_installs_upgrades_and_uninstalls_the_agents() {
         "helm install to 3 agents Ready: {:.1}s",
         began.elapsed().as_secs_f64()
     );
-    eventually("the controller's 2 replicas Ready", || {
-        let pods = controller_pods(&lab);
-        (pods.len() == 2 && pods.iter().all(|p| p.1)).then_some(())
-    });
+    controllers_ready(&lab);
     gpu_pod(&lab, "dp-helm", "lab-node-3", false);
     let (_, l4) = machine("pcie-l4x4");
     assert!(pod_gpus(&lab, "dp-helm").is_subset(&l4));
