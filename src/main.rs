@@ -356,6 +356,8 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
     runtime.block_on(async {
         let api_configured =
             args.kubeconfig.is_some() || gpuplane_shell::kubeclient::available_without_flags();
+        // Made here when the label must be read, and then used for everything below too.
+        let mut early_client = None;
         if args.simulate_from_node_label {
             let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref())
                 .await
@@ -367,6 +369,7 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
                 args.source.simulate = Some(profile);
                 args.source.nvml_lib = None;
             }
+            early_client = Some(client);
         }
         let (source, label) = args.source.open_for_agent()?;
         tracing::info!(node = %args.node_name, source = %label, mode = ?args.source.mode(), version = env!("CARGO_PKG_VERSION"), build = %build_stamp(), "gpuplane node starting");
@@ -374,7 +377,9 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
             device_plugin: args.device_plugin,
             dra: args.dra.unwrap_or(api_configured),
         };
-        let client = if flags.dra || api_configured {
+        let client = if let Some(client) = early_client {
+            Some(client)
+        } else if flags.dra || api_configured {
             Some(
                 gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref())
                     .await

@@ -153,21 +153,17 @@ fn the_product_crates_deny_unwrap_and_expect() {
     ] {
         assert!(read(lib).contains(deny), "{lib} does not {deny}");
     }
-    let mut stack: Vec<std::path::PathBuf> = ["crates/model/src", "crates/shell/src", "src"]
-        .iter()
-        .map(|d| Path::new(env!("CARGO_MANIFEST_DIR")).join(d))
-        .collect();
-    while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).expect("src is readable") {
-            let path = entry.expect("a directory entry").path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                let text = std::fs::read_to_string(&path).expect("a source file");
-                for lint in ["allow(clippy::unwrap_used", "allow(clippy::expect_used"] {
-                    assert!(!text.contains(lint), "{} has {lint}", path.display());
-                }
-            }
+    let product = ["crates/model/src", "crates/shell/src"]
+        .into_iter()
+        .flat_map(|dir| {
+            sources(dir)
+                .into_iter()
+                .map(move |(rel, text)| (format!("{dir}/{rel}"), text))
+        })
+        .chain([("src/main.rs".to_string(), read("src/main.rs"))]);
+    for (file, text) in product {
+        for lint in ["allow(clippy::unwrap_used", "allow(clippy::expect_used"] {
+            assert!(!text.contains(lint), "{file} has {lint}");
         }
     }
 }
