@@ -1910,16 +1910,30 @@ async fn metrics_count_admissions_denials_queue_and_usage_per_gpuquota() {
     let wanted = [
         ("gpuplane_quota_queue_length{namespace=\"team-q\",quota=\"queue\"}", 2.0),
         ("gpuplane_quota_released_total{namespace=\"team-q\",quota=\"queue\"}", 1.0),
-        ("gpuplane_quota_reserved{namespace=\"team-q\",quota=\"queue\",resource=\"gpus\"}", 1.0),
         ("gpuplane_quota_reserved{namespace=\"team-a\",quota=\"gold\",resource=\"devices[nvidia.com/gpu]\"}", 2.0),
     ];
-    // One queued pod released, two waiting, the reservations seen by the cache.
+    // One queued pod released, two waiting, the reservations seen by the cache. The released
+    // pod is charged once: reserved until the controller's cache counts it in `used` (when
+    // that happens is the cache's timing, so either state passes, never both or neither).
+    let team_q = |m: &str, what: &str| {
+        sample(
+            m,
+            &format!(
+                "gpuplane_quota_{what}{{namespace=\"team-q\",quota=\"queue\",resource=\"gpus\"}}"
+            ),
+        )
+    };
     let start = std::time::Instant::now();
     let m = loop {
         let m = get(addr, "/metrics").await.1;
-        if wanted
-            .iter()
-            .all(|(series, want)| sample(&m, series) == Some(*want))
+        let charged_once = team_q(&m, "reserved")
+            .zip(team_q(&m, "used"))
+            .map(|(r, u)| r + u)
+            == Some(2.0);
+        if charged_once
+            && wanted
+                .iter()
+                .all(|(series, want)| sample(&m, series) == Some(*want))
         {
             break m;
         }
@@ -1939,7 +1953,6 @@ async fn metrics_count_admissions_denials_queue_and_usage_per_gpuquota() {
         ("gpuplane_quota_hard{namespace=\"team-a\",quota=\"gold\",resource=\"devices[nvidia.com/gpu]\"}".to_string(), 2.0),
         ("gpuplane_quota_used{namespace=\"team-a\",quota=\"gold\",resource=\"devices[nvidia.com/gpu]\"}".to_string(), 0.0),
         ("gpuplane_quota_hard{namespace=\"team-q\",quota=\"queue\",resource=\"gpus\"}".to_string(), 2.0),
-        ("gpuplane_quota_used{namespace=\"team-q\",quota=\"queue\",resource=\"gpus\"}".to_string(), 1.0),
         ("gpuplane_quota_pods_released_total".to_string(), 1.0),
         ("gpuplane_controller_leader".to_string(), 1.0),
     ] {
