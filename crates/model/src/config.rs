@@ -136,6 +136,8 @@ struct RawPlugin {
 struct RawSharing {
     #[serde(default)]
     time_slicing: Option<RawTimeSlicing>,
+    #[serde(default)]
+    consumable_capacity: Option<crate::sharing::RawShares>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -238,6 +240,9 @@ pub struct AgentConfig {
     pub pod_resources_grace: Duration,
     /// Label the node with GPU Feature Discovery's `nvidia.com/*` labels (src/labels.rs).
     pub node_labels: bool,
+    /// Fractional GPUs through DRA consumable capacity (`sharing.consumableCapacity`); off
+    /// when `None`.
+    pub shares: Option<crate::sharing::ShareConfig>,
 }
 
 /// The shortest `allocation.podResourcesGrace`: below it a listing could race the kubelet's
@@ -258,6 +263,7 @@ impl Default for AgentConfig {
             allocation: AllocationMode::Shared,
             pod_resources_grace: Duration::from_secs(1),
             node_labels: true,
+            shares: None,
         }
     }
 }
@@ -331,6 +337,9 @@ impl AgentConfig {
         }
         if let Some(ts) = raw.sharing.time_slicing {
             cfg.apply_time_slicing(path, ts)?;
+        }
+        if let Some(cc) = raw.sharing.consumable_capacity {
+            cfg.shares = Some(cc.validate(path)?);
         }
         cfg.apply_health(path, raw.health)?;
         if let Some(on) = raw.node_labels.enabled {

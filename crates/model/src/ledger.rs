@@ -4,10 +4,15 @@
 //! GPU blocks all its MIG devices and holding any MIG device blocks the GPU. The ledger refuses a
 //! hold that overlaps another holder's, so no device is ever given to two consumers, whichever
 //! API asked. It is rebuilt from what the kubelet reports (PodResources) and the DRA checkpoint.
+//!
+//! A shared unit (consumable capacity, [`crate::sharing`]) may instead have many share
+//! holders, each with its memory and compute: shares exclude every whole hold of the unit and of
+//! the units overlapping it (either API), and their sum never exceeds the unit.
 
 use crate::config::{AllocationMode, Partition};
 use crate::dra::ClaimUid;
 use crate::inventory::{DeviceUuid, Gpu, Inventory, ResourceName};
+use crate::sharing::Share;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -115,6 +120,43 @@ pub struct Held {
     pub overlap: Option<DeviceUuid>,
 }
 
+/// A share of a unit that a claim holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareHold {
+    pub holder: Holder,
+    /// The allocation result's `shareID`.
+    pub share_id: String,
+    pub share: Share,
+}
+
+/// One share a claim asks to hold: the unit, the allocation's `shareID`, what it consumes, and
+/// the unit's whole capacity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareRequest {
+    pub unit: DeviceUuid,
+    pub share_id: String,
+    pub share: Share,
+    pub capacity: Share,
+}
+
+/// A refused share.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShareRefused {
+    /// A whole hold of the unit, or a hold of an overlapping unit, blocks it.
+    #[error(transparent)]
+    Held(Held),
+    /// The shares already held leave too little.
+    #[error("device {unit} cannot give {want}: {free_memory} memory and {free_compute}% compute are free, the rest held by {}", holders.join(", "))]
+    Full {
+        unit: DeviceUuid,
+        want: Share,
+        free_memory: String,
+        free_compute: u32,
+        /// Each holder with its share.
+        holders: Vec<String>,
+    },
+}
+
 /// A device-plugin Allocate that PodResources has not listed yet.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Pending {
@@ -132,6 +174,10 @@ pub struct Ledger {
     /// listing means its container is gone. Per Allocate, not per unit, because time-sliced
     /// replicas share a unit: a listed replica must not vouch for a newer one's Allocate.
     pending: BTreeMap<DeviceUuid, Vec<Pending>>,
+    /// Per shared unit, its share holders; a unit is here only while it has one.
+    shares: BTreeMap<DeviceUuid, Vec<ShareHold>>,
+    /// Per unit in `shares`, its whole capacity as the last hold recorded it.
+    capacity: BTreeMap<DeviceUuid, Share>,
     parent: BTreeMap<DeviceUuid, DeviceUuid>,
     children: BTreeMap<DeviceUuid, Vec<DeviceUuid>>,
 }
@@ -171,16 +217,112 @@ impl Ledger {
         out
     }
 
-    /// Another consumer's hold that blocks `unit` for `who`, if any.
+    /// Another consumer's hold (whole, or a share) that blocks `unit` for `who`, if any.
     pub fn conflict(&self, unit: &DeviceUuid, who: &Holder) -> Option<Held> {
         self.overlapping(unit).into_iter().find_map(|u| {
-            let h = self.holds.get(&u)?;
-            (!h.same_consumer(who)).then(|| Held {
+            let whole = self.holds.get(&u).into_iter();
+            let shared = self.shares.get(&u).into_iter().flatten().map(|s| &s.holder);
+            let h = whole.chain(shared).find(|h| !h.same_consumer(who))?;
+            Some(Held {
                 unit: unit.clone(),
                 holder: h.clone(),
                 overlap: (u != *unit).then_some(u),
             })
         })
+    }
+
+    /// Holds every share for `who`, or none: each unit must have no whole hold (nor an
+    /// overlapping unit any hold) of another consumer, and its shares, with these, must fit its
+    /// capacity. A share `who` already holds under the same `shareID` is replaced, so a
+    /// repeated prepare is idempotent.
+    pub fn hold_shares(&mut self, want: &[ShareRequest], who: &Holder) -> Result<(), ShareRefused> {
+        for r in want {
+            if let Some(held) = self.share_blocker(&r.unit, who) {
+                return Err(ShareRefused::Held(held));
+            }
+            let others: Vec<&ShareHold> = self
+                .shares
+                .get(&r.unit)
+                .into_iter()
+                .flatten()
+                .filter(|s| !(s.holder == *who && want.iter().any(|w| w.share_id == s.share_id)))
+                .collect();
+            let mine = want.iter().filter(|w| w.unit == r.unit).map(|w| w.share);
+            let used = others
+                .iter()
+                .map(|s| s.share)
+                .chain(mine)
+                .fold((0u64, 0u32), |(m, c), s| {
+                    (m.saturating_add(s.memory), c.saturating_add(s.compute))
+                });
+            if used.0 > r.capacity.memory || used.1 > r.capacity.compute {
+                let taken = others.iter().fold((0u64, 0u32), |(m, c), s| {
+                    (
+                        m.saturating_add(s.share.memory),
+                        c.saturating_add(s.share.compute),
+                    )
+                });
+                return Err(ShareRefused::Full {
+                    unit: r.unit.clone(),
+                    want: r.share,
+                    free_memory: crate::quantity::Quantity::from_u64(
+                        r.capacity.memory.saturating_sub(taken.0),
+                        crate::quantity::Format::BinarySI,
+                    )
+                    .to_string(),
+                    free_compute: r.capacity.compute.saturating_sub(taken.1),
+                    holders: others
+                        .iter()
+                        .map(|s| format!("{} ({})", s.holder, s.share))
+                        .collect(),
+                });
+            }
+        }
+        for r in want {
+            let list = self.shares.entry(r.unit.clone()).or_default();
+            list.retain(|s| !(s.holder == *who && s.share_id == r.share_id));
+            list.push(ShareHold {
+                holder: who.clone(),
+                share_id: r.share_id.clone(),
+                share: r.share,
+            });
+            self.capacity.insert(r.unit.clone(), r.capacity);
+        }
+        Ok(())
+    }
+
+    /// What blocks a share of `unit` for `who`: another consumer's whole hold of it or of an
+    /// overlapping unit, or any hold of another consumer on an overlapping unit. Other shares
+    /// of `unit` itself do not block (capacity decides).
+    fn share_blocker(&self, unit: &DeviceUuid, who: &Holder) -> Option<Held> {
+        self.overlapping(unit).into_iter().find_map(|u| {
+            let whole = self.holds.get(&u).filter(|h| !h.same_consumer(who));
+            let shared = || {
+                (u != *unit)
+                    .then(|| {
+                        self.shares_of(&u)
+                            .iter()
+                            .map(|s| &s.holder)
+                            .find(|h| !h.same_consumer(who))
+                    })
+                    .flatten()
+            };
+            whole.or_else(shared).map(|h| Held {
+                unit: unit.clone(),
+                holder: h.clone(),
+                overlap: (u != *unit).then(|| u.clone()),
+            })
+        })
+    }
+
+    /// The share holders of `unit` (none when it is not shared or no share is held).
+    pub fn shares_of(&self, unit: &str) -> &[ShareHold] {
+        self.shares.get(unit).map_or(&[], Vec::as_slice)
+    }
+
+    /// Every unit with at least one share held, and its holders.
+    pub fn shares(&self) -> impl Iterator<Item = (&DeviceUuid, &Vec<ShareHold>)> {
+        self.shares.iter()
     }
 
     /// Holds every unit for `who`, or none of them.
@@ -250,9 +392,24 @@ impl Ledger {
         (added, released, conflicts)
     }
 
-    /// Releases everything a claim holds; returns the units freed.
+    /// Releases everything a claim holds, whole units and shares; returns the units it held.
     pub fn release_claim(&mut self, uid: &str) -> Vec<DeviceUuid> {
-        self.release_where(|h| matches!(h, Holder::Claim { uid: u, .. } if *u == *uid))
+        let mine = |h: &Holder| matches!(h, Holder::Claim { uid: u, .. } if *u == *uid);
+        let mut out = self.release_where(mine);
+        for (unit, list) in self.shares.iter_mut() {
+            let before = list.len();
+            list.retain(|s| !mine(&s.holder));
+            if list.len() != before && !out.contains(unit) {
+                out.push(unit.clone());
+            }
+        }
+        self.shares.retain(|_, l| !l.is_empty());
+        let capacity = std::mem::take(&mut self.capacity);
+        self.capacity = capacity
+            .into_iter()
+            .filter(|(u, _)| self.shares.contains_key(u))
+            .collect();
+        out
     }
 
     /// Releases device-plugin holds for which `keep` is false; returns the units freed.
@@ -302,10 +459,15 @@ impl Ledger {
         self.holds.iter()
     }
 
-    /// Units blocked for `who`: held by someone else, directly or through an overlap.
+    /// Units blocked for `who`: held by someone else (whole or a share), directly or through
+    /// an overlap.
     pub fn blocked_for(&self, who: &Holder) -> BTreeSet<DeviceUuid> {
         let mut out = BTreeSet::new();
-        for (u, h) in &self.holds {
+        let shared = self
+            .shares
+            .iter()
+            .flat_map(|(u, l)| l.iter().map(move |s| (u, &s.holder)));
+        for (u, h) in self.holds.iter().chain(shared) {
             if h.same_consumer(who) {
                 continue;
             }
@@ -324,7 +486,8 @@ impl Ledger {
             .collect()
     }
 
-    /// Checks the invariant: no two different consumers hold overlapping units.
+    /// Checks the invariant: no two different consumers hold overlapping units, a share never
+    /// meets another consumer's whole hold, and a unit's shares fit its capacity.
     pub fn check_invariant(&self) -> Result<(), String> {
         for (u, h) in &self.holds {
             for o in self.overlapping(u).into_iter().skip(1) {
@@ -333,6 +496,21 @@ impl Ledger {
                         return Err(format!("{u} held by {h} overlaps {o} held by {h2}"));
                     }
                 }
+            }
+        }
+        for (u, list) in &self.shares {
+            for s in list {
+                if let Some(h) = self.share_blocker(u, &s.holder) {
+                    return Err(format!("share of {u} held by {} meets {h}", s.holder));
+                }
+            }
+            let cap = self.capacity.get(u).copied().unwrap_or_default();
+            let memory: u64 = list.iter().map(|s| s.share.memory).sum();
+            let compute: u32 = list.iter().map(|s| s.share.compute).sum();
+            if memory > cap.memory || compute > cap.compute {
+                return Err(format!(
+                    "shares of {u} ({memory} bytes, {compute}%) exceed {cap}"
+                ));
             }
         }
         Ok(())
@@ -597,5 +775,75 @@ mod tests {
         assert!(l.holder(&u[2]).is_none(), "a refused hold takes nothing");
         assert_eq!(l.blocked_for(&claim("b")).len(), 2);
         assert!(l.blocked_for(&claim("a")).is_empty());
+    }
+
+    fn share(unit: &DeviceUuid, id: &str, gib: u64, compute: u32) -> ShareRequest {
+        ShareRequest {
+            unit: unit.clone(),
+            share_id: id.into(),
+            share: Share {
+                memory: gib << 30,
+                compute,
+            },
+            capacity: Share {
+                memory: 80 << 30,
+                compute: 100,
+            },
+        }
+    }
+
+    #[test]
+    fn shares_fit_the_capacity_and_exclude_whole_holds_of_either_api() {
+        let inv = crate::sim::load("dgx-a100").unwrap();
+        let mut l = Ledger::new(&inv);
+        let g = inv.gpus[0].uuid.clone();
+        l.hold_shares(&[share(&g, "s1", 40, 50)], &claim("a"))
+            .unwrap();
+        l.hold_shares(&[share(&g, "s2", 40, 50)], &claim("b"))
+            .unwrap();
+        // Idempotent for the same claim and share id.
+        l.hold_shares(&[share(&g, "s2", 40, 50)], &claim("b"))
+            .unwrap();
+        let err = l
+            .hold_shares(&[share(&g, "s3", 1, 10)], &claim("c"))
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("0 memory and 0% compute are free"), "{text}");
+        assert!(
+            text.contains("ResourceClaim ns/a") && text.contains("ResourceClaim ns/b"),
+            "{text}"
+        );
+        // Neither the device plugin nor a whole claim gets the GPU while shares are held.
+        assert!(l
+            .hold_all(std::slice::from_ref(&g), &dp(&g), Instant::now())
+            .is_err());
+        assert!(l.conflict(&g, &claim("d")).is_some());
+        assert!(l.blocked_for(&dp(&g)).contains(&g));
+        l.check_invariant().unwrap();
+        assert_eq!(l.release_claim("a"), vec![g.clone()]);
+        assert_eq!(l.release_claim("b"), vec![g.clone()]);
+        assert!(l.shares_of(&g).is_empty());
+        l.hold_all(std::slice::from_ref(&g), &dp(&g), Instant::now())
+            .unwrap();
+        let err = l
+            .hold_shares(&[share(&g, "s4", 1, 10)], &claim("c"))
+            .unwrap_err();
+        assert!(matches!(err, ShareRefused::Held(_)), "{err}");
+        l.check_invariant().unwrap();
+    }
+
+    #[test]
+    fn a_claims_shares_are_all_or_nothing() {
+        let inv = crate::sim::load("dgx-a100").unwrap();
+        let mut l = Ledger::new(&inv);
+        let (g0, g1) = (inv.gpus[0].uuid.clone(), inv.gpus[1].uuid.clone());
+        l.hold_shares(&[share(&g1, "x", 60, 10)], &claim("a"))
+            .unwrap();
+        let two = [share(&g0, "y", 30, 10), share(&g1, "z", 30, 10)];
+        assert!(l.hold_shares(&two, &claim("b")).is_err());
+        assert!(l.shares_of(&g0).is_empty(), "a refused claim holds nothing");
+        // Two shares of one claim on one unit count together.
+        let same = [share(&g0, "p", 50, 50), share(&g0, "q", 50, 50)];
+        assert!(l.hold_shares(&same, &claim("c")).is_err());
     }
 }

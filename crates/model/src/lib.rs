@@ -25,6 +25,7 @@ pub mod names;
 pub mod quantity;
 pub mod quota;
 pub mod report;
+pub mod sharing;
 pub mod sim;
 pub mod slices;
 pub mod source;

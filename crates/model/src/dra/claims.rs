@@ -19,12 +19,18 @@
 //!   (`main` covers `main/<sub>`), or to all requests when it lists none. Class configs come
 //!   before claim configs and, within each, later ones before earlier ones: the last config
 //!   that applies to a device wins (NVIDIA's driver does the same).
+//! - a result with a `shareID` or `consumedCapacity` is a share of a shared unit
+//!   ([`crate::sharing`]): the unit must be shared on this node, and the share is read from
+//!   `consumedCapacity` (never the request, which the scheduler rounds) and checked against the
+//!   unit's published policy. A config of ours with its own `sharing` settings contradicts it
+//!   (the share's limits come from its allocation) and is refused.
 
 use super::opaque::{self, ConfiguredDevice, GpuConfig, OpaqueError};
 use super::ClaimRef;
 use crate::health::{Health, HealthBook};
 use crate::inventory::{DeviceRef, DeviceUuid, Inventory};
 use crate::report::chain;
+use crate::sharing::{share_from_consumed, Share, ShareError, UnitShares};
 use k8s_openapi::api::resource::v1::{
     DeviceAllocationConfiguration, DeviceRequestAllocationResult, ResourceClaim,
 };
@@ -93,6 +99,27 @@ pub enum ClaimError {
         devices: String,
         cause: OpaqueError,
     },
+    #[error("request {request}: device {device} is allocated as a share (shareID {share_id}), but this node does not share it; the allocation is stale, delete the pod and claim to allocate again")]
+    NotShared {
+        request: String,
+        device: String,
+        share_id: String,
+    },
+    #[error("request {request}: the share of device {device} cannot be given: {cause}")]
+    BadShare {
+        request: String,
+        device: String,
+        cause: ShareError,
+    },
+    #[error("device {device} is allocated as a share enforced by MPS, and the claim has {count} devices; an MPS share must be its claim's only device: ask for each share in a claim of its own")]
+    MpsShareNotAlone { device: String, count: usize },
+    #[error("allocation config #{index} ({origin}) sets sharing strategy {strategy} for device {device}, which is allocated as a share whose limits come from its allocation; remove the sharing settings from the config")]
+    SharingOnShare {
+        index: usize,
+        origin: ConfigSource,
+        strategy: &'static str,
+        device: String,
+    },
     #[error("device {device} gets config #{first} through request {first_request} and config #{second} through request {second_request}")]
     ConflictingConfigs {
         device: String,
@@ -122,6 +149,9 @@ pub struct PlannedDevice {
     /// The unit's UUID (GPU or MIG device).
     pub uuid: DeviceUuid,
     pub share_id: Option<String>,
+    /// What a share consumes (from `consumedCapacity`), with the unit's policy; `None` for a
+    /// whole device.
+    pub share: Option<(Share, UnitShares)>,
     pub config: Option<AppliedConfig>,
     /// What the config means for the container ([`opaque::container_env`]).
     pub env: Vec<String>,
@@ -223,6 +253,7 @@ pub fn plan_claim(
     pool: &str,
     inv: &Inventory,
     health: &HealthBook,
+    shared: &BTreeMap<DeviceUuid, UnitShares>,
 ) -> Result<ClaimPlan, ClaimError> {
     let uid = claim.metadata.uid.as_deref().unwrap_or_default();
     if uid != claim_ref.uid {
@@ -254,12 +285,34 @@ pub fn plan_claim(
         let dev = allocated_device(result, pool, inv, health)?;
         let config = config_for(&configs, &result.request);
         choose_config(&mut chosen, result, config.map(|c| c.index))?;
-        plan.add(result, dev, config);
+        let share = allocated_share(result, shared.get(dev.uuid()))?;
+        if let (Some(_), Some(c)) = (share, config) {
+            if let Some(s) = &c.config.sharing {
+                return Err(ClaimError::SharingOnShare {
+                    index: c.index,
+                    origin: c.origin,
+                    strategy: s.strategy(),
+                    device: result.device.clone(),
+                });
+            }
+        }
+        plan.add(result, dev, config, share);
     }
     if plan.devices.is_empty() {
         return Err(ClaimError::NoDevices {
             driver: driver.to_string(),
         });
+    }
+    if let Some(p) = plan.devices.iter().find(|p| {
+        p.share
+            .is_some_and(|(_, u)| u.enforcement == crate::sharing::Enforcement::Mps)
+    }) {
+        if plan.devices.len() > 1 {
+            return Err(ClaimError::MpsShareNotAlone {
+                device: p.device.clone(),
+                count: plan.devices.len(),
+            });
+        }
     }
     apply_env(&mut plan, &configs, &chosen, inv)?;
     Ok(plan)
@@ -299,6 +352,33 @@ fn allocated_device<'i>(
     Ok(dev)
 }
 
+/// The share a result is, read from its `consumedCapacity` and checked against the unit's
+/// policy; `None` for a whole-device allocation.
+fn allocated_share(
+    result: &DeviceRequestAllocationResult,
+    unit: Option<&UnitShares>,
+) -> Result<Option<(Share, UnitShares)>, ClaimError> {
+    if result.share_id.is_none() && result.consumed_capacity.is_none() {
+        return Ok(None);
+    }
+    let Some(unit) = unit else {
+        return Err(ClaimError::NotShared {
+            request: result.request.clone(),
+            device: result.device.clone(),
+            share_id: result.share_id.clone().unwrap_or_else(|| "none".into()),
+        });
+    };
+    let bad = |cause| ClaimError::BadShare {
+        request: result.request.clone(),
+        device: result.device.clone(),
+        cause,
+    };
+    let consumed = result.consumed_capacity.clone().unwrap_or_default();
+    let share = share_from_consumed(&consumed).map_err(bad)?;
+    unit.check(&share).map_err(bad)?;
+    Ok(Some((share, *unit)))
+}
+
 /// Records the config a result's device gets; a device reached through several requests must
 /// get the same one through each.
 fn choose_config(
@@ -333,6 +413,7 @@ impl ClaimPlan {
         result: &DeviceRequestAllocationResult,
         dev: DeviceRef<'_>,
         config: Option<&OurConfig<'_>>,
+        share: Option<(Share, UnitShares)>,
     ) {
         let existing = self
             .devices
@@ -349,6 +430,7 @@ impl ClaimPlan {
                 device: result.device.clone(),
                 uuid: dev.uuid().clone(),
                 share_id: result.share_id.clone(),
+                share,
                 config: config.map(|c| AppliedConfig {
                     index: c.index,
                     origin: c.origin,
@@ -440,7 +522,7 @@ mod tests {
 
     fn plan(c: &ResourceClaim) -> Result<ClaimPlan, ClaimError> {
         let (inv, health) = setup();
-        plan_claim(c, &cref(), DRIVER, POOL, &inv, &health)
+        plan_claim(c, &cref(), DRIVER, POOL, &inv, &health, &BTreeMap::new())
     }
 
     fn cfg(
@@ -599,6 +681,7 @@ mod tests {
             POOL,
             &inv,
             &health,
+            &BTreeMap::new(),
         )
         .unwrap_err();
         assert!(e.to_string().contains(&Cause::Xid(48).to_string()), "{e}");

@@ -58,11 +58,12 @@
 
 use super::MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS;
 use crate::health::{Cause, Health, HealthBook};
-use crate::inventory::{DeviceRef, Gpu, Inventory, MigDevice, PathLevel};
+use crate::inventory::{DeviceRef, DeviceUuid, Gpu, Inventory, MigDevice, PathLevel};
 use crate::quantity::{Format, Quantity};
+use crate::sharing::{self, UnitShares};
 use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice,
-    ResourceSliceSpec,
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
+    DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use std::collections::BTreeMap;
@@ -103,36 +104,43 @@ pub mod names {
     pub const OFA_ENGINES: &str = "ofaEngines";
 }
 
-/// This node's slices with pool generation 0 (the publisher picks the generation it writes).
+/// This node's slices with pool generation 0 (the publisher picks the generation it writes),
+/// no unit shared.
 pub fn render(
     inv: &Inventory,
     health: &HealthBook,
     driver: &str,
     node: &str,
 ) -> Vec<ResourceSlice> {
-    render_with_generation(inv, health, driver, node, 0)
+    render_with_generation(inv, health, driver, node, 0, &BTreeMap::new())
 }
 
-/// This node's slices, all carrying `generation`. No devices, no slices.
+/// This node's slices, all carrying `generation`; the units in `shared` are published as
+/// shared devices ([`crate::sharing`]). No devices, no slices.
 pub fn render_with_generation(
     inv: &Inventory,
     health: &HealthBook,
     driver: &str,
     node: &str,
     generation: i64,
+    shared: &BTreeMap<DeviceUuid, UnitShares>,
 ) -> Vec<ResourceSlice> {
     let roots = pcie_roots(inv);
     // One group per physical GPU, in inventory order.
     let mut groups: Vec<Vec<Device>> = Vec::new();
     let mut last_gpu: Option<u32> = None;
     for d in inv.dra_devices() {
-        let device = render_device(
+        let mut device = render_device(
             inv,
             &d,
             health,
             roots.get(&d.gpu().index).map(String::as_str),
             driver,
         );
+        if let Some(unit) = shared.get(d.uuid()) {
+            device.allow_multiple_allocations = Some(true);
+            device.capacity = Some(share_capacity(unit));
+        }
         if last_gpu == Some(d.gpu().index) {
             if let Some(g) = groups.last_mut() {
                 g.push(device);
@@ -317,10 +325,53 @@ fn mig_capacity(m: &MigDevice) -> BTreeMap<String, DeviceCapacity> {
     ])
 }
 
+/// A shared unit's consumable capacities: `memory` and `compute`, each with a request policy
+/// whose default is the whole unit. Only these two: on a device that allows several
+/// allocations, a capacity without a policy is consumed whole by every allocation, so MIG's
+/// engine counts would let only one share in.
+fn share_capacity(unit: &UnitShares) -> BTreeMap<String, DeviceCapacity> {
+    let policy = |value: Quantity, step: Quantity, max: Quantity| DeviceCapacity {
+        request_policy: Some(CapacityRequestPolicy {
+            default: Some(api_quantity(&max)),
+            valid_range: Some(CapacityRequestPolicyRange {
+                min: api_quantity(&step),
+                max: Some(api_quantity(&max)),
+                step: Some(api_quantity(&step)),
+            }),
+            valid_values: None,
+        }),
+        ..cap(value)
+    };
+    let bytes = |b: u64| Quantity::from_u64(b, Format::BinarySI);
+    let percent = |p: u32| Quantity::new(p.into(), Format::DecimalSI);
+    BTreeMap::from([
+        (
+            sharing::MEMORY.to_string(),
+            policy(
+                bytes(unit.memory),
+                bytes(unit.memory_step),
+                bytes(unit.max_memory()),
+            ),
+        ),
+        (
+            sharing::COMPUTE.to_string(),
+            policy(
+                percent(sharing::WHOLE_COMPUTE),
+                percent(unit.compute_step),
+                percent(sharing::WHOLE_COMPUTE),
+            ),
+        ),
+    ])
+}
+
+fn api_quantity(q: &Quantity) -> k8s_openapi::apimachinery::pkg::api::resource::Quantity {
+    k8s_openapi::apimachinery::pkg::api::resource::Quantity(q.to_string())
+}
+
 /// A capacity in the API server's canonical spelling, so a slice we write reads back unchanged.
 fn cap(value: Quantity) -> DeviceCapacity {
     DeviceCapacity {
-        value: k8s_openapi::apimachinery::pkg::api::resource::Quantity(value.to_string()),
+        value: api_quantity(&value),
         request_policy: None,
     }
 }

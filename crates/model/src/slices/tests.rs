@@ -5,6 +5,7 @@ use crate::health::HealthBook;
 use crate::inventory::{DeviceUuid, Inventory};
 use crate::source::DeviceEvent;
 use k8s_openapi::api::resource::v1::{DeviceAttribute, DeviceTaint, ResourceSlice};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 const DRIVER: &str = "gpu.gpuplane.dev";
@@ -242,7 +243,7 @@ fn mig_attributes_follow_nvidia() {
 fn more_than_128_devices_split_into_slices_of_one_generation() {
     let inv = synthetic("h100-mig-single", 3); // 24 GPUs x 7 = 168 MIG devices
     assert_eq!(inv.dra_devices().len(), 168);
-    let slices = render_with_generation(&inv, &book(&inv), DRIVER, NODE, 7);
+    let slices = render_with_generation(&inv, &book(&inv), DRIVER, NODE, 7, &BTreeMap::new());
     assert_eq!(slices.len(), 3);
     for s in &slices {
         validate(s).unwrap();
@@ -713,4 +714,42 @@ fn plan_remembers_what_the_server_dropped() {
         ),
     );
     assert!(plan(&stripped, &desired, DRIVER, NODE, None, &echoes, 0).is_empty());
+}
+
+#[test]
+fn shared_units_are_published_with_consumable_memory_and_compute() {
+    let inv = crate::sim::load("dgx-a100").unwrap();
+    let cfg = crate::sharing::ShareConfig {
+        select: crate::sharing::ShareSelect::Indices([1].into()),
+        mig_devices: false,
+        memory_step: 1 << 30,
+        compute_step: 10,
+        enforcement: crate::sharing::Enforcement::Mps,
+    };
+    let shared = crate::sharing::shared_units(&inv, Some(&cfg));
+    assert_eq!(shared.len(), 1);
+    let slices = render_with_generation(&inv, &book(&inv), DRIVER, NODE, 0, &shared);
+    for s in &slices {
+        validate(s).unwrap();
+    }
+    let devices: Vec<_> = slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .collect();
+    let whole = devices.iter().find(|d| d.name == "gpu-0").unwrap();
+    assert_eq!(whole.allow_multiple_allocations, None);
+    let d = devices.iter().find(|d| d.name == "gpu-1").unwrap();
+    assert_eq!(d.allow_multiple_allocations, Some(true));
+    let caps = d.capacity.as_ref().unwrap();
+    let json = serde_json::to_value(caps).unwrap();
+    assert_eq!(
+        json["memory"],
+        serde_json::json!({"value": "80Gi", "requestPolicy": {"default": "80Gi",
+            "validRange": {"min": "1Gi", "max": "80Gi", "step": "1Gi"}}})
+    );
+    assert_eq!(
+        json["compute"],
+        serde_json::json!({"value": "100", "requestPolicy": {"default": "100",
+            "validRange": {"min": "10", "max": "100", "step": "10"}}})
+    );
 }
