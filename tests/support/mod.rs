@@ -31,6 +31,33 @@ pub fn built_fake() -> &'static Path {
     })
 }
 
+/// Builds the fake `nvidia-cuda-mps-control` (hack/fake-mps) like [`built_fake`] builds the
+/// fake NVML, and returns the path cargo reports for the executable.
+pub fn built_fake_mps() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let out = Command::new(cargo)
+            .args(["build", "-p", "fake-mps", "--profile", own_profile()])
+            .arg("--message-format=json-render-diagnostics")
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run cargo build -p fake-mps");
+        assert!(out.status.success(), "cargo build -p fake-mps failed");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|m| {
+                m["reason"] == "compiler-artifact"
+                    && m["target"]["name"] == "nvidia-cuda-mps-control"
+            })
+            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+            .expect("cargo reported no nvidia-cuda-mps-control executable")
+    })
+}
+
 /// The cargo profile this test binary was built with, read from where cargo put the agent
 /// binary: `target/<dir>/gpuplane`, where the dir of `dev` is `debug`.
 fn own_profile() -> &'static str {
