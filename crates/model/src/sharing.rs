@@ -29,7 +29,7 @@ pub const COMPUTE: &str = "compute";
 pub const WHOLE_COMPUTE: u32 = 100;
 
 /// How a share's limits are enforced on the node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, Deserialize)]
 pub enum Enforcement {
     /// An MPS control daemon per shared unit; each container gets its memory and compute
     /// limits as MPS client settings.

@@ -28,6 +28,8 @@ pub const MARKER_ENV: &str = "GPUPLANE_CRASHPOINT_MARKER";
 pub enum Step {
     /// Prepare: devices held in the ledger, nothing written yet.
     PrepareBeforeCheckpoint,
+    /// Prepare of an MPS share: its unit's control daemon started, nothing written yet.
+    PrepareAfterMpsStart,
     /// Prepare: the checkpoint records the claim and its spec, no spec file written yet.
     PrepareAfterCheckpoint,
     /// Prepare: the claim's CDI spec file is written, the answer not yet sent.
@@ -38,6 +40,8 @@ pub enum Step {
     UnprepareAfterSpecRemoval,
     /// Unprepare: the checkpoint no longer lists the claim, the ledger still holds its units.
     UnprepareAfterCheckpoint,
+    /// Unprepare of a unit's last MPS share: released, its control daemon not yet stopped.
+    UnprepareBeforeMpsStop,
     /// File write: the temporary file is written (and fsynced, when durable), not yet renamed.
     FileBeforeRename,
     /// Durable write: renamed over the target, the directory not yet fsynced.
@@ -49,13 +53,15 @@ pub enum Step {
 }
 
 impl Step {
-    pub const ALL: [Step; 10] = [
+    pub const ALL: [Step; 12] = [
         Step::PrepareBeforeCheckpoint,
+        Step::PrepareAfterMpsStart,
         Step::PrepareAfterCheckpoint,
         Step::PrepareAfterCdiSpec,
         Step::UnprepareBeforeSpecRemoval,
         Step::UnprepareAfterSpecRemoval,
         Step::UnprepareAfterCheckpoint,
+        Step::UnprepareBeforeMpsStop,
         Step::FileBeforeRename,
         Step::FileAfterRename,
         Step::FileBeforeSync,
@@ -66,11 +72,13 @@ impl Step {
     pub fn name(self) -> &'static str {
         match self {
             Step::PrepareBeforeCheckpoint => "prepare.before-checkpoint",
+            Step::PrepareAfterMpsStart => "prepare.after-mps-start",
             Step::PrepareAfterCheckpoint => "prepare.after-checkpoint",
             Step::PrepareAfterCdiSpec => "prepare.after-cdi-spec",
             Step::UnprepareBeforeSpecRemoval => "unprepare.before-spec-removal",
             Step::UnprepareAfterSpecRemoval => "unprepare.after-spec-removal",
             Step::UnprepareAfterCheckpoint => "unprepare.after-checkpoint",
+            Step::UnprepareBeforeMpsStop => "unprepare.before-mps-stop",
             Step::FileBeforeRename => "file.before-rename",
             Step::FileAfterRename => "file.after-rename",
             Step::FileBeforeSync => "file.before-sync",

@@ -30,6 +30,6 @@ pub mod webhook;
 // The pure core lives in its own crate, so nothing there can reach a socket, a runtime or
 // NVML; its modules keep their names here.
 pub use gpuplane_model::{
-    causes_from, config, health, inventory, labels, ledger, names, quantity, quota, report, sim,
-    source, topology,
+    causes_from, config, health, inventory, labels, ledger, names, quantity, quota, report,
+    sharing, sim, source, topology,
 };

@@ -52,6 +52,38 @@ pub fn device_statuses(
         .collect()
 }
 
+/// Marks a `status.devices` entry as a share: its `shareID` (part of the entry's key), what it
+/// consumes in `data.share`, and a `ShareLimitsEnforced` condition: True under MPS, False when
+/// the unit is time-sliced and the limits are scheduling figures only.
+pub fn add_share(
+    entry: &mut Value,
+    share_id: &str,
+    share: &crate::sharing::Share,
+    enforcement: crate::sharing::Enforcement,
+    now: &str,
+) {
+    use crate::sharing::Enforcement;
+    entry["shareID"] = json!(share_id);
+    entry["data"]["share"] = json!({
+        "memory": crate::quantity::Quantity::from_u64(share.memory, crate::quantity::Format::BinarySI).to_string(),
+        "compute": share.compute,
+        "enforcement": enforcement.to_string(),
+    });
+    let (status, message) = match enforcement {
+        Enforcement::Mps => ("True", "memory and compute limits are enforced by the GPU's MPS control daemon".to_string()),
+        Enforcement::TimeSlicing => ("False", format!("the GPU is time-sliced among its shares: {share} are scheduling figures only, not limits (this node has no MPS control program, or its operator chose time-slicing)")),
+    };
+    if let Some(conditions) = entry["conditions"].as_array_mut() {
+        conditions.push(json!({
+            "type": "ShareLimitsEnforced",
+            "status": status,
+            "reason": enforcement.to_string(),
+            "message": message,
+            "lastTransitionTime": now,
+        }));
+    }
+}
+
 /// The server-side apply body that sets our entries of a claim's `status.devices` to
 /// `entries` (none: ours are removed).
 pub fn apply_body(namespace: &str, name: &str, entries: Vec<Value>) -> Value {

@@ -72,6 +72,7 @@ use super::PreparedDevice;
 use crate::cdi::Spec;
 use crate::fsutil::{self, FsError};
 use crate::inventory::DeviceUuid;
+use crate::sharing::{Enforcement, Share};
 use gpuplane_model::report::chain;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -125,6 +126,25 @@ pub struct ClaimEntry {
     /// The claim's CDI spec, which the file `<stem>.json` copies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cdi_spec: Option<Spec>,
+    /// The shares of shared units the claim holds (consumable capacity); their units are not
+    /// in `units`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<ShareEntry>,
+}
+
+/// A share a prepared claim holds: enough to hold it again after a restart and to know
+/// whether its unit needs an MPS control daemon.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShareEntry {
+    /// DRA device name.
+    pub device: String,
+    pub unit: DeviceUuid,
+    pub share_id: String,
+    pub share: Share,
+    /// The unit's whole capacity when it was prepared.
+    pub capacity: Share,
+    pub enforcement: Enforcement,
 }
 
 /// The checkpoint's content.
@@ -503,6 +523,7 @@ mod tests {
             }],
             cdi_spec_stem: "gpuplane-claim-abc".into(),
             units: [("gpu-3".to_string(), DeviceUuid::parse("GPU-x").unwrap())].into(),
+            shares: Vec::new(),
             cdi_spec: Some(Spec {
                 cdi_version: "0.3.0".into(),
                 kind: "k8s.gpu.gpuplane.dev/claim".into(),

@@ -62,6 +62,7 @@ mod config;
 mod errors;
 mod ledger;
 mod names;
+mod shares;
 mod spec;
 
 pub use config::DraCoreConfig;
@@ -70,6 +71,7 @@ pub use names::{cdi_device_name, spec_stem, CDI_CLASS};
 
 use super::checkpoint::{self, Checkpoint, CheckpointData, ClaimEntry, ClaimState};
 use super::fetch::{ClaimFetcher, FetchError};
+use super::mps::MpsDaemons;
 use super::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
 };
@@ -115,6 +117,8 @@ struct Shared {
     device_mode: DeviceMode,
     /// The driver's libraries, scanned once per driver version rather than per prepare.
     installs: InstallCache,
+    /// The MPS control daemons of shared units.
+    mps: MpsDaemons,
 }
 
 /// Runs `job` on tokio's blocking pool (file writes with fsync, device-node checks) and waits
@@ -173,6 +177,7 @@ impl DraCore {
             }
             restore_spec(&config.paths.cdi_root, uid, entry);
         }
+        let mps = MpsDaemons::new(&config.paths);
         Ok(DraCore {
             shared: Arc::new(Shared {
                 driver: config.driver,
@@ -183,6 +188,7 @@ impl DraCore {
                 paths: config.paths,
                 device_mode: config.device_mode,
                 installs: InstallCache::default(),
+                mps,
             }),
             checkpoint: Arc::new(Mutex::new(loaded.checkpoint)),
         })
@@ -280,9 +286,16 @@ impl DraCore {
                     continue;
                 }
             };
-            if let Err(e) = self.shared.hold(&c, &entry.units) {
+            if let Err(e) = self.shared.hold(&c, &entry.units, &entry.shares) {
                 error!(claim = %claim_label(&c), error = %e, "checkpointed claim overlaps another holder");
             }
+        }
+        let wanted = shares::mps_units(cp.data());
+        drop(cp);
+        let mps = self.shared.mps.clone();
+        // Starting and stopping daemons runs programs: off the runtime.
+        if let Err(e) = tokio::task::spawn_blocking(move || mps.reconcile(&wanted)).await {
+            error!(error = %e, "reconciling the MPS control daemons failed");
         }
     }
 }
@@ -317,7 +330,11 @@ impl Shared {
             return Ok(devices);
         }
         let rendered = self.render(claim, c)?;
-        self.hold(c, &rendered.units)?;
+        self.hold(c, &rendered.units, &rendered.shares)?;
+        if let Err(e) = self.start_daemons(&rendered.shares) {
+            self.release(c);
+            return Err(e);
+        }
         let stem = spec_stem(&c.uid);
         let entry = ClaimEntry {
             namespace: c.namespace.to_string(),
@@ -327,6 +344,7 @@ impl Shared {
             cdi_spec_stem: stem.clone(),
             units: rendered.units,
             cdi_spec: Some(rendered.spec.clone()),
+            shares: rendered.shares,
         };
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareBeforeCheckpoint);
         cp.update(|d| {
@@ -373,6 +391,7 @@ impl Shared {
         c: &ClaimRef,
     ) -> Result<(), PrepareError> {
         let was_prepared = cp.get(&c.uid).is_some();
+        let shares = cp.get(&c.uid).map(|e| e.shares.clone()).unwrap_or_default();
         let mut stems: Vec<String> = cp
             .get(&c.uid)
             .map(|e| e.cdi_spec_stem.clone())
@@ -395,6 +414,7 @@ impl Shared {
         })?;
         crate::crashpoint::reached(crate::crashpoint::Step::UnprepareAfterCheckpoint);
         self.release(c);
+        self.stop_unused_daemons(&shares);
         if was_prepared {
             self.write_device_status(c, Vec::new());
         }

@@ -6,8 +6,9 @@ use crate::cdi::{DeviceNodesError, NameError, WriteError};
 use crate::dra::checkpoint::CheckpointError;
 use crate::dra::claims::ClaimError;
 use crate::dra::fetch::FetchError;
+use crate::dra::mps::MpsError;
 use crate::dra::ClaimRef;
-use crate::ledger::Held;
+use crate::ledger::{Held, ShareRefused};
 use gpuplane_model::report::chain;
 
 /// Why the core could not start.
@@ -40,6 +41,16 @@ pub enum PrepareError {
     /// Another consumer (a device-plugin container, another claim) holds a device of the claim.
     #[error("device {device}: {}; it cannot be given out twice", chain(.cause))]
     Held { device: String, cause: Box<Held> },
+    /// A share does not fit: another consumer holds the unit whole, or the shares already
+    /// prepared leave too little (a stale scheduler cache could ask).
+    #[error("device {device}: {}", chain(.cause))]
+    ShareRefused {
+        device: String,
+        cause: Box<ShareRefused>,
+    },
+    /// The MPS control daemon of a shared unit could not be started.
+    #[error("{}", chain(.cause))]
+    Mps { cause: MpsError },
     /// The agent (re)started and the kubelet's PodResources has not told it yet which devices
     /// the device plugin API holds; the kubelet retries.
     #[error("the agent does not know yet which devices the device plugin API holds (no PodResources listing within {waited:?} of its start); preparing is retried")]
@@ -61,6 +72,16 @@ impl PrepareError {
     /// resolves or only the node's operator can act on (those are logged).
     pub fn user_event(&self) -> Option<UserEvent> {
         let (reason, advice) = match self {
+            PrepareError::ShareRefused { .. } => (
+                "ShareDoesNotFit",
+                "the device's capacity is taken by the holders named; delete this claim's pod \
+                 so the scheduler allocates again, or wait until a holder ends",
+            ),
+            PrepareError::Mps { .. } => (
+                "MPSDaemonFailed",
+                "the node's MPS control daemon for the GPU did not start; the kubelet retries, \
+                 and the node's operator finds the cause in the daemon's log named here",
+            ),
             PrepareError::Held { .. } => (
                 "DeviceInUse",
                 "another consumer (a device-plugin container or another claim) holds it; \

@@ -1,11 +1,14 @@
 //! A claim's units in the allocation ledger: held when it is prepared (refused while another
-//! consumer holds one), released when it is unprepared, each counted per API.
+//! consumer holds one), released when it is unprepared, each counted per API. Shares of shared
+//! units are held in every allocation mode: even where DRA owns its GPUs alone, their sum on a
+//! unit must fit it.
 
 use super::{claim_label, PrepareError, Shared};
 use crate::config::AllocationMode;
+use crate::dra::checkpoint::ShareEntry;
 use crate::dra::ClaimRef;
 use crate::inventory::DeviceUuid;
-use crate::ledger::Holder;
+use crate::ledger::{Holder, ShareRequest};
 use crate::metrics::{self, ApiLabel};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -19,14 +22,45 @@ impl Shared {
         &self,
         c: &ClaimRef,
         units: &BTreeMap<String, DeviceUuid>,
+        shares: &[ShareEntry],
     ) -> Result<(), PrepareError> {
         let who = Holder::Claim {
             uid: c.uid.clone(),
             name: claim_label(c),
         };
         self.state.update(|s| {
+            let wanted: Vec<ShareRequest> = shares
+                .iter()
+                .map(|e| ShareRequest {
+                    unit: e.unit.clone(),
+                    share_id: e.share_id.clone(),
+                    share: e.share,
+                    capacity: e.capacity,
+                })
+                .collect();
+            if let Err(refused) = s.ledger.hold_shares(&wanted, &who) {
+                metrics::node()
+                    .ledger_refusals
+                    .get_or_create(&ApiLabel::DRA)
+                    .inc();
+                let device = match &refused {
+                    crate::ledger::ShareRefused::Held(h) => &h.unit,
+                    crate::ledger::ShareRefused::Full { unit, .. } => unit,
+                };
+                let device = shares
+                    .iter()
+                    .find(|e| e.unit == *device)
+                    .map_or_else(|| device.to_string(), |e| e.device.clone());
+                return (
+                    Err(PrepareError::ShareRefused {
+                        device,
+                        cause: Box::new(refused),
+                    }),
+                    false,
+                );
+            }
             if s.config.allocation != AllocationMode::Shared {
-                return (Ok(()), false);
+                return (Ok(()), !shares.is_empty());
             }
             let list: Vec<DeviceUuid> = units.values().cloned().collect();
             match s.ledger.hold_all(&list, &who, Instant::now()) {
@@ -39,6 +73,8 @@ impl Shared {
                     (Ok(()), true)
                 }
                 Err(held) => {
+                    // All or nothing: the shares just held go too.
+                    s.ledger.release_claim(&c.uid);
                     metrics::node()
                         .ledger_refusals
                         .get_or_create(&ApiLabel::DRA)
@@ -52,14 +88,14 @@ impl Shared {
                             device,
                             cause: Box::new(held),
                         }),
-                        false,
+                        !shares.is_empty(),
                     )
                 }
             }
         })
     }
 
-    /// Gives back whatever the claim holds (nothing, outside shared mode).
+    /// Gives back whatever the claim holds: its shares, and its whole units in shared mode.
     pub(super) fn release(&self, c: &ClaimRef) {
         let released = self.state.update(|s| {
             let r = s.ledger.release_claim(&c.uid);

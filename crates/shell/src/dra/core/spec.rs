@@ -6,10 +6,12 @@
 use super::names::{cdi_device_name, is_claim_spec_stem};
 use super::{PrepareError, Shared};
 use crate::cdi::{self, ContainerEdits, DeviceName, DriverFiles, NamedDevices, WriteError};
+use crate::dra::checkpoint::ShareEntry;
 use crate::dra::claims::{plan_claim, ClaimPlan};
 use crate::dra::{status, ClaimRef, ClaimUid, PreparedDevice};
 use crate::inventory::{DeviceRef, DeviceUuid, Inventory};
 use crate::ledger::dra_view;
+use crate::sharing::{self, Enforcement};
 use crate::source::DeviceMode;
 use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, BTreeSet};
@@ -68,7 +70,10 @@ pub(super) fn sweep_claim_specs(cdi_root: &Path) -> Vec<String> {
 pub(super) struct Rendered {
     pub(super) spec: cdi::Spec,
     pub(super) devices: Vec<PreparedDevice>,
+    /// Devices held whole: DRA name -> unit.
     pub(super) units: BTreeMap<String, DeviceUuid>,
+    /// Shares of shared units.
+    pub(super) shares: Vec<ShareEntry>,
     /// The claim's `status.devices` entries once prepared.
     pub(super) status: Vec<serde_json::Value>,
 }
@@ -91,14 +96,13 @@ impl Shared {
         claim: &k8s_openapi::api::resource::v1::ResourceClaim,
         c: &ClaimRef,
     ) -> Result<Rendered, PrepareError> {
-        let (inv, health) = {
+        let (inv, health, shares) = {
             let snap = self.state.read();
-            (
-                dra_view(&snap.inventory, &snap.config.allocation),
-                snap.health.clone(),
-            )
+            let inv = dra_view(&snap.inventory, &snap.config.allocation);
+            let shares = self.shared_units(&inv, snap.config.shares.as_ref());
+            (inv, snap.health.clone(), shares)
         };
-        let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health)
+        let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health, &shares)
             .map_err(|source| PrepareError::Plan { cause: source })?;
         let generation = claim.metadata.generation;
         match self.device_mode {
@@ -124,23 +128,97 @@ impl Shared {
         let claimed = claimed_devices(plan, &c.uid, inv, files)?;
         let mut spec = self.spec_over(&claimed, files)?;
         add_config_env(&mut spec, plan, &c.uid);
+        self.add_share_edits(&mut spec, plan, &c.uid);
         spec.cdi_version = cdi::minimum_version(&spec).to_string();
         let units = plan
             .devices
             .iter()
+            .filter(|p| p.share.is_none())
             .map(|p| (p.device.clone(), p.uuid.clone()))
+            .collect();
+        let shares: Vec<ShareEntry> = plan
+            .devices
+            .iter()
+            .filter_map(|p| {
+                let (share, unit) = p.share?;
+                Some(ShareEntry {
+                    device: p.device.clone(),
+                    unit: p.uuid.clone(),
+                    share_id: p.share_id.clone().unwrap_or_default(),
+                    share,
+                    capacity: unit.whole(),
+                    enforcement: unit.enforcement,
+                })
+            })
             .collect();
         let now = Timestamp::from_second(Timestamp::now().as_second())
             .map(|t| t.to_string())
             .unwrap_or_default();
-        let status =
+        let mut status =
             status::device_statuses(&self.driver, &self.pool, &claimed.by_name, generation, &now);
+        for (entry, s) in status.iter_mut().zip(&claimed.by_name) {
+            if let Some(share) = shares.iter().find(|x| x.device == s.0) {
+                status::add_share(
+                    entry,
+                    &share.share_id,
+                    &share.share,
+                    share.enforcement,
+                    &now,
+                );
+            }
+        }
         Ok(Rendered {
             spec,
             devices: self.prepared_devices(plan, &c.uid),
             units,
+            shares,
             status,
         })
+    }
+
+    /// The shared units of `inv`; MPS becomes time-slicing where the driver root has no MPS
+    /// control program (the claim's status and an Event say so).
+    pub(super) fn shared_units(
+        &self,
+        inv: &Inventory,
+        cfg: Option<&sharing::ShareConfig>,
+    ) -> BTreeMap<DeviceUuid, sharing::UnitShares> {
+        let mut units = sharing::shared_units(inv, cfg);
+        if !units.is_empty() && !self.mps.available() {
+            for u in units.values_mut() {
+                u.enforcement = Enforcement::TimeSlicing;
+            }
+        }
+        units
+    }
+
+    /// A share's container edits: what it is and, under MPS, its daemon's pipe directory
+    /// (mounted at the same path) and CUDA's MPS client limits.
+    fn add_share_edits(&self, spec: &mut cdi::Spec, plan: &ClaimPlan, uid: &ClaimUid) {
+        for d in &mut spec.devices {
+            let Some((share, unit, p)) = plan.devices.iter().find_map(|p| {
+                let (share, unit) = p.share?;
+                (cdi_device_name(uid, &p.device) == d.name).then_some((share, unit, p))
+            }) else {
+                continue;
+            };
+            let pipe = self.mps.dirs(&p.uuid).pipe.display().to_string();
+            let mps = unit.enforcement == Enforcement::Mps;
+            let edits = &mut d.container_edits;
+            edits.env.extend(sharing::share_env(
+                &share,
+                unit.enforcement,
+                mps.then_some(pipe.as_str()),
+            ));
+            if mps {
+                edits.mounts.push(cdi::Mount {
+                    host_path: pipe.clone(),
+                    container_path: pipe,
+                    options: vec!["rbind".into(), "rw".into()],
+                    mount_type: None,
+                });
+            }
+        }
     }
 
     /// The spec of `claimed`: over the driver's files once every needed device node is right,

@@ -1,0 +1,62 @@
+//! A claim's shares and their units' MPS control daemons: started before a share's prepare is
+//! recorded, stopped once a unit's last MPS share is unprepared. A crash between a start and
+//! the checkpoint write leaves a daemon no share needs, and one between the checkpoint write and
+//! a stop leaves one too: the next start's reconcile stops both ([`MpsDaemons::reconcile`]).
+//!
+//! [`MpsDaemons::reconcile`]: crate::dra::mps::MpsDaemons::reconcile
+
+use super::{PrepareError, Shared};
+use crate::dra::checkpoint::{CheckpointData, ClaimState, ShareEntry};
+use crate::inventory::DeviceUuid;
+use crate::sharing::Enforcement;
+use std::collections::BTreeSet;
+use tracing::warn;
+
+/// The units whose MPS shares the checkpoint records as prepared: their daemons must run.
+pub(super) fn mps_units(data: &CheckpointData) -> BTreeSet<DeviceUuid> {
+    data.claims
+        .values()
+        .filter(|e| e.state == ClaimState::PrepareCompleted)
+        .flat_map(|e| &e.shares)
+        .filter(|s| s.enforcement == Enforcement::Mps)
+        .map(|s| s.unit.clone())
+        .collect()
+}
+
+impl Shared {
+    /// Makes sure the daemon of each MPS share's unit runs before the prepare answers.
+    pub(super) fn start_daemons(&self, shares: &[ShareEntry]) -> Result<(), PrepareError> {
+        let mut started = false;
+        for s in shares.iter().filter(|s| s.enforcement == Enforcement::Mps) {
+            started |= self
+                .mps
+                .ensure(&s.unit)
+                .map_err(|cause| PrepareError::Mps { cause })?;
+        }
+        if started {
+            crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterMpsStart);
+        }
+        Ok(())
+    }
+
+    /// Stops the daemon of each unit of `shares` that no share holds any more (the claim's
+    /// own shares are released already). A failure is logged: the claim is unprepared, and
+    /// the next start stops a daemon no share needs.
+    pub(super) fn stop_unused_daemons(&self, shares: &[ShareEntry]) {
+        let idle: BTreeSet<&DeviceUuid> = {
+            let snap = self.state.read();
+            shares
+                .iter()
+                .filter(|s| s.enforcement == Enforcement::Mps)
+                .map(|s| &s.unit)
+                .filter(|u| snap.ledger.shares_of(u).is_empty())
+                .collect()
+        };
+        for unit in idle {
+            crate::crashpoint::reached(crate::crashpoint::Step::UnprepareBeforeMpsStop);
+            if let Err(e) = self.mps.stop(unit) {
+                warn!(error = %e, "the last share of a GPU is unprepared but its MPS control daemon did not stop");
+            }
+        }
+    }
+}

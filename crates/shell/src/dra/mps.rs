@@ -1,0 +1,237 @@
+//! MPS control daemons: one per shared unit while at least one MPS-enforced share is prepared
+//! on it, started by the first share's prepare and stopped after the last share's unprepare.
+//!
+//! A daemon is NVIDIA's `nvidia-cuda-mps-control -d` from the driver root, run with
+//! `CUDA_VISIBLE_DEVICES` = the unit's UUID and its pipe and log directories under
+//! `<state dir>/mps/<unit uuid>/{pipe,log}` (NVIDIA's MPS documentation: the control daemon
+//! writes `nvidia-cuda-mps-control.pid` into its pipe directory; `quit` sent through the same
+//! program in client mode stops it). Containers get the pipe directory mounted and
+//! `CUDA_MPS_PIPE_DIRECTORY` pointing at it, so their CUDA processes connect to their unit's
+//! daemon with their own limits.
+//!
+//! The directories under `<state dir>/mps` are the record of which daemons are ours: nothing
+//! started outside gpuplane lives there, so nothing else is ever stopped. At start the agent
+//! stops each daemon no prepared share needs and starts the missing ones ([`MpsDaemons::reconcile`]).
+//! Every call here blocks (process runs, file reads): callers run it on the blocking pool.
+
+use crate::inventory::DeviceUuid;
+use crate::paths::HostPaths;
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+/// The control program, relative to the driver root.
+const PROGRAM: &str = "usr/bin/nvidia-cuda-mps-control";
+/// The file the control daemon writes its PID into, in its pipe directory.
+const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
+/// How long one run of the control program may take (`-d` returns once the daemon is up).
+const RUN_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum MpsError {
+    #[error("starting the MPS control daemon for GPU {unit} failed: {cause}; its log is {log}")]
+    Start {
+        unit: String,
+        cause: String,
+        log: String,
+    },
+    #[error("stopping the MPS control daemon for GPU {unit} failed: {cause}; its log is {log}")]
+    Stop {
+        unit: String,
+        cause: String,
+        log: String,
+    },
+}
+
+/// A daemon's directories.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DaemonDirs {
+    pub pipe: PathBuf,
+    pub log: PathBuf,
+}
+
+/// The MPS control daemons of this node.
+#[derive(Debug, Clone)]
+pub struct MpsDaemons {
+    program: PathBuf,
+    base: PathBuf,
+    proc_root: PathBuf,
+}
+
+impl MpsDaemons {
+    pub fn new(paths: &HostPaths) -> MpsDaemons {
+        MpsDaemons {
+            program: paths.driver_files().join(PROGRAM),
+            base: paths.state_dir.join("mps"),
+            proc_root: paths.proc_root.clone(),
+        }
+    }
+
+    /// Whether the driver root ships the control program (else shares are time-sliced).
+    pub fn available(&self) -> bool {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(&self.program)
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    }
+
+    pub fn program(&self) -> &Path {
+        &self.program
+    }
+
+    pub fn dirs(&self, unit: &str) -> DaemonDirs {
+        let root = self.base.join(unit);
+        DaemonDirs {
+            pipe: root.join("pipe"),
+            log: root.join("log"),
+        }
+    }
+
+    /// Whether `unit`'s daemon runs: its PID file names a live process.
+    pub fn running(&self, unit: &str) -> bool {
+        let pid = std::fs::read_to_string(self.dirs(unit).pipe.join(PID_FILE)).ok();
+        pid.and_then(|p| p.trim().parse::<u32>().ok())
+            .is_some_and(|pid| self.proc_root.join(pid.to_string()).exists())
+    }
+
+    /// Starts `unit`'s daemon unless it runs; true when it was started.
+    pub fn ensure(&self, unit: &str) -> Result<bool, MpsError> {
+        if self.running(unit) {
+            return Ok(false);
+        }
+        let dirs = self.dirs(unit);
+        let fail = |cause: String| MpsError::Start {
+            unit: unit.to_string(),
+            cause,
+            log: dirs.log.join("control.log").display().to_string(),
+        };
+        for d in [&dirs.pipe, &dirs.log] {
+            std::fs::create_dir_all(d)
+                .map_err(|e| fail(format!("creating {}: {e}", d.display())))?;
+        }
+        let mut cmd = self.command(&dirs);
+        cmd.arg("-d").env("CUDA_VISIBLE_DEVICES", unit);
+        run(cmd, None).map_err(fail)?;
+        if !self.running(unit) {
+            return Err(fail(format!(
+                "{} -d returned but no daemon runs",
+                self.program.display()
+            )));
+        }
+        info!(unit, pipe = %dirs.pipe.display(), "started the MPS control daemon");
+        Ok(true)
+    }
+
+    /// Stops `unit`'s daemon (if it runs) and removes its directories.
+    pub fn stop(&self, unit: &str) -> Result<(), MpsError> {
+        let dirs = self.dirs(unit);
+        let fail = |cause: String| MpsError::Stop {
+            unit: unit.to_string(),
+            cause,
+            log: dirs.log.join("control.log").display().to_string(),
+        };
+        if self.running(unit) {
+            run(self.command(&dirs), Some(b"quit\n")).map_err(fail)?;
+            let deadline = Instant::now() + RUN_TIMEOUT;
+            while self.running(unit) {
+                if Instant::now() > deadline {
+                    return Err(fail("it did not exit after quit".into()));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            info!(unit, "stopped the MPS control daemon");
+        }
+        match std::fs::remove_dir_all(self.base.join(unit)) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(fail(format!("removing its directories: {e}"))),
+        }
+    }
+
+    /// Units with a daemon directory (ours, running or left by a crash).
+    pub fn units(&self) -> Vec<String> {
+        std::fs::read_dir(&self.base)
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| e.path().is_dir())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Makes the running daemons those of `wanted` (agent start): stops each one no share
+    /// needs, starts each missing one. Failures are logged; a prepare retried by the kubelet
+    /// starts a missing daemon again.
+    pub fn reconcile(&self, wanted: &BTreeSet<DeviceUuid>) {
+        for unit in self.units() {
+            if !wanted.iter().any(|w| w.as_str() == unit) {
+                info!(unit = %unit, "an MPS control daemon serves no prepared share; stopping it");
+                if let Err(e) = self.stop(&unit) {
+                    warn!(error = %e, "stopping an unneeded MPS control daemon failed");
+                }
+            }
+        }
+        for unit in wanted {
+            match self.ensure(unit) {
+                Ok(true) => {
+                    info!(unit = %unit, "a prepared share had no MPS control daemon; started one")
+                }
+                Ok(false) => info!(unit = %unit, "adopted the running MPS control daemon"),
+                Err(e) => {
+                    warn!(error = %e, "starting the MPS control daemon of prepared shares failed")
+                }
+            }
+        }
+    }
+
+    fn command(&self, dirs: &DaemonDirs) -> Command {
+        let mut cmd = Command::new(&self.program);
+        cmd.env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
+            .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log);
+        cmd
+    }
+}
+
+/// Runs the control program to completion (bounded), feeding it `stdin`; an error says how it
+/// failed, with its stderr.
+fn run(mut cmd: Command, stdin: Option<&[u8]>) -> Result<(), String> {
+    cmd.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped());
+    let mut child = cmd.spawn().map_err(|e| format!("running it: {e}"))?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(input)
+            .map_err(|e| format!("writing its commands: {e}"))?;
+    }
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => {
+                // Best effort: it is being abandoned either way.
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("no answer within {RUN_TIMEOUT:?}"));
+            }
+            Err(e) => return Err(format!("waiting for it: {e}")),
+        }
+    };
+    if status.success() {
+        return Ok(());
+    }
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        use std::io::Read;
+        // What it printed is the clearest reason; a read failure leaves the status alone.
+        let _ = e.read_to_string(&mut err);
+    }
+    Err(format!("it exited with {status}: {}", err.trim()))
+}
