@@ -14,10 +14,15 @@
 //! ([`CatalogSettings::time_slicing`], rounded up). A resource with no matching published device
 //! has an *unknown* memory (and, for MIG, an unknown share): a quota that limits that dimension
 //! then denies, rather than guess low.
+//!
+//! A device published with `allowMultipleAllocations: true` is allocated in shares; the
+//! catalog keeps that and the request policies of its `memory` and `compute` capacities, and
+//! [`super::share`] prices a share from them.
 
 use super::charge::{Charge, UnknownCharge};
 use super::ratio::Gpus;
 use super::selector::{AttrValue, DeviceView, Selector};
+use super::share::{ConsumableCapacity, COMPUTE_CAPACITY, MEMORY_CAPACITY};
 use super::usage::{Dimension, Memory};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use std::collections::BTreeMap;
@@ -71,8 +76,30 @@ pub struct CatalogDevice {
     pub memory: Option<Memory>,
     /// Share of a whole GPU; `None` for a MIG profile whose size cannot be read.
     pub share: Option<Gpus>,
+    /// `allowMultipleAllocations`: the device is allocated in shares.
+    pub multi_allocatable: bool,
+    /// The `memory` capacity with its request policy (`None`: not published, or unreadable).
+    pub memory_capacity: Option<ConsumableCapacity>,
+    /// The `compute` capacity (percent of the device's SMs) with its request policy.
+    pub compute_capacity: Option<ConsumableCapacity>,
     attributes: BTreeMap<(String, String), AttrValue>,
     capacity: BTreeMap<(String, String), AttrValue>,
+}
+
+impl CatalogDevice {
+    /// Whether the device publishes capacity `name` (bare, or qualified with a domain).
+    pub fn has_capacity(&self, name: &str) -> bool {
+        self.capacity
+            .contains_key(&qualified_name(&self.driver, name))
+    }
+}
+
+/// (domain, name) of an attribute or capacity name; a bare name is in the driver's domain.
+pub fn qualified_name(driver: &str, name: &str) -> (String, String) {
+    match name.rsplit_once('/') {
+        Some((dom, n)) => (dom.to_string(), n.to_string()),
+        None => (driver.to_string(), name.to_string()),
+    }
 }
 
 impl DeviceView for CatalogDevice {
@@ -317,34 +344,27 @@ impl DeviceCatalog {
         Ok(charge)
     }
 
-    /// Worst-case usage of one device among `devices`: the largest share and the largest
-    /// memory (each may come from a different device), plus unknowns when either is missing.
-    pub fn worst_device(devices: &[&CatalogDevice], what: &str) -> Charge {
+    /// Worst case of one allocation among the devices a request may get, from each one's
+    /// charge ([`super::share::allocation_charge`]): the largest in each dimension (each may come
+    /// from a different device), the first unknown of each; both unknown when `costs` is empty.
+    pub fn worst_device(costs: &[Charge], what: &str) -> Charge {
         let mut c = Charge::default();
-        if devices.is_empty() {
-            c.unknown.push(UnknownCharge {
-                dimension: Dimension::Gpus,
-                why: format!("no published device matches {what}"),
-            });
-            c.unknown.push(UnknownCharge {
-                dimension: Dimension::GpuMemory,
-                why: format!("no published device matches {what}"),
-            });
+        if costs.is_empty() {
+            for dimension in [Dimension::Gpus, Dimension::GpuMemory] {
+                c.unknown.push(UnknownCharge {
+                    dimension,
+                    why: format!("no published device matches {what}"),
+                });
+            }
             return c;
         }
-        match devices.iter().map(|d| d.share).collect::<Option<Vec<_>>>() {
-            Some(s) => c.usage.gpus = s.into_iter().max().unwrap_or(Gpus::ZERO),
-            None => c.unknown.push(UnknownCharge {
-                dimension: Dimension::Gpus,
-                why: format!("a device matching {what} has an unknown MIG size"),
-            }),
-        }
-        match devices.iter().map(|d| d.memory).collect::<Option<Vec<_>>>() {
-            Some(m) => c.usage.gpu_memory = m.into_iter().max().unwrap_or(Memory::ZERO),
-            None => c.unknown.push(UnknownCharge {
-                dimension: Dimension::GpuMemory,
-                why: format!("a device matching {what} publishes no memory capacity"),
-            }),
+        for cost in costs {
+            c.usage = c.usage.max(&cost.usage);
+            for u in &cost.unknown {
+                if c.unknown_in(&u.dimension).is_none() {
+                    c.unknown.push(u.clone());
+                }
+            }
         }
         c
     }
@@ -381,10 +401,7 @@ fn catalog_device(
     pool: &str,
     d: &k8s_openapi::api::resource::v1::Device,
 ) -> CatalogDevice {
-    let split = |name: &str| match name.rsplit_once('/') {
-        Some((dom, n)) => (dom.to_string(), n.to_string()),
-        None => (driver.to_string(), name.to_string()),
-    };
+    let split = |name: &str| qualified_name(driver, name);
     let mut attributes = BTreeMap::new();
     for (k, v) in d.attributes.iter().flatten() {
         let value = if let Some(s) = &v.string {
@@ -401,9 +418,16 @@ fn catalog_device(
         attributes.insert(split(k), value);
     }
     let mut capacity = BTreeMap::new();
+    let (mut memory_capacity, mut compute_capacity) = (None, None);
     for (k, v) in d.capacity.iter().flatten() {
         if let Ok(q) = crate::quantity::Quantity::parse_trimmed(&v.value.0) {
             capacity.insert(split(k), AttrValue::Quantity(q));
+        }
+        let (dom, name) = split(k);
+        match name.as_str() {
+            MEMORY_CAPACITY if dom == driver => memory_capacity = ConsumableCapacity::from_api(v),
+            COMPUTE_CAPACITY if dom == driver => compute_capacity = ConsumableCapacity::from_api(v),
+            _ => {}
         }
     }
     let own = |name: &str| attributes.get(&(driver.to_string(), name.to_string()));
@@ -417,9 +441,8 @@ fn catalog_device(
         (Some("mig"), Some(profile)) => DeviceKind::Mig { profile },
         _ => DeviceKind::Other,
     };
-    let memory = match capacity.get(&(driver.to_string(), "memory".to_string())) {
-        // Bytes rounded up, as the quota's own gpuMemory reads them; negative is no memory.
-        Some(AttrValue::Quantity(q)) => q.value().and_then(|v| u64::try_from(v).ok()).map(Memory),
+    let memory = match capacity.get(&split(MEMORY_CAPACITY)) {
+        Some(AttrValue::Quantity(q)) => Memory::from_quantity(q),
         _ => None,
     };
     let share = match &kind {
@@ -436,6 +459,9 @@ fn catalog_device(
         product,
         memory,
         share,
+        multi_allocatable: d.allow_multiple_allocations == Some(true),
+        memory_capacity,
+        compute_capacity,
         attributes,
         capacity,
     }

@@ -19,15 +19,24 @@
 //! `count` x the largest share and the largest memory for `ExactCount`, and for `All` the largest
 //! sum over one pool (one node's devices).
 //!
+//! A request naming capacities (`capacity.requests`) may get only devices that publish them and
+//! can grant them; on a multi-allocatable device it gets a share, which costs what it consumes
+//! ([`super::share`]): the worst case is taken over shared and whole devices alike.
+//!
 //! Once a claim is allocated, [`settled_claim_charge`] gives its actual cost from
 //! `status.allocation` and the slices: the controller replaces the worst case with it.
 
-use super::catalog::{ClassMatch, DeviceCatalog};
+use super::catalog::{CatalogDevice, ClassMatch, DeviceCatalog};
 use super::ratio::QuotaMathError;
 use super::selector::Selector;
+use super::share::{allocation_charge, settled_share_charge, CapacityAmounts};
 use super::usage::{Dimension, Usage};
+use crate::quantity::QuantityError;
 use k8s_openapi::api::core::v1::{Container, Pod};
-use k8s_openapi::api::resource::v1::{DeviceSelector, ResourceClaim, ResourceClaimSpec};
+use k8s_openapi::api::resource::v1::{
+    CapacityRequirements, DeviceRequestAllocationResult, DeviceSelector, ResourceClaim,
+    ResourceClaimSpec,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use std::collections::BTreeMap;
 
@@ -107,6 +116,13 @@ pub enum ChargeError {
     BadCount { request: String, count: i64 },
     #[error("request {request:?}: unknown allocationMode {mode:?} (want ExactCount or All)")]
     BadMode { request: String, mode: String },
+    #[error("request {request:?}: capacity {capacity}: {value:?} is not a quantity: {reason}")]
+    BadCapacity {
+        request: String,
+        capacity: String,
+        value: String,
+        reason: QuantityError,
+    },
     #[error("request {0:?} has neither `exactly` nor `firstAvailable`")]
     EmptyRequest(String),
     #[error("allocation result for request {0:?} names no request of the claim")]
@@ -270,6 +286,7 @@ fn request_charge(
     sels: &Option<Vec<DeviceSelector>>,
     mode: Option<&str>,
     count: Option<i64>,
+    capacity: Option<&CapacityRequirements>,
     catalog: &DeviceCatalog,
 ) -> Result<Charge, ChargeError> {
     let all = match mode.unwrap_or("ExactCount") {
@@ -294,7 +311,14 @@ fn request_charge(
                 count: c,
             })?
     };
-    let what = format!("DeviceClass {class}");
+    let asked = CapacityAmounts::read(capacity.and_then(|c| c.requests.as_ref())).map_err(
+        |(capacity, value, reason)| ChargeError::BadCapacity {
+            request: request.into(),
+            capacity,
+            value,
+            reason,
+        },
+    )?;
     let mut charge = match catalog.matching(class, &selectors(sels)) {
         ClassMatch::NotGpu => Charge::default(),
         ClassMatch::UnknownClass => {
@@ -313,31 +337,46 @@ fn request_charge(
                 ],
             }
         }
-        ClassMatch::Devices(ds) if all && !ds.is_empty() => {
-            // The largest total over one pool (one node's devices).
-            let mut pools: BTreeMap<(&str, &str), Vec<_>> = BTreeMap::new();
-            for d in ds {
-                pools
-                    .entry((d.driver.as_str(), d.pool.as_str()))
-                    .or_default()
-                    .push(d);
-            }
-            let mut worst = Charge::default();
-            for devs in pools.values() {
-                let mut c = Charge::default();
-                for d in devs {
-                    c.add_assign(&DeviceCatalog::device_usage(d))?;
-                }
-                worst = worst.max(&c);
-            }
-            worst
-        }
         ClassMatch::Devices(ds) => {
-            DeviceCatalog::worst_device(&ds, &what).checked_mul_int(if all { 1 } else { n })?
+            let what = if asked.is_empty() {
+                format!("DeviceClass {class}")
+            } else {
+                format!("DeviceClass {class} with the capacities request {request} asks")
+            };
+            devices_charge(&ds, &asked, all, n, &what)?
         }
     };
     charge.usage.devices.insert(class.to_string(), n);
     Ok(charge)
+}
+
+/// `n` allocations among `ds` (`all`: one on each device of the most costly pool, one node's
+/// devices), each priced by [`allocation_charge`]; devices it rules out are skipped.
+fn devices_charge(
+    ds: &[&CatalogDevice],
+    asked: &CapacityAmounts,
+    all: bool,
+    n: u64,
+    what: &str,
+) -> Result<Charge, QuotaMathError> {
+    let costs: Vec<(&CatalogDevice, Charge)> = ds
+        .iter()
+        .filter_map(|d| Some((*d, allocation_charge(d, asked)?)))
+        .collect();
+    if !all || costs.is_empty() {
+        let each: Vec<Charge> = costs.into_iter().map(|(_, c)| c).collect();
+        return DeviceCatalog::worst_device(&each, what).checked_mul_int(if all { 1 } else { n });
+    }
+    let mut pools: BTreeMap<(&str, &str), Charge> = BTreeMap::new();
+    for (d, c) in &costs {
+        pools
+            .entry((d.driver.as_str(), d.pool.as_str()))
+            .or_default()
+            .add_assign(c)?;
+    }
+    Ok(pools
+        .values()
+        .fold(Charge::default(), |worst, c| worst.max(c)))
 }
 
 /// What a claim (or a template's claim) costs before allocation (worst case).
@@ -358,6 +397,7 @@ pub fn claim_charge(
                 &e.selectors,
                 e.allocation_mode.as_deref(),
                 e.count,
+                e.capacity.as_ref(),
                 catalog,
             )?
         } else if let Some(subs) = r.first_available.as_ref().filter(|s| !s.is_empty()) {
@@ -370,6 +410,7 @@ pub fn claim_charge(
                     &s.selectors,
                     s.allocation_mode.as_deref(),
                     s.count,
+                    s.capacity.as_ref(),
                     catalog,
                 )?);
             }
@@ -405,9 +446,11 @@ fn class_of<'a>(spec: &'a ResourceClaimSpec, name: &str) -> Option<&'a str> {
 }
 
 /// The actual cost of an allocated claim: per allocated device, one device of its request's
-/// class, and the device's share and memory as published. `Ok(None)` while unallocated. A
-/// device of another driver costs only its count; a GPU-driver device no longer published
-/// leaves an unknown, and the caller then keeps the admission-time (worst-case) charge.
+/// class, and the device's share and memory as published; a share (a result with
+/// `consumedCapacity`) what it consumed. `Ok(None)` while unallocated. A device of another
+/// driver costs only its count; a GPU-driver device no longer published leaves an unknown
+/// (unless its share's consumption says it all), and the caller then keeps the admission-time
+/// (worst-case) charge.
 pub fn settled_claim_charge(
     claim: &ResourceClaim,
     catalog: &DeviceCatalog,
@@ -426,28 +469,7 @@ pub fn settled_claim_charge(
         let class = class_of(&claim.spec, &r.request)
             .ok_or_else(|| ChargeError::UnknownRequest(r.request.clone()))?;
         let mut c = if catalog.settings().drivers.contains(&r.driver) {
-            match catalog.device(&r.driver, &r.pool, &r.device) {
-                Some(d) => DeviceCatalog::device_usage(d),
-                None => {
-                    let why = format!(
-                        "allocated device {}/{}/{} is not published",
-                        r.driver, r.pool, r.device
-                    );
-                    Charge {
-                        usage: Usage::default(),
-                        unknown: vec![
-                            UnknownCharge {
-                                dimension: Dimension::Gpus,
-                                why: why.clone(),
-                            },
-                            UnknownCharge {
-                                dimension: Dimension::GpuMemory,
-                                why,
-                            },
-                        ],
-                    }
-                }
-            }
+            result_charge(r, catalog)
         } else {
             Charge::default()
         };
@@ -455,6 +477,36 @@ pub fn settled_claim_charge(
         total.add_assign(&c)?;
     }
     Ok(Some(total))
+}
+
+/// The share and memory of one allocated GPU-driver device.
+fn result_charge(r: &DeviceRequestAllocationResult, catalog: &DeviceCatalog) -> Charge {
+    let device = catalog.device(&r.driver, &r.pool, &r.device);
+    let what = format!("allocated device {}/{}/{}", r.driver, r.pool, r.device);
+    // The scheduler fills `consumedCapacity` for shares only (an empty map is no share).
+    let consumed = CapacityAmounts::readable(r.consumed_capacity.as_ref());
+    if !consumed.is_empty() {
+        return settled_share_charge(&consumed, &r.driver, device, &what);
+    }
+    match device {
+        Some(d) => DeviceCatalog::device_usage(d),
+        None => {
+            let why = format!("{what} is not published");
+            Charge {
+                usage: Usage::default(),
+                unknown: vec![
+                    UnknownCharge {
+                        dimension: Dimension::Gpus,
+                        why: why.clone(),
+                    },
+                    UnknownCharge {
+                        dimension: Dimension::GpuMemory,
+                        why,
+                    },
+                ],
+            }
+        }
+    }
 }
 
 /// Whether the scheduler made this claim for a pod's extended resources backed by a

@@ -25,6 +25,10 @@
 //! - [`settled_claim_charge`]`(&claim, &catalog)`: the actual charge from
 //!   `status.allocation` (`Ok(None)` while unallocated; keep the worst case while it has
 //!   unknowns).
+//! - Shares (`share.rs`, DRA consumable capacity): a device with `allowMultipleAllocations`
+//!   ([`CatalogDevice::multi_allocatable`], its `memory`/`compute` [`ConsumableCapacity`]) is
+//!   charged per share: `gpuMemory` what it consumes, `gpus` its `compute` over the device's
+//!   (80 of 100 on a whole GPU is 4/5); [`allocation_charge`] prices one allocation on a device.
 //! - [`claim_is_pod_owned`]: claims made from a pod's template are charged through the pod;
 //!   [`claim_is_extended_resource_claim`]: so are those the scheduler makes for a pod's
 //!   `nvidia.com/gpu` served through DRA.
@@ -65,6 +69,7 @@ pub mod escrow;
 pub mod ratio;
 pub mod scope;
 pub mod selector;
+pub mod share;
 pub mod status;
 pub mod usage;
 
@@ -84,6 +89,9 @@ pub use crd::{
 };
 pub use ratio::{Gpus, QuotaMathError};
 pub use scope::governs_pod;
+pub use share::{
+    allocation_charge, CapacityAmounts, ConsumableCapacity, RequestPolicy, ValidRange,
+};
 pub use status::{
     now_rfc3339, stale_reservations, LiveObject, ReservationKey, DEFAULT_RESERVATION_GRACE,
 };

@@ -1012,3 +1012,5 @@ fn an_escrow_round_records_its_admissions_resizes_the_escrow_and_holds_what_othe
     );
     assert!(d.escrow.is_zero() && !d.changed);
 }
+
+mod shares;

@@ -63,10 +63,13 @@ impl Memory {
         if q.is_negative() {
             return Err(MemoryError::Negative(text.to_string()));
         }
-        q.value()
-            .and_then(|v| u64::try_from(v).ok())
-            .map(Memory)
-            .ok_or_else(|| MemoryError::TooLarge(text.to_string()))
+        Memory::from_quantity(&q).ok_or_else(|| MemoryError::TooLarge(text.to_string()))
+    }
+
+    /// Bytes of a quantity, rounded up as `Value()` rounds; `None` when negative or past
+    /// 2^63-1 (published capacities and consumed shares are read so, like `gpuMemory`).
+    pub fn from_quantity(q: &Quantity) -> Option<Memory> {
+        q.value().and_then(|v| u64::try_from(v).ok()).map(Memory)
     }
 }
 
