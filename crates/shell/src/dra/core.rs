@@ -227,6 +227,13 @@ impl DraCore {
             .collect()
     }
 
+    /// The Event a prepared claim's user must see when a share of it is time-sliced, its
+    /// limits not enforced.
+    pub async fn share_notice(&self, uid: &str) -> Option<UserEvent> {
+        let cp = self.checkpoint.lock().await;
+        shares::notice(cp.get(uid)?)
+    }
+
     /// A copy of the checkpoint's content.
     pub async fn checkpoint(&self) -> CheckpointData {
         self.checkpoint.lock().await.data().clone()

@@ -89,11 +89,21 @@ impl MpsDaemons {
         }
     }
 
-    /// Whether `unit`'s daemon runs: its PID file names a live process.
+    /// Whether `unit`'s daemon runs: its PID file names a live process (a zombie, dead but
+    /// not yet reaped, is not).
     pub fn running(&self, unit: &str) -> bool {
         let pid = std::fs::read_to_string(self.dirs(unit).pipe.join(PID_FILE)).ok();
-        pid.and_then(|p| p.trim().parse::<u32>().ok())
-            .is_some_and(|pid| self.proc_root.join(pid.to_string()).exists())
+        let stat = pid
+            .and_then(|p| p.trim().parse::<u32>().ok())
+            .and_then(|pid| {
+                std::fs::read_to_string(self.proc_root.join(format!("{pid}/stat"))).ok()
+            });
+        // `<pid> (<comm>) <state> ...`: the state follows the last `)`.
+        stat.and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().to_string())
+        })
+        .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
     }
 
     /// Starts `unit`'s daemon unless it runs; true when it was started.

@@ -38,11 +38,13 @@ pub enum DraStartError {
     Worker(String),
 }
 
-/// The slices this node should publish now: the DRA view of the inventory with health taints,
-/// plus an in-use taint on devices the device plugin API holds.
+/// The slices this node should publish now: the DRA view of the inventory with health taints
+/// and its shared units as shared devices, plus an in-use taint on devices the device plugin
+/// API holds.
 pub fn desired_slices(s: &Snapshot, driver: &str, node: &str) -> Vec<ResourceSlice> {
     let inv = dra_view(&s.inventory, &s.config.allocation);
-    let mut slices = render::render(&inv, &s.health, driver, node);
+    let shared = crate::sharing::shared_units(&inv, s.config.shares.as_ref());
+    let mut slices = render::render_with_generation(&inv, &s.health, driver, node, 0, &shared);
     let blocked = s.ledger.device_plugin_blocked();
     if blocked.is_empty() {
         return slices;

@@ -189,20 +189,26 @@ impl ReportingDriver {
 #[async_trait::async_trait]
 impl DraDriver for ReportingDriver {
     async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
-        self.core
-            .prepare_each(claims)
-            .await
-            .into_iter()
-            .map(|(c, r)| {
-                let r = r.map_err(|e| {
+        let mut out = BTreeMap::new();
+        for (c, r) in self.core.prepare_each(claims).await {
+            let r = match r {
+                Ok(devices) => {
+                    // Prepared, but the user must know if a share's limits are not enforced.
+                    if let Some(event) = self.core.share_notice(&c.uid).await {
+                        self.events.report(&c, &event);
+                    }
+                    Ok(devices)
+                }
+                Err(e) => {
                     if let Some(event) = e.user_event() {
                         self.events.report(&c, &event);
                     }
-                    kubelet_error(&c, &e)
-                });
-                (c.uid.into(), r)
-            })
-            .collect()
+                    Err(kubelet_error(&c, &e))
+                }
+            };
+            out.insert(c.uid.into(), r);
+        }
+        out
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {

@@ -5,8 +5,8 @@
 //!
 //! [`MpsDaemons::reconcile`]: crate::dra::mps::MpsDaemons::reconcile
 
-use super::{PrepareError, Shared};
-use crate::dra::checkpoint::{CheckpointData, ClaimState, ShareEntry};
+use super::{PrepareError, Shared, UserEvent};
+use crate::dra::checkpoint::{CheckpointData, ClaimEntry, ClaimState, ShareEntry};
 use crate::inventory::DeviceUuid;
 use crate::sharing::Enforcement;
 use std::collections::BTreeSet;
@@ -21,6 +21,26 @@ pub(super) fn mps_units(data: &CheckpointData) -> BTreeSet<DeviceUuid> {
         .filter(|s| s.enforcement == Enforcement::Mps)
         .map(|s| s.unit.clone())
         .collect()
+}
+
+/// The Event for a prepared claim whose shares are time-sliced: their limits are scheduling
+/// figures only.
+pub(super) fn notice(entry: &ClaimEntry) -> Option<UserEvent> {
+    let sliced: Vec<String> = entry
+        .shares
+        .iter()
+        .filter(|s| s.enforcement == Enforcement::TimeSlicing)
+        .map(|s| format!("{} ({})", s.device, s.share))
+        .collect();
+    (!sliced.is_empty()).then(|| UserEvent {
+        reason: "ShareLimitsNotEnforced",
+        note: format!(
+            "prepared as time-sliced shares of {}: their memory and compute are scheduling \
+             figures, not limits, because this node runs no MPS control daemon for them (no \
+             nvidia-cuda-mps-control in the driver root, or enforcement: TimeSlicing)",
+            sliced.join(", ")
+        ),
+    })
 }
 
 impl Shared {

@@ -1,0 +1,506 @@
+//! Fractional GPUs (DRA consumable capacity) through the DRA core: shares read from the
+//! allocation's `consumedCapacity`, held in the one ledger, enforced by an MPS control daemon per
+//! shared GPU (the stand-in `nvidia-cuda-mps-control` of hack/fake-mps in the driver root),
+//! kept across restarts, and refused with a reason per claim when they cannot be given.
+
+mod support;
+
+use gpuplane_shell::cdi::Spec;
+use gpuplane_shell::config::AgentConfig;
+use gpuplane_shell::dra::checkpoint::{self, CheckpointData};
+use gpuplane_shell::dra::core::{spec_stem, DraCore, DraCoreConfig};
+use gpuplane_shell::dra::fetch::{ClaimFetcher, MemoryClaims};
+use gpuplane_shell::dra::{ClaimRef, ClaimUid, DraDriver};
+use gpuplane_shell::inventory::Inventory;
+use gpuplane_shell::ledger::Holder;
+use gpuplane_shell::node::state::{NodeState, Snapshot};
+use gpuplane_shell::paths::HostPaths;
+use gpuplane_shell::source::DeviceMode;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde_json::{json, Value};
+use std::fs;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+const DRIVER: &str = "gpu.gpuplane.dev";
+const NODE: &str = "node-a";
+const SHARING: &str =
+    "sharing:\n  consumableCapacity:\n    gpus: [0, 1]\n    memoryStep: 1Gi\n    computeStep: 10\n";
+
+fn uid(n: u8) -> String {
+    format!("0b5c3f2e-1111-4222-8333-4444555566{n:02x}")
+}
+
+struct Env {
+    dir: tempfile::TempDir,
+    inv: Inventory,
+    state: Arc<NodeState>,
+    claims: Arc<MemoryClaims>,
+}
+
+impl Env {
+    /// A simulated dgx-a100 (80Gi GPUs) sharing GPUs 0 and 1; with the stand-in MPS control
+    /// program in the driver root when `mps`.
+    fn new(mps: bool) -> Env {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let inv = gpuplane_shell::sim::load("dgx-a100").unwrap();
+        fs::create_dir_all(root.join("proc/sys/kernel/random")).unwrap();
+        fs::write(root.join("proc/sys/kernel/random/boot_id"), "boot-1\n").unwrap();
+        let bin = root.join("driver/usr/bin");
+        fs::create_dir_all(&bin).unwrap();
+        if mps {
+            std::os::unix::fs::symlink(
+                support::built_fake_mps(),
+                bin.join("nvidia-cuda-mps-control"),
+            )
+            .unwrap();
+        }
+        let config = AgentConfig::parse("test", SHARING).unwrap();
+        let snapshot = Snapshot::new(inv.clone(), config).unwrap();
+        Env {
+            dir,
+            inv,
+            state: Arc::new(NodeState::new(snapshot)),
+            claims: Arc::new(MemoryClaims::default()),
+        }
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    fn core(&self) -> DraCore {
+        self.core_on(self.state.clone())
+    }
+
+    /// A core on `state` over this env's files (a restarted agent brings a new state).
+    fn core_on(&self, state: Arc<NodeState>) -> DraCore {
+        let root = self.dir.path();
+        // The real /proc: the daemons' PIDs are checked there.
+        let config = DraCoreConfig {
+            driver: DRIVER.into(),
+            node_name: NODE.into(),
+            paths: HostPaths {
+                kubelet_root: root.join("kubelet"),
+                cdi_root: root.join("cdi"),
+                state_dir: root.join("state"),
+                driver_root: root.join("driver"),
+                driver_root_mount: None,
+                dev_root: root.join("dev"),
+                proc_root: PathBuf::from("/proc"),
+            },
+            device_mode: DeviceMode::Simulated,
+        };
+        let fetcher: Arc<dyn ClaimFetcher> = self.claims.clone();
+        DraCore::new(config, state, fetcher).unwrap()
+    }
+
+    fn gpu(&self, i: usize) -> String {
+        self.inv.gpus[i].uuid.to_string()
+    }
+
+    /// Adds claim `ns/<name>` allocated `results`: (device, Some((shareID, memory, compute)))
+    /// for a share, None for a whole device; `config`: the allocation's configs.
+    fn add_claim(
+        &self,
+        name: &str,
+        uid: &str,
+        results: &[(&str, Option<(&str, &str, &str)>)],
+        config: Value,
+    ) -> ClaimRef {
+        let results: Vec<Value> = results
+            .iter()
+            .map(|(d, share)| {
+                let mut r = json!({"request": "gpu", "driver": DRIVER, "pool": NODE, "device": d});
+                if let Some((id, memory, compute)) = share {
+                    r["shareID"] = json!(id);
+                    r["consumedCapacity"] = json!({"memory": memory, "compute": compute});
+                }
+                r
+            })
+            .collect();
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "metadata": {"namespace": "ns", "name": name, "uid": uid},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.gpuplane.dev"}}]}},
+            "status": {"allocation": {"devices": {"results": results, "config": config}}}
+        }))
+        .unwrap();
+        self.claims.insert(claim);
+        ClaimRef::parse("ns", uid, name).unwrap()
+    }
+
+    fn spec_env(&self, uid: &str) -> Vec<String> {
+        let stem = spec_stem(&ClaimUid::parse(uid).unwrap());
+        let spec: Spec =
+            serde_json::from_slice(&fs::read(self.path(&format!("cdi/{stem}.json"))).unwrap())
+                .unwrap();
+        spec.devices
+            .iter()
+            .flat_map(|d| d.container_edits.env.clone())
+            .collect()
+    }
+
+    fn pid_file(&self, gpu: usize) -> PathBuf {
+        self.path(&format!(
+            "state/mps/{}/pipe/nvidia-cuda-mps-control.pid",
+            self.gpu(gpu)
+        ))
+    }
+
+    fn daemon_pid(&self, gpu: usize) -> Option<u32> {
+        let pid: u32 = fs::read_to_string(self.pid_file(gpu))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        PathBuf::from(format!("/proc/{pid}"))
+            .exists()
+            .then_some(pid)
+    }
+
+    fn daemon_log(&self, gpu: usize) -> String {
+        fs::read_to_string(self.path(&format!("state/mps/{}/log/control.log", self.gpu(gpu))))
+            .unwrap_or_default()
+    }
+
+    /// The checkpoint's content; empty before the first write.
+    fn checkpoint(&self) -> CheckpointData {
+        checkpoint::read(&self.path("state")).unwrap_or_else(|| CheckpointData::empty("none"))
+    }
+
+    /// Claim `name`'s first `status.devices` entry, once the background write made it.
+    async fn device_status(&self, name: &str) -> Value {
+        for _ in 0..500 {
+            let claim = self.claims.get("ns", name).await.unwrap();
+            if let Some(d) = claim
+                .status
+                .and_then(|s| s.devices)
+                .and_then(|d| d.into_iter().next())
+            {
+                return serde_json::to_value(d).unwrap();
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("no status.devices on claim {name}");
+    }
+
+    fn share_holders(&self, gpu: usize) -> Vec<String> {
+        let snap = self.state.read();
+        snap.ledger
+            .shares_of(&self.gpu(gpu))
+            .iter()
+            .map(|s| match &s.holder {
+                Holder::Claim { name, .. } => format!("{name} {}", s.share),
+                other => other.to_string(),
+            })
+            .collect()
+    }
+}
+
+impl Drop for Env {
+    /// No stand-in daemon outlives its test.
+    fn drop(&mut self) {
+        for gpu in 0..self.inv.gpus.len() {
+            if let Some(pid) = self.daemon_pid(gpu) {
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+        }
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+    })
+}
+
+async fn prepare(core: &DraCore, c: &ClaimRef) -> Result<(), String> {
+    let mut out = core.prepare(vec![c.clone()]).await;
+    out.remove(c.uid.as_str()).unwrap().map(|_| ())
+}
+
+async fn unprepare(core: &DraCore, c: &ClaimRef) {
+    let mut out = core.unprepare(vec![c.clone()]).await;
+    out.remove(c.uid.as_str()).unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn two_shares_fill_a_gpu_under_one_mps_daemon_which_stops_after_the_last() {
+    let env = Env::new(true);
+    let core = env.core();
+    let a = env.add_claim(
+        "a",
+        &uid(1),
+        &[("gpu-0", Some(("s-a", "40Gi", "50")))],
+        json!([]),
+    );
+    let b = env.add_claim(
+        "b",
+        &uid(2),
+        &[("gpu-0", Some(("s-b", "40Gi", "50")))],
+        json!([]),
+    );
+    prepare(&core, &a).await.unwrap();
+    let first = env
+        .daemon_pid(0)
+        .expect("the first share starts the GPU's daemon");
+    prepare(&core, &b).await.unwrap();
+    assert_eq!(
+        env.daemon_pid(0),
+        Some(first),
+        "one daemon serves both shares"
+    );
+    let log = env.daemon_log(0);
+    assert_eq!(log.matches(" start ").count(), 1, "{log}");
+    assert!(
+        log.contains(&format!("CUDA_VISIBLE_DEVICES={}", env.gpu(0))),
+        "{log}"
+    );
+    assert_eq!(
+        env.share_holders(0),
+        [
+            "ns/a 40Gi memory, 50% compute",
+            "ns/b 40Gi memory, 50% compute"
+        ]
+    );
+    let pipe = env.path(&format!("state/mps/{}/pipe", env.gpu(0)));
+    for uid in [uid(1), uid(2)] {
+        let e = env.spec_env(&uid);
+        for want in [
+            format!("CUDA_MPS_PIPE_DIRECTORY={}", pipe.display()),
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50".into(),
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=40960M".into(),
+            "GPUPLANE_SHARE_ENFORCEMENT=MPS".into(),
+            format!("GPUPLANE_DEVICE_0=index=0,uuid={}", env.gpu(0)),
+        ] {
+            assert!(
+                e.iter().any(|v| v == &want || v.starts_with(&want)),
+                "{want} missing in {e:?}"
+            );
+        }
+    }
+    // The status tells the user the share and that it is enforced.
+    let status = env.device_status("a").await;
+    assert_eq!(status["shareID"], "s-a");
+    assert_eq!(status["data"]["share"]["memory"], "40Gi");
+    assert!(status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|c| c["type"] == "ShareLimitsEnforced" && c["status"] == "True"));
+
+    // Full: a third share is refused, naming the holders; nothing of it is left.
+    let c = env.add_claim(
+        "c",
+        &uid(3),
+        &[("gpu-0", Some(("s-c", "1Gi", "10")))],
+        json!([]),
+    );
+    let err = prepare(&core, &c).await.unwrap_err();
+    assert!(
+        err.contains("ResourceClaim ns/a") && err.contains("ResourceClaim ns/b"),
+        "{err}"
+    );
+    assert!(err.contains("0 memory and 0% compute are free"), "{err}");
+    assert!(!env.checkpoint().claims.contains_key(&uid(3)));
+    // A whole-GPU claim (or the device plugin) gets no share of it either.
+    let w = env.add_claim("w", &uid(4), &[("gpu-0", None)], json!([]));
+    let err = prepare(&core, &w).await.unwrap_err();
+    assert!(err.contains("ResourceClaim ns/a"), "{err}");
+
+    unprepare(&core, &a).await;
+    assert_eq!(env.daemon_pid(0), Some(first), "b still runs on it");
+    unprepare(&core, &b).await;
+    assert_eq!(env.daemon_pid(0), None, "the last share stops the daemon");
+    assert!(!env.path(&format!("state/mps/{}", env.gpu(0))).exists());
+    assert!(env.share_holders(0).is_empty());
+    // Whole again.
+    prepare(&core, &w).await.unwrap();
+    assert!(env.daemon_pid(0).is_none(), "a whole GPU runs no daemon");
+}
+
+#[tokio::test]
+async fn a_restarted_agent_adopts_the_daemon_restarts_a_missing_one_and_stops_a_stray_one() {
+    let env = Env::new(true);
+    let a = env.add_claim(
+        "a",
+        &uid(1),
+        &[("gpu-0", Some(("s-a", "20Gi", "30")))],
+        json!([]),
+    );
+    let b = env.add_claim(
+        "b",
+        &uid(2),
+        &[("gpu-1", Some(("s-b", "20Gi", "30")))],
+        json!([]),
+    );
+    {
+        let core = env.core();
+        prepare(&core, &a).await.unwrap();
+        prepare(&core, &b).await.unwrap();
+    }
+    let adopted = env.daemon_pid(0).unwrap();
+    // gpu-1's daemon died while the agent was down; a stray daemon dir (a crash between a
+    // start and the checkpoint write) holds no share.
+    let killed = env.daemon_pid(1).unwrap();
+    std::process::Command::new("kill")
+        .args(["-KILL", &killed.to_string()])
+        .status()
+        .unwrap();
+    while alive(killed) {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let stray = env.path(&format!("state/mps/{}", env.gpu(2)));
+    fs::create_dir_all(stray.join("pipe")).unwrap();
+
+    // A new agent on the same state: holds and daemons come back before any prepare.
+    let state = Arc::new(NodeState::new(
+        Snapshot::new(
+            env.inv.clone(),
+            AgentConfig::parse("test", SHARING).unwrap(),
+        )
+        .unwrap(),
+    ));
+    let core = env.core_on(state.clone());
+    let started = Instant::now();
+    core.restore_holds().await;
+    assert_eq!(
+        env.daemon_pid(0),
+        Some(adopted),
+        "a running daemon is adopted"
+    );
+    let restarted = env
+        .daemon_pid(1)
+        .expect("a missing daemon is started again");
+    assert_ne!(restarted, killed);
+    assert!(!stray.exists(), "a daemon dir with no share is removed");
+    assert_eq!(state.read().ledger.shares_of(&env.gpu(0)).len(), 1);
+    eprintln!("restore with daemons: {:?}", started.elapsed());
+    // Prepared shares answer from the checkpoint; unprepare stops the daemons.
+    prepare(&core, &a).await.unwrap();
+    unprepare(&core, &a).await;
+    unprepare(&core, &b).await;
+    assert_eq!((env.daemon_pid(0), env.daemon_pid(1)), (None, None));
+}
+
+#[tokio::test]
+async fn shares_that_cannot_be_given_are_refused_per_claim_with_nothing_half_prepared() {
+    let env = Env::new(true);
+    let core = env.core();
+    let mps_config = json!([{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing"}}}}]);
+    let cases = [
+        // gpu-2 is not shared on this node.
+        (
+            env.add_claim(
+                "n",
+                &uid(1),
+                &[("gpu-2", Some(("s", "10Gi", "10")))],
+                json!([]),
+            ),
+            "this node does not share it",
+        ),
+        // Not on the published grid.
+        (
+            env.add_claim(
+                "g",
+                &uid(2),
+                &[("gpu-0", Some(("s", "1536Mi", "10")))],
+                json!([]),
+            ),
+            "multiples of 1Gi up to 80Gi",
+        ),
+        (
+            env.add_claim(
+                "p",
+                &uid(3),
+                &[("gpu-0", Some(("s", "1Gi", "15")))],
+                json!([]),
+            ),
+            "compute shares are multiples of 10",
+        ),
+        // An opaque config with its own sharing contradicts the share.
+        (
+            env.add_claim(
+                "o",
+                &uid(4),
+                &[("gpu-0", Some(("s", "1Gi", "10")))],
+                mps_config,
+            ),
+            "remove the sharing settings",
+        ),
+        // Under MPS a share is its claim's only device.
+        (
+            env.add_claim(
+                "m",
+                &uid(5),
+                &[("gpu-0", Some(("s", "1Gi", "10"))), ("gpu-3", None)],
+                json!([]),
+            ),
+            "an MPS share must be its claim's only device",
+        ),
+    ];
+    for (c, why) in &cases {
+        let err = prepare(&core, c).await.unwrap_err();
+        assert!(err.contains(&format!("claim ns/{}", c.name)), "{err}");
+        assert!(err.contains(why), "{why}: {err}");
+    }
+    assert!(env.checkpoint().claims.is_empty(), "nothing recorded");
+    assert!(env.share_holders(0).is_empty(), "nothing held");
+    assert_eq!(env.daemon_pid(0), None, "no daemon started");
+    assert!(fs::read_dir(env.path("cdi"))
+        .map(|d| d.count() == 0)
+        .unwrap_or(true));
+}
+
+#[tokio::test]
+async fn without_the_mps_program_a_share_is_time_sliced_and_says_its_limits_are_not_enforced() {
+    let env = Env::new(false);
+    let core = env.core();
+    let a = env.add_claim(
+        "a",
+        &uid(1),
+        &[("gpu-1", Some(("s-a", "8Gi", "20")))],
+        json!([]),
+    );
+    prepare(&core, &a).await.unwrap();
+    let e = env.spec_env(&uid(1));
+    assert!(
+        e.contains(&"GPUPLANE_SHARE_ENFORCEMENT=TimeSlicing".to_string()),
+        "{e:?}"
+    );
+    assert!(
+        e.contains(&"GPUPLANE_SHARE_MEMORY=8Gi".to_string()),
+        "{e:?}"
+    );
+    assert!(!e.iter().any(|v| v.starts_with("CUDA_MPS_")), "{e:?}");
+    let status = env.device_status("a").await;
+    let cond = status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "ShareLimitsEnforced")
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        (cond["status"].as_str(), cond["reason"].as_str()),
+        (Some("False"), Some("TimeSlicing"))
+    );
+    let notice = core
+        .share_notice(&uid(1))
+        .await
+        .expect("an Event for the user");
+    assert_eq!(notice.reason, "ShareLimitsNotEnforced");
+    assert!(
+        notice.note.contains("gpu-1 (8Gi memory, 20% compute)"),
+        "{}",
+        notice.note
+    );
+    assert_eq!(env.share_holders(1).len(), 1);
+}
