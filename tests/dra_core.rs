@@ -542,6 +542,7 @@ async fn a_crash_between_started_and_completed_is_recovered() {
                 cdi_spec_stem: spec_stem(&r.uid),
                 units: BTreeMap::new(),
                 cdi_spec: None,
+                shares: Vec::new(),
             },
         );
     }

@@ -28,6 +28,9 @@ const NODE: &str = "node-a";
 const SHARING: &str =
     "sharing:\n  consumableCapacity:\n    gpus: [0, 1]\n    memoryStep: 1Gi\n    computeStep: 10\n";
 
+/// An allocated share: (shareID, consumed memory, consumed compute).
+type Share<'a> = (&'a str, &'a str, &'a str);
+
 fn uid(n: u8) -> String {
     format!("0b5c3f2e-1111-4222-8333-4444555566{n:02x}")
 }
@@ -107,7 +110,7 @@ impl Env {
         &self,
         name: &str,
         uid: &str,
-        results: &[(&str, Option<(&str, &str, &str)>)],
+        results: &[(&str, Option<Share<'_>>)],
         config: Value,
     ) -> ClaimRef {
         let results: Vec<Value> = results

@@ -137,7 +137,7 @@ impl UnitShares {
     /// such; anything else is a stale or forged allocation).
     pub fn check(&self, share: &Share) -> Result<(), ShareError> {
         let step = self.memory_step.max(1);
-        if share.memory < step || share.memory > self.max_memory() || share.memory % step != 0 {
+        if share.memory < step || share.memory > self.max_memory() || !share.memory.is_multiple_of(step) {
             return Err(ShareError::Invalid {
                 name: MEMORY,
                 value: Quantity::from_u64(share.memory, Format::BinarySI).to_string(),
@@ -149,7 +149,7 @@ impl UnitShares {
             });
         }
         let cstep = self.compute_step.max(1);
-        if share.compute < cstep || share.compute > WHOLE_COMPUTE || share.compute % cstep != 0 {
+        if share.compute < cstep || share.compute > WHOLE_COMPUTE || !share.compute.is_multiple_of(cstep) {
             return Err(ShareError::Invalid {
                 name: COMPUTE,
                 value: share.compute.to_string(),
@@ -339,7 +339,7 @@ impl RawShares {
                 })?,
         };
         let compute_step = self.compute_step.unwrap_or(5);
-        if compute_step == 0 || WHOLE_COMPUTE % compute_step != 0 {
+        if compute_step == 0 || !WHOLE_COMPUTE.is_multiple_of(compute_step) {
             return Err(bad(
                 "computeStep",
                 format!("{compute_step} does not divide 100; use e.g. 1, 5, 10 or 25"),
