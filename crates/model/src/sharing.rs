@@ -137,7 +137,10 @@ impl UnitShares {
     /// such; anything else is a stale or forged allocation).
     pub fn check(&self, share: &Share) -> Result<(), ShareError> {
         let step = self.memory_step.max(1);
-        if share.memory < step || share.memory > self.max_memory() || !share.memory.is_multiple_of(step) {
+        if share.memory < step
+            || share.memory > self.max_memory()
+            || !share.memory.is_multiple_of(step)
+        {
             return Err(ShareError::Invalid {
                 name: MEMORY,
                 value: Quantity::from_u64(share.memory, Format::BinarySI).to_string(),
@@ -149,7 +152,10 @@ impl UnitShares {
             });
         }
         let cstep = self.compute_step.max(1);
-        if share.compute < cstep || share.compute > WHOLE_COMPUTE || !share.compute.is_multiple_of(cstep) {
+        if share.compute < cstep
+            || share.compute > WHOLE_COMPUTE
+            || !share.compute.is_multiple_of(cstep)
+        {
             return Err(ShareError::Invalid {
                 name: COMPUTE,
                 value: share.compute.to_string(),

@@ -1,0 +1,309 @@
+//! Fractional GPUs against real Kubernetes (issue 24): the agent publishes the simulated
+//! dgx-a100's GPUs (80Gi each) as shared devices, the real kube-apiserver validates them, the
+//! real scheduler packs claims by memory and compute (`consumedCapacity`, `shareID`), the real
+//! kubelet prepares them, and the containers containerd starts see their share and their MPS
+//! limits, one MPS control daemon (the stand-in of hack/fake-mps) per shared GPU. Skips like
+//! tests/real_cluster.rs (root and the cluster binaries needed), fails instead under `CI`.
+
+#[path = "cluster/mod.rs"]
+mod cluster;
+#[path = "support/mod.rs"]
+mod support;
+
+use cluster::{eventually, eventually_or, ClusterLab, LabAgent, LabProcess, DRIVER, NODE};
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+/// Every GPU of the node shared in steps of 1Gi and 10%.
+const CONFIG: &str = "version: v1\nsharing:\n  consumableCapacity:\n    gpus: all\n    memoryStep: 1Gi\n    computeStep: 10\n";
+
+/// The lab, the agent's kubeconfig and the agent on the simulated dgx-a100 sharing its GPUs,
+/// with the stand-in MPS control program in its driver root; once all 8 GPUs are published.
+fn lab_sharing() -> Option<(ClusterLab, PathBuf, LabProcess)> {
+    let lab = ClusterLab::start()?;
+    let kubeconfig = lab.install_agent_identity();
+    let bin = LabAgent::dir(&lab).join("driver/usr/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::copy(
+        support::built_fake_mps(),
+        bin.join("nvidia-cuda-mps-control"),
+    )
+    .unwrap();
+    let agent = start_agent(&lab, &kubeconfig, "1");
+    eventually("8 shared GPUs in lab-node's ResourceSlices", || {
+        let shared = devices(&lab)
+            .iter()
+            .filter(|d| d["allowMultipleAllocations"] == true)
+            .count();
+        (shared == 8).then_some(())
+    });
+    Some((lab, kubeconfig, agent))
+}
+
+fn start_agent(lab: &ClusterLab, kubeconfig: &std::path::Path, tag: &str) -> LabProcess {
+    LabAgent::start_with(
+        lab,
+        kubeconfig,
+        tag,
+        &["--simulate", "dgx-a100", "--device-plugin=true"],
+        &[],
+        Some(CONFIG),
+    )
+}
+
+/// Our devices in lab-node's ResourceSlices, as the API server stored them.
+fn devices(lab: &ClusterLab) -> Vec<Value> {
+    lab.get_json(&["get", "resourceslices"])
+        .and_then(|l| l["items"].as_array().cloned())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|s| s["spec"]["nodeName"] == NODE && s["spec"]["driver"] == DRIVER)
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .collect()
+}
+
+/// A pod holding a share (`memory`, `compute` percent) of one GPU that also matches `cel`,
+/// printing its environment and then sleeping.
+fn share_pod(lab: &ClusterLab, name: &str, memory: &str, compute: u32, cel: &str) {
+    lab.apply(&format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: {name}, namespace: default}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpu
+        exactly:
+          deviceClassName: gpu.gpuplane.dev
+          selectors: [{{cel: {{expression: '{cel}'}}}}]
+          capacity:
+            requests: {{memory: {memory}, compute: "{compute}"}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: default}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  resourceClaims:
+  - {{name: gpu, resourceClaimTemplateName: {name}}}
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["sh", "-c", "env; sleep 3600"]
+    resources:
+      claims: [{{name: gpu}}]
+"#
+    ));
+}
+
+/// A pod asking for `gpus` whole GPUs through the device plugin API.
+fn device_plugin_pod(lab: &ClusterLab, name: &str, gpus: u32) {
+    lab.apply(&cluster::gpu_pod(
+        "default",
+        name,
+        gpus,
+        r#"["sh", "-c", "env; sleep 3600"]"#,
+    ));
+}
+
+/// The pod's environment once its container printed it.
+fn env_of(lab: &ClusterLab, pod: &str) -> Vec<String> {
+    eventually_or(
+        &format!("pod {pod}'s environment in its log"),
+        || {
+            let log = lab.kubectl(&["logs", pod]);
+            let text = String::from_utf8_lossy(&log.stdout).into_owned();
+            text.contains("PATH=")
+                .then(|| text.lines().map(String::from).collect())
+        },
+        || lab.describe_pod(pod),
+    )
+}
+
+fn value<'a>(env: &'a [String], key: &str) -> Option<&'a str> {
+    env.iter().find_map(|l| l.strip_prefix(&format!("{key}=")))
+}
+
+/// The GPU UUID a container got (`GPUPLANE_DEVICE_<index>=index=..,uuid=..`).
+fn uuid(env: &[String]) -> String {
+    env.iter()
+        .filter_map(|l| l.strip_prefix("GPUPLANE_DEVICE_")?.split_once('='))
+        .find_map(|(_, v)| v.split(',').find_map(|kv| kv.strip_prefix("uuid=")))
+        .unwrap_or_else(|| panic!("no GPU in {env:?}"))
+        .to_string()
+}
+
+/// The allocation result of the claim of `pod`.
+fn allocation(lab: &ClusterLab, pod: &str) -> Value {
+    let claims = lab.get_json(&["get", "resourceclaims"]).unwrap();
+    claims["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["metadata"]["ownerReferences"][0]["name"] == pod)
+        .map(|c| c["status"]["allocation"]["devices"]["results"][0].clone())
+        .unwrap_or_else(|| panic!("no claim of pod {pod}"))
+}
+
+fn scheduler_reason(lab: &ClusterLab, pod: &str) -> Option<String> {
+    let p = lab.get_json(&["get", "pod", pod])?;
+    p["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "PodScheduled" && c["status"] == "False")
+        .and_then(|c| c["message"].as_str().map(String::from))
+}
+
+/// The PID in a GPU's MPS daemon pid file while that process lives.
+fn daemon(lab: &ClusterLab, uuid: &str) -> Option<u32> {
+    let dir = LabAgent::dir(lab).join(format!("state/mps/{uuid}"));
+    let pid: u32 = std::fs::read_to_string(dir.join("pipe/nvidia-cuda-mps-control.pid"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| {
+            s.rsplit_once(')')
+                .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+        })
+        .then_some(pid)
+}
+
+fn daemon_starts(lab: &ClusterLab, uuid: &str) -> usize {
+    std::fs::read_to_string(LabAgent::dir(lab).join(format!("state/mps/{uuid}/log/control.log")))
+        .unwrap_or_default()
+        .matches(" start ")
+        .count()
+}
+
+fn allocatable_gpus(lab: &ClusterLab) -> Option<String> {
+    let node = lab.get_json(&["get", "node", NODE])?;
+    node["status"]["allocatable"]["nvidia.com/gpu"]
+        .as_str()
+        .map(String::from)
+}
+
+fn running(lab: &ClusterLab, pod: &str) {
+    eventually_or(
+        &format!("pod {pod} Running"),
+        || {
+            let p = lab.get_json(&["get", "pod", pod])?;
+            (p["status"]["phase"] == "Running").then_some(())
+        },
+        || lab.describe_pod(pod),
+    );
+}
+
+const ANY: &str = "true";
+const GPU_INDEX: &str = "device.attributes[\"gpu.gpuplane.dev\"].index";
+
+#[test]
+fn shares_pack_one_gpu_under_one_mps_daemon_and_exclude_whole_holds_until_the_last_ends() {
+    let Some((lab, kubeconfig, agent)) = lab_sharing() else {
+        return;
+    };
+    // The API server accepted the request policies as the agent rendered them.
+    let gpu0 = devices(&lab)
+        .into_iter()
+        .find(|d| d["name"] == "gpu-0")
+        .unwrap();
+    assert_eq!(
+        gpu0["capacity"]["memory"]["requestPolicy"]["validRange"],
+        serde_json::json!({"min": "1Gi", "max": "80Gi", "step": "1Gi"})
+    );
+    assert_eq!(gpu0["capacity"]["compute"]["value"], "100");
+
+    // Two 40Gi halves: the scheduler packs them onto one GPU.
+    share_pod(&lab, "half-a", "40Gi", 50, ANY);
+    running(&lab, "half-a");
+    share_pod(&lab, "half-b", "40Gi", 50, ANY);
+    running(&lab, "half-b");
+    let (a, b) = (env_of(&lab, "half-a"), env_of(&lab, "half-b"));
+    let shared = uuid(&a);
+    assert_eq!(uuid(&b), shared, "both halves on one GPU");
+    for env in [&a, &b] {
+        assert_eq!(value(env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"), Some("50"));
+        assert_eq!(
+            value(env, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
+            Some("0=40960M")
+        );
+        assert_eq!(value(env, "GPUPLANE_SHARE_ENFORCEMENT"), Some("MPS"));
+        let pipe = value(env, "CUDA_MPS_PIPE_DIRECTORY").unwrap();
+        assert!(pipe.ends_with(&format!("mps/{shared}/pipe")), "{pipe}");
+    }
+    let result = allocation(&lab, "half-a");
+    assert_eq!(
+        result["consumedCapacity"],
+        serde_json::json!({"memory": "40Gi", "compute": "50"})
+    );
+    assert!(result["shareID"].is_string(), "{result}");
+    assert!(daemon(&lab, &shared).is_some(), "the GPU's MPS daemon runs");
+    assert_eq!(daemon_starts(&lab, &shared), 1, "one daemon serves both");
+
+    // A third half lands on another GPU; a share that fits nowhere it may go waits.
+    share_pod(&lab, "half-c", "40Gi", 50, ANY);
+    running(&lab, "half-c");
+    let other = uuid(&env_of(&lab, "half-c"));
+    assert_ne!(other, shared);
+    let index = allocation(&lab, "half-a")["device"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("gpu-")
+        .to_string();
+    share_pod(
+        &lab,
+        "no-room",
+        "10Gi",
+        10,
+        &format!("{GPU_INDEX} == {index}"),
+    );
+    let why = eventually("the scheduler's reason for no-room", || {
+        scheduler_reason(&lab, "no-room")
+    });
+    assert!(why.contains("cannot allocate all claims"), "{why}");
+
+    // Shares exclude whole holds of either API: the device plugin withdraws the two shared
+    // GPUs, and a whole-GPU claim on the first waits.
+    eventually("the device plugin to offer 6 GPUs", || {
+        (allocatable_gpus(&lab).as_deref() == Some("6")).then_some(())
+    });
+    device_plugin_pod(&lab, "dp-seven", 7);
+    let why = eventually("the scheduler's reason for dp-seven", || {
+        scheduler_reason(&lab, "dp-seven")
+    });
+    assert!(why.contains("Insufficient nvidia.com/gpu"), "{why}");
+    lab.kubectl_ok(&["delete", "pod", "dp-seven", "--wait=false"]);
+
+    // A killed agent comes back with its shares and its daemon.
+    let pid = daemon(&lab, &shared).unwrap();
+    agent.kill();
+    let agent = start_agent(&lab, &kubeconfig, "2");
+    eventually("the restarted agent to adopt the daemon", || {
+        agent
+            .log_text()
+            .contains("adopted the running MPS control daemon")
+            .then_some(())
+    });
+    assert_eq!(daemon(&lab, &shared), Some(pid), "the daemon was adopted");
+
+    // The last share ends: the daemon stops, the GPU is whole again for both APIs.
+    lab.kubectl_ok(&["delete", "pod", "half-a", "half-b", "half-c", "no-room"]);
+    eventually("the MPS daemons to stop", || {
+        (daemon(&lab, &shared).is_none() && daemon(&lab, &other).is_none()).then_some(())
+    });
+    eventually("the device plugin to offer 8 GPUs again", || {
+        (allocatable_gpus(&lab).as_deref() == Some("8")).then_some(())
+    });
+    let holders: BTreeSet<String> = agent
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("stopped the MPS control daemon"))
+        .map(String::from)
+        .collect();
+    assert!(!holders.is_empty(), "the agent logged the stops");
+}
