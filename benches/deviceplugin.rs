@@ -55,6 +55,7 @@ async fn allocate_vs_bare_rpc() {
             ..HostPaths::standard()
         },
         config_file: None,
+        sharing_switch: None,
         device_plugin: true,
         dra: None,
         api: None,

@@ -8,7 +8,11 @@
 //!   with `allocation: {mode: shared}` (ledger enforced) vs `mode: partitioned` (ledger not
 //!   consulted), agents started one after the other in one run;
 //! - API server writes: start-up until the slices are published (floor: one create per slice),
-//!   a restart with an unchanged inventory (must be 0), one health change (floor: one update).
+//!   a restart with an unchanged inventory (must be 0), one health change (floor: one update);
+//! - fractional GPUs: NodePrepareResources of a share (consumable capacity) whose GPU's MPS
+//!   daemon already runs, and of the first share of a GPU (the daemon started, and stopped by
+//!   its unprepare), each vs a whole-GPU NodePrepareResources of the same agent in the same
+//!   rounds (the stand-in `nvidia-cuda-mps-control` of hack/fake-mps in the driver root).
 //!
 //! The agent runs in process on simulated hardware against the API server double, the kubelet
 //! device plugin double and the kubelet DRA double, all in a temp dir.
@@ -16,6 +20,8 @@
 //! Run: `cargo bench --bench dra` (results are kept in benches/results/).
 
 mod common;
+#[path = "../tests/support/mod.rs"]
+mod support;
 
 use common::{percentiles, row};
 
@@ -38,6 +44,9 @@ const WARMUP: usize = 5;
 const ONE_CLAIM: usize = 600;
 /// Prepare + unprepare rounds of eight claims with one device each, in one request.
 const EIGHT_CLAIMS: usize = 120;
+/// Rounds of the share comparison: with the daemon running, and starting it.
+const SHARE_ROUNDS: usize = 300;
+const FIRST_SHARE_ROUNDS: usize = 40;
 /// Per agent, per round of the ledger comparison.
 const LEDGER_ALLOCATES: usize = 500;
 const LEDGER_PREPARES: usize = 80;
@@ -439,6 +448,72 @@ async fn api_writes() {
     }
 }
 
+/// A share prepared next to a running MPS daemon, and the first share of a GPU (daemon start
+/// included), each vs a whole-GPU prepare in the same rounds.
+async fn share_prepare() {
+    let lab = Lab::new("dgx-a100").await;
+    let bin = lab.dir.path().join("driver/usr/bin");
+    std::fs::create_dir_all(&bin).expect("driver bin dir");
+    std::os::unix::fs::symlink(
+        support::built_fake_mps(),
+        bin.join("nvidia-cuda-mps-control"),
+    )
+    .expect("stand-in MPS control program");
+    let config = "sharing:\n  consumableCapacity: {gpus: [0], memoryStep: 1Gi, computeStep: 10}\n";
+    let (agent, _) = lab.start_registered(config, 8).await;
+    lab.eventually("8 published GPUs", |l| l.published_devices() == 8)
+        .await;
+    let share = |name: &str| {
+        lab.node
+            .share_claim(NS, name, "gpu-0", "20Gi", 20)
+            .expect("store share claim")
+    };
+    let anchor = vec![share("anchor")];
+    let timed = vec![share("share")];
+    let whole = vec![lab.claim("whole", &["gpu-1"])];
+    let rounds = |n: usize, with_anchor: bool| {
+        let (lab, anchor, timed, whole) = (&lab, &anchor, &timed, &whole);
+        async move {
+            if with_anchor {
+                lab.prepare(anchor).await;
+            }
+            let (mut shares, mut wholes) = (Vec::new(), Vec::new());
+            for i in 0..WARMUP + n {
+                let t = Instant::now();
+                lab.prepare(timed).await;
+                let d = t.elapsed();
+                lab.unprepare(timed).await;
+                let t = Instant::now();
+                lab.prepare(whole).await;
+                let w = t.elapsed();
+                lab.unprepare(whole).await;
+                if i >= WARMUP {
+                    shares.push(d);
+                    wholes.push(w);
+                }
+            }
+            if with_anchor {
+                lab.unprepare(anchor).await;
+            }
+            (shares, wholes)
+        }
+    };
+    let (running, whole_a) = rounds(SHARE_ROUNDS, true).await;
+    let (first, whole_b) = rounds(FIRST_SHARE_ROUNDS, false).await;
+    println!("(floor = a whole-GPU NodePrepareResources of the same agent, alternating with the share in the same rounds)");
+    row(
+        &format!("NodePrepare 20Gi/20% share, daemon running ({SHARE_ROUNDS} calls)"),
+        percentiles(running),
+        percentiles(whole_a),
+    );
+    row(
+        &format!("NodePrepare first share, daemon start ({FIRST_SHARE_ROUNDS} calls)"),
+        percentiles(first),
+        percentiles(whole_b),
+    );
+    agent.stop().await.expect("agent exits cleanly");
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -453,5 +528,6 @@ fn main() {
     rt.block_on(prepare_latency());
     rt.block_on(ledger_overhead());
     rt.block_on(api_writes());
+    rt.block_on(share_prepare());
     println!("(whole run {:.1?})", started.elapsed());
 }

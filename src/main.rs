@@ -395,9 +395,12 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
         // The node's label may choose other APIs than the flags.
         let serving = match &client {
             Some(c) => apis::resolve(c, &args.node_name, flags).await?,
-            None => flags,
+            None => apis::Serving {
+                apis: flags,
+                sharing: None,
+            },
         };
-        let dra = match (&client, serving.dra) {
+        let dra = match (&client, serving.apis.dra) {
             (Some(client), true) => Some(gpuplane_shell::node::dra::DraSettings {
                 driver_name: args.driver_name,
                 client: client.clone(),
@@ -416,7 +419,8 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
                 ..HostPaths::standard()
             },
             config_file: args.config,
-            device_plugin: serving.device_plugin,
+            sharing_switch: serving.sharing,
+            device_plugin: serving.apis.device_plugin,
             dra,
             api: client.clone(),
             metrics_addr: args.metrics_addr,

@@ -363,6 +363,7 @@ impl Agent {
                 ..HostPaths::standard()
             },
             config_file: None,
+            sharing_switch: None,
             device_plugin: false,
             dra: Some(DraSettings {
                 driver_name: driver.into(),
@@ -540,6 +541,7 @@ async fn podman_runs_a_container_with_what_allocate_gives_on_a_simulated_node() 
             ..HostPaths::standard()
         },
         config_file: None,
+        sharing_switch: None,
         device_plugin: true,
         dra: None,
         api: None,

@@ -45,6 +45,7 @@ fn options(dir: &Path, config: Option<&str>, device_mode: DeviceMode) -> NodeOpt
             ..HostPaths::standard()
         },
         config_file,
+        sharing_switch: None,
         device_plugin: true,
         dra: None,
         api: None,

@@ -160,6 +160,62 @@ async fn the_node_label_chooses_the_apis_and_a_change_stops_the_agent() {
     );
 }
 
+/// The node's `gpuplane.dev/sharing` label turns consumable-capacity sharing on (with the
+/// config's section, or its defaults) or off over the config; a change stops the agent; a value
+/// it does not know keeps it from starting, named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_label_turns_sharing_on_or_off_over_the_config() {
+    let lab = Lab::new("pcie-l4x4").await;
+    let node = |sharing: &str| {
+        json!({"apiVersion": "v1", "kind": "Node",
+               "metadata": {"name": NODE, "labels": {"gpuplane.dev/sharing": sharing}}})
+    };
+    let shared = |l: &Lab| {
+        l.slices()
+            .iter()
+            .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+            .filter(|d| d["allowMultipleAllocations"] == true)
+            .map(|d| d["capacity"]["compute"]["requestPolicy"]["validRange"]["step"].clone())
+            .collect::<Vec<_>>()
+    };
+    // On, with no section in the config: every GPU, the defaults (5% steps).
+    lab.api.put_json(node("on")).unwrap();
+    let agent = lab.start("");
+    lab.eventually("4 shared GPUs with the default steps", |l| {
+        shared(l) == vec![json!("5"); 4]
+    })
+    .await;
+    // Off wins over the config's section.
+    lab.api.put_json(node("off")).unwrap();
+    agent.ended().await.unwrap();
+    let section = "sharing:\n  consumableCapacity: {gpus: [0], computeStep: 10}\n";
+    let agent = lab.start(section);
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.eventually("no shared GPU", |l| {
+        l.slices().iter().any(|s| {
+            s["spec"]["devices"]
+                .as_array()
+                .is_some_and(|d| d.len() == 4)
+        }) && shared(l).is_empty()
+    })
+    .await;
+    agent.stop().await;
+    // On keeps the config's section.
+    lab.api.put_json(node("on")).unwrap();
+    let agent = lab.start(section);
+    lab.eventually("gpu-0 shared in 10% steps", |l| {
+        shared(l) == vec![json!("10")]
+    })
+    .await;
+    agent.stop().await;
+    lab.api.put_json(node("yes")).unwrap();
+    let err = lab.start("").ended().await.unwrap_err();
+    assert!(
+        err.contains("node node-a: label gpuplane.dev/sharing=\"yes\" is not on or off"),
+        "{err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slices_are_published_valid_and_a_restart_with_the_same_inventory_writes_nothing() {
     let lab = Lab::new("h100-mig-single").await;

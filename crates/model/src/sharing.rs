@@ -71,6 +71,28 @@ pub struct ShareConfig {
 }
 
 impl ShareConfig {
+    /// The section's defaults: every GPU, 1Gi and 5% steps, MPS.
+    pub fn defaults() -> ShareConfig {
+        ShareConfig {
+            select: ShareSelect::All,
+            mig_devices: false,
+            memory_step: DEFAULT_MEMORY_STEP,
+            compute_step: DEFAULT_COMPUTE_STEP,
+            enforcement: Enforcement::Mps,
+        }
+    }
+
+    /// The sharing a node gets: its config's section, unless the node's switch (the
+    /// `gpuplane.dev/sharing` label) says `off` (none) or `on` (the section, or the defaults
+    /// where the config has none).
+    pub fn for_node(config: Option<ShareConfig>, switch: Option<bool>) -> Option<ShareConfig> {
+        match switch {
+            None => config,
+            Some(false) => None,
+            Some(true) => Some(config.unwrap_or_else(ShareConfig::defaults)),
+        }
+    }
+
     pub fn shares_gpu(&self, g: &Gpu) -> bool {
         match &self.select {
             ShareSelect::All => true,
@@ -291,6 +313,8 @@ pub(crate) struct RawShares {
 }
 
 const SECTION: &str = "sharing.consumableCapacity";
+const DEFAULT_MEMORY_STEP: u64 = 1 << 30;
+const DEFAULT_COMPUTE_STEP: u32 = 5;
 
 impl RawShares {
     /// Validates the section; errors name the field under [`SECTION`].
@@ -330,7 +354,7 @@ impl RawShares {
             }
         };
         let memory_step = match self.memory_step {
-            None => 1 << 30,
+            None => DEFAULT_MEMORY_STEP,
             Some(s) => Quantity::parse_trimmed(&s)
                 .ok()
                 .filter(|q| q.is_integer() && !q.is_negative() && !q.is_zero())
@@ -344,7 +368,7 @@ impl RawShares {
                     )
                 })?,
         };
-        let compute_step = self.compute_step.unwrap_or(5);
+        let compute_step = self.compute_step.unwrap_or(DEFAULT_COMPUTE_STEP);
         if compute_step == 0 || !WHOLE_COMPUTE.is_multiple_of(compute_step) {
             return Err(bad(
                 "computeStep",
@@ -434,6 +458,31 @@ mod tests {
             ("compute".to_string(), q("5")),
         ]);
         assert!(share_from_consumed(&m).is_err());
+    }
+
+    #[test]
+    fn the_node_switch_overrides_the_section() {
+        let section = ShareConfig {
+            compute_step: 10,
+            ..ShareConfig::defaults()
+        };
+        assert_eq!(
+            ShareConfig::for_node(Some(section.clone()), None),
+            Some(section.clone())
+        );
+        assert_eq!(
+            ShareConfig::for_node(Some(section.clone()), Some(false)),
+            None
+        );
+        assert_eq!(
+            ShareConfig::for_node(Some(section.clone()), Some(true)),
+            Some(section)
+        );
+        assert_eq!(
+            ShareConfig::for_node(None, Some(true)),
+            Some(ShareConfig::defaults())
+        );
+        assert_eq!(ShareConfig::for_node(None, None), None);
     }
 
     #[test]

@@ -1,8 +1,10 @@
-//! Which kubelet APIs the agent serves on this node: the `--device-plugin`/`--dra` flags, or
-//! the node's label `gpuplane.dev/apis` (`device-plugin`, `dra` or `both`) when it has one, so
-//! one DaemonSet can serve node pools differently (docs/migrating.md). The label is read at
-//! start; when it changes, the agent stops so that the DaemonSet starts it again with the new
-//! APIs (the ledger's checkpoint keeps every device held across the restart).
+//! What the agent serves on this node: the kubelet APIs (the `--device-plugin`/`--dra` flags,
+//! or the node's label `gpuplane.dev/apis`: `device-plugin`, `dra` or `both`) and whether it
+//! shares GPUs through consumable capacity (the config's `sharing.consumableCapacity`, or the
+//! label `gpuplane.dev/sharing`: `on` or `off`), so one DaemonSet can serve node pools
+//! differently (docs/migrating.md). The labels are read at start; when one changes, the agent
+//! stops so that the DaemonSet starts it again with the new choice (the checkpoint keeps every
+//! device and share held across the restart).
 
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::watcher;
@@ -11,6 +13,26 @@ use tokio_stream::StreamExt;
 
 /// The node label that chooses the APIs.
 pub const APIS_LABEL: &str = "gpuplane.dev/apis";
+/// The node label that turns consumable-capacity sharing on or off.
+pub const SHARING_LABEL: &str = "gpuplane.dev/sharing";
+
+/// What the agent serves: the APIs, and the sharing switch (`None`: the config decides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Serving {
+    pub apis: Apis,
+    pub sharing: Option<bool>,
+}
+
+impl fmt::Display for Serving {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let sharing = match self.sharing {
+            None => "as configured",
+            Some(true) => "on",
+            Some(false) => "off",
+        };
+        write!(f, "APIs {}, sharing {sharing}", self.apis)
+    }
+}
 
 /// What the agent serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +59,11 @@ pub enum ApisError {
          the label (or remove it to use the --device-plugin/--dra flags)"
     )]
     BadLabel { node: String, value: String },
+    #[error(
+        "node {node}: label {SHARING_LABEL}={value:?} is not on or off; fix the label (or \
+         remove it to share as the config's sharing.consumableCapacity says)"
+    )]
+    BadSharingLabel { node: String, value: String },
     /// The cause is in the message (not a `source`), so a log line shows it once.
     #[error("reading node {node} for its {APIS_LABEL} label: {cause}")]
     Read { node: String, cause: kube::Error },
@@ -72,8 +99,23 @@ pub fn choose(node: &str, label: Option<&str>, flags: Apis) -> Result<Apis, Apis
     }
 }
 
-fn label_of(node: &Node) -> Option<String> {
-    node_label(node, APIS_LABEL)
+/// What `node` (its labels, when its Node object is known) asks to serve, else `flags` and
+/// the config.
+pub fn choose_serving(name: &str, node: Option<&Node>, flags: Apis) -> Result<Serving, ApisError> {
+    let label = |key| node.and_then(|n| node_label(n, key));
+    let apis = choose(name, label(APIS_LABEL).as_deref(), flags)?;
+    let sharing = match label(SHARING_LABEL).as_deref() {
+        None => None,
+        Some("on") => Some(true),
+        Some("off") => Some(false),
+        Some(other) => {
+            return Err(ApisError::BadSharingLabel {
+                node: name.to_string(),
+                value: other.to_string(),
+            })
+        }
+    };
+    Ok(Serving { apis, sharing })
 }
 
 /// The value of label `key` on `node`, if it has it.
@@ -81,44 +123,35 @@ pub fn node_label(node: &Node, key: &str) -> Option<String> {
     node.metadata.labels.as_ref()?.get(key).cloned()
 }
 
-/// The node's label value; `None` when it has none, or when the Node object does not exist
-/// (an agent run outside a cluster node).
-pub async fn read_label(client: &kube::Client, node: &str) -> Result<Option<String>, ApisError> {
+/// The Node object; `None` when it does not exist (an agent run outside a cluster node).
+pub async fn read_node(client: &kube::Client, node: &str) -> Result<Option<Node>, ApisError> {
     let nodes: kube::Api<Node> = kube::Api::all(client.clone());
-    match nodes.get_opt(node).await {
-        Ok(n) => Ok(n.as_ref().and_then(label_of)),
-        Err(cause) => Err(ApisError::Read {
-            node: node.to_string(),
-            cause,
-        }),
-    }
+    nodes.get_opt(node).await.map_err(|cause| ApisError::Read {
+        node: node.to_string(),
+        cause,
+    })
 }
 
-/// The APIs to serve on `node`: its label's, else `flags`. A label that cannot be read now
-/// (API away, no Node object yet) means the flags, with a warning: [`changed`] then stops the
-/// agent once the label is readable and asks for something else.
-pub async fn resolve(client: &kube::Client, node: &str, flags: Apis) -> Result<Apis, ApisError> {
-    let label = match read_label(client, node).await {
-        Ok(l) => l,
+/// What to serve on `node`: its labels' choice, else `flags` and the config. Labels that
+/// cannot be read now (API away, no Node object yet) mean the flags and the config, with a
+/// warning: [`changed`] then stops the agent once they are readable and ask for something else.
+pub async fn resolve(client: &kube::Client, node: &str, flags: Apis) -> Result<Serving, ApisError> {
+    let object = match read_node(client, node).await {
+        Ok(n) => n,
         Err(e) => {
-            tracing::warn!(error = %e, "using the --device-plugin/--dra flags");
+            tracing::warn!(error = %e, "using the --device-plugin/--dra flags and the config");
             None
         }
     };
-    let serving = choose(node, label.as_deref(), flags)?;
-    tracing::info!(
-        %node,
-        apis = %serving,
-        from = if label.is_some() { APIS_LABEL } else { "flags" },
-        "kubelet APIs"
-    );
+    let serving = choose_serving(node, object.as_ref(), flags)?;
+    tracing::info!(%node, %serving, "serving");
     Ok(serving)
 }
 
-/// Resolves once the node's label asks for other APIs than `serving` (a bad value counts as a
-/// change: the restarted agent then refuses to start, naming it). Watch errors are retried
+/// Resolves once the node's labels ask for something else than `serving` (a bad value counts
+/// as a change: the restarted agent then refuses to start, naming it). Watch errors are retried
 /// by the watcher with backoff; they never end the agent.
-pub async fn changed(client: kube::Client, node: String, flags: Apis, serving: Apis) {
+pub async fn changed(client: kube::Client, node: String, flags: Apis, serving: Serving) {
     let nodes: kube::Api<Node> = kube::Api::all(client);
     let config = watcher::Config::default().fields(&format!("metadata.name={node}"));
     let mut events = std::pin::pin!(watcher::watcher(nodes, config));
@@ -131,15 +164,14 @@ pub async fn changed(client: kube::Client, node: String, flags: Apis, serving: A
                 continue;
             }
         };
-        let label = label_of(&n);
-        let wanted = choose(&node, label.as_deref(), flags);
+        let wanted = choose_serving(&node, Some(&n), flags);
         if wanted.as_ref().ok() != Some(&serving) {
             let now = wanted.map_or_else(|e| e.to_string(), |a| a.to_string());
             tracing::warn!(
                 %node,
-                serving = %serving,
+                %serving,
                 wanted = %now,
-                "label {APIS_LABEL} changed; stopping so that the agent is started again with it"
+                "label {APIS_LABEL} or {SHARING_LABEL} changed; stopping so that the agent is started again with it"
             );
             return;
         }

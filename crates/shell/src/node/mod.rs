@@ -45,6 +45,9 @@ pub struct NodeOptions {
     pub paths: HostPaths,
     /// The agent config file; reloaded on SIGHUP and when it changes.
     pub config_file: Option<PathBuf>,
+    /// The node's sharing switch (`gpuplane.dev/sharing`: `on`, `off`), over the config's
+    /// `sharing.consumableCapacity`; `None`: the config decides.
+    pub sharing_switch: Option<bool>,
     /// Serve the kubelet device plugin API.
     pub device_plugin: bool,
     /// Serve DRA (with API access), or not.
@@ -189,7 +192,7 @@ pub async fn run(
     // Held until this function returns; the kernel releases it if the process dies first.
     let _state_lock = lock::StateLock::acquire(&opts.paths.state_dir)?;
     crate::crashpoint::announce();
-    let config = tasks::load_config(opts.config_file.as_deref())?;
+    let config = tasks::load_config(opts.config_file.as_deref(), opts.sharing_switch)?;
     let hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(NodeError::Signals)?;
     remove_stale_cdi_temps(&opts.paths.cdi_root);
@@ -393,6 +396,7 @@ impl Agent<'_> {
         )));
         running.tasks.push(tokio::spawn(tasks::watch_config(
             self.opts.config_file.clone(),
+            self.opts.sharing_switch,
             hangup,
             inputs.clone(),
             stop.clone(),

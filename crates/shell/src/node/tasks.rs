@@ -20,12 +20,15 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::sync::{mpsc, watch};
 
-/// The agent config at `path`; the defaults when the agent has no config file.
-pub fn load_config(path: Option<&Path>) -> Result<AgentConfig, ConfigError> {
-    match path {
-        Some(p) => AgentConfig::load(p),
-        None => Ok(AgentConfig::default()),
-    }
+/// The agent config at `path` (the defaults when the agent has no config file), with the
+/// node's sharing switch applied.
+pub fn load_config(path: Option<&Path>, sharing: Option<bool>) -> Result<AgentConfig, ConfigError> {
+    let mut config = match path {
+        Some(p) => AgentConfig::load(p)?,
+        None => AgentConfig::default(),
+    };
+    config.shares = crate::sharing::ShareConfig::for_node(config.shares.take(), sharing);
+    Ok(config)
 }
 
 /// Reads driver events on a thread of its own (NVML's wait blocks) and posts them.
@@ -60,6 +63,7 @@ pub fn spawn_event_pump(
 /// Reads the config file again on SIGHUP or when its mtime changes, and posts it.
 pub async fn watch_config(
     path: Option<PathBuf>,
+    sharing: Option<bool>,
     mut hangup: tokio::signal::unix::Signal,
     inputs: mpsc::UnboundedSender<Input>,
     mut stop: watch::Receiver<bool>,
@@ -81,7 +85,7 @@ pub async fn watch_config(
             }
         }
         let p = path.clone();
-        let read = tokio::task::spawn_blocking(move || load_config(p.as_deref())).await;
+        let read = tokio::task::spawn_blocking(move || load_config(p.as_deref(), sharing)).await;
         // A panicking read is a bug in the parser; the running config stays.
         let Ok(config) = read else { continue };
         if inputs.send(Input::Config(config)).is_err() {

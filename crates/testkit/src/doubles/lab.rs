@@ -213,8 +213,9 @@ impl NodeLab {
                 node_name: NODE.into(),
                 paths,
                 config_file: Some(cfg),
-                device_plugin: serving.device_plugin,
-                dra: serving.dra.then(|| DraSettings {
+                sharing_switch: serving.sharing,
+                device_plugin: serving.apis.device_plugin,
+                dra: serving.apis.dra.then(|| DraSettings {
                     driver_name: DRIVER.into(),
                     client: client.clone(),
                 }),
@@ -273,10 +274,44 @@ impl NodeLab {
             .iter()
             .map(|d| json!({"request": "gpus", "driver": DRIVER, "pool": NODE, "device": d}))
             .collect();
+        self.store_claim(namespace, name, results, json!({"count": devices.len()}))
+    }
+
+    /// Stores a claim allocated a share of the shared `device` (consumable capacity): the
+    /// result's `shareID` and `consumedCapacity` as the scheduler writes them.
+    pub fn share_claim(
+        &self,
+        namespace: &str,
+        name: &str,
+        device: &str,
+        memory: &str,
+        compute: u32,
+    ) -> Result<ClaimRef, LabError> {
+        let result = json!({"request": "gpus", "driver": DRIVER, "pool": NODE, "device": device,
+            "shareID": format!("{name}-share"),
+            "consumedCapacity": {"memory": memory, "compute": compute.to_string()}});
+        let capacity =
+            json!({"capacity": {"requests": {"memory": memory, "compute": compute.to_string()}}});
+        self.store_claim(namespace, name, vec![result], capacity)
+    }
+
+    /// Stores an allocated claim of one request `gpus` of class [`DEVICE_CLASS`] (with the
+    /// request's further fields `exactly`) and returns its reference.
+    fn store_claim(
+        &self,
+        namespace: &str,
+        name: &str,
+        results: Vec<Value>,
+        exactly: Value,
+    ) -> Result<ClaimRef, LabError> {
+        let mut request = json!({"deviceClassName": DEVICE_CLASS});
+        if let (Some(r), Some(extra)) = (request.as_object_mut(), exactly.as_object()) {
+            r.extend(extra.clone());
+        }
         let obj = json!({
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
             "metadata": {"name": name, "namespace": namespace},
-            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": DEVICE_CLASS, "count": devices.len()}}]}},
+            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": request}]}},
             "status": {"allocation": {"devices": {"results": results}}}
         });
         let stored = self.api.put_json(obj)?;

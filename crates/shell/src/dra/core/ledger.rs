@@ -59,7 +59,14 @@ impl Shared {
                     false,
                 );
             }
-            if s.config.allocation != AllocationMode::Shared {
+            if !shares.is_empty() {
+                metrics::node()
+                    .ledger_handouts
+                    .get_or_create(&ApiLabel::DRA)
+                    .inc();
+                info!(claim = %claim_label(c), shares = ?wanted.iter().map(|w| format!("{} ({})", w.unit, w.share)).collect::<Vec<_>>(), "shares handed out to claim");
+            }
+            if units.is_empty() || s.config.allocation != AllocationMode::Shared {
                 return (Ok(()), !shares.is_empty());
             }
             let list: Vec<DeviceUuid> = units.values().cloned().collect();
