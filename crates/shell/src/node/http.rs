@@ -139,10 +139,12 @@ impl StateGauges {
                 devices.push((DeviceLabels { resource, health }, count(n)));
             }
         }
-        let held = snap.ledger.holds().fold([0usize; 2], |mut acc, (_, h)| {
+        let mut held = snap.ledger.holds().fold([0usize; 2], |mut acc, (_, h)| {
             acc[usize::from(matches!(h, crate::ledger::Holder::Claim { .. }))] += 1;
             acc
         });
+        // A shared unit with any share held counts once: it is held for everyone else.
+        held[1] += snap.ledger.shares().count();
         StateGauges {
             devices,
             held: [
@@ -164,7 +166,7 @@ impl Collector for StateGauges {
         metrics::gauges(
             &mut e,
             "gpuplane_ledger_held_units",
-            "Units (GPUs or MIG devices) held in the allocation ledger, by API.",
+            "Units (GPUs or MIG devices) held in the allocation ledger, by API; a shared unit with shares held counts once.",
             &self.held,
         )
     }
