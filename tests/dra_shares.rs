@@ -384,8 +384,21 @@ async fn a_restarted_agent_adopts_the_daemon_restarts_a_missing_one_and_stops_a_
     assert!(!stray.exists(), "a daemon dir with no share is removed");
     assert_eq!(state.read().ledger.shares_of(&env.gpu(0)).len(), 1);
     eprintln!("restore with daemons: {:?}", started.elapsed());
-    // Prepared shares answer from the checkpoint; unprepare stops the daemons.
+    // Prepared shares answer from the checkpoint, and a daemon that died since is started
+    // again before the answer; unprepare stops the daemons.
+    let died = env.daemon_pid(0).unwrap();
+    std::process::Command::new("kill")
+        .args(["-KILL", &died.to_string()])
+        .status()
+        .unwrap();
+    while alive(died) {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
     prepare(&core, &a).await.unwrap();
+    assert!(
+        env.daemon_pid(0).is_some_and(|p| p != died),
+        "a new daemon for gpu-0"
+    );
     unprepare(&core, &a).await;
     unprepare(&core, &b).await;
     assert_eq!((env.daemon_pid(0), env.daemon_pid(1)), (None, None));

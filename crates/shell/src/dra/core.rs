@@ -240,10 +240,19 @@ impl DraCore {
     }
 
     async fn prepare_one(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
-        let done = self
-            .shared
-            .completed(&*self.checkpoint.lock().await, &c.uid, true);
-        if let Some(devices) = done {
+        let done = {
+            let cp = self.checkpoint.lock().await;
+            let shares = cp.get(&c.uid).map(|e| e.shares.clone()).unwrap_or_default();
+            self.shared
+                .completed(&cp, &c.uid, true)
+                .map(|devices| (devices, shares))
+        };
+        if let Some((devices, shares)) = done {
+            // A daemon that died since: the share gets one again before the answer.
+            if !shares.is_empty() {
+                let shared = self.shared.clone();
+                off_runtime(move || shared.start_daemons(&shares)).await?;
+            }
             return Ok(devices);
         }
         // A prepare before the device plugin's holds are in the ledger could hand out a GPU a
