@@ -753,3 +753,33 @@ fn shared_units_are_published_with_consumable_memory_and_compute() {
             "validRange": {"min": "10", "max": "100", "step": "10"}}})
     );
 }
+
+#[test]
+fn request_policies_are_checked_as_the_api_server_does() {
+    let inv = crate::sim::load("dgx-h100").unwrap();
+    let cfg = crate::sharing::ShareConfig::defaults();
+    let shared = crate::sharing::shared_units(&inv, Some(&cfg));
+    let mut slices = render_with_generation(&inv, &book(&inv), DRIVER, NODE, 0, &shared);
+    // 81559Mi GPUs: max is the largest whole Gi below, and the slice is valid.
+    validate(&slices[0]).unwrap();
+    let device = &mut slices[0].spec.devices.as_mut().unwrap()[0];
+    let memory = device.capacity.as_mut().unwrap().get_mut("memory").unwrap();
+    let range = memory
+        .request_policy
+        .as_mut()
+        .unwrap()
+        .valid_range
+        .as_mut()
+        .unwrap();
+    assert_eq!(range.max.as_ref().unwrap().0, "79Gi");
+    range.max = Some(k8s_openapi::apimachinery::pkg::api::resource::Quantity(
+        "81559Mi".into(),
+    ));
+    let errors = validate(&slices[0]).unwrap_err();
+    let text = format!("{errors:?}");
+    assert!(
+        text.contains("capacity[memory].requestPolicy.validRange.step")
+            && text.contains("not a multiple of a given step"),
+        "{text}"
+    );
+}

@@ -5,7 +5,7 @@ use super::names::{is_semver, truncate_key};
 use super::{invalid, Checker, Problem};
 use crate::slices::{MAX_ATTRIBUTES_AND_CAPACITIES, MAX_ATTRIBUTE_VALUE_LEN};
 use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, DeviceCounterConsumption, DeviceTaint,
+    CapacityRequestPolicy, Device, DeviceAttribute, DeviceCounterConsumption, DeviceTaint,
 };
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -38,11 +38,15 @@ impl Checker {
             if let Err(e) = crate::quantity::Quantity::parse_trimmed(&c.value.0) {
                 self.push(format!("{p}.value"), invalid(&c.value.0, e.to_string()));
             }
-            if c.request_policy.is_some() && !multi {
-                self.push(
+            match &c.request_policy {
+                Some(_) if !multi => self.push(
                     format!("{p}.requestPolicy"),
                     Problem::Forbidden("allowMultipleAllocations must be true".into()),
-                );
+                ),
+                Some(policy) => {
+                    self.request_policy(&c.value.0, policy, &format!("{p}.requestPolicy"))
+                }
+                None => {}
             }
         }
         if let Some(taints) = &d.taints {
@@ -65,6 +69,116 @@ impl Checker {
         }
         self.node_selection(d, path, per_device);
         self.binding_conditions(d, path);
+    }
+
+    /// A consumable capacity's request policy, by the API server's rules for whole numbers:
+    /// one of `validValues` and `validRange`, a default among them, everything within the
+    /// capacity, and `default` and `max` on the grid `min + k*step`.
+    fn request_policy(&mut self, capacity: &str, policy: &CapacityRequestPolicy, path: &str) {
+        let num = |q: &str| {
+            crate::quantity::Quantity::parse_trimmed(q)
+                .ok()
+                .filter(crate::quantity::Quantity::is_integer)
+                .and_then(|q| q.value())
+        };
+        let Some(value) = num(capacity) else { return };
+        if policy.valid_range.is_some() && policy.valid_values.is_some() {
+            self.push(path, Problem::Forbidden("exactly one policy can be specified, cannot specify \"validValues\" and \"validRange\" at the same time".into()));
+            return;
+        }
+        let default = policy.default.as_ref().map(|d| (d.0.as_str(), num(&d.0)));
+        if let Some(values) = &policy.valid_values {
+            let Some((text, default)) = default else {
+                self.push(
+                    format!("{path}.default"),
+                    Problem::Required("required when validValues is defined".into()),
+                );
+                return;
+            };
+            let nums: Vec<Option<i64>> = values.iter().map(|v| num(&v.0)).collect();
+            for (i, v) in nums.iter().enumerate() {
+                if v.is_some_and(|v| v > value) {
+                    self.push(
+                        format!("{path}.validValues[{i}]"),
+                        invalid(
+                            &values[i].0,
+                            format!("option is larger than capacity value: {capacity}"),
+                        ),
+                    );
+                }
+            }
+            if !nums.contains(&default) {
+                self.push(
+                    format!("{path}.validValues"),
+                    invalid(
+                        text,
+                        "default value is not valid according to the requestPolicy",
+                    ),
+                );
+            }
+            return;
+        }
+        let Some(range) = &policy.valid_range else {
+            return;
+        };
+        let p = format!("{path}.validRange");
+        let Some((text, Some(default))) = default else {
+            if default.is_none() {
+                self.push(
+                    format!("{path}.default"),
+                    Problem::Required("required when validRange is defined".into()),
+                );
+            }
+            return;
+        };
+        let (Some(min), max) = (num(&range.min.0), range.max.as_ref().map(|m| num(&m.0))) else {
+            return;
+        };
+        if min > value {
+            self.push(
+                format!("{p}.min"),
+                invalid(
+                    &range.min.0,
+                    format!("min is larger than capacity value: {capacity}"),
+                ),
+            );
+        }
+        if default < min {
+            self.push(
+                format!("{p}.default"),
+                invalid(text, format!("default is less than min: {}", range.min.0)),
+            );
+        }
+        if let Some(Some(max)) = max {
+            if min > max || max > value || default > max {
+                self.push(
+                    format!("{p}.max"),
+                    invalid(
+                        max,
+                        "min <= default <= max <= the capacity value is required",
+                    ),
+                );
+            }
+        }
+        if let Some(step) = range.step.as_ref().and_then(|s| num(&s.0)) {
+            if step <= 0 || min.saturating_add(step) > value {
+                self.push(format!("{p}.step"), invalid(step, format!("must be greater than zero and one step from min must not exceed the capacity value {capacity}")));
+                return;
+            }
+            for v in std::iter::once(default).chain(max.flatten()) {
+                if (v - min) % step != 0 {
+                    self.push(
+                        format!("{p}.step"),
+                        invalid(
+                            v,
+                            format!(
+                                "value is not a multiple of a given step ({step}) from ({min})"
+                            ),
+                        ),
+                    );
+                }
+            }
+        }
     }
 
     fn counter_consumptions(&mut self, cc: &[DeviceCounterConsumption], path: &str) {
