@@ -5,7 +5,8 @@ use super::names::{is_semver, truncate_key};
 use super::{invalid, Checker, Problem};
 use crate::slices::{MAX_ATTRIBUTES_AND_CAPACITIES, MAX_ATTRIBUTE_VALUE_LEN};
 use k8s_openapi::api::resource::v1::{
-    CapacityRequestPolicy, Device, DeviceAttribute, DeviceCounterConsumption, DeviceTaint,
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute,
+    DeviceCounterConsumption, DeviceTaint,
 };
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -16,6 +17,14 @@ const BINDING_CONDITIONS_MAX: usize = 4;
 /// Most counter-consumption entries on one device.
 const DEVICE_COUNTER_CONSUMPTIONS_MAX: usize = 32;
 const TAINT_EFFECTS: [&str; 2] = ["NoExecute", "NoSchedule"];
+
+/// A whole-number quantity's value (the integer rules; fractional policies are not checked).
+fn whole(q: &str) -> Option<i64> {
+    crate::quantity::Quantity::parse_trimmed(q)
+        .ok()
+        .filter(crate::quantity::Quantity::is_integer)
+        .and_then(|q| q.value())
+}
 
 impl Checker {
     pub(super) fn device(&mut self, d: &Device, path: &str, per_device: bool) {
@@ -75,63 +84,56 @@ impl Checker {
     /// one of `validValues` and `validRange`, a default among them, everything within the
     /// capacity, and `default` and `max` on the grid `min + k*step`.
     fn request_policy(&mut self, capacity: &str, policy: &CapacityRequestPolicy, path: &str) {
-        let num = |q: &str| {
-            crate::quantity::Quantity::parse_trimmed(q)
-                .ok()
-                .filter(crate::quantity::Quantity::is_integer)
-                .and_then(|q| q.value())
-        };
-        let Some(value) = num(capacity) else { return };
+        let Some(value) = whole(capacity) else { return };
         if policy.valid_range.is_some() && policy.valid_values.is_some() {
             self.push(path, Problem::Forbidden("exactly one policy can be specified, cannot specify \"validValues\" and \"validRange\" at the same time".into()));
             return;
         }
-        let default = policy.default.as_ref().map(|d| (d.0.as_str(), num(&d.0)));
-        if let Some(values) = &policy.valid_values {
-            let Some((text, default)) = default else {
+        let Some(default) = policy.default.as_ref().map(|d| d.0.as_str()) else {
+            if policy.valid_range.is_some() || policy.valid_values.is_some() {
                 self.push(
                     format!("{path}.default"),
-                    Problem::Required("required when validValues is defined".into()),
+                    Problem::Required("required when validRange or validValues is defined".into()),
                 );
-                return;
-            };
-            let nums: Vec<Option<i64>> = values.iter().map(|v| num(&v.0)).collect();
-            for (i, v) in nums.iter().enumerate() {
-                if v.is_some_and(|v| v > value) {
+            }
+            return;
+        };
+        if let Some(values) = &policy.valid_values {
+            for (i, v) in values.iter().enumerate() {
+                if whole(&v.0).is_some_and(|v| v > value) {
                     self.push(
                         format!("{path}.validValues[{i}]"),
                         invalid(
-                            &values[i].0,
+                            &v.0,
                             format!("option is larger than capacity value: {capacity}"),
                         ),
                     );
                 }
             }
-            if !nums.contains(&default) {
+            if !values.iter().any(|v| whole(&v.0) == whole(default)) {
                 self.push(
                     format!("{path}.validValues"),
                     invalid(
-                        text,
+                        default,
                         "default value is not valid according to the requestPolicy",
                     ),
                 );
             }
-            return;
         }
-        let Some(range) = &policy.valid_range else {
-            return;
-        };
-        let p = format!("{path}.validRange");
-        let Some((text, Some(default))) = default else {
-            if default.is_none() {
-                self.push(
-                    format!("{path}.default"),
-                    Problem::Required("required when validRange is defined".into()),
-                );
-            }
-            return;
-        };
-        let (Some(min), max) = (num(&range.min.0), range.max.as_ref().map(|m| num(&m.0))) else {
+        if let (Some(range), Some(d)) = (&policy.valid_range, whole(default)) {
+            self.valid_range(capacity, value, d, range, &format!("{path}.validRange"));
+        }
+    }
+
+    fn valid_range(
+        &mut self,
+        capacity: &str,
+        value: i64,
+        default: i64,
+        range: &CapacityRequestPolicyRange,
+        p: &str,
+    ) {
+        let Some(min) = whole(&range.min.0) else {
             return;
         };
         if min > value {
@@ -146,10 +148,11 @@ impl Checker {
         if default < min {
             self.push(
                 format!("{p}.default"),
-                invalid(text, format!("default is less than min: {}", range.min.0)),
+                invalid(default, format!("default is less than min: {min}")),
             );
         }
-        if let Some(Some(max)) = max {
+        let max = range.max.as_ref().and_then(|m| whole(&m.0));
+        if let Some(max) = max {
             if min > max || max > value || default > max {
                 self.push(
                     format!("{p}.max"),
@@ -160,12 +163,12 @@ impl Checker {
                 );
             }
         }
-        if let Some(step) = range.step.as_ref().and_then(|s| num(&s.0)) {
+        if let Some(step) = range.step.as_ref().and_then(|s| whole(&s.0)) {
             if step <= 0 || min.saturating_add(step) > value {
                 self.push(format!("{p}.step"), invalid(step, format!("must be greater than zero and one step from min must not exceed the capacity value {capacity}")));
                 return;
             }
-            for v in std::iter::once(default).chain(max.flatten()) {
+            for v in std::iter::once(default).chain(max) {
                 if (v - min) % step != 0 {
                     self.push(
                         format!("{p}.step"),

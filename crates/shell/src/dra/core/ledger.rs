@@ -8,11 +8,59 @@ use crate::config::AllocationMode;
 use crate::dra::checkpoint::ShareEntry;
 use crate::dra::ClaimRef;
 use crate::inventory::DeviceUuid;
-use crate::ledger::{Holder, ShareRequest};
+use crate::ledger::{Holder, ShareRefused, ShareRequest};
 use crate::metrics::{self, ApiLabel};
 use std::collections::BTreeMap;
 use std::time::Instant;
 use tracing::info;
+
+/// Holds a claim's shares, or refuses naming the device and the holders.
+fn hold_shares(
+    ledger: &mut crate::ledger::Ledger,
+    c: &ClaimRef,
+    who: &Holder,
+    shares: &[ShareEntry],
+) -> Result<(), PrepareError> {
+    if shares.is_empty() {
+        return Ok(());
+    }
+    let wanted: Vec<ShareRequest> = shares
+        .iter()
+        .map(|e| ShareRequest {
+            unit: e.unit.clone(),
+            share_id: e.share_id.clone(),
+            share: e.share,
+            capacity: e.capacity,
+        })
+        .collect();
+    let m = metrics::node();
+    match ledger.hold_shares(&wanted, who) {
+        Ok(()) => {
+            m.ledger_handouts.get_or_create(&ApiLabel::DRA).inc();
+            let held: Vec<String> = wanted
+                .iter()
+                .map(|w| format!("{} ({})", w.unit, w.share))
+                .collect();
+            info!(claim = %claim_label(c), shares = ?held, "shares handed out to claim");
+            Ok(())
+        }
+        Err(refused) => {
+            m.ledger_refusals.get_or_create(&ApiLabel::DRA).inc();
+            let unit = match &refused {
+                ShareRefused::Held(h) => &h.unit,
+                ShareRefused::Full { unit, .. } => unit,
+            };
+            let device = shares
+                .iter()
+                .find(|e| e.unit == *unit)
+                .map_or_else(|| unit.to_string(), |e| e.device.clone());
+            Err(PrepareError::ShareRefused {
+                device,
+                cause: Box::new(refused),
+            })
+        }
+    }
+}
 
 impl Shared {
     /// Records the claim's units in the allocation ledger (shared mode), refusing units another
@@ -29,42 +77,8 @@ impl Shared {
             name: claim_label(c),
         };
         self.state.update(|s| {
-            let wanted: Vec<ShareRequest> = shares
-                .iter()
-                .map(|e| ShareRequest {
-                    unit: e.unit.clone(),
-                    share_id: e.share_id.clone(),
-                    share: e.share,
-                    capacity: e.capacity,
-                })
-                .collect();
-            if let Err(refused) = s.ledger.hold_shares(&wanted, &who) {
-                metrics::node()
-                    .ledger_refusals
-                    .get_or_create(&ApiLabel::DRA)
-                    .inc();
-                let device = match &refused {
-                    crate::ledger::ShareRefused::Held(h) => &h.unit,
-                    crate::ledger::ShareRefused::Full { unit, .. } => unit,
-                };
-                let device = shares
-                    .iter()
-                    .find(|e| e.unit == *device)
-                    .map_or_else(|| device.to_string(), |e| e.device.clone());
-                return (
-                    Err(PrepareError::ShareRefused {
-                        device,
-                        cause: Box::new(refused),
-                    }),
-                    false,
-                );
-            }
-            if !shares.is_empty() {
-                metrics::node()
-                    .ledger_handouts
-                    .get_or_create(&ApiLabel::DRA)
-                    .inc();
-                info!(claim = %claim_label(c), shares = ?wanted.iter().map(|w| format!("{} ({})", w.unit, w.share)).collect::<Vec<_>>(), "shares handed out to claim");
+            if let Err(e) = hold_shares(&mut s.ledger, c, &who, shares) {
+                return (Err(e), false);
             }
             if units.is_empty() || s.config.allocation != AllocationMode::Shared {
                 return (Ok(()), !shares.is_empty());
