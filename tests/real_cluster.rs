@@ -685,38 +685,12 @@ fn logged_uuids(log: &str) -> BTreeSet<String> {
 /// A pod holding a claim of `count` GPUs from DeviceClass gpu.gpuplane.dev whose devices also
 /// match `selector` (CEL), sleeping so that it keeps them.
 fn claim_pod(lab: &ClusterLab, name: &str, count: u32, selector: &str) {
-    lab.apply(&format!(
-        r#"apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata: {{name: {name}, namespace: default}}
-spec:
-  spec:
-    devices:
-      requests:
-      - name: gpu
-        exactly:
-          deviceClassName: gpu.gpuplane.dev
-          count: {count}
-          selectors:
-          - cel: {{expression: "{selector}"}}
----
-apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: default}}
-spec:
-  restartPolicy: Never
-  terminationGracePeriodSeconds: 1
-  resourceClaims:
-  - {{name: gpu, resourceClaimTemplateName: {name}}}
-  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: ["sh", "-c", "env; sleep 3600"]
-    resources:
-      claims: [{{name: gpu}}]
-"#
-    ));
+    let extra = [
+        format!("count: {count}"),
+        format!("selectors: [{{cel: {{expression: \"{selector}\"}}}}]"),
+    ];
+    lab.apply(&cluster::claim_template("default", name, &extra));
+    lab.apply(&cluster::claim_pod("default", name, name));
 }
 
 /// The scheduler's reason for not placing a pod: its PodScheduled=False condition message.

@@ -66,38 +66,12 @@ fn devices(lab: &ClusterLab) -> Vec<Value> {
 /// A pod holding a share (`memory`, `compute` percent) of one GPU that also matches `cel`,
 /// printing its environment and then sleeping.
 fn share_pod(lab: &ClusterLab, name: &str, memory: &str, compute: u32, cel: &str) {
-    lab.apply(&format!(
-        r#"apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata: {{name: {name}, namespace: default}}
-spec:
-  spec:
-    devices:
-      requests:
-      - name: gpu
-        exactly:
-          deviceClassName: gpu.gpuplane.dev
-          selectors: [{{cel: {{expression: '{cel}'}}}}]
-          capacity:
-            requests: {{memory: {memory}, compute: "{compute}"}}
----
-apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: default}}
-spec:
-  restartPolicy: Never
-  terminationGracePeriodSeconds: 1
-  resourceClaims:
-  - {{name: gpu, resourceClaimTemplateName: {name}}}
-  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: ["sh", "-c", "env; sleep 3600"]
-    resources:
-      claims: [{{name: gpu}}]
-"#
-    ));
+    let extra = [
+        format!("selectors: [{{cel: {{expression: '{cel}'}}}}]"),
+        format!("capacity: {{requests: {{memory: {memory}, compute: \"{compute}\"}}}}"),
+    ];
+    lab.apply(&cluster::claim_template("default", name, &extra));
+    lab.apply(&cluster::claim_pod("default", name, name));
 }
 
 /// A pod asking for `gpus` whole GPUs through the device plugin API.

@@ -44,44 +44,14 @@ fn agent_config() -> String {
 /// A ResourceClaimTemplate `name` of namespace [`NS`]: one share of a `gpu.gpuplane.dev`
 /// device with `memory` and `compute` (percent).
 fn share_template(name: &str, memory: &str, compute: u32) -> String {
-    format!(
-        r#"apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata: {{name: {name}, namespace: {NS}}}
-spec:
-  spec:
-    devices:
-      requests:
-      - name: gpu
-        exactly:
-          deviceClassName: gpu.gpuplane.dev
-          capacity:
-            requests: {{memory: {memory}, compute: "{compute}"}}
-"#
-    )
+    let capacity = format!("capacity: {{requests: {{memory: {memory}, compute: \"{compute}\"}}}}");
+    cluster::claim_template(NS, name, &[capacity])
 }
 
 /// A pod of namespace [`NS`] holding a claim from `template`, printing its environment and
 /// then sleeping so that it keeps the share.
 fn share_pod(name: &str, template: &str) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: {NS}}}
-spec:
-  restartPolicy: Never
-  terminationGracePeriodSeconds: 1
-  resourceClaims:
-  - {{name: gpu, resourceClaimTemplateName: {template}}}
-  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: ["sh", "-c", "env; sleep 3600"]
-    resources:
-      claims: [{{name: gpu}}]
-"#
-    )
+    cluster::claim_pod(NS, name, template)
 }
 
 /// `kubectl create -f - -o json` (as admin), as a user types it: the created object, or

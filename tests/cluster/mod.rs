@@ -172,6 +172,48 @@ spec:
     )
 }
 
+/// A ResourceClaimTemplate `ns/name`: one request `gpu` of DeviceClass `gpu.gpuplane.dev`,
+/// with `extra` lines (`count: 2`, `capacity: {...}`, ...) added to its `exactly`.
+pub fn claim_template(ns: &str, name: &str, extra: &[String]) -> String {
+    let extra: String = extra.iter().map(|l| format!("\n          {l}")).collect();
+    format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpu
+        exactly:
+          deviceClassName: gpu.gpuplane.dev{extra}
+"#
+    )
+}
+
+/// A pod `ns/name` holding a claim made from template `template`, printing its environment and
+/// then sleeping so that it keeps the devices.
+pub fn claim_pod(ns: &str, name: &str, template: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  resourceClaims:
+  - {{name: gpu, resourceClaimTemplateName: {template}}}
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["sh", "-c", "env; sleep 3600"]
+    resources:
+      claims: [{{name: gpu}}]
+"#
+    )
+}
+
 /// One lab: the `lab.sh` process, its work dir and the namespaces' init. Dropping it kills
 /// every process of the namespaces, removes their cgroups and the work dir (kept, with a
 /// printed path, when `GPUPLANE_LAB_KEEP` is set).

@@ -59,6 +59,20 @@ pub struct Charge {
 }
 
 impl Charge {
+    /// Nothing known of it: GPUs and GPU memory both unpriced, for `why`.
+    pub fn unknown_gpus(why: String) -> Charge {
+        Charge {
+            usage: Usage::default(),
+            unknown: [Dimension::Gpus, Dimension::GpuMemory]
+                .into_iter()
+                .map(|dimension| UnknownCharge {
+                    dimension,
+                    why: why.clone(),
+                })
+                .collect(),
+        }
+    }
+
     /// Nothing GPU-related at all: no quota applies.
     pub fn is_empty(&self) -> bool {
         self.usage.is_zero() && self.usage.devices.is_empty() && self.unknown.is_empty()
@@ -321,22 +335,9 @@ fn request_charge(
     )?;
     let mut charge = match catalog.matching(class, &selectors(sels)) {
         ClassMatch::NotGpu => Charge::default(),
-        ClassMatch::UnknownClass => {
-            let why = format!("DeviceClass {class} (request {request}) is not known");
-            Charge {
-                usage: Usage::default(),
-                unknown: vec![
-                    UnknownCharge {
-                        dimension: Dimension::Gpus,
-                        why: why.clone(),
-                    },
-                    UnknownCharge {
-                        dimension: Dimension::GpuMemory,
-                        why,
-                    },
-                ],
-            }
-        }
+        ClassMatch::UnknownClass => Charge::unknown_gpus(format!(
+            "DeviceClass {class} (request {request}) is not known"
+        )),
         ClassMatch::Devices(ds) => {
             let what = if asked.is_empty() {
                 format!("DeviceClass {class}")
@@ -490,22 +491,7 @@ fn result_charge(r: &DeviceRequestAllocationResult, catalog: &DeviceCatalog) -> 
     }
     match device {
         Some(d) => DeviceCatalog::device_usage(d),
-        None => {
-            let why = format!("{what} is not published");
-            Charge {
-                usage: Usage::default(),
-                unknown: vec![
-                    UnknownCharge {
-                        dimension: Dimension::Gpus,
-                        why: why.clone(),
-                    },
-                    UnknownCharge {
-                        dimension: Dimension::GpuMemory,
-                        why,
-                    },
-                ],
-            }
-        }
+        None => Charge::unknown_gpus(format!("{what} is not published")),
     }
 }
 
