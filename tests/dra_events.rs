@@ -133,3 +133,55 @@ async fn a_bad_opaque_config_is_told_on_the_claim_even_after_an_event_write_fail
     assert!(note.contains("fix the opaque device config"), "{note}");
     agent.stop().await;
 }
+
+/// Shares that cannot be given: one of a GPU this node does not share, and one whose claim
+/// also holds another device under MPS; each gets its Event with what to do, and one that fits
+/// time-sliced (no MPS program here) is prepared with a `ShareLimitsNotEnforced` Event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn share_refusals_and_unenforced_shares_are_told_on_the_claim() {
+    let lab = Lab::new("dgx-a100").await;
+    let agent = lab.start("sharing:\n  consumableCapacity: {gpus: [0], enforcement: MPS}\n");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    let cases = [
+        (
+            lab.share_claim("not-shared", "gpu-1", "8Gi", 20),
+            "ShareNotOffered",
+            "does not share it",
+        ),
+        (
+            lab.share_claim("off-grid", "gpu-0", "1536Mi", 20),
+            "ShareNotOffered",
+            "multiples of 1Gi",
+        ),
+    ];
+    for (claim, reason, why) in &cases {
+        let err = lab.prepare(claim).await.unwrap_err();
+        assert!(err.contains(why), "{err}");
+        lab.eventually("the Event on the claim", |l| {
+            !events_about(l, claim).is_empty()
+        })
+        .await;
+        let events = events_about(&lab, claim);
+        assert_regards(&events[0], claim, reason);
+        assert!(
+            events[0]["note"].as_str().unwrap().contains(why),
+            "{events:#?}"
+        );
+    }
+    let fits = lab.share_claim("fits", "gpu-0", "8Gi", 20);
+    lab.prepare(&fits).await.unwrap();
+    lab.eventually("the Event on the claim", |l| {
+        !events_about(l, &fits).is_empty()
+    })
+    .await;
+    let events = events_about(&lab, &fits);
+    assert_regards(&events[0], &fits, "ShareLimitsNotEnforced");
+    assert!(
+        events[0]["note"]
+            .as_str()
+            .unwrap()
+            .contains("gpu-0 (8Gi memory, 20% compute)"),
+        "{events:#?}"
+    );
+    agent.stop().await;
+}

@@ -107,6 +107,13 @@ impl Lab {
         self.node.claim("team-a", name, devices).unwrap()
     }
 
+    /// A claim in `team-a` allocated a share (`memory`, `compute` percent) of `device`.
+    pub fn share_claim(&self, name: &str, device: &str, memory: &str, compute: u32) -> ClaimRef {
+        self.node
+            .share_claim("team-a", name, device, memory, compute)
+            .expect("store share claim")
+    }
+
     pub async fn prepare(&self, c: &ClaimRef) -> Result<Vec<String>, String> {
         self.node
             .prepare(c)

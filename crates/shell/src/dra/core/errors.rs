@@ -108,6 +108,19 @@ impl PrepareError {
                  DeviceClass) and create the claim again",
             ),
             PrepareError::Plan {
+                cause: ClaimError::SharingOnShare { .. } | ClaimError::MpsShareNotAlone { .. },
+            } => (
+                "InvalidShare",
+                "fix the claim as the message says and create it again",
+            ),
+            PrepareError::Plan {
+                cause: ClaimError::NotShared { .. } | ClaimError::BadShare { .. },
+            } => (
+                "ShareNotOffered",
+                "the allocation asks for a share this node does not publish (sharing turned off, \
+                 or a stale ResourceSlice); delete the pod and its claim to get a fresh allocation",
+            ),
+            PrepareError::Plan {
                 cause: ClaimError::UnknownDevice { .. } | ClaimError::OtherPool { .. },
             } => (
                 "DeviceNotOnNode",
