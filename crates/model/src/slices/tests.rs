@@ -783,3 +783,37 @@ fn request_policies_are_checked_as_the_api_server_does() {
         "{text}"
     );
 }
+
+#[test]
+fn shared_mig_devices_offer_their_own_memory_and_compute_only() {
+    let inv = crate::sim::load("a100-mig-mixed").unwrap();
+    let cfg = crate::sharing::ShareConfig {
+        mig_devices: true,
+        ..crate::sharing::ShareConfig::defaults()
+    };
+    let shared = crate::sharing::shared_units(&inv, Some(&cfg));
+    let slices = render_with_generation(&inv, &book(&inv), DRIVER, NODE, 0, &shared);
+    slices.iter().for_each(|s| validate(s).unwrap());
+    let mig = inv.gpus[0]
+        .mig_devices
+        .iter()
+        .find(|m| m.memory_mib >= 2048)
+        .unwrap();
+    let device = slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .find(|d| {
+            d.attributes.as_ref().unwrap()["uuid"].string.as_deref() == Some(mig.uuid.as_str())
+        })
+        .unwrap();
+    assert_eq!(device.allow_multiple_allocations, Some(true));
+    let caps: Vec<&String> = device.capacity.as_ref().unwrap().keys().collect();
+    assert_eq!(
+        caps,
+        ["compute", "memory"],
+        "engine counts would be consumed whole by each share"
+    );
+    // Without migDevices, MIG devices stay whole.
+    let whole = crate::sharing::shared_units(&inv, Some(&crate::sharing::ShareConfig::defaults()));
+    assert!(!whole.contains_key(&mig.uuid));
+}
