@@ -144,7 +144,17 @@ pub async fn resolve(client: &kube::Client, node: &str, flags: Apis) -> Result<S
         }
     };
     let serving = choose_serving(node, object.as_ref(), flags)?;
-    tracing::info!(%node, %serving, "serving");
+    let from = |key: &'static str, otherwise: &'static str| match object
+        .as_ref()
+        .and_then(|n| node_label(n, key))
+    {
+        Some(_) => key,
+        None => otherwise,
+    };
+    tracing::info!(%node, apis = %serving.apis, from = from(APIS_LABEL, "flags"), "kubelet APIs");
+    if serving.sharing.is_some() {
+        tracing::info!(%node, %serving, from = SHARING_LABEL, "consumable-capacity sharing");
+    }
     Ok(serving)
 }
 
