@@ -309,7 +309,20 @@ fn nothing_in_the_product_shells_out() {
         "posix_spawn",
         "\"/bin/sh\"",
     ];
+    // The one program the product runs: NVIDIA's MPS control program, from a fixed path with
+    // fixed arguments (docs/security.md). Not a shell, and nowhere else.
+    let mps = Path::new("crates/shell/src/dra/mps.rs");
+    let mut ran_in_mps = false;
     for (path, text) in product_sources() {
+        if path.ends_with(mps) {
+            ran_in_mps = text.contains("Command::new(&self.program)");
+            assert!(
+                !text.contains("\"/bin/sh\"") && !text.contains("\"sh\""),
+                "{}: no shell",
+                path.display()
+            );
+            continue;
+        }
         for (n, line) in text.lines().enumerate() {
             let code = line.split("//").next().unwrap_or("");
             let uses_command_import = code.contains("std::process::{") && code.contains("Command");
@@ -324,6 +337,11 @@ fn nothing_in_the_product_shells_out() {
             }
         }
     }
+    assert!(
+        ran_in_mps,
+        "the MPS control program is run from one fixed path in {}",
+        mps.display()
+    );
 }
 
 #[test]
