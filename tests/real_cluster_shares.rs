@@ -18,6 +18,27 @@ use std::path::PathBuf;
 /// Every GPU of the node shared in steps of 1Gi and 10%.
 const CONFIG: &str = "version: v1\nsharing:\n  consumableCapacity:\n    gpus: all\n    memoryStep: 1Gi\n    computeStep: 10\n";
 
+/// Kills every stand-in MPS daemon whose pid file is under the lab's agent state dir when
+/// dropped: the agent detaches its daemons, so the lab's teardown does not reach them when a
+/// test fails before the last share ends.
+struct Daemons(PathBuf);
+
+impl Drop for Daemons {
+    fn drop(&mut self) {
+        let gpus = std::fs::read_dir(self.0.join("state/mps"))
+            .into_iter()
+            .flatten();
+        for gpu in gpus.flatten() {
+            let pid_file = gpu.path().join("pipe/nvidia-cuda-mps-control.pid");
+            if let Ok(pid) = std::fs::read_to_string(pid_file) {
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", pid.trim()])
+                    .status();
+            }
+        }
+    }
+}
+
 /// The lab, the agent's kubeconfig and the agent on the simulated dgx-a100 sharing its GPUs,
 /// with the stand-in MPS control program in its driver root; once all 8 GPUs are published.
 fn lab_sharing() -> Option<(ClusterLab, PathBuf, LabProcess)> {
@@ -181,6 +202,7 @@ fn shares_pack_one_gpu_under_one_mps_daemon_and_exclude_whole_holds_until_the_la
     let Some((lab, kubeconfig, agent)) = lab_sharing() else {
         return;
     };
+    let _daemons = Daemons(LabAgent::dir(&lab));
     // The API server accepted the request policies as the agent rendered them.
     let gpu0 = devices(&lab)
         .into_iter()
