@@ -13,24 +13,10 @@ use cluster::{
 };
 use gpuplane_shell::quota::SCHEDULING_GATE;
 use serde_json::Value;
-use std::process::Output;
 
 /// A long-running busybox pod in `ns` asking for `gpus` whole GPUs (none: no resources).
 fn pod(ns: &str, name: &str, gpus: u32) -> String {
     cluster::gpu_pod(ns, name, gpus, r#"["sleep", "3600"]"#)
-}
-
-/// `kubectl create -f - -o json` (as admin), as a user types it: the created object, or
-/// kubectl's error text.
-fn create(lab: &ClusterLab, yaml: &str, extra: &[&str]) -> Result<Value, String> {
-    let mut args = vec!["create", "-f", "-", "-o", "json"];
-    args.extend(extra);
-    let out: Output = lab.kubectl_as(&lab.admin_kubeconfig(), &args, Some(yaml));
-    if out.status.success() {
-        Ok(serde_json::from_slice(&out.stdout).unwrap())
-    } else {
-        Err(String::from_utf8_lossy(&out.stderr).into_owned())
-    }
 }
 
 /// A GpuQuota `hard` of `gpus` in dimension `dim`: `devices` (`nvidia.com/gpu` counted by
@@ -60,7 +46,7 @@ fn namespace_with_quota(lab: &ClusterLab, ns: &str, dim: &str, gpus: u32, mode: 
     let over = pod(ns, "dry-run-probe", gpus + 1);
     eventually(
         &format!("the webhooks to enforce GpuQuota {ns}/default"),
-        || match create(lab, &over, &["--dry-run=server"]) {
+        || match lab.create(&over, &["--dry-run=server"]) {
             Err(e) => {
                 (mode == "Reject" && e.contains(&format!("in GpuQuota {ns}/default"))).then_some(())
             }
@@ -174,14 +160,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
 
     let agent = LabAgent::start(&lab, &installed.agent, "1");
     let controller = start_controller(&lab, &installed, "1");
-    eventually("the controller to be ready", || {
-        let out = lab
-            .in_netns("curl")
-            .args(["-sf", &format!("http://{CONTROLLER_METRICS_ADDR}/readyz")])
-            .output()
-            .unwrap();
-        out.status.success().then_some(())
-    });
+    cluster::wait_controller_ready(&lab);
     eventually("node lab-node to report nvidia.com/gpu: 8", || {
         let node = lab.get_json(&["get", "node", NODE])?;
         (node["status"]["allocatable"]["nvidia.com/gpu"] == "8").then_some(())
@@ -194,14 +173,14 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     // namespace has no queue label, and the pod costs one validating call only.
     assert_eq!(queue_label(&lab, "team-a"), None);
     let before = webhook_calls(&lab);
-    create(&lab, &pod("team-a", "two", 2), &[]).unwrap();
+    lab.create(&pod("team-a", "two", 2), &[]).unwrap();
     let after = webhook_calls(&lab);
     assert_eq!(
         (after.0 - before.0, after.1 - before.1),
         (1, 0),
         "(validating, mutating) calls for a GPU pod of a Reject-mode namespace"
     );
-    let err = create(&lab, &pod("team-a", "one-more", 1), &[]).unwrap_err();
+    let err = lab.create(&pod("team-a", "one-more", 1), &[]).unwrap_err();
     assert!(
         err.contains(r#"admission webhook "quota.gpuplane.dev" denied the request"#)
             && err.contains("requested 1, used 2 of 2 in GpuQuota team-a/default"),
@@ -217,7 +196,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     namespace_with_quota(&lab, "team-q", "devices", 1, "Queue");
     assert_eq!(queue_label(&lab, "team-q").as_deref(), Some("true"));
     let before = webhook_calls(&lab);
-    let first = create(&lab, &pod("team-q", "first", 1), &[]).unwrap();
+    let first = lab.create(&pod("team-q", "first", 1), &[]).unwrap();
     assert_eq!(gates(&first), [SCHEDULING_GATE], "created gated: {first}");
     let after = webhook_calls(&lab);
     assert!(
@@ -225,7 +204,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         "both webhooks called: {before:?} -> {after:?}"
     );
     wait_running(&lab, "team-q", "first");
-    let second = create(&lab, &pod("team-q", "second", 1), &[]).unwrap();
+    let second = lab.create(&pod("team-q", "second", 1), &[]).unwrap();
     assert_eq!(gates(&second), [SCHEDULING_GATE]);
     eventually("the second pod to be queued in the GpuQuota status", || {
         let q = lab.get_json(&["get", "gpuquota", "default", "-n", "team-q"])?;
@@ -290,7 +269,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         },
     );
     namespace_with_quota(&lab, "team-d", "gpus", 1, "Reject");
-    create(&lab, &pod("team-d", "via-dra", 1), &[]).unwrap();
+    lab.create(&pod("team-d", "via-dra", 1), &[]).unwrap();
     wait_running(&lab, "team-d", "via-dra");
     let p = pod_json(&lab, "team-d", "via-dra").unwrap();
     assert!(
@@ -302,9 +281,11 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     // A controller outage blocks GPU pods only: pods without GPUs are never sent.
     let controller_log = controller.log_text();
     controller.stop();
-    create(&lab, &pod("team-a", "no-gpus", 0), &[]).unwrap();
+    lab.create(&pod("team-a", "no-gpus", 0), &[]).unwrap();
     wait_running(&lab, "team-a", "no-gpus");
-    let err = create(&lab, &pod("team-a", "gpu-while-down", 1), &[]).unwrap_err();
+    let err = lab
+        .create(&pod("team-a", "gpu-while-down", 1), &[])
+        .unwrap_err();
     assert!(
         err.contains(r#"failed calling webhook "quota.gpuplane.dev""#),
         "{err}"

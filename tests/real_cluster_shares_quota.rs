@@ -10,8 +10,7 @@
 mod cluster;
 
 use cluster::{
-    eventually, eventually_or, refusals, repo, start_controller, ClusterLab, LabAgent,
-    CONTROLLER_METRICS_ADDR, DRIVER, NODE,
+    eventually, eventually_or, refusals, repo, start_controller, ClusterLab, LabAgent, DRIVER, NODE,
 };
 use serde_json::Value;
 use std::time::Instant;
@@ -52,19 +51,6 @@ fn share_template(name: &str, memory: &str, compute: u32) -> String {
 /// then sleeping so that it keeps the share.
 fn share_pod(name: &str, template: &str) -> String {
     cluster::claim_pod(NS, name, template)
-}
-
-/// `kubectl create -f - -o json` (as admin), as a user types it: the created object, or
-/// kubectl's error text.
-fn create(lab: &ClusterLab, yaml: &str, extra: &[&str]) -> Result<Value, String> {
-    let mut args = vec!["create", "-f", "-", "-o", "json"];
-    args.extend(extra);
-    let out = lab.kubectl_as(&lab.admin_kubeconfig(), &args, Some(yaml));
-    if out.status.success() {
-        Ok(serde_json::from_slice(&out.stdout).unwrap())
-    } else {
-        Err(String::from_utf8_lossy(&out.stderr).into_owned())
-    }
 }
 
 /// The devices of our driver's ResourceSlices on [`NODE`], as the API server stored them.
@@ -120,14 +106,7 @@ fn a_gpu_share_is_charged_its_memory_and_compute_by_the_real_api_server() {
         Some(&agent_config()),
     );
     let controller = start_controller(&lab, &installed, "1");
-    eventually("the controller to be ready", || {
-        let out = lab
-            .in_netns("curl")
-            .args(["-sf", &format!("http://{CONTROLLER_METRICS_ADDR}/readyz")])
-            .output()
-            .unwrap();
-        out.status.success().then_some(())
-    });
+    cluster::wait_controller_ready(&lab);
 
     // The slices as the API server validated and stored them: every GPU of the dgx-a100 (80Gi
     // each) is one shared device with the two consumable capacities and their policies.
@@ -165,7 +144,7 @@ fn a_gpu_share_is_charged_its_memory_and_compute_by_the_real_api_server() {
         "the webhook to price shares against GpuQuota team-s/default",
         || {
             let probe = share_pod("dry-run-probe", "share-21gi-10");
-            let answer = create(&lab, &probe, &["--dry-run=server"]);
+            let answer = lab.create(&probe, &["--dry-run=server"]);
             let priced = answer.as_ref().is_err_and(|e| {
                 e.contains("gpuMemory: requested 21Gi, used 0 of 20Gi in GpuQuota team-s/default")
             });
@@ -176,7 +155,8 @@ fn a_gpu_share_is_charged_its_memory_and_compute_by_the_real_api_server() {
     );
 
     // The first share fits (15Gi of 20Gi, 4/5 of 1 GPU) and runs.
-    create(&lab, &share_pod("first", "share-15gi-80"), &[]).unwrap();
+    lab.create(&share_pod("first", "share-15gi-80"), &[])
+        .unwrap();
     let pod = eventually_or(
         "pod team-s/first to run",
         || {
@@ -254,7 +234,9 @@ fn a_gpu_share_is_charged_its_memory_and_compute_by_the_real_api_server() {
 
     // The second share (10Gi, 1/2 GPU) would make 25Gi of 20Gi and 13/10 of 1: kubectl prints
     // the webhook's refusal with both dimensions, and there is no such pod.
-    let err = create(&lab, &share_pod("second", "share-10gi-50"), &[]).unwrap_err();
+    let err = lab
+        .create(&share_pod("second", "share-10gi-50"), &[])
+        .unwrap_err();
     assert!(
         err.contains(r#"admission webhook "quota.gpuplane.dev" denied the request"#)
             && err.contains(

@@ -404,6 +404,19 @@ impl ClusterLab {
     }
 
     /// kubectl that must succeed; its stdout.
+    /// `kubectl create -f - -o json` (as admin), as a user types it: the created object, or
+    /// kubectl's error text.
+    pub fn create(&self, yaml: &str, extra: &[&str]) -> Result<Value, String> {
+        let mut args = vec!["create", "-f", "-", "-o", "json"];
+        args.extend(extra);
+        let out = self.kubectl_as(&self.admin_kubeconfig(), &args, Some(yaml));
+        if out.status.success() {
+            Ok(serde_json::from_slice(&out.stdout).unwrap())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+
     pub fn kubectl_ok(&self, args: &[&str]) -> String {
         let out = self.kubectl(args);
         assert!(
@@ -872,6 +885,18 @@ impl LabAgent {
             .env_remove("GPUPLANE_CRASHPOINT");
         LabProcess::spawn(lab, cmd, &format!("agent-{tag}"))
     }
+}
+
+/// Waits until the controller's `/readyz` answers 200 (its caches synced, the webhook served).
+pub fn wait_controller_ready(lab: &ClusterLab) {
+    eventually("the controller to be ready", || {
+        let out = lab
+            .in_netns("curl")
+            .args(["-sf", &format!("http://{CONTROLLER_METRICS_ADDR}/readyz")])
+            .output()
+            .unwrap();
+        out.status.success().then_some(())
+    });
 }
 
 /// The quota controller: `gpuplane controller` with the Deployment's flags, serving the

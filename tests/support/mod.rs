@@ -10,24 +10,13 @@ use std::sync::OnceLock;
 pub fn built_fake() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
     LIB.get_or_init(|| {
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let out = Command::new(cargo)
-            .args(["build", "-p", "fake-nvml", "--profile", own_profile()])
-            .arg("--message-format=json-render-diagnostics")
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("run cargo build -p fake-nvml");
-        assert!(out.status.success(), "cargo build -p fake-nvml failed");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        stdout
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "nvidia_ml")
-            .flat_map(|m| m["filenames"].as_array().cloned().unwrap_or_default())
-            .filter_map(|f| f.as_str().map(PathBuf::from))
-            .find(|f| f.extension().is_some_and(|e| e == "so"))
-            .expect("cargo reported no libnvidia_ml.so artifact")
+        built_artifact("fake-nvml", "nvidia_ml", |m| {
+            m["filenames"]
+                .as_array()?
+                .iter()
+                .filter_map(|f| f.as_str().map(PathBuf::from))
+                .find(|f| f.extension().is_some_and(|e| e == "so"))
+        })
     })
 }
 
@@ -36,26 +25,34 @@ pub fn built_fake() -> &'static Path {
 pub fn built_fake_mps() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let out = Command::new(cargo)
-            .args(["build", "-p", "fake-mps", "--profile", own_profile()])
-            .arg("--message-format=json-render-diagnostics")
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("run cargo build -p fake-mps");
-        assert!(out.status.success(), "cargo build -p fake-mps failed");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        stdout
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|m| {
-                m["reason"] == "compiler-artifact"
-                    && m["target"]["name"] == "nvidia-cuda-mps-control"
-            })
-            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-            .expect("cargo reported no nvidia-cuda-mps-control executable")
+        built_artifact("fake-mps", "nvidia-cuda-mps-control", |m| {
+            m["executable"].as_str().map(PathBuf::from)
+        })
     })
+}
+
+/// `cargo build -p <package>` with this test's profile; the file `pick` finds in the
+/// compiler-artifact message of target `target`.
+fn built_artifact(
+    package: &str,
+    target: &str,
+    pick: impl Fn(&serde_json::Value) -> Option<PathBuf>,
+) -> PathBuf {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["build", "-p", package, "--profile", own_profile()])
+        .arg("--message-format=json-render-diagnostics")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("run cargo build -p {package}: {e}"));
+    assert!(out.status.success(), "cargo build -p {package} failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == target)
+        .find_map(|m| pick(&m))
+        .unwrap_or_else(|| panic!("cargo reported no {target} artifact"))
 }
 
 /// The cargo profile this test binary was built with, read from where cargo put the agent
