@@ -17,6 +17,7 @@ pub mod config;
 pub mod controller;
 pub mod deviceplugin;
 pub mod dra;
+pub mod dynamic_mig;
 pub mod health;
 pub mod inventory;
 pub mod labels;

@@ -6,7 +6,7 @@
 //! says, as a [`DeviceMode`], whether its devices exist on this host, because only real GPUs
 //! have device nodes and driver files for containers.
 
-use crate::inventory::{DeviceUuid, Inventory};
+use crate::inventory::{DeviceUuid, Inventory, MigDevice};
 use std::collections::BTreeSet;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -73,6 +73,41 @@ pub trait DeviceSource: Send + Sync {
     /// driver does (NVML stalls on a GPU that fell off the bus): the agent calls it only from
     /// its probe thread (`node::probe`), never on the async runtime or under the state lock.
     fn responds(&self, gpu_uuid: &str) -> bool;
+
+    /// Dynamic MIG: creates a GPU instance of `req.profile` at memory slice `req.start` of GPU
+    /// `req.gpu` and one compute instance spanning it, and returns the MIG device as discovery
+    /// lists it from then on. The hardware's placement rules apply
+    /// ([`crate::inventory::mig::MigCatalogue::admit`]). Called by the agent's state owner only,
+    /// from the blocking pool.
+    fn create_mig(&self, req: &MigRequest) -> Result<MigDevice, MigChangeError>;
+
+    /// Dynamic MIG: destroys the compute instances and then GPU instance `gpu_instance_id` of
+    /// GPU `gpu`. [`MigChangeError::NotFound`] when there is no such instance (already gone).
+    fn destroy_mig(&self, gpu: &DeviceUuid, gpu_instance_id: u32) -> Result<(), MigChangeError>;
+}
+
+/// A MIG instance to create: a GPU-instance profile (name as in the bundled tables, e.g.
+/// `3g.40gb`) at a start memory slice of one GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct MigRequest {
+    pub gpu: DeviceUuid,
+    pub profile: String,
+    pub start: u32,
+}
+
+/// Why a MIG instance was not created or destroyed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MigChangeError {
+    /// The hardware refuses it: a placement or engine rule, a GPU not in MIG mode, a profile
+    /// the GPU does not have.
+    #[error("{0}")]
+    Refused(String),
+    /// No such GPU, or no such instance.
+    #[error("{0}")]
+    NotFound(String),
+    /// The driver call itself failed.
+    #[error("NVML {call} failed: {reason}")]
+    Failed { call: String, reason: String },
 }
 
 /// A simulated machine. Clones share state, so a test or the demo can inject into a running agent.

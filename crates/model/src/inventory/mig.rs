@@ -52,11 +52,131 @@ impl MigCatalogue {
     pub fn profile_names(&self) -> Vec<&'static str> {
         self.profiles.iter().map(|p| p.name).collect()
     }
+
+    /// The profile that spans the whole GPU (`7g.80gb` on an H100): its engine counts are the
+    /// GPU's, which every other combination of instances shares.
+    pub fn full_profile(&self) -> Option<&'static MigProfileSpec> {
+        self.profiles
+            .iter()
+            .find(|p| p.gpu_slices == self.compute_slices && p.memory_slices == self.memory_slices)
+    }
+
+    /// Whether the hardware creates a GPU instance of `profile` at memory slice `start` next to
+    /// the instances already `placed`: the rule NVML applies (and the fake libnvidia-ml and the
+    /// simulated source apply the same way). The start must be one the profile allows, its
+    /// memory slices free, and the compute slices and each engine kind must not exceed the
+    /// GPU's (the full profile's) count; `+me` profiles take the GPU's one OFA, so only one
+    /// exists at a time.
+    pub fn admit(
+        &self,
+        placed: &[PlacedInstance],
+        profile: &'static MigProfileSpec,
+        start: u32,
+    ) -> Result<(), PlacementRefused> {
+        if !profile.placements.contains(&start) {
+            return Err(PlacementRefused::StartNotAllowed {
+                profile: profile.name,
+                start,
+                allowed: profile.placements,
+            });
+        }
+        let wanted = PlacedInstance { profile, start };
+        if let Some(other) = placed.iter().find(|p| p.overlaps(&wanted)) {
+            return Err(PlacementRefused::Overlaps {
+                profile: profile.name,
+                start,
+                other: *other,
+            });
+        }
+        let used = |f: fn(&MigProfileSpec) -> u32| -> u32 {
+            placed.iter().map(|p| f(p.profile)).sum::<u32>() + f(profile)
+        };
+        if used(|p| p.gpu_slices) > self.compute_slices {
+            return Err(PlacementRefused::Exhausted {
+                profile: profile.name,
+                what: "compute slices",
+            });
+        }
+        if let Some(full) = self.full_profile() {
+            for (what, count) in ENGINES {
+                if used(*count) > count(full) {
+                    return Err(PlacementRefused::Exhausted {
+                        profile: profile.name,
+                        what,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The engine kinds a GPU instance takes, by name, as `nvidia-smi mig -lgip` counts them.
+pub const ENGINES: &[(&str, fn(&MigProfileSpec) -> u32)] = &[
+    ("copy engines", |p| p.copy_engines),
+    ("decoders", |p| p.decoders),
+    ("encoders", |p| p.encoders),
+    ("JPEG engines", |p| p.jpeg_engines),
+    ("OFA engines", |p| p.ofa_engines),
+];
+
+/// A GPU instance that exists (or is about to): its profile at a start memory slice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlacedInstance {
+    pub profile: &'static MigProfileSpec,
+    pub start: u32,
+}
+
+impl PlacedInstance {
+    pub fn overlaps(&self, other: &PlacedInstance) -> bool {
+        self.start < other.start + other.profile.memory_slices
+            && other.start < self.start + self.profile.memory_slices
+    }
+}
+
+/// Why the hardware would not create a GPU instance (NVML answers
+/// `NVML_ERROR_INSUFFICIENT_RESOURCES` for the last two, `NVML_ERROR_INVALID_ARGUMENT` for the
+/// first).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementRefused {
+    #[error("{profile} cannot start at memory slice {start} (allowed: {allowed:?})")]
+    StartNotAllowed {
+        profile: &'static str,
+        start: u32,
+        allowed: &'static [u32],
+    },
+    #[error("{profile} at memory slice {start} overlaps the {} instance at slice {}", other.profile.name, other.start)]
+    Overlaps {
+        profile: &'static str,
+        start: u32,
+        other: PlacedInstance,
+    },
+    #[error("no {what} left on the GPU for {profile}")]
+    Exhausted {
+        profile: &'static str,
+        what: &'static str,
+    },
 }
 
 /// Every bundled table, by name.
 pub fn catalogue(name: &str) -> Option<&'static MigCatalogue> {
     CATALOGUES.iter().find(|c| c.name == name)
+}
+
+/// The bundled table of a GPU model, by the product name NVML reports
+/// (`NVIDIA H100 80GB HBM3` -> `h100-80gb`).
+pub fn catalogue_for_product(product_name: &str) -> Option<&'static MigCatalogue> {
+    let p = product_name.to_ascii_uppercase();
+    let name = if p.contains("A100") && p.contains("80GB") {
+        "a100-80gb"
+    } else if p.contains("A100") {
+        "a100-40gb"
+    } else if p.contains("H100") {
+        "h100-80gb"
+    } else {
+        return None;
+    };
+    catalogue(name)
 }
 
 pub fn catalogue_names() -> Vec<&'static str> {
@@ -172,6 +292,32 @@ mod tests {
                 assert!(a.gpu_slices <= c.compute_slices);
             }
         }
+    }
+
+    #[test]
+    fn admit_follows_placement_overlap_and_engine_rules() {
+        let h100 = catalogue("h100-80gb").unwrap();
+        let p = |n: &str| h100.profile(n).unwrap();
+        let at = |n: &str, start| PlacedInstance {
+            profile: p(n),
+            start,
+        };
+        // 4g at 0 and 3g at 4 fit together; 3g at 0 does not next to the 4g.
+        assert_eq!(h100.admit(&[at("4g.40gb", 0)], p("3g.40gb"), 4), Ok(()));
+        assert!(matches!(
+            h100.admit(&[at("4g.40gb", 0)], p("3g.40gb"), 0),
+            Err(PlacementRefused::Overlaps { .. })
+        ));
+        assert!(matches!(
+            h100.admit(&[], p("3g.40gb"), 2),
+            Err(PlacementRefused::StartNotAllowed { .. })
+        ));
+        // One +me instance: the GPU has one OFA.
+        assert!(matches!(
+            h100.admit(&[at("1g.10gb+me", 0)], p("1g.10gb+me"), 1),
+            Err(PlacementRefused::Exhausted { what: "OFA engines", .. })
+        ));
+        assert_eq!(h100.full_profile().unwrap().name, "7g.80gb");
     }
 
     #[test]

@@ -61,6 +61,14 @@ pub struct MigMode {
     /// The GPU supports MIG (NVML answers its MIG mode), whether or not it is on.
     #[serde(default)]
     pub capable: bool,
+    /// The bundled MIG table ([`mig::catalogue`]) whose profiles and placements this GPU has;
+    /// `None` where none matches (or the GPU cannot do MIG).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub table: Option<String>,
+    /// gpuplane creates and destroys this GPU's MIG instances as claims need them (dynamic
+    /// MIG, [`crate::dynamic_mig`]): set by the agent from its config, never by a source.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dynamic: bool,
 }
 
 /// One MIG device: a compute instance inside a GPU instance.

@@ -115,6 +115,9 @@ pub(super) fn gpu<'n>(nvml: &'n Nvml, index: u32) -> Result<GpuRead<'n>, CallErr
             current: m.current == NVML_DEVICE_MIG_ENABLE,
             pending: m.pending == NVML_DEVICE_MIG_ENABLE,
             capable: true,
+            // Filled in by the dynamic-MIG work: the table NVML's profiles and placements match.
+            table: None,
+            dynamic: false,
         },
         Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => MigMode::default(),
         Err(e) => return Err(e).call("nvmlDeviceGetMigMode"),

@@ -137,6 +137,8 @@ pub(super) fn build_gpu(
             current: mig_spec.enabled,
             pending: mig_spec.pending.unwrap_or(mig_spec.enabled),
             capable: catalogue.is_some(),
+            table: catalogue.map(|c| c.name.to_string()),
+            dynamic: false,
         },
         mig_devices,
     })
