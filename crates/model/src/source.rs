@@ -88,7 +88,9 @@ pub trait DeviceSource: Send + Sync {
 
 /// A MIG instance to create: a GPU-instance profile (name as in the bundled tables, e.g.
 /// `3g.40gb`) at a start memory slice of one GPU.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub struct MigRequest {
     pub gpu: DeviceUuid,
     pub profile: String,

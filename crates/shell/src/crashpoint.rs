@@ -32,6 +32,10 @@ pub enum Step {
     PrepareAfterMpsStart,
     /// Prepare: the checkpoint records the claim and its spec, no spec file written yet.
     PrepareAfterCheckpoint,
+    /// Prepare of a dynamic MIG device: the checkpoint records the intent, no instance yet.
+    PrepareAfterMigIntent,
+    /// Prepare of a dynamic MIG device: the instance exists, the checkpoint does not say so.
+    PrepareAfterMigCreate,
     /// Prepare: the claim's CDI spec file is written, the answer not yet sent.
     PrepareAfterCdiSpec,
     /// Unprepare: nothing removed yet.
@@ -42,6 +46,9 @@ pub enum Step {
     UnprepareAfterCheckpoint,
     /// Unprepare of a unit's last MPS share: released, its control daemon not yet stopped.
     UnprepareBeforeMpsStop,
+    /// Unprepare of a dynamic MIG device: the instance is destroyed, the checkpoint still
+    /// lists it.
+    UnprepareAfterMigDestroy,
     /// File write: the temporary file is written (and fsynced, when durable), not yet renamed.
     FileBeforeRename,
     /// Durable write: renamed over the target, the directory not yet fsynced.
@@ -53,15 +60,18 @@ pub enum Step {
 }
 
 impl Step {
-    pub const ALL: [Step; 12] = [
+    pub const ALL: [Step; 15] = [
         Step::PrepareBeforeCheckpoint,
         Step::PrepareAfterMpsStart,
         Step::PrepareAfterCheckpoint,
+        Step::PrepareAfterMigIntent,
+        Step::PrepareAfterMigCreate,
         Step::PrepareAfterCdiSpec,
         Step::UnprepareBeforeSpecRemoval,
         Step::UnprepareAfterSpecRemoval,
         Step::UnprepareAfterCheckpoint,
         Step::UnprepareBeforeMpsStop,
+        Step::UnprepareAfterMigDestroy,
         Step::FileBeforeRename,
         Step::FileAfterRename,
         Step::FileBeforeSync,
@@ -74,11 +84,14 @@ impl Step {
             Step::PrepareBeforeCheckpoint => "prepare.before-checkpoint",
             Step::PrepareAfterMpsStart => "prepare.after-mps-start",
             Step::PrepareAfterCheckpoint => "prepare.after-checkpoint",
+            Step::PrepareAfterMigIntent => "prepare.after-mig-intent",
+            Step::PrepareAfterMigCreate => "prepare.after-mig-create",
             Step::PrepareAfterCdiSpec => "prepare.after-cdi-spec",
             Step::UnprepareBeforeSpecRemoval => "unprepare.before-spec-removal",
             Step::UnprepareAfterSpecRemoval => "unprepare.after-spec-removal",
             Step::UnprepareAfterCheckpoint => "unprepare.after-checkpoint",
             Step::UnprepareBeforeMpsStop => "unprepare.before-mps-stop",
+            Step::UnprepareAfterMigDestroy => "unprepare.after-mig-destroy",
             Step::FileBeforeRename => "file.before-rename",
             Step::FileAfterRename => "file.after-rename",
             Step::FileBeforeSync => "file.before-sync",

@@ -73,6 +73,7 @@ use crate::cdi::Spec;
 use crate::fsutil::{self, FsError};
 use crate::inventory::DeviceUuid;
 use crate::sharing::{Enforcement, Share};
+use crate::source::MigRequest;
 use gpuplane_model::report::chain;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -130,6 +131,30 @@ pub struct ClaimEntry {
     /// in `units`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shares: Vec<ShareEntry>,
+    /// Dynamic MIG instances the claim needs: recorded before each is created (`created`
+    /// empty), and again once it exists, so a restart knows exactly which instances are ours.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub instances: Vec<MigEntry>,
+}
+
+/// A dynamic MIG instance of a claim: the device the scheduler allocated, what creating it
+/// means, and the instance once created.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigEntry {
+    /// DRA device name (`gpu-0-mig-3g40gb-at4`, or `gpu-0` for a whole dynamic GPU).
+    pub device: String,
+    pub request: MigRequest,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created: Option<CreatedMig>,
+}
+
+/// An instance gpuplane created.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CreatedMig {
+    pub gpu_instance_id: u32,
+    pub uuid: DeviceUuid,
 }
 
 /// A share a prepared claim holds: enough to hold it again after a restart and to know

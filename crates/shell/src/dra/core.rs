@@ -60,6 +60,7 @@
 
 mod config;
 mod errors;
+mod instances;
 mod ledger;
 mod names;
 mod shares;
@@ -80,9 +81,10 @@ use crate::health::Health;
 use crate::inventory::DeviceUuid;
 use crate::ledger::dra_view;
 use crate::metrics;
+use gpuplane_model::dynamic_mig;
 use crate::node::state::NodeState;
 use crate::paths::HostPaths;
-use crate::source::DeviceMode;
+use crate::source::{DeviceMode, DeviceSource};
 use spec::{remove_claim_spec, sweep_claim_specs};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -119,6 +121,8 @@ struct Shared {
     installs: InstallCache,
     /// The MPS control daemons of shared units.
     mps: MpsDaemons,
+    /// Where dynamic MIG instances are created and destroyed.
+    source: Arc<dyn DeviceSource>,
 }
 
 /// Runs `job` on tokio's blocking pool (file writes with fsync, device-node checks) and waits
@@ -143,6 +147,7 @@ impl DraCore {
         config: DraCoreConfig,
         state: Arc<NodeState>,
         claims: Arc<dyn ClaimFetcher>,
+        source: Arc<dyn DeviceSource>,
     ) -> Result<DraCore, CoreError> {
         let kind = Kind::new(&format!("k8s.{}", config.driver), CDI_CLASS).map_err(|source| {
             CoreError::Kind {
@@ -175,22 +180,30 @@ impl DraCore {
                 info!(claim = %format!("{}/{}", entry.namespace, entry.name), uid = %uid,
                     "claim was being prepared when the agent stopped; it is prepared again or cleaned up when the kubelet retries");
             }
-            restore_spec(&config.paths.cdi_root, uid, entry);
         }
         let mps = MpsDaemons::new(&config.paths);
+        let mut checkpoint = loaded.checkpoint;
+        let shared = Arc::new(Shared {
+            driver: config.driver,
+            pool: config.node_name,
+            kind,
+            state,
+            claims,
+            paths: config.paths,
+            device_mode: config.device_mode,
+            installs: InstallCache::default(),
+            mps,
+            source,
+        });
+        // Before any claim spec is restored: a prepared claim whose instance is gone is not
+        // prepared any more.
+        shared.reconcile_instances(&mut checkpoint);
+        for (uid, entry) in &checkpoint.data().claims {
+            restore_spec(&shared.paths.cdi_root, uid, entry);
+        }
         Ok(DraCore {
-            shared: Arc::new(Shared {
-                driver: config.driver,
-                pool: config.node_name,
-                kind,
-                state,
-                claims,
-                paths: config.paths,
-                device_mode: config.device_mode,
-                installs: InstallCache::default(),
-                mps,
-            }),
-            checkpoint: Arc::new(Mutex::new(loaded.checkpoint)),
+            shared,
+            checkpoint: Arc::new(Mutex::new(checkpoint)),
         })
     }
 
@@ -345,6 +358,7 @@ impl Shared {
         if let Some(devices) = self.completed(&cp, &c.uid, false) {
             return Ok(devices);
         }
+        self.create_instances(&mut cp, claim, c)?;
         let rendered = self.render(claim, c)?;
         self.hold(c, &rendered.units, &rendered.shares)?;
         if let Err(e) = self.start_daemons(&rendered.shares) {
@@ -361,6 +375,7 @@ impl Shared {
             units: rendered.units,
             cdi_spec: Some(rendered.spec.clone()),
             shares: rendered.shares,
+            instances: cp.get(&c.uid).map(|e| e.instances.clone()).unwrap_or_default(),
         };
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareBeforeCheckpoint);
         cp.update(|d| {
@@ -408,6 +423,10 @@ impl Shared {
     ) -> Result<(), PrepareError> {
         let was_prepared = cp.get(&c.uid).is_some();
         let shares = cp.get(&c.uid).map(|e| e.shares.clone()).unwrap_or_default();
+        let instances = cp
+            .get(&c.uid)
+            .map(|e| e.instances.clone())
+            .unwrap_or_default();
         let mut stems: Vec<String> = cp
             .get(&c.uid)
             .map(|e| e.cdi_spec_stem.clone())
@@ -425,11 +444,14 @@ impl Shared {
             remove_claim_spec(&self.paths.cdi_root, stem, cdi::Durability::Recoverable)?;
         }
         crate::crashpoint::reached(crate::crashpoint::Step::UnprepareAfterSpecRemoval);
+        // Before the entry goes: an instance no entry records is never ours.
+        self.destroy_instances(c, &instances)?;
         cp.update(|d| {
             d.claims.remove(c.uid.as_str());
         })?;
         crate::crashpoint::reached(crate::crashpoint::Step::UnprepareAfterCheckpoint);
         self.release(c);
+        self.forget_instances(&instances);
         self.stop_unused_daemons(&shares);
         if was_prepared {
             self.write_device_status(c, Vec::new());
@@ -538,17 +560,24 @@ impl DraDriver for DraCore {
 
     fn device_health(&self) -> Vec<DeviceHealthReport> {
         let snap = self.shared.state.read();
-        dra_view(&snap.inventory, &snap.config.allocation)
-            .dra_devices()
-            .iter()
-            .map(|d| {
-                let (health, message) = match snap.health.health(d.uuid()) {
+        let inv = dra_view(&snap.inventory, &snap.config.allocation);
+        let fixed = inv.dra_devices().into_iter().map(|d| (d.dra_name(), d.uuid()));
+        // A dynamic device's health is its instance's once it exists, its GPU's before.
+        let dynamic = dynamic_mig::devices(&inv).into_iter().map(|d| {
+            let name = d.dra_name();
+            let unit = inv.dra_device(&name).map_or(&d.parent.uuid, |i| i.uuid());
+            (name, unit)
+        });
+        fixed
+            .chain(dynamic)
+            .map(|(device, unit)| {
+                let (health, message) = match snap.health.health(unit) {
                     Health::Healthy => (DeviceHealthState::Healthy, String::new()),
                     Health::Unhealthy(cause) => (DeviceHealthState::Unhealthy, cause.to_string()),
                 };
                 DeviceHealthReport {
                     pool: self.shared.pool.clone(),
-                    device: d.dra_name(),
+                    device,
                     health,
                     message,
                 }

@@ -11,7 +11,7 @@ use crate::node::state::{NodeState, Snapshot};
 use crate::paths::HostPaths;
 use crate::slices::publisher::{keep_published, LoopOptions, SlicePublisher};
 use crate::slices::render;
-use crate::source::DeviceMode;
+use crate::source::{DeviceMode, DeviceSource};
 use gpuplane_model::report::chain;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use std::sync::Arc;
@@ -81,7 +81,7 @@ pub async fn start(
     node_name: &str,
     paths: &HostPaths,
     device_mode: DeviceMode,
-    state: Arc<NodeState>,
+    (state, source): (Arc<NodeState>, Arc<dyn DeviceSource>),
     stop: watch::Receiver<bool>,
 ) -> Result<DraStarted, DraStartError> {
     let driver = settings.driver_name.clone();
@@ -93,7 +93,7 @@ pub async fn start(
     let claims = Arc::new(KubeClaims::new(settings.client.clone()));
     let core_state = state.clone();
     // Loading the checkpoint and restoring claim specs read and write files: off the runtime.
-    let core = tokio::task::spawn_blocking(move || DraCore::new(config, core_state, claims))
+    let core = tokio::task::spawn_blocking(move || DraCore::new(config, core_state, claims, source))
         .await
         .map_err(|e| DraStartError::Worker(e.to_string()))?
         .map_err(DraStartError::Core)?;

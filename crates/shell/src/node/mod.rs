@@ -354,7 +354,7 @@ impl Agent<'_> {
                 &opts.node_name,
                 &opts.paths,
                 opts.device_mode,
-                state.clone(),
+                (state.clone(), self.source.clone()),
                 stop.clone(),
             )
             .await?;

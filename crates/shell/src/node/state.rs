@@ -9,7 +9,10 @@ use crate::deviceplugin::resources::{self, Plan, PlanError};
 use crate::health::HealthBook;
 use crate::inventory::Inventory;
 use crate::ledger::{device_plugin_view, Ledger};
+use crate::source::MigRequest;
 use crate::topology::TopologyModel;
+use gpuplane_model::dynamic_mig;
+use std::collections::BTreeSet;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use tokio::sync::watch;
 
@@ -28,10 +31,14 @@ pub struct Snapshot {
     /// true, the ledger may lack holds: no ResourceSlice is written and no claim is prepared.
     /// False where nothing follows PodResources (the device plugin API is off).
     pub awaiting_device_plugin_holds: bool,
+    /// The dynamic MIG instances the DRA checkpoint records (created or about to be): the
+    /// instances gpuplane made, told apart from those another tool made on a dynamic GPU.
+    pub mig_owned: BTreeSet<MigRequest>,
 }
 
 impl Snapshot {
-    pub fn new(inventory: Inventory, config: AgentConfig) -> Result<Snapshot, PlanError> {
+    pub fn new(mut inventory: Inventory, config: AgentConfig) -> Result<Snapshot, PlanError> {
+        mark_dynamic(&mut inventory, None, &config, &BTreeSet::new());
         let plan = resources::plan(&device_plugin_view(&inventory, &config.allocation), &config)?;
         let model = TopologyModel::new(&inventory);
         let mut health = HealthBook::default();
@@ -45,11 +52,22 @@ impl Snapshot {
             health,
             ledger,
             awaiting_device_plugin_holds: false,
+            mig_owned: BTreeSet::new(),
         })
     }
 
     /// Replaces inventory and/or config, keeping health marks of units that still exist.
-    pub fn replace(&mut self, inventory: Inventory, config: AgentConfig) -> Result<(), PlanError> {
+    pub fn replace(
+        &mut self,
+        mut inventory: Inventory,
+        config: AgentConfig,
+    ) -> Result<(), PlanError> {
+        mark_dynamic(
+            &mut inventory,
+            Some(&self.inventory),
+            &config,
+            &self.mig_owned,
+        );
         let plan = resources::plan(&device_plugin_view(&inventory, &config.allocation), &config)?;
         self.model = TopologyModel::new(&inventory);
         self.health.set_inventory(&inventory);
@@ -126,3 +144,51 @@ impl NodeState {
         }
     }
 }
+
+/// Marks the GPUs that take part in dynamic MIG under `config` (logging, once per change, why
+/// a selected GPU does not). An instance of ours that `previous` had and a rediscovery that
+/// began before it was created lacks is kept: the checkpoint, not a stale read, says it exists.
+fn mark_dynamic(
+    inv: &mut Inventory,
+    previous: Option<&Inventory>,
+    config: &AgentConfig,
+    owned: &BTreeSet<MigRequest>,
+) {
+    for g in &mut inv.gpus {
+        g.mig.dynamic = false;
+    }
+    let Some(cfg) = config.dynamic_mig.as_ref() else {
+        return;
+    };
+    let is_owned = |g: &crate::inventory::Gpu, m: &crate::inventory::MigDevice| {
+        owned.contains(&MigRequest {
+            gpu: g.uuid.clone(),
+            profile: m.profile.to_string(),
+            start: m.placement.start,
+        })
+    };
+    if let Some(prev) = previous {
+        for g in &mut inv.gpus {
+            let Some(old) = prev.gpus.iter().find(|p| p.uuid == g.uuid) else {
+                continue;
+            };
+            for m in old.mig_devices.iter().filter(|m| is_owned(old, m)) {
+                if !g.mig_devices.iter().any(|d| d.uuid == m.uuid) {
+                    g.mig_devices.push(m.clone());
+                }
+            }
+            g.mig_devices
+                .sort_by_key(|d| (d.gpu_instance_id, d.compute_instance_id));
+        }
+    }
+    let participation = dynamic_mig::plan(inv, cfg, &is_owned);
+    let before: BTreeSet<u32> = previous
+        .map(|p| p.gpus.iter().filter(|g| g.mig.dynamic).map(|g| g.index).collect())
+        .unwrap_or_default();
+    dynamic_mig::mark(inv, &participation);
+    let now: BTreeSet<u32> = inv.gpus.iter().filter(|g| g.mig.dynamic).map(|g| g.index).collect();
+    if previous.is_none() || before != now {
+        participation.log();
+    }
+}
+

@@ -48,6 +48,13 @@ pub enum PrepareError {
         device: String,
         cause: Box<ShareRefused>,
     },
+    /// A dynamic MIG instance could not be created or destroyed.
+    #[error("device {device}: could not {action} its MIG instance: {}", chain(.cause))]
+    Mig {
+        device: String,
+        action: &'static str,
+        cause: crate::source::MigChangeError,
+    },
     /// The MPS control daemon of a shared unit could not be started.
     #[error("{}", chain(.cause))]
     Mps { cause: MpsError },
@@ -81,6 +88,15 @@ impl PrepareError {
                 "MPSDaemonFailed",
                 "the node's MPS control daemon for the GPU did not start; the kubelet retries, \
                  and the node's operator finds the cause in the daemon's log named here",
+            ),
+            PrepareError::Mig {
+                cause: crate::source::MigChangeError::Refused(_),
+                ..
+            } => (
+                "MIGPlacementRefused",
+                "the GPU refused the MIG instance the scheduler placed there (an instance \
+                 gpuplane did not create, or a stale allocation); delete this claim's pod so the \
+                 scheduler allocates again, and see the node agent's log for the GPU's instances",
             ),
             PrepareError::Held { .. } => (
                 "DeviceInUse",
