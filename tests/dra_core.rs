@@ -14,7 +14,7 @@ use gpuplane_shell::dra::{ClaimRef, ClaimUid, DeviceHealthState, DraDriver, Prep
 use gpuplane_shell::inventory::{DeviceRef, Inventory};
 use gpuplane_shell::node::state::{NodeState, Snapshot};
 use gpuplane_shell::paths::HostPaths;
-use gpuplane_shell::source::DeviceMode;
+use gpuplane_shell::source::{DeviceMode, SimSource};
 use gpuplane_testkit::doubles::devnodes;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::{json, Value};
@@ -118,7 +118,8 @@ impl Env {
 
     fn core(&self) -> DraCore {
         let fetcher: Arc<dyn ClaimFetcher> = self.claims.clone();
-        DraCore::new(self.config(), self.state.clone(), fetcher).unwrap()
+        let source = Arc::new(SimSource::new(self.inv.clone()));
+        DraCore::new(self.config(), self.state.clone(), fetcher, source).unwrap()
     }
 
     fn cdi(&self) -> PathBuf {

@@ -15,7 +15,7 @@ use gpuplane_shell::inventory::Inventory;
 use gpuplane_shell::ledger::Holder;
 use gpuplane_shell::node::state::{NodeState, Snapshot};
 use gpuplane_shell::paths::HostPaths;
-use gpuplane_shell::source::DeviceMode;
+use gpuplane_shell::source::{DeviceMode, SimSource};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::{json, Value};
 use std::fs;
@@ -97,7 +97,8 @@ impl Env {
             device_mode: DeviceMode::Simulated,
         };
         let fetcher: Arc<dyn ClaimFetcher> = self.claims.clone();
-        DraCore::new(config, state, fetcher).unwrap()
+        let source = Arc::new(SimSource::new(self.inv.clone()));
+        DraCore::new(config, state, fetcher, source).unwrap()
     }
 
     fn gpu(&self, i: usize) -> String {
