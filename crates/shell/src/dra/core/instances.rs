@@ -97,26 +97,31 @@ impl Shared {
                 w.created = e.created.clone();
             }
         }
+        let fresh = cp.get(&c.uid).is_none();
         self.record(cp, c, &wanted)?;
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterMigIntent);
         let mut made: Vec<MigDevice> = Vec::new();
+        let mut failed = None;
         for w in wanted.iter_mut().filter(|w| w.created.is_none()) {
             let device = match existing(&inv, &w.request) {
                 // A kill between create and record: the instance is ours (the intent says so).
                 Some(m) => m.clone(),
-                None => {
-                    let m = self.source.create_mig(&w.request).map_err(|cause| {
-                        PrepareError::Mig {
+                None => match self.source.create_mig(&w.request) {
+                    Ok(m) => {
+                        crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterMigCreate);
+                        info!(claim = %claim_label(c), device = %w.device, uuid = %m.uuid,
+                            gpu_instance = m.gpu_instance_id, "created MIG instance");
+                        m
+                    }
+                    Err(cause) => {
+                        failed = Some(PrepareError::Mig {
                             device: w.device.clone(),
                             action: "create",
                             cause,
-                        }
-                    })?;
-                    crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterMigCreate);
-                    info!(claim = %claim_label(c), device = %w.device, uuid = %m.uuid,
-                        gpu_instance = m.gpu_instance_id, "created MIG instance");
-                    m
-                }
+                        });
+                        break;
+                    }
+                },
             };
             w.created = Some(CreatedMig {
                 gpu_instance_id: device.gpu_instance_id,
@@ -124,7 +129,20 @@ impl Shared {
             });
             made.push(device);
         }
-        self.record(cp, c, &wanted)?;
+        if failed.is_some() {
+            // Intents that were not fulfilled go; instances made stay recorded (the kubelet's
+            // unprepare or retry takes it from there), and a claim that made none leaves no
+            // entry behind.
+            wanted.retain(|w| w.created.is_some());
+        }
+        if wanted.is_empty() && fresh {
+            cp.update(|d| {
+                d.claims.remove(c.uid.as_str());
+            })?;
+            self.sync_owned(cp);
+        } else {
+            self.record(cp, c, &wanted)?;
+        }
         self.state.update(|s| {
             let changed = !made.is_empty();
             let mut inv = s.inventory.clone();
@@ -134,7 +152,7 @@ impl Shared {
             install(s, inv);
             ((), changed)
         });
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     /// Writes the claim's entry with `instances` (a new entry starts as `PrepareStarted`); no
@@ -163,11 +181,17 @@ impl Shared {
         cp.update(|d| {
             d.claims.insert(c.uid.to_string(), entry);
         })?;
+        self.sync_owned(cp);
+        Ok(())
+    }
+
+    /// The node's idea of which instances are ours follows the checkpoint.
+    fn sync_owned(&self, cp: &Checkpoint) {
+        let owned = owned(cp.data().claims.values().cloned());
         self.state.update(|s| {
-            s.mig_owned.extend(instances.iter().map(|m| m.request.clone()));
+            s.mig_owned = owned;
             ((), false)
         });
-        Ok(())
     }
 
     /// Destroys the instances an entry records (unprepare), and takes them out of the
