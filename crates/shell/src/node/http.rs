@@ -113,11 +113,19 @@ struct DeviceLabels {
     health: HealthLabel,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct GpuLabel {
+    gpu: u32,
+}
+
 /// The gauges derived from the state at a scrape.
 #[derive(Debug)]
 struct StateGauges {
     devices: Vec<(DeviceLabels, i64)>,
     held: [(ApiLabel, i64); 2],
+    /// Per dynamic-MIG GPU, the instances it has now (all gpuplane's: a GPU with another
+    /// tool's instances does not take part).
+    mig_instances: Vec<(GpuLabel, i64)>,
 }
 
 impl StateGauges {
@@ -145,7 +153,15 @@ impl StateGauges {
         });
         // A shared unit with any share held counts once: it is held for everyone else.
         held[1] += snap.ledger.shares().count();
+        let mig_instances = snap
+            .inventory
+            .gpus
+            .iter()
+            .filter(|g| g.mig.dynamic)
+            .map(|g| (GpuLabel { gpu: g.index }, count(g.mig_devices.len())))
+            .collect();
         StateGauges {
+            mig_instances,
             devices,
             held: [
                 (ApiLabel::DEVICE_PLUGIN, count(held[0])),
@@ -168,6 +184,12 @@ impl Collector for StateGauges {
             "gpuplane_ledger_held_units",
             "Units (GPUs or MIG devices) held in the allocation ledger, by API; a shared unit with shares held counts once.",
             &self.held,
+        )?;
+        metrics::gauges(
+            &mut e,
+            "gpuplane_dynamic_mig_instances",
+            "MIG instances gpuplane created for prepared claims, per GPU taking part in dynamic MIG.",
+            &self.mig_instances,
         )
     }
 }
