@@ -53,7 +53,7 @@ fn lab_sharing() -> Option<(ClusterLab, PathBuf, LabProcess)> {
     .unwrap();
     let agent = start_agent(&lab, &kubeconfig, "1");
     eventually("8 shared GPUs in lab-node's ResourceSlices", || {
-        let shared = devices(&lab)
+        let shared = cluster::node_devices(&lab)
             .iter()
             .filter(|d| d["allowMultipleAllocations"] == true)
             .count();
@@ -73,16 +73,6 @@ fn start_agent(lab: &ClusterLab, kubeconfig: &std::path::Path, tag: &str) -> Lab
     )
 }
 
-/// Our devices in lab-node's ResourceSlices, as the API server stored them.
-fn devices(lab: &ClusterLab) -> Vec<Value> {
-    lab.get_json(&["get", "resourceslices"])
-        .and_then(|l| l["items"].as_array().cloned())
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|s| s["spec"]["nodeName"] == NODE && s["spec"]["driver"] == DRIVER)
-        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
-        .collect()
-}
 
 /// A pod holding a share (`memory`, `compute` percent) of one GPU that also matches `cel`,
 /// printing its environment and then sleeping.
@@ -105,19 +95,6 @@ fn device_plugin_pod(lab: &ClusterLab, name: &str, gpus: u32) {
     ));
 }
 
-/// The pod's environment once its container printed it.
-fn env_of(lab: &ClusterLab, pod: &str) -> Vec<String> {
-    eventually_or(
-        &format!("pod {pod}'s environment in its log"),
-        || {
-            let log = lab.kubectl(&["logs", pod]);
-            let text = String::from_utf8_lossy(&log.stdout).into_owned();
-            text.contains("PATH=")
-                .then(|| text.lines().map(String::from).collect())
-        },
-        || lab.describe_pod(pod),
-    )
-}
 
 fn value<'a>(env: &'a [String], key: &str) -> Option<&'a str> {
     env.iter().find_map(|l| l.strip_prefix(&format!("{key}=")))
@@ -144,14 +121,6 @@ fn allocation(lab: &ClusterLab, pod: &str) -> Value {
         .unwrap_or_else(|| panic!("no claim of pod {pod}"))
 }
 
-fn scheduler_reason(lab: &ClusterLab, pod: &str) -> Option<String> {
-    let p = lab.get_json(&["get", "pod", pod])?;
-    p["status"]["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == "PodScheduled" && c["status"] == "False")
-        .and_then(|c| c["message"].as_str().map(String::from))
-}
 
 /// The PID in a GPU's MPS daemon pid file while that process lives.
 fn daemon(lab: &ClusterLab, uuid: &str) -> Option<u32> {
@@ -183,16 +152,6 @@ fn allocatable_gpus(lab: &ClusterLab) -> Option<String> {
         .map(String::from)
 }
 
-fn running(lab: &ClusterLab, pod: &str) {
-    eventually_or(
-        &format!("pod {pod} Running"),
-        || {
-            let p = lab.get_json(&["get", "pod", pod])?;
-            (p["status"]["phase"] == "Running").then_some(())
-        },
-        || lab.describe_pod(pod),
-    );
-}
 
 const ANY: &str = "true";
 const GPU_INDEX: &str = "device.attributes[\"gpu.gpuplane.dev\"].index";
@@ -204,7 +163,7 @@ fn shares_pack_one_gpu_under_one_mps_daemon_and_exclude_whole_holds_until_the_la
     };
     let _daemons = Daemons(LabAgent::dir(&lab));
     // The API server accepted the request policies as the agent rendered them.
-    let gpu0 = devices(&lab)
+    let gpu0 = cluster::node_devices(&lab)
         .into_iter()
         .find(|d| d["name"] == "gpu-0")
         .unwrap();
@@ -216,10 +175,10 @@ fn shares_pack_one_gpu_under_one_mps_daemon_and_exclude_whole_holds_until_the_la
 
     // Two 40Gi halves: the scheduler packs them onto one GPU.
     share_pod(&lab, "half-a", "40Gi", 50, ANY);
-    running(&lab, "half-a");
+    cluster::wait_running(&lab, "default", "half-a");
     share_pod(&lab, "half-b", "40Gi", 50, ANY);
-    running(&lab, "half-b");
-    let (a, b) = (env_of(&lab, "half-a"), env_of(&lab, "half-b"));
+    cluster::wait_running(&lab, "default", "half-b");
+    let (a, b) = (cluster::pod_env(&lab, "half-a"), cluster::pod_env(&lab, "half-b"));
     let shared = uuid(&a);
     assert_eq!(uuid(&b), shared, "both halves on one GPU");
     for env in [&a, &b] {
@@ -243,8 +202,8 @@ fn shares_pack_one_gpu_under_one_mps_daemon_and_exclude_whole_holds_until_the_la
 
     // A third half lands on another GPU; a share that fits nowhere it may go waits.
     share_pod(&lab, "half-c", "40Gi", 50, ANY);
-    running(&lab, "half-c");
-    let other = uuid(&env_of(&lab, "half-c"));
+    cluster::wait_running(&lab, "default", "half-c");
+    let other = uuid(&cluster::pod_env(&lab, "half-c"));
     assert_ne!(other, shared);
     let index = allocation(&lab, "half-a")["device"]
         .as_str()
@@ -259,7 +218,7 @@ fn shares_pack_one_gpu_under_one_mps_daemon_and_exclude_whole_holds_until_the_la
         &format!("{GPU_INDEX} == {index}"),
     );
     let why = eventually("the scheduler's reason for no-room", || {
-        scheduler_reason(&lab, "no-room")
+        cluster::unschedulable_reason(&lab, "no-room")
     });
     assert!(why.contains("cannot allocate all claims"), "{why}");
 
@@ -270,7 +229,7 @@ fn shares_pack_one_gpu_under_one_mps_daemon_and_exclude_whole_holds_until_the_la
     });
     device_plugin_pod(&lab, "dp-seven", 7);
     let why = eventually("the scheduler's reason for dp-seven", || {
-        scheduler_reason(&lab, "dp-seven")
+        cluster::unschedulable_reason(&lab, "dp-seven")
     });
     assert!(why.contains("Insufficient nvidia.com/gpu"), "{why}");
     lab.kubectl_ok(&["delete", "pod", "dp-seven", "--wait=false"]);

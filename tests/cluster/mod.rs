@@ -175,6 +175,11 @@ spec:
 /// A ResourceClaimTemplate `ns/name`: one request `gpu` of DeviceClass `gpu.gpuplane.dev`,
 /// with `extra` lines (`count: 2`, `capacity: {...}`, ...) added to its `exactly`.
 pub fn claim_template(ns: &str, name: &str, extra: &[String]) -> String {
+    claim_template_of(ns, name, "gpu.gpuplane.dev", extra)
+}
+
+/// [`claim_template`] with DeviceClass `class`.
+pub fn claim_template_of(ns: &str, name: &str, class: &str, extra: &[String]) -> String {
     let extra: String = extra.iter().map(|l| format!("\n          {l}")).collect();
     format!(
         r#"apiVersion: resource.k8s.io/v1
@@ -186,9 +191,63 @@ spec:
       requests:
       - name: gpu
         exactly:
-          deviceClassName: gpu.gpuplane.dev{extra}
+          deviceClassName: {class}{extra}
 "#
     )
+}
+
+/// Waits until pod `ns/name` runs (describing it on timeout).
+pub fn wait_running(lab: &ClusterLab, ns: &str, name: &str) {
+    eventually_or(
+        &format!("pod {ns}/{name} to run"),
+        || {
+            let pod = lab.get_json(&["get", "pod", name, "-n", ns])?;
+            (pod["status"]["phase"] == "Running").then_some(())
+        },
+        || lab.describe_pod_in(ns, name),
+    );
+}
+
+/// The environment pod `default/<pod>` printed (the `env` of [`claim_pod`]), once it did.
+pub fn pod_env(lab: &ClusterLab, pod: &str) -> Vec<String> {
+    eventually_or(
+        &format!("pod {pod}'s environment in its log"),
+        || {
+            let log = lab.kubectl(&["logs", pod]);
+            let text = String::from_utf8_lossy(&log.stdout).into_owned();
+            text.contains("PATH=")
+                .then(|| text.lines().map(String::from).collect())
+        },
+        || lab.describe_pod(pod),
+    )
+}
+
+/// The scheduler's reason for not placing pod `default/<name>`: its PodScheduled=False message.
+pub fn unschedulable_reason(lab: &ClusterLab, name: &str) -> Option<String> {
+    let pod = lab.get_json(&["get", "pod", name])?;
+    pod["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "PodScheduled" && c["status"] == "False")
+        .and_then(|c| c["message"].as_str().map(String::from))
+}
+
+/// The ResourceSlices of our driver on [`NODE`], as the API server stored them.
+pub fn node_slices(lab: &ClusterLab) -> Vec<Value> {
+    lab.get_json(&["get", "resourceslices"])
+        .and_then(|l| l["items"].as_array().cloned())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|s| s["spec"]["nodeName"] == NODE && s["spec"]["driver"] == DRIVER)
+        .collect()
+}
+
+/// The devices of [`node_slices`].
+pub fn node_devices(lab: &ClusterLab) -> Vec<Value> {
+    node_slices(lab)
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .collect()
 }
 
 /// A pod `ns/name` holding a claim made from template `template`, printing its environment and
