@@ -353,7 +353,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(
         let mode = with_fake(|f| {
             let (i, g) = f.gpu(device)?;
             f.extra(i)?.catalogue.ok_or(NOT_SUPPORTED)?;
-            Ok(g.mig)
+            Ok(g.mig.clone())
         })?;
         // SAFETY: caller's out-pointers (nvml.h contract).
         unsafe {

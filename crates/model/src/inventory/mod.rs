@@ -53,7 +53,7 @@ pub struct Gpu {
 }
 
 /// MIG mode now and after the next GPU reset.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct MigMode {
     pub current: bool,
