@@ -111,8 +111,11 @@ impl MigCatalogue {
     }
 }
 
+/// How many engines of one kind a profile has.
+pub type EngineCount = fn(&MigProfileSpec) -> u32;
+
 /// The engine kinds a GPU instance takes, by name, as `nvidia-smi mig -lgip` counts them.
-pub const ENGINES: &[(&str, fn(&MigProfileSpec) -> u32)] = &[
+pub const ENGINES: &[(&str, EngineCount)] = &[
     ("copy engines", |p| p.copy_engines),
     ("decoders", |p| p.decoders),
     ("encoders", |p| p.encoders),
@@ -367,7 +370,10 @@ mod tests {
         // One +me instance: the GPU has one OFA.
         assert!(matches!(
             h100.admit(&[at("1g.10gb+me", 0)], p("1g.10gb+me"), 1),
-            Err(PlacementRefused::Exhausted { what: "OFA engines", .. })
+            Err(PlacementRefused::Exhausted {
+                what: "OFA engines",
+                ..
+            })
         ));
         assert_eq!(h100.full_profile().unwrap().name, "7g.80gb");
     }
