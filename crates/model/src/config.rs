@@ -1,10 +1,11 @@
 //! The agent's configuration file: what to serve and how, validated before use.
 //!
 //! The shape follows NVIDIA's k8s-device-plugin config (`version`, `flags`, `sharing`) so an
-//! existing file keeps working, plus gpuplane's own `health` section. Unknown fields are errors:
-//! a typo must not silently fall back to a default on a thousand nodes.
+//! existing file keeps working, plus gpuplane's own sections (`health`, `allocation`,
+//! `nodeLabels`, `dynamicMig`). Unknown fields are errors: a typo must not silently fall back
+//! to a default on a thousand nodes.
 
-use crate::inventory::ResourceName;
+use crate::inventory::{Gpu, ResourceName};
 use crate::report::chain;
 use serde::Deserialize;
 use std::collections::BTreeSet;
@@ -91,6 +92,18 @@ struct RawFile {
     allocation: RawAllocation,
     #[serde(default)]
     node_labels: RawNodeLabels,
+    /// Absent: off. Present, even empty (`dynamicMig:`): on, for the GPUs it selects.
+    #[serde(default, deserialize_with = "present")]
+    dynamic_mig: Option<Option<crate::dynamic_mig::RawDynamicMig>>,
+}
+
+/// A section that may be written empty: `Some(None)` when it is there but null.
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -243,6 +256,9 @@ pub struct AgentConfig {
     /// Fractional GPUs through DRA consumable capacity (`sharing.consumableCapacity`); off
     /// when `None`.
     pub shares: Option<crate::sharing::ShareConfig>,
+    /// Dynamic MIG (`dynamicMig`): the GPUs gpuplane partitions as claims need; off when
+    /// `None`. A GPU that takes part is never also a shared unit ([`check_shared_and_dynamic`]).
+    pub dynamic_mig: Option<crate::dynamic_mig::DynamicMigConfig>,
 }
 
 /// The shortest `allocation.podResourcesGrace`: below it a listing could race the kubelet's
@@ -264,6 +280,7 @@ impl Default for AgentConfig {
             pod_resources_grace: Duration::from_secs(1),
             node_labels: true,
             shares: None,
+            dynamic_mig: None,
         }
     }
 }
@@ -281,6 +298,99 @@ fn invalid(path: &str, field: &str, reason: String) -> ConfigError {
         field: field.to_string(),
         reason,
     }
+}
+
+/// Which GPUs a section applies to: `gpus: all`, `gpus: [indices]` or `models: [product
+/// names]`, one of them; neither means all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuSelect {
+    All,
+    Indices(BTreeSet<u32>),
+    /// Product names, as NVML reports them (`NVIDIA A100-SXM4-80GB`).
+    Models(BTreeSet<String>),
+}
+
+impl GpuSelect {
+    pub fn selects(&self, g: &Gpu) -> bool {
+        match self {
+            GpuSelect::All => true,
+            GpuSelect::Indices(i) => i.contains(&g.index),
+            GpuSelect::Models(m) => m.contains(&g.product_name),
+        }
+    }
+
+    /// Reads a section's `gpus` and `models`; errors name `<section>.gpus` or
+    /// `<section>.models`. An empty list is refused: `off` says how to select nothing.
+    pub(crate) fn parse(
+        path: &str,
+        section: &str,
+        gpus: Option<serde_yaml_ng::Value>,
+        models: Option<Vec<String>>,
+        off: &str,
+    ) -> Result<GpuSelect, ConfigError> {
+        let bad =
+            |field: &str, reason: String| invalid(path, &format!("{section}.{field}"), reason);
+        match (gpus, models) {
+            (Some(_), Some(_)) => Err(bad("gpus", "set gpus or models, not both".into())),
+            (None, None) => Ok(GpuSelect::All),
+            (None, Some(m)) if m.is_empty() => Err(bad("models", format!("lists no model; {off}"))),
+            (None, Some(m)) => Ok(GpuSelect::Models(m.into_iter().collect())),
+            (Some(serde_yaml_ng::Value::String(s)), None) if s == "all" => Ok(GpuSelect::All),
+            (Some(v), None) => {
+                let list: Vec<u32> = serde_yaml_ng::from_value(v).map_err(|_| {
+                    bad(
+                        "gpus",
+                        "must be `all` or a list of GPU indices like [0, 1]".into(),
+                    )
+                })?;
+                if list.is_empty() {
+                    return Err(bad("gpus", format!("lists no GPU; {off}")));
+                }
+                Ok(GpuSelect::Indices(list.into_iter().collect()))
+            }
+        }
+    }
+}
+
+/// A GPU is either shared whole (consumable capacity) or partitioned by dynamic MIG, never
+/// both. Where both sections name the same GPU index, or the same model, explicitly, the file
+/// contradicts itself and is refused. Any other overlap (`all` in either, an index in one and
+/// a model in the other, the node label turning sharing on) is settled by the rule that
+/// dynamic MIG wins: a GPU that takes part in it is published as partitionable devices, and
+/// sharing only ever sees the others ([`crate::sharing::shared_units`] reads
+/// [`crate::inventory::Inventory::dra_devices`], which leaves dynamic GPUs out).
+pub fn check_shared_and_dynamic(
+    path: &str,
+    shares: Option<&crate::sharing::ShareConfig>,
+    dynamic: &crate::dynamic_mig::DynamicMigConfig,
+) -> Result<(), ConfigError> {
+    let Some(shares) = shares else { return Ok(()) };
+    let (field, both) = match (&shares.select, &dynamic.select) {
+        (GpuSelect::Indices(a), GpuSelect::Indices(b)) => (
+            "gpus",
+            a.intersection(b)
+                .map(|i| format!("GPU {i}"))
+                .collect::<Vec<_>>(),
+        ),
+        (GpuSelect::Models(a), GpuSelect::Models(b)) => (
+            "models",
+            a.intersection(b).map(|m| format!("`{m}`")).collect(),
+        ),
+        _ => return Ok(()),
+    };
+    if both.is_empty() {
+        return Ok(());
+    }
+    Err(invalid(
+        path,
+        &format!("{}.{field}", crate::dynamic_mig::SECTION),
+        format!(
+            "{} {} also in sharing.consumableCapacity.{field}: a GPU is shared whole or \
+             partitioned by dynamic MIG, not both; remove it from one of the two lists",
+            both.join(", "),
+            if both.len() == 1 { "is" } else { "are" }
+        ),
+    ))
 }
 
 impl AgentConfig {
@@ -340,6 +450,11 @@ impl AgentConfig {
         }
         if let Some(cc) = raw.sharing.consumable_capacity {
             cfg.shares = Some(cc.validate(path)?);
+        }
+        if let Some(section) = raw.dynamic_mig {
+            let dynamic = section.unwrap_or_default().validate(path)?;
+            check_shared_and_dynamic(path, cfg.shares.as_ref(), &dynamic)?;
+            cfg.dynamic_mig = Some(dynamic);
         }
         cfg.apply_health(path, raw.health)?;
         if let Some(on) = raw.node_labels.enabled {

@@ -28,23 +28,26 @@ fn restrict(inv: &Inventory, keep: impl Fn(&Gpu) -> bool) -> Inventory {
     out
 }
 
-/// The part of the inventory the device plugin API may hand out.
+/// The part of the inventory the device plugin API may hand out. Never a dynamic-MIG GPU
+/// (`mig.dynamic`): it is in MIG mode, so it cannot run CUDA whole, and its instances come and
+/// go with DRA claims.
 pub fn device_plugin_view(inv: &Inventory, mode: &AllocationMode) -> Inventory {
     match mode {
-        AllocationMode::Shared => inv.clone(),
+        AllocationMode::Shared => restrict(inv, |g| !g.mig.dynamic),
         AllocationMode::Partitioned(Partition::DraGpus(dra)) => {
-            restrict(inv, |g| !dra.contains(&g.index))
+            restrict(inv, |g| !g.mig.dynamic && !dra.contains(&g.index))
         }
         AllocationMode::Partitioned(Partition::MigToDra) => restrict(inv, |g| !g.mig.current),
     }
 }
 
-/// The part of the inventory DRA may hand out.
+/// The part of the inventory DRA may hand out: always the dynamic-MIG GPUs (no other API can
+/// use them), whatever the partition says.
 pub fn dra_view(inv: &Inventory, mode: &AllocationMode) -> Inventory {
     match mode {
         AllocationMode::Shared => inv.clone(),
         AllocationMode::Partitioned(Partition::DraGpus(dra)) => {
-            restrict(inv, |g| dra.contains(&g.index))
+            restrict(inv, |g| g.mig.dynamic || dra.contains(&g.index))
         }
         AllocationMode::Partitioned(Partition::MigToDra) => restrict(inv, |g| g.mig.current),
     }
@@ -565,6 +568,36 @@ mod tests {
         assert_eq!(dp.gpus.iter().map(|g| g.index).collect::<Vec<_>>(), [0, 3]);
         assert_eq!(dp.topology.links.len(), 1);
         assert_eq!(dra_view(&inv, &AllocationMode::Shared), inv);
+    }
+
+    #[test]
+    fn dynamic_mig_gpus_belong_to_dra_in_every_mode() {
+        let mut inv = crate::sim::load("a100-mig-mixed").unwrap();
+        inv.gpus[1].mig.dynamic = true;
+        let dp_gpus = |mode: &AllocationMode| -> Vec<u32> {
+            device_plugin_view(&inv, mode)
+                .gpus
+                .iter()
+                .map(|g| g.index)
+                .collect()
+        };
+        let dra_gpus = |mode: &AllocationMode| -> Vec<u32> {
+            dra_view(&inv, mode).gpus.iter().map(|g| g.index).collect()
+        };
+        let split = AllocationMode::Partitioned(Partition::DraGpus(BTreeSet::from([2])));
+        let mig = AllocationMode::Partitioned(Partition::MigToDra);
+        assert_eq!(dp_gpus(&AllocationMode::Shared), [0, 2, 3]);
+        assert_eq!(dp_gpus(&split), [0, 3]);
+        assert_eq!(dp_gpus(&mig), [3]);
+        assert_eq!(dra_gpus(&AllocationMode::Shared), [0, 1, 2, 3]);
+        assert_eq!(dra_gpus(&split), [1, 2]);
+        assert_eq!(dra_gpus(&mig), [0, 1, 2]);
+        // Its links go with it.
+        assert!(device_plugin_view(&inv, &AllocationMode::Shared)
+            .topology
+            .links
+            .iter()
+            .all(|l| l.from != 1 && l.to != 1));
     }
 
     #[test]

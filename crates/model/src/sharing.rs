@@ -14,11 +14,11 @@
 //! The node never trusts the request: it reads `consumedCapacity` from the allocation result
 //! and checks it against the same policy ([`UnitShares::check`]) before holding it.
 
-use crate::config::ConfigError;
+use crate::config::{ConfigError, GpuSelect};
 use crate::inventory::{DeviceRef, DeviceUuid, Gpu, Inventory};
 use crate::quantity::{Format, Quantity};
 use serde::Deserialize;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// The consumable capacity holding a share's memory, in bytes (NVIDIA's capacity name).
@@ -48,19 +48,11 @@ impl fmt::Display for Enforcement {
     }
 }
 
-/// Which GPUs share.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ShareSelect {
-    All,
-    Indices(BTreeSet<u32>),
-    /// Product names, as NVML reports them (`NVIDIA A100-SXM4-80GB`).
-    Models(BTreeSet<String>),
-}
-
 /// The validated `sharing.consumableCapacity` section.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShareConfig {
-    pub select: ShareSelect,
+    /// Which GPUs share (those dynamic MIG partitions never do: [`crate::config::check_shared_and_dynamic`]).
+    pub select: GpuSelect,
     /// Share the MIG devices of the chosen GPUs too (each with its own memory and SMs).
     pub mig_devices: bool,
     /// Bytes; the smallest share and the step between shares.
@@ -74,7 +66,7 @@ impl ShareConfig {
     /// The section's defaults: every GPU, 1Gi and 5% steps, MPS.
     pub fn defaults() -> ShareConfig {
         ShareConfig {
-            select: ShareSelect::All,
+            select: GpuSelect::All,
             mig_devices: false,
             memory_step: DEFAULT_MEMORY_STEP,
             compute_step: DEFAULT_COMPUTE_STEP,
@@ -94,11 +86,7 @@ impl ShareConfig {
     }
 
     pub fn shares_gpu(&self, g: &Gpu) -> bool {
-        match &self.select {
-            ShareSelect::All => true,
-            ShareSelect::Indices(i) => i.contains(&g.index),
-            ShareSelect::Models(m) => m.contains(&g.product_name),
-        }
+        self.select.selects(g)
     }
 }
 
@@ -324,35 +312,13 @@ impl RawShares {
             field: format!("{SECTION}.{field}"),
             reason,
         };
-        let select = match (self.gpus, self.models) {
-            (Some(_), Some(_)) => {
-                return Err(bad("gpus", "set gpus or models, not both".into()));
-            }
-            (None, None) => ShareSelect::All,
-            (None, Some(m)) if m.is_empty() => {
-                return Err(bad(
-                    "models",
-                    "lists no model; remove the section to share nothing".into(),
-                ))
-            }
-            (None, Some(m)) => ShareSelect::Models(m.into_iter().collect()),
-            (Some(serde_yaml_ng::Value::String(s)), None) if s == "all" => ShareSelect::All,
-            (Some(v), None) => {
-                let list: Vec<u32> = serde_yaml_ng::from_value(v).map_err(|_| {
-                    bad(
-                        "gpus",
-                        "must be `all` or a list of GPU indices like [0, 1]".into(),
-                    )
-                })?;
-                if list.is_empty() {
-                    return Err(bad(
-                        "gpus",
-                        "lists no GPU; remove the section to share nothing".into(),
-                    ));
-                }
-                ShareSelect::Indices(list.into_iter().collect())
-            }
-        };
+        let select = GpuSelect::parse(
+            path,
+            SECTION,
+            self.gpus,
+            self.models,
+            "remove the section to share nothing",
+        )?;
         let memory_step = match self.memory_step {
             None => DEFAULT_MEMORY_STEP,
             Some(s) => Quantity::parse_trimmed(&s)
@@ -388,6 +354,7 @@ impl RawShares {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
 
     fn unit() -> UnitShares {
         UnitShares {
@@ -493,9 +460,9 @@ mod tests {
                 .validate("f")
         };
         let c = parse("gpus: [0, 2]\nmemoryStep: 2Gi\ncomputeStep: 10").unwrap();
-        assert_eq!(c.select, ShareSelect::Indices(BTreeSet::from([0, 2])));
+        assert_eq!(c.select, GpuSelect::Indices(BTreeSet::from([0, 2])));
         assert_eq!((c.memory_step, c.compute_step), (2 << 30, 10));
-        assert_eq!(parse("gpus: all").unwrap().select, ShareSelect::All);
+        assert_eq!(parse("gpus: all").unwrap().select, GpuSelect::All);
         for (y, field) in [
             ("computeStep: 30", "computeStep"),
             ("memoryStep: 1k", "memoryStep"),

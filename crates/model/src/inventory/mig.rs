@@ -111,8 +111,11 @@ impl MigCatalogue {
     }
 }
 
+/// How many engines of one kind a profile has.
+pub type EngineCount = fn(&MigProfileSpec) -> u32;
+
 /// The engine kinds a GPU instance takes, by name, as `nvidia-smi mig -lgip` counts them.
-pub const ENGINES: &[(&str, fn(&MigProfileSpec) -> u32)] = &[
+pub const ENGINES: &[(&str, EngineCount)] = &[
     ("copy engines", |p| p.copy_engines),
     ("decoders", |p| p.decoders),
     ("encoders", |p| p.encoders),
@@ -164,15 +167,25 @@ pub fn catalogue(name: &str) -> Option<&'static MigCatalogue> {
 }
 
 /// The bundled table of a GPU model, by the product name NVML reports
-/// (`NVIDIA H100 80GB HBM3` -> `h100-80gb`).
+/// (`NVIDIA H100 80GB HBM3` -> `h100-80gb`, `NVIDIA A30` -> `a30-24gb`). The H100 NVL (94GB)
+/// has other memory sizes, so other profile names (`1g.12gb`): no bundled table is its.
 pub fn catalogue_for_product(product_name: &str) -> Option<&'static MigCatalogue> {
     let p = product_name.to_ascii_uppercase();
+    let words: Vec<&str> = p
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .collect();
+    let has = |w: &str| words.contains(&w);
     let name = if p.contains("A100") && p.contains("80GB") {
         "a100-80gb"
     } else if p.contains("A100") {
         "a100-40gb"
-    } else if p.contains("H100") {
+    } else if p.contains("H100") && !has("NVL") {
         "h100-80gb"
+    } else if p.contains("H200") {
+        "h200-141gb"
+    } else if has("A30") {
+        "a30-24gb"
     } else {
         return None;
     };
@@ -187,6 +200,8 @@ const ONE: &[u32] = &[0, 1, 2, 3, 4, 5, 6];
 const TWO: &[u32] = &[0, 2, 4, 6];
 const TWO_OF_THREE: &[u32] = &[0, 2, 4];
 const HALF: &[u32] = &[0, 4];
+const ONE_OF_FOUR: &[u32] = &[0, 1, 2, 3];
+const TWO_OF_FOUR: &[u32] = &[0, 2];
 const WHOLE: &[u32] = &[0];
 
 #[allow(clippy::too_many_arguments)]
@@ -222,7 +237,7 @@ const fn spec(
 }
 
 // NVML profile indices (nvml.h): 1_SLICE=0, 2_SLICE=1, 3_SLICE=2, 4_SLICE=3, 7_SLICE=4,
-// 1_SLICE_REV1 (+me)=7, 1_SLICE_REV2 (double memory)=9.
+// 1_SLICE_REV1 (+me)=7, 2_SLICE_REV1 (2g +me)=8, 1_SLICE_REV2 (double memory)=9.
 const CATALOGUES: &[MigCatalogue] = &[
     MigCatalogue {
         name: "a100-40gb",
@@ -264,6 +279,46 @@ const CATALOGUES: &[MigCatalogue] = &[
             spec("3g.40gb", 2, 9, 3, 4, HALF, 40448, 60, 3, 3, 3, 0),
             spec("4g.40gb", 3, 5, 4, 4, WHOLE, 40448, 64, 4, 4, 4, 0),
             spec("7g.80gb", 4, 0, 7, 8, WHOLE, 81152, 132, 8, 7, 7, 1),
+        ],
+    },
+    // A30 24GB (NVML total 24576 MiB): ids, placements, memory, SMs and engines as
+    // `nvidia-smi mig -lgip` and `-lgipp` print them on an A30 with driver 535.183.01
+    // (memory 5.81/11.69/23.44 GiB; nvidia-smi lists the instances' memory as 5952 and
+    // 11968 MiB). NVIDIA's MIG user guide ("A30 MIG Profiles") agrees, except that it gives
+    // 1g.6gb no NVDEC where the driver reports one; the driver's answer is what NVML enforces.
+    // NVML indices: 2_SLICE_REV1 (8) is the 2g `+me`.
+    MigCatalogue {
+        name: "a30-24gb",
+        compute_slices: 4,
+        memory_slices: 4,
+        profiles: &[
+            spec("1g.6gb", 0, 14, 1, 1, ONE_OF_FOUR, 5952, 14, 1, 1, 0, 0),
+            spec("1g.6gb+me", 7, 21, 1, 1, ONE_OF_FOUR, 5952, 14, 1, 1, 1, 1),
+            spec("2g.12gb", 1, 5, 2, 2, TWO_OF_FOUR, 11968, 28, 2, 2, 0, 0),
+            spec("2g.12gb+me", 8, 6, 2, 2, TWO_OF_FOUR, 11968, 28, 2, 2, 1, 1),
+            spec("4g.24gb", 3, 0, 4, 4, WHOLE, 24000, 56, 4, 4, 1, 1),
+        ],
+    },
+    // H200 141GB (NVML total 143771 MiB), the H100's GH100 with more memory: the same seven
+    // profiles, ids, NVML indices and placements as the H100. Engines and copy engines: the
+    // MIG user guide's "H200 MIG Profiles" table. Memory: `nvidia-smi mig -lgip` on an H200
+    // (1g.18gb 16.00, 2g.35gb 32.50, 7g.141gb 140.00 GiB) and the CUDA `totalMemory` of a
+    // 3g.71gb instance (74893492224 bytes = 71424 MiB); 1g.35gb and 4g.71gb are taken to have
+    // the memory of 2g.35gb and 3g.71gb (same memory slices, as in every other table). SMs:
+    // 16, 32 and 132 from nvidia-smi, 26 (1g.35gb) and 60 (3g.71gb) from CUDA's
+    // multiProcessorCount on such instances, 64 (4g.71gb) as on the H100.
+    MigCatalogue {
+        name: "h200-141gb",
+        compute_slices: 7,
+        memory_slices: 8,
+        profiles: &[
+            spec("1g.18gb", 0, 19, 1, 1, ONE, 16384, 16, 1, 1, 1, 0),
+            spec("1g.18gb+me", 7, 20, 1, 1, ONE, 16384, 16, 1, 1, 1, 1),
+            spec("1g.35gb", 9, 15, 1, 2, TWO, 33280, 26, 1, 1, 1, 0),
+            spec("2g.35gb", 1, 14, 2, 2, TWO_OF_THREE, 33280, 32, 2, 2, 2, 0),
+            spec("3g.71gb", 2, 9, 3, 4, HALF, 71424, 60, 3, 3, 3, 0),
+            spec("4g.71gb", 3, 5, 4, 4, WHOLE, 71424, 64, 4, 4, 4, 0),
+            spec("7g.141gb", 4, 0, 7, 8, WHOLE, 143360, 132, 8, 7, 7, 1),
         ],
     },
 ];
@@ -315,9 +370,70 @@ mod tests {
         // One +me instance: the GPU has one OFA.
         assert!(matches!(
             h100.admit(&[at("1g.10gb+me", 0)], p("1g.10gb+me"), 1),
-            Err(PlacementRefused::Exhausted { what: "OFA engines", .. })
+            Err(PlacementRefused::Exhausted {
+                what: "OFA engines",
+                ..
+            })
         ));
         assert_eq!(h100.full_profile().unwrap().name, "7g.80gb");
+    }
+
+    #[test]
+    fn every_catalogue_has_a_full_profile_that_bounds_every_other() {
+        for c in CATALOGUES {
+            let full = c.full_profile().unwrap_or_else(|| panic!("{}", c.name));
+            for p in c.profiles {
+                for (what, count) in ENGINES {
+                    assert!(count(p) <= count(full), "{} {} {what}", c.name, p.name);
+                }
+                assert!(p.multiprocessors <= full.multiprocessors, "{}", p.name);
+                assert!(p.memory_mib <= full.memory_mib, "{}", p.name);
+            }
+        }
+    }
+
+    #[test]
+    fn product_names_find_their_tables() {
+        for (product, table) in [
+            ("NVIDIA A100-SXM4-40GB", Some("a100-40gb")),
+            ("NVIDIA A100-SXM4-80GB", Some("a100-80gb")),
+            ("NVIDIA A100 80GB PCIe", Some("a100-80gb")),
+            ("NVIDIA H100 80GB HBM3", Some("h100-80gb")),
+            ("NVIDIA H100 PCIe", Some("h100-80gb")),
+            ("NVIDIA H100 NVL", None),
+            ("NVIDIA H200", Some("h200-141gb")),
+            ("NVIDIA H200 NVL", Some("h200-141gb")),
+            ("NVIDIA A30", Some("a30-24gb")),
+            ("NVIDIA A300", None),
+            ("NVIDIA L4", None),
+            ("Tesla V100-SXM2-16GB", None),
+        ] {
+            assert_eq!(
+                catalogue_for_product(product).map(|c| c.name),
+                table,
+                "{product}"
+            );
+        }
+    }
+
+    #[test]
+    fn a30_and_h200_follow_their_instance_limits() {
+        let a30 = catalogue("a30-24gb").unwrap();
+        let p = |n: &str| a30.profile(n).unwrap();
+        let at = |n: &str, start| PlacedInstance {
+            profile: p(n),
+            start,
+        };
+        // Four 1g, or one +me of either size: the A30 has one JPEG and one OFA.
+        let quarters: Vec<PlacedInstance> = (0..3).map(|s| at("1g.6gb", s)).collect();
+        assert_eq!(a30.admit(&quarters, p("1g.6gb+me"), 3), Ok(()));
+        assert!(a30
+            .admit(&[at("2g.12gb+me", 0)], p("1g.6gb+me"), 2)
+            .is_err());
+        assert_eq!(a30.admit(&[at("2g.12gb+me", 0)], p("2g.12gb"), 2), Ok(()));
+        let h200 = catalogue("h200-141gb").unwrap();
+        assert_eq!(h200.full_profile().unwrap().name, "7g.141gb");
+        assert_eq!(h200.profile("1g.35gb").unwrap().placements, TWO);
     }
 
     #[test]

@@ -9,7 +9,7 @@ pub mod mig;
 mod names;
 
 pub use ids::{DeviceUuid, IdError, MigProfile, ResourceName, UnitKind};
-pub use names::DeviceRef;
+pub use names::{profile_label, DeviceRef};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

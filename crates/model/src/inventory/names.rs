@@ -33,12 +33,7 @@ impl<'a> DeviceRef<'a> {
         match self {
             DeviceRef::Gpu(g) => format!("gpu-{}", g.index),
             DeviceRef::Mig { parent, mig } => {
-                let profile: String = mig
-                    .profile
-                    .chars()
-                    .filter(|c| c.is_ascii_alphanumeric())
-                    .collect::<String>()
-                    .to_ascii_lowercase();
+                let profile = profile_label(&mig.profile);
                 let ci = if mig.compute_instance_id == 0 {
                     String::new()
                 } else {
@@ -53,12 +48,24 @@ impl<'a> DeviceRef<'a> {
     }
 }
 
+/// A MIG profile name as it appears in DRA device names: its letters and digits, lower case
+/// (`1g.10gb+me` -> `1g10gbme`).
+pub fn profile_label(profile: &str) -> String {
+    profile
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric())
+        .collect::<String>()
+        .to_ascii_lowercase()
+}
+
 impl Inventory {
     /// Every DRA device: whole GPUs with MIG off, and the MIG devices of GPUs with MIG on (a
     /// partitioned GPU is not also offered whole: NVIDIA's driver did that and double-booked it).
+    /// GPUs partitioned by dynamic MIG (`mig.dynamic`) are left out: their devices are
+    /// [`crate::dynamic_mig::devices`].
     pub fn dra_devices(&self) -> Vec<DeviceRef<'_>> {
         let mut out = Vec::new();
-        for g in &self.gpus {
+        for g in self.gpus.iter().filter(|g| !g.mig.dynamic) {
             if g.mig.current {
                 out.extend(
                     g.mig_devices

@@ -720,7 +720,7 @@ fn plan_remembers_what_the_server_dropped() {
 fn shared_units_are_published_with_consumable_memory_and_compute() {
     let inv = crate::sim::load("dgx-a100").unwrap();
     let cfg = crate::sharing::ShareConfig {
-        select: crate::sharing::ShareSelect::Indices([1].into()),
+        select: crate::config::GpuSelect::Indices([1].into()),
         mig_devices: false,
         memory_step: 1 << 30,
         compute_step: 10,
