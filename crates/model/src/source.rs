@@ -6,8 +6,9 @@
 //! says, as a [`DeviceMode`], whether its devices exist on this host, because only real GPUs
 //! have device nodes and driver files for containers.
 
-use crate::inventory::{DeviceUuid, Inventory, MigDevice};
-use std::collections::BTreeSet;
+use crate::inventory::{DeviceUuid, Gpu, Inventory, MigDevice};
+use crate::sim::instances::{self, InstanceBook};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -120,7 +121,10 @@ pub struct SimSource {
 
 #[derive(Debug)]
 struct SimState {
+    /// Locked before `books` where both are held.
     inventory: Mutex<Inventory>,
+    /// Per GPU UUID, what its MIG instances need beyond the inventory (creation numbers).
+    books: Mutex<BTreeMap<DeviceUuid, InstanceBook>>,
     lost: Mutex<BTreeSet<String>>,
     events: Mutex<std::sync::mpsc::Receiver<DeviceEvent>>,
     sender: Mutex<std::sync::mpsc::Sender<DeviceEvent>>,
@@ -187,6 +191,7 @@ impl SimSource {
         SimSource {
             inner: Arc::new(SimState {
                 inventory: Mutex::new(inventory),
+                books: Mutex::new(BTreeMap::new()),
                 lost: Mutex::new(BTreeSet::new()),
                 events: Mutex::new(events),
                 sender: Mutex::new(sender),
@@ -231,9 +236,43 @@ impl SimSource {
         stall
     }
 
-    /// Replaces the simulated machine, e.g. after a MIG reconfiguration.
+    /// Replaces the simulated machine, e.g. after a MIG reconfiguration. Creation numbers are
+    /// kept, so an instance created afterwards still gets a UUID never seen before.
     pub fn set_inventory(&self, inventory: Inventory) {
         *lock(&self.inner.inventory) = inventory;
+    }
+
+    /// The simulated GPU a MIG change is for, refused as the driver would: unknown, lost, or
+    /// not in MIG mode.
+    fn mig_gpu<'i>(
+        &self,
+        inventory: &'i mut Inventory,
+        uuid: &DeviceUuid,
+        call: &str,
+    ) -> Result<&'i mut Gpu, MigChangeError> {
+        if lock(&self.inner.lost).contains(uuid.as_str()) {
+            return Err(MigChangeError::Failed {
+                call: call.into(),
+                reason: format!("GPU {uuid} is lost (fell off the bus)"),
+            });
+        }
+        let gpu = inventory
+            .gpus
+            .iter_mut()
+            .find(|g| g.uuid == *uuid)
+            .ok_or_else(|| {
+                MigChangeError::NotFound(format!(
+                    "no GPU {uuid} on this machine; rediscover and use a listed GPU"
+                ))
+            })?;
+        if !gpu.mig.current {
+            return Err(MigChangeError::Refused(format!(
+                "GPU {uuid} is not in MIG mode; enable MIG on it (nvidia-smi -i {} -mig 1) \
+                 before creating or destroying MIG instances",
+                gpu.index
+            )));
+        }
+        Ok(gpu)
     }
 }
 
@@ -282,5 +321,133 @@ impl DeviceSource for SimSource {
             stall.hold();
         }
         !lock(&self.inner.lost).contains(gpu_uuid)
+    }
+
+    fn create_mig(&self, req: &MigRequest) -> Result<MigDevice, MigChangeError> {
+        let mut inventory = lock(&self.inner.inventory);
+        let gpu = self.mig_gpu(&mut inventory, &req.gpu, "create_mig")?;
+        let refused = |rule: String| {
+            MigChangeError::Refused(format!(
+                "GPU {} refuses MIG instance {} at memory slice {}: {rule}",
+                req.gpu, req.profile, req.start
+            ))
+        };
+        let table = instances::table(gpu).ok_or_else(|| {
+            refused(format!(
+                "no bundled MIG table for {}, so its placement rules are unknown",
+                gpu.product_name
+            ))
+        })?;
+        let profile = table.profile(&req.profile).ok_or_else(|| {
+            refused(format!(
+                "no such profile in table {} (one of {})",
+                table.name,
+                table.profile_names().join(", ")
+            ))
+        })?;
+        let mut books = lock(&self.inner.books);
+        let book = books.entry(req.gpu.clone()).or_default();
+        instances::create(table, gpu, book, profile, req.start).map_err(|e| refused(e.to_string()))
+    }
+
+    fn destroy_mig(&self, gpu: &DeviceUuid, gpu_instance_id: u32) -> Result<(), MigChangeError> {
+        let mut inventory = lock(&self.inner.inventory);
+        let found = self.mig_gpu(&mut inventory, gpu, "destroy_mig")?;
+        let table = instances::table(found).ok_or_else(|| {
+            MigChangeError::Refused(format!(
+                "GPU {gpu} ({}) has no bundled MIG table; destroy its MIG instances with nvidia-smi",
+                found.product_name
+            ))
+        })?;
+        let mut books = lock(&self.inner.books);
+        let book = books.entry(gpu.clone()).or_default();
+        if instances::destroy(table, found, book, gpu_instance_id) {
+            Ok(())
+        } else {
+            Err(MigChangeError::NotFound(format!(
+                "GPU {gpu} has no GPU instance {gpu_instance_id} (already destroyed?)"
+            )))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine() -> (SimSource, Inventory) {
+        let inventory = crate::sim::load("dynamic-mig-mixed").unwrap();
+        (SimSource::new(inventory.clone()), inventory)
+    }
+
+    fn req(gpu: &DeviceUuid, profile: &str, start: u32) -> MigRequest {
+        MigRequest {
+            gpu: gpu.clone(),
+            profile: profile.into(),
+            start,
+        }
+    }
+
+    #[test]
+    fn created_instances_are_discovered_as_returned_and_destroyed_ones_are_gone() {
+        let (sim, inv) = machine();
+        let gpu = &inv.gpus[0].uuid;
+        let four = sim.create_mig(&req(gpu, "4g.40gb", 0)).unwrap();
+        let three = sim.create_mig(&req(gpu, "3g.40gb", 4)).unwrap();
+        assert_eq!((four.gpu_instance_id, three.gpu_instance_id), (1, 2));
+        assert_eq!(three.placement.start, 4);
+        let found = sim.discover().unwrap().inventory;
+        assert_eq!(found.gpus[0].mig_devices, vec![four.clone(), three.clone()]);
+        sim.destroy_mig(gpu, four.gpu_instance_id).unwrap();
+        let found = sim.discover().unwrap().inventory;
+        assert_eq!(found.gpus[0].mig_devices, vec![three]);
+        let again = sim.destroy_mig(gpu, four.gpu_instance_id).unwrap_err();
+        assert!(matches!(again, MigChangeError::NotFound(_)), "{again}");
+    }
+
+    #[test]
+    fn refusals_name_the_gpu_the_request_and_the_rule() {
+        let (sim, inv) = machine();
+        let gpu = &inv.gpus[0].uuid;
+        sim.create_mig(&req(gpu, "4g.40gb", 0)).unwrap();
+        let overlap = sim.create_mig(&req(gpu, "3g.40gb", 0)).unwrap_err();
+        let text = overlap.to_string();
+        assert!(matches!(overlap, MigChangeError::Refused(_)), "{text}");
+        for part in [gpu.as_str(), "3g.40gb", "memory slice 0", "overlaps"] {
+            assert!(text.contains(part), "{text}");
+        }
+        let other = &inv.gpus[1].uuid;
+        sim.create_mig(&req(other, "1g.10gb+me", 0)).unwrap();
+        let engines = sim.create_mig(&req(other, "1g.10gb+me", 1)).unwrap_err();
+        assert!(engines.to_string().contains("OFA"), "{engines}");
+        let start = sim.create_mig(&req(other, "3g.40gb", 2)).unwrap_err();
+        assert!(start.to_string().contains("allowed"), "{start}");
+        let unknown = sim.create_mig(&req(other, "5g.50gb", 0)).unwrap_err();
+        assert!(unknown.to_string().contains("one of"), "{unknown}");
+        let l4 = sim
+            .create_mig(&req(&inv.gpus[3].uuid, "1g.10gb", 0))
+            .unwrap_err();
+        assert!(matches!(l4, MigChangeError::Refused(_)), "{l4}");
+        assert!(l4.to_string().contains("MIG mode"), "{l4}");
+        let nowhere = DeviceUuid::parse("GPU-00000000-0000-0000-0000-000000000000").unwrap();
+        let missing = sim.create_mig(&req(&nowhere, "1g.10gb", 0)).unwrap_err();
+        assert!(matches!(missing, MigChangeError::NotFound(_)), "{missing}");
+    }
+
+    #[test]
+    fn static_instances_count_and_can_be_destroyed_and_recreated_with_a_new_uuid() {
+        let (sim, inv) = machine();
+        let gpu = &inv.gpus[2];
+        let full = sim.create_mig(&req(&gpu.uuid, "1g.10gb", 0)).unwrap_err();
+        assert!(full.to_string().contains("overlaps"), "{full}");
+        let old = &gpu.mig_devices[0];
+        sim.destroy_mig(&gpu.uuid, old.gpu_instance_id).unwrap();
+        let new = sim.create_mig(&req(&gpu.uuid, "3g.40gb", 0)).unwrap();
+        assert_eq!(new.gpu_instance_id, old.gpu_instance_id);
+        assert_eq!(new.placement, old.placement);
+        assert_ne!(new.uuid, old.uuid, "a re-created instance is a new device");
+        let found = sim.discover().unwrap().inventory;
+        assert_eq!(found.gpus[2].mig_devices[0], new);
+        assert_eq!(found.gpus[2].mig_devices[1], gpu.mig_devices[1]);
     }
 }

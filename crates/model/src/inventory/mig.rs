@@ -5,6 +5,8 @@
 //! `nvidia-smi mig -lgip` prints for the model. The `nvml_profile` and `id` numbers are the
 //! ones NVML uses, so the fake NVML library can answer profile queries from the same table.
 
+use super::{DeviceUuid, IdError, MigDevice, MigProfile, Placement};
+
 /// One GPU-instance profile of one GPU model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MigProfileSpec {
@@ -27,6 +29,40 @@ pub struct MigProfileSpec {
     pub encoders: u32,
     pub jpeg_engines: u32,
     pub ofa_engines: u32,
+}
+
+impl MigProfileSpec {
+    /// The MIG device of a compute instance spanning a whole GPU instance of this profile at
+    /// memory slice `start`: what discovery lists for it. The one construction of a table
+    /// profile's device, for simulation profiles and dynamically created instances alike.
+    pub fn device(
+        &self,
+        parent_uuid: &DeviceUuid,
+        uuid: DeviceUuid,
+        gpu_instance_id: u32,
+        compute_instance_id: u32,
+        start: u32,
+    ) -> Result<MigDevice, IdError> {
+        Ok(MigDevice {
+            uuid,
+            parent_uuid: parent_uuid.clone(),
+            profile: MigProfile::parse(self.name)?,
+            gpu_instance_id,
+            compute_instance_id,
+            gpu_slices: self.gpu_slices,
+            placement: Placement {
+                start,
+                size: self.memory_slices,
+            },
+            memory_mib: self.memory_mib,
+            multiprocessors: self.multiprocessors,
+            copy_engines: self.copy_engines,
+            decoders: self.decoders,
+            encoders: self.encoders,
+            jpeg_engines: self.jpeg_engines,
+            ofa_engines: self.ofa_engines,
+        })
+    }
 }
 
 /// The MIG profiles of one GPU model.

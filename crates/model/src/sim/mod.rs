@@ -5,6 +5,7 @@
 //! these same files, so this loader is the single definition of what a profile means.
 //! A profile that is malformed or inconsistent is rejected naming the file, the field and why.
 
+pub mod instances;
 mod profile;
 
 use crate::inventory::Inventory;
@@ -25,6 +26,10 @@ const BUNDLED: &[(&str, &str)] = &[
     (
         "h100-mig-single",
         include_str!("profiles/h100-mig-single.yaml"),
+    ),
+    (
+        "dynamic-mig-mixed",
+        include_str!("profiles/dynamic-mig-mixed.yaml"),
     ),
 ];
 

@@ -5,6 +5,7 @@ mod topology;
 
 use crate::inventory::{mig, Inventory};
 use gpu::build_gpu;
+pub(crate) use gpu::derived_uuid;
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use topology::build_topology;

@@ -3,7 +3,7 @@
 
 use super::{invalid, GpuSpec, Invalid, MigDeviceSpec, MigSpec, ModelSpec};
 use crate::inventory::mig::{self, MigCatalogue, MigProfileSpec};
-use crate::inventory::{DeviceUuid, Gpu, MigDevice, MigMode, MigProfile, Placement};
+use crate::inventory::{DeviceUuid, Gpu, MigDevice, MigMode, Placement};
 use std::collections::BTreeMap;
 
 fn is_hex(s: &str, len: usize) -> bool {
@@ -137,12 +137,21 @@ pub(super) fn build_gpu(
             current: mig_spec.enabled,
             pending: mig_spec.pending.unwrap_or(mig_spec.enabled),
             capable: catalogue.is_some(),
-            table: catalogue.map(|c| c.name.to_string()),
+            // NVML discovery names the table the product name leads to, and only when the GPU's
+            // profiles are that table's; a profile whose product name leads elsewhere is the
+            // same mismatch, so both sources agree.
+            table: catalogue
+                .filter(|c| {
+                    mig::catalogue_for_product(&model.product_name)
+                        .is_some_and(|p| p.name == c.name)
+                })
+                .map(|c| c.name.to_string()),
             dynamic: false,
         },
         mig_devices,
     })
 }
+
 fn build_mig_devices(
     c: &MigCatalogue,
     specs: &[MigDeviceSpec],
@@ -185,27 +194,10 @@ fn build_mig_devices(
                 "MIG-",
             )?,
         };
-        let profile = MigProfile::parse(p.name)
+        let device = p
+            .device(parent_uuid, uuid, gpu_instance_id, 0, start)
             .map_err(|e| invalid(format!("{f}.profile"), e.to_string()))?;
-        out.push(MigDevice {
-            uuid,
-            parent_uuid: parent_uuid.clone(),
-            profile,
-            gpu_instance_id,
-            compute_instance_id: 0,
-            gpu_slices: p.gpu_slices,
-            placement: Placement {
-                start,
-                size: p.memory_slices,
-            },
-            memory_mib: p.memory_mib,
-            multiprocessors: p.multiprocessors,
-            copy_engines: p.copy_engines,
-            decoders: p.decoders,
-            encoders: p.encoders,
-            jpeg_engines: p.jpeg_engines,
-            ofa_engines: p.ofa_engines,
-        });
+        out.push(device);
     }
     Ok(out)
 }
