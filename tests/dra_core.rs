@@ -544,6 +544,7 @@ async fn a_crash_between_started_and_completed_is_recovered() {
                 units: BTreeMap::new(),
                 cdi_spec: None,
                 shares: Vec::new(),
+                instances: Vec::new(),
             },
         );
     }

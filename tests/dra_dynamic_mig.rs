@@ -114,7 +114,11 @@ impl Env {
             serde_json::from_slice(&fs::read(self.path(&format!("cdi/{stem}.json"))).unwrap())
                 .unwrap();
         let mut env: Vec<String> = spec.container_edits.env.clone();
-        env.extend(spec.devices.iter().flat_map(|d| d.container_edits.env.clone()));
+        env.extend(
+            spec.devices
+                .iter()
+                .flat_map(|d| d.container_edits.env.clone()),
+        );
         env.join("\n")
     }
 
@@ -143,7 +147,10 @@ fn placements(instances: &[MigDevice]) -> Vec<(String, u32)> {
 #[tokio::test]
 async fn a_claim_creates_its_instance_sees_it_and_unprepare_destroys_it() {
     let env = Env::new();
-    assert!(env.instances(0).is_empty(), "the profile starts GPU 0 empty");
+    assert!(
+        env.instances(0).is_empty(),
+        "the profile starts GPU 0 empty"
+    );
     let core = env.core(env.state());
     let a = env.add_claim("a", &uid(1), &["gpu-0-mig-3g40gb-at4"]);
     prepare(&core, &a).await.unwrap();
@@ -159,7 +166,10 @@ async fn a_claim_creates_its_instance_sees_it_and_unprepare_destroys_it() {
     let entry = env.checkpoint().claims[a.uid.as_str()].clone();
     assert_eq!(entry.state, ClaimState::PrepareCompleted);
     assert_eq!(
-        entry.instances[0].created.as_ref().map(|c| c.uuid.to_string()),
+        entry.instances[0]
+            .created
+            .as_ref()
+            .map(|c| c.uuid.to_string()),
         Some(uuid.clone()),
         "the checkpoint records the instance it made"
     );
@@ -168,7 +178,10 @@ async fn a_claim_creates_its_instance_sees_it_and_unprepare_destroys_it() {
     assert_eq!(env.instances(0).len(), 1);
 
     unprepare(&core, &a).await;
-    assert!(env.instances(0).is_empty(), "unprepare destroys the instance");
+    assert!(
+        env.instances(0).is_empty(),
+        "unprepare destroys the instance"
+    );
     assert!(env.checkpoint().claims.is_empty());
     // Unprepare again (a retry) is fine with the instance gone.
     unprepare(&core, &a).await;
@@ -282,7 +295,10 @@ async fn an_instance_another_tool_made_is_never_touched_and_its_gpu_says_why() {
             .iter()
             .flat_map(|s| s.spec.devices.iter().flatten().map(|d| d.name.clone()))
             .collect();
-        assert!(names.iter().any(|n| n == "gpu-0-mig-3g40gb-at4"), "{names:?}");
+        assert!(
+            names.iter().any(|n| n == "gpu-0-mig-3g40gb-at4"),
+            "{names:?}"
+        );
         assert!(
             !names.iter().any(|n| n.starts_with("gpu-1-mig-") && n.contains("-at")),
             "GPU 1 publishes its existing instance as a static MIG device, no placements: {names:?}"

@@ -122,10 +122,18 @@ fn the_scheduler_packs_instances_by_the_counters_and_the_agent_makes_and_unmakes
     let slices = cluster::node_slices(&lab);
     let sets: BTreeSet<String> = slices
         .iter()
-        .flat_map(|s| s["spec"]["sharedCounters"].as_array().cloned().unwrap_or_default())
+        .flat_map(|s| {
+            s["spec"]["sharedCounters"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
         .filter_map(|c| c["name"].as_str().map(String::from))
         .collect();
-    assert_eq!(sets, BTreeSet::from(["gpu-0".to_string(), "gpu-1".to_string()]));
+    assert_eq!(
+        sets,
+        BTreeSet::from(["gpu-0".to_string(), "gpu-1".to_string()])
+    );
     assert!(
         slices
             .iter()
@@ -136,11 +144,18 @@ fn the_scheduler_packs_instances_by_the_counters_and_the_agent_makes_and_unmakes
         .iter()
         .filter_map(|d| d["name"].as_str().map(String::from))
         .collect();
-    for want in ["gpu-0", "gpu-0-mig-3g40gb-at4", "gpu-0-mig-4g40gb-at0", "gpu-3"] {
+    for want in [
+        "gpu-0",
+        "gpu-0-mig-3g40gb-at4",
+        "gpu-0-mig-4g40gb-at0",
+        "gpu-3",
+    ] {
         assert!(names.contains(want), "{want} in {names:?}");
     }
     assert!(
-        names.iter().any(|n| n.starts_with("gpu-2-mig-") && !n.contains("-at")),
+        names
+            .iter()
+            .any(|n| n.starts_with("gpu-2-mig-") && !n.contains("-at")),
         "the static MIG GPU publishes its instances: {names:?}"
     );
     let placed = devices
@@ -205,7 +220,10 @@ fn the_scheduler_packs_instances_by_the_counters_and_the_agent_makes_and_unmakes
     cluster::wait_running(&lab, "default", "whole");
     assert_eq!(allocated(&lab, "whole"), "gpu-1");
     let full = mig_uuid(&cluster::pod_env(&lab, "whole"));
-    assert!(full.starts_with("MIG-"), "the whole GPU is its full instance");
+    assert!(
+        full.starts_with("MIG-"),
+        "the whole GPU is its full instance"
+    );
 
     for p in ["three", "four", "whole"] {
         delete_pod(&lab, p);

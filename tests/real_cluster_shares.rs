@@ -10,7 +10,7 @@ mod cluster;
 #[path = "support/mod.rs"]
 mod support;
 
-use cluster::{eventually, eventually_or, ClusterLab, LabAgent, LabProcess, DRIVER, NODE};
+use cluster::{eventually, ClusterLab, LabAgent, LabProcess, NODE};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -73,7 +73,6 @@ fn start_agent(lab: &ClusterLab, kubeconfig: &std::path::Path, tag: &str) -> Lab
     )
 }
 
-
 /// A pod holding a share (`memory`, `compute` percent) of one GPU that also matches `cel`,
 /// printing its environment and then sleeping.
 fn share_pod(lab: &ClusterLab, name: &str, memory: &str, compute: u32, cel: &str) {
@@ -94,7 +93,6 @@ fn device_plugin_pod(lab: &ClusterLab, name: &str, gpus: u32) {
         r#"["sh", "-c", "env; sleep 3600"]"#,
     ));
 }
-
 
 fn value<'a>(env: &'a [String], key: &str) -> Option<&'a str> {
     env.iter().find_map(|l| l.strip_prefix(&format!("{key}=")))
@@ -120,7 +118,6 @@ fn allocation(lab: &ClusterLab, pod: &str) -> Value {
         .map(|c| c["status"]["allocation"]["devices"]["results"][0].clone())
         .unwrap_or_else(|| panic!("no claim of pod {pod}"))
 }
-
 
 /// The PID in a GPU's MPS daemon pid file while that process lives.
 fn daemon(lab: &ClusterLab, uuid: &str) -> Option<u32> {
@@ -152,7 +149,6 @@ fn allocatable_gpus(lab: &ClusterLab) -> Option<String> {
         .map(String::from)
 }
 
-
 const ANY: &str = "true";
 const GPU_INDEX: &str = "device.attributes[\"gpu.gpuplane.dev\"].index";
 
@@ -178,7 +174,10 @@ fn shares_pack_one_gpu_under_one_mps_daemon_and_exclude_whole_holds_until_the_la
     cluster::wait_running(&lab, "default", "half-a");
     share_pod(&lab, "half-b", "40Gi", 50, ANY);
     cluster::wait_running(&lab, "default", "half-b");
-    let (a, b) = (cluster::pod_env(&lab, "half-a"), cluster::pod_env(&lab, "half-b"));
+    let (a, b) = (
+        cluster::pod_env(&lab, "half-a"),
+        cluster::pod_env(&lab, "half-b"),
+    );
     let shared = uuid(&a);
     assert_eq!(uuid(&b), shared, "both halves on one GPU");
     for env in [&a, &b] {

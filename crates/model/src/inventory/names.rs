@@ -79,11 +79,24 @@ impl Inventory {
         out
     }
 
-    /// The DRA device with this name.
+    /// The DRA device with this name; for a dynamic MIG device, its instance once it exists
+    /// (placements never overlap, so at most one instance sits at the device's profile and
+    /// start): a prepared dynamic device is then planned, specified and held as that MIG device.
     pub fn dra_device(&self, name: &str) -> Option<DeviceRef<'_>> {
         self.dra_devices()
             .into_iter()
             .find(|d| d.dra_name() == name)
+            .or_else(|| {
+                let d = crate::dynamic_mig::device(self, name)?;
+                let request = d.to_request();
+                let mig = d.parent.mig_devices.iter().find(|m| {
+                    m.placement.start == request.start && m.profile.as_str() == request.profile
+                })?;
+                Some(DeviceRef::Mig {
+                    parent: d.parent,
+                    mig,
+                })
+            })
     }
 }
 

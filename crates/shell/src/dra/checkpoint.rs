@@ -549,6 +549,7 @@ mod tests {
             cdi_spec_stem: "gpuplane-claim-abc".into(),
             units: [("gpu-3".to_string(), DeviceUuid::parse("GPU-x").unwrap())].into(),
             shares: Vec::new(),
+            instances: Vec::new(),
             cdi_spec: Some(Spec {
                 cdi_version: "0.3.0".into(),
                 kind: "k8s.gpu.gpuplane.dev/claim".into(),

@@ -81,10 +81,10 @@ use crate::health::Health;
 use crate::inventory::DeviceUuid;
 use crate::ledger::dra_view;
 use crate::metrics;
-use gpuplane_model::dynamic_mig;
 use crate::node::state::NodeState;
 use crate::paths::HostPaths;
 use crate::source::{DeviceMode, DeviceSource};
+use gpuplane_model::dynamic_mig;
 use spec::{remove_claim_spec, sweep_claim_specs};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -375,7 +375,10 @@ impl Shared {
             units: rendered.units,
             cdi_spec: Some(rendered.spec.clone()),
             shares: rendered.shares,
-            instances: cp.get(&c.uid).map(|e| e.instances.clone()).unwrap_or_default(),
+            instances: cp
+                .get(&c.uid)
+                .map(|e| e.instances.clone())
+                .unwrap_or_default(),
         };
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareBeforeCheckpoint);
         cp.update(|d| {
@@ -561,7 +564,10 @@ impl DraDriver for DraCore {
     fn device_health(&self) -> Vec<DeviceHealthReport> {
         let snap = self.shared.state.read();
         let inv = dra_view(&snap.inventory, &snap.config.allocation);
-        let fixed = inv.dra_devices().into_iter().map(|d| (d.dra_name(), d.uuid()));
+        let fixed = inv
+            .dra_devices()
+            .into_iter()
+            .map(|d| (d.dra_name(), d.uuid()));
         // A dynamic device's health is its instance's once it exists, its GPU's before.
         let dynamic = dynamic_mig::devices(&inv).into_iter().map(|d| {
             let name = d.dra_name();

@@ -93,10 +93,11 @@ pub async fn start(
     let claims = Arc::new(KubeClaims::new(settings.client.clone()));
     let core_state = state.clone();
     // Loading the checkpoint and restoring claim specs read and write files: off the runtime.
-    let core = tokio::task::spawn_blocking(move || DraCore::new(config, core_state, claims, source))
-        .await
-        .map_err(|e| DraStartError::Worker(e.to_string()))?
-        .map_err(DraStartError::Core)?;
+    let core =
+        tokio::task::spawn_blocking(move || DraCore::new(config, core_state, claims, source))
+            .await
+            .map_err(|e| DraStartError::Worker(e.to_string()))?
+            .map_err(DraStartError::Core)?;
     core.restore_holds().await;
     let events = ClaimEvents::new(settings.client.clone(), &driver, node_name);
     let reporting = ReportingDriver::new(Arc::new(core), events);

@@ -183,12 +183,31 @@ fn mark_dynamic(
     }
     let participation = dynamic_mig::plan(inv, cfg, &is_owned);
     let before: BTreeSet<u32> = previous
-        .map(|p| p.gpus.iter().filter(|g| g.mig.dynamic).map(|g| g.index).collect())
+        .map(|p| {
+            p.gpus
+                .iter()
+                .filter(|g| g.mig.dynamic)
+                .map(|g| g.index)
+                .collect()
+        })
         .unwrap_or_default();
     dynamic_mig::mark(inv, &participation);
-    let now: BTreeSet<u32> = inv.gpus.iter().filter(|g| g.mig.dynamic).map(|g| g.index).collect();
+    let now: BTreeSet<u32> = inv
+        .gpus
+        .iter()
+        .filter(|g| g.mig.dynamic)
+        .map(|g| g.index)
+        .collect();
     if previous.is_none() || before != now {
-        participation.log();
+        for r in &participation.refused {
+            tracing::warn!(gpu = r.index, "not partitioned dynamically: {}", r.reason);
+        }
+        for p in &participation.gpus {
+            tracing::info!(
+                gpu = p.index,
+                table = p.table.name,
+                "dynamic MIG: gpuplane creates this GPU's MIG instances as claims need them"
+            );
+        }
     }
 }
-

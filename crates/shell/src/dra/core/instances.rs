@@ -91,7 +91,10 @@ impl Shared {
             return Ok(());
         }
         // Records of an earlier attempt keep what they know (the created instance).
-        let earlier = cp.get(&c.uid).map(|e| e.instances.clone()).unwrap_or_default();
+        let earlier = cp
+            .get(&c.uid)
+            .map(|e| e.instances.clone())
+            .unwrap_or_default();
         for w in &mut wanted {
             if let Some(e) = earlier.iter().find(|e| e.request == w.request) {
                 w.created = e.created.clone();
