@@ -33,6 +33,9 @@ pub struct Node {
     pub profile: String,
     pub config: String,
     pub runs: usize,
+    /// Devices from the fake libnvidia-ml (its path) instead of `--simulate`, with the fake's
+    /// state file, so MIG instances outlive a killed agent as they do in a real driver.
+    pub nvml: Option<(PathBuf, PathBuf)>,
 }
 
 impl Node {
@@ -63,7 +66,17 @@ impl Node {
             profile: profile.to_string(),
             config: config.to_string(),
             runs: 0,
+            nvml: None,
         }
+    }
+
+    /// [`Node::new`] with the agent reading the fake libnvidia-ml (built from the same
+    /// profile) and the fake keeping its MIG instances in `<node>/fake-nvml-state.json`.
+    pub async fn with_fake_nvml(profile: &str, config: &str) -> Node {
+        let mut node = Node::new(profile, config).await;
+        let state = node.path("fake-nvml-state.json");
+        node.nvml = Some((support::built_fake().to_path_buf(), state));
+        node
     }
 
     pub fn path(&self, p: &str) -> PathBuf {
@@ -86,11 +99,19 @@ impl Node {
         if let Some(s) = &spec {
             env.push(("GPUPLANE_CRASHPOINT", s.as_os_str()));
         }
-        let profile = self.profile.clone();
+        let profile = std::ffi::OsString::from(&self.profile);
+        let source: Vec<&str> = match &self.nvml {
+            Some((lib, state)) => {
+                env.push(("GPUPLANE_FAKE_NVML_PROFILE", profile.as_os_str()));
+                env.push(("GPUPLANE_FAKE_NVML_STATE", state.as_os_str()));
+                vec!["--nvml-lib", lib.to_str().unwrap()]
+            }
+            None => vec!["--simulate", &self.profile],
+        };
         self.agent = Some(AgentProcess::spawn(
             self.dir.path(),
             &self.config,
-            &["--simulate", &profile],
+            &source,
             &env,
             &self.runs.to_string(),
         ));

@@ -186,6 +186,17 @@ pub struct CheckpointData {
 }
 
 impl CheckpointData {
+    /// The dynamic MIG instances the entries own, created or intended.
+    pub fn mig_owned(&self) -> std::collections::BTreeSet<MigRequest> {
+        self.claims
+            .values()
+            .flat_map(|e| &e.instances)
+            .map(|m| m.request.clone())
+            .collect()
+    }
+}
+
+impl CheckpointData {
     pub fn empty(boot_id: &str) -> Self {
         CheckpointData {
             version: VERSION,

@@ -287,7 +287,15 @@ impl Agent<'_> {
         for lost in &found.lost {
             tracing::warn!(gpu = lost.index, reason = %lost.reason, "GPU not answering; it is not offered");
         }
-        let mut snapshot = Snapshot::new(found.inventory, config)?;
+        // The instances the DRA checkpoint says gpuplane made (read-only here; the DRA core
+        // loads it properly), so a restart does not mistake them for another tool's.
+        let owned = match self.opts.dra {
+            Some(_) => crate::dra::checkpoint::read(&self.opts.paths.state_dir)
+                .map(|d| d.mig_owned())
+                .unwrap_or_default(),
+            None => Default::default(),
+        };
+        let mut snapshot = Snapshot::with_mig_owned(found.inventory, config, owned)?;
         // The kubelet kept the device plugin's assignments while we were away; until the
         // follower's first listing brings them into the ledger, nothing is published or
         // prepared on the strength of it.

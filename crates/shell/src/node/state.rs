@@ -37,8 +37,18 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    pub fn new(mut inventory: Inventory, config: AgentConfig) -> Result<Snapshot, PlanError> {
-        mark_dynamic(&mut inventory, None, &config, &BTreeSet::new());
+    pub fn new(inventory: Inventory, config: AgentConfig) -> Result<Snapshot, PlanError> {
+        Snapshot::with_mig_owned(inventory, config, BTreeSet::new())
+    }
+
+    /// [`Snapshot::new`] knowing which MIG instances gpuplane made (the DRA checkpoint's), so
+    /// its dynamic GPUs are told apart from GPUs with another tool's instances from the start.
+    pub fn with_mig_owned(
+        mut inventory: Inventory,
+        config: AgentConfig,
+        mig_owned: BTreeSet<MigRequest>,
+    ) -> Result<Snapshot, PlanError> {
+        mark_dynamic(&mut inventory, None, &config, &mig_owned);
         let plan = resources::plan(&device_plugin_view(&inventory, &config.allocation), &config)?;
         let model = TopologyModel::new(&inventory);
         let mut health = HealthBook::default();
@@ -52,7 +62,7 @@ impl Snapshot {
             health,
             ledger,
             awaiting_device_plugin_holds: false,
-            mig_owned: BTreeSet::new(),
+            mig_owned,
         })
     }
 

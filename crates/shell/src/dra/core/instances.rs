@@ -27,7 +27,6 @@ use crate::node::state::Snapshot;
 use crate::source::{MigChangeError, MigRequest};
 use gpuplane_model::dynamic_mig;
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use std::collections::BTreeSet;
 use tracing::{info, warn};
 
 /// The instance a MIG entry stands for, if it exists in `inv`: the one at its GPU, profile and
@@ -65,15 +64,6 @@ fn wanted(claim: &ResourceClaim, driver: &str, pool: &str, inv: &Inventory) -> V
         }
     }
     out
-}
-
-/// The placements (GPU, profile, start) the checkpoint's entries own.
-pub(crate) fn owned(entries: impl IntoIterator<Item = ClaimEntry>) -> BTreeSet<MigRequest> {
-    entries
-        .into_iter()
-        .flat_map(|e| e.instances)
-        .map(|m| m.request)
-        .collect()
 }
 
 impl Shared {
@@ -190,7 +180,7 @@ impl Shared {
 
     /// The node's idea of which instances are ours follows the checkpoint.
     fn sync_owned(&self, cp: &Checkpoint) {
-        let owned = owned(cp.data().claims.values().cloned());
+        let owned = cp.data().mig_owned();
         self.state.update(|s| {
             s.mig_owned = owned;
             ((), false)
@@ -281,7 +271,7 @@ impl Shared {
                 changed.push((uid.clone(), e));
             }
         }
-        let owned = owned(cp.data().claims.values().cloned());
+        let owned = cp.data().mig_owned();
         self.state.update(|s| {
             s.mig_owned = owned;
             let inv = s.inventory.clone();
