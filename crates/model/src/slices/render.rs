@@ -49,21 +49,32 @@
 //! stream puts it in the pod's status). Eviction stays the cluster admin's call: a
 //! `DeviceTaintRule` with `NoExecute` naming the device (driver, pool, device) adds it.
 //!
+//! **Dynamic MIG**: a GPU gpuplane partitions on demand (`mig.dynamic`) is published as its
+//! partitionable devices instead ([`mod@dynamic`]): each allowed instance and the whole GPU,
+//! consuming the GPU's counter set, which the pool declares in slices of their own.
+//!
 //! **Splitting**: devices are packed into slices of at most 64 (the limit for slices with
-//! taints) whole GPUs at a time, whatever the health, so a health change never moves a device
-//! to another slice and touches exactly one slice, and one GPU's MIG devices share a slice.
-//! All slices carry the same `generation` and `resourceSliceCount`. Slice names are stable,
-//! `<node>-<driver with dots as dashes>-<i>` (hashed to fit 253 bytes), so the publisher can
-//! match existing slices by name and write nothing when nothing changed.
+//! taints or counters) whole GPUs at a time, whatever the health, so a health change never
+//! moves a device to another slice and touches exactly one slice, and one GPU's MIG devices
+//! (static or dynamic) share a slice. The counter sets follow, at most
+//! [`MAX_COUNTER_SETS_PER_SLICE`] to a slice. All slices carry the same `generation` and
+//! `resourceSliceCount`. Slice names are stable, `<node>-<driver with dots as dashes>-<i>`
+//! (hashed to fit 253 bytes), so the publisher can match existing slices by name and write
+//! nothing when nothing changed.
 
-use super::MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS;
+mod dynamic;
+mod pci;
+
+pub use pci::{pci_address, pcie_roots, PciAddress};
+
+use super::{MAX_COUNTER_SETS_PER_SLICE, MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS};
 use crate::health::{Cause, Health, HealthBook};
-use crate::inventory::{DeviceRef, DeviceUuid, Gpu, Inventory, MigDevice, PathLevel};
+use crate::inventory::{DeviceRef, DeviceUuid, Gpu, Inventory, MigDevice};
 use crate::quantity::{Format, Quantity};
 use crate::sharing::{self, UnitShares};
 use k8s_openapi::api::resource::v1::{
-    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
-    DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec,
+    CapacityRequestPolicy, CapacityRequestPolicyRange, CounterSet, Device, DeviceAttribute,
+    DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use std::collections::BTreeMap;
@@ -102,6 +113,8 @@ pub mod names {
     pub const ENCODERS: &str = "encoders";
     pub const JPEG_ENGINES: &str = "jpegEngines";
     pub const OFA_ENGINES: &str = "ofaEngines";
+    pub const PLACEMENT_START: &str = "placementStart";
+    pub const PLACEMENT_SIZE: &str = "placementSize";
 }
 
 /// This node's slices with pool generation 0 (the publisher picks the generation it writes),
@@ -116,7 +129,8 @@ pub fn render(
 }
 
 /// This node's slices, all carrying `generation`; the units in `shared` are published as
-/// shared devices ([`crate::sharing`]). No devices, no slices.
+/// shared devices ([`crate::sharing`]), dynamic-MIG GPUs as partitionable devices with their
+/// counter sets ([`mod@dynamic`]). No devices, no slices.
 pub fn render_with_generation(
     inv: &Inventory,
     health: &HealthBook,
@@ -126,53 +140,76 @@ pub fn render_with_generation(
     shared: &BTreeMap<DeviceUuid, UnitShares>,
 ) -> Vec<ResourceSlice> {
     let roots = pcie_roots(inv);
+    let root = |g: &Gpu| roots.get(&g.index).map(String::as_str);
+    let statics = inv.dra_devices();
     // One group per physical GPU, in inventory order.
     let mut groups: Vec<Vec<Device>> = Vec::new();
-    let mut last_gpu: Option<u32> = None;
-    for d in inv.dra_devices() {
-        let mut device = render_device(
-            inv,
-            &d,
-            health,
-            roots.get(&d.gpu().index).map(String::as_str),
-            driver,
-        );
-        if let Some(unit) = shared.get(d.uuid()) {
-            device.allow_multiple_allocations = Some(true);
-            device.capacity = Some(share_capacity(unit));
+    for g in &inv.gpus {
+        if g.mig.dynamic {
+            groups.extend(dynamic::gpu_group(inv, g, health, root(g), driver));
+            continue;
         }
-        if last_gpu == Some(d.gpu().index) {
-            if let Some(g) = groups.last_mut() {
-                g.push(device);
-                continue;
-            }
+        let group: Vec<Device> = statics
+            .iter()
+            .filter(|d| d.gpu().index == g.index)
+            .map(|d| {
+                let mut device = render_device(inv, d, health, root(g), driver);
+                if let Some(unit) = shared.get(d.uuid()) {
+                    device.allow_multiple_allocations = Some(true);
+                    device.capacity = Some(share_capacity(unit));
+                }
+                device
+            })
+            .collect();
+        if !group.is_empty() {
+            groups.push(group);
         }
-        last_gpu = Some(d.gpu().index);
-        groups.push(vec![device]);
     }
-    let chunks = pack(groups, DEVICES_PER_SLICE);
-    let count = i64::try_from(chunks.len()).unwrap_or(i64::MAX);
-    chunks
+    let device_chunks = pack(groups, DEVICES_PER_SLICE);
+    let sets = dynamic::counter_sets(inv);
+    let counter_chunks = sets
+        .chunks(MAX_COUNTER_SETS_PER_SLICE)
+        .map(<[CounterSet]>::to_vec);
+    let contents: Vec<Content> = device_chunks
+        .into_iter()
+        .map(Content::Devices)
+        .chain(counter_chunks.map(Content::Counters))
+        .collect();
+    let count = i64::try_from(contents.len()).unwrap_or(i64::MAX);
+    contents
         .into_iter()
         .enumerate()
-        .map(|(i, devices)| ResourceSlice {
-            metadata: ObjectMeta {
-                name: Some(slice_name(node, driver, i)),
-                ..ObjectMeta::default()
-            },
-            spec: ResourceSliceSpec {
-                driver: driver.to_string(),
-                node_name: Some(node.to_string()),
-                pool: ResourcePool {
-                    name: node.to_string(),
-                    generation,
-                    resource_slice_count: count,
+        .map(|(i, content)| {
+            let (devices, shared_counters) = match content {
+                Content::Devices(d) => (Some(d), None),
+                Content::Counters(c) => (None, Some(c)),
+            };
+            ResourceSlice {
+                metadata: ObjectMeta {
+                    name: Some(slice_name(node, driver, i)),
+                    ..ObjectMeta::default()
                 },
-                devices: Some(devices),
-                ..ResourceSliceSpec::default()
-            },
+                spec: ResourceSliceSpec {
+                    driver: driver.to_string(),
+                    node_name: Some(node.to_string()),
+                    pool: ResourcePool {
+                        name: node.to_string(),
+                        generation,
+                        resource_slice_count: count,
+                    },
+                    devices,
+                    shared_counters,
+                    ..ResourceSliceSpec::default()
+                },
+            }
         })
         .collect()
+}
+
+/// What one slice holds: the API allows devices or counter sets, never both.
+enum Content {
+    Devices(Vec<Device>),
+    Counters(Vec<CounterSet>),
 }
 
 /// Packs groups in order into chunks of at most `max` devices, never splitting a group that
@@ -266,6 +303,37 @@ fn render_device(
             );
         }
     }
+    parent_attributes(inv, gpu, pcie_root, &mut attrs);
+    let capacity = match d {
+        DeviceRef::Gpu(g) => gpu_capacity(g),
+        DeviceRef::Mig { mig, .. } => mig_capacity(mig),
+    };
+    let taints = match health.health(d.uuid()) {
+        Health::Healthy => None,
+        Health::Unhealthy(cause) => Some(vec![unhealthy_taint(cause)]),
+    };
+    Device {
+        name: d.dra_name(),
+        attributes: Some(attrs),
+        capacity: Some(capacity),
+        taints,
+        ..Device::default()
+    }
+}
+
+/// The attributes every device of a GPU carries, the GPU's own or its MIG devices': model,
+/// versions and where it sits.
+fn parent_attributes(
+    inv: &Inventory,
+    gpu: &Gpu,
+    pcie_root: Option<&str>,
+    attrs: &mut BTreeMap<String, DeviceAttribute>,
+) {
+    let mut put = |name: &str, value: Option<DeviceAttribute>| {
+        if let Some(v) = value {
+            attrs.insert(name.to_string(), v);
+        }
+    };
     put(names::PRODUCT_NAME, string(&gpu.product_name));
     put(names::BRAND, string(&gpu.brand));
     put(names::ARCHITECTURE, string(&gpu.architecture));
@@ -284,22 +352,6 @@ fn render_device(
         pci_address(&gpu.pci_bus_id).and_then(|a| string(&a.to_string())),
     );
     put(names::PCIE_ROOT, pcie_root.and_then(string));
-
-    let capacity = match d {
-        DeviceRef::Gpu(g) => gpu_capacity(g),
-        DeviceRef::Mig { mig, .. } => mig_capacity(mig),
-    };
-    let taints = match health.health(d.uuid()) {
-        Health::Healthy => None,
-        Health::Unhealthy(cause) => Some(vec![unhealthy_taint(cause)]),
-    };
-    Device {
-        name: d.dra_name(),
-        attributes: Some(attrs),
-        capacity: Some(capacity),
-        taints,
-        ..Device::default()
-    }
 }
 
 fn gpu_capacity(g: &Gpu) -> BTreeMap<String, DeviceCapacity> {
@@ -310,17 +362,33 @@ fn gpu_capacity(g: &Gpu) -> BTreeMap<String, DeviceCapacity> {
 }
 
 fn mig_capacity(m: &MigDevice) -> BTreeMap<String, DeviceCapacity> {
+    let engines = [
+        m.copy_engines,
+        m.decoders,
+        m.encoders,
+        m.jpeg_engines,
+        m.ofa_engines,
+    ];
+    unit_capacity(m.multiprocessors, engines, m.memory_mib)
+}
+
+/// A MIG unit's capacities: SMs, engines (copy, decoders, encoders, JPEG, OFA) and memory.
+fn unit_capacity(
+    multiprocessors: u32,
+    [copy, dec, enc, jpeg, ofa]: [u32; 5],
+    memory_mib: u64,
+) -> BTreeMap<String, DeviceCapacity> {
     let count = |n: u32| cap(Quantity::new(n.into(), Format::BinarySI));
     BTreeMap::from([
-        (names::MULTIPROCESSORS.to_string(), count(m.multiprocessors)),
-        (names::COPY_ENGINES.to_string(), count(m.copy_engines)),
-        (names::DECODERS.to_string(), count(m.decoders)),
-        (names::ENCODERS.to_string(), count(m.encoders)),
-        (names::JPEG_ENGINES.to_string(), count(m.jpeg_engines)),
-        (names::OFA_ENGINES.to_string(), count(m.ofa_engines)),
+        (names::MULTIPROCESSORS.to_string(), count(multiprocessors)),
+        (names::COPY_ENGINES.to_string(), count(copy)),
+        (names::DECODERS.to_string(), count(dec)),
+        (names::ENCODERS.to_string(), count(enc)),
+        (names::JPEG_ENGINES.to_string(), count(jpeg)),
+        (names::OFA_ENGINES.to_string(), count(ofa)),
         (
             names::MEMORY.to_string(),
-            cap(Quantity::mebibytes(m.memory_mib)),
+            cap(Quantity::mebibytes(memory_mib)),
         ),
     ])
 }
@@ -456,93 +524,4 @@ pub fn semver(v: &str) -> Option<String> {
         *slot = p.parse().ok()?;
     }
     Some(format!("{}.{}.{}", nums[0], nums[1], nums[2]))
-}
-
-/// A PCI address in the kubelet's (sysfs) form.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PciAddress {
-    pub domain: u32,
-    pub bus: u8,
-    pub device: u8,
-    pub function: u8,
-}
-
-impl std::fmt::Display for PciAddress {
-    /// `0000:18:00.0`: lower-case hex, domain at least four digits.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{:04x}:{:02x}:{:02x}.{:x}",
-            self.domain, self.bus, self.device, self.function
-        )
-    }
-}
-
-/// Parses NVML's `00000000:18:00.0` (or the sysfs `0000:18:00.0`, any case).
-pub fn pci_address(text: &str) -> Option<PciAddress> {
-    let mut parts = text.trim().split(':');
-    let (domain, bus, devfn) = (parts.next()?, parts.next()?, parts.next()?);
-    if parts.next().is_some() {
-        return None;
-    }
-    let (device, function) = devfn.split_once('.')?;
-    Some(PciAddress {
-        domain: u32::from_str_radix(domain, 16).ok()?,
-        bus: u8::from_str_radix(bus, 16).ok()?,
-        device: u8::from_str_radix(device, 16).ok().filter(|d| *d < 32)?,
-        function: u8::from_str_radix(function, 16).ok().filter(|f| *f < 8)?,
-    })
-}
-
-/// Approximate PCIe root per GPU index (see the module docs): GPUs joined by a path no
-/// farther than one host bridge share a root, named `pci<domain>:<lowest bus>`.
-pub fn pcie_roots(inv: &Inventory) -> BTreeMap<u32, String> {
-    let addrs: BTreeMap<u32, PciAddress> = inv
-        .gpus
-        .iter()
-        .filter_map(|g| pci_address(&g.pci_bus_id).map(|a| (g.index, a)))
-        .collect();
-    // Union-find over GPU indices.
-    let mut parent: BTreeMap<u32, u32> = addrs.keys().map(|i| (*i, *i)).collect();
-    fn find(parent: &BTreeMap<u32, u32>, mut i: u32) -> u32 {
-        while let Some(&p) = parent.get(&i) {
-            if p == i {
-                break;
-            }
-            i = p;
-        }
-        i
-    }
-    for link in &inv.topology.links {
-        if link.level > PathLevel::HostBridge {
-            continue;
-        }
-        let (Some(a), Some(b)) = (addrs.get(&link.from), addrs.get(&link.to)) else {
-            continue;
-        };
-        if a.domain != b.domain {
-            continue;
-        }
-        let (ra, rb) = (find(&parent, link.from), find(&parent, link.to));
-        if ra != rb {
-            let (lo, hi) = if ra < rb { (ra, rb) } else { (rb, ra) };
-            parent.insert(hi, lo);
-        }
-    }
-    let mut lowest_bus: BTreeMap<u32, (u32, u8)> = BTreeMap::new();
-    for (i, a) in &addrs {
-        let root = find(&parent, *i);
-        let e = lowest_bus.entry(root).or_insert((a.domain, a.bus));
-        if a.bus < e.1 {
-            e.1 = a.bus;
-        }
-    }
-    addrs
-        .keys()
-        .filter_map(|i| {
-            lowest_bus
-                .get(&find(&parent, *i))
-                .map(|(domain, bus)| (*i, format!("pci{domain:04x}:{bus:02x}")))
-        })
-        .collect()
 }

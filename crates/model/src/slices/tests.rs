@@ -8,30 +8,33 @@ use k8s_openapi::api::resource::v1::{DeviceAttribute, DeviceTaint, ResourceSlice
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-const DRIVER: &str = "gpu.gpuplane.dev";
-const NODE: &str = "node-a";
+pub(super) const DRIVER: &str = "gpu.gpuplane.dev";
+pub(super) const NODE: &str = "node-a";
 
-fn book(inv: &Inventory) -> HealthBook {
+pub(super) fn book(inv: &Inventory) -> HealthBook {
     let mut b = HealthBook::default();
     b.set_inventory(inv);
     b
 }
 
-fn devices(slices: &[ResourceSlice]) -> Vec<&k8s_openapi::api::resource::v1::Device> {
+pub(super) fn devices(slices: &[ResourceSlice]) -> Vec<&k8s_openapi::api::resource::v1::Device> {
     slices
         .iter()
         .flat_map(|s| s.spec.devices.iter().flatten())
         .collect()
 }
 
-fn attr<'a>(d: &'a k8s_openapi::api::resource::v1::Device, name: &str) -> &'a DeviceAttribute {
+pub(super) fn attr<'a>(
+    d: &'a k8s_openapi::api::resource::v1::Device,
+    name: &str,
+) -> &'a DeviceAttribute {
     d.attributes
         .as_ref()
         .and_then(|a| a.get(name))
         .unwrap_or_else(|| panic!("{} has no attribute {name}", d.name))
 }
 
-fn s(v: &DeviceAttribute) -> &str {
+pub(super) fn s(v: &DeviceAttribute) -> &str {
     v.string
         .as_deref()
         .or(v.version.as_deref())
@@ -39,7 +42,7 @@ fn s(v: &DeviceAttribute) -> &str {
 }
 
 /// `n` copies of a profile's GPUs, renumbered, without topology.
-fn synthetic(profile: &str, copies: u32) -> Inventory {
+pub(super) fn synthetic(profile: &str, copies: u32) -> Inventory {
     let base = crate::sim::load(profile).unwrap();
     let mut inv = base.clone();
     inv.gpus.clear();

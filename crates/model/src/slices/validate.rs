@@ -1,30 +1,36 @@
 //! The API server's validation of a `resource.k8s.io/v1` ResourceSlice, as of Kubernetes 1.34
-//! (`pkg/apis/resource/validation/validation.go`, `ValidateResourceSlice`), pure.
+//! (`pkg/apis/resource/validation/validation.go`, `ValidateResourceSlice`), pure; the counter
+//! rules (partitionable devices) as of 1.37, whose limits replaced 1.34's (`types.go`:
+//! `ResourceSliceMaxCounterSets` 8, `ResourceSliceMaxCountersPerCounterSet` 32,
+//! `ResourceSliceMaxDeviceCounterConsumptionsPerDevice` 2,
+//! `ResourceSliceMaxCountersPerDeviceCounterConsumption` 32; no slice-wide totals).
 //!
 //! Used by tests on every rendered slice and by the publisher before it writes, so a bad slice
 //! is a test failure or one clear error naming the field, never a 422 loop against the API
 //! server. Field paths are spelled like the API server spells them:
 //! `spec.devices[3].attributes[foo].string`. Feature-gated fields are checked as if their gate
 //! were on; device taint effects are the two a 1.34 server accepts (`NoSchedule`,
-//! `NoExecute`; `None` came later).
+//! `NoExecute`; `None` came later). What only a whole pool shows (counter sets and devices
+//! across slices, as the scheduler reads them) is [`validate_pool`].
 
 mod device;
 mod names;
+mod pool;
+
+pub use pool::validate_pool;
 
 pub use names::is_semver;
 
-use super::{MAX_DEVICES_PER_SLICE, MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS};
+use super::{
+    MAX_COUNTERS_PER_SET, MAX_COUNTER_SETS_PER_SLICE, MAX_DEVICES_PER_SLICE,
+    MAX_DEVICES_PER_SLICE_WITH_TAINTS_OR_COUNTERS,
+};
 use k8s_openapi::api::resource::v1::{
     CounterSet, Device, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use names::DNS_SUBDOMAIN_MAX;
 use std::collections::BTreeSet;
 use std::fmt;
-
-/// Most counters over all shared counter sets of a slice.
-const SHARED_COUNTERS_MAX: usize = 32;
-/// Most counter-consumption entries over a whole slice.
-const SLICE_COUNTER_CONSUMPTIONS_MAX: usize = 1024;
 
 /// One thing the API server would reject, at a field path.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -215,45 +221,54 @@ impl Checker {
                     );
                 }
             }
-            let consumptions: usize = devices
-                .iter()
-                .map(|d| d.consumes_counters.as_ref().map_or(0, Vec::len))
-                .sum();
-            if consumptions > SLICE_COUNTER_CONSUMPTIONS_MAX {
-                self.push(
-                    "spec.devices",
-                    Problem::TooMany {
-                        count: consumptions,
-                        max: SLICE_COUNTER_CONSUMPTIONS_MAX,
-                    },
-                );
-            }
         }
     }
 
+    /// At most 8 counter sets (too many short-circuits the rest, as the server's
+    /// `validateSet` does), each named by a DNS label, unique, with 1 to 32 counters named by
+    /// DNS labels.
     fn shared_counters(&mut self, sets: &[CounterSet]) {
-        let total: usize = sets.iter().map(|s| s.counters.len()).sum();
-        if total > SHARED_COUNTERS_MAX {
+        if sets.len() > MAX_COUNTER_SETS_PER_SLICE {
             self.push(
                 "spec.sharedCounters",
                 Problem::TooMany {
-                    count: total,
-                    max: SHARED_COUNTERS_MAX,
+                    count: sets.len(),
+                    max: MAX_COUNTER_SETS_PER_SLICE,
                 },
             );
+            return;
         }
         let mut seen = BTreeSet::new();
         for (i, s) in sets.iter().enumerate() {
             let path = format!("spec.sharedCounters[{i}]");
-            self.counter_name(&s.name, &format!("{path}.name"));
-            if s.counters.is_empty() {
-                self.push(format!("{path}.counters"), Problem::Required(String::new()));
+            if s.name.is_empty() {
+                self.push(format!("{path}.name"), Problem::Required(String::new()));
+            } else {
+                self.counter_name(&s.name, &format!("{path}.name"));
             }
-            for k in s.counters.keys() {
-                self.counter_name(k, &format!("{path}.counters[{k}]"));
-            }
+            self.counters(s.counters.keys(), &format!("{path}.counters"));
             if !seen.insert(s.name.as_str()) {
                 self.push(path, Problem::Duplicate(s.name.clone()));
+            }
+        }
+    }
+
+    /// A counter map of a set or a consumption: 1 to 32 counters (too many short-circuits
+    /// the names, as the server's `validateMap` does), named by DNS labels.
+    fn counters<'k>(&mut self, names: impl ExactSizeIterator<Item = &'k String>, path: &str) {
+        match names.len() {
+            0 => self.push(path, Problem::Required(String::new())),
+            n if n > MAX_COUNTERS_PER_SET => self.push(
+                path,
+                Problem::TooMany {
+                    count: n,
+                    max: MAX_COUNTERS_PER_SET,
+                },
+            ),
+            _ => {
+                for k in names {
+                    self.counter_name(k, &format!("{path}[{k}]"));
+                }
             }
         }
     }

@@ -21,7 +21,7 @@ mod keep;
 pub use keep::{keep_published, LoopOptions};
 
 use super::plan::{self, Content, Delete, Echoes};
-use super::validate::{validate, Violation};
+use super::validate::{validate, validate_pool, Violation};
 use crate::crashpoint::{self, Step};
 use crate::metrics::{self, SliceOp, SliceOpLabel};
 use gpuplane_model::report::chain;
@@ -363,6 +363,14 @@ impl SlicePublisher {
                 violations,
             })?;
         }
+        // Across slices: counter sets and the devices consuming them (fields name the slice).
+        validate_pool(&desired).map_err(|violations| PublishError::Invalid {
+            name: violations
+                .first()
+                .and_then(|v| v.field.split_once('/'))
+                .map_or_else(String::new, |(slice, _)| slice.to_string()),
+            violations,
+        })?;
         Ok(desired)
     }
 

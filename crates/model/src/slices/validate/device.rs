@@ -14,8 +14,9 @@ use std::collections::{BTreeMap, BTreeSet};
 const TAINTS_MAX: usize = 4;
 /// Most binding (failure) conditions per device.
 const BINDING_CONDITIONS_MAX: usize = 4;
-/// Most counter-consumption entries on one device.
-const DEVICE_COUNTER_CONSUMPTIONS_MAX: usize = 32;
+/// Most counter-consumption entries on one device
+/// (`ResourceSliceMaxDeviceCounterConsumptionsPerDevice`, 1.37).
+const DEVICE_COUNTER_CONSUMPTIONS_MAX: usize = 2;
 const TAINT_EFFECTS: [&str; 2] = ["NoExecute", "NoSchedule"];
 
 /// A whole-number quantity's value (the integer rules; fractional policies are not checked).
@@ -202,12 +203,8 @@ impl Checker {
                 } else {
                     self.counter_name(&c.counter_set, &format!("{p}.counterSet"));
                 }
-                if c.counters.is_empty() {
-                    self.push(format!("{p}.counters"), Problem::Required(String::new()));
-                }
-                for k in c.counters.keys() {
-                    self.counter_name(k, &format!("{p}.counters[{k}]"));
-                }
+                // At most 32 (`ResourceSliceMaxCountersPerDeviceCounterConsumption`).
+                self.counters(c.counters.keys(), &format!("{p}.counters"));
                 if !seen.insert(c.counter_set.as_str()) {
                     self.push(p, Problem::Duplicate(c.counter_set.clone()));
                 }
