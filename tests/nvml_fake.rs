@@ -8,9 +8,10 @@
 
 mod support;
 
+use gpuplane_shell::inventory::DeviceUuid;
 use gpuplane_shell::nvml::NvmlSource;
 use gpuplane_shell::sim;
-use gpuplane_shell::source::{DeviceEvent, DeviceSource, SimSource};
+use gpuplane_shell::source::{DeviceEvent, DeviceSource, MigChangeError, MigRequest, SimSource};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -19,6 +20,7 @@ use std::time::Duration;
 
 const PROFILE_ENV: &str = "GPUPLANE_FAKE_NVML_PROFILE";
 const CONTROL_ENV: &str = "GPUPLANE_FAKE_NVML_CONTROL";
+const STATE_ENV: &str = "GPUPLANE_FAKE_NVML_STATE";
 
 /// Environment variables are process-wide: set them and initialise NVML under this lock.
 static ENV: Mutex<()> = Mutex::new(());
@@ -44,18 +46,35 @@ impl Lab {
     }
 
     fn try_open(&self, profile: &str) -> Result<NvmlSource, gpuplane_shell::source::SourceError> {
+        self.try_open_with_state(profile, None)
+    }
+
+    /// Opens the fake serving `profile`, keeping its MIG instances in `state` if given.
+    fn try_open_with_state(
+        &self,
+        profile: &str,
+        state: Option<&Path>,
+    ) -> Result<NvmlSource, gpuplane_shell::source::SourceError> {
         let control = self.dir.path().join("control");
         std::fs::write(&control, "").unwrap();
         let _env = ENV.lock().unwrap_or_else(|p| p.into_inner());
         std::env::set_var(PROFILE_ENV, profile);
         std::env::set_var(CONTROL_ENV, &control);
+        match state {
+            Some(path) => std::env::set_var(STATE_ENV, path),
+            None => std::env::remove_var(STATE_ENV),
+        }
         NvmlSource::open(Some(&self.lib))
     }
 
     /// Opens the fake serving `profile`. Drop the previous machine of this lab first.
     fn open(&self, profile: &str) -> Machine {
+        self.open_with_state(profile, None)
+    }
+
+    fn open_with_state(&self, profile: &str, state: Option<&Path>) -> Machine {
         let source = self
-            .try_open(profile)
+            .try_open_with_state(profile, state)
             .unwrap_or_else(|e| panic!("{profile}: {e}"));
         Machine {
             source,
@@ -215,5 +234,243 @@ fn a_fake_without_a_valid_profile_fails_to_initialise_instead_of_crashing() {
     assert_eq!(
         machine.source.discover().unwrap().inventory,
         sim::load("pcie-l4x4").unwrap()
+    );
+}
+
+/// The dynamic-MIG machine: GPUs 0 and 1 H100s in MIG mode with no instances, GPU 2 an H100
+/// with two static 3g.40gb, GPU 3 an L4.
+const DYNAMIC: &str = "dynamic-mig-mixed";
+
+fn mig_request(gpu: &DeviceUuid, profile: &str, start: u32) -> MigRequest {
+    MigRequest {
+        gpu: gpu.clone(),
+        profile: profile.into(),
+        start,
+    }
+}
+
+/// The kind of a MIG change error, to compare two sources' answers.
+fn kind(e: &MigChangeError) -> &'static str {
+    match e {
+        MigChangeError::Refused(_) => "Refused",
+        MigChangeError::NotFound(_) => "NotFound",
+        MigChangeError::Failed { .. } => "Failed",
+    }
+}
+
+#[test]
+fn dynamic_mig_through_nvml_creates_lists_refuses_and_destroys_as_simulated() {
+    let lab = Lab::new();
+    let machine = lab.open(DYNAMIC);
+    let nvml = &machine.source;
+    let sim = SimSource::new(sim::load(DYNAMIC).unwrap());
+    let found = nvml.discover().unwrap().inventory;
+    assert_eq!(found, sim.discover().unwrap().inventory);
+    let tables: Vec<Option<&str>> = found.gpus.iter().map(|g| g.mig.table.as_deref()).collect();
+    assert_eq!(
+        tables,
+        [
+            Some("h100-80gb"),
+            Some("h100-80gb"),
+            Some("h100-80gb"),
+            None
+        ]
+    );
+    let gpu0 = found.gpus[0].uuid.clone();
+    assert!(found.gpus[0].mig.current && found.gpus[0].mig_devices.is_empty());
+
+    let both = |req: &MigRequest| (nvml.create_mig(req), sim.create_mig(req));
+    let (four, four_sim) = both(&mig_request(&gpu0, "4g.40gb", 0));
+    let four = four.unwrap();
+    assert_eq!(
+        four,
+        four_sim.unwrap(),
+        "NVML and the simulation create the same device"
+    );
+    let (three, three_sim) = both(&mig_request(&gpu0, "3g.40gb", 4));
+    let three = three.unwrap();
+    assert_eq!(three, three_sim.unwrap());
+    assert_eq!((four.placement.start, three.placement.start), (0, 4));
+    assert_ne!(four.uuid, three.uuid);
+    let listed = nvml.discover().unwrap().inventory;
+    assert_eq!(listed.gpus[0].mig_devices, [four.clone(), three.clone()]);
+    assert_eq!(listed, sim.discover().unwrap().inventory);
+
+    // Next to the 4g, a 3g at slice 0 overlaps it.
+    let (overlap, overlap_sim) = both(&mig_request(&gpu0, "3g.40gb", 0));
+    let overlap = overlap.unwrap_err();
+    assert!(matches!(overlap, MigChangeError::Refused(_)), "{overlap}");
+    assert!(overlap.to_string().contains(gpu0.as_str()), "{overlap}");
+    assert_eq!(kind(&overlap_sim.unwrap_err()), "Refused");
+    // One +me instance per GPU: the H100 has one OFA engine.
+    let gpu1 = found.gpus[1].uuid.clone();
+    let (me, me_sim) = both(&mig_request(&gpu1, "1g.10gb+me", 0));
+    assert_eq!(me.unwrap(), me_sim.unwrap());
+    let (second, second_sim) = both(&mig_request(&gpu1, "1g.10gb+me", 1));
+    let second = second.unwrap_err();
+    assert!(matches!(second, MigChangeError::Refused(_)), "{second}");
+    assert!(
+        second.to_string().contains("insufficient resources"),
+        "{second}"
+    );
+    assert_eq!(kind(&second_sim.unwrap_err()), "Refused");
+    // The L4 does no MIG.
+    let (l4, l4_sim) = both(&mig_request(&found.gpus[3].uuid, "1g.10gb", 0));
+    assert_eq!(kind(&l4.unwrap_err()), "Refused");
+    assert_eq!(kind(&l4_sim.unwrap_err()), "Refused");
+
+    nvml.destroy_mig(&gpu0, four.gpu_instance_id).unwrap();
+    sim.destroy_mig(&gpu0, four.gpu_instance_id).unwrap();
+    let after = nvml.discover().unwrap().inventory;
+    assert_eq!(after.gpus[0].mig_devices, [three]);
+    assert_eq!(after, sim.discover().unwrap().inventory);
+    let again = nvml.destroy_mig(&gpu0, four.gpu_instance_id).unwrap_err();
+    assert!(matches!(again, MigChangeError::NotFound(_)), "{again}");
+    let again_sim = sim.destroy_mig(&gpu0, four.gpu_instance_id).unwrap_err();
+    assert_eq!(kind(&again_sim), "NotFound");
+
+    // A static instance destroyed and made again is a new device (a new UUID).
+    let gpu2 = &found.gpus[2];
+    let old = &gpu2.mig_devices[0];
+    nvml.destroy_mig(&gpu2.uuid, old.gpu_instance_id).unwrap();
+    sim.destroy_mig(&gpu2.uuid, old.gpu_instance_id).unwrap();
+    let (new, new_sim) = both(&mig_request(&gpu2.uuid, "3g.40gb", 0));
+    let new = new.unwrap();
+    assert_eq!(new, new_sim.unwrap());
+    assert_eq!(
+        (new.gpu_instance_id, new.placement),
+        (old.gpu_instance_id, old.placement)
+    );
+    assert_ne!(new.uuid, old.uuid);
+    assert_eq!(
+        nvml.discover().unwrap().inventory,
+        sim.discover().unwrap().inventory
+    );
+}
+
+/// A small deterministic generator (64-bit LCG), so the sequence is the same on every run.
+struct Steps(u64);
+
+impl Steps {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (self.0 >> 33) % below
+    }
+}
+
+#[test]
+fn the_simulation_and_the_fake_nvml_agree_on_every_create_and_destroy_of_a_long_sequence() {
+    let lab = Lab::new();
+    let machine = lab.open(DYNAMIC);
+    let nvml = &machine.source;
+    let sim = SimSource::new(sim::load(DYNAMIC).unwrap());
+    let gpus = sim.discover().unwrap().inventory.gpus;
+    let profiles = [
+        "1g.10gb",
+        "1g.10gb+me",
+        "1g.20gb",
+        "2g.20gb",
+        "3g.40gb",
+        "4g.40gb",
+        "7g.80gb",
+        "5g.50gb",
+    ];
+    let mut steps = Steps(7);
+    let (mut created, mut refused, mut destroyed) = (0, 0, 0);
+    for step in 0..300 {
+        let gpu = &gpus[steps.next(gpus.len() as u64) as usize].uuid;
+        let (answer, twin) = if steps.next(3) == 0 {
+            let id = steps.next(8) as u32 + 1;
+            let what = format!("destroy GI {id} on {gpu}");
+            let pair = (nvml.destroy_mig(gpu, id), sim.destroy_mig(gpu, id));
+            destroyed += usize::from(pair.0.is_ok());
+            (
+                pair.0.map(|()| None).map_err(|e| (what.clone(), e)),
+                pair.1.map(|()| None),
+            )
+        } else {
+            let req = mig_request(
+                gpu,
+                profiles[steps.next(profiles.len() as u64) as usize],
+                steps.next(8) as u32,
+            );
+            let what = format!("create {req:?}");
+            let pair = (nvml.create_mig(&req), sim.create_mig(&req));
+            created += usize::from(pair.0.is_ok());
+            (
+                pair.0.map(Some).map_err(|e| (what.clone(), e)),
+                pair.1.map(Some),
+            )
+        };
+        match (answer, twin) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b, "step {step}"),
+            (Err((what, a)), Err(b)) => {
+                refused += 1;
+                assert_eq!(kind(&a), kind(&b), "step {step}: {what}: NVML {a}; sim {b}");
+            }
+            (a, b) => panic!("step {step}: NVML {a:?}, simulation {b:?}"),
+        }
+        if step % 25 == 0 {
+            assert_eq!(
+                nvml.discover().unwrap().inventory,
+                sim.discover().unwrap().inventory,
+                "step {step}"
+            );
+        }
+    }
+    assert_eq!(
+        nvml.discover().unwrap().inventory,
+        sim.discover().unwrap().inventory
+    );
+    assert!(
+        created > 20 && refused > 20 && destroyed > 10,
+        "the sequence exercises all three: {created} created, {refused} refused, {destroyed} destroyed"
+    );
+}
+
+#[test]
+fn with_a_state_file_created_instances_outlive_the_process_that_made_them() {
+    let lab = Lab::new();
+    let state = lab.dir.path().join("mig-state.json");
+    let machine = lab.open_with_state(DYNAMIC, Some(&state));
+    let gpu = machine.source.discover().unwrap().inventory.gpus[1]
+        .uuid
+        .clone();
+    let made = machine
+        .source
+        .create_mig(&mig_request(&gpu, "2g.20gb", 2))
+        .unwrap();
+    let before = machine.source.discover().unwrap().inventory;
+    drop(machine);
+    assert!(state.exists());
+
+    // A fresh initialisation reads the file: the instance is still there, same UUID.
+    let machine = lab.open_with_state(DYNAMIC, Some(&state));
+    assert_eq!(machine.source.discover().unwrap().inventory, before);
+    machine
+        .source
+        .destroy_mig(&gpu, made.gpu_instance_id)
+        .unwrap();
+    drop(machine);
+    let machine = lab.open_with_state(DYNAMIC, Some(&state));
+    assert_eq!(
+        machine.source.discover().unwrap().inventory,
+        sim::load(DYNAMIC).unwrap(),
+        "destroyed, and remembered as destroyed"
+    );
+    machine
+        .source
+        .create_mig(&mig_request(&gpu, "2g.20gb", 2))
+        .unwrap();
+    drop(machine);
+
+    // Without the file every initialisation starts from the profile.
+    let machine = lab.open(DYNAMIC);
+    assert_eq!(
+        machine.source.discover().unwrap().inventory,
+        sim::load(DYNAMIC).unwrap()
     );
 }

@@ -93,11 +93,12 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
                     f.gpu_at(i)?;
                     return Ok(Handle::Gpu(i));
                 }
-                if let Some(slot) = g.mig_devices.iter().position(|m| m.uuid == wanted) {
+                if let Some(m) = g.mig_devices.iter().find(|m| m.uuid == wanted) {
                     f.gpu_at(i)?;
                     return Ok(Handle::Mig {
                         gpu: i,
-                        slot: slot as u32,
+                        gi: m.gpu_instance_id,
+                        ci: m.compute_instance_id,
                     });
                 }
             }

@@ -25,17 +25,38 @@
 //!   `NVML_ERROR_DRIVER_NOT_LOADED` (the kernel driver not loaded yet); read at every init that
 //!   has no machine yet, so a test can hold a starting agent there and then let it through.
 //!   Once initialised, both lines are no-ops.
+//! * `GPUPLANE_FAKE_NVML_STATE` (optional): a file (conventionally next to the profile) where
+//!   the MIG instances are kept across processes. Without it each process's instances live and
+//!   die with it, as though the driver were reloaded at every start; with it, the instances one
+//!   process created or destroyed are there for the next (read at the first `nvmlInit_v2` that
+//!   builds a machine, written whole after every change; a missing file means the profile's
+//!   instances). The format is in `persist.rs`. Concurrent processes do not see each other's
+//!   changes until they initialise again.
 //!
 //! # Shape of the fake machine
 //!
-//! GPU handles, MIG handles, GPU-instance handles and event sets are small tagged integers cast
-//! to pointers, stable for the life of the process. MIG devices are handed out by
-//! `nvmlDeviceGetMigDeviceHandleByIndex` in reverse profile order (clients must sort), with the
+//! GPU, MIG device, GPU- and compute-instance handles and event sets are small tagged integers
+//! cast to pointers, stable for the life of the process; MIG devices and instances are named by
+//! their instance ids, so the handle of a destroyed one is invalid. MIG devices are handed out by
+//! `nvmlDeviceGetMigDeviceHandleByIndex` in reverse instance order (clients must sort), with the
 //! remaining slots up to the catalogue's compute slices answering `NVML_ERROR_NOT_FOUND`. On an
 //! NVSwitch profile each GPU's links `0..nvlinks` (its model's count) are active with remote type
 //! SWITCH and a made-up switch address in PCI domain `0xFFFF`; otherwise each direct link in the
 //! profile takes that many consecutive link numbers on both GPUs, remote address = the peer.
 //! GPUs without NVLinks answer `NVML_ERROR_NOT_SUPPORTED` to NVLink queries.
+//!
+//! # Dynamic MIG
+//!
+//! GPU and compute instances can be created and destroyed as on a real driver
+//! (`nvmlDeviceGetGpuInstancePossiblePlacements_v2`, `nvmlDeviceCreateGpuInstanceWithPlacement`,
+//! `nvmlGpuInstanceCreateComputeInstance`, `nvmlComputeInstanceDestroy`,
+//! `nvmlGpuInstanceDestroy` and the listings and info calls around them). The placement rule,
+//! the ids and the UUIDs are `gpuplane_model::sim::instances`, which the simulated source uses
+//! too: GPU-instance ids are the smallest free id from 1, compute-instance ids 0, and a MIG
+//! device's UUID is derived from its parent, its ids and the GPU's creation count, so a
+//! re-created instance gets a new one. Only compute instances spanning their whole GPU instance
+//! can be created (`compute.rs`). A created instance is listed by the MIG enumeration calls like
+//! the profile's own.
 //!
 //! No panic crosses the C boundary: every export runs inside `entry`, which catches unwinding.
 
@@ -43,10 +64,13 @@
 // The exports keep NVML's C names; their safety contract is nvml.h's (valid out-pointers).
 #![allow(non_snake_case)]
 
+mod compute;
 mod device;
 mod events;
+mod instances;
 mod links;
 mod mig;
+mod persist;
 mod state;
 mod system;
 
@@ -67,6 +91,8 @@ pub(crate) const ARGUMENT_VERSION_MISMATCH: Ret =
     nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
 pub(crate) const UNKNOWN: Ret = nvmlReturn_enum_NVML_ERROR_UNKNOWN;
 pub(crate) const DRIVER_NOT_LOADED: Ret = nvmlReturn_enum_NVML_ERROR_DRIVER_NOT_LOADED;
+pub(crate) const IN_USE: Ret = nvmlReturn_enum_NVML_ERROR_IN_USE;
+pub(crate) const INSUFFICIENT_RESOURCES: Ret = nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES;
 
 /// Runs an export's body, turning `Err(code)` and any panic into an NVML return code.
 pub(crate) fn entry(body: impl FnOnce() -> Result<(), Ret>) -> Ret {
@@ -87,6 +113,21 @@ pub(crate) unsafe fn put<T>(out: *mut T, value: T) -> Result<(), Ret> {
     }
     // SAFETY: non-null and, per this function's contract, valid for writes.
     unsafe { out.write(value) };
+    Ok(())
+}
+
+/// Writes `values` to the start of a caller's array.
+///
+/// # Safety
+/// `out` must be null (rejected) or valid for `values.len()` writes of `T`.
+pub(crate) unsafe fn put_all<T: Copy>(out: *mut T, values: &[T]) -> Result<(), Ret> {
+    if out.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    for (i, v) in values.iter().enumerate() {
+        // SAFETY: non-null and, per this function's contract, valid for `values.len()` writes.
+        unsafe { out.add(i).write(*v) };
+    }
     Ok(())
 }
 
@@ -160,6 +201,8 @@ fn error_string(code: Ret) -> &'static CStr {
         GPU_IS_LOST => c"GPU is lost",
         ARGUMENT_VERSION_MISMATCH => c"Argument version mismatch",
         DRIVER_NOT_LOADED => c"Driver Not Loaded",
+        IN_USE => c"In use by another client",
+        INSUFFICIENT_RESOURCES => c"Insufficient resources",
         _ => c"Unknown Error",
     }
 }

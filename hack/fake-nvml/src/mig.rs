@@ -1,4 +1,5 @@
-//! MIG: device handles, instance ids, attributes, GPU instances and the profile table.
+//! MIG: device handles, instance ids, attributes and the GPU-instance profile table. GPU and
+//! compute instances themselves are `instances.rs` and `compute.rs`.
 
 use crate::state::{with_fake, Dev, Handle};
 use crate::{entry, put, INVALID_ARGUMENT, NOT_FOUND, NOT_SUPPORTED};
@@ -7,19 +8,11 @@ use nvml_wrapper_sys::bindings::*;
 use std::ffi::c_uint;
 
 /// Compute-instance slices: from a `<n>c.` prefix of the profile name, else the whole instance.
-fn ci_slices(m: &MigDevice) -> u32 {
+pub(crate) fn ci_slices(m: &MigDevice) -> u32 {
     m.profile
         .split_once("c.")
         .and_then(|(n, _)| n.parse().ok())
         .unwrap_or(m.gpu_slices)
-}
-
-/// The profile name without a compute-instance prefix, as the MIG table spells it.
-fn base_profile(m: &MigDevice) -> &str {
-    match m.profile.split_once("c.") {
-        Some((n, rest)) if n.parse::<u32>().is_ok() => rest,
-        _ => &m.profile,
-    }
 }
 
 #[no_mangle]
@@ -52,10 +45,13 @@ pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
             }
             let n = g.mig_devices.len() as u32;
             if index < n {
-                // Handed out in reverse profile order, so clients must sort.
+                // Handed out in reverse (GPU instance, compute instance) order, so clients must
+                // sort.
+                let m = &g.mig_devices[(n - 1 - index) as usize];
                 Ok(Handle::Mig {
                     gpu: i,
-                    slot: n - 1 - index,
+                    gi: m.gpu_instance_id,
+                    ci: m.compute_instance_id,
                 })
             } else if index < catalogue.compute_slices {
                 Err(NOT_FOUND)
@@ -151,62 +147,6 @@ pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
         })?;
         // SAFETY: caller's out-pointer (nvml.h contract).
         unsafe { put(attributes, value) }
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(
-    device: nvmlDevice_t,
-    id: c_uint,
-    instance: *mut nvmlGpuInstance_t,
-) -> nvmlReturn_t {
-    entry(|| {
-        let handle = with_fake(|f| {
-            let (i, g) = f.gpu(device)?;
-            if !g.mig.current {
-                return Err(NOT_SUPPORTED);
-            }
-            g.mig_devices
-                .iter()
-                .find(|m| m.gpu_instance_id == id)
-                .ok_or(NOT_FOUND)?;
-            Ok(Handle::GpuInstance { gpu: i, id })
-        })?;
-        // SAFETY: caller's out-pointer (nvml.h contract).
-        unsafe { put(instance, handle.ptr()) }
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(
-    instance: nvmlGpuInstance_t,
-    info: *mut nvmlGpuInstanceInfo_t,
-) -> nvmlReturn_t {
-    entry(|| {
-        let value = with_fake(|f| {
-            let Some(Handle::GpuInstance { gpu, id }) = Handle::of(instance) else {
-                return Err(INVALID_ARGUMENT);
-            };
-            let g = f.gpu_at(gpu)?;
-            let m = g
-                .mig_devices
-                .iter()
-                .find(|m| m.gpu_instance_id == id)
-                .ok_or(INVALID_ARGUMENT)?;
-            let catalogue = f.extra(gpu)?.catalogue.ok_or(NOT_SUPPORTED)?;
-            let spec = catalogue.profile(base_profile(m)).ok_or(NOT_SUPPORTED)?;
-            Ok(nvmlGpuInstanceInfo_t {
-                device: Handle::Gpu(gpu).ptr(),
-                id,
-                profileId: spec.id,
-                placement: nvmlGpuInstancePlacement_t {
-                    start: m.placement.start,
-                    size: m.placement.size,
-                },
-            })
-        })?;
-        // SAFETY: caller's out-pointer (nvml.h contract).
-        unsafe { put(info, value) }
     })
 }
 

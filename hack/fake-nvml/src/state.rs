@@ -1,9 +1,12 @@
 //! The fake machine: built from a simulation profile at init, mutated by control-file commands,
 //! shared by every export behind one mutex.
 
-use crate::{Ret, DRIVER_NOT_LOADED, GPU_IS_LOST, INVALID_ARGUMENT, UNINITIALIZED, UNKNOWN};
+use crate::{
+    Ret, DRIVER_NOT_LOADED, GPU_IS_LOST, INVALID_ARGUMENT, NOT_SUPPORTED, UNINITIALIZED, UNKNOWN,
+};
 use gpuplane_model::inventory::mig::{self, MigCatalogue};
 use gpuplane_model::inventory::{Gpu, Inventory, MigDevice};
+use gpuplane_model::sim::instances::InstanceBook;
 use gpuplane_model::sim::{self, ProfileFile};
 use nvml_wrapper_sys::bindings::{nvmlDevice_t, nvmlEventTypeXidCriticalError};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -14,32 +17,46 @@ use std::sync::{Mutex, MutexGuard};
 
 pub(crate) const PROFILE_ENV: &str = "GPUPLANE_FAKE_NVML_PROFILE";
 pub(crate) const CONTROL_ENV: &str = "GPUPLANE_FAKE_NVML_CONTROL";
+pub(crate) const STATE_ENV: &str = "GPUPLANE_FAKE_NVML_STATE";
 pub(crate) const XID: u64 = nvmlEventTypeXidCriticalError as u64;
 pub(crate) const NO_INSTANCE: u32 = u32::MAX;
 
-/// What a handle points at. Encoded as `kind << 28 | gpu << 16 | sub`, never zero.
+/// What a handle points at. Encoded as `kind << 28 | gpu << 16 | sub`, never zero; a MIG
+/// device or compute instance's `sub` is `gi << 8 | ci`.
+///
+/// MIG devices and instances are named by their ids, not by a position in a list, so a handle
+/// to a destroyed instance stays invalid (`NVML_ERROR_INVALID_ARGUMENT`) rather than pointing at
+/// whichever device took its place, until an instance with the same ids is created again (NVML
+/// documents that handles may be reused).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Handle {
     Gpu(u32),
-    /// `slot` indexes the GPU's `mig_devices` (profile order).
+    /// The MIG device of compute instance `ci` in GPU instance `gi`.
     Mig {
         gpu: u32,
-        slot: u32,
+        gi: u32,
+        ci: u32,
     },
     GpuInstance {
         gpu: u32,
         id: u32,
     },
     EventSet(u32),
+    ComputeInstance {
+        gpu: u32,
+        gi: u32,
+        ci: u32,
+    },
 }
 
 impl Handle {
     fn parts(self) -> (usize, u32, u32) {
         match self {
             Handle::Gpu(g) => (1, g, 0),
-            Handle::Mig { gpu, slot } => (2, gpu, slot),
+            Handle::Mig { gpu, gi, ci } => (2, gpu, gi << 8 | ci),
             Handle::GpuInstance { gpu, id } => (3, gpu, id),
             Handle::EventSet(id) => (4, 0, id),
+            Handle::ComputeInstance { gpu, gi, ci } => (5, gpu, gi << 8 | ci),
         }
     }
 
@@ -56,9 +73,18 @@ impl Handle {
         );
         let handle = match kind {
             1 if sub == 0 => Handle::Gpu(gpu),
-            2 => Handle::Mig { gpu, slot: sub },
+            2 => Handle::Mig {
+                gpu,
+                gi: sub >> 8,
+                ci: sub & 0xff,
+            },
             3 => Handle::GpuInstance { gpu, id: sub },
             4 if gpu == 0 => Handle::EventSet(sub),
+            5 => Handle::ComputeInstance {
+                gpu,
+                gi: sub >> 8,
+                ci: sub & 0xff,
+            },
             _ => return None,
         };
         (handle.address() == address).then_some(handle)
@@ -112,6 +138,10 @@ struct Control {
 pub(crate) struct Fake {
     pub inventory: Inventory,
     pub extra: Vec<GpuExtra>,
+    /// Per GPU index: its bare GPU instances and creation count (`sim::instances`).
+    pub books: Vec<InstanceBook>,
+    /// Where created and destroyed MIG instances are kept across processes (`STATE_ENV`).
+    state_file: Option<PathBuf>,
     pub lost: BTreeSet<u32>,
     pub sets: BTreeMap<u32, EventSet>,
     pub next_set: u32,
@@ -226,9 +256,17 @@ impl Fake {
             offset: 0,
             partial: Vec::new(),
         });
+        let mut inventory = inventory;
+        let mut books = vec![InstanceBook::default(); inventory.gpus.len()];
+        let state_file = std::env::var_os(STATE_ENV).map(PathBuf::from);
+        if let Some(path) = &state_file {
+            crate::persist::load(path, &mut inventory, &mut books)?;
+        }
         Ok(Fake {
             inventory,
             extra,
+            books,
+            state_file,
             lost: BTreeSet::new(),
             sets: BTreeMap::new(),
             next_set: 1,
@@ -240,11 +278,12 @@ impl Fake {
     pub(crate) fn dev(&self, handle: nvmlDevice_t) -> Result<Dev<'_>, Ret> {
         match Handle::of(handle).ok_or(INVALID_ARGUMENT)? {
             Handle::Gpu(g) => Ok(Dev::Gpu(g, self.gpu_at(g)?)),
-            Handle::Mig { gpu, slot } => {
+            Handle::Mig { gpu, gi, ci } => {
                 let parent = self.gpu_at(gpu)?;
                 let mig = parent
                     .mig_devices
-                    .get(slot as usize)
+                    .iter()
+                    .find(|m| m.gpu_instance_id == gi && m.compute_instance_id == ci)
                     .ok_or(INVALID_ARGUMENT)?;
                 Ok(Dev::Mig(gpu, parent, mig))
             }
@@ -275,6 +314,43 @@ impl Fake {
 
     pub(crate) fn extra(&self, index: u32) -> Result<&GpuExtra, Ret> {
         self.extra.get(index as usize).ok_or(INVALID_ARGUMENT)
+    }
+
+    /// Runs a MIG instance change on GPU `index`, which must answer, support MIG and be in MIG
+    /// mode (else `NVML_ERROR_NOT_SUPPORTED`, as NVML answers), then saves the state file.
+    pub(crate) fn change_mig<R>(
+        &mut self,
+        index: u32,
+        change: impl FnOnce(&'static MigCatalogue, &mut Gpu, &mut InstanceBook) -> Result<R, Ret>,
+    ) -> Result<R, Ret> {
+        let (table, current) = self.mig_table(index)?;
+        if !current {
+            return Err(NOT_SUPPORTED);
+        }
+        let gpu = self
+            .inventory
+            .gpus
+            .get_mut(index as usize)
+            .ok_or(INVALID_ARGUMENT)?;
+        let book = self.books.get_mut(index as usize).ok_or(INVALID_ARGUMENT)?;
+        let result = change(table, gpu, book)?;
+        if let Some(path) = &self.state_file {
+            if let Err(why) = crate::persist::save(path, &self.inventory, &self.books) {
+                let _ = writeln!(std::io::stderr(), "fake NVML: {why}");
+            }
+        }
+        Ok(result)
+    }
+
+    /// GPU `index`'s MIG table (`NVML_ERROR_NOT_SUPPORTED` without one) and whether MIG is on.
+    pub(crate) fn mig_table(&self, index: u32) -> Result<(&'static MigCatalogue, bool), Ret> {
+        let gpu = self.gpu_at(index)?;
+        let table = self.extra(index)?.catalogue.ok_or(NOT_SUPPORTED)?;
+        Ok((table, gpu.mig.current))
+    }
+
+    pub(crate) fn book(&self, index: u32) -> Result<&InstanceBook, Ret> {
+        self.books.get(index as usize).ok_or(INVALID_ARGUMENT)
     }
 
     /// Queues an event on every set where the GPU is registered for its type.

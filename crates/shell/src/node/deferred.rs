@@ -3,7 +3,10 @@
 //! the opening is retried with the start-up discovery's backoff instead of the process exiting
 //! into a crash loop that would not bring the driver any sooner.
 
-use crate::source::{DeviceEvent, DeviceSource, Discovery, SourceError};
+use crate::inventory::{DeviceUuid, MigDevice};
+use crate::source::{
+    DeviceEvent, DeviceSource, Discovery, MigChangeError, MigRequest, SourceError,
+};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -41,6 +44,20 @@ impl Deferred {
         let source = (self.open)()?;
         Ok(self.opened.get_or_init(|| source).as_ref())
     }
+
+    /// A MIG change on the source, opened first if need be (the agent changes MIG instances
+    /// only on GPUs a discovery listed, so it is open by then); a source that does not open
+    /// fails the change with the opening's error.
+    fn opened_for<T>(
+        &self,
+        change: impl FnOnce(&dyn DeviceSource) -> Result<T, MigChangeError>,
+    ) -> Result<T, MigChangeError> {
+        let source = self.get().map_err(|e| MigChangeError::Failed {
+            call: "nvmlInit_v2".into(),
+            reason: e.to_string(),
+        })?;
+        change(source)
+    }
 }
 
 impl DeviceSource for Deferred {
@@ -60,6 +77,14 @@ impl DeviceSource for Deferred {
 
     fn responds(&self, gpu_uuid: &str) -> bool {
         self.opened.get().is_some_and(|s| s.responds(gpu_uuid))
+    }
+
+    fn create_mig(&self, req: &MigRequest) -> Result<MigDevice, MigChangeError> {
+        self.opened_for(|s| s.create_mig(req))
+    }
+
+    fn destroy_mig(&self, gpu: &DeviceUuid, gpu_instance_id: u32) -> Result<(), MigChangeError> {
+        self.opened_for(|s| s.destroy_mig(gpu, gpu_instance_id))
     }
 }
 
@@ -92,5 +117,30 @@ mod tests {
         assert!(source.responds(&found.inventory.gpus[0].uuid));
         source.discover().unwrap();
         assert_eq!(tries.load(Ordering::SeqCst), 3, "opened once");
+    }
+
+    #[test]
+    fn mig_changes_reach_the_opened_source_and_fail_while_it_does_not_open() {
+        let sim = SimSource::new(crate::sim::load("dynamic-mig-mixed").unwrap());
+        let gpu = sim.discover().unwrap().inventory.gpus[0].uuid.clone();
+        let req = MigRequest {
+            gpu: gpu.clone(),
+            profile: "7g.80gb".into(),
+            start: 0,
+        };
+        let refusing = Deferred::new(|| Err(SourceError::Unavailable("driver not loaded".into())));
+        let e = refusing.create_mig(&req).unwrap_err();
+        assert!(e.to_string().contains("driver not loaded"), "{e}");
+        let s = sim.clone();
+        let source = Deferred::new(move || Ok(Box::new(s.clone())));
+        let created = source.create_mig(&req).unwrap();
+        assert_eq!(
+            sim.discover().unwrap().inventory.gpus[0].mig_devices,
+            [created.clone()]
+        );
+        source.destroy_mig(&gpu, created.gpu_instance_id).unwrap();
+        assert!(sim.discover().unwrap().inventory.gpus[0]
+            .mig_devices
+            .is_empty());
     }
 }

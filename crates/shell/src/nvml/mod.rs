@@ -8,17 +8,23 @@
 //! [`Discovery::lost`] and every other GPU is still served. `next_event` waits on one NVML event
 //! set for critical Xid errors and names the GPU and, where NVML attributes it, the MIG device.
 //!
-//! MIG profile names are derived the way NVIDIA's go-nvlib does (see `naming.rs`). Calls the
-//! wrapper lacks or gets wrong are made directly in `raw.rs`, the only unsafe code in the crate.
+//! MIG profile names are derived the way NVIDIA's go-nvlib does (see `naming.rs`); which bundled
+//! MIG table a GPU follows is `table.rs`, and dynamic MIG (creating and destroying instances)
+//! `mig.rs`. Calls the wrapper lacks or gets wrong are made directly in `raw.rs`, the only unsafe
+//! code in the crate.
 
 mod events;
+mod mig;
 mod naming;
 #[allow(unsafe_code)]
 mod raw;
 mod read;
+mod table;
 
-use crate::inventory::Inventory;
-use crate::source::{DeviceEvent, DeviceSource, Discovery, LostGpu, SourceError};
+use crate::inventory::{DeviceUuid, Inventory, MigDevice};
+use crate::source::{
+    DeviceEvent, DeviceSource, Discovery, LostGpu, MigChangeError, MigRequest, SourceError,
+};
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
 use std::path::Path;
@@ -170,5 +176,13 @@ impl DeviceSource for NvmlSource {
                 .ensure_registered(&self.nvml, index, &device, gpu_uuid);
         }
         true
+    }
+
+    fn create_mig(&self, req: &MigRequest) -> Result<MigDevice, MigChangeError> {
+        mig::create(&self.nvml, req)
+    }
+
+    fn destroy_mig(&self, gpu: &DeviceUuid, gpu_instance_id: u32) -> Result<(), MigChangeError> {
+        mig::destroy(&self.nvml, gpu, gpu_instance_id)
     }
 }

@@ -7,7 +7,9 @@
 use nvml_wrapper::error::{nvml_sym, nvml_try, NvmlError};
 use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings::{
-    nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlGpuInstanceInfo_t, nvmlGpuInstance_t,
+    nvmlComputeInstanceInfo_t, nvmlComputeInstancePlacement_t, nvmlComputeInstanceProfileInfo_t,
+    nvmlComputeInstance_t, nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlGpuInstanceInfo_t,
+    nvmlGpuInstancePlacement_t, nvmlGpuInstance_t, NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
 };
 use std::ptr;
 
@@ -63,27 +65,173 @@ pub(super) fn compute_instance_id(nvml: &Nvml, device: &Device<'_>) -> Result<u3
     Ok(id)
 }
 
-/// Profile id and placement of GPU instance `id` on `parent`: `nvmlDeviceGetGpuInstanceById`
-/// followed by `nvmlGpuInstanceGetInfo`.
-pub(super) fn gpu_instance_info(
+/// A GPU instance handle NVML gave us. Used within one call of the source; never stored.
+pub(super) struct GpuInstance(nvmlGpuInstance_t);
+
+/// A compute instance handle NVML gave us, likewise.
+pub(super) struct ComputeInstance(nvmlComputeInstance_t);
+
+/// `nvmlDeviceGetGpuInstanceById`.
+pub(super) fn gpu_instance_by_id(
     nvml: &Nvml,
     parent: &Device<'_>,
     id: u32,
-) -> Result<nvmlGpuInstanceInfo_t, NvmlError> {
+) -> Result<GpuInstance, NvmlError> {
     let by_id = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceById.as_ref())?;
-    let get_info = nvml_sym(nvml.lib().nvmlGpuInstanceGetInfo.as_ref())?;
     let mut instance: nvmlGpuInstance_t = ptr::null_mut();
     // SAFETY: typed symbol, NVML-issued parent handle, live out-parameter.
     nvml_try(unsafe { by_id(handle(parent), id, &mut instance) })?;
+    Ok(GpuInstance(instance))
+}
+
+/// `nvmlGpuInstanceGetInfo`: the instance's id, profile id and placement.
+pub(super) fn gpu_instance_info(
+    nvml: &Nvml,
+    instance: &GpuInstance,
+) -> Result<nvmlGpuInstanceInfo_t, NvmlError> {
+    let get_info = nvml_sym(nvml.lib().nvmlGpuInstanceGetInfo.as_ref())?;
     let mut info = nvmlGpuInstanceInfo_t {
         device: ptr::null_mut(),
         id: 0,
         profileId: 0,
-        placement: nvml_wrapper_sys::bindings::nvmlGpuInstancePlacement_t { start: 0, size: 0 },
+        placement: nvmlGpuInstancePlacement_t { start: 0, size: 0 },
     };
-    // SAFETY: `instance` was just filled in by NVML; `info` is a live, correctly laid out struct.
-    nvml_try(unsafe { get_info(instance, &mut info) })?;
+    // SAFETY: the instance handle came from NVML; `info` is a live, correctly laid out struct.
+    nvml_try(unsafe { get_info(instance.0, &mut info) })?;
     Ok(info)
+}
+
+/// `nvmlDeviceGetGpuInstancePossiblePlacements_v2` (the wrapper's version returns an empty
+/// list: it never sets the length of the vector NVML filled).
+pub(super) fn possible_placements(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    profile_id: u32,
+) -> Result<Vec<nvmlGpuInstancePlacement_t>, NvmlError> {
+    let sym = nvml_sym(
+        nvml.lib()
+            .nvmlDeviceGetGpuInstancePossiblePlacements_v2
+            .as_ref(),
+    )?;
+    let mut count = 0u32;
+    // SAFETY: typed symbol, NVML-issued handle; a null buffer asks for the count only.
+    nvml_try(unsafe { sym(handle(device), profile_id, ptr::null_mut(), &mut count) })?;
+    let mut placements = vec![nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
+    // SAFETY: `placements` holds `count` entries, which `count` tells NVML on the way in.
+    nvml_try(unsafe {
+        sym(
+            handle(device),
+            profile_id,
+            placements.as_mut_ptr(),
+            &mut count,
+        )
+    })?;
+    placements.truncate(count as usize);
+    Ok(placements)
+}
+
+/// `nvmlDeviceCreateGpuInstanceWithPlacement`.
+pub(super) fn create_gpu_instance(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    profile_id: u32,
+    placement: &nvmlGpuInstancePlacement_t,
+) -> Result<GpuInstance, NvmlError> {
+    let sym = nvml_sym(nvml.lib().nvmlDeviceCreateGpuInstanceWithPlacement.as_ref())?;
+    let mut instance: nvmlGpuInstance_t = ptr::null_mut();
+    // SAFETY: typed symbol, NVML-issued handle, a live placement and out-parameter.
+    nvml_try(unsafe { sym(handle(device), profile_id, placement, &mut instance) })?;
+    Ok(GpuInstance(instance))
+}
+
+/// `nvmlGpuInstanceDestroy`.
+pub(super) fn destroy_gpu_instance(nvml: &Nvml, instance: GpuInstance) -> Result<(), NvmlError> {
+    let sym = nvml_sym(nvml.lib().nvmlGpuInstanceDestroy.as_ref())?;
+    // SAFETY: typed symbol; the handle came from NVML and is not used after this call.
+    nvml_try(unsafe { sym(instance.0) })
+}
+
+/// `nvmlGpuInstanceGetComputeInstanceProfileInfo` with the shared engine profile.
+pub(super) fn compute_profile_info(
+    nvml: &Nvml,
+    instance: &GpuInstance,
+    profile: u32,
+) -> Result<nvmlComputeInstanceProfileInfo_t, NvmlError> {
+    let sym = nvml_sym(
+        nvml.lib()
+            .nvmlGpuInstanceGetComputeInstanceProfileInfo
+            .as_ref(),
+    )?;
+    let mut info = nvmlComputeInstanceProfileInfo_t {
+        id: 0,
+        sliceCount: 0,
+        instanceCount: 0,
+        multiprocessorCount: 0,
+        sharedCopyEngineCount: 0,
+        sharedDecoderCount: 0,
+        sharedEncoderCount: 0,
+        sharedJpegCount: 0,
+        sharedOfaCount: 0,
+    };
+    let shared = NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED;
+    // SAFETY: typed symbol, NVML-issued instance handle, live and correctly laid out struct.
+    nvml_try(unsafe { sym(instance.0, profile, shared, &mut info) })?;
+    Ok(info)
+}
+
+/// `nvmlGpuInstanceCreateComputeInstance`.
+pub(super) fn create_compute_instance(
+    nvml: &Nvml,
+    instance: &GpuInstance,
+    profile_id: u32,
+) -> Result<ComputeInstance, NvmlError> {
+    let sym = nvml_sym(nvml.lib().nvmlGpuInstanceCreateComputeInstance.as_ref())?;
+    let mut ci: nvmlComputeInstance_t = ptr::null_mut();
+    // SAFETY: typed symbol, NVML-issued instance handle, live out-parameter.
+    nvml_try(unsafe { sym(instance.0, profile_id, &mut ci) })?;
+    Ok(ComputeInstance(ci))
+}
+
+/// `nvmlGpuInstanceGetComputeInstances` for one CI profile, whose `instanceCount` is `capacity`.
+pub(super) fn compute_instances(
+    nvml: &Nvml,
+    instance: &GpuInstance,
+    profile_id: u32,
+    capacity: u32,
+) -> Result<Vec<ComputeInstance>, NvmlError> {
+    let sym = nvml_sym(nvml.lib().nvmlGpuInstanceGetComputeInstances.as_ref())?;
+    let mut handles: Vec<nvmlComputeInstance_t> = vec![ptr::null_mut(); capacity as usize];
+    let mut count = capacity;
+    // SAFETY: typed symbol, NVML-issued instance handle; the buffer holds the profile's
+    // instance count, as nvml.h requires.
+    nvml_try(unsafe { sym(instance.0, profile_id, handles.as_mut_ptr(), &mut count) })?;
+    handles.truncate(count as usize);
+    Ok(handles.into_iter().map(ComputeInstance).collect())
+}
+
+/// `nvmlComputeInstanceGetInfo_v2`: the compute instance's id, profile id and placement.
+pub(super) fn compute_instance_info(
+    nvml: &Nvml,
+    ci: &ComputeInstance,
+) -> Result<nvmlComputeInstanceInfo_t, NvmlError> {
+    let sym = nvml_sym(nvml.lib().nvmlComputeInstanceGetInfo_v2.as_ref())?;
+    let mut info = nvmlComputeInstanceInfo_t {
+        device: ptr::null_mut(),
+        gpuInstance: ptr::null_mut(),
+        id: 0,
+        profileId: 0,
+        placement: nvmlComputeInstancePlacement_t { start: 0, size: 0 },
+    };
+    // SAFETY: typed symbol, NVML-issued handle, live and correctly laid out struct.
+    nvml_try(unsafe { sym(ci.0, &mut info) })?;
+    Ok(info)
+}
+
+/// `nvmlComputeInstanceDestroy`.
+pub(super) fn destroy_compute_instance(nvml: &Nvml, ci: ComputeInstance) -> Result<(), NvmlError> {
+    let sym = nvml_sym(nvml.lib().nvmlComputeInstanceDestroy.as_ref())?;
+    // SAFETY: typed symbol; the handle came from NVML and is not used after this call.
+    nvml_try(unsafe { sym(ci.0) })
 }
 
 /// `nvmlDeviceGetNvLinkRemoteDeviceType` (the wrapper's version discards the answer).

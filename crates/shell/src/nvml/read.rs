@@ -2,6 +2,7 @@
 
 use super::naming;
 use super::raw;
+use super::table;
 use crate::inventory::{
     DeviceUuid, Gpu, IdError, Link, MigDevice, MigMode, MigProfile, PathLevel, Placement, Topology,
 };
@@ -115,8 +116,7 @@ pub(super) fn gpu<'n>(nvml: &'n Nvml, index: u32) -> Result<GpuRead<'n>, CallErr
             current: m.current == NVML_DEVICE_MIG_ENABLE,
             pending: m.pending == NVML_DEVICE_MIG_ENABLE,
             capable: true,
-            // Filled in by the dynamic-MIG work: the table NVML's profiles and placements match.
-            table: None,
+            table: table::matching(nvml, &device, index, &product_name, total_bytes),
             dynamic: false,
         },
         Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => MigMode::default(),
@@ -146,7 +146,7 @@ pub(super) fn gpu<'n>(nvml: &'n Nvml, index: u32) -> Result<GpuRead<'n>, CallErr
 }
 
 /// The GPU-instance profiles a GPU offers, by `NVML_GPU_INSTANCE_PROFILE_*` index.
-fn instance_profiles(parent: &Device<'_>) -> Result<Vec<(u32, ProfileInfo)>, CallError> {
+pub(super) fn instance_profiles(parent: &Device<'_>) -> Result<Vec<(u32, ProfileInfo)>, CallError> {
     let mut out = Vec::new();
     for index in 0..NVML_GPU_INSTANCE_PROFILE_COUNT {
         match parent.profile_info(index) {
@@ -159,7 +159,7 @@ fn instance_profiles(parent: &Device<'_>) -> Result<Vec<(u32, ProfileInfo)>, Cal
 }
 
 /// The MIG devices of a GPU with MIG on, ordered by (GPU instance, compute instance).
-fn mig_devices(
+pub(super) fn mig_devices(
     nvml: &Nvml,
     parent: &Device<'_>,
     index: u32,
@@ -184,7 +184,8 @@ fn mig_devices(
         let compute_instance_id =
             raw::compute_instance_id(nvml, &mig).call("nvmlDeviceGetComputeInstanceId")?;
         let attrs = mig.attributes().call("nvmlDeviceGetAttributes_v2")?;
-        let info = raw::gpu_instance_info(nvml, parent, gpu_instance_id)
+        let info = raw::gpu_instance_by_id(nvml, parent, gpu_instance_id)
+            .and_then(|gi| raw::gpu_instance_info(nvml, &gi))
             .call("nvmlDeviceGetGpuInstanceById/nvmlGpuInstanceGetInfo")?;
         if profiles.is_none() {
             profiles = Some(instance_profiles(parent)?);
