@@ -2,7 +2,7 @@
 //! instances outlive the agent in a state file, as a real driver's do) is killed with SIGKILL
 //! at every step of a dynamic MIG claim's life, restarted, and checked from the outside: after
 //! the restart and the kubelet's retry, the GPU has exactly the instances the prepared claims
-//! need, each claim's CDI spec names its instance, and once every claim is unprepared the GPU
+//! need, each claim holds its instance as its device, and once every claim is unprepared the GPU
 //! has none (tests/crash.rs does the same for whole devices; the node is
 //! tests/support/crash_node.rs).
 
@@ -66,11 +66,15 @@ async fn check_prepared(node: &Node, c: &ClaimRef) {
     assert_eq!((made[0].0.as_str(), made[0].1), ("3g.40gb", 4));
     let spec = std::fs::read_to_string(node.spec_path(c)).unwrap();
     assert!(
-        spec.contains(&made[0].2),
-        "the spec names the instance {}",
-        made[0].2
+        spec.contains(&format!("{}-{DEVICE}", c.uid)),
+        "the spec has the claim's device: {spec}"
     );
     let entry = node.checkpoint().claims[c.uid.as_str()].clone();
+    assert_eq!(
+        entry.units.get(DEVICE).map(|u| u.to_string()),
+        Some(made[0].2.clone()),
+        "the claim holds the instance as its unit"
+    );
     assert_eq!(
         entry.instances[0]
             .created
