@@ -12,7 +12,12 @@
 //! - fractional GPUs: NodePrepareResources of a share (consumable capacity) whose GPU's MPS
 //!   daemon already runs, and of the first share of a GPU (the daemon started, and stopped by
 //!   its unprepare), each vs a whole-GPU NodePrepareResources of the same agent in the same
-//!   rounds (the stand-in `nvidia-cuda-mps-control` of hack/fake-mps in the driver root).
+//!   rounds (the stand-in `nvidia-cuda-mps-control` of hack/fake-mps in the driver root);
+//! - dynamic MIG: NodePrepareResources of a claim whose MIG instance the prepare creates (and
+//!   its unprepare destroys) vs a static MIG device's NodePrepareResources on the same agent in
+//!   the same rounds; and the instance's create + destroy through the real NVML backend on the
+//!   fake libnvidia-ml vs a bare NVML query (`nvmlDeviceGetCount`'s round trip through
+//!   `discover` would include the whole inventory read, so the floor is one `responds` probe).
 //!
 //! The agent runs in process on simulated hardware against the API server double, the kubelet
 //! device plugin double and the kubelet DRA double, all in a temp dir.
@@ -47,6 +52,9 @@ const EIGHT_CLAIMS: usize = 120;
 /// Rounds of the share comparison: with the daemon running, and starting it.
 const SHARE_ROUNDS: usize = 300;
 const FIRST_SHARE_ROUNDS: usize = 40;
+/// Rounds of the dynamic MIG comparison, and of the NVML create + destroy.
+const DYNAMIC_ROUNDS: usize = 200;
+const NVML_ROUNDS: usize = 2000;
 /// Per agent, per round of the ledger comparison.
 const LEDGER_ALLOCATES: usize = 500;
 const LEDGER_PREPARES: usize = 80;
@@ -514,6 +522,84 @@ async fn share_prepare() {
     agent.stop().await.expect("agent exits cleanly");
 }
 
+async fn dynamic_mig_prepare() {
+    let lab = Lab::new("dynamic-mig-mixed").await;
+    // GPU 3 (an L4) is the one device the device plugin offers.
+    let (agent, _) = lab.start_registered("dynamicMig: {gpus: [0, 1]}\n", 1).await;
+    lab.eventually("the dynamic devices published", |l| {
+        l.slices().iter().any(|s| {
+            s["spec"]["devices"]
+                .as_array()
+                .is_some_and(|d| d.iter().any(|d| d["name"] == "gpu-0-mig-3g40gb-at4"))
+        })
+    })
+    .await;
+    let dynamic = vec![lab.claim("dynamic", &["gpu-0-mig-3g40gb-at4"])];
+    let fixed = vec![lab.claim("static", &["gpu-2-mig-3g40gb-1"])];
+    let (mut made, mut floor) = (Vec::new(), Vec::new());
+    for i in 0..WARMUP + DYNAMIC_ROUNDS {
+        let t = Instant::now();
+        lab.prepare(&dynamic).await;
+        let d = t.elapsed();
+        lab.unprepare(&dynamic).await;
+        let t = Instant::now();
+        lab.prepare(&fixed).await;
+        let f = t.elapsed();
+        lab.unprepare(&fixed).await;
+        if i >= WARMUP {
+            made.push(d);
+            floor.push(f);
+        }
+    }
+    assert!(
+        lab.sim.discover().expect("sim").inventory.gpus[0]
+            .mig_devices
+            .is_empty(),
+        "every instance was destroyed"
+    );
+    println!("(floor = a static MIG device's NodePrepareResources on the same agent, alternating in the same rounds; simulated source)");
+    row(
+        &format!("NodePrepare 3g.40gb, instance created ({DYNAMIC_ROUNDS} calls)"),
+        percentiles(made),
+        percentiles(floor),
+    );
+    agent.stop().await.expect("agent exits cleanly");
+}
+
+/// The NVML backend on the fake libnvidia-ml: create + destroy of one instance vs one probe of
+/// the same GPU (a single NVML query through the same library).
+fn nvml_create_destroy() {
+    std::env::set_var("GPUPLANE_FAKE_NVML_PROFILE", "dynamic-mig-mixed");
+    let nvml = gpuplane_shell::nvml::NvmlSource::open(Some(support::built_fake()))
+        .expect("the fake libnvidia-ml opens");
+    let gpu = nvml.discover().expect("discover").inventory.gpus[0].uuid.clone();
+    let req = gpuplane_shell::source::MigRequest {
+        gpu: gpu.clone(),
+        profile: "3g.40gb".into(),
+        start: 4,
+    };
+    let (mut cycle, mut probe) = (Vec::new(), Vec::new());
+    for i in 0..WARMUP + NVML_ROUNDS {
+        let t = Instant::now();
+        let m = nvml.create_mig(&req).expect("create");
+        nvml.destroy_mig(&gpu, m.gpu_instance_id).expect("destroy");
+        let c = t.elapsed();
+        let t = Instant::now();
+        std::hint::black_box(nvml.responds(gpu.as_str()));
+        let p = t.elapsed();
+        if i >= WARMUP {
+            cycle.push(c);
+            probe.push(p);
+        }
+    }
+    println!("(floor = one NVML probe of the same GPU through the same fake library)");
+    row(
+        &format!("NVML create + destroy 3g.40gb, fake libnvidia-ml ({NVML_ROUNDS} calls)"),
+        percentiles(cycle),
+        percentiles(probe),
+    );
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -529,5 +615,7 @@ fn main() {
     rt.block_on(ledger_overhead());
     rt.block_on(api_writes());
     rt.block_on(share_prepare());
+    rt.block_on(dynamic_mig_prepare());
+    nvml_create_destroy();
     println!("(whole run {:.1?})", started.elapsed());
 }
