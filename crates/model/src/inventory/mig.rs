@@ -147,8 +147,11 @@ impl MigCatalogue {
     }
 }
 
+/// How many engines of one kind a profile takes.
+pub type EngineCount = fn(&MigProfileSpec) -> u32;
+
 /// The engine kinds a GPU instance takes, by name, as `nvidia-smi mig -lgip` counts them.
-pub const ENGINES: &[(&str, fn(&MigProfileSpec) -> u32)] = &[
+pub const ENGINES: &[(&str, EngineCount)] = &[
     ("copy engines", |p| p.copy_engines),
     ("decoders", |p| p.decoders),
     ("encoders", |p| p.encoders),
