@@ -57,7 +57,7 @@ enum Command {
 #[derive(clap::Args)]
 struct DemoArgs {
     /// The machine: a bundled profile name (dgx-a100, dgx-h100, dgx1-v100, pcie-l4x4,
-    /// a100-mig-mixed, h100-mig-single) or the path of a profile file.
+    /// a100-mig-mixed, h100-mig-single, dynamic-mig-mixed) or the path of a profile file.
     #[arg(long, value_name = "PROFILE", default_value = "dgx-h100")]
     profile: String,
     /// Format of the closing summary (json: the narrative goes to stderr, the summary alone to
@@ -171,9 +171,9 @@ struct NodeArgs {
 #[derive(clap::Args)]
 struct SourceArgs {
     /// Simulate a machine: a bundled profile name (dgx-a100, dgx-h100, dgx1-v100, pcie-l4x4,
-    /// a100-mig-mixed, h100-mig-single) or the path of a profile file. The node agent then
-    /// needs no device nodes: containers get each device's identity in their environment
-    /// (GPUPLANE_DEVICE_*, NVIDIA_VISIBLE_DEVICES) instead.
+    /// a100-mig-mixed, h100-mig-single, dynamic-mig-mixed) or the path of a profile file. The
+    /// node agent then needs no device nodes: containers get each device's identity in their
+    /// environment (GPUPLANE_DEVICE_*, NVIDIA_VISIBLE_DEVICES) instead.
     #[arg(long, value_name = "PROFILE", conflicts_with = "nvml_lib")]
     simulate: Option<String>,
     /// Path of libnvidia-ml.so.1 (default: the dynamic loader's search path).

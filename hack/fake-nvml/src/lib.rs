@@ -73,6 +73,8 @@ mod mig;
 mod persist;
 mod state;
 mod system;
+#[cfg(test)]
+mod tests;
 
 use nvml_wrapper_sys::bindings::*;
 use std::ffi::{c_char, c_uint, CStr};

@@ -147,7 +147,7 @@ impl MigCatalogue {
     }
 }
 
-/// How many engines of one kind a profile has.
+/// How many engines of one kind a profile takes.
 pub type EngineCount = fn(&MigProfileSpec) -> u32;
 
 /// The engine kinds a GPU instance takes, by name, as `nvidia-smi mig -lgip` counts them.

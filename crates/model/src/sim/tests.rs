@@ -167,3 +167,14 @@ fn a_missing_profile_names_the_bundled_ones() {
         "{msg}"
     );
 }
+
+#[test]
+fn a_gpu_has_a_mig_table_only_where_its_product_name_leads_to_its_own() {
+    let inv = from_str("t.yaml", "t", MINIMAL).unwrap();
+    assert_eq!(inv.gpus[0].mig.table.as_deref(), Some("a100-40gb"));
+    // NVML discovery would look up the table by product name, find none and say so.
+    let renamed = MINIMAL.replace("NVIDIA A100-SXM4-40GB", "Custom Accelerator");
+    let inv = from_str("t.yaml", "t", &renamed).unwrap();
+    assert!(inv.gpus[0].mig.capable);
+    assert_eq!(inv.gpus[0].mig.table, None);
+}

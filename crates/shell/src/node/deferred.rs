@@ -136,7 +136,7 @@ mod tests {
         let created = source.create_mig(&req).unwrap();
         assert_eq!(
             sim.discover().unwrap().inventory.gpus[0].mig_devices,
-            [created.clone()]
+            std::slice::from_ref(&created)
         );
         source.destroy_mig(&gpu, created.gpu_instance_id).unwrap();
         assert!(sim.discover().unwrap().inventory.gpus[0]

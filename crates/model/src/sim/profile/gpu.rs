@@ -133,23 +133,23 @@ pub(super) fn build_gpu(
         memory_mib: model.memory_mib,
         pci_bus_id,
         numa_node: spec.numa_node,
-        mig: MigMode {
-            current: mig_spec.enabled,
-            pending: mig_spec.pending.unwrap_or(mig_spec.enabled),
-            capable: catalogue.is_some(),
-            // NVML discovery names the table the product name leads to, and only when the GPU's
-            // profiles are that table's; a profile whose product name leads elsewhere is the
-            // same mismatch, so both sources agree.
-            table: catalogue
-                .filter(|c| {
-                    mig::catalogue_for_product(&model.product_name)
-                        .is_some_and(|p| p.name == c.name)
-                })
-                .map(|c| c.name.to_string()),
-            dynamic: false,
-        },
+        mig: mig_mode(&mig_spec, catalogue, &model.product_name),
         mig_devices,
     })
+}
+
+/// The MIG mode of a profile's GPU. `table` is the one NVML discovery would name: the table
+/// the product name leads to, and only when it is the GPU's own, so both sources agree.
+fn mig_mode(spec: &MigSpec, catalogue: Option<&MigCatalogue>, product: &str) -> MigMode {
+    let matches =
+        |c: &&MigCatalogue| mig::catalogue_for_product(product).is_some_and(|p| p.name == c.name);
+    MigMode {
+        current: spec.enabled,
+        pending: spec.pending.unwrap_or(spec.enabled),
+        capable: catalogue.is_some(),
+        table: catalogue.filter(matches).map(|c| c.name.to_string()),
+        dynamic: false,
+    }
 }
 
 fn build_mig_devices(

@@ -1,0 +1,234 @@
+//! The dynamic-MIG exports called in process, for NVML's return codes (the shell's tests see
+//! only what `NvmlSource` makes of them). One test: the machine is a process-wide static.
+
+use crate::*;
+use std::ptr::null_mut;
+
+fn ok(code: Ret) {
+    assert_eq!(code, SUCCESS, "{:?}", error_string(code));
+}
+
+fn open(profile: &str) {
+    std::env::set_var(state::PROFILE_ENV, profile);
+    std::env::remove_var(state::CONTROL_ENV);
+    std::env::remove_var(state::STATE_ENV);
+    ok(nvmlInit_v2());
+}
+
+fn gpu(index: u32) -> nvmlDevice_t {
+    let mut device = null_mut();
+    // SAFETY: live out-pointer.
+    ok(unsafe { device::nvmlDeviceGetHandleByIndex_v2(index, &mut device) });
+    device
+}
+
+fn place(start: u32, size: u32) -> nvmlGpuInstancePlacement_t {
+    nvmlGpuInstancePlacement_t { start, size }
+}
+
+/// `nvmlDeviceCreateGpuInstanceWithPlacement`: the code and the instance.
+fn create_gi(
+    device: nvmlDevice_t,
+    profile_id: u32,
+    at: nvmlGpuInstancePlacement_t,
+) -> (Ret, nvmlGpuInstance_t) {
+    let mut gi = null_mut();
+    // SAFETY: live placement and out-pointer.
+    let code = unsafe {
+        instances::nvmlDeviceCreateGpuInstanceWithPlacement(device, profile_id, &at, &mut gi)
+    };
+    (code, gi)
+}
+
+fn create_ci(gi: nvmlGpuInstance_t, profile: u32) -> (Ret, nvmlComputeInstance_t) {
+    let mut ci = null_mut();
+    // SAFETY: live out-pointer.
+    let code = unsafe { compute::nvmlGpuInstanceCreateComputeInstance(gi, profile, &mut ci) };
+    (code, ci)
+}
+
+fn mig_off_refuses_creation_but_lists_placements() {
+    open("dgx-h100");
+    let h100 = gpu(0);
+    let mut count = 0;
+    // SAFETY: a null buffer asks for the count; live out-pointer.
+    ok(unsafe {
+        instances::nvmlDeviceGetGpuInstancePossiblePlacements_v2(h100, 9, null_mut(), &mut count)
+    });
+    assert_eq!(count, 2, "3g.40gb: slices 0 and 4, MIG on or off");
+    let mut buf = [place(9, 9); 2];
+    let mut small = 1;
+    // SAFETY: `small` says the buffer's true capacity or less.
+    let code = unsafe {
+        instances::nvmlDeviceGetGpuInstancePossiblePlacements_v2(
+            h100,
+            9,
+            buf.as_mut_ptr(),
+            &mut small,
+        )
+    };
+    assert_eq!((code, small), (INSUFFICIENT_SIZE, 2));
+    // SAFETY: the buffer holds `count` entries.
+    ok(unsafe {
+        instances::nvmlDeviceGetGpuInstancePossiblePlacements_v2(
+            h100,
+            9,
+            buf.as_mut_ptr(),
+            &mut count,
+        )
+    });
+    assert_eq!([buf[0].start, buf[1].start, buf[1].size], [0, 4, 4]);
+    assert_eq!(create_gi(h100, 9, place(0, 4)).0, NOT_SUPPORTED);
+    ok(nvmlShutdown());
+}
+
+#[test]
+fn gpu_and_compute_instances_answer_with_nvmls_return_codes() {
+    mig_off_refuses_creation_but_lists_placements();
+    open("dynamic-mig-mixed");
+    let (h100, l4) = (gpu(0), gpu(3));
+    assert_eq!(
+        create_gi(l4, 5, place(0, 4)).0,
+        NOT_SUPPORTED,
+        "no MIG on an L4"
+    );
+    // 4g.40gb is profile id 5, 3g.40gb 9, 1g.10gb+me 20.
+    let (code, gi) = create_gi(h100, 5, place(0, 4));
+    ok(code);
+    assert_eq!(
+        create_gi(h100, 9, place(0, 4)).0,
+        INSUFFICIENT_RESOURCES,
+        "overlap"
+    );
+    assert_eq!(
+        create_gi(h100, 9, place(2, 4)).0,
+        INVALID_ARGUMENT,
+        "start not allowed"
+    );
+    assert_eq!(
+        create_gi(h100, 9, place(4, 3)).0,
+        INVALID_ARGUMENT,
+        "wrong size"
+    );
+    assert_eq!(
+        create_gi(h100, 99, place(0, 8)).0,
+        INVALID_ARGUMENT,
+        "no such profile"
+    );
+
+    let mut info = nvmlGpuInstanceInfo_t {
+        device: null_mut(),
+        id: 0,
+        profileId: 0,
+        placement: place(9, 9),
+    };
+    // SAFETY: live out-pointer.
+    ok(unsafe { instances::nvmlGpuInstanceGetInfo(gi, &mut info) });
+    assert_eq!(
+        (
+            info.id,
+            info.profileId,
+            info.placement.start,
+            info.placement.size
+        ),
+        (1, 5, 0, 4)
+    );
+    let mut found = null_mut();
+    // SAFETY: live out-pointers.
+    unsafe {
+        ok(instances::nvmlDeviceGetGpuInstanceById(h100, 1, &mut found));
+        assert_eq!(found, gi);
+        assert_eq!(
+            instances::nvmlDeviceGetGpuInstanceById(h100, 2, &mut found),
+            NOT_FOUND
+        );
+    }
+    let mut listed = [null_mut(); 1];
+    let mut n = 0;
+    // SAFETY: the buffer holds 4g.40gb's instance count (1).
+    ok(unsafe { instances::nvmlDeviceGetGpuInstances(h100, 5, listed.as_mut_ptr(), &mut n) });
+    assert_eq!((n, listed[0]), (1, gi));
+    let mut mig = null_mut();
+    // SAFETY: live out-pointer.
+    let none = unsafe { mig::nvmlDeviceGetMigDeviceHandleByIndex(h100, 0, &mut mig) };
+    assert_eq!(
+        none, NOT_FOUND,
+        "a GPU instance without a compute instance is no MIG device"
+    );
+
+    let mut ci_info = nvmlComputeInstanceProfileInfo_t {
+        id: 0,
+        sliceCount: 0,
+        instanceCount: 0,
+        multiprocessorCount: 0,
+        sharedCopyEngineCount: 0,
+        sharedDecoderCount: 0,
+        sharedEncoderCount: 0,
+        sharedJpegCount: 0,
+        sharedOfaCount: 0,
+    };
+    // SAFETY: live out-pointers.
+    unsafe {
+        assert_eq!(
+            compute::nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, 2, 0, &mut ci_info),
+            NOT_SUPPORTED,
+            "no 3c on a 4g"
+        );
+        assert_eq!(
+            compute::nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, 3, 1, &mut ci_info),
+            INVALID_ARGUMENT,
+            "engine profile"
+        );
+        ok(compute::nvmlGpuInstanceGetComputeInstanceProfileInfo(
+            gi,
+            3,
+            0,
+            &mut ci_info,
+        ));
+    }
+    assert_eq!(
+        (ci_info.id, ci_info.sliceCount, ci_info.instanceCount),
+        (3, 4, 1)
+    );
+    assert_eq!(
+        create_ci(gi, 0).0,
+        NOT_SUPPORTED,
+        "only whole-instance compute instances"
+    );
+    let (code, ci) = create_ci(gi, 3);
+    ok(code);
+    assert_eq!(
+        create_ci(gi, 3).0,
+        INSUFFICIENT_RESOURCES,
+        "the slices are taken"
+    );
+    // SAFETY: live out-pointer.
+    ok(unsafe { mig::nvmlDeviceGetMigDeviceHandleByIndex(h100, 0, &mut mig) });
+    // SAFETY: the instance still has its compute instance.
+    assert_eq!(unsafe { instances::nvmlGpuInstanceDestroy(gi) }, IN_USE);
+    let mut cis = [null_mut(); 1];
+    // SAFETY: the buffer holds the 4-slice CI profile's instance count (1).
+    ok(unsafe { compute::nvmlGpuInstanceGetComputeInstances(gi, 3, cis.as_mut_ptr(), &mut n) });
+    assert_eq!((n, cis[0]), (1, ci));
+
+    // SAFETY: handles from the calls above; a destroyed one is invalid afterwards.
+    unsafe {
+        ok(compute::nvmlComputeInstanceDestroy(ci));
+        assert_eq!(compute::nvmlComputeInstanceDestroy(ci), INVALID_ARGUMENT);
+        ok(instances::nvmlGpuInstanceDestroy(gi));
+        assert_eq!(instances::nvmlGpuInstanceDestroy(gi), INVALID_ARGUMENT);
+        assert_eq!(
+            instances::nvmlDeviceGetGpuInstanceById(h100, 1, &mut found),
+            NOT_FOUND
+        );
+    }
+
+    // One +me instance: the H100 has one OFA engine.
+    ok(create_gi(h100, 20, place(0, 1)).0);
+    assert_eq!(
+        create_gi(h100, 20, place(1, 1)).0,
+        INSUFFICIENT_RESOURCES,
+        "engines"
+    );
+    ok(nvmlShutdown());
+}
