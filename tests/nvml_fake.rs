@@ -474,3 +474,33 @@ fn with_a_state_file_created_instances_outlive_the_process_that_made_them() {
         sim::load(DYNAMIC).unwrap()
     );
 }
+
+#[test]
+fn creating_on_a_gpu_with_mig_off_is_refused_by_nvml_and_the_simulation_alike() {
+    let lab = Lab::new();
+    let machine = lab.open("dgx-h100");
+    let sim = SimSource::new(sim::load("dgx-h100").unwrap());
+    let found = machine.source.discover().unwrap().inventory;
+    let gpu = &found.gpus[0];
+    assert!(gpu.mig.capable && !gpu.mig.current);
+    assert_eq!(
+        gpu.mig.table.as_deref(),
+        Some("h100-80gb"),
+        "known with MIG off too"
+    );
+    let req = mig_request(&gpu.uuid, "7g.80gb", 0);
+    let nvml = machine.source.create_mig(&req).unwrap_err();
+    assert!(matches!(nvml, MigChangeError::Refused(_)), "{nvml}");
+    assert!(nvml.to_string().contains("MIG mode"), "{nvml}");
+    assert_eq!(kind(&sim.create_mig(&req).unwrap_err()), "Refused");
+    let destroy = machine.source.destroy_mig(&gpu.uuid, 1).unwrap_err();
+    assert_eq!(
+        kind(&destroy),
+        kind(&sim.destroy_mig(&gpu.uuid, 1).unwrap_err())
+    );
+    assert_eq!(
+        machine.source.discover().unwrap().inventory,
+        found,
+        "nothing changed"
+    );
+}

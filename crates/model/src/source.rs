@@ -114,6 +114,8 @@ pub enum MigChangeError {
 }
 
 /// A simulated machine. Clones share state, so a test or the demo can inject into a running agent.
+/// MIG instances are created and destroyed as on the hardware, by [`instances`] (the fake NVML's
+/// rules too): smallest free GPU-instance id from 1, compute instance 0, a new UUID per creation.
 #[derive(Debug, Clone)]
 pub struct SimSource {
     inner: Arc<SimState>,
