@@ -50,8 +50,9 @@
 //! `DeviceTaintRule` with `NoExecute` naming the device (driver, pool, device) adds it.
 //!
 //! **Dynamic MIG**: a GPU gpuplane partitions on demand (`mig.dynamic`) is published as its
-//! partitionable devices instead ([`mod@dynamic`]): each allowed instance and the whole GPU,
-//! consuming the GPU's counter set, which the pool declares in slices of their own.
+//! partitionable devices instead ([`crate::dynamic_mig`], rendered by `render/dynamic.rs`):
+//! each allowed instance and the whole GPU, consuming the GPU's counter set, which the pool
+//! declares in slices of their own.
 //!
 //! **Splitting**: devices are packed into slices of at most 64 (the limit for slices with
 //! taints or counters) whole GPUs at a time, whatever the health, so a health change never
@@ -130,7 +131,7 @@ pub fn render(
 
 /// This node's slices, all carrying `generation`; the units in `shared` are published as
 /// shared devices ([`crate::sharing`]), dynamic-MIG GPUs as partitionable devices with their
-/// counter sets ([`mod@dynamic`]). No devices, no slices.
+/// counter sets ([`crate::dynamic_mig`]). No devices, no slices.
 pub fn render_with_generation(
     inv: &Inventory,
     health: &HealthBook,
