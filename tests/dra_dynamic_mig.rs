@@ -25,6 +25,7 @@ const DRIVER: &str = "gpu.gpuplane.dev";
 const NODE: &str = "node-a";
 const PROFILE: &str = "dynamic-mig-mixed";
 const CONFIG: &str = "dynamicMig:\n  gpus: [0, 1]\n";
+const DEVICE_AT4: &str = "gpu-0-mig-3g40gb-at4";
 
 fn uid(n: u8) -> String {
     format!("0b5c3f2e-1111-4222-8333-4444555566{n:02x}")
@@ -320,4 +321,60 @@ async fn an_instance_another_tool_made_is_never_touched_and_its_gpu_says_why() {
         [foreign],
         "the other tool's instance is still there"
     );
+}
+
+#[tokio::test]
+async fn an_xid_on_the_instance_or_its_parent_reaches_the_claims_device() {
+    use gpuplane_shell::dra::DeviceHealthState;
+    use gpuplane_shell::source::DeviceEvent;
+    let env = Env::new();
+    let state = env.state();
+    let core = env.core(state.clone());
+    let health_of = |core: &DraCore, name: &str| {
+        core.device_health()
+            .into_iter()
+            .find(|r| r.device == name)
+            .map(|r| r.health)
+    };
+    assert_eq!(
+        health_of(&core, DEVICE_AT4),
+        Some(DeviceHealthState::Healthy),
+        "a placement not yet prepared reports its GPU's health"
+    );
+    let a = env.add_claim("a", &uid(1), &[DEVICE_AT4]);
+    prepare(&core, &a).await.unwrap();
+    let (gpu, mig) = {
+        let hw = env.hardware();
+        (hw.gpus[0].uuid.clone(), hw.gpus[0].mig_devices[0].uuid.clone())
+    };
+    let xid = |mig: Option<&gpuplane_shell::inventory::DeviceUuid>| {
+        let event = DeviceEvent::Xid {
+            gpu_uuid: gpu.clone(),
+            mig_uuid: mig.cloned(),
+            xid: 48,
+        };
+        state.update(|s| {
+            let policy = s.config.xid_policy.clone();
+            s.health.on_event(&event, std::time::Instant::now(), &policy);
+            ((), true)
+        });
+    };
+    xid(Some(&mig));
+    assert_eq!(
+        health_of(&core, DEVICE_AT4),
+        Some(DeviceHealthState::Unhealthy),
+        "an Xid on the instance"
+    );
+    assert_eq!(
+        health_of(&core, "gpu-0-mig-4g40gb-at0"),
+        Some(DeviceHealthState::Healthy),
+        "only that instance"
+    );
+    xid(None);
+    assert_eq!(
+        health_of(&core, "gpu-0-mig-4g40gb-at0"),
+        Some(DeviceHealthState::Unhealthy),
+        "an Xid on the parent reaches every device of the GPU"
+    );
+    unprepare(&core, &a).await;
 }
