@@ -127,27 +127,62 @@ async fn killed_after_the_checkpoint_the_prepared_claim_keeps_its_instance() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_between_destroying_and_recording_the_retried_unprepare_finishes() {
+async fn killed_before_the_final_checkpoint_the_retry_completes_with_the_recorded_instance() {
+    crash_in_prepare("prepare.before-checkpoint", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_spec_the_retry_answers_the_same_instance() {
+    crash_in_prepare("prepare.after-cdi-spec", true).await;
+}
+
+/// Prepare, kill in unprepare at `step`, restart, retry the unprepare: the instance and the
+/// entry go, and the GPU is whole again (a whole-GPU claim is prepared as its full instance).
+async fn crash_in_unprepare(step: &str, destroyed_before_kill: bool, entry_left: bool) {
     let mut node = node().await;
-    node.start(Some("unprepare.after-mig-destroy")).await;
+    node.start(Some(step)).await;
     let c = claim(&node, "train");
     check_prepared(&node, &c).await;
     node.unprepare_until_crash(&c).await;
-    assert!(
+    assert_eq!(
         instances(&node, 0).is_empty(),
-        "the kill came after the destroy"
+        destroyed_before_kill,
+        "{step}: what the kill left on the GPU"
     );
-    assert!(
+    assert_eq!(
         node.checkpoint().claims.contains_key(c.uid.as_str()),
-        "the entry still records the claim"
+        entry_left,
+        "{step}: whether the entry still records the claim"
     );
+    node.check_files(false);
     node.start(None).await;
     node.check_files(true);
     check_unprepared(&node, &c).await;
-    // The GPU is whole again for the scheduler's next choice: a 7g-sized claim fits.
     let whole = support::put_claim(&node.api, "whole", &["gpu-0"]);
     node.prepare(&whole).await.unwrap();
-    assert_eq!(instances(&node, 0).len(), 1);
+    let made = instances(&node, 0);
+    assert_eq!(made.len(), 1);
+    assert_eq!((made[0].0.as_str(), made[0].1), ("7g.80gb", 0));
     node.unprepare(&whole).await.unwrap();
     assert!(instances(&node, 0).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_before_the_spec_removal_the_retried_unprepare_destroys_the_instance() {
+    crash_in_unprepare("unprepare.before-spec-removal", false, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_spec_removal_the_retried_unprepare_destroys_the_instance() {
+    crash_in_unprepare("unprepare.after-spec-removal", false, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_between_destroying_and_recording_the_retried_unprepare_finishes() {
+    crash_in_unprepare("unprepare.after-mig-destroy", true, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_checkpoint_the_unprepare_is_done() {
+    crash_in_unprepare("unprepare.after-checkpoint", true, false).await;
 }

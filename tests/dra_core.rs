@@ -103,15 +103,7 @@ impl Env {
         DraCoreConfig {
             driver: DRIVER.into(),
             node_name: NODE.into(),
-            paths: HostPaths {
-                kubelet_root: self.root.join("kubelet"),
-                cdi_root: self.root.join("cdi"),
-                state_dir: self.root.join("state"),
-                driver_root: self.root.join("driver"),
-                driver_root_mount: None,
-                dev_root: self.root.join("dev"),
-                proc_root: self.root.join("proc"),
-            },
+            paths: HostPaths::under(&self.root),
             device_mode: self.mode,
         }
     }

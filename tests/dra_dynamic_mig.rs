@@ -77,15 +77,7 @@ impl Env {
         let config = DraCoreConfig {
             driver: DRIVER.into(),
             node_name: NODE.into(),
-            paths: HostPaths {
-                kubelet_root: root.join("kubelet"),
-                cdi_root: root.join("cdi"),
-                state_dir: root.join("state"),
-                driver_root: root.join("driver"),
-                driver_root_mount: None,
-                dev_root: root.join("dev"),
-                proc_root: root.join("proc"),
-            },
+            paths: HostPaths::under(&root),
             device_mode: DeviceMode::Simulated,
         };
         let fetcher: Arc<dyn ClaimFetcher> = self.claims.clone();

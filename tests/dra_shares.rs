@@ -86,13 +86,8 @@ impl Env {
             driver: DRIVER.into(),
             node_name: NODE.into(),
             paths: HostPaths {
-                kubelet_root: root.join("kubelet"),
-                cdi_root: root.join("cdi"),
-                state_dir: root.join("state"),
-                driver_root: root.join("driver"),
-                driver_root_mount: None,
-                dev_root: root.join("dev"),
                 proc_root: PathBuf::from("/proc"),
+                ..HostPaths::under(&root)
             },
             device_mode: DeviceMode::Simulated,
         };

@@ -693,16 +693,6 @@ fn claim_pod(lab: &ClusterLab, name: &str, count: u32, selector: &str) {
     lab.apply(&cluster::claim_pod("default", name, name));
 }
 
-/// The scheduler's reason for not placing a pod: its PodScheduled=False condition message.
-fn unschedulable_reason(lab: &ClusterLab, name: &str) -> Option<String> {
-    let pod = lab.get_json(&["get", "pod", name])?;
-    pod["status"]["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == "PodScheduled" && c["status"] == "False")
-        .and_then(|c| c["message"].as_str().map(String::from))
-}
-
 /// A claim pod holding 3 GPUs, then a device-plugin pod (`dp-five`) taking the other five:
 /// the device plugin withdraws the prepared three, the two sets are disjoint and together all
 /// eight, and the slices taint the five in use. The (claim, device plugin) UUIDs.
@@ -770,7 +760,7 @@ fn one_inventory_across_both_apis_and_unsatisfiable_claims_stay_pending() {
     // Nothing is left: a further claim is not allocated, and the scheduler says why.
     claim_pod(&lab, "claims-one-more", 1, "true");
     let reason = eventually("the scheduler's reason for claims-one-more", || {
-        unschedulable_reason(&lab, "claims-one-more")
+        cluster::unschedulable_reason(&lab, "claims-one-more")
     });
     assert!(
         reason.contains("claim"),
@@ -784,7 +774,7 @@ fn one_inventory_across_both_apis_and_unsatisfiable_claims_stay_pending() {
         "device.attributes['gpu.gpuplane.dev'].productName == 'no-such-gpu'",
     );
     let reason = eventually("the scheduler's reason for claims-no-such-gpu", || {
-        unschedulable_reason(&lab, "claims-no-such-gpu")
+        cluster::unschedulable_reason(&lab, "claims-no-such-gpu")
     });
     assert!(reason.contains("claim"), "{reason}");
     for name in ["claims-one-more", "claims-no-such-gpu"] {
@@ -863,7 +853,7 @@ fn an_xid_makes_a_gpu_unhealthy_for_the_kubelet_and_the_scheduler_until_it_recov
         &format!("device.attributes['gpu.gpuplane.dev'].uuid == '{gpu3}'"),
     );
     let reason = eventually("the scheduler's reason for wants-gpu-3", || {
-        unschedulable_reason(&lab, "wants-gpu-3")
+        cluster::unschedulable_reason(&lab, "wants-gpu-3")
     });
     assert!(reason.contains("claim"), "{reason}");
 
@@ -963,7 +953,7 @@ spec:
     ]);
     claim_pod(&lab, "wants-gpu-5", 1, &on_gpu5);
     let reason = eventually("the scheduler's reason for wants-gpu-5", || {
-        unschedulable_reason(&lab, "wants-gpu-5")
+        cluster::unschedulable_reason(&lab, "wants-gpu-5")
     });
     assert!(reason.contains("claim"), "{reason}");
     lab.kubectl_ok(&["delete", "devicetaintrule", "drain-gpu-5"]);
@@ -1005,7 +995,7 @@ fn a_killed_agent_restarts_without_a_write_and_a_waiting_claim_gets_no_held_gpu(
     let (_, by_plugin) = every_gpu_held_by_both_apis(&lab);
     claim_pod(&lab, "claims-waiting", 1, "true");
     eventually("the scheduler's reason for claims-waiting", || {
-        unschedulable_reason(&lab, "claims-waiting")
+        cluster::unschedulable_reason(&lab, "claims-waiting")
     });
 
     let versions = cluster::slice_versions(&lab, NODE);

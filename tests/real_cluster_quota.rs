@@ -59,14 +59,6 @@ fn pod_json(lab: &ClusterLab, ns: &str, name: &str) -> Option<Value> {
     lab.get_json(&["get", "pod", name, "-n", ns])
 }
 
-fn wait_running(lab: &ClusterLab, ns: &str, name: &str) {
-    eventually_or(
-        &format!("pod {ns}/{name} to run"),
-        || (pod_json(lab, ns, name)?["status"]["phase"] == "Running").then_some(()),
-        || lab.describe_pod_in(ns, name),
-    );
-}
-
 fn gates(pod: &Value) -> Vec<String> {
     pod["spec"]["schedulingGates"]
         .as_array()
@@ -186,7 +178,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
             && err.contains("requested 1, used 2 of 2 in GpuQuota team-a/default"),
         "kubectl's error: {err}"
     );
-    wait_running(&lab, "team-a", "two");
+    cluster::wait_running(&lab, "team-a", "two");
     assert!(pod_json(&lab, "team-a", "one-more").is_none());
 
     // Queue mode: a GPU pod is created gated and released by the controller when it fits;
@@ -203,7 +195,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         after.1 > before.1 && after.0 > before.0,
         "both webhooks called: {before:?} -> {after:?}"
     );
-    wait_running(&lab, "team-q", "first");
+    cluster::wait_running(&lab, "team-q", "first");
     let second = lab.create(&pod("team-q", "second", 1), &[]).unwrap();
     assert_eq!(gates(&second), [SCHEDULING_GATE]);
     eventually("the second pod to be queued in the GpuQuota status", || {
@@ -242,7 +234,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         "--wait=true",
         "--timeout=120s",
     ]);
-    wait_running(&lab, "team-q", "second");
+    cluster::wait_running(&lab, "team-q", "second");
     // The label removed by hand comes back.
     lab.kubectl_ok(&["label", "namespace", "team-q", "quota.gpuplane.dev/queue-"]);
     eventually("the queue label back on team-q", || {
@@ -270,7 +262,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     );
     namespace_with_quota(&lab, "team-d", "gpus", 1, "Reject");
     lab.create(&pod("team-d", "via-dra", 1), &[]).unwrap();
-    wait_running(&lab, "team-d", "via-dra");
+    cluster::wait_running(&lab, "team-d", "via-dra");
     let p = pod_json(&lab, "team-d", "via-dra").unwrap();
     assert!(
         p["status"]["extendedResourceClaimStatus"]["resourceClaimName"].is_string(),
@@ -282,7 +274,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     let controller_log = controller.log_text();
     controller.stop();
     lab.create(&pod("team-a", "no-gpus", 0), &[]).unwrap();
-    wait_running(&lab, "team-a", "no-gpus");
+    cluster::wait_running(&lab, "team-a", "no-gpus");
     let err = lab
         .create(&pod("team-a", "gpu-while-down", 1), &[])
         .unwrap_err();

@@ -39,6 +39,21 @@ impl HostPaths {
         }
     }
 
+    /// Every location under one directory, as its standard name there (`<root>/kubelet`,
+    /// `cdi`, `state`, `driver`, `dev`, `proc`): a node laid out in a directory (the demo, the
+    /// test labs).
+    pub fn under(root: &Path) -> HostPaths {
+        HostPaths {
+            kubelet_root: root.join("kubelet"),
+            cdi_root: root.join("cdi"),
+            state_dir: root.join("state"),
+            driver_root: root.join("driver"),
+            driver_root_mount: None,
+            dev_root: root.join("dev"),
+            proc_root: root.join("proc"),
+        }
+    }
+
     pub fn device_plugins(&self) -> PathBuf {
         self.kubelet_root.join("device-plugins")
     }

@@ -317,11 +317,10 @@ const CATALOGUES: &[MigCatalogue] = &[
             spec("7g.80gb", 4, 0, 7, 8, WHOLE, 81152, 132, 8, 7, 7, 1),
         ],
     },
-    // A30 24GB (NVML total 24576 MiB): ids, placements, memory, SMs and engines as
-    // `nvidia-smi mig -lgip` and `-lgipp` print them on an A30 with driver 535.183.01
-    // (memory 5.81/11.69/23.44 GiB; nvidia-smi lists the instances' memory as 5952 and
-    // 11968 MiB). NVIDIA's MIG user guide ("A30 MIG Profiles") agrees, except that it gives
-    // 1g.6gb no NVDEC where the driver reports one; the driver's answer is what NVML enforces.
+    // A30 24GB (NVML total 24576 MiB): ids, placements, memory, SMs and engines from NVIDIA's
+    // MIG user guide ("A30 MIG Profiles") and published `nvidia-smi mig -lgip` listings of an
+    // A30 (memory 5.81/11.69/23.44 GiB), not read on an A30 here. The guide gives 1g.6gb no
+    // NVDEC where the published driver listings show one; the listing is taken.
     // NVML indices: 2_SLICE_REV1 (8) is the 2g `+me`.
     MigCatalogue {
         name: "a30-24gb",
@@ -337,12 +336,11 @@ const CATALOGUES: &[MigCatalogue] = &[
     },
     // H200 141GB (NVML total 143771 MiB), the H100's GH100 with more memory: the same seven
     // profiles, ids, NVML indices and placements as the H100. Engines and copy engines: the
-    // MIG user guide's "H200 MIG Profiles" table. Memory: `nvidia-smi mig -lgip` on an H200
-    // (1g.18gb 16.00, 2g.35gb 32.50, 7g.141gb 140.00 GiB) and the CUDA `totalMemory` of a
-    // 3g.71gb instance (74893492224 bytes = 71424 MiB); 1g.35gb and 4g.71gb are taken to have
-    // the memory of 2g.35gb and 3g.71gb (same memory slices, as in every other table). SMs:
-    // 16, 32 and 132 from nvidia-smi, 26 (1g.35gb) and 60 (3g.71gb) from CUDA's
-    // multiProcessorCount on such instances, 64 (4g.71gb) as on the H100.
+    // MIG user guide's "H200 MIG Profiles" table. Memory and SMs from published `nvidia-smi
+    // mig -lgip` listings and CUDA device properties of H200 instances; 1g.35gb and 4g.71gb
+    // are taken to have the memory of 2g.35gb and 3g.71gb (same memory slices, as in every
+    // other table), 4g.71gb the H100's 64 SMs. Not yet read from an H200 through our NVML
+    // code: that check runs when the GPU machine is lent (read-only).
     MigCatalogue {
         name: "h200-141gb",
         compute_slices: 7,

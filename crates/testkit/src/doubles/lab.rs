@@ -143,16 +143,10 @@ impl NodeLab {
 
     /// The agent's paths, all under the lab's directory.
     pub fn paths(&self) -> HostPaths {
-        let d = &self.root;
         HostPaths {
-            kubelet_root: d.join("kubelet"),
-            cdi_root: d.join("cdi"),
-            state_dir: d.join("state"),
-            driver_root: d.join("driver"),
-            driver_root_mount: None,
-            dev_root: d.join("dev"),
             // The host's: device-node tests compare with the numbers its drivers registered.
             proc_root: HostPaths::standard().proc_root,
+            ..HostPaths::under(&self.root)
         }
     }
 
