@@ -525,7 +525,9 @@ async fn share_prepare() {
 async fn dynamic_mig_prepare() {
     let lab = Lab::new("dynamic-mig-mixed").await;
     // GPU 3 (an L4) is the one device the device plugin offers.
-    let (agent, _) = lab.start_registered("dynamicMig: {gpus: [0, 1]}\n", 1).await;
+    let (agent, _) = lab
+        .start_registered("dynamicMig: {gpus: [0, 1]}\n", 1)
+        .await;
     lab.eventually("the dynamic devices published", |l| {
         l.slices().iter().any(|s| {
             s["spec"]["devices"]
@@ -572,7 +574,9 @@ fn nvml_create_destroy() {
     std::env::set_var("GPUPLANE_FAKE_NVML_PROFILE", "dynamic-mig-mixed");
     let nvml = gpuplane_shell::nvml::NvmlSource::open(Some(support::built_fake()))
         .expect("the fake libnvidia-ml opens");
-    let gpu = nvml.discover().expect("discover").inventory.gpus[0].uuid.clone();
+    let gpu = nvml.discover().expect("discover").inventory.gpus[0]
+        .uuid
+        .clone();
     let req = gpuplane_shell::source::MigRequest {
         gpu: gpu.clone(),
         profile: "3g.40gb".into(),

@@ -337,7 +337,10 @@ async fn an_xid_on_the_instance_or_its_parent_reaches_the_claims_device() {
     prepare(&core, &a).await.unwrap();
     let (gpu, mig) = {
         let hw = env.hardware();
-        (hw.gpus[0].uuid.clone(), hw.gpus[0].mig_devices[0].uuid.clone())
+        (
+            hw.gpus[0].uuid.clone(),
+            hw.gpus[0].mig_devices[0].uuid.clone(),
+        )
     };
     let xid = |mig: Option<&gpuplane_shell::inventory::DeviceUuid>| {
         let event = DeviceEvent::Xid {
@@ -347,7 +350,8 @@ async fn an_xid_on_the_instance_or_its_parent_reaches_the_claims_device() {
         };
         state.update(|s| {
             let policy = s.config.xid_policy.clone();
-            s.health.on_event(&event, std::time::Instant::now(), &policy);
+            s.health
+                .on_event(&event, std::time::Instant::now(), &policy);
             ((), true)
         });
     };

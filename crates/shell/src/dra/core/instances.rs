@@ -75,11 +75,15 @@ impl Shared {
         claim: &ResourceClaim,
         c: &ClaimRef,
     ) -> Result<(), PrepareError> {
-        let inv = self.state.read().inventory.clone();
-        let mut wanted = wanted(claim, &self.driver, &self.pool, &inv);
-        if wanted.is_empty() {
-            return Ok(());
-        }
+        // Most claims have no dynamic device: no copy of the inventory for them.
+        let (inv, mut wanted) = {
+            let snap = self.state.read();
+            let wanted = wanted(claim, &self.driver, &self.pool, &snap.inventory);
+            if wanted.is_empty() {
+                return Ok(());
+            }
+            (snap.inventory.clone(), wanted)
+        };
         // Records of an earlier attempt keep what they know (the created instance).
         let earlier = cp
             .get(&c.uid)
@@ -93,35 +97,7 @@ impl Shared {
         let fresh = cp.get(&c.uid).is_none();
         self.record(cp, c, &wanted)?;
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterMigIntent);
-        let mut made: Vec<MigDevice> = Vec::new();
-        let mut failed = None;
-        for w in wanted.iter_mut().filter(|w| w.created.is_none()) {
-            let device = match existing(&inv, &w.request) {
-                // A kill between create and record: the instance is ours (the intent says so).
-                Some(m) => m.clone(),
-                None => match self.source.create_mig(&w.request) {
-                    Ok(m) => {
-                        crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterMigCreate);
-                        info!(claim = %claim_label(c), device = %w.device, uuid = %m.uuid,
-                            gpu_instance = m.gpu_instance_id, "created MIG instance");
-                        m
-                    }
-                    Err(cause) => {
-                        failed = Some(PrepareError::Mig {
-                            device: w.device.clone(),
-                            action: "create",
-                            cause,
-                        });
-                        break;
-                    }
-                },
-            };
-            w.created = Some(CreatedMig {
-                gpu_instance_id: device.gpu_instance_id,
-                uuid: device.uuid.clone(),
-            });
-            made.push(device);
-        }
+        let (made, failed) = self.make(&inv, c, &mut wanted);
         if failed.is_some() {
             // Intents that were not fulfilled go; instances made stay recorded (the kubelet's
             // unprepare or retry takes it from there), and a claim that made none leaves no
@@ -146,6 +122,45 @@ impl Shared {
             ((), changed)
         });
         failed.map_or(Ok(()), Err)
+    }
+
+    /// Creates (or, after a kill between create and record, adopts) each instance `wanted`
+    /// has not made yet, stopping at the first failure; the devices made, and that failure.
+    fn make(
+        &self,
+        inv: &Inventory,
+        c: &ClaimRef,
+        wanted: &mut [MigEntry],
+    ) -> (Vec<MigDevice>, Option<PrepareError>) {
+        let mut made: Vec<MigDevice> = Vec::new();
+        for w in wanted.iter_mut().filter(|w| w.created.is_none()) {
+            let device = match existing(inv, &w.request) {
+                // The intent says an instance there is ours.
+                Some(m) => m.clone(),
+                None => match self.source.create_mig(&w.request) {
+                    Ok(m) => {
+                        crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterMigCreate);
+                        info!(claim = %claim_label(c), device = %w.device, uuid = %m.uuid,
+                            gpu_instance = m.gpu_instance_id, "created MIG instance");
+                        m
+                    }
+                    Err(cause) => {
+                        let failed = PrepareError::Mig {
+                            device: w.device.clone(),
+                            action: "create",
+                            cause,
+                        };
+                        return (made, Some(failed));
+                    }
+                },
+            };
+            w.created = Some(CreatedMig {
+                gpu_instance_id: device.gpu_instance_id,
+                uuid: device.uuid.clone(),
+            });
+            made.push(device);
+        }
+        (made, None)
     }
 
     /// Writes the claim's entry with `instances` (a new entry starts as `PrepareStarted`); no
@@ -194,6 +209,9 @@ impl Shared {
         c: &ClaimRef,
         instances: &[MigEntry],
     ) -> Result<(), PrepareError> {
+        if instances.is_empty() {
+            return Ok(());
+        }
         let inv = self.state.read().inventory.clone();
         for m in instances {
             let gi = match (&m.created, existing(&inv, &m.request)) {
