@@ -358,7 +358,7 @@ impl Shared {
         if let Some(devices) = self.completed(&cp, &c.uid, false) {
             return Ok(devices);
         }
-        self.create_instances(&mut cp, claim, c)?;
+        let instances = self.create_instances(&mut cp, claim, c)?;
         let rendered = self.render(claim, c)?;
         self.hold(c, &rendered.units, &rendered.shares)?;
         if let Err(e) = self.start_daemons(&rendered.shares) {
@@ -375,10 +375,7 @@ impl Shared {
             units: rendered.units,
             cdi_spec: Some(rendered.spec.clone()),
             shares: rendered.shares,
-            instances: cp
-                .get(&c.uid)
-                .map(|e| e.instances.clone())
-                .unwrap_or_default(),
+            instances,
         };
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareBeforeCheckpoint);
         cp.update(|d| {

@@ -4,11 +4,13 @@
 //! The checkpoint is written before each change to the hardware and after it:
 //!
 //! 1. the claim's entry (state `PrepareStarted`) records every instance it needs (the intent);
-//! 2. each missing instance is created through the source, and the entry records its GPU
-//!    instance id and UUID;
+//! 2. each missing instance is created through the source;
 //! 3. the new MIG devices go into the node's inventory, where the claim's dynamic device names
 //!    now resolve to them ([`crate::inventory::Inventory::dra_device`]), and the claim is
-//!    planned, held and written as any other.
+//!    planned, held and written as any other: its `PrepareCompleted` entry records each
+//!    instance's GPU instance id and UUID. The intent alone already says which instance is
+//!    the claim's (its placement), so this costs a dynamic prepare one durable write more than
+//!    a static one, not two; a failed prepare records what it made before it answers.
 //!
 //! An instance is ours exactly when an entry records it, created or intended (the same GPU,
 //! profile and start): placements never overlap, so at most one instance matches. A kill after
@@ -68,19 +70,19 @@ fn wanted(claim: &ResourceClaim, driver: &str, pool: &str, inv: &Inventory) -> V
 
 impl Shared {
     /// Steps 1 and 2 of the module docs for `claim`; the instances are in the inventory when
-    /// it returns.
+    /// it returns, and the entries the prepared claim records are returned.
     pub(super) fn create_instances(
         &self,
         cp: &mut Checkpoint,
         claim: &ResourceClaim,
         c: &ClaimRef,
-    ) -> Result<(), PrepareError> {
+    ) -> Result<Vec<MigEntry>, PrepareError> {
         // Most claims have no dynamic device: no copy of the inventory for them.
         let (inv, mut wanted) = {
             let snap = self.state.read();
             let wanted = wanted(claim, &self.driver, &self.pool, &snap.inventory);
             if wanted.is_empty() {
-                return Ok(());
+                return Ok(wanted);
             }
             (snap.inventory.clone(), wanted)
         };
@@ -103,14 +105,14 @@ impl Shared {
             // unprepare or retry takes it from there), and a claim that made none leaves no
             // entry behind.
             wanted.retain(|w| w.created.is_some());
-        }
-        if wanted.is_empty() && fresh {
-            cp.update(|d| {
-                d.claims.remove(c.uid.as_str());
-            })?;
-            self.sync_owned(cp);
-        } else {
-            self.record(cp, c, &wanted)?;
+            if wanted.is_empty() && fresh {
+                cp.update(|d| {
+                    d.claims.remove(c.uid.as_str());
+                })?;
+                self.sync_owned(cp);
+            } else {
+                self.record(cp, c, &wanted)?;
+            }
         }
         self.state.update(|s| {
             let changed = !made.is_empty();
@@ -121,7 +123,7 @@ impl Shared {
             install(s, inv);
             ((), changed)
         });
-        failed.map_or(Ok(()), Err)
+        failed.map_or(Ok(wanted), Err)
     }
 
     /// Creates (or, after a kill between create and record, adopts) each instance `wanted`
