@@ -77,7 +77,7 @@ impl Env {
         let config = DraCoreConfig {
             driver: DRIVER.into(),
             node_name: NODE.into(),
-            paths: HostPaths::under(&root),
+            paths: HostPaths::under(root),
             device_mode: DeviceMode::Simulated,
         };
         let fetcher: Arc<dyn ClaimFetcher> = self.claims.clone();

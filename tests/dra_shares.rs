@@ -87,7 +87,7 @@ impl Env {
             node_name: NODE.into(),
             paths: HostPaths {
                 proc_root: PathBuf::from("/proc"),
-                ..HostPaths::under(&root)
+                ..HostPaths::under(root)
             },
             device_mode: DeviceMode::Simulated,
         };

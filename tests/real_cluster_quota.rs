@@ -8,7 +8,7 @@
 mod cluster;
 
 use cluster::{
-    eventually, eventually_or, refusals, start_controller, ClusterLab, LabAgent, LabProcess,
+    eventually, refusals, start_controller, ClusterLab, LabAgent, LabProcess,
     CONTROLLER_METRICS_ADDR, NODE,
 };
 use gpuplane_shell::quota::SCHEDULING_GATE;
