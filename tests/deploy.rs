@@ -83,8 +83,21 @@ fn webhook_secret(name: &str) -> (String, String) {
 /// changes, and nothing else).
 fn deploy_overlay(overlay: &Path, image_ref: &str) -> String {
     use base64::Engine;
-    let (secret, ca_pem) = webhook_secret("gpuplane-webhook-tls");
-    std::fs::write(overlay.join("webhook-tls.json"), secret).unwrap();
+    // One CA per lab: an image upgrade re-applies the overlay, and a new CA there would race
+    // the controller pods still serving the old certificate (a rollout does not rotate it).
+    let (secret_file, ca_file) = (
+        overlay.join("webhook-tls.json"),
+        overlay.join("webhook-ca.pem"),
+    );
+    let ca_pem = match std::fs::read_to_string(&ca_file) {
+        Ok(pem) if secret_file.exists() => pem,
+        _ => {
+            let (secret, ca_pem) = webhook_secret("gpuplane-webhook-tls");
+            std::fs::write(&secret_file, secret).unwrap();
+            std::fs::write(&ca_file, &ca_pem).unwrap();
+            ca_pem
+        }
+    };
     let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
     let mut text = cluster::overlay_head(overlay, &["webhook-tls.json"]);
     text += &format!(
