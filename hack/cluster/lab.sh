@@ -114,9 +114,13 @@ ip route add default dev lab0
 echo 1 >/proc/sys/net/ipv4/ip_forward
 
 for d in /run /var/lib /var/log; do mount -n -t tmpfs -o mode=755 tmpfs "$d"; done  # -n: no utab in the host's /run/mount
+# The kubelets tune these global sysctls at start; each gets a plain file holding the value the
+# kubelet wants already, so no kubelet writes it: concurrent kubelets truncating and rewriting one
+# plain file let another read "" and fail with "Failed to start ContainerManager: strconv.Atoi".
 mkdir -p "$W/sysctl"
-for s in vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops kernel/keys/root_maxkeys kernel/keys/root_maxbytes; do
-  f="$W/sysctl/${s//\//_}"; cat "/proc/sys/$s" >"$f"; mount -n --bind "$f" "/proc/sys/$s"
+for kv in vm/overcommit_memory=1 vm/panic_on_oom=0 kernel/panic=10 kernel/panic_on_oops=1 \
+  kernel/keys/root_maxkeys=1000000 kernel/keys/root_maxbytes=25000000; do
+  s="${kv%%=*}"; f="$W/sysctl/${s//\//_}"; echo "${kv#*=}" >"$f"; mount -n --bind "$f" "/proc/sys/$s"
 done
 
 # ---------------------------------------------------------------- certificates (openssl)
