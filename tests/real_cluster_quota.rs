@@ -331,3 +331,102 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     );
     drop::<LabProcess>(agent);
 }
+
+/// Quota prices a claim by the devices its selectors may match; the scheduler allocates from
+/// the ones they do match. Both now run a real CEL engine, so they must agree: on the
+/// a100-mig-mixed node (MIG devices of four profiles on three GPUs), a claim of DeviceClass
+/// `mig.gpuplane.dev` with `allocationMode: All` and each expression gets from the real
+/// scheduler exactly the devices quota's catalog matches with the same expression, read from
+/// the same slices and classes. The expressions use what the old hand-written subset could not
+/// read (`in`, `has`, regex, semver, quantity arithmetic).
+#[test]
+fn quota_and_the_scheduler_select_the_same_devices_with_each_cel_expression() {
+    use gpuplane_shell::quota::{selector::Selector, CatalogSettings, ClassMatch, DeviceCatalog};
+    use std::collections::BTreeSet;
+    let Some(lab) = ClusterLab::start() else {
+        return;
+    };
+    let kubeconfig = lab.install_agent_identity();
+    let _agent = LabAgent::start_with(
+        &lab,
+        &kubeconfig,
+        "cel",
+        &["--simulate", "a100-mig-mixed", "--device-plugin=false"],
+        &[],
+        None,
+    );
+    let a = r#"device.attributes["gpu.gpuplane.dev"]"#;
+    let mem = r#"device.capacity["gpu.gpuplane.dev"].memory"#;
+    let expressions = [
+        format!(r#"{a}.profile == "1g.5gb""#),
+        format!(r#"{a}.profile in ["2g.10gb", "4g.20gb"]"#),
+        format!(r#"{mem}.compareTo(quantity("10Gi")) >= 0 && {mem}.isLessThan(quantity("20Gi"))"#),
+        format!(r#"{a}.profile.matches("^[34]g[.]")"#),
+        format!(r#"has({a}.parentIndex) && {a}.parentIndex == 1"#),
+        format!(
+            r#"{a}.driverVersion.isGreaterThan(semver("535.0.0")) && {a}.profile.startsWith("1g")"#
+        ),
+        format!(r#"{a}.profile.endsWith(".5gb") || {a}["profile"] == "3g.20gb""#),
+    ];
+    let devices = eventually("the MIG devices in lab-node's slices", || {
+        let d = cluster::node_devices(&lab);
+        (d.len() > 8).then_some(d)
+    });
+    let slices: Vec<k8s_openapi::api::resource::v1::ResourceSlice> = cluster::node_slices(&lab)
+        .into_iter()
+        .map(|s| serde_json::from_value(s).unwrap())
+        .collect();
+    let classes: Vec<k8s_openapi::api::resource::v1::DeviceClass> =
+        lab.get_json(&["get", "deviceclasses"]).unwrap()["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| serde_json::from_value(c.clone()).unwrap())
+            .collect();
+    let catalog = DeviceCatalog::new(&slices, &classes, CatalogSettings::default());
+    for (i, expr) in expressions.iter().enumerate() {
+        let selector = Selector::parse(expr);
+        assert!(selector.understood(), "{expr}");
+        let ClassMatch::Devices(matched) = catalog.matching("mig.gpuplane.dev", &[selector]) else {
+            panic!("quota does not know DeviceClass mig.gpuplane.dev");
+        };
+        let quota_view: BTreeSet<String> = matched.iter().map(|d| d.name.clone()).collect();
+        assert!(
+            !quota_view.is_empty() && quota_view.len() < devices.len(),
+            "{expr}: pick expressions that split the node's devices, not {quota_view:?}"
+        );
+        let name = format!("cel-{i}");
+        let extra = [
+            "allocationMode: All".to_string(),
+            format!("selectors: [{{cel: {{expression: '{expr}'}}}}]"),
+        ];
+        lab.apply(&cluster::claim_template_of(
+            "default",
+            &name,
+            "mig.gpuplane.dev",
+            &extra,
+        ));
+        lab.apply(&cluster::claim_pod("default", &name, &name));
+        let scheduler_view: BTreeSet<String> = cluster::eventually_or(
+            &format!("the claim of pod {name} allocated"),
+            || {
+                let claims = lab.get_json(&["get", "resourceclaims"])?;
+                let claim = claims["items"]
+                    .as_array()?
+                    .iter()
+                    .find(|c| c["metadata"]["ownerReferences"][0]["name"] == name.as_str())?;
+                let results = claim["status"]["allocation"]["devices"]["results"].as_array()?;
+                Some(
+                    results
+                        .iter()
+                        .filter_map(|r| r["device"].as_str().map(String::from))
+                        .collect(),
+                )
+            },
+            || lab.describe_pod(&name),
+        );
+        assert_eq!(scheduler_view, quota_view, "{expr}");
+        // Frees the devices for the next All-mode claim.
+        lab.kubectl_ok(&["delete", "pod", &name, "--wait=true"]);
+    }
+}

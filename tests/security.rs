@@ -581,3 +581,180 @@ fn the_webhook_offers_only_aead_suites_with_forward_secrecy() {
         assert!(allowed.contains(&s.as_str()), "{s} is offered");
     }
 }
+
+/// Blocking calls on a runtime worker stall every RPC the agent serves (Allocate once waited
+/// on the node CDI spec's fsync). In async code (async fns and blocks, and the closures they
+/// run in place) the product neither calls `std::fs` nor takes a `std::sync::Mutex`; file I/O
+/// and locks a blocking task may hold go through `spawn_blocking` or a thread, whose closures
+/// are not async code. An awaited call (`tokio::fs`, a tokio lock) is fine. The node state's
+/// `RwLock` is allowed: its writers never do I/O under it (the guard above keeps the device
+/// source from under it). Unit tests are not the product.
+#[test]
+fn async_code_does_no_blocking_file_io_or_locking() {
+    let mut found = Vec::new();
+    for (path, text) in product_sources() {
+        let rel = path.to_string_lossy().to_string();
+        if rel.ends_with("/tests.rs") {
+            continue;
+        }
+        let file = syn::parse_file(&text).unwrap_or_else(|e| panic!("{rel}: {e}"));
+        let mut scan = blocking::Scan::default();
+        syn::visit::Visit::visit_file(&mut scan, &file);
+        found.extend(scan.found.into_iter().map(|f| format!("{rel}: {f}")));
+    }
+    assert!(
+        found.is_empty(),
+        "blocking calls in async code; move them to spawn_blocking or the task that owns \
+         the file: {found:#?}"
+    );
+}
+
+mod blocking {
+    use syn::visit::{self, Visit};
+
+    /// Path calls that block on the file system (`std::fs::write`, `File::open`, ...).
+    fn blocks(path: &syn::Path) -> bool {
+        let segs: Vec<String> = path.segments.iter().map(|s| s.ident.to_string()).collect();
+        let first = segs.first().map(String::as_str);
+        first != Some("tokio")
+            && segs.len() >= 2
+            && (segs[segs.len() - 2] == "fs"
+                || ["File", "OpenOptions"].contains(&segs[segs.len() - 2].as_str()))
+    }
+
+    /// Methods that block when not awaited: a std mutex, fsyncs, directory reads.
+    const BLOCKING_METHODS: &[&str] = &["lock", "sync_all", "sync_data", "read_dir"];
+
+    #[derive(Default)]
+    pub struct Scan {
+        /// The async fn (or `async` block) being walked, innermost first; empty outside.
+        within: Vec<String>,
+        /// The next expression is awaited.
+        awaited: bool,
+        pub found: Vec<String>,
+    }
+
+    impl Scan {
+        fn in_async(&self) -> bool {
+            self.within.last().is_some_and(|w| !w.is_empty())
+        }
+
+        fn report(&mut self, what: String) {
+            if self.in_async() && !self.awaited {
+                let at = self.within.last().cloned().unwrap_or_default();
+                self.found.push(format!("{at}: {what}"));
+            }
+        }
+
+        fn with(&mut self, context: String, f: impl FnOnce(&mut Self)) {
+            self.within.push(context);
+            f(self);
+            self.within.pop();
+        }
+
+        /// A closure handed to a blocking pool or a thread runs off the runtime.
+        fn runs_off_the_runtime(callee: &str, arg: &syn::Expr) -> bool {
+            matches!(arg, syn::Expr::Closure(c) if c.asyncness.is_none())
+                && ["spawn_blocking", "spawn", "block_in_place"].contains(&callee)
+        }
+
+        fn visit_args<'a>(&mut self, callee: &str, args: impl Iterator<Item = &'a syn::Expr>) {
+            for arg in args {
+                if Self::runs_off_the_runtime(callee, arg) {
+                    self.with(String::new(), |s| s.visit_expr(arg));
+                } else {
+                    self.visit_expr(arg);
+                }
+            }
+        }
+    }
+
+    impl<'ast> Visit<'ast> for Scan {
+        fn visit_item_fn(&mut self, f: &'ast syn::ItemFn) {
+            let ctx = f
+                .sig
+                .asyncness
+                .as_ref()
+                .map(|_| format!("async fn {}", f.sig.ident));
+            self.with(ctx.unwrap_or_default(), |s| visit::visit_item_fn(s, f));
+        }
+
+        fn visit_impl_item_fn(&mut self, f: &'ast syn::ImplItemFn) {
+            let ctx = f
+                .sig
+                .asyncness
+                .as_ref()
+                .map(|_| format!("async fn {}", f.sig.ident));
+            self.with(ctx.unwrap_or_default(), |s| visit::visit_impl_item_fn(s, f));
+        }
+
+        fn visit_item_mod(&mut self, m: &'ast syn::ItemMod) {
+            let is_test = m.attrs.iter().any(|a| a.path().is_ident("cfg"))
+                && m.ident.to_string().contains("test");
+            if !is_test {
+                visit::visit_item_mod(self, m);
+            }
+        }
+
+        fn visit_expr_async(&mut self, b: &'ast syn::ExprAsync) {
+            let ctx = match self.within.last() {
+                Some(w) if !w.is_empty() => w.clone(),
+                _ => "async block".to_string(),
+            };
+            self.with(ctx, |s| visit::visit_expr_async(s, b));
+        }
+
+        fn visit_expr_await(&mut self, e: &'ast syn::ExprAwait) {
+            self.awaited = true;
+            self.visit_expr(&e.base);
+            self.awaited = false;
+        }
+
+        fn visit_expr_call(&mut self, c: &'ast syn::ExprCall) {
+            let awaited = std::mem::take(&mut self.awaited);
+            let mut callee = String::new();
+            if let syn::Expr::Path(p) = &*c.func {
+                callee = p
+                    .path
+                    .segments
+                    .last()
+                    .map(|s| s.ident.to_string())
+                    .unwrap_or_default();
+                if blocks(&p.path) {
+                    self.awaited = awaited;
+                    let name: Vec<String> = p
+                        .path
+                        .segments
+                        .iter()
+                        .map(|s| s.ident.to_string())
+                        .collect();
+                    self.report(format!("{}(..)", name.join("::")));
+                    self.awaited = false;
+                }
+            }
+            self.visit_expr(&c.func);
+            self.visit_args(&callee, c.args.iter());
+        }
+
+        fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
+            let awaited = std::mem::take(&mut self.awaited);
+            let method = m.method.to_string();
+            if BLOCKING_METHODS.contains(&method.as_str()) {
+                self.awaited = awaited;
+                self.report(format!(".{method}()"));
+                self.awaited = false;
+            }
+            self.visit_expr(&m.receiver);
+            self.visit_args(&method, m.args.iter());
+        }
+
+        fn visit_expr(&mut self, e: &'ast syn::Expr) {
+            // `awaited` applies to the expression directly under `.await` only.
+            match e {
+                syn::Expr::Call(_) | syn::Expr::MethodCall(_) | syn::Expr::Await(_) => {}
+                _ => self.awaited = false,
+            }
+            visit::visit_expr(self, e);
+        }
+    }
+}

@@ -21,7 +21,7 @@
 
 use super::charge::{Charge, UnknownCharge};
 use super::ratio::Gpus;
-use super::selector::{AttrValue, DeviceView, Selector};
+use super::selector::{AttrValue, CelDevice, Selector};
 use super::share::{ConsumableCapacity, COMPUTE_CAPACITY, MEMORY_CAPACITY};
 use super::usage::{Dimension, Memory};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
@@ -82,8 +82,9 @@ pub struct CatalogDevice {
     pub memory_capacity: Option<ConsumableCapacity>,
     /// The `compute` capacity (percent of the device's SMs) with its request policy.
     pub compute_capacity: Option<ConsumableCapacity>,
-    attributes: BTreeMap<(String, String), AttrValue>,
     capacity: BTreeMap<(String, String), AttrValue>,
+    /// What selectors evaluate.
+    cel: CelDevice,
 }
 
 impl CatalogDevice {
@@ -99,18 +100,6 @@ pub fn qualified_name(driver: &str, name: &str) -> (String, String) {
     match name.rsplit_once('/') {
         Some((dom, n)) => (dom.to_string(), n.to_string()),
         None => (driver.to_string(), name.to_string()),
-    }
-}
-
-impl DeviceView for CatalogDevice {
-    fn driver(&self) -> &str {
-        &self.driver
-    }
-    fn attribute(&self, domain: &str, name: &str) -> Option<&AttrValue> {
-        self.attributes.get(&(domain.to_string(), name.to_string()))
-    }
-    fn capacity(&self, domain: &str, name: &str) -> Option<&AttrValue> {
-        self.capacity.get(&(domain.to_string(), name.to_string()))
     }
 }
 
@@ -252,7 +241,7 @@ impl DeviceCatalog {
                     info.selectors
                         .iter()
                         .chain(selectors)
-                        .all(|s| s.may_match(*d))
+                        .all(|s| s.may_match(&d.cel))
                 })
                 .collect(),
         )
@@ -462,7 +451,7 @@ fn catalog_device(
         multi_allocatable: d.allow_multiple_allocations == Some(true),
         memory_capacity,
         compute_capacity,
-        attributes,
+        cel: CelDevice::new(driver, &attributes, &capacity),
         capacity,
     }
 }

@@ -1,6 +1,7 @@
 //! The `v1beta1.DevicePlugin` gRPC service for one resource: converts protobuf to the core's
 //! types and back. Decisions live in `allocate`; this file only adapts. Before Allocate hands
-//! out CDI names it makes sure the node spec defining them is written (`NodeSpec::ensure`).
+//! out CDI names it checks that the node spec defining them is written (`NodeSpec::ready_for`,
+//! which reads what the spec keeper published and does no I/O).
 
 use super::allocate::{self, AllocateError};
 use crate::config::{AllocationMode, DeviceListStrategy};
@@ -14,13 +15,17 @@ use pb::device_plugin_server::DevicePlugin;
 use std::collections::BTreeSet;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 pub const HEALTHY: &str = "Healthy";
 pub const UNHEALTHY: &str = "Unhealthy";
+
+/// How long Allocate awaits the spec keeper's write for a changed inventory (a write and an
+/// fsync; seconds mean the disk is stuck, and the refusal says to retry).
+const NODE_SPEC_PATIENCE: Duration = Duration::from_secs(5);
 
 /// Serves one resource name from the shared node state.
 #[derive(Clone)]
@@ -54,7 +59,7 @@ impl DevicePluginService {
     /// nodes, the same as NodePrepare gives) and a later Allocate succeeds once they are
     /// right. The inventory may change between this and the grant; the main loop then
     /// rewrites the spec for the new one.
-    fn ensure_node_spec(&self) -> Result<(), Status> {
+    async fn ensure_node_spec(&self) -> Result<(), Status> {
         let inventory = {
             let s = self.state.read();
             if !s
@@ -66,10 +71,13 @@ impl DevicePluginService {
             }
             s.inventory.clone()
         };
-        self.node_spec.ensure(&inventory).map_err(|e| {
-            tracing::warn!(resource = %self.resource, error = %e, "Allocate refused");
-            Status::failed_precondition(format!("{}: {e}", self.resource))
-        })
+        self.node_spec
+            .ready_for(&inventory, NODE_SPEC_PATIENCE)
+            .await
+            .map_err(|e| {
+                tracing::warn!(resource = %self.resource, error = %e, "Allocate refused");
+                Status::failed_precondition(format!("{}: {e}", self.resource))
+            })
     }
 
     /// The device list ListAndWatch sends now; `None` once the resource is no longer offered.
@@ -197,7 +205,7 @@ impl DevicePlugin for DevicePluginService {
         let resource = self.resource.as_str();
         let started = Instant::now();
         let mode = self.node_spec.mode();
-        if let Err(status) = self.ensure_node_spec() {
+        if let Err(status) = self.ensure_node_spec().await {
             count_allocation(resource, Allocation::Refused, started);
             return Err(status);
         }

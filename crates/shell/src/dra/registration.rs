@@ -17,7 +17,7 @@
 use crate::proto::pluginregistration_v1 as pb;
 use pb::registration_server::{Registration, RegistrationServer};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
@@ -48,7 +48,8 @@ pub fn supported_services() -> Vec<String> {
 
 #[derive(Default)]
 struct State {
-    last_error: Mutex<Option<String>>,
+    /// A watch, not a mutex: async code must not take std locks (tests/security.rs).
+    last_error: watch::Sender<Option<String>>,
 }
 
 /// Answers the kubelet's plugin watcher for one driver and records its verdict.
@@ -89,11 +90,7 @@ impl RegistrationService {
 
     /// The error of the kubelet's last refusal, cleared by a successful registration.
     pub fn last_error(&self) -> Option<String> {
-        self.state
-            .last_error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.state.last_error.borrow().clone()
     }
 
     /// Our registration socket was re-created: the kubelet forgot us until it registers again.
@@ -124,11 +121,7 @@ impl Registration for RegistrationService {
         let status = req.into_inner();
         if status.plugin_registered {
             tracing::info!(driver = %self.driver_name, endpoint = %self.endpoint.display(), "registered with the kubelet");
-            *self
-                .state
-                .last_error
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()) = None;
+            self.state.last_error.send_replace(None);
         } else {
             let error = if status.error.is_empty() {
                 "no reason given".to_string()
@@ -136,11 +129,7 @@ impl Registration for RegistrationService {
                 status.error
             };
             tracing::error!(driver = %self.driver_name, error = %error, "the kubelet refused the DRA plugin registration");
-            *self
-                .state
-                .last_error
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()) = Some(error);
+            self.state.last_error.send_replace(Some(error));
         }
         self.registered.send_if_modified(|r| {
             std::mem::replace(r, status.plugin_registered) != status.plugin_registered

@@ -7,11 +7,17 @@
 //! tonic server must never see the others. [`Rewriter`] is sans-IO: it consumes the bytes a
 //! client sends (preface, then frames), passes every frame through unchanged except header
 //! blocks (HEADERS + CONTINUATION), which it decodes with HPACK and rewrites per [`Policy`].
-//! Decoding every block keeps our decoder's dynamic table in step with the client's encoder. A
-//! block that needs no change passes with its HPACK bytes as they were, so the server's table
-//! stays the client's; from the first block that is changed on, every block is re-encoded as
-//! literals without indexing, which leaves the server's table untouched (it then lacks what the
-//! client indexed, and nothing we send refers to it).
+//! Decoding every block keeps our decoder's dynamic table in step with the client's encoder.
+//! From the first block that is changed on, every block is re-encoded as literals without
+//! indexing, which leaves the server's table untouched (it then lacks what the client indexed,
+//! and nothing we send refers to it).
+//!
+//! The fast path: a client sends one authority for all of a connection's requests (grpc-go and
+//! grpc-java derive it from the channel's target; the kubelet sets no per-call authority), so
+//! when the first request's authority is one h2 accepts (the device manager's and the DRA
+//! client's `localhost`), the connection passes through untouched from then on and costs
+//! nothing ([`Rewriter::passes_through`]). Only connections whose first request needed a
+//! rewrite (the plugin watcher's) keep paying for HPACK.
 
 /// The client connection preface (RFC 9113 §3.4).
 pub const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -73,6 +79,8 @@ enum State {
     /// Not HTTP/2 with prior knowledge (the preface did not match): pass everything so the
     /// server answers the client itself.
     Opaque,
+    /// The first request's authority needed no change: pass everything (the fast path).
+    Through,
 }
 
 /// A header block being collected: HEADERS and any CONTINUATION frames up to END_HEADERS.
@@ -94,6 +102,8 @@ pub struct Rewriter {
     /// indexed in it, so every later block must be re-encoded too. Until then blocks pass with
     /// their HPACK bytes as they were (the kubelet's `localhost` clients never pay for more).
     reencoding: bool,
+    /// A complete header block was seen: the fast path is decided on the first one only.
+    seen_request: bool,
 }
 
 impl Rewriter {
@@ -107,7 +117,14 @@ impl Rewriter {
             block: None,
             decoder,
             reencoding: false,
+            seen_request: false,
         }
+    }
+
+    /// True once everything from here on passes unchanged: the caller may then hand the
+    /// connection's bytes to the server without calling [`Rewriter::push`].
+    pub fn passes_through(&self) -> bool {
+        matches!(self.state, State::Through | State::Opaque) && self.pending.is_empty()
     }
 
     /// Consumes `input` (any split of the stream) and appends what the server should read
@@ -115,7 +132,7 @@ impl Rewriter {
     pub fn push(&mut self, mut input: &[u8], out: &mut Vec<u8>) -> Result<(), RewriteError> {
         loop {
             match self.state {
-                State::Opaque => {
+                State::Opaque | State::Through => {
                     out.extend_from_slice(input);
                     return Ok(());
                 }
@@ -212,13 +229,20 @@ impl Rewriter {
         }
         if flags & END_HEADERS != 0 {
             if let Some(b) = self.block.take() {
-                self.emit(b, out)?;
+                let first = !self.seen_request;
+                self.seen_request = true;
+                let changed = self.emit(b, out)?;
+                if first && !changed && self.policy == Policy::Normalize {
+                    out.append(&mut self.pending);
+                    self.state = State::Through;
+                }
             }
         }
         Ok(true)
     }
 
-    fn emit(&mut self, b: Block, out: &mut Vec<u8>) -> Result<(), RewriteError> {
+    /// Writes the block as the server should read it; whether it was changed.
+    fn emit(&mut self, b: Block, out: &mut Vec<u8>) -> Result<bool, RewriteError> {
         let mut fields: HeaderList = Vec::new();
         self.decoder
             .decode_with_cb(&b.fragment, |n, v| {
@@ -242,7 +266,7 @@ impl Rewriter {
             encoded.extend_from_slice(&b.fragment);
         }
         write_header_frames(b.stream, b.flags, b.priority.is_some(), &encoded, out);
-        Ok(())
+        Ok(changed)
     }
 }
 

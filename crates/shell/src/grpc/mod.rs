@@ -165,6 +165,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for Normalized<S> {
                 }
                 return Poll::Ready(Ok(()));
             }
+            if this.rewriter.passes_through() {
+                // The fast path: nothing left to rewrite on this connection.
+                return Pin::new(&mut this.inner).poll_read(cx, buf);
+            }
             let mut raw = ReadBuf::new(&mut this.scratch);
             ready!(Pin::new(&mut this.inner).poll_read(cx, &mut raw))?;
             if raw.filled().is_empty() {

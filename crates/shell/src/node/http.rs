@@ -15,7 +15,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
 use prometheus_client::registry::Registry;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -32,8 +32,9 @@ pub struct Readiness {
     pub device_plugin: Option<Arc<AtomicBool>>,
     /// `None`: DRA is off; else, once DRA started, its registration and publication.
     pub dra: Option<OnceLock<DraReadiness>>,
-    /// Why the devices are not discovered yet; `None` once they are.
-    pub discovery: Mutex<Option<String>>,
+    /// Why the devices are not discovered yet; `None` once they are. A watch, not a mutex:
+    /// async code must not take std locks (tests/security.rs).
+    pub discovery: watch::Sender<Option<String>>,
 }
 
 /// What DRA readiness follows.
@@ -66,12 +67,7 @@ impl Readiness {
 
     fn ready(&self) -> Result<(), String> {
         self.live()?;
-        if let Some(why) = self
-            .discovery
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-        {
+        if let Some(why) = self.discovery.borrow().as_ref() {
             return Err(format!("devices not discovered yet: {why}"));
         }
         if let Some(dp) = &self.device_plugin {

@@ -106,10 +106,7 @@ async fn discover_with_retry(
     let mut delay = DISCOVERY_RETRY_FIRST;
     let mut failures = 0u64;
     let waiting = |why: Option<String>| {
-        *readiness
-            .discovery
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = why;
+        readiness.discovery.send_replace(why);
     };
     loop {
         let s = source.clone();
@@ -207,7 +204,7 @@ pub async fn run(
     let readiness = Arc::new(http::Readiness {
         device_plugin: opts.device_plugin.then(|| dp_registered.clone()),
         dra: opts.dra.is_some().then(std::sync::OnceLock::new),
-        discovery: std::sync::Mutex::new(Some("not attempted yet".into())),
+        discovery: tokio::sync::watch::Sender::new(Some("not attempted yet".into())),
         ..Default::default()
     });
     readiness.tick();

@@ -155,6 +155,8 @@ pub async fn keep_node_spec(
                 written = s.inventory.clone();
             }
             _ = retry.tick(), if synced == SpecState::Waiting => {}
+            // Allocate found the spec not current: sync the latest inventory now.
+            () = spec.retry_requested() => written = state.read().inventory.clone(),
         }
         synced = sync_spec(&spec, written.clone()).await;
     }

@@ -331,11 +331,12 @@ fn malformed_input_is_refused_or_left_to_h2() {
     );
 }
 
-#[test]
-fn blocks_pass_as_they_were_until_one_is_rewritten_and_are_re_encoded_after() {
+/// Three requests as a client with an HPACK table would send them: `first` carries
+/// `authority`, the second `%2Fs`, and the third only refers to entries the first two indexed.
+fn indexed_requests(authority: &[u8]) -> Vec<u8> {
     let mut a = vec![0x83, 0x86, 0x84]; // POST, http, "/"
-    a.push(0x41); // :authority localhost, incremental indexing
-    encode_string(b"localhost", &mut a);
+    a.push(0x41); // :authority, incremental indexing
+    encode_string(authority, &mut a);
     a.push(0x40); // x-a: 1, incremental indexing, new name
     encode_string(b"x-a", &mut a);
     encode_string(b"1", &mut a);
@@ -345,15 +346,47 @@ fn blocks_pass_as_they_were_until_one_is_rewritten_and_are_re_encoded_after() {
     b.push(0x40);
     encode_string(b"x-b", &mut b);
     encode_string(b"2", &mut b);
-    // The client's table now: 62 x-b, 63 :authority %2Fs, 64 x-a, 65 :authority localhost.
-    let c = vec![0x83, 0x86, 0x84, 0x80 | 62, 0x80 | 64, 0x80 | 63];
+    // The client's table now: 62 x-b, 63 :authority %2Fs, 64 x-a, 65 :authority <first>.
+    let c = vec![0x83, 0x86, 0x84, 0x80 | 62, 0x80 | 64, 0x80 | 65];
     let mut input = PREFACE.to_vec();
     for (i, block) in [&a, &b, &c].into_iter().enumerate() {
         input.extend(frame(HEADERS, END_HEADERS, 2 * i as u32 + 1, block));
+        input.extend(frame(0x0, END_STREAM, 2 * i as u32 + 1, b"grpc message"));
     }
-    let out = run(Policy::Normalize, &input, 3).unwrap();
-    // Nothing to rewrite in the first: its HPACK bytes reach the server as they were.
-    assert_eq!(frames(&out)[0].3, a);
+    input
+}
+
+#[test]
+fn a_connection_whose_first_authority_is_valid_passes_through_untouched() {
+    for valid in [&b"localhost"[..], b"127.0.0.1:80"] {
+        let input = indexed_requests(valid);
+        for step in [1, 7, usize::MAX] {
+            assert_eq!(
+                run(Policy::Normalize, &input, step).unwrap(),
+                input,
+                "step {step}"
+            );
+        }
+        // Once the first header block is through, no byte needs the rewriter.
+        let first_end = PREFACE.len() + frames(&input)[0].3.len() + 9;
+        let mut r = Rewriter::new(Policy::Normalize);
+        let mut out = Vec::new();
+        r.push(&input[..first_end - 1], &mut out).unwrap();
+        assert!(!r.passes_through(), "decided before the block was whole");
+        r.push(&input[first_end - 1..first_end + 5], &mut out)
+            .unwrap();
+        assert!(r.passes_through());
+        assert_eq!(out, input[..first_end + 5]);
+    }
+}
+
+#[test]
+fn after_a_rewritten_first_request_every_block_is_re_encoded() {
+    let input = indexed_requests(b"/var/lib/kubelet/plugins_registry/x.sock");
+    let mut r = Rewriter::new(Policy::Normalize);
+    let mut out = Vec::new();
+    r.push(&input, &mut out).unwrap();
+    assert!(!r.passes_through());
     let lists: Vec<Fields> = header_lists(&out).into_iter().map(|l| l.1).collect();
     let head = [(":method", "POST"), (":scheme", "http"), (":path", "/")];
     let with = |extra: &[(&'static str, &'static str)]| {
@@ -368,4 +401,11 @@ fn blocks_pass_as_they_were_until_one_is_rewritten_and_are_re_encoded_after() {
         lists[2],
         with(&[("x-b", "2"), ("x-a", "1"), (":authority", "localhost")])
     );
+    // DATA frames pass as they were.
+    let data: Vec<Vec<u8>> = frames(&out)
+        .into_iter()
+        .filter(|f| f.0 == 0)
+        .map(|f| f.3)
+        .collect();
+    assert_eq!(data, vec![b"grpc message".to_vec(); 3]);
 }
