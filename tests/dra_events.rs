@@ -63,6 +63,13 @@ async fn a_claim_for_a_device_the_device_plugin_holds_gets_one_event_naming_the_
         .admit("team-b", "pod-1", "main", "nvidia.com/gpu", 1)
         .await
         .unwrap();
+    // ...which PodResources names before the claim is tried (a refusal naming the holder anew,
+    // the container instead of the allocation, is news and gets an Event of its own)...
+    let lists = lab.kubelet.pod_resources_lists();
+    lab.eventually("PodResources listing the container", |l| {
+        l.kubelet.pod_resources_lists() >= lists + 2
+    })
+    .await;
     // ...and a claim for it is refused; the kubelet retries.
     let claim = lab.claim("late", &["gpu-3"]);
     for _ in 0..3 {
@@ -106,10 +113,9 @@ async fn a_claim_for_a_device_the_device_plugin_holds_gets_one_event_naming_the_
     assert_regards(e, &claim, "DeviceInUse");
     assert_eq!(e["regarding"]["uid"], claim.uid.as_str());
     let note = e["note"].as_str().unwrap();
-    // The holder: the allocation, or the container once PodResources names it.
+    // The holder: the container, as PodResources names it.
     assert!(
-        note.contains("gpu-3")
-            && (note.contains("device plugin allocation") || note.contains("team-b/pod-1")),
+        note.contains("gpu-3") && note.contains("team-b/pod-1/main"),
         "{note}"
     );
     assert!(note.contains("delete this claim's pod"), "{note}");
