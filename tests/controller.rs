@@ -98,7 +98,8 @@ async fn a_follower_takes_over_only_after_the_silent_leader_lease_expires() {
 /// (candidate, started (true) or stopped, when)
 type WorkLog = Arc<Mutex<Vec<(&'static str, bool, Instant)>>>;
 
-/// Runs `lead` for one candidate; its work records when it starts and stops.
+/// Runs `lead` for one candidate; its work records when it starts and stops. Also returns the
+/// role the candidate publishes after its rounds.
 fn spawn_candidate(
     server: &ApiServerDouble,
     id: &'static str,
@@ -106,9 +107,11 @@ fn spawn_candidate(
 ) -> (
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<()>,
+    tokio::sync::watch::Receiver<Role>,
 ) {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let el = candidate(server, id);
+    let (role_tx, role) = tokio::sync::watch::channel(Role::Follower(None));
+    let el = candidate(server, id).reporting(role_tx);
     let task = tokio::spawn(async move {
         elector::lead(
             el,
@@ -126,7 +129,30 @@ fn spawn_candidate(
         )
         .await
     });
-    (stop_tx, task)
+    (stop_tx, task, role)
+}
+
+/// Waits until `log` shows `id`'s work started.
+async fn wait_leads(log: &WorkLog, id: &str) {
+    eventually(&format!("{id} leading"), || async {
+        log.lock().unwrap().iter().any(|e| e.0 == id && e.1)
+    })
+    .await;
+}
+
+/// Waits until a candidate's `role` says it follows `leader`: a round of it has read the Lease
+/// that `leader` holds (one that took the Lease would say `Leader`).
+async fn wait_follows(role: &mut tokio::sync::watch::Receiver<Role>, leader: &str) {
+    let want = Role::Follower(Some(leader.into()));
+    let followed = tokio::time::timeout(Duration::from_secs(5), role.wait_for(|r| *r == want))
+        .await
+        .map(|r| r.is_ok());
+    assert_eq!(
+        followed,
+        Ok(true),
+        "never followed {leader}: {:?}",
+        *role.borrow()
+    );
 }
 
 fn leaders_over_time(log: &[(&'static str, bool, Instant)]) -> Vec<&'static str> {
@@ -148,10 +174,10 @@ fn leaders_over_time(log: &[(&'static str, bool, Instant)]) -> Vec<&'static str>
 async fn only_the_leader_runs_the_work_and_a_shutdown_hands_over_at_once() {
     let server = ApiServerDouble::start().await.unwrap();
     let log = Arc::new(Mutex::new(Vec::new()));
-    let (stop_a, task_a) = spawn_candidate(&server, "a", log.clone());
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let (stop_b, task_b) = spawn_candidate(&server, "b", log.clone());
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    let (stop_a, task_a, _) = spawn_candidate(&server, "a", log.clone());
+    wait_leads(&log, "a").await;
+    let (stop_b, task_b, mut role_b) = spawn_candidate(&server, "b", log.clone());
+    wait_follows(&mut role_b, "a").await;
     assert_eq!(leaders_over_time(&log.lock().unwrap()), ["a"]);
 
     // A graceful shutdown releases the Lease: b leads well before a lease duration passes.
@@ -183,10 +209,10 @@ async fn only_the_leader_runs_the_work_and_a_shutdown_hands_over_at_once() {
 async fn a_killed_leader_is_replaced_after_the_lease_duration_and_never_overlaps() {
     let server = ApiServerDouble::start().await.unwrap();
     let log = Arc::new(Mutex::new(Vec::new()));
-    let (_stop_a, task_a) = spawn_candidate(&server, "a", log.clone());
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let (stop_b, task_b) = spawn_candidate(&server, "b", log.clone());
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (_stop_a, task_a, _) = spawn_candidate(&server, "a", log.clone());
+    wait_leads(&log, "a").await;
+    let (stop_b, task_b, mut role_b) = spawn_candidate(&server, "b", log.clone());
+    wait_follows(&mut role_b, "a").await;
     // Kill a: no release, no more renewals.
     task_a.abort();
     let killed = Instant::now();
@@ -830,8 +856,11 @@ async fn the_queue_label_follows_queue_quotas_and_comes_back_after_removal_by_ha
     .await;
 
     // Several resyncs later: a namespace is never created, nothing but the one label was
-    // written, and only through merge patches of namespaces.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // written, and only through merge patches of namespaces. Each resync decides ghost (it has
+    // a Queue quota) again and tries its patch, which 404s: two more such tries, two resyncs.
+    let ghost_tries = || server.count_requests("PATCH", "/namespaces/ghost");
+    let tried = ghost_tries();
+    eventually("two more resyncs", || async { ghost_tries() >= tried + 2 }).await;
     let _ = stop.send(());
     task.await.unwrap();
     assert!(server.get_json("v1", "namespaces", None, "ghost").is_none());

@@ -10,6 +10,7 @@ use gpuplane_shell::paths::HostPaths;
 use gpuplane_shell::source::{DeviceMode, DeviceSource, SimSource};
 use gpuplane_testkit::doubles::kubelet::{KubeletDouble, PluginView};
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +26,8 @@ struct Harness {
     sim: SimSource,
     stop: Option<oneshot::Sender<()>>,
     agent: JoinHandle<Result<(), gpuplane_shell::node::NodeError>>,
+    /// Where the agent serves `/metrics`, if it was started to.
+    metrics: Option<SocketAddr>,
 }
 
 fn options(dir: &Path, config: Option<&str>, device_mode: DeviceMode) -> NodeOptions {
@@ -59,7 +62,22 @@ async fn start(profile: &str, config: Option<&str>) -> Harness {
     start_as(profile, config, DeviceMode::Simulated).await
 }
 
+/// [`start`], also serving `/metrics` (see [`Harness::metric`]).
+async fn start_serving(profile: &str, config: Option<&str>) -> Harness {
+    let metrics: SocketAddr = ([127, 0, 0, 1], support::free_port()).into();
+    start_with(profile, config, DeviceMode::Simulated, Some(metrics)).await
+}
+
 async fn start_as(profile: &str, config: Option<&str>, mode: DeviceMode) -> Harness {
+    start_with(profile, config, mode, None).await
+}
+
+async fn start_with(
+    profile: &str,
+    config: Option<&str>,
+    mode: DeviceMode,
+    metrics: Option<SocketAddr>,
+) -> Harness {
     let _ = tracing_subscriber::fmt()
         .with_test_writer()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -70,7 +88,10 @@ async fn start_as(profile: &str, config: Option<&str>, mode: DeviceMode) -> Harn
         .unwrap();
     let sim = SimSource::new(gpuplane_shell::sim::load(profile).unwrap());
     let (stop, stopped) = oneshot::channel::<()>();
-    let opts = options(dir.path(), config, mode);
+    let opts = NodeOptions {
+        metrics_addr: metrics,
+        ..options(dir.path(), config, mode)
+    };
     let source: Arc<dyn DeviceSource> = Arc::new(sim.clone());
     let agent = tokio::spawn(gpuplane_shell::node::run(opts, source, async {
         let _ = stopped.await;
@@ -81,6 +102,7 @@ async fn start_as(profile: &str, config: Option<&str>, mode: DeviceMode) -> Harn
         sim,
         stop: Some(stop),
         agent,
+        metrics,
     }
 }
 
@@ -115,6 +137,51 @@ impl Harness {
 
     fn gpu_uuid(&self, i: usize) -> DeviceUuid {
         self.sim.discover().unwrap().inventory.gpus[i].uuid.clone()
+    }
+
+    /// One sample of the agent's `/metrics` (it must have been started by [`start_serving`]);
+    /// `None` while the agent does not answer.
+    async fn metric(&self, sample: &str) -> Option<f64> {
+        let addr = self.metrics.expect("an agent started by start_serving");
+        let sample = sample.to_string();
+        tokio::task::spawn_blocking(move || {
+            let (_, body) = support::http_get(addr, "/metrics")?;
+            support::metric_value(&body, &sample)
+        })
+        .await
+        .unwrap()
+    }
+
+    /// Waits until `/metrics` shows `sample` above `floor`.
+    async fn wait_metric_above(&self, sample: &str, floor: f64) {
+        let deadline = std::time::Instant::now() + WAIT;
+        while self.metric(sample).await.is_none_or(|v| v <= floor) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{sample} never rose above {floor}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Replaces the agent's config file in one step (a rename, as a ConfigMap update does), so the
+/// agent never reads it half-written.
+fn write_config(dir: &Path, text: &str) {
+    let tmp = dir.join("config.yaml.tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, dir.join("config.yaml")).unwrap();
+}
+
+/// Waits until `done` holds, checked every 20 ms.
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -273,7 +340,15 @@ async fn an_agent_started_before_the_kubelet_registers_once_it_appears() {
             let _ = stopped.await;
         },
     ));
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // The agent got as far as serving its plugin socket, with no kubelet to register with.
+    let socket = dir
+        .path()
+        .join("kubelet/device-plugins")
+        .join(gpuplane_shell::deviceplugin::registrar::socket_name(GPU));
+    wait_until("the plugin socket served before the kubelet exists", || {
+        socket.exists() || agent.is_finished()
+    })
+    .await;
     assert!(
         !agent.is_finished(),
         "the agent must wait for the kubelet, not exit"
@@ -395,16 +470,38 @@ async fn a_lost_gpu_is_unhealthy_alone_and_the_others_stay_allocatable() {
             .any(|d| d.id == l && d.health == "Unhealthy")
     })
     .await;
-    // Wait past an inventory refresh: discovery no longer sees the GPU, but it stays listed.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let now = h.kubelet.plugin(GPU).unwrap();
-    assert_eq!((now.devices.len(), now.healthy()), (8, 7));
-    let others: Vec<String> = ids(&view).into_iter().filter(|id| *id != lost).collect();
+    // Past an inventory refresh that no longer sees the GPU, it stays listed. The refresh: one
+    // that began after the GPU was lost, seen handed to the state owner (the next one began).
+    // Then an Xid on GPU 5, which the owner applies after that refresh: once ListAndWatch shows
+    // it, what ListAndWatch shows includes the refresh.
+    let marker = h.gpu_uuid(5);
+    let discoveries = h.sim.discoveries();
+    wait_until("a refresh that saw GPU 2 lost", || {
+        h.sim.discoveries() >= discoveries + 2
+    })
+    .await;
+    h.sim.inject_xid(&marker, None, 48);
+    let m = marker.clone();
+    let now = h
+        .wait("GPU 5 unhealthy after the refresh", move |p| {
+            p[GPU]
+                .devices
+                .iter()
+                .any(|d| d.id == m && d.health == "Unhealthy")
+        })
+        .await[GPU]
+        .clone();
+    assert_eq!((now.devices.len(), now.healthy()), (8, 6));
+    let others: Vec<String> = ids(&view)
+        .into_iter()
+        .filter(|id| *id != lost && *id != marker)
+        .collect();
     let pick = h.kubelet.preferred(GPU, &others, &[], 4).await.unwrap();
     assert!(h.kubelet.allocate(GPU, &pick).await.is_ok());
     assert!(h.kubelet.allocate(GPU, &[lost.to_string()]).await.is_err());
     h.sim.set_lost(&lost, false);
-    h.wait("GPU 2 back", |p| p[GPU].healthy() == 8).await;
+    // GPU 5 stays unhealthy: its quiet period is an hour.
+    h.wait("GPU 2 back", |p| p[GPU].healthy() == 7).await;
     h.shutdown().await;
 }
 
@@ -440,7 +537,7 @@ async fn mig_reconfiguration_is_picked_up_without_a_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_config_change_is_applied_without_dropping_unchanged_registrations() {
-    let h = start("a100-mig-mixed", Some("flags: {migStrategy: mixed}")).await;
+    let h = start_serving("a100-mig-mixed", Some("flags: {migStrategy: mixed}")).await;
     h.wait("7 resources", |p| p.len() == 7).await;
     let count = |r: &str| {
         h.kubelet
@@ -449,11 +546,10 @@ async fn a_config_change_is_applied_without_dropping_unchanged_registrations() {
             .filter(|x| x.resource_name == r)
             .count()
     };
-    std::fs::write(
-        h.dir.path().join("config.yaml"),
+    write_config(
+        h.dir.path(),
         "flags: {migStrategy: mixed}\nsharing: {timeSlicing: {resources: [{name: nvidia.com/mig-1g.5gb, replicas: 2, rename: nvidia.com/mig-1g.5gb.shared}]}}\n",
-    )
-    .unwrap();
+    );
     h.wait_devices("nvidia.com/mig-1g.5gb.shared", 6).await;
     h.wait("the unshared name withdrawn", |p| {
         withdrawn(p, "nvidia.com/mig-1g.5gb")
@@ -464,13 +560,20 @@ async fn a_config_change_is_applied_without_dropping_unchanged_registrations() {
         1,
         "unchanged resources keep their registration"
     );
-    // A broken file keeps the running config.
-    std::fs::write(
-        h.dir.path().join("config.yaml"),
-        "flags: {migStrategy: sideways}\n",
-    )
-    .unwrap();
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // A broken file keeps the running config: once the agent counts it read and refused (the
+    // count goes up before any change would reach the kubelet), nothing changed.
+    let applied = "gpuplane_config_reloads_total{outcome=\"applied\"}";
+    let refused = "gpuplane_config_reloads_total{outcome=\"refused\"}";
+    let applied_before = h.metric(applied).await;
+    assert_eq!(applied_before, Some(1.0), "the good file was read once");
+    let refused_before = h.metric(refused).await.unwrap();
+    write_config(h.dir.path(), "flags: {migStrategy: sideways}\n");
+    h.wait_metric_above(refused, refused_before).await;
+    assert_eq!(
+        h.metric(applied).await,
+        applied_before,
+        "a broken file applied"
+    );
     assert_eq!(
         h.kubelet
             .plugin("nvidia.com/mig-1g.5gb.shared")
@@ -479,6 +582,7 @@ async fn a_config_change_is_applied_without_dropping_unchanged_registrations() {
             .len(),
         6
     );
+    assert_eq!(count("nvidia.com/mig-3g.20gb"), 1);
     h.shutdown().await;
 }
 
@@ -503,7 +607,19 @@ async fn the_cdi_spec_is_written_only_once_the_device_nodes_exist() {
     let h = start_as("pcie-l4x4", None, DeviceMode::Hardware).await;
     h.wait_devices(GPU, 4).await;
     let spec_path = h.dir.path().join("cdi/gpuplane-node.json");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Allocate makes the agent try to write the spec (it hands out no name whose spec is not
+    // written), the same way its spec keeper does: refused, and no spec.
+    let err = h
+        .kubelet
+        .allocate(GPU, &[h.gpu_uuid(0).to_string()])
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains("is not written"),
+        "{}",
+        err.message()
+    );
     assert!(
         !spec_path.exists(),
         "no spec may be cached before /dev/nvidia* exist"

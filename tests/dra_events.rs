@@ -5,6 +5,7 @@
 
 #[path = "support/lab.rs"]
 mod lab;
+mod support;
 
 use gpuplane_shell::dra::ClaimRef;
 use gpuplane_testkit::doubles::apiserver::Fault;
@@ -18,6 +19,17 @@ fn events_about(lab: &Lab, claim: &ClaimRef) -> Vec<Value> {
         .into_iter()
         .filter(|e| e["regarding"]["uid"] == claim.uid.as_str())
         .collect()
+}
+
+/// `gpuplane_claim_events_total{outcome}` of the agent serving `/metrics` on `addr`.
+async fn claim_events(addr: std::net::SocketAddr, outcome: &str) -> f64 {
+    let sample = format!("gpuplane_claim_events_total{{outcome=\"{outcome}\"}}");
+    tokio::task::spawn_blocking(move || {
+        let (_, body) = support::http_get(addr, "/metrics").expect("/metrics answers");
+        support::metric_value(&body, &sample).unwrap_or_else(|| panic!("no {sample} in {body}"))
+    })
+    .await
+    .unwrap()
 }
 
 fn assert_regards(event: &Value, claim: &ClaimRef, reason: &str) {
@@ -36,7 +48,8 @@ fn assert_regards(event: &Value, claim: &ClaimRef, reason: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_for_a_device_the_device_plugin_holds_gets_one_event_naming_the_holder() {
     let lab = Lab::new("a100-mig-mixed").await;
-    let agent = lab.start("flags: {migStrategy: mixed}\n");
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], support::free_port()).into();
+    let agent = lab.start_serving("flags: {migStrategy: mixed}\n", addr);
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
     lab.kubelet
         // Registered is not yet listed: admission needs the first ListAndWatch answer.
@@ -50,6 +63,13 @@ async fn a_claim_for_a_device_the_device_plugin_holds_gets_one_event_naming_the_
         .admit("team-b", "pod-1", "main", "nvidia.com/gpu", 1)
         .await
         .unwrap();
+    // ...which PodResources names before the claim is tried (a refusal naming the holder anew,
+    // the container instead of the allocation, is news and gets an Event of its own)...
+    let lists = lab.kubelet.pod_resources_lists();
+    lab.eventually("PodResources listing the container", |l| {
+        l.kubelet.pod_resources_lists() >= lists + 2
+    })
+    .await;
     // ...and a claim for it is refused; the kubelet retries.
     let claim = lab.claim("late", &["gpu-3"]);
     for _ in 0..3 {
@@ -60,19 +80,42 @@ async fn a_claim_for_a_device_the_device_plugin_holds_gets_one_event_naming_the_
         !events_about(l, &claim).is_empty()
     })
     .await;
-    // One more retry after the first Event landed: still one Event.
+    // One more retry after the first Event landed: still one Event. Whether to post is decided
+    // before the prepare answers, and a suppressed Event is counted then.
+    let deduplicated = claim_events(addr, "deduplicated").await;
     lab.prepare(&claim).await.unwrap_err();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        claim_events(addr, "deduplicated").await,
+        deduplicated + 1.0,
+        "the retry's Event was not suppressed"
+    );
+    // Each of the four refusals' Events was suppressed, or posted or failed once its write was
+    // answered: then every Event posted is stored.
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let mut decided = 0.0;
+        for outcome in ["posted", "deduplicated", "failed"] {
+            decided += claim_events(addr, outcome).await;
+        }
+        if decided >= 4.0 {
+            assert_eq!(decided, 4.0);
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{decided} of 4 Events decided"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let events = events_about(&lab, &claim);
     assert_eq!(events.len(), 1, "{events:#?}");
     let e = &events[0];
     assert_regards(e, &claim, "DeviceInUse");
     assert_eq!(e["regarding"]["uid"], claim.uid.as_str());
     let note = e["note"].as_str().unwrap();
-    // The holder: the allocation, or the container once PodResources names it.
+    // The holder: the container, as PodResources names it.
     assert!(
-        note.contains("gpu-3")
-            && (note.contains("device plugin allocation") || note.contains("team-b/pod-1")),
+        note.contains("gpu-3") && note.contains("team-b/pod-1/main"),
         "{note}"
     );
     assert!(note.contains("delete this claim's pod"), "{note}");

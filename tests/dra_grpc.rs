@@ -16,6 +16,7 @@ use gpuplane_testkit::doubles::kubelet_dra::{
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -32,6 +33,8 @@ const SHARED_UID: &str = "05a0-ed";
 struct FakeDriver {
     calls: Mutex<Vec<(&'static str, Vec<ClaimRef>)>>,
     health: Mutex<Vec<DeviceHealthReport>>,
+    /// How often the device health was read (by the health streams).
+    health_reads: AtomicU64,
     changes: watch::Sender<u64>,
 }
 
@@ -46,6 +49,7 @@ impl FakeDriver {
         Arc::new(FakeDriver {
             calls: Mutex::new(Vec::new()),
             health: Mutex::new(vec![report("gpu-0"), report("gpu-1")]),
+            health_reads: AtomicU64::new(0),
             changes: watch::channel(0).0,
         })
     }
@@ -115,6 +119,7 @@ impl DraDriver for FakeDriver {
     }
 
     fn device_health(&self) -> Vec<DeviceHealthReport> {
+        self.health_reads.fetch_add(1, Ordering::SeqCst);
         self.health.lock().unwrap().clone()
     }
 
@@ -417,10 +422,27 @@ async fn health_stream_follows_the_driver() {
     assert_eq!(after.health("node-a", "gpu-0"), Some(HealthStatus::Healthy));
     assert_eq!(after.updates, 2);
 
-    // A tick that changes nothing sends nothing.
+    // A tick that changes nothing sends nothing: once the stream has read the health after
+    // the tick, the next change is the third update, not the fourth.
+    let reads = h.driver.health_reads.load(Ordering::SeqCst);
     h.driver.changes.send_modify(|g| *g += 1);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(kubelet.health(DRIVER).unwrap().updates, 2);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while h.driver.health_reads.load(Ordering::SeqCst) == reads {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the stream never read the health after the tick"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    h.driver
+        .set_health("gpu-0", DeviceHealthState::Unhealthy, "critical Xid 48");
+    let after = kubelet
+        .wait_health(DRIVER, WAIT, |v| {
+            v.health("node-a", "gpu-0") == Some(HealthStatus::Unhealthy)
+        })
+        .await
+        .unwrap();
+    assert_eq!(after.updates, 3);
 
     // Shutdown ends the open stream and still returns promptly.
     h.shutdown().await;

@@ -128,16 +128,19 @@ async fn the_node_label_chooses_the_apis_and_a_change_stops_the_agent() {
                "metadata": {"name": NODE, "labels": {"gpuplane.dev/apis": apis}}})
     };
     lab.api.put_json(node("dra")).unwrap();
-    let agent = lab.start("");
+    let addr = metrics_addr();
+    let agent = lab.start_serving("", addr);
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
     lab.eventually("slices published", |l| !l.slices().is_empty())
         .await;
-    // The device plugin registers within milliseconds when it is served; give it a second.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Ready: every API the agent serves is registered with the kubelet, so a device plugin
+    // served here has registered by now (and its socket, served first, exists).
+    wait_ready(addr).await;
     assert!(
         lab.kubelet.registrations().is_empty(),
         "the device plugin registered on a DRA-only node"
     );
+    assert!(!lab.device_plugin_socket("nvidia.com/gpu").exists());
 
     lab.api.put_json(node("both")).unwrap();
     agent.ended().await.unwrap();
@@ -239,9 +242,11 @@ async fn slices_are_published_valid_and_a_restart_with_the_same_inventory_writes
     assert!(lab.api.count_writes() > 0);
     agent.stop().await;
     lab.api.clear_requests();
-    let agent = lab.start("flags: {migStrategy: single}\n");
+    let addr = metrics_addr();
+    let agent = lab.start_serving("flags: {migStrategy: single}\n", addr);
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Ready: the restarted agent's publisher has synced (compared, and written what differed).
+    wait_ready(addr).await;
     assert_eq!(
         lab.api.count_writes(),
         0,
@@ -582,6 +587,7 @@ async fn a_restart_rebuilds_the_same_ledger_from_pod_resources_and_the_checkpoin
     .await;
     let before = view(&lab);
     agent.stop().await;
+    let restarted = tokio::time::Instant::now();
     let agent = lab.start(config);
     lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
     lab.kubelet
@@ -590,9 +596,32 @@ async fn a_restart_rebuilds_the_same_ledger_from_pod_resources_and_the_checkpoin
         })
         .await
         .unwrap();
-    // Past a PodResources poll and a publisher round, the view must still be the same.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(view(&lab), before);
+    // Past the grace period (real time), a PodResources listing and a publisher round, the
+    // view must still be the same. The listing: one the kubelet answered after the grace, seen
+    // applied (the agent sent the next one). Then an Xid on a free GPU: once ListAndWatch and
+    // the slices show it, they show all the agent did before it.
+    tokio::time::sleep_until(restarted + Duration::from_secs(1)).await;
+    let lists = lab.kubelet.pod_resources_lists();
+    lab.eventually("a PodResources listing past the grace", |l| {
+        l.kubelet.pod_resources_lists() >= lists + 2
+    })
+    .await;
+    let marker = inv
+        .gpus
+        .iter()
+        .find(|g| format!("gpu-{}", g.index) == free[2])
+        .unwrap();
+    let (marker_id, marker_name) = (marker.uuid.to_string(), free[2].clone());
+    lab.sim.inject_xid(&marker.uuid, None, 48);
+    lab.eventually("the Xid in ListAndWatch and in the slices", |l| {
+        let (withdrawn, tainted) = view(l);
+        withdrawn.contains(&marker_id) && tainted.contains(&marker_name)
+    })
+    .await;
+    let (mut withdrawn, mut tainted) = view(&lab);
+    withdrawn.retain(|d| *d != marker_id);
+    tainted.retain(|d| *d != marker_name);
+    assert_eq!((withdrawn, tainted), before);
     // And the holds are enforced, not just shown: each API is refused the other's devices.
     let err = lab
         .prepare(&lab.claim("grab", &[&before.1[0]]))
@@ -1042,4 +1071,29 @@ async fn a_pod_that_ends_before_any_listing_saw_it_frees_its_gpu_within_seconds(
     }
     lab.unprepare(&claim).await;
     agent.stop().await;
+}
+
+/// An address for an agent's `/metrics`, `/healthz` and `/readyz`.
+fn metrics_addr() -> std::net::SocketAddr {
+    ([127, 0, 0, 1], support::free_port()).into()
+}
+
+/// Waits until the agent serving on `addr` says it is ready.
+async fn wait_ready(addr: std::net::SocketAddr) {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let (code, body) = tokio::task::spawn_blocking(move || {
+            support::http_get(addr, "/readyz").unwrap_or_default()
+        })
+        .await
+        .unwrap();
+        if code == 200 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent never turned ready: {code} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

@@ -469,10 +469,20 @@ async fn the_loop_follows_desired_changes_and_repairs_deletions() {
     })
     .await;
 
-    // Quiet now: our own writes' watch events cause no further writes.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Quiet now: our own writes' watch events cause no further writes. The watch delivers
+    // events in order, and an edit by someone else that calls for no write (an annotation)
+    // comes after ours: once the loop has synced on it (listed this node's slices), it has
+    // handled the events of its own writes, and nothing was written since.
     server.clear_requests();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut edited = stored(&server)[0].clone();
+    edited["metadata"]["annotations"] = json!({"example.com/note": "by hand"});
+    server.put_json(edited).unwrap();
+    eventually("the loop's sync after the edit", || {
+        server.requests().iter().any(|(method, path)| {
+            method == "GET" && path.contains("/resourceslices") && !path.contains("watch=")
+        })
+    })
+    .await;
     assert_eq!(server.count_writes(), 0, "{:?}", server.requests());
 
     stop_tx.send(()).unwrap();

@@ -1667,8 +1667,21 @@ async fn a_pod_seen_turns_its_reservation_into_usage_at_once_while_another_waits
         );
         assert_eq!(r["allowed"], true);
     }
-    // The loop has seen both reservations (and set its next deadline to the ghost's grace).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The loop has seen both reservations (and set its next deadline to the ghost's grace): it
+    // decides on a fresh list of the namespace's GpuQuotas, and one came after both were
+    // written (the webhook answers once its write is done).
+    let written = api.requests().len();
+    let quota_list = format!("/namespaces/{NS}/gpuquotas");
+    eventually(
+        "the loop's list of the quotas after both reservations",
+        || async {
+            api.requests()[written..].iter().any(|(method, path)| {
+                let (path, query) = path.split_once('?').unwrap_or((path, ""));
+                method == "GET" && path.ends_with(&quota_list) && !query.contains("watch=")
+            })
+        },
+    )
+    .await;
     api.put_json(gpu_pod("p-0", "nvidia.com/gpu", 1)).unwrap();
     eventually("p-0's reservation to turn into usage", || async {
         let s = stored_quota(&api, "q").status.unwrap_or_default();

@@ -76,6 +76,15 @@ impl Lab {
         Agent(self.node.start_agent(config).unwrap())
     }
 
+    /// [`Lab::start`], also serving `/metrics`, `/healthz` and `/readyz` on `metrics`.
+    pub fn start_serving(&self, config: &str, metrics: std::net::SocketAddr) -> Agent {
+        Agent(
+            self.node
+                .start_agent_serving(config, Some(metrics))
+                .unwrap(),
+        )
+    }
+
     pub fn device<'a>(slices: &'a [Value], name: &str) -> Option<&'a Value> {
         slices
             .iter()

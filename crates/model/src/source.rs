@@ -9,6 +9,7 @@
 use crate::inventory::{DeviceUuid, Gpu, Inventory, MigDevice};
 use crate::sim::instances::{self, InstanceBook};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -132,6 +133,8 @@ struct SimState {
     sender: Mutex<std::sync::mpsc::Sender<DeviceEvent>>,
     stall: Mutex<Option<Arc<ProbeStall>>>,
     discovery_stall: Mutex<Option<Arc<ProbeStall>>>,
+    /// `discover` calls begun.
+    discoveries: AtomicU64,
 }
 
 /// A hold on a simulated source's [`DeviceSource::responds`] (or, from
@@ -199,6 +202,7 @@ impl SimSource {
                 sender: Mutex::new(sender),
                 stall: Mutex::new(None),
                 discovery_stall: Mutex::new(None),
+                discoveries: AtomicU64::new(0),
             }),
         }
     }
@@ -236,6 +240,14 @@ impl SimSource {
         let stall = Arc::new(ProbeStall::default());
         *lock(&self.inner.discovery_stall) = Some(stall.clone());
         stall
+    }
+
+    /// How many [`DeviceSource::discover`] calls have begun, every caller's (a test's own
+    /// included). An agent rediscovers one call at a time and posts each result before it
+    /// begins the next, so a count read now and seen two higher later means a discovery that
+    /// began after now has been handed to the agent's state owner.
+    pub fn discoveries(&self) -> u64 {
+        self.inner.discoveries.load(Ordering::SeqCst)
     }
 
     /// Replaces the simulated machine, e.g. after a MIG reconfiguration. Creation numbers are
@@ -286,6 +298,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl DeviceSource for SimSource {
     fn discover(&self) -> Result<Discovery, SourceError> {
+        self.inner.discoveries.fetch_add(1, Ordering::SeqCst);
         let stall = lock(&self.inner.discovery_stall).clone();
         if let Some(stall) = stall {
             stall.hold();

@@ -2,7 +2,9 @@
 //!
 //! Each family is defined once, with its name, help and typed label set. The node agent's are
 //! [`Node`], in a process-wide registry like the Prometheus clients' default one: the code that
-//! counts (a gRPC handler, the ledger's caller) needs no handle threaded through it. The
+//! counts (a gRPC handler, the ledger's caller) needs no handle threaded through it; those
+//! counted where the agent's state is at hand anyway (config reloads, Events on claims) are
+//! [`AgentCounters`], one set per agent, so agents sharing a process keep apart. The
 //! webhook's (`webhook/metrics.rs`) and the quota loops' (`controller/metrics.rs`) live in a
 //! registry per instance, so two replicas in one process (tests, the demo) never mix their
 //! numbers. Values computed from state when `/metrics` is scraped are
@@ -108,6 +110,23 @@ label_values! {
     }
 }
 
+label_values! {
+    /// What became of a config file read again (after SIGHUP or a change of the file).
+    pub enum ConfigReload {
+        Applied => "applied",
+        Refused => "refused",
+    }
+}
+
+label_values! {
+    /// What became of an Event on a ResourceClaim.
+    pub enum ClaimEvent {
+        Posted => "posted",
+        Deduplicated => "deduplicated",
+        Failed => "failed",
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
 pub struct ApiLabel {
     pub api: Api,
@@ -144,6 +163,86 @@ pub struct SliceSyncLabel {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
 pub struct SliceOpLabel {
     pub op: SliceOp,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+pub struct ConfigReloadLabel {
+    pub outcome: ConfigReload,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+pub struct ClaimEventLabel {
+    pub outcome: ClaimEvent,
+}
+
+/// The node agent's counters kept per agent (its `NodeState` holds them) instead of in the
+/// process-wide registry: the code that counts holds the state anyway (the state owner, the
+/// DRA shell), and agents sharing one process (tests, the demo) each show their own, so a test
+/// can wait for "the reload was refused" on one agent's `/metrics`. Every series exists from
+/// the start, at 0. Clones share their values; `/metrics` registers clones into the registry
+/// it makes for each scrape.
+#[derive(Debug, Clone)]
+pub struct AgentCounters {
+    /// `gpuplane_config_reloads_total{outcome}`: config file reads applied (also when equal
+    /// to the running config) or refused (unreadable, invalid, or not offerable; the running
+    /// config stays).
+    pub config_reloads: Family<ConfigReloadLabel, Counter>,
+    /// `gpuplane_claim_events_total{outcome}`: Events on ResourceClaims posted, not posted
+    /// again because the same one was posted lately, or whose write failed.
+    pub claim_events: Family<ClaimEventLabel, Counter>,
+}
+
+impl Default for AgentCounters {
+    fn default() -> Self {
+        let counters = AgentCounters {
+            config_reloads: Family::default(),
+            claim_events: Family::default(),
+        };
+        // A series is created by its first look-up, at 0.
+        for outcome in [ConfigReload::Applied, ConfigReload::Refused] {
+            let _ = counters
+                .config_reloads
+                .get_or_create(&ConfigReloadLabel { outcome });
+        }
+        for outcome in [
+            ClaimEvent::Posted,
+            ClaimEvent::Deduplicated,
+            ClaimEvent::Failed,
+        ] {
+            let _ = counters
+                .claim_events
+                .get_or_create(&ClaimEventLabel { outcome });
+        }
+        counters
+    }
+}
+
+impl AgentCounters {
+    pub fn config_reload(&self, outcome: ConfigReload) {
+        self.config_reloads
+            .get_or_create(&ConfigReloadLabel { outcome })
+            .inc();
+    }
+
+    pub fn claim_event(&self, outcome: ClaimEvent) {
+        self.claim_events
+            .get_or_create(&ClaimEventLabel { outcome })
+            .inc();
+    }
+
+    /// Registers clones of the families into `r` (the registry made for one scrape).
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "gpuplane_config_reloads",
+            "Config file reads by outcome (applied; refused: the running config stays)",
+            self.config_reloads.clone(),
+        );
+        r.register(
+            "gpuplane_claim_events",
+            "Events on ResourceClaims by outcome (posted, deduplicated: posted lately already, failed)",
+            self.claim_events.clone(),
+        );
+    }
 }
 
 /// The node agent's counters and histograms (its scrape-time gauges are in `node/http.rs`).
@@ -401,6 +500,28 @@ mod tests {
         );
         assert!(text.ends_with("\n# EOF\n"), "{text}");
         assert!(!text.contains("_total_total"), "{text}");
+    }
+
+    #[test]
+    fn agent_counters_render_every_outcome_from_zero_and_keep_apart_per_agent() {
+        let (a, b) = (AgentCounters::default(), AgentCounters::default());
+        a.config_reload(ConfigReload::Refused);
+        a.clone().claim_event(ClaimEvent::Deduplicated);
+        b.config_reload(ConfigReload::Applied);
+        let mut r = Registry::default();
+        a.register(&mut r);
+        let text = render(&[&r]);
+        assert_lines(
+            &text,
+            &[
+                "# TYPE gpuplane_config_reloads counter",
+                "gpuplane_config_reloads_total{outcome=\"applied\"} 0",
+                "gpuplane_config_reloads_total{outcome=\"refused\"} 1",
+                "gpuplane_claim_events_total{outcome=\"posted\"} 0",
+                "gpuplane_claim_events_total{outcome=\"deduplicated\"} 1",
+                "gpuplane_claim_events_total{outcome=\"failed\"} 0",
+            ],
+        );
     }
 
     #[derive(Debug)]

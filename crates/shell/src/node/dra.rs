@@ -99,7 +99,12 @@ pub async fn start(
             .map_err(|e| DraStartError::Worker(e.to_string()))?
             .map_err(DraStartError::Core)?;
     core.restore_holds().await;
-    let events = ClaimEvents::new(settings.client.clone(), &driver, node_name);
+    let events = ClaimEvents::new(
+        settings.client.clone(),
+        &driver,
+        node_name,
+        state.counters().clone(),
+    );
     let reporting = ReportingDriver::new(Arc::new(core), events);
     let server = DraServer::new(&paths.kubelet_root, &driver, Arc::new(reporting))
         .map_err(DraStartError::Serve)?;

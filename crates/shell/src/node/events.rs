@@ -12,6 +12,7 @@
 
 use crate::dra::core::{kubelet_error, DraCore, UserEvent};
 use crate::dra::{ClaimRef, DeviceHealthReport, DraDriver, PrepareResult};
+use crate::metrics::{AgentCounters, ClaimEvent as ClaimEventOutcome};
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
@@ -128,30 +129,40 @@ pub struct ClaimEvents {
     driver: String,
     node: String,
     dedup: Arc<Mutex<Dedup>>,
+    /// The agent's counters: each Event posted, deduplicated or failed is counted there.
+    counters: AgentCounters,
 }
 
 impl ClaimEvents {
-    pub fn new(client: kube::Client, driver: &str, node: &str) -> ClaimEvents {
+    pub fn new(
+        client: kube::Client,
+        driver: &str,
+        node: &str,
+        counters: AgentCounters,
+    ) -> ClaimEvents {
         ClaimEvents {
             client,
             driver: driver.into(),
             node: node.into(),
             dedup: Arc::new(Mutex::new(Dedup::new(DEFAULT_WINDOW))),
+            counters,
         }
     }
 
     /// Posts `event` about `claim` in the background, unless the same was posted within the
-    /// window. Needs a tokio runtime.
+    /// window (counted as deduplicated before this returns). Needs a tokio runtime.
     pub fn report(&self, claim: &ClaimRef, event: &UserEvent) {
         let key: Key = (claim.uid.to_string(), event.reason, event.note.clone());
         if !lock(&self.dedup).admit(key.clone(), Instant::now()) {
             debug!(claim = %format!("{}/{}", claim.namespace, claim.name), reason = event.reason,
                 "Event already posted lately; not posting it again");
+            self.counters.claim_event(ClaimEventOutcome::Deduplicated);
             return;
         }
         let object = claim_event(claim, event, &self.driver, &self.node, Timestamp::now());
         let api: Api<Event> = Api::namespaced(self.client.clone(), &claim.namespace);
         let dedup = self.dedup.clone();
+        let counters = self.counters.clone();
         let label = format!("{}/{}", claim.namespace, claim.name);
         let reason = event.reason;
         tokio::spawn(async move {
@@ -165,10 +176,14 @@ impl ClaimEvents {
                 Ok(Err(e)) => Some(e.to_string()),
                 Err(_) => Some(format!("no answer within {POST_TIMEOUT:?}")),
             };
-            if let Some(error) = failed {
-                warn!(claim = %label, reason, error = %error,
-                    "posting an Event on the ResourceClaim failed; the next failure posts it again");
-                lock(&dedup).forget(&key);
+            match failed {
+                None => counters.claim_event(ClaimEventOutcome::Posted),
+                Some(error) => {
+                    warn!(claim = %label, reason, error = %error,
+                        "posting an Event on the ResourceClaim failed; the next failure posts it again");
+                    lock(&dedup).forget(&key);
+                    counters.claim_event(ClaimEventOutcome::Failed);
+                }
             }
         });
     }

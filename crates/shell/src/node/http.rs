@@ -190,9 +190,10 @@ impl Collector for StateGauges {
     }
 }
 
-/// The process-wide families and the gauges of `state`.
+/// The process-wide families, the agent's own counters and the gauges of `state`.
 fn exposition(state: &NodeState) -> String {
     let mut scrape = Registry::default();
+    state.counters().register(&mut scrape);
     scrape.register_collector(Box::new(StateGauges::read(state)));
     metrics::render(&[metrics::registry(), &scrape])
 }

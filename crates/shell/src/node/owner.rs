@@ -10,10 +10,11 @@
 
 use super::http::Readiness;
 use super::probe::Prober;
-use super::state::NodeState;
+use super::state::{NodeState, Snapshot};
 use crate::config::{AgentConfig, ConfigError};
 use crate::health::{Cause, Change, Health};
 use crate::inventory::{DeviceUuid, Inventory};
+use crate::metrics::ConfigReload;
 use crate::source::{DeviceEvent, Discovery};
 use std::future::Future;
 use std::sync::Arc;
@@ -68,11 +69,23 @@ impl Owner {
         match input {
             Input::Device(event) => self.on_device_event(&event),
             Input::Config(Ok(config)) => {
-                let inventory = self.state.read().inventory.clone();
-                install(&self.state, inventory, config);
+                let counters = self.state.counters();
+                self.state.update(|s| {
+                    let inventory = s.inventory.clone();
+                    let (running, changed) = replace_running(s, inventory, config);
+                    // Counted before the change wakes anyone: whoever sees the new plan (or
+                    // the count) sees the other too.
+                    counters.config_reload(if running {
+                        ConfigReload::Applied
+                    } else {
+                        ConfigReload::Refused
+                    });
+                    ((), changed)
+                });
             }
             Input::Config(Err(e)) => {
-                tracing::error!(error = %e, "config reload failed; keeping the running config")
+                tracing::error!(error = %e, "config reload failed; keeping the running config");
+                self.state.counters().config_reload(ConfigReload::Refused);
             }
             Input::Rediscovered(Ok(found)) => self.on_rediscovered(&found),
             Input::Rediscovered(Err(e)) => {
@@ -174,27 +187,36 @@ pub fn with_lost(previous: Option<&Inventory>, found: &Discovery) -> (Inventory,
 
 /// Installs a new inventory and config if they differ from the running ones.
 pub fn install(state: &NodeState, inventory: Inventory, config: AgentConfig) {
-    state.update(|s| {
-        if s.inventory == inventory && s.config == config {
-            return ((), false);
-        }
-        let inventory_changed = s.inventory != inventory;
-        match s.replace(inventory, config) {
-            Ok(()) => {
-                if inventory_changed {
-                    tracing::info!(gpus = s.inventory.gpus.len(), mig_devices = s.inventory.mig_device_count(), "inventory changed");
-                }
-                for w in &s.plan.warnings {
-                    tracing::warn!("{w}");
-                }
-                ((), true)
+    state.update(|s| ((), replace_running(s, inventory, config).1));
+}
+
+/// Makes `inventory` and `config` the running ones unless they already are: (whether they are
+/// the running ones now, whether anything changed). They are refused, the previous plan
+/// staying, when they cannot be offered.
+fn replace_running(s: &mut Snapshot, inventory: Inventory, config: AgentConfig) -> (bool, bool) {
+    if s.inventory == inventory && s.config == config {
+        return (true, false);
+    }
+    let inventory_changed = s.inventory != inventory;
+    match s.replace(inventory, config) {
+        Ok(()) => {
+            if inventory_changed {
+                tracing::info!(
+                    gpus = s.inventory.gpus.len(),
+                    mig_devices = s.inventory.mig_device_count(),
+                    "inventory changed"
+                );
             }
-            Err(e) => {
-                tracing::error!(error = %e, "new inventory or config cannot be offered; keeping the previous plan");
-                ((), false)
+            for w in &s.plan.warnings {
+                tracing::warn!("{w}");
             }
+            (true, true)
         }
-    });
+        Err(e) => {
+            tracing::error!(error = %e, "new inventory or config cannot be offered; keeping the previous plan");
+            (false, false)
+        }
+    }
 }
 
 pub fn log_changes(changes: &[Change]) {

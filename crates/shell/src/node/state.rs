@@ -1,5 +1,6 @@
 //! The agent's shared state: one snapshot of inventory, plan, topology and health that every
-//! server reads, and a generation counter that wakes watchers when it changes.
+//! server reads, a generation counter that wakes watchers when it changes, and the agent's own
+//! counters for `/metrics` (outside the lock).
 //!
 //! A std `RwLock` (not tokio's): critical sections are short, never span an `.await`, and the
 //! blocking event pump thread writes to it too.
@@ -9,6 +10,7 @@ use crate::deviceplugin::resources::{self, Plan, PlanError};
 use crate::health::HealthBook;
 use crate::inventory::Inventory;
 use crate::ledger::{device_plugin_view, Ledger};
+use crate::metrics::AgentCounters;
 use crate::source::MigRequest;
 use crate::topology::TopologyModel;
 use gpuplane_model::dynamic_mig;
@@ -93,6 +95,8 @@ impl Snapshot {
 pub struct NodeState {
     snapshot: RwLock<Snapshot>,
     generation: watch::Sender<u64>,
+    /// What this agent counted (config reloads, Events on claims), for `/metrics`.
+    counters: AgentCounters,
 }
 
 impl NodeState {
@@ -100,7 +104,13 @@ impl NodeState {
         NodeState {
             snapshot: RwLock::new(snapshot),
             generation: watch::channel(0).0,
+            counters: AgentCounters::default(),
         }
+    }
+
+    /// This agent's own counters (not the process-wide families; see [`AgentCounters`]).
+    pub fn counters(&self) -> &AgentCounters {
+        &self.counters
     }
 
     /// Read access; hold it only for computing an answer.
