@@ -758,3 +758,31 @@ mod blocking {
         }
     }
 }
+
+/// The guard above can fail: it finds what it looks for, and only in async code on the runtime.
+#[test]
+fn the_blocking_call_guard_finds_blocking_calls_in_async_code_only() {
+    let scan = |code: &str| {
+        let mut scan = blocking::Scan::default();
+        syn::visit::Visit::visit_file(&mut scan, &syn::parse_file(code).unwrap());
+        scan.found
+    };
+    let found = scan(
+        "async fn f(m: &std::sync::Mutex<u8>) { std::fs::write(\"a\", \"b\").ok(); \
+         let _g = m.lock(); async { fs::read_dir(\".\") }; let f = File::open(\"x\"); }",
+    );
+    assert_eq!(
+        found,
+        [
+            "async fn f: std::fs::write(..)",
+            "async fn f: .lock()",
+            "async fn f: fs::read_dir(..)",
+            "async fn f: File::open(..)",
+        ]
+    );
+    let fine = "fn sync_io() { std::fs::write(\"a\", \"b\").ok(); } \
+         async fn g(m: &tokio::sync::Mutex<u8>) { tokio::fs::write(\"a\", \"b\").await.ok(); \
+         let _g = m.lock().await; tokio::task::spawn_blocking(move || std::fs::read(\"a\")); \
+         std::thread::spawn(|| { let _ = std::fs::read(\"a\"); }); fn nested() { std::fs::read(\"a\").ok(); } }";
+    assert_eq!(scan(fine), Vec::<String>::new());
+}
