@@ -9,3 +9,4 @@ pub mod dial;
 pub mod kubelet;
 pub mod kubelet_dra;
 pub mod lab;
+pub mod stall;
