@@ -4,6 +4,7 @@
 
 pub mod admission;
 pub mod apiserver;
+pub mod claims;
 pub mod devnodes;
 pub mod dial;
 pub mod kubelet;
