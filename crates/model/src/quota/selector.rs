@@ -13,7 +13,6 @@
 //! [`Selector::may_match`] accepts always contains the set Kubernetes would allocate from.
 
 use crate::quantity::Quantity;
-use std::collections::BTreeMap;
 
 /// A value a device carries under one attribute or capacity name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -506,31 +505,32 @@ fn compare(op: CmpOp, l: &Val, r: &Val) -> Val {
     }
 }
 
-/// A device in tests and simple callers: driver plus maps keyed by (domain, name).
-#[derive(Debug, Clone, Default)]
-pub struct SimpleDevice {
-    pub driver: String,
-    pub attributes: BTreeMap<(String, String), AttrValue>,
-    pub capacity: BTreeMap<(String, String), AttrValue>,
-}
-
-impl DeviceView for SimpleDevice {
-    fn driver(&self) -> &str {
-        &self.driver
-    }
-    fn attribute(&self, domain: &str, name: &str) -> Option<&AttrValue> {
-        self.attributes.get(&(domain.to_string(), name.to_string()))
-    }
-    fn capacity(&self, domain: &str, name: &str) -> Option<&AttrValue> {
-        self.capacity.get(&(domain.to_string(), name.to_string()))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     const D: &str = "gpu.gpuplane.dev";
+
+    /// A device for the tests: driver plus maps keyed by (domain, name).
+    #[derive(Debug, Clone, Default)]
+    struct SimpleDevice {
+        driver: String,
+        attributes: BTreeMap<(String, String), AttrValue>,
+        capacity: BTreeMap<(String, String), AttrValue>,
+    }
+
+    impl DeviceView for SimpleDevice {
+        fn driver(&self) -> &str {
+            &self.driver
+        }
+        fn attribute(&self, domain: &str, name: &str) -> Option<&AttrValue> {
+            self.attributes.get(&(domain.to_string(), name.to_string()))
+        }
+        fn capacity(&self, domain: &str, name: &str) -> Option<&AttrValue> {
+            self.capacity.get(&(domain.to_string(), name.to_string()))
+        }
+    }
 
     fn dev(kind: &str, profile: Option<&str>, mem: i64) -> SimpleDevice {
         let mut d = SimpleDevice {
