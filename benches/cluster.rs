@@ -351,35 +351,46 @@ async fn api_server_account(client: &kube::Client) {
         );
         println!("API server: GpuQuota {verb} requests: {n:.0}");
     }
-    // The controller's own count: the quota loop's status writes (the rest are the webhook's).
-    if let Some(text) = controller_metrics().await {
-        for m in [
-            "gpuplane_quota_status_writes_total",
-            "gpuplane_quota_status_conflicts_total",
-        ] {
-            let v: f64 = text
-                .lines()
-                .filter(|l| l.starts_with(m))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum();
-            println!("controller: {m} {v:.0}");
-        }
-        // How long the webhook itself took per decision, next to the API server's view above.
-        let series = |name: &str| -> f64 {
-            text.lines()
-                .filter(|l| l.starts_with(name) && l.contains("webhook=\"validate\""))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum()
-        };
-        let (secs, n) = (
-            series("gpuplane_webhook_decision_seconds_sum"),
-            series("gpuplane_webhook_decision_seconds_count"),
-        );
-        println!(
-            "controller: validating decisions {n:.0}, mean {:.2}ms as the webhook measured them",
-            secs * 1e3 / n.max(1.0)
-        );
+    controller_account().await;
+    quota_size(client).await;
+}
+
+/// The controller's own count: the quota loop's status writes (the rest are the webhook's),
+/// and how long the webhook itself took per decision.
+async fn controller_account() {
+    let Some(text) = controller_metrics().await else {
+        return;
+    };
+    for m in [
+        "gpuplane_quota_status_writes_total",
+        "gpuplane_quota_status_conflicts_total",
+    ] {
+        let v: f64 = text
+            .lines()
+            .filter(|l| l.starts_with(m))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        println!("controller: {m} {v:.0}");
     }
+    // Next to the API server's view of the same calls.
+    let series = |name: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with(name) && l.contains("webhook=\"validate\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let (secs, n) = (
+        series("gpuplane_webhook_decision_seconds_sum"),
+        series("gpuplane_webhook_decision_seconds_count"),
+    );
+    println!(
+        "controller: validating decisions {n:.0}, mean {:.2}ms as the webhook measured them",
+        secs * 1e3 / n.max(1.0)
+    );
+}
+
+/// The size of the governed namespace's GpuQuota at the end, and its reservations left.
+async fn quota_size(client: &kube::Client) {
     let quotas: Api<kube::api::DynamicObject> = Api::namespaced_with(
         client.clone(),
         "governed",

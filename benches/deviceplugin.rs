@@ -43,31 +43,15 @@ async fn allocate_vs_bare_rpc() {
         .await
         .expect("kubelet double");
     let sim = SimSource::new(gpuplane_shell::sim::load("dgx-h100").expect("profile"));
-    let opts = gpuplane_shell::node::NodeOptions {
-        node_name: "bench".into(),
-        paths: HostPaths {
-            kubelet_root: dir.path().join("kubelet"),
-            cdi_root: dir.path().join("cdi"),
-            state_dir: dir.path().join("state"),
-            driver_root: dir.path().join("driver"),
-            driver_root_mount: None,
-            dev_root: dir.path().join("dev"),
-            ..HostPaths::standard()
-        },
-        config_file: None,
-        sharing_switch: None,
-        device_plugin: true,
-        dra: None,
-        api: None,
-        metrics_addr: None,
-        // No device nodes in the temp dir: simulated, as `--simulate` runs it.
-        device_mode: gpuplane_shell::source::DeviceMode::Simulated,
-    };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let source: Arc<dyn DeviceSource> = Arc::new(sim.clone());
-    let agent = tokio::spawn(gpuplane_shell::node::run(opts, source, async {
-        let _ = stopped.await;
-    }));
+    let agent = tokio::spawn(gpuplane_shell::node::run(
+        node_options(dir.path()),
+        source,
+        async {
+            let _ = stopped.await;
+        },
+    ));
     let view = kubelet
         .wait_for(Duration::from_secs(10), |p| {
             p.get("nvidia.com/gpu")
@@ -83,32 +67,10 @@ async fn allocate_vs_bare_rpc() {
         .collect();
 
     // Floor: a bare unary RPC on a unix socket, same runtime, same client stack.
-    let bare_sock = dir.path().join("bare.sock");
-    let listener = gpuplane_shell::grpc::bind(&bare_sock).expect("bind");
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(pb::registration_server::RegistrationServer::new(Bare))
-            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
-    );
-    let mut bare = pb::registration_client::RegistrationClient::new(
-        gpuplane_shell::grpc::connect(&bare_sock)
-            .await
-            .expect("dial bare"),
-    );
+    let mut bare = bare_server(&dir.path().join("bare.sock"), false).await;
     // The same bare RPC through `grpc::incoming` (the `:authority` rewriter every unix-socket
     // server of ours uses): what the rewriter alone costs.
-    let rewritten_sock = dir.path().join("rewritten.sock");
-    let listener = gpuplane_shell::grpc::bind(&rewritten_sock).expect("bind");
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(pb::registration_server::RegistrationServer::new(Bare))
-            .serve_with_incoming(gpuplane_shell::grpc::incoming(listener)),
-    );
-    let mut rewritten = pb::registration_client::RegistrationClient::new(
-        gpuplane_shell::grpc::connect(&rewritten_sock)
-            .await
-            .expect("dial rewritten"),
-    );
+    let mut rewritten = bare_server(&dir.path().join("rewritten.sock"), true).await;
     let mut plugin = pb::device_plugin_client::DevicePluginClient::new(
         gpuplane_shell::grpc::connect(&endpoint)
             .await
@@ -119,17 +81,8 @@ async fn allocate_vs_bare_rpc() {
     let mut through_rewriter = Vec::with_capacity(RPCS);
     let mut alloc = Vec::with_capacity(RPCS);
     for i in 0..RPCS {
-        let t = Instant::now();
-        bare.register(pb::RegisterRequest::default())
-            .await
-            .expect("bare rpc");
-        floor.push(t.elapsed());
-        let t = Instant::now();
-        rewritten
-            .register(pb::RegisterRequest::default())
-            .await
-            .expect("rewritten rpc");
-        through_rewriter.push(t.elapsed());
+        floor.push(register_once(&mut bare).await);
+        through_rewriter.push(register_once(&mut rewritten).await);
         let req = pb::AllocateRequest {
             container_requests: vec![pb::ContainerAllocateRequest {
                 devices_ids: vec![ids[i % 8].clone()],
@@ -153,6 +106,62 @@ async fn allocate_vs_bare_rpc() {
     let _ = stop.send(());
     let _ = agent.await;
     kubelet.stop().await;
+}
+
+/// The agent's options in `dir`: device plugin only, no API server.
+fn node_options(dir: &std::path::Path) -> gpuplane_shell::node::NodeOptions {
+    gpuplane_shell::node::NodeOptions {
+        node_name: "bench".into(),
+        paths: HostPaths {
+            kubelet_root: dir.join("kubelet"),
+            cdi_root: dir.join("cdi"),
+            state_dir: dir.join("state"),
+            driver_root: dir.join("driver"),
+            driver_root_mount: None,
+            dev_root: dir.join("dev"),
+            ..HostPaths::standard()
+        },
+        config_file: None,
+        sharing_switch: None,
+        device_plugin: true,
+        dra: None,
+        api: None,
+        metrics_addr: None,
+        // No device nodes in the temp dir: simulated, as `--simulate` runs it.
+        device_mode: gpuplane_shell::source::DeviceMode::Simulated,
+    }
+}
+
+type BareClient = pb::registration_client::RegistrationClient<tonic::transport::Channel>;
+
+/// A server of the bare RPC on `sock` (its connections through `grpc::incoming` if
+/// `rewrite`), and a client dialled to it.
+async fn bare_server(sock: &std::path::Path, rewrite: bool) -> BareClient {
+    let listener = gpuplane_shell::grpc::bind(sock).expect("bind");
+    let server = tonic::transport::Server::builder()
+        .add_service(pb::registration_server::RegistrationServer::new(Bare));
+    if rewrite {
+        tokio::spawn(server.serve_with_incoming(gpuplane_shell::grpc::incoming(listener)));
+    } else {
+        tokio::spawn(
+            server.serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+        );
+    }
+    pb::registration_client::RegistrationClient::new(
+        gpuplane_shell::grpc::connect(sock)
+            .await
+            .expect("dial bare"),
+    )
+}
+
+/// One timed bare RPC.
+async fn register_once(client: &mut BareClient) -> Duration {
+    let t = Instant::now();
+    client
+        .register(pb::RegisterRequest::default())
+        .await
+        .expect("bare rpc");
+    t.elapsed()
 }
 
 /// `islands` NVSwitch islands of `per` GPUs; NUMA node per two islands.

@@ -25,6 +25,7 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
+use gpuplane_shell::dra::ClaimRef;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use gpuplane_testkit::doubles::kubelet::KubeletDouble;
 use gpuplane_testkit::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
@@ -81,6 +82,22 @@ struct Counts {
     xids: u64,
     restarts: u64,
     scrapes: u64,
+}
+
+impl Counts {
+    /// A prepare the ledger refused (`held by ...`), by the holder it names.
+    fn refused(&mut self, e: String) {
+        if e.contains("held by container soak/") {
+            self.prepare_refused_ended += 1;
+        } else if e.contains("held by a device plugin allocation") {
+            self.prepare_refused_unlisted += 1;
+        } else {
+            self.prepare_refused_other += 1;
+        }
+        if self.first_refusal.is_none() {
+            self.first_refusal = Some(e);
+        }
+    }
 }
 
 /// One pod slot of the soak (see the module docs). `lists` is the kubelet double's
@@ -178,17 +195,78 @@ async fn soak(seconds: u64) {
         .map(|g| g.uuid.to_string())
         .collect();
 
-    let mut n = Counts::default();
-    let mut slots: Vec<Slot> = (0..POD_SLOTS).map(|_| Slot::Free).collect();
+    let mut w = Workload {
+        api: &api,
+        kubelet: &mut kubelet,
+        dra: &mut dra,
+        control: &control,
+        uuids,
+        slots: (0..POD_SLOTS).map(|_| Slot::Free).collect(),
+        n: Counts::default(),
+    };
     let until = start + Duration::from_secs(seconds);
     while Instant::now() < until {
-        let i = n.cycles;
-        n.cycles += 1;
-        // A claim first, on the next GPU in turn that the ledger gives it.
-        let mut claim = None;
-        // GPUs ListAndWatch shows unhealthy (an Xid not yet recovered) are not tried, nor
-        // those of the soak's pods until the agent has seen them gone.
-        let healthy: Vec<String> = kubelet
+        w.cycle(&agent).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let n = w.n;
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    let mut agent = agent;
+    assert!(agent.running(), "the agent died:\n{}", agent.log_text());
+    report(seconds, serving, &n, &samples.lock().unwrap());
+    agent.kill();
+}
+
+/// The soak's workload against the running agent: the doubles it drives and what it counted.
+struct Workload<'a> {
+    api: &'a ApiServerDouble,
+    kubelet: &'a mut KubeletDouble,
+    dra: &'a mut KubeletDraDouble,
+    /// The fake NVML's control file (Xid injection).
+    control: &'a Path,
+    /// The GPUs' UUIDs, by index.
+    uuids: Vec<String>,
+    slots: Vec<Slot>,
+    n: Counts,
+}
+
+impl Workload<'_> {
+    /// One cycle (see the module docs).
+    async fn cycle(&mut self, agent: &AgentProcess) {
+        let i = self.n.cycles;
+        self.n.cycles += 1;
+        let claim = self.prepare_claim(i).await;
+        self.advance_slots();
+        self.admit_pod(i).await;
+        if let Some(c) = claim {
+            if self
+                .dra
+                .unprepare(DRIVER, std::slice::from_ref(&c))
+                .await
+                .is_ok_and(|a| a.values().all(Result::is_ok))
+            {
+                self.n.unprepared += 1;
+            }
+        }
+        if i % 10 == 9 {
+            append(self.control, &format!("xid {} 48", (i / 10) % 8));
+            self.n.xids += 1;
+        }
+        if i % 5 == 4 && agent.get("/metrics").is_some() {
+            self.n.scrapes += 1;
+        }
+        if i % 50 == 49 {
+            self.restart_kubelet().await;
+        }
+    }
+
+    /// A claim prepared on the next GPU in turn that the ledger gives it, if any does. GPUs
+    /// ListAndWatch shows unhealthy (an Xid not yet recovered) are not tried, nor those of the
+    /// soak's pods until the agent has seen them gone.
+    async fn prepare_claim(&mut self, i: u64) -> Option<ClaimRef> {
+        let healthy: Vec<String> = self
+            .kubelet
             .plugin(GPU)
             .map(|v| {
                 v.devices
@@ -200,13 +278,14 @@ async fn soak(seconds: u64) {
             .unwrap_or_default();
         for k in 0..8 {
             let g = (i + k) % 8;
-            let uuid = &uuids[g as usize];
-            if !healthy.contains(uuid) || slots.iter().any(|s| s.gpu() == Some(uuid.as_str())) {
+            let uuid = &self.uuids[g as usize];
+            if !healthy.contains(uuid) || self.slots.iter().any(|s| s.gpu() == Some(uuid.as_str()))
+            {
                 continue;
             }
-            let c = support::put_claim(&api, &format!("claim-{i}-{k}"), &[&format!("gpu-{g}")]);
-            let answer = dra.prepare(DRIVER, std::slice::from_ref(&c)).await;
-            api.delete_json(
+            let c = support::put_claim(self.api, &format!("claim-{i}-{k}"), &[&format!("gpu-{g}")]);
+            let answer = self.dra.prepare(DRIVER, std::slice::from_ref(&c)).await;
+            self.api.delete_json(
                 "resource.k8s.io/v1",
                 "resourceclaims",
                 Some("team-a"),
@@ -214,105 +293,81 @@ async fn soak(seconds: u64) {
             );
             match answer.ok().and_then(|mut a| a.remove(c.uid.as_str())) {
                 Some(Ok(_)) => {
-                    n.prepared += 1;
-                    claim = Some(c);
-                    break;
+                    self.n.prepared += 1;
+                    return Some(c);
                 }
-                Some(Err(e)) if e.contains("held by") => {
-                    if e.contains("held by container soak/") {
-                        n.prepare_refused_ended += 1;
-                    } else if e.contains("held by a device plugin allocation") {
-                        n.prepare_refused_unlisted += 1;
-                    } else {
-                        n.prepare_refused_other += 1;
-                    }
-                    if n.first_refusal.is_none() {
-                        n.first_refusal = Some(e);
-                    }
-                }
+                Some(Err(e)) if e.contains("held by") => self.n.refused(e),
                 other => {
-                    n.prepare_failed += 1;
-                    if n.first_failure.is_none() {
-                        n.first_failure = Some(format!("{other:?}"));
+                    self.n.prepare_failed += 1;
+                    if self.n.first_failure.is_none() {
+                        self.n.first_failure = Some(format!("{other:?}"));
                     }
                 }
             }
         }
-        // Pods: each slot moves on once the agent has listed PodResources since its change.
-        let lists = kubelet.pod_resources_lists();
-        for slot in slots.iter_mut() {
+        None
+    }
+
+    /// Pods: each slot moves on once the agent has listed PodResources since its change.
+    fn advance_slots(&mut self) {
+        let lists = self.kubelet.pod_resources_lists();
+        for slot in self.slots.iter_mut() {
             match slot {
                 Slot::Running {
                     pod,
                     gpu,
                     lists: at,
                 } if lists >= *at + 2 => {
-                    kubelet.end_pod("soak", pod);
+                    self.kubelet.end_pod("soak", pod);
                     *slot = Slot::Ended {
                         gpu: std::mem::take(gpu),
-                        lists: kubelet.pod_resources_lists(),
+                        lists: self.kubelet.pod_resources_lists(),
                     };
                 }
                 Slot::Ended { lists: at, .. } if lists >= *at + 2 => *slot = Slot::Free,
                 _ => {}
             }
         }
-        // A pod through the device plugin API; the claimed GPU is withdrawn from it.
-        if let Some(slot) = slots.iter_mut().find(|s| matches!(s, Slot::Free)) {
-            let pod = format!("pod-{i}");
-            match kubelet.admit("soak", &pod, "main", GPU, 1).await {
-                Ok((mut ids, _)) if !ids.is_empty() => {
-                    n.allocated += 1;
-                    *slot = Slot::Running {
-                        pod,
-                        gpu: ids.remove(0),
-                        lists: kubelet.pod_resources_lists(),
-                    };
-                }
-                Ok(_) => n.allocate_refused += 1,
-                Err(e) => {
-                    n.allocate_refused += 1;
-                    if n.first_allocate_refusal.is_none() {
-                        n.first_allocate_refusal = Some(e.message().to_string());
-                    }
-                }
-            }
-        }
-        if let Some(c) = claim {
-            if dra
-                .unprepare(DRIVER, std::slice::from_ref(&c))
-                .await
-                .is_ok_and(|a| a.values().all(Result::is_ok))
-            {
-                n.unprepared += 1;
-            }
-        }
-        if i % 10 == 9 {
-            append(&control, &format!("xid {} 48", (i / 10) % 8));
-            n.xids += 1;
-        }
-        if i % 5 == 4 && agent.get("/metrics").is_some() {
-            n.scrapes += 1;
-        }
-        if i % 50 == 49 {
-            kubelet.restart().await.unwrap();
-            dra.restart().await;
-            dra.wait_registered(DRIVER, WAIT).await.unwrap();
-            kubelet
-                .wait_for(WAIT, |p| p.contains_key(GPU))
-                .await
-                .unwrap();
-            dra.watch_health(DRIVER).unwrap();
-            n.restarts += 1;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    stop.store(true, Ordering::Relaxed);
-    sampler.join().unwrap();
-    let mut agent = agent;
-    assert!(agent.running(), "the agent died:\n{}", agent.log_text());
-    report(seconds, serving, &n, &samples.lock().unwrap());
-    agent.kill();
+
+    /// A pod through the device plugin API in a free slot; the claimed GPU is withdrawn from
+    /// it.
+    async fn admit_pod(&mut self, i: u64) {
+        let Some(slot) = self.slots.iter_mut().find(|s| matches!(s, Slot::Free)) else {
+            return;
+        };
+        let pod = format!("pod-{i}");
+        match self.kubelet.admit("soak", &pod, "main", GPU, 1).await {
+            Ok((mut ids, _)) if !ids.is_empty() => {
+                self.n.allocated += 1;
+                *slot = Slot::Running {
+                    pod,
+                    gpu: ids.remove(0),
+                    lists: self.kubelet.pod_resources_lists(),
+                };
+            }
+            Ok(_) => self.n.allocate_refused += 1,
+            Err(e) => {
+                self.n.allocate_refused += 1;
+                if self.n.first_allocate_refusal.is_none() {
+                    self.n.first_allocate_refusal = Some(e.message().to_string());
+                }
+            }
+        }
+    }
+
+    /// Both kubelet doubles restart (sockets re-created, re-registration).
+    async fn restart_kubelet(&mut self) {
+        self.kubelet.restart().await.unwrap();
+        self.dra.restart().await;
+        self.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+        self.kubelet
+            .wait_for(WAIT, |p| p.contains_key(GPU))
+            .await
+            .unwrap();
+        self.dra.watch_health(DRIVER).unwrap();
+        self.n.restarts += 1;
+    }
 }
 
 fn report(seconds: u64, serving: f64, n: &Counts, samples: &[(f64, u64)]) {

@@ -356,41 +356,16 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
     runtime.block_on(async {
         let api_configured =
             args.kubeconfig.is_some() || gpuplane_shell::kubeclient::available_without_flags();
-        // Made here when the label must be read, and then used for everything below too.
-        let mut early_client = None;
-        if args.simulate_from_node_label {
-            let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref())
-                .await
-                .context("--simulate-from-node-label needs API access")?;
-            if let Some(profile) =
-                gpuplane_shell::node::simulate::profile_from_label(&client, &args.node_name)
-                    .await?
-            {
-                args.source.simulate = Some(profile);
-                args.source.nvml_lib = None;
-            }
-            early_client = Some(client);
-        }
+        let early_client = simulate_from_node_label(&mut args).await?;
         let (source, label) = args.source.open_for_agent()?;
         tracing::info!(node = %args.node_name, source = %label, mode = ?args.source.mode(), version = env!("CARGO_PKG_VERSION"), build = %build_stamp(), "gpuplane node starting");
         let flags = Apis {
             device_plugin: args.device_plugin,
             dra: args.dra.unwrap_or(api_configured),
         };
-        let client = if let Some(client) = early_client {
-            Some(client)
-        } else if flags.dra || api_configured {
-            Some(
-                gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref())
-                    .await
-                    .context(if flags.dra {
-                        "--dra needs API access"
-                    } else {
-                        "connecting to the API server (--kubeconfig or in-cluster)"
-                    })?,
-            )
-        } else {
-            None
+        let client = match early_client {
+            Some(client) => Some(client),
+            None => node_client(&args, flags, api_configured).await?,
         };
         // The node's label may choose other APIs than the flags.
         let serving = match &client {
@@ -400,32 +375,7 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
                 sharing: None,
             },
         };
-        let dra = match (&client, serving.apis.dra) {
-            (Some(client), true) => Some(gpuplane_shell::node::dra::DraSettings {
-                driver_name: args.driver_name,
-                client: client.clone(),
-            }),
-            _ => None,
-        };
-        let opts = gpuplane_shell::node::NodeOptions {
-            node_name: args.node_name,
-            paths: HostPaths {
-                kubelet_root: args.kubelet_root,
-                cdi_root: args.cdi_root,
-                state_dir: args.state_dir,
-                driver_root: args.driver_root,
-                driver_root_mount: args.driver_root_mount,
-                dev_root: args.dev_root,
-                ..HostPaths::standard()
-            },
-            config_file: args.config,
-            sharing_switch: serving.sharing,
-            device_plugin: serving.apis.device_plugin,
-            dra,
-            api: client.clone(),
-            metrics_addr: args.metrics_addr,
-            device_mode: args.source.mode(),
-        };
+        let opts = node_options(args, client.clone(), &serving);
         let terminated = termination()?;
         let node = opts.node_name.clone();
         let stop = async move {
@@ -441,6 +391,80 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
         tracing::info!("gpuplane node stopped");
         Ok(())
     })
+}
+
+/// `--simulate-from-node-label`: the profile the Node's label names replaces the device source
+/// flags. The client made to read the label, to be used for everything after.
+async fn simulate_from_node_label(
+    args: &mut NodeArgs,
+) -> Result<Option<gpuplane_shell::kubeclient::Client>> {
+    if !args.simulate_from_node_label {
+        return Ok(None);
+    }
+    let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref())
+        .await
+        .context("--simulate-from-node-label needs API access")?;
+    if let Some(profile) =
+        gpuplane_shell::node::simulate::profile_from_label(&client, &args.node_name).await?
+    {
+        args.source.simulate = Some(profile);
+        args.source.nvml_lib = None;
+    }
+    Ok(Some(client))
+}
+
+/// The agent's API client: needed for DRA, and used for labels and the APIs label whenever
+/// the API server is configured; `None` on a node without one.
+async fn node_client(
+    args: &NodeArgs,
+    flags: Apis,
+    api_configured: bool,
+) -> Result<Option<gpuplane_shell::kubeclient::Client>> {
+    if !flags.dra && !api_configured {
+        return Ok(None);
+    }
+    let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref())
+        .await
+        .context(if flags.dra {
+            "--dra needs API access"
+        } else {
+            "connecting to the API server (--kubeconfig or in-cluster)"
+        })?;
+    Ok(Some(client))
+}
+
+/// The agent's options from the flags and the APIs this node serves.
+fn node_options(
+    args: NodeArgs,
+    client: Option<gpuplane_shell::kubeclient::Client>,
+    serving: &apis::Serving,
+) -> gpuplane_shell::node::NodeOptions {
+    let dra = match (&client, serving.apis.dra) {
+        (Some(client), true) => Some(gpuplane_shell::node::dra::DraSettings {
+            driver_name: args.driver_name,
+            client: client.clone(),
+        }),
+        _ => None,
+    };
+    gpuplane_shell::node::NodeOptions {
+        node_name: args.node_name,
+        paths: HostPaths {
+            kubelet_root: args.kubelet_root,
+            cdi_root: args.cdi_root,
+            state_dir: args.state_dir,
+            driver_root: args.driver_root,
+            driver_root_mount: args.driver_root_mount,
+            dev_root: args.dev_root,
+            ..HostPaths::standard()
+        },
+        config_file: args.config,
+        sharing_switch: serving.sharing,
+        device_plugin: serving.apis.device_plugin,
+        dra,
+        api: client,
+        metrics_addr: args.metrics_addr,
+        device_mode: args.source.mode(),
+    }
 }
 
 /// The image build's stamp (`GPUPLANE_BUILD`, set by the image), so the logs of a rollout show

@@ -10,7 +10,7 @@ use crate::inventory::{DeviceUuid, Gpu, Inventory, MigDevice};
 use crate::sim::instances::{self, InstanceBook};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Whether the agent's devices are real GPUs on this host or a simulation profile's.
@@ -131,63 +131,8 @@ struct SimState {
     lost: Mutex<BTreeSet<String>>,
     events: Mutex<std::sync::mpsc::Receiver<DeviceEvent>>,
     sender: Mutex<std::sync::mpsc::Sender<DeviceEvent>>,
-    stall: Mutex<Option<Arc<ProbeStall>>>,
-    discovery_stall: Mutex<Option<Arc<ProbeStall>>>,
     /// `discover` calls begun.
     discoveries: AtomicU64,
-}
-
-/// A hold on a simulated source's [`DeviceSource::responds`] (or, from
-/// [`SimSource::stall_discovery`], its `discover`): while it is in place every such call
-/// blocks until [`ProbeStall::release`], as NVML does for a GPU that fell off the bus. Tests
-/// use it to show that a hung NVML call stalls nothing else.
-#[derive(Debug, Default)]
-pub struct ProbeStall {
-    state: Mutex<StallState>,
-    changed: Condvar,
-}
-
-#[derive(Debug, Default)]
-struct StallState {
-    entered: u64,
-    released: bool,
-}
-
-impl ProbeStall {
-    /// How many probes have reached the hold so far.
-    pub fn entered(&self) -> u64 {
-        lock(&self.state).entered
-    }
-
-    /// Waits up to `timeout` until a probe is held; whether one is.
-    pub fn wait_entered(&self, timeout: Duration) -> bool {
-        let guard = lock(&self.state);
-        let (guard, _) = self
-            .changed
-            .wait_timeout_while(guard, timeout, |s| s.entered == 0)
-            .unwrap_or_else(|p| p.into_inner());
-        guard.entered > 0
-    }
-
-    /// Whether [`ProbeStall::release`] was called: a probe held until now has not returned.
-    pub fn released(&self) -> bool {
-        lock(&self.state).released
-    }
-
-    /// Lets every held probe (and every later one) through.
-    pub fn release(&self) {
-        lock(&self.state).released = true;
-        self.changed.notify_all();
-    }
-
-    fn hold(&self) {
-        let mut guard = lock(&self.state);
-        guard.entered += 1;
-        self.changed.notify_all();
-        while !guard.released {
-            guard = self.changed.wait(guard).unwrap_or_else(|p| p.into_inner());
-        }
-    }
 }
 
 impl SimSource {
@@ -200,8 +145,6 @@ impl SimSource {
                 lost: Mutex::new(BTreeSet::new()),
                 events: Mutex::new(events),
                 sender: Mutex::new(sender),
-                stall: Mutex::new(None),
-                discovery_stall: Mutex::new(None),
                 discoveries: AtomicU64::new(0),
             }),
         }
@@ -226,20 +169,6 @@ impl SimSource {
         } else {
             lock(&self.inner.lost).remove(gpu_uuid.as_str());
         }
-    }
-
-    /// Makes every probe ([`DeviceSource::responds`]) block until the returned hold is released.
-    pub fn stall_probes(&self) -> Arc<ProbeStall> {
-        let stall = Arc::new(ProbeStall::default());
-        *lock(&self.inner.stall) = Some(stall.clone());
-        stall
-    }
-
-    /// Makes every later [`DeviceSource::discover`] block until the returned hold is released.
-    pub fn stall_discovery(&self) -> Arc<ProbeStall> {
-        let stall = Arc::new(ProbeStall::default());
-        *lock(&self.inner.discovery_stall) = Some(stall.clone());
-        stall
     }
 
     /// How many [`DeviceSource::discover`] calls have begun, every caller's (a test's own
@@ -299,10 +228,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl DeviceSource for SimSource {
     fn discover(&self) -> Result<Discovery, SourceError> {
         self.inner.discoveries.fetch_add(1, Ordering::SeqCst);
-        let stall = lock(&self.inner.discovery_stall).clone();
-        if let Some(stall) = stall {
-            stall.hold();
-        }
         let mut inventory = lock(&self.inner.inventory).clone();
         let lost_uuids = lock(&self.inner.lost).clone();
         let lost: Vec<LostGpu> = inventory
@@ -331,10 +256,6 @@ impl DeviceSource for SimSource {
     }
 
     fn responds(&self, gpu_uuid: &str) -> bool {
-        let stall = lock(&self.inner.stall).clone();
-        if let Some(stall) = stall {
-            stall.hold();
-        }
         !lock(&self.inner.lost).contains(gpu_uuid)
     }
 

@@ -96,7 +96,9 @@ impl TopologyModel {
     }
 
     /// Builds a model of `n` GPUs from links alone; a pair without a link gets the `System` path.
-    /// Links naming an index at or above `n` (or [`MAX_DEVICES`]) are ignored.
+    /// Links naming an index at or above `n` (or [`MAX_DEVICES`]) are ignored. For tests and
+    /// benches (synthetic machines); the product builds from an inventory ([`Self::new`]).
+    #[doc(hidden)]
     pub fn from_parts(n: usize, nvswitch: bool, links: &[Link]) -> Self {
         Self::build(n, nvswitch, links, |_, _| PathLevel::System)
     }

@@ -9,6 +9,10 @@
 use gpuplane_model::report::chain;
 use std::path::{Path, PathBuf};
 
+/// The client every face gets; named here so the binary, which does not depend on kube,
+/// can pass one around.
+pub use kube::Client;
+
 #[derive(Debug, thiserror::Error)]
 pub enum KubeClientError {
     #[error("loading kubeconfig {path}: {}", chain(.cause))]

@@ -338,8 +338,9 @@ impl DriverFiles {
         }
     }
 
-    /// True when every device node the inventory needs is there and right: the spec may be
-    /// cached.
+    /// True when every device node the inventory needs is there and right. For the tests'
+    /// assertions; the product asks per spec ([`Self::check_needed`]).
+    #[doc(hidden)]
     pub fn is_complete(&self) -> bool {
         self.node_problems.is_empty()
     }

@@ -117,7 +117,8 @@ impl DeviceName {
     }
 
     /// CDI before 0.5.0 required device names to start with a letter.
-    pub fn starts_with_letter(&self) -> bool {
+    #[cfg(test)]
+    fn starts_with_letter(&self) -> bool {
         self.0.starts_with(|c: char| c.is_ascii_alphabetic())
     }
 }
@@ -150,7 +151,8 @@ pub struct Kind {
 
 impl Kind {
     /// The kind NVIDIA's own CDI specs use, so `nvidia.com/gpu=0` in pod specs keeps working.
-    pub const NVIDIA_GPU: &'static str = "nvidia.com/gpu";
+    #[cfg(test)]
+    const NVIDIA_GPU: &'static str = "nvidia.com/gpu";
 
     pub fn new(vendor: &str, class: &str) -> Result<Self, NameError> {
         check_vendor_or_class("vendor", vendor)?;

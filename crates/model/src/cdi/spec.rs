@@ -122,7 +122,9 @@ pub const V050: &str = "0.5.0";
 pub const V060: &str = "0.6.0";
 pub const V070: &str = "0.7.0";
 
-/// The highest cdiVersion podman 4.3 (Debian 12) accepts.
+/// The highest cdiVersion podman 4.3 (Debian 12) accepts; what the tests hold the rendered
+/// specs to (`minimum_version` keeps them there).
+#[doc(hidden)]
 pub const PODMAN_4_3_MAX: &str = V050;
 
 /// The lowest cdiVersion whose schema covers every field `spec` uses, so older runtimes still

@@ -1,9 +1,10 @@
 //! The quota controller's decisions, pure: the release planner with the starvation rule
 //! ([`plan`]), the quota model as the planner's ledger ([`ledger`]), one namespace's decision
 //! ([`namespace`]: status, releases, notes), what is read from a Pod ([`pods`]), and the
-//! namespace label the mutating gate webhook selects on ([`queue_label`]). The loops are the
-//! product's `controller`.
+//! namespace label the mutating gate webhook selects on ([`queue_label`]), and leader
+//! election's expiry and step-down rules ([`lease`]). The loops are the shell's `controller`.
 
+pub mod lease;
 pub mod ledger;
 pub mod namespace;
 pub mod plan;

@@ -17,6 +17,8 @@
 //! when their holder is idle, and an admission that would fit but for another replica's
 //! escrow is not denied at once but decided again ([`super::Outcome::Held`]).
 
+pub mod replica;
+
 use super::crd::{Escrow, GpuQuota, GpuQuotaStatus, QuotaMode};
 use super::ratio::QuotaMathError;
 use super::status::age;

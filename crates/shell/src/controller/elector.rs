@@ -1,5 +1,6 @@
-//! Leader election I/O: reads and writes the Lease, following the decisions of `lease.rs`, and
-//! runs work only while leading ([`lead`]).
+//! Leader election I/O: reads and writes the Lease, following the decisions of the model's
+//! `controller::lease` (to which it passes the runtime's clock, so tests with a paused clock
+//! drive both), and runs work only while leading ([`lead`]).
 //!
 //! Every write carries the resourceVersion it read (PUT; create for a missing Lease), so two
 //! candidates racing for one Lease cannot both win: the loser gets 409 and reads again.
@@ -112,7 +113,7 @@ impl Elector {
     /// Whether we lead at `now`: we hold the Lease and renewed it within the renew deadline.
     pub fn is_leading(&self, now: Instant) -> bool {
         self.renewed_at
-            .is_some_and(|r| lease::still_leading(r, now, &self.timings))
+            .is_some_and(|r| lease::still_leading(r.into_std(), now.into_std(), &self.timings))
     }
 
     fn api_error(&self, op: &'static str, source: kube::Error) -> ElectionError {
@@ -135,8 +136,13 @@ impl Elector {
             .map_err(|e| self.api_error("reading", e))?;
         self.observed = current
             .as_ref()
-            .map(|l| lease::observe(self.observed.as_ref(), view_of(l), start));
-        let decision = lease::decide(&self.identity, self.observed.as_ref(), start, &self.timings);
+            .map(|l| lease::observe(self.observed.as_ref(), view_of(l), start.into_std()));
+        let decision = lease::decide(
+            &self.identity,
+            self.observed.as_ref(),
+            start.into_std(),
+            &self.timings,
+        );
         let written = match (decision, current) {
             (Decision::Follow { holder, .. }, _) => {
                 self.renewed_at = None;
@@ -171,7 +177,7 @@ impl Elector {
                 }
             }
         };
-        self.observed = Some(lease::observe(None, view_of(&written), start));
+        self.observed = Some(lease::observe(None, view_of(&written), start.into_std()));
         self.renewed_at = Some(start);
         Ok(Role::Leader)
     }

@@ -3,13 +3,14 @@
 //! GpuQuota usage and reservations current, and runs only on the replica holding the Lease
 //! (the webhook, `crate::webhook`, is served by every replica).
 //!
-//! - `plan`, `ledger`, `namespace`, `pods`, `queue_label`: the pure decisions
+//! - `plan`, `ledger`, `namespace`, `pods`, `queue_label`, `lease`: the pure decisions
 //!   (`gpuplane_model::controller`, re-exported here).
 //! - [`cache`] (pure): watch-fed stores.
 //! - [`queue`]: the loop (watchers, reconcile, error policy); [`writes`]: pod writes.
 //! - [`labeler`]: the namespace label `quota.gpuplane.dev/queue`
 //!   on namespaces with a Queue-mode GpuQuota, which the mutating gate webhook selects on.
-//! - [`lease`] (pure) and [`elector`]: leader election over a coordination.k8s.io/v1 Lease.
+//! - [`elector`]: leader election over a coordination.k8s.io/v1 Lease (its rules are the
+//!   model's `lease`).
 //! - [`metrics`]: the loop's metrics, per GpuQuota.
 //! - [`replica`]: one `gpuplane controller` replica, the webhook and the loops side by side.
 //! - [`schedule`]: the driver both loops share (batched inputs, deadlines, resync).
@@ -19,7 +20,6 @@
 pub mod cache;
 pub mod elector;
 pub mod labeler;
-pub mod lease;
 pub mod metrics;
 pub mod queue;
 pub mod replica;

@@ -221,12 +221,16 @@ impl DraCore {
         &self.shared.pool
     }
 
-    /// How often the driver's libraries were scanned (once per driver version).
+    /// How often the driver's libraries were scanned (once per driver version). For the tests'
+    /// assertions.
+    #[doc(hidden)]
     pub fn install_scans(&self) -> u64 {
         self.shared.installs.scans()
     }
 
-    /// Unit UUID (GPU or MIG) → UID of the claim it is prepared (or being prepared) for.
+    /// Unit UUID (GPU or MIG) → UID of the claim it is prepared (or being prepared) for. For
+    /// the tests' assertions.
+    #[doc(hidden)]
     pub async fn prepared_units(&self) -> BTreeMap<DeviceUuid, String> {
         let cp = self.checkpoint.lock().await;
         cp.data()

@@ -1,11 +1,9 @@
 //! Reading ResourceClaims and writing this driver's part of their status: the one I/O claim
-//! preparation needs ([`ClaimFetcher`]), over the API server ([`KubeClaims`]) or in memory
-//! ([`MemoryClaims`], for the demo and tests).
+//! preparation needs ([`ClaimFetcher`]), over the API server ([`KubeClaims`]). The test kit
+//! holds an in-memory one for tests (`gpuplane_testkit::doubles::claims::MemoryClaims`).
 
 use gpuplane_model::report::chain;
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use std::collections::BTreeMap;
-use std::sync::Mutex;
 
 /// Why a claim could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -100,108 +98,5 @@ impl ClaimFetcher for KubeClaims {
             .await
             .map(|_| ())
             .map_err(|e| FetchError::from_kube("writing the status of", namespace, name, e))
-    }
-}
-
-/// [`ClaimFetcher`] over claims held in memory, for tests and simulations.
-#[derive(Debug, Default)]
-pub struct MemoryClaims {
-    claims: Mutex<BTreeMap<(String, String), ResourceClaim>>,
-}
-
-impl MemoryClaims {
-    pub fn new(claims: impl IntoIterator<Item = ResourceClaim>) -> Self {
-        let out = MemoryClaims::default();
-        for c in claims {
-            out.insert(c);
-        }
-        out
-    }
-
-    /// Adds or replaces a claim (by its namespace and name).
-    pub fn insert(&self, claim: ResourceClaim) {
-        let key = (
-            claim.metadata.namespace.clone().unwrap_or_default(),
-            claim.metadata.name.clone().unwrap_or_default(),
-        );
-        self.lock().insert(key, claim);
-    }
-
-    pub fn remove(&self, namespace: &str, name: &str) -> Option<ResourceClaim> {
-        self.lock()
-            .remove(&(namespace.to_string(), name.to_string()))
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, String), ResourceClaim>> {
-        // Every critical section is a single map operation: a poisoned map is still whole.
-        self.claims.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-#[async_trait::async_trait]
-impl ClaimFetcher for MemoryClaims {
-    async fn get(&self, namespace: &str, name: &str) -> Result<ResourceClaim, FetchError> {
-        self.lock()
-            .get(&(namespace.to_string(), name.to_string()))
-            .cloned()
-            .ok_or_else(|| FetchError::NotFound {
-                namespace: namespace.to_string(),
-                name: name.to_string(),
-            })
-    }
-
-    /// Replaces the stored claim's `status.devices` (one driver per store).
-    async fn set_device_status(
-        &self,
-        namespace: &str,
-        name: &str,
-        entries: Vec<serde_json::Value>,
-    ) -> Result<(), FetchError> {
-        let not_found = || FetchError::NotFound {
-            namespace: namespace.to_string(),
-            name: name.to_string(),
-        };
-        let devices = entries
-            .into_iter()
-            .map(serde_json::from_value)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| FetchError::BadStatus {
-                namespace: namespace.to_string(),
-                name: name.to_string(),
-                why: e.to_string(),
-            })?;
-        let mut claims = self.lock();
-        let claim = claims
-            .get_mut(&(namespace.to_string(), name.to_string()))
-            .ok_or_else(not_found)?;
-        claim.status.get_or_insert_with(Default::default).devices = Some(devices);
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn claim() -> ResourceClaim {
-        serde_json::from_value(json!({
-            "metadata": {"name": "c", "namespace": "ns", "uid": "0b5c3f2e-1111-4222-8333-444455556666"},
-            "spec": {"devices": {}}
-        }))
-        .unwrap()
-    }
-
-    #[tokio::test]
-    async fn memory_claims() {
-        let c = claim();
-        let m = MemoryClaims::new([c.clone()]);
-        assert_eq!(m.get("ns", "c").await.unwrap(), c);
-        assert!(matches!(
-            m.get("ns", "d").await,
-            Err(FetchError::NotFound { .. })
-        ));
-        m.remove("ns", "c");
-        assert!(m.get("ns", "c").await.is_err());
     }
 }

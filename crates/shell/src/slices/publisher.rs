@@ -104,7 +104,9 @@ impl PublishError {
     }
 
     /// Whether calling `sync` again later may succeed (the API server or network was at fault,
-    /// not the desired slices).
+    /// not the desired slices). For the tests' assertions; the publisher's loop retries by
+    /// `retry`.
+    #[doc(hidden)]
     pub fn is_transient(&self) -> bool {
         match self {
             PublishError::Exhausted { .. } => true,
@@ -235,12 +237,15 @@ impl SlicePublisher {
         self
     }
 
+    /// Another retry policy than the default. For tests, which cannot wait out real backoffs.
+    #[doc(hidden)]
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
         self
     }
 
-    /// Longest wait for one API call (default 30 s).
+    /// Longest wait for one API call (default 30 s). For tests of an API server that hangs.
+    #[doc(hidden)]
     pub fn with_call_timeout(mut self, timeout: Duration) -> Self {
         self.call_timeout = timeout;
         self

@@ -230,7 +230,7 @@ impl Committer {
                     reservation,
                     charge,
                     retreat: false,
-                } if escrow::priced(&s.escrow.hard, charge) => {
+                } if escrow::priced(s.escrow.hard(), charge) => {
                     let mut r = reservation.clone();
                     r.state = ReservationState::Reserved;
                     r.charge = charge.usage.clone();

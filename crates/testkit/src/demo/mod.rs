@@ -14,7 +14,8 @@ pub mod summary;
 pub mod tls;
 
 use crate::doubles::kubelet_dra::KubeletDraOptions;
-use crate::doubles::lab::{LabError, NodeLab, DRIVER, NODE};
+use crate::doubles::lab::{LabError, NodeLab, RunningAgent, DRIVER, NODE};
+use gpuplane_shell::controller::elector::ElectionError;
 use gpuplane_shell::controller::metrics::QueueMetrics;
 use gpuplane_shell::controller::namespace::QueueSettings;
 use gpuplane_shell::controller::queue::QueueOptions;
@@ -24,13 +25,16 @@ use gpuplane_shell::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode};
 use gpuplane_shell::report::chain;
 use gpuplane_shell::sim::ProfileError;
 use gpuplane_shell::source::SimSource;
-use gpuplane_shell::webhook::{WebhookError, WebhookOptions};
+use gpuplane_shell::webhook::{RunningWebhook, WebhookError, WebhookOptions};
 use kube::api::{Api, PostParams};
 use std::io::Write;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use summary::{StepResult, Summary};
 use tls::{DemoPki, TlsError};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 
 /// How long the agent may take to register with both kubelet APIs.
 const START_WAIT: Duration = Duration::from_secs(15);
@@ -155,101 +159,21 @@ pub async fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<Summary, Dem
         dir.path().display()
     ));
 
-    let lab = NodeLab::start(
-        dir.path(),
-        SimSource::new(inventory.clone()),
-        KubeletDraOptions::default(),
-    )
-    .await?;
-    // The node's Node object, as a cluster has it: the agent writes its GPU labels there.
-    lab.api
-        .put_json(serde_json::json!({
-            "apiVersion": "v1", "kind": "Node", "metadata": {"name": crate::doubles::lab::NODE}
-        }))
-        .map_err(LabError::from)?;
-    let agent = lab.start_agent(&agent_config(&inventory))?;
-    lab.dra
-        .wait_registered(DRIVER, START_WAIT)
-        .await
-        .map_err(DemoError::AgentStart)?;
-    lab.kubelet
-        .wait_for(START_WAIT, |p| !p.is_empty())
-        .await
-        .map_err(DemoError::AgentStart)?;
-    lab.dra
-        .watch_health(DRIVER)
-        .map_err(|s| DemoError::AgentStart(s.message().to_string()))?;
-
-    // The quotas exist before the webhook starts, so its first cache fill has them.
-    let client = lab.api.client().map_err(LabError::from)?;
-    create_quota(&client, REJECT_NAMESPACE, REJECT_GPUS, QuotaMode::Reject).await?;
-    create_quota(&client, QUEUE_NAMESPACE, QUEUE_GPUS, QuotaMode::Queue).await?;
-    let pki = DemoPki::issue(dir.path())?;
-    let mut wopts = WebhookOptions::new(
-        pki.cert_file.clone(),
-        pki.key_file.clone(),
-        "gpuplane-system",
-    );
-    wopts.addr = ([127, 0, 0, 1], 0).into();
-    let webhook = gpuplane_shell::webhook::start(client.clone(), wopts).await?;
-
-    // One replica: the loops run at once, without a Lease. Short batching and resync so the
-    // story does not wait on timers tuned for a large cluster.
-    let mut copts = ControllerOptions::new("gpuplane-system", "gpuplane-demo");
-    copts.leader_elect = false;
-    copts.queue = QueueOptions {
-        settings: QueueSettings::default(),
-        batch: Duration::from_millis(20),
-        resync: Duration::from_millis(500),
-        note_refresh: Duration::from_millis(200),
-        instance: "gpuplane-demo".into(),
-        ..QueueOptions::default()
-    };
-    let metrics = Arc::new(QueueMetrics::default());
-    let (stop_controller, controller_stopped) = tokio::sync::oneshot::channel::<()>();
-    let controller = tokio::spawn(gpuplane_shell::controller::run(
-        client.clone(),
-        copts,
-        metrics.clone(),
-        async {
-            let _ = controller_stopped.await;
-        },
-    ));
-
+    let (lab, agent) = start_node(dir.path(), &inventory).await?;
+    let cluster = ClusterSide::start(&lab, dir.path()).await?;
     let cx = steps::Context {
         lab: &lab,
         inventory: &inventory,
-        client,
-        webhook: webhook.addr(),
-        pki: &pki,
-        queue: metrics,
+        client: cluster.client.clone(),
+        webhook: cluster.webhook.addr(),
+        pki: &cluster.pki,
+        queue: cluster.metrics.clone(),
         profile: &opts.profile,
     };
-    let mut carry = steps::Carry::default();
-    let mut results = Vec::new();
-    for step in summary::Step::ALL {
-        say.raw("");
-        say.raw(format!("{}. {}", step.number(), step.title()));
-        let outcome = steps::run(step, &cx, &mut carry, &mut say).await;
-        say.say(format!("=> {}: {}", outcome.word(), outcome.detail()));
-        results.push(StepResult { step, outcome });
-    }
+    let results = run_steps(&cx, &mut say).await;
 
     say.raw("");
-    let _ = stop_controller.send(());
-    let teardown = |what: &str, r: Result<(), String>| match r {
-        Ok(()) => None,
-        Err(e) => Some(format!("{what}: {e}")),
-    };
-    let mut problems: Vec<String> = Vec::new();
-    problems.extend(teardown(
-        "controller",
-        match controller.await {
-            Ok(r) => r.map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        },
-    ));
-    webhook.stop().await;
+    let mut problems = cluster.stop().await;
     problems.extend(teardown(
         "node agent",
         agent.stop().await.map_err(|e| e.to_string()),
@@ -271,6 +195,129 @@ pub async fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<Summary, Dem
         elapsed: started.elapsed(),
         shutdown: problems,
     })
+}
+
+/// The node lab in `dir` with the real agent on `inventory`, registered with both kubelet
+/// APIs and followed by the DRA health stream.
+async fn start_node(
+    dir: &Path,
+    inventory: &Inventory,
+) -> Result<(NodeLab, RunningAgent), DemoError> {
+    let lab = NodeLab::start(
+        dir,
+        SimSource::new(inventory.clone()),
+        KubeletDraOptions::default(),
+    )
+    .await?;
+    // The node's Node object, as a cluster has it: the agent writes its GPU labels there.
+    lab.api
+        .put_json(serde_json::json!({
+            "apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}
+        }))
+        .map_err(LabError::from)?;
+    let agent = lab.start_agent(&agent_config(inventory))?;
+    lab.dra
+        .wait_registered(DRIVER, START_WAIT)
+        .await
+        .map_err(DemoError::AgentStart)?;
+    lab.kubelet
+        .wait_for(START_WAIT, |p| !p.is_empty())
+        .await
+        .map_err(DemoError::AgentStart)?;
+    lab.dra
+        .watch_health(DRIVER)
+        .map_err(|s| DemoError::AgentStart(s.message().to_string()))?;
+    Ok((lab, agent))
+}
+
+/// The cluster side against the lab's API server double: the quotas, the webhook over HTTPS
+/// and the controller loops.
+struct ClusterSide {
+    client: kube::Client,
+    pki: DemoPki,
+    webhook: RunningWebhook,
+    metrics: Arc<QueueMetrics>,
+    stop_controller: oneshot::Sender<()>,
+    controller: JoinHandle<Result<(), ElectionError>>,
+}
+
+impl ClusterSide {
+    async fn start(lab: &NodeLab, dir: &Path) -> Result<ClusterSide, DemoError> {
+        // The quotas exist before the webhook starts, so its first cache fill has them.
+        let client = lab.api.client().map_err(LabError::from)?;
+        create_quota(&client, REJECT_NAMESPACE, REJECT_GPUS, QuotaMode::Reject).await?;
+        create_quota(&client, QUEUE_NAMESPACE, QUEUE_GPUS, QuotaMode::Queue).await?;
+        let pki = DemoPki::issue(dir)?;
+        let mut wopts = WebhookOptions::new(
+            pki.cert_file.clone(),
+            pki.key_file.clone(),
+            "gpuplane-system",
+        );
+        wopts.addr = ([127, 0, 0, 1], 0).into();
+        let webhook = gpuplane_shell::webhook::start(client.clone(), wopts).await?;
+
+        // One replica: the loops run at once, without a Lease. Short batching and resync so
+        // the story does not wait on timers tuned for a large cluster.
+        let mut copts = ControllerOptions::new("gpuplane-system", "gpuplane-demo");
+        copts.leader_elect = false;
+        copts.queue = QueueOptions {
+            settings: QueueSettings::default(),
+            batch: Duration::from_millis(20),
+            resync: Duration::from_millis(500),
+            note_refresh: Duration::from_millis(200),
+            instance: "gpuplane-demo".into(),
+            ..QueueOptions::default()
+        };
+        let metrics = Arc::new(QueueMetrics::default());
+        let (stop_controller, controller_stopped) = oneshot::channel::<()>();
+        let controller = tokio::spawn(gpuplane_shell::controller::run(
+            client.clone(),
+            copts,
+            metrics.clone(),
+            async {
+                let _ = controller_stopped.await;
+            },
+        ));
+        Ok(ClusterSide {
+            client,
+            pki,
+            webhook,
+            metrics,
+            stop_controller,
+            controller,
+        })
+    }
+
+    /// Stops the controller loops, then the webhook; what went wrong on the way.
+    async fn stop(self) -> Vec<String> {
+        let _ = self.stop_controller.send(());
+        let stopped = match self.controller.await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        let problems = teardown("controller", stopped).into_iter().collect();
+        self.webhook.stop().await;
+        problems
+    }
+}
+
+/// Every step in order, each under its numbered heading with its outcome.
+async fn run_steps(cx: &steps::Context<'_>, say: &mut Narrator<'_>) -> Vec<StepResult> {
+    let mut carry = steps::Carry::default();
+    let mut results = Vec::new();
+    for step in summary::Step::ALL {
+        say.raw("");
+        say.raw(format!("{}. {}", step.number(), step.title()));
+        let outcome = steps::run(step, cx, &mut carry, say).await;
+        say.say(format!("=> {}: {}", outcome.word(), outcome.detail()));
+        results.push(StepResult { step, outcome });
+    }
+    results
+}
+
+/// A shutdown problem of `what`, if any.
+fn teardown(what: &str, r: Result<(), String>) -> Option<String> {
+    r.err().map(|e| format!("{what}: {e}"))
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 use super::apiserver::{ApiServerDouble, ApiServerError};
 use super::kubelet::KubeletDouble;
 use super::kubelet_dra::{KubeletDraDouble, KubeletDraOptions, WireClaim};
+use super::stall::StallingSim;
 use gpuplane_shell::dra::{ClaimRef, PreparedDevice};
 use gpuplane_shell::grpc::SocketError;
 use gpuplane_shell::node::apis::{self, Apis};
@@ -78,8 +79,9 @@ pub struct NodeLab {
     pub api: ApiServerDouble,
     pub kubelet: KubeletDouble,
     pub dra: KubeletDraDouble,
-    /// Clones share state with the agent's source: inject Xids or lose GPUs through it.
-    pub sim: SimSource,
+    /// Clones share state with the agent's source: inject Xids, lose GPUs or stall NVML
+    /// calls through it.
+    pub sim: StallingSim,
     /// How agents started from now on treat their devices; `Simulated` unless a caller that
     /// made device nodes under `dev/` (see `devnodes`) sets `Hardware`.
     pub device_mode: DeviceMode,
@@ -131,7 +133,7 @@ impl NodeLab {
             api,
             kubelet: dp,
             dra,
-            sim,
+            sim: StallingSim::new(sim),
             device_mode: DeviceMode::Simulated,
         })
     }

@@ -4,8 +4,10 @@
 
 pub mod admission;
 pub mod apiserver;
+pub mod claims;
 pub mod devnodes;
 pub mod dial;
 pub mod kubelet;
 pub mod kubelet_dra;
 pub mod lab;
+pub mod stall;

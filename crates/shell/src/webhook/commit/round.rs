@@ -187,11 +187,13 @@ impl Committer {
         let peers = self.peers(quota);
         let mut s = lock(&queue.state);
         let e = &mut s.escrow;
-        e.hard = quota.spec.hard.clone();
-        e.eligible = self.opts.escrow && escrow::eligible(quota);
+        e.set_quota(
+            quota.spec.hard.clone(),
+            self.opts.escrow && escrow::eligible(quota),
+        );
         let round = self.opts.escrow.then(|| EscrowRound {
             holder: self.opts.holder.clone(),
-            flush: e.unflushed.clone(),
+            flush: e.unflushed().to_vec(),
             unit: e.wanted(ops, Instant::now()),
             now: Timestamp::now(),
         });
@@ -270,8 +272,7 @@ impl Committer {
             }
             if let (Op::Reserve { charge, .. }, Outcome::Fits(_)) = (&p.op, &outcome) {
                 let mut s = lock(&queue.state);
-                s.escrow.unit = Some(charge.usage.clone());
-                s.escrow.last_admit = Some(Instant::now());
+                s.escrow.admitted(charge.usage.clone(), Instant::now());
             }
             let answer = match outcome {
                 Outcome::Fits(f) => Answer::Fits(f),

@@ -308,119 +308,178 @@ fn route(
     content_type: &str,
     body: &[u8],
 ) -> Result<Response<Body>, ApiError> {
-    match path {
-        "/healthz" | "/readyz" | "/livez" => return Ok(respond(200, full(b"ok".to_vec()))),
-        "/version" => {
-            return Ok(json_response(
-                200,
-                &json!({
-                    "major": "1", "minor": "34", "gitVersion": "v1.34.0-gpuplane-double",
-                    "gitCommit": "", "gitTreeState": "clean", "buildDate": "", "goVersion": "",
-                    "compiler": "", "platform": "linux/amd64",
-                }),
-            ))
-        }
-        _ => {}
+    if let Some(answer) = fixed_path(path) {
+        return Ok(answer);
     }
     let mut store = lock(&shared.store);
     let t = parse_path(&store, path)?;
+    match t.name.as_deref() {
+        None if method == "GET" && query.flag("watch") => {
+            let spec = watch_spec(&t, query)?;
+            // The watch reads the store from its own task.
+            drop(store);
+            Ok(respond(200, watch::start(shared.clone(), spec)))
+        }
+        None => collection(&mut store, &t, method, query, body),
+        Some(name) => {
+            let request = ObjectRequest {
+                method,
+                query,
+                content_type,
+                body,
+            };
+            object(&mut store, &t, name, request)
+        }
+    }
+}
+
+/// The paths that name no resource: probes and `/version`.
+fn fixed_path(path: &str) -> Option<Response<Body>> {
+    match path {
+        "/healthz" | "/readyz" | "/livez" => Some(respond(200, full(b"ok".to_vec()))),
+        "/version" => Some(json_response(
+            200,
+            &json!({
+                "major": "1", "minor": "34", "gitVersion": "v1.34.0-gpuplane-double",
+                "gitCommit": "", "gitTreeState": "clean", "buildDate": "", "goVersion": "",
+                "compiler": "", "platform": "linux/amd64",
+            }),
+        )),
+        _ => None,
+    }
+}
+
+/// A WATCH's parameters from its query, as the real API server reads them.
+fn watch_spec(t: &Target, query: &Query) -> Result<WatchSpec, ApiError> {
+    let rv = query.get("resourceVersion").unwrap_or("");
+    let after = match rv {
+        "" | "0" => None,
+        v => Some(
+            v.parse::<u64>()
+                .map_err(|_| ApiError::bad_request(format!("invalid resource version {v:?}")))?,
+        ),
+    };
+    let send_initial = query.get("sendInitialEvents");
+    let timeout = match query.get("timeoutSeconds").map(str::parse::<u64>) {
+        Some(Ok(s)) => Duration::from_secs(s),
+        Some(Err(_)) => return Err(ApiError::bad_request("invalid timeoutSeconds")),
+        None => DEFAULT_WATCH_TIMEOUT,
+    };
+    Ok(WatchSpec {
+        info: t.info.clone(),
+        ns: t.ns.clone(),
+        opts: query.list_options()?,
+        after,
+        initial: send_initial == Some("true") || (after.is_none() && send_initial != Some("false")),
+        initial_end_bookmark: send_initial == Some("true"),
+        bookmarks: query.flag("allowWatchBookmarks"),
+        timeout,
+    })
+}
+
+/// A request on a collection (a path without an object name), other than WATCH.
+fn collection(
+    store: &mut Store,
+    t: &Target,
+    method: &str,
+    query: &Query,
+    body: &[u8],
+) -> Result<Response<Body>, ApiError> {
     let info = &t.info;
     let dry_run = query.dry_run();
-    // The namespace an object lives in: "" for cluster-scoped.
-    let ns = t.ns.clone().unwrap_or_default();
-    let Some(name) = t.name.as_deref() else {
-        return match method {
-            "GET" if query.flag("watch") => {
-                let rv = query.get("resourceVersion").unwrap_or("");
-                let after = match rv {
-                    "" | "0" => None,
-                    v => Some(v.parse::<u64>().map_err(|_| {
-                        ApiError::bad_request(format!("invalid resource version {v:?}"))
-                    })?),
-                };
-                let send_initial = query.get("sendInitialEvents");
-                let timeout = match query.get("timeoutSeconds").map(str::parse::<u64>) {
-                    Some(Ok(s)) => Duration::from_secs(s),
-                    Some(Err(_)) => return Err(ApiError::bad_request("invalid timeoutSeconds")),
-                    None => DEFAULT_WATCH_TIMEOUT,
-                };
-                let spec = WatchSpec {
-                    info: info.clone(),
-                    ns: t.ns.clone(),
-                    opts: query.list_options()?,
-                    after,
-                    initial: send_initial == Some("true")
-                        || (after.is_none() && send_initial != Some("false")),
-                    initial_end_bookmark: send_initial == Some("true"),
-                    bookmarks: query.flag("allowWatchBookmarks"),
-                    timeout,
-                };
-                drop(store);
-                Ok(respond(200, watch::start(shared.clone(), spec)))
-            }
-            "GET" => Ok(json_response(
-                200,
-                &store.api_list(info, t.ns.as_deref(), &query.list_options()?)?,
-            )),
-            "POST" if info.namespaced && t.ns.is_none() => Err(not_allowed(method)),
-            "POST" => Ok(json_response(
+    match method {
+        "GET" => Ok(json_response(
+            200,
+            &store.api_list(info, t.ns.as_deref(), &query.list_options()?)?,
+        )),
+        "POST" if info.namespaced && t.ns.is_none() => Err(not_allowed(method)),
+        "POST" => {
+            // The namespace an object lives in: "" for cluster-scoped.
+            let ns = t.ns.clone().unwrap_or_default();
+            Ok(json_response(
                 201,
                 &store.api_create(info, &ns, body_json(body)?, dry_run)?,
-            )),
-            "DELETE" => {
-                let (options, dry) = delete_options(body, dry_run)?;
-                let list = store.api_delete_collection(
-                    info,
-                    t.ns.as_deref(),
-                    &query.list_options()?,
-                    &options,
-                    dry,
-                )?;
-                Ok(json_response(200, &list))
-            }
-            _ => Err(not_allowed(method)),
-        };
-    };
+            ))
+        }
+        "DELETE" => {
+            let (options, dry) = delete_options(body, dry_run)?;
+            let list = store.api_delete_collection(
+                info,
+                t.ns.as_deref(),
+                &query.list_options()?,
+                &options,
+                dry,
+            )?;
+            Ok(json_response(200, &list))
+        }
+        _ => Err(not_allowed(method)),
+    }
+}
+
+/// What [`object`] needs of a request besides its path.
+struct ObjectRequest<'a> {
+    method: &'a str,
+    query: &'a Query,
+    content_type: &'a str,
+    body: &'a [u8],
+}
+
+/// A request on the object `name` (or its status subresource).
+fn object(
+    store: &mut Store,
+    t: &Target,
+    name: &str,
+    r: ObjectRequest<'_>,
+) -> Result<Response<Body>, ApiError> {
+    let info = &t.info;
+    let dry_run = r.query.dry_run();
+    // The namespace an object lives in: "" for cluster-scoped.
+    let ns = t.ns.clone().unwrap_or_default();
     let sub = match t.sub.as_deref() {
         None => Sub::Main,
         Some("status") if info.has_status => Sub::Status,
         Some(_) => return Err(ApiError::no_such_path()),
     };
     let created = |(v, created): (Value, bool)| json_response(if created { 201 } else { 200 }, &v);
-    match method {
+    match r.method {
         "GET" => Ok(json_response(200, &store.api_get(info, &ns, name)?)),
         "PUT" => Ok(created(store.api_replace(
             info,
             &ns,
             name,
-            body_json(body)?,
+            body_json(r.body)?,
             sub,
             dry_run,
         )?)),
         "PATCH" => {
-            let kind = PatchType::from_content_type(content_type).ok_or_else(|| {
-                ApiError::new(
-                    415,
-                    format!(
-                        "the body of the request was in an unknown format ({content_type:?}) - \
-                         accepted media types include: application/json-patch+json, \
-                         application/merge-patch+json, application/apply-patch+yaml"
-                    ),
-                )
-            })?;
+            let kind = patch_type(r.content_type)?;
             Ok(created(
-                store.api_patch(info, &ns, name, kind, body, sub, dry_run)?,
+                store.api_patch(info, &ns, name, kind, r.body, sub, dry_run)?,
             ))
         }
         "DELETE" if sub == Sub::Main => {
-            let (options, dry) = delete_options(body, dry_run)?;
+            let (options, dry) = delete_options(r.body, dry_run)?;
             Ok(json_response(
                 200,
                 &store.api_delete(info, &ns, name, &options, dry)?,
             ))
         }
-        _ => Err(not_allowed(method)),
+        method => Err(not_allowed(method)),
     }
+}
+
+/// The patch type a `Content-Type` names; 415 for any other.
+fn patch_type(content_type: &str) -> Result<PatchType, ApiError> {
+    PatchType::from_content_type(content_type).ok_or_else(|| {
+        ApiError::new(
+            415,
+            format!(
+                "the body of the request was in an unknown format ({content_type:?}) - \
+                 accepted media types include: application/json-patch+json, \
+                 application/merge-patch+json, application/apply-patch+yaml"
+            ),
+        )
+    })
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, MissedTickBehavior};
 
 pub(crate) struct WatchSpec {
@@ -82,86 +82,119 @@ pub(crate) fn start(shared: Arc<Shared>, spec: WatchSpec) -> Body {
     let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(256);
     let mut drops = shared.drops.subscribe();
     drops.borrow_and_update();
-    let (mut changes, first, mut pos, gone_at_start) = {
-        let store = lock(&shared.store);
-        let mut changes = store.subscribe();
-        changes.borrow_and_update();
-        let mut first: Vec<Frame<Bytes>> = Vec::new();
-        let mut pos = spec.after.unwrap_or(store.rv);
-        let too_old = spec.after.and_then(|rv| store.too_old(rv));
-        match &too_old {
-            Some(gone) => first.push(line("ERROR", &gone.to_status())),
-            None if spec.initial => {
-                first.extend(
-                    store
-                        .iter(&spec.info, spec.ns.as_deref())
-                        .filter(|(_, v)| spec.opts.matches(v))
-                        .map(|(_, v)| line("ADDED", v)),
-                );
-                pos = store.rv;
-                if spec.initial_end_bookmark && spec.bookmarks {
-                    first.push(bookmark(&spec.info, pos, true));
-                }
-            }
-            None => {}
-        }
-        (changes, first, pos, too_old.is_some())
-    };
-    let res = res_key(&spec.info);
+    let opening = open(&shared, &spec);
     tokio::spawn(async move {
-        for f in first {
+        for f in opening.frames {
             if tx.send(Ok(f)).await.is_err() {
                 return;
             }
         }
-        if gone_at_start {
+        if opening.gone {
             return;
         }
-        let deadline = Instant::now() + spec.timeout;
-        let mut ticks = tokio::time::interval(shared.bookmark_every);
-        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        ticks.tick().await;
-        loop {
-            let found: Result<(Vec<Arc<Event>>, u64), ApiError> = {
-                let store = lock(&shared.store);
-                changes.borrow_and_update();
-                store.events_after(&res, pos)
-            };
-            match found {
-                Err(gone) => {
-                    let _ = tx.send(Ok(line("ERROR", &gone.to_status()))).await;
-                    return;
-                }
-                Ok((events, current)) => {
-                    for e in &events {
-                        if let Some(kind) = translate(&spec, e) {
-                            if tx.send(Ok(encoded_line(kind, e.encoded()))).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                    pos = current;
-                }
-            }
-            tokio::select! {
-                r = changes.changed() => if r.is_err() { return },
-                _ = drops.changed() => return,
-                _ = tokio::time::sleep_until(deadline) => {
-                    if spec.bookmarks {
-                        let _ = tx.send(Ok(bookmark(&spec.info, pos, false))).await;
-                    }
-                    return;
-                }
-                _ = ticks.tick(), if spec.bookmarks => {
-                    if tx.send(Ok(bookmark(&spec.info, pos, false))).await.is_err() {
-                        return;
-                    }
-                }
-                _ = tx.closed() => return,
-            }
-        }
+        follow(&shared, &spec, opening.changes, drops, opening.pos, tx).await;
     });
     StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed_unsync()
+}
+
+/// How a watch opens, read in one look at the store.
+struct Opening {
+    /// The store's change signal, subscribed while the store was locked, so nothing after
+    /// `pos` is missed.
+    changes: watch::Receiver<u64>,
+    /// What is sent first: the initial objects (and their end bookmark), or the 410.
+    frames: Vec<Frame<Bytes>>,
+    /// The resourceVersion the events follow from.
+    pos: u64,
+    /// The resourceVersion asked for is older than the history: the watch ends after the 410.
+    gone: bool,
+}
+
+fn open(shared: &Shared, spec: &WatchSpec) -> Opening {
+    let store = lock(&shared.store);
+    let mut changes = store.subscribe();
+    changes.borrow_and_update();
+    let mut frames: Vec<Frame<Bytes>> = Vec::new();
+    let mut pos = spec.after.unwrap_or(store.rv);
+    let too_old = spec.after.and_then(|rv| store.too_old(rv));
+    match &too_old {
+        Some(gone) => frames.push(line("ERROR", &gone.to_status())),
+        None if spec.initial => {
+            frames.extend(
+                store
+                    .iter(&spec.info, spec.ns.as_deref())
+                    .filter(|(_, v)| spec.opts.matches(v))
+                    .map(|(_, v)| line("ADDED", v)),
+            );
+            pos = store.rv;
+            if spec.initial_end_bookmark && spec.bookmarks {
+                frames.push(bookmark(&spec.info, pos, true));
+            }
+        }
+        None => {}
+    }
+    Opening {
+        changes,
+        frames,
+        pos,
+        gone: too_old.is_some(),
+    }
+}
+
+/// Sends the events after `pos` as they come, with bookmarks if asked for, until the
+/// timeout, `drop_watches`, a 410, or the client going away.
+async fn follow(
+    shared: &Shared,
+    spec: &WatchSpec,
+    mut changes: watch::Receiver<u64>,
+    mut drops: watch::Receiver<u64>,
+    mut pos: u64,
+    tx: mpsc::Sender<Result<Frame<Bytes>, Infallible>>,
+) {
+    let res = res_key(&spec.info);
+    let deadline = Instant::now() + spec.timeout;
+    let mut ticks = tokio::time::interval(shared.bookmark_every);
+    ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    ticks.tick().await;
+    loop {
+        let found: Result<(Vec<Arc<Event>>, u64), ApiError> = {
+            let store = lock(&shared.store);
+            changes.borrow_and_update();
+            store.events_after(&res, pos)
+        };
+        match found {
+            Err(gone) => {
+                let _ = tx.send(Ok(line("ERROR", &gone.to_status()))).await;
+                return;
+            }
+            Ok((events, current)) => {
+                for e in &events {
+                    if let Some(kind) = translate(spec, e) {
+                        if tx.send(Ok(encoded_line(kind, e.encoded()))).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                pos = current;
+            }
+        }
+        tokio::select! {
+            r = changes.changed() => if r.is_err() { return },
+            _ = drops.changed() => return,
+            _ = tokio::time::sleep_until(deadline) => {
+                if spec.bookmarks {
+                    let _ = tx.send(Ok(bookmark(&spec.info, pos, false))).await;
+                }
+                return;
+            }
+            _ = ticks.tick(), if spec.bookmarks => {
+                if tx.send(Ok(bookmark(&spec.info, pos, false))).await.is_err() {
+                    return;
+                }
+            }
+            _ = tx.closed() => return,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 //! Leader election decisions over a coordination.k8s.io/v1 Lease, as plain functions of what
-//! was read and a clock passed in (the I/O is in `elector.rs`).
+//! was read and a clock passed in (the I/O is the shell's `controller/elector.rs`, which passes
+//! its runtime's clock as `std::time::Instant`).
 //!
 //! The rules, as client-go's leader election has them:
 //! - Expiry is judged on the *reader's* clock, never by comparing `renewTime` with local time
@@ -13,8 +14,7 @@
 //!   overlap while clocks run at the same rate.
 //! - A Lease without a holder (released on shutdown) may be taken at once.
 
-use std::time::Duration;
-use tokio::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Timings of the election.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
