@@ -119,11 +119,20 @@ pub fn write_kubeconfig(root: &Path, api_url: &str) -> PathBuf {
 
 /// A port on 127.0.0.1 that was free a moment ago.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind(("127.0.0.1", 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    // Not from the kernel's ephemeral range (32768-60999 by default), which port 0 and every
+    // outgoing connection draw from: a port found free there can be taken by another test's
+    // connection before the agent binds it ("Address already in use" in CI). Below the range,
+    // only listeners we place compete, and a per-process sequence keeps ours apart.
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let base = std::process::id().wrapping_mul(7919);
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20_000 + (base.wrapping_add(n.wrapping_mul(13)) % 12_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 impl AgentProcess {
