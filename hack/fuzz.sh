@@ -6,7 +6,7 @@
 # fuzz/corpus/<target>/ seeds each run but is not written to: new inputs go to
 # fuzz/target/corpus/<target>/ (ignored by git), crashes to fuzz/artifacts/<target>/.
 # A crash fails the script; add the input to fuzz/corpus/<target>/ once fixed, so that
-# tests/fuzz_corpus.rs replays it in every test run.
+# tests/it/fuzz_corpus.rs replays it in every test run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

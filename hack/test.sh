@@ -55,7 +55,7 @@ cargo clippy "${profile[@]}" --workspace --all-targets --features gpuplane/crash
 cargo clippy "${profile[@]}" -p gpuplane --bin gpuplane --no-default-features -- -D warnings
 echo "== rustdoc -D warnings (intra-doc links resolve across the crate edges)"
 RUSTDOCFLAGS="-D warnings" cargo doc "${profile[@]}" --workspace --no-deps
-echo "== cluster binaries for tests/real_cluster.rs and helm for tests/helm.rs (hack/cluster/build.sh: about 26 min cold, cached after)"
+echo "== cluster binaries for tests/lab/real_cluster.rs and helm for tests/lab/helm.rs (hack/cluster/build.sh: about 26 min cold, cached after)"
 if cluster_out="$(./hack/cluster/build.sh)"; then
   export GPUPLANE_CLUSTER_BIN="$(sed -n 's/^GPUPLANE_CLUSTER_BIN=//p' <<<"$cluster_out")"
   echo "GPUPLANE_CLUSTER_BIN=$GPUPLANE_CLUSTER_BIN"

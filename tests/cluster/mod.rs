@@ -286,6 +286,34 @@ pub struct ClusterLab {
     pub bin: PathBuf,
     /// How long the start took (lab.sh up to node Ready).
     pub start_time: Duration,
+    /// Held until the lab is gone (a field drops after `Drop::drop` has torn the lab down).
+    _slot: LabSlot,
+}
+
+/// The machine's one lab: its cores are few, and two labs would double every wait. Tests of
+/// one binary run on several threads, so a lab waits for the one before it to be torn down.
+/// A token rather than a `MutexGuard`, which could not move to another thread with its lab.
+struct LabSlot;
+
+static LAB_BUSY: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
+static LAB_FREED: std::sync::Condvar = std::sync::Condvar::new();
+
+impl LabSlot {
+    fn take() -> LabSlot {
+        let mut busy = LAB_BUSY.lock().unwrap_or_else(|e| e.into_inner());
+        while *busy {
+            busy = LAB_FREED.wait(busy).unwrap_or_else(|e| e.into_inner());
+        }
+        *busy = true;
+        LabSlot
+    }
+}
+
+impl Drop for LabSlot {
+    fn drop(&mut self) {
+        *LAB_BUSY.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        LAB_FREED.notify_one();
+    }
 }
 
 impl ClusterLab {
@@ -314,6 +342,7 @@ impl ClusterLab {
                 return skip(&format!("{tool} is not installed"));
             }
         }
+        let slot = LabSlot::take();
         let work = tempfile::Builder::new()
             .prefix("gpl-")
             .tempdir_in("/tmp")
@@ -337,6 +366,7 @@ impl ClusterLab {
             init: 0,
             bin,
             start_time: Duration::ZERO,
+            _slot: slot,
         };
         lab.init = eventually("lab.sh to write init.pid", || {
             std::fs::read_to_string(lab.work.join("init.pid"))

@@ -1,4 +1,4 @@
-//! The crash tests' node (tests/crash.rs, tests/crash_shares.rs): a directory, the API server
+//! The crash tests' node (tests/it/crash.rs, tests/it/crash_shares.rs): a directory, the API server
 //! double and both kubelet doubles in the test process, and the real agent binary as a child
 //! process that a test arms at a crash point, kills there and restarts, then checks from the
 //! outside (files, ListAndWatch, metrics). Needs `mod support;` in the including crate.

@@ -1,6 +1,6 @@
 //! Crash points: named steps of the agent's durable work (prepare, unprepare, file writes, slice
 //! publication) where a test can stop the agent so that it SIGKILLs it at exactly that step
-//! (tests/crash.rs). The kill is real; this only chooses where it lands.
+//! (tests/it/crash.rs). The kill is real; this only chooses where it lands.
 //!
 //! `GPUPLANE_CRASHPOINT=<step>[@<detail>][#<n>]` arms one [`Step`] by its name: the `n`-th time
 //! (default: the first) the agent reaches it with a detail containing `<detail>` (the file

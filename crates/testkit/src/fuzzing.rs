@@ -1,5 +1,5 @@
 //! The checks behind the fuzz targets in `fuzz/` and the corpus replay in
-//! `tests/fuzz_corpus.rs`: one function per decoder of outside input, taking raw bytes.
+//! `tests/it/fuzz_corpus.rs`: one function per decoder of outside input, taking raw bytes.
 //!
 //! Each check feeds the bytes to the same function the agent or the webhook calls on that
 //! input and then asserts what must hold of every accepted value (a round trip, file names

@@ -1,6 +1,6 @@
 //! What the quota governs (pure): the rule that decides which pods the webhooks receive (their
 //! CEL `matchConditions` in daemonset/controller/webhooks.yaml) and which pods the controller
-//! caches. One rule in two languages; tests/manifests.rs checks the CEL against the same cases.
+//! caches. One rule in two languages; tests/it/manifests.rs checks the CEL against the same cases.
 //!
 //! A pod is governed when a container or init container names an `nvidia.com/*` resource in its
 //! requests or limits, or the pod references ResourceClaims. Both are immutable after creation,

@@ -48,7 +48,7 @@ pub fn supported_services() -> Vec<String> {
 
 #[derive(Default)]
 struct State {
-    /// A watch, not a mutex: async code must not take std locks (tests/security.rs).
+    /// A watch, not a mutex: async code must not take std locks (tests/it/security.rs).
     last_error: watch::Sender<Option<String>>,
 }
 

@@ -33,7 +33,7 @@ pub struct Readiness {
     /// `None`: DRA is off; else, once DRA started, its registration and publication.
     pub dra: Option<OnceLock<DraReadiness>>,
     /// Why the devices are not discovered yet; `None` once they are. A watch, not a mutex:
-    /// async code must not take std locks (tests/security.rs).
+    /// async code must not take std locks (tests/it/security.rs).
     pub discovery: watch::Sender<Option<String>>,
 }
 

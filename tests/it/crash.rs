@@ -11,23 +11,19 @@
 //! allocated, an unprepare leaves no CDI spec and no checkpoint entry and frees every unit,
 //! and a pool whose publication was cut is completed by the next agent.
 //!
-//! Shares and their MPS control daemons: tests/crash_shares.rs. The node both drive:
+//! Shares and their MPS control daemons: tests/it/crash_shares.rs. The node both drive:
 //! tests/support/crash_node.rs.
 
 #![cfg(feature = "crashpoints")]
 
-#[path = "support/crash_node.rs"]
-mod crash_node;
-mod support;
-
-use crash_node::{cdi_ids, Node, WAIT};
+use crate::crash_node::{cdi_ids, Node, WAIT};
+use crate::support::{eventually, NODE};
 use gpuplane_shell::dra::checkpoint::ClaimState;
 use gpuplane_shell::dra::ClaimRef;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use support::{eventually, NODE};
 
 const PROFILE: &str = "dgx-h100";
 

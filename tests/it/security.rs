@@ -356,7 +356,7 @@ fn unix_sockets_are_bound_only_through_grpc_bind() {
             "{rel} binds a unix socket itself; use gpuplane_shell::grpc::bind (mode 0600)"
         );
         // Doubles included: a server that skips grpc::incoming resets kubelet clients whose
-        // `:authority` is a socket path (tests/kubelet_authority.rs).
+        // `:authority` is a socket path (tests/it/kubelet_authority.rs).
         assert!(
             !text.contains("UnixListenerStream::new"),
             "{rel} serves a unix socket without gpuplane_shell::grpc::incoming"
@@ -427,7 +427,7 @@ fn device_source_calls_stay_off_the_runtime_and_the_state_lock() {
     }
 }
 
-// The webhook reads at most 4 MiB of body (tests/webhook.rs sends larger ones); raising the
+// The webhook reads at most 4 MiB of body (tests/it/webhook.rs sends larger ones); raising the
 // bound is a decision for docs/security.md, so it does not compile without changing this too.
 const _: () = assert!(gpuplane_shell::webhook::http::MAX_BODY <= 4 * 1024 * 1024);
 

@@ -8,20 +8,12 @@
 //! securityContext, probes, env, ServiceAccounts and their projected tokens, RBAC, the
 //! node-scoped admission policy, the Service in front of the webhook.
 
-#[path = "cluster/mod.rs"]
-mod cluster;
+use crate::cluster;
 
-use cluster::{eventually, image, ClusterLab, AGENT_NS, DRIVER, NODE};
+use crate::cluster::{eventually, image, ClusterLab, AGENT_NS, DRIVER, NODE};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::sync::Mutex;
-
-static ONE_LAB: Mutex<()> = Mutex::new(());
-
-fn lock() -> std::sync::MutexGuard<'static, ()> {
-    ONE_LAB.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Each node and the bundled machine it simulates.
 const MACHINES: [(&str, &str); 3] = [
@@ -319,7 +311,6 @@ fn pod_gpus(lab: &ClusterLab, pod: &str) -> BTreeSet<String> {
 /// with their projected ServiceAccount tokens, through the node-scoped admission policy.
 #[test]
 fn the_daemonset_serves_each_nodes_own_machine_from_its_pods() {
-    let _one = lock();
     let Some((lab, _, pods, took)) = deployed() else {
         return;
     };
@@ -382,7 +373,6 @@ fn pod_token_kubeconfig(lab: &ClusterLab, pod: &str) -> std::path::PathBuf {
 /// lab-node-3 is refused by the policy.
 #[test]
 fn an_agent_pods_token_writes_only_its_own_nodes_slices() {
-    let _one = lock();
     let Some((lab, _, pods, _)) = deployed() else {
         return;
     };
@@ -453,7 +443,6 @@ fn create_gpu_pod(lab: &ClusterLab, ns: &str, name: &str, gpus: u32) -> Result<(
 /// created meanwhile are all decided: none lost, none admitted over quota.
 #[test]
 fn the_controller_serves_through_its_service_and_its_lease_moves_when_the_leader_goes() {
-    let _one = lock();
     let Some((lab, ..)) = deployed() else {
         return;
     };
@@ -577,7 +566,6 @@ fn files_with_prefix(dir: &Path, prefix: &str) -> Vec<String> {
 /// Then an agent pod is deleted: the DaemonSet makes a new one, and every hold survives.
 #[test]
 fn a_rolling_update_and_a_deleted_agent_pod_keep_every_hold() {
-    let _one = lock();
     let Some((lab, ..)) = deployed() else {
         return;
     };
@@ -693,7 +681,6 @@ fn a_rolling_update_and_a_deleted_agent_pod_keep_every_hold() {
 /// driver's slices once its plugin is gone), and no claim spec is left behind.
 #[test]
 fn uninstalling_leaves_no_socket_slice_or_claim_spec() {
-    let _one = lock();
     let Some((lab, ..)) = deployed() else {
         return;
     };
@@ -743,7 +730,6 @@ fn uninstalling_leaves_no_socket_slice_or_claim_spec() {
 /// sockets and slices go, and the documented command removes the node labels they wrote.
 #[test]
 fn helm_installs_upgrades_and_uninstalls_the_agents() {
-    let _one = lock();
     let Some((lab, built)) = lab_with_image("1") else {
         return;
     };
@@ -889,7 +875,6 @@ fn helm_installs_upgrades_and_uninstalls_the_agents() {
 /// describe` shows (terminationMessagePolicy: FallbackToLogsOnError).
 #[test]
 fn a_failed_start_names_what_to_fix_in_the_pods_log_and_status() {
-    let _one = lock();
     let Some((lab, _, pods, _)) = deployed() else {
         return;
     };

@@ -5,25 +5,15 @@
 //! generous hang guards and no timing assertions. Skips when not root or when the cluster
 //! binaries are not built (hack/cluster/build.sh); fails instead under `CI`.
 
-#[path = "cluster/mod.rs"]
-mod cluster;
-#[path = "support/mod.rs"]
-mod support;
+use crate::cluster;
+use crate::support;
 
-use cluster::{
+use crate::cluster::{
     eventually, eventually_or, ClusterLab, LabAgent, LabProcess, AGENT_USER, DRIVER, NODE,
 };
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::sync::Mutex;
-
-/// One lab at a time per test binary.
-static ONE_LAB: Mutex<()> = Mutex::new(());
-
-fn lock() -> std::sync::MutexGuard<'static, ()> {
-    ONE_LAB.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// The GPU UUIDs of the simulated dgx-h100, from `gpuplane discover`.
 fn profile_uuids() -> BTreeSet<String> {
@@ -147,7 +137,6 @@ fn env_value(log: &str, key: &str) -> Option<String> {
 
 #[test]
 fn both_apis_register_with_the_real_kubelet() {
-    let _one = lock();
     let Some((lab, agent_kubeconfig, agent)) = lab_with_agent() else {
         return;
     };
@@ -242,7 +231,6 @@ spec:
 
 #[test]
 fn a_device_plugin_pod_gets_two_gpus() {
-    let _one = lock();
     let Some((lab, _kc, agent)) = lab_with_agent() else {
         return;
     };
@@ -311,7 +299,6 @@ spec:
 /// none shared; a ninth waits until one ends.
 #[test]
 fn nvidia_com_gpu_pods_are_served_by_dra_on_a_dra_only_node() {
-    let _one = lock();
     let Some(lab) = ClusterLab::start() else {
         return;
     };
@@ -419,7 +406,6 @@ fn nvidia_com_gpu_pods_are_served_by_dra_on_a_dra_only_node() {
 
 #[test]
 fn a_dra_claim_is_prepared_and_unprepared_by_the_real_kubelet() {
-    let _one = lock();
     let Some((lab, _kc, _agent)) = lab_with_agent() else {
         return;
     };
@@ -575,7 +561,6 @@ fn our_device_status(lab: &ClusterLab, name: &str, device: &str) -> Value {
 
 #[test]
 fn both_apis_come_back_after_kubelet_and_agent_restarts() {
-    let _one = lock();
     let Some((lab, kubeconfig, agent)) = lab_with_agent() else {
         return;
     };
@@ -751,7 +736,6 @@ spec:
 /// reason.
 #[test]
 fn one_inventory_across_both_apis_and_unsatisfiable_claims_stay_pending() {
-    let _one = lock();
     let Some((lab, _kc, _agent)) = lab_with_agent() else {
         return;
     };
@@ -790,7 +774,6 @@ fn one_inventory_across_both_apis_and_unsatisfiable_claims_stay_pending() {
 /// claim is gone the kubelet counts all eight healthy.
 #[test]
 fn an_xid_makes_a_gpu_unhealthy_for_the_kubelet_and_the_scheduler_until_it_recovers() {
-    let _one = lock();
     let Some(lab) = ClusterLab::start() else {
         return;
     };
@@ -914,7 +897,6 @@ fn an_xid_makes_a_gpu_unhealthy_for_the_kubelet_and_the_scheduler_until_it_recov
 /// holds it and the real scheduler keep new claims off it, until the rule is deleted.
 #[test]
 fn an_admin_drains_a_gpu_with_a_device_taint_rule() {
-    let _one = lock();
     let Some((lab, _kc, _agent)) = lab_with_agent() else {
         return;
     };
@@ -988,7 +970,6 @@ fn pod_claim_allocation(lab: &ClusterLab, pod: &str) -> Option<Value> {
 /// the waiting claim stays unallocated until the device-plugin pod ends; then it runs.
 #[test]
 fn a_killed_agent_restarts_without_a_write_and_a_waiting_claim_gets_no_held_gpu() {
-    let _one = lock();
     let Some((lab, kubeconfig, agent)) = lab_with_agent() else {
         return;
     };

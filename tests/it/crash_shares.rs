@@ -1,7 +1,7 @@
 //! Crash consistency of shares (fractional GPUs through DRA consumable capacity): the real agent
 //! binary, with the stand-in `nvidia-cuda-mps-control` (hack/fake-mps) in its driver root, is
 //! killed with SIGKILL at every step of a share's life, the MPS control daemon's start and stop
-//! included, restarted, and checked from the outside (tests/crash.rs does the same for whole
+//! included, restarted, and checked from the outside (tests/it/crash.rs does the same for whole
 //! devices; the node is tests/support/crash_node.rs).
 //!
 //! Two claims, each a 40Gi/50% share of GPU 0 of a dgx-a100 (80Gi GPUs). Each case kills the
@@ -17,16 +17,14 @@
 
 #![cfg(feature = "crashpoints")]
 
-#[path = "support/crash_node.rs"]
-mod crash_node;
-mod support;
+use crate::support;
 
-use crash_node::{cdi_ids, Node, GPU_RESOURCE, WAIT};
+use crate::crash_node::{cdi_ids, Node, GPU_RESOURCE, WAIT};
+use crate::support::{DRIVER, NODE};
 use gpuplane_shell::dra::{ClaimRef, PreparedDevice};
 use std::cell::Cell;
 use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
-use support::{DRIVER, NODE};
 
 const PROFILE: &str = "dgx-a100";
 const SHARING: &str =
@@ -456,7 +454,7 @@ const UNPREPARE_CASES: [Case; 6] = [
     },
 ];
 
-/// Restarts the killed agent, checking the files before and after (as tests/crash.rs does).
+/// Restarts the killed agent, checking the files before and after (as tests/it/crash.rs does).
 async fn restart(node: &mut SharesNode) {
     node.check_files(false);
     node.start(None).await;

@@ -3,7 +3,7 @@
 //! shared GPU (the stand-in `nvidia-cuda-mps-control` of hack/fake-mps in the driver root),
 //! kept across restarts, and refused with a reason per claim when they cannot be given.
 
-mod support;
+use crate::support;
 
 use gpuplane_shell::cdi::Spec;
 use gpuplane_shell::config::AgentConfig;

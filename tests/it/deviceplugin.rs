@@ -2,7 +2,7 @@
 //! kubelet double over unix sockets in a temp dir; and the agent binary on the fake
 //! libnvidia-ml (real hardware from its point of view) with device nodes in a temp dir.
 
-mod support;
+use crate::support;
 
 use gpuplane_shell::inventory::DeviceUuid;
 use gpuplane_shell::node::NodeOptions;

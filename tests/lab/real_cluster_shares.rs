@@ -3,14 +3,12 @@
 //! real scheduler packs claims by memory and compute (`consumedCapacity`, `shareID`), the real
 //! kubelet prepares them, and the containers containerd starts see their share and their MPS
 //! limits, one MPS control daemon (the stand-in of hack/fake-mps) per shared GPU. Skips like
-//! tests/real_cluster.rs (root and the cluster binaries needed), fails instead under `CI`.
+//! tests/lab/real_cluster.rs (root and the cluster binaries needed), fails instead under `CI`.
 
-#[path = "cluster/mod.rs"]
-mod cluster;
-#[path = "support/mod.rs"]
-mod support;
+use crate::cluster;
+use crate::support;
 
-use cluster::{eventually, ClusterLab, LabAgent, LabProcess, NODE};
+use crate::cluster::{eventually, ClusterLab, LabAgent, LabProcess, NODE};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::PathBuf;

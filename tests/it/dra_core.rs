@@ -287,7 +287,7 @@ async fn prepares_each_claim_on_its_own_idempotently_and_unprepares() {
     assert!(restarted.prepared_units().await.is_empty());
     assert_eq!(fs::read_dir(env.cdi()).unwrap().count(), 0);
     // Unpreparing again is fine. (A UID that is not one never reaches the core: the gRPC edge
-    // answers its unprepare with success, tests/security.rs.)
+    // answers its unprepare with success, tests/it/security.rs.)
     let out = restarted.unprepare(vec![a.clone()]).await;
     assert!(out.values().all(Result::is_ok), "{out:?}");
 }
@@ -329,7 +329,7 @@ async fn per_claim_errors_name_the_claim_and_the_reason() {
     cases.push((c, "sharing.strategy: `Turbo`"));
 
     // A UID or namespace that could reach a path never reaches the core: the gRPC edge parses
-    // claims into ClaimRef, which refuses them (tests/security.rs sends them over the socket).
+    // claims into ClaimRef, which refuses them (tests/it/security.rs sends them over the socket).
     let evil = ClaimRef::parse("ns", "../../x", "evil").unwrap_err();
     assert!(evil.to_string().contains("claim UID `../../x`"), "{evil}");
     let evil = ClaimRef::parse("a/b", uid(6), "x").unwrap_err();

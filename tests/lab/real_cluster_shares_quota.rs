@@ -3,13 +3,12 @@
 //! and stores those slices, the real scheduler allocates a share and the real kubelet runs the
 //! pod, while the real `gpuplane controller`, called by the API server as the quota webhook of
 //! daemonset/, charges each share its memory and compute (docs/quota.md, "Shares of a GPU").
-//! Skips like tests/real_cluster.rs (root and the cluster binaries needed), fails instead
+//! Skips like tests/lab/real_cluster.rs (root and the cluster binaries needed), fails instead
 //! under `CI`.
 
-#[path = "cluster/mod.rs"]
-mod cluster;
+use crate::cluster;
 
-use cluster::{
+use crate::cluster::{
     eventually, eventually_or, refusals, repo, start_controller, ClusterLab, LabAgent, DRIVER, NODE,
 };
 use serde_json::Value;

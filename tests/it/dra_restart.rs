@@ -4,15 +4,15 @@
 //! registration socket as it does (percent-encoded path authority) and the DRA endpoint the
 //! moment GetInfo answers, as the kubelet's registration handler does.
 
-mod support;
+use crate::support;
 
+use crate::support::{AgentProcess, DRIVER};
 use gpuplane_shell::proto::dra_v1;
 use gpuplane_shell::proto::pluginregistration_v1 as reg_pb;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use gpuplane_testkit::doubles::dial::{self, Authority};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use support::{AgentProcess, DRIVER};
 
 /// A hang guard, never a timing assertion.
 const WAIT: Duration = Duration::from_secs(30);

@@ -4,13 +4,12 @@
 //! the outside: no unit (GPU or MIG device, or a MIG device and its parent) is held by two
 //! consumers, and every refusal was for a held device.
 
-#[path = "support/lab.rs"]
-mod lab;
+use crate::lab;
 
+use crate::lab::{overlapping, Lab, Rng, WAIT};
 use gpuplane_shell::dra::ClaimRef;
 use gpuplane_shell::inventory::Inventory;
 use gpuplane_shell::source::DeviceSource;
-use lab::{overlapping, Lab, Rng, WAIT};
 use std::collections::BTreeMap;
 
 /// Everything handed out right now, by consumer: pods through the device plugin (by the

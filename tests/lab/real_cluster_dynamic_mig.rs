@@ -3,14 +3,11 @@
 //! per profile and placement consuming them), the real kube-apiserver validates them, the real
 //! scheduler allocates only combinations that fit the counters, and the real kubelet's prepare
 //! makes the agent create each MIG instance, which the container sees; unprepare destroys it.
-//! Skips like tests/real_cluster.rs (root and the cluster binaries needed), fails under `CI`.
+//! Skips like tests/lab/real_cluster.rs (root and the cluster binaries needed), fails under `CI`.
 
-#[path = "cluster/mod.rs"]
-mod cluster;
-#[path = "support/mod.rs"]
-mod support;
+use crate::cluster;
 
-use cluster::{eventually, eventually_or, ClusterLab, LabAgent, LabProcess};
+use crate::cluster::{eventually, eventually_or, ClusterLab, LabAgent, LabProcess};
 use serde_json::Value;
 use std::collections::BTreeSet;
 

@@ -27,9 +27,7 @@
 //! `nvidia.com/gpu=<name>` becoming `<that kind>=<name>`; the devices and their edits are the
 //! agent's, byte for byte apart from the kind.
 
-#[path = "support/lab.rs"]
-mod lab;
-
+use crate::lab::{Lab, NODE, WAIT};
 use gpuplane_shell::cdi::{self, Kind, WriteOutcome};
 use gpuplane_shell::dra::ClaimRef;
 use gpuplane_shell::node::dra::DraSettings;
@@ -38,7 +36,6 @@ use gpuplane_shell::paths::HostPaths;
 use gpuplane_shell::source::{DeviceMode, DeviceSource, SimSource};
 use gpuplane_testkit::doubles::devnodes;
 use gpuplane_testkit::doubles::kubelet::KubeletDouble;
-use lab::{Lab, NODE, WAIT};
 use serde_json::{json, Value};
 use std::fs;
 use std::os::unix::fs::PermissionsExt;

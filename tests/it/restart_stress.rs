@@ -14,22 +14,20 @@
 //! - a pod that ends before any PodResources listing saw it frees its device (the slice drops
 //!   the taint) without waiting out a long grace period.
 
-#[path = "support/lab.rs"]
-mod lab;
-mod support;
+use crate::support;
 
+use crate::lab::{overlapping, Lab, Rng};
+use crate::support::AgentProcess;
 use gpuplane_shell::dra::ClaimRef;
 use gpuplane_shell::inventory::Inventory;
 use gpuplane_shell::source::DeviceSource;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
-use lab::{overlapping, Lab, Rng};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use support::AgentProcess;
 use tokio_stream::StreamExt;
 
 const PROFILE: &str = "a100-mig-mixed";

@@ -4,15 +4,12 @@
 //! empty one and none. Driven against the real agent over its real sockets; the control case
 //! shows that a tonic server without `gpuplane_shell::grpc::incoming` resets the plugin watcher.
 
-#[path = "support/lab.rs"]
-mod lab;
-
+use crate::lab::{Agent, Lab, DRIVER};
 use gpuplane_shell::dra::registration::RegistrationService;
 use gpuplane_shell::proto::deviceplugin_v1beta1 as dp;
 use gpuplane_shell::proto::dra_v1;
 use gpuplane_shell::proto::pluginregistration_v1 as reg_pb;
 use gpuplane_testkit::doubles::dial::{self, Authority};
-use lab::{Agent, Lab, DRIVER};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 

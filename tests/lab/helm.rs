@@ -9,8 +9,7 @@
 //! `kubernetes`): `GPUPLANE_CLUSTER_BIN`, else `build.sh --check`. Without them the tests print
 //! `SKIPPED: ...` and pass, or fail when `CI` is set (as tests/cluster does).
 
-#[path = "cluster/mod.rs"]
-mod cluster;
+use crate::cluster;
 
 use base64::Engine;
 use gpuplane_shell::config::{AgentConfig, MigStrategy};

@@ -15,8 +15,9 @@
 //! The outages last seconds, standing in for minutes: the agent's retry loops have no end,
 //! and the client's read timeout is set short so a held answer is a timeout here.
 
-mod support;
+use crate::support;
 
+use crate::support::{eventually, put_claim, AgentProcess, DRIVER};
 use gpuplane_shell::dra::service::RawClaim;
 use gpuplane_shell::dra::ClaimRef;
 use gpuplane_shell::inventory::DeviceUuid;
@@ -32,7 +33,6 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
-use support::{eventually, put_claim, AgentProcess, DRIVER};
 
 /// A hang guard for waits, never a timing assertion.
 const WAIT: Duration = Duration::from_secs(30);

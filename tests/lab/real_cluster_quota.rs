@@ -1,13 +1,12 @@
 //! The whole of daemonset/ against real Kubernetes (issue 13): `kubectl apply -k` through the
 //! lab's loopback overlay, the real `gpuplane controller` serving the quota webhooks by URL,
 //! called by the real kube-apiserver, with the node agent and the real scheduler and kubelet
-//! running the pods it admits. Skips like tests/real_cluster.rs (root and the cluster binaries
+//! running the pods it admits. Skips like tests/lab/real_cluster.rs (root and the cluster binaries
 //! needed), fails instead under `CI`.
 
-#[path = "cluster/mod.rs"]
-mod cluster;
+use crate::cluster;
 
-use cluster::{
+use crate::cluster::{
     eventually, refusals, start_controller, ClusterLab, LabAgent, LabProcess,
     CONTROLLER_METRICS_ADDR, NODE,
 };

@@ -3,13 +3,11 @@
 //! claim, says what to do, is posted once however often the kubelet retries, and a failed
 //! Event write never fails or delays the prepare.
 
-#[path = "support/lab.rs"]
-mod lab;
-mod support;
+use crate::support;
 
+use crate::lab::{Lab, DRIVER, NODE, WAIT};
 use gpuplane_shell::dra::ClaimRef;
 use gpuplane_testkit::doubles::apiserver::Fault;
-use lab::{Lab, DRIVER, NODE, WAIT};
 use serde_json::{json, Value};
 use std::time::Duration;
 

@@ -3,16 +3,14 @@
 //! at every step of a dynamic MIG claim's life, restarted, and checked from the outside: after
 //! the restart and the kubelet's retry, the GPU has exactly the instances the prepared claims
 //! need, each claim holds its instance as its device, and once every claim is unprepared the GPU
-//! has none (tests/crash.rs does the same for whole devices; the node is
+//! has none (tests/it/crash.rs does the same for whole devices; the node is
 //! tests/support/crash_node.rs).
 
 #![cfg(feature = "crashpoints")]
 
-#[path = "support/crash_node.rs"]
-mod crash_node;
-mod support;
+use crate::support;
 
-use crash_node::Node;
+use crate::crash_node::Node;
 use gpuplane_shell::dra::ClaimRef;
 use serde_json::Value;
 

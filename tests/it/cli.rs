@@ -1,7 +1,7 @@
 //! The `gpuplane` binary as a user runs it: discover's outputs and errors, the node agent's
 //! SIGTERM contract, and one agent per state directory.
 
-mod support;
+use crate::support;
 
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use gpuplane_testkit::doubles::kubelet::KubeletDouble;

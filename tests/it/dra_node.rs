@@ -1,16 +1,14 @@
 //! The DRA driver end to end (see tests/support/lab.rs for the set-up), and the allocation
 //! ledger across both kubelet APIs.
 
-#[path = "support/lab.rs"]
-mod lab;
-mod support;
+use crate::support;
 
+use crate::lab::{Lab, DRIVER, NODE, WAIT};
 use gpuplane_shell::dra::ClaimRef;
 use gpuplane_shell::proto::dra_health_v1::HealthStatus;
 use gpuplane_shell::source::DeviceSource;
 use gpuplane_testkit::doubles::apiserver::Fault;
 use gpuplane_testkit::doubles::kubelet::PluginView;
-use lab::{Lab, DRIVER, NODE, WAIT};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -4,9 +4,7 @@
 //! component's RBAC grants exactly the API calls its code makes, observed by driving the real
 //! node agent and the real controller against the API server double.
 
-#[path = "support/lab.rs"]
-mod lab;
-
+use crate::lab::{Lab, DRIVER, NODE, WAIT};
 use gpuplane_shell::source::DeviceSource;
 use gpuplane_testkit::doubles::apiserver::{ApiCall, ApiServerDouble};
 use k8s_openapi::api::admissionregistration::v1 as admission;
@@ -17,7 +15,6 @@ use k8s_openapi::api::rbac::v1 as rbac;
 use k8s_openapi::api::resource::v1 as resource;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1 as apiext;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use lab::{Lab, DRIVER, NODE, WAIT};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -1404,7 +1401,7 @@ async fn rbac_grants_exactly_what_the_node_agent_calls() {
     let used = check_calls(&lab.api.api_calls(), &granted, "gpuplane node");
     // Granted calls this scenario does not reach: the API server's own check of
     // resourceclaims/driver for status.devices writes (the double does not model it; the
-    // real-cluster tier does: tests/real_cluster.rs sees the entries written).
+    // real-cluster tier does: tests/lab/real_cluster.rs sees the entries written).
     check_grants_used(
         &granted,
         &used,

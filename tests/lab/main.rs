@@ -1,0 +1,19 @@
+//! The real-Kubernetes tier as one test binary: the upstream kube-apiserver, scheduler,
+//! controller manager, kubelets and containerd of `hack/cluster/lab.sh`, with gpuplane deployed
+//! as users deploy it. One lab runs at a time (`cluster::ClusterLab` holds the machine's one lab
+//! slot); tests that need no lab (rendering the chart, say) run beside it. Skips when not root
+//! or the cluster binaries are not built (`hack/cluster/build.sh`); fails instead under `CI`.
+
+#[path = "../cluster/mod.rs"]
+mod cluster;
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod deploy;
+mod helm;
+mod real_cluster;
+mod real_cluster_dynamic_mig;
+mod real_cluster_quota;
+mod real_cluster_shares;
+mod real_cluster_shares_quota;
