@@ -45,8 +45,10 @@ echo "== the image's binary (the Dockerfile's build: --no-default-features) for 
 # back at target/ci/gpuplane, and the deployment tests put this one into their image.
 cargo build "${profile[@]}" -p gpuplane --bin gpuplane --no-default-features
 install -D -m 0755 "$target_dir/ci/gpuplane" "$target_dir/ci/image/gpuplane"
-echo "== build (the fake libnvidia-ml included)"
-cargo build "${profile[@]}" --workspace --all-targets --features gpuplane/crashpoints
+echo "== build the tests (three integration binaries: tests/it, tests/lab, tests/nvml_fake.rs)"
+# Not --all-targets: the benches would link six more binaries that no test runs; clippy below
+# still type-checks them. The fake NVML and MPS are built by the tests that load them.
+cargo build "${profile[@]}" --workspace --tests --features gpuplane/crashpoints
 echo "== clippy -D warnings"
 cargo clippy "${profile[@]}" --workspace --all-targets -- -D warnings
 # The shipped build leaves the crash points out; the tests need them.
@@ -55,7 +57,7 @@ cargo clippy "${profile[@]}" --workspace --all-targets --features gpuplane/crash
 cargo clippy "${profile[@]}" -p gpuplane --bin gpuplane --no-default-features -- -D warnings
 echo "== rustdoc -D warnings (intra-doc links resolve across the crate edges)"
 RUSTDOCFLAGS="-D warnings" cargo doc "${profile[@]}" --workspace --no-deps
-echo "== cluster binaries for tests/lab/real_cluster.rs and helm for tests/lab/helm.rs (hack/cluster/build.sh: about 26 min cold, cached after)"
+echo "== cluster binaries and helm for tests/lab (hack/cluster/build.sh: about 26 min cold, cached after)"
 if cluster_out="$(./hack/cluster/build.sh)"; then
   export GPUPLANE_CLUSTER_BIN="$(sed -n 's/^GPUPLANE_CLUSTER_BIN=//p' <<<"$cluster_out")"
   echo "GPUPLANE_CLUSTER_BIN=$GPUPLANE_CLUSTER_BIN"
