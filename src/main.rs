@@ -47,6 +47,8 @@ enum Command {
     Node(Box<NodeArgs>),
     /// Run the cluster-side controller: the GPU quota admission webhook.
     Controller(Box<ControllerArgs>),
+    /// Why a GPU pod is Pending: one reason with its numbers, read from the API server.
+    Explain(ExplainArgs),
     /// The whole product on a simulated machine in one process, no cluster: agent, kubelet and
     /// API server doubles, quota webhook and controller, narrating a short story.
     #[cfg(feature = "demo")]
@@ -100,6 +102,44 @@ struct ControllerArgs {
     /// e.g. nvidia.com/gpu=4 (repeatable).
     #[arg(long = "time-sliced", value_name = "RESOURCE=REPLICAS", value_parser = parse_time_sliced)]
     time_sliced: Vec<(String, u32)>,
+}
+
+#[derive(clap::Args)]
+struct ExplainArgs {
+    #[command(subcommand)]
+    what: ExplainWhat,
+    /// Kubeconfig for API access (default: in-cluster, then KUBECONFIG, then ~/.kube/config).
+    #[arg(long, value_name = "FILE", global = true)]
+    kubeconfig: Option<PathBuf>,
+    /// Output format.
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table, global = true)]
+    output: Output,
+    /// A time-sliced device-plugin resource and its replicas, as in the agents' config, so its
+    /// name counts as a GPU resource (repeatable).
+    #[arg(long = "time-sliced", value_name = "RESOURCE=REPLICAS", value_parser = parse_time_sliced, global = true)]
+    time_sliced: Vec<(String, u32)>,
+}
+
+#[derive(Subcommand)]
+enum ExplainWhat {
+    /// One pod.
+    Pod {
+        #[arg(value_name = "NAMESPACE/NAME", value_parser = parse_pod_ref)]
+        pod: (String, String),
+    },
+    /// Every Pending pod of a namespace.
+    Namespace { namespace: String },
+}
+
+fn parse_pod_ref(s: &str) -> Result<(String, String), String> {
+    match s.split_once('/') {
+        Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+            Ok((ns.to_string(), name.to_string()))
+        }
+        _ => Err(format!(
+            "{s:?}: expected NAMESPACE/NAME, e.g. team-a/train-0"
+        )),
+    }
 }
 
 fn parse_time_sliced(s: &str) -> Result<(String, u32), String> {
@@ -288,9 +328,41 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Node(args) => run_node(*args),
         Command::Controller(args) => run_controller(*args),
+        Command::Explain(args) => run_explain(args),
         #[cfg(feature = "demo")]
         Command::Demo(args) => run_demo(args),
     }
+}
+
+fn run_explain(args: ExplainArgs) -> Result<()> {
+    use gpuplane_shell::explain;
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let settings = gpuplane_shell::quota::CatalogSettings {
+        time_slicing: args.time_sliced.into_iter().collect(),
+        ..Default::default()
+    };
+    let answers = runtime.block_on(async {
+        let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref()).await?;
+        let answers = match &args.what {
+            ExplainWhat::Pod { pod: (ns, name) } => {
+                vec![explain::pod(&client, settings, ns, name).await?]
+            }
+            ExplainWhat::Namespace { namespace } => {
+                explain::namespace(&client, settings, namespace).await?
+            }
+        };
+        anyhow::Ok(answers)
+    })?;
+    match (args.output, &args.what) {
+        (Output::Json, ExplainWhat::Pod { .. }) => {
+            println!("{}", serde_json::to_string_pretty(&answers.first())?)
+        }
+        (Output::Json, ExplainWhat::Namespace { .. }) => {
+            println!("{}", serde_json::to_string_pretty(&answers)?)
+        }
+        (Output::Table, _) => print!("{}", explain::render_table(&answers)),
+    }
+    Ok(())
 }
 
 #[cfg(feature = "demo")]

@@ -1033,3 +1033,106 @@ fn a_killed_agent_restarts_without_a_write_and_a_waiting_claim_gets_no_held_gpu(
     assert!(got.is_subset(&by_plugin), "{got:?} was one of dp-five's");
     drop(agent);
 }
+
+/// A pod asking `gpus` nvidia.com/gpu that sleeps, with `extra` spec lines (indented two).
+fn sleeping_gpu_pod(name: &str, gpus: u32, extra: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: default}}
+spec:
+  terminationGracePeriodSeconds: 1
+{extra}  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["sleep", "3600"]
+    resources:
+      limits: {{nvidia.com/gpu: {gpus}}}
+"#
+    )
+}
+
+/// `gpuplane explain <args> -o json --kubeconfig <admin>` in the lab: its parsed stdout, or
+/// its stderr when it fails.
+fn explain(lab: &ClusterLab, args: &[&str]) -> Result<Value, String> {
+    let out = lab
+        .in_netns(env!("CARGO_BIN_EXE_gpuplane"))
+        .arg("explain")
+        .args(args)
+        .args(["-o", "json", "--kubeconfig"])
+        .arg(lab.admin_kubeconfig())
+        .output()
+        .unwrap();
+    if out.status.success() {
+        Ok(serde_json::from_slice(&out.stdout).unwrap())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// Waits until the real scheduler has reported pod `name` unschedulable.
+fn wait_unschedulable(lab: &ClusterLab, name: &str) {
+    eventually(
+        &format!("the scheduler to report pod {name} unschedulable"),
+        || {
+            let pod = lab.get_json(&["get", "pod", name])?;
+            pod["status"]["conditions"]
+                .as_array()?
+                .iter()
+                .any(|c| c["type"] == "PodScheduled" && c["reason"] == "Unschedulable")
+                .then_some(())
+        },
+    );
+}
+
+/// `gpuplane explain` against the real scheduler's cluster: a pod asking more GPUs than are
+/// free is Capacity with the numbers, a pod whose node selector excludes the only GPU node is
+/// Placement naming the selector, the namespace view lists both, and a missing pod is a clear
+/// error. The numbers follow the cluster: once the pod holding GPUs ends, the answer changes.
+#[test]
+fn explain_names_capacity_and_placement_with_the_numbers_the_scheduler_acts_on() {
+    let Some((lab, _, _agent)) = lab_with_agent() else {
+        return;
+    };
+    lab.apply(&sleeping_gpu_pod("holder", 6, ""));
+    wait_phase(&lab, "holder", &["Running"]);
+    lab.apply(&sleeping_gpu_pod("four", 4, ""));
+    lab.apply(&sleeping_gpu_pod(
+        "elsewhere",
+        1,
+        "  nodeSelector: {gpu-pool: b}\n",
+    ));
+    wait_unschedulable(&lab, "four");
+    wait_unschedulable(&lab, "elsewhere");
+
+    let four = explain(&lab, &["pod", "default/four"]).unwrap();
+    assert_eq!(four["reason"], "Capacity", "{four}");
+    assert_eq!(
+        four["message"],
+        "needs 4 nvidia.com/gpu; 2 free in the cluster"
+    );
+    let elsewhere = explain(&lab, &["pod", "default/elsewhere"]).unwrap();
+    assert_eq!(elsewhere["reason"], "Placement", "{elsewhere}");
+    assert_eq!(
+        elsewhere["message"],
+        format!("needs 1 nvidia.com/gpu; 2 free in the cluster, 0 on nodes it may use; excluded: {NODE}: nodeSelector gpu-pool=b not matched")
+    );
+    let all = explain(&lab, &["namespace", "default"]).unwrap();
+    let reasons: Vec<(&str, &str)> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["pod"].as_str().unwrap(), a["reason"].as_str().unwrap()))
+        .collect();
+    assert_eq!(reasons, [("elsewhere", "Placement"), ("four", "Capacity")]);
+    let missing = explain(&lab, &["pod", "default/nope"]).unwrap_err();
+    assert!(missing.contains("pod default/nope not found"), "{missing}");
+
+    // The holder ends: 8 free, the scheduler places `four`, and `explain` says it waits no more.
+    lab.kubectl_ok(&["delete", "pod", "holder", "--wait=false"]);
+    wait_phase(&lab, "four", &["Running"]);
+    let four = explain(&lab, &["pod", "default/four"]).unwrap();
+    assert_eq!(four["reason"], "NotWaiting", "{four}");
+    assert_eq!(four["message"], format!("scheduled to node {NODE}"));
+}

@@ -18,6 +18,7 @@ pub mod controller;
 pub mod deviceplugin;
 pub mod dra;
 pub mod dynamic_mig;
+pub mod explain;
 pub mod health;
 pub mod inventory;
 pub mod labels;

@@ -15,6 +15,7 @@ pub mod crashpoint;
 pub mod deviceplugin;
 pub mod discover;
 pub mod dra;
+pub mod explain;
 pub mod fsutil;
 pub mod grpc;
 pub mod httpserve;

@@ -146,7 +146,7 @@ pub enum ChargeError {
 }
 
 /// A device count: a whole, non-negative quantity (`2`, `1000m`; not `500m` or `-1`).
-fn quantity_count(q: &Quantity) -> Option<u64> {
+pub(crate) fn quantity_count(q: &Quantity) -> Option<u64> {
     let q = crate::quantity::Quantity::parse_trimmed(&q.0).ok()?;
     if !q.is_integer() || q.is_negative() {
         return None;

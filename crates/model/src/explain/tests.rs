@@ -1,0 +1,220 @@
+use super::*;
+use crate::quota::CatalogSettings;
+use serde_json::{json, Value};
+
+fn catalog() -> DeviceCatalog {
+    DeviceCatalog::new(&[], &[], CatalogSettings::default())
+}
+
+fn pod(name: &str, gpus: u64, extra: Value) -> Pod {
+    let mut p = json!({
+        "metadata": {"namespace": "team-a", "name": name},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": gpus.to_string()}}}]},
+        "status": {"phase": "Pending"},
+    });
+    merge(&mut p, extra);
+    serde_json::from_value(p).unwrap()
+}
+
+fn merge(a: &mut Value, b: Value) {
+    match (a, b) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in b {
+                merge(a.entry(k).or_insert(Value::Null), v);
+            }
+        }
+        (a, b) => *a = b,
+    }
+}
+
+fn node(name: &str, gpus: u64, extra: Value) -> Node {
+    let mut n = json!({
+        "metadata": {"name": name, "labels": {"pool": "a"}},
+        "spec": {},
+        "status": {
+            "allocatable": {"nvidia.com/gpu": gpus.to_string(), "cpu": "64"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    });
+    merge(&mut n, extra);
+    serde_json::from_value(n).unwrap()
+}
+
+fn running(name: &str, node: &str, gpus: u64) -> Pod {
+    pod(
+        name,
+        gpus,
+        json!({"spec": {"nodeName": node}, "status": {"phase": "Running"}}),
+    )
+}
+
+fn answer(p: &Pod, nodes: &[Node], pods: &[Pod]) -> (Reason, String) {
+    let c = catalog();
+    let e = explain(p, &node_gpus(nodes, pods, &c), &c);
+    (e.reason, e.message)
+}
+
+#[test]
+fn too_few_free_in_the_cluster_is_capacity_with_the_numbers() {
+    let nodes = [node("a", 8, json!({}))];
+    let pods = [running("r", "a", 5)];
+    let (r, m) = answer(&pod("p", 4, json!({})), &nodes, &pods);
+    assert_eq!(r, Reason::Capacity);
+    assert_eq!(m, "needs 4 nvidia.com/gpu; 3 free in the cluster");
+}
+
+#[test]
+fn enough_in_total_but_not_on_one_node_is_fragmentation_naming_each_node() {
+    let nodes = [
+        node("a", 4, json!({})),
+        node("b", 4, json!({})),
+        node("c", 4, json!({})),
+    ];
+    let pods = [
+        running("x", "a", 2),
+        running("y", "b", 2),
+        running("z", "c", 2),
+    ];
+    let (r, m) = answer(&pod("p", 4, json!({})), &nodes, &pods);
+    assert_eq!(r, Reason::Fragmentation);
+    assert_eq!(
+        m,
+        "needs 4 nvidia.com/gpu; 6 free across 3 nodes, at most 2 on one: a 2, b 2, c 2"
+    );
+}
+
+#[test]
+fn free_gpus_only_on_nodes_the_pod_may_not_use_is_placement_naming_the_taint_or_label() {
+    let tainted =
+        json!({"spec": {"taints": [{"key": "drain", "value": "b", "effect": "NoSchedule"}]}});
+    let nodes = [node("a", 8, json!({})), node("b", 8, tainted)];
+    let pods = [running("x", "a", 8)];
+    let (r, m) = answer(&pod("p", 4, json!({})), &nodes, &pods);
+    assert_eq!(r, Reason::Placement);
+    assert!(
+        m.contains("b: taint drain=b:NoSchedule not tolerated"),
+        "{m}"
+    );
+    // Tolerated, it fits: no reason of ours.
+    let tolerant = pod(
+        "p",
+        4,
+        json!({"spec": {"tolerations": [{"key": "drain", "operator": "Exists"}]}}),
+    );
+    assert_eq!(answer(&tolerant, &nodes, &pods).0, Reason::Unknown);
+    // A node selector the free node lacks.
+    let nodes = [
+        node("a", 8, json!({})),
+        node("b", 8, json!({"metadata": {"labels": {"pool": "b"}}})),
+    ];
+    let picky = pod("p", 4, json!({"spec": {"nodeSelector": {"pool": "b"}}}));
+    let (r, m) = answer(&picky, &nodes, &[running("y", "b", 8)]);
+    assert_eq!(r, Reason::Placement);
+    assert!(m.contains("a: nodeSelector pool=b not matched"), "{m}");
+}
+
+#[test]
+fn required_node_affinity_is_evaluated_as_kubernetes_does() {
+    let affinity = |op: &str, values: Value| {
+        pod(
+            "p",
+            1,
+            json!({"spec": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": op, "values": values}]}]
+            }}}}}),
+        )
+    };
+    let nodes = [node("a", 1, json!({}))];
+    assert_eq!(
+        answer(&affinity("In", json!(["a"])), &nodes, &[]).0,
+        Reason::Unknown
+    );
+    assert_eq!(
+        answer(&affinity("NotIn", json!(["a"])), &nodes, &[]).0,
+        Reason::Placement
+    );
+    assert_eq!(
+        answer(&affinity("DoesNotExist", json!([])), &nodes, &[]).0,
+        Reason::Placement
+    );
+    assert_eq!(
+        answer(&affinity("Exists", json!([])), &nodes, &[]).0,
+        Reason::Unknown
+    );
+}
+
+#[test]
+fn no_node_offering_the_resource_is_no_gpu_capacity_and_not_ready_nodes_do_not_count() {
+    let (r, m) = answer(&pod("p", 1, json!({})), &[node("cpu", 0, json!({}))], &[]);
+    assert_eq!(r, Reason::NoGpuCapacity);
+    assert!(
+        m.starts_with("needs 1 nvidia.com/gpu; no node offers nvidia.com/gpu"),
+        "{m}"
+    );
+    let down = node(
+        "a",
+        8,
+        json!({"status": {"conditions": [{"type": "Ready", "status": "False"}]}}),
+    );
+    let (r, m) = answer(&pod("p", 1, json!({})), &[down], &[]);
+    assert_eq!(r, Reason::Capacity);
+    assert_eq!(
+        m,
+        "needs 1 nvidia.com/gpu; 0 free in the cluster (1 node(s) offering it are not Ready or cordoned)"
+    );
+}
+
+#[test]
+fn a_gated_pod_is_held_by_quota_with_the_controllers_note() {
+    let gated = pod(
+        "p",
+        1,
+        json!({
+            "spec": {"schedulingGates": [{"name": crate::quota::SCHEDULING_GATE}]},
+            "status": {"conditions": [{"type": CONDITION, "status": "False", "message": "GpuQuota team-a/gold: gpus 2/2 used"}]},
+        }),
+    );
+    let (r, m) = answer(&gated, &[node("a", 8, json!({}))], &[]);
+    assert_eq!(r, Reason::Quota);
+    assert_eq!(m, "held by GPU quota: GpuQuota team-a/gold: gpus 2/2 used");
+}
+
+#[test]
+fn what_it_cannot_classify_it_says_so_quoting_the_scheduler() {
+    let with_claim = pod(
+        "p",
+        0,
+        json!({
+            "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]},
+            "status": {"conditions": [{"type": "PodScheduled", "status": "False", "message": "0/1 nodes are available"}]},
+        }),
+    );
+    let (r, m) = answer(&with_claim, &[node("a", 8, json!({}))], &[]);
+    assert_eq!(r, Reason::Unknown);
+    assert!(
+        m.ends_with("the scheduler says: \"0/1 nodes are available\""),
+        "{m}"
+    );
+    // A scheduled, finished or GPU-less pod is not waiting for a GPU.
+    let scheduled = running("r", "a", 1);
+    assert_eq!(answer(&scheduled, &[], &[]).0, Reason::NotWaiting);
+    assert_eq!(
+        answer(&pod("p", 0, json!({})), &[], &[]).0,
+        Reason::NotWaiting
+    );
+}
+
+#[test]
+fn finished_pods_free_their_gpus() {
+    let done = pod(
+        "d",
+        8,
+        json!({"spec": {"nodeName": "a"}, "status": {"phase": "Succeeded"}}),
+    );
+    let (r, _) = answer(&pod("p", 8, json!({})), &[node("a", 8, json!({}))], &[done]);
+    assert_eq!(
+        r,
+        Reason::Unknown,
+        "8 free on a: the scheduler will place it"
+    );
+}
