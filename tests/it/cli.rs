@@ -105,7 +105,10 @@ fn explain_refuses_a_pod_without_its_namespace_and_an_unreadable_kubeconfig() {
     let out = gpuplane(&["explain", "pod", "train-0"]);
     assert!(!out.status.success());
     let err = text(&out.stderr);
-    assert!(err.contains("expected NAMESPACE/NAME, e.g. team-a/train-0"), "{err}");
+    assert!(
+        err.contains("expected NAMESPACE/NAME, e.g. team-a/train-0"),
+        "{err}"
+    );
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     std::fs::write(&kubeconfig, "not: [a kubeconfig").unwrap();
@@ -113,7 +116,10 @@ fn explain_refuses_a_pod_without_its_namespace_and_an_unreadable_kubeconfig() {
     let out = gpuplane(&["explain", "namespace", "team-a", "--kubeconfig", kc]);
     assert!(!out.status.success());
     let err = text(&out.stderr);
-    assert!(err.contains(&format!("kubeconfig {kc}")), "names the file: {err}");
+    assert!(
+        err.contains(&format!("kubeconfig {kc}")),
+        "names the file: {err}"
+    );
     assert_eq!(text(&out.stdout), "", "no half answer on stdout");
 }
 

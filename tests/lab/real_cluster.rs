@@ -1088,8 +1088,8 @@ fn wait_unschedulable(lab: &ClusterLab, name: &str) {
 
 /// `gpuplane explain` against the real scheduler's cluster: a pod asking more GPUs than are
 /// free is Capacity with the numbers, a pod whose node selector excludes the only GPU node is
-/// Placement naming the selector, the namespace view lists both, and a missing pod is a clear
-/// error. The numbers follow the cluster: once the pod holding GPUs ends, the answer changes.
+/// Placement naming the selector, a claim no published device matches is Selector naming what
+/// exists, the namespace view lists them all, and a missing pod is a clear error. The numbers follow the cluster: once the pod holding GPUs ends, the answer changes.
 #[test]
 fn explain_names_capacity_and_placement_with_the_numbers_the_scheduler_acts_on() {
     let Some((lab, _, _agent)) = lab_with_agent() else {
@@ -1118,6 +1118,43 @@ fn explain_names_capacity_and_placement_with_the_numbers_the_scheduler_acts_on()
         elsewhere["message"],
         format!("needs 1 nvidia.com/gpu; 2 free in the cluster, 0 on nodes it may use; excluded: {NODE}: nodeSelector gpu-pool=b not matched")
     );
+    // A claim no published device can satisfy: the request, the expression, what exists.
+    let want = "device.attributes['gpu.gpuplane.dev'].productName == 'NVIDIA B200'";
+    lab.apply(&format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: b200, namespace: default}}
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpu
+        exactly:
+          deviceClassName: gpu.gpuplane.dev
+          selectors: [{{cel: {{expression: "{want}"}}}}]
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: b200, namespace: default}}
+spec:
+  terminationGracePeriodSeconds: 1
+  resourceClaims: [{{name: gpu, resourceClaimTemplateName: b200}}]
+  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["sleep", "3600"]
+    resources:
+      claims: [{{name: gpu}}]
+"#
+    ));
+    wait_unschedulable(&lab, "b200");
+    let b200 = explain(&lab, &["pod", "default/b200"]).unwrap();
+    assert_eq!(b200["reason"], "Selector", "{b200}");
+    assert_eq!(
+        b200["message"],
+        format!("request gpu: no device of DeviceClass gpu.gpuplane.dev matches {want}; this cluster has NVIDIA H100 80GB HBM3 x 8")
+    );
     let all = explain(&lab, &["namespace", "default"]).unwrap();
     let reasons: Vec<(&str, &str)> = all
         .as_array()
@@ -1125,7 +1162,14 @@ fn explain_names_capacity_and_placement_with_the_numbers_the_scheduler_acts_on()
         .iter()
         .map(|a| (a["pod"].as_str().unwrap(), a["reason"].as_str().unwrap()))
         .collect();
-    assert_eq!(reasons, [("elsewhere", "Placement"), ("four", "Capacity")]);
+    assert_eq!(
+        reasons,
+        [
+            ("b200", "Selector"),
+            ("elsewhere", "Placement"),
+            ("four", "Capacity")
+        ]
+    );
     let missing = explain(&lab, &["pod", "default/nope"]).unwrap_err();
     assert!(missing.contains("pod default/nope not found"), "{missing}");
 

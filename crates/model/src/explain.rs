@@ -5,13 +5,18 @@
 //! The order is the one an operator checks: held by quota (our gate), no GPU capacity at all,
 //! too little free in the whole cluster (capacity), enough free but only on nodes the pod may not
 //! use (placement), enough free on usable nodes but no single node has enough (fragmentation).
-//! Claims (DRA) are not classified yet: the answer for them is `Unknown` with the scheduler's
-//! message, never a confident guess.
+//! A pod's claims are checked after its device-plugin resources ([`claims`]): a request no
+//! published device matches, or too few matching devices free.
+
+mod claims;
 
 use crate::controller::pods::{gate_index, is_terminal, CONDITION};
-use crate::quota::{pod_resource_counts, DeviceCatalog};
+use crate::quota::{pod_resource_counts, CatalogSettings, DeviceCatalog};
 use k8s_openapi::api::core::v1::{
-    Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, Taint, Toleration,
+    Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec, Taint, Toleration,
+};
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -24,6 +29,8 @@ pub enum Reason {
     NotWaiting,
     /// Held at the quota gate: the quota controller's note says why.
     Quota,
+    /// A claim's request matches no published device, or names no DeviceClass that exists.
+    Selector,
     /// No node offers the resource at all (no agent registered, or its driver is down).
     #[serde(rename = "NoGPUCapacity")]
     NoGpuCapacity,
@@ -43,6 +50,7 @@ impl Reason {
         match self {
             Reason::NotWaiting => "NotWaiting",
             Reason::Quota => "Quota",
+            Reason::Selector => "Selector",
             Reason::NoGpuCapacity => "NoGPUCapacity",
             Reason::Capacity => "Capacity",
             Reason::Placement => "Placement",
@@ -133,9 +141,55 @@ pub fn node_gpus(nodes: &[Node], pods: &[Pod], catalog: &DeviceCatalog) -> Vec<N
         .collect()
 }
 
-/// Why `pod` is Pending, given the cluster's nodes as [`node_gpus`] sees them.
-pub fn explain(pod: &Pod, nodes: &[NodeGpus], catalog: &DeviceCatalog) -> Explanation {
-    let (reason, message) = classify(pod, nodes, catalog);
+/// What the explainer reads of the cluster, gathered once for many pods.
+pub struct Cluster {
+    pub nodes: Vec<NodeGpus>,
+    /// Published GPU devices and DeviceClasses.
+    pub catalog: DeviceCatalog,
+    /// Devices held by allocated claims: (driver, pool, device) to the holding claim's uid.
+    pub taken: BTreeMap<(String, String, String), String>,
+    /// ResourceClaimTemplates by (namespace, name).
+    pub templates: BTreeMap<(String, String), k8s_openapi::api::resource::v1::ResourceClaimSpec>,
+}
+
+/// Everything [`Cluster::new`] reads, as listed from the API server.
+#[derive(Default)]
+pub struct Listed {
+    pub nodes: Vec<Node>,
+    /// Pods bound to nodes (others may be present; they are skipped).
+    pub pods: Vec<Pod>,
+    pub slices: Vec<ResourceSlice>,
+    pub classes: Vec<DeviceClass>,
+    pub claims: Vec<ResourceClaim>,
+    pub templates: Vec<ResourceClaimTemplate>,
+}
+
+impl Cluster {
+    pub fn new(listed: &Listed, settings: CatalogSettings) -> Cluster {
+        let catalog = DeviceCatalog::new(&listed.slices, &listed.classes, settings);
+        Cluster {
+            nodes: node_gpus(&listed.nodes, &listed.pods, &catalog),
+            catalog,
+            taken: claims::taken(&listed.claims),
+            templates: listed
+                .templates
+                .iter()
+                .map(|t| {
+                    let m = &t.metadata;
+                    let key = (
+                        m.namespace.clone().unwrap_or_default(),
+                        m.name.clone().unwrap_or_default(),
+                    );
+                    (key, t.spec.spec.clone())
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Why `pod` is Pending.
+pub fn explain(pod: &Pod, cluster: &Cluster) -> Explanation {
+    let (reason, message) = classify(pod, cluster);
     Explanation {
         namespace: pod.metadata.namespace.clone().unwrap_or_default(),
         pod: pod.metadata.name.clone().unwrap_or_default(),
@@ -144,7 +198,7 @@ pub fn explain(pod: &Pod, nodes: &[NodeGpus], catalog: &DeviceCatalog) -> Explan
     }
 }
 
-fn classify(pod: &Pod, nodes: &[NodeGpus], catalog: &DeviceCatalog) -> (Reason, String) {
+fn classify(pod: &Pod, cluster: &Cluster) -> (Reason, String) {
     let spec = pod.spec.clone().unwrap_or_default();
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
     if let Some(node) = &spec.node_name {
@@ -158,7 +212,7 @@ fn classify(pod: &Pod, nodes: &[NodeGpus], catalog: &DeviceCatalog) -> (Reason, 
             .unwrap_or_else(|| "the quota controller has not decided on it yet".into());
         return (Reason::Quota, format!("held by GPU quota: {note}"));
     }
-    let asks = match pod_resource_counts(pod, catalog) {
+    let asks = match pod_resource_counts(pod, &cluster.catalog) {
         Ok(a) => a,
         Err(e) => {
             return (
@@ -167,33 +221,30 @@ fn classify(pod: &Pod, nodes: &[NodeGpus], catalog: &DeviceCatalog) -> (Reason, 
             )
         }
     };
-    let claims = spec.resource_claims.as_ref().is_some_and(|c| !c.is_empty());
-    if claims {
-        return (
-            Reason::Unknown,
-            format!(
-                "it asks for devices through ResourceClaims, which gpuplane does not explain yet; {}",
-                scheduler_says(pod)
-            ),
-        );
-    }
-    if asks.is_empty() {
+    let has_claims = spec.resource_claims.as_ref().is_some_and(|c| !c.is_empty());
+    if asks.is_empty() && !has_claims {
         return (Reason::NotWaiting, "it asks for no GPU".into());
     }
     for (resource, &ask) in &asks {
-        if let Some(answer) = resource_answer(&spec, resource, ask, nodes) {
+        if let Some(answer) = resource_answer(&spec, resource, ask, &cluster.nodes) {
             return answer;
         }
     }
+    if let Some(answer) = claims::answer(pod, cluster) {
+        return answer;
+    }
     (
         Reason::Unknown,
-        format!("a node has the GPUs it asks for; {}", scheduler_says(pod)),
+        format!(
+            "what it asks for is free on some node; {}",
+            scheduler_says(pod)
+        ),
     )
 }
 
 /// The answer for one requested resource, or `None` when some usable node has enough of it.
 fn resource_answer(
-    spec: &k8s_openapi::api::core::v1::PodSpec,
+    spec: &PodSpec,
     resource: &str,
     ask: u64,
     nodes: &[NodeGpus],
@@ -251,11 +302,16 @@ fn resource_answer(
 }
 
 fn fragmentation(needs: &str, resource: &str, usable: &[&NodeGpus]) -> String {
-    let mut free: Vec<(&str, u64)> = usable
+    let free = usable
         .iter()
         .map(|n| (n.name.as_str(), n.free(resource)))
-        .filter(|(_, f)| *f > 0)
         .collect();
+    spread(needs, free)
+}
+
+/// "`needs`; T free across N nodes, at most M on one: a 2, b 2", largest first.
+fn spread(needs: &str, free: Vec<(&str, u64)>) -> String {
+    let mut free: Vec<(&str, u64)> = free.into_iter().filter(|(_, f)| *f > 0).collect();
     free.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
     let total: u64 = free.iter().map(|(_, f)| f).sum();
     let most = free.first().map_or(0, |(_, f)| *f);
@@ -269,7 +325,7 @@ fn fragmentation(needs: &str, resource: &str, usable: &[&NodeGpus]) -> String {
 
 /// Why the pod may not land on `node`, if it may not: an untolerated taint, or a node selector
 /// or required node affinity the node's labels do not satisfy.
-fn excluded_by(spec: &k8s_openapi::api::core::v1::PodSpec, node: &NodeGpus) -> Option<String> {
+fn excluded_by(spec: &PodSpec, node: &NodeGpus) -> Option<String> {
     let tolerations = spec.tolerations.as_deref().unwrap_or_default();
     if let Some(t) = node
         .taints
@@ -378,7 +434,7 @@ fn quota_note(pod: &Pod) -> Option<String> {
 }
 
 /// The scheduler's own message from the pod's PodScheduled condition, quoted.
-fn scheduler_says(pod: &Pod) -> String {
+pub(crate) fn scheduler_says(pod: &Pod) -> String {
     let message = pod
         .status
         .as_ref()

@@ -1,10 +1,14 @@
 //! `gpuplane explain`: reads what the pure explainer needs from the API server (the pod or the
-//! namespace's pods, every node, every pod bound to a node) and renders its answers. One read
-//! per call, no cache: the CLI asks once and exits.
+//! namespace's pods, every node and pod bound to one, the ResourceSlices, DeviceClasses and
+//! allocated claims, the namespace's ResourceClaimTemplates) and renders its answers. One list
+//! each per call, no cache: the CLI asks once and exits.
 
-use gpuplane_model::explain::{explain, node_gpus, Explanation};
-use gpuplane_model::quota::{CatalogSettings, DeviceCatalog};
+use gpuplane_model::explain::{explain, Cluster, Explanation, Listed};
+use gpuplane_model::quota::CatalogSettings;
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+};
 use kube::api::ListParams;
 use kube::Api;
 use std::fmt::Write as _;
@@ -24,24 +28,38 @@ fn read(what: impl Into<String>) -> impl FnOnce(kube::Error) -> ExplainError {
     move |cause| ExplainError::Read { what, cause }
 }
 
-/// The cluster's nodes as the explainer sees them, and the catalog that names GPU resources.
+/// Every object `api` lists with `params`, or the error naming `what`.
+async fn list<K>(api: Api<K>, params: &ListParams, what: &str) -> Result<Vec<K>, ExplainError>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    Ok(api.list(params).await.map_err(read(what))?.items)
+}
+
+/// What the explainer needs of the cluster, for pods of `namespace`.
 async fn cluster(
     client: &kube::Client,
     settings: CatalogSettings,
-) -> Result<(Vec<gpuplane_model::explain::NodeGpus>, DeviceCatalog), ExplainError> {
-    let nodes = Api::<Node>::all(client.clone())
-        .list(&ListParams::default())
-        .await
-        .map_err(read("nodes"))?
-        .items;
+    namespace: &str,
+) -> Result<Cluster, ExplainError> {
+    let all = ListParams::default();
     let bound = ListParams::default().fields("spec.nodeName!=");
-    let pods = Api::<Pod>::all(client.clone())
-        .list(&bound)
-        .await
-        .map_err(read("the pods bound to nodes"))?
-        .items;
-    let catalog = DeviceCatalog::new(&[], &[], settings);
-    Ok((node_gpus(&nodes, &pods, &catalog), catalog))
+    let c = || client.clone();
+    let templates = format!("the ResourceClaimTemplates of namespace {namespace}");
+    let listed = Listed {
+        nodes: list(Api::<Node>::all(c()), &all, "nodes").await?,
+        pods: list(Api::<Pod>::all(c()), &bound, "the pods bound to nodes").await?,
+        slices: list(Api::<ResourceSlice>::all(c()), &all, "ResourceSlices").await?,
+        classes: list(Api::<DeviceClass>::all(c()), &all, "DeviceClasses").await?,
+        claims: list(Api::<ResourceClaim>::all(c()), &all, "ResourceClaims").await?,
+        templates: list(
+            Api::<ResourceClaimTemplate>::namespaced(c(), namespace),
+            &all,
+            &templates,
+        )
+        .await?,
+    };
+    Ok(Cluster::new(&listed, settings))
 }
 
 /// Why pod `namespace/name` is Pending.
@@ -59,8 +77,8 @@ pub async fn pod(
             namespace: namespace.into(),
             name: name.into(),
         })?;
-    let (nodes, catalog) = cluster(client, settings).await?;
-    Ok(explain(&pod, &nodes, &catalog))
+    let cluster = cluster(client, settings, namespace).await?;
+    Ok(explain(&pod, &cluster))
 }
 
 /// Why each Pending pod of `namespace` is Pending, by name.
@@ -70,13 +88,15 @@ pub async fn namespace(
     namespace: &str,
 ) -> Result<Vec<Explanation>, ExplainError> {
     let pending = ListParams::default().fields("status.phase=Pending");
-    let pods = Api::<Pod>::namespaced(client.clone(), namespace)
-        .list(&pending)
-        .await
-        .map_err(read(format!("the Pending pods of namespace {namespace}")))?
-        .items;
-    let (nodes, catalog) = cluster(client, settings).await?;
-    let mut out: Vec<Explanation> = pods.iter().map(|p| explain(p, &nodes, &catalog)).collect();
+    let what = format!("the Pending pods of namespace {namespace}");
+    let pods = list(
+        Api::<Pod>::namespaced(client.clone(), namespace),
+        &pending,
+        &what,
+    )
+    .await?;
+    let cluster = cluster(client, settings, namespace).await?;
+    let mut out: Vec<Explanation> = pods.iter().map(|p| explain(p, &cluster)).collect();
     out.sort_by(|a, b| a.pod.cmp(&b.pod));
     Ok(out)
 }

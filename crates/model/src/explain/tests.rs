@@ -1,10 +1,9 @@
 use super::*;
 use crate::quota::CatalogSettings;
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+};
 use serde_json::{json, Value};
-
-fn catalog() -> DeviceCatalog {
-    DeviceCatalog::new(&[], &[], CatalogSettings::default())
-}
 
 fn pod(name: &str, gpus: u64, extra: Value) -> Pod {
     let mut p = json!({
@@ -49,8 +48,16 @@ fn running(name: &str, node: &str, gpus: u64) -> Pod {
 }
 
 fn answer(p: &Pod, nodes: &[Node], pods: &[Pod]) -> (Reason, String) {
-    let c = catalog();
-    let e = explain(p, &node_gpus(nodes, pods, &c), &c);
+    let listed = Listed {
+        nodes: nodes.to_vec(),
+        pods: pods.to_vec(),
+        ..Default::default()
+    };
+    answer_in(p, &listed)
+}
+
+fn answer_in(p: &Pod, listed: &Listed) -> (Reason, String) {
+    let e = explain(p, &Cluster::new(listed, CatalogSettings::default()));
     (e.reason, e.message)
 }
 
@@ -217,4 +224,117 @@ fn finished_pods_free_their_gpus() {
         Reason::Unknown,
         "8 free on a: the scheduler will place it"
     );
+}
+
+const D: &str = "gpu.gpuplane.dev";
+
+fn slice(node: &str, product: &str, n: usize) -> ResourceSlice {
+    let devices: Vec<Value> = (0..n)
+        .map(|i| json!({"name": format!("gpu-{i}"), "attributes": {"type": {"string": "gpu"}, "productName": {"string": product}}}))
+        .collect();
+    serde_json::from_value(json!({
+        "metadata": {"name": format!("{node}-{D}")},
+        "spec": {"driver": D, "nodeName": node, "pool": {"name": node, "generation": 1, "resourceSliceCount": 1}, "devices": devices}
+    }))
+    .unwrap()
+}
+
+fn gpu_class() -> DeviceClass {
+    serde_json::from_value(json!({
+        "metadata": {"name": D},
+        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{D}'")}}]}
+    }))
+    .unwrap()
+}
+
+fn template(count: u32, class: &str, expr: Option<&str>) -> ResourceClaimTemplate {
+    let mut exactly = json!({"deviceClassName": class, "count": count});
+    if let Some(e) = expr {
+        exactly["selectors"] = json!([{"cel": {"expression": e}}]);
+    }
+    serde_json::from_value(json!({
+        "metadata": {"namespace": "team-a", "name": "t"},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}}
+    }))
+    .unwrap()
+}
+
+/// A claim holding `devices` (pool, device) of driver D.
+fn allocated(uid: &str, devices: &[(&str, &str)]) -> ResourceClaim {
+    let results: Vec<Value> = devices
+        .iter()
+        .map(|(pool, d)| json!({"request": "gpu", "driver": D, "pool": pool, "device": d}))
+        .collect();
+    serde_json::from_value(json!({
+        "metadata": {"namespace": "team-a", "name": uid, "uid": uid},
+        "spec": {},
+        "status": {"allocation": {"devices": {"results": results}}}
+    }))
+    .unwrap()
+}
+
+fn claim_pod() -> Pod {
+    pod(
+        "p",
+        0,
+        json!({"metadata": {"uid": "pod-uid"}, "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]}}),
+    )
+}
+
+fn listed(t: ResourceClaimTemplate, claims: Vec<ResourceClaim>) -> Listed {
+    Listed {
+        slices: vec![
+            slice("a", "NVIDIA A100-SXM4-80GB", 2),
+            slice("b", "NVIDIA A100-SXM4-80GB", 2),
+        ],
+        classes: vec![gpu_class()],
+        claims,
+        templates: vec![t],
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_request_no_published_device_matches_is_selector_naming_what_exists() {
+    let want_h100 = format!("device.attributes['{D}'].productName == 'H100'");
+    let l = listed(template(1, D, Some(&want_h100)), vec![]);
+    let (r, m) = answer_in(&claim_pod(), &l);
+    assert_eq!(r, Reason::Selector);
+    assert_eq!(
+        m,
+        format!("request gpu: no device of DeviceClass {D} matches {want_h100}; this cluster has NVIDIA A100-SXM4-80GB x 4")
+    );
+    let (r, m) = answer_in(&claim_pod(), &listed(template(1, "nope", None), vec![]));
+    assert_eq!(
+        (r, m.as_str()),
+        (
+            Reason::Selector,
+            "request gpu: DeviceClass nope does not exist"
+        )
+    );
+    // An expression that cannot be evaluated may match: no confident answer.
+    let odd = listed(
+        template(1, D, Some("device.attributes['x'].y.z > 3")),
+        vec![],
+    );
+    assert_eq!(answer_in(&claim_pod(), &odd).0, Reason::Unknown);
+}
+
+#[test]
+fn too_few_matching_devices_free_is_capacity_and_spread_thin_is_fragmentation() {
+    let taken = allocated("c1", &[("a", "gpu-0"), ("a", "gpu-1"), ("b", "gpu-0")]);
+    let (r, m) = answer_in(&claim_pod(), &listed(template(2, D, None), vec![taken]));
+    assert_eq!(r, Reason::Capacity);
+    assert_eq!(m, format!("request gpu needs 2 device(s) of DeviceClass {D}; 1 of the 4 matching free in the cluster"));
+    let taken = allocated("c1", &[("a", "gpu-0"), ("b", "gpu-0")]);
+    let (r, m) = answer_in(&claim_pod(), &listed(template(2, D, None), vec![taken]));
+    assert_eq!(r, Reason::Fragmentation);
+    assert_eq!(
+        m,
+        format!("request gpu needs 2 device(s) of DeviceClass {D}; 2 free across 2 pools, at most 1 on one: a 1, b 1")
+    );
+    // Devices its own claim holds are its own.
+    let mine = allocated("pod-uid", &[("a", "gpu-0"), ("a", "gpu-1"), ("b", "gpu-0")]);
+    let (r, _) = answer_in(&claim_pod(), &listed(template(2, D, None), vec![mine]));
+    assert_eq!(r, Reason::Unknown);
 }
