@@ -390,7 +390,10 @@ fn a_pod_applied_before_its_claim_template_waits_for_it_then_runs() {
         "team-t",
         "two-gpus",
         "gpu.gpuplane.dev",
-        &["allocationMode: ExactCount".to_string(), "count: 2".to_string()],
+        &[
+            "allocationMode: ExactCount".to_string(),
+            "count: 2".to_string(),
+        ],
     ));
     cluster::wait_running(&lab, "team-t", "early");
     eventually("pod big kept gated with the quota's reason", || {
