@@ -824,6 +824,7 @@ pub fn lab_overlay(overlay: &Path, ca_pem: Option<&str>) -> String {
   patch: |-
     - {{op: remove, path: /metadata/annotations}}
     - {{op: replace, path: /webhooks/0/clientConfig, value: {mutate}}}
+    - {{op: replace, path: /webhooks/1/clientConfig, value: {mutate}}}
 "#
             );
         }

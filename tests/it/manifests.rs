@@ -745,6 +745,13 @@ fn the_quota_webhooks_receive_only_what_they_govern() {
         .flatten()
         .find(|w| w.name == "gate.quota.gpuplane.dev")
         .unwrap();
+    // Outside Queue mode: gates a pod whose ResourceClaimTemplate is not created yet.
+    let template_gate = mutating
+        .webhooks
+        .iter()
+        .flatten()
+        .find(|w| w.name == "template-gate.quota.gpuplane.dev")
+        .unwrap();
     let gpu = json!({"limits": {"nvidia.com/gpu": "1"}});
     let cpu = json!({"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "1Gi"}});
     let pods = [
@@ -826,6 +833,19 @@ fn the_quota_webhooks_receive_only_what_they_govern() {
             *want,
             "mutating: {what}"
         );
+        // Only pods that name a template; every such pod is governed.
+        let t = template_gate
+            .match_conditions
+            .as_deref()
+            .unwrap_or_default();
+        let names_template = pod["spec"]["resourceClaims"]
+            .as_array()
+            .is_some_and(|c| c.iter().any(|c| c["resourceClaimTemplateName"].is_string()));
+        assert_eq!(
+            sent_to(&template_gate.name, t, "pods", pod),
+            names_template,
+            "template gate: {what}"
+        );
         // The controller caches exactly the pods the webhooks receive.
         let typed: core::Pod = serde_json::from_value(pod.clone()).unwrap();
         assert_eq!(
@@ -869,6 +889,15 @@ fn the_quota_webhooks_receive_only_what_they_govern() {
     // Failure policies: enforcement fails closed (GPU requests only reach it), the gate open.
     assert_eq!(quota.failure_policy.as_deref(), Some("Fail"));
     assert_eq!(gate.failure_policy.as_deref(), Some("Ignore"));
+    assert_eq!(template_gate.failure_policy.as_deref(), Some("Ignore"));
+    let named_claim = pod_asking(json!([{"name": "m"}]), None, false);
+    let mut named_claim = named_claim;
+    named_claim["spec"]["resourceClaims"] = json!([{"name": "gpu", "resourceClaimName": "c"}]);
+    let t = template_gate
+        .match_conditions
+        .as_deref()
+        .unwrap_or_default();
+    assert!(!sent_to(&template_gate.name, t, "pods", &named_claim));
     // Every webhook honours the namespace opt-out label.
     let selectors = validating
         .webhooks
@@ -927,6 +956,12 @@ fn the_quota_webhooks_receive_only_what_they_govern() {
             selects(gate.namespace_selector.as_ref(), &labels),
             gated,
             "mutating: {what}"
+        );
+        // Exactly one of the two gates is called where the validating webhook is.
+        assert_eq!(
+            selects(template_gate.namespace_selector.as_ref(), &labels),
+            validated && !gated,
+            "template gate: {what}"
         );
     }
 }

@@ -2067,3 +2067,109 @@ async fn a_steady_stream_is_admitted_within_an_escrow_with_few_writes_and_exactl
     assert_eq!(status.reserved.devices["nvidia.com/gpu"], 100);
     hook.stop().await;
 }
+
+/// Issue 28: a pod naming a ResourceClaimTemplate not created yet (`kubectl apply -f dir/` in
+/// the wrong order) is admitted gated and charged nothing, in Reject mode too; once the
+/// template exists the controller prices the pod from it and keeps it gated with the quota's
+/// reason while it does not fit, or releases it into the quota's usage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_whose_template_is_not_created_yet_waits_gated_and_is_charged_once_it_exists() {
+    let api = ApiServerDouble::start().await.unwrap();
+    seed_devices(&api);
+    quota(
+        &api,
+        "q",
+        json!({"hard": {"devices": {"mig.gpuplane.dev": 1}}, "mode": "Reject"}),
+    )
+    .await;
+    let pki = Pki::new();
+    let r = controller_replica(&api, &pki, "r1", false).await;
+    let tls = pki.client_config();
+    let addr = r.webhook().addr();
+    let w = pod(
+        "w",
+        json!({"containers": [{"name": "main", "image": "cuda"}],
+               "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]}),
+    );
+    let waiting = "waiting for ResourceClaimTemplate team-a/t to be created";
+    // The mutating webhook gates it and says why.
+    let m = response(&post(&tls, addr, "/mutate", &pod_review("u1", w.clone())).await);
+    assert_eq!(m["allowed"], true, "{m}");
+    assert_eq!(m["patchType"], "JSONPatch", "{m}");
+    assert!(m["warnings"][0].as_str().unwrap().contains(waiting), "{m}");
+    // Ungated (the mutating webhook was away), it is denied as before: fail closed.
+    let v = response(&post(&tls, addr, "/validate", &pod_review("u2", w.clone())).await);
+    assert_eq!(v["allowed"], false, "{v}");
+    assert!(v["status"]["message"].as_str().unwrap().contains(
+        "ResourceClaimTemplate team-a/t not found, and the pod arrived without the scheduling gate"
+    ));
+    // Gated, it is admitted and charged nothing.
+    let mut gated = w;
+    gated["spec"]["schedulingGates"] = json!([{"name": SCHEDULING_GATE}]);
+    let v = response(&post(&tls, addr, "/validate", &pod_review("u3", gated.clone())).await);
+    assert_eq!(v["allowed"], true, "{v}");
+    assert!(v["warnings"][0].as_str().unwrap().contains(waiting), "{v}");
+    let s = stored_quota(&api, "q").status.unwrap_or_default();
+    assert!(s.reservations.is_empty() && s.reserved.is_zero(), "{s:?}");
+    // Only the controller removes the gate, in Reject mode too.
+    let mut ungated = gated.clone();
+    ungated["spec"]["schedulingGates"] = json!([]);
+    let upd = serde_json::to_vec(&review(
+        "u4",
+        ("", "v1", "Pod"),
+        "UPDATE",
+        ungated,
+        Some(gated.clone()),
+        "alice",
+    ))
+    .unwrap();
+    let v = response(&post(&tls, addr, "/validate", &upd).await);
+    assert_eq!(v["allowed"], false, "{v}");
+
+    api.put_json(gated).unwrap();
+    let condition = |api: &ApiServerDouble| -> Option<(bool, String)> {
+        let p = api.get_json("v1", "pods", Some(NS), "w")?;
+        let gated = p["spec"]["schedulingGates"]
+            .as_array()
+            .is_some_and(|g| !g.is_empty());
+        let c = p["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "QuotaAdmitted")?
+            .clone();
+        Some((gated, c["message"].as_str()?.to_string()))
+    };
+    eventually("the pod told it waits for its template", || async {
+        condition(&api).is_some_and(|(g, m)| g && m.contains(waiting))
+    })
+    .await;
+    // The template arrives asking for two MIG devices: more than the quota ever allows.
+    let template = |count: u32| {
+        json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "t", "namespace": NS},
+            "spec": {"spec": {"devices": {"requests": [{"name": "m", "exactly":
+                {"deviceClassName": "mig.gpuplane.dev", "allocationMode": "ExactCount", "count": count}}]}}}})
+    };
+    api.put_json(template(2)).unwrap();
+    eventually("the pod kept gated with the quota's reason", || async {
+        condition(&api).is_some_and(|(g, m)| {
+            g && m.contains("devices[mig.gpuplane.dev]") && m.contains("GpuQuota team-a/q")
+        })
+    })
+    .await;
+    assert!(stored_quota(&api, "q")
+        .status
+        .unwrap_or_default()
+        .used
+        .is_zero());
+    // One device fits: released, and charged once, through the pod.
+    api.put_json(template(1)).unwrap();
+    eventually("the pod released and counted in used", || async {
+        let s = stored_quota(&api, "q").status.unwrap_or_default();
+        condition(&api).is_some_and(|(g, _)| !g)
+            && s.used.devices.get("mig.gpuplane.dev") == Some(&1)
+            && s.reservations.is_empty()
+    })
+    .await;
+    r.stop().await;
+}

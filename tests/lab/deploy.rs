@@ -106,7 +106,7 @@ fn deploy_overlay(overlay: &Path, image_ref: &str) -> String {
     );
     for (kind, hooks) in [
         ("ValidatingWebhookConfiguration", 2),
-        ("MutatingWebhookConfiguration", 1),
+        ("MutatingWebhookConfiguration", 2),
     ] {
         text += &format!(
             "- target: {{kind: {kind}, name: gpuplane-quota}}\n  patch: |-\n    - {{op: remove, path: /metadata/annotations}}\n"

@@ -616,7 +616,7 @@ fn an_existing_secret_replaces_cert_manager() {
             webhooks += 1;
         }
     }
-    assert_eq!(webhooks, 3);
+    assert_eq!(webhooks, 4);
     let deploy = find(&o, "Deployment", "gpuplane-controller");
     let volumes = &deploy["spec"]["template"]["spec"]["volumes"];
     assert_eq!(

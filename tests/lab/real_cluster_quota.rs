@@ -331,6 +331,85 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     drop::<LabProcess>(agent);
 }
 
+/// The `QuotaAdmitted` condition's message, if the controller wrote one.
+fn quota_note(pod: &Value) -> Option<String> {
+    pod["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "QuotaAdmitted")?["message"]
+        .as_str()
+        .map(String::from)
+}
+
+/// Issue 28: `kubectl apply` of a pod before its ResourceClaimTemplate (a directory applied in
+/// the wrong order, GitOps) in a governed namespace, Reject mode: the pod is created gated and
+/// told it waits for the template; once the template exists the pod runs, charged once (a
+/// quota of exactly one GPU), and a pod whose template asks for more than the quota allows
+/// stays gated with the quota's reason instead.
+#[test]
+fn a_pod_applied_before_its_claim_template_waits_for_it_then_runs() {
+    let Some(lab) = ClusterLab::start() else {
+        return;
+    };
+    let installed = lab.install(true);
+    let _agent = LabAgent::start(&lab, &installed.agent, "1");
+    let _controller = start_controller(&lab, &installed, "1");
+    cluster::wait_controller_ready(&lab);
+    namespace_with_quota(&lab, "team-t", "gpus", 1, "Reject");
+    for (pod, template) in [("early", "one-gpu"), ("big", "two-gpus")] {
+        let p = lab
+            .create(&cluster::claim_pod("team-t", pod, template), &[])
+            .unwrap();
+        assert_eq!(gates(&p), [SCHEDULING_GATE], "created gated: {p}");
+        let waiting = format!("waiting for ResourceClaimTemplate team-t/{template} to be created");
+        eventually(&format!("pod {pod} told it waits for {template}"), || {
+            let p = pod_json(&lab, "team-t", pod)?;
+            quota_note(&p)?.contains(&waiting).then_some(())
+        });
+    }
+    let p = pod_json(&lab, "team-t", "early").unwrap();
+    assert_eq!(scheduled_reason(&p).as_deref(), Some("SchedulingGated"));
+    let q = lab
+        .get_json(&["get", "gpuquota", "default", "-n", "team-t"])
+        .unwrap();
+    assert!(
+        q["status"]["reservations"]
+            .as_array()
+            .is_none_or(|r| r.is_empty()),
+        "nothing charged while waiting: {}",
+        q["status"]
+    );
+    lab.apply(&cluster::claim_template_of(
+        "team-t",
+        "one-gpu",
+        "gpu.gpuplane.dev",
+        &[],
+    ));
+    lab.apply(&cluster::claim_template_of(
+        "team-t",
+        "two-gpus",
+        "gpu.gpuplane.dev",
+        &[
+            "allocationMode: ExactCount".to_string(),
+            "count: 2".to_string(),
+        ],
+    ));
+    cluster::wait_running(&lab, "team-t", "early");
+    eventually("pod big kept gated with the quota's reason", || {
+        let p = pod_json(&lab, "team-t", "big")?;
+        let note = quota_note(&p)?;
+        (gates(&p) == [SCHEDULING_GATE]
+            && note.contains("can never be admitted")
+            && note.contains("GpuQuota team-t/default"))
+        .then_some(())
+    });
+    eventually("one GPU used in team-t, charged once", || {
+        let q = lab.get_json(&["get", "gpuquota", "default", "-n", "team-t"])?;
+        let used = &q["status"]["used"]["gpus"];
+        (used == 1 || used == "1").then_some(())
+    });
+}
+
 /// Quota prices a claim by the devices its selectors may match; the scheduler allocates from
 /// the ones they do match. Both now run a real CEL engine, so they must agree: on the
 /// a100-mig-mixed node (MIG devices of four profiles on three GPUs), a claim of DeviceClass

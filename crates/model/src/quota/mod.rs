@@ -29,6 +29,8 @@
 //!   ([`CatalogDevice::multi_allocatable`], its `memory`/`compute` [`ConsumableCapacity`]) is
 //!   charged per share: `gpuMemory` what it consumes, `gpus` its `compute` over the device's
 //!   (80 of 100 on a whole GPU is 4/5); [`allocation_charge`] prices one allocation on a device.
+//! - [`missing_templates`]: templates a pod names that do not exist yet; such a pod is
+//!   admitted gated and charged nothing until they do ([`template_wait`]).
 //! - [`claim_is_pod_owned`]: claims made from a pod's template are charged through the pod;
 //!   [`claim_is_extended_resource_claim`]: so are those the scheduler makes for a pod's
 //!   `nvidia.com/gpu` served through DRA.
@@ -71,6 +73,7 @@ pub mod scope;
 pub mod selector;
 pub mod share;
 pub mod status;
+pub mod template_wait;
 pub mod usage;
 
 pub use batch::{borrows, decide_batch, stale_borrowers, Decided, Op, Outcome};
@@ -95,6 +98,7 @@ pub use share::{
 pub use status::{
     now_rfc3339, stale_reservations, LiveObject, ReservationKey, DEFAULT_RESERVATION_GRACE,
 };
+pub use template_wait::{missing_templates, ungated_denial, waiting_message};
 pub use usage::{Amount, Dimension, Limits, Memory, Usage};
 
 #[cfg(test)]

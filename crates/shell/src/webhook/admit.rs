@@ -1,7 +1,9 @@
 //! The admission decisions (async, over [`Cluster`]): validating and mutating.
 //!
 //! Validating, Pod CREATE: price the pod ([`crate::quota::pod_charge`]); no GpuQuota in the
-//! namespace or nothing GPU-related: allow. A gated pod of a namespace with a Queue-mode
+//! namespace or nothing GPU-related: allow. A pod naming a ResourceClaimTemplate not created
+//! yet ([`crate::quota::template_wait`]) is allowed, charged nothing, if it carries the gate
+//! (the controller prices and releases it once the template exists), else denied. A gated pod of a namespace with a Queue-mode
 //! quota: record it as queued (best effort: the gate is what holds it) and allow. Otherwise
 //! reserve in every GpuQuota of the namespace, each through that quota's group commit
 //! ([`super::commit`]: one status write, with the resourceVersion, for every request waiting
@@ -10,7 +12,7 @@
 //! to read or write (fail closed). `dryRun` requests are checked and nothing is written.
 //!
 //! Validating, Pod UPDATE: only the controller may remove the scheduling gate
-//! `quota.gpuplane.dev/admission` while the namespace has a Queue-mode quota.
+//! `quota.gpuplane.dev/admission` while the namespace has a GpuQuota.
 //!
 //! Validating, ResourceClaim CREATE: a claim the resourceclaim controller makes from a pod's
 //! template is charged through the pod; any other claim is priced and reserved as a pod is,
@@ -18,7 +20,7 @@
 //!
 //! Mutating, Pod CREATE: in a namespace with a Queue-mode quota, a GPU pod (one that costs
 //! anything, or whose templates cannot be read) without `spec.nodeName` gets the scheduling
-//! gate.
+//! gate; in any namespace with a GpuQuota, so does a pod naming a template not created yet.
 
 use super::cluster::Cluster;
 use super::commit::{Answer, CommitError, Committer};
@@ -26,8 +28,8 @@ use super::metrics::{Metrics, Webhook};
 use super::review::{AdmissionRequest, Verdict};
 use crate::quota::{
     claim_charge, claim_is_extended_resource_claim, claim_is_pod_owned, now_rfc3339, pod_charge,
-    pod_template_names, Charge, GpuQuota, ObjectKind, Op, QuotaMode, Reservation, ReservationKey,
-    ReservationState, SCHEDULING_GATE,
+    pod_template_names, ungated_denial, waiting_message, Charge, GpuQuota, ObjectKind, Op,
+    QuotaMode, Reservation, ReservationKey, ReservationState, SCHEDULING_GATE,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -72,6 +74,12 @@ fn has_gate(pod: &Pod) -> bool {
         .iter()
         .flat_map(|s| s.scheduling_gates.iter().flatten())
         .any(|g| g.name == SCHEDULING_GATE)
+}
+
+/// A pod's price, or the templates it names that are not created yet.
+enum Priced {
+    Charge(Charge),
+    WaitingFor(Vec<String>),
 }
 
 fn outcome(v: Result<Verdict, Verdict>) -> Verdict {
@@ -159,15 +167,17 @@ impl Admitter {
             .ok_or_else(|| Verdict::deny(400, "the request names no namespace"))
     }
 
-    /// The pod's charge; `Err` with the verdict to answer when it cannot be computed.
-    async fn price_pod(&self, ns: &str, pod: &Pod) -> Result<Charge, Verdict> {
+    /// The pod's charge, or the templates it waits for; `Err` with the verdict to answer when
+    /// it cannot be computed (a template that cannot be read fails closed).
+    async fn price_pod(&self, ns: &str, pod: &Pod) -> Result<Priced, Verdict> {
         let mut templates = BTreeMap::new();
+        let mut missing = Vec::new();
         for t in pod_template_names(pod) {
             match self.cluster.template(ns, &t).await {
                 Ok(Some(spec)) => {
                     templates.insert(t, spec);
                 }
-                Ok(None) => {}
+                Ok(None) => missing.push(t),
                 Err(e) => {
                     return Err(Verdict::deny(
                         500,
@@ -176,9 +186,14 @@ impl Admitter {
                 }
             }
         }
-        pod_charge(pod, &templates, &self.cluster.catalog()).map_err(|e| {
-            Verdict::deny(403, format!("cannot charge the pod against GPU quota: {e}"))
-        })
+        if !missing.is_empty() {
+            return Ok(Priced::WaitingFor(missing));
+        }
+        pod_charge(pod, &templates, &self.cluster.catalog())
+            .map(Priced::Charge)
+            .map_err(|e| {
+                Verdict::deny(403, format!("cannot charge the pod against GPU quota: {e}"))
+            })
     }
 
     async fn validate_pod_create(&self, req: &AdmissionRequest) -> Result<Verdict, Verdict> {
@@ -188,7 +203,17 @@ impl Admitter {
         if quotas.is_empty() {
             return Ok(Verdict::allow());
         }
-        let charge = self.price_pod(&ns, &pod).await?;
+        let charge = match self.price_pod(&ns, &pod).await? {
+            Priced::Charge(c) => c,
+            // Charged nothing: held at the gate, it holds no devices until the controller
+            // prices it from its templates and releases it.
+            Priced::WaitingFor(missing) if has_gate(&pod) => {
+                return Ok(Verdict::allow().with_warning(waiting_message(&ns, &missing)))
+            }
+            Priced::WaitingFor(missing) => {
+                return Err(Verdict::deny(403, ungated_denial(&ns, &missing)))
+            }
+        };
         if charge.is_empty() {
             return Ok(Verdict::allow());
         }
@@ -231,12 +256,9 @@ impl Admitter {
             return Ok(Verdict::allow());
         }
         let ns = Self::namespace(req, new.metadata.namespace.as_ref())?;
-        let queue = self
-            .cluster
-            .quotas_in(&ns)
-            .iter()
-            .any(|q| q.spec.mode == QuotaMode::Queue);
-        if !queue || self.opts.controller_users.contains(&req.user_info.username) {
+        // In Reject mode too: a pod waiting for its template is held by the gate.
+        let governed = !self.cluster.quotas_in(&ns).is_empty();
+        if !governed || self.opts.controller_users.contains(&req.user_info.username) {
             return Ok(Verdict::allow());
         }
         Err(Verdict::deny(
@@ -402,23 +424,25 @@ impl Admitter {
     async fn mutate_pod_create(&self, req: &AdmissionRequest) -> Result<Verdict, Verdict> {
         let pod: Pod = decode(&req.object, "Pod")?;
         let ns = Self::namespace(req, pod.metadata.namespace.as_ref())?;
-        let queue = self
-            .cluster
-            .quotas_in(&ns)
-            .iter()
-            .any(|q| q.spec.mode == QuotaMode::Queue);
+        let quotas = self.cluster.quotas_in(&ns);
+        let queue = quotas.iter().any(|q| q.spec.mode == QuotaMode::Queue);
         let Some(spec) = &pod.spec else {
             return Ok(Verdict::allow());
         };
-        if !queue || has_gate(&pod) || spec.node_name.as_deref().is_some_and(|n| !n.is_empty()) {
+        if quotas.is_empty()
+            || has_gate(&pod)
+            || spec.node_name.as_deref().is_some_and(|n| !n.is_empty())
+        {
             return Ok(Verdict::allow());
         }
-        let gpu = match self.price_pod(&ns, &pod).await {
-            Ok(c) => !c.is_empty(),
+        let (gated, warning) = match self.price_pod(&ns, &pod).await {
+            Ok(Priced::Charge(c)) => (queue && !c.is_empty(), None),
+            // In any mode: it waits at the gate for its templates.
+            Ok(Priced::WaitingFor(missing)) => (true, Some(waiting_message(&ns, &missing))),
             // Unpriceable: gate it; the validating webhook says why if it must deny.
-            Err(_) => true,
+            Err(_) => (queue, None),
         };
-        if !gpu {
+        if !gated {
             return Ok(Verdict::allow());
         }
         let gate = json!({"name": SCHEDULING_GATE});
@@ -427,6 +451,10 @@ impl Admitter {
         } else {
             json!({"op": "add", "path": "/spec/schedulingGates", "value": [gate]})
         };
-        Ok(Verdict::allow().with_patch(vec![op]))
+        let v = Verdict::allow().with_patch(vec![op]);
+        Ok(match warning {
+            Some(w) => v.with_warning(w),
+            None => v,
+        })
     }
 }

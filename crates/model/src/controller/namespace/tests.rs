@@ -53,12 +53,21 @@ fn run(
     catalog: &DeviceCatalog,
     quotas: &[GpuQuota],
 ) -> Decision {
-    let templates = BTreeMap::new();
+    run_with_templates(pods, claims, &BTreeMap::new(), catalog, quotas)
+}
+
+fn run_with_templates(
+    pods: &[Arc<Pod>],
+    claims: &[Arc<ResourceClaim>],
+    templates: &BTreeMap<String, ResourceClaimSpec>,
+    catalog: &DeviceCatalog,
+    quotas: &[GpuQuota],
+) -> Decision {
     let input = Inputs {
         namespace: NS,
         pods,
         claims,
-        templates: &templates,
+        templates,
         catalog,
         now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_700),
         settings: QueueSettings::default(),
@@ -159,9 +168,11 @@ fn pods_that_cannot_be_priced_or_grouped_wait_with_their_reason_and_block_nobody
             .map(|(_, n)| n.clone())
             .unwrap()
     };
-    assert_eq!(note("templated").kind, "Unpriced");
+    assert_eq!(note("templated").kind, "WaitingForTemplate");
     assert!(
-        note("templated").message.contains("\"missing\""),
+        note("templated")
+            .message
+            .contains("waiting for ResourceClaimTemplate team-a/missing to be created"),
         "{:?}",
         note("templated")
     );
@@ -258,4 +269,52 @@ fn a_remembered_charge_is_used_only_for_the_resource_version_it_was_priced_at() 
     // Cleared (templates or catalog changed): priced again.
     charges.clear();
     assert_eq!(used_with(&[v1(4)], &mut charges), Gpus::whole(4));
+}
+
+/// A gated pod whose template is not created yet waits, charged nothing; once the template
+/// exists it is priced from it and released when it fits, or kept with the quota's reason.
+#[test]
+fn a_pod_waiting_for_its_template_is_priced_from_it_once_it_exists() {
+    let templated = |name: &str| {
+        pod(
+            name,
+            0,
+            true,
+            json!({"spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]}}),
+        )
+    };
+    let pods = [templated("w")];
+    let q = || quota("default", 1, json!({}));
+    let d = run(&pods, &[], &catalog(), &[q()]);
+    assert!(d.releases.is_empty());
+    assert_eq!(d.waiting.len(), 1);
+    assert_eq!(d.waiting[0].1.kind, "WaitingForTemplate");
+    let status = d.quotas[0].0.status.clone().unwrap_or_default();
+    assert!(status.reservations.is_empty() && status.reserved.is_zero() && status.used.is_zero());
+
+    let spec = |count: u32| -> ResourceClaimSpec {
+        serde_json::from_value(json!({"devices": {"requests": [{"name": "g", "exactly":
+            {"deviceClassName": "gpu.gpuplane.dev", "allocationMode": "ExactCount", "count": count}}]}}))
+        .unwrap()
+    };
+    // One GPU fits the quota of one: released and reserved at the template's price.
+    let templates = BTreeMap::from([("t".to_string(), spec(1))]);
+    let d = run_with_templates(&pods, &[], &templates, &catalog(), &[q()]);
+    assert_eq!(
+        d.releases.iter().map(|u| names(u)).collect::<Vec<_>>(),
+        [["w"]]
+    );
+    let status = d.quotas[0].0.status.clone().unwrap();
+    assert_eq!(status.reservations[0].state, ReservationState::Reserved);
+    assert_eq!(status.reserved.gpus, Gpus::new(1, 1).unwrap());
+    // Two GPUs never fit a quota of one: kept gated, with the quota's reason.
+    let templates = BTreeMap::from([("t".to_string(), spec(2))]);
+    let d = run_with_templates(&pods, &[], &templates, &catalog(), &[q()]);
+    assert!(d.releases.is_empty());
+    assert_eq!(d.waiting[0].1.kind, "ExceedsQuota");
+    assert!(
+        d.waiting[0].1.message.contains("GpuQuota team-a/default"),
+        "{:?}",
+        d.waiting[0].1
+    );
 }

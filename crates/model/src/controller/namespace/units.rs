@@ -7,7 +7,7 @@
 use super::{Inputs, Note, Queued};
 use crate::controller::plan::{GroupCount, Plan, WaitReason, Waiting};
 use crate::controller::pods::{self, PodRef};
-use crate::quota::{Charge, QuotaMathError};
+use crate::quota::{missing_templates, waiting_message, Charge, QuotaMathError};
 use k8s_openapi::api::core::v1::Pod;
 use std::collections::BTreeMap;
 use std::time::SystemTime;
@@ -27,7 +27,17 @@ pub(super) fn build_units(
     let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
     for (i, q) in queued.iter().enumerate() {
         if let Err(e) = &q.charge {
-            waiting.push((PodRef::of(q.pod), note("Unpriced", e.clone())));
+            // Not created yet: the pod waits for it (and holds nothing) rather than failing.
+            let missing = missing_templates(q.pod, input.templates);
+            let n = if missing.is_empty() {
+                note("Unpriced", e.clone())
+            } else {
+                note(
+                    "WaitingForTemplate",
+                    waiting_message(input.namespace, &missing),
+                )
+            };
+            waiting.push((PodRef::of(q.pod), n));
             continue;
         }
         match pods::group(q.pod) {
