@@ -106,9 +106,13 @@ pub enum QueueError {
 
 /// When to reconcile a namespace again after its `failures`-th consecutive failure.
 pub fn error_policy(error: &QueueError, failures: u32) -> Duration {
+    // The first retry already waits twice the base.
     let exp = |base_ms: u64, cap: Duration| {
-        let ms = base_ms.saturating_mul(1u64 << failures.min(16));
-        Duration::from_millis(ms).min(cap)
+        crate::backoff::after(
+            Duration::from_millis(base_ms),
+            cap,
+            failures.saturating_add(1),
+        )
     };
     match error {
         QueueError::Conflict(_) => exp(10, Duration::from_secs(2)),
