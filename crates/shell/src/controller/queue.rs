@@ -240,8 +240,8 @@ impl QueueLoop {
     /// Reconciles `namespaces`; returns when each wants to run again.
     pub async fn cycle(&mut self, namespaces: &[String]) -> Vec<(String, Instant)> {
         if self.catalog_stale {
-            let slices: Vec<ResourceSlice> = self.slices.all().map(|s| (**s).clone()).collect();
-            let classes: Vec<DeviceClass> = self.classes.all().map(|c| (**c).clone()).collect();
+            let slices: Vec<ResourceSlice> = self.slices.all().map(|s| (*s).clone()).collect();
+            let classes: Vec<DeviceClass> = self.classes.all().map(|c| (*c).clone()).collect();
             self.catalog = Arc::new(DeviceCatalog::new(
                 &slices,
                 &classes,
@@ -288,12 +288,12 @@ impl QueueLoop {
             let newer = self
                 .written
                 .get(&id)
-                .filter(|w| version(w) > version(q))
+                .filter(|w| version(w) > version(&q))
                 .cloned();
             if newer.is_none() {
                 self.written.remove(&id);
             }
-            let q = newer.unwrap_or_else(|| (**q).clone());
+            let q = newer.unwrap_or_else(|| (*q).clone());
             match compact(&q, &BTreeSet::new()) {
                 Ok(c) => all.push(c),
                 Err(e) => {
