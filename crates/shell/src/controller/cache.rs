@@ -145,4 +145,23 @@ mod tests {
         c.apply(Event::Delete(pod("c", "p3")));
         assert_eq!(c.namespaces().count(), 0);
     }
+
+    #[test]
+    fn cluster_scoped_objects_are_read_under_the_empty_namespace() {
+        use k8s_openapi::api::core::v1::Namespace;
+        let ns = |name: &str| Namespace {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..ObjectMeta::default()
+            },
+            ..Namespace::default()
+        };
+        let mut c = Cache::default();
+        c.apply(Event::Init);
+        c.apply(Event::InitApply(ns("team-a")));
+        assert_eq!(c.apply(Event::InitDone), [String::new()].into());
+        assert!(c.get("", "team-a").is_some());
+        assert_eq!(c.in_namespace("").len(), 1);
+        assert_eq!(c.all().count(), 1);
+    }
 }

@@ -297,6 +297,36 @@ mod tests {
     }
 
     #[test]
+    fn answers_have_the_wire_shape_the_api_server_reads() {
+        let req = decode(&review(request())).unwrap();
+        let deny = encode(&req, &Verdict::deny(400, "bad").with_warning("w")).unwrap();
+        assert_eq!(
+            deny,
+            json!({"apiVersion": API_VERSION, "kind": KIND, "response": {
+                "uid": "u-1", "allowed": false, "warnings": ["w"],
+                "status": {"metadata": {}, "status": "Failure", "code": 400,
+                           "reason": "BadRequest", "message": "bad"}}})
+        );
+        let note = encode(
+            &req,
+            &Verdict {
+                message: "ok".into(),
+                ..Verdict::allow()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            note["response"]["status"],
+            json!({"metadata": {}, "status": "Success", "code": 200, "message": "ok"})
+        );
+        let plain = encode(&req, &Verdict::allow()).unwrap();
+        assert_eq!(
+            plain["response"],
+            json!({"uid": "u-1", "allowed": true, "status": {}})
+        );
+    }
+
+    #[test]
     fn base64_matches_the_standard() {
         assert_eq!(base64(b""), "");
         assert_eq!(base64(b"f"), "Zg==");
