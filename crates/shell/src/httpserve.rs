@@ -71,7 +71,8 @@ pub async fn serve<H, F, B>(
 {
     let handler = Arc::new(handler);
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    let mut backoff = ACCEPT_BACKOFF_MIN;
+    let pauses = || crate::backoff::exponential(ACCEPT_BACKOFF_MIN, ACCEPT_BACKOFF_MAX);
+    let mut backoff = pauses();
     loop {
         let permit = tokio::select! {
             p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
@@ -80,16 +81,16 @@ pub async fn serve<H, F, B>(
         let (tcp, peer) = tokio::select! {
             a = listener.accept() => match a {
                 Ok(a) => {
-                    backoff = ACCEPT_BACKOFF_MIN;
+                    backoff = pauses();
                     a
                 }
                 Err(e) => {
+                    let backoff = backoff.next().unwrap_or(ACCEPT_BACKOFF_MAX);
                     tracing::warn!(listener = what, error = %e, retry_in = ?backoff, "accepting a connection failed");
                     tokio::select! {
                         _ = tokio::time::sleep(backoff) => {}
                         _ = stopped(&mut stop) => return,
                     }
-                    backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
                     continue;
                 }
             },

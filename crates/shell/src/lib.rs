@@ -9,6 +9,7 @@
 // No panics on what a user, peer or file can influence: a check, not a habit (unit tests exempt).
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod backoff;
 pub mod cdi;
 pub mod controller;
 pub mod crashpoint;

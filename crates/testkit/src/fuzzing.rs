@@ -337,7 +337,7 @@ pub fn admission_review(data: &[u8]) {
     };
     assert!(!req.uid.trim().is_empty());
     for v in [Verdict::allow(), Verdict::deny(403, "no")] {
-        let answer = review::encode(&req.uid, &v);
+        let answer = review::encode(&req, &v).expect("answers encode");
         assert_eq!(answer["response"]["uid"], json!(req.uid));
         assert_eq!(answer["response"]["allowed"], json!(v.allowed));
         let bytes = serde_json::to_vec(&answer).expect("answers serialise");

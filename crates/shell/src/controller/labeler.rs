@@ -52,10 +52,7 @@ impl Default for LabelerOptions {
 impl LabelerOptions {
     /// When to try a namespace again after its `failures`-th consecutive failure (from 1).
     pub fn retry_after(&self, failures: u32) -> Duration {
-        let doublings = failures.saturating_sub(1).min(16);
-        self.retry
-            .saturating_mul(1u32 << doublings)
-            .min(self.retry_cap)
+        crate::backoff::after(self.retry, self.retry_cap, failures)
     }
 }
 

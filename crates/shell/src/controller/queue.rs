@@ -106,9 +106,13 @@ pub enum QueueError {
 
 /// When to reconcile a namespace again after its `failures`-th consecutive failure.
 pub fn error_policy(error: &QueueError, failures: u32) -> Duration {
+    // The first retry already waits twice the base.
     let exp = |base_ms: u64, cap: Duration| {
-        let ms = base_ms.saturating_mul(1u64 << failures.min(16));
-        Duration::from_millis(ms).min(cap)
+        crate::backoff::after(
+            Duration::from_millis(base_ms),
+            cap,
+            failures.saturating_add(1),
+        )
     };
     match error {
         QueueError::Conflict(_) => exp(10, Duration::from_secs(2)),
@@ -236,8 +240,8 @@ impl QueueLoop {
     /// Reconciles `namespaces`; returns when each wants to run again.
     pub async fn cycle(&mut self, namespaces: &[String]) -> Vec<(String, Instant)> {
         if self.catalog_stale {
-            let slices: Vec<ResourceSlice> = self.slices.all().map(|s| (**s).clone()).collect();
-            let classes: Vec<DeviceClass> = self.classes.all().map(|c| (**c).clone()).collect();
+            let slices: Vec<ResourceSlice> = self.slices.all().map(|s| (*s).clone()).collect();
+            let classes: Vec<DeviceClass> = self.classes.all().map(|c| (*c).clone()).collect();
             self.catalog = Arc::new(DeviceCatalog::new(
                 &slices,
                 &classes,
@@ -284,12 +288,12 @@ impl QueueLoop {
             let newer = self
                 .written
                 .get(&id)
-                .filter(|w| version(w) > version(q))
+                .filter(|w| version(w) > version(&q))
                 .cloned();
             if newer.is_none() {
                 self.written.remove(&id);
             }
-            let q = newer.unwrap_or_else(|| (**q).clone());
+            let q = newer.unwrap_or_else(|| (*q).clone());
             match compact(&q, &BTreeSet::new()) {
                 Ok(c) => all.push(c),
                 Err(e) => {

@@ -103,7 +103,7 @@ async fn discover_with_retry(
     source: &Arc<dyn DeviceSource>,
     readiness: &http::Readiness,
 ) -> Discovery {
-    let mut delay = DISCOVERY_RETRY_FIRST;
+    let mut pauses = crate::backoff::exponential(DISCOVERY_RETRY_FIRST, DISCOVERY_RETRY_MAX);
     let mut failures = 0u64;
     let waiting = |why: Option<String>| {
         readiness.discovery.send_replace(why);
@@ -119,6 +119,7 @@ async fn discover_with_retry(
             Err(e) => format!("discovery panicked: {e}"),
         };
         failures += 1;
+        let delay = pauses.next().unwrap_or(DISCOVERY_RETRY_MAX);
         crate::metrics::node().discovery_failures.inc();
         tracing::error!(error = %why, attempt = failures, retry_in = ?delay, "device discovery failed; retrying");
         waiting(Some(format!(
@@ -129,7 +130,6 @@ async fn discover_with_retry(
             readiness.tick();
             tokio::time::sleep(left.min(Duration::from_millis(250))).await;
         }
-        delay = (delay * 2).min(DISCOVERY_RETRY_MAX);
     }
 }
 

@@ -156,27 +156,18 @@ impl Default for RetryPolicy {
 
 impl RetryPolicy {
     /// Pause before retry `n` (0-based): `initial * 2^n`, capped, with up to half of it
-    /// shaved off pseudo-randomly so agents on many nodes do not retry in step.
+    /// shaved off pseudo-randomly so agents on many nodes do not retry in step (half of it,
+    /// stretched by up to its own length by the shared jittered backoff).
     pub fn delay(&self, n: u32, kind_conflict: bool) -> Duration {
         let base = if kind_conflict {
             self.initial / 4
         } else {
             self.initial
         };
-        let exp = base
-            .saturating_mul(1u32.checked_shl(n.min(16)).unwrap_or(u32::MAX))
-            .min(self.max);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or(0);
-        let half = exp / 2;
-        let jitter = if half.is_zero() {
-            Duration::ZERO
-        } else {
-            Duration::from_nanos(u64::from(nanos) % (half.as_nanos().max(1) as u64))
-        };
-        exp - jitter
+        let n = usize::try_from(n.min(32)).unwrap_or(32);
+        crate::backoff::jittered(base / 2, self.max / 2)
+            .nth(n)
+            .unwrap_or(self.max)
     }
 }
 

@@ -31,6 +31,8 @@ use crate::quota::{
     pod_template_names, ungated_denial, waiting_message, Charge, GpuQuota, ObjectKind, Op,
     QuotaMode, Reservation, ReservationKey, ReservationState, SCHEDULING_GATE,
 };
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch, PatchOperation};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::{json, Value};
@@ -446,12 +448,17 @@ impl Admitter {
             return Ok(Verdict::allow());
         }
         let gate = json!({"name": SCHEDULING_GATE});
-        let op = if spec.scheduling_gates.is_some() {
-            json!({"op": "add", "path": "/spec/schedulingGates/-", "value": gate})
+        // Append to the pod's gates, or create the list with ours.
+        let (path, value) = if spec.scheduling_gates.is_some() {
+            (["spec", "schedulingGates", "-"].as_slice(), gate)
         } else {
-            json!({"op": "add", "path": "/spec/schedulingGates", "value": [gate]})
+            (["spec", "schedulingGates"].as_slice(), json!([gate]))
         };
-        let v = Verdict::allow().with_patch(vec![op]);
+        let op = PatchOperation::Add(AddOperation {
+            path: PointerBuf::from_tokens(path.iter().copied()),
+            value,
+        });
+        let v = Verdict::allow().with_patch(Patch(vec![op]));
         Ok(match warning {
             Some(w) => v.with_warning(w),
             None => v,

@@ -126,7 +126,13 @@ async fn decide(admitter: &Admitter, req: Request<Incoming>, mutate: bool) -> Re
             "admission denied"
         );
     }
-    json(&review::encode(&request.uid, &verdict))
+    match review::encode(&request, &verdict) {
+        Ok(answer) => json(&answer),
+        Err(e) => fail(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("encoding the answer: {e}"),
+        ),
+    }
 }
 
 /// `/healthz` or `/readyz` (`ready` picks which).

@@ -122,7 +122,7 @@ fn quota_labels(namespace: &str, quota: &str) -> QuotaLabels {
 
 impl Metrics {
     pub fn admission(&self, webhook: Webhook, v: &Verdict) {
-        let result = match (v.allowed, v.patch.is_empty(), v.code) {
+        let result = match (v.allowed, v.patch.0.is_empty(), v.code) {
             (true, true, _) => Answer::Allowed,
             (true, false, _) => Answer::Patched,
             (false, _, 403) => Answer::Denied,

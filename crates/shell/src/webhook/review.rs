@@ -7,10 +7,13 @@
 //! `request.uid` ([`ReviewError`], answered HTTP 400 by the server: there is no request to
 //! answer). What the decision reads is then carried in [`AdmissionRequest`]; everything after
 //! that (a kind or operation we do not handle, an object that does not decode into its type) is
-//! answered with an AdmissionReview carrying the request's uid.
+//! answered with an AdmissionReview carrying the request's uid, built as kube's
+//! `AdmissionResponse` with the patch as a `json_patch::Patch`.
 
-use kube::core::admission::AdmissionReview;
-use kube::core::DynamicObject;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ListMeta;
+use kube::core::admission::{AdmissionResponse, AdmissionReview};
+use kube::core::response::StatusSummary;
+use kube::core::{DynamicObject, Status};
 use serde_json::{json, Value};
 
 pub const API_VERSION: &str = "admission.k8s.io/v1";
@@ -39,6 +42,9 @@ pub struct AdmissionRequest {
     pub object: Option<Value>,
     pub old_object: Option<Value>,
     pub dry_run: Option<bool>,
+    /// kube's answer to this request (its uid and review version), allowed until a verdict
+    /// says otherwise: [`encode`] starts from it.
+    pub answer: AdmissionResponse,
 }
 
 /// Why a body is not an AdmissionReview request we can answer.
@@ -69,10 +75,13 @@ pub fn decode(body: &[u8]) -> Result<AdmissionRequest, ReviewError> {
     if review.response.is_some() {
         return Err(ReviewError::HasResponse);
     }
-    let req = review.request.ok_or(ReviewError::NoRequest)?;
+    let mut req = review.request.ok_or(ReviewError::NoRequest)?;
     if req.uid.trim().is_empty() {
         return Err(ReviewError::NoUid);
     }
+    // The request's type is not serialised inside the review; the answer copies it from here.
+    req.types = review.types;
+    let answer = AdmissionResponse::from(&req);
     let object = |o: Option<DynamicObject>| -> Result<Option<Value>, ReviewError> {
         o.map(|o| serde_json::to_value(o).map_err(|e| ReviewError::Decode(e.to_string())))
             .transpose()
@@ -95,6 +104,7 @@ pub fn decode(body: &[u8]) -> Result<AdmissionRequest, ReviewError> {
         object: object(req.object)?,
         old_object: object(req.old_object)?,
         dry_run: Some(req.dry_run),
+        answer,
     })
 }
 
@@ -106,7 +116,7 @@ pub struct Verdict {
     pub code: u16,
     pub message: String,
     /// JSON patch operations (mutating webhook).
-    pub patch: Vec<Value>,
+    pub patch: json_patch::Patch,
     pub warnings: Vec<String>,
 }
 
@@ -116,7 +126,7 @@ impl Verdict {
             allowed: true,
             code: 200,
             message: String::new(),
-            patch: Vec::new(),
+            patch: json_patch::Patch::default(),
             warnings: Vec::new(),
         }
     }
@@ -126,12 +136,12 @@ impl Verdict {
             allowed: false,
             code,
             message: message.into(),
-            patch: Vec::new(),
+            patch: json_patch::Patch::default(),
             warnings: Vec::new(),
         }
     }
 
-    pub fn with_patch(mut self, patch: Vec<Value>) -> Verdict {
+    pub fn with_patch(mut self, patch: json_patch::Patch) -> Verdict {
         self.patch = patch;
         self
     }
@@ -153,29 +163,42 @@ fn reason(code: u16) -> &'static str {
     }
 }
 
-/// The AdmissionReview answering request `uid`.
-pub fn encode(uid: &str, v: &Verdict) -> Value {
-    let mut response = json!({"uid": uid, "allowed": v.allowed});
-    if !v.allowed {
-        response["status"] = json!({
-            "metadata": {},
-            "status": "Failure",
-            "code": v.code,
-            "reason": reason(v.code),
-            "message": v.message,
-        });
-    } else if !v.message.is_empty() {
-        response["status"] =
-            json!({"metadata": {}, "status": "Success", "code": 200, "message": v.message});
+fn status(summary: StatusSummary, code: u16, reason: &str, message: &str) -> Status {
+    Status {
+        status: Some(summary),
+        code,
+        message: message.to_string(),
+        metadata: Some(ListMeta::default()),
+        reason: reason.to_string(),
+        details: None,
     }
-    if v.allowed && !v.patch.is_empty() {
-        response["patchType"] = json!("JSONPatch");
-        response["patch"] = json!(base64(&serde_json::to_vec(&v.patch).unwrap_or_default()));
+}
+
+/// The AdmissionReview answering `req` with verdict `v`.
+pub fn encode(req: &AdmissionRequest, v: &Verdict) -> Result<Value, serde_json::Error> {
+    let mut answer = req.answer.clone();
+    answer.allowed = v.allowed;
+    if !v.allowed {
+        answer.result = status(StatusSummary::Failure, v.code, reason(v.code), &v.message);
+    } else if !v.message.is_empty() {
+        answer.result = status(StatusSummary::Success, 200, "", &v.message);
+    }
+    if v.allowed && !v.patch.0.is_empty() {
+        answer = answer
+            .with_patch(v.patch.clone())
+            .map_err(<serde_json::Error as serde::ser::Error>::custom)?;
     }
     if !v.warnings.is_empty() {
-        response["warnings"] = json!(v.warnings);
+        answer.warnings = Some(v.warnings.clone());
     }
-    json!({"apiVersion": API_VERSION, "kind": KIND, "response": response})
+    let patch = answer.patch.clone();
+    let mut review = serde_json::to_value(answer.into_review())?;
+    // kube serialises the patch bytes as a JSON array of numbers (kube-rs/kube#1781); the API
+    // server reads a `[]byte` as standard base64, as Go encodes it.
+    if let Some(bytes) = patch {
+        review["response"]["patch"] = json!(base64(&bytes));
+    }
+    Ok(review)
 }
 
 /// Standard base64 with padding, as AdmissionReview's `patch` is encoded.
@@ -252,19 +275,54 @@ mod tests {
 
     #[test]
     fn answers_carry_the_uid_status_and_patch() {
-        let v = encode("u-1", &Verdict::deny(403, "no"));
+        let req = decode(&review(request())).unwrap();
+        let v = encode(&req, &Verdict::deny(403, "no")).unwrap();
         assert_eq!(v["response"]["uid"], "u-1");
         assert_eq!(v["response"]["allowed"], false);
         assert_eq!(v["response"]["status"]["message"], "no");
         assert_eq!(v["response"]["status"]["reason"], "Forbidden");
-        let v = encode(
-            "u-2",
-            &Verdict::allow().with_patch(vec![json!({"op": "add", "path": "/a", "value": 1})]),
+        let patch =
+            serde_json::from_value(json!([{"op": "add", "path": "/a", "value": 1}])).unwrap();
+        let v = encode(&req, &Verdict::allow().with_patch(patch)).unwrap();
+        assert_eq!(
+            (v["apiVersion"].as_str(), v["kind"].as_str()),
+            (Some(API_VERSION), Some(KIND))
         );
+        assert_eq!(v["response"]["uid"], "u-1");
         assert_eq!(v["response"]["patchType"], "JSONPatch");
         assert_eq!(
             v["response"]["patch"],
             base64(br#"[{"op":"add","path":"/a","value":1}]"#)
+        );
+    }
+
+    #[test]
+    fn answers_have_the_wire_shape_the_api_server_reads() {
+        let req = decode(&review(request())).unwrap();
+        let deny = encode(&req, &Verdict::deny(400, "bad").with_warning("w")).unwrap();
+        assert_eq!(
+            deny,
+            json!({"apiVersion": API_VERSION, "kind": KIND, "response": {
+                "uid": "u-1", "allowed": false, "warnings": ["w"],
+                "status": {"metadata": {}, "status": "Failure", "code": 400,
+                           "reason": "BadRequest", "message": "bad"}}})
+        );
+        let note = encode(
+            &req,
+            &Verdict {
+                message: "ok".into(),
+                ..Verdict::allow()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            note["response"]["status"],
+            json!({"metadata": {}, "status": "Success", "code": 200, "message": "ok"})
+        );
+        let plain = encode(&req, &Verdict::allow()).unwrap();
+        assert_eq!(
+            plain["response"],
+            json!({"uid": "u-1", "allowed": true, "status": {}})
         );
     }
 
