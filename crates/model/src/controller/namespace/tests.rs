@@ -269,8 +269,10 @@ fn no_more_pods_are_released_than_the_reservation_list_can_record() {
     let pods: Vec<Arc<Pod>> = (0..5)
         .map(|i| pod(&format!("g{i}"), 1, true, json!({})))
         .collect();
-    entries.push(json!({"kind": "Pod", "namespace": NS, "name": "g4", "state": "Queued",
-                        "charge": {"gpus": "1"}, "since": "2025-01-01T00:00:00Z"}));
+    entries.push(
+        json!({"kind": "Pod", "namespace": NS, "name": "g4", "state": "Queued",
+                        "charge": {"gpus": "1"}, "since": "2025-01-01T00:00:00Z"}),
+    );
     let q = quota("default", 100_000, json!({"reservations": entries}));
     let d = run(&pods, &[], &DeviceCatalog::default(), &[q]);
     let released: usize = d.releases.iter().map(Vec::len).sum();
