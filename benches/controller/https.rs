@@ -142,6 +142,8 @@ pub struct Level {
     pub wall: Duration,
     pub allowed: usize,
     pub denied: usize,
+    /// Of the denied, those refused as retryable backpressure (code 429).
+    pub backpressure: usize,
     /// Requests whose connection the server closed before answering.
     pub closed: usize,
     /// Opening and warming up the connections (untimed).
@@ -204,6 +206,7 @@ pub async fn drive(
         wall: Duration::ZERO,
         allowed: 0,
         denied: 0,
+        backpressure: 0,
         closed: 0,
         setup,
     };
@@ -222,6 +225,9 @@ pub async fn drive(
         let v: Value = serde_json::from_slice(&answer).unwrap();
         if v["response"]["allowed"] == json!(false) {
             level.denied += 1;
+            if v["response"]["status"]["code"] == json!(429) {
+                level.backpressure += 1;
+            }
         } else {
             level.allowed += 1;
         }
