@@ -11,7 +11,7 @@ use super::{bench_pod, pod_review};
 use gpuplane_shell::controller::metrics::QueueMetrics;
 use gpuplane_shell::controller::queue::{self as quota_loop, QueueOptions};
 use gpuplane_shell::quota::{GpuQuota, MAX_RESERVATIONS};
-use gpuplane_shell::webhook::{self, WebhookOptions};
+use gpuplane_shell::webhook::{self, RunningWebhook, WebhookOptions};
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -61,6 +61,53 @@ impl Peaks {
     }
 }
 
+fn read(api: &ApiServerDouble) -> Option<Value> {
+    api.get_json(
+        "quota.gpuplane.dev/v1alpha1",
+        "gpuquotas",
+        Some(NS),
+        "burst",
+    )
+}
+
+/// Reads the GpuQuota into `peaks` every 5 ms until `done`.
+async fn sample_until(api: Arc<ApiServerDouble>, peaks: Arc<Peaks>, done: Arc<AtomicBool>) {
+    while !done.load(Ordering::Relaxed) {
+        if let Some(v) = read(&api) {
+            peaks.sample(&v);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The webhook and the quota loop running against `api`, and how to stop the loop.
+async fn start(
+    api: &ApiServerDouble,
+    pki: &Pki,
+) -> (
+    RunningWebhook,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (stop_loop, loop_stopped) = tokio::sync::oneshot::channel::<()>();
+    let loop_task = tokio::spawn(quota_loop::run(
+        api.client().unwrap(),
+        QueueOptions {
+            batch: Duration::from_millis(20),
+            ..QueueOptions::default()
+        },
+        Arc::new(QueueMetrics::default()),
+        async {
+            let _ = loop_stopped.await;
+        },
+    ));
+    let mut opts = WebhookOptions::new(pki.path("tls.crt"), pki.path("tls.key"), "gpuplane-system");
+    opts.addr = "127.0.0.1:0".parse().unwrap();
+    opts.sync_timeout = Duration::from_secs(20);
+    let hook = webhook::start(api.client().unwrap(), opts).await.unwrap();
+    (hook, stop_loop, loop_task)
+}
+
 pub async fn burst_bench() {
     let api = Arc::new(ApiServerDouble::start().await.unwrap());
     api.put_json(
@@ -69,43 +116,12 @@ pub async fn burst_bench() {
         "spec": {"hard": {"gpus": HARD}, "mode": "Reject"}}),
     )
     .unwrap();
-    let loop_metrics = Arc::new(QueueMetrics::default());
-    let (stop_loop, loop_stopped) = tokio::sync::oneshot::channel::<()>();
-    let loop_task = tokio::spawn(quota_loop::run(
-        api.client().unwrap(),
-        QueueOptions {
-            batch: Duration::from_millis(20),
-            ..QueueOptions::default()
-        },
-        loop_metrics,
-        async {
-            let _ = loop_stopped.await;
-        },
-    ));
     let pki = Pki::new();
-    let mut opts = WebhookOptions::new(pki.path("tls.crt"), pki.path("tls.key"), "gpuplane-system");
-    opts.addr = "127.0.0.1:0".parse().unwrap();
-    opts.sync_timeout = Duration::from_secs(20);
-    let hook = webhook::start(api.client().unwrap(), opts).await.unwrap();
+    let (hook, stop_loop, loop_task) = start(&api, &pki).await;
 
     let peaks = Arc::new(Peaks::default());
     let done = Arc::new(AtomicBool::new(false));
-    let sampler = {
-        let (api, peaks, done) = (api.clone(), peaks.clone(), done.clone());
-        tokio::spawn(async move {
-            while !done.load(Ordering::Relaxed) {
-                if let Some(v) = api.get_json(
-                    "quota.gpuplane.dev/v1alpha1",
-                    "gpuquotas",
-                    Some(NS),
-                    "burst",
-                ) {
-                    peaks.sample(&v);
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        })
-    };
+    let sampler = tokio::spawn(sample_until(api.clone(), peaks.clone(), done.clone()));
     let stored = Arc::new(AtomicUsize::new(0));
     let (created_tx, mut created_rx) = tokio::sync::mpsc::unbounded_channel::<usize>();
     let creator = {
@@ -133,12 +149,7 @@ pub async fn burst_bench() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     done.store(true, Ordering::Relaxed);
     sampler.await.unwrap();
-    if let Some(v) = api.get_json(
-        "quota.gpuplane.dev/v1alpha1",
-        "gpuquotas",
-        Some(NS),
-        "burst",
-    ) {
+    if let Some(v) = read(&api) {
         peaks.sample(&v);
     }
     report(&level, &peaks, stored.load(Ordering::Relaxed));

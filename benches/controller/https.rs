@@ -215,6 +215,12 @@ pub async fn drive(
         answers.extend(task.await.unwrap());
     }
     level.wall = t.elapsed();
+    tally(&mut level, answers);
+    level
+}
+
+/// Counts each answer (latency, HTTP status, body) into `level`.
+fn tally(level: &mut Level, answers: Vec<(Duration, u16, Vec<u8>)>) {
     for (d, status, answer) in answers {
         if status == 0 {
             level.closed += 1;
@@ -232,7 +238,6 @@ pub async fn drive(
             level.allowed += 1;
         }
     }
-    level
 }
 
 /// The floor: hyper (HTTP/1.1) over rustls on loopback, answering a fixed small JSON body.
