@@ -24,8 +24,14 @@
 //! reservations. Each status write carries the reservations still in the status, so the figures
 //! depend on how well the loop keeps the list short (the bench prints what is left per level).
 //!
-//! Run: `cargo bench --bench controller [webhook|queue]` (results are kept in benches/results/).
+//! - Burst: 20,000 GPU pod creates in one namespace through the webhook, against a GpuQuota
+//!   with room for 15,000: the peak serialized status size against the 256 KiB bound, and
+//!   whether `used + reserved + escrows <= hard` held at every read (`controller/burst.rs`).
+//!
+//! Run: `cargo bench --bench controller [webhook|queue|burst]` (results are kept in benches/results/).
 
+#[path = "controller/burst.rs"]
+mod burst;
 mod common;
 #[path = "controller/https.rs"]
 mod https;
@@ -343,6 +349,9 @@ fn main() {
         }
         if wanted("queue") {
             queue::queue_bench().await;
+        }
+        if wanted("burst") {
+            burst::burst_bench().await;
         }
     });
 }

@@ -142,6 +142,8 @@ pub struct Level {
     pub wall: Duration,
     pub allowed: usize,
     pub denied: usize,
+    /// Of the denied, those refused as retryable backpressure (code 429).
+    pub backpressure: usize,
     /// Requests whose connection the server closed before answering.
     pub closed: usize,
     /// Opening and warming up the connections (untimed).
@@ -204,6 +206,7 @@ pub async fn drive(
         wall: Duration::ZERO,
         allowed: 0,
         denied: 0,
+        backpressure: 0,
         closed: 0,
         setup,
     };
@@ -212,6 +215,12 @@ pub async fn drive(
         answers.extend(task.await.unwrap());
     }
     level.wall = t.elapsed();
+    tally(&mut level, answers);
+    level
+}
+
+/// Counts each answer (latency, HTTP status, body) into `level`.
+fn tally(level: &mut Level, answers: Vec<(Duration, u16, Vec<u8>)>) {
     for (d, status, answer) in answers {
         if status == 0 {
             level.closed += 1;
@@ -222,11 +231,13 @@ pub async fn drive(
         let v: Value = serde_json::from_slice(&answer).unwrap();
         if v["response"]["allowed"] == json!(false) {
             level.denied += 1;
+            if v["response"]["status"]["code"] == json!(429) {
+                level.backpressure += 1;
+            }
         } else {
             level.allowed += 1;
         }
     }
-    level
 }
 
 /// The floor: hyper (HTTP/1.1) over rustls on loopback, answering a fixed small JSON body.

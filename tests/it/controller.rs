@@ -718,8 +718,9 @@ async fn a_thousand_queued_pods_are_released_in_a_few_cycles_not_one_per_cycle()
         "released {n} pods in {took:?} ({:.0}/s); {m:?}",
         n as f64 / took.as_secs_f64()
     );
-    // One status write admits them all (a few more for stragglers the cache had not seen).
-    assert!(m.status_writes <= 5, "{m:?}");
+    // One status write admits as many as the reservation list holds (MAX_RESERVATIONS, 384):
+    // three writes for 1000, a few more for stragglers the cache had not seen.
+    assert!(m.status_writes <= 8, "{m:?}");
     lab.stop().await;
 }
 

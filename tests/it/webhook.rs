@@ -2173,3 +2173,70 @@ async fn a_pod_whose_template_is_not_created_yet_waits_gated_and_is_charged_once
     .await;
     r.stop().await;
 }
+
+/// Past `MAX_RESERVATIONS` admitted-but-unseen pods the webhook refuses with a retryable 429
+/// naming the GpuQuota; the status stays bounded; once the controller sees the pods (and drops
+/// their entries), admissions resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn past_the_reservation_cap_admissions_back_off_until_the_controller_catches_up() {
+    use gpuplane_shell::quota::escrow::MAX_UNFLUSHED;
+    use gpuplane_shell::quota::MAX_RESERVATIONS;
+    let api = ApiServerDouble::start().await.unwrap();
+    quota(
+        &api,
+        "q",
+        json!({"hard": {"devices": {"nvidia.com/gpu": 100_000}}}),
+    )
+    .await;
+    let pki = Pki::new();
+    let r = controller_replica(&api, &pki, "r1", false).await;
+    let tls = pki.client_config();
+    let admit = |i: usize| {
+        let tls = tls.clone();
+        let addr = r.webhook().addr();
+        async move {
+            let name = format!("p-{i}");
+            let body = pod_review(&format!("uid-{name}"), gpu_pod(&name, "nvidia.com/gpu", 1));
+            response(&post(&tls, addr, "/validate", &body).await)
+        }
+    };
+    // Nothing is stored: the controller sees none of the pods, so every entry stays.
+    let mut admitted = 0;
+    let refusal = loop {
+        let a = admit(admitted).await;
+        if a["allowed"] != true {
+            break a;
+        }
+        admitted += 1;
+        assert!(admitted <= MAX_RESERVATIONS, "admitted past the cap");
+    };
+    assert!(
+        admitted >= MAX_RESERVATIONS - MAX_UNFLUSHED,
+        "{admitted} admitted"
+    );
+    assert_eq!(refusal["status"]["code"], 429, "{refusal}");
+    let why = refusal["status"]["message"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("GpuQuota team-a/q") && why.contains("try again"),
+        "{why}"
+    );
+    let status = stored_quota(&api, "q").status.unwrap();
+    let bytes = serde_json::to_vec(&status).unwrap().len();
+    assert!(status.reservations.len() <= MAX_RESERVATIONS);
+    assert!(bytes < 256 * 1024, "{bytes} bytes");
+    assert_eq!(status.reserved.devices["nvidia.com/gpu"], admitted as u64);
+
+    // The pods are created: the controller counts them and drops their entries.
+    for i in 0..admitted {
+        api.put_json(gpu_pod(&format!("p-{i}"), "nvidia.com/gpu", 1))
+            .unwrap();
+    }
+    eventually("the entries of seen pods to go", || async {
+        let s = stored_quota(&api, "q").status.unwrap_or_default();
+        s.reservations.is_empty()
+            && s.used.devices.get("nvidia.com/gpu") == Some(&(admitted as u64))
+    })
+    .await;
+    assert_eq!(admit(admitted).await["allowed"], true, "admissions resume");
+    r.stop().await;
+}

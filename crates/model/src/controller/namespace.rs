@@ -18,12 +18,12 @@ mod units;
 use super::ledger::{compact, Working};
 use super::plan::plan_releases;
 use super::pods::{self, PodRef};
-use crate::quota::escrow::stale_escrows;
+use crate::quota::escrow::{stale_escrows, MAX_UNFLUSHED};
 use crate::quota::status::rfc3339;
 use crate::quota::{
     claim_charge, claim_is_pod_owned, pod_charge, settled_claim_charge, stale_reservations, Charge,
     DeviceCatalog, GpuQuota, LiveObject, ObjectKind, QuotaCondition, QuotaMathError, QuotaMode,
-    Reservation, ReservationKey, ReservationState, Usage,
+    Reservation, ReservationKey, ReservationState, Usage, MAX_RESERVATIONS,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimSpec};
@@ -255,7 +255,13 @@ pub fn decide(
     // Record the admissions.
     let mut releases = Vec::new();
     let mut admitted: Vec<&Queued<'_>> = Vec::new();
+    let room = admission_room(&quotas);
     for r in &plan.releases {
+        // What does not fit in the reservation lists waits for the next cycle (their
+        // entries are dropped as the released pods are seen counted).
+        if admitted.len() + members[r.index].len() > room {
+            break;
+        }
         releases.push(
             members[r.index]
                 .iter()
@@ -404,6 +410,27 @@ fn finish_statuses(
     Ok(out)
 }
 
+/// How many pods may be admitted this cycle: the fewest any quota of the namespace can record
+/// as `Reserved` within [`MAX_RESERVATIONS`] (its `Queued` entries may give way, see [`admit`];
+/// each escrow keeps room for its flush).
+fn admission_room(quotas: &[GpuQuota]) -> usize {
+    quotas
+        .iter()
+        .map(|q| {
+            let s = q.status.as_ref();
+            let reserved = s.map_or(0, |s| {
+                s.reservations
+                    .iter()
+                    .filter(|r| r.state == ReservationState::Reserved)
+                    .count()
+            });
+            let kept = s.map_or(0, kept);
+            MAX_RESERVATIONS.saturating_sub(reserved.saturating_add(kept))
+        })
+        .min()
+        .unwrap_or(MAX_RESERVATIONS)
+}
+
 /// Turns the reservations of `admitted` pods `Reserved` with their current charge, creating
 /// those that are missing. Totals are recomputed by the caller.
 fn admit(s: &mut crate::quota::GpuQuotaStatus, admitted: &[&Queued<'_>], now: Timestamp) {
@@ -445,6 +472,22 @@ fn admit(s: &mut crate::quota::GpuQuotaStatus, admitted: &[&Queued<'_>], now: Ti
             }
         }
     }
+    // Queued entries are optional (the gate holds their pods): the newest give way to
+    // keep the list within its bound.
+    while s.reservations.len() + kept(s) > MAX_RESERVATIONS {
+        let Some(i) = s
+            .reservations
+            .iter()
+            .rposition(|r| r.state == ReservationState::Queued)
+        else {
+            break;
+        };
+        s.reservations.remove(i);
+    }
+}
+
+fn kept(s: &crate::quota::GpuQuotaStatus) -> usize {
+    s.escrows.len().saturating_mul(MAX_UNFLUSHED)
 }
 
 fn set_condition(

@@ -23,7 +23,7 @@ use super::charge::Charge;
 use super::check::{check_consumed, Denial, Fit};
 use super::crd::{Escrow, GpuQuota, GpuQuotaStatus, Reservation, ReservationState};
 use super::escrow::{self, EscrowRound};
-use super::status::ReservationKey;
+use super::status::{ReservationKey, MAX_RESERVATIONS};
 use super::usage::Usage;
 use std::collections::HashMap;
 
@@ -65,8 +65,13 @@ pub enum Outcome {
     /// Does not fit now, but would without other replicas' escrows: decide it again shortly
     /// (they are given back when idle or spent); the denial is the answer when time is up.
     Held(Denial),
+    /// Recorded as queued, or, with no room left in the status, not recorded (the scheduling
+    /// gate holds the pod; the controller's queue sees it in its pod cache).
     Queued,
     Released,
+    /// Refused before checking: the status holds [`MAX_RESERVATIONS`] entries (admitted
+    /// objects the controller has not seen yet); retryable, the message says why.
+    Backpressure(String),
     /// The arithmetic overflowed; nothing was recorded for this op.
     Failed(String),
 }
@@ -79,6 +84,15 @@ pub struct Decided {
     pub changed: bool,
     /// What the round's holder holds in escrow in the decided status (zero: none).
     pub escrow: Usage,
+}
+
+/// Why an admission is refused while `quota`'s status is full.
+pub fn backpressure(quota: &str) -> String {
+    format!(
+        "GpuQuota {quota} holds {MAX_RESERVATIONS} reservations of admitted pods and claims the \
+         quota controller has not counted yet (the most its status keeps); try again once it \
+         has caught up"
+    )
 }
 
 fn unchanged(old: &Reservation, new: &Reservation) -> bool {
@@ -137,7 +151,8 @@ pub fn decide_batch(
     let mut held = Usage::default();
     if let Some(r) = round {
         let amount = match &r.unit {
-            Some(unit) if escrow::eligible(quota) => {
+            // An escrow keeps room for its flush in the reservation list (see `room`).
+            Some(unit) if escrow::eligible(quota) && status.room() >= escrow::MAX_UNFLUSHED => {
                 escrow::grant(&quota.spec.hard, &total, unit).unwrap_or_default()
             }
             _ => Usage::default(),
@@ -235,11 +250,18 @@ impl Batch<'_> {
                     Err(d) => Outcome::Denied(d),
                 }
             }
+            Op::Reserve { .. } if !self.index.contains_key(&key) && self.status.room() == 0 => {
+                Outcome::Backpressure(backpressure(self.id))
+            }
             Op::Reserve {
                 reservation,
                 charge,
                 retreat,
             } => self.reserve(key, reservation, charge, *retreat, without_own),
+            // No room: not recorded, the gate holds the pod.
+            Op::Queue { .. } if !self.index.contains_key(&key) && self.status.room() == 0 => {
+                Outcome::Queued
+            }
             Op::Queue { reservation } => {
                 let mut r = reservation.clone();
                 r.state = ReservationState::Queued;

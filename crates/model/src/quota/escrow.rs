@@ -37,6 +37,12 @@ pub const RENEW_AFTER: Duration = Duration::from_secs(10);
 /// The most admissions (of the latest charge) one escrow covers.
 pub const MAX_GRANT: u64 = 256;
 
+/// The most admissions a holder makes within its escrow between two writes of it: each escrow
+/// keeps this much room in the status's reservation list ([`GpuQuotaStatus::room`]) for its
+/// flush, and one is granted only where that room is free, so a flush always fits under
+/// [`super::status::MAX_RESERVATIONS`].
+pub const MAX_UNFLUSHED: usize = 64;
+
 /// An escrow takes at most 1/SHARE of the headroom, so other replicas and the controller keep
 /// most of it.
 pub const SHARE: u64 = 4;

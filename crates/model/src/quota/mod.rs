@@ -48,6 +48,9 @@
 //! - [`stale_reservations`]`(&status, &live_by_key, now, grace)`: reservations to drop
 //!   (object counted in `used`; or older than `grace` with no live object / another uid).
 //!   [`DEFAULT_RESERVATION_GRACE`] is 2 minutes.
+//! - [`MAX_RESERVATIONS`] bounds the reservation list (and so the status's size);
+//!   [`GpuQuotaStatus::room`] is what is left of it. Past it [`decide_batch`] answers
+//!   [`Outcome::Backpressure`] to an admission that needs a new entry.
 //!
 //! Group commit (pure): [`decide_batch`]`(&mut quota, &peers, &[`[`Op`]`])` decides every
 //! admission waiting for one quota in order on one state ([`Decided`]: an [`Outcome`] per op,
@@ -97,6 +100,7 @@ pub use share::{
 };
 pub use status::{
     now_rfc3339, stale_reservations, LiveObject, ReservationKey, DEFAULT_RESERVATION_GRACE,
+    MAX_RESERVATIONS,
 };
 pub use template_wait::{missing_templates, ungated_denial, waiting_message};
 pub use usage::{Amount, Dimension, Limits, Memory, Usage};

@@ -12,6 +12,15 @@ use std::time::Duration;
 /// reservation may live) before [`stale_reservations`] drops it.
 pub const DEFAULT_RESERVATION_GRACE: Duration = Duration::from_secs(120);
 
+/// The most reservations a GpuQuota's status holds, whatever the load: it bounds the
+/// status's size (etcd refuses an object over ~1.5 MiB; see the size test in `tests.rs`).
+/// Past it, an admission that needs a new entry is refused as retryable backpressure
+/// ([`super::Outcome::Backpressure`]), a gated pod is not recorded (its gate holds it), and the
+/// controller releases no more queued pods than it has room to record. Entries are dropped as
+/// soon as the controller sees their object counted, so the refusals last as long as its
+/// caches lag.
+pub const MAX_RESERVATIONS: usize = 384;
+
 /// A reservation's identity: kind, namespace and name (no uid: the mutating webhook never
 /// sees one, and a retried create must find its own reservation).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -83,6 +92,17 @@ pub fn rfc3339(t: Timestamp) -> String {
 impl GpuQuotaStatus {
     pub fn reservation(&self, key: &ReservationKey) -> Option<&Reservation> {
         self.reservations.iter().find(|r| r.key() == *key)
+    }
+
+    /// How many new reservations may still be recorded: [`MAX_RESERVATIONS`] less the entries
+    /// held and the room kept for what each escrow holder may flush
+    /// ([`super::escrow::MAX_UNFLUSHED`] each).
+    pub fn room(&self) -> usize {
+        let kept = self
+            .escrows
+            .len()
+            .saturating_mul(super::escrow::MAX_UNFLUSHED);
+        MAX_RESERVATIONS.saturating_sub(self.reservations.len().saturating_add(kept))
     }
 
     /// Records `r`, replacing a reservation with the same key, and recomputes the totals.

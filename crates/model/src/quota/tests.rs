@@ -1014,3 +1014,6 @@ fn an_escrow_round_records_its_admissions_resizes_the_escrow_and_holds_what_othe
 }
 
 mod shares;
+
+#[path = "tests/bound.rs"]
+mod bound;

@@ -356,6 +356,11 @@ impl Admitter {
                     }
                     Verdict::deny(403, denial.to_string())
                 }
+                // Retryable: 429 makes clients (and controllers) back off and try again.
+                Answer::Backpressure(why) => {
+                    tracing::info!(key = %key, quota = %name, "reservation list full; refused for now");
+                    Verdict::deny(429, why)
+                }
                 Answer::Failed(e @ CommitError::Contended { .. }) => {
                     self.metrics.contended();
                     Verdict::deny(429, format!("{e}; try again"))

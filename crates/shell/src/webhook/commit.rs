@@ -111,6 +111,8 @@ pub enum Answer {
     Denied(Denial),
     Queued,
     Released,
+    /// The quota's status holds as many reservations as it may: retry later.
+    Backpressure(String),
     /// The quota does not exist any more.
     Gone,
     Failed(CommitError),

@@ -318,3 +318,26 @@ fn a_pod_waiting_for_its_template_is_priced_from_it_once_it_exists() {
         d.waiting[0].1
     );
 }
+
+#[test]
+fn no_more_pods_are_released_than_the_reservation_list_can_record() {
+    // Admitted elsewhere, not seen yet (within their grace): all but two entries taken.
+    let mut entries: Vec<Value> = (0..MAX_RESERVATIONS - 2)
+        .map(|i| reserved(&format!("unseen-{i}"), "Pod", 1))
+        .collect();
+    let pods: Vec<Arc<Pod>> = (0..5)
+        .map(|i| pod(&format!("g{i}"), 1, true, json!({})))
+        .collect();
+    entries.push(
+        json!({"kind": "Pod", "namespace": NS, "name": "g4", "state": "Queued",
+                        "charge": {"gpus": "1"}, "since": "2025-01-01T00:00:00Z"}),
+    );
+    let q = quota("default", 100_000, json!({"reservations": entries}));
+    let d = run(&pods, &[], &DeviceCatalog::default(), &[q]);
+    let released: usize = d.releases.iter().map(Vec::len).sum();
+    assert_eq!(released, 2, "{:?}", d.releases);
+    let s = d.quotas[0].0.status.as_ref().unwrap();
+    assert!(s.reservations.len() <= MAX_RESERVATIONS);
+    // The rest waits for the next cycle; a queued entry gave way to a reserved one.
+    assert_eq!(s.room(), 0);
+}

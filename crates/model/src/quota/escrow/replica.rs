@@ -3,7 +3,7 @@
 //! (flush, refill, give back). Plain state with the clock passed in; the webhook keeps it
 //! under its queue's lock and does the writes (`webhook/commit.rs`).
 
-use super::{fits, priced, SPEND_WINDOW};
+use super::{fits, priced, MAX_UNFLUSHED, SPEND_WINDOW};
 use crate::quota::{Limits, Op, Reservation, ReservationKey, Usage};
 use std::time::{Duration, Instant};
 
@@ -149,6 +149,10 @@ impl LocalEscrow {
             None => Ok(self.spent.clone()),
         };
         let Ok(spent) = spent else { return false };
+        // The status keeps room for this many entries of this holder's flush, no more.
+        if earlier.is_none() && self.unflushed.len() >= MAX_UNFLUSHED {
+            return false;
+        }
         let available = match &self.flight {
             Some(f) => spent
                 .saturating_sub(&f.flushed)
@@ -285,6 +289,21 @@ mod tests {
         let mut old = escrow();
         old.landed(gpus(2), now);
         assert!(!old.admit(&pod("a"), now + SPEND_WINDOW));
+    }
+
+    #[test]
+    fn no_more_admissions_than_the_status_keeps_room_for_wait_for_a_flush() {
+        let now = Instant::now();
+        let mut e = escrow();
+        e.landed(gpus(10_000), now);
+        for i in 0..MAX_UNFLUSHED {
+            assert!(e.admit(&pod(&format!("p{i}")), now));
+        }
+        assert!(!e.admit(&pod("one-more"), now), "the flush would not fit");
+        assert!(
+            e.admit(&pod("p0"), now),
+            "a retried create needs no new entry"
+        );
     }
 
     #[test]

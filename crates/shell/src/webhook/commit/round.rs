@@ -280,6 +280,7 @@ impl Committer {
                 Outcome::Denied(d) | Outcome::Held(d) => Answer::Denied(d),
                 Outcome::Queued => Answer::Queued,
                 Outcome::Released => Answer::Released,
+                Outcome::Backpressure(why) => Answer::Backpressure(why),
                 Outcome::Failed(message) => Answer::Failed(CommitError::Math {
                     quota: id.to_string(),
                     message,
