@@ -436,10 +436,15 @@ async fn a_four_pod_group_waits_for_four_free_devices_and_is_released_whole_in_o
     for i in 0..4 {
         lab.create(member(&format!("train-{i}"), "train", 4)).await;
     }
-    // 2 free of 8: the group waits, and says why with the numbers.
+    // 2 free of 8: the group waits, and says why with the numbers. (A cycle that ran while
+    // the members were still being created says first that members are missing.)
     eventually("the group's members to carry the reason", || async {
-        let p = lab.pods.get("train-0").await.unwrap();
-        condition(&p).is_some_and(|c| c.0 == "False")
+        let mut all = true;
+        for i in 0..4 {
+            let p = lab.pods.get(&format!("train-{i}")).await.unwrap();
+            all &= condition(&p).is_some_and(|c| c.0 == "False" && c.2.contains("needs 4 gpus"));
+        }
+        all
     })
     .await;
     for i in 0..4 {
