@@ -5,7 +5,7 @@
 //! The order is the one an operator checks: held by quota (our gate), no GPU capacity at all,
 //! too little free in the whole cluster (capacity), enough free but only on nodes the pod may not
 //! use (placement), enough free on usable nodes but no single node has enough (fragmentation).
-//! A pod's claims are checked after its device-plugin resources ([`claims`]): a request no
+//! A pod's claims are checked after its device-plugin resources (`claims.rs`): a request no
 //! published device matches, or too few matching devices free.
 
 mod claims;
