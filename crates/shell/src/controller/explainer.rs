@@ -128,7 +128,8 @@ where
     let (reader, writer) = reflector::store();
     let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
     let feed = async move {
-        let mut stream = std::pin::pin!(stream);
+        // On the heap: six watch streams inline make a future too large for a worker's stack.
+        let mut stream = Box::pin(stream);
         let mut failing = false;
         while let Some(ev) = stream.next().await {
             match ev {

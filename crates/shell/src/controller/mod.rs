@@ -160,7 +160,8 @@ async fn loops(
                 stopped(stop_rx.clone())
             ),
             labeler::run(client.clone(), labels, stopped(stop_rx.clone())),
-            explainer::run(client, explain, metrics, stopped(stop_rx)),
+            // Boxed: its six reflectors make a large future.
+            Box::pin(explainer::run(client, explain, metrics, stopped(stop_rx))),
         )
     };
     // The loops end only when stopped (or when their watchers' channels close).
