@@ -80,7 +80,7 @@ where
 impl Stores {
     /// Waits until every store was listed once (false: a writer went away).
     async fn ready(&self) -> bool {
-        let all = tokio::join!(
+        let (a, b, c, d, e, f) = tokio::join!(
             self.pods.wait_until_ready(),
             self.nodes.wait_until_ready(),
             self.slices.wait_until_ready(),
@@ -88,12 +88,7 @@ impl Stores {
             self.claims.wait_until_ready(),
             self.templates.wait_until_ready(),
         );
-        all.0.is_ok()
-            && all.1.is_ok()
-            && all.2.is_ok()
-            && all.3.is_ok()
-            && all.4.is_ok()
-            && all.5.is_ok()
+        [a, b, c, d, e, f].iter().all(Result::is_ok)
     }
 
     fn cluster(&self, settings: CatalogSettings) -> Cluster {

@@ -270,6 +270,8 @@ mod tests {
         m.set_waiting("team-b", vec!["q".into()], 0);
         m.set_waiting("team-c", vec!["q".into()], 5);
         m.set_waiting("team-c", Vec::new(), 0);
+        m.set_pending(&BTreeMap::from([(Reason::Capacity, 2)]));
+        m.left_pending(Reason::Placement, Duration::from_secs(20));
         let text = metrics::render(&[m.registry()]);
         for line in [
             "# TYPE gpuplane_quota_pods_released counter",
@@ -290,6 +292,11 @@ mod tests {
             "# TYPE gpuplane_quota_queue_length gauge",
             "gpuplane_quota_queue_length{namespace=\"team-a\",quota=\"a\"} 3",
             "gpuplane_quota_queue_length{namespace=\"team-b\",quota=\"q\"} 0",
+            "# TYPE gpuplane_pending_gpu_pods gauge",
+            "gpuplane_pending_gpu_pods{reason=\"Capacity\"} 2",
+            "gpuplane_pending_gpu_pods{reason=\"NoGPUCapacity\"} 0",
+            "gpuplane_pending_gpu_pod_seconds_bucket{le=\"30.0\",reason=\"Placement\"} 1",
+            "gpuplane_pending_gpu_pod_seconds_count{reason=\"Placement\"} 1",
             "# EOF",
         ] {
             assert!(
