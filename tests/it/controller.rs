@@ -378,12 +378,17 @@ fn member(name: &str, group: &str, size: u32) -> serde_json::Value {
 }
 
 fn condition(p: &Pod) -> Option<(String, String, String)> {
+    condition_of(p, "QuotaAdmitted")
+}
+
+/// The condition of type `type_` on `p`: status, reason, message.
+fn condition_of(p: &Pod, type_: &str) -> Option<(String, String, String)> {
     p.status
         .as_ref()?
         .conditions
         .as_ref()?
         .iter()
-        .find(|c| c.type_ == "QuotaAdmitted")
+        .find(|c| c.type_ == type_)
         .map(|c| {
             (
                 c.status.clone(),
@@ -908,6 +913,122 @@ async fn a_failed_label_patch_is_retried_with_backoff() {
         server.count_requests("PATCH", "/api/v1/namespaces/team-q"),
         4
     );
+    let _ = stop.send(());
+    task.await.unwrap();
+}
+
+// ---- the explainer ----
+
+fn gpu_node(name: &str, gpus: u64) -> serde_json::Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+        "status": {"allocatable": {"nvidia.com/gpu": gpus.to_string(), "cpu": "64"},
+            "conditions": [{"type": "Ready", "status": "True"}]}})
+}
+
+#[tokio::test]
+async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reason() {
+    use gpuplane_shell::controller::explainer::{self, ExplainerOptions, CONDITION};
+    let server = ApiServerDouble::start().await.unwrap();
+    server.put_json(gpu_node("node-1", 2)).unwrap();
+    let start = |metrics: Arc<QueueMetrics>| {
+        let mut opts = ExplainerOptions::new(Default::default(), "replica-1");
+        opts.debounce = Duration::from_millis(50);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let client = server.client().unwrap();
+        let task = tokio::spawn(async move {
+            explainer::run(client, opts, metrics, async {
+                let _ = stopped.await;
+            })
+            .await
+        });
+        (stop, task)
+    };
+    let (stop, task) = start(Arc::new(QueueMetrics::default()));
+    let pods: Api<Pod> = Api::namespaced(server.client().unwrap(), QNS);
+    let mut big = pod("big", 4, false);
+    big["spec"].as_object_mut().unwrap().remove("nodeName");
+    let big: Pod = serde_json::from_value(big).unwrap();
+    pods.create(&PostParams::default(), &big).await.unwrap();
+    let said = || async { condition_of(&pods.get("big").await.unwrap(), CONDITION) };
+    let capacity = (
+        "False".to_string(),
+        "Capacity".to_string(),
+        "needs 4 nvidia.com/gpu; 2 free in the cluster".to_string(),
+    );
+    eventually("reason Capacity on the pod", || async {
+        said().await.as_ref() == Some(&capacity)
+    })
+    .await;
+    eventually("an Event", || async {
+        !events_for(&server, "big").await.is_empty()
+    })
+    .await;
+    // Changes that leave the reason alone (another node too small, a label) make no Event.
+    server.put_json(gpu_node("node-0", 1)).unwrap();
+    let message = "needs 4 nvidia.com/gpu; 3 free in the cluster";
+    eventually("the message follows", || async {
+        said().await.is_some_and(|c| c.2 == message)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let evs = events_for(&server, "big").await;
+    assert_eq!(evs.len(), 1, "{evs:?}");
+    assert_eq!(evs[0].reason.as_deref(), Some("Capacity"));
+    assert_eq!(evs[0].type_.as_deref(), Some("Warning"));
+    // A new leader does not repeat what the condition already says.
+    let _ = stop.send(());
+    task.await.unwrap();
+    let metrics = Arc::new(QueueMetrics::default());
+    let (stop, task) = start(metrics.clone());
+    let lines = [
+        "gpuplane_pending_gpu_pods{reason=\"Capacity\"} 1",
+        "gpuplane_pending_gpu_pods{reason=\"Placement\"} 0",
+    ];
+    eventually("the new leader's first cycle", || async {
+        let text = gpuplane_shell::metrics::render(&[metrics.registry()]);
+        lines.iter().all(|line| text.lines().any(|l| l == *line))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(events_for(&server, "big").await.len(), 1);
+    // A node with room: the reason changes, and a second Event says so.
+    server.put_json(gpu_node("node-2", 8)).unwrap();
+    eventually("another reason", || async {
+        said().await.is_some_and(|c| c.1 != "Capacity")
+    })
+    .await;
+    let new = said().await.unwrap().1;
+    eventually("a second Event", || async {
+        events_for(&server, "big").await.len() == 2
+    })
+    .await;
+    let reasons: Vec<_> = events_for(&server, "big")
+        .await
+        .into_iter()
+        .filter_map(|e| e.reason)
+        .collect();
+    assert!(reasons.contains(&new), "{reasons:?}");
+    // Scheduled: the condition turns True and the wait is observed under the last reason.
+    pods.patch(
+        "big",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"nodeName": "node-2"}})),
+    )
+    .await
+    .unwrap();
+    let scheduled = (
+        "True".to_string(),
+        "Scheduled".to_string(),
+        "scheduled to node node-2".to_string(),
+    );
+    eventually("condition True", || async {
+        said().await.as_ref() == Some(&scheduled)
+    })
+    .await;
+    let seen = format!("gpuplane_pending_gpu_pod_seconds_count{{reason=\"{new}\"}} 1");
+    let text = gpuplane_shell::metrics::render(&[metrics.registry()]);
+    assert!(text.lines().any(|l| l == seen), "{seen} in:\n{text}");
+    assert_eq!(events_for(&server, "big").await.len(), 2);
     let _ = stop.send(());
     task.await.unwrap();
 }

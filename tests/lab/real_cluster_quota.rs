@@ -79,9 +79,8 @@ fn scheduled_reason(pod: &Value) -> Option<String> {
         .map(String::from)
 }
 
-/// AdmissionReviews the controller answered on `/validate` and `/mutate` so far
-/// (`gpuplane_webhook_decision_seconds_count`, one per request whatever the answer).
-fn webhook_calls(lab: &ClusterLab) -> (u64, u64) {
+/// The controller's `/metrics` text.
+fn controller_metrics(lab: &ClusterLab) -> String {
     let out = lab
         .in_netns("curl")
         .args(["-sf", &format!("http://{CONTROLLER_METRICS_ADDR}/metrics")])
@@ -91,7 +90,13 @@ fn webhook_calls(lab: &ClusterLab) -> (u64, u64) {
         out.status.success(),
         "scraping the controller's metrics failed"
     );
-    let text = String::from_utf8_lossy(&out.stdout);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// AdmissionReviews the controller answered on `/validate` and `/mutate` so far
+/// (`gpuplane_webhook_decision_seconds_count`, one per request whatever the answer).
+fn webhook_calls(lab: &ClusterLab) -> (u64, u64) {
+    let text = controller_metrics(lab);
     let count = |webhook: &str| {
         let series = format!("gpuplane_webhook_decision_seconds_count{{webhook=\"{webhook}\"}}");
         text.lines()
@@ -507,4 +512,61 @@ fn quota_and_the_scheduler_select_the_same_devices_with_each_cel_expression() {
         // Frees the devices for the next All-mode claim.
         lab.kubectl_ok(&["delete", "pod", &name, "--wait=true"]);
     }
+}
+
+/// Issue 26 in the controller: a pod asking 9 GPUs of the 8-GPU lab node carries why it is
+/// Pending as the condition `gpuplane.dev/GPUsAvailable` (the numbers `gpuplane explain`
+/// gives), one Event with the reason, and counts in `gpuplane_pending_gpu_pods`. The
+/// controller runs with the installed RBAC, so its node watch is checked for real.
+#[test]
+fn a_pod_asking_more_gpus_than_the_cluster_has_carries_why_it_is_pending() {
+    let Some(lab) = ClusterLab::start() else {
+        return;
+    };
+    let installed = lab.install(true);
+    let _agent = LabAgent::start(&lab, &installed.agent, "1");
+    let controller = start_controller(&lab, &installed, "1");
+    cluster::wait_controller_ready(&lab);
+    eventually("node lab-node to report nvidia.com/gpu: 8", || {
+        let node = lab.get_json(&["get", "node", NODE])?;
+        (node["status"]["allocatable"]["nvidia.com/gpu"] == "8").then_some(())
+    });
+    lab.create(&pod("default", "nine", 9), &[]).unwrap();
+    let cond = eventually("the GPUsAvailable condition on pod nine", || {
+        let p = pod_json(&lab, "default", "nine")?;
+        let conds = p["status"]["conditions"].as_array()?.clone();
+        conds
+            .into_iter()
+            .find(|c| c["type"] == "gpuplane.dev/GPUsAvailable" && c["reason"] == "Capacity")
+    });
+    assert_eq!(cond["status"], "False", "{cond}");
+    assert_eq!(
+        cond["message"], "needs 9 nvidia.com/gpu; 8 free in the cluster",
+        "{cond}"
+    );
+    let events = eventually("a Capacity Event for pod nine", || {
+        let evs = lab.get_json(&[
+            "get",
+            "events",
+            "-n",
+            "default",
+            "--field-selector",
+            "involvedObject.name=nine,reason=Capacity",
+        ])?;
+        let items = evs["items"].as_array()?.clone();
+        (!items.is_empty()).then_some(items)
+    });
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["type"], "Warning", "{:?}", events[0]);
+    eventually("gpuplane_pending_gpu_pods{reason=Capacity} 1", || {
+        let text = controller_metrics(&lab);
+        text.lines()
+            .any(|l| l == "gpuplane_pending_gpu_pods{reason=\"Capacity\"} 1")
+            .then_some(())
+    });
+    let log = controller.log_text();
+    assert!(
+        refusals(&log).is_empty(),
+        "the controller was refused a call:\n{log}"
+    );
 }

@@ -45,6 +45,17 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Every reason a waiting pod can have (all but [`Reason::NotWaiting`]), in order.
+    pub const WAITING: [Reason; 7] = [
+        Reason::Quota,
+        Reason::Selector,
+        Reason::NoGpuCapacity,
+        Reason::Capacity,
+        Reason::Placement,
+        Reason::Fragmentation,
+        Reason::Unknown,
+    ];
+
     /// The name the CLI, the pod condition and the metrics use.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -1,14 +1,18 @@
 //! Metrics of the quota loop, `gpuplane_quota_*`: process totals (releases, cycles, status
 //! writes) and, per GpuQuota (labels `namespace`, `quota`), pods released from the queue,
 //! their wait from creation to release (histogram) and, read at scrape time, the queue's
-//! length. In a registry of their own, which the webhook's `/metrics` renders when the loops
+//! length. And the explainer's (`super::explainer`), by reason: Pending GPU pods now
+//! (`gpuplane_pending_gpu_pods`) and how long pods stayed explained
+//! (`gpuplane_pending_gpu_pod_seconds`). In a registry of their own, which the webhook's `/metrics` renders when the loops
 //! run beside it.
 
 use crate::metrics::{self, register, Histograms};
+use gpuplane_model::explain::Reason;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::collections::BTreeMap;
@@ -29,6 +33,18 @@ fn wait_histogram() -> Histogram {
 pub struct QuotaLabels {
     pub namespace: String,
     pub quota: String,
+}
+
+/// The label of the explainer's series.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: String,
+}
+
+fn reason_label(r: Reason) -> ReasonLabel {
+    ReasonLabel {
+        reason: r.as_str().into(),
+    }
 }
 
 /// Per namespace: its GpuQuotas and how many of its pods wait; `gpuplane_quota_queue_length`
@@ -78,6 +94,8 @@ pub struct QueueMetrics {
     released: Family<QuotaLabels, Counter>,
     wait: Histograms<QuotaLabels>,
     waiting: Arc<Waiting>,
+    pending: Family<ReasonLabel, Gauge>,
+    pending_seconds: Histograms<ReasonLabel>,
 }
 
 impl Default for QueueMetrics {
@@ -115,6 +133,18 @@ impl Default for QueueMetrics {
         );
         let waiting = Arc::<Waiting>::default();
         r.register_collector(Box::new(waiting.clone()));
+        let pending = register(
+            &mut r,
+            "gpuplane_pending_gpu_pods",
+            "Pending, unscheduled GPU pods, by why they wait (gpuplane explain's reason)",
+            Family::default(),
+        );
+        let pending_seconds = register(
+            &mut r,
+            "gpuplane_pending_gpu_pod_seconds",
+            "Time from a Pending GPU pod's creation to its leaving Pending (scheduled or deleted), by its last reason",
+            Histograms::new_with_constructor(wait_histogram as fn() -> Histogram),
+        );
         QueueMetrics {
             registry: r,
             pods_released,
@@ -125,6 +155,8 @@ impl Default for QueueMetrics {
             released,
             wait,
             waiting,
+            pending,
+            pending_seconds,
         }
     }
 }
@@ -185,6 +217,24 @@ impl QueueMetrics {
         }
     }
 
+    /// After an explainer cycle: how many pods wait for each reason (every reason is set, 0
+    /// where none waits, so a series drops to 0 rather than going stale).
+    pub fn set_pending(&self, counts: &BTreeMap<Reason, u64>) {
+        for r in Reason::WAITING {
+            let n = counts.get(&r).copied().unwrap_or(0);
+            self.pending
+                .get_or_create(&reason_label(r))
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// A pod left the explained set (scheduled or deleted) after `waited`, last for `reason`.
+    pub fn left_pending(&self, reason: Reason, waited: Duration) {
+        self.pending_seconds
+            .get_or_create(&reason_label(reason))
+            .observe(waited.as_secs_f64());
+    }
+
     /// The registry of every family above, the queue length included.
     pub fn registry(&self) -> &Registry {
         &self.registry
@@ -220,6 +270,8 @@ mod tests {
         m.set_waiting("team-b", vec!["q".into()], 0);
         m.set_waiting("team-c", vec!["q".into()], 5);
         m.set_waiting("team-c", Vec::new(), 0);
+        m.set_pending(&BTreeMap::from([(Reason::Capacity, 2)]));
+        m.left_pending(Reason::Placement, Duration::from_secs(20));
         let text = metrics::render(&[m.registry()]);
         for line in [
             "# TYPE gpuplane_quota_pods_released counter",
@@ -240,6 +292,11 @@ mod tests {
             "# TYPE gpuplane_quota_queue_length gauge",
             "gpuplane_quota_queue_length{namespace=\"team-a\",quota=\"a\"} 3",
             "gpuplane_quota_queue_length{namespace=\"team-b\",quota=\"q\"} 0",
+            "# TYPE gpuplane_pending_gpu_pods gauge",
+            "gpuplane_pending_gpu_pods{reason=\"Capacity\"} 2",
+            "gpuplane_pending_gpu_pods{reason=\"NoGPUCapacity\"} 0",
+            "gpuplane_pending_gpu_pod_seconds_bucket{le=\"30.0\",reason=\"Placement\"} 1",
+            "gpuplane_pending_gpu_pod_seconds_count{reason=\"Placement\"} 1",
             "# EOF",
         ] {
             assert!(

@@ -7,6 +7,8 @@
 //!   (`gpuplane_model::controller`, re-exported here).
 //! - [`cache`] (pure): watch-fed stores.
 //! - [`queue`]: the loop (watchers, reconcile, error policy); [`writes`]: pod writes.
+//! - [`explainer`]: why each Pending GPU pod waits, kept on the pod as a condition, an Event
+//!   per change of reason, and metrics by reason.
 //! - [`labeler`]: the namespace label `quota.gpuplane.dev/queue`
 //!   on namespaces with a Queue-mode GpuQuota, which the mutating gate webhook selects on.
 //! - [`elector`]: leader election over a coordination.k8s.io/v1 Lease (its rules are the
@@ -19,6 +21,7 @@
 
 pub mod cache;
 pub mod elector;
+pub mod explainer;
 pub mod labeler;
 pub mod metrics;
 pub mod queue;
@@ -30,6 +33,7 @@ pub mod writes;
 pub use gpuplane_model::controller::*;
 
 use elector::Role;
+use explainer::ExplainerOptions;
 use labeler::LabelerOptions;
 use lease::LeaseTimings;
 use metrics::QueueMetrics;
@@ -129,7 +133,8 @@ pub async fn run_reporting(
     Ok(())
 }
 
-/// The leader's loops side by side, both stopped by `stop`.
+/// The leader's loops side by side (the queue, the labeler, the explainer), all stopped by
+/// `stop`.
 async fn loops(
     client: kube::Client,
     queue: QueueOptions,
@@ -145,10 +150,18 @@ async fn loops(
         stop.await;
         stop_tx.send_replace(true);
     };
+    let explain = ExplainerOptions::new(queue.catalog.clone(), &queue.instance);
     let both = async {
         tokio::join!(
-            queue::run(client.clone(), queue, metrics, stopped(stop_rx.clone())),
-            labeler::run(client, labels, stopped(stop_rx)),
+            queue::run(
+                client.clone(),
+                queue,
+                metrics.clone(),
+                stopped(stop_rx.clone())
+            ),
+            labeler::run(client.clone(), labels, stopped(stop_rx.clone())),
+            // Boxed: its six reflectors make a large future.
+            Box::pin(explainer::run(client, explain, metrics, stopped(stop_rx))),
         )
     };
     // The loops end only when stopped (or when their watchers' channels close).

@@ -1,5 +1,6 @@
-//! The controller's writes to pods (I/O): removing the admission gate, the `QuotaAdmitted`
-//! condition, and core/v1 Events.
+//! The controller's writes to pods (I/O): removing the admission gate, pod conditions
+//! (`QuotaAdmitted`, the explainer's `gpuplane.dev/GPUsAvailable`), core/v1 Events, and
+//! [`bounded`], which runs a cycle's writes a few at a time.
 //!
 //! The gate is removed with a JSON patch guarded by `test` operations on the pod's uid and on
 //! the gate's position, so a pod re-created under the same name, or whose gates moved, is
@@ -13,6 +14,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
+use std::future::Future;
+use tokio::task::JoinSet;
 
 /// The component name on Events.
 pub const COMPONENT: &str = "gpuplane-controller";
@@ -77,8 +80,48 @@ pub async fn ungate(api: &Api<Pod>, pod: &PodRef) -> Result<Ungated, kube::Error
     Ok(Ungated::AlreadyGone)
 }
 
-/// Sets the pod's `QuotaAdmitted` condition (strategic merge: merged by `type` upstream, so
-/// the scheduler's and kubelet's conditions stay).
+/// A pod condition to set.
+#[derive(Debug, Clone, Copy)]
+pub struct Condition<'a> {
+    /// Its `type`, e.g. `QuotaAdmitted`.
+    pub type_: &'a str,
+    pub status: bool,
+    pub reason: &'a str,
+    pub message: &'a str,
+}
+
+/// Sets condition `c` on pod `name` (strategic merge: merged by `type` upstream, so the
+/// scheduler's and kubelet's conditions stay). `previous` is the status the pod shows now for
+/// that type: `lastTransitionTime` is written only when the status flips. A pod that is gone
+/// is not an error.
+pub async fn set_pod_condition(
+    api: &Api<Pod>,
+    name: &str,
+    previous: Option<&str>,
+    c: Condition<'_>,
+) -> Result<(), kube::Error> {
+    let status = if c.status { "True" } else { "False" };
+    let mut cond = json!({
+        "type": c.type_,
+        "status": status,
+        "reason": c.reason,
+        "message": c.message,
+    });
+    if previous != Some(status) {
+        cond["lastTransitionTime"] = json!(Timestamp::now().to_string());
+    }
+    let body = json!({"status": {"conditions": [cond]}});
+    match api
+        .patch_status(name, &PatchParams::default(), &Patch::Strategic(body))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if is_code(&e, &[404]) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Sets the pod's `QuotaAdmitted` condition.
 pub async fn set_condition(
     api: &Api<Pod>,
     pod: &PodRef,
@@ -86,29 +129,14 @@ pub async fn set_condition(
     reason: &str,
     message: &str,
 ) -> Result<(), kube::Error> {
-    let status = if admitted { "True" } else { "False" };
-    let transition = match &pod.condition {
-        Some((_, s, _)) if s == status => None,
-        _ => Some(Timestamp::now().to_string()),
+    let previous = pod.condition.as_ref().map(|(_, s, _)| s.as_str());
+    let c = Condition {
+        type_: CONDITION,
+        status: admitted,
+        reason,
+        message,
     };
-    let mut cond = json!({
-        "type": CONDITION,
-        "status": status,
-        "reason": reason,
-        "message": message,
-    });
-    if let Some(t) = transition {
-        cond["lastTransitionTime"] = json!(t);
-    }
-    let body = json!({"status": {"conditions": [cond]}});
-    match api
-        .patch_status(&pod.name, &PatchParams::default(), &Patch::Strategic(body))
-        .await
-    {
-        Ok(_) => Ok(()),
-        Err(e) if is_code(&e, &[404]) => Ok(()),
-        Err(e) => Err(e),
-    }
+    set_pod_condition(api, &pod.name, previous, c).await
 }
 
 /// Records a core/v1 Event about `pod`.
@@ -151,4 +179,32 @@ pub async fn event(
         ..Event::default()
     };
     api.create(&PostParams::default(), &ev).await.map(|_| ())
+}
+
+/// Runs `f` over `items` with at most `limit` in flight; results in completion order.
+pub async fn bounded<T, R, F, Fut>(limit: usize, items: Vec<T>, f: F) -> Vec<R>
+where
+    F: Fn(T) -> Fut,
+    Fut: Future<Output = R> + Send + 'static,
+    R: Send + 'static,
+{
+    let mut set = JoinSet::new();
+    let mut out = Vec::with_capacity(items.len());
+    let mut items = items.into_iter();
+    loop {
+        while set.len() < limit.max(1) {
+            match items.next() {
+                Some(t) => {
+                    set.spawn(f(t));
+                }
+                None => break,
+            }
+        }
+        match set.join_next().await {
+            Some(Ok(r)) => out.push(r),
+            Some(Err(e)) => tracing::warn!(error = %e, "a write task failed"),
+            None => break,
+        }
+    }
+    out
 }

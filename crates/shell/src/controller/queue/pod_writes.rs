@@ -6,14 +6,12 @@
 use super::{quota_names, QueueLoop};
 use crate::controller::namespace::{Decision, Note};
 use crate::controller::pods::{self, PodRef};
-use crate::controller::writes::{self, Ungated};
+use crate::controller::writes::{self, bounded, Ungated};
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod};
 use kube::api::Api;
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::SystemTime;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 /// What was last said to a waiting pod.
@@ -198,32 +196,4 @@ impl QueueLoop {
             }
         }
     }
-}
-
-/// Runs `f` over `items` with at most `limit` in flight; results in completion order.
-async fn bounded<T, R, F, Fut>(limit: usize, items: Vec<T>, f: F) -> Vec<R>
-where
-    F: Fn(T) -> Fut,
-    Fut: Future<Output = R> + Send + 'static,
-    R: Send + 'static,
-{
-    let mut set = JoinSet::new();
-    let mut out = Vec::with_capacity(items.len());
-    let mut items = items.into_iter();
-    loop {
-        while set.len() < limit.max(1) {
-            match items.next() {
-                Some(t) => {
-                    set.spawn(f(t));
-                }
-                None => break,
-            }
-        }
-        match set.join_next().await {
-            Some(Ok(r)) => out.push(r),
-            Some(Err(e)) => tracing::warn!(error = %e, "a write task failed"),
-            None => break,
-        }
-    }
-    out
 }

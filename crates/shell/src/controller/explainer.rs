@@ -1,0 +1,393 @@
+//! Keeps the answer to "why is my GPU pod Pending" on the pod (I/O shell over
+//! `gpuplane_model::explain`; leader only). Reflector stores of pods (not terminal), nodes,
+//! ResourceSlices, DeviceClasses, ResourceClaims and ResourceClaimTemplates feed one loop; any
+//! change wakes it, and it recomputes at most once per `debounce`, so a reason is current
+//! within about a second of the change that alters it.
+//!
+//! Per Pending, unscheduled pod that waits for a GPU: the condition [`CONDITION`] (False,
+//! reason = the explanation's reason, message = its message), written only when it differs
+//! from what the pod shows; one core/v1 Event per change of reason (Normal for `Quota`, which
+//! the queue loop already reports, Warning otherwise); once scheduled, the condition turns True
+//! (`Scheduled`). A failed write is logged and made again in the next cycle.
+
+use super::metrics::QueueMetrics;
+use super::pods::{self, PodRef};
+use super::writes::{self, bounded, Condition};
+use crate::quota::CatalogSettings;
+use gpuplane_model::explain::{explain, Cluster, Listed, Reason};
+use k8s_openapi::api::core::v1::{Event as CoreEvent, Node, Pod, PodCondition};
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+};
+use kube::api::Api;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+use tokio::sync::Notify;
+use tokio_stream::StreamExt;
+
+/// The pod condition the explainer keeps.
+pub const CONDITION: &str = "gpuplane.dev/GPUsAvailable";
+/// The condition's reason once the pod is scheduled.
+pub const SCHEDULED: &str = "Scheduled";
+
+/// Tunables of the explainer.
+#[derive(Debug, Clone)]
+pub struct ExplainerOptions {
+    pub catalog: CatalogSettings,
+    /// This replica's name on Events.
+    pub instance: String,
+    /// The least time between two cycles: changes arriving meanwhile are handled together.
+    pub debounce: Duration,
+    /// A cycle runs at least this often, changes or not.
+    pub resync: Duration,
+    /// Writes in flight at most.
+    pub concurrency: usize,
+}
+
+impl ExplainerOptions {
+    pub fn new(catalog: CatalogSettings, instance: &str) -> ExplainerOptions {
+        ExplainerOptions {
+            catalog,
+            instance: instance.into(),
+            debounce: Duration::from_millis(500),
+            resync: Duration::from_secs(60),
+            concurrency: 8,
+        }
+    }
+}
+
+/// The watch-fed inputs.
+struct Stores {
+    pods: Store<Pod>,
+    nodes: Store<Node>,
+    slices: Store<ResourceSlice>,
+    classes: Store<DeviceClass>,
+    claims: Store<ResourceClaim>,
+    templates: Store<ResourceClaimTemplate>,
+}
+
+fn cloned<K>(s: &Store<K>) -> Vec<K>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + 'static,
+{
+    s.state().iter().map(|k| (**k).clone()).collect()
+}
+
+impl Stores {
+    /// Waits until every store was listed once (false: a writer went away).
+    async fn ready(&self) -> bool {
+        let (a, b, c, d, e, f) = tokio::join!(
+            self.pods.wait_until_ready(),
+            self.nodes.wait_until_ready(),
+            self.slices.wait_until_ready(),
+            self.classes.wait_until_ready(),
+            self.claims.wait_until_ready(),
+            self.templates.wait_until_ready(),
+        );
+        [a, b, c, d, e, f].iter().all(Result::is_ok)
+    }
+
+    fn cluster(&self, settings: CatalogSettings) -> Cluster {
+        let listed = Listed {
+            nodes: cloned(&self.nodes),
+            pods: cloned(&self.pods),
+            slices: cloned(&self.slices),
+            classes: cloned(&self.classes),
+            claims: cloned(&self.claims),
+            templates: cloned(&self.templates),
+        };
+        Cluster::new(&listed, settings)
+    }
+}
+
+/// A reflector store of `api` and the future that feeds it, waking `wake` on every change.
+fn reflect<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    what: &'static str,
+    wake: Arc<Notify>,
+) -> (Store<K>, impl Future<Output = ()> + Send)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
+    let feed = async move {
+        // On the heap: six watch streams inline make a future too large for a worker's stack.
+        let mut stream = Box::pin(stream);
+        let mut failing = false;
+        while let Some(ev) = stream.next().await {
+            match ev {
+                Ok(_) => {
+                    if failing {
+                        tracing::info!(resource = what, "explainer watch recovered");
+                        failing = false;
+                    }
+                    wake.notify_one();
+                }
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(resource = what, error = %e, "explainer watch failing; explaining from the last known state");
+                        failing = true;
+                    }
+                }
+            }
+        }
+    };
+    (reader, feed)
+}
+
+/// What the explainer remembers of a pod it explains.
+#[derive(Debug)]
+struct Tracked {
+    reason: Reason,
+    created: SystemTime,
+    /// The reason the last Event (ours, or a previous leader's condition) told.
+    evented: Option<Reason>,
+}
+
+/// One write a cycle decided on.
+#[derive(Debug)]
+enum Write {
+    Condition {
+        pod: PodRef,
+        previous: Option<String>,
+        available: bool,
+        reason: String,
+        message: String,
+    },
+    Event {
+        pod: PodRef,
+        reason: Reason,
+        message: String,
+    },
+}
+
+/// Our condition on `pod`, if it has one.
+fn our_condition(pod: &Pod) -> Option<&PodCondition> {
+    let conds = pod.status.as_ref()?.conditions.as_ref()?;
+    conds.iter().find(|c| c.type_ == CONDITION)
+}
+
+/// The explainer's memory between cycles.
+#[derive(Debug, Default)]
+struct Explainer {
+    tracked: HashMap<String, Tracked>,
+}
+
+impl Explainer {
+    /// The writes that bring every pod's condition and Events in step with `cluster`, and how
+    /// many pods wait per reason. Pods that left the explained set are observed in `metrics`.
+    fn plan(
+        &mut self,
+        pods: &[Arc<Pod>],
+        cluster: &Cluster,
+        metrics: &QueueMetrics,
+    ) -> (Vec<Write>, BTreeMap<Reason, u64>) {
+        let mut writes = Vec::new();
+        let mut counts = BTreeMap::new();
+        let mut seen = HashSet::new();
+        for pod in pods {
+            let cond = our_condition(pod);
+            let previous = cond.map(|c| c.status.clone());
+            let node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+            if let Some(node) = node {
+                if previous.as_deref() == Some("False") {
+                    writes.push(Write::Condition {
+                        pod: PodRef::of(pod),
+                        previous,
+                        available: true,
+                        reason: SCHEDULED.into(),
+                        message: format!("scheduled to node {node}"),
+                    });
+                }
+                continue;
+            }
+            let e = explain(pod, cluster);
+            let Some(uid) = pod.metadata.uid.clone() else {
+                continue;
+            };
+            if e.reason == Reason::NotWaiting {
+                continue;
+            }
+            *counts.entry(e.reason).or_insert(0) += 1;
+            let said = |c: &&PodCondition| {
+                c.status == "False"
+                    && c.reason.as_deref() == Some(e.reason.as_str())
+                    && c.message.as_deref() == Some(e.message.as_str())
+            };
+            if cond.filter(said).is_none() {
+                writes.push(Write::Condition {
+                    pod: PodRef::of(pod),
+                    previous: previous.clone(),
+                    available: false,
+                    reason: e.reason.as_str().into(),
+                    message: e.message.clone(),
+                });
+            }
+            // A previous leader's condition counts as told: a new leader does not repeat it.
+            let told = cond.filter(|c| c.status == "False").and_then(|c| {
+                Reason::WAITING
+                    .into_iter()
+                    .find(|r| Some(r.as_str()) == c.reason.as_deref())
+            });
+            let t = self.tracked.entry(uid.clone()).or_insert(Tracked {
+                reason: e.reason,
+                created: pods::created(pod),
+                evented: told,
+            });
+            t.reason = e.reason;
+            if t.evented != Some(e.reason) {
+                writes.push(Write::Event {
+                    pod: PodRef::of(pod),
+                    reason: e.reason,
+                    message: e.message,
+                });
+            }
+            seen.insert(uid);
+        }
+        let now = SystemTime::now();
+        self.tracked.retain(|uid, t| {
+            let stays = seen.contains(uid);
+            if !stays {
+                let waited = now.duration_since(t.created).unwrap_or_default();
+                metrics.left_pending(t.reason, waited);
+            }
+            stays
+        });
+        (writes, counts)
+    }
+
+    /// One cycle: plan, write, remember which Events went out. True when a write failed (the
+    /// next cycle makes it again).
+    async fn cycle(
+        &mut self,
+        client: &kube::Client,
+        stores: &Stores,
+        opts: &ExplainerOptions,
+        metrics: &QueueMetrics,
+    ) -> bool {
+        let cluster = stores.cluster(opts.catalog.clone());
+        let (todo, counts) = self.plan(&stores.pods.state(), &cluster, metrics);
+        metrics.set_pending(&counts);
+        let client = client.clone();
+        let instance = opts.instance.clone();
+        let results = bounded(opts.concurrency, todo, |w| {
+            let (client, instance) = (client.clone(), instance.clone());
+            async move {
+                let r = write(&client, &w, &instance).await;
+                (w, r)
+            }
+        })
+        .await;
+        let mut failed = false;
+        for (w, r) in results {
+            let (pod, what) = match &w {
+                Write::Condition { pod, .. } => (pod, "condition"),
+                Write::Event { pod, .. } => (pod, "Event"),
+            };
+            match r {
+                Ok(()) => {
+                    if let Write::Event { pod, reason, .. } = &w {
+                        if let Some(t) = self.tracked.get_mut(&pod.uid) {
+                            t.evented = Some(*reason);
+                        }
+                    }
+                }
+                Err(e) => {
+                    failed = true;
+                    tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), error = %e, "writing the explainer's {what} failed; trying again next cycle");
+                }
+            }
+        }
+        failed
+    }
+}
+
+/// Makes one write.
+async fn write(client: &kube::Client, w: &Write, instance: &str) -> Result<(), kube::Error> {
+    match w {
+        Write::Condition {
+            pod,
+            previous,
+            available,
+            reason,
+            message,
+        } => {
+            let api: Api<Pod> = Api::namespaced(client.clone(), &pod.namespace);
+            let c = Condition {
+                type_: CONDITION,
+                status: *available,
+                reason,
+                message,
+            };
+            writes::set_pod_condition(&api, &pod.name, previous.as_deref(), c).await
+        }
+        Write::Event {
+            pod,
+            reason,
+            message,
+        } => {
+            let api: Api<CoreEvent> = Api::namespaced(client.clone(), &pod.namespace);
+            let warning = *reason != Reason::Quota;
+            writes::event(&api, pod, warning, reason.as_str(), message, instance).await
+        }
+    }
+}
+
+/// Runs the explainer until `stop`.
+pub async fn run(
+    client: kube::Client,
+    opts: ExplainerOptions,
+    metrics: Arc<QueueMetrics>,
+    stop: impl Future<Output = ()>,
+) {
+    let wake = Arc::new(Notify::new());
+    let c = || client.clone();
+    let all = watcher::Config::default;
+    // Terminal pods never wait and, in a busy cluster, are most pods.
+    let live = all().fields("status.phase!=Succeeded,status.phase!=Failed");
+    let (pods, f1) = reflect(Api::<Pod>::all(c()), live, "pods", wake.clone());
+    let (nodes, f2) = reflect(Api::<Node>::all(c()), all(), "nodes", wake.clone());
+    let (slices, f3) = reflect(Api::all(c()), all(), "resourceslices", wake.clone());
+    let (classes, f4) = reflect(Api::all(c()), all(), "deviceclasses", wake.clone());
+    let (claims, f5) = reflect(Api::all(c()), all(), "resourceclaims", wake.clone());
+    let (templates, f6) = reflect(Api::all(c()), all(), "resourceclaimtemplates", wake.clone());
+    let stores = Stores {
+        pods,
+        nodes,
+        slices,
+        classes,
+        claims,
+        templates,
+    };
+    let work = async {
+        if !stores.ready().await {
+            return;
+        }
+        let mut explainer = Explainer::default();
+        loop {
+            let failed = explainer.cycle(&client, &stores, &opts, &metrics).await;
+            tokio::time::sleep(opts.debounce).await;
+            if !failed {
+                let _ = tokio::time::timeout(opts.resync, wake.notified()).await;
+            }
+        }
+    };
+    let feeds = async { tokio::join!(f1, f2, f3, f4, f5, f6) };
+    tokio::select! {
+        _ = stop => {}
+        _ = work => {}
+        _ = feeds => {}
+    }
+}
