@@ -5,8 +5,8 @@
 //! What it does as upstream does: one global resourceVersion; uid, creationTimestamp,
 //! generation (bumped on desired-state changes) and generateName on create; GET/LIST with
 //! label and field selectors, `limit`/`continue`; POST (409 AlreadyExists), PUT (409 Conflict on
-//! a stale resourceVersion), PATCH (merge, JSON patch; strategic merge and server-side apply as
-//! merge patch, apply creating), DELETE (preconditions; finalizers set deletionTimestamp and the
+//! a stale resourceVersion), PATCH (merge, JSON patch, strategic merge with keyed lists merged
+//! by key; server-side apply as merge patch, apply creating), DELETE (preconditions; finalizers set deletionTimestamp and the
 //! object goes when the last finalizer does), DELETE collection, the `status` subresource,
 //! WATCH with bookmarks, `timeoutSeconds`, selector transitions and 410 Gone from a bounded
 //! history, no-op updates that write nothing; errors as `Status` objects.

@@ -1,5 +1,6 @@
-//! PATCH bodies: JSON merge patch (RFC 7386; also used for strategic merge and server-side
-//! apply, see `PatchType`) and JSON patch (RFC 6902), applied by the json-patch crate.
+//! PATCH bodies: JSON merge patch (RFC 7386; also used for server-side apply, see
+//! `PatchType`) and JSON patch (RFC 6902), applied by the json-patch crate, and strategic
+//! merge patch, which merges the lists Kubernetes gives a patch merge key element by element.
 
 use serde_json::Value;
 
@@ -7,8 +8,10 @@ use serde_json::Value;
 pub(crate) enum PatchType {
     /// `application/merge-patch+json`.
     Merge,
-    /// `application/strategic-merge-patch+json`, applied as a merge patch: lists are replaced
-    /// whole rather than merged by key, and `$patch` directives are not understood.
+    /// `application/strategic-merge-patch+json`: a merge patch, except that the lists with a
+    /// patch merge key in the Kubernetes API ([`merge_key`]) are merged by it: a patch element
+    /// replaces the fields it names of the element with the same key, or is appended. `$patch`
+    /// directives are not understood.
     Strategic,
     /// `application/json-patch+json`.
     Json,
@@ -55,8 +58,63 @@ pub(crate) fn apply(kind: PatchType, target: &mut Value, patch: &Value) -> Resul
             if !patch.is_object() {
                 return Err("a merge patch must be a JSON object".into());
             }
-            json_patch::merge(target, patch);
+            if kind == PatchType::Strategic {
+                strategic_merge(target, patch);
+            } else {
+                json_patch::merge(target, patch);
+            }
             Ok(())
+        }
+    }
+}
+
+/// The patch merge key of a list field, as the Kubernetes API declares it
+/// (`x-kubernetes-patch-merge-key`) for the fields the product and its tests patch: pod and
+/// node conditions, containers, volumes and their mounts, environment variables, scheduling
+/// gates, resource claims, owner references.
+fn merge_key(field: &str) -> Option<&'static str> {
+    Some(match field {
+        "conditions" => "type",
+        "containers"
+        | "initContainers"
+        | "ephemeralContainers"
+        | "volumes"
+        | "env"
+        | "schedulingGates"
+        | "resourceClaims"
+        | "imagePullSecrets" => "name",
+        "volumeMounts" => "mountPath",
+        "ownerReferences" => "uid",
+        _ => return None,
+    })
+}
+
+fn strategic_merge(target: &mut Value, patch: &Value) {
+    let (Value::Object(t), Value::Object(p)) = (&mut *target, patch) else {
+        *target = patch.clone();
+        return;
+    };
+    for (k, pv) in p {
+        if pv.is_null() {
+            t.remove(k);
+            continue;
+        }
+        match (merge_key(k), t.get_mut(k)) {
+            (Some(key), Some(Value::Array(items))) if pv.is_array() => {
+                for pe in pv.as_array().into_iter().flatten() {
+                    let same = pe
+                        .get(key)
+                        .and_then(|id| items.iter_mut().find(|e| e.get(key) == Some(id)));
+                    match same {
+                        Some(e) => strategic_merge(e, pe),
+                        None => items.push(pe.clone()),
+                    }
+                }
+            }
+            (_, Some(tv)) if tv.is_object() && pv.is_object() => strategic_merge(tv, pv),
+            _ => {
+                t.insert(k.clone(), pv.clone());
+            }
         }
     }
 }
@@ -76,6 +134,31 @@ mod tests {
         )
         .unwrap();
         assert_eq!(doc, json!({"a": {"c": [3]}, "d": 1, "e": {"f": 1}}));
+    }
+
+    #[test]
+    fn strategic_merge_merges_keyed_lists_by_their_key_and_replaces_the_rest() {
+        let mut pod = json!({"status": {"conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"},
+            {"type": "QuotaAdmitted", "status": "False", "message": "waiting"},
+        ], "phase": "Pending"}, "spec": {"tolerations": [{"key": "a"}]}});
+        apply(
+            PatchType::Strategic,
+            &mut pod,
+            &json!({"status": {"conditions": [
+                {"type": "QuotaAdmitted", "status": "True", "message": "admitted"},
+                {"type": "gpuplane.dev/GPUsAvailable", "status": "False"},
+            ]}, "spec": {"tolerations": [{"key": "b"}]}}),
+        )
+        .unwrap();
+        assert_eq!(
+            pod,
+            json!({"status": {"conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"},
+                {"type": "QuotaAdmitted", "status": "True", "message": "admitted"},
+                {"type": "gpuplane.dev/GPUsAvailable", "status": "False"},
+            ], "phase": "Pending"}, "spec": {"tolerations": [{"key": "b"}]}})
+        );
     }
 
     #[test]
