@@ -933,6 +933,7 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
     let start = |metrics: Arc<QueueMetrics>| {
         let mut opts = ExplainerOptions::new(Default::default(), "replica-1");
         opts.debounce = Duration::from_millis(50);
+        opts.message_refresh = Duration::ZERO;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let client = server.client().unwrap();
         let task = tokio::spawn(async move {

@@ -14,7 +14,7 @@ use super::metrics::QueueMetrics;
 use super::pods::{self, PodRef};
 use super::writes::{self, bounded, Condition};
 use crate::quota::CatalogSettings;
-use gpuplane_model::explain::{explain, Cluster, Listed, Reason};
+use gpuplane_model::explain::{explain, Cluster, Explanation, Listed, Reason};
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Node, Pod, PodCondition};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
@@ -46,6 +46,11 @@ pub struct ExplainerOptions {
     pub resync: Duration,
     /// Writes in flight at most.
     pub concurrency: usize,
+    /// A pod's condition is rewritten for a new message under the same reason (new free
+    /// counts, say) at most this often; a new reason is written at once. In a large cluster
+    /// every pod start changes every Capacity message, which would otherwise be a status write
+    /// per Pending pod per cycle.
+    pub message_refresh: Duration,
 }
 
 impl ExplainerOptions {
@@ -56,6 +61,7 @@ impl ExplainerOptions {
             debounce: Duration::from_millis(500),
             resync: Duration::from_secs(60),
             concurrency: 8,
+            message_refresh: Duration::from_secs(10),
         }
     }
 }
@@ -154,6 +160,8 @@ struct Tracked {
     created: SystemTime,
     /// The reason the last Event (ours, or a previous leader's condition) told.
     evented: Option<Reason>,
+    /// When this explainer last decided to write the pod's condition.
+    written: Option<std::time::Instant>,
 }
 
 /// One write a cycle decided on.
@@ -193,6 +201,7 @@ impl Explainer {
         pods: &[Arc<Pod>],
         cluster: &Cluster,
         metrics: &QueueMetrics,
+        refresh: Duration,
     ) -> (Vec<Write>, BTreeMap<Reason, u64>) {
         let mut writes = Vec::new();
         let mut counts = BTreeMap::new();
@@ -221,39 +230,7 @@ impl Explainer {
                 continue;
             }
             *counts.entry(e.reason).or_insert(0) += 1;
-            let said = |c: &&PodCondition| {
-                c.status == "False"
-                    && c.reason.as_deref() == Some(e.reason.as_str())
-                    && c.message.as_deref() == Some(e.message.as_str())
-            };
-            if cond.filter(said).is_none() {
-                writes.push(Write::Condition {
-                    pod: PodRef::of(pod),
-                    previous: previous.clone(),
-                    available: false,
-                    reason: e.reason.as_str().into(),
-                    message: e.message.clone(),
-                });
-            }
-            // A previous leader's condition counts as told: a new leader does not repeat it.
-            let told = cond.filter(|c| c.status == "False").and_then(|c| {
-                Reason::WAITING
-                    .into_iter()
-                    .find(|r| Some(r.as_str()) == c.reason.as_deref())
-            });
-            let t = self.tracked.entry(uid.clone()).or_insert(Tracked {
-                reason: e.reason,
-                created: pods::created(pod),
-                evented: told,
-            });
-            t.reason = e.reason;
-            if t.evented != Some(e.reason) {
-                writes.push(Write::Event {
-                    pod: PodRef::of(pod),
-                    reason: e.reason,
-                    message: e.message,
-                });
-            }
+            writes.extend(self.waiting(pod, &uid, e, refresh));
             seen.insert(uid);
         }
         let now = SystemTime::now();
@@ -268,6 +245,50 @@ impl Explainer {
         (writes, counts)
     }
 
+    /// The writes for a pod that waits: its condition when the reason changed (or the message,
+    /// once per `refresh`), and an Event when the reason is new to it.
+    fn waiting(&mut self, pod: &Pod, uid: &str, e: Explanation, refresh: Duration) -> Vec<Write> {
+        let cond = our_condition(pod);
+        let previous = cond.map(|c| c.status.clone());
+        let mut writes = Vec::new();
+        // A previous leader's condition counts as told: a new leader does not repeat it.
+        let told = cond.filter(|c| c.status == "False").and_then(|c| {
+            Reason::WAITING
+                .into_iter()
+                .find(|r| Some(r.as_str()) == c.reason.as_deref())
+        });
+        let t = self.tracked.entry(uid.to_string()).or_insert(Tracked {
+            reason: e.reason,
+            created: pods::created(pod),
+            evented: told,
+            written: None,
+        });
+        t.reason = e.reason;
+        let same_reason = cond
+            .is_some_and(|c| c.status == "False" && c.reason.as_deref() == Some(e.reason.as_str()));
+        let same_message =
+            same_reason && cond.and_then(|c| c.message.as_deref()) == Some(e.message.as_str());
+        let refresh_due = t.written.is_none_or(|w| w.elapsed() >= refresh);
+        if !same_reason || (!same_message && refresh_due) {
+            t.written = Some(std::time::Instant::now());
+            writes.push(Write::Condition {
+                pod: PodRef::of(pod),
+                previous: previous.clone(),
+                available: false,
+                reason: e.reason.as_str().into(),
+                message: e.message.clone(),
+            });
+        }
+        if t.evented != Some(e.reason) {
+            writes.push(Write::Event {
+                pod: PodRef::of(pod),
+                reason: e.reason,
+                message: e.message,
+            });
+        }
+        writes
+    }
+
     /// One cycle: plan, write, remember which Events went out. True when a write failed (the
     /// next cycle makes it again).
     async fn cycle(
@@ -278,7 +299,8 @@ impl Explainer {
         metrics: &QueueMetrics,
     ) -> bool {
         let cluster = stores.cluster(opts.catalog.clone());
-        let (todo, counts) = self.plan(&stores.pods.state(), &cluster, metrics);
+        let pods = stores.pods.state();
+        let (todo, counts) = self.plan(&pods, &cluster, metrics, opts.message_refresh);
         metrics.set_pending(&counts);
         let client = client.clone();
         let instance = opts.instance.clone();
