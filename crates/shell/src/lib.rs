@@ -26,6 +26,7 @@ pub mod node;
 pub mod nvml;
 pub mod paths;
 pub mod proto;
+pub mod reflect;
 pub mod slices;
 pub mod webhook;
 

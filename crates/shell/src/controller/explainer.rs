@@ -20,14 +20,13 @@ use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
 use kube::api::Api;
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::{watcher, WatchStreamExt};
+use kube::runtime::reflector::Store;
+use kube::runtime::watcher;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::sync::Notify;
-use tokio_stream::StreamExt;
 
 /// The pod condition the explainer keeps.
 pub const CONDITION: &str = "gpuplane.dev/GPUsAvailable";
@@ -126,31 +125,7 @@ where
         + Sync
         + 'static,
 {
-    let (reader, writer) = reflector::store();
-    let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
-    let feed = async move {
-        // On the heap: six watch streams inline make a future too large for a worker's stack.
-        let mut stream = Box::pin(stream);
-        let mut failing = false;
-        while let Some(ev) = stream.next().await {
-            match ev {
-                Ok(_) => {
-                    if failing {
-                        tracing::info!(resource = what, "explainer watch recovered");
-                        failing = false;
-                    }
-                    wake.notify_one();
-                }
-                Err(e) => {
-                    if !failing {
-                        tracing::warn!(resource = what, error = %e, "explainer watch failing; explaining from the last known state");
-                        failing = true;
-                    }
-                }
-            }
-        }
-    };
-    (reader, feed)
+    crate::reflect::reflected(api, config, what, move || wake.notify_one(), |_| {})
 }
 
 /// What the explainer remembers of a pod it explains.

@@ -14,13 +14,12 @@ use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
 };
 use kube::api::{Api, ListParams, WatchParams};
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::{watcher, WatchStreamExt};
+use kube::runtime::reflector::Store;
+use kube::runtime::watcher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinHandle;
-use tokio_stream::StreamExt;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -77,36 +76,15 @@ where
         + Sync
         + 'static,
 {
-    let (reader, writer) = reflector::store();
-    let stream = reflector::reflector(
-        writer,
-        watcher(api, watcher::Config::default()).default_backoff(),
-    );
-    let task = tokio::spawn(async move {
-        let mut stream = std::pin::pin!(stream);
-        let mut failing = false;
-        while let Some(ev) = stream.next().await {
-            match ev {
-                Ok(_) => {
-                    if failing {
-                        tracing::info!(resource = what, "watch recovered");
-                        failing = false;
-                    }
-                    if let Some(g) = &generation {
-                        g.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                Err(e) => {
-                    if !failing {
-                        tracing::warn!(resource = what, error = %e, "watch failing; answering from the last known state");
-                        failing = true;
-                    }
-                    probes.watch_failed(what, e.to_string());
-                }
-            }
+    let changed = move || {
+        if let Some(g) = &generation {
+            g.fetch_add(1, Ordering::Relaxed);
         }
-    });
-    (reader, task)
+    };
+    let failed = move |e: &watcher::Error| probes.watch_failed(what, e.to_string());
+    let (reader, feed) =
+        crate::reflect::reflected(api, watcher::Config::default(), what, changed, failed);
+    (reader, tokio::spawn(feed))
 }
 
 /// One probe: a GpuQuota list, then a watch opened from it (proving the caches' watches can

@@ -1,0 +1,58 @@
+//! One way to keep a watch-fed cache: a kube-runtime reflector store and the future that feeds
+//! it, with backoff, telling the caller of each change and each watch error, and logging a
+//! failing watch once per outage (and its recovery) rather than once per retry. The webhook's
+//! caches and the controller's explainer both use it.
+
+use kube::api::Api;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use std::future::Future;
+use tokio_stream::StreamExt;
+
+/// A store of what `api` lists under `config`, and the future that keeps it (until the
+/// stream ends). `changed` runs after every event applied; `failed` on every watch error,
+/// while the store keeps its last state.
+pub fn reflected<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    what: &'static str,
+    changed: impl Fn() + Send + 'static,
+    failed: impl Fn(&watcher::Error) + Send + 'static,
+) -> (Store<K>, impl Future<Output = ()> + Send)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
+    let feed = async move {
+        // On the heap: several watch streams inline make a future too large for a worker's
+        // stack.
+        let mut stream = Box::pin(stream);
+        let mut failing = false;
+        while let Some(ev) = stream.next().await {
+            match ev {
+                Ok(_) => {
+                    if failing {
+                        tracing::info!(resource = what, "watch recovered");
+                        failing = false;
+                    }
+                    changed();
+                }
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(resource = what, error = %e, "watch failing; working from the last known state");
+                        failing = true;
+                    }
+                    failed(&e);
+                }
+            }
+        }
+    };
+    (reader, feed)
+}
