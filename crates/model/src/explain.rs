@@ -317,18 +317,18 @@ fn fragmentation(needs: &str, resource: &str, usable: &[&NodeGpus]) -> String {
         .iter()
         .map(|n| (n.name.as_str(), n.free(resource)))
         .collect();
-    spread(needs, free)
+    spread(needs, free, "nodes")
 }
 
-/// "`needs`; T free across N nodes, at most M on one: a 2, b 2", largest first.
-fn spread(needs: &str, free: Vec<(&str, u64)>) -> String {
+/// "`needs`; T free across N `places`, at most M on one: a 2, b 2", largest first.
+fn spread(needs: &str, free: Vec<(&str, u64)>, places: &str) -> String {
     let mut free: Vec<(&str, u64)> = free.into_iter().filter(|(_, f)| *f > 0).collect();
     free.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
     let total: u64 = free.iter().map(|(_, f)| f).sum();
     let most = free.first().map_or(0, |(_, f)| *f);
     let each: Vec<String> = free.iter().map(|(n, f)| format!("{n} {f}")).collect();
     format!(
-        "{needs}; {total} free across {} nodes, at most {most} on one: {}",
+        "{needs}; {total} free across {} {places}, at most {most} on one: {}",
         free.len(),
         each.join(", ")
     )

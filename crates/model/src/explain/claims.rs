@@ -135,10 +135,7 @@ fn request_answer(
     }
     if by_pool.values().all(|n| *n < count) {
         let free = by_pool.into_iter().collect();
-        return Some((
-            Reason::Fragmentation,
-            spread(&needs, free).replace(" nodes,", " pools,"),
-        ));
+        return Some((Reason::Fragmentation, spread(&needs, free, "pools")));
     }
     None
 }

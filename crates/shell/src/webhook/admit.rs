@@ -1,15 +1,15 @@
 //! The admission decisions (async, over [`Cluster`]): validating and mutating.
 //!
 //! Validating, Pod CREATE: price the pod ([`crate::quota::pod_charge`]); no GpuQuota in the
-//! namespace or nothing GPU-related: allow. A pod naming a ResourceClaimTemplate not created
-//! yet ([`crate::quota::template_wait`]) is allowed, charged nothing, if it carries the gate
-//! (the controller prices and releases it once the template exists), else denied. A gated pod of a namespace with a Queue-mode
-//! quota: record it as queued (best effort: the gate is what holds it) and allow. Otherwise
-//! reserve in every GpuQuota of the namespace, each through that quota's group commit
-//! ([`super::commit`]: one status write, with the resourceVersion, for every request waiting
+//! namespace or nothing GPU-related: allow. A pod naming a ResourceClaimTemplate not created yet
+//! ([`crate::quota::template_wait`]) is allowed, charged nothing, if it carries the gate (the
+//! controller prices and releases it once the template exists), else denied. A gated pod of a
+//! namespace with a Queue-mode quota: record it as queued (best effort: the gate is what holds it)
+//! and allow. Otherwise reserve in every GpuQuota of the namespace, each through that quota's group
+//! commit ([`super::commit`]: one status write, with the resourceVersion, for every request waiting
 //! for the quota; a conflict decides the batch again); the first that does not fit denies
-//! (reservations already made for this request are released again), and so does any failure
-//! to read or write (fail closed). `dryRun` requests are checked and nothing is written.
+//! (reservations already made for this request are released again), and so does any failure to read
+//! or write (fail closed). `dryRun` requests are checked and nothing is written.
 //!
 //! Validating, Pod UPDATE: only the controller may remove the scheduling gate
 //! `quota.gpuplane.dev/admission` while the namespace has a GpuQuota.
