@@ -920,9 +920,17 @@ fn a_failed_start_names_what_to_fix_in_the_pods_log_and_status() {
         describe.contains("allocation.podResourcesGrace"),
         "{describe}"
     );
-    let out = lab.kubectl(&["logs", &pod, "-n", AGENT_NS, "--previous"]);
-    let log = String::from_utf8_lossy(&out.stdout);
-    assert!(log.contains("allocation.podResourcesGrace"), "{log}");
+    // The failed start is the current container until the kubelet restarts it, the previous
+    // one after: whichever holds it.
+    let log = eventually("the failed start's log to name the setting", || {
+        [&[][..], &["--previous"][..]].iter().find_map(|extra| {
+            let mut args = vec!["logs", pod.as_str(), "-n", AGENT_NS];
+            args.extend_from_slice(extra);
+            let out = lab.kubectl(&args);
+            let log = String::from_utf8_lossy(&out.stdout).into_owned();
+            log.contains("allocation.podResourcesGrace").then_some(log)
+        })
+    });
     assert!(
         !log.contains('\u{1b}'),
         "colour codes in kubectl logs: {log:?}"
