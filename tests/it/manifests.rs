@@ -1017,11 +1017,12 @@ fn cel_eval(
 }
 
 /// The messages of the validations of admission policy `name` that deny an UPDATE of `old`
-/// to `new` by `user`; None when its matchConditions leave the request alone.
+/// to `new` (through `subresource`, "" for the object itself) by `user`; None when its
+/// matchConditions leave the request alone.
 fn policy_denials(
     docs: &[Doc],
     name: &str,
-    user: &str,
+    (user, subresource): (&str, &str),
     old: &Value,
     new: &Value,
 ) -> Option<Vec<String>> {
@@ -1029,7 +1030,8 @@ fn policy_denials(
     let policy: admission::ValidatingAdmissionPolicy =
         typed(find(docs, "ValidatingAdmissionPolicy", None, name).unwrap());
     let spec = policy.spec.unwrap();
-    let request = json!({"operation": "UPDATE", "userInfo": {"username": user}});
+    let request = json!({"operation": "UPDATE", "subResource": subresource,
+        "userInfo": {"username": user}});
     let objects = [("object", new), ("oldObject", old), ("request", &request)];
     for c in spec.match_conditions.iter().flatten() {
         if cel_eval(&c.expression, &objects, None) != V::Bool(true) {
@@ -1073,7 +1075,7 @@ fn the_controller_may_change_only_the_queue_label_of_a_namespace() {
         json!(k),
     );
     let deny = |old: &Value, new: &Value| {
-        let d = policy_denials(&docs, policy, controller, old, new).expect("matches");
+        let d = policy_denials(&docs, policy, (controller, ""), old, new).expect("matches");
         !d.is_empty()
     };
     assert!(!deny(&old, &labelled), "adding the label");
@@ -1120,8 +1122,101 @@ fn the_controller_may_change_only_the_queue_label_of_a_namespace() {
         assert!(deny(&old, new), "the controller changing {what} is allowed");
     }
     // Anyone else is not this policy's business.
-    let admin = policy_denials(&docs, policy, "kubernetes-admin", &old, &changed[0].1);
+    let admin = policy_denials(&docs, policy, ("kubernetes-admin", ""), &old, &changed[0].1);
     assert_eq!(admin, None);
+}
+
+#[test]
+fn the_controller_may_change_only_its_gate_and_its_conditions_of_a_pod() {
+    use gpuplane_shell::controller::explainer::CONDITION as EXPLAIN_CONDITION;
+    use gpuplane_shell::controller::pods::CONDITION as QUOTA_CONDITION;
+    use gpuplane_shell::quota::SCHEDULING_GATE;
+    let docs = docs();
+    let policy = "gpuplane-controller-pods";
+    let controller = "system:serviceaccount:gpuplane-system:gpuplane-controller";
+    let condition = |ty: &str, status: &str| json!({"type": ty, "status": status});
+    // Every optional field the policy reads is present (see the namespace policy's test).
+    let old = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "p", "labels": {"team": "a"}, "annotations": {},
+            "finalizers": [], "ownerReferences": []},
+        "spec": {"containers": [{"name": "c", "image": "app:1"}], "initContainers": [],
+            "tolerations": [], "nodeSelector": {}, "affinity": {},
+            "activeDeadlineSeconds": 60, "terminationGracePeriodSeconds": 30,
+            "schedulingGates": [{"name": SCHEDULING_GATE}, {"name": "example.com/other"}]},
+        "status": {"phase": "Pending", "message": "", "reason": "", "nominatedNodeName": "",
+            "hostIP": "", "hostIPs": [], "podIP": "", "podIPs": [], "startTime": "",
+            "qosClass": "BestEffort", "containerStatuses": [], "initContainerStatuses": [],
+            "ephemeralContainerStatuses": [], "resourceClaimStatuses": [],
+            "conditions": [condition("PodScheduled", "False")]}});
+    let denied = |sub: &str, new: &Value| {
+        policy_denials(&docs, policy, (controller, sub), &old, new).expect("matches")
+    };
+    let with = |path: &[&str], v: Value| {
+        let mut new = old.clone();
+        let (last, parents) = path.split_last().unwrap();
+        let mut at = &mut new;
+        for p in parents {
+            at = &mut at[*p];
+        }
+        at[*last] = v;
+        new
+    };
+    // What the controller writes: its gate off, its two conditions on.
+    let ungated = with(
+        &["spec", "schedulingGates"],
+        json!([{"name": "example.com/other"}]),
+    );
+    assert_eq!(denied("", &ungated), Vec::<String>::new());
+    let conditions = json!([
+        condition("PodScheduled", "False"),
+        condition(QUOTA_CONDITION, "False"),
+        condition(EXPLAIN_CONDITION, "False"),
+    ]);
+    let own = with(&["status", "conditions"], conditions);
+    assert_eq!(denied("status", &own), Vec::<String>::new());
+    // Everything else RBAC would let through.
+    let refused = [
+        (
+            "",
+            with(
+                &["spec", "schedulingGates"],
+                json!([{"name": SCHEDULING_GATE}]),
+            ),
+        ),
+        ("", with(&["spec", "schedulingGates"], json!([]))),
+        (
+            "",
+            with(
+                &["spec", "containers"],
+                json!([{"name": "c", "image": "evil:1"}]),
+            ),
+        ),
+        (
+            "",
+            with(&["spec", "tolerations"], json!([{"operator": "Exists"}])),
+        ),
+        ("", with(&["metadata", "labels"], json!({"team": "b"}))),
+        (
+            "status",
+            with(
+                &["status", "conditions"],
+                json!([condition("PodScheduled", "True")]),
+            ),
+        ),
+        ("status", with(&["status", "phase"], json!("Failed"))),
+        (
+            "status",
+            with(&["status", "nominatedNodeName"], json!("node-b")),
+        ),
+    ];
+    for (sub, new) in &refused {
+        assert_eq!(denied(sub, new).len(), 1, "allowed through {sub:?}: {new}");
+    }
+    // Anyone else is not this policy's business.
+    assert_eq!(
+        policy_denials(&docs, policy, ("kubernetes-admin", ""), &old, &refused[2].1),
+        None
+    );
 }
 
 #[test]

@@ -12,6 +12,7 @@ use crate::cluster::{
 };
 use gpuplane_shell::quota::SCHEDULING_GATE;
 use serde_json::Value;
+use std::path::Path;
 
 /// A long-running busybox pod in `ns` asking for `gpus` whole GPUs (none: no resources).
 fn pod(ns: &str, name: &str, gpus: u32) -> String {
@@ -115,6 +116,100 @@ fn queue_label(lab: &ClusterLab, ns: &str) -> Option<String> {
         .map(String::from)
 }
 
+/// A PATCH of `path` on the lab's API server as the account of `kubeconfig` (one of the
+/// lab's token kubeconfigs), sent as is: kubectl would GET the object first, which the
+/// controller's RBAC does not grant. Returns the HTTP status and the body.
+fn patch_as(
+    lab: &ClusterLab,
+    kubeconfig: &Path,
+    path: &str,
+    kind: &str,
+    body: &str,
+) -> (u16, String) {
+    let config = std::fs::read_to_string(kubeconfig).unwrap();
+    let field = |key: &str| {
+        let at = config.find(&format!("{key}: \"")).unwrap() + key.len() + 3;
+        config[at..].split('"').next().unwrap().to_string()
+    };
+    let out = lab
+        .in_netns("curl")
+        .args(["-s", "-X", "PATCH", "-w", "\n%{http_code}", "--cacert"])
+        .arg(field("certificate-authority"))
+        .args(["-H", &format!("Authorization: Bearer {}", field("token"))])
+        .args(["-H", &format!("Content-Type: application/{kind}+json")])
+        .args(["--data-binary", body])
+        .arg(format!("https://127.0.0.1:6443{path}"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap();
+    (code.trim().parse().unwrap(), body.to_string())
+}
+
+/// The controller's account (its token, as deployed) may write its own pod condition, and the
+/// `gpuplane-controller-pods` admission policy refuses the rest RBAC's `patch pods` and
+/// `patch pods/status` would allow: another condition, a label, an image.
+fn controller_writes_are_narrowed_to_its_own(
+    lab: &ClusterLab,
+    installed: &cluster::Installed,
+    ns: &str,
+    pod: &str,
+) {
+    let condition = |ty: &str| {
+        format!(
+            r#"{{"status":{{"conditions":[{{"type":"{ty}","status":"False","reason":"Test","message":"written as the controller"}}]}}}}"#
+        )
+    };
+    let at = format!("/api/v1/namespaces/{ns}/pods/{pod}");
+    let status = format!("{at}/status");
+    let patch =
+        |path: &str, kind: &str, body: &str| patch_as(lab, &installed.controller, path, kind, body);
+    let own = patch(
+        &status,
+        "strategic-merge-patch",
+        &condition("gpuplane.dev/GPUsAvailable"),
+    );
+    assert_eq!(own.0, 200, "the controller's own condition: {}", own.1);
+    let refused = [
+        (
+            patch(&status, "strategic-merge-patch", &condition("Ready")),
+            "may change only its own conditions",
+        ),
+        (
+            patch(
+                &at,
+                "merge-patch",
+                r#"{"metadata":{"labels":{"stolen":"yes"}}}"#,
+            ),
+            "may not change a pod's labels",
+        ),
+        (
+            patch(
+                &at,
+                "json-patch",
+                r#"[{"op":"replace","path":"/spec/containers/0/image","value":"evil:latest"}]"#,
+            ),
+            "only by removing its",
+        ),
+    ];
+    for ((code, body), why) in refused {
+        assert!(
+            code == 422
+                && body.contains("ValidatingAdmissionPolicy 'gpuplane-controller-pods'")
+                && body.contains(why),
+            "expected a refusal saying {why:?}: {code} {body}"
+        );
+    }
+    let now = pod_json(lab, ns, pod).unwrap();
+    let conditions = now["status"]["conditions"].as_array().unwrap();
+    let ready = conditions.iter().find(|c| c["type"] == "Ready").unwrap();
+    assert_eq!(
+        ready["status"], "True",
+        "the kubelet's condition stands: {now}"
+    );
+    assert!(now["metadata"]["labels"].get("stolen").is_none());
+}
+
 #[test]
 fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     let Some(lab) = ClusterLab::start() else {
@@ -127,6 +222,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         "gpuplane-node-resourceslices",
         "gpuplane-node-labels",
         "gpuplane-controller-namespaces",
+        "gpuplane-controller-pods",
     ] {
         let vap = eventually(
             &format!("admission policy {policy} to be type-checked"),
@@ -184,6 +280,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     );
     cluster::wait_running(&lab, "team-a", "two");
     assert!(pod_json(&lab, "team-a", "one-more").is_none());
+    controller_writes_are_narrowed_to_its_own(&lab, &installed, "team-a", "two");
 
     // Queue mode: a GPU pod is created gated and released by the controller when it fits;
     // the next waits gated until the first is deleted.
