@@ -1097,6 +1097,48 @@ async fn replaced_certificate_files_are_served_to_new_connections() {
 use rustls::pki_types::pem::PemObject;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_pod_without_a_required_label_is_refused_naming_it() {
+    let api = ApiServerDouble::start().await.unwrap();
+    quota(
+        &api,
+        "default",
+        json!({"hard": {"devices": {"nvidia.com/gpu": 2}}, "requireLabels": ["team"]}),
+    )
+    .await;
+    let pki = Pki::new();
+    let wh = replica(&api, &pki).await;
+    let tls = pki.client_config();
+    let validate = |uid: &'static str, p: Value| {
+        let body = pod_review(uid, p);
+        let tls = tls.clone();
+        let addr = wh.addr();
+        async move { response(&post(&tls, addr, "/validate", &body).await) }
+    };
+    let r = validate("u1", gpu_pod("anonymous", "nvidia.com/gpu", 1)).await;
+    assert_eq!(r["allowed"], false, "{r}");
+    assert_eq!(r["status"]["code"], 403);
+    assert_eq!(
+        r["status"]["message"],
+        format!(
+            "GPU pod anonymous lacks the label team (required by GpuQuota {NS}/default): add it \
+             to the pod's metadata.labels so its GPU use has an owner"
+        )
+    );
+    // Refused before any reservation: nothing charged.
+    assert!(stored_quota(&api, "default")
+        .status
+        .is_none_or(|s| s.reservations.is_empty()));
+    let mut owned = gpu_pod("owned", "nvidia.com/gpu", 1);
+    owned["metadata"]["labels"] = json!({"team": "vision"});
+    let r = validate("u2", owned).await;
+    assert_eq!(r["allowed"], true, "{r}");
+    // A pod asking for no GPU is not the quota's business.
+    let cpu = pod("cpu", json!({"containers": [{"name": "c", "image": "x"}]}));
+    let r = validate("u3", cpu).await;
+    assert_eq!(r["allowed"], true, "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_mode_gates_gpu_pods_and_records_them_as_queued() {
     let api = ApiServerDouble::start().await.unwrap();
     quota(

@@ -1017,3 +1017,89 @@ mod shares;
 
 #[path = "tests/bound.rs"]
 mod bound;
+
+#[test]
+fn required_labels_are_named_with_the_quota_asking_for_them() {
+    let quota = |name: &str, keys: &[&str]| {
+        let mut q = GpuQuota::new(
+            name,
+            GpuQuotaSpec {
+                require_labels: keys.iter().map(|k| k.to_string()).collect(),
+                ..GpuQuotaSpec::default()
+            },
+        );
+        q.metadata.namespace = Some("team-a".into());
+        q
+    };
+    let quotas = [
+        quota("default", &["team"]),
+        quota("finance", &["example.com/cost-center"]),
+    ];
+    let labels = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    let all = labels(&[("team", "a"), ("example.com/cost-center", "42")]);
+    assert_eq!(missing_labels(&quotas, "train", Some(&all)), None);
+    assert_eq!(
+        missing_labels(&quotas, "train", Some(&labels(&[("team", "a")]))).as_deref(),
+        Some(
+            "GPU pod train lacks the label example.com/cost-center (required by GpuQuota \
+             team-a/finance): add it to the pod's metadata.labels so its GPU use has an owner"
+        )
+    );
+    let none = missing_labels(&quotas, "train", None).unwrap();
+    assert!(
+        none.starts_with(
+            "GPU pod train lacks the labels team (required by GpuQuota team-a/default), \
+             example.com/cost-center (required by GpuQuota team-a/finance): add them"
+        ),
+        "{none}"
+    );
+    assert_eq!(missing_labels(&[quota("q", &[])], "train", None), None);
+}
+
+#[test]
+fn the_crd_accepts_exactly_the_label_keys_kubernetes_accepts_in_require_labels() {
+    use crate::names;
+    use kube_core::CustomResourceExt;
+    let crd = serde_json::to_value(GpuQuota::crd()).unwrap();
+    let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        ["properties"]["requireLabels"];
+    let pattern = regex::Regex::new(schema["items"]["pattern"].as_str().unwrap()).unwrap();
+    // Kubernetes' label-key grammar: an optional DNS-subdomain prefix and `/`, then a
+    // qualified-name part (crate::names, as the API server checks them).
+    let name_part =
+        |n: &str| n.len() <= names::QUALIFIED_NAME_MAX && names::is_qualified_name_part(n);
+    let is_key = |k: &str| match k.split_once('/') {
+        Some((prefix, name)) => names::is_dns_subdomain(prefix) && name_part(name),
+        None => name_part(k),
+    };
+    let long = "a".repeat(63);
+    let too_long = "a".repeat(64);
+    let keys = [
+        "team",
+        "cost-center",
+        "example.com/team",
+        "a.b-c/x_y.z",
+        "A9",
+        "",
+        "-team",
+        "team name",
+        "Example.com/team",
+        "/team",
+        "team/",
+        "a/b/c",
+        "x_",
+        "_x",
+        &long,
+        &too_long,
+        "a..b/c",
+        "a.b/C.d",
+    ];
+    for k in keys {
+        assert_eq!(pattern.is_match(k), is_key(k), "{k:?}");
+    }
+}

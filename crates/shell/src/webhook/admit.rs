@@ -27,9 +27,9 @@ use super::commit::{Answer, CommitError, Committer};
 use super::metrics::{Metrics, Webhook};
 use super::review::{AdmissionRequest, Verdict};
 use crate::quota::{
-    claim_charge, claim_is_extended_resource_claim, claim_is_pod_owned, now_rfc3339, pod_charge,
-    pod_template_names, ungated_denial, waiting_message, Charge, GpuQuota, ObjectKind, Op,
-    QuotaMode, Reservation, ReservationKey, ReservationState, SCHEDULING_GATE,
+    claim_charge, claim_is_extended_resource_claim, claim_is_pod_owned, missing_labels,
+    now_rfc3339, pod_charge, pod_template_names, ungated_denial, waiting_message, Charge, GpuQuota,
+    ObjectKind, Op, QuotaMode, Reservation, ReservationKey, ReservationState, SCHEDULING_GATE,
 };
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation};
@@ -205,7 +205,27 @@ impl Admitter {
         if quotas.is_empty() {
             return Ok(Verdict::allow());
         }
-        let charge = match self.price_pod(&ns, &pod).await? {
+        let priced = self.price_pod(&ns, &pod).await?;
+        if matches!(&priced, Priced::Charge(c) if c.is_empty()) {
+            return Ok(Verdict::allow());
+        }
+        let name = pod
+            .metadata
+            .name
+            .clone()
+            .or_else(|| req.name.clone())
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| Verdict::deny(400, "the pod has no name"))?;
+        // A pod waiting for its claim templates is taken for a GPU pod here: it is gated
+        // until priced, and its labels are what they will be then.
+        if let Some(why) = missing_labels(
+            quotas.iter().map(|q| &**q),
+            &name,
+            pod.metadata.labels.as_ref(),
+        ) {
+            return Err(Verdict::deny(403, why));
+        }
+        let charge = match priced {
             Priced::Charge(c) => c,
             // Charged nothing: held at the gate, it holds no devices until the controller
             // prices it from its templates and releases it.
@@ -216,16 +236,6 @@ impl Admitter {
                 return Err(Verdict::deny(403, ungated_denial(&ns, &missing)))
             }
         };
-        if charge.is_empty() {
-            return Ok(Verdict::allow());
-        }
-        let name = pod
-            .metadata
-            .name
-            .clone()
-            .or_else(|| req.name.clone())
-            .filter(|n| !n.is_empty())
-            .ok_or_else(|| Verdict::deny(400, "the pod has no name"))?;
         let reservation = Reservation {
             kind: ObjectKind::Pod,
             namespace: ns.clone(),
