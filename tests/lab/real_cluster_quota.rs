@@ -116,6 +116,63 @@ fn queue_label(lab: &ClusterLab, ns: &str) -> Option<String> {
         .map(String::from)
 }
 
+/// `requireLabels` on the real API server: a key that is no label key is refused by the CRD's
+/// schema, naming the field; then a GPU pod without the required label is refused by the
+/// webhook naming it, and one with it goes on to the quota check. `ns`'s quota is `default`,
+/// full (2 of 2 devices), and is left as it was.
+fn owner_labels_are_required_where_the_quota_says(lab: &ClusterLab, ns: &str) {
+    let base = quota(ns, "devices", 2, "Reject");
+    let with = |keys: &str| format!("{base}  requireLabels: {keys}\n");
+    let apply =
+        |yaml: &str| lab.kubectl_as(&lab.admin_kubeconfig(), &["apply", "-f", "-"], Some(yaml));
+    let bad = apply(&with(r#"["team name"]"#));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        !bad.status.success()
+            && err.contains("spec.requireLabels[0]")
+            && err.contains("should match"),
+        "{err}"
+    );
+    let good = apply(&with("[team]"));
+    assert!(
+        good.status.success(),
+        "{}",
+        String::from_utf8_lossy(&good.stderr)
+    );
+    let unowned = pod(ns, "unowned", 1);
+    let err = eventually("the webhook to require the label team", || {
+        lab.create(&unowned, &["--dry-run=server"])
+            .err()
+            .filter(|e| e.contains("lacks the label team"))
+    });
+    assert!(
+        err.contains(&format!(
+            "GPU pod unowned lacks the label team (required by GpuQuota {ns}/default)"
+        )),
+        "{err}"
+    );
+    let owned = unowned.replace(
+        "metadata: {name: unowned,",
+        "metadata: {labels: {team: vision}, name: owned,",
+    );
+    let err = lab.create(&owned, &["--dry-run=server"]).unwrap_err();
+    assert!(
+        err.contains("requested 1, used 2 of 2"),
+        "past the label, the quota: {err}"
+    );
+    let back = apply(&base);
+    assert!(
+        back.status.success(),
+        "{}",
+        String::from_utf8_lossy(&back.stderr)
+    );
+    eventually("the webhook to drop the label requirement", || {
+        lab.create(&unowned, &["--dry-run=server"])
+            .err()
+            .filter(|e| e.contains("requested 1, used 2 of 2"))
+    });
+}
+
 /// A PATCH of `path` on the lab's API server as the account of `kubeconfig` (one of the
 /// lab's token kubeconfigs), sent as is: kubectl would GET the object first, which the
 /// controller's RBAC does not grant. Returns the HTTP status and the body.
@@ -281,6 +338,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     cluster::wait_running(&lab, "team-a", "two");
     assert!(pod_json(&lab, "team-a", "one-more").is_none());
     controller_writes_are_narrowed_to_its_own(&lab, &installed, "team-a", "two");
+    owner_labels_are_required_where_the_quota_says(&lab, "team-a");
 
     // Queue mode: a GPU pod is created gated and released by the controller when it fits;
     // the next waits gated until the first is deleted.
