@@ -148,7 +148,9 @@ pub fn node_gpus(nodes: &[Node], pods: &[Pod], catalog: &DeviceCatalog) -> Vec<N
                 q.into_iter()
                     .flatten()
                     .filter(|(r, _)| catalog.is_gpu_resource(r))
-                    .filter_map(|(r, q)| Some((r.clone(), crate::quota::charge::quantity_count(q)?)))
+                    .filter_map(|(r, q)| {
+                        Some((r.clone(), crate::quota::charge::quantity_count(q)?))
+                    })
                     .collect()
             };
             let allocatable = gpus(status.and_then(|s| s.allocatable.as_ref()));

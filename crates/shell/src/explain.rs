@@ -98,7 +98,8 @@ pub async fn namespace(
     .await?;
     let cluster = cluster(client, settings, namespace).await?;
     let waiting = |p: &&Pod| {
-        refused_by_kubelet(p) || p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending")
+        refused_by_kubelet(p)
+            || p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending")
     };
     let mut out: Vec<Explanation> = pods
         .iter()

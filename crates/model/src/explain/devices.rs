@@ -47,8 +47,15 @@ impl DeviceFacts {
                 effect: t.effect.clone(),
                 time_added: None,
             };
-            if !tolerations.iter().any(|o| super::tolerates(&pod_toleration(o), &taint)) {
-                let value = t.value.as_deref().map(|v| format!("={v}")).unwrap_or_default();
+            if !tolerations
+                .iter()
+                .any(|o| super::tolerates(&pod_toleration(o), &taint))
+            {
+                let value = t
+                    .value
+                    .as_deref()
+                    .map(|v| format!("={v}"))
+                    .unwrap_or_default();
                 return Usable::Tainted(format!("{}{value}:{}", t.key, t.effect));
             }
         }

@@ -19,7 +19,11 @@ pub(super) fn mark_unhealthy(
     catalog: &DeviceCatalog,
 ) {
     let mut by_node: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-    for d in catalog.devices().iter().filter(|d| d.kind == DeviceKind::Gpu) {
+    for d in catalog
+        .devices()
+        .iter()
+        .filter(|d| d.kind == DeviceKind::Gpu)
+    {
         let key = (d.driver.clone(), d.pool.clone(), d.name.clone());
         let Some(f) = devices.get(&key) else { continue };
         if let (Some(node), Some(cause)) = (f.node.as_deref(), f.unhealthy()) {

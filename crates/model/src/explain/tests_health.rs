@@ -5,7 +5,12 @@ use super::*;
 /// `slice(node, A100, n)` with GPU i on NUMA node `i / (n / 2)` and `taints` on named devices.
 fn numa_slice(node: &str, n: usize, taints: &[(&str, &str, &str)]) -> ResourceSlice {
     let mut s = serde_json::to_value(slice(node, "NVIDIA A100-SXM4-80GB", n)).unwrap();
-    for (i, d) in s["spec"]["devices"].as_array_mut().unwrap().iter_mut().enumerate() {
+    for (i, d) in s["spec"]["devices"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .enumerate()
+    {
         let numa = i64::try_from(i / (n / 2)).unwrap();
         d["attributes"]["resource.kubernetes.io/numaNode"] = json!({"int": numa});
         let name = d["name"].as_str().unwrap().to_string();
@@ -52,7 +57,13 @@ fn unhealthy_gpus_the_pod_could_have_had_are_named_with_their_cause() {
     );
     // More than the unhealthy ones would give: plain Capacity.
     let (r, m) = answer_in(&pod("p", 5, json!({})), &listed);
-    assert_eq!((r, m.as_str()), (Reason::Capacity, "needs 5 nvidia.com/gpu; 3 free in the cluster"));
+    assert_eq!(
+        (r, m.as_str()),
+        (
+            Reason::Capacity,
+            "needs 5 nvidia.com/gpu; 3 free in the cluster"
+        )
+    );
 }
 
 #[test]
@@ -67,7 +78,11 @@ fn a_gpu_missing_from_allocatable_without_a_health_taint_is_not_called_unhealthy
             ..Default::default()
         };
         let (r, _) = answer_in(&pod("p", 5, json!({})), &listed);
-        assert_eq!(r, Reason::Capacity, "allocatable {alloc}, taints {taints:?}");
+        assert_eq!(
+            r,
+            Reason::Capacity,
+            "allocatable {alloc}, taints {taints:?}"
+        );
     }
 }
 
@@ -77,7 +92,14 @@ fn a_claim_short_of_untainted_devices_names_the_taints_unless_it_tolerates_them(
     let mut l = listed(template(2, D, None), vec![]);
     l.slices = vec![
         numa_slice("a", 2, &[("gpu-1", XID, "xid-79")]),
-        numa_slice("b", 2, &[("gpu-0", drain, "drain"), ("gpu-1", "gpu.gpuplane.dev/device-plugin", "in-use")]),
+        numa_slice(
+            "b",
+            2,
+            &[
+                ("gpu-0", drain, "drain"),
+                ("gpu-1", "gpu.gpuplane.dev/device-plugin", "in-use"),
+            ],
+        ),
     ];
     let (r, m) = answer_in(&claim_pod(), &l);
     assert_eq!(r, Reason::Unhealthy);
@@ -131,7 +153,10 @@ fn a_pod_the_kubelet_refused_for_numa_alignment_is_topology_with_free_gpus_per_n
     bare.slices = vec![slice("a", "NVIDIA A100-SXM4-80GB", 8)];
     let (r, m) = answer_in(&refused(5), &bare);
     assert_eq!(r, Reason::Topology);
-    assert!(m.ends_with("; a publishes no resource.kubernetes.io/numaNode for its GPUs"), "{m}");
+    assert!(
+        m.ends_with("; a publishes no resource.kubernetes.io/numaNode for its GPUs"),
+        "{m}"
+    );
     // Failed for another reason: not waiting, not Topology.
     let mut other = refused(5);
     other.status.as_mut().unwrap().reason = Some("OutOfnvidia.com/gpu".into());

@@ -78,7 +78,8 @@ fn free_by_numa(node: &str, cluster: &Cluster) -> BTreeMap<i64, u64> {
         if f.node.as_deref() != Some(node) {
             continue;
         }
-        let free = !cluster.taken.contains_key(&key) && f.usable(&[]) == super::devices::Usable::Yes;
+        let free =
+            !cluster.taken.contains_key(&key) && f.usable(&[]) == super::devices::Usable::Yes;
         *out.entry(numa).or_insert(0) += u64::from(free);
     }
     out
