@@ -575,6 +575,18 @@ impl ClusterLab {
         self.work.join("cdi")
     }
 
+    /// Adds `lines` (YAML, each ending in a newline) to lab-node's KubeletConfiguration
+    /// (`topologyManagerPolicy: single-numa-node`, say) and restarts its kubelet with them.
+    pub fn configure_kubelet(&self, lines: &str) {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.work.join("kubelet.yaml"))
+            .unwrap();
+        f.write_all(lines.as_bytes()).unwrap();
+        self.restart_kubelet();
+    }
+
     /// Restarts the kubelet (SIGTERM, then a fresh one) and waits for its `/healthz`.
     pub fn restart_kubelet(&self) {
         let ctl = self.work.join("ctl");

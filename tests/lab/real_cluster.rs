@@ -47,7 +47,7 @@ fn collect_uuids(v: &Value, out: &mut BTreeSet<String>) {
 }
 
 /// The node's allocatable `nvidia.com/gpu`, if any.
-fn allocatable_gpus(lab: &ClusterLab) -> Option<String> {
+pub(crate) fn allocatable_gpus(lab: &ClusterLab) -> Option<String> {
     let node = lab.get_json(&["get", "node", NODE])?;
     node["status"]["allocatable"]["nvidia.com/gpu"]
         .as_str()
@@ -115,7 +115,7 @@ fn pod_phase(lab: &ClusterLab, name: &str) -> Option<String> {
 
 /// Waits for the pod to reach one of `phases`; panics (with its description) on `Failed`
 /// unless that is wanted.
-fn wait_phase(lab: &ClusterLab, name: &str, phases: &[&str]) -> String {
+pub(crate) fn wait_phase(lab: &ClusterLab, name: &str, phases: &[&str]) -> String {
     eventually_or(
         &format!("pod {name} to reach {phases:?}"),
         || {
@@ -669,7 +669,7 @@ fn logged_uuids(log: &str) -> BTreeSet<String> {
 
 /// A pod holding a claim of `count` GPUs from DeviceClass gpu.gpuplane.dev whose devices also
 /// match `selector` (CEL), sleeping so that it keeps them.
-fn claim_pod(lab: &ClusterLab, name: &str, count: u32, selector: &str) {
+pub(crate) fn claim_pod(lab: &ClusterLab, name: &str, count: u32, selector: &str) {
     let extra = [
         format!("count: {count}"),
         format!("selectors: [{{cel: {{expression: \"{selector}\"}}}}]"),
@@ -1055,7 +1055,7 @@ spec:
 
 /// `gpuplane explain <args> -o json --kubeconfig <admin>` in the lab: its parsed stdout, or
 /// its stderr when it fails.
-fn explain(lab: &ClusterLab, args: &[&str]) -> Result<Value, String> {
+pub(crate) fn explain(lab: &ClusterLab, args: &[&str]) -> Result<Value, String> {
     let out = lab
         .in_netns(env!("CARGO_BIN_EXE_gpuplane"))
         .arg("explain")

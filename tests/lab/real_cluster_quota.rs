@@ -55,7 +55,7 @@ fn namespace_with_quota(lab: &ClusterLab, ns: &str, dim: &str, gpus: u32, mode: 
     );
 }
 
-fn pod_json(lab: &ClusterLab, ns: &str, name: &str) -> Option<Value> {
+pub(crate) fn pod_json(lab: &ClusterLab, ns: &str, name: &str) -> Option<Value> {
     lab.get_json(&["get", "pod", name, "-n", ns])
 }
 
@@ -81,7 +81,7 @@ fn scheduled_reason(pod: &Value) -> Option<String> {
 }
 
 /// The controller's `/metrics` text.
-fn controller_metrics(lab: &ClusterLab) -> String {
+pub(crate) fn controller_metrics(lab: &ClusterLab) -> String {
     let out = lab
         .in_netns("curl")
         .args(["-sf", &format!("http://{CONTROLLER_METRICS_ADDR}/metrics")])

@@ -6,9 +6,17 @@
 //! too little free in the whole cluster (capacity), enough free but only on nodes the pod may not
 //! use (placement), enough free on usable nodes but no single node has enough (fragmentation).
 //! A pod's claims are checked after its device-plugin resources (`claims.rs`): a request no
-//! published device matches, or too few matching devices free.
+//! published device matches, or too few matching devices free. Where the free devices fall
+//! short only because matching ones are unhealthy or tainted, the answer says so and names them
+//! (`health.rs`). A pod the kubelet refused for NUMA alignment is answered first
+//! (`topology.rs`): it is bound and Failed, but still has no GPU.
 
 mod claims;
+pub mod devices;
+mod health;
+mod topology;
+
+pub use topology::refused_by_kubelet;
 
 use crate::controller::pods::{gate_index, is_terminal, CONDITION};
 use crate::quota::{pod_resource_counts, CatalogSettings, DeviceCatalog};
@@ -40,19 +48,26 @@ pub enum Reason {
     Placement,
     /// Enough free on nodes the pod may use, but no one node has enough.
     Fragmentation,
+    /// Too few free, but matching devices exist that are unhealthy or tainted.
+    Unhealthy,
+    /// The kubelet refused it with TopologyAffinityError: the node's free GPUs are not on one
+    /// NUMA node, which the scheduler does not see.
+    Topology,
     /// None of the above could be decided: the scheduler's message, quoted.
     Unknown,
 }
 
 impl Reason {
     /// Every reason a waiting pod can have (all but [`Reason::NotWaiting`]), in order.
-    pub const WAITING: [Reason; 7] = [
+    pub const WAITING: [Reason; 9] = [
         Reason::Quota,
         Reason::Selector,
         Reason::NoGpuCapacity,
         Reason::Capacity,
         Reason::Placement,
         Reason::Fragmentation,
+        Reason::Unhealthy,
+        Reason::Topology,
         Reason::Unknown,
     ];
 
@@ -66,6 +81,8 @@ impl Reason {
             Reason::Capacity => "Capacity",
             Reason::Placement => "Placement",
             Reason::Fragmentation => "Fragmentation",
+            Reason::Unhealthy => "Unhealthy",
+            Reason::Topology => "Topology",
             Reason::Unknown => "Unknown",
         }
     }
@@ -93,6 +110,11 @@ pub struct NodeGpus {
     pub schedulable: bool,
     pub taints: Vec<Taint>,
     pub labels: BTreeMap<String, String>,
+    /// Capacity minus allocatable of its GPU resources: devices the kubelet counts but does
+    /// not offer (unhealthy, or withdrawn from the device plugin while a claim holds them).
+    pub unavailable: BTreeMap<String, u64>,
+    /// Its whole GPUs our agent marked unhealthy, as "gpu-3 (xid-48)" (from the slices).
+    pub unhealthy: Vec<String>,
 }
 
 impl NodeGpus {
@@ -122,12 +144,23 @@ pub fn node_gpus(nodes: &[Node], pods: &[Pod], catalog: &DeviceCatalog) -> Vec<N
             let name = n.metadata.name.clone().unwrap_or_default();
             let spec = n.spec.clone().unwrap_or_default();
             let status = n.status.as_ref();
-            let allocatable = status
-                .and_then(|s| s.allocatable.as_ref())
+            let gpus = |q: Option<&BTreeMap<String, _>>| -> BTreeMap<String, u64> {
+                q.into_iter()
+                    .flatten()
+                    .filter(|(r, _)| catalog.is_gpu_resource(r))
+                    .filter_map(|(r, q)| {
+                        Some((r.clone(), crate::quota::charge::quantity_count(q)?))
+                    })
+                    .collect()
+            };
+            let allocatable = gpus(status.and_then(|s| s.allocatable.as_ref()));
+            let unavailable = gpus(status.and_then(|s| s.capacity.as_ref()))
                 .into_iter()
-                .flatten()
-                .filter(|(r, _)| catalog.is_gpu_resource(r))
-                .filter_map(|(r, q)| Some((r.clone(), crate::quota::charge::quantity_count(q)?)))
+                .map(|(r, c)| {
+                    let a = allocatable.get(&r).copied().unwrap_or(0);
+                    (r, c.saturating_sub(a))
+                })
+                .filter(|(_, n)| *n > 0)
                 .collect();
             let ready = status
                 .and_then(|s| s.conditions.as_ref())
@@ -147,6 +180,8 @@ pub fn node_gpus(nodes: &[Node], pods: &[Pod], catalog: &DeviceCatalog) -> Vec<N
                     .unwrap_or_default()
                     .into_iter()
                     .collect(),
+                unavailable,
+                unhealthy: Vec::new(),
             }
         })
         .collect()
@@ -161,6 +196,8 @@ pub struct Cluster {
     pub taken: BTreeMap<(String, String, String), String>,
     /// ResourceClaimTemplates by (namespace, name).
     pub templates: BTreeMap<(String, String), k8s_openapi::api::resource::v1::ResourceClaimSpec>,
+    /// What the slices say of each device: node, NUMA node, taints.
+    pub devices: BTreeMap<devices::Key, devices::DeviceFacts>,
 }
 
 /// Everything [`Cluster::new`] reads, as listed from the API server.
@@ -178,8 +215,12 @@ pub struct Listed {
 impl Cluster {
     pub fn new(listed: &Listed, settings: CatalogSettings) -> Cluster {
         let catalog = DeviceCatalog::new(&listed.slices, &listed.classes, settings);
+        let devices = devices::facts(&listed.slices);
+        let mut nodes = node_gpus(&listed.nodes, &listed.pods, &catalog);
+        health::mark_unhealthy(&mut nodes, &devices, &catalog);
         Cluster {
-            nodes: node_gpus(&listed.nodes, &listed.pods, &catalog),
+            nodes,
+            devices,
             catalog,
             taken: claims::taken(&listed.claims),
             templates: listed
@@ -212,6 +253,9 @@ pub fn explain(pod: &Pod, cluster: &Cluster) -> Explanation {
 fn classify(pod: &Pod, cluster: &Cluster) -> (Reason, String) {
     let spec = pod.spec.clone().unwrap_or_default();
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    if let Some(answer) = topology::answer(pod, cluster) {
+        return answer;
+    }
     if let Some(node) = &spec.node_name {
         return (Reason::NotWaiting, format!("scheduled to node {node}"));
     }
@@ -276,6 +320,9 @@ fn resource_answer(
     let up: Vec<&NodeGpus> = offering.iter().copied().filter(|n| n.schedulable).collect();
     let total: u64 = up.iter().map(|n| n.free(resource)).sum();
     if total < ask {
+        if let Some(answer) = health::resource_answer(spec, &needs, resource, ask, &up) {
+            return Some(answer);
+        }
         let down = offering.len() - up.len();
         let mut m = format!("{needs}; {total} free in the cluster");
         if down > 0 {

@@ -3,7 +3,7 @@
 //! allocated claims, the namespace's ResourceClaimTemplates) and renders its answers. One list
 //! each per call, no cache: the CLI asks once and exits.
 
-use gpuplane_model::explain::{explain, Cluster, Explanation, Listed};
+use gpuplane_model::explain::{explain, refused_by_kubelet, Cluster, Explanation, Listed};
 use gpuplane_model::quota::CatalogSettings;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{
@@ -81,14 +81,15 @@ pub async fn pod(
     Ok(explain(&pod, &cluster))
 }
 
-/// Why each Pending pod of `namespace` is Pending, by name.
+/// Why each Pending pod of `namespace` is Pending, by name, and each pod the kubelet refused
+/// for NUMA alignment (Failed, but it never had its GPUs).
 pub async fn namespace(
     client: &kube::Client,
     settings: CatalogSettings,
     namespace: &str,
 ) -> Result<Vec<Explanation>, ExplainError> {
-    let pending = ListParams::default().fields("status.phase=Pending");
-    let what = format!("the Pending pods of namespace {namespace}");
+    let pending = ListParams::default().fields("status.phase!=Running,status.phase!=Succeeded");
+    let what = format!("the Pending and Failed pods of namespace {namespace}");
     let pods = list(
         Api::<Pod>::namespaced(client.clone(), namespace),
         &pending,
@@ -96,7 +97,15 @@ pub async fn namespace(
     )
     .await?;
     let cluster = cluster(client, settings, namespace).await?;
-    let mut out: Vec<Explanation> = pods.iter().map(|p| explain(p, &cluster)).collect();
+    let waiting = |p: &&Pod| {
+        refused_by_kubelet(p)
+            || p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending")
+    };
+    let mut out: Vec<Explanation> = pods
+        .iter()
+        .filter(waiting)
+        .map(|p| explain(p, &cluster))
+        .collect();
     out.sort_by(|a, b| a.pod.cmp(&b.pod));
     Ok(out)
 }

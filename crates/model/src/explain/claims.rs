@@ -2,10 +2,13 @@
 //! the published devices. Only what can be said for sure is said: a request whose DeviceClass
 //! does not exist or that no published device may match (selectors that cannot be evaluated
 //! count as matching), or an exact count larger than the matching devices free in the whole
-//! cluster or on any one node. Shares, `All`, `firstAvailable` and constraints are left to the
-//! scheduler's own message.
+//! cluster or on any one node. A device held through the device plugin (our in-use taint) is
+//! not free; one with a taint the request does not tolerate is named when it is what is
+//! missing. Shares, `All`, `firstAvailable` and constraints are left to the scheduler's own
+//! message.
 
-use super::{scheduler_says, spread, Cluster, Reason};
+use super::devices::Usable;
+use super::{health, scheduler_says, spread, Cluster, Reason};
 use crate::quota::selector::Selector;
 use crate::quota::{CatalogDevice, ClassMatch, DeviceKind};
 use k8s_openapi::api::core::v1::Pod;
@@ -120,14 +123,28 @@ fn request_answer(
             .get(&key)
             .is_none_or(|holder| holder == pod_uid)
     };
+    let tolerations = e.tolerations.as_deref().unwrap_or_default();
     let mut by_pool: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut tainted = Vec::new();
     for d in matching.iter().filter(free) {
-        *by_pool.entry(d.pool.as_str()).or_insert(0) += 1;
+        let key = (d.driver.clone(), d.pool.clone(), d.name.clone());
+        let usable = cluster
+            .devices
+            .get(&key)
+            .map_or(Usable::Yes, |f| f.usable(tolerations));
+        match usable {
+            Usable::Yes => *by_pool.entry(d.pool.as_str()).or_insert(0) += 1,
+            Usable::InUse => {}
+            Usable::Tainted(t) => tainted.push(format!("{}/{} {t}", d.pool, d.name)),
+        }
     }
     let total: u64 = by_pool.values().sum();
     let needs = format!("request {name} needs {count} device(s) of DeviceClass {class}");
     if total < count {
         let all = matching.len();
+        if let Some(a) = health::claim_answer(&needs, count, total, all, &tainted) {
+            return Some(a);
+        }
         return Some((
             Reason::Capacity,
             format!("{needs}; {total} of the {all} matching free in the cluster"),

@@ -1,5 +1,5 @@
 //! Keeps the answer to "why is my GPU pod Pending" on the pod (I/O shell over
-//! `gpuplane_model::explain`; leader only). Reflector stores of pods (not terminal), nodes,
+//! `gpuplane_model::explain`; leader only). Reflector stores of pods (not Succeeded), nodes,
 //! ResourceSlices, DeviceClasses, ResourceClaims and ResourceClaimTemplates feed one loop; any
 //! change wakes it, and it recomputes at most once per `debounce`, so a reason is current
 //! within about a second of the change that alters it.
@@ -8,13 +8,15 @@
 //! reason = the explanation's reason, message = its message), written only when it differs
 //! from what the pod shows; one core/v1 Event per change of reason (Normal for `Quota`, which
 //! the queue loop already reports, Warning otherwise); once scheduled, the condition turns True
-//! (`Scheduled`). A failed write is logged and made again in the next cycle.
+//! (`Scheduled`). A pod the kubelet refused with TopologyAffinityError is bound and Failed but
+//! never got its GPUs: it keeps the condition (reason `Topology`) and counts as waiting while it
+//! exists. A failed write is logged and made again in the next cycle.
 
 use super::metrics::QueueMetrics;
 use super::pods::{self, PodRef};
 use super::writes::{self, bounded, Condition};
 use crate::quota::CatalogSettings;
-use gpuplane_model::explain::{explain, Cluster, Explanation, Listed, Reason};
+use gpuplane_model::explain::{explain, refused_by_kubelet, Cluster, Explanation, Listed, Reason};
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Node, Pod, PodCondition};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
@@ -185,7 +187,8 @@ impl Explainer {
             let cond = our_condition(pod);
             let previous = cond.map(|c| c.status.clone());
             let node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
-            if let Some(node) = node {
+            // A pod the kubelet refused is bound but has no GPU: it is explained, not Scheduled.
+            if let Some(node) = node.filter(|_| !refused_by_kubelet(pod)) {
                 if previous.as_deref() == Some("False") {
                     writes.push(Write::Condition {
                         pod: PodRef::of(pod),
@@ -352,8 +355,9 @@ pub async fn run(
     let wake = Arc::new(Notify::new());
     let c = || client.clone();
     let all = watcher::Config::default;
-    // Terminal pods never wait and, in a busy cluster, are most pods.
-    let live = all().fields("status.phase!=Succeeded,status.phase!=Failed");
+    // Succeeded pods never wait and, in a busy cluster, are most pods. Failed ones stay: the
+    // kubelet ends a pod it refused for NUMA alignment Failed (the Topology reason).
+    let live = all().fields("status.phase!=Succeeded");
     let (pods, f1) = reflect(Api::<Pod>::all(c()), live, "pods", wake.clone());
     let (nodes, f2) = reflect(Api::<Node>::all(c()), all(), "nodes", wake.clone());
     let (slices, f3) = reflect(Api::all(c()), all(), "resourceslices", wake.clone());
