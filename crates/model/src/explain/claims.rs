@@ -5,7 +5,7 @@
 //! cluster or on any one node. Shares, `All`, `firstAvailable` and constraints are left to the
 //! scheduler's own message.
 
-use super::{scheduler_says, spread, Cluster, Reason};
+use super::{down, scheduler_says, spread, Cluster, Reason};
 use crate::quota::selector::Selector;
 use crate::quota::{CatalogDevice, ClassMatch, DeviceKind};
 use k8s_openapi::api::core::v1::Pod;
@@ -102,7 +102,15 @@ fn request_answer(
         ClassMatch::NotGpu => return None,
         ClassMatch::Devices(d) => d,
     };
+    let down = down::dra_down(&cluster.nodes, &cluster.sliced);
     if matching.is_empty() {
+        if !down.is_empty() && of_class(class, cluster).is_empty() {
+            let m = format!(
+                "request {name}: no device of DeviceClass {class} is published; GPU nodes offering none: {}",
+                down::names(&down)
+            );
+            return Some((Reason::NoGpuCapacity, m));
+        }
         return Some((Reason::Selector, no_match(name, class, &exprs, cluster)));
     }
     let exact = e
@@ -126,12 +134,13 @@ fn request_answer(
     }
     let total: u64 = by_pool.values().sum();
     let needs = format!("request {name} needs {count} device(s) of DeviceClass {class}");
+    let all = matching.len();
+    let free_text = format!("{total} of the {all} matching free in the cluster");
+    if let Some(answer) = down::verdict(&needs, total, count, &free_text, &down) {
+        return Some(answer);
+    }
     if total < count {
-        let all = matching.len();
-        return Some((
-            Reason::Capacity,
-            format!("{needs}; {total} of the {all} matching free in the cluster"),
-        ));
+        return Some((Reason::Capacity, format!("{needs}; {free_text}")));
     }
     if by_pool.values().all(|n| *n < count) {
         let free = by_pool.into_iter().collect();
@@ -142,10 +151,7 @@ fn request_answer(
 
 /// "request gpu: no device of DeviceClass C matches <exprs>; this cluster has A x 8, B x 2".
 fn no_match(name: &str, class: &str, exprs: &[&str], cluster: &Cluster) -> String {
-    let of_class = match cluster.catalog.matching(class, &[]) {
-        ClassMatch::Devices(d) => d,
-        _ => Vec::new(),
-    };
+    let of_class = of_class(class, cluster);
     if of_class.is_empty() {
         let has = summary(cluster.catalog.devices().iter());
         return format!(
@@ -157,6 +163,14 @@ fn no_match(name: &str, class: &str, exprs: &[&str], cluster: &Cluster) -> Strin
     format!(
         "request {name}: no device of DeviceClass {class} matches {exprs}; this cluster has {has}"
     )
+}
+
+/// The published devices of DeviceClass `class`, whatever they are.
+fn of_class<'a>(class: &str, cluster: &'a Cluster) -> Vec<&'a CatalogDevice> {
+    match cluster.catalog.matching(class, &[]) {
+        ClassMatch::Devices(d) => d,
+        _ => Vec::new(),
+    }
 }
 
 /// "A x 8, B MIG 1g.10gb x 2": devices by product (and MIG profile).

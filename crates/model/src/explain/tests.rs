@@ -338,3 +338,5 @@ fn too_few_matching_devices_free_is_capacity_and_spread_thin_is_fragmentation() 
     let (r, _) = answer_in(&claim_pod(), &listed(template(2, D, None), vec![mine]));
     assert_eq!(r, Reason::Unknown);
 }
+
+mod pending;
