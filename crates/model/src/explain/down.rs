@@ -15,7 +15,8 @@ const GPU_LABELS: [&str; 3] = [
     "nvidia.com/gpu.present",
 ];
 
-/// A GPU node that offers none of it, why, and how many GPUs it had when known.
+/// A GPU node that offers none of it, why, and how many it would have free when known (what
+/// it had, less what its pods request).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Down {
     pub name: String,
@@ -57,10 +58,13 @@ pub(super) fn plugin_down(nodes: &[NodeGpus], resource: &str) -> Vec<Down> {
                 label.unwrap_or_default()
             ),
         };
+        let held = n.requested.get(resource).copied().unwrap_or(0);
         Some(Down {
             name: n.name.clone(),
             why,
-            had: capacity.or_else(|| label_count(n)),
+            had: capacity
+                .or_else(|| label_count(n))
+                .map(|h| h.saturating_sub(held)),
         })
     };
     nodes
@@ -96,7 +100,7 @@ pub(super) fn names(down: &[Down]) -> String {
 }
 
 /// NoGPUCapacity when `free` falls short of `ask` and down GPU nodes could make up the
-/// shortfall (or what they had is unknown): restoring them is the first thing to do. `None`
+/// shortfall (or what they would have free is unknown): restoring them is the first thing to do. `None`
 /// when nothing is down, or what is down could not make it fit either (then it is Capacity).
 pub(super) fn verdict(
     needs: &str,

@@ -99,8 +99,11 @@ fn gpu_nodes_whose_agent_is_down_are_named_as_no_gpu_capacity() {
         m,
         "needs 6 nvidia.com/gpu; 4 free in the cluster; GPU nodes offering none: b: nvidia.com/gpu allocatable 0 of capacity 4 (device plugin disconnected, or every device unhealthy)"
     );
-    // What the down node had cannot make 12 either: that is capacity.
+    // What the down node had cannot make 12 either: that is capacity. Nor 6, when its own
+    // pods hold 3 of its 4.
     let (r, _) = answer(&pod("p", 12, json!({})), &nodes, &[]);
+    assert_eq!(r, Reason::Capacity);
+    let (r, _) = answer(&pod("p", 6, json!({})), &nodes, &[running("h", "b", 3)]);
     assert_eq!(r, Reason::Capacity);
     // It fits on what is up: not our business who is down.
     let (r, _) = answer(&pod("p", 2, json!({})), &nodes, &[]);
