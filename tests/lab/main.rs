@@ -14,6 +14,7 @@ mod deploy;
 mod helm;
 mod real_cluster;
 mod real_cluster_dynamic_mig;
+mod real_cluster_pending;
 mod real_cluster_quota;
 mod real_cluster_shares;
 mod real_cluster_shares_quota;

@@ -322,13 +322,22 @@ mod tests {
         m.set_waiting("team-c", Vec::new(), 0);
         m.set_pending(&BTreeMap::from([(Reason::Capacity, 2)]));
         m.left_pending(Reason::Placement, Duration::from_secs(20));
-        m.set_pools(vec![PoolFragmentation {
-            pool: "NVIDIA-H100".into(),
-            resource: "nvidia.com/gpu".into(),
-            free: 6,
-            largest: 2,
-            ratio: 1.0 - 2.0 / 6.0,
-        }]);
+        m.set_pools(vec![
+            PoolFragmentation {
+                pool: "NVIDIA-H100".into(),
+                resource: "nvidia.com/gpu".into(),
+                free: 6,
+                largest: 2,
+                ratio: 1.0 - 2.0 / 6.0,
+            },
+            PoolFragmentation {
+                pool: "unlabelled".into(),
+                resource: "nvidia.com/gpu".into(),
+                free: 0,
+                largest: 0,
+                ratio: 0.0,
+            },
+        ]);
         let text = metrics::render(&[m.registry()]);
         for line in [
             "# TYPE gpuplane_quota_pods_released counter",
@@ -358,6 +367,7 @@ mod tests {
             "# TYPE gpuplane_node_pool_free_gpus gauge",
             "gpuplane_node_pool_free_gpus{pool=\"NVIDIA-H100\",resource=\"nvidia.com/gpu\"} 6",
             "gpuplane_node_pool_fragmentation_ratio{pool=\"NVIDIA-H100\",resource=\"nvidia.com/gpu\"} 0.6666666666666667",
+            "gpuplane_node_pool_fragmentation_ratio{pool=\"unlabelled\",resource=\"nvidia.com/gpu\"} 0.0",
             "# EOF",
         ] {
             assert!(
