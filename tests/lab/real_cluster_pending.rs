@@ -289,7 +289,7 @@ spec:
     );
     let message = cond["message"].as_str().unwrap_or_default();
     assert!(
-        message.starts_with("pod group gang/train: 3 of 3 members exist, 3 held at the quota gate, asking together 3 nvidia.com/gpu ("),
+        message.starts_with("pod group gang/train, position 1 of 1 in namespace gang's queue: 3 of 3 members exist, 3 held at the quota gate, asking together 3 nvidia.com/gpu ("),
         "{cond}"
     );
     assert!(

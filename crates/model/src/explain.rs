@@ -13,6 +13,7 @@ mod claims;
 mod down;
 mod gang;
 mod pools;
+mod queue;
 
 pub use gang::Members;
 pub use pools::{fragmentation_by_pool, PoolFragmentation, POOL_LABEL};
@@ -182,6 +183,8 @@ pub struct Cluster {
     pub groups: BTreeMap<(String, String), gang::Members>,
     /// The nodes that publish a ResourceSlice.
     pub sliced: BTreeSet<String>,
+    /// Gated units' queue positions by (namespace, unit key): (position, queue length).
+    pub queues: BTreeMap<(String, String), (usize, usize)>,
 }
 
 /// Everything [`Cluster::new`] reads, as listed from the API server.
@@ -203,6 +206,7 @@ impl Cluster {
         Cluster {
             nodes: node_gpus(&listed.nodes, &listed.pods, &catalog),
             groups: gang::groups(&listed.pods, &catalog),
+            queues: queue::positions(&listed.pods),
             sliced: listed
                 .slices
                 .iter()
@@ -252,7 +256,8 @@ fn classify(pod: &Pod, cluster: &Cluster) -> (Reason, String) {
             return answer;
         }
         let note = note.unwrap_or_else(|| "the quota controller has not decided on it yet".into());
-        return (Reason::Quota, format!("held by GPU quota: {note}"));
+        let at = queue_position(pod, cluster);
+        return (Reason::Quota, format!("held by GPU quota{at}: {note}"));
     }
     let asks = match pod_resource_counts(pod, &cluster.catalog) {
         Ok(a) => a,
@@ -467,6 +472,16 @@ fn requirement_holds(r: &NodeSelectorRequirement, labels: &BTreeMap<String, Stri
             }
         }
         _ => false,
+    }
+}
+
+/// ", position P of N in namespace NS's queue" for a gated pod's unit, when the pod is among
+/// those the cluster was read with.
+fn queue_position(pod: &Pod, cluster: &Cluster) -> String {
+    let (ns, key) = queue::unit_key(pod);
+    match cluster.queues.get(&(ns.clone(), key)) {
+        Some((at, of)) => format!(", position {at} of {of} in namespace {ns}'s queue"),
+        None => String::new(),
     }
 }
 

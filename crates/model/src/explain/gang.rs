@@ -58,7 +58,14 @@ pub(super) fn answer(pod: &Pod, cluster: &Cluster, note: Option<&str>) -> Option
         return Some((Reason::Gang, format!("{who}: {why}")));
     };
     let (present, gated) = (m.present.max(1), m.gated.max(1));
-    let head = format!("{who}: {present} of {size} members exist, {gated} held at the quota gate");
+    // An incomplete group holds nothing and blocks nothing: its place in the queue means
+    // nothing until it is complete.
+    let at = match present < size {
+        true => String::new(),
+        false => super::queue_position(pod, cluster),
+    };
+    let head =
+        format!("{who}{at}: {present} of {size} members exist, {gated} held at the quota gate");
     if present < size {
         let missing = size - present;
         return Some((

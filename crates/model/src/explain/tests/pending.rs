@@ -40,7 +40,7 @@ fn a_gated_group_member_is_gang_with_its_group_counts_and_what_the_queue_waits_f
     assert_eq!(r, Reason::Gang);
     assert_eq!(
         m,
-        "pod group team-a/train: 4 of 4 members exist, 4 held at the quota gate, asking together 8 nvidia.com/gpu (6 free in the cluster); released together once the quota admits all: waiting for quota: gpus: requested 8, used 2 of 8 in GpuQuota team-a/default"
+        "pod group team-a/train, position 1 of 1 in namespace team-a's queue: 4 of 4 members exist, 4 held at the quota gate, asking together 8 nvidia.com/gpu (6 free in the cluster); released together once the quota admits all: waiting for quota: gpus: requested 8, used 2 of 8 in GpuQuota team-a/default"
     );
     // A bad size annotation is the group's problem, said as the queue says it.
     let bad = gated("x", 1, Some(("odd", "many")), "");
@@ -50,14 +50,34 @@ fn a_gated_group_member_is_gang_with_its_group_counts_and_what_the_queue_waits_f
         m,
         "pod group team-a/odd: annotation quota.gpuplane.dev/pod-group-size=\"many\" is not a positive number"
     );
-    // A single pod stays Quota.
-    let single = gated(
-        "s",
-        1,
-        None,
-        "waiting for quota: gpus: requested 1, used 8 of 8",
+    // A single pod stays Quota, with its place in the namespace's queue: behind the group,
+    // which is older, and ahead of a younger pod; a higher priority goes first.
+    let at = |name: &str, secs: u32, priority: i32| {
+        let mut p = gated(
+            name,
+            1,
+            None,
+            "waiting for quota: gpus: requested 1, used 8 of 8",
+        );
+        let created = format!("2026-01-01T00:00:{secs:02}Z");
+        p.metadata.creation_timestamp = Some(serde_json::from_value(json!(created)).unwrap());
+        p.spec.as_mut().unwrap().priority = Some(priority);
+        p
+    };
+    let (single, younger, urgent) = (at("s", 10, 0), at("t", 20, 0), at("u", 30, 5));
+    let mut all = members.clone();
+    for m in all.iter_mut() {
+        let created = json!("2026-01-01T00:00:00Z");
+        m.metadata.creation_timestamp = Some(serde_json::from_value(created).unwrap());
+    }
+    all.extend([single.clone(), younger, urgent.clone()]);
+    let (r, m) = answer(&single, &nodes, &all);
+    assert_eq!(r, Reason::Quota);
+    assert_eq!(
+        m,
+        "held by GPU quota, position 3 of 4 in namespace team-a's queue: waiting for quota: gpus: requested 1, used 8 of 8"
     );
-    assert_eq!(answer(&single, &nodes, &[]).0, Reason::Quota);
+    assert!(answer(&urgent, &nodes, &all).1.contains("position 1 of 4"));
 }
 
 /// A node whose device plugin left: the kubelet keeps the resource at 0.
