@@ -51,7 +51,7 @@ pub(super) fn groups(pods: &[Pod], catalog: &DeviceCatalog) -> BTreeMap<(String,
 pub(super) fn answer(pod: &Pod, cluster: &Cluster, note: Option<&str>) -> Option<(Reason, String)> {
     let (name, declared) = pods::group(pod)?;
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
-    let who = format!("pod group {ns}/{name}");
+    let who = pods::group_key(&ns, &name);
     let m = cluster.groups.get(&(ns, name)).cloned().unwrap_or_default();
     let Some(size) = m.size else {
         let why = declared.err().unwrap_or_default();

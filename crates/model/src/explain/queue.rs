@@ -9,12 +9,12 @@ use k8s_openapi::api::core::v1::Pod;
 use std::collections::BTreeMap;
 use std::time::SystemTime;
 
-/// A unit's key as the planner writes it: "pod NS/NAME" or "pod group NS/GROUP".
+/// A unit's key as the planner writes it ([`pods::pod_key`], [`pods::group_key`]).
 pub(super) fn unit_key(pod: &Pod) -> (String, String) {
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
     let key = match pods::group(pod) {
-        Some((group, _)) => format!("pod group {ns}/{group}"),
-        None => format!("pod {ns}/{}", pod.metadata.name.as_deref().unwrap_or("")),
+        Some((group, _)) => pods::group_key(&ns, &group),
+        None => pods::pod_key(&ns, pod.metadata.name.as_deref().unwrap_or("")),
     };
     (ns, key)
 }
