@@ -7,7 +7,7 @@
 
 use crate::cluster::{
     self, eventually, eventually_or, refusals, start_controller, ClusterLab, LabAgent,
-    CONTROLLER_METRICS_ADDR, NODE,
+    CONTROLLER_METRICS_ADDR, DRIVER, NODE,
 };
 use serde_json::Value;
 
@@ -114,7 +114,8 @@ fn advertise(lab: &ClusterLab, node: &str) {
 }
 
 /// Fragmentation, then the pod scheduling once one node has enough; a pod group held at the
-/// quota gate as Gang; the agent stopped as NoGPUCapacity naming its node, and started again.
+/// quota gate as Gang; the agent stopped as NoGPUCapacity naming its node, for a device-plugin
+/// pod and (its ResourceSlices gone) for a claim, and started again.
 /// Each with the condition, the Event, `gpuplane explain` and the metrics.
 #[test]
 fn fragmentation_gang_and_a_stopped_agent_each_carry_their_reason_and_numbers() {
@@ -217,6 +218,7 @@ fn fragmentation_gang_and_a_stopped_agent_each_carry_their_reason_and_numbers() 
         &lab,
         "gpuplane_pending_gpu_pods{reason=\"NoGPUCapacity\"} 1",
     );
+    claims_with_the_agent_down(&lab);
     let _agent = LabAgent::start(&lab, &installed.agent, "2");
     let cond = condition(&lab, "default", "again", "Fragmentation");
     assert_eq!(
@@ -304,4 +306,26 @@ spec:
     );
     wait_metric(lab, "gpuplane_pending_gpu_pods{reason=\"Gang\"} 3");
     lab.kubectl_ok(&["delete", "namespace", "gang", "--wait=true"]);
+}
+
+/// With the agent stopped the kubelet deletes its ResourceSlices: a claim for one GPU is
+/// NoGPUCapacity naming the GPU nodes that publish none (lab-node, whose agent stopped, and the
+/// two advertised nodes, which never ran a DRA driver).
+fn claims_with_the_agent_down(lab: &ClusterLab) {
+    eventually("lab-node's ResourceSlices gone", || {
+        cluster::node_slices(lab).is_empty().then_some(())
+    });
+    lab.apply(&cluster::claim_template("default", "one", &[]));
+    lab.apply(&cluster::claim_pod("default", "claimer", "one"));
+    let cond = condition(lab, "default", "claimer", "NoGPUCapacity");
+    let why = "no ResourceSlice (DRA driver not registered: agent stopped or driver down)";
+    assert_eq!(
+        cond["message"],
+        format!(
+            "request gpu: no device of DeviceClass {DRIVER} is published; GPU nodes offering none: lab-node: {why}; lab-node-2: {why}; lab-node-3: {why}"
+        ),
+        "{cond}"
+    );
+    wait_metric(lab, "gpuplane_pending_gpu_pods{reason=\"NoGPUCapacity\"} 2");
+    lab.kubectl_ok(&["delete", "pod", "claimer", "--wait=true"]);
 }

@@ -90,9 +90,12 @@ pub(super) fn dra_down(nodes: &[NodeGpus], sliced: &BTreeSet<String>) -> Vec<Dow
         .collect()
 }
 
-/// "b: why; c: why".
+/// "b: why; c: why", by node name: the nodes come in the watch cache's order, and a message
+/// that changed with it would be rewritten on the pod for nothing.
 pub(super) fn names(down: &[Down]) -> String {
-    let each: Vec<String> = down
+    let mut sorted: Vec<&Down> = down.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    let each: Vec<String> = sorted
         .iter()
         .map(|d| format!("{}: {}", d.name, d.why))
         .collect();

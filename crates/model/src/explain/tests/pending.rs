@@ -149,7 +149,7 @@ fn gpu_nodes_without_resource_slices_are_named_for_a_claim() {
     // Every slice gone: no device of the class at all.
     let mut l = listed(template(1, D, None), vec![]);
     l.slices.clear();
-    l.nodes = vec![gpu_node("a"), gpu_node("b")];
+    l.nodes = vec![gpu_node("b"), gpu_node("a")];
     let (r, m) = answer_in(&claim_pod(), &l);
     assert_eq!(r, Reason::NoGpuCapacity);
     let why = "no ResourceSlice (DRA driver not registered: agent stopped or driver down)";
