@@ -2,7 +2,8 @@
 //! what the cluster holds (pods, nodes). A classifier over the scheduler's inputs, not a second
 //! scheduler: where it cannot be sure it says so and quotes the scheduler's own message.
 //!
-//! The order is the one an operator checks: held by quota (our gate), no GPU capacity at all,
+//! The order is the one an operator checks: held by quota (our gate; a pod group's members as
+//! one gang, `gang.rs`), no GPU capacity at all,
 //! too little free in the whole cluster (capacity), enough free but only on nodes the pod may not
 //! use (placement), enough free on usable nodes but no single node has enough (fragmentation).
 //! A pod's claims are checked after its device-plugin resources (`claims.rs`): a request no
@@ -13,9 +14,15 @@
 
 mod claims;
 pub mod devices;
+mod down;
+mod gang;
 mod health;
+mod pools;
+mod queue;
 mod topology;
 
+pub use gang::Members;
+pub use pools::{fragmentation_by_pool, PoolFragmentation, POOL_LABEL};
 pub use topology::refused_by_kubelet;
 
 use crate::controller::pods::{gate_index, is_terminal, CONDITION};
@@ -26,8 +33,9 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 /// The kinds of answer, in the order they are checked.
@@ -37,6 +45,8 @@ pub enum Reason {
     NotWaiting,
     /// Held at the quota gate: the quota controller's note says why.
     Quota,
+    /// A member of a pod group held at the quota gate until the whole group may go (`gang.rs`).
+    Gang,
     /// A claim's request matches no published device, or names no DeviceClass that exists.
     Selector,
     /// No node offers the resource at all (no agent registered, or its driver is down).
@@ -59,8 +69,9 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason a waiting pod can have (all but [`Reason::NotWaiting`]), in order.
-    pub const WAITING: [Reason; 9] = [
+    pub const WAITING: [Reason; 10] = [
         Reason::Quota,
+        Reason::Gang,
         Reason::Selector,
         Reason::NoGpuCapacity,
         Reason::Capacity,
@@ -76,6 +87,7 @@ impl Reason {
         match self {
             Reason::NotWaiting => "NotWaiting",
             Reason::Quota => "Quota",
+            Reason::Gang => "Gang",
             Reason::Selector => "Selector",
             Reason::NoGpuCapacity => "NoGPUCapacity",
             Reason::Capacity => "Capacity",
@@ -104,6 +116,8 @@ pub struct NodeGpus {
     pub name: String,
     /// Allocatable GPU device-plugin resources, by name.
     pub allocatable: BTreeMap<String, u64>,
+    /// Their capacity (the kubelet keeps a resource listed, at 0, after its plugin left).
+    pub capacity: BTreeMap<String, u64>,
     /// What the pods bound to it and not finished request, by name.
     pub requested: BTreeMap<String, u64>,
     /// Ready and not cordoned.
@@ -144,8 +158,8 @@ pub fn node_gpus(nodes: &[Node], pods: &[Pod], catalog: &DeviceCatalog) -> Vec<N
             let name = n.metadata.name.clone().unwrap_or_default();
             let spec = n.spec.clone().unwrap_or_default();
             let status = n.status.as_ref();
-            let gpus = |q: Option<&BTreeMap<String, _>>| -> BTreeMap<String, u64> {
-                q.into_iter()
+            let gpus = |m: Option<&BTreeMap<String, Quantity>>| -> BTreeMap<String, u64> {
+                m.into_iter()
                     .flatten()
                     .filter(|(r, _)| catalog.is_gpu_resource(r))
                     .filter_map(|(r, q)| {
@@ -154,11 +168,12 @@ pub fn node_gpus(nodes: &[Node], pods: &[Pod], catalog: &DeviceCatalog) -> Vec<N
                     .collect()
             };
             let allocatable = gpus(status.and_then(|s| s.allocatable.as_ref()));
-            let unavailable = gpus(status.and_then(|s| s.capacity.as_ref()))
-                .into_iter()
+            let capacity = gpus(status.and_then(|s| s.capacity.as_ref()));
+            let unavailable = capacity
+                .iter()
                 .map(|(r, c)| {
-                    let a = allocatable.get(&r).copied().unwrap_or(0);
-                    (r, c.saturating_sub(a))
+                    let a = allocatable.get(r).copied().unwrap_or(0);
+                    (r.clone(), c.saturating_sub(a))
                 })
                 .filter(|(_, n)| *n > 0)
                 .collect();
@@ -171,6 +186,7 @@ pub fn node_gpus(nodes: &[Node], pods: &[Pod], catalog: &DeviceCatalog) -> Vec<N
                 requested: requested.remove(name.as_str()).unwrap_or_default(),
                 name,
                 allocatable,
+                capacity,
                 schedulable: ready && !spec.unschedulable.unwrap_or(false),
                 taints: spec.taints.unwrap_or_default(),
                 labels: n
@@ -198,13 +214,20 @@ pub struct Cluster {
     pub templates: BTreeMap<(String, String), k8s_openapi::api::resource::v1::ResourceClaimSpec>,
     /// What the slices say of each device: node, NUMA node, taints.
     pub devices: BTreeMap<devices::Key, devices::DeviceFacts>,
+    /// Pod groups by (namespace, group name).
+    pub groups: BTreeMap<(String, String), gang::Members>,
+    /// The nodes that publish a ResourceSlice.
+    pub sliced: BTreeSet<String>,
+    /// Gated units' queue positions by (namespace, unit key): (position, queue length).
+    pub queues: BTreeMap<(String, String), (usize, usize)>,
 }
 
 /// Everything [`Cluster::new`] reads, as listed from the API server.
 #[derive(Default)]
 pub struct Listed {
     pub nodes: Vec<Node>,
-    /// Pods bound to nodes (others may be present; they are skipped).
+    /// Pods bound to nodes, and the pods of the groups the explained pods belong to (pod
+    /// groups are counted from them; other unbound pods are skipped).
     pub pods: Vec<Pod>,
     pub slices: Vec<ResourceSlice>,
     pub classes: Vec<DeviceClass>,
@@ -221,6 +244,13 @@ impl Cluster {
         Cluster {
             nodes,
             devices,
+            groups: gang::groups(&listed.pods, &catalog),
+            queues: queue::positions(&listed.pods),
+            sliced: listed
+                .slices
+                .iter()
+                .filter_map(|s| s.spec.node_name.clone())
+                .collect(),
             catalog,
             taken: claims::taken(&listed.claims),
             templates: listed
@@ -263,9 +293,13 @@ fn classify(pod: &Pod, cluster: &Cluster) -> (Reason, String) {
         return (Reason::NotWaiting, format!("phase {}", phase.unwrap_or("")));
     }
     if gate_index(pod).is_some() {
-        let note = quota_note(pod)
-            .unwrap_or_else(|| "the quota controller has not decided on it yet".into());
-        return (Reason::Quota, format!("held by GPU quota: {note}"));
+        let note = quota_note(pod);
+        if let Some(answer) = gang::answer(pod, cluster, note.as_deref()) {
+            return answer;
+        }
+        let note = note.unwrap_or_else(|| "the quota controller has not decided on it yet".into());
+        let at = queue_position(pod, cluster);
+        return (Reason::Quota, format!("held by GPU quota{at}: {note}"));
     }
     let asks = match pod_resource_counts(pod, &cluster.catalog) {
         Ok(a) => a,
@@ -309,16 +343,23 @@ fn resource_answer(
         .filter(|n| n.allocatable.get(resource).is_some_and(|a| *a > 0))
         .collect();
     let needs = format!("needs {ask} {resource}");
+    let down = down::plugin_down(nodes, resource);
     if offering.is_empty() {
+        let why = match down.is_empty() {
+            true => " (is the gpuplane agent running and registered on the GPU nodes?)".into(),
+            false => format!(": {}", down::names(&down)),
+        };
         return Some((
             Reason::NoGpuCapacity,
-            format!(
-                "{needs}; no node offers {resource} (is the gpuplane agent running and registered on the GPU nodes?)"
-            ),
+            format!("{needs}; no node offers {resource}{why}"),
         ));
     }
     let up: Vec<&NodeGpus> = offering.iter().copied().filter(|n| n.schedulable).collect();
     let total: u64 = up.iter().map(|n| n.free(resource)).sum();
+    let free_text = format!("{total} free in the cluster");
+    if let Some(answer) = down::verdict(&needs, total, ask, &free_text, &down) {
+        return Some(answer);
+    }
     if total < ask {
         if let Some(answer) = health::resource_answer(spec, &needs, resource, ask, &up) {
             return Some(answer);
@@ -476,6 +517,16 @@ fn requirement_holds(r: &NodeSelectorRequirement, labels: &BTreeMap<String, Stri
             }
         }
         _ => false,
+    }
+}
+
+/// ", position P of N in namespace NS's queue" for a gated pod's unit, when the pod is among
+/// those the cluster was read with.
+fn queue_position(pod: &Pod, cluster: &Cluster) -> String {
+    let (ns, key) = queue::unit_key(pod);
+    match cluster.queues.get(&(ns.clone(), key)) {
+        Some((at, of)) => format!(", position {at} of {of} in namespace {ns}'s queue"),
+        None => String::new(),
     }
 }
 

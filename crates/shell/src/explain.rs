@@ -1,5 +1,6 @@
 //! `gpuplane explain`: reads what the pure explainer needs from the API server (the pod or the
-//! namespace's pods, every node and pod bound to one, the ResourceSlices, DeviceClasses and
+//! namespace's pods, every node and pod bound to one, the namespace's unbound pods (its pod
+//! groups' members), the ResourceSlices, DeviceClasses and
 //! allocated claims, the namespace's ResourceClaimTemplates) and renders its answers. One list
 //! each per call, no cache: the CLI asks once and exits.
 
@@ -45,10 +46,21 @@ async fn cluster(
     let all = ListParams::default();
     let bound = ListParams::default().fields("spec.nodeName!=");
     let c = || client.clone();
+    let unbound = ListParams::default().fields("spec.nodeName=");
     let templates = format!("the ResourceClaimTemplates of namespace {namespace}");
+    let unbound_what = format!("the unbound pods of namespace {namespace}");
+    let mut pods = list(Api::<Pod>::all(c()), &bound, "the pods bound to nodes").await?;
+    pods.extend(
+        list(
+            Api::<Pod>::namespaced(c(), namespace),
+            &unbound,
+            &unbound_what,
+        )
+        .await?,
+    );
     let listed = Listed {
         nodes: list(Api::<Node>::all(c()), &all, "nodes").await?,
-        pods: list(Api::<Pod>::all(c()), &bound, "the pods bound to nodes").await?,
+        pods,
         slices: list(Api::<ResourceSlice>::all(c()), &all, "ResourceSlices").await?,
         classes: list(Api::<DeviceClass>::all(c()), &all, "DeviceClasses").await?,
         claims: list(Api::<ResourceClaim>::all(c()), &all, "ResourceClaims").await?,

@@ -92,6 +92,16 @@ pub fn created(pod: &Pod) -> SystemTime {
         .unwrap_or(SystemTime::UNIX_EPOCH)
 }
 
+/// A queue unit's key, as notes and the queue's order name it: "pod NS/NAME".
+pub fn pod_key(namespace: &str, name: &str) -> String {
+    format!("pod {namespace}/{name}")
+}
+
+/// A pod group's unit key: "pod group NS/GROUP".
+pub fn group_key(namespace: &str, group: &str) -> String {
+    format!("pod group {namespace}/{group}")
+}
+
 /// The pod's group: its name and the size its annotation asks for (`Err` with the bad text
 /// when the annotation is missing or not a positive number).
 pub fn group(pod: &Pod) -> Option<(String, Result<u32, String>)> {

@@ -8,7 +8,7 @@
 //! message.
 
 use super::devices::Usable;
-use super::{health, scheduler_says, spread, Cluster, Reason};
+use super::{down, health, scheduler_says, spread, Cluster, Reason};
 use crate::quota::selector::Selector;
 use crate::quota::{CatalogDevice, ClassMatch, DeviceKind};
 use k8s_openapi::api::core::v1::Pod;
@@ -105,7 +105,15 @@ fn request_answer(
         ClassMatch::NotGpu => return None,
         ClassMatch::Devices(d) => d,
     };
+    let down = down::dra_down(&cluster.nodes, &cluster.sliced);
     if matching.is_empty() {
+        if !down.is_empty() && of_class(class, cluster).is_empty() {
+            let m = format!(
+                "request {name}: no device of DeviceClass {class} is published; GPU nodes offering none: {}",
+                down::names(&down)
+            );
+            return Some((Reason::NoGpuCapacity, m));
+        }
         return Some((Reason::Selector, no_match(name, class, &exprs, cluster)));
     }
     let exact = e
@@ -140,15 +148,16 @@ fn request_answer(
     }
     let total: u64 = by_pool.values().sum();
     let needs = format!("request {name} needs {count} device(s) of DeviceClass {class}");
+    let all = matching.len();
+    let free_text = format!("{total} of the {all} matching free in the cluster");
+    if let Some(answer) = down::verdict(&needs, total, count, &free_text, &down) {
+        return Some(answer);
+    }
     if total < count {
-        let all = matching.len();
         if let Some(a) = health::claim_answer(&needs, count, total, all, &tainted) {
             return Some(a);
         }
-        return Some((
-            Reason::Capacity,
-            format!("{needs}; {total} of the {all} matching free in the cluster"),
-        ));
+        return Some((Reason::Capacity, format!("{needs}; {free_text}")));
     }
     if by_pool.values().all(|n| *n < count) {
         let free = by_pool.into_iter().collect();
@@ -159,10 +168,7 @@ fn request_answer(
 
 /// "request gpu: no device of DeviceClass C matches <exprs>; this cluster has A x 8, B x 2".
 fn no_match(name: &str, class: &str, exprs: &[&str], cluster: &Cluster) -> String {
-    let of_class = match cluster.catalog.matching(class, &[]) {
-        ClassMatch::Devices(d) => d,
-        _ => Vec::new(),
-    };
+    let of_class = of_class(class, cluster);
     if of_class.is_empty() {
         let has = summary(cluster.catalog.devices().iter());
         return format!(
@@ -174,6 +180,14 @@ fn no_match(name: &str, class: &str, exprs: &[&str], cluster: &Cluster) -> Strin
     format!(
         "request {name}: no device of DeviceClass {class} matches {exprs}; this cluster has {has}"
     )
+}
+
+/// The published devices of DeviceClass `class`, whatever they are.
+fn of_class<'a>(class: &str, cluster: &'a Cluster) -> Vec<&'a CatalogDevice> {
+    match cluster.catalog.matching(class, &[]) {
+        ClassMatch::Devices(d) => d,
+        _ => Vec::new(),
+    }
 }
 
 /// "A x 8, B MIG 1g.10gb x 2": devices by product (and MIG profile).

@@ -341,3 +341,4 @@ fn too_few_matching_devices_free_is_capacity_and_spread_thin_is_fragmentation() 
 
 #[path = "tests_health.rs"]
 mod health;
+mod pending;

@@ -6,17 +6,19 @@
 //!
 //! Per Pending, unscheduled pod that waits for a GPU: the condition [`CONDITION`] (False,
 //! reason = the explanation's reason, message = its message), written only when it differs
-//! from what the pod shows; one core/v1 Event per change of reason (Normal for `Quota`, which
-//! the queue loop already reports, Warning otherwise); once scheduled, the condition turns True
-//! (`Scheduled`). A pod the kubelet refused with TopologyAffinityError is bound and Failed but
-//! never got its GPUs: it keeps the condition (reason `Topology`) and counts as waiting while it
-//! exists. A failed write is logged and made again in the next cycle.
+//! from what the pod shows; one core/v1 Event per change of reason (Normal for `Quota` and
+//! `Gang`, which the queue loop already reports, Warning otherwise); once scheduled, the
+//! condition turns True (`Scheduled`). A pod the kubelet refused with TopologyAffinityError is
+//! bound and Failed but never got its GPUs: it keeps the condition (reason `Topology`) and
+//! counts as waiting while it exists. A failed write is logged and made again in the next cycle.
 
 use super::metrics::QueueMetrics;
 use super::pods::{self, PodRef};
 use super::writes::{self, bounded, Condition};
 use crate::quota::CatalogSettings;
-use gpuplane_model::explain::{explain, refused_by_kubelet, Cluster, Explanation, Listed, Reason};
+use gpuplane_model::explain::{
+    explain, fragmentation_by_pool, refused_by_kubelet, Cluster, Explanation, Listed, Reason,
+};
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Node, Pod, PodCondition};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
@@ -280,6 +282,7 @@ impl Explainer {
         let pods = stores.pods.state();
         let (todo, counts) = self.plan(&pods, &cluster, metrics, opts.message_refresh);
         metrics.set_pending(&counts);
+        metrics.set_pools(fragmentation_by_pool(&cluster.nodes));
         let client = client.clone();
         let instance = opts.instance.clone();
         let results = bounded(opts.concurrency, todo, |w| {
@@ -339,7 +342,7 @@ async fn write(client: &kube::Client, w: &Write, instance: &str) -> Result<(), k
             message,
         } => {
             let api: Api<CoreEvent> = Api::namespaced(client.clone(), &pod.namespace);
-            let warning = *reason != Reason::Quota;
+            let warning = !matches!(reason, Reason::Quota | Reason::Gang);
             writes::event(&api, pod, warning, reason.as_str(), message, instance).await
         }
     }

@@ -3,11 +3,13 @@
 //! their wait from creation to release (histogram) and, read at scrape time, the queue's
 //! length. And the explainer's (`super::explainer`), by reason: Pending GPU pods now
 //! (`gpuplane_pending_gpu_pods`) and how long pods stayed explained
-//! (`gpuplane_pending_gpu_pod_seconds`). In a registry of their own, which the webhook's `/metrics` renders when the loops
-//! run beside it.
+//! (`gpuplane_pending_gpu_pod_seconds`), and per node pool and resource the free GPUs and how
+//! fragmented they are (`gpuplane_node_pool_free_gpus`, `gpuplane_node_pool_fragmentation_ratio`).
+//! In a registry of their own, which the webhook's `/metrics` renders when the loops run beside
+//! it.
 
 use crate::metrics::{self, register, Histograms};
-use gpuplane_model::explain::Reason;
+use gpuplane_model::explain::{PoolFragmentation, Reason};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
 use prometheus_client::metrics::counter::Counter;
@@ -82,6 +84,45 @@ impl Collector for Waiting {
     }
 }
 
+/// The labels of a per-pool series.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct PoolLabels {
+    pub pool: String,
+    pub resource: String,
+}
+
+/// The pools as the explainer's last cycle saw them, rendered at scrape time (a pool that is
+/// gone leaves no stale series).
+#[derive(Debug, Default)]
+struct Pools(Mutex<Vec<PoolFragmentation>>);
+
+impl Collector for Pools {
+    fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
+        let pools = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let labels = |p: &PoolFragmentation| PoolLabels {
+            pool: p.pool.clone(),
+            resource: p.resource.clone(),
+        };
+        let free: Vec<(PoolLabels, i64)> = pools
+            .iter()
+            .map(|p| (labels(p), i64::try_from(p.free).unwrap_or(i64::MAX)))
+            .collect();
+        let ratio: Vec<(PoolLabels, f64)> = pools.iter().map(|p| (labels(p), p.ratio)).collect();
+        metrics::gauges(
+            &mut e,
+            "gpuplane_node_pool_free_gpus",
+            "Free GPUs of Ready, uncordoned nodes, by node pool (nvidia.com/gpu.product) and resource",
+            &free,
+        )?;
+        metrics::gauges(
+            &mut e,
+            "gpuplane_node_pool_fragmentation_ratio",
+            "1 - the largest free on one node / free in the pool (0: all free GPUs on one node), by node pool and resource",
+            &ratio,
+        )
+    }
+}
+
 /// Shared by the loops; cheap to update from any task.
 #[derive(Debug)]
 pub struct QueueMetrics {
@@ -96,6 +137,7 @@ pub struct QueueMetrics {
     waiting: Arc<Waiting>,
     pending: Family<ReasonLabel, Gauge>,
     pending_seconds: Histograms<ReasonLabel>,
+    pools: Arc<Pools>,
 }
 
 impl Default for QueueMetrics {
@@ -145,6 +187,8 @@ impl Default for QueueMetrics {
             "Time from a Pending GPU pod's creation to its leaving Pending (scheduled or deleted), by its last reason",
             Histograms::new_with_constructor(wait_histogram as fn() -> Histogram),
         );
+        let pools = Arc::<Pools>::default();
+        r.register_collector(Box::new(pools.clone()));
         QueueMetrics {
             registry: r,
             pods_released,
@@ -157,6 +201,7 @@ impl Default for QueueMetrics {
             waiting,
             pending,
             pending_seconds,
+            pools,
         }
     }
 }
@@ -228,6 +273,11 @@ impl QueueMetrics {
         }
     }
 
+    /// After an explainer cycle: every node pool's free GPUs and fragmentation ratio.
+    pub fn set_pools(&self, pools: Vec<PoolFragmentation>) {
+        *self.pools.0.lock().unwrap_or_else(|p| p.into_inner()) = pools;
+    }
+
     /// A pod left the explained set (scheduled or deleted) after `waited`, last for `reason`.
     pub fn left_pending(&self, reason: Reason, waited: Duration) {
         self.pending_seconds
@@ -272,6 +322,22 @@ mod tests {
         m.set_waiting("team-c", Vec::new(), 0);
         m.set_pending(&BTreeMap::from([(Reason::Capacity, 2)]));
         m.left_pending(Reason::Placement, Duration::from_secs(20));
+        m.set_pools(vec![
+            PoolFragmentation {
+                pool: "NVIDIA-H100".into(),
+                resource: "nvidia.com/gpu".into(),
+                free: 6,
+                largest: 2,
+                ratio: 1.0 - 2.0 / 6.0,
+            },
+            PoolFragmentation {
+                pool: "unlabelled".into(),
+                resource: "nvidia.com/gpu".into(),
+                free: 0,
+                largest: 0,
+                ratio: 0.0,
+            },
+        ]);
         let text = metrics::render(&[m.registry()]);
         for line in [
             "# TYPE gpuplane_quota_pods_released counter",
@@ -297,6 +363,11 @@ mod tests {
             "gpuplane_pending_gpu_pods{reason=\"NoGPUCapacity\"} 0",
             "gpuplane_pending_gpu_pod_seconds_bucket{le=\"30.0\",reason=\"Placement\"} 1",
             "gpuplane_pending_gpu_pod_seconds_count{reason=\"Placement\"} 1",
+            "gpuplane_pending_gpu_pods{reason=\"Gang\"} 0",
+            "# TYPE gpuplane_node_pool_free_gpus gauge",
+            "gpuplane_node_pool_free_gpus{pool=\"NVIDIA-H100\",resource=\"nvidia.com/gpu\"} 6",
+            "gpuplane_node_pool_fragmentation_ratio{pool=\"NVIDIA-H100\",resource=\"nvidia.com/gpu\"} 0.6666666666666667",
+            "gpuplane_node_pool_fragmentation_ratio{pool=\"unlabelled\",resource=\"nvidia.com/gpu\"} 0.0",
             "# EOF",
         ] {
             assert!(

@@ -45,7 +45,7 @@ pub(super) fn build_units(
             None => {
                 let created = pods::created(q.pod);
                 units.push(Waiting {
-                    key: format!("pod {}/{}", q.key.namespace, q.key.name),
+                    key: pods::pod_key(&q.key.namespace, &q.key.name),
                     priority: pods::priority(q.pod),
                     created,
                     since: created,
@@ -131,7 +131,7 @@ fn group_unit(
     let created = idx.iter().map(|&i| pods::created(queued[i].pod)).min();
     let since = all.iter().map(|p| pods::created(p)).max();
     Ok(Waiting {
-        key: format!("pod group {}/{name}", input.namespace),
+        key: pods::group_key(input.namespace, name),
         priority: idx
             .iter()
             .map(|&i| pods::priority(queued[i].pod))
