@@ -124,28 +124,8 @@ fn request_answer(
         return None;
     }
     let count = u64::try_from(e.count.unwrap_or(1)).unwrap_or(0);
-    let free = |d: &&&CatalogDevice| {
-        let key = (d.driver.clone(), d.pool.clone(), d.name.clone());
-        cluster
-            .taken
-            .get(&key)
-            .is_none_or(|holder| holder == pod_uid)
-    };
     let tolerations = e.tolerations.as_deref().unwrap_or_default();
-    let mut by_pool: BTreeMap<&str, u64> = BTreeMap::new();
-    let mut tainted = Vec::new();
-    for d in matching.iter().filter(free) {
-        let key = (d.driver.clone(), d.pool.clone(), d.name.clone());
-        let usable = cluster
-            .devices
-            .get(&key)
-            .map_or(Usable::Yes, |f| f.usable(tolerations));
-        match usable {
-            Usable::Yes => *by_pool.entry(d.pool.as_str()).or_insert(0) += 1,
-            Usable::InUse => {}
-            Usable::Tainted(t) => tainted.push(format!("{}/{} {t}", d.pool, d.name)),
-        }
-    }
+    let (by_pool, tainted) = free_by_pool(&matching, cluster, pod_uid, tolerations);
     let total: u64 = by_pool.values().sum();
     let needs = format!("request {name} needs {count} device(s) of DeviceClass {class}");
     let all = matching.len();
@@ -164,6 +144,38 @@ fn request_answer(
         return Some((Reason::Fragmentation, spread(&needs, free, "pools")));
     }
     None
+}
+
+/// Of `matching`, the devices free for this pod (no other claim holds them, not the device
+/// plugin's) per pool, and those free but for a taint the request does not tolerate (named).
+fn free_by_pool<'a>(
+    matching: &[&'a CatalogDevice],
+    cluster: &Cluster,
+    pod_uid: &str,
+    tolerations: &[k8s_openapi::api::resource::v1::DeviceToleration],
+) -> (BTreeMap<&'a str, u64>, Vec<String>) {
+    let mut by_pool: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut tainted = Vec::new();
+    for d in matching {
+        let key = (d.driver.clone(), d.pool.clone(), d.name.clone());
+        if cluster
+            .taken
+            .get(&key)
+            .is_some_and(|holder| holder != pod_uid)
+        {
+            continue;
+        }
+        let usable = cluster
+            .devices
+            .get(&key)
+            .map_or(Usable::Yes, |f| f.usable(tolerations));
+        match usable {
+            Usable::Yes => *by_pool.entry(d.pool.as_str()).or_insert(0) += 1,
+            Usable::InUse => {}
+            Usable::Tainted(t) => tainted.push(format!("{}/{} {t}", d.pool, d.name)),
+        }
+    }
+    (by_pool, tainted)
 }
 
 /// "request gpu: no device of DeviceClass C matches <exprs>; this cluster has A x 8, B x 2".
