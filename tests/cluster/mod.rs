@@ -172,6 +172,36 @@ spec:
     )
 }
 
+/// A pod `ns/name` that sleeps asking `gpus` nvidia.com/gpu, with `meta` lines added to its
+/// metadata and `spec` lines to its spec (each indented two).
+pub fn sleeping_gpu_pod(ns: &str, name: &str, gpus: u32, meta: &str, spec: &str) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata:
+  name: {name}
+  namespace: {ns}
+{meta}spec:
+  terminationGracePeriodSeconds: 1
+{spec}  containers:
+  - name: c
+    image: lab.local/busybox:1
+    imagePullPolicy: Never
+    command: ["sleep", "3600"]
+    resources:
+      limits: {{nvidia.com/gpu: {gpus}}}
+"#
+    )
+}
+
+/// The Events with `reason` on pod `ns/name`.
+pub fn pod_events(lab: &ClusterLab, ns: &str, name: &str, reason: &str) -> Vec<Value> {
+    let selector = format!("involvedObject.name={name},reason={reason}");
+    lab.get_json(&["get", "events", "-n", ns, "--field-selector", &selector])
+        .and_then(|e| e["items"].as_array().cloned())
+        .unwrap_or_default()
+}
+
 /// A ResourceClaimTemplate `ns/name`: one request `gpu` of DeviceClass `gpu.gpuplane.dev`,
 /// with `extra` lines (`count: 2`, `capacity: {...}`, ...) added to its `exactly`.
 pub fn claim_template(ns: &str, name: &str, extra: &[String]) -> String {

@@ -766,6 +766,35 @@ fn one_inventory_across_both_apis_and_unsatisfiable_claims_stay_pending() {
     }
 }
 
+/// The agent on the fake NVML (dgx-h100, device plugin on), whose health recovers after
+/// `quiet` without Xids; returns it and the control file an Xid is written to (`xid 3 48`).
+pub(crate) fn xid_agent(
+    lab: &ClusterLab,
+    kubeconfig: &std::path::Path,
+    quiet: &str,
+) -> (cluster::LabProcess, PathBuf) {
+    let dir = LabAgent::dir(lab);
+    let dev = dir.join("dev");
+    std::fs::create_dir_all(&dev).unwrap();
+    gpuplane_testkit::doubles::devnodes::make_gpu_nodes(&dev, 0..8).unwrap();
+    let control = dir.join("nvml-control");
+    std::fs::write(&control, "").unwrap();
+    let fake = support::built_fake();
+    let config = format!("version: v1\nhealth: {{recoveryQuietPeriod: {quiet}}}\n");
+    let agent = LabAgent::start_with(
+        lab,
+        kubeconfig,
+        "xid",
+        &["--nvml-lib", fake.to_str().unwrap(), "--device-plugin=true"],
+        &[
+            ("GPUPLANE_FAKE_NVML_PROFILE", "dgx-h100".as_ref()),
+            ("GPUPLANE_FAKE_NVML_CONTROL", control.as_os_str()),
+        ],
+        Some(&config),
+    );
+    (agent, control)
+}
+
 /// An Xid through the real kubelet and scheduler: the agent on the real NVML code path (the
 /// fake libnvidia-ml serving dgx-h100, real character device nodes) reports a critical Xid on
 /// GPU 3; the kubelet marks it unhealthy (allocatable 7), the ResourceSlice taint keeps the
@@ -778,26 +807,8 @@ fn an_xid_makes_a_gpu_unhealthy_for_the_kubelet_and_the_scheduler_until_it_recov
         return;
     };
     let kubeconfig = lab.install_agent_identity();
-    let dir = LabAgent::dir(&lab);
-    let dev = dir.join("dev");
-    std::fs::create_dir_all(&dev).unwrap();
-    gpuplane_testkit::doubles::devnodes::make_gpu_nodes(&dev, 0..8).unwrap();
-    let control = dir.join("nvml-control");
-    std::fs::write(&control, "").unwrap();
-    let fake = support::built_fake();
     // Long enough for the kubelet's node status (every 10 s) and the scheduler to see it.
-    let config = "version: v1\nhealth: {recoveryQuietPeriod: 60s}\n";
-    let _agent = LabAgent::start_with(
-        &lab,
-        &kubeconfig,
-        "xid",
-        &["--nvml-lib", fake.to_str().unwrap(), "--device-plugin=true"],
-        &[
-            ("GPUPLANE_FAKE_NVML_PROFILE", "dgx-h100".as_ref()),
-            ("GPUPLANE_FAKE_NVML_CONTROL", control.as_os_str()),
-        ],
-        Some(config),
-    );
+    let (_agent, control) = xid_agent(&lab, &kubeconfig, "60s");
     wait_registered(&lab);
     let gpu3 = gpuplane_shell::sim::load("dgx-h100").unwrap().gpus[3]
         .uuid
@@ -1034,25 +1045,6 @@ fn a_killed_agent_restarts_without_a_write_and_a_waiting_claim_gets_no_held_gpu(
     drop(agent);
 }
 
-/// A pod asking `gpus` nvidia.com/gpu that sleeps, with `extra` spec lines (indented two).
-fn sleeping_gpu_pod(name: &str, gpus: u32, extra: &str) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: default}}
-spec:
-  terminationGracePeriodSeconds: 1
-{extra}  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: ["sleep", "3600"]
-    resources:
-      limits: {{nvidia.com/gpu: {gpus}}}
-"#
-    )
-}
-
 /// `gpuplane explain <args> -o json --kubeconfig <admin>` in the lab: its parsed stdout, or
 /// its stderr when it fails.
 pub(crate) fn explain(lab: &ClusterLab, args: &[&str]) -> Result<Value, String> {
@@ -1095,12 +1087,14 @@ fn explain_names_capacity_and_placement_with_the_numbers_the_scheduler_acts_on()
     let Some((lab, _, _agent)) = lab_with_agent() else {
         return;
     };
-    lab.apply(&sleeping_gpu_pod("holder", 6, ""));
+    lab.apply(&cluster::sleeping_gpu_pod("default", "holder", 6, "", ""));
     wait_phase(&lab, "holder", &["Running"]);
-    lab.apply(&sleeping_gpu_pod("four", 4, ""));
-    lab.apply(&sleeping_gpu_pod(
+    lab.apply(&cluster::sleeping_gpu_pod("default", "four", 4, "", ""));
+    lab.apply(&cluster::sleeping_gpu_pod(
+        "default",
         "elsewhere",
         1,
+        "",
         "  nodeSelector: {gpu-pool: b}\n",
     ));
     wait_unschedulable(&lab, "four");

@@ -7,9 +7,8 @@
 
 use crate::cluster;
 use crate::cluster::{eventually, refusals, start_controller, ClusterLab, LabAgent, NODE};
-use crate::real_cluster::{allocatable_gpus, claim_pod, explain, wait_phase};
+use crate::real_cluster::{allocatable_gpus, claim_pod, explain, wait_phase, xid_agent};
 use crate::real_cluster_quota::{controller_metrics, pod_json};
-use crate::support;
 use serde_json::Value;
 
 const CONDITION: &str = "gpuplane.dev/GPUsAvailable";
@@ -30,16 +29,7 @@ fn shown(lab: &ClusterLab, pod: &str, reason: &str, message: &str) {
     });
     assert_eq!(cond["status"], "False", "{cond}");
     let events = eventually(&format!("a {reason} Event for pod {pod}"), || {
-        let selector = format!("involvedObject.name={pod},reason={reason}");
-        let evs = lab.get_json(&[
-            "get",
-            "events",
-            "-n",
-            "default",
-            "--field-selector",
-            &selector,
-        ])?;
-        let items = evs["items"].as_array()?.clone();
+        let items = cluster::pod_events(lab, "default", pod, reason);
         (!items.is_empty()).then_some(items)
     });
     assert_eq!(events.len(), 1, "one Event per reason: {events:?}");
@@ -120,24 +110,7 @@ fn gpus_made_unhealthy_by_an_xid_are_named_for_the_pods_they_keep_pending() {
         return;
     };
     let installed = lab.install(true);
-    let dir = LabAgent::dir(&lab);
-    let dev = dir.join("dev");
-    std::fs::create_dir_all(&dev).unwrap();
-    gpuplane_testkit::doubles::devnodes::make_gpu_nodes(&dev, 0..8).unwrap();
-    let control = dir.join("nvml-control");
-    std::fs::write(&control, "").unwrap();
-    let fake = support::built_fake();
-    let _agent = LabAgent::start_with(
-        &lab,
-        &installed.agent,
-        "xid",
-        &["--nvml-lib", fake.to_str().unwrap(), "--device-plugin=true"],
-        &[
-            ("GPUPLANE_FAKE_NVML_PROFILE", "dgx-h100".as_ref()),
-            ("GPUPLANE_FAKE_NVML_CONTROL", control.as_os_str()),
-        ],
-        Some("version: v1\nhealth: {recoveryQuietPeriod: 90s}\n"),
-    );
+    let (_agent, control) = xid_agent(&lab, &installed.agent, "90s");
     let controller = start_controller(&lab, &installed, "1");
     cluster::wait_controller_ready(&lab);
     eventually("node lab-node to report nvidia.com/gpu: 8", || {

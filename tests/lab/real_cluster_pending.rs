@@ -19,23 +19,7 @@ fn pod(ns: &str, name: &str, gpus: u32, node: Option<&str>, meta: &str) -> Strin
     let pin = node
         .map(|n| format!("  nodeSelector: {{kubernetes.io/hostname: {n}}}\n"))
         .unwrap_or_default();
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata:
-  name: {name}
-  namespace: {ns}
-{meta}spec:
-  terminationGracePeriodSeconds: 1
-{pin}  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: ["sleep", "3600"]
-    resources:
-      limits: {{nvidia.com/gpu: {gpus}}}
-"#
-    )
+    cluster::sleeping_gpu_pod(ns, name, gpus, meta, &pin)
 }
 
 fn metrics(lab: &ClusterLab) -> String {
@@ -70,14 +54,6 @@ fn condition(lab: &ClusterLab, ns: &str, name: &str, reason: &str) -> Value {
         },
         || lab.describe_pod_in(ns, name),
     )
-}
-
-/// The explainer's Events with `reason` on pod `ns/name`.
-fn events(lab: &ClusterLab, ns: &str, name: &str, reason: &str) -> Vec<Value> {
-    let selector = format!("involvedObject.name={name},reason={reason}");
-    lab.get_json(&["get", "events", "-n", ns, "--field-selector", &selector])
-        .and_then(|e| e["items"].as_array().cloned())
-        .unwrap_or_default()
 }
 
 /// `gpuplane explain pod NS/NAME -o json` in the lab.
@@ -159,7 +135,7 @@ fn fragmentation_gang_and_a_stopped_agent_each_carry_their_reason_and_numbers() 
         "{cond}"
     );
     let evs = eventually("a Fragmentation Event on pod four", || {
-        let e = events(&lab, "default", "four", "Fragmentation");
+        let e = cluster::pod_events(&lab, "default", "four", "Fragmentation");
         (!e.is_empty()).then_some(e)
     });
     assert_eq!(
@@ -213,7 +189,10 @@ fn fragmentation_gang_and_a_stopped_agent_each_carry_their_reason_and_numbers() 
         "{cond}"
     );
     assert_eq!(explain(&lab, "default/again")["reason"], "NoGPUCapacity");
-    assert_eq!(events(&lab, "default", "again", "NoGPUCapacity").len(), 1);
+    assert_eq!(
+        cluster::pod_events(&lab, "default", "again", "NoGPUCapacity").len(),
+        1
+    );
     wait_metric(
         &lab,
         "gpuplane_pending_gpu_pods{reason=\"NoGPUCapacity\"} 1",
@@ -300,7 +279,7 @@ spec:
         message.contains("; released together once the quota admits all: can never be admitted: "),
         "{cond}"
     );
-    let evs = events(lab, "gang", "m2", "Gang");
+    let evs = cluster::pod_events(lab, "gang", "m2", "Gang");
     assert_eq!(
         (evs.len(), &evs[0]["type"]),
         (1, &"Normal".into()),

@@ -700,15 +700,7 @@ fn a_pod_asking_more_gpus_than_the_cluster_has_carries_why_it_is_pending() {
         "{cond}"
     );
     let events = eventually("a Capacity Event for pod nine", || {
-        let evs = lab.get_json(&[
-            "get",
-            "events",
-            "-n",
-            "default",
-            "--field-selector",
-            "involvedObject.name=nine,reason=Capacity",
-        ])?;
-        let items = evs["items"].as_array()?.clone();
+        let items = cluster::pod_events(&lab, "default", "nine", "Capacity");
         (!items.is_empty()).then_some(items)
     });
     assert_eq!(events.len(), 1, "{events:?}");
