@@ -19,8 +19,10 @@ use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
 use serde::Serialize;
+use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 /// The kinds of answer, in the order they are checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -103,9 +105,13 @@ impl NodeGpus {
 }
 
 /// The nodes with their GPU resources and what `pods` bound to them request.
-pub fn node_gpus(nodes: &[Node], pods: &[Pod], catalog: &DeviceCatalog) -> Vec<NodeGpus> {
+pub fn node_gpus<N: Borrow<Node>, P: Borrow<Pod>>(
+    nodes: &[N],
+    pods: &[P],
+    catalog: &DeviceCatalog,
+) -> Vec<NodeGpus> {
     let mut requested: BTreeMap<&str, BTreeMap<String, u64>> = BTreeMap::new();
-    for p in pods.iter().filter(|p| !is_terminal(p)) {
+    for p in pods.iter().map(Borrow::borrow).filter(|p| !is_terminal(p)) {
         let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.as_deref()) else {
             continue;
         };
@@ -119,6 +125,7 @@ pub fn node_gpus(nodes: &[Node], pods: &[Pod], catalog: &DeviceCatalog) -> Vec<N
     nodes
         .iter()
         .map(|n| {
+            let n: &Node = n.borrow();
             let name = n.metadata.name.clone().unwrap_or_default();
             let spec = n.spec.clone().unwrap_or_default();
             let status = n.status.as_ref();
@@ -155,8 +162,9 @@ pub fn node_gpus(nodes: &[Node], pods: &[Pod], catalog: &DeviceCatalog) -> Vec<N
 /// What the explainer reads of the cluster, gathered once for many pods.
 pub struct Cluster {
     pub nodes: Vec<NodeGpus>,
-    /// Published GPU devices and DeviceClasses.
-    pub catalog: DeviceCatalog,
+    /// Published GPU devices and DeviceClasses; shared, since it changes far less often than
+    /// the rest (a controller keeps it until a slice or class changes).
+    pub catalog: Arc<DeviceCatalog>,
     /// Devices held by allocated claims: (driver, pool, device) to the holding claim's uid.
     pub taken: BTreeMap<(String, String, String), String>,
     /// ResourceClaimTemplates by (namespace, name).
@@ -175,17 +183,49 @@ pub struct Listed {
     pub templates: Vec<ResourceClaimTemplate>,
 }
 
+/// What [`Cluster::from_shared`] reads besides the catalog: the objects, or anything that
+/// borrows them (a reflector store's `Arc`s), so a caller holding shared copies clones none.
+pub struct Shared<'a, N, P, C, T> {
+    pub nodes: &'a [N],
+    /// Pods bound to nodes (others may be present; they are skipped).
+    pub pods: &'a [P],
+    pub claims: &'a [C],
+    pub templates: &'a [T],
+}
+
 impl Cluster {
     pub fn new(listed: &Listed, settings: CatalogSettings) -> Cluster {
         let catalog = DeviceCatalog::new(&listed.slices, &listed.classes, settings);
+        let shared = Shared {
+            nodes: &listed.nodes,
+            pods: &listed.pods,
+            claims: &listed.claims,
+            templates: &listed.templates,
+        };
+        Cluster::from_shared(&shared, Arc::new(catalog))
+    }
+
+    /// [`Cluster::new`] with a catalog built already (from the same cluster's slices and
+    /// classes).
+    pub fn from_shared<N, P, C, T>(
+        listed: &Shared<N, P, C, T>,
+        catalog: Arc<DeviceCatalog>,
+    ) -> Cluster
+    where
+        N: Borrow<Node>,
+        P: Borrow<Pod>,
+        C: Borrow<ResourceClaim>,
+        T: Borrow<ResourceClaimTemplate>,
+    {
         Cluster {
-            nodes: node_gpus(&listed.nodes, &listed.pods, &catalog),
+            nodes: node_gpus(listed.nodes, listed.pods, &catalog),
             catalog,
-            taken: claims::taken(&listed.claims),
+            taken: claims::taken(listed.claims),
             templates: listed
                 .templates
                 .iter()
                 .map(|t| {
+                    let t: &ResourceClaimTemplate = t.borrow();
                     let m = &t.metadata;
                     let key = (
                         m.namespace.clone().unwrap_or_default(),

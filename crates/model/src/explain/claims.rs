@@ -10,12 +10,15 @@ use crate::quota::selector::Selector;
 use crate::quota::{CatalogDevice, ClassMatch, DeviceKind};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ExactDeviceRequest, ResourceClaim, ResourceClaimSpec};
+use std::borrow::Borrow;
 use std::collections::BTreeMap;
 
 /// Devices held by allocated claims: (driver, pool, device) to the holder's uid.
-pub(super) fn taken(claims: &[ResourceClaim]) -> BTreeMap<(String, String, String), String> {
+pub(super) fn taken<C: Borrow<ResourceClaim>>(
+    claims: &[C],
+) -> BTreeMap<(String, String, String), String> {
     let mut out = BTreeMap::new();
-    for c in claims {
+    for c in claims.iter().map(Borrow::borrow) {
         let uid = c.metadata.uid.clone().unwrap_or_default();
         let results = c
             .status
