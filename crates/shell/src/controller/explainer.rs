@@ -254,6 +254,9 @@ impl Explainer {
             }
             stays
         });
+        // Every condition before any Event: when a change flips many pods at once, the
+        // conditions (what `kubectl get`, the CLI and tools read) land in half the time.
+        writes.sort_by_key(|w| matches!(w, Write::Event { .. }));
         (writes, counts)
     }
 
