@@ -291,7 +291,7 @@ pub async fn flips(client: &kube::Client, book: &Shared, size: &Size) {
             size,
             t0,
             "Placement",
-            &format!("node:node-extra:8"),
+            "node:node-extra:8",
             "a node added",
         )
         .await;
@@ -404,10 +404,11 @@ pub async fn new_pods(client: &kube::Client, book: &Shared) {
             b.pods.get(&key).is_some_and(|s| s.reason.is_some())
         })
         .await;
-        let b = book.lock().unwrap();
-        took.push(b.pods[&key].since.saturating_duration_since(t0));
-        floor.push(b.sightings[&format!("pod:{key}")].saturating_duration_since(t0));
-        drop(b);
+        {
+            let b = book.lock().unwrap();
+            took.push(b.pods[&key].since.saturating_duration_since(t0));
+            floor.push(b.sightings[&format!("pod:{key}")].saturating_duration_since(t0));
+        }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     row(
