@@ -51,26 +51,35 @@ pub fn start(client: &kube::Client, book: &Shared) {
     let pods = watcher(Api::<Pod>::all(client.clone()), watcher::Config::default());
     let b = book.clone();
     tokio::spawn(async move {
-        let mut s = Box::pin(pods.default_backoff().touched_objects());
+        let mut s = Box::pin(pods.default_backoff());
         while let Some(ev) = s.next().await {
-            let Ok(p) = ev else { continue };
+            let Ok(ev) = ev else { continue };
             let now = Instant::now();
             let mut b = b.lock().unwrap();
-            let k = key(&p);
-            b.sightings.entry(format!("pod:{k}")).or_insert(now);
-            if p.metadata.deletion_timestamp.is_some() {
-                b.sightings.entry(format!("gone:{k}")).or_insert(now);
-            }
-            let r = reason(&p);
-            let changed = b.pods.get(&k).is_none_or(|s| s.reason != r);
-            if changed {
-                b.pods.insert(
-                    k,
-                    Seen {
-                        reason: r,
-                        since: now,
-                    },
-                );
+            match ev {
+                watcher::Event::Apply(p) | watcher::Event::InitApply(p) => {
+                    let k = key(&p);
+                    b.sightings.entry(format!("pod:{k}")).or_insert(now);
+                    if p.metadata.deletion_timestamp.is_some() {
+                        b.sightings.entry(format!("gone:{k}")).or_insert(now);
+                    }
+                    let r = reason(&p);
+                    if b.pods.get(&k).is_none_or(|s| s.reason != r) {
+                        b.pods.insert(
+                            k,
+                            Seen {
+                                reason: r,
+                                since: now,
+                            },
+                        );
+                    }
+                }
+                watcher::Event::Delete(p) => {
+                    b.sightings
+                        .entry(format!("gone:{}", key(&p)))
+                        .or_insert(now);
+                }
+                _ => {}
             }
         }
     });
