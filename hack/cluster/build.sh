@@ -8,6 +8,9 @@
 # whose path is the last line printed (GPUPLANE_CLUSTER_BIN=...).
 #   ./hack/cluster/build.sh               everything (kubemark too; helm for tests/lab/helm.rs)
 #   ./hack/cluster/build.sh etcd kubernetes   only these components
+#   ./hack/cluster/build.sh kwok          kwok alone, for benches/pending_scale.rs: not in the
+#                                         default set, so the tests' bin-<key> (and CI's cache)
+#                                         stay as they are; it gets a bin-<key> of its own
 #   ./hack/cluster/build.sh --check       build and install nothing: print the line when all
 #                                         is cached, else exit 3 (tests/cluster uses this)
 # As root it also installs the Debian packages the lab runs with (runc, CNI plugins,
@@ -55,8 +58,10 @@ declare -A bins=(
   [containerd]="containerd containerd-shim-runc-v2 ctr"
   [cri-tools]="crictl"
   [helm]="helm"
+  [kwok]="kwok"
 )
 components=("$@")
+# The default set is what the tests need; kwok (the scale bench only) is built when named.
 ((${#components[@]})) || components=(etcd kubernetes containerd cri-tools helm)
 
 # Version stamps: Kubernetes components report (and compare) their version, so stamp the

@@ -4,6 +4,9 @@
 # feasibility script (README.md has the why of every step).
 #   ./hack/cluster/lab.sh up <workdir>      (root; <workdir> short, e.g. /tmp/gpl-XXXXXX)
 #   LAB_NODES=3 ./hack/cluster/lab.sh up <workdir>   (N nodes; default 1)
+#   LAB_NODES=0 ./hack/cluster/lab.sh up <workdir>   (the control plane only: no containerd,
+#                       no kubelet; nodes are another's to fake, e.g. kwok in
+#                       benches/pending_scale.rs; `ready` once the default ServiceAccount exists)
 # Starts etcd, kube-apiserver (--authorization-mode=Node,RBAC), kube-controller-manager,
 # kube-scheduler and, per node, containerd 2 and a kubelet (node lab-node, node IP 10.213.0.2;
 # then lab-node-2 at 10.213.0.3, ...) inside fresh network, mount and PID namespaces (unshare),
@@ -98,7 +101,7 @@ dump() { for f in "$W"/log/*.log; do echo "---- tail $f"; tail -n 25 "$f"; done;
 trap 'rc=$?; ((rc == 0)) || { [[ -e "$W/failed" ]] || echo "exit $rc" >"$W/failed"; dump; }; exit $rc' EXIT
 
 NODES="${LAB_NODES:-1}"
-[[ "$NODES" =~ ^[1-9]$ ]] || { echo "lab.sh: LAB_NODES must be 1..9, not $NODES" >&2; exit 2; }
+[[ "$NODES" =~ ^[0-9]$ ]] || { echo "lab.sh: LAB_NODES must be 0..9, not $NODES" >&2; exit 2; }
 node_name() { if (($1 == 1)); then echo lab-node; else echo "lab-node-$1"; fi; }
 node_ip() { echo "10.213.0.$(($1 + 1))"; }
 # lab-node keeps the work dir's top-level layout, which single-node tests know.
@@ -107,7 +110,8 @@ node_log() { if (($1 == 1)); then echo "$2"; else echo "$2-$(node_name "$1")"; f
 NODE_IP="$(node_ip 1)"
 ip link set lo up
 ip link add lab0 type bridge  # no dummy driver in this kernel; a lone bridge serves
-for i in $(seq "$NODES"); do ip addr add "$(node_ip "$i")/24" dev lab0; done
+# The first node's IP is the API server's advertised address, nodes or not.
+for i in $(seq "$((NODES > 0 ? NODES : 1))"); do ip addr add "$(node_ip "$i")/24" dev lab0; done
 ip link set lab0 up
 ip route add default dev lab0
 # Pods of different nodes reach each other through this namespace.
@@ -210,6 +214,12 @@ start kube-scheduler "$B/kube-scheduler" \
 wait_for kube-controller-manager 120 curl -skf https://127.0.0.1:10257/healthz
 wait_for kube-scheduler 120 curl -skf https://127.0.0.1:10259/healthz
 wait_for "default serviceaccount" 60 k get serviceaccount default
+if ((NODES == 0)); then
+  : >"$W/nodes.txt"
+  log "lab up (control plane only), ${SECONDS}s in the namespaces"
+  echo "$SECONDS" >"$W/ready"
+  while true; do sleep 3600; done
+fi
 
 # ---------------------------------------------------------------- the nodes
 # No kube-proxy: pods reach the Service `kubernetes` (10.0.0.1:443, where in-cluster clients

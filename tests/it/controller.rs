@@ -1033,3 +1033,69 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
     let _ = stop.send(());
     task.await.unwrap();
 }
+
+/// The explainer keeps its device catalog between cycles; a new ResourceSlice or a changed
+/// DeviceClass must still reach the answer (the catalog is rebuilt when either changes).
+#[tokio::test]
+async fn the_explainers_kept_device_catalog_follows_slices_and_classes() {
+    use gpuplane_shell::controller::explainer::{self, ExplainerOptions, CONDITION};
+    let server = ApiServerDouble::start().await.unwrap();
+    let class = |product: &str| {
+        json!({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+            "metadata": {"name": "gpu.gpuplane.dev"},
+            "spec": {"selectors": [{"cel": {"expression": format!(
+                "device.attributes['gpu.gpuplane.dev'].productName == '{product}'")}}]}})
+    };
+    server.put_json(class("NVIDIA H100 80GB HBM3")).unwrap();
+    server
+        .put_json(
+            json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "one", "namespace": QNS},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu",
+                "exactly": {"deviceClassName": "gpu.gpuplane.dev"}}]}}}}),
+        )
+        .unwrap();
+    let mut opts = ExplainerOptions::new(Default::default(), "replica-1");
+    opts.debounce = Duration::from_millis(50);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let client = server.client().unwrap();
+    let metrics = Arc::new(QueueMetrics::default());
+    let task = tokio::spawn(async move {
+        explainer::run(client, opts, metrics, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    let pods: Api<Pod> = Api::namespaced(server.client().unwrap(), QNS);
+    let claim: Pod = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "claim", "namespace": QNS},
+        "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one"}],
+            "containers": [{"name": "main", "image": "x", "resources": {"claims": [{"name": "gpu"}]}}]}}))
+    .unwrap();
+    pods.create(&PostParams::default(), &claim).await.unwrap();
+    let reason =
+        || async { condition_of(&pods.get("claim").await.unwrap(), CONDITION).map(|c| c.1) };
+    eventually("Selector: nothing is published", || async {
+        reason().await.as_deref() == Some("Selector")
+    })
+    .await;
+    let text = gpuplane_shell::sim::bundled_text("dgx-h100").unwrap();
+    let inv = gpuplane_shell::sim::from_str("dgx-h100", "dgx-h100", text).unwrap();
+    let mut health = gpuplane_shell::health::HealthBook::default();
+    health.set_inventory(&inv);
+    for s in gpuplane_shell::slices::render::render(&inv, &health, "gpu.gpuplane.dev", "node-1") {
+        server.put_json(serde_json::to_value(s).unwrap()).unwrap();
+    }
+    eventually("another reason once H100s are published", || async {
+        reason().await.is_some_and(|r| r != "Selector")
+    })
+    .await;
+    server.put_json(class("NVIDIA B200")).unwrap();
+    eventually(
+        "Selector again once the class asks for what is not there",
+        || async { reason().await.as_deref() == Some("Selector") },
+    )
+    .await;
+    let _ = stop.send(());
+    task.await.unwrap();
+}

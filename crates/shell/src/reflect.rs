@@ -6,6 +6,7 @@
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
+use kube::ResourceExt;
 use std::future::Future;
 use tokio_stream::StreamExt;
 
@@ -29,7 +30,13 @@ where
         + 'static,
 {
     let (reader, writer) = reflector::store();
-    let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
+    // managedFields are most of a small object's bytes and no reader of these caches looks
+    // at them: dropped before the store keeps the object (at 1,000 nodes and 6,000 pods this
+    // is most of the controller's memory).
+    let events = watcher(api, config)
+        .default_backoff()
+        .modify(|o| o.managed_fields_mut().clear());
+    let stream = reflector::reflector(writer, events);
     let feed = async move {
         // On the heap: several watch streams inline make a future too large for a worker's
         // stack.

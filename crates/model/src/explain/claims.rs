@@ -13,12 +13,32 @@ use crate::quota::selector::Selector;
 use crate::quota::{CatalogDevice, ClassMatch, DeviceKind};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ExactDeviceRequest, ResourceClaim, ResourceClaimSpec};
-use std::collections::BTreeMap;
+use std::borrow::Borrow;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Mutex;
+
+/// Request answers memoised for one [`Cluster`], and the pods that hold devices (whose
+/// answers depend on which: theirs count as free to them, so they are never memoised).
+#[derive(Debug, Default)]
+pub(super) struct Answers {
+    by_request: Mutex<HashMap<String, Option<(Reason, String)>>>,
+    holders: Mutex<Option<BTreeSet<String>>>,
+}
+
+impl Answers {
+    fn holds(&self, cluster: &Cluster, pod_uid: &str) -> bool {
+        let mut h = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+        h.get_or_insert_with(|| cluster.taken.values().cloned().collect())
+            .contains(pod_uid)
+    }
+}
 
 /// Devices held by allocated claims: (driver, pool, device) to the holder's uid.
-pub(super) fn taken(claims: &[ResourceClaim]) -> BTreeMap<(String, String, String), String> {
+pub(super) fn taken<C: Borrow<ResourceClaim>>(
+    claims: &[C],
+) -> BTreeMap<(String, String, String), String> {
     let mut out = BTreeMap::new();
-    for c in claims {
+    for c in claims.iter().map(Borrow::borrow) {
         let uid = c.metadata.uid.clone().unwrap_or_default();
         let results = c
             .status
@@ -72,10 +92,38 @@ fn spec_answer(
         .devices
         .iter()
         .flat_map(|d| d.requests.iter().flatten());
+    let memo = !cluster.answers.holds(cluster, pod_uid);
     for r in requests {
         let Some(e) = &r.exactly else { continue };
-        if let Some(a) = request_answer(&r.name, e, cluster, pod_uid) {
-            return Some(a);
+        let key = memo
+            .then(|| serde_json::to_string(e).ok())
+            .flatten()
+            .map(|e| format!("{}\0{e}", r.name));
+        let known = key.as_ref().and_then(|k| {
+            let m = cluster
+                .answers
+                .by_request
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            m.get(k).cloned()
+        });
+        let a = match known {
+            Some(a) => a,
+            None => {
+                let a = request_answer(&r.name, e, cluster, pod_uid);
+                if let Some(k) = key {
+                    let mut m = cluster
+                        .answers
+                        .by_request
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner());
+                    m.insert(k, a.clone());
+                }
+                a
+            }
+        };
+        if a.is_some() {
+            return a;
         }
     }
     None

@@ -49,7 +49,7 @@ impl DeviceFacts {
             };
             if !tolerations
                 .iter()
-                .any(|o| super::tolerates(&pod_toleration(o), &taint))
+                .any(|o| super::placement::tolerates(&pod_toleration(o), &taint))
             {
                 let value = t
                     .value
@@ -83,9 +83,9 @@ fn pod_toleration(o: &DeviceToleration) -> Toleration {
 }
 
 /// Every device of `slices`, by (driver, pool, device).
-pub fn facts(slices: &[ResourceSlice]) -> BTreeMap<Key, DeviceFacts> {
+pub fn facts<S: std::borrow::Borrow<ResourceSlice>>(slices: &[S]) -> BTreeMap<Key, DeviceFacts> {
     let mut out = BTreeMap::new();
-    for s in slices {
+    for s in slices.iter().map(std::borrow::Borrow::borrow) {
         let spec = &s.spec;
         for d in spec.devices.iter().flatten() {
             let numa = d

@@ -24,9 +24,13 @@ pub struct Members {
 }
 
 /// The pod groups among `pods`, by (namespace, group name).
-pub(super) fn groups(pods: &[Pod], catalog: &DeviceCatalog) -> BTreeMap<(String, String), Members> {
+pub(super) fn groups<P: std::borrow::Borrow<Pod>>(
+    pods: &[P],
+    catalog: &DeviceCatalog,
+) -> BTreeMap<(String, String), Members> {
     let mut out: BTreeMap<(String, String), Members> = BTreeMap::new();
-    for p in pods.iter().filter(|p| !is_terminal(p) && !is_deleting(p)) {
+    let live = |p: &&Pod| !is_terminal(p) && !is_deleting(p);
+    for p in pods.iter().map(std::borrow::Borrow::borrow).filter(live) {
         let Some((name, size)) = pods::group(p) else {
             continue;
         };

@@ -21,10 +21,16 @@ pub(super) fn unit_key(pod: &Pod) -> (String, String) {
 
 /// By (namespace, unit key): its 1-based position in its namespace's queue and the queue's
 /// length in units.
-pub(super) fn positions(pods: &[Pod]) -> BTreeMap<(String, String), (usize, usize)> {
+pub(super) fn positions<P: std::borrow::Borrow<Pod>>(
+    pods: &[P],
+) -> BTreeMap<(String, String), (usize, usize)> {
     // Per namespace, per unit key: (highest priority, earliest creation).
     let mut units: BTreeMap<String, BTreeMap<String, (i32, SystemTime)>> = BTreeMap::new();
-    for p in pods.iter().filter(|p| is_queued(p)) {
+    for p in pods
+        .iter()
+        .map(std::borrow::Borrow::borrow)
+        .filter(|p| is_queued(p))
+    {
         let (ns, key) = unit_key(p);
         let (priority, created) = (pods::priority(p), pods::created(p));
         units

@@ -339,6 +339,33 @@ fn too_few_matching_devices_free_is_capacity_and_spread_thin_is_fragmentation() 
     assert_eq!(r, Reason::Unknown);
 }
 
+#[test]
+fn pods_of_one_template_share_an_answer_but_a_pod_holding_devices_gets_its_own() {
+    let mine = allocated("pod-uid", &[("a", "gpu-0"), ("a", "gpu-1"), ("b", "gpu-0")]);
+    let cluster = Cluster::new(
+        &listed(template(2, D, None), vec![mine]),
+        CatalogSettings::default(),
+    );
+    let other = |n: &str| {
+        let mut p = claim_pod();
+        p.metadata.name = Some(n.into());
+        p.metadata.uid = Some(format!("{n}-uid"));
+        p
+    };
+    // Asked in both orders within one cluster: the memoised answer of pods without devices
+    // never reaches the pod whose claim holds three of them.
+    for first in [true, false] {
+        if first {
+            assert_eq!(explain(&other("x"), &cluster).reason, Reason::Capacity);
+        }
+        assert_eq!(explain(&claim_pod(), &cluster).reason, Reason::Unknown);
+        let (x, y) = (
+            explain(&other("x"), &cluster),
+            explain(&other("y"), &cluster),
+        );
+        assert_eq!((x.reason, &x.message), (Reason::Capacity, &y.message));
+    }
+}
 #[path = "tests_health.rs"]
 mod health;
 mod pending;

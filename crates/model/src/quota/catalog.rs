@@ -25,6 +25,7 @@ use super::selector::{AttrValue, CelDevice, Selector};
 use super::share::{ConsumableCapacity, COMPUTE_CAPACITY, MEMORY_CAPACITY};
 use super::usage::{Dimension, Memory};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+use std::borrow::Borrow;
 use std::collections::BTreeMap;
 
 /// The default DRA driver name of gpuplane's node agent.
@@ -158,14 +159,24 @@ impl DeviceCatalog {
         classes: &[DeviceClass],
         settings: CatalogSettings,
     ) -> DeviceCatalog {
+        DeviceCatalog::from_shared(slices, classes, settings)
+    }
+
+    /// [`DeviceCatalog::new`] from anything that borrows the objects (a reflector store's
+    /// `Arc`s), so a caller holding shared copies need not clone them.
+    pub fn from_shared<S: Borrow<ResourceSlice>, C: Borrow<DeviceClass>>(
+        slices: &[S],
+        classes: &[C],
+        settings: CatalogSettings,
+    ) -> DeviceCatalog {
         let mut newest: BTreeMap<(&str, &str), i64> = BTreeMap::new();
-        for s in slices {
+        for s in slices.iter().map(Borrow::borrow) {
             let k = (s.spec.driver.as_str(), s.spec.pool.name.as_str());
             let g = newest.entry(k).or_insert(s.spec.pool.generation);
             *g = (*g).max(s.spec.pool.generation);
         }
         let mut devices = Vec::new();
-        for s in slices {
+        for s in slices.iter().map(Borrow::borrow) {
             let driver = &s.spec.driver;
             if !settings.drivers.iter().any(|d| d == driver) {
                 continue;
@@ -180,7 +191,8 @@ impl DeviceCatalog {
         }
         let classes = classes
             .iter()
-            .filter_map(|c| {
+            .map(Borrow::borrow)
+            .filter_map(|c: &DeviceClass| {
                 let name = c.metadata.name.clone()?;
                 let selectors = c
                     .spec

@@ -240,9 +240,9 @@ impl QueueLoop {
     /// Reconciles `namespaces`; returns when each wants to run again.
     pub async fn cycle(&mut self, namespaces: &[String]) -> Vec<(String, Instant)> {
         if self.catalog_stale {
-            let slices: Vec<ResourceSlice> = self.slices.all().map(|s| (*s).clone()).collect();
-            let classes: Vec<DeviceClass> = self.classes.all().map(|c| (*c).clone()).collect();
-            self.catalog = Arc::new(DeviceCatalog::new(
+            let slices: Vec<_> = self.slices.all().collect();
+            let classes: Vec<_> = self.classes.all().collect();
+            self.catalog = Arc::new(DeviceCatalog::from_shared(
                 &slices,
                 &classes,
                 self.opts.catalog.clone(),

@@ -203,11 +203,12 @@ impl Cluster {
                 return c.clone();
             }
         }
-        let slices: Vec<ResourceSlice> =
-            self.slices.state().iter().map(|s| (**s).clone()).collect();
-        let classes: Vec<DeviceClass> =
-            self.classes.state().iter().map(|s| (**s).clone()).collect();
-        let c = Arc::new(DeviceCatalog::new(&slices, &classes, self.settings.clone()));
+        let (slices, classes) = (self.slices.state(), self.classes.state());
+        let c = Arc::new(DeviceCatalog::from_shared(
+            &slices,
+            &classes,
+            self.settings.clone(),
+        ));
         *cache = Some((g, c.clone()));
         c
     }
