@@ -46,6 +46,23 @@ macro_rules! causes_from {
     };
 }
 
+/// The API server refuses an Event note over 1 kB.
+pub const MAX_NOTE_BYTES: usize = 1024;
+
+/// `s` cut to at most `max` bytes at a character boundary, `…` marking the cut: for messages
+/// the API server bounds (Event notes) or a status must keep small (conditions).
+pub fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut cut = max.saturating_sub('…'.len_utf8());
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,18 +9,21 @@
 
 use super::plan::Ledger;
 use crate::quota::{check, Charge, Denial, GpuQuota, QuotaMathError, ReservationKey};
+use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// `quota` with `used` = everything it holds except the reservations in `exclude`, and no
-/// reservation list.
+/// `quota` with `used` = everything it holds except the reservations in `exclude`, no
+/// reservation list, and the spec in force at `now` (temporary raises folded into `hard`).
 pub fn compact(
     quota: &GpuQuota,
     exclude: &BTreeSet<ReservationKey>,
+    now: Timestamp,
 ) -> Result<GpuQuota, QuotaMathError> {
     let mut status = quota.status_or_default();
     status.reservations.retain(|r| !exclude.contains(&r.key()));
     let held = status.consumed(None)?;
     let mut out = quota.clone();
+    out.spec = quota.spec.in_force(now);
     let mut s = status;
     s.used = held;
     s.reservations.clear();
@@ -238,9 +241,12 @@ mod tests {
 
     #[test]
     fn the_ledger_says_what_is_missing_with_the_numbers() {
-        let mut w = Working::new(vec![
-            compact(&quota("team-a", 8, 6), &BTreeSet::new()).unwrap()
-        ]);
+        let mut w = Working::new(vec![compact(
+            &quota("team-a", 8, 6),
+            &BTreeSet::new(),
+            Timestamp::UNIX_EPOCH,
+        )
+        .unwrap()]);
         let mut l = w.namespace("team-a");
         assert_eq!(
             l.check(&gpus(4)),
@@ -272,7 +278,7 @@ mod tests {
             ];
         }
         let replanned: BTreeSet<_> = [ReservationKey::pod("team-a", "b")].into();
-        let c = compact(&q, &replanned).unwrap();
+        let c = compact(&q, &replanned, Timestamp::UNIX_EPOCH).unwrap();
         let s = c.status.unwrap();
         assert_eq!(s.used.gpus, Gpus::whole(3));
         assert!(s.reservations.is_empty());

@@ -21,9 +21,10 @@ use super::pods::{self, PodRef};
 use crate::quota::escrow::{stale_escrows, MAX_UNFLUSHED};
 use crate::quota::status::rfc3339;
 use crate::quota::{
-    claim_charge, claim_is_pod_owned, pod_charge, settled_claim_charge, stale_reservations, Charge,
-    DeviceCatalog, GpuQuota, LiveObject, ObjectKind, QuotaCondition, QuotaMathError, QuotaMode,
-    Reservation, ReservationKey, ReservationState, Usage, MAX_RESERVATIONS,
+    claim_charge, claim_is_pod_owned, note_raises, pod_charge, settled_claim_charge,
+    stale_reservations, Charge, DeviceCatalog, GpuQuota, LiveObject, ObjectKind, QuotaCondition,
+    QuotaMathError, QuotaMode, Reservation, ReservationKey, ReservationState, Usage,
+    MAX_RESERVATIONS,
 };
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimSpec};
@@ -84,8 +85,12 @@ pub struct Decision {
     pub admitted_gated: Vec<PodRef>,
     /// Every waiting pod with its note.
     pub waiting: Vec<(PodRef, Note)>,
-    /// When the plan may change by time alone (a bound or a reservation grace running out).
+    /// When the plan may change by time alone (a bound, a reservation grace or a temporary
+    /// raise running out).
     pub next_deadline: Option<SystemTime>,
+    /// Events to record on quotas once their status is written: (quota name, reason,
+    /// message), e.g. a temporary raise that expired.
+    pub quota_events: Vec<(String, &'static str, String)>,
 }
 
 /// A queued pod with its charge.
@@ -239,7 +244,11 @@ pub fn decide(
     let (admitted_gated, queued) = split_admitted(&quotas, &observed.gated);
     let exclude: BTreeSet<ReservationKey> = queued.iter().map(|q| q.key.clone()).collect();
     for q in &quotas {
-        working.put(compact(q, &exclude)?);
+        working.put(compact(q, &exclude, now_ts)?);
+        if let Some(t) = q.spec.next_expiry(now_ts) {
+            // A raise ends: the plan may change then.
+            earliest(&mut next_deadline, SystemTime::from(t));
+        }
     }
     let (units, members, mut waiting) = build_units(input, &queued)?;
     let plan = plan_releases(
@@ -283,9 +292,18 @@ pub fn decide(
         .waits
         .first()
         .map(|w| format!("; first: {} ({})", units[w.index].key, w.reason.kind()));
-    let quotas = finish_statuses(quotas, fresh, waiting.len(), head, now_ts)?;
+    let mut quota_events = Vec::new();
+    let quotas = finish_statuses(
+        quotas,
+        fresh,
+        waiting.len(),
+        head,
+        now_ts,
+        &mut quota_events,
+    )?;
     Ok(Decision {
         quotas,
+        quota_events,
         releases,
         admitted_gated,
         waiting,
@@ -367,13 +385,15 @@ fn split_admitted<'a>(quotas: &[GpuQuota], gated: &[Queued<'a>]) -> (Vec<PodRef>
 }
 
 /// The quotas as they should be written: totals recomputed, the observed generation, the
-/// queue condition on Queue-mode quotas; each with whether it differs from `fresh`.
+/// queue condition on Queue-mode quotas, the state of temporary raises (an Event in `events`
+/// for each that just expired); each with whether it differs from `fresh`.
 fn finish_statuses(
     quotas: Vec<GpuQuota>,
     fresh: &[GpuQuota],
     waiting_pods: usize,
     head: Option<String>,
     now_ts: Timestamp,
+    events: &mut Vec<(String, &'static str, String)>,
 ) -> Result<Vec<(GpuQuota, bool)>, QuotaMathError> {
     let mut out = Vec::new();
     for (q, f) in quotas.into_iter().zip(fresh) {
@@ -381,6 +401,10 @@ fn finish_statuses(
         let mut s = q.status_or_default();
         s.recompute_totals()?;
         s.observed_generation = q.metadata.generation;
+        let name = q.metadata.name.clone().unwrap_or_default();
+        for message in note_raises(&q.spec, &mut s, now_ts, q.metadata.generation) {
+            events.push((name.clone(), "TemporaryRaiseExpired", message));
+        }
         if q.spec.mode == QuotaMode::Queue {
             let (status, reason, message) = if waiting_pods == 0 {
                 ("False", "Empty", "no pods waiting".to_string())

@@ -2,6 +2,7 @@
 //! subresource). `daemonset/controller/crd.yaml` is generated from these types
 //! (`GpuQuota::crd()`); a test keeps the two equal.
 
+use super::temporary::{RaiseStatus, TemporaryRaise};
 use super::usage::{Limits, Usage};
 use kube_derive::CustomResource;
 use schemars::JsonSchema;
@@ -38,6 +39,16 @@ pub const SCHEDULING_GATE: &str = "quota.gpuplane.dev/admission";
     printcolumn = r#"{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!has(self.temporary) || self.temporary.all(t, (!has(t.hard.gpus) || has(self.hard.gpus)) && (!has(t.hard.gpuMemory) || has(self.hard.gpuMemory)) && (!has(t.hard.devices) || t.hard.devices.all(k, has(self.hard.devices) && k in self.hard.devices)))",
+        "message": "spec.temporary: a raise may only add to a dimension spec.hard limits (gpus, gpuMemory, or a device name in spec.hard.devices); limit it in spec.hard first"
+    },
+    {
+        "rule": "!has(self.temporary) || self.temporary.all(t, has(t.hard.gpus) || has(t.hard.gpuMemory) || (has(t.hard.devices) && size(t.hard.devices) > 0))",
+        "message": "spec.temporary: each raise must raise at least one of gpus, gpuMemory or devices"
+    }
+]))]
 pub struct GpuQuotaSpec {
     /// Upper bounds; any subset of gpus, gpuMemory and devices. A dimension left out is not
     /// limited.
@@ -59,6 +70,12 @@ pub struct GpuQuotaSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "label_keys_schema")]
     pub require_labels: Vec<String>,
+    /// Raises of `hard` that end at a given time (a launch, an incident): each adds its `hard`
+    /// to `spec.hard` until `expires`; after that new admissions see the base again and
+    /// what runs keeps running. Only dimensions `spec.hard` limits can be raised.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub temporary: Vec<TemporaryRaise>,
 }
 
 /// Label keys as the API server accepts them (an optional DNS-subdomain prefix and `/`, then a
@@ -185,6 +202,9 @@ pub struct GpuQuotaStatus {
     pub conditions: Vec<QuotaCondition>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// Each of `spec.temporary` as the controller last saw it (in force, expired, invalid).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub temporary: Vec<RaiseStatus>,
 }
 
 impl GpuQuota {

@@ -48,10 +48,13 @@ pub const MAX_UNFLUSHED: usize = 64;
 pub const SHARE: u64 = 4;
 
 /// Escrow applies to Reject-mode quotas without a cohort: Queue mode admits through the
-/// controller, and borrowing must read the lenders at each admission.
+/// controller, and borrowing must read the lenders at each admission. Not to quotas with
+/// temporary raises either: an escrow granted under a raise could still be spent after it
+/// expired, and an expiry must hold for the next admission.
 pub fn eligible(quota: &GpuQuota) -> bool {
     quota.spec.mode == QuotaMode::Reject
         && quota.spec.cohort.is_none()
+        && quota.spec.temporary.is_empty()
         && !quota.spec.hard.is_empty()
 }
 

@@ -7,7 +7,8 @@
 //! - [`GpuQuota`] / [`GpuQuotaSpec`] / [`GpuQuotaStatus`] (kube `CustomResource`,
 //!   `quota.gpuplane.dev/v1alpha1`, namespaced, status subresource): `Api<GpuQuota>` works.
 //!   `spec.hard: `[`Limits`], `spec.mode: `[`QuotaMode`] (`Reject` | `Queue`), `spec.cohort`,
-//!   `spec.borrowingLimit: Limits`. Status: `used`, `reserved`, `queued` ([`Usage`]),
+//!   `spec.borrowingLimit: Limits`, `spec.temporary: Vec<`[`TemporaryRaise`]`>` (raises of
+//!   `hard` until a time: deciders take [`GpuQuotaSpec::in_force`]`(now)`). Status: `used`, `reserved`, `queued` ([`Usage`]),
 //!   `reservations: Vec<`[`Reservation`]`>`, `conditions: Vec<`[`QuotaCondition`]`>`.
 //! - [`Gpus`]: exact fraction of whole GPUs (`1/7`), [`Memory`]: bytes, [`Usage`]: the three
 //!   dimensions, [`Dimension`] / [`Amount`]: one of them.
@@ -77,6 +78,7 @@ pub mod selector;
 pub mod share;
 pub mod status;
 pub mod template_wait;
+pub mod temporary;
 pub mod usage;
 
 pub use batch::{borrows, decide_batch, stale_borrowers, Decided, Op, Outcome};
@@ -103,6 +105,7 @@ pub use status::{
     MAX_RESERVATIONS,
 };
 pub use template_wait::{missing_templates, ungated_denial, waiting_message};
+pub use temporary::{note_raises, RaiseState, RaiseStatus, TemporaryRaise, RAISE_CONDITION};
 pub use usage::{Amount, Dimension, Limits, Memory, Usage};
 
 #[cfg(test)]

@@ -1018,6 +1018,9 @@ mod shares;
 #[path = "tests/bound.rs"]
 mod bound;
 
+#[path = "tests/temporary.rs"]
+mod temporary;
+
 #[test]
 fn required_labels_are_named_with_the_quota_asking_for_them() {
     let quota = |name: &str, keys: &[&str]| {

@@ -130,6 +130,16 @@ fn device_counts_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     })
 }
 
+/// A limit's device counts: bounded, so the API server can price the CRD's validation rules
+/// over them (a quota naming more than 64 device kinds is not one anyone writes).
+fn device_limits_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "maxProperties": 64,
+        "additionalProperties": {"type": "integer", "format": "int64", "minimum": 0}
+    })
+}
+
 impl JsonSchema for Memory {
     fn schema_name() -> std::borrow::Cow<'static, str> {
         "Memory".into()
@@ -356,7 +366,7 @@ pub struct Limits {
     /// Device counts by device-plugin resource name (`nvidia.com/gpu`,
     /// `nvidia.com/mig-1g.10gb`) or DeviceClass name (`gpu.gpuplane.dev`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    #[schemars(schema_with = "device_counts_schema")]
+    #[schemars(schema_with = "device_limits_schema")]
     pub devices: BTreeMap<String, u64>,
 }
 

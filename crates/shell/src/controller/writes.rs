@@ -148,24 +148,54 @@ pub async fn event(
     message: &str,
     instance: &str,
 ) -> Result<(), kube::Error> {
+    let about = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        name: Some(pod.name.clone()),
+        namespace: Some(pod.namespace.clone()),
+        uid: Some(pod.uid.clone()),
+        ..ObjectReference::default()
+    };
+    let note = Note {
+        warning,
+        reason,
+        message,
+        action: "Queue",
+    };
+    event_about(api, about, note, instance).await
+}
+
+/// What an Event says.
+pub struct Note<'a> {
+    pub warning: bool,
+    pub reason: &'a str,
+    pub message: &'a str,
+    /// What the controller did (`Queue`, `Expire`).
+    pub action: &'a str,
+}
+
+/// Records a core/v1 Event about any object of the namespace `api` is for.
+pub async fn event_about(
+    api: &Api<Event>,
+    about: ObjectReference,
+    note: Note<'_>,
+    instance: &str,
+) -> Result<(), kube::Error> {
     let now = Timestamp::now();
     let ev = Event {
         metadata: ObjectMeta {
-            name: Some(format!("{}.{:x}", pod.name, now.as_nanosecond())),
-            namespace: Some(pod.namespace.clone()),
+            name: Some(format!(
+                "{}.{:x}",
+                about.name.as_deref().unwrap_or("object"),
+                now.as_nanosecond()
+            )),
+            namespace: about.namespace.clone(),
             ..ObjectMeta::default()
         },
-        involved_object: ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            name: Some(pod.name.clone()),
-            namespace: Some(pod.namespace.clone()),
-            uid: Some(pod.uid.clone()),
-            ..ObjectReference::default()
-        },
-        reason: Some(reason.into()),
-        message: Some(message.into()),
-        type_: Some(if warning { "Warning" } else { "Normal" }.into()),
+        involved_object: about,
+        reason: Some(note.reason.into()),
+        message: Some(note.message.into()),
+        type_: Some(if note.warning { "Warning" } else { "Normal" }.into()),
         first_timestamp: Some(Time(now)),
         last_timestamp: Some(Time(now)),
         count: Some(1),
@@ -175,7 +205,7 @@ pub async fn event(
         }),
         reporting_component: Some(COMPONENT.into()),
         reporting_instance: Some(instance.into()),
-        action: Some("Queue".into()),
+        action: Some(note.action.into()),
         ..Event::default()
     };
     api.create(&PostParams::default(), &ev).await.map(|_| ())

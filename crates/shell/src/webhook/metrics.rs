@@ -11,6 +11,7 @@ use crate::controller::elector::Role;
 use crate::controller::metrics::{QueueMetrics, QuotaLabels};
 use crate::metrics::{self, label_values, latency, register, Histograms};
 use crate::quota::{Amount, Dimension, GpuQuota};
+use k8s_openapi::jiff::Timestamp;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
 use prometheus_client::metrics::counter::Counter;
@@ -195,13 +196,15 @@ fn quota_series(quotas: &[Arc<GpuQuota>]) -> [Series; 3] {
     let mut sorted: Vec<&GpuQuota> = quotas.iter().map(|q| &**q).collect();
     sorted.sort_by_key(|q| q.id());
     let [mut hard, mut used, mut reserved] = [Vec::new(), Vec::new(), Vec::new()];
+    let now = Timestamp::now();
     for q in sorted {
         let at = |d: &Dimension| ResourceLabels {
             namespace: q.metadata.namespace.clone().unwrap_or_default(),
             quota: q.metadata.name.clone().unwrap_or_default(),
             resource: d.to_string(),
         };
-        for (d, a) in q.spec.hard.bounds() {
+        // The bound in force: temporary raises included while they last.
+        for (d, a) in q.spec.in_force(now).hard.bounds() {
             hard.push((at(&d), value(a)));
         }
         let status = q.status_or_default();

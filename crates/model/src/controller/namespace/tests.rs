@@ -341,3 +341,72 @@ fn no_more_pods_are_released_than_the_reservation_list_can_record() {
     // The rest waits for the next cycle; a queued entry gave way to a reserved one.
     assert_eq!(s.room(), 0);
 }
+
+#[test]
+fn a_raise_admits_while_it_lasts_wakes_the_loop_at_its_expiry_and_is_told_when_it_ends() {
+    // The tests' clock reads 2025-01-01T00:01:40Z.
+    let raised = |expires: &str| {
+        let mut q = quota("default", 2, json!({}));
+        q.spec.temporary = serde_json::from_value(json!([
+            {"hard": {"gpus": "2"}, "expires": expires, "reason": "launch"}]))
+        .unwrap();
+        q
+    };
+    let pods = [
+        pod("run", 2, false, json!({})),
+        pod("p", 2, true, json!({})),
+    ];
+    let d = run(
+        &pods,
+        &[],
+        &DeviceCatalog::default(),
+        &[raised("2025-01-01T00:05:00Z")],
+    );
+    assert_eq!(d.releases.len(), 1, "{:?}", d.waiting);
+    assert_eq!(
+        d.next_deadline,
+        Some(SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_900)),
+        "woken when the raise ends"
+    );
+    let (q, changed) = &d.quotas[0];
+    assert!(*changed && d.quota_events.is_empty());
+    let s = q.status.as_ref().unwrap();
+    assert_eq!(s.temporary[0].state, crate::quota::RaiseState::InForce);
+    assert_eq!(
+        q.spec.temporary.len(),
+        1,
+        "the spec is written back as read"
+    );
+
+    // Expired (and in force when last written): the pod waits on the base, one Event.
+    let mut was = raised("2025-01-01T00:01:00Z");
+    was.status = Some(
+        serde_json::from_value(json!({"temporary": [
+            {"reason": "launch", "expires": "2025-01-01T00:01:00Z", "state": "InForce"}]}))
+        .unwrap(),
+    );
+    let pods = [
+        pod("run", 2, false, json!({})),
+        pod("p", 2, true, json!({})),
+    ];
+    let d = run(&pods, &[], &DeviceCatalog::default(), &[was]);
+    assert!(d.releases.is_empty());
+    assert!(
+        d.waiting[0]
+            .1
+            .message
+            .contains("of 2 in GpuQuota team-a/default"),
+        "{:?}",
+        d.waiting
+    );
+    assert_eq!(d.quota_events.len(), 1);
+    let (name, reason, message) = &d.quota_events[0];
+    assert_eq!(
+        (name.as_str(), *reason),
+        ("default", "TemporaryRaiseExpired")
+    );
+    assert!(
+        message.starts_with("temporary raise gpus +2 (launch) expired at 2025-01-01T00:01:00Z"),
+        "{message}"
+    );
+}

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::quota::escrow::MAX_UNFLUSHED;
+use crate::quota::{note_raises, TemporaryRaise};
 
 /// The most a status may take serialized (the issue's bound; etcd refuses ~1.5 MiB).
 const BOUND: usize = 256 * 1024;
@@ -71,6 +72,23 @@ fn a_full_status_with_the_longest_names_stays_under_256_kib() {
         last_transition_time: "2026-12-31T23:59:59Z".into(),
         observed_generation: Some(i64::MAX),
     });
+    // And the most raises the CRD allows, each at its longest, in force.
+    let devices: BTreeMap<String, u64> = (0..64).map(|i| (format!("{i:0>63}"), u64::MAX)).collect();
+    let raise = TemporaryRaise {
+        hard: Limits {
+            gpus: Some(charge.gpus),
+            gpu_memory: Some(charge.gpu_memory),
+            devices,
+        },
+        expires: "2026-12-31T23:59:59.999999999+14:00".into(),
+        reason: "r".repeat(256),
+    };
+    let spec = GpuQuotaSpec {
+        temporary: vec![raise; 16],
+        ..GpuQuotaSpec::default()
+    };
+    let now: k8s_openapi::jiff::Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+    note_raises(&spec, &mut s, now, Some(i64::MAX));
     let bytes = serde_json::to_vec(&s).unwrap().len();
     println!("worst-case status: {bytes} bytes at {MAX_RESERVATIONS} reservations");
     assert!(bytes < BOUND, "{bytes} bytes");

@@ -9,7 +9,7 @@ use crate::dra::fetch::FetchError;
 use crate::dra::mps::MpsError;
 use crate::dra::ClaimRef;
 use crate::ledger::{Held, ShareRefused};
-use gpuplane_model::report::chain;
+use gpuplane_model::report::{chain, truncate, MAX_NOTE_BYTES};
 
 /// Why the core could not start.
 #[derive(Debug, thiserror::Error)]
@@ -156,21 +156,6 @@ impl PrepareError {
             note: truncate(format!("{self}: {advice}."), MAX_NOTE_BYTES),
         })
     }
-}
-
-/// The API server refuses an Event note over 1 kB.
-const MAX_NOTE_BYTES: usize = 1024;
-
-fn truncate(mut s: String, max: usize) -> String {
-    if s.len() > max {
-        let mut cut = max - '…'.len_utf8();
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-        s.push('…');
-    }
-    s
 }
 
 /// The per-claim error the kubelet gets: `claim <namespace>/<name> (<uid>): <reason>`.

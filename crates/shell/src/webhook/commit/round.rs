@@ -184,20 +184,29 @@ impl Committer {
     /// Decides `ops` on `quota` with this replica's escrow work, under the queue's lock (so
     /// the fast path sees the write's budget from the moment the write is decided).
     fn decide(&self, queue: &QuotaQueue, quota: &mut GpuQuota, ops: &[Op]) -> Decided {
-        let peers = self.peers(quota);
+        let now = Timestamp::now();
+        let peers: Vec<GpuQuota> = self
+            .peers(quota)
+            .into_iter()
+            .map(|p| p.in_force(now))
+            .collect();
+        // Eligibility on the spec as written (raises rule escrow out); the decision on the
+        // spec in force now. Only the status is written, but `quota` is remembered for the
+        // next round, so its own spec goes back.
+        let eligible = self.opts.escrow && escrow::eligible(quota);
+        let in_force = quota.spec.in_force(now);
+        let written = std::mem::replace(&mut quota.spec, in_force);
         let mut s = lock(&queue.state);
         let e = &mut s.escrow;
-        e.set_quota(
-            quota.spec.hard.clone(),
-            self.opts.escrow && escrow::eligible(quota),
-        );
+        e.set_quota(quota.spec.hard.clone(), eligible);
         let round = self.opts.escrow.then(|| EscrowRound {
             holder: self.opts.holder.clone(),
             flush: e.unflushed().to_vec(),
             unit: e.wanted(ops, Instant::now()),
-            now: Timestamp::now(),
+            now,
         });
         let d = decide_batch(quota, &peers, ops, round.as_ref());
+        quota.spec = written;
         if d.changed {
             e.start_flight(&d.escrow);
         }
@@ -213,9 +222,13 @@ impl Committer {
         id: &str,
     ) -> HashMap<usize, Denial> {
         match self.fresh_peers(written).await {
-            Ok(fresh) => stale_borrowers(written, &fresh, ops, outcomes)
-                .into_iter()
-                .collect(),
+            Ok(fresh) => {
+                let now = Timestamp::now();
+                let fresh: Vec<GpuQuota> = fresh.into_iter().map(|p| p.in_force(now)).collect();
+                stale_borrowers(&written.clone().in_force(now), &fresh, ops, outcomes)
+                    .into_iter()
+                    .collect()
+            }
             Err(e) => {
                 let err = CommitError::Api {
                     quota: id.to_string(),
