@@ -1777,3 +1777,61 @@ async fn rbac_grants_exactly_what_the_controller_calls() {
     // Granted calls this scenario does not reach, with the code that makes them: none.
     check_grants_used(&granted, &used, &[], "gpuplane controller");
 }
+
+/// The GpuQuota CRD's own rules on `spec.temporary`, evaluated as the API server does (`self`
+/// is the spec): a raise adds only to a dimension `hard` limits, and raises something.
+#[test]
+fn the_crd_refuses_a_raise_of_what_hard_does_not_limit_or_of_nothing() {
+    use kube_cel::cel::Value as V;
+    let d = docs();
+    let crd = find(
+        &d,
+        "CustomResourceDefinition",
+        None,
+        "gpuquotas.quota.gpuplane.dev",
+    )
+    .unwrap();
+    let rules = crd.value["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        ["x-kubernetes-validations"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(rules.len(), 2);
+    let refusals = |spec: Value| -> Vec<String> {
+        rules
+            .iter()
+            .filter(|r| {
+                cel_eval(r["rule"].as_str().unwrap(), &[("self", &spec)], None) != V::Bool(true)
+            })
+            .map(|r| r["message"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let raise =
+        |hard: Value| json!({"hard": hard, "expires": "2026-12-31T00:00:00Z", "reason": "r"});
+    let base = json!({"gpus": "4", "devices": {"nvidia.com/gpu": 4}});
+    assert!(refusals(json!({"hard": base})).is_empty());
+    assert!(refusals(json!({"hard": base, "temporary": [
+        raise(json!({"gpus": "2"})), raise(json!({"devices": {"nvidia.com/gpu": 2}}))]}))
+    .is_empty());
+    for bad in [
+        json!({"gpuMemory": "80Gi"}),
+        json!({"devices": {"nvidia.com/mig-1g.10gb": 2}}),
+        json!({"gpus": "1", "devices": {"gpu.gpuplane.dev": 1}}),
+    ] {
+        let r = refusals(json!({"hard": base, "temporary": [raise(bad.clone())]}));
+        assert_eq!(r.len(), 1, "{bad}: {r:?}");
+        assert!(
+            r[0].starts_with(
+                "spec.temporary: a raise may only add to a dimension spec.hard limits"
+            ),
+            "{r:?}"
+        );
+    }
+    let r = refusals(json!({"hard": base, "temporary": [raise(json!({}))]}));
+    assert_eq!(
+        r,
+        ["spec.temporary: each raise must raise at least one of gpus, gpuMemory or devices"]
+    );
+    let r = refusals(json!({"hard": {"gpus": "1"}, "temporary": [raise(json!({"devices": {}}))]}));
+    assert_eq!(r.len(), 1, "an empty device map raises nothing: {r:?}");
+}

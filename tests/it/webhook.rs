@@ -1138,6 +1138,71 @@ async fn a_gpu_pod_without_a_required_label_is_refused_naming_it() {
     assert_eq!(r["allowed"], true, "{r}");
 }
 
+/// A temporary raise is `hard` while it lasts and nothing once it expired; a quota with raises
+/// decides every admission on its latest state (no escrow that could outlive a raise).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_temporary_raise_admits_until_it_expires_and_never_after() {
+    let api = ApiServerDouble::start().await.unwrap();
+    let raises = |launch_expires: &str| {
+        json!({"hard": {"devices": {"nvidia.com/gpu": 1}}, "temporary": [
+            {"hard": {"devices": {"nvidia.com/gpu": 5}}, "expires": "2020-01-01T00:00:00Z", "reason": "old"},
+            {"hard": {"devices": {"nvidia.com/gpu": 1}}, "expires": launch_expires, "reason": "launch"}]})
+    };
+    quota(&api, "default", raises("2999-01-01T00:00:00Z")).await;
+    let pki = Pki::new();
+    let wh = replica(&api, &pki).await;
+    let tls = pki.client_config();
+    let validate = |uid: &'static str, name: &'static str| {
+        let body = pod_review(uid, gpu_pod(name, "nvidia.com/gpu", 1));
+        let tls = tls.clone();
+        let addr = wh.addr();
+        async move { response(&post(&tls, addr, "/validate", &body).await) }
+    };
+    for (uid, name) in [("u1", "a"), ("u2", "b")] {
+        let r = validate(uid, name).await;
+        assert_eq!(r["allowed"], true, "{name}: {r}");
+    }
+    let r = validate("u3", "c").await;
+    assert_eq!(r["allowed"], false, "{r}");
+    assert!(
+        r["status"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("devices[nvidia.com/gpu]: requested 1, used 2 of 2 in GpuQuota"),
+        "the expired raise adds nothing, the live one adds 1: {r}"
+    );
+    let s = stored_quota(&api, "default").status.unwrap();
+    assert!(
+        s.escrows.is_empty(),
+        "no escrow under a raise: {:?}",
+        s.escrows
+    );
+    assert_eq!(s.reservations.len(), 2);
+
+    // The launch raise runs out: the next admission sees the base of 1, with 2 held.
+    let mut q = serde_json::to_value(stored_quota(&api, "default")).unwrap();
+    q["spec"] = raises("2020-06-01T00:00:00Z");
+    api.put_json(q).unwrap();
+    let mut answer = Value::Null;
+    for i in 0..100 {
+        answer = validate("u4", "d").await;
+        let m = answer["status"]["message"].as_str().unwrap_or_default();
+        if m.contains("used 2 of 1 in GpuQuota") || i == 99 {
+            break;
+        }
+        // The webhook's watch of the quota has not seen the edit yet.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(answer["allowed"], false, "{answer}");
+    assert!(
+        answer["status"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("devices[nvidia.com/gpu]: requested 1, used 2 of 1 in GpuQuota"),
+        "{answer}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_mode_gates_gpu_pods_and_records_them_as_queued() {
     let api = ApiServerDouble::start().await.unwrap();
