@@ -173,6 +173,115 @@ fn owner_labels_are_required_where_the_quota_says(lab: &ClusterLab, ns: &str) {
     });
 }
 
+/// `spec.temporary` on the real API server: the CRD refuses an expiry that is no time and a
+/// raise of a dimension `hard` does not limit, naming the field; a raise admits a second pod
+/// while it lasts; when it expires (on the clock, nobody editing anything) both pods keep
+/// running, the next pod is refused against the base, and the quota says so in a condition
+/// and one Event. Leaves no pod behind.
+fn temporary_raises_hold_until_they_expire(lab: &ClusterLab, ns: &str) {
+    let base = quota(ns, "devices", 1, "Reject");
+    let raised = |expires: &str, hard: &str| {
+        format!(
+            "{base}  temporary:\n  - {{hard: {hard}, expires: \"{expires}\", reason: launch week}}\n"
+        )
+    };
+    let apply =
+        |yaml: &str| lab.kubectl_as(&lab.admin_kubeconfig(), &["apply", "-f", "-"], Some(yaml));
+    lab.kubectl_ok(&["create", "namespace", ns]);
+    let refused = |yaml: String, want: &[&str]| {
+        let out = apply(&yaml);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(
+            !out.status.success() && want.iter().all(|w| err.contains(w)),
+            "{want:?}: {err}"
+        );
+    };
+    let gpu = "{devices: {nvidia.com/gpu: 1}}";
+    refused(
+        raised("next friday", gpu),
+        &["spec.temporary[0].expires", "date-time"],
+    );
+    refused(
+        raised("2030-01-01T00:00:00Z", "{gpuMemory: 80Gi}"),
+        &["a raise may only add to a dimension spec.hard limits"],
+    );
+    let expires = k8s_openapi::jiff::Timestamp::now()
+        .checked_add(k8s_openapi::jiff::SignedDuration::from_secs(40))
+        .unwrap();
+    let expires = k8s_openapi::jiff::Timestamp::from_second(expires.as_second())
+        .unwrap()
+        .to_string();
+    let ok = apply(&raised(&expires, gpu));
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    eventually("the webhook to see the raise", || {
+        lab.create(&pod(ns, "r1", 2), &["--dry-run=server"]).ok()
+    });
+    for name in ["r1", "r2"] {
+        lab.create(&pod(ns, name, 1), &[]).unwrap();
+    }
+    let condition = |status: &str| {
+        let q = lab.get_json(&["get", "gpuquota", "default", "-n", ns])?;
+        let c = q["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "TemporaryRaise" && c["status"] == status)?
+            .clone();
+        Some(c)
+    };
+    let c = eventually("the quota to show its raise in force", || condition("True"));
+    assert_eq!(c["reason"], "InForce", "{c}");
+    assert!(
+        c["message"].as_str().is_some_and(|m| m.contains(&format!(
+            "devices[nvidia.com/gpu] +1 until {expires} (launch week)"
+        ))),
+        "{c}"
+    );
+    let err = lab
+        .create(&pod(ns, "r3", 1), &["--dry-run=server"])
+        .unwrap_err();
+    assert!(err.contains("used 2 of 2"), "within the raise, full: {err}");
+
+    let c = eventually("the raise to expire", || condition("False"));
+    assert_eq!(c["reason"], "Expired", "{c}");
+    let err = lab
+        .create(&pod(ns, "r3", 1), &["--dry-run=server"])
+        .unwrap_err();
+    assert!(
+        err.contains("requested 1, used 2 of 1"),
+        "the base again: {err}"
+    );
+    for name in ["r1", "r2"] {
+        cluster::wait_running(lab, ns, name);
+    }
+    let events = eventually("the expiry Event on the quota", || {
+        let list = lab.get_json(&[
+            "get",
+            "events",
+            "-n",
+            ns,
+            "--field-selector",
+            "involvedObject.kind=GpuQuota,reason=TemporaryRaiseExpired",
+        ])?;
+        let items = list["items"].as_array()?.clone();
+        (!items.is_empty()).then_some(items)
+    });
+    assert_eq!(events.len(), 1, "told once: {events:?}");
+    assert!(
+        events[0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(&format!(
+                "temporary raise devices[nvidia.com/gpu] +1 (launch week) expired at {expires}"
+            ))),
+        "{}",
+        events[0]
+    );
+    lab.kubectl_ok(&["delete", "pod", "--all", "-n", ns, "--wait=true"]);
+}
+
 /// A PATCH of `path` on the lab's API server as the account of `kubeconfig` (one of the
 /// lab's token kubeconfigs), sent as is: kubectl would GET the object first, which the
 /// controller's RBAC does not grant. Returns the HTTP status and the body.
@@ -339,6 +448,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     assert!(pod_json(&lab, "team-a", "one-more").is_none());
     controller_writes_are_narrowed_to_its_own(&lab, &installed, "team-a", "two");
     owner_labels_are_required_where_the_quota_says(&lab, "team-a");
+    temporary_raises_hold_until_they_expire(&lab, "team-raise");
 
     // Queue mode: a GPU pod is created gated and released by the controller when it fits;
     // the next waits gated until the first is deleted.
