@@ -261,31 +261,7 @@ pub fn decide(
         earliest(&mut next_deadline, d);
     }
 
-    // Record the admissions.
-    let mut releases = Vec::new();
-    let mut admitted: Vec<&Queued<'_>> = Vec::new();
-    let room = admission_room(&quotas);
-    for r in &plan.releases {
-        // What does not fit in the reservation lists waits for the next cycle (their
-        // entries are dropped as the released pods are seen counted).
-        if admitted.len() + members[r.index].len() > room {
-            break;
-        }
-        releases.push(
-            members[r.index]
-                .iter()
-                .map(|&i| PodRef::of(queued[i].pod))
-                .collect(),
-        );
-        admitted.extend(members[r.index].iter().map(|&i| &queued[i]));
-    }
-    if !admitted.is_empty() {
-        for q in &mut quotas {
-            let mut s = q.status_or_default();
-            admit(&mut s, &admitted, now_ts);
-            q.status = Some(s);
-        }
-    }
+    let releases = record_admissions(&plan, &members, &queued, &mut quotas, now_ts);
     waiting.extend(notes(input, &units, &members, &queued, &plan));
 
     let head = plan
@@ -309,6 +285,41 @@ pub fn decide(
         waiting,
         next_deadline,
     })
+}
+
+/// Records the plan's releases as `Reserved` in every quota and returns them, unit by unit;
+/// what does not fit in the reservation lists waits for the next cycle (their entries are
+/// dropped as the released pods are seen counted).
+fn record_admissions(
+    plan: &crate::controller::plan::Plan,
+    members: &[Vec<usize>],
+    queued: &[Queued<'_>],
+    quotas: &mut [GpuQuota],
+    now: Timestamp,
+) -> Vec<Vec<PodRef>> {
+    let mut releases = Vec::new();
+    let mut admitted: Vec<&Queued<'_>> = Vec::new();
+    let room = admission_room(quotas);
+    for r in &plan.releases {
+        if admitted.len() + members[r.index].len() > room {
+            break;
+        }
+        releases.push(
+            members[r.index]
+                .iter()
+                .map(|&i| PodRef::of(queued[i].pod))
+                .collect(),
+        );
+        admitted.extend(members[r.index].iter().map(|&i| &queued[i]));
+    }
+    if !admitted.is_empty() {
+        for q in quotas.iter_mut() {
+            let mut s = q.status_or_default();
+            admit(&mut s, &admitted, now);
+            q.status = Some(s);
+        }
+    }
+    releases
 }
 
 /// Moves `next` to `at` when that is sooner.
