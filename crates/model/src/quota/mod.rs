@@ -90,8 +90,8 @@ pub use charge::{
 };
 pub use check::{check, check_consumed, record_queued, try_reserve, Denial, Fit};
 pub use crd::{
-    missing_labels, Escrow, GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind, QuotaCondition,
-    QuotaMode, Reservation, ReservationState, SCHEDULING_GATE,
+    missing_labels, Escrow, GpuHoursStatus, GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind,
+    QuotaCondition, QuotaMode, Reservation, ReservationState, SCHEDULING_GATE,
 };
 pub use ratio::{Gpus, QuotaMathError};
 pub use scope::governs_pod;

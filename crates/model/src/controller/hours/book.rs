@@ -5,6 +5,7 @@
 //! the retention dropped, and the oldest days dropped while it is larger than
 //! [`MAX_BOOK_BYTES`]. [`Book::report`] sums it per tenant over a window of days.
 
+use crate::quota::{GpuHoursStatus, GpuQuota};
 use k8s_openapi::jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -214,6 +215,22 @@ impl Book {
             }
         }
         sum
+    }
+
+    /// A GpuQuota's `status.gpuHours`: its totals in the watermark's month; `None` before the
+    /// first flush.
+    pub fn quota_status(&self, quota: &GpuQuota) -> Option<GpuHoursStatus> {
+        let period = period_of(self.accounted_until?);
+        let key = Key::Quota(
+            quota.metadata.namespace.clone().unwrap_or_default(),
+            quota.metadata.name.clone().unwrap_or_default(),
+        );
+        let t = self.period_totals(&key, &period);
+        Some(GpuHoursStatus {
+            period,
+            gpu_seconds: t.gpu_seconds,
+            gpu_memory_byte_seconds: t.gpu_memory_byte_seconds,
+        })
     }
 
     /// Totals per tenant over the days `since..until` (`YYYY-MM-DD`, `until` excluded; open

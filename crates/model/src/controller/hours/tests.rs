@@ -278,3 +278,21 @@ fn keys_and_days_parse_back() {
     assert_eq!(parse_day("2026-12-03T23:59:00Z").unwrap(), "2026-12-03");
     assert!(parse_day("yesterday").is_err());
 }
+
+#[test]
+fn a_quota_status_shows_its_totals_in_the_watermarks_month() {
+    use crate::quota::GpuQuota;
+    let quota: GpuQuota = serde_json::from_value(json!({
+        "apiVersion": "quota.gpuplane.dev/v1alpha1", "kind": "GpuQuota",
+        "metadata": {"name": "default", "namespace": "a"},
+        "spec": {"hard": {"gpus": "4"}},
+    }))
+    .unwrap();
+    assert_eq!(Book::default().quota_status(&quota), None);
+    let pods = [metered("a", T0, Some(T0 + 30_000), 0.5, 40.0, "x")];
+    let q = quotas(&[("a", "default")]);
+    let book = account(&Book::default(), &pods, &q, T0 + 60_000, &settings()).book;
+    let s = book.quota_status(&quota).unwrap();
+    assert_eq!(s.period, period_of(T0 + 60_000));
+    assert!(close(s.gpu_seconds, 15.0) && close(s.gpu_memory_byte_seconds, 30.0 * 40.0 * GIB));
+}
