@@ -51,6 +51,12 @@ impl Default for HoursSettings {
     }
 }
 
+/// A duration flag's value (`30s`, `2m`, `1h 30m`).
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text.trim())
+        .map_err(|e| format!("{text:?} is not a duration like 30s or 2m: {e}"))
+}
+
 /// When a pod held its GPUs, in milliseconds since the epoch: `end` is `None` while it runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Interval {

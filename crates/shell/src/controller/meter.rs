@@ -61,6 +61,8 @@ pub enum HoursError {
         object: String,
         cause: hours::BookError,
     },
+    #[error("no GPU-hours book: ConfigMap {0} not found; is `gpuplane controller` running (its leader writes it every 30 s), and is --controller-namespace its namespace?")]
+    Missing(String),
     #[error("ConfigMap {0} kept changing under the flush; trying again at the next interval")]
     Conflicts(String),
 }
@@ -310,4 +312,49 @@ fn api_error(op: &'static str, object: &str, e: kube::Error) -> HoursError {
         object: object.into(),
         cause: Box::new(e),
     }
+}
+
+/// What `gpuplane report` asks for.
+#[derive(Debug, Clone)]
+pub struct ReportQuery {
+    /// The controller's namespace, where the book is kept.
+    pub controller_namespace: String,
+    pub by: hours::By,
+    pub namespace: Option<String>,
+    /// First day (`YYYY-MM-DD` or an RFC 3339 time); none: the book's current month.
+    pub since: Option<String>,
+    /// First day not counted; none: up to the watermark.
+    pub until: Option<String>,
+}
+
+/// Reads the book and sums it per tenant over the query's window.
+pub async fn report(client: &kube::Client, q: &ReportQuery) -> Result<hours::Report, HoursError> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), &q.controller_namespace);
+    let object = format!("{}/{BOOK_NAME}", q.controller_namespace);
+    let (book, rv) = read(&api, &object).await?;
+    if rv.is_empty() {
+        return Err(HoursError::Missing(object));
+    }
+    let day = |t: &Option<String>| {
+        t.as_deref()
+            .map(hours::parse_day)
+            .transpose()
+            .map_err(|cause| HoursError::Book {
+                object: object.clone(),
+                cause,
+            })
+    };
+    let since = match day(&q.since)? {
+        Some(d) => Some(d),
+        None => book
+            .watermark()
+            .map(|w| format!("{}-01", hours::period_of(w))),
+    };
+    let until = day(&q.until)?;
+    Ok(book.report(
+        &q.by,
+        q.namespace.as_deref(),
+        since.as_deref(),
+        until.as_deref(),
+    ))
 }
