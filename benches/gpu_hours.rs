@@ -90,7 +90,14 @@ fn main() {
         .collect();
     let step = INTERVAL.as_millis() as i64;
     // A book that has counted the day up to 10:00.
-    let mut book = account(&Book::default(), &views, &quotas, DAY0 + 10 * 3_600_000, &settings).book;
+    let mut book = account(
+        &Book::default(),
+        &views,
+        &quotas,
+        DAY0 + 10 * 3_600_000,
+        &settings,
+    )
+    .book;
     let (mut flush, mut floor, mut bytes) = (Vec::new(), Vec::new(), 0);
     for _ in 0..ROUNDS {
         let from = book.watermark().unwrap_or(0);
@@ -121,7 +128,11 @@ fn main() {
     println!("# cargo bench --bench gpu_hours: {PODS} GPU pods, {NAMESPACES} namespaces, owner labels team and model, a flush every {INTERVAL:?}");
     let f = percentiles(flush);
     row("a flush: account + the book's JSON", f, percentiles(floor));
-    row("a pod's view read again (all pods)", percentiles(reread), percentiles(priced));
+    row(
+        "a pod's view read again (all pods)",
+        percentiles(reread),
+        percentiles(priced),
+    );
     println!(
         "book: {bytes} bytes for one day ({} KiB); CPU share of one core at one flush per {INTERVAL:?}: {:.3}%",
         bytes / 1024,

@@ -1034,6 +1034,16 @@ pub fn wait_controller_ready(lab: &ClusterLab) {
 /// The quota controller: `gpuplane controller` with the Deployment's flags, serving the
 /// webhook on [`WEBHOOK_ADDR`] with the certificate [`ClusterLab::install`] issued.
 pub fn start_controller(lab: &ClusterLab, installed: &Installed, tag: &str) -> LabProcess {
+    start_controller_with(lab, installed, tag, &[])
+}
+
+/// [`start_controller`] with `extra` flags.
+pub fn start_controller_with(
+    lab: &ClusterLab,
+    installed: &Installed,
+    tag: &str,
+    extra: &[&str],
+) -> LabProcess {
     let mut cmd = lab.in_netns(env!("CARGO_BIN_EXE_gpuplane"));
     cmd.arg("controller")
         .arg("--kubeconfig")
@@ -1045,6 +1055,7 @@ pub fn start_controller(lab: &ClusterLab, installed: &Installed, tag: &str) -> L
         .arg(&installed.webhook_key)
         .arg(format!("--metrics-addr={CONTROLLER_METRICS_ADDR}"))
         .arg("--leader-elect=true")
+        .args(extra)
         .env("POD_NAMESPACE", AGENT_NS)
         .env("POD_NAME", format!("controller-{tag}"));
     LabProcess::spawn(lab, cmd, &format!("controller-{tag}"))
