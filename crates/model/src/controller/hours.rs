@@ -16,7 +16,7 @@ mod book;
 
 pub use book::{
     day_of, parse_day, period_of, Book, BookError, By, Key, Report, ReportRow, Totals,
-    MAX_BOOK_BYTES, MAX_KEYS_PER_DAY, OTHER,
+    MAX_BOOK_BYTES, MAX_KEYS_PER_DAY, MAX_MONTHS, OTHER,
 };
 
 use super::pods;
@@ -32,14 +32,14 @@ pub struct HoursSettings {
     pub owner_labels: Vec<String>,
     /// How far the watermark trails the clock.
     pub lag: Duration,
-    /// Days kept in the book before the watermark's day.
+    /// Days kept by day before the watermark's day (older ones by month).
     pub retention_days: u32,
 }
 
 /// The default lag: a kubelet reports a container's start within seconds.
 pub const DEFAULT_LAG: Duration = Duration::from_secs(15);
-/// The default retention: the current and the two previous calendar months stay whole.
-pub const DEFAULT_RETENTION_DAYS: u32 = 92;
+/// The default retention by day: the previous calendar month stays whole by day.
+pub const DEFAULT_RETENTION_DAYS: u32 = 62;
 
 impl Default for HoursSettings {
     fn default() -> Self {

@@ -1,9 +1,11 @@
 //! The ledger's durable record (pure): a [`Book`] holds the watermark (`accountedUntil`) and,
 //! per UTC day, GPU-seconds and GPU-memory-byte-seconds per [`Key`] (a namespace, a GpuQuota,
 //! an owner label value). It is stored as JSON in one ConfigMap, so it is bounded: at most
-//! [`MAX_KEYS_PER_DAY`] keys a day (further owner values fold into [`OTHER`]), days older than
-//! the retention dropped, and the oldest days dropped while it is larger than
-//! [`MAX_BOOK_BYTES`]. [`Book::report`] sums it per tenant over a window of days.
+//! [`MAX_KEYS_PER_DAY`] keys a bucket (further owner values fold into [`OTHER`]); days older
+//! than the retention, and then the oldest days while the book is larger than
+//! [`MAX_BOOK_BYTES`], fold into monthly totals (so a month's total is never lost to size);
+//! past [`MAX_MONTHS`] months, or still too large, the oldest months go. [`Book::report`] sums
+//! it per tenant over a window of days.
 
 use crate::quota::{GpuHoursStatus, GpuQuota};
 use k8s_openapi::jiff::Timestamp;
@@ -15,6 +17,8 @@ use std::fmt;
 pub const MAX_KEYS_PER_DAY: usize = 4000;
 /// The book's JSON is kept under this size (a ConfigMap holds at most 1 MiB).
 pub const MAX_BOOK_BYTES: usize = 900 * 1024;
+/// Monthly totals kept at most.
+pub const MAX_MONTHS: usize = 24;
 /// The owner label value that stands for the values past [`MAX_KEYS_PER_DAY`].
 pub const OTHER: &str = "_other";
 
@@ -109,7 +113,41 @@ pub struct Book {
     accounted_until: Option<i64>,
     /// Totals per UTC day (`YYYY-MM-DD`) and key ([`Key`]'s text).
     #[serde(default)]
-    days: BTreeMap<String, BTreeMap<String, Totals>>,
+    days: BTreeMap<String, Bucket>,
+    /// Days folded by month (`YYYY-MM`): older than the retention, or the book was too large.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    months: BTreeMap<String, Bucket>,
+}
+
+/// One day's or month's totals by key.
+type Bucket = BTreeMap<String, Totals>;
+
+/// Adds `totals` under `key`; an owner key new to a full bucket goes under [`OTHER`].
+fn add_to(bucket: &mut Bucket, key: &Key, totals: Totals) {
+    let mut text = key.to_string();
+    if let Key::Owner(ns, k, _) = key {
+        if bucket.len() >= MAX_KEYS_PER_DAY && !bucket.contains_key(&text) {
+            text = Key::Owner(ns.clone(), k.clone(), OTHER.into()).to_string();
+        }
+    }
+    *bucket.entry(text).or_default() += totals;
+}
+
+/// About how many bytes of JSON a bucket takes (a key's entry is its text, quotes, and two
+/// numbers of at most 24 characters).
+fn bucket_size(b: &Bucket) -> usize {
+    16 + b.keys().map(|k| k.len() + 56).sum::<usize>()
+}
+
+/// The first day after month `YYYY-MM` (`YYYY-MM-DD`), for comparing with days.
+fn month_end(month: &str) -> String {
+    let (y, m) = month.split_once('-').unwrap_or((month, "12"));
+    let (y, m): (u32, u32) = (y.parse().unwrap_or(0), m.parse().unwrap_or(12));
+    if m >= 12 {
+        format!("{:04}-01-01", y + 1)
+    } else {
+        format!("{y:04}-{:02}-01", m + 1)
+    }
 }
 
 mod watermark {
@@ -182,35 +220,65 @@ impl Book {
     pub(super) fn add(&mut self, day_ms: i64, keys: impl Iterator<Item = Key>, totals: Totals) {
         let day = self.days.entry(day_of(day_ms)).or_default();
         for key in keys {
-            let mut text = key.to_string();
-            if let Key::Owner(ns, k, _) = &key {
-                if day.len() >= MAX_KEYS_PER_DAY && !day.contains_key(&text) {
-                    text = Key::Owner(ns.clone(), k.clone(), OTHER.into()).to_string();
-                }
-            }
-            *day.entry(text).or_default() += totals;
+            add_to(day, &key, totals);
         }
     }
 
-    /// Drops the days more than `retention_days` before `now`'s, then the oldest while the
-    /// book is larger than [`MAX_BOOK_BYTES`] (never the last day).
+    /// Folds the days more than `retention_days` before `now`'s into their months, then the
+    /// oldest days while the book is larger than [`MAX_BOOK_BYTES`] (never the last day); then
+    /// drops the oldest months past [`MAX_MONTHS`] or while still too large (never `now`'s).
     pub(super) fn trim(&mut self, now: i64, retention_days: u32) {
         let oldest = day_of(now - i64::from(retention_days) * 86_400_000);
-        self.days.retain(|d, _| *d >= oldest);
-        while self.days.len() > 1 && self.to_json().len() > MAX_BOOK_BYTES {
-            self.days.pop_first();
+        let mut size = self.size();
+        while let Some(first) = self.days.first_key_value().map(|(d, _)| d.clone()) {
+            let over = size > MAX_BOOK_BYTES && self.days.len() > 1;
+            if first >= oldest && !over {
+                break;
+            }
+            let Some(day) = self.days.remove(&first) else {
+                break;
+            };
+            let month = self.months.entry(first[..7].to_string()).or_default();
+            size -= bucket_size(month) + bucket_size(&day);
+            for (text, t) in day {
+                if let Some(key) = Key::parse(&text) {
+                    add_to(month, &key, t);
+                }
+            }
+            size += bucket_size(month);
+        }
+        let current = period_of(now);
+        while self.months.len() > MAX_MONTHS || size > MAX_BOOK_BYTES {
+            let Some((m, b)) = self.months.pop_first() else {
+                break;
+            };
+            if m == current {
+                self.months.insert(m, b);
+                break;
+            }
+            size -= bucket_size(&b);
         }
     }
 
-    /// A key's totals over the days of `period` (`YYYY-MM`).
+    /// About how many bytes of JSON the book takes.
+    fn size(&self) -> usize {
+        self.days
+            .values()
+            .chain(self.months.values())
+            .map(|b| bucket_size(b) + 16)
+            .sum::<usize>()
+            + 64
+    }
+
+    /// A key's totals over the days of `period` (`YYYY-MM`), folded ones included.
     pub fn period_totals(&self, key: &Key, period: &str) -> Totals {
         let key = key.to_string();
         let mut sum = Totals::default();
-        for day in self
+        let days = self
             .days
-            .range(format!("{period}-00")..format!("{period}-99"))
-        {
-            if let Some(t) = day.1.get(&key) {
+            .range(format!("{period}-00")..format!("{period}-99"));
+        for (_, b) in days.chain(self.months.get_key_value(period)) {
+            if let Some(t) = b.get(&key) {
                 sum += *t;
             }
         }
@@ -246,7 +314,18 @@ impl Book {
         let days = self.days.iter().filter(|(d, _)| {
             since.is_none_or(|s| d.as_str() >= s) && until.is_none_or(|u| d.as_str() < u)
         });
-        for (_, day) in days {
+        // A folded month counts when the window holds all of it; one it cuts is named.
+        let mut cut_months = Vec::new();
+        let months = self.months.iter().filter(|(m, _)| {
+            let (first, end) = (format!("{m}-01"), month_end(m));
+            let inside = since.is_none_or(|s| *s <= *first) && until.is_none_or(|u| *u >= *end);
+            let apart = since.is_some_and(|s| *s >= *end) || until.is_some_and(|u| *u <= *first);
+            if !inside && !apart {
+                cut_months.push(m.to_string());
+            }
+            inside
+        });
+        for (_, day) in days.chain(months) {
             for (text, totals) in day {
                 let Some(key) = Key::parse(text) else {
                     continue;
@@ -280,6 +359,7 @@ impl Book {
                     .unwrap_or_default()
             }),
             rows: rows.into_iter().map(ReportRow::new).collect(),
+            cut_months,
         }
     }
 }
@@ -327,6 +407,9 @@ pub struct Report {
     /// How far the book is counted.
     pub accounted_until: Option<String>,
     pub rows: Vec<ReportRow>,
+    /// Months the book keeps only as monthly totals that the window cuts: left out.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub cut_months: Vec<String>,
 }
 
 /// One tenant's totals.
@@ -379,6 +462,12 @@ impl Report {
             self.until.as_deref().unwrap_or("now"),
             self.accounted_until.as_deref().unwrap_or("never")
         ));
+        if !self.cut_months.is_empty() {
+            out.push_str(&format!(
+                "(left out: {}, kept only as monthly totals, which the window cuts)\n",
+                self.cut_months.join(", ")
+            ));
+        }
         out
     }
 }

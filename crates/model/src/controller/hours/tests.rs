@@ -253,14 +253,14 @@ fn the_book_round_trips_and_stays_bounded() {
     let other = total(&book, By::Owner("team".into()), OTHER);
     assert!(other.gpu_seconds >= 10.0, "{other:?}");
     assert!(book.to_json().len() <= MAX_BOOK_BYTES);
-    // Retention: a day older than it is dropped at the next flush.
+    // Retention: a day older than it is folded into its month at the next flush; a window
+    // that holds the whole month counts it, one that cuts the month names it.
     s.retention_days = 1;
     let later = T0 + 3 * DAY_MS;
-    let book = account(&book, &[], &quotas(&[]), later, &s).book;
-    assert!(book
-        .report(&By::Namespace, None, None, None)
-        .rows
-        .is_empty());
+    let folded = account(&book, &[], &quotas(&[]), later, &s).book;
+    assert!(close(total(&folded, By::Namespace, "a").gpu_seconds, pods.len() as f64));
+    let cut = folded.report(&By::Namespace, None, Some(&day_of(T0)), None);
+    assert!(cut.rows.is_empty() && cut.cut_months == [period_of(T0)], "{cut:?}");
     assert!(Book::from_json("{\"accountedUntil\": \"yesterday\"}").is_err());
 }
 
@@ -295,4 +295,27 @@ fn a_quota_status_shows_its_totals_in_the_watermarks_month() {
     let s = book.quota_status(&quota).unwrap();
     assert_eq!(s.period, period_of(T0 + 60_000));
     assert!(close(s.gpu_seconds, 15.0) && close(s.gpu_memory_byte_seconds, 30.0 * 40.0 * GIB));
+}
+
+#[test]
+fn a_book_over_its_size_folds_its_oldest_days_into_months_and_keeps_the_totals() {
+    let s = settings();
+    let q = quotas(&[("a", "default")]);
+    // 2026-12-01: four days of a full day's keys each, more than the book may hold by day.
+    let start = 1_796_083_200_000;
+    let pods: Vec<Metered> = (0..MAX_KEYS_PER_DAY)
+        .map(|i| metered("a", start, None, 1.0, 0.0, &format!("team-number-{i}")))
+        .collect();
+    let mut book = Book::default();
+    for d in 1..=4 {
+        book = account(&book, &pods, &q, start + d * DAY_MS, &s).book;
+    }
+    let json = book.to_json();
+    assert!(json.len() <= MAX_BOOK_BYTES, "{} bytes", json.len());
+    assert!(json.contains("\"months\""), "days were folded");
+    let want = pods.len() as f64 * 4.0 * 86_400.0;
+    let key = Key::Quota("a".into(), "default".into());
+    let month = book.period_totals(&key, "2026-12").gpu_seconds;
+    assert!(close(month, want), "{month} vs {want}");
+    assert!(close(total(&book, By::Namespace, "a").gpu_seconds, want));
 }
