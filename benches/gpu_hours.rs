@@ -10,7 +10,8 @@
 //!   `pod_charge` alone, which the quota loop already pays per changed pod.
 //!
 //! 10,000 pods in 100 namespaces with one GpuQuota each, 20 teams, a mix of whole GPUs and MIG
-//! slices, a quarter finished; a flush every 30 s (the default) over one day already booked.
+//! slices, a quarter finished; a flush every 30 s (the default) on a book at its steady state
+//! (40 days counted, the older ones folded into months by the size bound).
 //! The share of one core the ledger takes is the flush's p50 over the interval. Run:
 //! `cargo bench --bench gpu_hours`; results in benches/results/gpu_hours.txt.
 
@@ -39,9 +40,9 @@ fn pod(i: usize) -> Pod {
     } else {
         ("nvidia.com/gpu", "2")
     };
-    let start = format!("2026-12-03T0{}:{:02}:00Z", i % 8, i % 60);
+    let start = format!("2026-10-2{}T0{}:{:02}:00Z", i % 3, i % 8, i % 60);
     let state = if i % 4 == 0 {
-        json!({"terminated": {"exitCode": 0, "startedAt": start, "finishedAt": "2026-12-03T09:00:00Z"}})
+        json!({"terminated": {"exitCode": 0, "startedAt": start, "finishedAt": "2026-12-03T10:05:00Z"}})
     } else {
         json!({"running": {"startedAt": start}})
     };
@@ -89,15 +90,13 @@ fn main() {
         .map(|n| (format!("team-{n}"), vec!["default".to_string()]))
         .collect();
     let step = INTERVAL.as_millis() as i64;
-    // A book that has counted the day up to 10:00.
-    let mut book = account(
-        &Book::default(),
-        &views,
-        &quotas,
-        DAY0 + 10 * 3_600_000,
-        &settings,
-    )
-    .book;
+    // A book at its steady state: 40 days counted (the pods running all along), its older
+    // days folded into months by the size bound, then today up to 10:00.
+    let mut book = Book::default();
+    for d in (1..=40).rev() {
+        book = account(&book, &views, &quotas, DAY0 - d * 86_400_000, &settings).book;
+    }
+    let mut book = account(&book, &views, &quotas, DAY0 + 10 * 3_600_000, &settings).book;
     let (mut flush, mut floor, mut bytes) = (Vec::new(), Vec::new(), 0);
     for _ in 0..ROUNDS {
         let from = book.watermark().unwrap_or(0);
@@ -134,7 +133,7 @@ fn main() {
         percentiles(priced),
     );
     println!(
-        "book: {bytes} bytes for one day ({} KiB); CPU share of one core at one flush per {INTERVAL:?}: {:.3}%",
+        "book: {bytes} bytes ({} KiB) at its steady state; CPU share of one core at one flush per {INTERVAL:?}: {:.3}%",
         bytes / 1024,
         100.0 * f.0.as_secs_f64() / INTERVAL.as_secs_f64()
     );
