@@ -35,13 +35,13 @@ const DAY0: i64 = 1_796_256_000_000;
 
 fn pod(i: usize) -> Pod {
     let ns = format!("team-{}", i % NAMESPACES);
-    let (resource, gpus) = if i % 3 == 0 {
+    let (resource, gpus) = if i.is_multiple_of(3) {
         ("nvidia.com/mig-1g.10gb", "1")
     } else {
         ("nvidia.com/gpu", "2")
     };
     let start = format!("2026-10-2{}T0{}:{:02}:00Z", i % 3, i % 8, i % 60);
-    let state = if i % 4 == 0 {
+    let state = if i.is_multiple_of(4) {
         json!({"terminated": {"exitCode": 0, "startedAt": start, "finishedAt": "2026-12-03T10:05:00Z"}})
     } else {
         json!({"running": {"startedAt": start}})
@@ -51,7 +51,7 @@ fn pod(i: usize) -> Pod {
                      "labels": {"team": format!("t{}", i % 20), "model": format!("m{}", i % 7)}},
         "spec": {"nodeName": "n", "containers": [{"name": "main", "image": "i",
                  "resources": {"limits": {resource: gpus}}}]},
-        "status": {"phase": if i % 4 == 0 { "Succeeded" } else { "Running" },
+        "status": {"phase": if i.is_multiple_of(4) { "Succeeded" } else { "Running" },
                    "containerStatuses": [{"name": "main", "image": "i", "imageID": "",
                    "ready": true, "restartCount": 0, "state": state}]},
     }))

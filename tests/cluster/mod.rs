@@ -175,6 +175,18 @@ spec:
 /// A pod `ns/name` that sleeps asking `gpus` nvidia.com/gpu, with `meta` lines added to its
 /// metadata and `spec` lines to its spec (each indented two).
 pub fn sleeping_gpu_pod(ns: &str, name: &str, gpus: u32, meta: &str, spec: &str) -> String {
+    sleeping_gpu_pod_for(ns, name, gpus, meta, spec, 3600)
+}
+
+/// [`sleeping_gpu_pod`] sleeping `seconds`.
+pub fn sleeping_gpu_pod_for(
+    ns: &str,
+    name: &str,
+    gpus: u32,
+    meta: &str,
+    spec: &str,
+    seconds: u32,
+) -> String {
     format!(
         r#"apiVersion: v1
 kind: Pod
@@ -187,7 +199,7 @@ metadata:
   - name: c
     image: lab.local/busybox:1
     imagePullPolicy: Never
-    command: ["sleep", "3600"]
+    command: ["sleep", "{seconds}"]
     resources:
       limits: {{nvidia.com/gpu: {gpus}}}
 "#
@@ -1017,6 +1029,23 @@ impl LabAgent {
             .env_remove("GPUPLANE_CRASHPOINT");
         LabProcess::spawn(lab, cmd, &format!("agent-{tag}"))
     }
+}
+
+/// `gpuplane ARGS --kubeconfig <admin>` in the lab's network namespace, its JSON output.
+pub fn gpuplane_json(lab: &ClusterLab, args: &[&str]) -> Value {
+    let out = lab
+        .in_netns(env!("CARGO_BIN_EXE_gpuplane"))
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(lab.admin_kubeconfig())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "gpuplane {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// Waits until the controller's `/readyz` answers 200 (its caches synced, the webhook served).

@@ -3,6 +3,7 @@
 //! the book (ConfigMap), `gpuplane report`'s query, the GpuQuota's `status.gpuHours` and the
 //! counters agree with the pods' own times.
 
+use crate::controller::eventually;
 use gpuplane_shell::controller::hours::{Book, By, HoursSettings};
 use gpuplane_shell::controller::meter::{self, HoursOptions, ReportQuery, BOOK_KEY, BOOK_NAME};
 use gpuplane_shell::controller::metrics::QueueMetrics;
@@ -13,28 +14,12 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
 const QNS: &str = "team-a";
 const CNS: &str = "gpuplane-system";
-
-async fn eventually<F, Fut>(what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let start = Instant::now();
-    while !f().await {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 /// Whole seconds since the epoch, now.
 fn now_s() -> i64 {

@@ -5,7 +5,8 @@
 //! `containerStatuses` times, within 1%. Skips like tests/lab/real_cluster.rs.
 
 use crate::cluster::{
-    eventually, start_controller_with, wait_controller_ready, ClusterLab, LabAgent, AGENT_NS,
+    eventually, gpuplane_json, sleeping_gpu_pod_for, start_controller_with, wait_controller_ready,
+    ClusterLab, LabAgent, AGENT_NS,
 };
 use gpuplane_shell::controller::hours::{Book, By};
 use gpuplane_shell::controller::meter::{BOOK_KEY, BOOK_NAME};
@@ -21,22 +22,8 @@ const FLAGS: &[&str] = &[
 ];
 
 fn sleeper(name: &str, seconds: u32) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: {NS}, labels: {{team: ml}}}}
-spec:
-  restartPolicy: Never
-  terminationGracePeriodSeconds: 1
-  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: ["sleep", "{seconds}"]
-    resources:
-      limits: {{nvidia.com/gpu: 1}}
-"#
-    )
+    let (meta, spec) = ("  labels: {team: ml}\n", "  restartPolicy: Never\n");
+    sleeping_gpu_pod_for(NS, name, 1, meta, spec, seconds)
 }
 
 /// The pod's run in seconds from its container's own times, and its end (ms), once finished.
@@ -103,20 +90,7 @@ fn gpu_hours_match_the_pods_own_times_across_a_controller_restart() {
         let s = q["status"]["gpuHours"]["gpuSeconds"].as_f64()?;
         within_1pct(s, want).then_some(())
     });
-    let out = lab
-        .in_netns(env!("CARGO_BIN_EXE_gpuplane"))
-        .arg("report")
-        .arg("--kubeconfig")
-        .arg(lab.admin_kubeconfig())
-        .args(["--by", "team", "-n", NS, "-o", "json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let json = gpuplane_json(&lab, &["report", "--by", "team", "-n", NS, "-o", "json"]);
     let row = &json["rows"][0];
     assert_eq!(row["tenant"], "ml", "{json}");
     let hours = row["gpuHours"].as_f64().unwrap();

@@ -258,9 +258,15 @@ fn the_book_round_trips_and_stays_bounded() {
     s.retention_days = 1;
     let later = T0 + 3 * DAY_MS;
     let folded = account(&book, &[], &quotas(&[]), later, &s).book;
-    assert!(close(total(&folded, By::Namespace, "a").gpu_seconds, pods.len() as f64));
+    assert!(close(
+        total(&folded, By::Namespace, "a").gpu_seconds,
+        pods.len() as f64
+    ));
     let cut = folded.report(&By::Namespace, None, Some(&day_of(T0)), None);
-    assert!(cut.rows.is_empty() && cut.cut_months == [period_of(T0)], "{cut:?}");
+    assert!(
+        cut.rows.is_empty() && cut.cut_months == [period_of(T0)],
+        "{cut:?}"
+    );
     assert!(Book::from_json("{\"accountedUntil\": \"yesterday\"}").is_err());
 }
 
