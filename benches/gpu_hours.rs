@@ -9,8 +9,8 @@
 //!   for pods whose resourceVersion changed, or all of them after the catalog changed); floor:
 //!   `pod_charge` alone, which the quota loop already pays per changed pod.
 //!
-//! 10,000 pods in 100 namespaces with one GpuQuota each, 20 teams, a mix of whole GPUs and MIG
-//! slices, a quarter finished; a flush every 30 s (the default) on a book at its steady state
+//! 10,000 pods in 100 namespaces with one GpuQuota each, 20 teams, a mix of whole GPUs and
+//! time-sliced quarters, a quarter finished; a flush every 30 s (the default) on a book at its steady state
 //! (40 days counted, the older ones folded into months by the size bound).
 //! The share of one core the ledger takes is the flush's p50 over the interval. Run:
 //! `cargo bench --bench gpu_hours`; results in benches/results/gpu_hours.txt.
@@ -19,7 +19,7 @@ mod common;
 
 use common::{percentiles, row};
 use gpuplane_shell::controller::hours::{account, Book, HoursSettings, Metered};
-use gpuplane_shell::quota::{pod_charge, DeviceCatalog};
+use gpuplane_shell::quota::{pod_charge, CatalogSettings, DeviceCatalog};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -36,7 +36,7 @@ const DAY0: i64 = 1_796_256_000_000;
 fn pod(i: usize) -> Pod {
     let ns = format!("team-{}", i % NAMESPACES);
     let (resource, gpus) = if i.is_multiple_of(3) {
-        ("nvidia.com/mig-1g.10gb", "1")
+        ("nvidia.com/gpu.shared", "1")
     } else {
         ("nvidia.com/gpu", "2")
     };
@@ -75,7 +75,15 @@ fn main() {
         owner_labels: vec!["team".into(), "model".into()],
         ..HoursSettings::default()
     };
-    let catalog = DeviceCatalog::default();
+    // A time-sliced resource: a replica is a quarter of a GPU.
+    let catalog = DeviceCatalog::new(
+        &[],
+        &[],
+        CatalogSettings {
+            time_slicing: [("nvidia.com/gpu.shared".to_string(), 4)].into(),
+            ..CatalogSettings::default()
+        },
+    );
     let templates = BTreeMap::new();
     let pods: Vec<Pod> = (0..PODS).map(pod).collect();
     let views: Vec<Metered> = pods
