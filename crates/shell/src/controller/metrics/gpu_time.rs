@@ -106,3 +106,54 @@ impl GpuTime {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::render;
+
+    fn tenant(ns: &str, owners: &[&str]) -> Series {
+        Series::Tenant {
+            namespace: ns.into(),
+            owners: owners.iter().map(|o| o.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn flushes_add_to_counters_by_tenant_and_quota_and_new_owners_past_the_cap_are_other() {
+        let mut r = Registry::default();
+        let g = GpuTime::register(&mut r);
+        let keys = ["team".to_string(), "cost-center".to_string()];
+        let t = |g: f64| Totals {
+            gpu_seconds: g,
+            gpu_memory_byte_seconds: g * 1024.0,
+        };
+        let quota = Series::Quota {
+            namespace: "a".into(),
+            quota: "default".into(),
+        };
+        for _ in 0..2 {
+            let added = BTreeMap::from([
+                (tenant("a", &["ml", "cc-1"]), t(1.5)),
+                (quota.clone(), t(1.5)),
+            ]);
+            g.add(&keys, &added);
+        }
+        for i in 0..MAX_SERIES {
+            g.add(
+                &keys,
+                &BTreeMap::from([(tenant("b", &[&format!("t{i}"), ""]), t(1.0))]),
+            );
+        }
+        let text = render(&[&r]);
+        for line in [
+            "gpuplane_gpu_seconds_total{namespace=\"a\",label_team=\"ml\",label_cost_center=\"cc-1\"} 3.0",
+            "gpuplane_gpu_memory_byte_seconds_total{namespace=\"a\",label_team=\"ml\",label_cost_center=\"cc-1\"} 3072.0",
+            "gpuplane_quota_gpu_seconds_total{namespace=\"a\",quota=\"default\"} 3.0",
+            "gpuplane_gpu_seconds_total{namespace=\"b\",label_team=\"_other\",label_cost_center=\"_other\"} 1.0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line:?} missing");
+        }
+        assert_eq!(label_name("example.com/team"), "label_example_com_team");
+    }
+}
