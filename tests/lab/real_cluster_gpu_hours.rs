@@ -98,4 +98,9 @@ fn gpu_hours_match_the_pods_own_times_across_a_controller_restart() {
         within_1pct(hours * 3600.0, want),
         "report {hours} h vs {want} s"
     );
+    eprintln!(
+        "pods' own times: {short} s + {long} s = {want} s; book {got} s ({:+.3}%); report {:.1} s",
+        100.0 * (got - want) / want,
+        hours * 3600.0
+    );
 }
