@@ -4,6 +4,8 @@
 // No panics on what a user, peer or file can influence: a check, not a habit.
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 
+mod hours;
+
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use gpuplane_shell::node::apis::{self, Apis};
@@ -49,6 +51,14 @@ enum Command {
     Controller(Box<ControllerArgs>),
     /// Why a GPU pod is Pending: one reason with its numbers, read from the API server.
     Explain(ExplainArgs),
+    /// GPU-hours per tenant over a window, from the controller's ledger.
+    Report {
+        #[command(flatten)]
+        args: hours::ReportArgs,
+        /// Output format.
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
     /// The whole product on a simulated machine in one process, no cluster: agent, kubelet and
     /// API server doubles, quota webhook and controller, narrating a short story.
     #[cfg(feature = "demo")]
@@ -102,6 +112,8 @@ struct ControllerArgs {
     /// e.g. nvidia.com/gpu=4 (repeatable).
     #[arg(long = "time-sliced", value_name = "RESOURCE=REPLICAS", value_parser = parse_time_sliced)]
     time_sliced: Vec<(String, u32)>,
+    #[command(flatten)]
+    hours: hours::HoursArgs,
 }
 
 #[derive(clap::Args)]
@@ -329,6 +341,18 @@ fn run(cli: Cli) -> Result<()> {
         Command::Node(args) => run_node(*args),
         Command::Controller(args) => run_controller(*args),
         Command::Explain(args) => run_explain(args),
+        Command::Report { args, output } => {
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            let report = runtime.block_on(async {
+                let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref()).await?;
+                anyhow::Ok(gpuplane_shell::controller::meter::report(&client, &args.query()).await?)
+            })?;
+            match output {
+                Output::Table => print!("{}", report.table()),
+                Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+            }
+            Ok(())
+        }
         #[cfg(feature = "demo")]
         Command::Demo(args) => run_demo(args),
     }
@@ -417,6 +441,7 @@ fn run_controller(args: ControllerArgs) -> Result<()> {
         let mut loops = gpuplane_shell::controller::ControllerOptions::new(&args.namespace, &identity);
         loops.leader_elect = args.leader_elect;
         loops.queue.catalog = opts.catalog.clone();
+        loops.queue.hours = Some(args.hours.options(&args.namespace));
         gpuplane_shell::controller::replica::run(client, opts, loops, shutdown).await?;
         tracing::info!("gpuplane controller stopped");
         Ok(())

@@ -175,6 +175,18 @@ spec:
 /// A pod `ns/name` that sleeps asking `gpus` nvidia.com/gpu, with `meta` lines added to its
 /// metadata and `spec` lines to its spec (each indented two).
 pub fn sleeping_gpu_pod(ns: &str, name: &str, gpus: u32, meta: &str, spec: &str) -> String {
+    sleeping_gpu_pod_for(ns, name, gpus, meta, spec, 3600)
+}
+
+/// [`sleeping_gpu_pod`] sleeping `seconds`.
+pub fn sleeping_gpu_pod_for(
+    ns: &str,
+    name: &str,
+    gpus: u32,
+    meta: &str,
+    spec: &str,
+    seconds: u32,
+) -> String {
     format!(
         r#"apiVersion: v1
 kind: Pod
@@ -187,7 +199,7 @@ metadata:
   - name: c
     image: lab.local/busybox:1
     imagePullPolicy: Never
-    command: ["sleep", "3600"]
+    command: ["sleep", "{seconds}"]
     resources:
       limits: {{nvidia.com/gpu: {gpus}}}
 "#
@@ -1019,6 +1031,23 @@ impl LabAgent {
     }
 }
 
+/// `gpuplane ARGS --kubeconfig <admin>` in the lab's network namespace, its JSON output.
+pub fn gpuplane_json(lab: &ClusterLab, args: &[&str]) -> Value {
+    let out = lab
+        .in_netns(env!("CARGO_BIN_EXE_gpuplane"))
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(lab.admin_kubeconfig())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "gpuplane {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// Waits until the controller's `/readyz` answers 200 (its caches synced, the webhook served).
 pub fn wait_controller_ready(lab: &ClusterLab) {
     eventually("the controller to be ready", || {
@@ -1034,6 +1063,16 @@ pub fn wait_controller_ready(lab: &ClusterLab) {
 /// The quota controller: `gpuplane controller` with the Deployment's flags, serving the
 /// webhook on [`WEBHOOK_ADDR`] with the certificate [`ClusterLab::install`] issued.
 pub fn start_controller(lab: &ClusterLab, installed: &Installed, tag: &str) -> LabProcess {
+    start_controller_with(lab, installed, tag, &[])
+}
+
+/// [`start_controller`] with `extra` flags.
+pub fn start_controller_with(
+    lab: &ClusterLab,
+    installed: &Installed,
+    tag: &str,
+    extra: &[&str],
+) -> LabProcess {
     let mut cmd = lab.in_netns(env!("CARGO_BIN_EXE_gpuplane"));
     cmd.arg("controller")
         .arg("--kubeconfig")
@@ -1045,6 +1084,7 @@ pub fn start_controller(lab: &ClusterLab, installed: &Installed, tag: &str) -> L
         .arg(&installed.webhook_key)
         .arg(format!("--metrics-addr={CONTROLLER_METRICS_ADDR}"))
         .arg("--leader-elect=true")
+        .args(extra)
         .env("POD_NAMESPACE", AGENT_NS)
         .env("POD_NAME", format!("controller-{tag}"));
     LabProcess::spawn(lab, cmd, &format!("controller-{tag}"))

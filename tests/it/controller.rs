@@ -333,7 +333,7 @@ fn is_gated(p: &Pod) -> bool {
         .is_some_and(|g| g.iter().any(|g| g.name == SCHEDULING_GATE))
 }
 
-async fn eventually<F, Fut>(what: &str, mut f: F)
+pub(crate) async fn eventually<F, Fut>(what: &str, mut f: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,

@@ -35,6 +35,7 @@ mod dra_node;
 mod dra_restart;
 mod dra_shares;
 mod fuzz_corpus;
+mod gpu_hours;
 mod kubelet_authority;
 mod ledger_stress;
 mod manifests;

@@ -1380,13 +1380,15 @@ fn grants(docs: &[Doc], namespace: &str, account: &str) -> BTreeMap<Rule, Option
                     role.name()
                 );
                 // Only the synthetic permission the API server checks for status.devices
-                // names objects: the driver names the agent writes entries for.
+                // names objects (the driver names the agent writes entries for), and the
+                // controller's get and update of the GPU-hours book.
                 if let Some(names) = r.get("resourceNames") {
-                    assert_eq!(
-                        res, "resourceclaims/driver",
-                        "resourceNames: extend this test"
-                    );
-                    assert_eq!(names, &serde_json::json!([DRIVER]), "{}", role.name());
+                    let want = match res.as_str() {
+                        "resourceclaims/driver" => DRIVER,
+                        "configmaps" => gpuplane_shell::controller::meter::BOOK_NAME,
+                        _ => panic!("resourceNames on {res}: extend this test"),
+                    };
+                    assert_eq!(names, &serde_json::json!([want]), "{}", role.name());
                 }
                 out.insert((verb, group, res), scope.clone());
             }
@@ -1718,6 +1720,9 @@ async fn rbac_grants_exactly_what_the_controller_calls() {
     };
     loops.queue.batch = Duration::from_millis(20);
     loops.queue.resync = Duration::from_millis(300);
+    if let Some(h) = loops.queue.hours.as_mut() {
+        h.interval = Duration::from_millis(100);
+    }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let client = api.client().unwrap();
     let task = tokio::spawn(async move {
@@ -1765,6 +1770,11 @@ async fn rbac_grants_exactly_what_the_controller_calls() {
     // The leader renews its Lease.
     eventually("a Lease renewal", || {
         api.count_requests("PUT", "/leases/") > 0
+    })
+    .await;
+    // The GPU-hours book: read, created, then replaced.
+    eventually("a GPU-hours book update", || {
+        api.count_requests("PUT", "/configmaps/") > 0
     })
     .await;
     let _ = stop.send(());

@@ -15,6 +15,7 @@ mod helm;
 mod real_cluster;
 mod real_cluster_dynamic_mig;
 mod real_cluster_explain;
+mod real_cluster_gpu_hours;
 mod real_cluster_pending;
 mod real_cluster_quota;
 mod real_cluster_shares;

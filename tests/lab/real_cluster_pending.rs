@@ -58,18 +58,7 @@ fn condition(lab: &ClusterLab, ns: &str, name: &str, reason: &str) -> Value {
 
 /// `gpuplane explain pod NS/NAME -o json` in the lab.
 fn explain(lab: &ClusterLab, target: &str) -> Value {
-    let out = lab
-        .in_netns(env!("CARGO_BIN_EXE_gpuplane"))
-        .args(["explain", "pod", target, "-o", "json", "--kubeconfig"])
-        .arg(lab.admin_kubeconfig())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    crate::cluster::gpuplane_json(lab, &["explain", "pod", target, "-o", "json"])
 }
 
 /// Advertises 4 `nvidia.com/gpu` on `node` and labels it as an A100 node.

@@ -2,8 +2,10 @@
 //! ([`plan`]), the quota model as the planner's ledger ([`ledger`]), one namespace's decision
 //! ([`namespace`]: status, releases, notes), what is read from a Pod ([`pods`]), and the
 //! namespace label the mutating gate webhook selects on ([`queue_label`]), and leader
-//! election's expiry and step-down rules ([`lease`]). The loops are the shell's `controller`.
+//! election's expiry and step-down rules ([`lease`]), and the GPU-hours ledger's accounting
+//! ([`hours`]). The loops are the shell's `controller`.
 
+pub mod hours;
 pub mod lease;
 pub mod ledger;
 pub mod namespace;

@@ -15,6 +15,7 @@
 
 mod units;
 
+use super::hours::Book;
 use super::ledger::{compact, Working};
 use super::plan::plan_releases;
 use super::pods::{self, PodRef};
@@ -65,6 +66,8 @@ pub struct Inputs<'a> {
     pub catalog: &'a DeviceCatalog,
     pub now: SystemTime,
     pub settings: QueueSettings,
+    /// The GPU-hours book, whose current period's totals each quota's status shows.
+    pub hours: Option<&'a Book>,
 }
 
 /// What a waiting pod is told, and a tag that changes only when the kind of reason does.
@@ -272,8 +275,8 @@ pub fn decide(
     let quotas = finish_statuses(
         quotas,
         fresh,
-        waiting.len(),
-        head,
+        (waiting.len(), head),
+        input.hours,
         now_ts,
         &mut quota_events,
     )?;
@@ -396,13 +399,14 @@ fn split_admitted<'a>(quotas: &[GpuQuota], gated: &[Queued<'a>]) -> (Vec<PodRef>
 }
 
 /// The quotas as they should be written: totals recomputed, the observed generation, the
-/// queue condition on Queue-mode quotas, the state of temporary raises (an Event in `events`
-/// for each that just expired); each with whether it differs from `fresh`.
+/// queue condition on Queue-mode quotas (`waiting`: how many pods wait, and the head's note),
+/// the ledger's totals, the state of temporary raises (an Event in `events` for each that just
+/// expired); each with whether it differs from `fresh`.
 fn finish_statuses(
     quotas: Vec<GpuQuota>,
     fresh: &[GpuQuota],
-    waiting_pods: usize,
-    head: Option<String>,
+    (waiting_pods, head): (usize, Option<String>),
+    hours: Option<&Book>,
     now_ts: Timestamp,
     events: &mut Vec<(String, &'static str, String)>,
 ) -> Result<Vec<(GpuQuota, bool)>, QuotaMathError> {
@@ -437,6 +441,9 @@ fn finish_statuses(
                 now_ts,
                 q.metadata.generation,
             );
+        }
+        if let Some(book) = hours {
+            s.gpu_hours = book.quota_status(&q).or(s.gpu_hours);
         }
         q.status = Some(s);
         let changed = q.status != f.status;

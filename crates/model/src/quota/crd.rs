@@ -205,6 +205,10 @@ pub struct GpuQuotaStatus {
     /// Each of `spec.temporary` as the controller last saw it (in force, expired, invalid).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub temporary: Vec<RaiseStatus>,
+    /// GPU time the namespace's pods used this calendar month, as the GPU-hours ledger has
+    /// counted it so far (written by the controller; see docs/gpu-hours.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_hours: Option<GpuHoursStatus>,
 }
 
 impl GpuQuota {
@@ -245,4 +249,16 @@ pub fn missing_labels<'a>(
             if missing.len() == 1 { "it" } else { "them" },
         )
     })
+}
+
+/// A GpuQuota's GPU time in the current period (`status.gpuHours`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuHoursStatus {
+    /// The calendar month (UTC), `YYYY-MM`.
+    pub period: String,
+    /// Whole-GPU-equivalent seconds (MIG slices and shares as their fraction of a GPU).
+    pub gpu_seconds: f64,
+    /// GPU memory bytes times seconds.
+    pub gpu_memory_byte_seconds: f64,
 }

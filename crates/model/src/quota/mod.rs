@@ -93,8 +93,8 @@ pub use charge::{
 };
 pub use check::{check, check_consumed, record_queued, try_reserve, Denial, Fit};
 pub use crd::{
-    missing_labels, Escrow, GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind, QuotaCondition,
-    QuotaMode, Reservation, ReservationState, SCHEDULING_GATE,
+    missing_labels, Escrow, GpuHoursStatus, GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind,
+    QuotaCondition, QuotaMode, Reservation, ReservationState, SCHEDULING_GATE,
 };
 pub use preemption::{PreemptionPolicy, ReclaimWithinCohort, WithinQuota};
 pub use ratio::{Gpus, QuotaMathError};

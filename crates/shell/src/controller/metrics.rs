@@ -5,10 +5,17 @@
 //! (`gpuplane_pending_gpu_pods`) and how long pods stayed explained
 //! (`gpuplane_pending_gpu_pod_seconds`), and per node pool and resource the free GPUs and how
 //! fragmented they are (`gpuplane_node_pool_free_gpus`, `gpuplane_node_pool_fragmentation_ratio`).
+//! And the GPU-hours ledger's counters (`metrics/gpu_time.rs`).
 //! In a registry of their own, which the webhook's `/metrics` renders when the loops run beside
 //! it.
 
+mod gpu_time;
+
+pub use gpu_time::{label_name, MAX_SERIES};
+
 use crate::metrics::{self, register, Histograms};
+use gpu_time::GpuTime;
+use gpuplane_model::controller::hours::{Series, Totals};
 use gpuplane_model::explain::{PoolFragmentation, Reason};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
@@ -138,6 +145,7 @@ pub struct QueueMetrics {
     pending: Family<ReasonLabel, Gauge>,
     pending_seconds: Histograms<ReasonLabel>,
     pools: Arc<Pools>,
+    gpu_time: GpuTime,
 }
 
 impl Default for QueueMetrics {
@@ -189,6 +197,7 @@ impl Default for QueueMetrics {
         );
         let pools = Arc::<Pools>::default();
         r.register_collector(Box::new(pools.clone()));
+        let gpu_time = GpuTime::register(&mut r);
         QueueMetrics {
             registry: r,
             pods_released,
@@ -202,6 +211,7 @@ impl Default for QueueMetrics {
             pending,
             pending_seconds,
             pools,
+            gpu_time,
         }
     }
 }
@@ -283,6 +293,11 @@ impl QueueMetrics {
         self.pending_seconds
             .get_or_create(&reason_label(reason))
             .observe(waited.as_secs_f64());
+    }
+
+    /// A flush of the GPU-hours book added `added` (owner values in `owner_keys` order).
+    pub fn gpu_time(&self, owner_keys: &[String], added: &BTreeMap<Series, Totals>) {
+        self.gpu_time.add(owner_keys, added);
     }
 
     /// The registry of every family above, the queue length included.

@@ -3,7 +3,7 @@
 //! GpuQuota usage and reservations current, and runs only on the replica holding the Lease
 //! (the webhook, `crate::webhook`, is served by every replica).
 //!
-//! - `plan`, `ledger`, `namespace`, `pods`, `queue_label`, `lease`: the pure decisions
+//! - `plan`, `ledger`, `namespace`, `pods`, `queue_label`, `lease`, `hours`: the pure decisions
 //!   (`gpuplane_model::controller`, re-exported here).
 //! - [`cache`] (pure): watch-fed stores.
 //! - [`queue`]: the loop (watchers, reconcile, error policy); [`writes`]: pod writes.
@@ -13,7 +13,9 @@
 //!   on namespaces with a Queue-mode GpuQuota, which the mutating gate webhook selects on.
 //! - [`elector`]: leader election over a coordination.k8s.io/v1 Lease (its rules are the
 //!   model's `lease`).
-//! - [`metrics`]: the loop's metrics, per GpuQuota.
+//! - [`meter`]: the GPU-hours ledger's shell (the book in a ConfigMap, flushed by the quota
+//!   loop; its accounting is the model's `hours`).
+//! - [`metrics`]: the loop's metrics, per GpuQuota, and the ledger's counters.
 //! - [`replica`]: one `gpuplane controller` replica, the webhook and the loops side by side.
 //! - [`schedule`]: the driver both loops share (batched inputs, deadlines, resync).
 //!
@@ -23,6 +25,7 @@ pub mod cache;
 pub mod elector;
 pub mod explainer;
 pub mod labeler;
+pub mod meter;
 pub mod metrics;
 pub mod queue;
 pub mod replica;
@@ -63,6 +66,10 @@ impl ControllerOptions {
     pub fn new(namespace: &str, identity: &str) -> ControllerOptions {
         let queue = QueueOptions {
             instance: identity.into(),
+            hours: Some(meter::HoursOptions {
+                namespace: namespace.into(),
+                ..meter::HoursOptions::default()
+            }),
             ..QueueOptions::default()
         };
         ControllerOptions {

@@ -18,6 +18,7 @@ pub use super::watchers::{spawn_watchers, Input};
 
 use super::cache::Cache;
 use super::ledger::{compact, Working};
+use super::meter::{HoursOptions, Meter, Pricing};
 use super::metrics::QueueMetrics;
 use super::namespace::{self, Decision, Inputs, QueueSettings};
 use super::pods;
@@ -68,6 +69,8 @@ pub struct QueueOptions {
     /// settled late is still counted (as a reservation or an escrow). Queue releases are
     /// never held back.
     pub settle_interval: Duration,
+    /// The GPU-hours ledger, flushed by this loop (`None`: off).
+    pub hours: Option<HoursOptions>,
 }
 
 impl Default for QueueOptions {
@@ -82,6 +85,7 @@ impl Default for QueueOptions {
             notes_per_cycle: 500,
             instance: "gpuplane-controller".into(),
             settle_interval: Duration::from_millis(500),
+            hours: None,
         }
     }
 }
@@ -146,10 +150,12 @@ pub struct QueueLoop {
     charges: namespace::Charges,
     /// When each namespace's quotas were last written.
     settled: HashMap<String, Instant>,
+    meter: Option<Meter>,
 }
 
 impl QueueLoop {
     pub fn new(client: kube::Client, opts: QueueOptions, metrics: Arc<QueueMetrics>) -> QueueLoop {
+        let meter = opts.hours.clone().map(Meter::new);
         QueueLoop {
             client,
             opts,
@@ -168,6 +174,7 @@ impl QueueLoop {
             failures: HashMap::new(),
             charges: namespace::Charges::default(),
             settled: HashMap::new(),
+            meter,
         }
     }
 
@@ -191,11 +198,23 @@ impl QueueLoop {
     /// Applies one input; returns the namespaces to reconcile because of it.
     fn apply(&mut self, input: Input) -> BTreeSet<String> {
         match input {
-            Input::Pod(e) => self.pods.apply(*e),
+            Input::Pod(e) => {
+                if let (Some(m), Event::Delete(p)) = (self.meter.as_mut(), &*e) {
+                    let templates = |ns: &str| template_specs(&self.templates, ns);
+                    m.deleted(
+                        p,
+                        &Pricing {
+                            catalog: &self.catalog,
+                            templates: &templates,
+                        },
+                    );
+                }
+                self.pods.apply(*e)
+            }
             Input::Claim(e) => self.claims.apply(*e),
             Input::Template(e) => {
                 // A pod's charge may come from its templates.
-                self.charges.clear();
+                self.reprice();
                 self.templates.apply(*e)
             }
             Input::Quota(e) => {
@@ -240,8 +259,15 @@ impl QueueLoop {
         drive(self, inputs, timing, stop).await;
     }
 
-    /// Reconciles `namespaces`; returns when each wants to run again.
-    pub async fn cycle(&mut self, namespaces: &[String]) -> Vec<(String, Instant)> {
+    /// Pods are priced again (templates or the catalog changed).
+    fn reprice(&mut self) {
+        self.charges.clear();
+        if let Some(m) = self.meter.as_mut() {
+            m.reprice();
+        }
+    }
+
+    fn refresh_catalog(&mut self) {
         if self.catalog_stale {
             let slices: Vec<_> = self.slices.all().collect();
             let classes: Vec<_> = self.classes.all().collect();
@@ -251,8 +277,33 @@ impl QueueLoop {
                 self.opts.catalog.clone(),
             ));
             self.catalog_stale = false;
-            self.charges.clear();
+            self.reprice();
         }
+    }
+
+    /// Flushes the GPU-hours book; the namespaces whose quotas' totals grew.
+    async fn flush_hours(&mut self) -> BTreeSet<String> {
+        self.refresh_catalog();
+        let Some(mut m) = self.meter.take() else {
+            return BTreeSet::new();
+        };
+        let pods: Vec<_> = self.pods.all().collect();
+        let quotas: Vec<_> = self.quotas.all().collect();
+        let templates = |ns: &str| template_specs(&self.templates, ns);
+        let pricing = Pricing {
+            catalog: &self.catalog,
+            templates: &templates,
+        };
+        let touched = m
+            .flush(&self.client, &pods, &quotas, &pricing, &self.metrics)
+            .await;
+        self.meter = Some(m);
+        touched
+    }
+
+    /// Reconciles `namespaces`; returns when each wants to run again.
+    pub async fn cycle(&mut self, namespaces: &[String]) -> Vec<(String, Instant)> {
+        self.refresh_catalog();
         let mut working = self.working();
         let mut again = Vec::new();
         for ns in namespaces {
@@ -325,8 +376,9 @@ impl QueueLoop {
             return Ok(Some(now + wait));
         }
         let claims = self.claims.in_namespace(ns);
-        let templates = self.template_specs(ns);
+        let templates = template_specs(&self.templates, ns);
         let catalog = self.catalog.clone();
+        let book = self.meter.as_ref().and_then(Meter::book);
         let inputs = Inputs {
             namespace: ns,
             pods: &pods,
@@ -335,6 +387,7 @@ impl QueueLoop {
             catalog: &catalog,
             now,
             settings: self.opts.settings,
+            hours: book.as_deref(),
         };
         let decision = self.decide_and_write(&inputs, working).await?;
         self.metrics
@@ -396,20 +449,6 @@ impl QueueLoop {
             namespace != ns
                 || (gated.contains(uid.as_str()) && at.elapsed() < Duration::from_secs(60))
         });
-    }
-
-    /// The namespace's ResourceClaimTemplates by name: a pod's charge may come from them.
-    fn template_specs(&self, ns: &str) -> BTreeMap<String, ResourceClaimSpec> {
-        self.templates
-            .in_namespace(ns)
-            .iter()
-            .map(|t| {
-                (
-                    t.metadata.name.clone().unwrap_or_default(),
-                    t.spec.spec.clone(),
-                )
-            })
-            .collect()
     }
 
     /// Decides the namespace on a fresh list of its quotas and writes them; a conflicting
@@ -495,6 +534,23 @@ impl QueueLoop {
     }
 }
 
+/// A namespace's ResourceClaimTemplates by name: a pod's charge may come from them.
+fn template_specs(
+    templates: &Cache<ResourceClaimTemplate>,
+    ns: &str,
+) -> BTreeMap<String, ResourceClaimSpec> {
+    templates
+        .in_namespace(ns)
+        .iter()
+        .map(|t| {
+            (
+                t.metadata.name.clone().unwrap_or_default(),
+                t.spec.spec.clone(),
+            )
+        })
+        .collect()
+}
+
 /// The names of the namespace's GpuQuotas in a decision.
 fn quota_names(d: &Decision) -> Vec<String> {
     d.quotas
@@ -552,5 +608,13 @@ impl Keyed for QueueLoop {
 
     async fn run(&mut self, due: Vec<String>) -> Vec<(String, Instant)> {
         self.cycle(&due).await
+    }
+
+    fn next_tick(&self) -> Option<Instant> {
+        self.meter.as_ref().map(Meter::next)
+    }
+
+    async fn tick(&mut self) -> BTreeSet<String> {
+        self.flush_hours().await
     }
 }

@@ -1,7 +1,8 @@
 //! The driver both controller loops share (the quota loop and the namespace labeler): inputs
 //! from watches mark namespaces due after a short batch window, namespaces come due again when
 //! a reconcile asks (a deadline, a backoff), and every known namespace comes due at each resync.
-//! Nothing runs before the loop's caches have listed once.
+//! A loop may also have periodic work of its own (a tick). Nothing runs before the loop's
+//! caches have listed once.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -20,6 +21,15 @@ pub trait Keyed {
     fn known(&self) -> BTreeSet<String>;
     /// Reconciles `due`; when each wants to run again, if it does.
     fn run(&mut self, due: Vec<String>) -> impl Future<Output = Vec<(String, Instant)>> + Send;
+    /// When the loop's own periodic work ([`Keyed::tick`]) is due, if it has any.
+    fn next_tick(&self) -> Option<Instant> {
+        None
+    }
+    /// The loop's periodic work (the quota loop's GPU-hours flush); the namespaces to
+    /// reconcile because of it.
+    fn tick(&mut self) -> impl Future<Output = BTreeSet<String>> + Send {
+        async { BTreeSet::new() }
+    }
 }
 
 /// How the driver schedules.
@@ -57,7 +67,8 @@ pub async fn drive<K: Keyed>(
             .min()
             .copied()
             .unwrap_or(next_resync)
-            .min(next_resync);
+            .min(next_resync)
+            .min(k.next_tick().unwrap_or(next_resync));
         let ready = k.ready();
         tokio::select! {
             biased;
@@ -76,6 +87,11 @@ pub async fn drive<K: Keyed>(
                         schedule(&mut due, ns, now);
                     }
                     next_resync = now + timing.resync;
+                }
+                if k.next_tick().is_some_and(|t| t <= now) {
+                    for ns in k.tick().await {
+                        schedule(&mut due, ns, now);
+                    }
                 }
                 let run: Vec<String> = due
                     .iter()

@@ -71,6 +71,7 @@ fn run_with_templates(
         catalog,
         now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_700),
         settings: QueueSettings::default(),
+        hours: None,
     };
     let mut working = Working::default();
     let observed = observe(&input, &mut Charges::default()).unwrap();
@@ -248,6 +249,7 @@ fn a_remembered_charge_is_used_only_for_the_resource_version_it_was_priced_at() 
             catalog: &catalog,
             now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_700),
             settings: QueueSettings::default(),
+            hours: None,
         };
         observe(&input, charges).unwrap().used.gpus
     };

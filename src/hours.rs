@@ -1,0 +1,74 @@
+//! The GPU-hours ledger's flags: the controller's (`--owner-label`, `--gpu-hours-interval`,
+//! `--gpu-hours-lag`) and `gpuplane report`'s.
+
+use clap::Args;
+use gpuplane_shell::controller::hours::{parse_duration, By, HoursSettings};
+use gpuplane_shell::controller::meter::{HoursOptions, ReportQuery};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The controller's ledger flags.
+#[derive(Args)]
+pub struct HoursArgs {
+    /// A pod label key whose values are tenants of the GPU-hours ledger (repeatable), e.g.
+    /// team, cost-center, model.
+    #[arg(long = "owner-label", value_name = "KEY")]
+    owner_labels: Vec<String>,
+    /// How often the leader writes the GPU-hours book.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    gpu_hours_interval: Duration,
+    /// How far the book's watermark trails the clock (covers a pod's start reaching the
+    /// controller late).
+    #[arg(long, value_name = "DURATION", default_value = "15s", value_parser = parse_duration)]
+    gpu_hours_lag: Duration,
+}
+
+impl HoursArgs {
+    pub fn options(self, namespace: &str) -> HoursOptions {
+        HoursOptions {
+            settings: HoursSettings {
+                owner_labels: self.owner_labels,
+                lag: self.gpu_hours_lag,
+                ..HoursSettings::default()
+            },
+            interval: self.gpu_hours_interval,
+            namespace: namespace.into(),
+        }
+    }
+}
+
+/// `gpuplane report`.
+#[derive(Args)]
+pub struct ReportArgs {
+    /// Kubeconfig for API access (default: in-cluster, then KUBECONFIG, then ~/.kube/config).
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The controller's namespace, where the book (ConfigMap gpuplane-gpu-hours) is kept.
+    #[arg(long, value_name = "NS", default_value = "gpuplane-system")]
+    controller_namespace: String,
+    /// Only this namespace's tenants.
+    #[arg(short = 'n', long, value_name = "NS")]
+    namespace: Option<String>,
+    /// First UTC day counted (YYYY-MM-DD or an RFC 3339 time; default: the current month's
+    /// first day).
+    #[arg(long, value_name = "DAY")]
+    since: Option<String>,
+    /// First UTC day not counted (default: up to the book's watermark).
+    #[arg(long, value_name = "DAY")]
+    until: Option<String>,
+    /// Sum by namespace, quota, or an owner label key the controller books (--owner-label).
+    #[arg(long, value_name = "namespace|quota|KEY", default_value = "namespace")]
+    by: String,
+}
+
+impl ReportArgs {
+    pub fn query(&self) -> ReportQuery {
+        ReportQuery {
+            controller_namespace: self.controller_namespace.clone(),
+            by: By::parse(&self.by),
+            namespace: self.namespace.clone(),
+            since: self.since.clone(),
+            until: self.until.clone(),
+        }
+    }
+}
