@@ -30,14 +30,22 @@ fn rfc(s: i64) -> String {
     Timestamp::from_second(s).unwrap().to_string()
 }
 
-/// The quota loop with the ledger on, until the returned sender is dropped or fired.
-fn start_loop(
-    server: &ApiServerDouble,
-    metrics: Arc<QueueMetrics>,
-) -> (
+type Running = (
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<()>,
-) {
+);
+
+/// The quota loop with the ledger on, until the returned sender is dropped or fired.
+fn start_loop(server: &ApiServerDouble, metrics: Arc<QueueMetrics>) -> Running {
+    start_loop_every(server, metrics, Duration::from_millis(100))
+}
+
+/// [`start_loop`] flushing every `interval`.
+fn start_loop_every(
+    server: &ApiServerDouble,
+    metrics: Arc<QueueMetrics>,
+    interval: Duration,
+) -> Running {
     let opts = QueueOptions {
         batch: Duration::from_millis(20),
         resync: Duration::from_millis(300),
@@ -47,7 +55,7 @@ fn start_loop(
                 lag: Duration::ZERO,
                 ..HoursSettings::default()
             },
-            interval: Duration::from_millis(100),
+            interval,
             namespace: CNS.into(),
         }),
         ..QueueOptions::default()
@@ -216,4 +224,28 @@ async fn pods_are_counted_from_their_own_times_across_a_controller_restart() {
     assert!((q - total).abs() < 1e-6);
     stop.send(()).unwrap();
     task.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_stopping_leader_flushes_the_book_once_more() {
+    let server = ApiServerDouble::start().await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(server.client().unwrap(), QNS);
+    let t = now_s() - 10;
+    pod(&pods, "a", "ml", running(t)).await;
+    // Flushes an hour apart: only the first (at once) and the last (at the stop) happen.
+    let metrics = Arc::new(QueueMetrics::default());
+    let (stop, task) = start_loop_every(&server, metrics, Duration::from_secs(3600));
+    let first = wait_watermark(&server, t).await.watermark().unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let stopped_at = Timestamp::now().as_millisecond();
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    let last = book(&server).await.unwrap();
+    assert!(
+        last.watermark().unwrap() >= stopped_at,
+        "{first} -> {last:?}"
+    );
+    let counted = tenant(&last, By::Namespace, QNS);
+    let want = (last.watermark().unwrap() - t * 1000) as f64 / 1000.0;
+    assert!((counted - want).abs() < 1e-6, "{counted} vs {want}");
 }

@@ -586,6 +586,11 @@ pub async fn run(
     let watchers = spawn_watchers(&client, tx);
     let mut l = QueueLoop::new(client, opts, metrics);
     l.drive(rx, stop).await;
+    // A last flush of the GPU-hours book, so a handover or a rollout loses no interval (bounded:
+    // the API server may be what went away; never from caches that have not listed).
+    if l.ready() {
+        let _ = tokio::time::timeout(Duration::from_secs(5), l.flush_hours()).await;
+    }
     for w in watchers {
         w.abort();
     }
