@@ -13,6 +13,7 @@
 //! [`error_policy`], which says when to try the namespace again.
 
 mod pod_writes;
+mod quota_events;
 
 pub use super::watchers::{spawn_watchers, Input};
 
@@ -23,11 +24,9 @@ use super::metrics::QueueMetrics;
 use super::namespace::{self, Decision, Inputs, QueueSettings};
 use super::pods;
 use super::schedule::{drive, Keyed, Timing};
-use super::writes;
-use crate::quota::crd::API_VERSION;
 use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota, QuotaMathError, QuotaMode};
 use gpuplane_model::report::chain;
-use k8s_openapi::api::core::v1::{Event as CoreEvent, ObjectReference, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
 };
@@ -397,36 +396,6 @@ impl QueueLoop {
         self.admitted_notes(ns, released).await;
         self.quota_events(ns, &decision).await;
         Ok(decision.next_deadline)
-    }
-
-    /// Records the decision's Events about quotas (a temporary raise that expired), now that
-    /// their status says so. Best effort, like every Event.
-    async fn quota_events(&self, ns: &str, decision: &Decision) {
-        let events: Api<CoreEvent> = Api::namespaced(self.client.clone(), ns);
-        for (name, reason, message) in &decision.quota_events {
-            let uid = decision
-                .quotas
-                .iter()
-                .find(|(q, _)| q.metadata.name.as_ref() == Some(name))
-                .and_then(|(q, _)| q.metadata.uid.clone());
-            let about = ObjectReference {
-                api_version: Some(API_VERSION.into()),
-                kind: Some("GpuQuota".into()),
-                name: Some(name.clone()),
-                namespace: Some(ns.into()),
-                uid,
-                ..ObjectReference::default()
-            };
-            let note = writes::Note {
-                warning: false,
-                reason,
-                message,
-                action: "Expire",
-            };
-            if let Err(e) = writes::event_about(&events, about, note, &self.opts.instance).await {
-                tracing::warn!(quota = %format!("{ns}/{name}"), error = %e, "could not record an Event");
-            }
-        }
     }
 
     /// Forgets what was said to pods of `ns` that are gone, and every ungate whose pod the
