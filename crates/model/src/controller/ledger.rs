@@ -13,7 +13,8 @@ use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// `quota` with `used` = everything it holds (used, escrows, `Reserved` reservations) except
-/// the reservations in `exclude`, no reservation or escrow list, and the spec in force at `now` (temporary raises folded into `hard`).
+/// the reservations in `exclude`, no reservation or escrow list, and the spec in force at
+/// `now` (temporary raises folded into `hard`).
 pub fn compact(
     quota: &GpuQuota,
     exclude: &BTreeSet<ReservationKey>,

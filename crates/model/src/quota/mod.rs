@@ -72,7 +72,6 @@ pub mod charge;
 pub mod check;
 pub mod crd;
 pub mod escrow;
-pub mod preemption;
 pub mod ratio;
 pub mod scope;
 pub mod selector;
@@ -96,7 +95,6 @@ pub use crd::{
     missing_labels, Escrow, GpuHoursStatus, GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind,
     QuotaCondition, QuotaMode, Reservation, ReservationState, SCHEDULING_GATE,
 };
-pub use preemption::{PreemptionPolicy, ReclaimWithinCohort, WithinQuota};
 pub use ratio::{Gpus, QuotaMathError};
 pub use scope::governs_pod;
 pub use share::{
