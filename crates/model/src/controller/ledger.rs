@@ -8,7 +8,7 @@
 //! reservations or ten thousand, and admitting a unit is one addition.
 
 use super::plan::Ledger;
-use crate::quota::{check, Charge, Denial, GpuQuota, QuotaMathError, ReservationKey};
+use crate::quota::{check, Charge, Denial, GpuQuota, QuotaMathError, ReservationKey, Usage};
 use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -79,16 +79,94 @@ impl Working {
 
     /// The ledger of one namespace: a unit must fit every GpuQuota of its namespace.
     pub fn namespace(&mut self, namespace: &str) -> NamespaceLedger<'_> {
-        let idx = self
-            .by_namespace
-            .get(namespace)
-            .cloned()
-            .unwrap_or_default();
+        let idx = self.at(namespace).to_vec();
         NamespaceLedger { working: self, idx }
     }
 
     pub fn quotas(&self) -> &[GpuQuota] {
         &self.quotas
+    }
+
+    /// The quotas of `namespace`.
+    pub fn quotas_in<'a>(&'a self, namespace: &str) -> impl Iterator<Item = &'a GpuQuota> + 'a {
+        self.at(namespace).iter().map(|&i| &self.quotas[i])
+    }
+
+    /// `Ok` when `charge` fits every quota of `namespace` now; else why, with the numbers.
+    pub fn fits(&self, namespace: &str, charge: &Charge) -> Result<(), String> {
+        self.check_at(self.at(namespace), charge)
+    }
+
+    /// `Ok` when `charge` could fit every quota of `namespace` if nothing were held; else why.
+    pub fn within_limits(&self, namespace: &str, charge: &Charge) -> Result<(), String> {
+        self.within_limits_at(self.at(namespace), charge)
+    }
+
+    /// Takes `usage` out of what every quota of `namespace` holds (a pod that will be gone),
+    /// floored at zero: what would fit without it. [`Working::hold`] puts it back.
+    pub fn release(&mut self, namespace: &str, usage: &Usage) -> Result<(), QuotaMathError> {
+        for i in self.at(namespace).to_vec() {
+            let q = &mut self.quotas[i];
+            let mut s = q.status_or_default();
+            s.used = s.used.saturating_sub(usage)?;
+            q.status = Some(s);
+        }
+        Ok(())
+    }
+
+    /// Counts `usage` as held by every quota of `namespace`.
+    pub fn hold(&mut self, namespace: &str, usage: &Usage) -> Result<(), QuotaMathError> {
+        self.hold_at(&self.at(namespace).to_vec(), usage)
+    }
+
+    fn at(&self, namespace: &str) -> &[usize] {
+        self.by_namespace
+            .get(namespace)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+    }
+
+    fn check_at(&self, idx: &[usize], charge: &Charge) -> Result<(), String> {
+        let why: Vec<String> = idx
+            .iter()
+            .filter_map(|&i| {
+                check(&self.quotas[i], &self.quotas, None, charge)
+                    .err()
+                    .map(|d| describe(&d, &self.quotas[i], charge))
+            })
+            .collect();
+        if why.is_empty() {
+            Ok(())
+        } else {
+            Err(why.join("; "))
+        }
+    }
+
+    fn within_limits_at(&self, idx: &[usize], charge: &Charge) -> Result<(), String> {
+        for &i in idx {
+            if let Err(d) = check(&self.empty[i], &self.empty, None, charge) {
+                return Err(format!(
+                    "{}, even with nothing else admitted",
+                    describe(&d, &self.empty[i], charge)
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds `usage` to every quota at `idx`; on an overflow each quota keeps what could be
+    /// added (the full side) and the error is returned after all were tried.
+    fn hold_at(&mut self, idx: &[usize], usage: &Usage) -> Result<(), QuotaMathError> {
+        let mut out = Ok(());
+        for &i in idx {
+            let q = &mut self.quotas[i];
+            let mut s = q.status_or_default();
+            if let Err(e) = s.used.add_assign(usage) {
+                out = Err(e);
+            }
+            q.status = Some(s);
+        }
+        out
     }
 }
 
@@ -102,46 +180,18 @@ impl Ledger for NamespaceLedger<'_> {
     type Charge = Charge;
 
     fn check(&self, charge: &Charge) -> Result<(), String> {
-        let w = &*self.working;
-        let why: Vec<String> = self
-            .idx
-            .iter()
-            .filter_map(|&i| {
-                check(&w.quotas[i], &w.quotas, None, charge)
-                    .err()
-                    .map(|d| describe(&d, &w.quotas[i], charge))
-            })
-            .collect();
-        if why.is_empty() {
-            Ok(())
-        } else {
-            Err(why.join("; "))
-        }
+        self.working.check_at(&self.idx, charge)
     }
 
     fn within_limits(&self, charge: &Charge) -> Result<(), String> {
-        let w = &*self.working;
-        for &i in &self.idx {
-            if let Err(d) = check(&w.empty[i], &w.empty, None, charge) {
-                return Err(format!(
-                    "{}, even with nothing else admitted",
-                    describe(&d, &w.empty[i], charge)
-                ));
-            }
-        }
-        Ok(())
+        self.working.within_limits_at(&self.idx, charge)
     }
 
     fn admit(&mut self, charge: &Charge) {
-        for &i in &self.idx {
-            let q = &mut self.working.quotas[i];
-            let mut s = q.status_or_default();
-            if let Err(e) = s.used.add_assign(&charge.usage) {
-                // Cannot happen after a successful check (it summed the same numbers); keep
-                // the quota conservative if it does.
-                tracing::warn!(quota = %q.id(), error = %e, "admitting into the working ledger");
-            }
-            q.status = Some(s);
+        if let Err(e) = self.working.hold_at(&self.idx, &charge.usage) {
+            // Cannot happen after a successful check (it summed the same numbers); the quota
+            // keeps what it could add, which errs on the full side.
+            tracing::warn!(error = %e, "admitting into the working ledger");
         }
     }
 }
