@@ -31,6 +31,7 @@ use crate::quota::{
     borrowing, Charge, QuotaMathError, QuotaMode, ReclaimWithinCohort, Usage, WithinQuota,
 };
 use k8s_openapi::api::core::v1::Pod;
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::SystemTime;
 
@@ -146,7 +147,7 @@ pub fn choose_victims(
     if !going.is_empty() && w.fits(unit.namespace, unit.charge).is_ok() {
         return Ok(Preemption::Wait(going));
     }
-    let mut order: Vec<Victim> = victims(candidates)?
+    let mut order: Vec<Victim<'_>> = victims(candidates)?
         .into_iter()
         .filter(|v| {
             !v.terminating
@@ -158,15 +159,12 @@ pub fn choose_victims(
         a.priority
             .cmp(&b.priority)
             .then_with(|| recency(b.started).cmp(&recency(a.started)))
-            .then_with(|| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)))
+            .then_with(|| (a.namespace, a.name).cmp(&(b.namespace, b.name)))
     });
     let chosen = take_until_fit(unit, &mut w, &policy, &order)?;
     let chosen = spare_unneeded(unit, &mut w, &order, chosen)?;
     Ok(Preemption::Evict(
-        chosen
-            .iter()
-            .flat_map(|&v| order[v].members.iter().copied())
-            .collect(),
+        chosen.iter().flat_map(|&v| order[v].members()).collect(),
     ))
 }
 
@@ -235,7 +233,7 @@ impl Policy {
 
     /// Whether the policy lets `unit` evict `v` (the borrowing rule aside: that one changes as
     /// victims are taken, see [`still_borrowing`]).
-    fn allows(&self, working: &Working, unit: &Preemptor<'_>, v: &Victim) -> bool {
+    fn allows(&self, working: &Working, unit: &Preemptor<'_>, v: &Victim<'_>) -> bool {
         if v.namespace == unit.namespace {
             return self.within && v.priority < unit.priority;
         }
@@ -244,7 +242,7 @@ impl Policy {
             ReclaimWithinCohort::LowerPriority => v.priority < unit.priority,
             ReclaimWithinCohort::Never => false,
         };
-        priority_ok && self.in_cohort(working, &v.namespace)
+        priority_ok && self.in_cohort(working, v.namespace)
     }
 
     /// The policy in words, for a refusal.
@@ -286,33 +284,41 @@ fn stricter(a: ReclaimWithinCohort, b: ReclaimWithinCohort) -> ReclaimWithinCoho
     }
 }
 
-/// What is evicted as one: a pod, or every member of a pod group.
-struct Victim {
-    namespace: String,
+/// What is evicted as one: a pod, or every member of a pod group. Borrowed from the
+/// candidates: a decision over a thousand pods copies none of them.
+struct Victim<'a> {
+    namespace: &'a str,
     /// The pod's, or the group's.
-    name: String,
-    /// Indices into the candidates.
-    members: Vec<usize>,
+    name: &'a str,
+    /// Indices into the candidates: the first member, then the others.
+    first: usize,
+    more: Vec<usize>,
     priority: i32,
     started: Option<SystemTime>,
-    usage: Usage,
+    usage: Cow<'a, Usage>,
     /// A member is being deleted already.
     terminating: bool,
 }
 
+impl Victim<'_> {
+    fn members(&self) -> impl Iterator<Item = usize> + '_ {
+        std::iter::once(self.first).chain(self.more.iter().copied())
+    }
+}
+
 /// The candidates as victims: pods alone, groups (by namespace and group name) whole.
-fn victims(candidates: &[Candidate]) -> Result<Vec<Victim>, QuotaMathError> {
-    let mut out: Vec<Victim> = Vec::new();
+fn victims(candidates: &[Candidate]) -> Result<Vec<Victim<'_>>, QuotaMathError> {
+    let mut out: Vec<Victim<'_>> = Vec::new();
     let mut groups: BTreeMap<(&str, &str), usize> = BTreeMap::new();
     for (i, c) in candidates.iter().enumerate() {
         let key = c.group.as_deref().map(|g| (c.namespace.as_str(), g));
         if let Some(&at) = key.and_then(|k| groups.get(&k)) {
             let v = &mut out[at];
-            v.members.push(i);
+            v.more.push(i);
             v.priority = v.priority.max(c.priority);
             // A group started when its last member did; not at all while one has not.
             v.started = v.started.zip(c.started).map(|(a, b)| a.max(b));
-            v.usage.add_assign(&c.charge.usage)?;
+            v.usage.to_mut().add_assign(&c.charge.usage)?;
             v.terminating |= c.terminating;
             continue;
         }
@@ -320,12 +326,13 @@ fn victims(candidates: &[Candidate]) -> Result<Vec<Victim>, QuotaMathError> {
             groups.insert(k, out.len());
         }
         out.push(Victim {
-            namespace: c.namespace.clone(),
-            name: c.group.clone().unwrap_or_else(|| c.name.clone()),
-            members: vec![i],
+            namespace: &c.namespace,
+            name: c.group.as_deref().unwrap_or(&c.name),
+            first: i,
+            more: Vec::new(),
             priority: c.priority,
             started: c.started,
-            usage: c.charge.usage.clone(),
+            usage: Cow::Borrowed(&c.charge.usage),
             terminating: c.terminating,
         });
     }
@@ -338,7 +345,7 @@ fn victims(candidates: &[Candidate]) -> Result<Vec<Victim>, QuotaMathError> {
 fn still_borrowing(
     w: &Working,
     policy: &Policy,
-    v: &Victim,
+    v: &Victim<'_>,
     need: &Usage,
 ) -> Result<bool, QuotaMathError> {
     let in_cohort = |c: &Option<String>| c.as_ref().is_some_and(|c| policy.cohorts.contains(c));
@@ -360,14 +367,14 @@ fn take_until_fit(
     unit: &Preemptor<'_>,
     w: &mut Working,
     policy: &Policy,
-    order: &[Victim],
+    order: &[Victim<'_>],
 ) -> Result<Vec<usize>, NoPreemption> {
     let mut chosen = Vec::new();
     for (i, v) in order.iter().enumerate() {
         if v.namespace != unit.namespace && !still_borrowing(w, policy, v, &unit.charge.usage)? {
             continue;
         }
-        w.release(&v.namespace, &v.usage)?;
+        w.release(v.namespace, &v.usage)?;
         chosen.push(i);
         if w.fits(unit.namespace, unit.charge).is_ok() {
             return Ok(chosen);
@@ -377,7 +384,7 @@ fn take_until_fit(
         .fits(unit.namespace, unit.charge)
         .err()
         .unwrap_or_default();
-    let pods: usize = chosen.iter().map(|&i| order[i].members.len()).sum();
+    let pods: usize = chosen.iter().map(|&i| 1 + order[i].more.len()).sum();
     Err(NoPreemption::NotEnough(if pods == 0 {
         format!(
             "no running pod may be evicted for it (the policy allows {}): {why}",
@@ -396,16 +403,16 @@ fn take_until_fit(
 fn spare_unneeded(
     unit: &Preemptor<'_>,
     w: &mut Working,
-    order: &[Victim],
+    order: &[Victim<'_>],
     mut chosen: Vec<usize>,
 ) -> Result<Vec<usize>, QuotaMathError> {
     for k in (0..chosen.len()).rev() {
         let v = &order[chosen[k]];
-        w.hold(&v.namespace, &v.usage)?;
+        w.hold(v.namespace, &v.usage)?;
         if w.fits(unit.namespace, unit.charge).is_ok() {
             chosen.remove(k);
         } else {
-            w.release(&v.namespace, &v.usage)?;
+            w.release(v.namespace, &v.usage)?;
         }
     }
     Ok(chosen)
