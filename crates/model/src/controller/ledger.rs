@@ -12,8 +12,8 @@ use crate::quota::{check, Charge, Denial, GpuQuota, QuotaMathError, ReservationK
 use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// `quota` with `used` = everything it holds except the reservations in `exclude`, no
-/// reservation list, and the spec in force at `now` (temporary raises folded into `hard`).
+/// `quota` with `used` = everything it holds (used, escrows, `Reserved` reservations) except
+/// the reservations in `exclude`, no reservation or escrow list, and the spec in force at `now` (temporary raises folded into `hard`).
 pub fn compact(
     quota: &GpuQuota,
     exclude: &BTreeSet<ReservationKey>,
@@ -27,6 +27,8 @@ pub fn compact(
     let mut s = status;
     s.used = held;
     s.reservations.clear();
+    // `held` has the escrows in it: kept, `consumed` would count them twice.
+    s.escrows.clear();
     s.recompute_totals()?;
     out.status = Some(s);
     Ok(out)
@@ -332,5 +334,23 @@ mod tests {
         let s = c.status.unwrap();
         assert_eq!(s.used.gpus, Gpus::whole(3));
         assert!(s.reservations.is_empty());
+    }
+
+    #[test]
+    fn compaction_counts_an_escrow_once() {
+        let mut q = quota("team-a", 8, 1);
+        if let Some(s) = q.status.as_mut() {
+            s.escrows = vec![crate::quota::Escrow {
+                holder: "replica-1".into(),
+                amount: gpus(2).usage,
+                renewed: "2025-01-01T00:00:00Z".into(),
+            }];
+        }
+        let c = compact(&q, &BTreeSet::new(), Timestamp::UNIX_EPOCH).unwrap();
+        let held = c.status_or_default().consumed(None).unwrap();
+        assert_eq!(held.gpus, Gpus::whole(3));
+        // 5 of 8 are free, not 3.
+        let mut w = Working::new(vec![c]);
+        assert!(w.namespace("team-a").check(&gpus(5)).is_ok());
     }
 }
