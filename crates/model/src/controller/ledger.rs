@@ -107,7 +107,8 @@ impl Working {
     /// Takes `usage` out of what every quota of `namespace` holds (a pod that will be gone),
     /// floored at zero: what would fit without it. [`Working::hold`] puts it back.
     pub fn release(&mut self, namespace: &str, usage: &Usage) -> Result<(), QuotaMathError> {
-        for i in self.at(namespace).to_vec() {
+        let idx = self.by_namespace.get(namespace).map(Vec::as_slice);
+        for &i in idx.unwrap_or_default() {
             let q = &mut self.quotas[i];
             let mut s = q.status_or_default();
             s.used = s.used.saturating_sub(usage)?;
@@ -118,7 +119,8 @@ impl Working {
 
     /// Counts `usage` as held by every quota of `namespace`.
     pub fn hold(&mut self, namespace: &str, usage: &Usage) -> Result<(), QuotaMathError> {
-        self.hold_at(&self.at(namespace).to_vec(), usage)
+        let idx = self.by_namespace.get(namespace).map(Vec::as_slice);
+        hold_at(&mut self.quotas, idx.unwrap_or_default(), usage)
     }
 
     fn at(&self, namespace: &str) -> &[usize] {
@@ -155,21 +157,21 @@ impl Working {
         }
         Ok(())
     }
+}
 
-    /// Adds `usage` to every quota at `idx`; on an overflow each quota keeps what could be
-    /// added (the full side) and the error is returned after all were tried.
-    fn hold_at(&mut self, idx: &[usize], usage: &Usage) -> Result<(), QuotaMathError> {
-        let mut out = Ok(());
-        for &i in idx {
-            let q = &mut self.quotas[i];
-            let mut s = q.status_or_default();
-            if let Err(e) = s.used.add_assign(usage) {
-                out = Err(e);
-            }
-            q.status = Some(s);
+/// Adds `usage` to every quota at `idx`; on an overflow each quota keeps what could be added
+/// (the full side) and the error is returned after all were tried.
+fn hold_at(quotas: &mut [GpuQuota], idx: &[usize], usage: &Usage) -> Result<(), QuotaMathError> {
+    let mut out = Ok(());
+    for &i in idx {
+        let q = &mut quotas[i];
+        let mut s = q.status_or_default();
+        if let Err(e) = s.used.add_assign(usage) {
+            out = Err(e);
         }
-        out
+        q.status = Some(s);
     }
+    out
 }
 
 /// One namespace's view of [`Working`].
@@ -190,7 +192,7 @@ impl Ledger for NamespaceLedger<'_> {
     }
 
     fn admit(&mut self, charge: &Charge) {
-        if let Err(e) = self.working.hold_at(&self.idx, &charge.usage) {
+        if let Err(e) = hold_at(&mut self.working.quotas, &self.idx, &charge.usage) {
             // Cannot happen after a successful check (it summed the same numbers); the quota
             // keeps what it could add, which errs on the full side.
             tracing::warn!(error = %e, "admitting into the working ledger");

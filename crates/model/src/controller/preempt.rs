@@ -350,7 +350,7 @@ fn still_borrowing(
 ) -> Result<bool, QuotaMathError> {
     let in_cohort = |c: &Option<String>| c.as_ref().is_some_and(|c| policy.cohorts.contains(c));
     for q in w
-        .quotas_in(&v.namespace)
+        .quotas_in(v.namespace)
         .filter(|q| in_cohort(&q.spec.cohort))
     {
         for (dim, _) in borrowing(q)? {
