@@ -13,7 +13,7 @@ mod common;
 use common::{percentiles, row};
 use gpuplane_shell::controller::ledger::Working;
 use gpuplane_shell::controller::preempt::{choose_victims, Candidate, Preemption, Preemptor};
-use gpuplane_shell::quota::{Charge, GpuQuota, Gpus, Usage};
+use gpuplane_shell::quota::{Charge, GpuQuota};
 use serde_json::json;
 use std::hint::black_box;
 use std::time::{Duration, Instant, SystemTime};
@@ -21,16 +21,6 @@ use std::time::{Duration, Instant, SystemTime};
 const PODS: u64 = 1_000;
 const DECISIONS: usize = 200;
 const NS: &str = "team-a";
-
-fn gpus(n: u64) -> Charge {
-    Charge {
-        usage: Usage {
-            gpus: Gpus::whole(n),
-            ..Usage::default()
-        },
-        unknown: Vec::new(),
-    }
-}
 
 /// 1,000 pods of 1 or 2 GPUs, priorities 0..=9, started a second apart (every 97th not yet);
 /// pods 0 and 1 of every 50 form a group. Returns them and the GPUs they hold.
@@ -47,7 +37,7 @@ fn pods() -> (Vec<Candidate>, u64) {
                 priority: ((i * 7) % 10) as i32,
                 started: (i % 97 != 0)
                     .then(|| SystemTime::UNIX_EPOCH + Duration::from_secs(1_000 + i)),
-                charge: gpus(n),
+                charge: Charge::whole_gpus(n),
                 group: (i % 50 < 2).then(|| format!("g-{}", i / 50)),
                 terminating: false,
             }
@@ -97,7 +87,7 @@ fn main() {
         ("needs 400 GPUs (hundreds of victims)", 400),
         ("needs 1200 GPUs (refused after every allowed pod)", 1_200),
     ] {
-        let charge = gpus(need);
+        let charge = Charge::whole_gpus(need);
         let unit = Preemptor {
             namespace: NS,
             priority: 5,

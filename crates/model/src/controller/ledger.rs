@@ -269,16 +269,6 @@ mod tests {
         }
     }
 
-    fn gpus(n: u64) -> Charge {
-        Charge {
-            usage: Usage {
-                gpus: Gpus::whole(n),
-                ..Usage::default()
-            },
-            unknown: Vec::new(),
-        }
-    }
-
     fn reservation(name: &str, state: ReservationState, n: u64) -> Reservation {
         Reservation {
             kind: ObjectKind::Pod,
@@ -286,7 +276,7 @@ mod tests {
             name: name.into(),
             uid: None,
             state,
-            charge: gpus(n).usage,
+            charge: Charge::whole_gpus(n).usage,
             unpriced: Vec::new(),
             priority: None,
             since: "2025-01-01T00:00:00Z".into(),
@@ -303,22 +293,25 @@ mod tests {
         .unwrap()]);
         let mut l = w.namespace("team-a");
         assert_eq!(
-            l.check(&gpus(4)),
+            l.check(&Charge::whole_gpus(4)),
             Err("needs 4 gpus, 2 free of 8 in GpuQuota team-a/default".into())
         );
-        assert!(l.check(&gpus(2)).is_ok());
-        l.admit(&gpus(2));
+        assert!(l.check(&Charge::whole_gpus(2)).is_ok());
+        l.admit(&Charge::whole_gpus(2));
         assert_eq!(
-            l.check(&gpus(1)),
+            l.check(&Charge::whole_gpus(1)),
             Err("needs 1 gpus, 0 free of 8 in GpuQuota team-a/default".into())
         );
-        assert!(l.within_limits(&gpus(8)).is_ok());
+        assert!(l.within_limits(&Charge::whole_gpus(8)).is_ok());
         assert_eq!(
-            l.within_limits(&gpus(9)),
+            l.within_limits(&Charge::whole_gpus(9)),
             Err("needs 9 gpus, 8 free of 8 in GpuQuota team-a/default, even with nothing else admitted".into())
         );
         // A namespace without a quota is not limited.
-        assert!(w.namespace("team-b").check(&gpus(100)).is_ok());
+        assert!(w
+            .namespace("team-b")
+            .check(&Charge::whole_gpus(100))
+            .is_ok());
     }
 
     #[test]
@@ -344,7 +337,7 @@ mod tests {
         if let Some(s) = q.status.as_mut() {
             s.escrows = vec![crate::quota::Escrow {
                 holder: "replica-1".into(),
-                amount: gpus(2).usage,
+                amount: Charge::whole_gpus(2).usage,
                 renewed: "2025-01-01T00:00:00Z".into(),
             }];
         }
@@ -353,6 +346,6 @@ mod tests {
         assert_eq!(held.gpus, Gpus::whole(3));
         // 5 of 8 are free, not 3.
         let mut w = Working::new(vec![c]);
-        assert!(w.namespace("team-a").check(&gpus(5)).is_ok());
+        assert!(w.namespace("team-a").check(&Charge::whole_gpus(5)).is_ok());
     }
 }

@@ -1,5 +1,5 @@
 use super::*;
-use crate::quota::{GpuQuota, Gpus};
+use crate::quota::GpuQuota;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -25,16 +25,6 @@ fn reclaim(how: &str) -> Value {
     json!({"cohort": "research", "preemption": {"reclaimWithinCohort": how}})
 }
 
-fn gpus(n: u64) -> Charge {
-    Charge {
-        usage: Usage {
-            gpus: Gpus::whole(n),
-            ..Usage::default()
-        },
-        unknown: Vec::new(),
-    }
-}
-
 /// A running pod of `ns` holding `n` GPUs, started `started` seconds after the epoch
 /// (`None`: not started yet).
 fn pod(ns: &str, name: &str, priority: i32, started: Option<u64>, n: u64) -> Candidate {
@@ -44,7 +34,7 @@ fn pod(ns: &str, name: &str, priority: i32, started: Option<u64>, n: u64) -> Can
         uid: format!("uid-{name}"),
         priority,
         started: started.map(|s| SystemTime::UNIX_EPOCH + Duration::from_secs(s)),
-        charge: gpus(n),
+        charge: Charge::whole_gpus(n),
         group: None,
         terminating: false,
     }
@@ -67,13 +57,28 @@ fn decide(
     priority: i32,
     need: u64,
 ) -> Result<Preemption, NoPreemption> {
-    let charge = gpus(need);
+    let charge = Charge::whole_gpus(need);
     let unit = Preemptor {
         namespace: ns,
         priority,
         charge: &charge,
     };
     choose_victims(&unit, &Working::new(quotas), candidates)
+}
+
+/// `decide` in team-a's full quota of 4 GPUs (withinQuota: LowerPriority).
+fn in_full_team_a(
+    candidates: &[Candidate],
+    priority: i32,
+    need: u64,
+) -> Result<Preemption, NoPreemption> {
+    decide(
+        vec![quota("team-a", 4, 4, within())],
+        candidates,
+        "team-a",
+        priority,
+        need,
+    )
 }
 
 /// The names of the pods to evict, in the order chosen; panics on any other answer.
@@ -117,13 +122,7 @@ fn within_quota_only_pods_of_lower_priority_are_evicted() {
 #[test]
 fn pods_of_equal_priority_are_never_evicted() {
     let pods = [pod("team-a", "peer", 5, Some(10), 4)];
-    let no = refusal(decide(
-        vec![quota("team-a", 4, 4, within())],
-        &pods,
-        "team-a",
-        5,
-        1,
-    ));
+    let no = refusal(in_full_team_a(&pods, 5, 1));
     assert_eq!(
         no.to_string(),
         "no running pod may be evicted for it (the policy allows pods of team-a below \
@@ -280,13 +279,7 @@ fn never_and_reject_mode_never_preempt() {
 #[test]
 fn a_unit_that_would_not_fit_an_empty_quota_evicts_no_one() {
     let pods = [pod("team-a", "low", 0, Some(10), 4)];
-    let no = refusal(decide(
-        vec![quota("team-a", 4, 4, within())],
-        &pods,
-        "team-a",
-        9,
-        5,
-    ));
+    let no = refusal(in_full_team_a(&pods, 9, 5));
     assert_eq!(
         no.to_string(),
         "evicting cannot help: needs 5 gpus, 4 free of 4 in GpuQuota team-a/default, even \
@@ -342,7 +335,7 @@ fn a_candidate_is_read_from_its_pod() {
         "status": {"startTime": "2025-01-01T00:00:00Z"}
     }))
     .unwrap();
-    let c = Candidate::of(&pod, gpus(1));
+    let c = Candidate::of(&pod, Charge::whole_gpus(1));
     assert_eq!(
         (c.namespace.as_str(), c.name.as_str(), c.uid.as_str()),
         ("team-a", "w-0", "u1")
