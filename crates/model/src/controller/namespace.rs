@@ -20,7 +20,7 @@ use super::ledger::{compact, Working};
 use super::plan::plan_releases;
 use super::pods::{self, PodRef};
 use crate::quota::escrow::{stale_escrows, MAX_UNFLUSHED};
-use crate::quota::status::rfc3339;
+use crate::quota::status::{rfc3339, set_condition};
 use crate::quota::{
     claim_charge, claim_is_pod_owned, note_raises, pod_charge, settled_claim_charge,
     stale_reservations, Charge, DeviceCatalog, GpuQuota, LiveObject, ObjectKind, QuotaCondition,
@@ -433,14 +433,15 @@ fn finish_statuses(
                     ),
                 )
             };
-            set_condition(
-                &mut s.conditions,
-                status,
-                reason,
+            let c = QuotaCondition {
+                type_: QUEUE_CONDITION.into(),
+                status: status.into(),
+                reason: reason.into(),
                 message,
-                now_ts,
-                q.metadata.generation,
-            );
+                last_transition_time: String::new(),
+                observed_generation: q.metadata.generation,
+            };
+            set_condition(&mut s.conditions, c, now_ts);
         }
         if let Some(book) = hours {
             s.gpu_hours = book.quota_status(&q).or(s.gpu_hours);
@@ -530,33 +531,6 @@ fn admit(s: &mut crate::quota::GpuQuotaStatus, admitted: &[&Queued<'_>], now: Ti
 
 fn kept(s: &crate::quota::GpuQuotaStatus) -> usize {
     s.escrows.len().saturating_mul(MAX_UNFLUSHED)
-}
-
-fn set_condition(
-    conds: &mut Vec<QuotaCondition>,
-    status: &str,
-    reason: &str,
-    message: String,
-    now: Timestamp,
-    generation: Option<i64>,
-) {
-    let pos = conds.iter().position(|c| c.type_ == QUEUE_CONDITION);
-    let transition = match pos.map(|i| &conds[i]) {
-        Some(c) if c.status == status => c.last_transition_time.clone(),
-        _ => rfc3339(now),
-    };
-    let c = QuotaCondition {
-        type_: QUEUE_CONDITION.into(),
-        status: status.into(),
-        reason: reason.into(),
-        message,
-        last_transition_time: transition,
-        observed_generation: generation,
-    };
-    match pos {
-        Some(i) => conds[i] = c,
-        None => conds.push(c),
-    }
 }
 
 #[cfg(test)]

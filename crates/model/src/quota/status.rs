@@ -1,7 +1,7 @@
 //! Reservations in a GpuQuota's status (pure): recording, releasing, totals, and which ones
 //! are stale.
 
-use super::crd::{GpuQuotaStatus, ObjectKind, Reservation, ReservationState};
+use super::crd::{GpuQuotaStatus, ObjectKind, QuotaCondition, Reservation, ReservationState};
 use super::ratio::QuotaMathError;
 use super::usage::Usage;
 use k8s_openapi::jiff::Timestamp;
@@ -87,6 +87,20 @@ pub fn rfc3339(t: Timestamp) -> String {
     Timestamp::from_second(t.as_second())
         .unwrap_or(t)
         .to_string()
+}
+
+/// Puts condition `c` in `conds`, replacing the one of its type; its `lastTransitionTime`
+/// stays as it was while the status does not change, else becomes `now`.
+pub fn set_condition(conds: &mut Vec<QuotaCondition>, mut c: QuotaCondition, now: Timestamp) {
+    let pos = conds.iter().position(|o| o.type_ == c.type_);
+    c.last_transition_time = match pos.map(|i| &conds[i]) {
+        Some(o) if o.status == c.status => o.last_transition_time.clone(),
+        _ => rfc3339(now),
+    };
+    match pos {
+        Some(i) => conds[i] = c,
+        None => conds.push(c),
+    }
 }
 
 impl GpuQuotaStatus {

@@ -8,7 +8,7 @@
 //! each raise's state in the status ([`note_raises`]) and tells of an expiry once.
 
 use super::crd::{GpuQuota, GpuQuotaSpec, GpuQuotaStatus, QuotaCondition};
-use super::status::rfc3339;
+use super::status::set_condition;
 use super::usage::{Amount, Dimension, Limits};
 use crate::report::{truncate, MAX_NOTE_BYTES};
 use k8s_openapi::jiff::Timestamp;
@@ -189,23 +189,16 @@ pub fn note_raises(
             status.conditions.remove(i);
         }
         (None, None) => {}
-        (Some((state, reason, message)), pos) => {
-            let transition = match pos.map(|i| &status.conditions[i]) {
-                Some(c) if c.status == state => c.last_transition_time.clone(),
-                _ => rfc3339(now),
-            };
+        (Some((state, reason, message)), _) => {
             let c = QuotaCondition {
                 type_: RAISE_CONDITION.into(),
                 status: state.into(),
                 reason: reason.into(),
                 message,
-                last_transition_time: transition,
+                last_transition_time: String::new(),
                 observed_generation: generation,
             };
-            match pos {
-                Some(i) => status.conditions[i] = c,
-                None => status.conditions.push(c),
-            }
+            set_condition(&mut status.conditions, c, now);
         }
     }
     expired_now
