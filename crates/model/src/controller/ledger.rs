@@ -8,13 +8,12 @@
 //! reservations or ten thousand, and admitting a unit is one addition.
 
 use super::plan::Ledger;
-use crate::quota::{check, Charge, Denial, GpuQuota, QuotaMathError, ReservationKey};
+use crate::quota::{check, Charge, Denial, GpuQuota, QuotaMathError, ReservationKey, Usage};
 use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// `quota` with `used` = everything it holds (used, escrows, `Reserved` reservations) except
-/// the reservations in `exclude`, no reservation or escrow list, and the spec in force at
-/// `now` (temporary raises folded into `hard`).
+/// the reservations in `exclude`, no reservation or escrow list, and the spec in force at `now` (temporary raises folded into `hard`).
 pub fn compact(
     quota: &GpuQuota,
     exclude: &BTreeSet<ReservationKey>,
@@ -82,17 +81,97 @@ impl Working {
 
     /// The ledger of one namespace: a unit must fit every GpuQuota of its namespace.
     pub fn namespace(&mut self, namespace: &str) -> NamespaceLedger<'_> {
-        let idx = self
-            .by_namespace
-            .get(namespace)
-            .cloned()
-            .unwrap_or_default();
+        let idx = self.at(namespace).to_vec();
         NamespaceLedger { working: self, idx }
     }
 
     pub fn quotas(&self) -> &[GpuQuota] {
         &self.quotas
     }
+
+    /// The quotas of `namespace`.
+    pub fn quotas_in<'a>(&'a self, namespace: &str) -> impl Iterator<Item = &'a GpuQuota> + 'a {
+        self.at(namespace).iter().map(|&i| &self.quotas[i])
+    }
+
+    /// `Ok` when `charge` fits every quota of `namespace` now; else why, with the numbers.
+    pub fn fits(&self, namespace: &str, charge: &Charge) -> Result<(), String> {
+        self.check_at(self.at(namespace), charge)
+    }
+
+    /// `Ok` when `charge` could fit every quota of `namespace` if nothing were held; else why.
+    pub fn within_limits(&self, namespace: &str, charge: &Charge) -> Result<(), String> {
+        self.within_limits_at(self.at(namespace), charge)
+    }
+
+    /// Takes `usage` out of what every quota of `namespace` holds (a pod that will be gone),
+    /// floored at zero: what would fit without it. [`Working::hold`] puts it back.
+    pub fn release(&mut self, namespace: &str, usage: &Usage) -> Result<(), QuotaMathError> {
+        let idx = self.by_namespace.get(namespace).map(Vec::as_slice);
+        for &i in idx.unwrap_or_default() {
+            let q = &mut self.quotas[i];
+            let mut s = q.status_or_default();
+            s.used = s.used.saturating_sub(usage)?;
+            q.status = Some(s);
+        }
+        Ok(())
+    }
+
+    /// Counts `usage` as held by every quota of `namespace`.
+    pub fn hold(&mut self, namespace: &str, usage: &Usage) -> Result<(), QuotaMathError> {
+        let idx = self.by_namespace.get(namespace).map(Vec::as_slice);
+        hold_at(&mut self.quotas, idx.unwrap_or_default(), usage)
+    }
+
+    fn at(&self, namespace: &str) -> &[usize] {
+        self.by_namespace
+            .get(namespace)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+    }
+
+    fn check_at(&self, idx: &[usize], charge: &Charge) -> Result<(), String> {
+        let why: Vec<String> = idx
+            .iter()
+            .filter_map(|&i| {
+                check(&self.quotas[i], &self.quotas, None, charge)
+                    .err()
+                    .map(|d| describe(&d, &self.quotas[i], charge))
+            })
+            .collect();
+        if why.is_empty() {
+            Ok(())
+        } else {
+            Err(why.join("; "))
+        }
+    }
+
+    fn within_limits_at(&self, idx: &[usize], charge: &Charge) -> Result<(), String> {
+        for &i in idx {
+            if let Err(d) = check(&self.empty[i], &self.empty, None, charge) {
+                return Err(format!(
+                    "{}, even with nothing else admitted",
+                    describe(&d, &self.empty[i], charge)
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Adds `usage` to every quota at `idx`; on an overflow each quota keeps what could be added
+/// (the full side) and the error is returned after all were tried.
+fn hold_at(quotas: &mut [GpuQuota], idx: &[usize], usage: &Usage) -> Result<(), QuotaMathError> {
+    let mut out = Ok(());
+    for &i in idx {
+        let q = &mut quotas[i];
+        let mut s = q.status_or_default();
+        if let Err(e) = s.used.add_assign(usage) {
+            out = Err(e);
+        }
+        q.status = Some(s);
+    }
+    out
 }
 
 /// One namespace's view of [`Working`].
@@ -105,46 +184,18 @@ impl Ledger for NamespaceLedger<'_> {
     type Charge = Charge;
 
     fn check(&self, charge: &Charge) -> Result<(), String> {
-        let w = &*self.working;
-        let why: Vec<String> = self
-            .idx
-            .iter()
-            .filter_map(|&i| {
-                check(&w.quotas[i], &w.quotas, None, charge)
-                    .err()
-                    .map(|d| describe(&d, &w.quotas[i], charge))
-            })
-            .collect();
-        if why.is_empty() {
-            Ok(())
-        } else {
-            Err(why.join("; "))
-        }
+        self.working.check_at(&self.idx, charge)
     }
 
     fn within_limits(&self, charge: &Charge) -> Result<(), String> {
-        let w = &*self.working;
-        for &i in &self.idx {
-            if let Err(d) = check(&w.empty[i], &w.empty, None, charge) {
-                return Err(format!(
-                    "{}, even with nothing else admitted",
-                    describe(&d, &w.empty[i], charge)
-                ));
-            }
-        }
-        Ok(())
+        self.working.within_limits_at(&self.idx, charge)
     }
 
     fn admit(&mut self, charge: &Charge) {
-        for &i in &self.idx {
-            let q = &mut self.working.quotas[i];
-            let mut s = q.status_or_default();
-            if let Err(e) = s.used.add_assign(&charge.usage) {
-                // Cannot happen after a successful check (it summed the same numbers); keep
-                // the quota conservative if it does.
-                tracing::warn!(quota = %q.id(), error = %e, "admitting into the working ledger");
-            }
-            q.status = Some(s);
+        if let Err(e) = hold_at(&mut self.working.quotas, &self.idx, &charge.usage) {
+            // Cannot happen after a successful check (it summed the same numbers); the quota
+            // keeps what it could add, which errs on the full side.
+            tracing::warn!(error = %e, "admitting into the working ledger");
         }
     }
 }
@@ -218,16 +269,6 @@ mod tests {
         }
     }
 
-    fn gpus(n: u64) -> Charge {
-        Charge {
-            usage: Usage {
-                gpus: Gpus::whole(n),
-                ..Usage::default()
-            },
-            unknown: Vec::new(),
-        }
-    }
-
     fn reservation(name: &str, state: ReservationState, n: u64) -> Reservation {
         Reservation {
             kind: ObjectKind::Pod,
@@ -235,7 +276,7 @@ mod tests {
             name: name.into(),
             uid: None,
             state,
-            charge: gpus(n).usage,
+            charge: Charge::whole_gpus(n).usage,
             unpriced: Vec::new(),
             priority: None,
             since: "2025-01-01T00:00:00Z".into(),
@@ -252,22 +293,25 @@ mod tests {
         .unwrap()]);
         let mut l = w.namespace("team-a");
         assert_eq!(
-            l.check(&gpus(4)),
+            l.check(&Charge::whole_gpus(4)),
             Err("needs 4 gpus, 2 free of 8 in GpuQuota team-a/default".into())
         );
-        assert!(l.check(&gpus(2)).is_ok());
-        l.admit(&gpus(2));
+        assert!(l.check(&Charge::whole_gpus(2)).is_ok());
+        l.admit(&Charge::whole_gpus(2));
         assert_eq!(
-            l.check(&gpus(1)),
+            l.check(&Charge::whole_gpus(1)),
             Err("needs 1 gpus, 0 free of 8 in GpuQuota team-a/default".into())
         );
-        assert!(l.within_limits(&gpus(8)).is_ok());
+        assert!(l.within_limits(&Charge::whole_gpus(8)).is_ok());
         assert_eq!(
-            l.within_limits(&gpus(9)),
+            l.within_limits(&Charge::whole_gpus(9)),
             Err("needs 9 gpus, 8 free of 8 in GpuQuota team-a/default, even with nothing else admitted".into())
         );
         // A namespace without a quota is not limited.
-        assert!(w.namespace("team-b").check(&gpus(100)).is_ok());
+        assert!(w
+            .namespace("team-b")
+            .check(&Charge::whole_gpus(100))
+            .is_ok());
     }
 
     #[test]
@@ -293,7 +337,7 @@ mod tests {
         if let Some(s) = q.status.as_mut() {
             s.escrows = vec![crate::quota::Escrow {
                 holder: "replica-1".into(),
-                amount: gpus(2).usage,
+                amount: Charge::whole_gpus(2).usage,
                 renewed: "2025-01-01T00:00:00Z".into(),
             }];
         }
@@ -302,6 +346,6 @@ mod tests {
         assert_eq!(held.gpus, Gpus::whole(3));
         // 5 of 8 are free, not 3.
         let mut w = Working::new(vec![c]);
-        assert!(w.namespace("team-a").check(&gpus(5)).is_ok());
+        assert!(w.namespace("team-a").check(&Charge::whole_gpus(5)).is_ok());
     }
 }

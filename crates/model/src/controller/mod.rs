@@ -2,8 +2,9 @@
 //! ([`plan`]), the quota model as the planner's ledger ([`ledger`]), one namespace's decision
 //! ([`namespace`]: status, releases, notes), what is read from a Pod ([`pods`]), and the
 //! namespace label the mutating gate webhook selects on ([`queue_label`]), and leader
-//! election's expiry and step-down rules ([`lease`]), and the GPU-hours ledger's accounting
-//! ([`hours`]). The loops are the shell's `controller`.
+//! election's expiry and step-down rules ([`lease`]), the GPU-hours ledger's accounting
+//! ([`hours`]), and whom a waiting unit may have evicted under its quotas' preemption policy
+//! ([`preempt`]). The loops are the shell's `controller`.
 
 pub mod hours;
 pub mod lease;
@@ -11,4 +12,5 @@ pub mod ledger;
 pub mod namespace;
 pub mod plan;
 pub mod pods;
+pub mod preempt;
 pub mod queue_label;

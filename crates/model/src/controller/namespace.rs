@@ -13,12 +13,14 @@
 //!   the status, then stopped) is released without planning.
 //! - Everything else gated is planned by [`plan_releases`] against the compacted quotas.
 
+mod preemptions;
 mod units;
 
 use super::hours::Book;
 use super::ledger::{compact, Working};
 use super::plan::plan_releases;
 use super::pods::{self, PodRef};
+use crate::controller::preempt::Candidate;
 use crate::quota::escrow::{stale_escrows, MAX_UNFLUSHED};
 use crate::quota::status::{rfc3339, set_condition};
 use crate::quota::{
@@ -30,6 +32,7 @@ use crate::quota::{
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimSpec};
 use k8s_openapi::jiff::Timestamp;
+pub use preemptions::{Eviction, MAX_PREEMPTORS, PREEMPTING};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -68,6 +71,10 @@ pub struct Inputs<'a> {
     pub settings: QueueSettings,
     /// The GPU-hours book, whose current period's totals each quota's status shows.
     pub hours: Option<&'a Book>,
+    /// The pods a waiting unit of this namespace may have evicted, with their charges: those
+    /// counted in its quotas and in the quotas of its cohorts (empty when no quota of the
+    /// namespace preempts).
+    pub candidates: &'a [Candidate],
 }
 
 /// What a waiting pod is told, and a tag that changes only when the kind of reason does.
@@ -94,6 +101,8 @@ pub struct Decision {
     /// Events to record on quotas once their status is written: (quota name, reason,
     /// message), e.g. a temporary raise that expired.
     pub quota_events: Vec<(String, &'static str, String)>,
+    /// Pods to evict so that waiting units fit (`spec.preemption`).
+    pub evictions: Vec<Eviction>,
 }
 
 /// A queued pod with its charge.
@@ -266,6 +275,13 @@ pub fn decide(
 
     let releases = record_admissions(&plan, &members, &queued, &mut quotas, now_ts);
     waiting.extend(notes(input, &units, &members, &queued, &plan));
+    let evictions = preemptions::preempt(
+        input,
+        (&units, &members, &queued),
+        &plan,
+        working,
+        &mut waiting,
+    )?;
 
     let head = plan
         .waits
@@ -287,6 +303,7 @@ pub fn decide(
         admitted_gated,
         waiting,
         next_deadline,
+        evictions,
     })
 }
 

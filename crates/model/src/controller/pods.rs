@@ -92,6 +92,15 @@ pub fn created(pod: &Pod) -> SystemTime {
         .unwrap_or(SystemTime::UNIX_EPOCH)
 }
 
+/// When the kubelet started the pod (`status.startTime`); `None` while it has not.
+pub fn started(pod: &Pod) -> Option<SystemTime> {
+    pod.status
+        .as_ref()?
+        .start_time
+        .as_ref()
+        .map(|t| SystemTime::from(t.0))
+}
+
 /// A queue unit's key, as notes and the queue's order name it: "pod NS/NAME".
 pub fn pod_key(namespace: &str, name: &str) -> String {
     format!("pod {namespace}/{name}")

@@ -27,7 +27,7 @@
 //! `status.allocation` and the slices: the controller replaces the worst case with it.
 
 use super::catalog::{CatalogDevice, ClassMatch, DeviceCatalog};
-use super::ratio::QuotaMathError;
+use super::ratio::{Gpus, QuotaMathError};
 use super::selector::Selector;
 use super::share::{allocation_charge, settled_share_charge, CapacityAmounts};
 use super::usage::{Dimension, Usage};
@@ -70,6 +70,18 @@ impl Charge {
                     why: why.clone(),
                 })
                 .collect(),
+        }
+    }
+
+    /// `n` whole GPUs and nothing else (no memory, no device count): a charge in one
+    /// dimension, as tests and benches state one.
+    pub fn whole_gpus(n: u64) -> Charge {
+        Charge {
+            usage: Usage {
+                gpus: Gpus::whole(n),
+                ..Usage::default()
+            },
+            unknown: Vec::new(),
         }
     }
 

@@ -157,6 +157,23 @@ fn cohort_unused(
     lend_hard.saturating_sub(lend_used)
 }
 
+/// What `quota` (its status as read) takes from its cohort: in each dimension its `hard`
+/// limits, what it consumes beyond `hard`; only the dimensions where that is more than zero.
+pub fn borrowing(quota: &GpuQuota) -> Result<Vec<(Dimension, Amount)>, QuotaMathError> {
+    let Some(status) = &quota.status else {
+        return Ok(Vec::new());
+    };
+    let consumed = status.consumed(None)?;
+    let mut out = Vec::new();
+    for (dim, hard) in quota.spec.hard.bounds() {
+        let over = consumed.get(&dim).saturating_sub(hard)?;
+        if !over.is_zero() {
+            out.push((dim, over));
+        }
+    }
+    Ok(out)
+}
+
 fn zero_like(a: Amount) -> Amount {
     match a {
         Amount::Gpus(_) => Amount::Gpus(super::ratio::Gpus::ZERO),

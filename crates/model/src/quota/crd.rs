@@ -2,6 +2,7 @@
 //! subresource). `daemonset/controller/crd.yaml` is generated from these types
 //! (`GpuQuota::crd()`); a test keeps the two equal.
 
+use super::preemption::PreemptionPolicy;
 use super::temporary::{RaiseStatus, TemporaryRaise};
 use super::usage::{Limits, Usage};
 use kube_derive::CustomResource;
@@ -76,6 +77,14 @@ pub struct GpuQuotaSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
     pub temporary: Vec<TemporaryRaise>,
+    /// Queue mode: whether a waiting pod may have others evicted to make room (see
+    /// docs/quota.md). Left out: never.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub preemption: PreemptionPolicy,
+}
+
+fn is_default<T: Default + PartialEq>(t: &T) -> bool {
+    *t == T::default()
 }
 
 /// Label keys as the API server accepts them (an optional DNS-subdomain prefix and `/`, then a

@@ -40,6 +40,7 @@
 //! - [`check()`]`(&quota, &all_quotas, Some(&key), &charge) -> Result<`[`Fit`]`, `[`Denial`]`>`:
 //!   `used + reserved (minus key's own) + charge <= hard`, with cohort borrowing. `Denial`
 //!   displays as `gpuMemory: requested 10Gi, used 15Gi of 20Gi in GpuQuota team-a/default`.
+//!   [`borrowing`]`(&quota)`: what a quota consumes beyond its `hard`, per dimension.
 //! - [`try_reserve`]: check and record a `Reserved` reservation; [`record_queued`]: record a
 //!   `Queued` one. [`GpuQuotaStatus::admit_queued`] turns a queued one into reserved (the Queue
 //!   loop: `check` it, `admit_queued`, write, then remove the gate);
@@ -72,6 +73,7 @@ pub mod charge;
 pub mod check;
 pub mod crd;
 pub mod escrow;
+pub mod preemption;
 pub mod ratio;
 pub mod scope;
 pub mod selector;
@@ -90,11 +92,12 @@ pub use charge::{
     pod_resource_counts, pod_template_names, settled_claim_charge, Charge, ChargeError,
     UnknownCharge,
 };
-pub use check::{check, check_consumed, record_queued, try_reserve, Denial, Fit};
+pub use check::{borrowing, check, check_consumed, record_queued, try_reserve, Denial, Fit};
 pub use crd::{
     missing_labels, Escrow, GpuHoursStatus, GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind,
     QuotaCondition, QuotaMode, Reservation, ReservationState, SCHEDULING_GATE,
 };
+pub use preemption::{PreemptionPolicy, ReclaimWithinCohort, WithinQuota};
 pub use ratio::{Gpus, QuotaMathError};
 pub use scope::governs_pod;
 pub use share::{

@@ -72,6 +72,7 @@ fn run_with_templates(
         now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_700),
         settings: QueueSettings::default(),
         hours: None,
+        candidates: &[],
     };
     let mut working = Working::default();
     let observed = observe(&input, &mut Charges::default()).unwrap();
@@ -250,6 +251,7 @@ fn a_remembered_charge_is_used_only_for_the_resource_version_it_was_priced_at() 
             now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_700),
             settings: QueueSettings::default(),
             hours: None,
+            candidates: &[],
         };
         observe(&input, charges).unwrap().used.gpus
     };
@@ -411,4 +413,137 @@ fn a_raise_admits_while_it_lasts_wakes_the_loop_at_its_expiry_and_is_told_when_i
         message.starts_with("temporary raise gpus +2 (launch) expired at 2025-01-01T00:01:00Z"),
         "{message}"
     );
+}
+
+mod preemption {
+    use super::*;
+    use crate::controller::preempt::Candidate;
+
+    fn decide_with(pods: &[Arc<Pod>], quotas: &[GpuQuota]) -> Decision {
+        let catalog = DeviceCatalog::default();
+        let templates = BTreeMap::new();
+        let candidates: Vec<Candidate> = pods
+            .iter()
+            .filter(|p| pods::is_counted(p))
+            .map(|p| Candidate::of(p, pod_charge(p, &templates, &catalog).unwrap()))
+            .collect();
+        let input = Inputs {
+            namespace: NS,
+            pods,
+            claims: &[],
+            templates: &templates,
+            catalog: &catalog,
+            now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_700),
+            settings: QueueSettings::default(),
+            hours: None,
+            candidates: &candidates,
+        };
+        let mut working = Working::default();
+        let observed = observe(&input, &mut Charges::default()).unwrap();
+        decide(&input, &observed, quotas, &mut working).unwrap()
+    }
+
+    fn preempting_quota(gpus: u64) -> GpuQuota {
+        let mut q = quota("default", gpus, json!({}));
+        q.spec.preemption.within_quota = crate::quota::WithinQuota::LowerPriority;
+        q
+    }
+
+    fn running(name: &str, gpus: u32, priority: i32, started: &str) -> Arc<Pod> {
+        pod(
+            name,
+            gpus,
+            false,
+            json!({"spec": {"priority": priority}, "status": {"phase": "Running", "startTime": started}}),
+        )
+    }
+
+    #[test]
+    fn a_waiting_pod_of_higher_priority_evicts_the_newest_lower_one_and_is_told_so() {
+        let mut pods = vec![
+            running("train-old", 1, 0, "2025-01-01T00:00:00Z"),
+            running("train-new", 1, 0, "2025-01-01T00:05:00Z"),
+            pod("infer", 1, true, json!({"spec": {"priority": 1000}})),
+        ];
+        let d = decide_with(&pods, &[preempting_quota(2)]);
+        assert!(d.releases.is_empty(), "never admitted over hard");
+        let victims: Vec<&str> = d.evictions.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(victims, ["train-new"]);
+        let e = &d.evictions[0];
+        assert_eq!(e.preemptor, "pod team-a/infer");
+        assert_eq!(names(&e.preemptor_pods), ["infer"]);
+        assert!(
+            e.message
+                .contains("priority 0 is below the preemptor's 1000"),
+            "{}",
+            e.message
+        );
+        let (p, n) = &d.waiting[0];
+        assert_eq!((p.name.as_str(), n.kind), ("infer", PREEMPTING));
+        assert!(n.message.contains("preempting 1 pod(s)"), "{}", n.message);
+        assert!(
+            n.message.contains("team-a/train-new (priority 0)"),
+            "{}",
+            n.message
+        );
+
+        // Next cycle the victim terminates: no one more is evicted; the pod waits for it.
+        pods[1] = running("train-new", 1, 0, "2025-01-01T00:05:00Z");
+        Arc::make_mut(&mut pods[1]).metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::UNIX_EPOCH),
+        );
+        let d = decide_with(&pods, &[preempting_quota(2)]);
+        assert!(d.evictions.is_empty() && d.releases.is_empty());
+        assert_eq!(d.waiting[0].1.kind, PREEMPTING);
+        assert!(
+            d.waiting[0].1.message.contains("free enough once gone"),
+            "{}",
+            d.waiting[0].1.message
+        );
+
+        // Once it is gone the planner releases the waiting pod.
+        pods.remove(1);
+        let d = decide_with(&pods, &[preempting_quota(2)]);
+        assert_eq!(d.releases.len(), 1);
+        assert!(d.evictions.is_empty());
+    }
+
+    #[test]
+    fn two_waiting_pods_never_count_on_the_same_victim() {
+        let pods = [
+            running("a", 1, 0, "2025-01-01T00:00:00Z"),
+            running("b", 1, 0, "2025-01-01T00:01:00Z"),
+            pod("x", 1, true, json!({"spec": {"priority": 100}})),
+            pod("y", 1, true, json!({"spec": {"priority": 50}})),
+        ];
+        let d = decide_with(&pods, &[preempting_quota(2)]);
+        let mut victims: Vec<&str> = d.evictions.iter().map(|e| e.name.as_str()).collect();
+        victims.sort();
+        assert_eq!(victims, ["a", "b"]);
+        assert_eq!(d.evictions[0].preemptor, "pod team-a/x");
+        assert_eq!(d.evictions[1].preemptor, "pod team-a/y");
+    }
+
+    #[test]
+    fn without_a_policy_or_with_no_lower_priority_pod_no_one_is_evicted_and_the_note_says_why() {
+        let pods = [
+            running("a", 1, 100, "2025-01-01T00:00:00Z"),
+            pod("x", 1, true, json!({"spec": {"priority": 100}})),
+        ];
+        let d = decide_with(&pods, &[quota("default", 1, json!({}))]);
+        assert!(d.evictions.is_empty());
+        assert_eq!(d.waiting[0].1.kind, "Insufficient");
+        assert!(!d.waiting[0].1.message.contains("preemption"));
+        let d = decide_with(&pods, &[preempting_quota(1)]);
+        assert!(d.evictions.is_empty());
+        assert_eq!(d.waiting[0].1.kind, "Insufficient");
+        assert!(
+            d.waiting[0]
+                .1
+                .message
+                .contains("no preemption: no running pod may be evicted"),
+            "{}",
+            d.waiting[0].1.message
+        );
+    }
 }
