@@ -422,7 +422,7 @@ fn run_demo(args: DemoArgs) -> Result<()> {
 fn run_controller(args: ControllerArgs) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
-        let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref())
+        let client = gpuplane_shell::kubeclient::client_without_retry(args.kubeconfig.as_deref())
             .await
             .context("the controller needs API access")?;
         let mut opts = gpuplane_shell::webhook::WebhookOptions::new(args.tls_cert_file, args.tls_key_file, &args.namespace);

@@ -17,6 +17,7 @@ mod real_cluster_dynamic_mig;
 mod real_cluster_explain;
 mod real_cluster_gpu_hours;
 mod real_cluster_pending;
+mod real_cluster_preemption;
 mod real_cluster_quota;
 mod real_cluster_shares;
 mod real_cluster_shares_quota;

@@ -37,6 +37,23 @@ pub enum KubeClientError {
 /// A client from `kubeconfig` if given, else in-cluster, else `KUBECONFIG`/`~/.kube/config`.
 pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, KubeClientError> {
     let (config, from) = config(kubeconfig).await?;
+    build(config, from)
+}
+
+/// [`client`] without kube's own retry of 429, 503 and 504, for the controller: its loops
+/// retry with their own backoff, and a 429 from the Eviction API is a PodDisruptionBudget
+/// refusing, which the queue must hear at once to choose other victims, not after kube has
+/// retried it in place (the server's `Retry-After` of 10 s, up to 15 times) with the loop
+/// waiting.
+pub async fn client_without_retry(
+    kubeconfig: Option<&Path>,
+) -> Result<kube::Client, KubeClientError> {
+    let (mut config, from) = config(kubeconfig).await?;
+    config.default_retry = false;
+    build(config, from)
+}
+
+fn build(config: kube::Config, from: String) -> Result<kube::Client, KubeClientError> {
     kube::Client::try_from(config).map_err(|source| KubeClientError::Client {
         from,
         cause: source,

@@ -44,6 +44,12 @@ pub struct QuotaLabels {
     pub quota: String,
 }
 
+/// The label of a per-namespace series.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct NamespaceLabel {
+    pub namespace: String,
+}
+
 /// The label of the explainer's series.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ReasonLabel {
@@ -140,6 +146,7 @@ pub struct QueueMetrics {
     status_conflicts: Counter,
     errors: Counter,
     released: Family<QuotaLabels, Counter>,
+    preempted: Family<NamespaceLabel, Counter>,
     wait: Histograms<QuotaLabels>,
     waiting: Arc<Waiting>,
     pending: Family<ReasonLabel, Gauge>,
@@ -175,6 +182,12 @@ impl Default for QueueMetrics {
             "Pods released from the queue (their scheduling gate removed): Queue-mode admissions, by GpuQuota",
             Family::default(),
         );
+        let preempted = register(
+            &mut r,
+            "gpuplane_quota_preempted_pods",
+            "Pods evicted to make room for a waiting pod of higher priority or reclaiming a cohort's capacity (spec.preemption), by the evicted pod's namespace",
+            Family::default(),
+        );
         let wait = register(
             &mut r,
             "gpuplane_quota_wait_seconds",
@@ -206,6 +219,7 @@ impl Default for QueueMetrics {
             status_conflicts,
             errors,
             released,
+            preempted,
             wait,
             waiting,
             pending,
@@ -244,6 +258,14 @@ impl QueueMetrics {
             self.released.get_or_create(&at).inc();
             self.wait.get_or_create(&at).observe(waited.as_secs_f64());
         }
+    }
+
+    /// A pod of `namespace` was evicted to make room (preemption).
+    pub fn preempted(&self, namespace: &str) {
+        let at = NamespaceLabel {
+            namespace: namespace.to_string(),
+        };
+        self.preempted.get_or_create(&at).inc();
     }
 
     pub fn cycle(&self) {

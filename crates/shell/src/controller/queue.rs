@@ -12,10 +12,14 @@
 //! lost cycle, a restart or a new leader just decides again. Errors go through
 //! [`error_policy`], which says when to try the namespace again.
 
+mod error;
 mod pod_writes;
+mod preempt;
 mod quota_events;
 
 pub use super::watchers::{spawn_watchers, Input};
+pub use error::{error_policy, QueueError};
+pub use preempt::PREEMPTED_CONDITION;
 
 use super::cache::Cache;
 use super::ledger::{compact, Working};
@@ -24,8 +28,8 @@ use super::metrics::QueueMetrics;
 use super::namespace::{self, Decision, Inputs, QueueSettings};
 use super::pods;
 use super::schedule::{drive, Keyed, Timing};
-use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota, QuotaMathError, QuotaMode};
-use gpuplane_model::report::chain;
+use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota, QuotaMode};
+use error::api_error;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
@@ -89,44 +93,6 @@ impl Default for QueueOptions {
     }
 }
 
-/// Why a namespace's reconcile failed.
-#[derive(Debug, thiserror::Error)]
-pub enum QueueError {
-    /// An API call failed.
-    #[error("{op} {object}: {}", chain(.cause))]
-    Api {
-        op: &'static str,
-        object: String,
-        cause: Box<kube::Error>,
-    },
-    /// A GpuQuota changed between our read and our write; the namespace is planned again.
-    #[error("GpuQuota {0} changed while being written")]
-    Conflict(String),
-    /// Quota arithmetic overflowed.
-    #[error("namespace {namespace}: {}", chain(.cause))]
-    Math {
-        namespace: String,
-        cause: QuotaMathError,
-    },
-}
-
-/// When to reconcile a namespace again after its `failures`-th consecutive failure.
-pub fn error_policy(error: &QueueError, failures: u32) -> Duration {
-    // The first retry already waits twice the base.
-    let exp = |base_ms: u64, cap: Duration| {
-        crate::backoff::after(
-            Duration::from_millis(base_ms),
-            cap,
-            failures.saturating_add(1),
-        )
-    };
-    match error {
-        QueueError::Conflict(_) => exp(10, Duration::from_secs(2)),
-        QueueError::Api { .. } => exp(200, Duration::from_secs(30)),
-        QueueError::Math { .. } => Duration::from_secs(60),
-    }
-}
-
 /// The loop's state.
 pub struct QueueLoop {
     client: kube::Client,
@@ -150,6 +116,7 @@ pub struct QueueLoop {
     /// When each namespace's quotas were last written.
     settled: HashMap<String, Instant>,
     meter: Option<Meter>,
+    evictions: preempt::Evictions,
 }
 
 impl QueueLoop {
@@ -174,6 +141,7 @@ impl QueueLoop {
             charges: namespace::Charges::default(),
             settled: HashMap::new(),
             meter,
+            evictions: preempt::Evictions::default(),
         }
     }
 
@@ -377,6 +345,7 @@ impl QueueLoop {
         let claims = self.claims.in_namespace(ns);
         let templates = template_specs(&self.templates, ns);
         let catalog = self.catalog.clone();
+        let candidates = self.candidates(ns, pods.iter().any(|p| pods::is_queued(p)));
         let book = self.meter.as_ref().and_then(Meter::book);
         let inputs = Inputs {
             namespace: ns,
@@ -387,15 +356,25 @@ impl QueueLoop {
             now,
             settings: self.opts.settings,
             hours: book.as_deref(),
+            candidates: &candidates,
         };
         let decision = self.decide_and_write(&inputs, working).await?;
         self.metrics
             .set_waiting(ns, quota_names(&decision), decision.waiting.len() as u64);
         let released = self.release(ns, &decision, &pods).await;
+        // A refused eviction is chosen around at once.
+        let again = self
+            .evict(&decision)
+            .await
+            .then(|| now + Duration::from_secs(1));
         self.notes(ns, &decision.waiting).await;
         self.admitted_notes(ns, released).await;
         self.quota_events(ns, &decision).await;
-        Ok(decision.next_deadline)
+        let unblock = (!candidates.is_empty()).then(|| self.next_unblock());
+        Ok([decision.next_deadline, again, unblock.flatten()]
+            .into_iter()
+            .flatten()
+            .min())
     }
 
     /// Forgets what was said to pods of `ns` that are gone, and every ungate whose pod the
@@ -534,14 +513,6 @@ fn version(q: &GpuQuota) -> u64 {
         .as_deref()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
-}
-
-fn api_error(op: &'static str, object: &str, e: kube::Error) -> QueueError {
-    QueueError::Api {
-        op,
-        object: object.into(),
-        cause: Box::new(e),
-    }
 }
 
 /// Runs the loop with real watchers until `stop` resolves.

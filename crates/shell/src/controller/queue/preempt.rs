@@ -1,0 +1,212 @@
+//! Preemption's I/O: the candidates a namespace's decision may choose victims from (the
+//! counted pods of the namespace and of its quotas' cohorts, priced), and the evictions it
+//! decided, made through the Eviction API so that PodDisruptionBudgets hold.
+//!
+//! An eviction a budget refuses (429) is never turned into a delete: the pod is left out of
+//! the next choices for [`BLOCKED_FOR`] (its pod group with it) and the namespace is decided
+//! again at once, which picks other victims or tells the waiting pod that none may go. A pod
+//! we evicted counts as terminating until the cache shows it so, so a quick second cycle does
+//! not choose it again.
+
+use super::{template_specs, QueueLoop};
+use crate::controller::namespace::{Decision, Eviction};
+use crate::controller::pods::{self, PodRef};
+use crate::controller::preempt::Candidate;
+use crate::controller::writes::{self, Condition};
+use crate::quota::{pod_charge, QuotaMode};
+use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod};
+use kube::api::{Api, DeleteParams, EvictParams, Preconditions};
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, SystemTime};
+use tokio::time::Instant;
+
+/// How long a pod whose eviction a PodDisruptionBudget refused is left out of the choices.
+const BLOCKED_FOR: Duration = Duration::from_secs(30);
+
+/// How long a pod we evicted counts as terminating without the cache saying so.
+const EVICTED_FOR: Duration = Duration::from_secs(60);
+
+/// The pod condition an evicted pod is given (besides Kubernetes' own `DisruptionTarget`).
+pub const PREEMPTED_CONDITION: &str = "gpuplane.dev/Preempted";
+
+/// What the loop remembers of its evictions.
+#[derive(Debug, Default)]
+pub(super) struct Evictions {
+    /// Pods evicted, by uid, and when.
+    evicted: HashMap<String, Instant>,
+    /// Pods (and pod groups, as `ns/group`) whose eviction a budget refused, and when.
+    blocked: HashMap<String, Instant>,
+}
+
+impl QueueLoop {
+    /// The pods a waiting unit of `ns` may have evicted (empty when no Queue-mode quota of
+    /// `ns` preempts or nothing of `ns` waits).
+    pub(super) fn candidates(&mut self, ns: &str, queued: bool) -> Vec<Candidate> {
+        let now = Instant::now();
+        let e = &mut self.evictions;
+        e.evicted
+            .retain(|_, at| now.duration_since(*at) < EVICTED_FOR);
+        e.blocked
+            .retain(|_, at| now.duration_since(*at) < BLOCKED_FOR);
+        let quotas = self.quotas.in_namespace(ns);
+        let preempts = quotas
+            .iter()
+            .any(|q| q.spec.mode == QuotaMode::Queue && q.spec.preemption.preempts());
+        if !queued || !preempts {
+            return Vec::new();
+        }
+        let cohorts: BTreeSet<&String> = quotas
+            .iter()
+            .filter_map(|q| q.spec.cohort.as_ref())
+            .collect();
+        let mut namespaces: BTreeSet<String> = self
+            .quotas
+            .all()
+            .filter(|q| q.spec.cohort.as_ref().is_some_and(|c| cohorts.contains(c)))
+            .filter_map(|q| q.metadata.namespace.clone())
+            .collect();
+        namespaces.insert(ns.to_string());
+        let mut out = Vec::new();
+        for n in &namespaces {
+            let templates = template_specs(&self.templates, n);
+            for p in self.pods.in_namespace(n) {
+                if !pods::is_counted(&p) || self.is_blocked(n, &p) {
+                    continue;
+                }
+                let Ok(charge) = pod_charge(&p, &templates, &self.catalog) else {
+                    continue;
+                };
+                let mut c = Candidate::of(&p, charge);
+                c.terminating |= self.evictions.evicted.contains_key(&c.uid);
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    /// When the first pod a budget held comes back into the choices: a namespace that had
+    /// candidates is decided again then (budgets are not watched).
+    pub(super) fn next_unblock(&self) -> Option<SystemTime> {
+        let first = self.evictions.blocked.values().min()?;
+        let left = (*first + BLOCKED_FOR).saturating_duration_since(Instant::now());
+        Some(SystemTime::now() + left)
+    }
+
+    fn is_blocked(&self, ns: &str, p: &Pod) -> bool {
+        let b = &self.evictions.blocked;
+        p.metadata.uid.as_ref().is_some_and(|u| b.contains_key(u))
+            || pods::group(p).is_some_and(|(g, _)| b.contains_key(&format!("{ns}/{g}")))
+    }
+
+    /// Makes the decision's evictions; whether the namespace should be decided again at once
+    /// (a budget refused one, or a call failed).
+    pub(super) async fn evict(&mut self, d: &Decision) -> bool {
+        let mut again = false;
+        // After a refusal the rest of that unit's victims wait for the next choice.
+        let mut refused: BTreeSet<&str> = BTreeSet::new();
+        for e in &d.evictions {
+            if refused.contains(e.preemptor.as_str()) || self.evictions.evicted.contains_key(&e.uid)
+            {
+                continue;
+            }
+            let api: Api<Pod> = Api::namespaced(self.client.clone(), &e.namespace);
+            let params = EvictParams {
+                delete_options: Some(DeleteParams {
+                    // Never a newer pod of the same name.
+                    preconditions: Some(Preconditions {
+                        uid: Some(e.uid.clone()),
+                        resource_version: None,
+                    }),
+                    ..DeleteParams::default()
+                }),
+                ..EvictParams::default()
+            };
+            match api.evict(&e.name, &params).await {
+                Ok(_) => {
+                    self.evictions.evicted.insert(e.uid.clone(), Instant::now());
+                    self.metrics.preempted(&e.namespace);
+                    tracing::info!(pod = %format!("{}/{}", e.namespace, e.name), preemptor = %e.preemptor, "evicted to make room");
+                    self.tell_victim(&api, e).await;
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(kube::Error::Api(s)) if s.code == 429 => {
+                    refused.insert(&e.preemptor);
+                    again = true;
+                    self.blocked(e);
+                    let message = format!(
+                        "the eviction of pod {}/{} to make room for {} was refused: {} (a PodDisruptionBudget holds it; other pods are chosen or the pod waits)",
+                        e.namespace, e.name, e.preemptor, s.message
+                    );
+                    self.tell_preemptor(&e.preemptor_pods, "QuotaPreemptionBlocked", &message)
+                        .await;
+                }
+                Err(err) => {
+                    refused.insert(&e.preemptor);
+                    again = true;
+                    self.metrics.error();
+                    tracing::warn!(pod = %format!("{}/{}", e.namespace, e.name), error = %err, "evicting a pod to make room failed; decided again");
+                }
+            }
+        }
+        again
+    }
+
+    fn blocked(&mut self, e: &Eviction) {
+        let now = Instant::now();
+        let b = &mut self.evictions.blocked;
+        b.insert(e.uid.clone(), now);
+        let group = self
+            .pods
+            .in_namespace(&e.namespace)
+            .into_iter()
+            .find(|p| p.metadata.uid.as_deref() == Some(e.uid.as_str()))
+            .and_then(|p| pods::group(&p).map(|(g, _)| g));
+        if let Some(g) = group {
+            b.insert(format!("{}/{g}", e.namespace), now);
+        }
+    }
+
+    /// The victim's condition and Event (a pod already gone is not an error).
+    async fn tell_victim(&self, api: &Api<Pod>, e: &Eviction) {
+        let c = Condition {
+            type_: PREEMPTED_CONDITION,
+            status: true,
+            reason: "PreemptedByQuota",
+            message: &e.message,
+        };
+        let mut r = writes::set_pod_condition(api, &e.name, None, c).await;
+        if r.is_ok() {
+            let events: Api<CoreEvent> = Api::namespaced(self.client.clone(), &e.namespace);
+            let victim = PodRef {
+                namespace: e.namespace.clone(),
+                name: e.name.clone(),
+                uid: e.uid.clone(),
+                gate_index: None,
+                condition: None,
+            };
+            let instance = &self.opts.instance;
+            r = writes::event(
+                &events,
+                &victim,
+                true,
+                "QuotaPreempted",
+                &e.message,
+                instance,
+            )
+            .await;
+        }
+        if let Err(err) = r {
+            tracing::warn!(pod = %format!("{}/{}", e.namespace, e.name), error = %err, "recording a preemption on its victim failed");
+        }
+    }
+
+    async fn tell_preemptor(&self, pods: &[PodRef], reason: &str, message: &str) {
+        for p in pods {
+            let events: Api<CoreEvent> = Api::namespaced(self.client.clone(), &p.namespace);
+            let r = writes::event(&events, p, true, reason, message, &self.opts.instance).await;
+            if let Err(err) = r {
+                tracing::warn!(pod = %format!("{}/{}", p.namespace, p.name), error = %err, "recording a refused preemption failed");
+            }
+        }
+    }
+}
