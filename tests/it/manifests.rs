@@ -1788,11 +1788,8 @@ async fn rbac_grants_exactly_what_the_controller_calls() {
     check_grants_used(&granted, &used, &[], "gpuplane controller");
 }
 
-/// The GpuQuota CRD's own rules on `spec.temporary`, evaluated as the API server does (`self`
-/// is the spec): a raise adds only to a dimension `hard` limits, and raises something.
-#[test]
-fn the_crd_refuses_a_raise_of_what_hard_does_not_limit_or_of_nothing() {
-    use kube_cel::cel::Value as V;
+/// The schema of `spec` in the shipped GpuQuota CRD.
+fn gpuquota_spec_schema() -> Value {
     let d = docs();
     let crd = find(
         &d,
@@ -1801,8 +1798,15 @@ fn the_crd_refuses_a_raise_of_what_hard_does_not_limit_or_of_nothing() {
         "gpuquotas.quota.gpuplane.dev",
     )
     .unwrap();
-    let rules = crd.value["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-        ["x-kubernetes-validations"]
+    crd.value["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"].clone()
+}
+
+/// The GpuQuota CRD's own rules on `spec.temporary`, evaluated as the API server does (`self`
+/// is the spec): a raise adds only to a dimension `hard` limits, and raises something.
+#[test]
+fn the_crd_refuses_a_raise_of_what_hard_does_not_limit_or_of_nothing() {
+    use kube_cel::cel::Value as V;
+    let rules = gpuquota_spec_schema()["x-kubernetes-validations"]
         .as_array()
         .unwrap()
         .clone();
@@ -1854,16 +1858,7 @@ fn the_crd_refuses_a_raise_of_what_hard_does_not_limit_or_of_nothing() {
 fn the_crd_refuses_a_required_label_that_is_no_label_key() {
     use gpuplane_shell::quota::owners::is_label_key;
     use kube_cel::cel::Value as V;
-    let d = docs();
-    let crd = find(
-        &d,
-        "CustomResourceDefinition",
-        None,
-        "gpuquotas.quota.gpuplane.dev",
-    )
-    .unwrap();
-    let schema = &crd.value["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
-        ["spec"]["properties"]["requireLabels"];
+    let schema = &gpuquota_spec_schema()["properties"]["requireLabels"];
     assert_eq!(schema["maxItems"], 16);
     let items = &schema["items"];
     let max_len = items["maxLength"].as_u64().unwrap() as usize;

@@ -318,6 +318,23 @@ async fn replica(api: &ApiServerDouble, pki: &Pki) -> RunningWebhook {
     webhook::start(api.client().unwrap(), opts).await.unwrap()
 }
 
+/// A replica over `api` once it holds GpuQuota `name` of `spec`, with the PKI it serves from.
+async fn replica_with_quota(
+    api: &ApiServerDouble,
+    name: &str,
+    spec: Value,
+) -> (RunningWebhook, Pki) {
+    quota(api, name, spec).await;
+    let pki = Pki::new();
+    (replica(api, &pki).await, pki)
+}
+
+/// The validating webhook's answer to the creation of `pod`.
+async fn validate_create(wh: &RunningWebhook, pki: &Pki, uid: &str, pod: Value) -> Value {
+    let body = pod_review(uid, pod);
+    response(&post(&pki.client_config(), wh.addr(), "/validate", &body).await)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn seed_scenario_admits_15gi_and_denies_10gi_more_with_the_reason() {
     let api = ApiServerDouble::start().await.unwrap();
@@ -1102,21 +1119,13 @@ use rustls::pki_types::pem::PemObject;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_pod_without_a_required_label_is_refused_naming_it() {
     let api = ApiServerDouble::start().await.unwrap();
-    quota(
+    let (wh, pki) = replica_with_quota(
         &api,
         "default",
         json!({"hard": {"devices": {"nvidia.com/gpu": 2}}, "requireLabels": ["team", "example.com/cost-center"]}),
     )
     .await;
-    let pki = Pki::new();
-    let wh = replica(&api, &pki).await;
-    let tls = pki.client_config();
-    let validate = |uid: &'static str, p: Value| {
-        let body = pod_review(uid, p);
-        let tls = tls.clone();
-        let addr = wh.addr();
-        async move { response(&post(&tls, addr, "/validate", &body).await) }
-    };
+    let validate = |uid: &'static str, p: Value| validate_create(&wh, &pki, uid, p);
     let labelled = |name: &str, labels: Value| {
         let mut p = gpu_pod(name, "nvidia.com/gpu", 1);
         p["metadata"]["labels"] = labels;
@@ -1173,16 +1182,8 @@ async fn a_gpu_pod_without_a_required_label_is_refused_naming_it() {
 async fn queue_mode_refuses_an_unowned_pod_instead_of_queueing_it_and_names_a_bad_key() {
     let api = ApiServerDouble::start().await.unwrap();
     let spec = |keys: Value| json!({"hard": {"devices": {"nvidia.com/gpu": 1}}, "mode": "Queue", "requireLabels": keys});
-    quota(&api, "q", spec(json!(["team"]))).await;
-    let pki = Pki::new();
-    let wh = replica(&api, &pki).await;
-    let tls = pki.client_config();
-    let validate = |uid: &'static str, p: Value| {
-        let body = pod_review(uid, p);
-        let tls = tls.clone();
-        let addr = wh.addr();
-        async move { response(&post(&tls, addr, "/validate", &body).await) }
-    };
+    let (wh, pki) = replica_with_quota(&api, "q", spec(json!(["team"]))).await;
+    let validate = |uid: &'static str, p: Value| validate_create(&wh, &pki, uid, p);
     // As the mutating webhook leaves it: gated.
     let gated = |name: &str, team: Option<&str>| {
         let mut p = gpu_pod(name, "nvidia.com/gpu", 4);
