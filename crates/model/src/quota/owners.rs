@@ -4,7 +4,7 @@
 //!
 //! The webhook asks [`owner_refusal`] on a pod's creation, before anything is charged, in Reject
 //! and Queue mode alike (a pod refused here is never queued). A pod asking for no GPU is not
-//! the quota's business. The CRD's schema ([`label_keys_schema`]) refuses a key that is no label
+//! the quota's business. The CRD's schema (`label_keys_schema`) refuses a key that is no label
 //! key when the quota is written; one that got past it (an older CRD) refuses every GPU pod,
 //! naming the key, since no pod can carry it.
 
