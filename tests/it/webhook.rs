@@ -318,6 +318,23 @@ async fn replica(api: &ApiServerDouble, pki: &Pki) -> RunningWebhook {
     webhook::start(api.client().unwrap(), opts).await.unwrap()
 }
 
+/// A replica over `api` once it holds GpuQuota `name` of `spec`, with the PKI it serves from.
+async fn replica_with_quota(
+    api: &ApiServerDouble,
+    name: &str,
+    spec: Value,
+) -> (RunningWebhook, Pki) {
+    quota(api, name, spec).await;
+    let pki = Pki::new();
+    (replica(api, &pki).await, pki)
+}
+
+/// The validating webhook's answer to the creation of `pod`.
+async fn validate_create(wh: &RunningWebhook, pki: &Pki, uid: &str, pod: Value) -> Value {
+    let body = pod_review(uid, pod);
+    response(&post(&pki.client_config(), wh.addr(), "/validate", &body).await)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn seed_scenario_admits_15gi_and_denies_10gi_more_with_the_reason() {
     let api = ApiServerDouble::start().await.unwrap();
@@ -1096,23 +1113,23 @@ async fn replaced_certificate_files_are_served_to_new_connections() {
 
 use rustls::pki_types::pem::PemObject;
 
+/// `spec.requireLabels`: a GPU pod lacking a required label, or carrying it empty, is refused
+/// before anything is charged, naming the pod, the quota and each label; with them it is
+/// admitted; a pod asking for no GPU is not the quota's business.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_pod_without_a_required_label_is_refused_naming_it() {
     let api = ApiServerDouble::start().await.unwrap();
-    quota(
+    let (wh, pki) = replica_with_quota(
         &api,
         "default",
-        json!({"hard": {"devices": {"nvidia.com/gpu": 2}}, "requireLabels": ["team"]}),
+        json!({"hard": {"devices": {"nvidia.com/gpu": 2}}, "requireLabels": ["team", "example.com/cost-center"]}),
     )
     .await;
-    let pki = Pki::new();
-    let wh = replica(&api, &pki).await;
-    let tls = pki.client_config();
-    let validate = |uid: &'static str, p: Value| {
-        let body = pod_review(uid, p);
-        let tls = tls.clone();
-        let addr = wh.addr();
-        async move { response(&post(&tls, addr, "/validate", &body).await) }
+    let validate = |uid: &'static str, p: Value| validate_create(&wh, &pki, uid, p);
+    let labelled = |name: &str, labels: Value| {
+        let mut p = gpu_pod(name, "nvidia.com/gpu", 1);
+        p["metadata"]["labels"] = labels;
+        p
     };
     let r = validate("u1", gpu_pod("anonymous", "nvidia.com/gpu", 1)).await;
     assert_eq!(r["allowed"], false, "{r}");
@@ -1120,22 +1137,108 @@ async fn a_gpu_pod_without_a_required_label_is_refused_naming_it() {
     assert_eq!(
         r["status"]["message"],
         format!(
-            "GPU pod anonymous lacks the label team (required by GpuQuota {NS}/default): add it \
-             to the pod's metadata.labels so its GPU use has an owner"
+            "pod {NS}/anonymous is refused by GpuQuota {NS}/default: it lacks the label(s) team, \
+             example.com/cost-center that this quota requires on every GPU pod; add them to the \
+             pod (or its template)"
+        )
+    );
+    let r = validate(
+        "u2",
+        labelled(
+            "blank",
+            json!({"team": "", "example.com/cost-center": "42"}),
+        ),
+    )
+    .await;
+    assert_eq!(r["allowed"], false, "{r}");
+    assert_eq!(
+        r["status"]["message"],
+        format!(
+            "pod {NS}/blank is refused by GpuQuota {NS}/default: it lacks the label(s) team \
+             (empty) that this quota requires on every GPU pod (an empty value names no owner); \
+             add them with a value to the pod (or its template)"
         )
     );
     // Refused before any reservation: nothing charged.
     assert!(stored_quota(&api, "default")
         .status
         .is_none_or(|s| s.reservations.is_empty()));
-    let mut owned = gpu_pod("owned", "nvidia.com/gpu", 1);
-    owned["metadata"]["labels"] = json!({"team": "vision"});
-    let r = validate("u2", owned).await;
+    let owned = labelled(
+        "owned",
+        json!({"team": "vision", "example.com/cost-center": "42"}),
+    );
+    let r = validate("u3", owned).await;
     assert_eq!(r["allowed"], true, "{r}");
-    // A pod asking for no GPU is not the quota's business.
     let cpu = pod("cpu", json!({"containers": [{"name": "c", "image": "x"}]}));
-    let r = validate("u3", cpu).await;
+    let r = validate("u4", cpu).await;
     assert_eq!(r["allowed"], true, "{r}");
+    wh.stop().await;
+}
+
+/// In Queue mode a GPU pod lacking an owner label is refused at admission, gate or no gate,
+/// never queued; a key no pod can carry (an older CRD let it in) refuses every GPU pod naming
+/// the key, and the webhook goes on answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_mode_refuses_an_unowned_pod_instead_of_queueing_it_and_names_a_bad_key() {
+    let api = ApiServerDouble::start().await.unwrap();
+    let spec = |keys: Value| json!({"hard": {"devices": {"nvidia.com/gpu": 1}}, "mode": "Queue", "requireLabels": keys});
+    let (wh, pki) = replica_with_quota(&api, "q", spec(json!(["team"]))).await;
+    let validate = |uid: &'static str, p: Value| validate_create(&wh, &pki, uid, p);
+    // As the mutating webhook leaves it: gated.
+    let gated = |name: &str, team: Option<&str>| {
+        let mut p = gpu_pod(name, "nvidia.com/gpu", 4);
+        p["spec"]["schedulingGates"] = json!([{"name": SCHEDULING_GATE}]);
+        if let Some(t) = team {
+            p["metadata"]["labels"] = json!({"team": t});
+        }
+        p
+    };
+    let r = validate("u1", gated("unowned", None)).await;
+    assert_eq!(r["allowed"], false, "{r}");
+    assert_eq!(
+        r["status"]["message"],
+        format!(
+            "pod {NS}/unowned is refused by GpuQuota {NS}/q: it lacks the label(s) team that \
+             this quota requires on every GPU pod; add them to the pod (or its template)"
+        )
+    );
+    assert!(stored_quota(&api, "q")
+        .status
+        .is_none_or(|s| s.reservations.is_empty()));
+    let r = validate("u2", gated("owned", Some("vision"))).await;
+    assert_eq!(r["allowed"], true, "{r}");
+    let status = stored_quota(&api, "q").status.unwrap();
+    assert_eq!(status.reservations.len(), 1);
+    assert_eq!(status.reservations[0].name, "owned");
+    assert_eq!(status.reservations[0].state, ReservationState::Queued);
+
+    let mut q = serde_json::to_value(stored_quota(&api, "q")).unwrap();
+    q["spec"] = spec(json!(["team", "team name"]));
+    api.put_json(q).unwrap();
+    let mut answer = Value::Null;
+    for i in 0..100 {
+        answer = validate("u3", gated("owned-too", Some("vision"))).await;
+        let m = answer["status"]["message"].as_str().unwrap_or_default();
+        if m.contains("team name") || i == 99 {
+            break;
+        }
+        // The webhook's watch of the quota has not seen the edit yet.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(answer["allowed"], false, "{answer}");
+    assert_eq!(
+        answer["status"]["message"],
+        format!(
+            "pod {NS}/owned-too is refused by GpuQuota {NS}/q: its spec.requireLabels names \
+             `team name`, which no pod can carry (a label key is an optional DNS-subdomain \
+             prefix and `/`, then at most 63 of [A-Za-z0-9_.-], alphanumeric at both ends); fix \
+             the GpuQuota's requireLabels"
+        )
+    );
+    let cpu = pod("cpu", json!({"containers": [{"name": "c", "image": "x"}]}));
+    let r = validate("u4", cpu).await;
+    assert_eq!(r["allowed"], true, "{r}");
+    wh.stop().await;
 }
 
 /// A temporary raise is `hard` while it lasts and nothing once it expired; a quota with raises

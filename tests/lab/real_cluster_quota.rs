@@ -116,56 +116,76 @@ fn queue_label(lab: &ClusterLab, ns: &str) -> Option<String> {
         .map(String::from)
 }
 
-/// `requireLabels` on the real API server: a key that is no label key is refused by the CRD's
-/// schema, naming the field; then a GPU pod without the required label is refused by the
-/// webhook naming it, and one with it goes on to the quota check. `ns`'s quota is `default`,
-/// full (2 of 2 devices), and is left as it was.
+/// Applies `yaml` as the admin, which the API server must refuse with every one of `want` in
+/// its words ([`ClusterLab::apply`] is the one that must succeed).
+fn apply_refused(lab: &ClusterLab, yaml: &str, want: &[&str]) {
+    let out = lab.kubectl_as(&lab.admin_kubeconfig(), &["apply", "-f", "-"], Some(yaml));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && want.iter().all(|w| err.contains(w)),
+        "{want:?}: {err}"
+    );
+}
+
+/// `requireLabels` on the real API server: a key that is no label key (by the pattern, or by
+/// the CEL rule on its prefix's length) is refused by the CRD, naming the field; then a GPU pod
+/// lacking the required labels, or carrying one empty, is refused by the webhook with our
+/// message, and one carrying them is admitted (a server-side dry run: nothing is left). `ns`'s
+/// quota is `default`, 2 devices all used, and is left as it was.
 fn owner_labels_are_required_where_the_quota_says(lab: &ClusterLab, ns: &str) {
     let base = quota(ns, "devices", 2, "Reject");
-    let with = |keys: &str| format!("{base}  requireLabels: {keys}\n");
-    let apply =
-        |yaml: &str| lab.kubectl_as(&lab.admin_kubeconfig(), &["apply", "-f", "-"], Some(yaml));
-    let bad = apply(&with(r#"["team name"]"#));
-    let err = String::from_utf8_lossy(&bad.stderr);
-    assert!(
-        !bad.status.success()
-            && err.contains("spec.requireLabels[0]")
-            && err.contains("should match"),
-        "{err}"
+    // Room for one more, so that past the labels the pod is admitted.
+    let with = |keys: &str| {
+        format!(
+            "{}  requireLabels: {keys}\n",
+            quota(ns, "devices", 3, "Reject")
+        )
+    };
+    apply_refused(
+        lab,
+        &with(r#"["team name"]"#),
+        &["spec.requireLabels[0]", "should match"],
     );
-    let good = apply(&with("[team]"));
-    assert!(
-        good.status.success(),
-        "{}",
-        String::from_utf8_lossy(&good.stderr)
+    apply_refused(
+        lab,
+        &with(&format!("[team, {}.io/team]", "a".repeat(251))),
+        &[
+            "spec.requireLabels[1]",
+            "a label key's prefix (before the `/`) is at most 253 characters",
+        ],
     );
+    lab.apply(&with("[team, cost-center]"));
     let unowned = pod(ns, "unowned", 1);
-    let err = eventually("the webhook to require the label team", || {
+    let labelled = |name: &str, labels: &str| {
+        unowned.replace(
+            "metadata: {name: unowned,",
+            &format!("metadata: {{labels: {labels}, name: {name},"),
+        )
+    };
+    let err = eventually("the webhook to require the labels", || {
         lab.create(&unowned, &["--dry-run=server"])
             .err()
-            .filter(|e| e.contains("lacks the label team"))
+            .filter(|e| e.contains("lacks the label(s)"))
     });
     assert!(
-        err.contains(&format!(
-            "GPU pod unowned lacks the label team (required by GpuQuota {ns}/default)"
-        )),
+        err.contains(r#"admission webhook "quota.gpuplane.dev" denied the request"#)
+            && err.contains(&format!(
+                "pod {ns}/unowned is refused by GpuQuota {ns}/default: it lacks the label(s) \
+                 team, cost-center that this quota requires on every GPU pod; add them to the \
+                 pod (or its template)"
+            )),
         "{err}"
     );
-    let owned = unowned.replace(
-        "metadata: {name: unowned,",
-        "metadata: {labels: {team: vision}, name: owned,",
-    );
-    let err = lab.create(&owned, &["--dry-run=server"]).unwrap_err();
+    let blank = labelled("blank", r#"{team: "", cost-center: "42"}"#);
+    let err = lab.create(&blank, &["--dry-run=server"]).unwrap_err();
     assert!(
-        err.contains("requested 1, used 2 of 2"),
-        "past the label, the quota: {err}"
+        err.contains("it lacks the label(s) team (empty) that this quota requires"),
+        "{err}"
     );
-    let back = apply(&base);
-    assert!(
-        back.status.success(),
-        "{}",
-        String::from_utf8_lossy(&back.stderr)
-    );
+    let owned = labelled("owned", r#"{team: vision, cost-center: "42"}"#);
+    let admitted = lab.create(&owned, &["--dry-run=server"]);
+    assert!(admitted.is_ok(), "a pod with its owners: {admitted:?}");
+    lab.apply(&base);
     eventually("the webhook to drop the label requirement", || {
         lab.create(&unowned, &["--dry-run=server"])
             .err()
@@ -185,24 +205,16 @@ fn temporary_raises_hold_until_they_expire(lab: &ClusterLab, ns: &str) {
             "{base}  temporary:\n  - {{hard: {hard}, expires: \"{expires}\", reason: launch week}}\n"
         )
     };
-    let apply =
-        |yaml: &str| lab.kubectl_as(&lab.admin_kubeconfig(), &["apply", "-f", "-"], Some(yaml));
     lab.kubectl_ok(&["create", "namespace", ns]);
-    let refused = |yaml: String, want: &[&str]| {
-        let out = apply(&yaml);
-        let err = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(
-            !out.status.success() && want.iter().all(|w| err.contains(w)),
-            "{want:?}: {err}"
-        );
-    };
     let gpu = "{devices: {nvidia.com/gpu: 1}}";
-    refused(
-        raised("next friday", gpu),
+    apply_refused(
+        lab,
+        &raised("next friday", gpu),
         &["spec.temporary[0].expires", "date-time"],
     );
-    refused(
-        raised("2030-01-01T00:00:00Z", "{gpuMemory: 80Gi}"),
+    apply_refused(
+        lab,
+        &raised("2030-01-01T00:00:00Z", "{gpuMemory: 80Gi}"),
         &["a raise may only add to a dimension spec.hard limits"],
     );
     let expires = k8s_openapi::jiff::Timestamp::now()
@@ -211,12 +223,7 @@ fn temporary_raises_hold_until_they_expire(lab: &ClusterLab, ns: &str) {
     let expires = k8s_openapi::jiff::Timestamp::from_second(expires.as_second())
         .unwrap()
         .to_string();
-    let ok = apply(&raised(&expires, gpu));
-    assert!(
-        ok.status.success(),
-        "{}",
-        String::from_utf8_lossy(&ok.stderr)
-    );
+    lab.apply(&raised(&expires, gpu));
     eventually("the webhook to see the raise", || {
         lab.create(&pod(ns, "r1", 2), &["--dry-run=server"]).ok()
     });

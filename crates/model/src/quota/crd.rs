@@ -66,10 +66,11 @@ pub struct GpuQuotaSpec {
     /// left out (or no borrowingLimit at all) may borrow whatever the cohort has unused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub borrowing_limit: Option<Limits>,
-    /// Label keys every GPU pod of the namespace must carry (e.g. `team`, `cost-center`), so
-    /// that what it uses has an owner; a GPU pod missing one is refused, naming it.
+    /// Label keys every GPU pod of the namespace must carry with a non-empty value (e.g.
+    /// `team`, `cost-center`), so that what it uses has an owner; a GPU pod lacking one is
+    /// refused at admission, naming it. At most 16.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(schema_with = "label_keys_schema")]
+    #[schemars(schema_with = "super::owners::label_keys_schema")]
     pub require_labels: Vec<String>,
     /// Raises of `hard` that end at a given time (a launch, an incident): each adds its `hard`
     /// to `spec.hard` until `expires`; after that new admissions see the base again and
@@ -85,21 +86,6 @@ pub struct GpuQuotaSpec {
 
 fn is_default<T: Default + PartialEq>(t: &T) -> bool {
     *t == T::default()
-}
-
-/// Label keys as the API server accepts them (an optional DNS-subdomain prefix and `/`, then a
-/// name of at most 63 characters), so a misspelt key is refused when the GpuQuota is written
-/// rather than refusing every GPU pod later.
-fn label_keys_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-    schemars::json_schema!({
-        "type": "array",
-        "maxItems": 16,
-        "items": {
-            "type": "string",
-            "maxLength": 317,
-            "pattern": "^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
-        }
-    })
 }
 
 /// What happens to a pod or claim that does not fit.
@@ -234,30 +220,6 @@ impl GpuQuota {
     pub fn status_or_default(&self) -> GpuQuotaStatus {
         self.status.clone().unwrap_or_default()
     }
-}
-
-/// Why a GPU pod with `labels` may not be created under `quotas`: the label keys their
-/// `requireLabels` name that the pod lacks, with the quota asking for each; None when it has
-/// them all (or no quota asks).
-pub fn missing_labels<'a>(
-    quotas: impl IntoIterator<Item = &'a GpuQuota>,
-    pod: &str,
-    labels: Option<&std::collections::BTreeMap<String, String>>,
-) -> Option<String> {
-    let missing: Vec<String> = quotas
-        .into_iter()
-        .flat_map(|q| q.spec.require_labels.iter().map(move |k| (q, k)))
-        .filter(|(_, k)| labels.is_none_or(|l| !l.contains_key(k.as_str())))
-        .map(|(q, k)| format!("{k} (required by GpuQuota {})", q.id()))
-        .collect();
-    (!missing.is_empty()).then(|| {
-        format!(
-            "GPU pod {pod} lacks the label{} {}: add {} to the pod's metadata.labels so its GPU use has an owner",
-            if missing.len() == 1 { "" } else { "s" },
-            missing.join(", "),
-            if missing.len() == 1 { "it" } else { "them" },
-        )
-    })
 }
 
 /// A GpuQuota's GPU time in the current period (`status.gpuHours`).

@@ -7,8 +7,8 @@
 //! - [`GpuQuota`] / [`GpuQuotaSpec`] / [`GpuQuotaStatus`] (kube `CustomResource`,
 //!   `quota.gpuplane.dev/v1alpha1`, namespaced, status subresource): `Api<GpuQuota>` works.
 //!   `spec.hard: `[`Limits`], `spec.mode: `[`QuotaMode`] (`Reject` | `Queue`), `spec.cohort`,
-//!   `spec.borrowingLimit: Limits`, `spec.temporary: Vec<`[`TemporaryRaise`]`>` (raises of
-//!   `hard` until a time: deciders take [`GpuQuotaSpec::in_force`]`(now)`). Status: `used`, `reserved`, `queued` ([`Usage`]),
+//!   `spec.borrowingLimit: Limits`, `spec.requireLabels` (owner label keys, [`owners`]),
+//!   `spec.temporary: Vec<`[`TemporaryRaise`]`>` (raises of `hard` until a time: deciders take [`GpuQuotaSpec::in_force`]`(now)`). Status: `used`, `reserved`, `queued` ([`Usage`]),
 //!   `reservations: Vec<`[`Reservation`]`>`, `conditions: Vec<`[`QuotaCondition`]`>`.
 //! - [`Gpus`]: exact fraction of whole GPUs (`1/7`), [`Memory`]: bytes, [`Usage`]: the three
 //!   dimensions, [`Dimension`] / [`Amount`]: one of them.
@@ -37,6 +37,9 @@
 //!   `nvidia.com/gpu` served through DRA.
 //!
 //! Deciding (pure)
+//! - [`owner_refusal`]`(&quotas, "ns/pod", labels, Some(&charge))`: why a GPU pod lacking a
+//!   label some quota's `spec.requireLabels` names (or with it empty) is refused, before any
+//!   check; None for a pod charged nothing.
 //! - [`check()`]`(&quota, &all_quotas, Some(&key), &charge) -> Result<`[`Fit`]`, `[`Denial`]`>`:
 //!   `used + reserved (minus key's own) + charge <= hard`, with cohort borrowing. `Denial`
 //!   displays as `gpuMemory: requested 10Gi, used 15Gi of 20Gi in GpuQuota team-a/default`.
@@ -73,6 +76,7 @@ pub mod charge;
 pub mod check;
 pub mod crd;
 pub mod escrow;
+pub mod owners;
 pub mod preemption;
 pub mod ratio;
 pub mod scope;
@@ -94,9 +98,10 @@ pub use charge::{
 };
 pub use check::{borrowing, check, check_consumed, record_queued, try_reserve, Denial, Fit};
 pub use crd::{
-    missing_labels, Escrow, GpuHoursStatus, GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind,
-    QuotaCondition, QuotaMode, Reservation, ReservationState, SCHEDULING_GATE,
+    Escrow, GpuHoursStatus, GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind, QuotaCondition,
+    QuotaMode, Reservation, ReservationState, SCHEDULING_GATE,
 };
+pub use owners::owner_refusal;
 pub use preemption::{PreemptionPolicy, ReclaimWithinCohort, WithinQuota};
 pub use ratio::{Gpus, QuotaMathError};
 pub use scope::governs_pod;

@@ -1,7 +1,9 @@
 //! The admission decisions (async, over [`Cluster`]): validating and mutating.
 //!
 //! Validating, Pod CREATE: price the pod ([`crate::quota::pod_charge`]); no GpuQuota in the
-//! namespace or nothing GPU-related: allow. A pod naming a ResourceClaimTemplate not created yet
+//! namespace or nothing GPU-related: allow. A GPU pod lacking a label a quota's
+//! `spec.requireLabels` names, or carrying it empty, is denied next, in either mode
+//! ([`crate::quota::owners`]). A pod naming a ResourceClaimTemplate not created yet
 //! ([`crate::quota::template_wait`]) is allowed, charged nothing, if it carries the gate (the
 //! controller prices and releases it once the template exists), else denied. A gated pod of a
 //! namespace with a Queue-mode quota: record it as queued (best effort: the gate is what holds it)
@@ -27,9 +29,9 @@ use super::commit::{Answer, CommitError, Committer};
 use super::metrics::{Metrics, Webhook};
 use super::review::{AdmissionRequest, Verdict};
 use crate::quota::{
-    claim_charge, claim_is_extended_resource_claim, claim_is_pod_owned, missing_labels,
-    now_rfc3339, pod_charge, pod_template_names, ungated_denial, waiting_message, Charge, GpuQuota,
-    ObjectKind, Op, QuotaMode, Reservation, ReservationKey, ReservationState, SCHEDULING_GATE,
+    claim_charge, claim_is_extended_resource_claim, claim_is_pod_owned, now_rfc3339, owner_refusal,
+    pod_charge, pod_template_names, ungated_denial, waiting_message, Charge, GpuQuota, ObjectKind,
+    Op, QuotaMode, Reservation, ReservationKey, ReservationState, SCHEDULING_GATE,
 };
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation};
@@ -216,12 +218,16 @@ impl Admitter {
             .or_else(|| req.name.clone())
             .filter(|n| !n.is_empty())
             .ok_or_else(|| Verdict::deny(400, "the pod has no name"))?;
-        // A pod waiting for its claim templates is taken for a GPU pod here: it is gated
-        // until priced, and its labels are what they will be then.
-        if let Some(why) = missing_labels(
+        // Before anything is charged or queued, in either mode.
+        let charge = match &priced {
+            Priced::Charge(c) => Some(c),
+            Priced::WaitingFor(_) => None,
+        };
+        if let Some(why) = owner_refusal(
             quotas.iter().map(|q| &**q),
-            &name,
+            &format!("{ns}/{name}"),
             pod.metadata.labels.as_ref(),
+            charge,
         ) {
             return Err(Verdict::deny(403, why));
         }
