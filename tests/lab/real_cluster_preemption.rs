@@ -5,8 +5,9 @@
 //! released only once the group's charge is gone, and runs. Then a PodDisruptionBudget that
 //! forbids evicting training holds a second inference pod back (its eviction refused, never a
 //! delete); once the budget goes, exactly one training pod is evicted, and the Deployment's
-//! replacement waits at the gate with a reason. The controller runs with the installed
-//! manifests' RBAC and admission policy. Skips like tests/lab/real_cluster.rs.
+//! replacement waits at the gate with a reason. Last, cohort reclaim ([`cohort_reclaim`]).
+//! The controller runs with the installed manifests' RBAC and admission policy. Skips like
+//! tests/lab/real_cluster.rs.
 
 use crate::cluster::{
     eventually, eventually_or, pod_events, refusals, start_controller, wait_controller_ready,
@@ -96,6 +97,115 @@ fn gated(p: &Value) -> bool {
     p["spec"]["schedulingGates"]
         .as_array()
         .is_some_and(|g| g.iter().any(|g| g["name"] == SCHEDULING_GATE))
+}
+
+const COHORT: &str = r#"apiVersion: v1
+kind: Namespace
+metadata: {name: team-a}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: team-b}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: team-c}
+---
+apiVersion: quota.gpuplane.dev/v1alpha1
+kind: GpuQuota
+metadata: {name: q, namespace: team-a}
+spec:
+  hard: {gpus: 2}
+  cohort: research
+  mode: Queue
+  preemption: {reclaimWithinCohort: Any}
+---
+apiVersion: quota.gpuplane.dev/v1alpha1
+kind: GpuQuota
+metadata: {name: q, namespace: team-b}
+spec:
+  hard: {gpus: 1}
+  cohort: research
+---
+apiVersion: quota.gpuplane.dev/v1alpha1
+kind: GpuQuota
+metadata: {name: q, namespace: team-c}
+spec:
+  hard: {gpus: 2}
+  cohort: research
+"#;
+
+/// Cohort reclaim: team-b (hard 1) borrows 2 of its cohort's unused (team-a's 2 and team-c's 2
+/// lie idle); team-a then needs 3, its own 2 and 1 borrowed, and the cohort has none left to
+/// lend. Its `reclaimWithinCohort: Any` evicts exactly one of team-b's borrowed pods (the most
+/// recently started), and the pod runs; team-b keeps its own GPU and one borrowed.
+fn cohort_reclaim(lab: &ClusterLab) {
+    lab.apply(COHORT);
+    let in_ns = |ns: &str, yaml: String| {
+        yaml.replace(&format!("namespace: {NS}"), &format!("namespace: {ns}"))
+    };
+    for name in ["b-0", "b-1", "b-2"] {
+        let yaml = in_ns("team-b", pod(name, 1, "train-low", "", 1));
+        eventually(
+            &format!("the webhook to admit {name} on the cohort's capacity"),
+            || lab.create(&yaml, &[]).ok(),
+        );
+        wait_running(lab, "team-b", name);
+    }
+    let created = Instant::now();
+    let yaml = in_ns("team-a", pod("big", 3, "train-low", "", 1));
+    eventually("the webhook to gate team-a/big", || {
+        let p = lab.create(&yaml, &[]).ok()?;
+        if gated(&p) {
+            return Some(());
+        }
+        lab.kubectl_ok(&["delete", "pod", "-n", "team-a", "big", "--wait=true"]);
+        None
+    });
+    let events = eventually_or(
+        "one of team-b's pods to be preempted",
+        || {
+            let e = lab.get_json(&[
+                "get",
+                "events",
+                "-n",
+                "team-b",
+                "--field-selector",
+                "reason=QuotaPreempted",
+            ])?;
+            let items = e["items"].as_array()?.clone();
+            (!items.is_empty()).then_some(items)
+        },
+        || lab.describe_pod_in("team-a", "big"),
+    );
+    wait_running(lab, "team-a", "big");
+    let to_running = created.elapsed();
+    assert_eq!(events.len(), 1, "exactly one borrowed pod: {events:?}");
+    assert_eq!(
+        events[0]["involvedObject"]["name"], "b-2",
+        "the most recently started"
+    );
+    let message = events[0]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("to make room for pod team-a/big")
+            && message.contains(
+                "namespace team-b borrows capacity of its cohort that namespace team-a reclaims"
+            ),
+        "{message}"
+    );
+    for name in ["b-0", "b-1"] {
+        let p = lab
+            .get_json(&["get", "pod", name, "-n", "team-b"])
+            .unwrap_or_default();
+        assert!(
+            p["status"]["phase"] == "Running" && p["metadata"]["deletionTimestamp"].is_null(),
+            "{p}"
+        );
+    }
+    eprintln!(
+        "cohort reclaim: team-a/big created -> running in {:.1} s",
+        to_running.as_secs_f64()
+    );
 }
 
 /// The training Deployment's pods: (name, running, terminating, gated).
@@ -291,6 +401,9 @@ fn a_high_priority_pod_evicts_exactly_enough_lower_priority_pods_through_the_evi
         .filter(|(_, r, t, _)| *r && !t)
         .count();
     assert_eq!(running, 1);
+
+    lab.kubectl_ok(&["delete", "namespace", NS, "--wait=true"]);
+    cohort_reclaim(&lab);
 
     let log = controller.log_text();
     assert!(
