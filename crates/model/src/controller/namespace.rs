@@ -263,7 +263,10 @@ pub fn decide(
         }
     }
     let (units, members, mut waiting) = build_units(input, &queued)?;
-    let plan = plan_releases(
+    // The ledger before the plan, for taking back what preempting units need (only when
+    // preemption may happen: the copy holds every quota of the cluster).
+    let before = (!input.candidates.is_empty()).then(|| working.clone());
+    let mut plan = plan_releases(
         &units,
         &mut working.namespace(ns),
         input.now,
@@ -272,16 +275,18 @@ pub fn decide(
     if let Some(d) = plan.next_deadline {
         earliest(&mut next_deadline, d);
     }
+    let choice = match before {
+        Some(before) => {
+            let parts = (&units[..], &members[..], &queued[..]);
+            preemptions::preempt(input, parts, &mut plan, before, working)?
+        }
+        None => preemptions::Choice::default(),
+    };
 
     let releases = record_admissions(&plan, &members, &queued, &mut quotas, now_ts);
     waiting.extend(notes(input, &units, &members, &queued, &plan));
-    let evictions = preemptions::preempt(
-        input,
-        (&units, &members, &queued),
-        &plan,
-        working,
-        &mut waiting,
-    )?;
+    preemptions::tell(&choice, &units, &members, &queued, &mut waiting);
+    let evictions = choice.evictions;
 
     let head = plan
         .waits

@@ -10,7 +10,7 @@
 use super::units::note;
 use super::{Inputs, Note, Queued};
 use crate::controller::ledger::Working;
-use crate::controller::plan::{Plan, WaitReason, Waiting};
+use crate::controller::plan::{queue_order, Plan, Release, Wait, WaitReason, Waiting};
 use crate::controller::pods::PodRef;
 use crate::controller::preempt::{choose_victims, Candidate, NoPreemption, Preemption, Preemptor};
 use crate::quota::{Charge, QuotaMathError};
@@ -36,22 +36,31 @@ pub struct Eviction {
     pub message: String,
 }
 
-/// Chooses victims for the units `plan` leaves short of quota and rewrites their pods' notes
-/// in `waiting`; the pods to evict, in the order chosen.
-pub(super) fn preempt(
+/// What a cycle's preemption pass decided: the pods to evict, in the order chosen, and what
+/// the pods of each unit it looked at are told.
+#[derive(Debug, Default)]
+pub(super) struct Choice {
+    pub(super) evictions: Vec<Eviction>,
+    /// Units that have pods evicted for them or wait for their victims: (unit, note).
+    pub(super) preempting: Vec<(usize, String)>,
+    /// Units no one may be evicted for, with why (appended to their note).
+    pub(super) refused: Vec<(usize, String)>,
+}
+
+/// Chooses victims for the units `plan` leaves short of quota (see the module's doc).
+fn choose(
     input: &Inputs<'_>,
     (units, members, queued): (&[Waiting<Charge>], &[Vec<usize>], &[Queued<'_>]),
     plan: &Plan,
     working: &Working,
-    waiting: &mut [(PodRef, Note)],
-) -> Result<Vec<Eviction>, QuotaMathError> {
+) -> Result<Choice, QuotaMathError> {
     let ns = input.namespace;
+    let mut out = Choice::default();
     if input.candidates.is_empty() || !working.quotas_in(ns).any(|q| q.spec.preemption.preempts()) {
-        return Ok(Vec::new());
+        return Ok(out);
     }
     let mut w = working.clone();
     let mut candidates = input.candidates.to_vec();
-    let mut evictions = Vec::new();
     let short_units = plan.waits.iter().filter_map(|wait| match &wait.reason {
         WaitReason::Insufficient(short) => Some((wait.index, short)),
         _ => None,
@@ -63,30 +72,27 @@ pub(super) fn preempt(
             priority: unit.priority,
             charge: &unit.charge,
         };
-        let pods: Vec<PodRef> = members[index]
-            .iter()
-            .map(|&i| PodRef::of(queued[i].pod))
-            .collect();
         let said = match choose_victims(&preemptor, &w, &candidates) {
             Ok(Preemption::Fits) | Err(NoPreemption::Disabled(_)) => continue,
             Err(NoPreemption::Math(e)) => return Err(e),
             Err(e @ (NoPreemption::ExceedsQuota(_) | NoPreemption::NotEnough(_))) => {
-                // It keeps waiting for quota; the note says why no one is evicted for it.
-                retell(waiting, &pods, None, |m| format!("{m}; no preemption: {e}"));
+                out.refused.push((index, e.to_string()));
                 continue;
             }
-            Ok(Preemption::Wait(going)) => {
-                format!(
-                    "waiting for quota: {short}; {} preempted pod(s) free enough once gone: {}",
-                    going.len(),
-                    names(&candidates, &going)
-                )
-            }
+            Ok(Preemption::Wait(going)) => format!(
+                "waiting for quota: {short}; {} preempted pod(s) free enough once gone: {}",
+                going.len(),
+                names(&candidates, &going)
+            ),
             Ok(Preemption::Evict(chosen)) => {
+                let pods: Vec<PodRef> = members[index]
+                    .iter()
+                    .map(|&i| PodRef::of(queued[i].pod))
+                    .collect();
                 for &i in &chosen {
                     let c = &mut candidates[i];
                     c.terminating = true;
-                    evictions.push(Eviction {
+                    out.evictions.push(Eviction {
                         namespace: c.namespace.clone(),
                         name: c.name.clone(),
                         uid: c.uid.clone(),
@@ -102,27 +108,112 @@ pub(super) fn preempt(
                 )
             }
         };
-        let who = unit
-            .group
-            .map(|_| format!("{} ({} pods waiting): ", unit.key, pods.len()))
-            .unwrap_or_default();
-        retell(waiting, &pods, Some(PREEMPTING), |_| format!("{who}{said}"));
+        out.preempting.push((index, said));
         // Its victims count as going in `candidates`; its charge is spoken for.
         w.hold(ns, &unit.charge.usage)?;
     }
-    Ok(evictions)
+    Ok(out)
 }
 
-/// Rewrites the notes of `pods` in `waiting` (and their kind, when given).
-fn retell(
+/// The preemption pass of a cycle. `before` is the ledger as it was before the plan; the
+/// victims are chosen on it with only the plan's releases ahead of the first unit left short
+/// (so a smaller unit behind, which the plan let through on room the victims free, cannot
+/// make the pass evict more). If any unit preempts, its charge is held, and the plan's
+/// releases behind it are admitted again in queue order: those that no longer fit wait
+/// ("room held for ..."). `working` becomes that ledger.
+pub(super) fn preempt(
+    input: &Inputs<'_>,
+    parts: (&[Waiting<Charge>], &[Vec<usize>], &[Queued<'_>]),
+    plan: &mut Plan,
+    before: Working,
+    working: &mut Working,
+) -> Result<Choice, QuotaMathError> {
+    let (ns, units) = (input.namespace, parts.0);
+    let mut pos = vec![0; units.len()];
+    for (p, i) in queue_order(units).into_iter().enumerate() {
+        pos[i] = p;
+    }
+    let first_short = plan
+        .waits
+        .iter()
+        .filter(|w| matches!(w.reason, WaitReason::Insufficient(_)))
+        .map(|w| pos[w.index])
+        .min();
+    let Some(first_short) = first_short else {
+        return Ok(Choice::default());
+    };
+    let mut ledger = before;
+    let (ahead, behind): (Vec<Release>, Vec<Release>) = std::mem::take(&mut plan.releases)
+        .into_iter()
+        .partition(|r| pos[r.index] < first_short);
+    for r in &ahead {
+        ledger.hold(ns, &units[r.index].charge.usage)?;
+    }
+    let choice = choose(input, parts, plan, &ledger)?;
+    plan.releases = ahead;
+    let Some((head, _)) = choice.preempting.first() else {
+        plan.releases.extend(behind);
+        return Ok(choice);
+    };
+    for (i, _) in &choice.preempting {
+        ledger.hold(ns, &units[*i].charge.usage)?;
+    }
+    let head = &units[*head].key;
+    for r in behind {
+        let charge = &units[r.index].charge;
+        match ledger.fits(ns, charge) {
+            Ok(()) => {
+                ledger.hold(ns, &charge.usage)?;
+                plan.releases.push(r);
+            }
+            Err(short) => plan.waits.push(Wait {
+                index: r.index,
+                reason: WaitReason::Insufficient(format!(
+                    "{short} (room held for {head}, which preempts pods for it)"
+                )),
+            }),
+        }
+    }
+    *working = ledger;
+    Ok(choice)
+}
+
+/// Rewrites the notes of the pods of the units `choice` looked at.
+pub(super) fn tell(
+    choice: &Choice,
+    units: &[Waiting<Charge>],
+    members: &[Vec<usize>],
+    queued: &[Queued<'_>],
     waiting: &mut [(PodRef, Note)],
-    pods: &[PodRef],
-    kind: Option<&'static str>,
-    message: impl Fn(&str) -> String,
 ) {
+    let uids = |i: usize| -> Vec<&str> {
+        members[i]
+            .iter()
+            .filter_map(|&m| queued[m].pod.metadata.uid.as_deref())
+            .collect()
+    };
+    for (i, said) in &choice.preempting {
+        let unit = &units[*i];
+        let who = unit
+            .group
+            .map(|_| format!("{} ({} pods waiting): ", unit.key, members[*i].len()))
+            .unwrap_or_default();
+        retell(waiting, &uids(*i), |_| {
+            note(PREEMPTING, format!("{who}{said}"))
+        });
+    }
+    for (i, why) in &choice.refused {
+        retell(waiting, &uids(*i), |n| {
+            note(n.kind, format!("{}; no preemption: {why}", n.message))
+        });
+    }
+}
+
+/// Rewrites the notes of the pods with `uids` in `waiting`.
+fn retell(waiting: &mut [(PodRef, Note)], uids: &[&str], rewrite: impl Fn(&Note) -> Note) {
     for (p, n) in waiting.iter_mut() {
-        if pods.iter().any(|q| q.uid == p.uid) {
-            *n = note(kind.unwrap_or(n.kind), message(&n.message));
+        if uids.contains(&p.uid.as_str()) {
+            *n = rewrite(n);
         }
     }
 }

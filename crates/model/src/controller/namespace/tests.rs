@@ -546,4 +546,52 @@ mod preemption {
             d.waiting[0].1.message
         );
     }
+
+    #[test]
+    fn a_smaller_pod_behind_never_takes_the_room_a_preemptor_frees() {
+        // x (priority 100, 2 GPUs) had r2 and r3 evicted; r3 is gone, r2 terminates: 1 of 3
+        // is free. y (priority 0, 1 GPU) would fit in it, but that is x's room: y waits and
+        // no one more is evicted (without the hold, the pass would evict r1 too).
+        let mut r2 = running("r2", 1, 0, "2025-01-01T00:01:00Z");
+        Arc::make_mut(&mut r2).metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::UNIX_EPOCH),
+        );
+        let pods = [
+            running("r1", 1, 0, "2025-01-01T00:00:00Z"),
+            r2,
+            pod("x", 2, true, json!({"spec": {"priority": 100}})),
+            pod(
+                "y",
+                1,
+                true,
+                json!({"spec": {"priority": 0}, "metadata": {"creationTimestamp": "2025-01-01T00:02:00Z"}}),
+            ),
+        ];
+        let d = decide_with(&pods, &[preempting_quota(3)]);
+        assert!(d.releases.is_empty(), "{:?}", d.releases);
+        assert!(d.evictions.is_empty(), "{:?}", d.evictions);
+        let note = |name: &str| {
+            d.waiting
+                .iter()
+                .find(|(p, _)| p.name == name)
+                .map(|(_, n)| n.clone())
+                .unwrap()
+        };
+        assert_eq!(note("x").kind, PREEMPTING);
+        assert!(
+            note("x")
+                .message
+                .contains("free enough once gone: team-a/r2"),
+            "{:?}",
+            note("x")
+        );
+        assert_eq!(note("y").kind, "Insufficient");
+        assert!(
+            note("y")
+                .message
+                .contains("room held for pod team-a/x, which preempts pods for it"),
+            "{:?}",
+            note("y")
+        );
+    }
 }
