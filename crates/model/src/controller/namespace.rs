@@ -275,17 +275,15 @@ pub fn decide(
     if let Some(d) = plan.next_deadline {
         earliest(&mut next_deadline, d);
     }
+    let parts = (&units[..], &members[..], &queued[..]);
     let choice = match before {
-        Some(before) => {
-            let parts = (&units[..], &members[..], &queued[..]);
-            preemptions::preempt(input, parts, &mut plan, before, working)?
-        }
+        Some(before) => preemptions::preempt(input, parts, &mut plan, before, working)?,
         None => preemptions::Choice::default(),
     };
 
     let releases = record_admissions(&plan, &members, &queued, &mut quotas, now_ts);
     waiting.extend(notes(input, &units, &members, &queued, &plan));
-    preemptions::tell(&choice, &units, &members, &queued, &mut waiting);
+    preemptions::tell(&choice, parts, &mut waiting);
     let evictions = choice.evictions;
 
     let head = plan

@@ -47,10 +47,13 @@ pub(super) struct Choice {
     pub(super) refused: Vec<(usize, String)>,
 }
 
+/// The units of a cycle: each unit, its members' indices into the queue, the queue.
+type Parts<'p, 'a> = (&'p [Waiting<Charge>], &'p [Vec<usize>], &'p [Queued<'a>]);
+
 /// Chooses victims for the units `plan` leaves short of quota (see the module's doc).
 fn choose(
     input: &Inputs<'_>,
-    (units, members, queued): (&[Waiting<Charge>], &[Vec<usize>], &[Queued<'_>]),
+    (units, members, queued): Parts<'_, '_>,
     plan: &Plan,
     working: &Working,
 ) -> Result<Choice, QuotaMathError> {
@@ -123,7 +126,7 @@ fn choose(
 /// ("room held for ..."). `working` becomes that ledger.
 pub(super) fn preempt(
     input: &Inputs<'_>,
-    parts: (&[Waiting<Charge>], &[Vec<usize>], &[Queued<'_>]),
+    parts: Parts<'_, '_>,
     plan: &mut Plan,
     before: Working,
     working: &mut Working,
@@ -181,9 +184,7 @@ pub(super) fn preempt(
 /// Rewrites the notes of the pods of the units `choice` looked at.
 pub(super) fn tell(
     choice: &Choice,
-    units: &[Waiting<Charge>],
-    members: &[Vec<usize>],
-    queued: &[Queued<'_>],
+    (units, members, queued): Parts<'_, '_>,
     waiting: &mut [(PodRef, Note)],
 ) {
     let uids = |i: usize| -> Vec<&str> {
