@@ -10,8 +10,8 @@
 //! tests/lab/real_cluster.rs.
 
 use crate::cluster::{
-    eventually, eventually_or, pod_events, refusals, start_controller, wait_controller_ready,
-    wait_running, ClusterLab, LabAgent,
+    eventually, eventually_or, pod_events, refusals, sleeping_gpu_pod, start_controller,
+    wait_controller_ready, wait_running, ClusterLab, LabAgent,
 };
 use gpuplane_shell::quota::SCHEDULING_GATE;
 use serde_json::Value;
@@ -19,26 +19,13 @@ use std::time::Instant;
 
 const NS: &str = "ml";
 
-/// A busybox pod that sleeps and ignores SIGTERM (PID 1), so it terminates only when its
-/// grace period ends: long enough to watch what happens while a victim terminates.
-fn pod(name: &str, gpus: u32, priority_class: &str, meta: &str, grace: u32) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata:
-  name: {name}
-  namespace: {NS}
-{meta}spec:
-  priorityClassName: {priority_class}
-  terminationGracePeriodSeconds: {grace}
-  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: ["sleep", "3600"]
-    resources:
-      limits: {{nvidia.com/gpu: {gpus}}}
-"#
+/// A busybox pod `ns/name` that sleeps; as PID 1 it ignores SIGTERM, so it terminates only
+/// when its grace period ends: long enough to watch what happens while a victim terminates.
+fn pod(ns: &str, name: &str, gpus: u32, priority_class: &str, meta: &str, grace: u32) -> String {
+    let spec = format!("  priorityClassName: {priority_class}\n");
+    sleeping_gpu_pod(ns, name, gpus, meta, &spec).replace(
+        "terminationGracePeriodSeconds: 1\n",
+        &format!("terminationGracePeriodSeconds: {grace}\n"),
     )
 }
 
@@ -141,11 +128,8 @@ spec:
 /// recently started), and the pod runs; team-b keeps its own GPU and one borrowed.
 fn cohort_reclaim(lab: &ClusterLab) {
     lab.apply(COHORT);
-    let in_ns = |ns: &str, yaml: String| {
-        yaml.replace(&format!("namespace: {NS}"), &format!("namespace: {ns}"))
-    };
     for name in ["b-0", "b-1", "b-2"] {
-        let yaml = in_ns("team-b", pod(name, 1, "train-low", "", 1));
+        let yaml = pod("team-b", name, 1, "train-low", "", 1);
         eventually(
             &format!("the webhook to admit {name} on the cohort's capacity"),
             || lab.create(&yaml, &[]).ok(),
@@ -153,7 +137,7 @@ fn cohort_reclaim(lab: &ClusterLab) {
         wait_running(lab, "team-b", name);
     }
     let created = Instant::now();
-    let yaml = in_ns("team-a", pod("big", 3, "train-low", "", 1));
+    let yaml = pod("team-a", "big", 3, "train-low", "", 1);
     eventually("the webhook to gate team-a/big", || {
         let p = lab.create(&yaml, &[]).ok()?;
         if gated(&p) {
@@ -287,7 +271,7 @@ fn a_high_priority_pod_evicts_exactly_enough_lower_priority_pods_through_the_evi
     lab.apply(SETUP);
 
     // Training fills the quota: the Deployment's 2 pods, then a pod group of 2 (started last).
-    create_gated(&lab, "probe", &pod("probe", 1, "train-low", "", 1));
+    create_gated(&lab, "probe", &pod(NS, "probe", 1, "train-low", "", 1));
     lab.kubectl_ok(&["delete", "pod", "-n", NS, "probe", "--wait=true"]);
     lab.apply(TRAINING);
     eventually("both training pods to run", || {
@@ -296,7 +280,7 @@ fn a_high_priority_pod_evicts_exactly_enough_lower_priority_pods_through_the_evi
     });
     let group = "  labels: {quota.gpuplane.dev/pod-group: sweep}\n  annotations: {quota.gpuplane.dev/pod-group-size: \"2\"}\n";
     for name in ["sweep-0", "sweep-1"] {
-        lab.apply(&pod(name, 1, "train-low", group, 20));
+        lab.apply(&pod(NS, name, 1, "train-low", group, 20));
     }
     for name in ["sweep-0", "sweep-1"] {
         wait_running(&lab, NS, name);
@@ -305,12 +289,14 @@ fn a_high_priority_pod_evicts_exactly_enough_lower_priority_pods_through_the_evi
     // Inference arrives: 2 GPUs at priority 1000. The group is the most recently started and
     // frees exactly 2: it goes whole; the Deployment's pods stay.
     let created = Instant::now();
-    create_gated(&lab, "infer", &pod("infer", 2, "infer-high", "", 1));
+    create_gated(&lab, "infer", &pod(NS, "infer", 2, "infer-high", "", 1));
     let victims = eventually("the pod group to be evicted", || {
         let v: Vec<Value> = ["sweep-0", "sweep-1"]
             .iter()
             .filter_map(|n| get_pod(&lab, n))
             .filter(|p| !p["metadata"]["deletionTimestamp"].is_null())
+            // Our condition is written right after the eviction.
+            .filter(|p| condition(p, "gpuplane.dev/Preempted").is_some())
             .collect();
         (v.len() == 2).then_some(v)
     });
@@ -354,7 +340,7 @@ fn a_high_priority_pod_evicts_exactly_enough_lower_priority_pods_through_the_evi
         let b = lab.get_json(&["get", "pdb", "train", "-n", NS])?;
         (b["status"]["disruptionsAllowed"] == 0 && b["status"]["currentHealthy"] == 2).then_some(())
     });
-    create_gated(&lab, "infer-2", &pod("infer-2", 1, "infer-high", "", 1));
+    create_gated(&lab, "infer-2", &pod(NS, "infer-2", 1, "infer-high", "", 1));
     let refused = eventually_or(
         "the refused eviction to be told to infer-2",
         || {

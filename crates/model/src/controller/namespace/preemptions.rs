@@ -23,11 +23,11 @@ pub const MAX_PREEMPTORS: usize = 8;
 pub const PREEMPTING: &str = "Preempting";
 
 /// A pod to evict so that a waiting unit fits.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Eviction {
-    pub namespace: String,
-    pub name: String,
-    pub uid: String,
+    /// The pod, as it was chosen (its charge included: it counts as going until its quota's
+    /// status no longer holds it).
+    pub victim: Candidate,
     /// The waiting unit it makes room for (`pod ns/name` or its pod group).
     pub preemptor: String,
     /// The preemptor's pods, told by an Event that this pod is evicted for them.
@@ -96,9 +96,7 @@ fn choose(
                     let c = &mut candidates[i];
                     c.terminating = true;
                     out.evictions.push(Eviction {
-                        namespace: c.namespace.clone(),
-                        name: c.name.clone(),
-                        uid: c.uid.clone(),
+                        victim: c.clone(),
                         preemptor: unit.key.clone(),
                         preemptor_pods: pods.clone(),
                         message: victim_message(c, &preemptor, &unit.key),

@@ -47,6 +47,27 @@ fn reserved(name: &str, kind: &str, gpus: u64) -> Value {
            "charge": {"gpus": gpus.to_string()}, "since": "2025-01-01T00:00:00Z"})
 }
 
+/// A cycle's input for team-a at a fixed instant.
+fn inputs<'a>(
+    pods: &'a [Arc<Pod>],
+    claims: &'a [Arc<ResourceClaim>],
+    templates: &'a BTreeMap<String, ResourceClaimSpec>,
+    catalog: &'a DeviceCatalog,
+    candidates: &'a [crate::controller::preempt::Candidate],
+) -> Inputs<'a> {
+    Inputs {
+        namespace: NS,
+        pods,
+        claims,
+        templates,
+        catalog,
+        now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_700),
+        settings: QueueSettings::default(),
+        hours: None,
+        candidates,
+    }
+}
+
 fn run(
     pods: &[Arc<Pod>],
     claims: &[Arc<ResourceClaim>],
@@ -63,17 +84,7 @@ fn run_with_templates(
     catalog: &DeviceCatalog,
     quotas: &[GpuQuota],
 ) -> Decision {
-    let input = Inputs {
-        namespace: NS,
-        pods,
-        claims,
-        templates,
-        catalog,
-        now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_700),
-        settings: QueueSettings::default(),
-        hours: None,
-        candidates: &[],
-    };
+    let input = inputs(pods, claims, templates, catalog, &[]);
     let mut working = Working::default();
     let observed = observe(&input, &mut Charges::default()).unwrap();
     decide(&input, &observed, quotas, &mut working).unwrap()
@@ -242,17 +253,7 @@ fn a_remembered_charge_is_used_only_for_the_resource_version_it_was_priced_at() 
     let templates = BTreeMap::new();
     let catalog = DeviceCatalog::default();
     let used_with = |pods: &[Arc<Pod>], charges: &mut Charges| {
-        let input = Inputs {
-            namespace: NS,
-            pods,
-            claims: &[],
-            templates: &templates,
-            catalog: &catalog,
-            now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_700),
-            settings: QueueSettings::default(),
-            hours: None,
-            candidates: &[],
-        };
+        let input = inputs(pods, &[], &templates, &catalog, &[]);
         observe(&input, charges).unwrap().used.gpus
     };
     let mut charges = Charges::default();
@@ -427,17 +428,7 @@ mod preemption {
             .filter(|p| pods::is_counted(p))
             .map(|p| Candidate::of(p, pod_charge(p, &templates, &catalog).unwrap()))
             .collect();
-        let input = Inputs {
-            namespace: NS,
-            pods,
-            claims: &[],
-            templates: &templates,
-            catalog: &catalog,
-            now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_735_689_700),
-            settings: QueueSettings::default(),
-            hours: None,
-            candidates: &candidates,
-        };
+        let input = inputs(pods, &[], &templates, &catalog, &candidates);
         let mut working = Working::default();
         let observed = observe(&input, &mut Charges::default()).unwrap();
         decide(&input, &observed, quotas, &mut working).unwrap()
@@ -467,7 +458,7 @@ mod preemption {
         ];
         let d = decide_with(&pods, &[preempting_quota(2)]);
         assert!(d.releases.is_empty(), "never admitted over hard");
-        let victims: Vec<&str> = d.evictions.iter().map(|e| e.name.as_str()).collect();
+        let victims: Vec<&str> = d.evictions.iter().map(|e| e.victim.name.as_str()).collect();
         assert_eq!(victims, ["train-new"]);
         let e = &d.evictions[0];
         assert_eq!(e.preemptor, "pod team-a/infer");
@@ -517,7 +508,7 @@ mod preemption {
             pod("y", 1, true, json!({"spec": {"priority": 50}})),
         ];
         let d = decide_with(&pods, &[preempting_quota(2)]);
-        let mut victims: Vec<&str> = d.evictions.iter().map(|e| e.name.as_str()).collect();
+        let mut victims: Vec<&str> = d.evictions.iter().map(|e| e.victim.name.as_str()).collect();
         victims.sort();
         assert_eq!(victims, ["a", "b"]);
         assert_eq!(d.evictions[0].preemptor, "pod team-a/x");

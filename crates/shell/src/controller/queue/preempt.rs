@@ -6,7 +6,9 @@
 //! the next choices for [`BLOCKED_FOR`] (its pod group with it) and the namespace is decided
 //! again at once, which picks other victims or tells the waiting pod that none may go. A pod
 //! we evicted counts as terminating until the cache shows it so, so a quick second cycle does
-//! not choose it again.
+//! not choose it again; once gone from the cache it still counts as going for [`GONE_FOR`], as
+//! the cohort's ledger reads other namespaces' quota status, which their own cycles settle a
+//! moment later (counting it held then would evict one pod more).
 
 use super::{template_specs, QueueLoop};
 use crate::controller::namespace::{Decision, Eviction};
@@ -26,16 +28,37 @@ const BLOCKED_FOR: Duration = Duration::from_secs(30);
 /// How long a pod we evicted counts as terminating without the cache saying so.
 const EVICTED_FOR: Duration = Duration::from_secs(60);
 
+/// How long a victim gone from the cache still counts as going.
+const GONE_FOR: Duration = Duration::from_secs(10);
+
 /// The pod condition an evicted pod is given (besides Kubernetes' own `DisruptionTarget`).
 pub const PREEMPTED_CONDITION: &str = "gpuplane.dev/Preempted";
 
 /// What the loop remembers of its evictions.
 #[derive(Debug, Default)]
 pub(super) struct Evictions {
-    /// Pods evicted, by uid, and when.
-    evicted: HashMap<String, Instant>,
+    /// Pods evicted, by uid.
+    evicted: HashMap<String, Evicted>,
     /// Pods (and pod groups, as `ns/group`) whose eviction a budget refused, and when.
     blocked: HashMap<String, Instant>,
+}
+
+/// A pod we evicted.
+#[derive(Debug)]
+struct Evicted {
+    at: Instant,
+    victim: Candidate,
+    /// Since when the cache no longer shows it.
+    gone: Option<Instant>,
+}
+
+impl Evicted {
+    fn remembered(&self, now: Instant) -> bool {
+        match self.gone {
+            Some(g) => now.duration_since(g) < GONE_FOR,
+            None => now.duration_since(self.at) < EVICTED_FOR,
+        }
+    }
 }
 
 impl QueueLoop {
@@ -44,8 +67,7 @@ impl QueueLoop {
     pub(super) fn candidates(&mut self, ns: &str, queued: bool) -> Vec<Candidate> {
         let now = Instant::now();
         let e = &mut self.evictions;
-        e.evicted
-            .retain(|_, at| now.duration_since(*at) < EVICTED_FOR);
+        e.evicted.retain(|_, v| v.remembered(now));
         e.blocked
             .retain(|_, at| now.duration_since(*at) < BLOCKED_FOR);
         let quotas = self.quotas.in_namespace(ns);
@@ -77,8 +99,21 @@ impl QueueLoop {
                     continue;
                 };
                 let mut c = Candidate::of(&p, charge);
-                c.terminating |= self.evictions.evicted.contains_key(&c.uid);
+                if let Some(v) = self.evictions.evicted.get_mut(&c.uid) {
+                    c.terminating = true;
+                    v.gone = None;
+                }
                 out.push(c);
+            }
+        }
+        let seen: BTreeSet<String> = out.iter().map(|c| c.uid.clone()).collect();
+        for (uid, v) in &mut self.evictions.evicted {
+            if !seen.contains(uid) && namespaces.contains(&v.victim.namespace) {
+                v.gone.get_or_insert(now);
+                out.push(Candidate {
+                    terminating: true,
+                    ..v.victim.clone()
+                });
             }
         }
         out
@@ -105,27 +140,33 @@ impl QueueLoop {
         // After a refusal the rest of that unit's victims wait for the next choice.
         let mut refused: BTreeSet<&str> = BTreeSet::new();
         for e in &d.evictions {
-            if refused.contains(e.preemptor.as_str()) || self.evictions.evicted.contains_key(&e.uid)
+            if refused.contains(e.preemptor.as_str())
+                || self.evictions.evicted.contains_key(&e.victim.uid)
             {
                 continue;
             }
-            let api: Api<Pod> = Api::namespaced(self.client.clone(), &e.namespace);
+            let api: Api<Pod> = Api::namespaced(self.client.clone(), &e.victim.namespace);
             let params = EvictParams {
                 delete_options: Some(DeleteParams {
                     // Never a newer pod of the same name.
                     preconditions: Some(Preconditions {
-                        uid: Some(e.uid.clone()),
+                        uid: Some(e.victim.uid.clone()),
                         resource_version: None,
                     }),
                     ..DeleteParams::default()
                 }),
                 ..EvictParams::default()
             };
-            match api.evict(&e.name, &params).await {
+            match api.evict(&e.victim.name, &params).await {
                 Ok(_) => {
-                    self.evictions.evicted.insert(e.uid.clone(), Instant::now());
-                    self.metrics.preempted(&e.namespace);
-                    tracing::info!(pod = %format!("{}/{}", e.namespace, e.name), preemptor = %e.preemptor, "evicted to make room");
+                    let v = Evicted {
+                        at: Instant::now(),
+                        victim: e.victim.clone(),
+                        gone: None,
+                    };
+                    self.evictions.evicted.insert(e.victim.uid.clone(), v);
+                    self.metrics.preempted(&e.victim.namespace);
+                    tracing::info!(pod = %format!("{}/{}", e.victim.namespace, e.victim.name), preemptor = %e.preemptor, "evicted to make room");
                     self.tell_victim(&api, e).await;
                 }
                 Err(kube::Error::Api(s)) if s.code == 404 => {}
@@ -135,7 +176,7 @@ impl QueueLoop {
                     self.blocked(e);
                     let message = format!(
                         "the eviction of pod {}/{} to make room for {} was refused: {} (a PodDisruptionBudget holds it; other pods are chosen or the pod waits)",
-                        e.namespace, e.name, e.preemptor, s.message
+                        e.victim.namespace, e.victim.name, e.preemptor, s.message
                     );
                     self.tell_preemptor(&e.preemptor_pods, "QuotaPreemptionBlocked", &message)
                         .await;
@@ -144,7 +185,7 @@ impl QueueLoop {
                     refused.insert(&e.preemptor);
                     again = true;
                     self.metrics.error();
-                    tracing::warn!(pod = %format!("{}/{}", e.namespace, e.name), error = %err, "evicting a pod to make room failed; decided again");
+                    tracing::warn!(pod = %format!("{}/{}", e.victim.namespace, e.victim.name), error = %err, "evicting a pod to make room failed; decided again");
                 }
             }
         }
@@ -154,15 +195,15 @@ impl QueueLoop {
     fn blocked(&mut self, e: &Eviction) {
         let now = Instant::now();
         let b = &mut self.evictions.blocked;
-        b.insert(e.uid.clone(), now);
+        b.insert(e.victim.uid.clone(), now);
         let group = self
             .pods
-            .in_namespace(&e.namespace)
+            .in_namespace(&e.victim.namespace)
             .into_iter()
-            .find(|p| p.metadata.uid.as_deref() == Some(e.uid.as_str()))
+            .find(|p| p.metadata.uid.as_deref() == Some(e.victim.uid.as_str()))
             .and_then(|p| pods::group(&p).map(|(g, _)| g));
         if let Some(g) = group {
-            b.insert(format!("{}/{g}", e.namespace), now);
+            b.insert(format!("{}/{g}", e.victim.namespace), now);
         }
     }
 
@@ -174,13 +215,13 @@ impl QueueLoop {
             reason: "PreemptedByQuota",
             message: &e.message,
         };
-        let mut r = writes::set_pod_condition(api, &e.name, None, c).await;
+        let mut r = writes::set_pod_condition(api, &e.victim.name, None, c).await;
         if r.is_ok() {
-            let events: Api<CoreEvent> = Api::namespaced(self.client.clone(), &e.namespace);
+            let events: Api<CoreEvent> = Api::namespaced(self.client.clone(), &e.victim.namespace);
             let victim = PodRef {
-                namespace: e.namespace.clone(),
-                name: e.name.clone(),
-                uid: e.uid.clone(),
+                namespace: e.victim.namespace.clone(),
+                name: e.victim.name.clone(),
+                uid: e.victim.uid.clone(),
                 gate_index: None,
                 condition: None,
             };
@@ -196,7 +237,7 @@ impl QueueLoop {
             .await;
         }
         if let Err(err) = r {
-            tracing::warn!(pod = %format!("{}/{}", e.namespace, e.name), error = %err, "recording a preemption on its victim failed");
+            tracing::warn!(pod = %format!("{}/{}", e.victim.namespace, e.victim.name), error = %err, "recording a preemption on its victim failed");
         }
     }
 
