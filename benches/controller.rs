@@ -28,11 +28,16 @@
 //!   with room for 15,000: the peak serialized status size against the 256 KiB bound, and
 //!   whether `used + reserved + escrows <= hard` held at every read (`controller/burst.rs`).
 //!
-//! Run: `cargo bench --bench controller [webhook|queue|burst]` (results are kept in benches/results/).
+//! - `explain pod` against the API server double: the controller's condition (one GET) and
+//!   `--live` (every list), each against a bare GET of the pod (`controller/explain.rs`).
+//!
+//! Run: `cargo bench --bench controller [webhook|queue|burst|explain]` (results are kept in benches/results/).
 
 #[path = "controller/burst.rs"]
 mod burst;
 mod common;
+#[path = "controller/explain.rs"]
+mod explain;
 #[path = "controller/https.rs"]
 mod https;
 #[path = "controller/queue.rs"]
@@ -352,6 +357,9 @@ fn main() {
         }
         if wanted("burst") {
             burst::burst_bench().await;
+        }
+        if wanted("explain") {
+            explain::explain_bench().await;
         }
     });
 }

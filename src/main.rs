@@ -130,6 +130,11 @@ struct ExplainArgs {
     /// name counts as a GPU resource (repeatable).
     #[arg(long = "time-sliced", value_name = "RESOURCE=REPLICAS", value_parser = parse_time_sliced, global = true)]
     time_sliced: Vec<(String, u32)>,
+    /// Compute every answer from the cluster now, even for pods carrying the controller's
+    /// (condition gpuplane.dev/GPUsAvailable, current within about two seconds): reads every
+    /// node, bound pod, ResourceSlice and claim.
+    #[arg(long, global = true)]
+    live: bool,
 }
 
 #[derive(Subcommand)]
@@ -369,10 +374,10 @@ fn run_explain(args: ExplainArgs) -> Result<()> {
         let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref()).await?;
         let answers = match &args.what {
             ExplainWhat::Pod { pod: (ns, name) } => {
-                vec![explain::pod(&client, settings, ns, name).await?]
+                vec![explain::pod(&client, settings, ns, name, args.live).await?]
             }
             ExplainWhat::Namespace { namespace } => {
-                explain::namespace(&client, settings, namespace).await?
+                explain::namespace(&client, settings, namespace, args.live).await?
             }
         };
         anyhow::Ok(answers)

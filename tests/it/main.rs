@@ -34,6 +34,7 @@ mod dra_grpc;
 mod dra_node;
 mod dra_restart;
 mod dra_shares;
+mod explain;
 mod fuzz_corpus;
 mod gpu_hours;
 mod kubelet_authority;

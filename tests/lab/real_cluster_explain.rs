@@ -18,7 +18,7 @@ fn sleeping(name: &str, gpus: u32) -> String {
 }
 
 /// Pod `default/pod` carries `reason` with `message` in its condition, in one Warning Event
-/// and in `gpuplane explain pod`.
+/// and in `gpuplane explain pod` (which reads it from the condition).
 fn shown(lab: &ClusterLab, pod: &str, reason: &str, message: &str) {
     let cond = eventually(&format!("the {reason} condition on pod {pod}"), || {
         let p = pod_json(lab, "default", pod)?;
@@ -36,8 +36,13 @@ fn shown(lab: &ClusterLab, pod: &str, reason: &str, message: &str) {
     assert_eq!(events[0]["type"], "Warning", "{:?}", events[0]);
     let cli = explain(lab, &["pod", &format!("default/{pod}")]).unwrap();
     assert_eq!(
-        (&cli["reason"], &cli["message"]),
-        (&Value::from(reason), &Value::from(message))
+        (&cli["reason"], &cli["message"], &cli["source"]),
+        (
+            &Value::from(reason),
+            &Value::from(message),
+            &Value::from("controller")
+        ),
+        "{cli}"
     );
 }
 

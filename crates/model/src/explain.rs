@@ -13,6 +13,7 @@
 //! (`topology.rs`): it is bound and Failed, but still has no GPU.
 
 mod claims;
+mod condition;
 pub mod devices;
 mod down;
 mod gang;
@@ -22,6 +23,7 @@ mod pools;
 mod queue;
 mod topology;
 
+pub use condition::{from_condition, GPUS_AVAILABLE};
 pub use gang::Members;
 use placement::excluded_by;
 pub use pools::{fragmentation_by_pool, PoolFragmentation, POOL_LABEL};
@@ -100,6 +102,25 @@ impl Reason {
             Reason::Unknown => "Unknown",
         }
     }
+
+    /// The reason named `s` (as [`Reason::as_str`] writes it), e.g. from the pod condition.
+    pub fn parse(s: &str) -> Option<Reason> {
+        std::iter::once(Reason::NotWaiting)
+            .chain(Reason::WAITING)
+            .find(|r| r.as_str() == s)
+    }
+}
+
+/// Where an answer came from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "source", rename_all = "lowercase")]
+pub enum Source {
+    /// Classified from the cluster's state when asked.
+    Computed,
+    /// Read from the controller's condition [`GPUS_AVAILABLE`] on the pod (current within
+    /// about two seconds, its message within the controller's refresh period). `since` is the
+    /// condition's lastTransitionTime: when the controller first found the pod waiting.
+    Controller { since: Option<String> },
 }
 
 /// One pod's answer.
@@ -109,6 +130,8 @@ pub struct Explanation {
     pub pod: String,
     pub reason: Reason,
     pub message: String,
+    #[serde(flatten)]
+    pub source: Source,
 }
 
 /// One node as the explainer needs it: what it offers, what its pods already take, and what
@@ -334,6 +357,7 @@ pub fn explain(pod: &Pod, cluster: &Cluster) -> Explanation {
         pod: pod.metadata.name.clone().unwrap_or_default(),
         reason,
         message,
+        source: Source::Computed,
     }
 }
 

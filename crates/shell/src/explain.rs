@@ -1,10 +1,15 @@
-//! `gpuplane explain`: reads what the pure explainer needs from the API server (the pod or the
+//! `gpuplane explain`: answers from the controller's condition on the pod where it has one
+//! (one GET), else reads what the pure explainer needs from the API server (the pod or the
 //! namespace's pods, every node and pod bound to one, the namespace's unbound pods (its pod
 //! groups' members), the ResourceSlices, DeviceClasses and
 //! allocated claims, the namespace's ResourceClaimTemplates) and renders its answers. One list
-//! each per call, all at once, no cache: the CLI asks once and exits.
+//! each per call, all at once, no cache: the CLI asks once and exits. At 1,000 nodes those
+//! lists are megabytes, so the condition, current within about two seconds, is the default;
+//! `live` computes anyway.
 
-use gpuplane_model::explain::{explain, refused_by_kubelet, Cluster, Explanation, Listed};
+use gpuplane_model::explain::{
+    explain, from_condition, refused_by_kubelet, Cluster, Explanation, Listed, Source,
+};
 use gpuplane_model::quota::CatalogSettings;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{
@@ -79,33 +84,48 @@ async fn cluster(
     Ok(Cluster::new(&listed, settings))
 }
 
-/// Why pod `namespace/name` is Pending.
+/// Pod `namespace/name`, or the error naming it.
+async fn get_pod(client: &kube::Client, namespace: &str, name: &str) -> Result<Pod, ExplainError> {
+    Api::<Pod>::namespaced(client.clone(), namespace)
+        .get_opt(name)
+        .await
+        .map_err(read(format!("pod {namespace}/{name}")))?
+        .ok_or_else(|| ExplainError::NoPod {
+            namespace: namespace.into(),
+            name: name.into(),
+        })
+}
+
+/// Why pod `namespace/name` is Pending: the controller's answer on the pod when it carries one
+/// and `live` is false (one request), else computed from the cluster.
 pub async fn pod(
     client: &kube::Client,
     settings: CatalogSettings,
     namespace: &str,
     name: &str,
+    live: bool,
 ) -> Result<Explanation, ExplainError> {
-    let api = Api::<Pod>::namespaced(client.clone(), namespace);
-    let get = async {
-        api.get_opt(name)
-            .await
-            .map_err(read(format!("pod {namespace}/{name}")))?
-            .ok_or_else(|| ExplainError::NoPod {
-                namespace: namespace.into(),
-                name: name.into(),
-            })
-    };
-    let (pod, cluster) = tokio::try_join!(get, cluster(client, settings, namespace))?;
+    if live {
+        let get = get_pod(client, namespace, name);
+        let (pod, cluster) = tokio::try_join!(get, cluster(client, settings, namespace))?;
+        return Ok(explain(&pod, &cluster));
+    }
+    let pod = get_pod(client, namespace, name).await?;
+    if let Some(answer) = from_condition(&pod) {
+        return Ok(answer);
+    }
+    let cluster = cluster(client, settings, namespace).await?;
     Ok(explain(&pod, &cluster))
 }
 
 /// Why each Pending pod of `namespace` is Pending, by name, and each pod the kubelet refused
-/// for NUMA alignment (Failed, but it never had its GPUs).
+/// for NUMA alignment (Failed, but it never had its GPUs). Unless `live`, a pod carrying the
+/// controller's answer is answered from it; the cluster is read only when some pod carries none.
 pub async fn namespace(
     client: &kube::Client,
     settings: CatalogSettings,
     namespace: &str,
+    live: bool,
 ) -> Result<Vec<Explanation>, ExplainError> {
     let pending = ListParams::default().fields("status.phase!=Running,status.phase!=Succeeded");
     let what = format!("the Pending and Failed pods of namespace {namespace}");
@@ -115,21 +135,28 @@ pub async fn namespace(
         &what,
     )
     .await?;
-    let cluster = cluster(client, settings, namespace).await?;
     let waiting = |p: &&Pod| {
         refused_by_kubelet(p)
             || p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending")
     };
-    let mut out: Vec<Explanation> = pods
-        .iter()
-        .filter(waiting)
-        .map(|p| explain(p, &cluster))
-        .collect();
+    let kept = |p: &Pod| from_condition(p).filter(|_| !live);
+    let mut out = Vec::new();
+    let mut to_compute = Vec::new();
+    for p in pods.iter().filter(waiting) {
+        match kept(p) {
+            Some(answer) => out.push(answer),
+            None => to_compute.push(p),
+        }
+    }
+    if !to_compute.is_empty() {
+        let cluster = cluster(client, settings, namespace).await?;
+        out.extend(to_compute.into_iter().map(|p| explain(p, &cluster)));
+    }
     out.sort_by(|a, b| a.pod.cmp(&b.pod));
     Ok(out)
 }
 
-/// A table with one row per answer: pod, reason, message.
+/// A table with one row per answer: pod, reason, where it came from, message.
 pub fn render_table(answers: &[Explanation]) -> String {
     let width = answers
         .iter()
@@ -137,11 +164,18 @@ pub fn render_table(answers: &[Explanation]) -> String {
         .max()
         .unwrap_or(0)
         .max(3);
-    let mut out = format!("{:width$}  {:13}  MESSAGE\n", "POD", "REASON");
+    let mut out = format!(
+        "{:width$}  {:13}  {:10}  MESSAGE\n",
+        "POD", "REASON", "SOURCE"
+    );
     for a in answers {
+        let source = match a.source {
+            Source::Computed => "computed",
+            Source::Controller { .. } => "controller",
+        };
         let _ = writeln!(
             out,
-            "{:width$}  {:13}  {}",
+            "{:width$}  {:13}  {source:10}  {}",
             a.pod,
             a.reason.as_str(),
             a.message

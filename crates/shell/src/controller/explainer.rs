@@ -38,8 +38,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::sync::Notify;
 
-/// The pod condition the explainer keeps.
-pub const CONDITION: &str = "gpuplane.dev/GPUsAvailable";
+/// The pod condition the explainer keeps (`gpuplane explain` reads it back).
+pub use gpuplane_model::explain::GPUS_AVAILABLE as CONDITION;
 /// The condition's reason once the pod is scheduled.
 pub const SCHEDULED: &str = "Scheduled";
 
@@ -274,11 +274,9 @@ impl Explainer {
         let previous = cond.map(|c| c.status.clone());
         let mut writes = Vec::new();
         // A previous leader's condition counts as told: a new leader does not repeat it.
-        let told = cond.filter(|c| c.status == "False").and_then(|c| {
-            Reason::WAITING
-                .into_iter()
-                .find(|r| Some(r.as_str()) == c.reason.as_deref())
-        });
+        let told = cond
+            .filter(|c| c.status == "False")
+            .and_then(|c| c.reason.as_deref().and_then(Reason::parse));
         let t = self.tracked.entry(uid.to_string()).or_insert(Tracked {
             reason: e.reason,
             created: pods::created(pod),

@@ -1,0 +1,166 @@
+//! `gpuplane explain` against the API server double, through the binary: a pod carrying the
+//! controller's answer (condition `gpuplane.dev/GPUsAvailable`, False) is answered from it with
+//! one request, `--live` and a pod without it compute from the cluster's lists, and the
+//! namespace view reads the cluster only when some pod carries no answer.
+
+use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
+use serde_json::{json, Value};
+use std::path::Path;
+use std::process::Output;
+
+const NS: &str = "team-a";
+/// What the controller wrote: deliberately not what computing gives (Capacity), so each
+/// answer shows where it came from.
+const KEPT: &str = "needs 4 nvidia.com/gpu; 6 free across 3 nodes, at most 2 on one: a 2, b 2, c 2";
+const COMPUTED: &str = "needs 4 nvidia.com/gpu; 2 free in the cluster";
+const SINCE: &str = "2026-12-03T11:00:00Z";
+
+/// A cluster of one node with 2 GPUs and, in team-a, pod `kept` asking 4 with the
+/// controller's Fragmentation answer and pod `bare` asking 4 without one.
+async fn cluster() -> ApiServerDouble {
+    let server = ApiServerDouble::start().await.unwrap();
+    server
+        .put_json(
+            json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"},
+            "status": {"allocatable": {"nvidia.com/gpu": "2", "cpu": "64"},
+                "conditions": [{"type": "Ready", "status": "True"}]}}),
+        )
+        .unwrap();
+    let cond = json!({"type": "gpuplane.dev/GPUsAvailable", "status": "False",
+        "reason": "Fragmentation", "message": KEPT, "lastTransitionTime": SINCE});
+    for (name, conditions) in [("kept", json!([cond])), ("bare", json!([]))] {
+        server
+            .put_json(json!({"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"namespace": NS, "name": name, "uid": format!("uid-{name}")},
+                "spec": {"containers": [{"name": "c", "image": "x",
+                    "resources": {"limits": {"nvidia.com/gpu": "4"}}}]},
+                "status": {"phase": "Pending", "conditions": conditions}}))
+            .unwrap();
+    }
+    server
+}
+
+/// `gpuplane explain ARGS --kubeconfig` pointing at `server`, run off the runtime's thread so
+/// the double keeps serving.
+async fn gpuplane(server: &ApiServerDouble, dir: &Path, args: &[&str]) -> Output {
+    let kubeconfig = dir.join("kubeconfig");
+    let config = format!(
+        "apiVersion: v1\nkind: Config\nclusters: [{{name: d, cluster: {{server: \"{}\"}}}}]\nusers: [{{name: u, user: {{}}}}]\ncontexts: [{{name: c, context: {{cluster: d, user: u}}}}]\ncurrent-context: c\n",
+        server.url()
+    );
+    std::fs::write(&kubeconfig, config).unwrap();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_gpuplane"));
+    cmd.arg("explain")
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .env("RUST_LOG", "warn");
+    tokio::task::spawn_blocking(move || cmd.output().unwrap())
+        .await
+        .unwrap()
+}
+
+async fn json_of(server: &ApiServerDouble, dir: &Path, args: &[&str]) -> Value {
+    let out = gpuplane(server, dir, &[args, &["-o", "json"]].concat()).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "gpuplane explain {args:?}: {stderr}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// How many requests listed what only a computed answer needs.
+fn cluster_lists(server: &ApiServerDouble) -> usize {
+    [
+        "/nodes",
+        "/resourceslices",
+        "/deviceclasses",
+        "/resourceclaims",
+    ]
+    .iter()
+    .map(|p| server.count_requests("GET", p))
+    .sum()
+}
+
+#[tokio::test]
+async fn explain_pod_answers_from_the_controllers_condition_with_one_request() {
+    let server = cluster().await;
+    let dir = tempfile::tempdir().unwrap();
+    let target = format!("{NS}/kept");
+    let kept = json_of(&server, dir.path(), &["pod", &target]).await;
+    let want = json!({"namespace": NS, "pod": "kept", "reason": "Fragmentation",
+        "message": KEPT, "source": "controller", "since": SINCE});
+    assert_eq!(kept, want);
+    assert_eq!(
+        server.requests(),
+        [(
+            "GET".to_string(),
+            format!("/api/v1/namespaces/{NS}/pods/kept")
+        )]
+    );
+
+    // --live computes from the cluster, condition or not.
+    server.clear_requests();
+    let live = json_of(&server, dir.path(), &["pod", &target, "--live"]).await;
+    assert_eq!(
+        (&live["reason"], &live["message"], &live["source"]),
+        (&json!("Capacity"), &json!(COMPUTED), &json!("computed")),
+        "{live}"
+    );
+    assert!(live.get("since").is_none(), "{live}");
+    assert_eq!(server.count_requests("GET", "/api/v1/nodes"), 1);
+
+    // No condition: computed.
+    server.clear_requests();
+    let bare = json_of(&server, dir.path(), &["pod", &format!("{NS}/bare")]).await;
+    assert_eq!(
+        (&bare["reason"], &bare["source"]),
+        (&json!("Capacity"), &json!("computed")),
+        "{bare}"
+    );
+    assert_eq!(server.count_requests("GET", "/api/v1/nodes"), 1);
+
+    // A missing pod is named.
+    let out = gpuplane(&server, dir.path(), &["pod", &format!("{NS}/nope")]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("pod team-a/nope not found"), "{stderr}");
+}
+
+#[tokio::test]
+async fn explain_namespace_reads_the_cluster_only_for_pods_without_the_controllers_answer() {
+    let server = cluster().await;
+    let dir = tempfile::tempdir().unwrap();
+    let answers = json_of(&server, dir.path(), &["namespace", NS]).await;
+    let got: Vec<(&Value, &Value, &Value)> = answers
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (&a["pod"], &a["reason"], &a["source"]))
+        .collect();
+    let (bare, kept) = (json!("bare"), json!("kept"));
+    let (capacity, fragmentation) = (json!("Capacity"), json!("Fragmentation"));
+    let (computed, controller) = (json!("computed"), json!("controller"));
+    assert_eq!(
+        got,
+        [
+            (&bare, &capacity, &computed),
+            (&kept, &fragmentation, &controller)
+        ]
+    );
+    assert_eq!(cluster_lists(&server), 4);
+
+    // Every pod answered by the controller: one list, nothing else.
+    server.delete_json("v1", "pods", Some(NS), "bare").unwrap();
+    server.clear_requests();
+    let out = gpuplane(&server, dir.path(), &["namespace", NS]).await;
+    let table = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "POD   REASON         SOURCE      MESSAGE".to_string(),
+            format!("kept  Fragmentation  controller  {KEPT}"),
+        ]
+    );
+    assert_eq!(server.requests().len(), 1, "{:?}", server.requests());
+    assert_eq!(cluster_lists(&server), 0);
+}
