@@ -370,7 +370,8 @@ fn a_high_priority_pod_evicts_exactly_enough_lower_priority_pods_through_the_evi
             let (name, ..) = training(&lab).into_iter().find(|(.., gated)| *gated)?;
             let p = get_pod(&lab, &name)?;
             let c = condition(&p, "QuotaAdmitted")?;
-            (c["status"] == "False").then_some(c)
+            let told = c["message"].as_str()?.contains("no preemption");
+            (c["status"] == "False" && told).then_some(c)
         },
         || state(&lab, "infer-2"),
     );

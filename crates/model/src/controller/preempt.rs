@@ -21,9 +21,9 @@
 //!   most recent), then namespace and name. Victims are taken in that order until the unit
 //!   fits; then, walking the chosen ones backwards, each is dropped if the unit still fits
 //!   without it. So no victim of the set can be spared alone.
-//! - Pods already terminating (chosen in an earlier cycle, or deleted) are never chosen again
-//!   and are counted as going: if they free enough the answer is [`Preemption::Wait`],
-//!   otherwise new victims are chosen for the rest.
+//! - Pods already terminating (chosen in an earlier cycle, or deleted) are never chosen again;
+//!   those the policy would let this unit evict are counted as going: if they free enough the
+//!   answer is [`Preemption::Wait`], otherwise new victims are chosen for the rest.
 
 use super::ledger::Working;
 use super::pods;
@@ -139,7 +139,9 @@ pub fn choose_victims(
     // Terminating pods free their charge once gone: count them gone, never choose them again.
     let mut going = Vec::new();
     for (i, c) in candidates.iter().enumerate() {
-        if c.terminating && policy.in_scope(working, unit.namespace, &c.namespace) {
+        // Only what this unit could have had evicted: a pod of equal priority going for a
+        // unit ahead makes no room for this one.
+        if c.terminating && policy.allows(working, unit, &c.namespace, c.priority) {
             w.release(&c.namespace, &c.charge.usage)?;
             going.push(i);
         }
@@ -151,7 +153,7 @@ pub fn choose_victims(
         .into_iter()
         .filter(|v| {
             !v.terminating
-                && policy.allows(working, unit, v)
+                && policy.allows(working, unit, v.namespace, v.priority)
                 && !v.usage.min(&unit.charge.usage).is_zero()
         })
         .collect();
@@ -226,23 +228,18 @@ impl Policy {
         })
     }
 
-    /// Whether pods of `namespace` can make room for a unit of `unit_ns` at all.
-    fn in_scope(&self, working: &Working, unit_ns: &str, namespace: &str) -> bool {
-        namespace == unit_ns || self.in_cohort(working, namespace)
-    }
-
-    /// Whether the policy lets `unit` evict `v` (the borrowing rule aside: that one changes as
+    /// Whether the policy lets `unit` evict a pod of `ns` at `priority` (the borrowing rule aside: that one changes as
     /// victims are taken, see [`still_borrowing`]).
-    fn allows(&self, working: &Working, unit: &Preemptor<'_>, v: &Victim<'_>) -> bool {
-        if v.namespace == unit.namespace {
-            return self.within && v.priority < unit.priority;
+    fn allows(&self, working: &Working, unit: &Preemptor<'_>, ns: &str, priority: i32) -> bool {
+        if ns == unit.namespace {
+            return self.within && priority < unit.priority;
         }
         let priority_ok = match self.reclaim {
             ReclaimWithinCohort::Any => true,
-            ReclaimWithinCohort::LowerPriority => v.priority < unit.priority,
+            ReclaimWithinCohort::LowerPriority => priority < unit.priority,
             ReclaimWithinCohort::Never => false,
         };
-        priority_ok && self.in_cohort(working, v.namespace)
+        priority_ok && self.in_cohort(working, ns)
     }
 
     /// The policy in words, for a refusal.

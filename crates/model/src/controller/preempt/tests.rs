@@ -326,6 +326,23 @@ fn pods_already_terminating_are_waited_for_and_never_chosen_again() {
 }
 
 #[test]
+fn a_terminating_pod_the_unit_could_not_evict_makes_no_room_for_it() {
+    // "going" (priority 9) terminates for someone ahead; a unit of priority 9 could never
+    // have had it evicted, so it does not wait on it but has the lower one evicted.
+    let q = || vec![quota("team-a", 4, 4, within())];
+    let pods = [
+        terminating(pod("team-a", "going", 9, Some(10), 2)),
+        pod("team-a", "low", 1, Some(10), 2),
+    ];
+    assert_eq!(evicted(decide(q(), &pods, "team-a", 9, 2), &pods), ["low"]);
+    // A unit above it waits for it.
+    assert_eq!(
+        decide(q(), &pods, "team-a", 10, 2),
+        Ok(Preemption::Wait(vec![0]))
+    );
+}
+
+#[test]
 fn a_candidate_is_read_from_its_pod() {
     let pod: Pod = serde_json::from_value(json!({
         "metadata": {"name": "w-0", "namespace": "team-a", "uid": "u1",

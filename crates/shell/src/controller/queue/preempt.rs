@@ -108,7 +108,9 @@ impl QueueLoop {
         }
         let seen: BTreeSet<String> = out.iter().map(|c| c.uid.clone()).collect();
         for (uid, v) in &mut self.evictions.evicted {
-            if !seen.contains(uid) && namespaces.contains(&v.victim.namespace) {
+            // `ns`'s own usage is counted from its pods, so only other namespaces' lag.
+            let lagging = v.victim.namespace != ns && namespaces.contains(&v.victim.namespace);
+            if !seen.contains(uid) && lagging {
                 v.gone.get_or_insert(now);
                 out.push(Candidate {
                     terminating: true,
