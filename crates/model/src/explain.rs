@@ -362,7 +362,9 @@ pub fn explain(pod: &Pod, cluster: &Cluster) -> Explanation {
 }
 
 fn classify(pod: &Pod, cluster: &Cluster) -> (Reason, String) {
-    let spec = pod.spec.clone().unwrap_or_default();
+    // Borrowed: a cycle classifies every Pending GPU pod, thousands at scale.
+    let none = PodSpec::default();
+    let spec = pod.spec.as_ref().unwrap_or(&none);
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
     if let Some(answer) = topology::answer(pod, cluster) {
         return answer;
@@ -396,7 +398,7 @@ fn classify(pod: &Pod, cluster: &Cluster) -> (Reason, String) {
         return (Reason::NotWaiting, "it asks for no GPU".into());
     }
     for (resource, &ask) in &asks {
-        if let Some(answer) = resource_answer(&spec, resource, ask, &cluster.nodes) {
+        if let Some(answer) = resource_answer(spec, resource, ask, &cluster.nodes) {
             return answer;
         }
     }
