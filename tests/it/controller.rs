@@ -928,7 +928,7 @@ fn gpu_node(name: &str, gpus: u64) -> serde_json::Value {
 }
 
 #[tokio::test]
-async fn every_new_reason_lands_before_any_event_and_events_past_the_cap_follow_in_later_cycles() {
+async fn every_new_reason_lands_before_any_event_and_each_pod_gets_one_event() {
     use gpuplane_shell::controller::explainer::{self, ExplainerOptions, CONDITION};
     use gpuplane_shell::devices::Devices;
     let server = ApiServerDouble::start().await.unwrap();
@@ -944,9 +944,8 @@ async fn every_new_reason_lands_before_any_event_and_events_past_the_cap_follow_
     }
     let mut opts = ExplainerOptions::new("replica-1");
     opts.debounce = Duration::from_millis(50);
-    // One write at a time, and one Event a cycle: five Events take five cycles.
+    // One write at a time, so the order shows: Events go in batches of 4 after the reasons.
     opts.concurrency = 1;
-    opts.deferrable_per_cycle = 1;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let client = server.client().unwrap();
     let metrics = Arc::new(QueueMetrics::default());

@@ -16,9 +16,11 @@
 //! bound and Failed but never got its GPUs: it keeps the condition (reason `Topology`) and
 //! counts as waiting while it exists. A failed write is logged and made again in the next cycle.
 //!
-//! New reasons are written first and never held back; Events and message-only rewrites follow,
-//! at most `deferrable_per_cycle` a cycle, so after a change that flips thousands of pods the
-//! next change's reasons do not wait behind its Events.
+//! New reasons are written first; Events and message-only rewrites follow a few batches at a
+//! time, and a change arriving meanwhile stops them until the next cycle (which plans them
+//! again), so after a change that flips thousands of pods the next change's reasons do not wait
+//! behind its Events. Cycles are at least as far apart as one classification takes: at
+//! 1,000 nodes and 5,000 Pending pods that is the CPU the explainer may use, at most half a core.
 
 use super::metrics::QueueMetrics;
 use super::pods::{self, PodRef};
@@ -35,8 +37,9 @@ use kube::runtime::reflector::Store;
 use kube::runtime::watcher;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::Notify;
 
 /// The pod condition the explainer keeps (`gpuplane explain` reads it back).
@@ -55,11 +58,6 @@ pub struct ExplainerOptions {
     pub resync: Duration,
     /// Writes in flight at most.
     pub concurrency: usize,
-    /// Events and message-only condition rewrites per cycle at most; new reasons are never
-    /// held back. The rest wait for the next cycle (which then comes after `debounce`), so a
-    /// change that flips thousands of pods does not keep the next change's reasons waiting
-    /// behind its Events.
-    pub deferrable_per_cycle: usize,
     /// A pod's condition is rewritten for a new message under the same reason (new free
     /// counts, say) at most this often; a new reason is written at once. In a large cluster
     /// every pod start changes every Capacity message, which would otherwise be a status write
@@ -74,7 +72,6 @@ impl ExplainerOptions {
             debounce: Duration::from_millis(500),
             resync: Duration::from_secs(60),
             concurrency: 32,
-            deferrable_per_cycle: 256,
             message_refresh: Duration::from_secs(10),
         }
     }
@@ -87,6 +84,8 @@ struct Stores {
     devices: Arc<Devices>,
     claims: Store<ResourceClaim>,
     templates: Store<ResourceClaimTemplate>,
+    /// Counts changes to any of them: pending writes stop for a new plan when it moved.
+    changes: Arc<AtomicU64>,
 }
 
 impl Stores {
@@ -126,13 +125,13 @@ impl Stores {
 }
 
 /// A reflector store of `api` (of what `shape` keeps) and the future that feeds it, waking
-/// `wake` on every change.
+/// `wake` and counting in `changes` on every change.
 fn reflect<K>(
     api: Api<K>,
     config: watcher::Config,
     what: &'static str,
     shape: Shape<K>,
-    wake: Arc<Notify>,
+    (wake, changes): (Arc<Notify>, Arc<AtomicU64>),
 ) -> (Store<K>, impl Future<Output = ()> + Send)
 where
     K: kube::Resource<DynamicType = ()>
@@ -143,8 +142,14 @@ where
         + Sync
         + 'static,
 {
-    let changed = move || wake.notify_one();
+    let changed = move || changed(&wake, &changes);
     crate::reflect::reflected_shaped(api, config, what, shape, changed, |_| {})
+}
+
+/// Tells the loop of a change.
+fn changed(wake: &Notify, changes: &AtomicU64) {
+    changes.fetch_add(1, Ordering::Release);
+    wake.notify_one();
 }
 
 /// Every object, whole but for managed fields.
@@ -332,23 +337,47 @@ impl Explainer {
         writes
     }
 
-    /// One cycle: plan, write (every new reason; Events and new numbers up to the cap),
-    /// remember what went out. True when a write failed or some were left (the next cycle
-    /// makes them).
+    /// One cycle: plan, write every new reason, then the Events and new numbers a batch at a
+    /// time until done or until the stores changed (the next cycle plans the rest again).
+    /// Returns whether a write failed, and how long the plan took.
     async fn cycle(
         &mut self,
         client: &kube::Client,
         stores: &Stores,
         opts: &ExplainerOptions,
         metrics: &QueueMetrics,
+    ) -> (bool, Duration) {
+        let (seen, began) = (stores.changes.load(Ordering::Acquire), Instant::now());
+        let (todo, counts) = {
+            let pods = stores.pods.state();
+            let cluster = stores.cluster(&pods);
+            metrics.set_pools(fragmentation_by_pool(&cluster.nodes));
+            self.plan(&pods, &cluster, metrics, opts.message_refresh)
+        };
+        let planned = began.elapsed();
+        metrics.set_pending(&counts);
+        let (urgent, later): (Vec<_>, Vec<_>) = todo.into_iter().partition(|w| !w.deferrable());
+        let mut failed = self.send(client, opts, urgent).await;
+        let mut later = later.into_iter();
+        loop {
+            let batch: Vec<_> = later.by_ref().take(opts.concurrency * 4).collect();
+            if batch.is_empty() || stores.changes.load(Ordering::Acquire) != seen {
+                break;
+            }
+            failed |= self.send(client, opts, batch).await;
+        }
+        (failed, planned)
+    }
+
+    /// Makes `todo`'s writes, `opts.concurrency` at a time, and remembers what went out; true
+    /// when one failed.
+    async fn send(
+        &mut self,
+        client: &kube::Client,
+        opts: &ExplainerOptions,
+        todo: Vec<Write>,
     ) -> bool {
-        let pods = stores.pods.state();
-        let cluster = stores.cluster(&pods);
-        let (mut todo, counts) = self.plan(&pods, &cluster, metrics, opts.message_refresh);
-        let urgent = todo.iter().filter(|w| !w.deferrable()).count();
-        let left = todo.len() > urgent + opts.deferrable_per_cycle;
-        todo.truncate(urgent + opts.deferrable_per_cycle);
-        let now = std::time::Instant::now();
+        let now = Instant::now();
         for w in &todo {
             if let Write::Condition { pod, .. } = w {
                 if let Some(t) = self.tracked.get_mut(&pod.uid) {
@@ -356,8 +385,6 @@ impl Explainer {
                 }
             }
         }
-        metrics.set_pending(&counts);
-        metrics.set_pools(fragmentation_by_pool(&cluster.nodes));
         let client = client.clone();
         let instance = opts.instance.clone();
         let results = bounded(opts.concurrency, todo, |w| {
@@ -388,7 +415,7 @@ impl Explainer {
                 }
             }
         }
-        failed || left
+        failed
     }
 }
 
@@ -444,26 +471,22 @@ pub async fn run(
         keep: asks_for_devices,
         slim: super::watchers::slim_pod,
     };
-    let (pods, f1) = reflect(Api::all(c()), live, "pods", gpu_pods, wake.clone());
-    let (nodes, f2) = reflect(Api::<Node>::all(c()), all(), "nodes", whole(), wake.clone());
-    let (claims, f3) = reflect(
-        Api::all(c()),
-        all(),
-        "resourceclaims",
-        whole(),
-        wake.clone(),
-    );
+    let changes = Arc::new(AtomicU64::new(0));
+    let tell = || (wake.clone(), changes.clone());
+    let (pods, f1) = reflect(Api::all(c()), live, "pods", gpu_pods, tell());
+    let (nodes, f2) = reflect(Api::<Node>::all(c()), all(), "nodes", whole(), tell());
+    let (claims, f3) = reflect(Api::all(c()), all(), "resourceclaims", whole(), tell());
     let (templates, f4) = reflect(
         Api::all(c()),
         all(),
         "resourceclaimtemplates",
         whole(),
-        wake.clone(),
+        tell(),
     );
-    let mut changes = devices.changes();
+    let mut published = devices.changes();
     let relay = async {
-        while changes.changed().await.is_ok() {
-            wake.notify_one();
+        while published.changed().await.is_ok() {
+            changed(&wake, &changes);
         }
     };
     let stores = Stores {
@@ -472,6 +495,7 @@ pub async fn run(
         devices,
         claims,
         templates,
+        changes: changes.clone(),
     };
     let work = async {
         if !stores.ready().await {
@@ -479,9 +503,10 @@ pub async fn run(
         }
         let mut explainer = Explainer::default();
         loop {
-            let again = explainer.cycle(&client, &stores, &opts, &metrics).await;
-            tokio::time::sleep(opts.debounce).await;
-            if !again {
+            let (failed, planned) = explainer.cycle(&client, &stores, &opts, &metrics).await;
+            // A plan costs CPU in proportion to the cluster: at most half the loop's time.
+            tokio::time::sleep(opts.debounce.max(planned)).await;
+            if !failed {
                 let _ = tokio::time::timeout(opts.resync, wake.notified()).await;
             }
         }
