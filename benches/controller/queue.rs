@@ -83,11 +83,10 @@ pub async fn queue_bench() {
     let metrics = Arc::new(QueueMetrics::default());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let t = Instant::now();
-    let devices = Devices::start(&client, opts.catalog.clone(), |_, _| {});
     let task = tokio::spawn(queue::run(
         client.clone(),
         opts,
-        devices,
+        Devices::start(&client, Default::default(), |_, _| {}),
         metrics.clone(),
         async {
             let _ = stopped.await;

@@ -138,7 +138,10 @@ pub struct DeviceCatalog {
 /// Shared by clones, which hold the same devices. At most [`MAX_VERDICTS`] expressions are
 /// kept; past that, verdicts are computed each time.
 #[derive(Debug, Clone, Default)]
-struct Verdicts(Arc<Mutex<HashMap<Arc<str>, Arc<Vec<bool>>>>>);
+struct Verdicts(Arc<Mutex<HashMap<Arc<str>, Verdict>>>);
+
+/// One selector's `may_match` on each device, in `devices` order.
+type Verdict = Arc<Vec<bool>>;
 
 /// Expressions whose verdicts a catalog keeps (a bit per device each).
 const MAX_VERDICTS: usize = 1024;
@@ -230,7 +233,7 @@ impl DeviceCatalog {
     }
 
     /// `s`'s verdict on every device, computed once per catalog.
-    fn verdicts(&self, s: &Selector) -> Arc<Vec<bool>> {
+    fn verdicts(&self, s: &Selector) -> Verdict {
         let mut kept = self.verdicts.0.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(v) = kept.get(s.source()) {
             return v.clone();
