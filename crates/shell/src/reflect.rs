@@ -13,27 +13,37 @@ use tokio_stream::StreamExt;
 /// A store of what `api` lists under `config`, and the future that keeps it (until the
 /// stream ends). `changed` runs after every event applied; `failed` on every watch error,
 /// while the store keeps its last state.
-pub fn reflected<K>(
+pub fn reflected<K: Cached>(
     api: Api<K>,
     config: watcher::Config,
     what: &'static str,
     changed: impl Fn() + Send + 'static,
     failed: impl Fn(&watcher::Error) + Send + 'static,
-) -> (Store<K>, impl Future<Output = ()> + Send)
-where
+) -> (Store<K>, impl Future<Output = ()> + Send) {
+    reflected_shaped(api, config, what, Shape::whole(), changed, failed)
+}
+
+/// What a watch-fed store can hold: any cluster API object kube knows the type of.
+pub trait Cached:
+    kube::Resource<DynamicType = ()>
+    + Clone
+    + std::fmt::Debug
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Cached for K where
     K: kube::Resource<DynamicType = ()>
         + Clone
         + std::fmt::Debug
         + serde::de::DeserializeOwned
         + Send
         + Sync
-        + 'static,
+        + 'static
 {
-    let shape = Shape {
-        keep: |_| true,
-        slim: |_| {},
-    };
-    reflected_shaped(api, config, what, shape, changed, failed)
 }
 
 /// Which objects a store keeps and what of them: what the watch selectors cannot say.
@@ -45,24 +55,25 @@ pub struct Shape<K> {
     pub slim: fn(&mut K),
 }
 
+impl<K> Shape<K> {
+    /// Every object, whole (but for managed fields).
+    pub fn whole() -> Shape<K> {
+        Shape {
+            keep: |_| true,
+            slim: |_| {},
+        }
+    }
+}
+
 /// [`reflected`], keeping only the objects and the parts of them that `shape` says.
-pub fn reflected_shaped<K>(
+pub fn reflected_shaped<K: Cached>(
     api: Api<K>,
     config: watcher::Config,
     what: &'static str,
     shape: Shape<K>,
     changed: impl Fn() + Send + 'static,
     failed: impl Fn(&watcher::Error) + Send + 'static,
-) -> (Store<K>, impl Future<Output = ()> + Send)
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
+) -> (Store<K>, impl Future<Output = ()> + Send) {
     let (reader, writer) = reflector::store();
     // managedFields are most of a small object's bytes and no reader of these caches looks
     // at them: dropped before the store keeps the object (at 1,000 nodes and 6,000 pods this

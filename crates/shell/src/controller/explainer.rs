@@ -26,7 +26,7 @@ use super::metrics::QueueMetrics;
 use super::pods::{self, PodRef};
 use super::writes::{self, bounded, Condition};
 use crate::devices::Devices;
-use crate::reflect::Shape;
+use crate::reflect::{Cached, Shape};
 use gpuplane_model::explain::{
     explain, fragmentation_by_pool, refused_by_kubelet, Cluster, Explanation, Reason, Shared,
 };
@@ -126,22 +126,13 @@ impl Stores {
 
 /// A reflector store of `api` (of what `shape` keeps) and the future that feeds it, waking
 /// `wake` and counting in `changes` on every change.
-fn reflect<K>(
+fn reflect<K: Cached>(
     api: Api<K>,
     config: watcher::Config,
     what: &'static str,
     shape: Shape<K>,
     (wake, changes): (Arc<Notify>, Arc<AtomicU64>),
-) -> (Store<K>, impl Future<Output = ()> + Send)
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
+) -> (Store<K>, impl Future<Output = ()> + Send) {
     let changed = move || changed(&wake, &changes);
     crate::reflect::reflected_shaped(api, config, what, shape, changed, |_| {})
 }
@@ -150,14 +141,6 @@ where
 fn changed(wake: &Notify, changes: &AtomicU64) {
     changes.fetch_add(1, Ordering::Release);
     wake.notify_one();
-}
-
-/// Every object, whole but for managed fields.
-fn whole<K>() -> Shape<K> {
-    Shape {
-        keep: |_| true,
-        slim: |_| {},
-    }
 }
 
 /// Whether `pod` asks for any extended resource or claim: the only pods that wait for a GPU or
@@ -474,13 +457,25 @@ pub async fn run(
     let changes = Arc::new(AtomicU64::new(0));
     let tell = || (wake.clone(), changes.clone());
     let (pods, f1) = reflect(Api::all(c()), live, "pods", gpu_pods, tell());
-    let (nodes, f2) = reflect(Api::<Node>::all(c()), all(), "nodes", whole(), tell());
-    let (claims, f3) = reflect(Api::all(c()), all(), "resourceclaims", whole(), tell());
+    let (nodes, f2) = reflect(
+        Api::<Node>::all(c()),
+        all(),
+        "nodes",
+        Shape::whole(),
+        tell(),
+    );
+    let (claims, f3) = reflect(
+        Api::all(c()),
+        all(),
+        "resourceclaims",
+        Shape::whole(),
+        tell(),
+    );
     let (templates, f4) = reflect(
         Api::all(c()),
         all(),
         "resourceclaimtemplates",
-        whole(),
+        Shape::whole(),
         tell(),
     );
     let mut published = devices.changes();
