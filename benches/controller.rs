@@ -48,6 +48,7 @@ use https::{drive, floor_server, Level, Pki, FLOOR_BODY};
 
 use gpuplane_shell::controller::metrics::{MetricsSnapshot, QueueMetrics};
 use gpuplane_shell::controller::queue::{self as quota_loop, QueueOptions};
+use gpuplane_shell::devices::Devices;
 use gpuplane_shell::quota::GpuQuota;
 use gpuplane_shell::webhook::{self, RunningWebhook, WebhookOptions};
 use gpuplane_testkit::doubles::admission::pod_create_review;
@@ -136,12 +137,15 @@ async fn webhook_bench() {
     // admissions in flight.
     let loop_metrics = Arc::new(QueueMetrics::default());
     let (stop_loop, loop_stopped) = tokio::sync::oneshot::channel::<()>();
+    let client = api.client().unwrap();
+    let devices = Devices::start(&client, Default::default(), |_, _| {});
     let loop_task = tokio::spawn(quota_loop::run(
-        api.client().unwrap(),
+        client,
         QueueOptions {
             batch: Duration::from_millis(20),
             ..QueueOptions::default()
         },
+        devices,
         loop_metrics.clone(),
         async {
             let _ = loop_stopped.await;

@@ -9,6 +9,8 @@
 //!   same watch seeing the change itself;
 //! - time from a new Pending pod to its reason; floor: the watch seeing the pod;
 //! - `gpuplane explain pod` (the CLI, a process per call); floor: `kubectl get pod`;
+//! - the webhook: a GPU pod's admission (dry run) against a pod the webhooks skip; the queue
+//!   loop: a GpuQuota raise to the next queued pod's release, against the raise's round trip;
 //! - the controller's CPU and peak memory, next to the kube-scheduler's (which caches the
 //!   same nodes and pods); the API requests it makes (the API server's priority-and-fairness
 //!   count for its flow schema, `service-accounts`: no other client of the lab falls in it).
@@ -28,6 +30,8 @@
 #[path = "../tests/cluster/mod.rs"]
 mod cluster;
 mod common;
+#[path = "pending_scale/loops.rs"]
+mod loops;
 #[path = "pending_scale/procs.rs"]
 mod procs;
 #[path = "pending_scale/setup.rs"]
@@ -210,6 +214,8 @@ async fn run(
         req3 - req2
     );
     setup::explain_latency(lab, &size.explain_sample()).await;
+    loops::webhook(client).await;
+    loops::queue(client, book).await;
     let (peak, sched_peak) = (procs::mem_mib(pid, "VmHWM"), procs::mem_mib(sched, "VmHWM"));
     println!(
         "controller peak RSS {peak:.0} MiB (target <= 256 MiB: {}) | floor: kube-scheduler peak RSS {sched_peak:.0} MiB | ratio {:.2}x",

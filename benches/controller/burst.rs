@@ -10,6 +10,7 @@ use super::https::{drive, Level, Pki};
 use super::{bench_pod, pod_review};
 use gpuplane_shell::controller::metrics::QueueMetrics;
 use gpuplane_shell::controller::queue::{self as quota_loop, QueueOptions};
+use gpuplane_shell::devices::Devices;
 use gpuplane_shell::quota::{GpuQuota, MAX_RESERVATIONS};
 use gpuplane_shell::webhook::{self, RunningWebhook, WebhookOptions};
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
@@ -90,12 +91,15 @@ async fn start(
     tokio::task::JoinHandle<()>,
 ) {
     let (stop_loop, loop_stopped) = tokio::sync::oneshot::channel::<()>();
+    let client = api.client().unwrap();
+    let devices = Devices::start(&client, Default::default(), |_, _| {});
     let loop_task = tokio::spawn(quota_loop::run(
-        api.client().unwrap(),
+        client,
         QueueOptions {
             batch: Duration::from_millis(20),
             ..QueueOptions::default()
         },
+        devices,
         Arc::new(QueueMetrics::default()),
         async {
             let _ = loop_stopped.await;

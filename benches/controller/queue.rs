@@ -5,6 +5,7 @@ use gpuplane_shell::controller::metrics::QueueMetrics;
 use gpuplane_shell::controller::pods::PodRef;
 use gpuplane_shell::controller::queue::{self, QueueOptions};
 use gpuplane_shell::controller::writes::{self, Ungated};
+use gpuplane_shell::devices::Devices;
 use gpuplane_shell::quota::SCHEDULING_GATE;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use k8s_openapi::api::core::v1::Pod;
@@ -82,9 +83,15 @@ pub async fn queue_bench() {
     let metrics = Arc::new(QueueMetrics::default());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let t = Instant::now();
-    let task = tokio::spawn(queue::run(client.clone(), opts, metrics.clone(), async {
-        let _ = stopped.await;
-    }));
+    let task = tokio::spawn(queue::run(
+        client.clone(),
+        opts,
+        Devices::start(&client, Default::default(), |_, _| {}),
+        metrics.clone(),
+        async {
+            let _ = stopped.await;
+        },
+    ));
     while metrics.snapshot().released < QUEUED as u64 {
         assert!(
             t.elapsed() < Duration::from_secs(600),

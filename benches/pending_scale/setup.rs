@@ -70,7 +70,7 @@ fn slices(i: usize, n: usize, name: &str) -> Vec<ResourceSlice> {
 }
 
 /// A pod asking `gpus` of the device plugin, bound to `node` when given.
-fn gpu_pod(ns: &str, name: &str, gpus: u32, node: Option<&str>) -> Pod {
+pub(super) fn gpu_pod(ns: &str, name: &str, gpus: u32, node: Option<&str>) -> Pod {
     let mut p = json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": ns},

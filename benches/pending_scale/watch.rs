@@ -63,6 +63,10 @@ pub fn start(client: &kube::Client, book: &Shared) {
                     if p.metadata.deletion_timestamp.is_some() {
                         b.sightings.entry(format!("gone:{k}")).or_insert(now);
                     }
+                    let gates = p.spec.as_ref().and_then(|s| s.scheduling_gates.as_ref());
+                    if k.starts_with("queued/") && gates.is_none_or(|g| g.is_empty()) {
+                        b.sightings.entry(format!("ungated:{k}")).or_insert(now);
+                    }
                     let r = reason(&p);
                     if b.pods.get(&k).is_none_or(|s| s.reason != r) {
                         b.pods.insert(

@@ -1086,7 +1086,9 @@ pub fn start_controller_with(
         .arg("--leader-elect=true")
         .args(extra)
         .env("POD_NAMESPACE", AGENT_NS)
-        .env("POD_NAME", format!("controller-{tag}"));
+        .env("POD_NAME", format!("controller-{tag}"))
+        // As the Deployment sets it (daemonset/controller/deployment.yaml).
+        .env("MALLOC_ARENA_MAX", "2");
     LabProcess::spawn(lab, cmd, &format!("controller-{tag}"))
 }
 

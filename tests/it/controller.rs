@@ -279,7 +279,9 @@ impl Lab {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let m = metrics.clone();
         let task = tokio::spawn(async move {
-            queue::run(client, opts, m, async {
+            let devices =
+                gpuplane_shell::devices::Devices::start(&client, opts.catalog.clone(), |_, _| {});
+            queue::run(client, opts, devices, m, async {
                 let _ = stopped.await;
             })
             .await
@@ -926,18 +928,78 @@ fn gpu_node(name: &str, gpus: u64) -> serde_json::Value {
 }
 
 #[tokio::test]
+async fn every_new_reason_lands_before_any_event_and_each_pod_gets_one_event() {
+    use gpuplane_shell::controller::explainer::{self, ExplainerOptions, CONDITION};
+    use gpuplane_shell::devices::Devices;
+    let server = ApiServerDouble::start().await.unwrap();
+    server.put_json(gpu_node("node-1", 2)).unwrap();
+    let pods: Api<Pod> = Api::namespaced(server.client().unwrap(), QNS);
+    let names: Vec<String> = (0..5).map(|i| format!("wait-{i}")).collect();
+    for name in &names {
+        let mut p = pod(name, 4, false);
+        p["spec"].as_object_mut().unwrap().remove("nodeName");
+        pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap())
+            .await
+            .unwrap();
+    }
+    let mut opts = ExplainerOptions::new("replica-1");
+    opts.debounce = Duration::from_millis(50);
+    // One write at a time, so the order shows: Events go in batches of 4 after the reasons.
+    opts.concurrency = 1;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let client = server.client().unwrap();
+    let metrics = Arc::new(QueueMetrics::default());
+    let task = tokio::spawn(async move {
+        let devices = Devices::start(&client, Default::default(), |_, _| {});
+        explainer::run(client, opts, devices, metrics, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    let all_events = || async {
+        let mut n = 0;
+        for name in &names {
+            n += events_for(&server, name).await.len();
+        }
+        n
+    };
+    eventually("a first Event", || async { all_events().await > 0 }).await;
+    for name in &names {
+        let c = condition_of(&pods.get(name).await.unwrap(), CONDITION);
+        assert_eq!(
+            c.map(|c| c.1).as_deref(),
+            Some("Capacity"),
+            "{name}: its reason before any Event"
+        );
+    }
+    eventually("five Events", || async { all_events().await == 5 }).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for name in &names {
+        assert_eq!(
+            events_for(&server, name).await.len(),
+            1,
+            "{name}: one Event"
+        );
+    }
+    let _ = stop.send(());
+    task.await.unwrap();
+}
+
+#[tokio::test]
 async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reason() {
     use gpuplane_shell::controller::explainer::{self, ExplainerOptions, CONDITION};
+    use gpuplane_shell::devices::Devices;
     let server = ApiServerDouble::start().await.unwrap();
     server.put_json(gpu_node("node-1", 2)).unwrap();
     let start = |metrics: Arc<QueueMetrics>| {
-        let mut opts = ExplainerOptions::new(Default::default(), "replica-1");
+        let mut opts = ExplainerOptions::new("replica-1");
         opts.debounce = Duration::from_millis(50);
         opts.message_refresh = Duration::ZERO;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let client = server.client().unwrap();
         let task = tokio::spawn(async move {
-            explainer::run(client, opts, metrics, async {
+            let devices = Devices::start(&client, Default::default(), |_, _| {});
+            explainer::run(client, opts, devices, metrics, async {
                 let _ = stopped.await;
             })
             .await
@@ -1039,6 +1101,7 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
 #[tokio::test]
 async fn the_explainers_kept_device_catalog_follows_slices_and_classes() {
     use gpuplane_shell::controller::explainer::{self, ExplainerOptions, CONDITION};
+    use gpuplane_shell::devices::Devices;
     let server = ApiServerDouble::start().await.unwrap();
     let class = |product: &str| {
         json!({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
@@ -1055,13 +1118,14 @@ async fn the_explainers_kept_device_catalog_follows_slices_and_classes() {
                 "exactly": {"deviceClassName": "gpu.gpuplane.dev"}}]}}}}),
         )
         .unwrap();
-    let mut opts = ExplainerOptions::new(Default::default(), "replica-1");
+    let mut opts = ExplainerOptions::new("replica-1");
     opts.debounce = Duration::from_millis(50);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let client = server.client().unwrap();
     let metrics = Arc::new(QueueMetrics::default());
     let task = tokio::spawn(async move {
-        explainer::run(client, opts, metrics, async {
+        let devices = Devices::start(&client, Default::default(), |_, _| {});
+        explainer::run(client, opts, devices, metrics, async {
             let _ = stopped.await;
         })
         .await

@@ -63,7 +63,9 @@ fn start_loop_every(
     let client = server.client().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
-        queue::run(client, opts, metrics, async {
+        let devices =
+            gpuplane_shell::devices::Devices::start(&client, opts.catalog.clone(), |_, _| {});
+        queue::run(client, opts, devices, metrics, async {
             let _ = stopped.await;
         })
         .await

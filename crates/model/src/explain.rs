@@ -38,9 +38,9 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde::Serialize;
 use std::borrow::Borrow;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// The kinds of answer, in the order they are checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -255,6 +255,10 @@ pub struct Cluster {
     /// made from one template ask the same, and each answer evaluates every published
     /// device's CEL (8,000 devices x 1,000 pods a cycle at 1,000 nodes without it).
     answers: claims::Answers,
+    /// Answers to a resource ask under a placement (`resource_answer`), by both: pods of one
+    /// workload ask alike, and each answer reads every node (5,000 Pending pods x 1,000 nodes
+    /// a cycle without it).
+    resource_answers: Mutex<HashMap<String, Option<(Reason, String)>>>,
 }
 
 /// Everything [`Cluster::new`] reads, as listed from the API server.
@@ -325,6 +329,7 @@ impl Cluster {
                 .collect(),
             taken: claims::taken(listed.claims),
             answers: claims::Answers::default(),
+            resource_answers: Mutex::default(),
             templates: templates(listed.templates),
             catalog,
         }
@@ -362,7 +367,9 @@ pub fn explain(pod: &Pod, cluster: &Cluster) -> Explanation {
 }
 
 fn classify(pod: &Pod, cluster: &Cluster) -> (Reason, String) {
-    let spec = pod.spec.clone().unwrap_or_default();
+    // Borrowed: a cycle classifies every Pending GPU pod, thousands at scale.
+    let none = PodSpec::default();
+    let spec = pod.spec.as_ref().unwrap_or(&none);
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
     if let Some(answer) = topology::answer(pod, cluster) {
         return answer;
@@ -396,7 +403,7 @@ fn classify(pod: &Pod, cluster: &Cluster) -> (Reason, String) {
         return (Reason::NotWaiting, "it asks for no GPU".into());
     }
     for (resource, &ask) in &asks {
-        if let Some(answer) = resource_answer(&spec, resource, ask, &cluster.nodes) {
+        if let Some(answer) = cluster.resource_answer(spec, resource, ask) {
             return answer;
         }
     }
@@ -410,6 +417,34 @@ fn classify(pod: &Pod, cluster: &Cluster) -> (Reason, String) {
             scheduler_says(pod)
         ),
     )
+}
+
+impl Cluster {
+    /// [`resource_answer`], computed once per distinct ask and placement rules (what
+    /// `placement::excluded_by` reads of the spec).
+    fn resource_answer(
+        &self,
+        spec: &PodSpec,
+        resource: &str,
+        ask: u64,
+    ) -> Option<(Reason, String)> {
+        let required = spec
+            .affinity
+            .as_ref()
+            .and_then(|a| a.node_affinity.as_ref());
+        let rules = (&spec.tolerations, &spec.node_selector, required);
+        let Ok(rules) = serde_json::to_string(&rules) else {
+            return resource_answer(spec, resource, ask, &self.nodes);
+        };
+        let key = format!("{resource}\n{ask}\n{rules}");
+        let mut memo = self
+            .resource_answers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        memo.entry(key)
+            .or_insert_with(|| resource_answer(spec, resource, ask, &self.nodes))
+            .clone()
+    }
 }
 
 /// The answer for one requested resource, or `None` when some usable node has enough of it.

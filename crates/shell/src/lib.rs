@@ -14,6 +14,7 @@ pub mod cdi;
 pub mod controller;
 pub mod crashpoint;
 pub mod deviceplugin;
+pub mod devices;
 pub mod discover;
 pub mod dra;
 pub mod explain;

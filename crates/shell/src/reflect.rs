@@ -1,7 +1,7 @@
 //! One way to keep a watch-fed cache: a kube-runtime reflector store and the future that feeds
 //! it, with backoff, telling the caller of each change and each watch error, and logging a
 //! failing watch once per outage (and its recovery) rather than once per retry. The webhook's
-//! caches and the controller's explainer both use it.
+//! caches, the shared [`crate::devices::Devices`] and the controller's explainer use it.
 
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
@@ -13,29 +13,83 @@ use tokio_stream::StreamExt;
 /// A store of what `api` lists under `config`, and the future that keeps it (until the
 /// stream ends). `changed` runs after every event applied; `failed` on every watch error,
 /// while the store keeps its last state.
-pub fn reflected<K>(
+pub fn reflected<K: Cached>(
     api: Api<K>,
     config: watcher::Config,
     what: &'static str,
     changed: impl Fn() + Send + 'static,
     failed: impl Fn(&watcher::Error) + Send + 'static,
-) -> (Store<K>, impl Future<Output = ()> + Send)
-where
+) -> (Store<K>, impl Future<Output = ()> + Send) {
+    reflected_shaped(api, config, what, Shape::whole(), changed, failed)
+}
+
+/// What a watch-fed store can hold: any cluster API object kube knows the type of.
+pub trait Cached:
+    kube::Resource<DynamicType = ()>
+    + Clone
+    + std::fmt::Debug
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Cached for K where
     K: kube::Resource<DynamicType = ()>
         + Clone
         + std::fmt::Debug
         + serde::de::DeserializeOwned
         + Send
         + Sync
-        + 'static,
+        + 'static
 {
+}
+
+/// Which objects a store keeps and what of them: what the watch selectors cannot say.
+pub struct Shape<K> {
+    /// Whether the store keeps the object at all; must not change over an object's life (an
+    /// object dropped is never deleted from the store).
+    pub keep: fn(&K) -> bool,
+    /// Drops what no reader needs, before the store keeps it.
+    pub slim: fn(&mut K),
+}
+
+impl<K> Shape<K> {
+    /// Every object, whole (but for managed fields).
+    pub fn whole() -> Shape<K> {
+        Shape {
+            keep: |_| true,
+            slim: |_| {},
+        }
+    }
+}
+
+/// [`reflected`], keeping only the objects and the parts of them that `shape` says.
+pub fn reflected_shaped<K: Cached>(
+    api: Api<K>,
+    config: watcher::Config,
+    what: &'static str,
+    shape: Shape<K>,
+    changed: impl Fn() + Send + 'static,
+    failed: impl Fn(&watcher::Error) + Send + 'static,
+) -> (Store<K>, impl Future<Output = ()> + Send) {
     let (reader, writer) = reflector::store();
     // managedFields are most of a small object's bytes and no reader of these caches looks
     // at them: dropped before the store keeps the object (at 1,000 nodes and 6,000 pods this
     // is most of the controller's memory).
+    let Shape { keep, slim } = shape;
     let events = watcher(api, config)
         .default_backoff()
-        .modify(|o| o.managed_fields_mut().clear());
+        .filter(move |ev| match ev {
+            Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => keep(o),
+            Ok(watcher::Event::Delete(o)) => keep(o),
+            _ => true,
+        })
+        .modify(move |o| {
+            o.managed_fields_mut().clear();
+            slim(o);
+        });
     let stream = reflector::reflector(writer, events);
     let feed = async move {
         // On the heap: several watch streams inline make a future too large for a worker's

@@ -121,6 +121,58 @@ fn free_gpus_only_on_nodes_the_pod_may_not_use_is_placement_naming_the_taint_or_
 }
 
 #[test]
+fn pods_classified_in_one_cycle_get_the_answers_each_would_get_alone() {
+    // One cluster answers pods alike once; whatever placement rule differs must not share it.
+    let tainted =
+        json!({"spec": {"taints": [{"key": "drain", "value": "b", "effect": "NoSchedule"}]}});
+    let nodes = vec![
+        node("a", 8, json!({})),
+        node("b", 8, tainted),
+        node("c", 4, json!({"metadata": {"labels": {"pool": "c"}}})),
+    ];
+    let pods = vec![running("x", "a", 8)];
+    let affinity = |op: &str| {
+        json!({"spec": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": op, "values": ["c"]}]}]
+        }}}}})
+    };
+    let asked = [
+        pod("p1", 6, json!({})),
+        pod("p2", 6, json!({})),
+        pod(
+            "p3",
+            6,
+            json!({"spec": {"tolerations": [{"key": "drain", "operator": "Exists"}]}}),
+        ),
+        pod("p4", 2, json!({})),
+        pod("p5", 6, json!({"spec": {"nodeSelector": {"pool": "c"}}})),
+        pod("p6", 2, affinity("In")),
+        pod("p7", 2, affinity("NotIn")),
+        pod("p8", 20, json!({})),
+    ];
+    let listed = Listed {
+        nodes,
+        pods,
+        ..Default::default()
+    };
+    let shared = Cluster::new(&listed, CatalogSettings::default());
+    let together: Vec<_> = asked.iter().map(|p| explain(p, &shared)).collect();
+    for (p, e) in asked.iter().zip(&together) {
+        assert_eq!(
+            (e.reason, e.message.clone()),
+            answer_in(p, &listed),
+            "{e:?}"
+        );
+    }
+    let reasons: Vec<Reason> = together.iter().map(|e| e.reason).collect();
+    use Reason::*;
+    assert_eq!(
+        reasons,
+        [Placement, Placement, Unknown, Unknown, Placement, Unknown, Placement, Capacity]
+    );
+}
+
+#[test]
 fn required_node_affinity_is_evaluated_as_kubernetes_does() {
     let affinity = |op: &str, values: Value| {
         pod(

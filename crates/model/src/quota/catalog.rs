@@ -26,7 +26,8 @@ use super::share::{ConsumableCapacity, COMPUTE_CAPACITY, MEMORY_CAPACITY};
 use super::usage::{Dimension, Memory};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use std::borrow::Borrow;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 
 /// The default DRA driver name of gpuplane's node agent.
 pub const DEFAULT_DRIVER: &str = "gpu.gpuplane.dev";
@@ -128,7 +129,22 @@ pub struct DeviceCatalog {
     devices: Vec<CatalogDevice>,
     classes: BTreeMap<String, ClassInfo>,
     settings: CatalogSettings,
+    verdicts: Verdicts,
 }
+
+/// Each selector's verdict on every device (`may_match`, in `devices` order), by expression:
+/// a CEL evaluation copies the device's whole value, and at 1,000 nodes the webhook, the quota
+/// loop and the explainer would otherwise evaluate 8,000 devices per claim request they read.
+/// Shared by clones, which hold the same devices. At most [`MAX_VERDICTS`] expressions are
+/// kept; past that, verdicts are computed each time.
+#[derive(Debug, Clone, Default)]
+struct Verdicts(Arc<Mutex<HashMap<Arc<str>, Verdict>>>);
+
+/// One selector's `may_match` on each device, in `devices` order.
+type Verdict = Arc<Vec<bool>>;
+
+/// Expressions whose verdicts a catalog keeps (a bit per device each).
+const MAX_VERDICTS: usize = 1024;
 
 /// Compute slices of a MIG-capable GPU, by product name.
 pub fn mig_compute_slices(product: Option<&str>) -> u64 {
@@ -212,7 +228,22 @@ impl DeviceCatalog {
             devices,
             classes,
             settings,
+            verdicts: Verdicts::default(),
         }
+    }
+
+    /// `s`'s verdict on every device, computed once per catalog.
+    fn verdicts(&self, s: &Selector) -> Verdict {
+        let mut kept = self.verdicts.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(v) = kept.get(s.source()) {
+            return v.clone();
+        }
+        let v: Arc<Vec<bool>> =
+            Arc::new(self.devices.iter().map(|d| s.may_match(&d.cel)).collect());
+        if kept.len() < MAX_VERDICTS {
+            kept.insert(s.source().into(), v.clone());
+        }
+        v
     }
 
     pub fn settings(&self) -> &CatalogSettings {
@@ -246,15 +277,18 @@ impl DeviceCatalog {
         if info.selectors.iter().chain(selectors).any(foreign) {
             return ClassMatch::NotGpu;
         }
+        let verdicts: Vec<_> = info
+            .selectors
+            .iter()
+            .chain(selectors)
+            .map(|s| self.verdicts(s))
+            .collect();
         ClassMatch::Devices(
             self.devices
                 .iter()
-                .filter(|d| {
-                    info.selectors
-                        .iter()
-                        .chain(selectors)
-                        .all(|s| s.may_match(&d.cel))
-                })
+                .enumerate()
+                .filter(|(i, _)| verdicts.iter().all(|v| v.get(*i).copied().unwrap_or(true)))
+                .map(|(_, d)| d)
                 .collect(),
         )
     }

@@ -122,6 +122,8 @@ fn to_cel(v: &AttrValue) -> Option<Value> {
 /// One compiled CEL selector expression.
 #[derive(Debug, Clone)]
 pub struct Selector {
+    /// The expression as written: what a catalog remembers its verdicts by.
+    source: Arc<str>,
     program: Option<Arc<Program>>,
     required_driver: Option<String>,
 }
@@ -136,9 +138,15 @@ impl Selector {
             .as_ref()
             .and_then(|p| required_driver(p.expression()));
         Selector {
+            source: expr.into(),
             program: program.map(Arc::new),
             required_driver,
         }
+    }
+
+    /// The expression as written.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Whether the expression compiled (for diagnostics).

@@ -1,6 +1,7 @@
 //! Quota arithmetic, pricing and decisions, without sockets.
 
 use super::escrow::EscrowRound;
+use super::selector::Selector;
 use super::*;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
@@ -345,6 +346,29 @@ fn a_capacity_selector_class_is_priced_from_its_matches() {
         (ch.usage.gpus, ch.usage.gpu_memory),
         (Gpus::ONE, Memory(80 * GI))
     );
+}
+
+#[test]
+fn a_catalog_remembers_each_expressions_verdicts_apart() {
+    // Verdicts are kept per expression: asking again, or another expression, on one catalog
+    // (and on a clone of it) gives what a fresh catalog gives.
+    let c = catalog();
+    let names = |c: &DeviceCatalog, expr: &str| -> Vec<String> {
+        match c.matching("mig.gpuplane.dev", &[Selector::parse(expr)]) {
+            ClassMatch::Devices(d) => d.iter().map(|d| format!("{}/{}", d.pool, d.name)).collect(),
+            _ => panic!("mig.gpuplane.dev matches devices"),
+        }
+    };
+    let small = "device.attributes['gpu.gpuplane.dev'].profile == '1g.10gb'";
+    let big = "device.attributes['gpu.gpuplane.dev'].profile == '3g.40gb'";
+    let fresh = |expr: &str| names(&catalog(), expr);
+    for _ in 0..2 {
+        assert_eq!(names(&c, small), fresh(small));
+        assert_eq!(names(&c, big), fresh(big));
+        assert_eq!(names(&c.clone(), big), fresh(big));
+    }
+    assert_eq!(fresh(small).len(), 3);
+    assert_eq!(fresh(big).len(), 1);
 }
 
 #[test]

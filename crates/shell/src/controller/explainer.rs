@@ -1,12 +1,12 @@
 //! Keeps the answer to "why is my GPU pod Pending" on the pod (I/O shell over
-//! `gpuplane_model::explain`; leader only). Reflector stores of pods (not Succeeded), nodes,
-//! ResourceSlices, DeviceClasses, ResourceClaims and ResourceClaimTemplates feed one loop; any
-//! change wakes it, and it recomputes at most once per `debounce`, so a reason is current
-//! within about a second of the change that alters it.
+//! `gpuplane_model::explain`; leader only). Reflector stores of the pods that ask for devices
+//! (not Succeeded, slimmed), nodes, ResourceClaims and ResourceClaimTemplates, and the shared
+//! published [`Devices`], feed one loop; any change wakes it, and it recomputes at most once
+//! per `debounce`, so a reason is current within about a second of the change that alters it.
 //!
-//! A cycle reads the stores' shared copies (no object is cloned) and reuses the device catalog
-//! (a CEL evaluation per published device to build) until a ResourceSlice or DeviceClass
-//! changes: at 1,000 nodes the cycle is then the classification itself.
+//! A cycle reads the stores' shared copies (no object is cloned) and the shared device catalog
+//! (rebuilt only when a ResourceSlice or DeviceClass changes): at 1,000 nodes the cycle is
+//! then the classification itself.
 //!
 //! Per Pending, unscheduled pod that waits for a GPU: the condition [`CONDITION`] (False,
 //! reason = the explanation's reason, message = its message), written only when it differs
@@ -15,19 +15,23 @@
 //! condition turns True (`Scheduled`). A pod the kubelet refused with TopologyAffinityError is
 //! bound and Failed but never got its GPUs: it keeps the condition (reason `Topology`) and
 //! counts as waiting while it exists. A failed write is logged and made again in the next cycle.
+//!
+//! New reasons are written first; Events and message-only rewrites follow a few batches at a
+//! time, and a change arriving meanwhile stops them until the next cycle (which plans them
+//! again), so after a change that flips thousands of pods the next change's reasons do not wait
+//! behind its Events. Cycles are at least as far apart as one classification takes: at
+//! 1,000 nodes and 5,000 Pending pods that is the CPU the explainer may use, at most half a core.
 
 use super::metrics::QueueMetrics;
 use super::pods::{self, PodRef};
 use super::writes::{self, bounded, Condition};
-use crate::quota::CatalogSettings;
+use crate::devices::Devices;
+use crate::reflect::{Cached, Shape};
 use gpuplane_model::explain::{
     explain, fragmentation_by_pool, refused_by_kubelet, Cluster, Explanation, Reason, Shared,
 };
-use gpuplane_model::quota::DeviceCatalog;
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Node, Pod, PodCondition};
-use k8s_openapi::api::resource::v1::{
-    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
-};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
 use kube::api::Api;
 use kube::runtime::reflector::Store;
 use kube::runtime::watcher;
@@ -35,7 +39,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::Notify;
 
 /// The pod condition the explainer keeps (`gpuplane explain` reads it back).
@@ -46,7 +50,6 @@ pub const SCHEDULED: &str = "Scheduled";
 /// Tunables of the explainer.
 #[derive(Debug, Clone)]
 pub struct ExplainerOptions {
-    pub catalog: CatalogSettings,
     /// This replica's name on Events.
     pub instance: String,
     /// The least time between two cycles: changes arriving meanwhile are handled together.
@@ -63,13 +66,12 @@ pub struct ExplainerOptions {
 }
 
 impl ExplainerOptions {
-    pub fn new(catalog: CatalogSettings, instance: &str) -> ExplainerOptions {
+    pub fn new(instance: &str) -> ExplainerOptions {
         ExplainerOptions {
-            catalog,
             instance: instance.into(),
             debounce: Duration::from_millis(500),
             resync: Duration::from_secs(60),
-            concurrency: 8,
+            concurrency: 32,
             message_refresh: Duration::from_secs(10),
         }
     }
@@ -79,55 +81,35 @@ impl ExplainerOptions {
 struct Stores {
     pods: Store<Pod>,
     nodes: Store<Node>,
-    slices: Store<ResourceSlice>,
-    classes: Store<DeviceClass>,
+    devices: Arc<Devices>,
     claims: Store<ResourceClaim>,
     templates: Store<ResourceClaimTemplate>,
-    /// Counts changes to slices and classes: the catalog is rebuilt when it moved.
-    devices_changed: Arc<AtomicU64>,
+    /// Counts changes to any of them: pending writes stop for a new plan when it moved.
+    changes: Arc<AtomicU64>,
 }
 
 impl Stores {
     /// Waits until every store was listed once (false: a writer went away).
     async fn ready(&self) -> bool {
-        let (a, b, c, d, e, f) = tokio::join!(
+        let (a, b, c, d, e) = tokio::join!(
             self.pods.wait_until_ready(),
             self.nodes.wait_until_ready(),
-            self.slices.wait_until_ready(),
-            self.classes.wait_until_ready(),
+            self.devices.ready(),
             self.claims.wait_until_ready(),
             self.templates.wait_until_ready(),
         );
-        [a, b, c, d, e, f].iter().all(Result::is_ok)
+        c.is_ok() && [a, b, d, e].iter().all(Result::is_ok)
     }
 
     /// The cluster as the stores hold it, with `pods` (the pod store's state, read once per
-    /// cycle) and the catalog from `cache`, rebuilt only when slices or classes changed since.
-    fn cluster(
-        &self,
-        pods: &[Arc<Pod>],
-        settings: &CatalogSettings,
-        cache: &mut Option<(u64, Arc<DeviceCatalog>)>,
-    ) -> Cluster {
-        // Read before the stores: a change landing during the build moves it again, so the
-        // next cycle rebuilds.
-        let generation = self.devices_changed.load(Ordering::Acquire);
-        let catalog = match cache {
-            Some((g, c)) if *g == generation => c.clone(),
-            _ => {
-                let (slices, classes) = (self.slices.state(), self.classes.state());
-                let c = Arc::new(DeviceCatalog::from_shared(
-                    &slices,
-                    &classes,
-                    settings.clone(),
-                ));
-                *cache = Some((generation, c.clone()));
-                c
-            }
-        };
+    /// cycle).
+    fn cluster(&self, pods: &[Arc<Pod>]) -> Cluster {
+        // The catalog before the slices: one built meanwhile is newer, and the next cycle
+        // reads both again.
+        let catalog = self.devices.catalog();
         let (nodes, slices, claims, templates) = (
             self.nodes.state(),
-            self.slices.state(),
+            self.devices.slices(),
             self.claims.state(),
             self.templates.state(),
         );
@@ -142,31 +124,48 @@ impl Stores {
     }
 }
 
-/// A reflector store of `api` and the future that feeds it, waking `wake` on every change and
-/// counting it in `changes` when given.
-fn reflect<K>(
+/// A reflector store of `api` (of what `shape` keeps) and the future that feeds it, waking
+/// `wake` and counting in `changes` on every change.
+fn reflect<K: Cached>(
     api: Api<K>,
     config: watcher::Config,
     what: &'static str,
-    wake: Arc<Notify>,
-    changes: Option<Arc<AtomicU64>>,
-) -> (Store<K>, impl Future<Output = ()> + Send)
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
-    let changed = move || {
-        if let Some(c) = &changes {
-            c.fetch_add(1, Ordering::Release);
-        }
-        wake.notify_one();
+    shape: Shape<K>,
+    (wake, changes): (Arc<Notify>, Arc<AtomicU64>),
+) -> (Store<K>, impl Future<Output = ()> + Send) {
+    let changed = move || changed(&wake, &changes);
+    crate::reflect::reflected_shaped(api, config, what, shape, changed, |_| {})
+}
+
+/// Tells the loop of a change.
+fn changed(wake: &Notify, changes: &AtomicU64) {
+    changes.fetch_add(1, Ordering::Release);
+    wake.notify_one();
+}
+
+/// Whether `pod` asks for any extended resource or claim: the only pods that wait for a GPU or
+/// hold one. Wider than the quota's rule (`governs_pod`): an extended resource backed by a
+/// DeviceClass may have any name, and a class may appear later. Pods' resource names and
+/// claims never change, so the answer holds for a pod's life.
+fn asks_for_devices(pod: &Pod) -> bool {
+    let Some(spec) = &pod.spec else {
+        return false;
     };
-    crate::reflect::reflected(api, config, what, changed, |_| {})
+    let extended = |c: &k8s_openapi::api::core::v1::Container| {
+        c.resources.as_ref().is_some_and(|r| {
+            r.requests
+                .iter()
+                .chain(r.limits.iter())
+                .flat_map(|m| m.keys())
+                .any(|k| k.contains('/'))
+        })
+    };
+    spec.resource_claims.as_ref().is_some_and(|c| !c.is_empty())
+        || spec
+            .containers
+            .iter()
+            .chain(spec.init_containers.iter().flatten())
+            .any(extended)
 }
 
 /// What the explainer remembers of a pod it explains.
@@ -176,7 +175,7 @@ struct Tracked {
     created: SystemTime,
     /// The reason the last Event (ours, or a previous leader's condition) told.
     evented: Option<Reason>,
-    /// When this explainer last decided to write the pod's condition.
+    /// When this explainer last wrote the pod's condition.
     written: Option<std::time::Instant>,
 }
 
@@ -189,12 +188,21 @@ enum Write {
         available: bool,
         reason: String,
         message: String,
+        /// A new reason (or status), not only a new message.
+        urgent: bool,
     },
     Event {
         pod: PodRef,
         reason: Reason,
         message: String,
     },
+}
+
+impl Write {
+    /// Whether a cycle may leave it to the next one.
+    fn deferrable(&self) -> bool {
+        !matches!(self, Write::Condition { urgent: true, .. })
+    }
 }
 
 /// Our condition on `pod`, if it has one.
@@ -207,8 +215,6 @@ fn our_condition(pod: &Pod) -> Option<&PodCondition> {
 #[derive(Debug, Default)]
 struct Explainer {
     tracked: HashMap<String, Tracked>,
-    /// The device catalog and the slice/class change count it was built at.
-    catalog: Option<(u64, Arc<DeviceCatalog>)>,
 }
 
 impl Explainer {
@@ -237,6 +243,7 @@ impl Explainer {
                         available: true,
                         reason: SCHEDULED.into(),
                         message: format!("scheduled to node {node}"),
+                        urgent: true,
                     });
                 }
                 continue;
@@ -261,9 +268,13 @@ impl Explainer {
             }
             stays
         });
-        // Every condition before any Event: when a change flips many pods at once, the
-        // conditions (what `kubectl get`, the CLI and tools read) land in half the time.
-        writes.sort_by_key(|w| matches!(w, Write::Event { .. }));
+        // New reasons first (what `kubectl get`, the CLI and tools read), then Events, then
+        // new numbers under an unchanged reason.
+        writes.sort_by_key(|w| match w {
+            Write::Condition { urgent: true, .. } => 0,
+            Write::Event { .. } => 1,
+            Write::Condition { .. } => 2,
+        });
         (writes, counts)
     }
 
@@ -290,13 +301,13 @@ impl Explainer {
             same_reason && cond.and_then(|c| c.message.as_deref()) == Some(e.message.as_str());
         let refresh_due = t.written.is_none_or(|w| w.elapsed() >= refresh);
         if !same_reason || (!same_message && refresh_due) {
-            t.written = Some(std::time::Instant::now());
             writes.push(Write::Condition {
                 pod: PodRef::of(pod),
                 previous: previous.clone(),
                 available: false,
                 reason: e.reason.as_str().into(),
                 message: e.message.clone(),
+                urgent: !same_reason,
             });
         }
         if t.evented != Some(e.reason) {
@@ -309,20 +320,54 @@ impl Explainer {
         writes
     }
 
-    /// One cycle: plan, write, remember which Events went out. True when a write failed (the
-    /// next cycle makes it again).
+    /// One cycle: plan, write every new reason, then the Events and new numbers a batch at a
+    /// time until done or until the stores changed (the next cycle plans the rest again).
+    /// Returns whether a write failed, and how long the plan took.
     async fn cycle(
         &mut self,
         client: &kube::Client,
         stores: &Stores,
         opts: &ExplainerOptions,
         metrics: &QueueMetrics,
-    ) -> bool {
-        let pods = stores.pods.state();
-        let cluster = stores.cluster(&pods, &opts.catalog, &mut self.catalog);
-        let (todo, counts) = self.plan(&pods, &cluster, metrics, opts.message_refresh);
+    ) -> (bool, Duration) {
+        let (seen, began) = (stores.changes.load(Ordering::Acquire), Instant::now());
+        let (todo, counts) = {
+            let pods = stores.pods.state();
+            let cluster = stores.cluster(&pods);
+            metrics.set_pools(fragmentation_by_pool(&cluster.nodes));
+            self.plan(&pods, &cluster, metrics, opts.message_refresh)
+        };
+        let planned = began.elapsed();
         metrics.set_pending(&counts);
-        metrics.set_pools(fragmentation_by_pool(&cluster.nodes));
+        let (urgent, later): (Vec<_>, Vec<_>) = todo.into_iter().partition(|w| !w.deferrable());
+        let mut failed = self.send(client, opts, urgent).await;
+        let mut later = later.into_iter();
+        loop {
+            let batch: Vec<_> = later.by_ref().take(opts.concurrency * 4).collect();
+            if batch.is_empty() || stores.changes.load(Ordering::Acquire) != seen {
+                break;
+            }
+            failed |= self.send(client, opts, batch).await;
+        }
+        (failed, planned)
+    }
+
+    /// Makes `todo`'s writes, `opts.concurrency` at a time, and remembers what went out; true
+    /// when one failed.
+    async fn send(
+        &mut self,
+        client: &kube::Client,
+        opts: &ExplainerOptions,
+        todo: Vec<Write>,
+    ) -> bool {
+        let now = Instant::now();
+        for w in &todo {
+            if let Write::Condition { pod, .. } = w {
+                if let Some(t) = self.tracked.get_mut(&pod.uid) {
+                    t.written = Some(now);
+                }
+            }
+        }
         let client = client.clone();
         let instance = opts.instance.clone();
         let results = bounded(opts.concurrency, todo, |w| {
@@ -366,6 +411,7 @@ async fn write(client: &kube::Client, w: &Write, instance: &str) -> Result<(), k
             available,
             reason,
             message,
+            ..
         } => {
             let api: Api<Pod> = Api::namespaced(client.clone(), &pod.namespace);
             let c = Condition {
@@ -392,6 +438,7 @@ async fn write(client: &kube::Client, w: &Write, instance: &str) -> Result<(), k
 pub async fn run(
     client: kube::Client,
     opts: ExplainerOptions,
+    devices: Arc<Devices>,
     metrics: Arc<QueueMetrics>,
     stop: impl Future<Output = ()>,
 ) {
@@ -401,28 +448,49 @@ pub async fn run(
     // Succeeded pods never wait and, in a busy cluster, are most pods. Failed ones stay: the
     // kubelet ends a pod it refused for NUMA alignment Failed (the Topology reason).
     let live = all().fields("status.phase!=Succeeded");
-    let devices_changed = Arc::new(AtomicU64::new(0));
-    let dev = || Some(devices_changed.clone());
-    let (pods, f1) = reflect(Api::<Pod>::all(c()), live, "pods", wake.clone(), None);
-    let (nodes, f2) = reflect(Api::<Node>::all(c()), all(), "nodes", wake.clone(), None);
-    let (slices, f3) = reflect(Api::all(c()), all(), "resourceslices", wake.clone(), dev());
-    let (classes, f4) = reflect(Api::all(c()), all(), "deviceclasses", wake.clone(), dev());
-    let (claims, f5) = reflect(Api::all(c()), all(), "resourceclaims", wake.clone(), None);
-    let (templates, f6) = reflect(
+    // Pods that ask for no device never wait for one nor hold one: in a busy cluster they are
+    // most pods, and the store would keep them whole.
+    let gpu_pods = Shape {
+        keep: asks_for_devices,
+        slim: super::watchers::slim_pod,
+    };
+    let changes = Arc::new(AtomicU64::new(0));
+    let tell = || (wake.clone(), changes.clone());
+    let (pods, f1) = reflect(Api::all(c()), live, "pods", gpu_pods, tell());
+    let (nodes, f2) = reflect(
+        Api::<Node>::all(c()),
+        all(),
+        "nodes",
+        Shape::whole(),
+        tell(),
+    );
+    let (claims, f3) = reflect(
+        Api::all(c()),
+        all(),
+        "resourceclaims",
+        Shape::whole(),
+        tell(),
+    );
+    let (templates, f4) = reflect(
         Api::all(c()),
         all(),
         "resourceclaimtemplates",
-        wake.clone(),
-        None,
+        Shape::whole(),
+        tell(),
     );
+    let mut published = devices.changes();
+    let relay = async {
+        while published.changed().await.is_ok() {
+            changed(&wake, &changes);
+        }
+    };
     let stores = Stores {
         pods,
         nodes,
-        slices,
-        classes,
+        devices,
         claims,
         templates,
-        devices_changed,
+        changes: changes.clone(),
     };
     let work = async {
         if !stores.ready().await {
@@ -430,17 +498,55 @@ pub async fn run(
         }
         let mut explainer = Explainer::default();
         loop {
-            let failed = explainer.cycle(&client, &stores, &opts, &metrics).await;
-            tokio::time::sleep(opts.debounce).await;
+            let (failed, planned) = explainer.cycle(&client, &stores, &opts, &metrics).await;
+            // A plan costs CPU in proportion to the cluster: at most half the loop's time.
+            tokio::time::sleep(opts.debounce.max(planned)).await;
             if !failed {
                 let _ = tokio::time::timeout(opts.resync, wake.notified()).await;
             }
         }
     };
-    let feeds = async { tokio::join!(f1, f2, f3, f4, f5, f6) };
+    let feeds = async { tokio::join!(f1, f2, f3, f4, relay) };
     tokio::select! {
         _ = stop => {}
         _ = work => {}
         _ = feeds => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(spec: serde_json::Value) -> Pod {
+        serde_json::from_value(json!({"metadata": {"name": "p"}, "spec": spec})).unwrap()
+    }
+
+    fn limits(l: serde_json::Value) -> serde_json::Value {
+        json!({"containers": [{"name": "c", "resources": {"limits": l}}]})
+    }
+
+    #[test]
+    fn only_pods_asking_for_a_device_are_kept() {
+        assert!(asks_for_devices(&pod(limits(
+            json!({"nvidia.com/gpu": "1"})
+        ))));
+        // An extended resource a DeviceClass may back, under any name.
+        assert!(asks_for_devices(&pod(limits(
+            json!({"example.com/accel": "1"})
+        ))));
+        let claim = json!({"resourceClaims": [{"name": "g", "resourceClaimTemplateName": "t"}],
+            "containers": [{"name": "c"}]});
+        assert!(asks_for_devices(&pod(claim)));
+        let init = json!({"initContainers": [{"name": "i", "resources": {"requests": {"nvidia.com/gpu": "1"}}}],
+            "containers": [{"name": "c"}]});
+        assert!(asks_for_devices(&pod(init)));
+        assert!(!asks_for_devices(&pod(limits(
+            json!({"cpu": "2", "memory": "1Gi", "hugepages-2Mi": "1Gi"})
+        ))));
+        assert!(!asks_for_devices(&pod(
+            json!({"containers": [{"name": "c"}]})
+        )));
     }
 }

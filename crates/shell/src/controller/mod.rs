@@ -35,6 +35,7 @@ pub mod writes;
 
 pub use gpuplane_model::controller::*;
 
+use crate::devices::Devices;
 use elector::Role;
 use explainer::ExplainerOptions;
 use labeler::LabelerOptions;
@@ -102,20 +103,25 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), elector::ElectionError> {
     let (role, _) = watch::channel(Role::Follower(None));
-    run_reporting(client, opts, metrics, role, shutdown).await
+    run_reporting(client, opts, metrics, role, None, shutdown).await
 }
 
-/// [`run`], publishing this replica's part on `role` (always leader without election).
+/// [`run`], publishing this replica's part on `role` (always leader without election), reading
+/// `devices` (the webhook's, in a replica) or, without, watching them itself.
 pub async fn run_reporting(
     client: kube::Client,
     opts: ControllerOptions,
     metrics: Arc<QueueMetrics>,
     role: watch::Sender<Role>,
+    devices: Option<Arc<Devices>>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), elector::ElectionError> {
+    let devices =
+        devices.unwrap_or_else(|| Devices::start(&client, opts.queue.catalog.clone(), |_, _| {}));
     if !opts.leader_elect {
         role.send_replace(Role::Leader);
-        loops(client, opts.queue, opts.labels, metrics, shutdown).await;
+        let (queue, labels) = (opts.queue, opts.labels);
+        loops(client, queue, labels, devices, metrics, shutdown).await;
         role.send_replace(Role::Follower(None));
         return Ok(());
     }
@@ -132,6 +138,7 @@ pub async fn run_reporting(
             client.clone(),
             opts.queue.clone(),
             opts.labels.clone(),
+            devices.clone(),
             metrics.clone(),
             stop,
         )
@@ -141,11 +148,12 @@ pub async fn run_reporting(
 }
 
 /// The leader's loops side by side (the queue, the labeler, the explainer), all stopped by
-/// `stop`.
+/// `stop`; the queue and the explainer read the one `devices`.
 async fn loops(
     client: kube::Client,
     queue: QueueOptions,
     labels: LabelerOptions,
+    devices: Arc<Devices>,
     metrics: Arc<QueueMetrics>,
     stop: impl Future<Output = ()>,
 ) {
@@ -157,18 +165,25 @@ async fn loops(
         stop.await;
         stop_tx.send_replace(true);
     };
-    let explain = ExplainerOptions::new(queue.catalog.clone(), &queue.instance);
+    let explain = ExplainerOptions::new(&queue.instance);
     let both = async {
         tokio::join!(
             queue::run(
                 client.clone(),
                 queue,
+                devices.clone(),
                 metrics.clone(),
                 stopped(stop_rx.clone())
             ),
             labeler::run(client.clone(), labels, stopped(stop_rx.clone())),
             // Boxed: its six reflectors make a large future.
-            Box::pin(explainer::run(client, explain, metrics, stopped(stop_rx))),
+            Box::pin(explainer::run(
+                client,
+                explain,
+                devices,
+                metrics,
+                stopped(stop_rx)
+            )),
         )
     };
     // The loops end only when stopped (or when their watchers' channels close).

@@ -1,5 +1,5 @@
-//! The quota loop (I/O shell): watches pods, GpuQuotas, ResourceClaims, templates,
-//! ResourceSlices and DeviceClasses into [`Cache`]s, and reconciles each namespace that
+//! The quota loop (I/O shell): watches pods, GpuQuotas, ResourceClaims and templates into
+//! [`Cache`]s, reads the published devices from the shared [`Devices`], and reconciles each namespace that
 //! changed (or whose time came) with [`namespace::decide`], then applies the decision:
 //! GpuQuota status first (PUT `/status` with the resourceVersion just read; a 409 lists and
 //! decides the namespace again at once, a few times, then backs off), gates second, notes
@@ -28,12 +28,11 @@ use super::metrics::QueueMetrics;
 use super::namespace::{self, Decision, Inputs, QueueSettings};
 use super::pods;
 use super::schedule::{drive, Keyed, Timing};
+use crate::devices::Devices;
 use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota, QuotaMode};
 use error::api_error;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{
-    DeviceClass, ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
-};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, PostParams};
 use kube::runtime::watcher::Event;
@@ -102,8 +101,7 @@ pub struct QueueLoop {
     quotas: Cache<GpuQuota>,
     claims: Cache<ResourceClaim>,
     templates: Cache<ResourceClaimTemplate>,
-    slices: Cache<ResourceSlice>,
-    classes: Cache<DeviceClass>,
+    devices: Arc<Devices>,
     catalog: Arc<DeviceCatalog>,
     catalog_stale: bool,
     /// Our own last writes of GpuQuotas, newer than the cache until its watch catches up.
@@ -120,7 +118,13 @@ pub struct QueueLoop {
 }
 
 impl QueueLoop {
-    pub fn new(client: kube::Client, opts: QueueOptions, metrics: Arc<QueueMetrics>) -> QueueLoop {
+    /// A loop reading `devices`, which must have listed once (see [`Devices::ready`]).
+    pub fn new(
+        client: kube::Client,
+        opts: QueueOptions,
+        devices: Arc<Devices>,
+        metrics: Arc<QueueMetrics>,
+    ) -> QueueLoop {
         let meter = opts.hours.clone().map(Meter::new);
         QueueLoop {
             client,
@@ -130,8 +134,7 @@ impl QueueLoop {
             quotas: Cache::default(),
             claims: Cache::default(),
             templates: Cache::default(),
-            slices: Cache::default(),
-            classes: Cache::default(),
+            devices,
             catalog: Arc::new(DeviceCatalog::default()),
             catalog_stale: true,
             written: HashMap::new(),
@@ -150,8 +153,6 @@ impl QueueLoop {
             && self.quotas.is_ready()
             && self.claims.is_ready()
             && self.templates.is_ready()
-            && self.slices.is_ready()
-            && self.classes.is_ready()
     }
 
     fn known_namespaces(&self) -> BTreeSet<String> {
@@ -201,13 +202,7 @@ impl QueueLoop {
                 }
                 touched
             }
-            Input::Slice(e) => {
-                self.slices.apply(*e);
-                self.catalog_stale = true;
-                self.known_namespaces()
-            }
-            Input::Class(e) => {
-                self.classes.apply(*e);
+            Input::Devices => {
                 self.catalog_stale = true;
                 self.known_namespaces()
             }
@@ -236,13 +231,7 @@ impl QueueLoop {
 
     fn refresh_catalog(&mut self) {
         if self.catalog_stale {
-            let slices: Vec<_> = self.slices.all().collect();
-            let classes: Vec<_> = self.classes.all().collect();
-            self.catalog = Arc::new(DeviceCatalog::from_shared(
-                &slices,
-                &classes,
-                self.opts.catalog.clone(),
-            ));
+            self.catalog = self.devices.catalog();
             self.catalog_stale = false;
             self.reprice();
         }
@@ -519,12 +508,23 @@ fn version(q: &GpuQuota) -> u64 {
 pub async fn run(
     client: kube::Client,
     opts: QueueOptions,
+    devices: Arc<Devices>,
     metrics: Arc<QueueMetrics>,
     stop: impl Future<Output = ()>,
 ) {
+    // The first catalog must hold what is published: pods priced without it would be charged
+    // nothing for their claims.
+    tokio::pin!(stop);
+    tokio::select! {
+        r = devices.ready() => if let Err(what) = r {
+            tracing::error!(resource = what, "the watch of published devices ended; the quota loop does not start");
+            return;
+        },
+        _ = &mut stop => return,
+    }
     let (tx, rx) = mpsc::channel(1024);
-    let watchers = spawn_watchers(&client, tx);
-    let mut l = QueueLoop::new(client, opts, metrics);
+    let watchers = spawn_watchers(&client, &devices, tx);
+    let mut l = QueueLoop::new(client, opts, devices, metrics);
     l.drive(rx, stop).await;
     // A last flush of the GPU-hours book, so a handover or a rollout loses no interval (bounded:
     // the API server may be what went away; never from caches that have not listed).

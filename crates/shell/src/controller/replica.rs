@@ -57,12 +57,16 @@ pub async fn start(
         metrics: metrics.clone(),
     });
     let running = webhook::start(client.clone(), webhook_opts).await?;
+    // The loops read the webhook's copy of the published devices: one store and one catalog.
+    let devices = Some(running.devices());
     let (stop, mut stopped) = watch::channel(false);
     let task = tokio::spawn(async move {
         let shutdown = async move {
             let _ = stopped.wait_for(|s| *s).await;
         };
-        if let Err(e) = super::run_reporting(client, loops, metrics, role_tx, shutdown).await {
+        if let Err(e) =
+            super::run_reporting(client, loops, metrics, role_tx, devices, shutdown).await
+        {
             tracing::error!(error = %e, "the quota loops stopped");
         }
     });

@@ -1,12 +1,11 @@
 //! The quota loop's watchers: one per resource the loop reads (governed pods slimmed down,
-//! GpuQuotas, ResourceClaims, templates, ResourceSlices and DeviceClasses), each feeding the
-//! loop's channel as an [`Input`]. The labeler's watcher uses [`forward`] too.
+//! GpuQuotas, ResourceClaims, templates), each feeding the loop's channel as an [`Input`],
+//! and a relay of the shared [`Devices`]' changes. The labeler's watcher uses [`forward`] too.
 
+use crate::devices::Devices;
 use crate::quota::{governs_pod, GpuQuota};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{
-    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
-};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
 use kube::api::Api;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
@@ -20,8 +19,8 @@ pub enum Input {
     Quota(Box<Event<GpuQuota>>),
     Claim(Box<Event<ResourceClaim>>),
     Template(Box<Event<ResourceClaimTemplate>>),
-    Slice(Box<Event<ResourceSlice>>),
-    Class(Box<Event<DeviceClass>>),
+    /// A ResourceSlice or DeviceClass changed (the catalog is read from [`Devices`]).
+    Devices,
 }
 
 /// Watches `api` with `config` in a task, feeding `tx` until the receiver goes away; `wrap`
@@ -59,9 +58,19 @@ where
 /// Watches every resource the loop reads, feeding `tx` until the receiver goes away.
 pub fn spawn_watchers(
     client: &kube::Client,
+    devices: &Devices,
     tx: mpsc::Sender<Input>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut changes = devices.changes();
+    let relay = tx.clone();
     vec![
+        tokio::spawn(async move {
+            while changes.changed().await.is_ok() {
+                if relay.send(Input::Devices).await.is_err() {
+                    return;
+                }
+            }
+        }),
         // Only pods the quota governs are cached: a cluster's many pods without GPUs cost the
         // controller nothing but their decoding (the rule is immutable per pod, so a dropped
         // pod never needs a delete).
@@ -92,27 +101,16 @@ pub fn spawn_watchers(
         forward(
             Api::<ResourceClaimTemplate>::all(client.clone()),
             watcher::Config::default(),
-            tx.clone(),
-            |e| Some(Input::Template(Box::new(e))),
-        ),
-        forward(
-            Api::<ResourceSlice>::all(client.clone()),
-            watcher::Config::default(),
-            tx.clone(),
-            |e| Some(Input::Slice(Box::new(e))),
-        ),
-        forward(
-            Api::<DeviceClass>::all(client.clone()),
-            watcher::Config::default(),
             tx,
-            |e| Some(Input::Class(Box::new(e))),
+            |e| Some(Input::Template(Box::new(e))),
         ),
     ]
 }
 
-/// Drops what the loop never reads of a governed pod: managed fields, annotations other than
-/// ours, container env, commands, probes and volumes (pods are large; the cache keeps many).
-fn slim_pod(p: &mut Pod) {
+/// Drops what the loops never read of a pod they keep: managed fields, annotations other than
+/// ours, container env, commands, probes and volumes (pods are large; the caches keep many).
+/// The explainer's store slims its pods with it too.
+pub(super) fn slim_pod(p: &mut Pod) {
     p.metadata.managed_fields = None;
     if let Some(a) = p.metadata.annotations.as_mut() {
         a.retain(|k, _| k.starts_with("quota.gpuplane.dev/"));

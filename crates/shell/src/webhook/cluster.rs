@@ -1,5 +1,6 @@
-//! What the webhook knows of the cluster (I/O shell): watch-fed caches of GpuQuotas,
-//! ResourceSlices and DeviceClasses, and direct reads of ResourceClaimTemplates.
+//! What the webhook knows of the cluster (I/O shell): a watch-fed cache of GpuQuotas, the
+//! published devices ([`Devices`], which the quota loops share), and direct reads of
+//! ResourceClaimTemplates.
 //!
 //! The caches keep their last state while the API server is away, so the webhook keeps
 //! answering: pods in namespaces without a GpuQuota, and pods that need no GPU, are admitted
@@ -8,16 +9,14 @@
 //! that fails to reconnect yields nothing, so the caches alone cannot tell).
 
 use super::probe::Probes;
+use crate::devices::Devices;
 use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota};
 use gpuplane_model::report::chain;
-use k8s_openapi::api::resource::v1::{
-    DeviceClass, ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
-};
+use k8s_openapi::api::resource::v1::{ResourceClaimSpec, ResourceClaimTemplate};
 use kube::api::{Api, ListParams, WatchParams};
 use kube::runtime::reflector::Store;
 use kube::runtime::watcher;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 
@@ -40,12 +39,7 @@ pub enum ClusterError {
 pub struct Cluster {
     client: kube::Client,
     quotas: Store<GpuQuota>,
-    slices: Store<ResourceSlice>,
-    classes: Store<DeviceClass>,
-    /// Bumped on every slice or class event; the catalog is rebuilt when it moved.
-    generation: Arc<AtomicU64>,
-    settings: CatalogSettings,
-    catalog: Mutex<Option<(u64, Arc<DeviceCatalog>)>>,
+    devices: Arc<Devices>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -57,33 +51,11 @@ impl Drop for Cluster {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn spawn_reflector<K>(
-    api: Api<K>,
-    generation: Option<Arc<AtomicU64>>,
-    what: &'static str,
-    probes: Arc<Probes>,
-) -> (Store<K>, JoinHandle<()>)
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
-    let changed = move || {
-        if let Some(g) = &generation {
-            g.fetch_add(1, Ordering::Relaxed);
-        }
-    };
+fn spawn_reflector(api: Api<GpuQuota>, probes: Arc<Probes>) -> (Store<GpuQuota>, JoinHandle<()>) {
+    let what = "gpuquotas";
     let failed = move |e: &watcher::Error| probes.watch_failed(what, e.to_string());
     let (reader, feed) =
-        crate::reflect::reflected(api, watcher::Config::default(), what, changed, failed);
+        crate::reflect::reflected(api, watcher::Config::default(), what, || {}, failed);
     (reader, tokio::spawn(feed))
 }
 
@@ -125,47 +97,30 @@ impl Cluster {
             Ok(Err(e)) => return Err(ClusterError::Probe(e)),
             Ok(Ok(_)) => probes.api_ok(),
         }
-        let generation = Arc::new(AtomicU64::new(0));
-        let (quotas, t1) = spawn_reflector(all.clone(), None, "gpuquotas", probes.clone());
-        let (slices, t2) = spawn_reflector(
-            Api::<ResourceSlice>::all(client.clone()),
-            Some(generation.clone()),
-            "resourceslices",
-            probes.clone(),
-        );
-        let (classes, t3) = spawn_reflector(
-            Api::<DeviceClass>::all(client.clone()),
-            Some(generation.clone()),
-            "deviceclasses",
-            probes.clone(),
-        );
-        let t4 = tokio::spawn(probe_loop(all, probes));
+        let (quotas, t1) = spawn_reflector(all.clone(), probes.clone());
+        let watching = probes.clone();
+        let devices = Devices::start(&client, settings, move |what, e: &watcher::Error| {
+            watching.watch_failed(what, e.to_string())
+        });
+        let t2 = tokio::spawn(probe_loop(all, probes));
         let cluster = Cluster {
             client,
             quotas,
-            slices,
-            classes,
-            generation,
-            settings,
-            catalog: Mutex::new(None),
-            tasks: vec![t1, t2, t3, t4],
+            devices,
+            tasks: vec![t1, t2],
         };
-        for (what, ready) in [
-            (
-                "gpuquotas",
-                tokio::time::timeout(sync_timeout, cluster.quotas.wait_until_ready()).await,
-            ),
-            (
-                "resourceslices",
-                tokio::time::timeout(sync_timeout, cluster.slices.wait_until_ready()).await,
-            ),
-            (
-                "deviceclasses",
-                tokio::time::timeout(sync_timeout, cluster.classes.wait_until_ready()).await,
-            ),
-        ] {
-            if !matches!(ready, Ok(Ok(()))) {
-                return Err(ClusterError::Sync(what, sync_timeout));
+        match tokio::time::timeout(sync_timeout, cluster.quotas.wait_until_ready()).await {
+            Ok(Ok(())) => {}
+            _ => return Err(ClusterError::Sync("gpuquotas", sync_timeout)),
+        }
+        match tokio::time::timeout(sync_timeout, cluster.devices.ready()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(what)) => return Err(ClusterError::Sync(what, sync_timeout)),
+            Err(_) => {
+                return Err(ClusterError::Sync(
+                    "resourceslices and deviceclasses",
+                    sync_timeout,
+                ))
             }
         }
         Ok(cluster)
@@ -196,21 +151,12 @@ impl Cluster {
 
     /// The device catalog of the cached slices and classes, rebuilt when they changed.
     pub fn catalog(&self) -> Arc<DeviceCatalog> {
-        let g = self.generation.load(Ordering::Relaxed);
-        let mut cache = lock(&self.catalog);
-        if let Some((cg, c)) = cache.as_ref() {
-            if *cg == g {
-                return c.clone();
-            }
-        }
-        let (slices, classes) = (self.slices.state(), self.classes.state());
-        let c = Arc::new(DeviceCatalog::from_shared(
-            &slices,
-            &classes,
-            self.settings.clone(),
-        ));
-        *cache = Some((g, c.clone()));
-        c
+        self.devices.catalog()
+    }
+
+    /// The published devices, shared with the quota loops of the same replica.
+    pub fn devices(&self) -> Arc<Devices> {
+        self.devices.clone()
     }
 
     /// A ResourceClaimTemplate's claim spec, read from the API server; `Ok(None)` when it

@@ -126,7 +126,7 @@ pub struct RunningWebhook {
     pub metrics: Arc<metrics::Metrics>,
     /// Batches, GpuQuota status writes and conflicts of the group commit.
     pub commits: Arc<commit::CommitCounters>,
-    _cluster: Arc<cluster::Cluster>,
+    cluster: Arc<cluster::Cluster>,
 }
 
 impl RunningWebhook {
@@ -137,6 +137,11 @@ impl RunningWebhook {
 
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics_addr
+    }
+
+    /// The published devices its caches hold, for the quota loops of the same replica.
+    pub fn devices(&self) -> Arc<crate::devices::Devices> {
+        self.cluster.devices()
     }
 
     /// Stops accepting, lets open requests finish (up to 5 s), and returns.
@@ -242,7 +247,7 @@ pub async fn start(
         tasks,
         metrics,
         commits: commit.counters.clone(),
-        _cluster: cluster,
+        cluster,
     })
 }
 
