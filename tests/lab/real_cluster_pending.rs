@@ -178,10 +178,12 @@ fn fragmentation_gang_and_a_stopped_agent_each_carry_their_reason_and_numbers() 
         "{cond}"
     );
     assert_eq!(explain(&lab, "default/again")["reason"], "NoGPUCapacity");
-    assert_eq!(
-        cluster::pod_events(&lab, "default", "again", "NoGPUCapacity").len(),
-        1
-    );
+    // The Event follows the condition (new reasons are written before Events).
+    let evs = eventually("a NoGPUCapacity Event on pod again", || {
+        let e = cluster::pod_events(&lab, "default", "again", "NoGPUCapacity");
+        (!e.is_empty()).then_some(e)
+    });
+    assert_eq!(evs.len(), 1, "{evs:?}");
     wait_metric(
         &lab,
         "gpuplane_pending_gpu_pods{reason=\"NoGPUCapacity\"} 1",
@@ -268,7 +270,10 @@ spec:
         message.contains("; released together once the quota admits all: can never be admitted: "),
         "{cond}"
     );
-    let evs = cluster::pod_events(lab, "gang", "m2", "Gang");
+    let evs = eventually("a Gang Event on pod m2", || {
+        let e = cluster::pod_events(lab, "gang", "m2", "Gang");
+        (!e.is_empty()).then_some(e)
+    });
     assert_eq!(
         (evs.len(), &evs[0]["type"]),
         (1, &"Normal".into()),
