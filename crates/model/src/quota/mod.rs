@@ -89,7 +89,8 @@ pub mod usage;
 
 pub use batch::{borrows, decide_batch, stale_borrowers, Decided, Op, Outcome};
 pub use catalog::{
-    mig_share, CatalogDevice, CatalogSettings, ClassMatch, DeviceCatalog, DeviceKind,
+    mig_share, CatalogDevice, CatalogSettings, ClassMatch, DeviceCatalog, DeviceFacts, DeviceKind,
+    SliceDevices,
 };
 pub use charge::{
     claim_charge, claim_is_extended_resource_claim, claim_is_pod_owned, pod_charge,

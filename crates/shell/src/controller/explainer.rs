@@ -104,19 +104,15 @@ impl Stores {
     /// The cluster as the stores hold it, with `pods` (the pod store's state, read once per
     /// cycle).
     fn cluster(&self, pods: &[Arc<Pod>]) -> Cluster {
-        // The catalog before the slices: one built meanwhile is newer, and the next cycle
-        // reads both again.
         let catalog = self.devices.catalog();
-        let (nodes, slices, claims, templates) = (
+        let (nodes, claims, templates) = (
             self.nodes.state(),
-            self.devices.slices(),
             self.claims.state(),
             self.templates.state(),
         );
         let shared = Shared {
             nodes: &nodes,
             pods,
-            slices: &slices,
             claims: &claims,
             templates: &templates,
         };
