@@ -105,7 +105,7 @@ pub use crd::{
 pub use owners::owner_refusal;
 pub use preemption::{PreemptionPolicy, ReclaimWithinCohort, WithinQuota};
 pub use ratio::{Gpus, QuotaMathError};
-pub use scope::governs_pod;
+pub use scope::{claims_or_names, governs_pod};
 pub use share::{
     allocation_charge, CapacityAmounts, ConsumableCapacity, RequestPolicy, ValidRange,
 };
