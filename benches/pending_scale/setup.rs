@@ -138,9 +138,19 @@ where
     F: Fn(T) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
+    each_n(PARALLEL, items, f).await
+}
+
+/// Runs `f` on every item, `n` at a time.
+async fn each_n<T, F, Fut>(n: usize, items: Vec<T>, f: F)
+where
+    T: Send + 'static,
+    F: Fn(T) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let mut set = tokio::task::JoinSet::new();
     for item in items {
-        if set.len() >= PARALLEL {
+        if set.len() >= n {
             set.join_next().await.unwrap().unwrap();
         }
         set.spawn(f(item));
@@ -255,7 +265,7 @@ async fn pending(client: &kube::Client, per: usize) {
 /// The changes: a tainted node added and removed, the tainted node's filler deleted and made
 /// again. Each moves the cluster's free total across 8, so the 8-GPU pods flip between Capacity
 /// and Placement (nothing can be scheduled: the free GPUs are on the tainted node).
-pub async fn flips(client: &kube::Client, book: &Shared, size: &Size) {
+pub async fn flips(client: &kube::Client, book: &Shared, size: &Size) -> Vec<Duration> {
     let n = size.nodes;
     let nodes: Api<Node> = Api::all(client.clone());
     let fill: Api<Pod> = Api::namespaced(client.clone(), "fill");
@@ -270,6 +280,7 @@ pub async fn flips(client: &kube::Client, book: &Shared, size: &Size) {
          floor: the same watch seeing the change itself",
         size.pods
     );
+    let mut p99s = Vec::new();
     for round in 0..2 {
         // A node added: created bare, Ready by kwok, then its GPUs appear.
         nodes
@@ -286,26 +297,30 @@ pub async fn flips(client: &kube::Client, book: &Shared, size: &Size) {
             )
             .await
             .unwrap();
-        flip(
-            book,
-            size,
-            t0,
-            "Placement",
-            "node:node-extra:8",
-            "a node added",
-        )
-        .await;
+        p99s.push(
+            flip(
+                book,
+                size,
+                t0,
+                "Placement",
+                "node:node-extra:8",
+                "a node added",
+            )
+            .await,
+        );
         let t0 = Instant::now();
         nodes.delete("node-extra", &now()).await.unwrap();
-        flip(
-            book,
-            size,
-            t0,
-            "Capacity",
-            "gone:node/node-extra",
-            "a node removed",
-        )
-        .await;
+        p99s.push(
+            flip(
+                book,
+                size,
+                t0,
+                "Capacity",
+                "gone:node/node-extra",
+                "a node removed",
+            )
+            .await,
+        );
         wait_gone_node(&nodes, "node-extra").await;
         book.lock()
             .unwrap()
@@ -314,7 +329,7 @@ pub async fn flips(client: &kube::Client, book: &Shared, size: &Size) {
         let t0 = Instant::now();
         fill.delete(&filler, &now()).await.unwrap();
         let gone = format!("gone:fill/{filler}");
-        flip(book, size, t0, "Placement", &gone, "a pod deleted").await;
+        p99s.push(flip(book, size, t0, "Placement", &gone, "a pod deleted").await);
         wait_gone_pod(&fill, &filler).await;
         book.lock()
             .unwrap()
@@ -324,14 +339,73 @@ pub async fn flips(client: &kube::Client, book: &Shared, size: &Size) {
         let pod = gpu_pod("fill", &filler, 4, Some(&last));
         fill.create(&PostParams::default(), &pod).await.unwrap();
         let seen = format!("pod:fill/{filler}");
-        flip(book, size, t0, "Capacity", &seen, "a pod created").await;
+        p99s.push(flip(book, size, t0, "Capacity", &seen, "a pod created").await);
         println!("  (round {} done)", round + 1);
+    }
+    p99s
+}
+
+/// The floor of a flip: the bench itself sets a condition of its own on the same pods, as
+/// many writes in flight as the explainer (32), then twice as many, each pod's write seen by
+/// the same watch: what the API server of this machine takes for 1,000 pods, under this load.
+pub async fn write_floor(client: &kube::Client, book: &Shared, size: &Size, flips: &[Duration]) {
+    let (best, worst) = (
+        flips.iter().min().copied().unwrap_or_default(),
+        flips.iter().max().copied().unwrap_or_default(),
+    );
+    for in_flight in [32, 64] {
+        let reason = format!("InFlight{in_flight}");
+        let names: Vec<String> = (0..size.pods).map(|i| format!("cap-{i}")).collect();
+        let t0 = Instant::now();
+        let (api, r) = (
+            Api::<Pod>::namespaced(client.clone(), "bench"),
+            reason.clone(),
+        );
+        each_n(in_flight, names.clone(), move |name| {
+            let (api, r) = (api.clone(), r.clone());
+            async move {
+                let cond = json!({"type": watch::FLOOR_CONDITION, "status": "True", "reason": r,
+                    "message": "the bench's own write", "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string()});
+                let body = json!({"status": {"conditions": [cond]}});
+                api.patch_status(&name, &PatchParams::default(), &Patch::Strategic(body))
+                    .await
+                    .unwrap();
+            }
+        })
+        .await;
+        let keys: Vec<String> = names
+            .iter()
+            .map(|n| format!("floor:bench/{n}:{reason}"))
+            .collect();
+        watch::until(book, "the bench's own writes", super::PATIENCE, |b| {
+            keys.iter().all(|k| b.sightings.contains_key(k))
+        })
+        .await;
+        let took: Vec<Duration> = keys
+            .iter()
+            .filter_map(|k| watch::sighted(book, k))
+            .map(|t| t.saturating_duration_since(t0))
+            .collect();
+        let (p50, p99) = percentiles(took);
+        println!(
+            "floor of a flip: {} bare condition PATCHes by the bench, {in_flight} in flight, as the watch sees them: p50 {p50:.1?} p99 {p99:.1?} | the flips' p99 {best:.1?}-{worst:.1?} | ratio {:.2}x-{:.2}x",
+            size.pods,
+            best.as_secs_f64() / p99.as_secs_f64(),
+            worst.as_secs_f64() / p99.as_secs_f64(),
+        );
     }
 }
 
 /// Waits until every `cap-*` pod shows `reason`, then prints the latencies after `t0` next to
 /// when the watch saw `floor_key`.
-async fn flip(book: &Shared, size: &Size, t0: Instant, reason: &str, floor_key: &str, what: &str) {
+async fn flip(
+    book: &Shared,
+    size: &Size,
+    t0: Instant,
+    reason: &str,
+    floor_key: &str,
+    what: &str,
+) -> Duration {
     let per = size.pods;
     watch::until(
         book,
@@ -356,6 +430,7 @@ async fn flip(book: &Shared, size: &Size, t0: Instant, reason: &str, floor_key: 
         "NOT met"
     };
     println!("{:56} target p99 <= 2 s: {verdict}", "");
+    p99
 }
 
 async fn wait_ready(nodes: &Api<Node>, name: &str) {

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 use tokio_stream::StreamExt;
 
 const CONDITION: &str = "gpuplane.dev/GPUsAvailable";
+/// The condition the bench writes itself, for the floor of a flip.
+pub const FLOOR_CONDITION: &str = "bench.gpuplane.dev/Floor";
 
 /// A pod's reason as the bench last saw it.
 #[derive(Clone, Debug)]
@@ -34,6 +36,14 @@ fn reason(p: &Pod) -> Option<String> {
     let c = p.status.as_ref()?.conditions.as_ref()?;
     c.iter()
         .find(|c| c.type_ == CONDITION)
+        .and_then(|c| c.reason.clone())
+}
+
+/// The reason on the bench's own condition, if the pod carries it.
+fn floor_written(p: &Pod) -> Option<String> {
+    let c = p.status.as_ref()?.conditions.as_ref()?;
+    c.iter()
+        .find(|c| c.type_ == FLOOR_CONDITION)
         .and_then(|c| c.reason.clone())
 }
 
@@ -66,6 +76,9 @@ pub fn start(client: &kube::Client, book: &Shared) {
                     let gates = p.spec.as_ref().and_then(|s| s.scheduling_gates.as_ref());
                     if k.starts_with("queued/") && gates.is_none_or(|g| g.is_empty()) {
                         b.sightings.entry(format!("ungated:{k}")).or_insert(now);
+                    }
+                    if let Some(r) = floor_written(&p) {
+                        b.sightings.entry(format!("floor:{k}:{r}")).or_insert(now);
                     }
                     let r = reason(&p);
                     if b.pods.get(&k).is_none_or(|s| s.reason != r) {

@@ -38,7 +38,7 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde::Serialize;
 use std::borrow::Borrow;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 
@@ -243,12 +243,8 @@ pub struct Cluster {
     pub taken: BTreeMap<(String, String, String), String>,
     /// ResourceClaimTemplates by (namespace, name).
     pub templates: BTreeMap<(String, String), k8s_openapi::api::resource::v1::ResourceClaimSpec>,
-    /// What the slices say of each device: node, NUMA node, taints.
-    pub devices: BTreeMap<devices::Key, devices::DeviceFacts>,
     /// Pod groups by (namespace, group name).
     pub groups: BTreeMap<(String, String), gang::Members>,
-    /// The nodes that publish a ResourceSlice.
-    pub sliced: BTreeSet<String>,
     /// Gated units' queue positions by (namespace, unit key): (position, queue length).
     pub queues: BTreeMap<(String, String), (usize, usize)>,
     /// Answers to claim requests already classified against this cluster, by request: pods
@@ -276,14 +272,11 @@ pub struct Listed {
 
 /// What [`Cluster::from_shared`] reads besides the catalog: the objects, or anything that
 /// borrows them (a reflector store's `Arc`s), so a caller holding shared copies clones none.
-pub struct Shared<'a, N, P, S, C, T> {
+pub struct Shared<'a, N, P, C, T> {
     pub nodes: &'a [N],
     /// Pods bound to nodes, and the pods of the groups the explained pods belong to (others
     /// may be present; they are skipped).
     pub pods: &'a [P],
-    /// The ResourceSlices the catalog was built from (which node publishes which device, its
-    /// NUMA node and taints).
-    pub slices: &'a [S],
     pub claims: &'a [C],
     pub templates: &'a [T],
 }
@@ -294,7 +287,6 @@ impl Cluster {
         let shared = Shared {
             nodes: &listed.nodes,
             pods: &listed.pods,
-            slices: &listed.slices,
             claims: &listed.claims,
             templates: &listed.templates,
         };
@@ -303,30 +295,22 @@ impl Cluster {
 
     /// [`Cluster::new`] with a catalog built already (from the same cluster's slices and
     /// classes).
-    pub fn from_shared<N, P, S, C, T>(
-        listed: &Shared<N, P, S, C, T>,
+    pub fn from_shared<N, P, C, T>(
+        listed: &Shared<N, P, C, T>,
         catalog: Arc<DeviceCatalog>,
     ) -> Cluster
     where
         N: Borrow<Node>,
         P: Borrow<Pod>,
-        S: Borrow<ResourceSlice>,
         C: Borrow<ResourceClaim>,
         T: Borrow<ResourceClaimTemplate>,
     {
-        let devices = devices::facts(listed.slices);
         let mut nodes = node_gpus(listed.nodes, listed.pods, &catalog);
-        health::mark_unhealthy(&mut nodes, &devices, &catalog);
+        health::mark_unhealthy(&mut nodes, &catalog);
         Cluster {
             nodes,
-            devices,
             groups: gang::groups(listed.pods, &catalog),
             queues: queue::positions(listed.pods),
-            sliced: listed
-                .slices
-                .iter()
-                .filter_map(|s| s.borrow().spec.node_name.clone())
-                .collect(),
             taken: claims::taken(listed.claims),
             answers: claims::Answers::default(),
             resource_answers: Mutex::default(),

@@ -8,7 +8,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::ResourceExt;
 use std::future::Future;
-use tokio_stream::StreamExt;
+use tokio_stream::{Stream, StreamExt};
 
 /// A store of what `api` lists under `config`, and the future that keeps it (until the
 /// stream ends). `changed` runs after every event applied; `failed` on every watch error,
@@ -91,29 +91,37 @@ pub fn reflected_shaped<K: Cached>(
             slim(o);
         });
     let stream = reflector::reflector(writer, events);
-    let feed = async move {
-        // On the heap: several watch streams inline make a future too large for a worker's
-        // stack.
-        let mut stream = Box::pin(stream);
-        let mut failing = false;
-        while let Some(ev) = stream.next().await {
-            match ev {
-                Ok(_) => {
-                    if failing {
-                        tracing::info!(resource = what, "watch recovered");
-                        failing = false;
-                    }
-                    changed();
+    let feed = follow(stream, what, move |_| changed(), failed);
+    (reader, feed)
+}
+
+/// Runs a watch's `events` until they end: `apply` on each event, `failed` on each error,
+/// logging a failing watch once per outage (and its recovery) rather than once per retry.
+pub async fn follow<T>(
+    events: impl Stream<Item = Result<T, watcher::Error>> + Send,
+    what: &'static str,
+    mut apply: impl FnMut(T) + Send,
+    failed: impl Fn(&watcher::Error) + Send,
+) {
+    // On the heap: several watch streams inline make a future too large for a worker's stack.
+    let mut events = Box::pin(events);
+    let mut failing = false;
+    while let Some(ev) = events.next().await {
+        match ev {
+            Ok(ev) => {
+                if failing {
+                    tracing::info!(resource = what, "watch recovered");
+                    failing = false;
                 }
-                Err(e) => {
-                    if !failing {
-                        tracing::warn!(resource = what, error = %e, "watch failing; working from the last known state");
-                        failing = true;
-                    }
-                    failed(&e);
+                apply(ev);
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(resource = what, error = %e, "watch failing; working from the last known state");
+                    failing = true;
                 }
+                failed(&e);
             }
         }
-    };
-    (reader, feed)
+    }
 }

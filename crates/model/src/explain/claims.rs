@@ -153,7 +153,7 @@ fn request_answer(
         ClassMatch::NotGpu => return None,
         ClassMatch::Devices(d) => d,
     };
-    let down = down::dra_down(&cluster.nodes, &cluster.sliced);
+    let down = down::dra_down(&cluster.nodes, cluster.catalog.sliced());
     if matching.is_empty() {
         if !down.is_empty() && of_class(class, cluster).is_empty() {
             let m = format!(
@@ -213,10 +213,7 @@ fn free_by_pool<'a>(
         {
             continue;
         }
-        let usable = cluster
-            .devices
-            .get(&key)
-            .map_or(Usable::Yes, |f| f.usable(tolerations));
+        let usable = d.facts.usable(tolerations);
         match usable {
             Usable::Yes => *by_pool.entry(d.pool.as_str()).or_insert(0) += 1,
             Usable::InUse => {}
@@ -230,7 +227,7 @@ fn free_by_pool<'a>(
 fn no_match(name: &str, class: &str, exprs: &[&str], cluster: &Cluster) -> String {
     let of_class = of_class(class, cluster);
     if of_class.is_empty() {
-        let has = summary(cluster.catalog.devices().iter());
+        let has = summary(cluster.catalog.devices().iter().map(|d| &**d));
         return format!(
             "request {name}: no published GPU device is of DeviceClass {class}; this cluster has {has}"
         );

@@ -1,25 +1,14 @@
-//! What the ResourceSlices say of each published device beyond what the quota catalog keeps:
-//! the node it sits on, its NUMA node and its taints. The topology answer counts free GPUs per
-//! NUMA node from it; the health answer names unhealthy or tainted devices from it.
+//! What a published device's facts (its node, NUMA node and taints, kept by the catalog) mean
+//! for a request: whether its taints let the request have it, and why our agent marked it
+//! unhealthy. The topology answer counts free GPUs per NUMA node with it; the health answer
+//! names unhealthy or tainted devices with it.
 
-use crate::slices::render::{names, IN_USE_TAINT_KEY};
+use crate::slices::render::IN_USE_TAINT_KEY;
 use crate::slices::UNHEALTHY_TAINT_KEY;
 use k8s_openapi::api::core::v1::{Taint, Toleration};
-use k8s_openapi::api::resource::v1::{DeviceTaint, DeviceToleration, ResourceSlice};
-use std::collections::BTreeMap;
+use k8s_openapi::api::resource::v1::DeviceToleration;
 
-/// (driver, pool, device).
-pub type Key = (String, String, String);
-
-/// One published device as the slices show it.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct DeviceFacts {
-    /// The slice's `nodeName` (our agent's pool is named after its node).
-    pub node: Option<String>,
-    /// `resource.kubernetes.io/numaNode`, when published.
-    pub numa: Option<i64>,
-    pub taints: Vec<DeviceTaint>,
-}
+pub use crate::quota::DeviceFacts;
 
 /// Whether a device can be given to a new request, as far as its taints say.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -80,27 +69,4 @@ fn pod_toleration(o: &DeviceToleration) -> Toleration {
         effect: o.effect.clone(),
         toleration_seconds: o.toleration_seconds,
     }
-}
-
-/// Every device of `slices`, by (driver, pool, device).
-pub fn facts<S: std::borrow::Borrow<ResourceSlice>>(slices: &[S]) -> BTreeMap<Key, DeviceFacts> {
-    let mut out = BTreeMap::new();
-    for s in slices.iter().map(std::borrow::Borrow::borrow) {
-        let spec = &s.spec;
-        for d in spec.devices.iter().flatten() {
-            let numa = d
-                .attributes
-                .as_ref()
-                .and_then(|a| a.get(names::NUMA_NODE))
-                .and_then(|a| a.int);
-            let key = (spec.driver.clone(), spec.pool.name.clone(), d.name.clone());
-            let facts = DeviceFacts {
-                node: spec.node_name.clone(),
-                numa,
-                taints: d.taints.clone().unwrap_or_default(),
-            };
-            out.insert(key, facts);
-        }
-    }
-    out
 }

@@ -6,26 +6,20 @@
 //! unhealthy. For claims, a slice taint the request does not tolerate (health, or an admin's)
 //! keeps a device from it, as it keeps the scheduler.
 
-use super::devices::{DeviceFacts, Key};
 use super::{excluded_by, NodeGpus, Reason};
 use crate::quota::{DeviceCatalog, DeviceKind};
 use k8s_openapi::api::core::v1::PodSpec;
 use std::collections::BTreeMap;
 
 /// Fills each node's `unhealthy` with its whole GPUs our agent marked unhealthy.
-pub(super) fn mark_unhealthy(
-    nodes: &mut [NodeGpus],
-    devices: &BTreeMap<Key, DeviceFacts>,
-    catalog: &DeviceCatalog,
-) {
+pub(super) fn mark_unhealthy(nodes: &mut [NodeGpus], catalog: &DeviceCatalog) {
     let mut by_node: BTreeMap<&str, Vec<String>> = BTreeMap::new();
     for d in catalog
         .devices()
         .iter()
         .filter(|d| d.kind == DeviceKind::Gpu)
     {
-        let key = (d.driver.clone(), d.pool.clone(), d.name.clone());
-        let Some(f) = devices.get(&key) else { continue };
+        let f = &d.facts;
         if let (Some(node), Some(cause)) = (f.node.as_deref(), f.unhealthy()) {
             by_node
                 .entry(node)

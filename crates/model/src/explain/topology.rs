@@ -68,16 +68,14 @@ pub(super) fn answer(pod: &Pod, cluster: &Cluster) -> Option<(Reason, String)> {
 fn free_by_numa(node: &str, cluster: &Cluster) -> BTreeMap<i64, u64> {
     let mut out = BTreeMap::new();
     for d in cluster.catalog.devices() {
-        let key = (d.driver.clone(), d.pool.clone(), d.name.clone());
-        let Some(f) = cluster.devices.get(&key) else {
-            continue;
-        };
+        let f = &d.facts;
         let (Some(numa), DeviceKind::Gpu) = (f.numa, &d.kind) else {
             continue;
         };
         if f.node.as_deref() != Some(node) {
             continue;
         }
+        let key = (d.driver.clone(), d.pool.clone(), d.name.clone());
         let free =
             !cluster.taken.contains_key(&key) && f.usable(&[]) == super::devices::Usable::Yes;
         *out.entry(numa).or_insert(0) += u64::from(free);

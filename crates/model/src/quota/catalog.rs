@@ -22,12 +22,16 @@
 use super::charge::{Charge, UnknownCharge};
 use super::ratio::Gpus;
 use super::selector::{AttrValue, CelDevice, Selector};
-use super::share::{ConsumableCapacity, COMPUTE_CAPACITY, MEMORY_CAPACITY};
+use super::share::ConsumableCapacity;
 use super::usage::{Dimension, Memory};
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+use k8s_openapi::api::resource::v1::{DeviceClass, DeviceTaint, ResourceSlice};
+use read::class_infos;
 use std::borrow::Borrow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
+
+mod read;
+pub use read::SliceDevices;
 
 /// The default DRA driver name of gpuplane's node agent.
 pub const DEFAULT_DRIVER: &str = "gpu.gpuplane.dev";
@@ -84,25 +88,61 @@ pub struct CatalogDevice {
     pub memory_capacity: Option<ConsumableCapacity>,
     /// The `compute` capacity (percent of the device's SMs) with its request policy.
     pub compute_capacity: Option<ConsumableCapacity>,
-    capacity: BTreeMap<(String, String), AttrValue>,
-    /// What selectors evaluate.
-    cel: CelDevice,
+    /// What its slice says of it beyond quota: its node, NUMA node and taints.
+    pub facts: DeviceFacts,
+    /// Attributes and capacities by (domain, name): what selectors read. Their CEL value is
+    /// built only while a new expression's verdicts are computed: kept for all 8,000 devices
+    /// of 1,000 nodes, those values were most of a catalog's memory.
+    attributes: Vec<(Name, AttrValue)>,
+    capacity: Vec<(Name, AttrValue)>,
+}
+
+/// An attribute's or capacity's (domain, name), shared by the devices of one slice.
+type Name = (Arc<str>, Arc<str>);
+
+/// What a ResourceSlice says of one device beyond what quota prices.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DeviceFacts {
+    /// The slice's `nodeName` (our agent's pool is named after its node).
+    pub node: Option<String>,
+    /// `resource.kubernetes.io/numaNode`, when published.
+    pub numa: Option<i64>,
+    pub taints: Vec<DeviceTaint>,
 }
 
 impl CatalogDevice {
     /// Whether the device publishes capacity `name` (bare, or qualified with a domain).
     pub fn has_capacity(&self, name: &str) -> bool {
+        let (dom, name) = split_name(&self.driver, name);
         self.capacity
-            .contains_key(&qualified_name(&self.driver, name))
+            .iter()
+            .any(|((d, n), _)| **d == *dom && **n == *name)
     }
+
+    /// The device as a selector sees it.
+    fn cel(&self) -> CelDevice {
+        CelDevice::new(
+            &self.driver,
+            &borrowed(&self.attributes),
+            &borrowed(&self.capacity),
+        )
+    }
+}
+
+/// Values as [`CelDevice::new`] reads them.
+fn borrowed(values: &[(Name, AttrValue)]) -> Vec<(&str, &str, &AttrValue)> {
+    values.iter().map(|((d, n), v)| (&**d, &**n, v)).collect()
+}
+
+/// (domain, name) of an attribute or capacity name, borrowed.
+fn split_name<'a>(driver: &'a str, name: &'a str) -> (&'a str, &'a str) {
+    name.rsplit_once('/').unwrap_or((driver, name))
 }
 
 /// (domain, name) of an attribute or capacity name; a bare name is in the driver's domain.
 pub fn qualified_name(driver: &str, name: &str) -> (String, String) {
-    match name.rsplit_once('/') {
-        Some((dom, n)) => (dom.to_string(), n.to_string()),
-        None => (driver.to_string(), name.to_string()),
-    }
+    let (dom, n) = split_name(driver, name);
+    (dom.to_string(), n.to_string())
 }
 
 /// A DeviceClass as quota reads it.
@@ -126,7 +166,9 @@ pub enum ClassMatch<'a> {
 /// Published GPU devices and known DeviceClasses.
 #[derive(Debug, Clone, Default)]
 pub struct DeviceCatalog {
-    devices: Vec<CatalogDevice>,
+    devices: Vec<Arc<CatalogDevice>>,
+    /// The nodes that publish a ResourceSlice, of any driver.
+    sliced: BTreeSet<String>,
     classes: BTreeMap<String, ClassInfo>,
     settings: CatalogSettings,
     verdicts: Verdicts,
@@ -185,72 +227,74 @@ impl DeviceCatalog {
         classes: &[C],
         settings: CatalogSettings,
     ) -> DeviceCatalog {
+        let parts: Vec<SliceDevices> = slices
+            .iter()
+            .map(|s| SliceDevices::new(s.borrow(), &settings))
+            .collect();
+        DeviceCatalog::from_parts(&parts, classes, settings)
+    }
+
+    /// [`DeviceCatalog::new`] from slices read already ([`SliceDevices::new`], with the same
+    /// settings): a caller that keeps them rebuilds a catalog without reading any slice again.
+    pub fn from_parts<P: Borrow<SliceDevices>, C: Borrow<DeviceClass>>(
+        parts: &[P],
+        classes: &[C],
+        settings: CatalogSettings,
+    ) -> DeviceCatalog {
         let mut newest: BTreeMap<(&str, &str), i64> = BTreeMap::new();
-        for s in slices.iter().map(Borrow::borrow) {
-            let k = (s.spec.driver.as_str(), s.spec.pool.name.as_str());
-            let g = newest.entry(k).or_insert(s.spec.pool.generation);
-            *g = (*g).max(s.spec.pool.generation);
+        for p in parts.iter().map(Borrow::borrow) {
+            let g = newest.entry((&p.driver, &p.pool)).or_insert(p.generation);
+            *g = (*g).max(p.generation);
         }
         let mut devices = Vec::new();
-        for s in slices.iter().map(Borrow::borrow) {
-            let driver = &s.spec.driver;
-            if !settings.drivers.iter().any(|d| d == driver) {
-                continue;
-            }
-            let k = (driver.as_str(), s.spec.pool.name.as_str());
-            if newest.get(&k) != Some(&s.spec.pool.generation) {
-                continue;
-            }
-            for d in s.spec.devices.iter().flatten() {
-                devices.push(catalog_device(driver, &s.spec.pool.name, d));
+        for p in parts.iter().map(Borrow::borrow) {
+            if newest.get(&(p.driver.as_str(), p.pool.as_str())) == Some(&p.generation) {
+                devices.extend(p.devices.iter().cloned());
             }
         }
-        let classes = classes
+        let sliced = parts
             .iter()
-            .map(Borrow::borrow)
-            .filter_map(|c: &DeviceClass| {
-                let name = c.metadata.name.clone()?;
-                let selectors = c
-                    .spec
-                    .selectors
-                    .iter()
-                    .flatten()
-                    .map(|s| match &s.cel {
-                        Some(cel) => Selector::parse(&cel.expression),
-                        // A selector kind we do not know: may match anything.
-                        None => Selector::parse(""),
-                    })
-                    .collect();
-                Some((name, ClassInfo { selectors }))
-            })
+            .filter_map(|p| p.borrow().node.clone())
             .collect();
         DeviceCatalog {
             devices,
-            classes,
+            sliced,
+            classes: class_infos(classes),
             settings,
             verdicts: Verdicts::default(),
         }
     }
 
-    /// `s`'s verdict on every device, computed once per catalog.
+    /// `s`'s verdict on every device, computed once per catalog. Computed without the lock:
+    /// a webhook admission never waits behind another reader's first evaluation.
     fn verdicts(&self, s: &Selector) -> Verdict {
-        let mut kept = self.verdicts.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(v) = kept.get(s.source()) {
-            return v.clone();
+        let kept = |v: &Verdicts| {
+            v.0.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(s.source())
+                .cloned()
+        };
+        if let Some(v) = kept(&self.verdicts) {
+            return v;
         }
-        let v: Arc<Vec<bool>> =
-            Arc::new(self.devices.iter().map(|d| s.may_match(&d.cel)).collect());
+        let v: Verdict = Arc::new(self.devices.iter().map(|d| s.may_match(&d.cel())).collect());
+        let mut kept = self.verdicts.0.lock().unwrap_or_else(|e| e.into_inner());
         if kept.len() < MAX_VERDICTS {
             kept.insert(s.source().into(), v.clone());
         }
         v
     }
 
+    /// The nodes that publish a ResourceSlice (of any driver).
+    pub fn sliced(&self) -> &BTreeSet<String> {
+        &self.sliced
+    }
+
     pub fn settings(&self) -> &CatalogSettings {
         &self.settings
     }
 
-    pub fn devices(&self) -> &[CatalogDevice] {
+    pub fn devices(&self) -> &[Arc<CatalogDevice>] {
         &self.devices
     }
 
@@ -263,6 +307,7 @@ impl DeviceCatalog {
         self.devices
             .iter()
             .find(|d| d.driver == driver && d.pool == pool && d.name == name)
+            .map(|d| &**d)
     }
 
     /// The devices `class` with the extra `selectors` (CEL expressions of a request) may match.
@@ -288,7 +333,7 @@ impl DeviceCatalog {
                 .iter()
                 .enumerate()
                 .filter(|(i, _)| verdicts.iter().all(|v| v.get(*i).copied().unwrap_or(true)))
-                .map(|(_, d)| d)
+                .map(|(_, d)| &**d)
                 .collect(),
         )
     }
@@ -334,11 +379,13 @@ impl DeviceCatalog {
             self.devices
                 .iter()
                 .filter(|d| d.kind == DeviceKind::Gpu)
+                .map(|d| &**d)
                 .collect()
         } else if let Some(profile) = base.strip_prefix(MIG_RESOURCE_PREFIX) {
             self.devices
                 .iter()
                 .filter(|d| matches!(&d.kind, DeviceKind::Mig { profile: p } if p.replace('+', ".") == profile))
+                .map(|d| &**d)
                 .collect()
         } else {
             Vec::new()
@@ -428,76 +475,5 @@ impl DeviceCatalog {
             }),
         }
         c
-    }
-}
-
-fn catalog_device(
-    driver: &str,
-    pool: &str,
-    d: &k8s_openapi::api::resource::v1::Device,
-) -> CatalogDevice {
-    let split = |name: &str| qualified_name(driver, name);
-    let mut attributes = BTreeMap::new();
-    for (k, v) in d.attributes.iter().flatten() {
-        let value = if let Some(s) = &v.string {
-            AttrValue::Str(s.clone())
-        } else if let Some(i) = v.int {
-            AttrValue::Int(i)
-        } else if let Some(b) = v.bool {
-            AttrValue::Bool(b)
-        } else if let Some(s) = &v.version {
-            AttrValue::Version(s.clone())
-        } else {
-            continue;
-        };
-        attributes.insert(split(k), value);
-    }
-    let mut capacity = BTreeMap::new();
-    let (mut memory_capacity, mut compute_capacity) = (None, None);
-    for (k, v) in d.capacity.iter().flatten() {
-        if let Ok(q) = crate::quantity::Quantity::parse_trimmed(&v.value.0) {
-            capacity.insert(split(k), AttrValue::Quantity(q));
-        }
-        let (dom, name) = split(k);
-        match name.as_str() {
-            MEMORY_CAPACITY if dom == driver => memory_capacity = ConsumableCapacity::from_api(v),
-            COMPUTE_CAPACITY if dom == driver => compute_capacity = ConsumableCapacity::from_api(v),
-            _ => {}
-        }
-    }
-    let own = |name: &str| attributes.get(&(driver.to_string(), name.to_string()));
-    let text = |name: &str| match own(name) {
-        Some(AttrValue::Str(s)) => Some(s.clone()),
-        _ => None,
-    };
-    let product = text("productName");
-    let kind = match (text("type").as_deref(), text("profile")) {
-        (Some("gpu"), _) => DeviceKind::Gpu,
-        (Some("mig"), Some(profile)) => DeviceKind::Mig { profile },
-        _ => DeviceKind::Other,
-    };
-    let memory = match capacity.get(&split(MEMORY_CAPACITY)) {
-        Some(AttrValue::Quantity(q)) => Memory::from_quantity(q),
-        _ => None,
-    };
-    let share = match &kind {
-        DeviceKind::Gpu => Some(Gpus::ONE),
-        DeviceKind::Mig { profile } => mig_share(profile, product.as_deref()),
-        // A device of a GPU driver that is neither: count it as a whole GPU (worst case).
-        DeviceKind::Other => Some(Gpus::ONE),
-    };
-    CatalogDevice {
-        driver: driver.to_string(),
-        pool: pool.to_string(),
-        name: d.name.clone(),
-        kind,
-        product,
-        memory,
-        share,
-        multi_allocatable: d.allow_multiple_allocations == Some(true),
-        memory_capacity,
-        compute_capacity,
-        cel: CelDevice::new(driver, &attributes, &capacity),
-        capacity,
     }
 }

@@ -89,7 +89,8 @@ pub mod usage;
 
 pub use batch::{borrows, decide_batch, stale_borrowers, Decided, Op, Outcome};
 pub use catalog::{
-    mig_share, CatalogDevice, CatalogSettings, ClassMatch, DeviceCatalog, DeviceKind,
+    mig_share, CatalogDevice, CatalogSettings, ClassMatch, DeviceCatalog, DeviceFacts, DeviceKind,
+    SliceDevices,
 };
 pub use charge::{
     claim_charge, claim_is_extended_resource_claim, claim_is_pod_owned, pod_charge,
@@ -104,7 +105,7 @@ pub use crd::{
 pub use owners::owner_refusal;
 pub use preemption::{PreemptionPolicy, ReclaimWithinCohort, WithinQuota};
 pub use ratio::{Gpus, QuotaMathError};
-pub use scope::governs_pod;
+pub use scope::{claims_or_names, governs_pod};
 pub use share::{
     allocation_charge, CapacityAmounts, ConsumableCapacity, RequestPolicy, ValidRange,
 };

@@ -14,25 +14,30 @@ pub const GPU_RESOURCE_PREFIX: &str = "nvidia.com/";
 
 /// Whether the quota governs `pod`.
 pub fn governs_pod(pod: &Pod) -> bool {
+    claims_or_names(pod, |k| k.starts_with(GPU_RESOURCE_PREFIX))
+}
+
+/// Whether `pod` references ResourceClaims, or a container or init container names a
+/// resource that `name` accepts in its requests or limits.
+pub fn claims_or_names(pod: &Pod, name: impl Fn(&str) -> bool) -> bool {
     let Some(spec) = &pod.spec else {
         return false;
+    };
+    let names = |c: &Container| {
+        c.resources.as_ref().is_some_and(|r| {
+            r.requests
+                .iter()
+                .chain(r.limits.iter())
+                .flat_map(|m| m.keys())
+                .any(|k| name(k))
+        })
     };
     spec.resource_claims.as_ref().is_some_and(|c| !c.is_empty())
         || spec
             .containers
             .iter()
             .chain(spec.init_containers.iter().flatten())
-            .any(asks_for_gpus)
-}
-
-fn asks_for_gpus(c: &Container) -> bool {
-    c.resources.as_ref().is_some_and(|r| {
-        r.requests
-            .iter()
-            .chain(r.limits.iter())
-            .flat_map(|m| m.keys())
-            .any(|k| k.starts_with(GPU_RESOURCE_PREFIX))
-    })
+            .any(names)
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use kube_cel::cel::common::ast::{operators, Expr, LiteralValue};
 use kube_cel::cel::objects::Map;
 use kube_cel::cel::{Context, IdedExpr, Program, Value};
 use kube_cel::KubeCelExt;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
 
 /// A value a device carries under one attribute or capacity name.
@@ -67,13 +67,13 @@ pub struct CelDevice {
 }
 
 impl CelDevice {
-    /// `device` for a device of `driver` with these attributes and capacities by (domain,
-    /// name). A value CEL cannot hold (a version that is not semver) is left out: an
+    /// `device` for a device of `driver` with these attributes and capacities as (domain,
+    /// name, value). A value CEL cannot hold (a version that is not semver) is left out: an
     /// expression reading it is then unknown for this device, so it may match.
     pub fn new(
         driver: &str,
-        attributes: &BTreeMap<(String, String), AttrValue>,
-        capacity: &BTreeMap<(String, String), AttrValue>,
+        attributes: &[(&str, &str, &AttrValue)],
+        capacity: &[(&str, &str, &AttrValue)],
     ) -> CelDevice {
         let mut device = HashMap::new();
         device.insert("driver".to_string(), Value::String(Arc::new(driver.into())));
@@ -85,15 +85,15 @@ impl CelDevice {
     }
 }
 
-/// `{domain: {name: value}}` from values keyed by (domain, name).
-fn by_domain(values: &BTreeMap<(String, String), AttrValue>) -> Value {
+/// `{domain: {name: value}}` from (domain, name, value).
+fn by_domain(values: &[(&str, &str, &AttrValue)]) -> Value {
     let mut domains: HashMap<String, HashMap<String, Value>> = HashMap::new();
-    for ((domain, name), v) in values {
+    for (domain, name, v) in values {
         if let Some(v) = to_cel(v) {
             domains
-                .entry(domain.clone())
+                .entry(domain.to_string())
                 .or_default()
-                .insert(name.clone(), v);
+                .insert(name.to_string(), v);
         }
     }
     let domains: HashMap<String, Value> = domains
@@ -240,6 +240,7 @@ fn is_device_driver(e: &Expr) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     /// A device in tests and simple callers: driver plus maps keyed by (domain, name).
     #[derive(Debug, Clone, Default)]
@@ -252,8 +253,18 @@ mod tests {
     impl SimpleDevice {
         /// The device as a selector sees it.
         fn cel(&self) -> CelDevice {
-            CelDevice::new(&self.driver, &self.attributes, &self.capacity)
+            CelDevice::new(
+                &self.driver,
+                &values(&self.attributes),
+                &values(&self.capacity),
+            )
         }
+    }
+
+    fn values(m: &BTreeMap<(String, String), AttrValue>) -> Vec<(&str, &str, &AttrValue)> {
+        m.iter()
+            .map(|((d, n), v)| (d.as_str(), n.as_str(), v))
+            .collect()
     }
 
     const D: &str = "gpu.gpuplane.dev";

@@ -372,6 +372,71 @@ fn a_catalog_remembers_each_expressions_verdicts_apart() {
 }
 
 #[test]
+fn a_catalog_from_slices_read_once_is_the_catalog_of_the_slices() {
+    // The shared device store keeps each slice read once (SliceDevices) and assembles
+    // catalogs from those: the same devices, facts and verdicts as reading the slices.
+    let old = slice(
+        "a",
+        &[("gpu-0", "gpu", None, "NVIDIA H100 80GB HBM3", "80Gi")],
+    );
+    let mut new = slice(
+        "a",
+        &[("gpu-9", "gpu", None, "NVIDIA H100 80GB HBM3", "80Gi")],
+    );
+    new.metadata.name = Some("a-newer".into());
+    new.spec.pool.generation = 2;
+    let devices = new.spec.devices.iter_mut().flatten();
+    for d in devices {
+        let numa = serde_json::from_value(json!({"int": 1})).unwrap();
+        d.attributes
+            .get_or_insert_with(BTreeMap::new)
+            .insert("resource.kubernetes.io/numaNode".into(), numa);
+        d.taints = Some(vec![serde_json::from_value(
+            json!({"key": "drain", "effect": "NoSchedule"}),
+        )
+        .unwrap()]);
+    }
+    let mut nic = slice("n", &[("nic-0", "nic", None, "ConnectX-7", "0")]);
+    nic.spec.driver = "nic.example.com".into();
+    let slices = [old, new, nic];
+    let settings = CatalogSettings::default();
+    let parts: Vec<SliceDevices> = slices
+        .iter()
+        .map(|s| SliceDevices::new(s, &settings))
+        .collect();
+    let classes = shipped_classes();
+    let read = DeviceCatalog::new(&slices, &classes, settings.clone());
+    let kept = DeviceCatalog::from_parts(&parts, &classes, settings);
+    let show = |c: &DeviceCatalog| -> Vec<String> {
+        let all = match c.matching("gpu.gpuplane.dev", &[]) {
+            ClassMatch::Devices(d) => d.len(),
+            other => panic!("gpu.gpuplane.dev matches devices, not {other:?}"),
+        };
+        let mut out = vec![format!("{all} of class gpu")];
+        out.extend(
+            c.devices()
+                .iter()
+                .map(|d| format!("{}/{} {:?}", d.pool, d.name, d.facts)),
+        );
+        out
+    };
+    assert_eq!(show(&read), show(&kept));
+    // Only the newest generation of pool a, with what its slice says of the device; the NIC
+    // driver publishes no GPU but its node is a node with slices.
+    let d = &kept.devices()[0];
+    assert_eq!((kept.devices().len(), d.name.as_str()), (1, "gpu-9"));
+    assert_eq!(
+        (d.facts.node.as_deref(), d.facts.numa),
+        (Some("a"), Some(1))
+    );
+    assert_eq!(d.facts.taints[0].key, "drain");
+    assert!(d.has_capacity("memory") && d.has_capacity("gpu.gpuplane.dev/memory"));
+    assert!(!d.has_capacity("compute"));
+    let sliced: Vec<&str> = kept.sliced().iter().map(String::as_str).collect();
+    assert_eq!(sliced, ["a", "n"]);
+}
+
+#[test]
 fn pods_are_charged_for_template_claims_but_not_for_named_claims() {
     let c = catalog();
     let p = pod(json!({

@@ -104,19 +104,15 @@ impl Stores {
     /// The cluster as the stores hold it, with `pods` (the pod store's state, read once per
     /// cycle).
     fn cluster(&self, pods: &[Arc<Pod>]) -> Cluster {
-        // The catalog before the slices: one built meanwhile is newer, and the next cycle
-        // reads both again.
         let catalog = self.devices.catalog();
-        let (nodes, slices, claims, templates) = (
+        let (nodes, claims, templates) = (
             self.nodes.state(),
-            self.devices.slices(),
             self.claims.state(),
             self.templates.state(),
         );
         let shared = Shared {
             nodes: &nodes,
             pods,
-            slices: &slices,
             claims: &claims,
             templates: &templates,
         };
@@ -148,24 +144,7 @@ fn changed(wake: &Notify, changes: &AtomicU64) {
 /// DeviceClass may have any name, and a class may appear later. Pods' resource names and
 /// claims never change, so the answer holds for a pod's life.
 fn asks_for_devices(pod: &Pod) -> bool {
-    let Some(spec) = &pod.spec else {
-        return false;
-    };
-    let extended = |c: &k8s_openapi::api::core::v1::Container| {
-        c.resources.as_ref().is_some_and(|r| {
-            r.requests
-                .iter()
-                .chain(r.limits.iter())
-                .flat_map(|m| m.keys())
-                .any(|k| k.contains('/'))
-        })
-    };
-    spec.resource_claims.as_ref().is_some_and(|c| !c.is_empty())
-        || spec
-            .containers
-            .iter()
-            .chain(spec.init_containers.iter().flatten())
-            .any(extended)
+    crate::quota::claims_or_names(pod, |k| k.contains('/'))
 }
 
 /// What the explainer remembers of a pod it explains.
