@@ -98,7 +98,7 @@ impl Devices {
             let (book, settings, bump) = (slices.clone(), settings.clone(), bump(&changes));
             let events = watcher(
                 Api::<ResourceSlice>::all(client.clone()),
-                watcher::Config::default(),
+                watcher::Config::default().page_size(crate::reflect::LIST_PAGE),
             )
             .default_backoff();
             let apply = move |ev: watcher::Event<ResourceSlice>| {

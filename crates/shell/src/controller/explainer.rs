@@ -426,7 +426,9 @@ pub async fn run(
     let all = watcher::Config::default;
     // Succeeded pods never wait and, in a busy cluster, are most pods. Failed ones stay: the
     // kubelet ends a pod it refused for NUMA alignment Failed (the Topology reason).
-    let live = all().fields("status.phase!=Succeeded");
+    let live = all()
+        .fields("status.phase!=Succeeded")
+        .page_size(crate::reflect::LIST_PAGE);
     // Pods that ask for no device never wait for one nor hold one: in a busy cluster they are
     // most pods, and the store would keep them whole.
     let gpu_pods = Shape {

@@ -76,7 +76,7 @@ pub fn spawn_watchers(
         // pod never needs a delete).
         forward(
             Api::<Pod>::all(client.clone()),
-            watcher::Config::default(),
+            watcher::Config::default().page_size(crate::reflect::LIST_PAGE),
             tx.clone(),
             |e| {
                 let governed = match &e {
