@@ -139,6 +139,11 @@ impl Node {
                     p.get(GPU_RESOURCE).is_some_and(|v| v.devices.len() == gpus)
                 })
                 .await?;
+            // The previous run's devices may still be listed: wait for the new registration
+            // itself too.
+            while kubelet.registrations().len() <= dp_before {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
             Ok::<_, String>(())
         })
         .await;
