@@ -270,3 +270,54 @@ async fn a_kill_while_the_node_cdi_spec_is_replaced_leaves_the_old_or_the_new_on
         assert_ne!(new, old, "{step}: the new machine's spec");
     }
 }
+
+/// A restart must not offer what DRA holds: the device plugin registers only once the DRA
+/// checkpoint's holds are in the ledger. Stopped just before that load, the agent has its
+/// PodResources follower listing (it starts first) but no device plugin registration; killed
+/// there and started again, no ListAndWatch answer of the new runs ever offers a claimed GPU
+/// as Healthy (the kubelet would hand it to a pod while the claim's containers run on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_offers_no_claimed_gpu_before_its_checkpoint_holds_are_loaded() {
+    let mut node = Node::new(PROFILE, "").await;
+    node.start(None).await;
+    let c = node.claim("train", &CLAIMED);
+    assert_eq!(node.prepare(&c).await, Ok(cdi_ids(&c, &CLAIMED)));
+    node.kill().await;
+    let (registered, answered) = (
+        node.kubelet.registrations().len(),
+        node.kubelet.answers().len(),
+    );
+    let lists = node.kubelet.pod_resources_lists();
+    node.spawn(Some("startup.before-dra-holds"));
+    node.wait_marker().await;
+    // Two listings by the stopped agent: it is well past where the registrar used to start.
+    let kubelet = node.kubelet.clone();
+    eventually("two PodResources listings", WAIT, || {
+        kubelet.pod_resources_lists() >= lists + 2
+    })
+    .await;
+    assert_eq!(
+        node.kubelet.registrations().len(),
+        registered,
+        "the device plugin registered before the DRA checkpoint's holds were loaded\n{}",
+        node.log()
+    );
+    node.kill().await;
+    node.start(None).await;
+    node.check_ledger(&CLAIMED, "train").await;
+    let held: BTreeSet<&str> = CLAIMED.iter().map(|g| node.uuids[*g].as_str()).collect();
+    let offered: Vec<String> = node.kubelet.answers()[answered..]
+        .iter()
+        .flat_map(|(resource, devices)| {
+            devices
+                .iter()
+                .filter(|d| d.health == "Healthy" && held.contains(d.id.as_str()))
+                .map(move |d| format!("{resource} {}", d.id))
+        })
+        .collect();
+    assert!(
+        offered.is_empty(),
+        "ListAndWatch offered GPUs a prepared claim holds: {offered:?}\n{}",
+        node.log()
+    );
+}

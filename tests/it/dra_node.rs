@@ -1095,3 +1095,45 @@ async fn wait_ready(addr: std::net::SocketAddr) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// With the device plugin off (`gpuplane.dev/apis=dra`) the agent still follows PodResources:
+/// a pod that another device plugin placed (NVIDIA's, or this agent under an earlier config)
+/// keeps its GPU. The first slices already carry the in-use taint, a claim on that GPU is
+/// refused naming the container, and once the pod ends the GPU goes to the claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dra_only_agent_never_hands_out_a_gpu_another_device_plugin_placed_a_pod_on() {
+    const IN_USE: &str = "gpu.gpuplane.dev/device-plugin=in-use";
+    let lab = Lab::new("pcie-l4x4").await;
+    lab.api
+        .put_json(json!({"apiVersion": "v1", "kind": "Node",
+               "metadata": {"name": NODE, "labels": {"gpuplane.dev/apis": "dra"}}}))
+        .unwrap();
+    let inv = lab.sim.discover().unwrap().inventory;
+    let gpu = inv.gpus.iter().find(|g| g.index == 1).unwrap();
+    lab.kubelet.assign(
+        "team-b",
+        "legacy",
+        "main",
+        "nvidia.com/gpu",
+        &[gpu.uuid.to_string()],
+    );
+    let agent = lab.start("");
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.eventually("slices published", |l| !l.slices().is_empty())
+        .await;
+    assert_eq!(lab.taints("gpu-1"), [IN_USE], "the first slices taint it");
+    assert!(lab.taints("gpu-0").is_empty());
+    let claim = lab.claim("grab", &["gpu-1"]);
+    let err = lab.prepare(&claim).await.unwrap_err();
+    assert!(err.contains("team-b/legacy/main"), "{err}");
+    assert!(
+        lab.kubelet.registrations().is_empty(),
+        "the device plugin registered on a DRA-only node"
+    );
+    lab.kubelet.end_pod("team-b", "legacy");
+    lab.eventually("the in-use taint gone", |l| l.taints("gpu-1").is_empty())
+        .await;
+    lab.prepare(&claim).await.unwrap();
+    lab.unprepare(&claim).await;
+    agent.stop().await;
+}

@@ -12,7 +12,10 @@
 //! - no claim is allocated a device a device-plugin pod holds, and every such claim prepares;
 //! - a restart with nothing changed makes no API write at all, however many start-ups it took;
 //! - a pod that ends before any PodResources listing saw it frees its device (the slice drops
-//!   the taint) without waiting out a long grace period.
+//!   the taint) without waiting out a long grace period;
+//! - no ListAndWatch answer of a restarted agent offers as Healthy a device that overlaps a
+//!   claim prepared throughout the restart (the mirror rule: DRA's checkpoint holds are in
+//!   the ledger before the device plugin registers).
 
 use crate::support;
 
@@ -280,11 +283,7 @@ impl Stress {
     /// that no live claim overlaps; the claim must prepare, and its device must not be one a
     /// device-plugin pod holds.
     async fn schedule_claim(&mut self) {
-        let claimed: BTreeSet<String> = self
-            .claims
-            .values()
-            .flat_map(|(_, units)| units.iter().flat_map(|u| self.machine.overlapping(u)))
-            .collect();
+        let claimed = self.claimed_units();
         let offered: Vec<String> = self
             .machine
             .unit_of
@@ -341,6 +340,29 @@ impl Stress {
             let (claim, _) = self.claims.remove(&name).unwrap();
             self.lab.unprepare(&claim).await;
         }
+    }
+
+    /// Units that overlap a unit some prepared claim holds.
+    fn claimed_units(&self) -> BTreeSet<String> {
+        self.claims
+            .values()
+            .flat_map(|(_, units)| units.iter().flat_map(|u| self.machine.overlapping(u)))
+            .collect()
+    }
+
+    /// ListAndWatch answers from the `from`-th on that offer one of `units` as Healthy
+    /// (device IDs are unit UUIDs under the default strategy): (resource, device ID).
+    fn offered_since(&self, from: usize, units: &BTreeSet<String>) -> Vec<(String, String)> {
+        let answers = self.lab.kubelet.answers();
+        answers[from.min(answers.len())..]
+            .iter()
+            .flat_map(|(resource, devices)| {
+                devices
+                    .iter()
+                    .filter(|d| d.health == "Healthy" && units.contains(&d.id))
+                    .map(move |d| (resource.clone(), d.id.clone()))
+            })
+            .collect()
     }
 
     /// Writes the API server double has received, but those on claims (the status a
@@ -405,6 +427,7 @@ async fn restarts_at_random_moments_never_drop_a_taint_or_hand_a_held_device_to_
             s.lab.kubelet.registrations().len(),
             s.lab.dra.registrations().len(),
         );
+        let (answered, claimed_throughout) = (s.lab.kubelet.answers().len(), s.claimed_units());
         s.kill();
         if !quiet && !s.pods.is_empty() {
             s.end_pod();
@@ -436,6 +459,12 @@ async fn restarts_at_random_moments_never_drop_a_taint_or_hand_a_held_device_to_
         assert!(
             lost.is_empty(),
             "round {round}: slices written without the in-use taint of a held device (device, resourceVersion): {lost:?}\n{}",
+            s.log()
+        );
+        let offered = s.offered_since(answered, &claimed_throughout);
+        assert!(
+            offered.is_empty(),
+            "round {round}: ListAndWatch offered devices a prepared claim holds (resource, device): {offered:?}\n{}",
             s.log()
         );
         if quiet {

@@ -1,6 +1,6 @@
-//! Crash points: named steps of the agent's durable work (prepare, unprepare, file writes, slice
-//! publication) where a test can stop the agent so that it SIGKILLs it at exactly that step
-//! (tests/it/crash.rs). The kill is real; this only chooses where it lands.
+//! Crash points: named steps of the agent's durable work (start-up, prepare, unprepare, file
+//! writes, slice publication) where a test can stop the agent so that it SIGKILLs it at
+//! exactly that step (tests/it/crash.rs). The kill is real; this only chooses where it lands.
 //!
 //! `GPUPLANE_CRASHPOINT=<step>[@<detail>][#<n>]` arms one [`Step`] by its name: the `n`-th time
 //! (default: the first) the agent reaches it with a detail containing `<detail>` (the file
@@ -26,6 +26,8 @@ pub const MARKER_ENV: &str = "GPUPLANE_CRASHPOINT_MARKER";
 /// Every step a crash point can be armed at; [`Step::ALL`] lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
+    /// Start-up: the DRA checkpoint not loaded yet, so its holds are not in the ledger.
+    StartupBeforeDraHolds,
     /// Prepare: devices held in the ledger, nothing written yet.
     PrepareBeforeCheckpoint,
     /// Prepare of an MPS share: its unit's control daemon started, nothing written yet.
@@ -60,7 +62,8 @@ pub enum Step {
 }
 
 impl Step {
-    pub const ALL: [Step; 15] = [
+    pub const ALL: [Step; 16] = [
+        Step::StartupBeforeDraHolds,
         Step::PrepareBeforeCheckpoint,
         Step::PrepareAfterMpsStart,
         Step::PrepareAfterCheckpoint,
@@ -81,6 +84,7 @@ impl Step {
     /// The name `GPUPLANE_CRASHPOINT` uses.
     pub fn name(self) -> &'static str {
         match self {
+            Step::StartupBeforeDraHolds => "startup.before-dra-holds",
             Step::PrepareBeforeCheckpoint => "prepare.before-checkpoint",
             Step::PrepareAfterMpsStart => "prepare.after-mps-start",
             Step::PrepareAfterCheckpoint => "prepare.after-checkpoint",

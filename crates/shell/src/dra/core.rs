@@ -155,6 +155,7 @@ impl DraCore {
                 cause: source,
             }
         })?;
+        crate::crashpoint::reached(crate::crashpoint::Step::StartupBeforeDraHolds);
         let boot_id = checkpoint::read_boot_id(&config.paths.boot_id());
         let mut loaded = Checkpoint::load(&config.paths.state_dir, boot_id.as_deref())
             .map_err(|source| CoreError::Checkpoint { cause: source })?;

@@ -2,9 +2,9 @@
 //!
 //! [`run`] takes the state directory's lock, starts the HTTP endpoints (they answer, from an
 //! empty inventory, while discovery waits for the driver), discovers with retry, then starts
-//! the kubelet-facing servers (device plugin registrar, DRA, PodResources follower, labeler)
-//! and the tasks ([`tasks`]) that post to the state owner ([`owner`]), which runs until
-//! shutdown. Everything it starts takes its paths and a shutdown signal as arguments, so tests
+//! the kubelet-facing servers (PodResources follower, DRA, then the device plugin registrar,
+//! labeler) and the tasks ([`tasks`]) that post to the state owner ([`owner`]), which runs
+//! until shutdown. Everything it starts takes its paths and a shutdown signal as arguments, so tests
 //! run the real agent in-process against doubles in a temp dir.
 
 pub mod apis;
@@ -233,8 +233,16 @@ pub async fn run(
     };
     let result = match found {
         Some(found) => {
+            // With the device plugin off, pods that another device plugin (NVIDIA's, or this
+            // agent under an earlier config) placed still hold their GPUs: follow PodResources
+            // whenever the kubelet serves it, so DRA never hands those GPUs out again.
+            let follow_pod_resources = opts.device_plugin
+                || tokio::fs::try_exists(opts.paths.pod_resources_socket())
+                    .await
+                    .unwrap_or(false);
             let agent = Agent {
                 opts: &opts,
+                follow_pod_resources,
                 source: &source,
                 state: &state,
                 readiness: &readiness,
@@ -254,6 +262,9 @@ pub async fn run(
 /// What starting the servers and tasks needs, borrowed from [`run`].
 struct Agent<'a> {
     opts: &'a NodeOptions,
+    /// Whether the PodResources follower runs (and slices and prepares wait for its first
+    /// listing): with the device plugin, or when the kubelet's PodResources socket exists.
+    follow_pod_resources: bool,
     source: &'a Arc<dyn DeviceSource>,
     state: &'a Arc<NodeState>,
     readiness: &'a Arc<http::Readiness>,
@@ -296,7 +307,7 @@ impl Agent<'_> {
         // The kubelet kept the device plugin's assignments while we were away; until the
         // follower's first listing brings them into the ledger, nothing is published or
         // prepared on the strength of it.
-        snapshot.awaiting_device_plugin_holds = self.opts.device_plugin;
+        snapshot.awaiting_device_plugin_holds = self.follow_pod_resources;
         for w in &snapshot.plan.warnings {
             tracing::warn!("{w}");
         }
@@ -331,22 +342,17 @@ impl Agent<'_> {
         Ok((owner, inbox))
     }
 
-    /// The device plugin registrar and PodResources follower, DRA, and the node labeler, as
-    /// the options ask.
+    /// The PodResources follower, DRA, the device plugin registrar and the node labeler, as
+    /// the options ask. DRA starts before the registrar: its checkpoint's holds must be in the
+    /// ledger before ListAndWatch offers anything, or a GPU a running claim holds would be
+    /// offered as Healthy, and an Allocate in that window could hand it out a second time.
     async fn start_servers(
         &self,
         node_spec: &Arc<cdi::NodeSpec>,
         running: &mut Running,
     ) -> Result<(), NodeError> {
         let (opts, state, stop) = (self.opts, self.state, self.stop);
-        if opts.device_plugin {
-            running.tasks.push(tokio::spawn(registrar::run(
-                opts.paths.device_plugins(),
-                state.clone(),
-                node_spec.clone(),
-                self.dp_registered.clone(),
-                stop.clone(),
-            )));
+        if self.follow_pod_resources {
             running.tasks.push(tokio::spawn(podresources::run(
                 opts.paths.pod_resources_socket(),
                 state.clone(),
@@ -370,6 +376,15 @@ impl Agent<'_> {
                 });
             }
             running.tasks.extend(started.tasks);
+        }
+        if opts.device_plugin {
+            running.tasks.push(tokio::spawn(registrar::run(
+                opts.paths.device_plugins(),
+                state.clone(),
+                node_spec.clone(),
+                self.dp_registered.clone(),
+                stop.clone(),
+            )));
         }
         if let Some(client) = opts.api.clone() {
             running.tasks.push(tokio::spawn(labeler::run(

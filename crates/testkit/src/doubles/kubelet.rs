@@ -48,6 +48,8 @@ struct Inner {
     plugins: Mutex<BTreeMap<String, PluginView>>,
     assigned: Mutex<Assignments>,
     registrations: Mutex<Vec<pb::RegisterRequest>>,
+    /// Every ListAndWatch message, in arrival order: (resource, its devices).
+    answers: Mutex<Vec<(String, Vec<pb::Device>)>>,
     streams: Mutex<Vec<JoinHandle<()>>>,
     changed: Option<watch::Sender<u64>>,
     /// PodResources List requests received, counted before the answer is read.
@@ -249,6 +251,7 @@ async fn follow(
     inner.bump();
     let mut stream = client.list_and_watch(pb::Empty {}).await?.into_inner();
     while let Some(msg) = stream.message().await? {
+        lock(&inner.answers).push((resource.to_string(), msg.devices.clone()));
         if let Some(view) = lock(&inner.plugins).get_mut(resource) {
             view.devices = msg.devices;
             view.updates += 1;
@@ -339,6 +342,11 @@ impl KubeletDouble {
 
     pub fn registrations(&self) -> Vec<pb::RegisterRequest> {
         lock(&self.inner.registrations).clone()
+    }
+
+    /// Every ListAndWatch message received so far (across plugins and restarts), in order.
+    pub fn answers(&self) -> Vec<(String, Vec<pb::Device>)> {
+        lock(&self.inner.answers).clone()
     }
 
     pub fn plugins(&self) -> BTreeMap<String, PluginView> {
@@ -456,6 +464,21 @@ impl KubeletDouble {
             false => available[..count].to_vec(),
         };
         let grant = self.allocate(resource, &ids).await?;
+        self.assign(namespace, pod, container, resource, &ids);
+        Ok((ids, grant))
+    }
+
+    /// Records `ids` of `resource` as assigned to a container without any plugin of this
+    /// double: what PodResources lists for pods another device plugin (NVIDIA's, or an
+    /// earlier agent's) placed.
+    pub fn assign(
+        &self,
+        namespace: &str,
+        pod: &str,
+        container: &str,
+        resource: &str,
+        ids: &[String],
+    ) {
         lock(&self.inner.assigned)
             .entry((
                 namespace.to_string(),
@@ -463,8 +486,7 @@ impl KubeletDouble {
                 container.to_string(),
             ))
             .or_default()
-            .insert(resource.to_string(), ids.clone());
-        Ok((ids, grant))
+            .insert(resource.to_string(), ids.to_vec());
     }
 
     /// The pod ended: its devices are no longer assigned (PodResources stops listing them).
