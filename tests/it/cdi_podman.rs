@@ -384,10 +384,10 @@ impl Agent {
     }
 }
 
-/// A claim allocated (by the absent scheduler) to `device` of this node, with an MPS config for
-/// `driver` in its allocation.
-fn mps_claim(lab: &Lab, driver: &str, device: &str, threads: u8) -> ClaimRef {
-    let (namespace, name) = ("team-a", "mps");
+/// A claim allocated (by the absent scheduler) to `device` of this node, with a time-slicing
+/// config for `driver` in its allocation.
+fn time_sliced_claim(lab: &Lab, driver: &str, device: &str) -> ClaimRef {
+    let (namespace, name) = ("team-a", "shared");
     let obj = json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": name, "namespace": namespace},
@@ -396,7 +396,7 @@ fn mps_claim(lab: &Lab, driver: &str, device: &str, threads: u8) -> ClaimRef {
             "results": [{"request": "gpus", "driver": driver, "pool": NODE, "device": device}],
             "config": [{"source": "FromClaim", "requests": ["gpus"], "opaque": {"driver": driver, "parameters": {
                 "apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig",
-                "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": threads}}}}}]
+                "sharing": {"strategy": "TimeSlicing"}}}}]
         }}}
     });
     let stored = lab.api.put_json(obj).unwrap();
@@ -445,7 +445,7 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
         DeviceMode::Hardware,
     );
     lab.dra.wait_registered(&driver, WAIT).await.unwrap();
-    let claim = mps_claim(&lab, &driver, "gpu-2", 50);
+    let claim = time_sliced_claim(&lab, &driver, "gpu-2");
     let stem = format!("gpuplane-claim-{}", claim.uid);
     cleanup.stems.push(stem.clone());
 
@@ -472,7 +472,7 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
     }
 
     let script = format!(
-        "ls -l /dev/nvidia2 /dev/nvidiactl; env | grep -E 'CUDA_MPS|GPUPLANE'; cat {NVML_LIB}; \
+        "ls -l /dev/nvidia2 /dev/nvidiactl; env | grep GPUPLANE; cat {NVML_LIB}; \
          test -e /dev/nvidia3 && echo LEAKED-nvidia3; true"
     );
     let stdout = run_with_device(&cdi_id, &image, &script);
@@ -481,10 +481,9 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
     }
     let env: Vec<&str> = stdout.lines().filter(|l| l.contains('=')).collect();
     assert!(
-        env.contains(&"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50"),
+        env.contains(&"GPUPLANE_SHARING_STRATEGY=TimeSlicing"),
         "{stdout}"
     );
-    assert!(env.contains(&"GPUPLANE_SHARING_STRATEGY=MPS"), "{stdout}");
     assert!(stdout.lines().any(|l| l == NVML_MARKER), "{stdout}");
     assert!(
         !stdout.contains("LEAKED"),

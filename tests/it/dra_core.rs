@@ -675,19 +675,20 @@ async fn a_reboot_invalidates_prepared_claims_and_removes_their_specs() {
     assert!(env.spec_path(&c.uid).exists());
 }
 
+/// A config becomes environment only where the node carries it out; an MPS config or a
+/// time-slice interval it would not apply is refused at prepare, naming the field, with
+/// nothing written and nothing held.
 #[tokio::test]
-async fn configs_become_container_environment() {
+async fn configs_become_container_environment_or_are_refused_naming_what_is_not_done() {
     let Some(env) = Env::new() else { return };
     let core = env.core();
-    let mig = env.mig(2);
+    let (mig, other) = (env.mig(2), env.mig(5));
+    let gpu_config = |sharing: serde_json::Value| {
+        json!({"driver": DRIVER, "parameters": {
+            "apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig", "sharing": sharing}})
+    };
     let config = json!([
-        {"source": "FromClass", "opaque": {"driver": DRIVER, "parameters": {
-            "apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig",
-            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}}}},
-        {"source": "FromClaim", "requests": ["shared"], "opaque": {"driver": DRIVER, "parameters": {
-            "apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig",
-            "sharing": {"strategy": "MPS", "mpsConfig": {
-                "defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "10Gi"}}}}},
+        {"source": "FromClass", "opaque": gpu_config(json!({"strategy": "TimeSlicing"}))},
         {"source": "FromClaim", "opaque": {"driver": "other.example.com", "parameters": {"anything": true}}}
     ]);
     let c = env.add_claim(
@@ -699,34 +700,51 @@ async fn configs_become_container_environment() {
     let out = core.prepare(vec![c.clone()]).await;
     assert_eq!(devices(&out[c.uid.as_str()]).len(), 2, "{out:?}");
     let spec = env.spec(&c.uid);
-    let env_of = |device: &str| {
-        spec.devices
+    for device in ["gpu-3", mig.as_str()] {
+        let edits = &spec
+            .devices
             .iter()
             .find(|d| d.name == format!("{}-{device}", c.uid))
             .unwrap()
-            .container_edits
-            .env
-            .clone()
-    };
-    assert_eq!(
-        env_of("gpu-3"),
-        vec![
-            "GPUPLANE_SHARING_STRATEGY=TimeSlicing",
-            "GPUPLANE_TIMESLICE_INTERVAL=Long"
-        ]
-    );
-    assert_eq!(
-        env_of(&mig),
-        vec![
-            "GPUPLANE_SHARING_STRATEGY=MPS",
-            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M"
-        ]
-    );
+            .container_edits;
+        assert_eq!(edits.env, ["GPUPLANE_SHARING_STRATEGY=TimeSlicing"]);
+    }
     assert!(spec
         .container_edits
         .env
         .contains(&"NVIDIA_VISIBLE_DEVICES=void".to_string()));
+
+    let refused = [
+        (
+            json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}}),
+            "sharing.strategy: MPS is not supported",
+        ),
+        (
+            json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}),
+            "sharing.timeSlicingConfig.interval: Long is not supported",
+        ),
+    ];
+    for (i, (sharing, why)) in refused.into_iter().enumerate() {
+        let c = env.add_claim(
+            "a",
+            &uid(2 + i as u8),
+            &[("gpu", other.as_str())],
+            json!([{"source": "FromClaim", "opaque": gpu_config(sharing)}]),
+        );
+        let err = core.prepare(vec![c.clone()]).await[c.uid.as_str()]
+            .clone()
+            .unwrap_err();
+        assert!(err.contains(why), "{err}");
+        assert!(
+            !env.spec_path(&c.uid).exists(),
+            "a refused claim has a spec"
+        );
+    }
+    let free = env.add_claim("a", &uid(9), &[("gpu", other.as_str())], json!([]));
+    assert!(
+        core.prepare(vec![free.clone()]).await[free.uid.as_str()].is_ok(),
+        "a refused claim left {other} held"
+    );
 }
 
 #[tokio::test]

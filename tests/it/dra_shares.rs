@@ -517,3 +517,74 @@ async fn without_the_mps_program_a_share_is_time_sliced_and_says_its_limits_are_
     );
     assert_eq!(env.share_holders(1).len(), 1);
 }
+
+/// The YAML blocks of a docs section, in order.
+fn yaml_blocks(section: &str) -> Vec<&str> {
+    section
+        .split("```yaml\n")
+        .skip(1)
+        .filter_map(|b| b.split_once("```").map(|(block, _)| block))
+        .collect()
+}
+
+/// docs/mig-and-sharing.md's fractional-GPU example holds on the bundled `dgx-h100` (H100 80GB,
+/// 81559Mi): its config block is what the agent reads, its device block is what the agent
+/// publishes for GPU 0, its claim is a share the policy allows, and the sizes its text says fit
+/// on one GPU fit while those it says do not, do not.
+#[test]
+fn the_sharing_docs_example_is_what_a_dgx_h100_publishes() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = fs::read_to_string(root.join("docs/mig-and-sharing.md")).unwrap();
+    let section = doc
+        .split_once("## Fractional GPUs")
+        .and_then(|(_, rest)| rest.split_once("\n## "))
+        .map(|(s, _)| s)
+        .expect("docs/mig-and-sharing.md has the fractional GPU section");
+    let blocks = yaml_blocks(section);
+    assert!(
+        blocks.len() >= 3,
+        "config, device and claim blocks: {blocks:?}"
+    );
+    let config = AgentConfig::parse("docs", blocks[0]).unwrap();
+    let inv = gpuplane_shell::sim::load("dgx-h100").unwrap();
+    let shared = gpuplane_shell::sharing::shared_units(&inv, config.shares.as_ref());
+    let mut health = gpuplane_shell::health::HealthBook::default();
+    health.set_inventory(&inv);
+    let slices = gpuplane_shell::slices::render::render_with_generation(
+        &inv, &health, DRIVER, NODE, 0, &shared,
+    );
+    let published: Value = slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .find(|d| d.name == "gpu-0")
+        .map(|d| serde_json::to_value(d).unwrap())
+        .expect("gpu-0 is published");
+    let documented: Value = serde_yaml_ng::from_str(blocks[1]).unwrap();
+    assert_eq!(documented[0]["name"], "gpu-0");
+    for field in ["allowMultipleAllocations", "capacity"] {
+        assert_eq!(
+            documented[0][field], published[field],
+            "docs/mig-and-sharing.md's {field} of gpu-0 is not what a dgx-h100 publishes"
+        );
+    }
+    let claim: Value = serde_yaml_ng::from_str(blocks[2]).unwrap();
+    let asked = &claim["spec"]["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"];
+    let unit = shared.get(&inv.gpus[0].uuid).expect("gpu-0 is shared");
+    let gi = |n: u64| n << 30;
+    let quantity = |v: &Value| {
+        let q = gpuplane_shell::quantity::Quantity::parse(v.as_str().unwrap()).unwrap();
+        u64::try_from(q.value().unwrap()).unwrap()
+    };
+    // Rounded up to the steps, as the scheduler does (the docs' 25 becomes 30).
+    let compute = u32::try_from(quantity(&asked["compute"])).unwrap();
+    let share = gpuplane_shell::sharing::Share {
+        memory: quantity(&asked["memory"]).div_ceil(unit.memory_step) * unit.memory_step,
+        compute: compute.div_ceil(unit.compute_step) * unit.compute_step,
+    };
+    unit.check(&share).unwrap();
+    // The text's sizes: two 39Gi fit on one GPU, two 40Gi do not, and the default is 79Gi.
+    assert!(section.contains("Two `39Gi` claims share one GPU"));
+    assert!(section.contains("two `40Gi` claims do not"));
+    assert!(2 * gi(39) <= unit.memory && 2 * gi(40) > unit.memory);
+    assert_eq!(unit.max_memory(), gi(79));
+}

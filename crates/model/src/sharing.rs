@@ -220,6 +220,10 @@ pub fn share_from_consumed(
 
 /// MPS client variable naming the control daemon's pipe directory.
 pub const ENV_MPS_PIPE: &str = "CUDA_MPS_PIPE_DIRECTORY";
+/// CUDA's MPS client variable for the active thread percentage.
+pub const ENV_MPS_THREADS: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
+/// CUDA's MPS client variable for pinned device memory limits.
+pub const ENV_MPS_PINNED: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
 /// What the container's share is and how it is enforced, for its processes and for people.
 pub const ENV_SHARE_MEMORY: &str = "GPUPLANE_SHARE_MEMORY";
 pub const ENV_SHARE_COMPUTE: &str = "GPUPLANE_SHARE_COMPUTE";
@@ -240,16 +244,8 @@ pub fn share_env(share: &Share, enforcement: Enforcement, pipe_dir: Option<&str>
     ];
     if let (Enforcement::Mps, Some(dir)) = (enforcement, pipe_dir) {
         env.push(format!("{ENV_MPS_PIPE}={dir}"));
-        env.push(format!(
-            "{}={}",
-            crate::dra::opaque::ENV_MPS_THREADS,
-            share.compute
-        ));
-        env.push(format!(
-            "{}=0={}M",
-            crate::dra::opaque::ENV_MPS_PINNED,
-            share.memory >> 20
-        ));
+        env.push(format!("{ENV_MPS_THREADS}={}", share.compute));
+        env.push(format!("{ENV_MPS_PINNED}=0={}M", share.memory >> 20));
     }
     env
 }

@@ -199,36 +199,10 @@ pub fn opaque_config(data: &[u8]) {
     };
     let again = opaque::parse(&encode_opaque(&cfg)).expect("an encoded config decodes");
     assert_eq!(cfg, again, "decode -> encode -> decode changed the config");
-    let devices = [
-        opaque::ConfiguredDevice {
-            name: "gpu-0".into(),
-            uuid: "GPU-0".into(),
-            pci_bus_id: "00000000:01:00.0".into(),
-            is_mig: false,
-        },
-        opaque::ConfiguredDevice {
-            name: "gpu-1-mig-0".into(),
-            uuid: "MIG-1".into(),
-            pci_bus_id: "00000000:02:00.0".into(),
-            is_mig: true,
-        },
-    ];
-    for n in 0..=devices.len() {
-        let Ok(env) = opaque::container_env(&cfg, &devices[..n]) else {
-            continue;
-        };
+    if let Ok(env) = opaque::container_env(&cfg) {
         for line in env {
             let (name, value) = line.split_once('=').expect("NAME=value");
-            assert!(
-                [
-                    opaque::ENV_STRATEGY,
-                    opaque::ENV_TIMESLICE,
-                    opaque::ENV_MPS_THREADS,
-                    opaque::ENV_MPS_PINNED
-                ]
-                .contains(&name),
-                "unexpected variable {name}"
-            );
+            assert_eq!(name, opaque::ENV_STRATEGY, "unexpected variable {name}");
             assert!(!value.contains(['\n', '\0']), "{line:?}");
         }
     }

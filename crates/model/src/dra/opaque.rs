@@ -32,27 +32,21 @@
 //!
 //! # What a config does, honestly
 //!
-//! gpuplane does not (yet) run an MPS control daemon, and it cannot change a GPU's time-slice in
-//! simulation. A config therefore only turns into environment variables on the claim's CDI
-//! devices ([`container_env`]):
+//! A config may only call itself a sharing strategy when something on the node does what it
+//! says ([`container_env`]):
 //!
-//! - always `GPUPLANE_SHARING_STRATEGY=TimeSlicing|MPS`;
-//! - time-slicing: `GPUPLANE_TIMESLICE_INTERVAL=<interval>`, a record of what was asked for. The
-//!   GPU's scheduler keeps its own time-slice (NVIDIA's driver sets it with
-//!   `nvidia-smi compute-policy --set-timeslice`; we do not). A non-`Default` interval on a MIG
-//!   device is refused: MIG devices have no settable time-slice. A CDI annotation would be the
-//!   natural place for the note, but annotations need cdiVersion 0.6.0 and podman 4.3 reads at
-//!   most 0.5.0, so it is an environment variable;
-//! - MPS: `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=<n>` and
-//!   `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<MiB>M,...`. These are the CUDA client-side MPS
-//!   variables: they take effect only when the container's CUDA processes connect to an MPS
-//!   server, which gpuplane does not start. The ordinals are positions of the devices within the
-//!   config's device group, ordered by PCI bus id and then DRA device name; they match CUDA's
-//!   ordinals when the container sees exactly those devices in that order
-//!   (`CUDA_DEVICE_ORDER=PCI_BUS_ID`).
+//! - time-slicing with interval `Default` (or none) is what a GPU does anyway when the pods of
+//!   one claim share it: accepted, recorded as `GPUPLANE_SHARING_STRATEGY=TimeSlicing`;
+//! - any other interval is refused at prepare. NVIDIA's driver sets it with
+//!   `nvidia-smi compute-policy --set-timeslice`, a setting of the whole GPU that outlives the
+//!   claim and that NVML does not offer; gpuplane changes no GPU setting for a claim;
+//! - MPS is refused at prepare. Its CUDA client variables (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`,
+//!   `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`) in a container "only further constrain the limit set
+//!   by the control daemon" (NVIDIA's MPS documentation, "Environment Variables"): without a
+//!   daemon that holds the limits they share and limit nothing. gpuplane runs MPS for the GPU
+//!   shares it publishes (consumable capacity, [`crate::sharing`]), not for a config.
 //!
-//! The variables are set per CDI device; when one container gets devices from two requests
-//! with different configs, the runtime's merge of the clashing variables decides (last wins).
+//! The refusal names the field and what to do instead, and the kubelet reports it on the pod.
 
 use crate::quantity::{Quantity, QuantityError};
 use serde_json::{Map, Value};
@@ -70,12 +64,6 @@ pub const KIND: &str = "GpuConfig";
 
 /// Environment variable recording the sharing strategy.
 pub const ENV_STRATEGY: &str = "GPUPLANE_SHARING_STRATEGY";
-/// Environment variable recording the requested time-slice interval.
-pub const ENV_TIMESLICE: &str = "GPUPLANE_TIMESLICE_INTERVAL";
-/// CUDA's MPS client variable for the active thread percentage.
-pub const ENV_MPS_THREADS: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
-/// CUDA's MPS client variable for pinned device memory limits.
-pub const ENV_MPS_PINNED: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
 
 /// Why an opaque config was rejected. Every variant names the field by its path.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -124,17 +112,11 @@ pub enum OpaqueError {
         field: String,
         strategy: &'static str,
     },
-    #[error("{field}: `{key}` is not one of the devices this config applies to ({devices})")]
-    UnknownDevice {
+    #[error("{field}: {value} is not supported: {why}")]
+    NotSupported {
         field: String,
-        key: String,
-        devices: String,
-    },
-    #[error("{field}: interval {interval} cannot be set on MIG device {device} (MIG devices have no settable time-slice)")]
-    IntervalOnMig {
-        field: String,
-        interval: TimeSliceInterval,
-        device: String,
+        value: String,
+        why: &'static str,
     },
 }
 
@@ -494,82 +476,37 @@ fn memory_limit(v: &Value, field: &str) -> Result<MemoryLimit, OpaqueError> {
     Ok(limit)
 }
 
-/// A device a config applies to, for [`container_env`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfiguredDevice {
-    /// DRA device name.
-    pub name: String,
-    /// Unit UUID (GPU or MIG).
-    pub uuid: String,
-    /// PCI bus id of the (parent) GPU, for ordering.
-    pub pci_bus_id: String,
-    pub is_mig: bool,
-}
+/// Why a time-slice interval other than `Default` is refused.
+const WHY_NO_INTERVAL: &str = "gpuplane does not change a GPU's time slice (NVIDIA's driver \
+    runs `nvidia-smi compute-policy --set-timeslice`, a setting of the whole GPU that outlives \
+    the claim); leave the interval out or set it to Default";
+/// Why MPS in a config is refused.
+const WHY_NO_MPS: &str = "gpuplane runs no MPS control daemon for a config, and the CUDA MPS \
+    variables alone limit nothing; for GPU shares enforced by MPS, request a share of a GPU \
+    this node publishes with capacity (docs/mig-and-sharing.md), or use strategy TimeSlicing \
+    to let the pods of one claim take turns on its GPU";
 
-/// The environment each CDI device of `devices` (the devices `config` applies to within one
-/// claim) gets, one `NAME=value` per entry. Checks what can only be checked against devices:
-/// per-device limit keys must name one of them, and time-slice intervals do not apply to MIG.
-pub fn container_env(
-    config: &GpuConfig,
-    devices: &[ConfiguredDevice],
-) -> Result<Vec<String>, OpaqueError> {
-    let Some(sharing) = &config.sharing else {
-        return Ok(Vec::new());
-    };
-    let mut env = vec![format!("{ENV_STRATEGY}={}", sharing.strategy())];
-    match sharing {
-        Sharing::TimeSlicing(ts) => {
-            if ts.interval != TimeSliceInterval::Default {
-                if let Some(mig) = devices.iter().find(|d| d.is_mig) {
-                    return Err(OpaqueError::IntervalOnMig {
-                        field: format!("sharing.{TIME_SLICING_KEY}.interval"),
-                        interval: ts.interval,
-                        device: mig.name.clone(),
-                    });
-                }
-            }
-            env.push(format!("{ENV_TIMESLICE}={}", ts.interval));
+/// The environment the devices a config applies to get, one `NAME=value` per entry, or the
+/// refusal of a setting gpuplane would not carry out (module docs).
+pub fn container_env(config: &GpuConfig) -> Result<Vec<String>, OpaqueError> {
+    match &config.sharing {
+        None => Ok(Vec::new()),
+        Some(Sharing::TimeSlicing(ts)) if ts.interval != TimeSliceInterval::Default => {
+            Err(OpaqueError::NotSupported {
+                field: format!("sharing.{TIME_SLICING_KEY}.interval"),
+                value: ts.interval.to_string(),
+                why: WHY_NO_INTERVAL,
+            })
         }
-        Sharing::Mps(mps) => {
-            if let Some(p) = mps.default_active_thread_percentage {
-                env.push(format!("{ENV_MPS_THREADS}={p}"));
-            }
-            let mut ordered: Vec<&ConfiguredDevice> = devices.iter().collect();
-            ordered.sort_by(|a, b| (&a.pci_bus_id, &a.name).cmp(&(&b.pci_bus_id, &b.name)));
-            let mut limits: Vec<Option<u64>> = vec![
-                mps.default_pinned_device_memory_limit
-                    .as_ref()
-                    .map(MemoryLimit::mebibytes);
-                ordered.len()
-            ];
-            for (key, limit) in &mps.default_per_device_pinned_memory_limit {
-                let Some(i) = ordered
-                    .iter()
-                    .position(|d| &d.name == key || &d.uuid == key)
-                else {
-                    return Err(OpaqueError::UnknownDevice {
-                        field: format!("sharing.{MPS_KEY}.{PER_DEVICE_KEY}"),
-                        key: key.clone(),
-                        devices: ordered
-                            .iter()
-                            .map(|d| d.name.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                    });
-                };
-                limits[i] = Some(limit.mebibytes());
-            }
-            let list: Vec<String> = limits
-                .iter()
-                .enumerate()
-                .filter_map(|(i, l)| l.map(|mib| format!("{i}={mib}M")))
-                .collect();
-            if !list.is_empty() {
-                env.push(format!("{ENV_MPS_PINNED}={}", list.join(",")));
-            }
+        Some(Sharing::TimeSlicing(_)) => {
+            Ok(vec![format!("{ENV_STRATEGY}={STRATEGY_TIME_SLICING}")])
         }
+        Some(Sharing::Mps(_)) => Err(OpaqueError::NotSupported {
+            field: "sharing.strategy".into(),
+            value: STRATEGY_MPS.into(),
+            why: WHY_NO_MPS,
+        }),
     }
-    Ok(env)
 }
 
 #[cfg(test)]
@@ -583,15 +520,6 @@ mod tests {
 
     fn err(v: Value) -> String {
         parse(&v).unwrap_err().to_string()
-    }
-
-    fn dev(name: &str, bus: &str, mig: bool) -> ConfiguredDevice {
-        ConfiguredDevice {
-            name: name.into(),
-            uuid: format!("GPU-{name}"),
-            pci_bus_id: bus.into(),
-            is_mig: mig,
-        }
     }
 
     #[test]
@@ -749,44 +677,31 @@ mod tests {
     }
 
     #[test]
-    fn env_for_time_slicing_and_mps() {
+    fn only_what_the_node_carries_out_becomes_env_the_rest_is_refused_by_field() {
+        let default = parse(&base(json!({"strategy": "TimeSlicing"}))).unwrap();
+        assert_eq!(
+            container_env(&default).unwrap(),
+            vec!["GPUPLANE_SHARING_STRATEGY=TimeSlicing"]
+        );
         let ts = parse(&base(
             json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Medium"}}),
         ))
         .unwrap();
-        assert_eq!(
-            container_env(&ts, &[dev("gpu-3", "0000:c1", false)]).unwrap(),
-            vec![
-                "GPUPLANE_SHARING_STRATEGY=TimeSlicing",
-                "GPUPLANE_TIMESLICE_INTERVAL=Medium"
-            ]
-        );
-        let e = container_env(&ts, &[dev("gpu-0-mig-1g5gb-9", "0000:01", true)]).unwrap_err();
-        assert!(e.to_string().contains("gpu-0-mig-1g5gb-9"), "{e}");
-        let default = parse(&base(json!({"strategy": "TimeSlicing"}))).unwrap();
-        assert!(container_env(&default, &[dev("gpu-0-mig-1g5gb-9", "0000:01", true)]).is_ok());
-
-        let mps = parse(&base(json!({"strategy": "MPS", "mpsConfig": {
-            "defaultActiveThreadPercentage": 25,
-            "defaultPinnedDeviceMemoryLimit": "1Gi",
-            "defaultPerDevicePinnedMemoryLimit": {"GPU-b": "2Gi"}}})))
-        .unwrap();
-        let devs = [dev("b", "0000:81", false), dev("a", "0000:01", false)];
-        assert_eq!(
-            container_env(&mps, &devs).unwrap(),
-            vec![
-                "GPUPLANE_SHARING_STRATEGY=MPS",
-                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
-                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1024M,1=2048M"
-            ]
-        );
-        let e = container_env(&mps, &devs[1..]).unwrap_err();
+        let e = container_env(&ts).unwrap_err().to_string();
         assert!(
-            e.to_string().contains("`GPU-b` is not one of the devices"),
+            e.starts_with("sharing.timeSlicingConfig.interval: Medium is not supported"),
             "{e}"
         );
-        assert!(container_env(&GpuConfig::default(), &devs)
-            .unwrap()
-            .is_empty());
+        assert!(e.contains("set it to Default"), "{e}");
+        let mps = parse(&base(json!({"strategy": "MPS", "mpsConfig": {
+            "defaultActiveThreadPercentage": 25}})))
+        .unwrap();
+        let e = container_env(&mps).unwrap_err().to_string();
+        assert!(
+            e.starts_with("sharing.strategy: MPS is not supported"),
+            "{e}"
+        );
+        assert!(e.contains("request a share"), "{e}");
+        assert!(container_env(&GpuConfig::default()).unwrap().is_empty());
     }
 }

@@ -113,9 +113,15 @@ impl PrepareError {
                  ResourceSlice",
             ),
             PrepareError::Plan {
+                cause: ClaimError::NotSupported { .. },
+            } => (
+                "UnsupportedDeviceConfig",
+                "change the opaque device config (spec.devices.config of the claim or its \
+                 DeviceClass) as the message says and create the claim again",
+            ),
+            PrepareError::Plan {
                 cause:
                     ClaimError::BadConfig { .. }
-                    | ClaimError::NotApplicable { .. }
                     | ClaimError::UnknownSource { .. }
                     | ClaimError::ConflictingConfigs { .. },
             } => (
@@ -204,6 +210,21 @@ mod tests {
             }],
         });
         assert_eq!(missing.user_event().unwrap().reason, "DeviceNodesMissing");
+        let mps = PrepareError::Plan {
+            cause: ClaimError::NotSupported {
+                index: 0,
+                origin: gpuplane_model::dra::claims::ConfigSource::FromClaim,
+                devices: "gpu-0".into(),
+                cause: gpuplane_model::dra::opaque::OpaqueError::NotSupported {
+                    field: "sharing.strategy".into(),
+                    value: "MPS".into(),
+                    why: "no daemon",
+                },
+            },
+        };
+        let ev = mps.user_event().unwrap();
+        assert_eq!(ev.reason, "UnsupportedDeviceConfig");
+        assert!(ev.note.contains("sharing.strategy: MPS"), "{}", ev.note);
         // Node-local I/O: logged, not shown to users.
         let bad = PrepareError::Worker("the job panicked".into());
         assert_eq!(bad.user_event(), None);
