@@ -331,6 +331,16 @@ fn podman_injects_a_rendered_spec() {
     assert!(!spec_file.exists());
 }
 
+/// Where the agent of a [`Agent::start`] finds the host, and its config file's text.
+struct Host<'a> {
+    cdi_root: &'a Path,
+    dev_root: &'a Path,
+    driver_root: &'a Path,
+    /// The kernel's `/proc` (`None`: the real one).
+    proc_root: Option<&'a Path>,
+    config: &'a str,
+}
+
 /// The agent of a [`Lab`], run with our own paths and driver name ([`Lab::start`] fixes both).
 struct Agent {
     stop: oneshot::Sender<()>,
@@ -338,28 +348,24 @@ struct Agent {
 }
 
 impl Agent {
-    /// A DRA-only agent (no device plugin) with its CDI root in `cdi_root`.
-    fn start(
-        lab: &Lab,
-        driver: &str,
-        cdi_root: &Path,
-        dev_root: &Path,
-        driver_root: &Path,
-        device_mode: DeviceMode,
-    ) -> Agent {
+    /// A DRA-only agent (no device plugin) on `host`.
+    fn start(lab: &Lab, driver: &str, host: Host<'_>, device_mode: DeviceMode) -> Agent {
         let d = lab.dir.path();
+        let config_file = d.join("agent-config.yaml");
+        fs::write(&config_file, host.config).unwrap();
+        let standard = HostPaths::standard();
         let opts = NodeOptions {
             node_name: NODE.into(),
             paths: HostPaths {
                 kubelet_root: d.join("kubelet"),
-                cdi_root: cdi_root.to_path_buf(),
+                cdi_root: host.cdi_root.to_path_buf(),
                 state_dir: d.join("state"),
-                driver_root: driver_root.to_path_buf(),
+                driver_root: host.driver_root.to_path_buf(),
                 driver_root_mount: None,
-                dev_root: dev_root.to_path_buf(),
-                ..HostPaths::standard()
+                dev_root: host.dev_root.to_path_buf(),
+                proc_root: host.proc_root.map_or(standard.proc_root, Path::to_path_buf),
             },
-            config_file: None,
+            config_file: Some(config_file),
             sharing_switch: None,
             device_plugin: false,
             dra: Some(DraSettings {
@@ -384,23 +390,159 @@ impl Agent {
     }
 }
 
-/// A claim allocated (by the absent scheduler) to `device` of this node, with a time-slicing
-/// config for `driver` in its allocation.
-fn time_sliced_claim(lab: &Lab, driver: &str, device: &str) -> ClaimRef {
-    let (namespace, name) = ("team-a", "shared");
+/// A claim `name` allocated (by the absent scheduler) to `device` of this node, with the
+/// opaque `config` for `driver` in its allocation.
+fn allocated_claim(lab: &Lab, driver: &str, name: &str, device: &str, config: Value) -> ClaimRef {
+    let namespace = "team-a";
     let obj = json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": name, "namespace": namespace},
         "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": driver, "count": 1}}]}},
         "status": {"allocation": {"devices": {
             "results": [{"request": "gpus", "driver": driver, "pool": NODE, "device": device}],
-            "config": [{"source": "FromClaim", "requests": ["gpus"], "opaque": {"driver": driver, "parameters": {
-                "apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig",
-                "sharing": {"strategy": "TimeSlicing"}}}}]
+            "config": config
         }}}
     });
     let stored = lab.api.put_json(obj).unwrap();
     ClaimRef::parse(namespace, stored["metadata"]["uid"].as_str().unwrap(), name).unwrap()
+}
+
+/// [`allocated_claim`] with a time-slicing `GpuConfig`.
+fn time_sliced_claim(lab: &Lab, driver: &str, device: &str) -> ClaimRef {
+    let config = json!([{"source": "FromClaim", "requests": ["gpus"], "opaque": {"driver": driver, "parameters": {
+        "apiVersion": "gpu.gpuplane.dev/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing"}}}}]);
+    allocated_claim(lab, driver, "shared", device, config)
+}
+
+/// A `/proc` as NVIDIA's kernel driver fills it, for GPUs of `minors`: `devices` lists
+/// `nvidia-caps` at `caps_major`, and `driver/nvidia-caps/mig-minors` has a minor for every GPU
+/// and compute instance that could ever exist (the driver writes it at load: 15 GPU instances
+/// of 8 compute instances each per GPU), so an instance made later already has its minors.
+fn fake_proc(root: &Path, minors: impl IntoIterator<Item = u32>, caps_major: u64) {
+    fs::create_dir_all(root.join("sys/kernel/random")).unwrap();
+    fs::write(root.join("sys/kernel/random/boot_id"), "boot-1\n").unwrap();
+    fs::write(
+        root.join("devices"),
+        format!("Character devices:\n195 nvidia\n{caps_major} nvidia-caps\n"),
+    )
+    .unwrap();
+    let mut text = String::from("config 1\nmonitor 2\n");
+    let mut next = 3;
+    for gpu in minors {
+        for gi in 0..15 {
+            text.push_str(&format!("gpu{gpu}/gi{gi}/access {next}\n"));
+            next += 1;
+            for ci in 0..8 {
+                text.push_str(&format!("gpu{gpu}/gi{gi}/ci{ci}/access {next}\n"));
+                next += 1;
+            }
+        }
+    }
+    fs::create_dir_all(root.join("driver/nvidia-caps")).unwrap();
+    fs::write(root.join("driver/nvidia-caps/mig-minors"), text).unwrap();
+}
+
+/// Dynamic MIG on hardware: the instance NodePrepareResources makes has no
+/// `/dev/nvidia-caps` node on the host (nothing creates one), yet the container sees both its
+/// access nodes, GPU instance and compute instance, with the numbers `/proc` gives: the spec
+/// names them by number and runc makes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn podman_gives_a_dynamic_mig_container_the_access_nodes_the_host_lacks() {
+    if lacks_prerequisites() {
+        return;
+    }
+    const CAPS_MAJOR: u64 = 237;
+    let id = unique_id();
+    let driver = format!("t{id}.gpuplane.dev");
+    let lab = Lab::new("dynamic-mig-mixed").await;
+    let inv = lab.sim.discover().unwrap().inventory;
+    let d = lab.dir.path();
+    let (driver_root, dev_root, proc_root) = (d.join("driver"), d.join("devnodes"), d.join("proc"));
+    fake_driver_root(&driver_root);
+    // Every GPU node but the last (no node-wide spec in /var/run/cdi, module docs).
+    let minors: Vec<u32> = inv.gpus.iter().map(|g| g.minor).collect();
+    make_dev_nodes(&dev_root, minors[..minors.len() - 1].iter().copied());
+    fake_proc(&proc_root, minors.iter().copied(), CAPS_MAJOR);
+    let mut cleanup = Cleanup::default();
+    let image = busybox_image(d, &id, &mut cleanup);
+    let host = Host {
+        cdi_root: Path::new(CDI_ROOT),
+        dev_root: &dev_root,
+        driver_root: &driver_root,
+        proc_root: Some(&proc_root),
+        config: "dynamicMig:\n  gpus: [0]\n",
+    };
+    let agent = Agent::start(&lab, &driver, host, DeviceMode::Hardware);
+    lab.dra.wait_registered(&driver, WAIT).await.unwrap();
+    let device = "gpu-0-mig-3g40gb-at4";
+    let claim = allocated_claim(&lab, &driver, "dynamic", device, json!([]));
+    let stem = format!("gpuplane-claim-{}", claim.uid);
+    cleanup.stems.push(stem.clone());
+    let mut answers = lab
+        .dra
+        .prepare(&driver, std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    let devices = answers
+        .remove(claim.uid.as_str())
+        .unwrap()
+        .unwrap_or_else(|e| panic!("prepare of {device}: {e}"));
+    let cdi_id = format!("k8s.{driver}/claim={}-{device}", claim.uid);
+    assert_eq!(devices[0].cdi_ids, [cdi_id.clone()]);
+
+    // The instance the prepare made, and the minors /proc gives for it.
+    let mig = lab.sim.discover().unwrap().inventory.gpus[0].mig_devices[0].clone();
+    let proc = cdi::ProcCaps::new(&proc_root);
+    let minor = |cap| proc.minor(cap).unwrap();
+    let gpu_minor = inv.gpus[0].minor;
+    let (gi, ci) = (mig.gpu_instance_id, mig.compute_instance_id);
+    let gi_minor = minor(cdi::files::MigCap::GpuInstance { gpu_minor, gi });
+    let ci_minor = minor(cdi::files::MigCap::ComputeInstance { gpu_minor, gi, ci });
+    assert!(
+        !dev_root.join("nvidia-caps").exists(),
+        "the host has no access nodes"
+    );
+
+    let script = format!(
+        "ls -l /dev/nvidia-caps/ /dev/nvidia{gpu_minor}; ls /dev/nvidia-caps | grep -c cap"
+    );
+    let stdout = run_with_device(&cdi_id, &image, &script);
+    assert_char_device(
+        &stdout,
+        &format!("nvidia-cap{gi_minor}"),
+        CAPS_MAJOR,
+        u64::from(gi_minor),
+    );
+    assert_char_device(
+        &stdout,
+        &format!("nvidia-cap{ci_minor}"),
+        CAPS_MAJOR,
+        u64::from(ci_minor),
+    );
+    assert_char_device(
+        &stdout,
+        &format!("/dev/nvidia{gpu_minor}"),
+        195,
+        u64::from(gpu_minor),
+    );
+    assert_eq!(
+        stdout.lines().last(),
+        Some("2"),
+        "only its own two access nodes:\n{stdout}"
+    );
+
+    let mut answers = lab
+        .dra
+        .unprepare(&driver, std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    answers.remove(claim.uid.as_str()).unwrap().unwrap();
+    assert!(lab.sim.discover().unwrap().inventory.gpus[0]
+        .mig_devices
+        .is_empty());
+    agent.stop().await;
+    drop(cleanup);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -436,14 +578,14 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
     }
     let image = busybox_image(lab.dir.path(), &id, &mut cleanup);
 
-    let agent = Agent::start(
-        &lab,
-        &driver,
-        Path::new(CDI_ROOT),
-        &dev_root,
-        &driver_root,
-        DeviceMode::Hardware,
-    );
+    let host = Host {
+        cdi_root: Path::new(CDI_ROOT),
+        dev_root: &dev_root,
+        driver_root: &driver_root,
+        proc_root: None,
+        config: "",
+    };
+    let agent = Agent::start(&lab, &driver, host, DeviceMode::Hardware);
     lab.dra.wait_registered(&driver, WAIT).await.unwrap();
     let claim = time_sliced_claim(&lab, &driver, "gpu-2");
     let stem = format!("gpuplane-claim-{}", claim.uid);
@@ -637,14 +779,14 @@ async fn podman_runs_a_container_with_a_claim_prepared_on_a_simulated_node() {
 
     let cdi_root = lab.dir.path().join("cdi-sim");
     let nowhere = lab.dir.path().join("no-such-dir");
-    let agent = Agent::start(
-        &lab,
-        &driver,
-        &cdi_root,
-        &nowhere,
-        &nowhere,
-        DeviceMode::Simulated,
-    );
+    let host = Host {
+        cdi_root: &cdi_root,
+        dev_root: &nowhere,
+        driver_root: &nowhere,
+        proc_root: None,
+        config: "",
+    };
+    let agent = Agent::start(&lab, &driver, host, DeviceMode::Simulated);
     lab.dra.wait_registered(&driver, WAIT).await.unwrap();
     let obj = json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",

@@ -1,6 +1,7 @@
 //! CDI specs: driver discovery over fake driver/dev/proc trees, and rendering over simulated
 //! inventories.
 
+use gpuplane_shell::cdi::files::DynamicMajors;
 use gpuplane_shell::cdi::render::{node_devices, render_spec, DeviceRef, NamedDevices};
 use gpuplane_shell::cdi::*;
 use gpuplane_shell::inventory::Inventory;
@@ -329,6 +330,63 @@ fn mig_devices_get_cap_nodes() {
     assert!(files.mig_cap_nodes.is_empty());
     let spec = render_node_spec(&inv, &files, &Kind::default());
     assert_eq!(node_paths(device(&spec, "0:1")), vec![gpu_node.as_str()]);
+}
+
+/// With the `nvidia-caps` major known (`/proc/devices` lists it on every host with NVIDIA's
+/// driver loaded), a MIG device's access nodes go into specs by number, for the runtime to make
+/// in the container: the host has none of them (an instance made at NodePrepare never has one),
+/// and none is reported missing.
+#[test]
+fn mig_cap_nodes_go_by_number_where_the_major_is_known() {
+    const CAPS_MAJOR: u64 = 237;
+    let r = roots();
+    let inv = inv("a100-mig-mixed");
+    let majors = DynamicMajors {
+        uvm: None,
+        caps: Some(CAPS_MAJOR),
+    };
+    let files = driver::discover_checked(&r.driver, &r.dev, &inv, &fake_caps, majors);
+    assert!(
+        !paths(&files.node_problems)
+            .iter()
+            .any(|p| p.starts_with(r.dev.join("nvidia-caps"))),
+        "{:?}",
+        files.node_problems
+    );
+    let spec = render_node_spec(&inv, &files, &Kind::default());
+    let mig = &inv.gpus[0].mig_devices[1];
+    let (gi, ci) = (mig.gpu_instance_id, mig.compute_instance_id);
+    let caps: Vec<&DeviceNode> = device(&spec, "0:1")
+        .container_edits
+        .device_nodes
+        .iter()
+        .filter(|n| n.path.starts_with("/dev/nvidia-caps/"))
+        .collect();
+    let by_number = |minor: u32| DeviceNode {
+        path: format!("/dev/nvidia-caps/nvidia-cap{minor}"),
+        node_type: Some("c".into()),
+        major: Some(CAPS_MAJOR as i64),
+        minor: Some(i64::from(minor)),
+        ..Default::default()
+    };
+    assert_eq!(caps, [&by_number(100 + gi), &by_number(200 + 10 * gi + ci)]);
+    // Type, major and minor are cdiVersion 0.3.0 fields: podman 4.3 (at most 0.5.0) reads it.
+    assert_eq!(
+        spec.cdi_version, "0.5.0",
+        "the dev root's host paths need 0.5.0"
+    );
+    let mut without_host_paths = spec.clone();
+    // Names starting with a digit (`0:1`) need 0.5.0 too; the UUID names remain.
+    without_host_paths
+        .devices
+        .retain(|d| d.name.starts_with(|c: char| c.is_ascii_alphabetic()));
+    for d in &mut without_host_paths.devices {
+        d.container_edits
+            .device_nodes
+            .retain(|n| n.host_path.is_none());
+    }
+    without_host_paths.container_edits.device_nodes.clear();
+    assert_eq!(minimum_version(&without_host_paths), "0.3.0");
 }
 
 #[test]

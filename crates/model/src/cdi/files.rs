@@ -206,6 +206,26 @@ pub struct HostFile {
     pub container_path: PathBuf,
 }
 
+/// A MIG access-capability node `/dev/nvidia-caps/nvidia-cap<minor>` a container needs.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum CapNode {
+    /// Made inside the container by the runtime from its number (CDI `type: c`, `major`,
+    /// `minor`): the host need not have the node. NVIDIA's driver creates no node in `/dev`
+    /// for an instance made at run time (nvidia-modprobe makes them on request only), and its
+    /// DRA driver hands them over this way (`internal/common/nvcaps.go`).
+    ByNumber { major: u64, minor: u32 },
+    /// The host's node, bound: only where `/proc/devices` does not list `nvidia-caps`, so its
+    /// major is unknown; the node must then exist on the host.
+    Host(HostFile),
+}
+
+impl CapNode {
+    /// The node's path inside the container.
+    pub fn container_path(minor: u32) -> PathBuf {
+        PathBuf::from(format!("/dev/nvidia-caps/nvidia-cap{minor}"))
+    }
+}
+
 /// A MIG access capability, named as NVIDIA's `mig-minors` file names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum MigCap {
@@ -271,7 +291,7 @@ pub struct DriverFiles {
     pub control_nodes: Vec<HostFile>,
     /// Access-capability nodes of each MIG device whose minors are known, by
     /// (GPU minor, GPU instance, compute instance).
-    pub mig_cap_nodes: BTreeMap<(u32, u32, u32), Vec<HostFile>>,
+    pub mig_cap_nodes: BTreeMap<(u32, u32, u32), Vec<CapNode>>,
     /// One real file (`.so.<version>`, not a symlink) per library found.
     pub libraries: Vec<HostFile>,
     pub binaries: Vec<HostFile>,

@@ -18,7 +18,7 @@
 //! set a container gets: the device plugin's Allocate, or the spec-level edits of a DRA claim's
 //! spec; so a simulated spec never sets `NVIDIA_VISIBLE_DEVICES=void`.
 
-use super::files::{DriverFiles, HostFile};
+use super::files::{CapNode, DriverFiles, HostFile};
 use super::name::{DeviceName, Kind};
 use super::spec::{minimum_version, ContainerEdits, Device, DeviceNode, Hook, Mount, Spec};
 pub use crate::inventory::DeviceRef;
@@ -58,6 +58,19 @@ fn device_node(f: &HostFile) -> DeviceNode {
     }
 }
 
+fn cap_device_node(node: &CapNode) -> DeviceNode {
+    match node {
+        CapNode::ByNumber { major, minor } => DeviceNode {
+            path: path_str(&CapNode::container_path(*minor)),
+            node_type: Some("c".into()),
+            major: i64::try_from(*major).ok(),
+            minor: Some(i64::from(*minor)),
+            ..Default::default()
+        },
+        CapNode::Host(f) => device_node(f),
+    }
+}
+
 fn mount(f: &HostFile) -> Mount {
     Mount {
         host_path: path_str(&f.host_path),
@@ -68,7 +81,8 @@ fn mount(f: &HostFile) -> Mount {
 }
 
 /// The device nodes one inventory device needs: its GPU's `/dev/nvidia<minor>`, plus, for a MIG
-/// device, its GPU- and compute-instance access nodes (when their minors were discovered).
+/// device, its GPU- and compute-instance access nodes (when their minors were discovered), by
+/// number where the major is known ([`CapNode`]).
 pub fn device_nodes(dev: DeviceRef<'_>, files: &DriverFiles) -> Vec<DeviceNode> {
     match dev {
         DeviceRef::Gpu(gpu) => vec![device_node(&files.gpu_node(gpu.minor))],
@@ -76,7 +90,7 @@ pub fn device_nodes(dev: DeviceRef<'_>, files: &DriverFiles) -> Vec<DeviceNode> 
             let mut nodes = vec![device_node(&files.gpu_node(parent.minor))];
             let key = (parent.minor, mig.gpu_instance_id, mig.compute_instance_id);
             if let Some(caps) = files.mig_cap_nodes.get(&key) {
-                nodes.extend(caps.iter().map(device_node));
+                nodes.extend(caps.iter().map(cap_device_node));
             }
             nodes
         }

@@ -13,14 +13,18 @@
 //! nodes `/dev/nvidia-caps/nvidia-cap<N>`. The minor `N` of each comes from a lookup function
 //! passed to [`discover_with`]; [`ProcCaps`] is the real one (it reads
 //! `<proc root>/driver/nvidia/capabilities/gpu<minor>/mig/gi<gi>[/ci<ci>]/access`, line
-//! `DeviceFileMinor: N`, and falls back to `<proc root>/driver/nvidia-caps/mig-minors`).
+//! `DeviceFileMinor: N`, and falls back to `<proc root>/driver/nvidia-caps/mig-minors`, which
+//! the driver fills at load for every instance that could ever exist). With the `nvidia-caps`
+//! major from `<proc root>/devices` the nodes go into specs by number and the runtime makes
+//! them in the container ([`CapNode::ByNumber`]): an instance made at NodePrepare has no node in
+//! the host's `/dev`. Only where the major is unknown is the host's node bound, and checked.
 //! A MIG device whose minors are unknown gets no cap nodes and a warning.
 //!
 //! Device nodes are checked for what they are, not only for existing: each must be a character
 //! device (a regular file or symlink left by a broken install is not a GPU), `/dev/nvidia<N>`
-//! must be `195:<the GPU's minor>`, `nvidiactl` `195:255`, a cap node the minor its name and
-//! `/proc` give, and `nvidia-uvm`/`nvidia-caps` nodes the major `<proc root>/devices` lists for
-//! them (when it lists them). A node that is absent or wrong is a [`NodeProblem`]; no spec may
+//! must be `195:<the GPU's minor>`, `nvidiactl` `195:255`, a bound cap node the minor its name
+//! and `/proc` give, and `nvidia-uvm` nodes the major `<proc root>/devices` lists for them (when
+//! it lists them). A node that is absent or wrong is a [`NodeProblem`]; no spec may
 //! name it ([`DeviceNodesError`] is the one refusal both kubelet APIs give).
 
 use gpuplane_model::cdi::files::*;
@@ -247,15 +251,21 @@ fn gpu_nodes(
         };
         match (cap_minor(gi_cap), cap_minor(ci_cap)) {
             (Some(g), Some(c)) => {
-                let nodes = vec![files.cap_node(g), files.cap_node(c)];
-                for (node, minor) in nodes.iter().zip([g, c]) {
-                    let number = Expected {
-                        major: majors.caps,
-                        minor: Some(u64::from(minor)),
-                    };
-                    expected.push((node.clone(), number));
-                }
-                files.mig_cap_nodes.insert((gpu.minor, gi, ci), nodes);
+                let nodes = [g, c].map(|minor| match majors.caps {
+                    Some(major) => CapNode::ByNumber { major, minor },
+                    None => {
+                        let node = files.cap_node(minor);
+                        let number = Expected {
+                            major: None,
+                            minor: Some(u64::from(minor)),
+                        };
+                        expected.push((node.clone(), number));
+                        CapNode::Host(node)
+                    }
+                });
+                files
+                    .mig_cap_nodes
+                    .insert((gpu.minor, gi, ci), nodes.to_vec());
             }
             _ => warn!(
                 mig = %mig.uuid, gpu_minor = gpu.minor, gi, ci,
