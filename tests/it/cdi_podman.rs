@@ -489,7 +489,7 @@ async fn podman_gives_a_dynamic_mig_container_the_access_nodes_the_host_lacks() 
         .unwrap()
         .unwrap_or_else(|e| panic!("prepare of {device}: {e}"));
     let cdi_id = format!("k8s.{driver}/claim={}-{device}", claim.uid);
-    assert_eq!(devices[0].cdi_ids, [cdi_id.clone()]);
+    assert_eq!(devices[0].cdi_ids, std::slice::from_ref(&cdi_id));
 
     // The instance the prepare made, and the minors /proc gives for it.
     let mig = lab.sim.discover().unwrap().inventory.gpus[0].mig_devices[0].clone();
