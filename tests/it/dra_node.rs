@@ -1137,3 +1137,62 @@ async fn a_dra_only_agent_never_hands_out_a_gpu_another_device_plugin_placed_a_p
     lab.unprepare(&claim).await;
     agent.stop().await;
 }
+
+/// Health marks survive an agent restart: a GPU an Xid made unhealthy stays unhealthy after
+/// the restart, in every ListAndWatch answer and with its taint, and the restart writes no
+/// ResourceSlice; it recovers once its quiet period, counted from the Xid, has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_xid_mark_survives_an_agent_restart_until_its_quiet_period_passes() {
+    const TAINT: &str = "gpu.gpuplane.dev/unhealthy=xid-48";
+    let lab = Lab::new("dgx-h100").await;
+    let config = "health: {recoveryQuietPeriod: 1h}\n";
+    let agent = lab.start(config);
+    lab.dra.wait_registered(DRIVER, WAIT).await.unwrap();
+    lab.eventually("slices", |l| !l.slices().is_empty()).await;
+    let uuid = lab.sim.discover().unwrap().inventory.gpus[5].uuid.clone();
+    lab.sim.inject_xid(&uuid, None, 48);
+    lab.eventually("a taint on gpu-5", |l| l.taints("gpu-5") == [TAINT])
+        .await;
+    let saved = lab.paths().state_dir.join("health-marks.json");
+    lab.eventually("the mark saved", |_| {
+        std::fs::read_to_string(&saved).is_ok_and(|t| t.contains(uuid.as_str()))
+    })
+    .await;
+    agent.stop().await;
+
+    let slice_writes = |lab: &Lab| {
+        lab.api
+            .requests()
+            .into_iter()
+            .filter(|(m, p)| m != "GET" && p.contains("/resourceslices"))
+            .count()
+    };
+    let (writes, answered, registered) = (
+        slice_writes(&lab),
+        lab.kubelet.answers().len(),
+        lab.kubelet.registrations().len(),
+    );
+    let addr = metrics_addr();
+    let agent = lab.start_serving(config, addr);
+    wait_ready(addr).await;
+    assert!(lab.kubelet.registrations().len() > registered);
+    let answers = lab.kubelet.answers()[answered..].to_vec();
+    assert!(!answers.is_empty());
+    for (resource, devices) in &answers {
+        let d = devices.iter().find(|d| d.id == uuid.as_str()).unwrap();
+        assert_eq!(d.health, "Unhealthy", "{resource}: {devices:?}");
+    }
+    assert_eq!(lab.taints("gpu-5"), [TAINT]);
+    assert_eq!(slice_writes(&lab), writes, "the restart wrote slices");
+    agent.stop().await;
+
+    // A quiet period shorter than the mark's age (or about to be): it recovers.
+    let agent = lab.start("health: {recoveryQuietPeriod: 1s}\n");
+    lab.eventually("the taint gone", |l| l.taints("gpu-5").is_empty())
+        .await;
+    lab.kubelet
+        .wait_for(WAIT, |p| p["nvidia.com/gpu"].healthy() == 8)
+        .await
+        .unwrap();
+    agent.stop().await;
+}

@@ -65,6 +65,8 @@ pub enum Change {
 pub struct HealthBook {
     marks: BTreeMap<DeviceUuid, Mark>,
     parent: BTreeMap<DeviceUuid, DeviceUuid>,
+    /// Every unit of the inventory.
+    units: std::collections::BTreeSet<DeviceUuid>,
 }
 
 impl HealthBook {
@@ -79,15 +81,15 @@ impl HealthBook {
                     .map(move |m| (m.uuid.clone(), g.uuid.clone()))
             })
             .collect();
-        let known: std::collections::BTreeSet<&str> = inv
+        self.units = inv
             .gpus
             .iter()
             .flat_map(|g| {
-                std::iter::once(g.uuid.as_str())
-                    .chain(g.mig_devices.iter().map(|m| m.uuid.as_str()))
+                std::iter::once(g.uuid.clone()).chain(g.mig_devices.iter().map(|m| m.uuid.clone()))
             })
             .collect();
-        self.marks.retain(|unit, _| known.contains(unit.as_str()));
+        let units = &self.units;
+        self.marks.retain(|unit, _| units.contains(unit));
     }
 
     /// Health of a unit, taking its parent GPU into account.
@@ -203,12 +205,129 @@ impl HealthBook {
     pub fn unhealthy(&self) -> impl Iterator<Item = (&str, Cause)> {
         self.marks.iter().map(|(u, m)| (u.as_str(), m.cause))
     }
+
+    /// The Xid marks as they outlive the agent: each with the wall-clock time of its last
+    /// critical Xid, `now` being `now_unix_ms` there. Lost marks are not kept: the next
+    /// discovery finds a GPU that still does not answer.
+    pub fn saved_marks(&self, now: Instant, now_unix_ms: u64) -> Vec<SavedMark> {
+        self.marks
+            .iter()
+            .filter_map(|(unit, m)| match m.cause {
+                Cause::Xid(xid) => {
+                    let age = u64::try_from(now.saturating_duration_since(m.since).as_millis())
+                        .unwrap_or(u64::MAX);
+                    Some(SavedMark {
+                        unit: unit.to_string(),
+                        xid,
+                        at_unix_ms: now_unix_ms.saturating_sub(age),
+                    })
+                }
+                Cause::Lost => None,
+            })
+            .collect()
+    }
+
+    /// Restores saved Xid marks of units in the inventory (call after [`Self::set_inventory`]),
+    /// each as old as the wall clock says, so the quiet period runs on from where the last
+    /// agent left it; a mark whose quiet period has passed is dropped, one dated in the future
+    /// (a clock step) counts as made now. Returns the units marked.
+    pub fn restore(
+        &mut self,
+        saved: &[SavedMark],
+        now: Instant,
+        now_unix_ms: u64,
+        quiet: Duration,
+    ) -> Vec<DeviceUuid> {
+        let mut marked = Vec::new();
+        for m in saved {
+            let age = Duration::from_millis(now_unix_ms.saturating_sub(m.at_unix_ms));
+            let Some(unit) = self.units.iter().find(|u| u.as_str() == m.unit).cloned() else {
+                continue;
+            };
+            if age >= quiet {
+                continue;
+            }
+            let since = now.checked_sub(age).unwrap_or(now);
+            self.marks.insert(
+                unit.clone(),
+                Mark {
+                    cause: Cause::Xid(m.xid),
+                    since,
+                },
+            );
+            marked.push(unit);
+        }
+        marked
+    }
+}
+
+/// An Xid mark kept across agent restarts ([`HealthBook::saved_marks`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SavedMark {
+    /// The unit's UUID (GPU or MIG device).
+    pub unit: String,
+    /// The last critical Xid.
+    pub xid: u64,
+    /// When it came, Unix milliseconds.
+    pub at_unix_ms: u64,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::inventory::DeviceUuid;
+
+    #[test]
+    fn xid_marks_outlive_the_agent_with_their_age_and_expire_on_time() {
+        let (mut book, inv, policy) = setup();
+        let t0 = Instant::now();
+        let gpu = inv.gpus[3].uuid.clone();
+        book.on_event(&xid(&gpu, None, 48), t0, &policy);
+        book.on_lost(&inv.gpus[1].uuid, t0);
+        // Saved 60 s after the Xid, at wall-clock 1_060_000 ms: the Xid came at 1_000_000.
+        let saved = book.saved_marks(t0 + Duration::from_secs(60), 1_060_000);
+        assert_eq!(
+            saved,
+            vec![SavedMark {
+                unit: gpu.to_string(),
+                xid: 48,
+                at_unix_ms: 1_000_000
+            }]
+        );
+        // A new agent, 30 s of wall clock later, quiet period 5 min: still unhealthy, and it
+        // recovers 5 min after the Xid, not 5 min after the restart.
+        let mut next = HealthBook::default();
+        next.set_inventory(&inv);
+        // Later than t0 on the monotonic clock, far enough to subtract any age from.
+        let t1 = t0 + Duration::from_secs(3600);
+        let quiet = Duration::from_secs(300);
+        assert_eq!(
+            next.restore(&saved, t1, 1_090_000, quiet),
+            vec![gpu.clone()]
+        );
+        assert_eq!(next.health(gpu.as_str()), Health::Unhealthy(Cause::Xid(48)));
+        assert!(next
+            .expire_xids(t1 + Duration::from_secs(209), quiet)
+            .is_empty());
+        assert_eq!(
+            next.expire_xids(t1 + Duration::from_secs(211), quiet).len(),
+            1
+        );
+        // Past its quiet period, or of a unit no longer there, or from the future.
+        let mut late = HealthBook::default();
+        late.set_inventory(&inv);
+        assert!(late.restore(&saved, t1, 1_300_001, quiet).is_empty());
+        let gone = SavedMark {
+            unit: "GPU-gone".into(),
+            ..saved[0].clone()
+        };
+        assert!(late.restore(&[gone], t1, 1_000_001, quiet).is_empty());
+        assert_eq!(late.restore(&saved, t1, 900_000, quiet), vec![gpu.clone()]);
+        assert!(late
+            .expire_xids(t1 + Duration::from_secs(299), quiet)
+            .is_empty());
+    }
 
     fn setup() -> (HealthBook, Inventory, XidPolicy) {
         let inv = crate::sim::load("a100-mig-mixed").unwrap();

@@ -12,6 +12,7 @@ pub mod cdi;
 pub mod deferred;
 pub mod dra;
 pub mod events;
+pub mod health_marks;
 pub mod http;
 pub mod labeler;
 pub mod lock;
@@ -283,15 +284,37 @@ impl Agent<'_> {
         running: &mut Running,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), NodeError> {
-        self.offer(found, config).map_err(NodeError::Plan)?;
+        let (state_dir, boot_file) = (self.opts.paths.state_dir.clone(), self.opts.paths.boot_id());
+        // File reads: off the runtime.
+        let (boot_id, marks) = tokio::task::spawn_blocking(move || {
+            let boot_id = crate::dra::checkpoint::read_boot_id(&boot_file);
+            let marks = health_marks::read(&state_dir, boot_id.as_deref());
+            (boot_id, marks)
+        })
+        .await
+        .unwrap_or_default();
+        self.offer(found, config, &marks).map_err(NodeError::Plan)?;
+        running.tasks.push(tokio::spawn(health_marks::keep(
+            self.state.clone(),
+            self.opts.paths.state_dir.clone(),
+            boot_id,
+            marks,
+            self.stop.clone(),
+        )));
         let (owner, inputs) = self.start(hangup, running).await?;
         owner.run(inputs, shutdown).await;
         tracing::info!("shutting down: stopping plugins");
         Ok(())
     }
 
-    /// Installs the first discovery, logging what is offered.
-    fn offer(&self, found: Discovery, config: AgentConfig) -> Result<(), PlanError> {
+    /// Installs the first discovery with the Xid marks the last agent saved, logging what is
+    /// offered. Before any server starts: a GPU still in its quiet period is never offered.
+    fn offer(
+        &self,
+        found: Discovery,
+        config: AgentConfig,
+        marks: &[crate::health::SavedMark],
+    ) -> Result<(), PlanError> {
         for lost in &found.lost {
             tracing::warn!(gpu = lost.index, reason = %lost.reason, "GPU not answering; it is not offered");
         }
@@ -303,7 +326,14 @@ impl Agent<'_> {
                 .unwrap_or_default(),
             None => Default::default(),
         };
+        let quiet = config.recovery_quiet_period;
         let mut snapshot = Snapshot::with_mig_owned(found.inventory, config, owned)?;
+        for unit in snapshot
+            .health
+            .restore(marks, Instant::now(), http::now_ms(), quiet)
+        {
+            tracing::warn!(device = %unit, "still unhealthy after the restart: its last critical Xid is within the quiet period");
+        }
         // The kubelet kept the device plugin's assignments while we were away; until the
         // follower's first listing brings them into the ledger, nothing is published or
         // prepared on the strength of it.
