@@ -142,6 +142,38 @@ impl Env {
             .collect()
     }
 
+    /// Runs the fake CUDA client as user `user` with the environment claim `uid`'s spec gives
+    /// its container (plus `extra`), as that share's program would; it holds its connection
+    /// until it is dropped.
+    fn cuda_client(&self, uid: &str, user: u32, extra: &[(&str, &str)]) -> CudaClient {
+        use std::os::unix::process::CommandExt;
+        let env: Vec<(String, String)> = self
+            .spec_env(uid)
+            .iter()
+            .filter_map(|v| v.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let mut child = std::process::Command::new(support::built_fake_cuda_client())
+            .env_clear()
+            .envs(env)
+            .envs(extra.iter().copied())
+            .uid(user)
+            .gid(user)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line);
+            let _ = tx.send(line);
+        });
+        CudaClient { child, first: rx }
+    }
+
     fn pid_file(&self, gpu: usize) -> PathBuf {
         self.path(&format!(
             "state/mps/{}/pipe/nvidia-cuda-mps-control.pid",
@@ -209,6 +241,40 @@ impl Drop for Env {
                     .status();
             }
         }
+    }
+}
+
+/// A running fake CUDA client ([`Env::cuda_client`]); killed when dropped.
+struct CudaClient {
+    child: std::process::Child,
+    first: std::sync::mpsc::Receiver<String>,
+}
+
+impl CudaClient {
+    /// The limits it reported when it connected: (compute percent, memory limit); a hang
+    /// guard, not a timing assertion.
+    fn limits(&self) -> (String, String) {
+        let line = self
+            .first
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("the client connected within 30 s");
+        let field = |key: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+                .to_string()
+        };
+        (
+            field("active-thread-percentage="),
+            field("pinned-mem-limit="),
+        )
+    }
+}
+
+impl Drop for CudaClient {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -284,15 +350,48 @@ async fn two_shares_fill_a_gpu_under_one_mps_daemon_which_stops_after_the_last()
             );
         }
     }
-    // The status tells the user the share and that it is enforced.
+    // The status tells the user the share, and that its limits are not enforced: they live
+    // in the container's environment, which the container controls.
     let status = env.device_status("a").await;
     assert_eq!(status["shareID"], "s-a");
     assert_eq!(status["data"]["share"]["memory"], "40Gi");
-    assert!(status["conditions"]
+    let condition = status["conditions"]
         .as_array()
         .unwrap()
         .iter()
-        .any(|c| c["type"] == "ShareLimitsEnforced" && c["status"] == "True"));
+        .find(|c| c["type"] == "ShareLimitsEnforced")
+        .cloned()
+        .unwrap();
+    assert_eq!(condition["status"], "False", "{condition}");
+    assert!(
+        condition["message"]
+            .as_str()
+            .unwrap()
+            .contains("cooperative only"),
+        "{condition}"
+    );
+    if can_switch_users() {
+        // The two shares' programs, of two users, connect at once (a multi-user daemon on this
+        // Ampere GPU), each given its share by its environment ...
+        std::fs::set_permissions(
+            env.dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let (ca, cb) = (
+            env.cuda_client(&uid(1), 1000, &[]),
+            env.cuda_client(&uid(2), 1001, &[]),
+        );
+        assert_eq!(ca.limits(), ("50.0".into(), "40960M".into()));
+        assert_eq!(cb.limits(), ("50.0".into(), "40960M".into()));
+        // ... which a container may raise: what the condition says.
+        let greedy = env.cuda_client(
+            &uid(1),
+            1000,
+            &[("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100")],
+        );
+        assert_eq!(greedy.limits().0, "100.0");
+    }
 
     // Full: a third share is refused, naming the holders; nothing of it is left.
     let c = env.add_claim(
@@ -516,6 +615,21 @@ async fn without_the_mps_program_a_share_is_time_sliced_and_says_its_limits_are_
         notice.note
     );
     assert_eq!(env.share_holders(1).len(), 1);
+}
+
+/// Running clients as other users needs root; under CI it may not skip.
+fn can_switch_users() -> bool {
+    let root = fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false);
+    if !root {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "running share programs as other users needs root (CI is set, so this is a failure)"
+        );
+        eprintln!("SKIPPED: running share programs as other users needs root");
+    }
+    root
 }
 
 /// The YAML blocks of a docs section, in order.

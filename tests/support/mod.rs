@@ -31,6 +31,17 @@ pub fn built_fake_mps() -> &'static Path {
     })
 }
 
+/// The fake CUDA client of hack/fake-mps (`fake-cuda-client`): a share container's program
+/// connecting to its MPS daemon and reporting the limits it got.
+pub fn built_fake_cuda_client() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        built_artifact("fake-mps", "fake-cuda-client", |m| {
+            m["executable"].as_str().map(PathBuf::from)
+        })
+    })
+}
+
 /// `cargo build -p <package>` with this test's profile; the file `pick` finds in the
 /// compiler-artifact message of target `target`.
 fn built_artifact(

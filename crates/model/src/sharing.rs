@@ -28,11 +28,13 @@ pub const COMPUTE: &str = "compute";
 /// A whole unit's compute, in percent.
 pub const WHOLE_COMPUTE: u32 = 100;
 
-/// How a share's limits are enforced on the node.
+/// How a unit's shares run on the node (the config's `enforcement`, a name kept for
+/// compatibility: neither mode enforces limits a container cannot undo, see
+/// `dra::status::add_share`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, Deserialize)]
 pub enum Enforcement {
     /// An MPS control daemon per shared unit; each container gets its memory and compute
-    /// limits as MPS client settings.
+    /// limits as MPS client settings in its environment (cooperative).
     #[serde(rename = "MPS")]
     Mps,
     /// The GPU is time-sliced among its shares; the limits are scheduling figures only.

@@ -1,6 +1,6 @@
 //! The client (no argument): stdin's commands to the daemon, its answers to stdout.
 
-use crate::Dirs;
+use fake_mps::Dirs;
 use std::io::{BufRead, Read, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
@@ -59,7 +59,7 @@ fn send(dirs: &Dirs, line: &str) -> Result<(), String> {
 
 fn wait_gone(pid: u32) -> Result<(), String> {
     let deadline = Instant::now() + EXIT_WITHIN;
-    while crate::alive(pid) {
+    while fake_mps::alive(pid) {
         if Instant::now() >= deadline {
             return Err(format!(
                 "the MPS control daemon (pid {pid}) did not exit within {EXIT_WITHIN:?} of quit"

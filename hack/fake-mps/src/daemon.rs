@@ -1,11 +1,26 @@
 //! The control daemon: its start in the background (`-d`), its serving loop (`-f`, and the
-//! re-executed child of `-d`) and the commands it answers.
+//! re-executed child of `-d`), the commands it answers and the CUDA clients it serves.
+//!
+//! What it models of NVIDIA's MPS (docs.nvidia.com/deploy/mps: "Architecture", "Tools and
+//! Interface Reference", "Environment Variables"), because the agent's design rests on it:
+//! - one MPS server at a time, for one user id: a client of another user waits until the
+//!   running server's clients have all gone (then the server makes way), unless the daemon runs
+//!   multi-user (`-M`: one server, as root, for every user);
+//! - a server takes the daemon's default limits when it starts (`set_default_*` changes only
+//!   servers started later), and a client's `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and
+//!   `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` "only further constrain" its server's: a client asking
+//!   for more gets the server's;
+//! - clients need the daemon's `/dev/shm` (a segment the daemon leaves in [`fake_mps::shm_dir`]);
+//! - the servers live in the daemon's process: when it dies (its container or cgroup killed),
+//!   every client's connection ends with it.
 
-use crate::Dirs;
+use fake_mps::Dirs;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// How long `-d` waits for the daemon it started to be ready.
@@ -33,7 +48,7 @@ fn prepare(dirs: &Dirs) -> Result<(), String> {
 /// `-d`: re-executes this program with the hidden `--serve` argument, detached (no terminal,
 /// its own process group, so a shell's job control or a Ctrl-C aimed at the caller leaves it
 /// be), and returns once it is ready. Without `unsafe` there is no fork, hence the re-exec.
-pub(crate) fn start_background(dirs: &Dirs) -> Result<(), String> {
+pub(crate) fn start_background(dirs: &Dirs, multiuser: bool) -> Result<(), String> {
     if let Some(pid) = dirs.running_daemon() {
         return Err(already_running(pid));
     }
@@ -42,6 +57,7 @@ pub(crate) fn start_background(dirs: &Dirs) -> Result<(), String> {
         .map_err(|e| format!("cannot find this program's executable to start the daemon: {e}"))?;
     let mut child = Command::new(&exe)
         .arg(crate::SERVE)
+        .args(multiuser.then_some(crate::MULTIUSER))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -78,8 +94,8 @@ pub(crate) fn start_background(dirs: &Dirs) -> Result<(), String> {
 
 /// `-f` and `--serve`: serves the pipe directory until `quit`. A fatal error is also logged,
 /// as the background daemon has no stderr.
-pub(crate) fn serve(dirs: &Dirs) -> Result<(), String> {
-    let result = serve_until_quit(dirs);
+pub(crate) fn serve(dirs: &Dirs, multiuser: bool) -> Result<(), String> {
+    let result = serve_until_quit(dirs, multiuser);
     if let Err(e) = &result {
         // Best effort: the error is returned (and printed) either way.
         let _ = dirs.log_event(&format!("error {e}"));
@@ -87,26 +103,37 @@ pub(crate) fn serve(dirs: &Dirs) -> Result<(), String> {
     result
 }
 
-fn serve_until_quit(dirs: &Dirs) -> Result<(), String> {
+fn serve_until_quit(dirs: &Dirs, multiuser: bool) -> Result<(), String> {
     if let Some(pid) = dirs.running_daemon() {
         return Err(already_running(pid));
     }
     prepare(dirs)?;
     let listener = bind(dirs)?;
-    let started = announce(dirs);
+    let shm = shm_segment()?;
+    let started = announce(dirs, multiuser);
     if started.is_err() {
         remove_files(dirs);
     }
     started?;
-    let mut state = State::default();
+    let shared = Arc::new(Shared {
+        state: Mutex::new(State {
+            multiuser,
+            ..State::default()
+        }),
+        changed: Condvar::new(),
+        shm: shm.clone(),
+    });
     for conn in listener.incoming() {
         let Ok(stream) = conn else {
             // A connection that failed before it was accepted: the client sees it fail.
             continue;
         };
-        match handle(dirs, &mut state, stream) {
+        match handle(dirs, &shared, stream) {
             Ok(Flow::Continue) => {}
-            Ok(Flow::Quit) => return Ok(()),
+            Ok(Flow::Quit) => {
+                let _ = std::fs::remove_file(fake_mps::shm_dir().join(&shm));
+                return Ok(());
+            }
             Err(e) => {
                 remove_files(dirs);
                 return Err(e);
@@ -114,6 +141,21 @@ fn serve_until_quit(dirs: &Dirs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Leaves the segment clients must find in their `/dev/shm`; its name.
+fn shm_segment() -> Result<String, String> {
+    let name = format!("cuda.shm.fake-mps.{}", std::process::id());
+    let path = fake_mps::shm_dir().join(&name);
+    std::fs::write(&path, b"")
+        .and_then(|()| std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)))
+        .map_err(|e| {
+            format!(
+                "cannot create the shared memory segment {}: {e}",
+                path.display()
+            )
+        })?;
+    Ok(name)
 }
 
 /// Binds the control socket. A socket file is only there after the caller found no daemon
@@ -130,17 +172,23 @@ fn bind(dirs: &Dirs) -> Result<UnixListener, String> {
             ))
         }
     }
-    UnixListener::bind(&path).map_err(|e| format!("cannot listen on {}: {e}", path.display()))
+    let listener = UnixListener::bind(&path)
+        .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+    // Clients of every user connect, as to the real daemon's socket.
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666))
+        .map_err(|e| format!("cannot open {} to every user: {e}", path.display()))?;
+    Ok(listener)
 }
 
 /// Logs the start and writes the pid file, last, as it tells `-d` the daemon is ready. Written
 /// aside and renamed so that no reader ever sees half of it.
-fn announce(dirs: &Dirs) -> Result<(), String> {
+fn announce(dirs: &Dirs, multiuser: bool) -> Result<(), String> {
     let pid = std::process::id();
     let devices = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into());
     dirs.log_event(&format!(
-        "start pid={pid} CUDA_VISIBLE_DEVICES={devices} pipe={}",
-        dirs.pipe.display()
+        "start pid={pid} CUDA_VISIBLE_DEVICES={devices} pipe={}{}",
+        dirs.pipe.display(),
+        if multiuser { " multiuser" } else { "" }
     ))?;
     let path = dirs.pid_file();
     let tmp = path.with_extension("pid.tmp");
@@ -155,15 +203,23 @@ fn remove_files(dirs: &Dirs) {
     let _ = std::fs::remove_file(dirs.socket());
 }
 
-#[derive(Debug, PartialEq)]
-enum Flow {
-    Continue,
-    Quit,
+/// What the connection threads share.
+struct Shared {
+    state: Mutex<State>,
+    /// Notified whenever a client leaves (a waiting client of another user may go on).
+    changed: Condvar,
+    /// The segment's name in the shm directory.
+    shm: String,
 }
 
-/// One connection: one command line in, its answer out, closed. An empty line is a probe (the
-/// client's, or `-d`'s, looking for a daemon) and is not logged.
-fn handle(dirs: &Dirs, state: &mut State, stream: UnixStream) -> Result<Flow, String> {
+fn lock(shared: &Shared) -> std::sync::MutexGuard<'_, State> {
+    shared.state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One connection: one command line in; a command is answered and closed, a CUDA client is
+/// served on a thread of its own for as long as it stays connected. An empty line is a probe
+/// (the client's, or `-d`'s, looking for a daemon) and is not logged.
+fn handle(dirs: &Dirs, shared: &Arc<Shared>, stream: UnixStream) -> Result<Flow, String> {
     // Best effort: without the timeouts a silent client only delays the others.
     let _ = stream.set_read_timeout(Some(CLIENT_TIMEOUT));
     let _ = stream.set_write_timeout(Some(CLIENT_TIMEOUT));
@@ -180,8 +236,20 @@ fn handle(dirs: &Dirs, state: &mut State, stream: UnixStream) -> Result<Flow, St
     if line.is_empty() {
         return Ok(Flow::Continue);
     }
+    if let Some(hello) = line.strip_prefix(fake_mps::CLIENT_HELLO) {
+        let request = ClientRequest::parse(hello)?;
+        let (dirs, shared) = (
+            Dirs {
+                pipe: dirs.pipe.clone(),
+                log: dirs.log.clone(),
+            },
+            shared.clone(),
+        );
+        std::thread::spawn(move || serve_client(&dirs, &shared, stream, &request));
+        return Ok(Flow::Continue);
+    }
     dirs.log_event(&format!("command {line}"))?;
-    let reply = state.answer(line);
+    let reply = lock(shared).answer(line);
     if reply.quit {
         remove_files(dirs);
         dirs.log_event("quit")?;
@@ -195,15 +263,110 @@ fn handle(dirs: &Dirs, state: &mut State, stream: UnixStream) -> Result<Flow, St
     })
 }
 
+/// What a CUDA client says when it connects: `cuda-client uid=<n> threads=<p|-> pinned=<spec|->`.
+#[derive(Debug, Clone, PartialEq)]
+struct ClientRequest {
+    uid: u32,
+    threads: Option<f64>,
+    /// Device 0's limit from the client's `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, MiB.
+    pinned_mib: Option<u64>,
+}
+
+impl ClientRequest {
+    fn parse(rest: &str) -> Result<ClientRequest, String> {
+        let mut out = ClientRequest {
+            uid: u32::MAX,
+            threads: None,
+            pinned_mib: None,
+        };
+        for word in rest.split_whitespace() {
+            match word.split_once('=') {
+                Some(("uid", v)) => out.uid = v.parse().map_err(|_| format!("bad uid {v}"))?,
+                Some(("threads", "-")) | Some(("pinned", "-")) => {}
+                Some(("threads", v)) => out.threads = v.parse().ok(),
+                Some(("pinned", v)) => out.pinned_mib = fake_mps::pinned_limit_for(v, "0"),
+                _ => return Err(format!("bad client word {word}")),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Serves one CUDA client: waits while another user's server has clients (single-user mode),
+/// connects it to its user's server (started with the defaults of now, if none runs), answers
+/// with the limits it gets, and keeps it until it disconnects.
+fn serve_client(dirs: &Dirs, shared: &Shared, mut stream: UnixStream, req: &ClientRequest) {
+    let _ = stream.set_read_timeout(None);
+    let _ = dirs.log_event(&format!("client uid={} waiting", req.uid));
+    let reply = {
+        let mut state = lock(shared);
+        while !state.may_serve(req.uid) {
+            state = shared
+                .changed
+                .wait(state)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        let server = state.server_for(req.uid);
+        server.clients += 1;
+        let threads = req
+            .threads
+            .map_or(server.threads, |t| t.min(server.threads));
+        let pinned = match (req.pinned_mib, server.pinned_mib) {
+            (Some(c), Some(s)) => Some(c.min(s)),
+            (c, s) => c.or(s),
+        };
+        format!(
+            "connected server-uid={} active-thread-percentage={threads:.1} pinned-mem-limit={} shm={}\n",
+            server.uid,
+            pinned.map_or("unlimited".to_string(), |m| format!("{m}M")),
+            shared.shm
+        )
+    };
+    let _ = dirs.log_event(&format!("client uid={} {}", req.uid, reply.trim()));
+    let _ = stream.write_all(reply.as_bytes());
+    // Held until the client closes its end (or dies).
+    let _ = std::io::copy(&mut stream, &mut std::io::sink());
+    let mut state = lock(shared);
+    if let Some(s) = state.server.as_mut() {
+        s.clients = s.clients.saturating_sub(1);
+    }
+    drop(state);
+    let _ = dirs.log_event(&format!("client uid={} gone", req.uid));
+    shared.changed.notify_all();
+}
+
+#[derive(Debug, PartialEq)]
+enum Flow {
+    Continue,
+    Quit,
+}
+
+/// The running MPS server.
+#[derive(Debug)]
+struct Server {
+    /// Its user (0 in multi-user mode).
+    uid: u32,
+    threads: f64,
+    pinned_mib: Option<u64>,
+    clients: usize,
+}
+
 /// What the daemon remembers between commands.
 struct State {
+    multiuser: bool,
     default_active_thread_percentage: f64,
+    /// Device 0's default pinned memory limit, MiB (`set_default_device_pinned_mem_limit`).
+    default_pinned_mib: Option<u64>,
+    server: Option<Server>,
 }
 
 impl Default for State {
     fn default() -> State {
         State {
+            multiuser: false,
             default_active_thread_percentage: 100.0,
+            default_pinned_mib: None,
+            server: None,
         }
     }
 }
@@ -224,6 +387,39 @@ impl Reply {
 }
 
 impl State {
+    /// The server's user for a client of `uid`.
+    fn server_uid(&self, uid: u32) -> u32 {
+        if self.multiuser {
+            0
+        } else {
+            uid
+        }
+    }
+
+    /// Whether a client of `uid` may connect now: no server, its own user's, or an idle one.
+    fn may_serve(&self, uid: u32) -> bool {
+        let want = self.server_uid(uid);
+        self.server
+            .as_ref()
+            .is_none_or(|s| s.uid == want || s.clients == 0)
+    }
+
+    /// The server a client of `uid` connects to, started (replacing an idle one of another
+    /// user) with the defaults of now.
+    fn server_for(&mut self, uid: u32) -> &mut Server {
+        let want = self.server_uid(uid);
+        let fresh = Server {
+            uid: want,
+            threads: self.default_active_thread_percentage,
+            pinned_mib: self.default_pinned_mib,
+            clients: 0,
+        };
+        if self.server.as_ref().is_none_or(|s| s.uid != want) {
+            self.server = None;
+        }
+        self.server.get_or_insert(fresh)
+    }
+
     fn answer(&mut self, line: &str) -> Reply {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
@@ -235,10 +431,14 @@ impl State {
                 text: String::new(),
                 quit: true,
             },
-            // No CUDA client ever connects, so no server ever starts and none has clients.
-            ["get_server_list"] | ["get_device_client_list"] | ["get_device_client_list", _] => {
-                Reply::text("")
-            }
+            // The fake server's "PID" is its user id plus 100000: unique per server.
+            ["get_server_list"] => Reply::text(
+                self.server
+                    .as_ref()
+                    .map(|s| format!("{}\n", 100_000 + u64::from(s.uid)))
+                    .unwrap_or_default(),
+            ),
+            ["get_device_client_list"] | ["get_device_client_list", _] => Reply::text(""),
             ["get_default_active_thread_percentage"] => {
                 Reply::text(format!("{:.1}\n", self.default_active_thread_percentage))
             }
@@ -251,6 +451,19 @@ impl State {
                 _ => Reply::text(format!(
                     "Error: invalid active thread percentage {value} (must be > 0 and <= 100)\n"
                 )),
+            },
+            ["get_default_device_pinned_mem_limit", "0"] => Reply::text(
+                self.default_pinned_mib
+                    .map(|m| format!("{m}M\n"))
+                    .unwrap_or_else(|| "unlimited\n".into()),
+            ),
+            ["set_default_device_pinned_mem_limit", "0", value] => match fake_mps::parse_mib(value)
+            {
+                Some(m) => {
+                    self.default_pinned_mib = Some(m);
+                    Reply::text("")
+                }
+                None => Reply::text(format!("Error: invalid memory limit {value}\n")),
             },
             _ => Reply::text(format!("Error: Unrecognized command {line}\n")),
         }

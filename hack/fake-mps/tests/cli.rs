@@ -1,13 +1,19 @@
 //! The fake `nvidia-cuda-mps-control` run as tests run it: a daemon per temporary pipe directory,
-//! driven through its command line.
+//! driven through its command line, and the fake CUDA client (`fake-cuda-client`) connecting
+//! to it as a share container's program would. The facts of MPS the stand-in models are tested
+//! here, so that the agent's design is tested against them (src/daemon.rs lists them).
 
-use std::io::Write;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_nvidia-cuda-mps-control");
+const CLIENT: &str = env!("CARGO_BIN_EXE_fake-cuda-client");
 
 /// One pipe directory and one log directory, in a temporary directory. Dropping it stops a
 /// daemon still serving there, so a failing test leaves none behind.
@@ -15,17 +21,25 @@ struct Mps {
     _tmp: tempfile::TempDir,
     pipe: PathBuf,
     log: PathBuf,
+    /// Stands for the host's `/dev/shm`, shared by the daemon and its clients.
+    shm: PathBuf,
 }
 
 impl Mps {
     fn new() -> Mps {
         let tmp = tempfile::tempdir().unwrap();
+        // Clients of other users reach the pipe directory and the segment through it.
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         // The log directory does not exist yet: the daemon creates it.
         let (pipe, log) = (tmp.path().join("pipe"), tmp.path().join("log/mps"));
+        let shm = tmp.path().join("shm");
+        std::fs::create_dir(&shm).unwrap();
+        std::fs::set_permissions(&shm, std::fs::Permissions::from_mode(0o777)).unwrap();
         Mps {
             _tmp: tmp,
             pipe,
             log,
+            shm,
         }
     }
 
@@ -34,8 +48,25 @@ impl Mps {
         cmd.args(args)
             .env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe)
             .env("CUDA_MPS_LOG_DIRECTORY", &self.log)
-            .env("CUDA_VISIBLE_DEVICES", "1");
+            .env("CUDA_VISIBLE_DEVICES", "1")
+            .env(fake_mps::SHM_ENV, &self.shm);
         cmd
+    }
+
+    /// A CUDA client of this daemon as user `uid` (`None`: this process's) with `env`, its
+    /// stdin held open until [`Client::finish`].
+    fn cuda_client(&self, uid: Option<u32>, env: &[(&str, &str)]) -> Client {
+        let mut cmd = Command::new(CLIENT);
+        cmd.env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe)
+            .env(fake_mps::SHM_ENV, &self.shm)
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(uid) = uid {
+            cmd.uid(uid).gid(uid);
+        }
+        Client::start(cmd.spawn().unwrap())
     }
 
     /// Runs the program with `args` and `stdin`, and waits for it.
@@ -106,6 +137,76 @@ impl Drop for Mps {
                 .status();
         }
     }
+}
+
+/// A running fake CUDA client: its first line of output arrives on a channel.
+struct Client {
+    child: Child,
+    first: mpsc::Receiver<String>,
+}
+
+impl Client {
+    fn start(mut child: Child) -> Client {
+        let stdout = child.stdout.take().unwrap();
+        let (tx, first) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        Client { child, first }
+    }
+
+    /// Its first line (empty if it printed none); a hang guard, not a timing assertion.
+    fn line(&self) -> String {
+        self.first
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the client printed nothing within 10 s")
+    }
+
+    /// Whether it has printed its first line yet.
+    fn connected(&self) -> bool {
+        !matches!(self.first.try_recv(), Err(mpsc::TryRecvError::Empty))
+    }
+
+    /// Closes its stdin (its program is done) and waits: its exit status and stderr.
+    fn finish(mut self) -> (ExitStatus, String) {
+        drop(self.child.stdin.take());
+        self.end()
+    }
+
+    /// Waits for it to exit on its own: its exit status and stderr.
+    fn end(mut self) -> (ExitStatus, String) {
+        // Held open across the wait, which would otherwise close it first.
+        let stdin = self.child.stdin.take();
+        let status = self.child.wait().unwrap();
+        drop(stdin);
+        let mut err = String::new();
+        let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
+        (status, err)
+    }
+}
+
+/// The value of `key=` in a client's line.
+fn field<'a>(line: &'a str, key: &str) -> &'a str {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+}
+
+/// Tests that run clients as other users need root; under CI they may not skip.
+fn can_switch_users() -> bool {
+    let root = std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false);
+    if !root {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "running clients as other users needs root (CI is set, so this is a failure)"
+        );
+        eprintln!("SKIPPED: running clients as other users needs root");
+    }
+    root
 }
 
 /// Running and no zombie (a daemon orphaned by `-d` may not be reaped by its new parent).
@@ -335,4 +436,130 @@ fn a_killed_daemon_is_replaced_by_the_next_d() {
         .collect();
     assert_eq!(starts.len(), 2, "{starts:?}");
     assert!(starts[1].starts_with(&format!("start pid={second} ")));
+}
+
+#[test]
+fn a_client_gets_its_servers_limits_and_asking_for_more_in_its_environment_changes_nothing() {
+    let mps = Mps::new();
+    assert!(mps.start().status.success());
+    let set = mps.client(
+        "set_default_active_thread_percentage 25\nset_default_device_pinned_mem_limit 0 2G\n",
+    );
+    assert!(set.status.success(), "{}", text(&set.stderr));
+    // More than the server's, in the environment: the server's limits hold.
+    let greedy = mps.cuda_client(
+        None,
+        &[
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"),
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=80G"),
+        ],
+    );
+    let line = greedy.line();
+    assert_eq!(field(&line, "active-thread-percentage"), "25.0", "{line}");
+    assert_eq!(field(&line, "pinned-mem-limit"), "2048M", "{line}");
+    // Less: the client's own, further constrained.
+    let modest = mps.cuda_client(
+        None,
+        &[
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "10"),
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=512M"),
+        ],
+    );
+    let line = modest.line();
+    assert_eq!(field(&line, "active-thread-percentage"), "10.0", "{line}");
+    assert_eq!(field(&line, "pinned-mem-limit"), "512M", "{line}");
+    // A server's limits are fixed when it starts: a new default is for the next server.
+    assert!(mps
+        .client("set_default_active_thread_percentage 50\n")
+        .status
+        .success());
+    let later = mps.cuda_client(None, &[]);
+    assert_eq!(field(&later.line(), "active-thread-percentage"), "25.0");
+    for c in [greedy, modest, later] {
+        assert!(c.finish().0.success());
+    }
+}
+
+#[test]
+fn without_limits_at_the_daemon_a_client_takes_the_whole_gpu_whatever_its_environment_says() {
+    let mps = Mps::new();
+    assert!(mps.start().status.success());
+    let c = mps.cuda_client(None, &[]);
+    let line = c.line();
+    assert_eq!(field(&line, "active-thread-percentage"), "100.0", "{line}");
+    assert_eq!(field(&line, "pinned-mem-limit"), "unlimited", "{line}");
+    assert!(c.finish().0.success());
+}
+
+#[test]
+fn a_client_of_a_second_user_waits_until_the_first_users_clients_are_gone() {
+    if !can_switch_users() {
+        return;
+    }
+    let mps = Mps::new();
+    assert!(mps.start().status.success());
+    let first = mps.cuda_client(Some(1000), &[]);
+    assert_eq!(field(&first.line(), "server-uid"), "1000");
+    let second = mps.cuda_client(Some(1001), &[]);
+    wait_until("the second user's request", || {
+        mps.events().iter().any(|e| e == "client uid=1001 waiting")
+    });
+    // The first user's client still holds its server: the second cannot be served.
+    assert!(
+        !second.connected(),
+        "a second user's client was served at once"
+    );
+    assert!(first.finish().0.success());
+    assert_eq!(field(&second.line(), "server-uid"), "1001");
+    assert!(second.finish().0.success());
+}
+
+#[test]
+fn a_multi_user_daemon_serves_clients_of_every_user_at_once() {
+    if !can_switch_users() {
+        return;
+    }
+    let mps = Mps::new();
+    let out = mps.run(&["-d", "-M"], "");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let a = mps.cuda_client(Some(1000), &[]);
+    let b = mps.cuda_client(Some(1001), &[]);
+    assert_eq!(field(&a.line(), "server-uid"), "0");
+    assert_eq!(field(&b.line(), "server-uid"), "0");
+    assert!(a.finish().0.success() && b.finish().0.success());
+}
+
+#[test]
+fn a_client_without_the_daemons_dev_shm_fails() {
+    let mps = Mps::new();
+    assert!(mps.start().status.success());
+    let own = tempfile::tempdir().unwrap();
+    let own_shm = own.path().to_str().unwrap().to_string();
+    let c = mps.cuda_client(None, &[(fake_mps::SHM_ENV, own_shm.as_str())]);
+    let (status, err) = c.end();
+    assert!(!status.success());
+    assert!(err.contains("needs the daemon's /dev/shm"), "{err}");
+}
+
+#[test]
+fn clients_fail_when_their_daemon_dies_and_run_without_mps_where_none_answers() {
+    let mps = Mps::new();
+    assert!(mps.start().status.success());
+    let c = mps.cuda_client(None, &[]);
+    c.line();
+    let pid = mps.pid().unwrap();
+    assert!(Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let (status, err) = c.end();
+    assert!(!status.success());
+    assert!(err.contains("the MPS server is gone"), "{err}");
+    // No daemon at all: CUDA runs without MPS, on the whole GPU.
+    let alone = mps.cuda_client(None, &[("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "10")]);
+    let line = alone.line();
+    assert!(line.starts_with("no-mps "), "{line}");
+    assert_eq!(field(&line, "active-thread-percentage"), "100.0");
+    assert!(alone.finish().0.success());
 }

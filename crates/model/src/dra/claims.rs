@@ -111,7 +111,7 @@ pub enum ClaimError {
         device: String,
         cause: ShareError,
     },
-    #[error("device {device} is allocated as a share enforced by MPS, and the claim has {count} devices; an MPS share must be its claim's only device: ask for each share in a claim of its own")]
+    #[error("device {device} is allocated as a share under MPS, and the claim has {count} devices; an MPS share must be its claim's only device: ask for each share in a claim of its own")]
     MpsShareNotAlone { device: String, count: usize },
     #[error("allocation config #{index} ({origin}) sets sharing strategy {strategy} for device {device}, which is allocated as a share whose limits come from its allocation; remove the sharing settings from the config")]
     SharingOnShare {

@@ -43,8 +43,8 @@
 //! - MPS is refused at prepare. Its CUDA client variables (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`,
 //!   `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`) in a container "only further constrain the limit set
 //!   by the control daemon" (NVIDIA's MPS documentation, "Environment Variables"): without a
-//!   daemon that holds the limits they share and limit nothing. gpuplane runs MPS for the GPU
-//!   shares it publishes (consumable capacity, [`crate::sharing`]), not for a config.
+//!   daemon they share and limit nothing. gpuplane runs MPS for the GPU shares it publishes
+//!   (consumable capacity, [`crate::sharing`]), not for a config.
 //!
 //! The refusal names the field and what to do instead, and the kubelet reports it on the pod.
 
@@ -482,9 +482,9 @@ const WHY_NO_INTERVAL: &str = "gpuplane does not change a GPU's time slice (NVID
     the claim); leave the interval out or set it to Default";
 /// Why MPS in a config is refused.
 const WHY_NO_MPS: &str = "gpuplane runs no MPS control daemon for a config, and the CUDA MPS \
-    variables alone limit nothing; for GPU shares enforced by MPS, request a share of a GPU \
-    this node publishes with capacity (docs/mig-and-sharing.md), or use strategy TimeSlicing \
-    to let the pods of one claim take turns on its GPU";
+    variables alone limit nothing; for GPU shares under MPS, request a share of a GPU this node \
+    publishes with capacity (docs/mig-and-sharing.md), or use strategy TimeSlicing to let the \
+    pods of one claim take turns on its GPU";
 
 /// The environment the devices a config applies to get, one `NAME=value` per entry, or the
 /// refusal of a setting gpuplane would not carry out (module docs).

@@ -53,8 +53,11 @@ pub fn device_statuses(
 }
 
 /// Marks a `status.devices` entry as a share: its `shareID` (part of the entry's key), what it
-/// consumes in `data.share`, and a `ShareLimitsEnforced` condition: True under MPS, False when
-/// the unit is time-sliced and the limits are scheduling figures only.
+/// consumes in `data.share`, and a `ShareLimitsEnforced` condition, False today either way,
+/// naming what holds the limits: under MPS they are the CUDA client variables in the
+/// container's environment, which "only further constrain the limit set by the control daemon"
+/// (NVIDIA's MPS documentation, "Environment Variables") and so can be raised by the container;
+/// time-sliced, they are scheduling figures only.
 pub fn add_share(
     entry: &mut Value,
     share_id: &str,
@@ -70,7 +73,7 @@ pub fn add_share(
         "enforcement": enforcement.to_string(),
     });
     let (status, message) = match enforcement {
-        Enforcement::Mps => ("True", "memory and compute limits are enforced by the GPU's MPS control daemon".to_string()),
+        Enforcement::Mps => ("False", format!("MPS runs this share beside the GPU's other shares, but its limits ({share}) are cooperative only: they are set in the container's environment (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), and a container that unsets or raises them gets up to the whole GPU")),
         Enforcement::TimeSlicing => ("False", format!("the GPU is time-sliced among its shares: {share} are scheduling figures only, not limits (this node has no MPS control program, or its operator chose time-slicing)")),
     };
     if let Some(conditions) = entry["conditions"].as_array_mut() {

@@ -1,4 +1,4 @@
-//! MPS control daemons: one per shared unit while at least one MPS-enforced share is prepared
+//! MPS control daemons: one per shared unit while at least one MPS share is prepared
 //! on it, started by the first share's prepare and stopped after the last share's unprepare.
 //!
 //! A daemon is NVIDIA's `nvidia-cuda-mps-control -d` from the driver root, run with
@@ -7,7 +7,8 @@
 //! writes `nvidia-cuda-mps-control.pid` into its pipe directory; `quit` sent through the same
 //! program in client mode stops it). Containers get the pipe directory mounted and
 //! `CUDA_MPS_PIPE_DIRECTORY` pointing at it, so their CUDA processes connect to their unit's
-//! daemon with their own limits.
+//! daemon. On Volta and later the daemon is multi-user (`-M`), so share pods of different
+//! users run at once; before Volta a second user's client waits for the first's to end.
 //!
 //! The directories under `<state dir>/mps` are the record of which daemons are ours: nothing
 //! started outside gpuplane lives there, so nothing else is ever stopped. At start the agent
@@ -16,7 +17,7 @@
 
 use crate::inventory::DeviceUuid;
 use crate::paths::HostPaths;
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -27,6 +28,12 @@ use tracing::{info, warn};
 const PROGRAM: &str = "usr/bin/nvidia-cuda-mps-control";
 /// The file the control daemon writes its PID into, in its pipe directory.
 const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
+/// Multi-user mode: one MPS server, run as root, for the clients of every user. Without it a
+/// daemon serves one user at a time and a client of a second user waits until every client of
+/// the first has ended (NVIDIA's MPS documentation, "Architecture": "Provisioning Sequence",
+/// "Multi-user support"; the flag as NVIDIA's DRA driver passes it,
+/// templates/mps-control-daemon.tmpl.yaml). Volta and later only.
+const MULTIUSER: &str = "-M";
 /// How long one run of the control program may take (`-d` returns once the daemon is up).
 const RUN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -106,8 +113,9 @@ impl MpsDaemons {
         .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
     }
 
-    /// Starts `unit`'s daemon unless it runs; true when it was started.
-    pub fn ensure(&self, unit: &str) -> Result<bool, MpsError> {
+    /// Starts `unit`'s daemon unless it runs, multi-user (`-M`) when `multiuser`; true when it
+    /// was started.
+    pub fn ensure(&self, unit: &str, multiuser: bool) -> Result<bool, MpsError> {
         if self.running(unit) {
             return Ok(false);
         }
@@ -123,6 +131,9 @@ impl MpsDaemons {
         }
         let mut cmd = self.command(&dirs);
         cmd.arg("-d").env("CUDA_VISIBLE_DEVICES", unit);
+        if multiuser {
+            cmd.arg(MULTIUSER);
+        }
         run(cmd, None).map_err(fail)?;
         if !self.running(unit) {
             return Err(fail(format!(
@@ -175,17 +186,17 @@ impl MpsDaemons {
     /// Makes the running daemons those of `wanted` (agent start): stops each one no share
     /// needs, starts each missing one. Failures are logged; a prepare retried by the kubelet
     /// starts a missing daemon again.
-    pub fn reconcile(&self, wanted: &BTreeSet<DeviceUuid>) {
+    pub fn reconcile(&self, wanted: &BTreeMap<DeviceUuid, bool>) {
         for unit in self.units() {
-            if !wanted.iter().any(|w| w.as_str() == unit) {
+            if !wanted.keys().any(|w| w.as_str() == unit) {
                 info!(unit = %unit, "an MPS control daemon serves no prepared share; stopping it");
                 if let Err(e) = self.stop(&unit) {
                     warn!(error = %e, "stopping an unneeded MPS control daemon failed");
                 }
             }
         }
-        for unit in wanted {
-            match self.ensure(unit) {
+        for (unit, multiuser) in wanted {
+            match self.ensure(unit, *multiuser) {
                 Ok(true) => {
                     info!(unit = %unit, "a prepared share had no MPS control daemon; started one")
                 }

@@ -7,7 +7,7 @@
 
 use super::{PrepareError, Shared, UserEvent};
 use crate::dra::checkpoint::{CheckpointData, ClaimEntry, ClaimState, ShareEntry};
-use crate::inventory::DeviceUuid;
+use crate::inventory::{DeviceUuid, Inventory};
 use crate::sharing::Enforcement;
 use std::collections::BTreeSet;
 use tracing::warn;
@@ -23,23 +23,56 @@ pub(super) fn mps_units(data: &CheckpointData) -> BTreeSet<DeviceUuid> {
         .collect()
 }
 
-/// The Event for a prepared claim whose shares are time-sliced: their limits are scheduling
-/// figures only.
-pub(super) fn notice(entry: &ClaimEntry) -> Option<UserEvent> {
-    let sliced: Vec<String> = entry
-        .shares
+/// Whether `unit`'s daemon can be multi-user: its GPU (or MIG device's parent) is Volta or
+/// later (compute capability 7.0+), where NVIDIA's MPS offers multi-user mode.
+pub(super) fn multiuser(inv: &Inventory, unit: &str) -> bool {
+    inv.gpus
         .iter()
-        .filter(|s| s.enforcement == Enforcement::TimeSlicing)
-        .map(|s| format!("{} ({})", s.device, s.share))
-        .collect();
-    (!sliced.is_empty()).then(|| UserEvent {
-        reason: "ShareLimitsNotEnforced",
-        note: format!(
+        .find(|g| g.uuid.as_str() == unit || g.mig_devices.iter().any(|m| m.uuid.as_str() == unit))
+        .and_then(|g| {
+            g.cuda_compute_capability
+                .split('.')
+                .next()?
+                .parse::<u32>()
+                .ok()
+        })
+        .is_some_and(|major| major >= 7)
+}
+
+/// The Event for a prepared claim with shares: which of their limits hold how. Time-sliced,
+/// memory and compute are scheduling figures; under MPS they are cooperative (module docs of
+/// `gpuplane_model::dra::status::add_share`). Never "enforced" where they are not.
+pub(super) fn notice(entry: &ClaimEntry) -> Option<UserEvent> {
+    let listed = |e: Enforcement| -> Vec<String> {
+        entry
+            .shares
+            .iter()
+            .filter(|s| s.enforcement == e)
+            .map(|s| format!("{} ({})", s.device, s.share))
+            .collect()
+    };
+    let (sliced, mps) = (listed(Enforcement::TimeSlicing), listed(Enforcement::Mps));
+    let mut parts = Vec::new();
+    if !sliced.is_empty() {
+        parts.push(format!(
             "prepared as time-sliced shares of {}: their memory and compute are scheduling \
              figures, not limits, because this node runs no MPS control daemon for them (no \
              nvidia-cuda-mps-control in the driver root, or enforcement: TimeSlicing)",
             sliced.join(", ")
-        ),
+        ));
+    }
+    if !mps.is_empty() {
+        parts.push(format!(
+            "prepared as MPS shares of {}: MPS runs them beside the GPU's other shares, but \
+             their memory and compute limits are cooperative only, set in the container's \
+             environment (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), \
+             which a container can unset or raise",
+            mps.join(", ")
+        ));
+    }
+    (!parts.is_empty()).then(|| UserEvent {
+        reason: "ShareLimitsNotEnforced",
+        note: parts.join("; "),
     })
 }
 
@@ -48,9 +81,10 @@ impl Shared {
     pub(super) fn start_daemons(&self, shares: &[ShareEntry]) -> Result<(), PrepareError> {
         let mut started = false;
         for s in shares.iter().filter(|s| s.enforcement == Enforcement::Mps) {
+            let multiuser = multiuser(&self.state.read().inventory, s.unit.as_str());
             started |= self
                 .mps
-                .ensure(&s.unit)
+                .ensure(&s.unit, multiuser)
                 .map_err(|cause| PrepareError::Mps { cause })?;
         }
         if started {
