@@ -324,16 +324,7 @@ impl DraCore {
                 error!(claim = %claim_label(&c), error = %e, "checkpointed claim overlaps another holder");
             }
         }
-        let wanted = {
-            let inv = &self.shared.state.read().inventory;
-            shares::mps_units(cp.data())
-                .into_iter()
-                .map(|u| {
-                    let multiuser = shares::multiuser(inv, u.as_str());
-                    (u, multiuser)
-                })
-                .collect()
-        };
+        let wanted = shares::mps_daemons(cp.data(), &self.shared.state.read().inventory);
         drop(cp);
         let mps = self.shared.mps.clone();
         // Starting and stopping daemons runs programs: off the runtime.

@@ -104,51 +104,7 @@ impl PrepareError {
                  delete this claim's pod so the scheduler allocates another device, or wait \
                  until the holder ends",
             ),
-            PrepareError::Plan {
-                cause: ClaimError::Unhealthy { .. },
-            } => (
-                "DeviceUnhealthy",
-                "delete this claim's pod (and the claim, if it is not from a template) so the \
-                 scheduler allocates a healthy device; the device carries a health taint in its \
-                 ResourceSlice",
-            ),
-            PrepareError::Plan {
-                cause: ClaimError::NotSupported { .. },
-            } => (
-                "UnsupportedDeviceConfig",
-                "change the opaque device config (spec.devices.config of the claim or its \
-                 DeviceClass) as the message says and create the claim again",
-            ),
-            PrepareError::Plan {
-                cause:
-                    ClaimError::BadConfig { .. }
-                    | ClaimError::UnknownSource { .. }
-                    | ClaimError::ConflictingConfigs { .. },
-            } => (
-                "InvalidDeviceConfig",
-                "fix the opaque device config (spec.devices.config of the claim or its \
-                 DeviceClass) and create the claim again",
-            ),
-            PrepareError::Plan {
-                cause: ClaimError::SharingOnShare { .. } | ClaimError::MpsShareNotAlone { .. },
-            } => (
-                "InvalidShare",
-                "fix the claim as the message says and create it again",
-            ),
-            PrepareError::Plan {
-                cause: ClaimError::NotShared { .. } | ClaimError::BadShare { .. },
-            } => (
-                "ShareNotOffered",
-                "the allocation asks for a share this node does not publish (sharing turned off, \
-                 or a stale ResourceSlice); delete the pod and its claim to get a fresh allocation",
-            ),
-            PrepareError::Plan {
-                cause: ClaimError::UnknownDevice { .. } | ClaimError::OtherPool { .. },
-            } => (
-                "DeviceNotOnNode",
-                "the allocation names a device this node does not publish (a stale \
-                 ResourceSlice?); delete the pod and its claim to get a fresh allocation",
-            ),
+            PrepareError::Plan { cause } => plan_event(cause)?,
             PrepareError::MissingDeviceNodes(_) => (
                 "DeviceNodesMissing",
                 "the NVIDIA driver has not created its device nodes (or something else is in \
@@ -162,6 +118,45 @@ impl PrepareError {
             note: truncate(format!("{self}: {advice}."), MAX_NOTE_BYTES),
         })
     }
+}
+
+/// The reason and advice of a claim the plan refused, when its user can act on it.
+fn plan_event(cause: &ClaimError) -> Option<(&'static str, &'static str)> {
+    Some(match cause {
+        ClaimError::Unhealthy { .. } => (
+            "DeviceUnhealthy",
+            "delete this claim's pod (and the claim, if it is not from a template) so the \
+             scheduler allocates a healthy device; the device carries a health taint in its \
+             ResourceSlice",
+        ),
+        ClaimError::NotSupported { .. } => (
+            "UnsupportedDeviceConfig",
+            "change the opaque device config (spec.devices.config of the claim or its \
+             DeviceClass) as the message says and create the claim again",
+        ),
+        ClaimError::BadConfig { .. }
+        | ClaimError::UnknownSource { .. }
+        | ClaimError::ConflictingConfigs { .. } => (
+            "InvalidDeviceConfig",
+            "fix the opaque device config (spec.devices.config of the claim or its \
+             DeviceClass) and create the claim again",
+        ),
+        ClaimError::SharingOnShare { .. } | ClaimError::MpsShareNotAlone { .. } => (
+            "InvalidShare",
+            "fix the claim as the message says and create it again",
+        ),
+        ClaimError::NotShared { .. } | ClaimError::BadShare { .. } => (
+            "ShareNotOffered",
+            "the allocation asks for a share this node does not publish (sharing turned off, \
+             or a stale ResourceSlice); delete the pod and its claim to get a fresh allocation",
+        ),
+        ClaimError::UnknownDevice { .. } | ClaimError::OtherPool { .. } => (
+            "DeviceNotOnNode",
+            "the allocation names a device this node does not publish (a stale \
+             ResourceSlice?); delete the pod and its claim to get a fresh allocation",
+        ),
+        _ => return None,
+    })
 }
 
 /// The per-claim error the kubelet gets: `claim <namespace>/<name> (<uid>): <reason>`.

@@ -9,17 +9,18 @@ use super::{PrepareError, Shared, UserEvent};
 use crate::dra::checkpoint::{CheckpointData, ClaimEntry, ClaimState, ShareEntry};
 use crate::inventory::{DeviceUuid, Inventory};
 use crate::sharing::Enforcement;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use tracing::warn;
 
-/// The units whose MPS shares the checkpoint records as prepared: their daemons must run.
-pub(super) fn mps_units(data: &CheckpointData) -> BTreeSet<DeviceUuid> {
+/// The units whose MPS shares the checkpoint records as prepared (their daemons must run),
+/// each with whether its daemon is multi-user ([`multiuser`]).
+pub(super) fn mps_daemons(data: &CheckpointData, inv: &Inventory) -> BTreeMap<DeviceUuid, bool> {
     data.claims
         .values()
         .filter(|e| e.state == ClaimState::PrepareCompleted)
         .flat_map(|e| &e.shares)
         .filter(|s| s.enforcement == Enforcement::Mps)
-        .map(|s| s.unit.clone())
+        .map(|s| (s.unit.clone(), multiuser(inv, s.unit.as_str())))
         .collect()
 }
 
