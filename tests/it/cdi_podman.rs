@@ -29,7 +29,7 @@
 
 use crate::lab::{Lab, NODE, WAIT};
 use gpuplane_shell::cdi::{self, Kind, WriteOutcome};
-use gpuplane_shell::dra::ClaimRef;
+use gpuplane_shell::dra::{ClaimRef, PreparedDevice};
 use gpuplane_shell::node::dra::DraSettings;
 use gpuplane_shell::node::{NodeError, NodeOptions};
 use gpuplane_shell::paths::HostPaths;
@@ -407,6 +407,30 @@ fn allocated_claim(lab: &Lab, driver: &str, name: &str, device: &str, config: Va
     ClaimRef::parse(namespace, stored["metadata"]["uid"].as_str().unwrap(), name).unwrap()
 }
 
+/// NodePrepareResources of `claim` through the kubelet double: its devices, or a panic naming
+/// the claim's error.
+async fn prepare_claim(lab: &Lab, driver: &str, claim: &ClaimRef) -> Vec<PreparedDevice> {
+    let mut answers = lab
+        .dra
+        .prepare(driver, std::slice::from_ref(claim))
+        .await
+        .unwrap();
+    answers
+        .remove(claim.uid.as_str())
+        .unwrap()
+        .unwrap_or_else(|e| panic!("prepare of {}: {e}", claim.name))
+}
+
+/// NodeUnprepareResources of `claim`, which must succeed.
+async fn unprepare_claim(lab: &Lab, driver: &str, claim: &ClaimRef) {
+    let mut answers = lab
+        .dra
+        .unprepare(driver, std::slice::from_ref(claim))
+        .await
+        .unwrap();
+    answers.remove(claim.uid.as_str()).unwrap().unwrap();
+}
+
 /// [`allocated_claim`] with a time-slicing `GpuConfig`.
 fn time_sliced_claim(lab: &Lab, driver: &str, device: &str) -> ClaimRef {
     let config = json!([{"source": "FromClaim", "requests": ["gpus"], "opaque": {"driver": driver, "parameters": {
@@ -479,15 +503,7 @@ async fn podman_gives_a_dynamic_mig_container_the_access_nodes_the_host_lacks() 
     let claim = allocated_claim(&lab, &driver, "dynamic", device, json!([]));
     let stem = format!("gpuplane-claim-{}", claim.uid);
     cleanup.stems.push(stem.clone());
-    let mut answers = lab
-        .dra
-        .prepare(&driver, std::slice::from_ref(&claim))
-        .await
-        .unwrap();
-    let devices = answers
-        .remove(claim.uid.as_str())
-        .unwrap()
-        .unwrap_or_else(|e| panic!("prepare of {device}: {e}"));
+    let devices = prepare_claim(&lab, &driver, &claim).await;
     let cdi_id = format!("k8s.{driver}/claim={}-{device}", claim.uid);
     assert_eq!(devices[0].cdi_ids, std::slice::from_ref(&cdi_id));
 
@@ -532,12 +548,7 @@ async fn podman_gives_a_dynamic_mig_container_the_access_nodes_the_host_lacks() 
         "only its own two access nodes:\n{stdout}"
     );
 
-    let mut answers = lab
-        .dra
-        .unprepare(&driver, std::slice::from_ref(&claim))
-        .await
-        .unwrap();
-    answers.remove(claim.uid.as_str()).unwrap().unwrap();
+    unprepare_claim(&lab, &driver, &claim).await;
     assert!(lab.sim.discover().unwrap().inventory.gpus[0]
         .mig_devices
         .is_empty());
@@ -591,12 +602,7 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
     let stem = format!("gpuplane-claim-{}", claim.uid);
     cleanup.stems.push(stem.clone());
 
-    let mut answers = lab
-        .dra
-        .prepare(&driver, std::slice::from_ref(&claim))
-        .await
-        .unwrap();
-    let devices = answers.remove(claim.uid.as_str()).unwrap().unwrap();
+    let devices = prepare_claim(&lab, &driver, &claim).await;
     let kind = format!("k8s.{driver}/claim");
     let cdi_id = format!("{kind}={}-gpu-2", claim.uid);
     let ids: Vec<&str> = devices
@@ -632,12 +638,7 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
         "gpu-3 was not allocated:\n{stdout}"
     );
 
-    let mut answers = lab
-        .dra
-        .unprepare(&driver, std::slice::from_ref(&claim))
-        .await
-        .unwrap();
-    answers.remove(claim.uid.as_str()).unwrap().unwrap();
+    unprepare_claim(&lab, &driver, &claim).await;
     assert!(
         !spec_file(&stem).exists(),
         "unprepare left the claim's spec"
@@ -801,12 +802,7 @@ async fn podman_runs_a_container_with_a_claim_prepared_on_a_simulated_node() {
     let stored = lab.api.put_json(obj).unwrap();
     let claim =
         ClaimRef::parse("team-a", stored["metadata"]["uid"].as_str().unwrap(), "sim").unwrap();
-    let mut answers = lab
-        .dra
-        .prepare(&driver, std::slice::from_ref(&claim))
-        .await
-        .unwrap();
-    let devices = answers.remove(claim.uid.as_str()).unwrap().unwrap();
+    let devices = prepare_claim(&lab, &driver, &claim).await;
     let ids: Vec<String> = devices
         .iter()
         .flat_map(|d| d.cdi_ids.iter().cloned())
@@ -855,12 +851,7 @@ async fn podman_runs_a_container_with_a_claim_prepared_on_a_simulated_node() {
     assert!(!has_line(&seen, &whole_line), "{seen:#?}");
     assert!(has_line(&seen, &visible), "{seen:#?}");
 
-    let mut answers = lab
-        .dra
-        .unprepare(&driver, std::slice::from_ref(&claim))
-        .await
-        .unwrap();
-    answers.remove(claim.uid.as_str()).unwrap().unwrap();
+    unprepare_claim(&lab, &driver, &claim).await;
     assert!(!written.exists(), "unprepare left the claim's spec");
     agent.stop().await;
     drop(cleanup);
