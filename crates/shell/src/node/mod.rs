@@ -88,6 +88,9 @@ pub enum NodeError {
     /// Signal handlers could not be installed.
     #[error("installing signal handlers: {}", chain(.0))]
     Signals(std::io::Error),
+    /// The start-up's file work (lock, config, leftovers, saved state) did not finish.
+    #[error("starting the agent: its start-up job did not finish: {0}")]
+    StartWorker(String),
     /// The thread that probes lost GPUs could not be started.
     #[error("starting the device probe thread: {}", chain(.0))]
     ProbeThread(std::io::Error),
@@ -179,6 +182,21 @@ impl Running {
     }
 }
 
+/// Takes the state directory's lock, reads the config file and clears the CDI root's
+/// leftovers: file work (the lock is a flock retried with pauses), off the runtime.
+async fn take_state(opts: &NodeOptions) -> Result<(lock::StateLock, AgentConfig), NodeError> {
+    let (state_dir, cdi_root) = (opts.paths.state_dir.clone(), opts.paths.cdi_root.clone());
+    let (config_file, switch) = (opts.config_file.clone(), opts.sharing_switch);
+    tokio::task::spawn_blocking(move || {
+        let held = lock::StateLock::acquire(&state_dir)?;
+        let config = tasks::load_config(config_file.as_deref(), switch)?;
+        remove_stale_cdi_temps(&cdi_root);
+        Ok((held, config))
+    })
+    .await
+    .map_err(|e| NodeError::StartWorker(e.to_string()))?
+}
+
 /// Runs the agent until `shutdown` resolves, then stops serving and removes its sockets.
 /// Fails at once, before touching any socket or file, if another agent holds the state
 /// directory.
@@ -188,12 +206,10 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), NodeError> {
     // Held until this function returns; the kernel releases it if the process dies first.
-    let _state_lock = lock::StateLock::acquire(&opts.paths.state_dir)?;
+    let (_state_lock, config) = take_state(&opts).await?;
     crate::crashpoint::announce();
-    let config = tasks::load_config(opts.config_file.as_deref(), opts.sharing_switch)?;
     let hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(NodeError::Signals)?;
-    remove_stale_cdi_temps(&opts.paths.cdi_root);
     let mut shutdown = std::pin::pin!(shutdown);
 
     // The endpoints come first, answering from an empty inventory until discovery succeeds,
@@ -285,15 +301,23 @@ impl Agent<'_> {
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), NodeError> {
         let (state_dir, boot_file) = (self.opts.paths.state_dir.clone(), self.opts.paths.boot_id());
-        // File reads: off the runtime.
-        let (boot_id, marks) = tokio::task::spawn_blocking(move || {
+        let dra = self.opts.dra.is_some();
+        // File reads, off the runtime: the boot, the saved Xid marks, and the instances the DRA
+        // checkpoint says gpuplane made (read-only here; the DRA core loads it properly), so a
+        // restart does not mistake them for another tool's.
+        let (boot_id, marks, owned) = tokio::task::spawn_blocking(move || {
             let boot_id = crate::dra::checkpoint::read_boot_id(&boot_file);
             let marks = health_marks::read(&state_dir, boot_id.as_deref());
-            (boot_id, marks)
+            let owned = dra
+                .then(|| crate::dra::checkpoint::read(&state_dir).map(|d| d.mig_owned()))
+                .flatten()
+                .unwrap_or_default();
+            (boot_id, marks, owned)
         })
         .await
-        .unwrap_or_default();
-        self.offer(found, config, &marks).map_err(NodeError::Plan)?;
+        .map_err(|e| NodeError::StartWorker(e.to_string()))?;
+        self.offer(found, config, &marks, owned)
+            .map_err(NodeError::Plan)?;
         running.tasks.push(tokio::spawn(health_marks::keep(
             self.state.clone(),
             self.opts.paths.state_dir.clone(),
@@ -314,18 +338,11 @@ impl Agent<'_> {
         found: Discovery,
         config: AgentConfig,
         marks: &[crate::health::SavedMark],
+        owned: std::collections::BTreeSet<crate::source::MigRequest>,
     ) -> Result<(), PlanError> {
         for lost in &found.lost {
             tracing::warn!(gpu = lost.index, reason = %lost.reason, "GPU not answering; it is not offered");
         }
-        // The instances the DRA checkpoint says gpuplane made (read-only here; the DRA core
-        // loads it properly), so a restart does not mistake them for another tool's.
-        let owned = match self.opts.dra {
-            Some(_) => crate::dra::checkpoint::read(&self.opts.paths.state_dir)
-                .map(|d| d.mig_owned())
-                .unwrap_or_default(),
-            None => Default::default(),
-        };
         let quiet = config.recovery_quiet_period;
         let mut snapshot = Snapshot::with_mig_owned(found.inventory, config, owned)?;
         for unit in snapshot
