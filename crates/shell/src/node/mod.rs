@@ -251,15 +251,16 @@ pub async fn run(
     let result = match found {
         Some(found) => {
             // With the device plugin off, pods that another device plugin (NVIDIA's, or this
-            // agent under an earlier config) placed still hold their GPUs: follow PodResources
-            // whenever the kubelet serves it, so DRA never hands those GPUs out again.
-            let follow_pod_resources = opts.device_plugin
+            // agent under an earlier config) placed still hold their GPUs: PodResources is
+            // followed always, so DRA never hands those GPUs out again, and its first listing
+            // is awaited wherever the kubelet serves it already.
+            let await_pod_resources = opts.device_plugin
                 || tokio::fs::try_exists(opts.paths.pod_resources_socket())
                     .await
                     .unwrap_or(false);
             let agent = Agent {
                 opts: &opts,
-                follow_pod_resources,
+                await_pod_resources,
                 source: &source,
                 state: &state,
                 readiness: &readiness,
@@ -279,9 +280,10 @@ pub async fn run(
 /// What starting the servers and tasks needs, borrowed from [`run`].
 struct Agent<'a> {
     opts: &'a NodeOptions,
-    /// Whether the PodResources follower runs (and slices and prepares wait for its first
-    /// listing): with the device plugin, or when the kubelet's PodResources socket exists.
-    follow_pod_resources: bool,
+    /// Whether slices and prepares wait for the PodResources follower's first listing: with
+    /// the device plugin, or when the kubelet's PodResources socket exists at start (a kubelet
+    /// that starts later is followed from then on).
+    await_pod_resources: bool,
     source: &'a Arc<dyn DeviceSource>,
     state: &'a Arc<NodeState>,
     readiness: &'a Arc<http::Readiness>,
@@ -354,7 +356,7 @@ impl Agent<'_> {
         // The kubelet kept the device plugin's assignments while we were away; until the
         // follower's first listing brings them into the ledger, nothing is published or
         // prepared on the strength of it.
-        snapshot.awaiting_device_plugin_holds = self.follow_pod_resources;
+        snapshot.awaiting_device_plugin_holds = self.await_pod_resources;
         for w in &snapshot.plan.warnings {
             tracing::warn!("{w}");
         }
@@ -399,13 +401,11 @@ impl Agent<'_> {
         running: &mut Running,
     ) -> Result<(), NodeError> {
         let (opts, state, stop) = (self.opts, self.state, self.stop);
-        if self.follow_pod_resources {
-            running.tasks.push(tokio::spawn(podresources::run(
-                opts.paths.pod_resources_socket(),
-                state.clone(),
-                stop.clone(),
-            )));
-        }
+        running.tasks.push(tokio::spawn(podresources::run(
+            opts.paths.pod_resources_socket(),
+            state.clone(),
+            stop.clone(),
+        )));
         if let Some(settings) = opts.dra.clone() {
             let started = dra::start(
                 settings,
