@@ -241,7 +241,7 @@ impl HealthBook {
         let mut marked = Vec::new();
         for m in saved {
             let age = Duration::from_millis(now_unix_ms.saturating_sub(m.at_unix_ms));
-            let Some(unit) = self.units.iter().find(|u| u.as_str() == m.unit).cloned() else {
+            let Some(unit) = self.units.get(m.unit.as_str()).cloned() else {
                 continue;
             };
             if age >= quiet {

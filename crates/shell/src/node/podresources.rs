@@ -1,6 +1,7 @@
 //! Follows the kubelet's PodResources API to learn which device-plugin devices are still
 //! assigned to live containers: the device plugin API never reports releases, so this is how
-//! the allocation ledger frees units when pods end, and how it is rebuilt after a restart.
+//! the allocation ledger frees units when pods end, and how it is rebuilt after a restart. It
+//! runs with the device plugin off too: pods another device plugin placed keep their GPUs.
 
 use crate::deviceplugin::allocate;
 use crate::deviceplugin::resources::Plan;
