@@ -153,7 +153,13 @@ impl Env {
             .filter_map(|v| v.split_once('='))
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let mut child = std::process::Command::new(support::built_fake_cuda_client())
+        // Other users cannot run the build's copy when the checkout sits in a private (0700)
+        // directory, as a fresh `mktemp -d` clone does: they run one in this node's directory.
+        let exe = self.path("fake-cuda-client");
+        if !exe.exists() {
+            fs::copy(support::built_fake_cuda_client(), &exe).unwrap();
+        }
+        let mut child = std::process::Command::new(exe)
             .env_clear()
             .envs(env)
             .envs(extra.iter().copied())

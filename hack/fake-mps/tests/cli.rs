@@ -32,6 +32,9 @@ impl Mps {
         std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         // The log directory does not exist yet: the daemon creates it.
         let (pipe, log) = (tmp.path().join("pipe"), tmp.path().join("log/mps"));
+        // Clients of other users cannot run the build's copy when the checkout sits in a
+        // private (0700) directory, as a fresh `mktemp -d` clone does: they run this one.
+        std::fs::copy(CLIENT, tmp.path().join("fake-cuda-client")).unwrap();
         let shm = tmp.path().join("shm");
         std::fs::create_dir(&shm).unwrap();
         std::fs::set_permissions(&shm, std::fs::Permissions::from_mode(0o777)).unwrap();
@@ -56,7 +59,7 @@ impl Mps {
     /// A CUDA client of this daemon as user `uid` (`None`: this process's) with `env`, its
     /// stdin held open until [`Client::finish`].
     fn cuda_client(&self, uid: Option<u32>, env: &[(&str, &str)]) -> Client {
-        let mut cmd = Command::new(CLIENT);
+        let mut cmd = Command::new(self.pipe.with_file_name("fake-cuda-client"));
         cmd.env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe)
             .env(fake_mps::SHM_ENV, &self.shm)
             .envs(env.iter().copied())
