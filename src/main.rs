@@ -5,6 +5,7 @@
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 
 mod hours;
+mod mps;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -47,6 +48,8 @@ enum Command {
     },
     /// Run the node agent: serve the kubelet device plugin API for this node's GPUs.
     Node(Box<NodeArgs>),
+    /// One MPS control daemon, as its pod runs it (the agent creates those pods).
+    MpsDaemon(mps::DaemonArgs),
     /// Run the cluster-side controller: the GPU quota admission webhook.
     Controller(Box<ControllerArgs>),
     /// Why a GPU pod is Pending: one reason with its numbers, read from the API server.
@@ -222,6 +225,8 @@ struct NodeArgs {
     simulate_from_node_label: bool,
     #[command(flatten)]
     source: SourceArgs,
+    #[command(flatten)]
+    mps: mps::NodeMpsArgs,
 }
 
 /// Where devices come from; shared by every face that reads an inventory.
@@ -345,6 +350,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Node(args) => run_node(*args),
         Command::Controller(args) => run_controller(*args),
+        Command::MpsDaemon(args) => mps::run_daemon(args),
         Command::Explain(args) => run_explain(args),
         Command::Report { args, output } => {
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
@@ -477,7 +483,7 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
                 sharing: None,
             },
         };
-        let opts = node_options(args, client.clone(), &serving);
+        let opts = node_options(args, client.clone(), &serving)?;
         let terminated = termination()?;
         let node = opts.node_name.clone();
         let stop = async move {
@@ -540,15 +546,17 @@ fn node_options(
     args: NodeArgs,
     client: Option<gpuplane_shell::kubeclient::Client>,
     serving: &apis::Serving,
-) -> gpuplane_shell::node::NodeOptions {
+) -> Result<gpuplane_shell::node::NodeOptions> {
+    let own_pod = args.mps.own_pod()?;
     let dra = match (&client, serving.apis.dra) {
         (Some(client), true) => Some(gpuplane_shell::node::dra::DraSettings {
             driver_name: args.driver_name,
             client: client.clone(),
+            mps_pods: own_pod,
         }),
         _ => None,
     };
-    gpuplane_shell::node::NodeOptions {
+    Ok(gpuplane_shell::node::NodeOptions {
         node_name: args.node_name,
         paths: HostPaths {
             kubelet_root: args.kubelet_root,
@@ -566,7 +574,7 @@ fn node_options(
         api: client,
         metrics_addr: args.metrics_addr,
         device_mode: args.source.mode(),
-    }
+    })
 }
 
 /// The image build's stamp (`GPUPLANE_BUILD`, set by the image), so the logs of a rollout show
@@ -576,7 +584,7 @@ fn build_stamp() -> String {
 }
 
 /// Resolves on SIGTERM (how Kubernetes stops a pod) or SIGINT.
-fn termination() -> Result<impl std::future::Future<Output = ()>> {
+pub(crate) fn termination() -> Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;

@@ -11,7 +11,9 @@ mod support;
 use gpuplane_shell::inventory::DeviceUuid;
 use gpuplane_shell::nvml::NvmlSource;
 use gpuplane_shell::sim;
-use gpuplane_shell::source::{DeviceEvent, DeviceSource, MigChangeError, MigRequest, SimSource};
+use gpuplane_shell::source::{
+    ComputeMode, ComputeModeError, DeviceEvent, DeviceSource, MigChangeError, MigRequest, SimSource,
+};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -503,4 +505,73 @@ fn creating_on_a_gpu_with_mig_off_is_refused_by_nvml_and_the_simulation_alike() 
         found,
         "nothing changed"
     );
+}
+
+fn mode_kind(e: &ComputeModeError) -> &'static str {
+    match e {
+        ComputeModeError::Refused(_) => "Refused",
+        ComputeModeError::NotFound(_) => "NotFound",
+        ComputeModeError::Failed { .. } => "Failed",
+    }
+}
+
+#[test]
+fn a_compute_mode_set_through_nvml_reads_back_and_outlives_the_process_with_a_state_file() {
+    let lab = Lab::new();
+    let state = lab.dir.path().join("state.json");
+    let machine = lab.open_with_state(DYNAMIC, Some(&state));
+    let found = machine.source.discover().unwrap().inventory;
+    let (gpu, other) = (&found.gpus[0].uuid, &found.gpus[3].uuid);
+    let mode = |m: &Machine, uuid: &DeviceUuid| m.source.compute_mode(uuid).unwrap();
+    assert_eq!(mode(&machine, gpu), ComputeMode::Default);
+    machine
+        .source
+        .set_compute_mode(gpu, ComputeMode::ExclusiveProcess)
+        .unwrap();
+    assert_eq!(mode(&machine, gpu), ComputeMode::ExclusiveProcess);
+    assert_eq!(mode(&machine, other), ComputeMode::Default, "per GPU");
+
+    // Refusals as the simulated source refuses: a MIG device, an unknown GPU.
+    let sim = SimSource::new(sim::load(DYNAMIC).unwrap());
+    let mig = &found.gpus[2].mig_devices[0].uuid;
+    let nowhere = DeviceUuid::parse("GPU-00000000-0000-0000-0000-000000000000").unwrap();
+    for (uuid, expected) in [(mig, "Refused"), (&nowhere, "NotFound")] {
+        let nvml = machine
+            .source
+            .set_compute_mode(uuid, ComputeMode::ExclusiveProcess)
+            .unwrap_err();
+        assert_eq!(mode_kind(&nvml), expected, "{nvml}");
+        let simulated = sim.compute_mode(uuid).unwrap_err();
+        assert_eq!(mode_kind(&simulated), expected, "{simulated}");
+    }
+    drop(machine);
+
+    // A fresh load of the same state: the mode is still set, as on a driver that stayed loaded.
+    let machine = lab.open_with_state(DYNAMIC, Some(&state));
+    assert_eq!(mode(&machine, gpu), ComputeMode::ExclusiveProcess);
+    assert_eq!(mode(&machine, other), ComputeMode::Default);
+    machine
+        .source
+        .set_compute_mode(gpu, ComputeMode::Default)
+        .unwrap();
+    machine.inject("lose 3");
+    let lost = machine.source.compute_mode(other).unwrap_err();
+    assert_eq!(mode_kind(&lost), "Failed", "{lost}");
+    assert!(lost.to_string().contains("lost"), "{lost}");
+    drop(machine);
+    let machine = lab.open_with_state(DYNAMIC, Some(&state));
+    assert_eq!(
+        mode(&machine, gpu),
+        ComputeMode::Default,
+        "reset, and kept so"
+    );
+    machine
+        .source
+        .set_compute_mode(gpu, ComputeMode::Prohibited)
+        .unwrap();
+    drop(machine);
+
+    // Without the file every load starts in DEFAULT, as after a driver reload.
+    let machine = lab.open(DYNAMIC);
+    assert_eq!(mode(&machine, gpu), ComputeMode::Default);
 }

@@ -371,6 +371,7 @@ impl Agent {
             dra: Some(DraSettings {
                 driver_name: driver.into(),
                 client: lab.api.client().unwrap(),
+                mps_pods: None,
             }),
             api: None,
             metrics_addr: None,

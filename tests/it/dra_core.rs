@@ -106,6 +106,7 @@ impl Env {
             node_name: NODE.into(),
             paths: HostPaths::under(&self.root),
             device_mode: self.mode,
+            mps: None,
         }
     }
 

@@ -80,6 +80,7 @@ impl Env {
             node_name: NODE.into(),
             paths: HostPaths::under(root),
             device_mode: DeviceMode::Simulated,
+            mps: None,
         };
         let fetcher: Arc<dyn ClaimFetcher> = self.claims.clone();
         DraCore::new(config, state, fetcher, Arc::new(self.source.clone())).unwrap()

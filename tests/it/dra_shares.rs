@@ -13,6 +13,7 @@ use gpuplane_shell::dra::fetch::ClaimFetcher;
 use gpuplane_shell::dra::{ClaimRef, ClaimUid, DraDriver};
 use gpuplane_shell::inventory::Inventory;
 use gpuplane_shell::ledger::Holder;
+use gpuplane_shell::mps::MpsHost;
 use gpuplane_shell::node::state::{NodeState, Snapshot};
 use gpuplane_shell::paths::HostPaths;
 use gpuplane_shell::source::{DeviceMode, SimSource};
@@ -24,29 +25,31 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-const DRIVER: &str = "gpu.gpuplane.dev";
-const NODE: &str = "node-a";
+pub(crate) const DRIVER: &str = "gpu.gpuplane.dev";
+pub(crate) const NODE: &str = "node-a";
 const SHARING: &str =
     "sharing:\n  consumableCapacity:\n    gpus: [0, 1]\n    memoryStep: 1Gi\n    computeStep: 10\n";
 
 /// An allocated share: (shareID, consumed memory, consumed compute).
 type Share<'a> = (&'a str, &'a str, &'a str);
 
-fn uid(n: u8) -> String {
+pub(crate) fn uid(n: u8) -> String {
     format!("0b5c3f2e-1111-4222-8333-4444555566{n:02x}")
 }
 
-struct Env {
+pub(crate) struct Env {
     dir: tempfile::TempDir,
-    inv: Inventory,
+    pub(crate) inv: Inventory,
     state: Arc<NodeState>,
     claims: Arc<MemoryClaims>,
+    /// Where the core runs MPS daemons; unset: as its own processes.
+    pub(crate) mps: std::sync::OnceLock<Arc<dyn MpsHost>>,
 }
 
 impl Env {
     /// A simulated dgx-a100 (80Gi GPUs) sharing GPUs 0 and 1; with the stand-in MPS control
     /// program in the driver root when `mps`.
-    fn new(mps: bool) -> Env {
+    pub(crate) fn new(mps: bool) -> Env {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
         let inv = gpuplane_shell::sim::load("dgx-a100").unwrap();
@@ -68,14 +71,15 @@ impl Env {
             inv,
             state: Arc::new(NodeState::new(snapshot)),
             claims: Arc::new(MemoryClaims::default()),
+            mps: std::sync::OnceLock::new(),
         }
     }
 
-    fn path(&self, p: &str) -> PathBuf {
+    pub(crate) fn path(&self, p: &str) -> PathBuf {
         self.dir.path().join(p)
     }
 
-    fn core(&self) -> DraCore {
+    pub(crate) fn core(&self) -> DraCore {
         self.core_on(self.state.clone())
     }
 
@@ -91,19 +95,20 @@ impl Env {
                 ..HostPaths::under(root)
             },
             device_mode: DeviceMode::Simulated,
+            mps: self.mps.get().cloned(),
         };
         let fetcher: Arc<dyn ClaimFetcher> = self.claims.clone();
         let source = Arc::new(SimSource::new(self.inv.clone()));
         DraCore::new(config, state, fetcher, source).unwrap()
     }
 
-    fn gpu(&self, i: usize) -> String {
+    pub(crate) fn gpu(&self, i: usize) -> String {
         self.inv.gpus[i].uuid.to_string()
     }
 
     /// Adds claim `ns/<name>` allocated `results`: (device, Some((shareID, memory, compute)))
     /// for a share, None for a whole device; `config`: the allocation's configs.
-    fn add_claim(
+    pub(crate) fn add_claim(
         &self,
         name: &str,
         uid: &str,
@@ -131,7 +136,7 @@ impl Env {
         ClaimRef::parse("ns", uid, name).unwrap()
     }
 
-    fn spec_env(&self, uid: &str) -> Vec<String> {
+    pub(crate) fn spec_env(&self, uid: &str) -> Vec<String> {
         let stem = spec_stem(&ClaimUid::parse(uid).unwrap());
         let spec: Spec =
             serde_json::from_slice(&fs::read(self.path(&format!("cdi/{stem}.json"))).unwrap())
@@ -145,7 +150,7 @@ impl Env {
     /// Runs the fake CUDA client as user `user` with the environment claim `uid`'s spec gives
     /// its container (plus `extra`), as that share's program would; it holds its connection
     /// until it is dropped.
-    fn cuda_client(&self, uid: &str, user: u32, extra: &[(&str, &str)]) -> CudaClient {
+    pub(crate) fn cuda_client(&self, uid: &str, user: u32, extra: &[(&str, &str)]) -> CudaClient {
         use std::os::unix::process::CommandExt;
         let env: Vec<(String, String)> = self
             .spec_env(uid)
@@ -187,7 +192,7 @@ impl Env {
         ))
     }
 
-    fn daemon_pid(&self, gpu: usize) -> Option<u32> {
+    pub(crate) fn daemon_pid(&self, gpu: usize) -> Option<u32> {
         let pid: u32 = fs::read_to_string(self.pid_file(gpu))
             .ok()?
             .trim()
@@ -251,15 +256,35 @@ impl Drop for Env {
 }
 
 /// A running fake CUDA client ([`Env::cuda_client`]); killed when dropped.
-struct CudaClient {
+pub(crate) struct CudaClient {
     child: std::process::Child,
     first: std::sync::mpsc::Receiver<String>,
 }
 
 impl CudaClient {
+    /// Its exit status once it ends by itself; a hang guard, not a timing assertion.
+    pub(crate) fn wait(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the client did not end within 30 s"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
+    /// Whether it still holds its connection (or waits for one).
+    pub(crate) fn running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
     /// The limits it reported when it connected: (compute percent, memory limit); a hang
     /// guard, not a timing assertion.
-    fn limits(&self) -> (String, String) {
+    pub(crate) fn limits(&self) -> (String, String) {
         let line = self
             .first
             .recv_timeout(std::time::Duration::from_secs(30))
@@ -284,19 +309,19 @@ impl Drop for CudaClient {
     }
 }
 
-fn alive(pid: u32) -> bool {
+pub(crate) fn alive(pid: u32) -> bool {
     fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
         s.rsplit_once(')')
             .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
     })
 }
 
-async fn prepare(core: &DraCore, c: &ClaimRef) -> Result<(), String> {
+pub(crate) async fn prepare(core: &DraCore, c: &ClaimRef) -> Result<(), String> {
     let mut out = core.prepare(vec![c.clone()]).await;
     out.remove(c.uid.as_str()).unwrap().map(|_| ())
 }
 
-async fn unprepare(core: &DraCore, c: &ClaimRef) {
+pub(crate) async fn unprepare(core: &DraCore, c: &ClaimRef) {
     let mut out = core.unprepare(vec![c.clone()]).await;
     out.remove(c.uid.as_str()).unwrap().unwrap();
 }

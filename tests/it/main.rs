@@ -40,6 +40,7 @@ mod gpu_hours;
 mod kubelet_authority;
 mod ledger_stress;
 mod manifests;
+mod mps_pods;
 mod peer_faults;
 mod proto_names;
 mod quantities;

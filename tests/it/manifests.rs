@@ -1026,13 +1026,25 @@ fn policy_denials(
     old: &Value,
     new: &Value,
 ) -> Option<Vec<String>> {
+    let request = json!({"operation": "UPDATE", "subResource": subresource,
+        "userInfo": {"username": user}});
+    policy_denials_of(docs, name, &request, old, new)
+}
+
+/// [`policy_denials`] of any `request` (operation, userInfo); `old` or `new` is null where the
+/// operation has none.
+fn policy_denials_of(
+    docs: &[Doc],
+    name: &str,
+    request: &Value,
+    old: &Value,
+    new: &Value,
+) -> Option<Vec<String>> {
     use kube_cel::cel::Value as V;
     let policy: admission::ValidatingAdmissionPolicy =
         typed(find(docs, "ValidatingAdmissionPolicy", None, name).unwrap());
     let spec = policy.spec.unwrap();
-    let request = json!({"operation": "UPDATE", "subResource": subresource,
-        "userInfo": {"username": user}});
-    let objects = [("object", new), ("oldObject", old), ("request", &request)];
+    let objects = [("object", new), ("oldObject", old), ("request", request)];
     for c in spec.match_conditions.iter().flatten() {
         if cel_eval(&c.expression, &objects, None) != V::Bool(true) {
             return None;
@@ -1052,6 +1064,61 @@ fn policy_denials(
         }
     }
     Some(denials)
+}
+
+#[test]
+fn the_node_agent_may_create_and_delete_only_mps_daemon_pods_of_its_own_node() {
+    let docs = docs();
+    let policy = "gpuplane-node-mps-pods";
+    let agent = "system:serviceaccount:gpuplane-system:gpuplane-node";
+    let request = |op: &str, user: &str, node: &str| {
+        json!({"operation": op, "subResource": "", "userInfo": {"username": user,
+            "extra": {"authentication.kubernetes.io/node-name": [node]}}})
+    };
+    // The pod the agent renders (crates/model/src/mps_pod.rs), every field the policy reads.
+    let agent_pod = gpuplane_shell::mps_pod::AgentPod {
+        namespace: NS.into(),
+        image: "gpuplane:test".into(),
+        ..Default::default()
+    };
+    let daemon = |node: &str| {
+        let pod = gpuplane_shell::mps_pod::DaemonPod {
+            node,
+            unit: "GPU-1",
+            multiuser: true,
+            agent: &agent_pod,
+            state_dir: "/var/lib/gpuplane",
+            driver_root: "/run/nvidia/driver",
+            driver_root_mount: "/run/nvidia/driver",
+        };
+        serde_json::to_value(pod.render()).unwrap()
+    };
+    let null = Value::Null;
+    let deny = |op: &str, node: &str, pod: &Value| {
+        let (old, new) = if op == "DELETE" {
+            (pod, &null)
+        } else {
+            (&null, pod)
+        };
+        policy_denials_of(&docs, policy, &request(op, agent, node), old, new).expect("matches")
+    };
+    let own = daemon("node-a");
+    assert_eq!(deny("CREATE", "node-a", &own), Vec::<String>::new());
+    assert_eq!(deny("DELETE", "node-a", &own), Vec::<String>::new());
+    // (This evaluator leaves messageExpression out; the real API server words it.)
+    assert_eq!(deny("CREATE", "node-b", &own).len(), 1);
+    assert_eq!(deny("DELETE", "node-b", &own).len(), 1);
+    // Anything else than a daemon pod, on its own node too.
+    let mut shell = own.clone();
+    shell["spec"]["containers"][0]["args"] = json!(["node"]);
+    assert_eq!(deny("CREATE", "node-a", &shell).len(), 1);
+    let mut unlabelled = own.clone();
+    unlabelled["metadata"]["labels"] = json!({"app": "x"});
+    assert_eq!(deny("CREATE", "node-a", &unlabelled).len(), 1);
+    assert_eq!(deny("DELETE", "node-a", &unlabelled).len(), 1);
+    // Other users are not this policy's business.
+    let admin = request("CREATE", "kubernetes-admin", "");
+    assert!(policy_denials_of(&docs, policy, &admin, &null, &shell).is_none());
 }
 
 #[test]
@@ -1397,6 +1464,38 @@ fn grants(docs: &[Doc], namespace: &str, account: &str) -> BTreeMap<Rule, Option
     out
 }
 
+/// What `--mps-daemons=pods` calls (crates/shell/src/mps/pods.rs): the agent's own pod read, this
+/// node's daemon pods listed, one created for a GPU that MPS shares use and deleted after its
+/// last share (tests/it/mps_pods.rs runs those pods).
+async fn mps_daemon_pod_calls(api: &ApiServerDouble, gpu: gpuplane_shell::inventory::DeviceUuid) {
+    use gpuplane_shell::mps::MpsHost;
+    api.put_json(json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "gpuplane-node-x1", "namespace": NS},
+        "spec": {"nodeName": NODE, "containers": [{"name": "agent", "image": "gpuplane:test"}]}}))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let paths = gpuplane_shell::paths::HostPaths::under(dir.path());
+    let own = Some((NS, "gpuplane-node-x1"));
+    let pods = gpuplane_shell::mps::pods::MpsPods::new(api.client().unwrap(), NODE, own, &paths)
+        .await
+        .unwrap();
+    let daemon_pods = || {
+        api.list_json("v1", "pods", Some(NS))
+            .iter()
+            .filter(|p| p["metadata"]["labels"]["app.kubernetes.io/name"] == "gpuplane-mps")
+            .count()
+    };
+    let (p, g) = (pods.clone(), gpu.clone());
+    tokio::task::spawn_blocking(move || p.reconcile(&BTreeMap::from([(g, true)])))
+        .await
+        .unwrap();
+    assert_eq!(daemon_pods(), 1);
+    tokio::task::spawn_blocking(move || pods.reconcile(&BTreeMap::new()))
+        .await
+        .unwrap();
+    assert_eq!(daemon_pods(), 0);
+}
+
 fn itertools3(a: &[String], b: &[String], c: &[String]) -> Vec<(String, String, String)> {
     let mut out = Vec::new();
     for x in a {
@@ -1527,6 +1626,11 @@ async fn rbac_grants_exactly_what_the_node_agent_calls() {
     })
     .await;
     agent.stop().await;
+    mps_daemon_pod_calls(
+        &lab.api,
+        lab.sim.discover().unwrap().inventory.gpus[2].uuid.clone(),
+    )
+    .await;
 
     let docs = docs();
     let granted = grants(&docs, NS, "gpuplane-node");
@@ -1557,6 +1661,10 @@ async fn rbac_grants_exactly_what_the_node_agent_calls() {
         rule("watch", "", "nodes"),
         rule("patch", "", "nodes"),
         rule("patch", "resource.k8s.io", "resourceclaims/status"),
+        rule("get", "", "pods"),
+        rule("list", "", "pods"),
+        rule("create", "", "pods"),
+        rule("delete", "", "pods"),
     ] {
         assert!(used.contains(&r), "{r:?} not observed: {used:#?}");
     }

@@ -23,6 +23,7 @@ pub mod health;
 pub mod inventory;
 pub mod labels;
 pub mod ledger;
+pub mod mps_pod;
 pub mod names;
 pub mod quantity;
 pub mod quota;

@@ -86,6 +86,72 @@ pub trait DeviceSource: Send + Sync {
     /// Dynamic MIG: destroys the compute instances and then GPU instance `gpu_instance_id` of
     /// GPU `gpu`. [`MigChangeError::NotFound`] when there is no such instance (already gone).
     fn destroy_mig(&self, gpu: &DeviceUuid, gpu_instance_id: u32) -> Result<(), MigChangeError>;
+
+    /// The compute mode of GPU `gpu`, as `nvmlDeviceGetComputeMode` reports it. MPS wants
+    /// [`ComputeMode::ExclusiveProcess`] on a GPU its control daemon serves; see
+    /// [`ComputeMode`]. `gpu` is a whole GPU's UUID: the simulated source and the fake NVML
+    /// refuse a MIG device's ([`ComputeModeError::Refused`]); the driver is asked as given
+    /// (newer NVML releases document MIG device handles for these calls).
+    fn compute_mode(&self, gpu: &DeviceUuid) -> Result<ComputeMode, ComputeModeError>;
+
+    /// Sets the compute mode of GPU `gpu`, as `nvmlDeviceSetComputeMode` (root only; the
+    /// driver forgets it on a reload or reboot and comes back in `Default`). Called from the
+    /// blocking pool, never on the async runtime: the driver call may block.
+    fn set_compute_mode(&self, gpu: &DeviceUuid, mode: ComputeMode)
+        -> Result<(), ComputeModeError>;
+}
+
+/// A GPU's compute mode: which CUDA contexts the driver lets onto it (NVML's
+/// `nvmlComputeMode_t`, NVIDIA NVML API reference, "Device Queries" `nvmlDeviceGetComputeMode`
+/// and "Device Commands" `nvmlDeviceSetComputeMode`).
+///
+/// Why the agent cares: NVIDIA's MPS documentation asks for the GPU to be in
+/// `EXCLUSIVE_PROCESS` while an MPS control daemon serves it, so that only the MPS server holds
+/// a context and every client goes through it; NVIDIA's DRA driver sets it before it starts a
+/// daemon and puts the GPU back to `DEFAULT` after. The setting needs root and does not outlive
+/// a driver reload or reboot (Linux resets it to `DEFAULT`).
+///
+/// Displayed and serialized in nvidia-smi's words (`nvidia-smi -q`, "Compute Mode").
+/// NVML's fourth mode, `EXCLUSIVE_THREAD` (1), is deprecated and its support removed from the
+/// driver, so it has no variant here.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
+pub enum ComputeMode {
+    /// `NVML_COMPUTEMODE_DEFAULT` (0): any number of contexts, from any process.
+    #[default]
+    Default,
+    /// `NVML_COMPUTEMODE_EXCLUSIVE_PROCESS` (3): contexts from one process only (the MPS
+    /// server's, when MPS runs).
+    #[serde(rename = "Exclusive_Process")]
+    ExclusiveProcess,
+    /// `NVML_COMPUTEMODE_PROHIBITED` (2): no contexts at all.
+    Prohibited,
+}
+
+impl std::fmt::Display for ComputeMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ComputeMode::Default => "Default",
+            ComputeMode::ExclusiveProcess => "Exclusive_Process",
+            ComputeMode::Prohibited => "Prohibited",
+        })
+    }
+}
+
+/// Why a compute mode was not read or set.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ComputeModeError {
+    /// No GPU with that UUID.
+    #[error("{0}")]
+    NotFound(String),
+    /// The driver will not: not supported on this device (a MIG device, for one), or no
+    /// permission (setting needs root).
+    #[error("{0}")]
+    Refused(String),
+    /// The driver call itself failed (a lost GPU, for one).
+    #[error("NVML {call} failed: {reason}")]
+    Failed { call: String, reason: String },
 }
 
 /// A MIG instance to create: a GPU-instance profile (name as in the bundled tables, e.g.
@@ -129,6 +195,9 @@ struct SimState {
     /// Per GPU UUID, what its MIG instances need beyond the inventory (creation numbers).
     books: Mutex<BTreeMap<DeviceUuid, InstanceBook>>,
     lost: Mutex<BTreeSet<String>>,
+    /// Per GPU UUID, a compute mode set since the machine was made; absent means `Default`
+    /// (as after a driver load).
+    compute_modes: Mutex<BTreeMap<DeviceUuid, ComputeMode>>,
     events: Mutex<std::sync::mpsc::Receiver<DeviceEvent>>,
     sender: Mutex<std::sync::mpsc::Sender<DeviceEvent>>,
     /// `discover` calls begun.
@@ -143,6 +212,7 @@ impl SimSource {
                 inventory: Mutex::new(inventory),
                 books: Mutex::new(BTreeMap::new()),
                 lost: Mutex::new(BTreeSet::new()),
+                compute_modes: Mutex::new(BTreeMap::new()),
                 events: Mutex::new(events),
                 sender: Mutex::new(sender),
                 discoveries: AtomicU64::new(0),
@@ -216,6 +286,33 @@ impl SimSource {
             )));
         }
         Ok(gpu)
+    }
+
+    /// Checks that `uuid` names a whole simulated GPU that answers, refused as the fake NVML
+    /// refuses: a lost GPU fails, a MIG device is not supported, anything else is not found.
+    fn compute_mode_gpu(&self, uuid: &DeviceUuid, call: &str) -> Result<(), ComputeModeError> {
+        if lock(&self.inner.lost).contains(uuid.as_str()) {
+            return Err(ComputeModeError::Failed {
+                call: call.into(),
+                reason: format!("GPU {uuid} is lost (fell off the bus)"),
+            });
+        }
+        let inventory = lock(&self.inner.inventory);
+        if inventory.gpus.iter().any(|g| g.uuid == *uuid) {
+            return Ok(());
+        }
+        if inventory
+            .gpus
+            .iter()
+            .any(|g| g.mig_devices.iter().any(|m| m.uuid == *uuid))
+        {
+            return Err(ComputeModeError::Refused(format!(
+                "{call}: {uuid} is a MIG device; the compute mode is a whole GPU's"
+            )));
+        }
+        Err(ComputeModeError::NotFound(format!(
+            "no GPU {uuid} on this machine; rediscover and use a listed GPU"
+        )))
     }
 }
 
@@ -305,6 +402,22 @@ impl DeviceSource for SimSource {
             )))
         }
     }
+
+    fn compute_mode(&self, gpu: &DeviceUuid) -> Result<ComputeMode, ComputeModeError> {
+        self.compute_mode_gpu(gpu, "nvmlDeviceGetComputeMode")?;
+        let modes = lock(&self.inner.compute_modes);
+        Ok(modes.get(gpu).copied().unwrap_or_default())
+    }
+
+    fn set_compute_mode(
+        &self,
+        gpu: &DeviceUuid,
+        mode: ComputeMode,
+    ) -> Result<(), ComputeModeError> {
+        self.compute_mode_gpu(gpu, "nvmlDeviceSetComputeMode")?;
+        lock(&self.inner.compute_modes).insert(gpu.clone(), mode);
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -368,6 +481,57 @@ mod tests {
         let nowhere = DeviceUuid::parse("GPU-00000000-0000-0000-0000-000000000000").unwrap();
         let missing = sim.create_mig(&req(&nowhere, "1g.10gb", 0)).unwrap_err();
         assert!(matches!(missing, MigChangeError::NotFound(_)), "{missing}");
+    }
+
+    #[test]
+    fn compute_modes_start_default_are_kept_per_gpu_and_refused_for_mig_lost_and_unknown() {
+        let (sim, inv) = machine();
+        let (h100, other) = (&inv.gpus[0].uuid, &inv.gpus[1].uuid);
+        assert_eq!(sim.compute_mode(h100).unwrap(), ComputeMode::Default);
+        sim.set_compute_mode(h100, ComputeMode::ExclusiveProcess)
+            .unwrap();
+        assert_eq!(
+            sim.compute_mode(h100).unwrap(),
+            ComputeMode::ExclusiveProcess
+        );
+        assert_eq!(sim.compute_mode(other).unwrap(), ComputeMode::Default);
+        sim.clone()
+            .set_compute_mode(h100, ComputeMode::Prohibited)
+            .unwrap();
+        assert_eq!(
+            sim.compute_mode(h100).unwrap(),
+            ComputeMode::Prohibited,
+            "clones share the machine"
+        );
+
+        let mig = &inv.gpus[2].mig_devices[0].uuid;
+        let e = sim.compute_mode(mig).unwrap_err();
+        assert!(matches!(e, ComputeModeError::Refused(_)), "{e}");
+        let nowhere = DeviceUuid::parse("GPU-00000000-0000-0000-0000-000000000000").unwrap();
+        let e = sim
+            .set_compute_mode(&nowhere, ComputeMode::Default)
+            .unwrap_err();
+        assert!(matches!(e, ComputeModeError::NotFound(_)), "{e}");
+        sim.set_lost(other, true);
+        let e = sim.compute_mode(other).unwrap_err();
+        assert!(matches!(e, ComputeModeError::Failed { .. }), "{e}");
+        assert!(e.to_string().contains("lost"), "{e}");
+    }
+
+    #[test]
+    fn compute_modes_read_and_print_in_nvidia_smis_words() {
+        let all = [
+            (ComputeMode::Default, "Default"),
+            (ComputeMode::ExclusiveProcess, "Exclusive_Process"),
+            (ComputeMode::Prohibited, "Prohibited"),
+        ];
+        for (mode, words) in all {
+            assert_eq!(mode.to_string(), words);
+            let json = serde_json::to_string(&mode).unwrap();
+            assert_eq!(json, format!("\"{words}\""));
+            assert_eq!(serde_json::from_str::<ComputeMode>(&json).unwrap(), mode);
+        }
+        assert_eq!(ComputeMode::default(), ComputeMode::Default);
     }
 
     #[test]

@@ -23,6 +23,7 @@ pub mod grpc;
 pub mod httpserve;
 pub mod kubeclient;
 pub mod metrics;
+pub mod mps;
 pub mod node;
 pub mod nvml;
 pub mod paths;
@@ -34,6 +35,6 @@ pub mod webhook;
 // The pure core lives in its own crate, so nothing there can reach a socket, a runtime or
 // NVML; its modules keep their names here.
 pub use gpuplane_model::{
-    causes_from, config, health, inventory, labels, ledger, names, quantity, quota, report,
-    sharing, sim, source, topology,
+    causes_from, config, health, inventory, labels, ledger, mps_pod, names, quantity, quota,
+    report, sharing, sim, source, topology,
 };

@@ -26,11 +26,12 @@
 //!   has no machine yet, so a test can hold a starting agent there and then let it through.
 //!   Once initialised, both lines are no-ops.
 //! * `GPUPLANE_FAKE_NVML_STATE` (optional): a file (conventionally next to the profile) where
-//!   the MIG instances are kept across processes. Without it each process's instances live and
-//!   die with it, as though the driver were reloaded at every start; with it, the instances one
-//!   process created or destroyed are there for the next (read at the first `nvmlInit_v2` that
-//!   builds a machine, written whole after every change; a missing file means the profile's
-//!   instances). The format is in `persist.rs`. Concurrent processes do not see each other's
+//!   the MIG instances and the GPUs' compute modes are kept across processes. Without it each
+//!   process's instances and modes live and die with it, as though the driver were reloaded at
+//!   every start; with it, the instances one process created or destroyed and the modes it set
+//!   are there for the next (read at the first `nvmlInit_v2` that builds a machine, written
+//!   whole after every change; a missing file means the profile's instances and `DEFAULT`
+//!   everywhere). The format is in `persist.rs`. Concurrent processes do not see each other's
 //!   changes until they initialise again.
 //!
 //! # Shape of the fake machine
@@ -58,6 +59,12 @@
 //! can be created (`compute.rs`). A created instance is listed by the MIG enumeration calls like
 //! the profile's own.
 //!
+//! # Compute modes
+//!
+//! `nvmlDeviceGetComputeMode` and `nvmlDeviceSetComputeMode` keep one mode per GPU, `DEFAULT`
+//! until set, through GPU handles only (MIG device handles: `NVML_ERROR_NOT_SUPPORTED`); the
+//! details and NVML's words are in `compute_mode.rs`.
+//!
 //! No panic crosses the C boundary: every export runs inside `entry`, which catches unwinding.
 
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -65,6 +72,7 @@
 #![allow(non_snake_case)]
 
 mod compute;
+mod compute_mode;
 mod device;
 mod events;
 mod instances;

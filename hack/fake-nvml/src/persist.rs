@@ -1,24 +1,32 @@
-//! The state file (`GPUPLANE_FAKE_NVML_STATE`): the MIG instances as the last change left them,
-//! so they outlive the process that made them, as instances in a real driver outlive the agent
-//! that created them (a crash test restarts the agent and expects its instances still there).
+//! The state file (`GPUPLANE_FAKE_NVML_STATE`): the MIG instances and compute modes as the last
+//! change left them, so they outlive the process that made them, as instances and compute modes
+//! in a real driver outlive the agent that set them (a crash test restarts the agent and expects
+//! its instances still there; a restarted agent finds the GPUs of its MPS daemons still in
+//! `EXCLUSIVE_PROCESS`).
 //!
-//! JSON: `{"gpus": [{"uuid": "GPU-…", "migDevices": [<MigDevice>…], "book": <InstanceBook>}]}`,
-//! one entry per GPU of the profile; the MIG devices replace those the profile lists and the
-//! book carries bare GPU instances and the creation count (`sim::instances`). Read when a
-//! process builds its machine (the first `nvmlInit_v2`); written after every change, whole,
-//! through a temporary file and a rename, so a process killed mid-write leaves the old state.
-//! Processes do not see each other's changes until their next initialisation.
+//! JSON: `{"gpus": [{"uuid": "GPU-…", "migDevices": [<MigDevice>…], "book": <InstanceBook>,
+//! "computeMode": <ComputeMode>}]}`, one entry per GPU of the profile; the MIG devices replace
+//! those the profile lists, the book carries bare GPU instances and the creation count
+//! (`sim::instances`), and the compute mode is nvidia-smi's word (`"Default"`,
+//! `"Exclusive_Process"`, `"Prohibited"`; absent, as in files written before it was kept, means
+//! `"Default"`). Read when a process builds its machine (the first `nvmlInit_v2`); written after
+//! every change, whole, through a temporary file and a rename, so a process killed mid-write
+//! leaves the old state. Processes do not see each other's changes until their next
+//! initialisation.
 
 use gpuplane_model::inventory::{Inventory, MigDevice};
 use gpuplane_model::sim::instances::InstanceBook;
+use gpuplane_model::source::ComputeMode;
 use serde_json::{json, Value};
 use std::path::Path;
 
-/// Applies the state file at `path`, if there is one, to the machine built from the profile.
+/// Applies the state file at `path`, if there is one, to the machine built from the profile:
+/// its MIG devices, its instance books and its compute modes (all per GPU index).
 pub(crate) fn load(
     path: &Path,
     inventory: &mut Inventory,
     books: &mut [InstanceBook],
+    modes: &mut [ComputeMode],
 ) -> Result<(), String> {
     let fail = |why: String| {
         format!(
@@ -48,23 +56,33 @@ pub(crate) fn load(
             .map_err(|e| fail(format!("GPU {uuid}: migDevices: {e}")))?;
         let book: InstanceBook = serde_json::from_value(entry["book"].clone())
             .map_err(|e| fail(format!("GPU {uuid}: book: {e}")))?;
+        let mode = match entry.get("computeMode") {
+            None => ComputeMode::Default,
+            Some(m) => serde_json::from_value(m.clone())
+                .map_err(|e| fail(format!("GPU {uuid}: computeMode: {e}")))?,
+        };
         inventory.gpus[index].mig_devices = devices;
         books[index] = book;
+        modes[index] = mode;
     }
     Ok(())
 }
 
-/// Writes the machine's MIG instances to `path`.
+/// Writes the machine's MIG instances and compute modes to `path`.
 pub(crate) fn save(
     path: &Path,
     inventory: &Inventory,
     books: &[InstanceBook],
+    modes: &[ComputeMode],
 ) -> Result<(), String> {
     let gpus: Vec<Value> = inventory
         .gpus
         .iter()
         .zip(books)
-        .map(|(g, book)| json!({"uuid": g.uuid, "migDevices": g.mig_devices, "book": book}))
+        .zip(modes)
+        .map(|((g, book), mode)| {
+            json!({"uuid": g.uuid, "migDevices": g.mig_devices, "book": book, "computeMode": mode})
+        })
         .collect();
     let text = serde_json::to_string_pretty(&json!({ "gpus": gpus }))
         .map_err(|e| format!("state file {}: {e}", path.display()))?;
@@ -74,7 +92,8 @@ pub(crate) fn save(
         .and_then(|()| std::fs::rename(&tmp, path))
         .map_err(|e| {
             format!(
-                "cannot write state file {}: {e}; MIG changes will not outlive this process",
+                "cannot write state file {}: {e}; MIG and compute-mode changes will not \
+                 outlive this process",
                 path.display()
             )
         })

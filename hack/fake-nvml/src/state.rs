@@ -8,6 +8,7 @@ use gpuplane_model::inventory::mig::{self, MigCatalogue};
 use gpuplane_model::inventory::{Gpu, Inventory, MigDevice};
 use gpuplane_model::sim::instances::InstanceBook;
 use gpuplane_model::sim::{self, ProfileFile};
+use gpuplane_model::source::ComputeMode;
 use nvml_wrapper_sys::bindings::{nvmlDevice_t, nvmlEventTypeXidCriticalError};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ffi::{CStr, CString};
@@ -140,7 +141,10 @@ pub(crate) struct Fake {
     pub extra: Vec<GpuExtra>,
     /// Per GPU index: its bare GPU instances and creation count (`sim::instances`).
     pub books: Vec<InstanceBook>,
-    /// Where created and destroyed MIG instances are kept across processes (`STATE_ENV`).
+    /// Per GPU index: its compute mode (`compute_mode.rs`), `Default` as after a driver load.
+    pub compute_modes: Vec<ComputeMode>,
+    /// Where created and destroyed MIG instances and set compute modes are kept across
+    /// processes (`STATE_ENV`).
     state_file: Option<PathBuf>,
     pub lost: BTreeSet<u32>,
     pub sets: BTreeMap<u32, EventSet>,
@@ -258,14 +262,16 @@ impl Fake {
         });
         let mut inventory = inventory;
         let mut books = vec![InstanceBook::default(); inventory.gpus.len()];
+        let mut compute_modes = vec![ComputeMode::Default; inventory.gpus.len()];
         let state_file = std::env::var_os(STATE_ENV).map(PathBuf::from);
         if let Some(path) = &state_file {
-            crate::persist::load(path, &mut inventory, &mut books)?;
+            crate::persist::load(path, &mut inventory, &mut books, &mut compute_modes)?;
         }
         Ok(Fake {
             inventory,
             extra,
             books,
+            compute_modes,
             state_file,
             lost: BTreeSet::new(),
             sets: BTreeMap::new(),
@@ -334,12 +340,32 @@ impl Fake {
             .ok_or(INVALID_ARGUMENT)?;
         let book = self.books.get_mut(index as usize).ok_or(INVALID_ARGUMENT)?;
         let result = change(table, gpu, book)?;
+        self.save();
+        Ok(result)
+    }
+
+    /// Sets GPU `index`'s compute mode (which must answer), then saves the state file.
+    pub(crate) fn set_compute_mode(&mut self, index: u32, mode: ComputeMode) -> Result<(), Ret> {
+        self.gpu_at(index)?;
+        let slot = self
+            .compute_modes
+            .get_mut(index as usize)
+            .ok_or(INVALID_ARGUMENT)?;
+        *slot = mode;
+        self.save();
+        Ok(())
+    }
+
+    /// Writes the state file, if there is one; a failure is told on stderr, and the change
+    /// stands in this process.
+    fn save(&self) {
         if let Some(path) = &self.state_file {
-            if let Err(why) = crate::persist::save(path, &self.inventory, &self.books) {
+            let saved =
+                crate::persist::save(path, &self.inventory, &self.books, &self.compute_modes);
+            if let Err(why) = saved {
                 let _ = writeln!(std::io::stderr(), "fake NVML: {why}");
             }
         }
-        Ok(result)
     }
 
     /// GPU `index`'s MIG table (`NVML_ERROR_NOT_SUPPORTED` without one) and whether MIG is on.

@@ -1,17 +1,35 @@
-//! The dynamic-MIG exports called in process, for NVML's return codes (the shell's tests see
-//! only what `NvmlSource` makes of them). One test: the machine is a process-wide static.
+//! The dynamic-MIG and compute-mode exports called in process, for NVML's return codes (the
+//! shell's tests see only what `NvmlSource` makes of them). The machine and the environment it
+//! is built from are process-wide, so each test holds [`MACHINE`] throughout.
 
 use crate::*;
+use std::path::{Path, PathBuf};
 use std::ptr::null_mut;
+use std::sync::{Mutex, MutexGuard};
+
+/// Held by each test for its whole run: one machine, one environment.
+static MACHINE: Mutex<()> = Mutex::new(());
+
+fn machine() -> MutexGuard<'static, ()> {
+    MACHINE.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 fn ok(code: Ret) {
     assert_eq!(code, SUCCESS, "{:?}", error_string(code));
 }
 
 fn open(profile: &str) {
+    open_with_state(profile, None);
+}
+
+/// Builds the machine of `profile`, keeping its changes in `state` if given.
+fn open_with_state(profile: &str, state: Option<&Path>) {
     std::env::set_var(state::PROFILE_ENV, profile);
     std::env::remove_var(state::CONTROL_ENV);
-    std::env::remove_var(state::STATE_ENV);
+    match state {
+        Some(path) => std::env::set_var(state::STATE_ENV, path),
+        None => std::env::remove_var(state::STATE_ENV),
+    }
     ok(nvmlInit_v2());
 }
 
@@ -84,6 +102,7 @@ fn mig_off_refuses_creation_but_lists_placements() {
 
 #[test]
 fn gpu_and_compute_instances_answer_with_nvmls_return_codes() {
+    let _machine = machine();
     mig_off_refuses_creation_but_lists_placements();
     open("dynamic-mig-mixed");
     let (h100, l4) = (gpu(0), gpu(3));
@@ -231,4 +250,147 @@ fn gpu_and_compute_instances_answer_with_nvmls_return_codes() {
         "engines"
     );
     ok(nvmlShutdown());
+}
+
+/// `nvmlDeviceGetComputeMode`: the code and the mode (`u32::MAX` where none was written).
+fn compute_mode(device: nvmlDevice_t) -> (Ret, nvmlComputeMode_t) {
+    let mut mode = u32::MAX;
+    // SAFETY: live out-pointer.
+    let code = unsafe { compute_mode::nvmlDeviceGetComputeMode(device, &mut mode) };
+    (code, mode)
+}
+
+const DEFAULT: nvmlComputeMode_t = nvmlComputeMode_enum_NVML_COMPUTEMODE_DEFAULT;
+const PROHIBITED: nvmlComputeMode_t = nvmlComputeMode_enum_NVML_COMPUTEMODE_PROHIBITED;
+const EXCLUSIVE_PROCESS: nvmlComputeMode_t =
+    nvmlComputeMode_enum_NVML_COMPUTEMODE_EXCLUSIVE_PROCESS;
+
+/// A state file path of this process's own, removed first.
+fn state_file(name: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("fake-nvml-{}-{name}.json", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    path
+}
+
+#[test]
+fn compute_modes_are_set_per_gpu_refused_for_bad_modes_and_mig_handles() {
+    let _machine = machine();
+    open("dynamic-mig-mixed");
+    let (h100, l4) = (gpu(0), gpu(3));
+    assert_eq!(compute_mode(h100), (SUCCESS, DEFAULT), "DEFAULT until set");
+    ok(compute_mode::nvmlDeviceSetComputeMode(
+        h100,
+        EXCLUSIVE_PROCESS,
+    ));
+    assert_eq!(compute_mode(h100), (SUCCESS, EXCLUSIVE_PROCESS));
+    assert_eq!(compute_mode(l4), (SUCCESS, DEFAULT), "per GPU");
+    ok(compute_mode::nvmlDeviceSetComputeMode(l4, PROHIBITED));
+    assert_eq!(compute_mode(l4), (SUCCESS, PROHIBITED));
+
+    let exclusive_thread = nvmlComputeMode_enum_NVML_COMPUTEMODE_EXCLUSIVE_THREAD;
+    assert_eq!(
+        compute_mode::nvmlDeviceSetComputeMode(h100, exclusive_thread),
+        NOT_SUPPORTED,
+        "support removed"
+    );
+    for bad in [nvmlComputeMode_enum_NVML_COMPUTEMODE_COUNT, 99, u32::MAX] {
+        assert_eq!(
+            compute_mode::nvmlDeviceSetComputeMode(h100, bad),
+            INVALID_ARGUMENT,
+            "mode {bad}"
+        );
+    }
+    assert_eq!(
+        compute_mode(h100),
+        (SUCCESS, EXCLUSIVE_PROCESS),
+        "unchanged"
+    );
+    // SAFETY: a null out-pointer is what is tested; the fake checks it.
+    let null = unsafe { compute_mode::nvmlDeviceGetComputeMode(h100, null_mut()) };
+    assert_eq!(null, INVALID_ARGUMENT);
+    let bogus: nvmlDevice_t = std::ptr::without_provenance_mut(0x7);
+    assert_eq!(compute_mode(bogus).0, INVALID_ARGUMENT);
+    assert_eq!(
+        compute_mode::nvmlDeviceSetComputeMode(bogus, DEFAULT),
+        INVALID_ARGUMENT
+    );
+
+    // GPU 2 holds the profile's MIG devices: their handles have no compute mode of their own.
+    let mut mig = null_mut();
+    // SAFETY: live out-pointer.
+    ok(unsafe { mig::nvmlDeviceGetMigDeviceHandleByIndex(gpu(2), 0, &mut mig) });
+    assert_eq!(compute_mode(mig), (NOT_SUPPORTED, u32::MAX));
+    assert_eq!(
+        compute_mode::nvmlDeviceSetComputeMode(mig, EXCLUSIVE_PROCESS),
+        NOT_SUPPORTED
+    );
+    assert_eq!(
+        compute_mode(gpu(2)),
+        (SUCCESS, DEFAULT),
+        "the MIG GPU's own"
+    );
+    ok(nvmlShutdown());
+
+    open("dynamic-mig-mixed");
+    assert_eq!(
+        compute_mode(gpu(0)),
+        (SUCCESS, DEFAULT),
+        "without a state file a new machine starts in DEFAULT, as after a driver load"
+    );
+    ok(nvmlShutdown());
+}
+
+#[test]
+fn a_compute_mode_set_in_one_process_is_read_back_by_the_next_from_the_state_file() {
+    let _machine = machine();
+    let state = state_file("compute-mode");
+    open_with_state("dynamic-mig-mixed", Some(&state));
+    ok(compute_mode::nvmlDeviceSetComputeMode(
+        gpu(0),
+        EXCLUSIVE_PROCESS,
+    ));
+    ok(compute_mode::nvmlDeviceSetComputeMode(gpu(3), PROHIBITED));
+    ok(nvmlShutdown());
+
+    // The last shutdown discarded the machine: this init builds a new one from the file.
+    open_with_state("dynamic-mig-mixed", Some(&state));
+    assert_eq!(compute_mode(gpu(0)), (SUCCESS, EXCLUSIVE_PROCESS));
+    assert_eq!(compute_mode(gpu(3)), (SUCCESS, PROHIBITED));
+    assert_eq!(compute_mode(gpu(1)), (SUCCESS, DEFAULT));
+    let text = std::fs::read_to_string(&state).unwrap();
+    assert!(
+        text.contains("\"computeMode\": \"Exclusive_Process\""),
+        "{text}"
+    );
+    ok(compute_mode::nvmlDeviceSetComputeMode(gpu(0), DEFAULT));
+    ok(nvmlShutdown());
+
+    open_with_state("dynamic-mig-mixed", Some(&state));
+    assert_eq!(
+        compute_mode(gpu(0)),
+        (SUCCESS, DEFAULT),
+        "reset, and kept so"
+    );
+    assert_eq!(compute_mode(gpu(3)), (SUCCESS, PROHIBITED));
+    ok(nvmlShutdown());
+
+    // A state file written before compute modes were kept has no `computeMode`: DEFAULT.
+    let mut old: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for entry in old["gpus"].as_array_mut().unwrap() {
+        entry.as_object_mut().unwrap().remove("computeMode");
+    }
+    std::fs::write(&state, old.to_string()).unwrap();
+    open_with_state("dynamic-mig-mixed", Some(&state));
+    assert_eq!(compute_mode(gpu(0)), (SUCCESS, DEFAULT));
+    assert_eq!(compute_mode(gpu(3)), (SUCCESS, DEFAULT));
+    ok(nvmlShutdown());
+
+    // An unknown mode in the file fails the init, naming the file.
+    std::fs::write(&state, text.replace("Prohibited", "Exclusive_Thread")).unwrap();
+    std::env::set_var(state::STATE_ENV, &state);
+    assert_eq!(nvmlInit_v2(), UNKNOWN);
+    let why = error_string(UNKNOWN).to_string_lossy().into_owned();
+    assert!(why.contains("computeMode"), "{why}");
+    std::env::remove_var(state::STATE_ENV);
+    let _ = std::fs::remove_file(&state);
 }

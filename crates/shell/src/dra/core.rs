@@ -72,7 +72,6 @@ pub use names::{cdi_device_name, spec_stem, CDI_CLASS};
 
 use super::checkpoint::{self, Checkpoint, CheckpointData, ClaimEntry, ClaimState};
 use super::fetch::{ClaimFetcher, FetchError};
-use super::mps::MpsDaemons;
 use super::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
 };
@@ -81,6 +80,7 @@ use crate::health::Health;
 use crate::inventory::DeviceUuid;
 use crate::ledger::dra_view;
 use crate::metrics;
+use crate::mps::{process::MpsDaemons, MpsHost};
 use crate::node::state::NodeState;
 use crate::paths::HostPaths;
 use crate::source::{DeviceMode, DeviceSource};
@@ -119,8 +119,8 @@ struct Shared {
     device_mode: DeviceMode,
     /// The driver's libraries, scanned once per driver version rather than per prepare.
     installs: InstallCache,
-    /// The MPS control daemons of shared units.
-    mps: MpsDaemons,
+    /// Where the MPS control daemons of shared units run.
+    mps: Arc<dyn MpsHost>,
     /// Where dynamic MIG instances are created and destroyed.
     source: Arc<dyn DeviceSource>,
 }
@@ -182,7 +182,7 @@ impl DraCore {
                     "claim was being prepared when the agent stopped; it is prepared again or cleaned up when the kubelet retries");
             }
         }
-        let mps = MpsDaemons::new(&config.paths);
+        let mps = (config.mps.clone()).unwrap_or_else(|| Arc::new(MpsDaemons::new(&config.paths)));
         let mut checkpoint = loaded.checkpoint;
         let shared = Arc::new(Shared {
             driver: config.driver,

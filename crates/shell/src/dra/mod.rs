@@ -8,7 +8,6 @@ pub mod checkpoint;
 pub mod core;
 pub mod fetch;
 pub mod health_service;
-pub mod mps;
 pub mod registration;
 pub mod server;
 pub mod service;

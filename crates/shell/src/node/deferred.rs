@@ -5,7 +5,8 @@
 
 use crate::inventory::{DeviceUuid, MigDevice};
 use crate::source::{
-    DeviceEvent, DeviceSource, Discovery, MigChangeError, MigRequest, SourceError,
+    ComputeMode, ComputeModeError, DeviceEvent, DeviceSource, Discovery, MigChangeError,
+    MigRequest, SourceError,
 };
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -85,6 +86,26 @@ impl DeviceSource for Deferred {
 
     fn destroy_mig(&self, gpu: &DeviceUuid, gpu_instance_id: u32) -> Result<(), MigChangeError> {
         self.opened_for(|s| s.destroy_mig(gpu, gpu_instance_id))
+    }
+
+    fn compute_mode(&self, gpu: &DeviceUuid) -> Result<ComputeMode, ComputeModeError> {
+        self.get().map_err(unopened)?.compute_mode(gpu)
+    }
+
+    fn set_compute_mode(
+        &self,
+        gpu: &DeviceUuid,
+        mode: ComputeMode,
+    ) -> Result<(), ComputeModeError> {
+        self.get().map_err(unopened)?.set_compute_mode(gpu, mode)
+    }
+}
+
+/// NVML not open yet: the call fails as `nvmlInit` did.
+fn unopened(e: SourceError) -> ComputeModeError {
+    ComputeModeError::Failed {
+        call: "nvmlInit_v2".into(),
+        reason: e.to_string(),
     }
 }
 

@@ -6,6 +6,7 @@ use crate::dra::core::{CoreError, DraCore, DraCoreConfig};
 use crate::dra::fetch::KubeClaims;
 use crate::dra::server::{DraServer, ServeError};
 use crate::ledger::dra_view;
+use crate::mps::{pods::MpsPods, MpsHost};
 use crate::node::events::{ClaimEvents, ReportingDriver};
 use crate::node::state::{NodeState, Snapshot};
 use crate::paths::HostPaths;
@@ -26,6 +27,16 @@ pub struct DraSettings {
     pub driver_name: String,
     /// Client for the API server (claims, ResourceSlices, Events on claims).
     pub client: kube::Client,
+    /// The agent's own pod when MPS control daemons run in pods of their own; `None`: as
+    /// the agent's processes.
+    pub mps_pods: Option<OwnPod>,
+}
+
+/// A pod by namespace and name.
+#[derive(Debug, Clone)]
+pub struct OwnPod {
+    pub namespace: String,
+    pub name: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +45,8 @@ pub enum DraStartError {
     Core(CoreError),
     #[error("starting the DRA driver's sockets: {}", chain(.0))]
     Serve(ServeError),
+    #[error("starting the DRA driver: {}", chain(.0))]
+    MpsPods(crate::mps::pods::PodsError),
     #[error("starting the DRA driver: its start-up job did not finish: {0}")]
     Worker(String),
 }
@@ -85,9 +98,20 @@ pub async fn start(
     stop: watch::Receiver<bool>,
 ) -> Result<DraStarted, DraStartError> {
     let driver = settings.driver_name.clone();
+    let mps = match &settings.mps_pods {
+        Some(own) => {
+            let own = Some((own.namespace.as_str(), own.name.as_str()));
+            let pods = MpsPods::new(settings.client.clone(), node_name, own, paths)
+                .await
+                .map_err(DraStartError::MpsPods)?;
+            Some(Arc::new(pods) as Arc<dyn MpsHost>)
+        }
+        None => None,
+    };
     let config = DraCoreConfig {
         paths: paths.clone(),
         device_mode,
+        mps,
         ..DraCoreConfig::new(&driver, node_name)
     };
     let claims = Arc::new(KubeClaims::new(settings.client.clone()));

@@ -9,10 +9,11 @@
 //! set for critical Xid errors and names the GPU and, where NVML attributes it, the MIG device.
 //!
 //! MIG profile names are derived the way NVIDIA's go-nvlib does (see `naming.rs`); which bundled
-//! MIG table a GPU follows is `table.rs`, and dynamic MIG (creating and destroying instances)
-//! `mig.rs`. Calls the wrapper lacks or gets wrong are made directly in `raw.rs`, the only unsafe
-//! code in the crate.
+//! MIG table a GPU follows is `table.rs`, dynamic MIG (creating and destroying instances)
+//! `mig.rs`, and compute modes (read and set for MPS) `compute_mode.rs`. Calls the wrapper
+//! lacks or gets wrong are made directly in `raw.rs`, the only unsafe code in the crate.
 
+mod compute_mode;
 mod events;
 mod mig;
 mod naming;
@@ -23,7 +24,8 @@ mod table;
 
 use crate::inventory::{DeviceUuid, Inventory, MigDevice};
 use crate::source::{
-    DeviceEvent, DeviceSource, Discovery, LostGpu, MigChangeError, MigRequest, SourceError,
+    ComputeMode, ComputeModeError, DeviceEvent, DeviceSource, Discovery, LostGpu, MigChangeError,
+    MigRequest, SourceError,
 };
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
@@ -184,5 +186,17 @@ impl DeviceSource for NvmlSource {
 
     fn destroy_mig(&self, gpu: &DeviceUuid, gpu_instance_id: u32) -> Result<(), MigChangeError> {
         mig::destroy(&self.nvml, gpu, gpu_instance_id)
+    }
+
+    fn compute_mode(&self, gpu: &DeviceUuid) -> Result<ComputeMode, ComputeModeError> {
+        compute_mode::get(&self.nvml, gpu)
+    }
+
+    fn set_compute_mode(
+        &self,
+        gpu: &DeviceUuid,
+        mode: ComputeMode,
+    ) -> Result<(), ComputeModeError> {
+        compute_mode::set(&self.nvml, gpu, mode)
     }
 }

@@ -214,6 +214,7 @@ impl NodeLab {
                 dra: serving.apis.dra.then(|| DraSettings {
                     driver_name: DRIVER.into(),
                     client: client.clone(),
+                    mps_pods: None,
                 }),
                 api: Some(client.clone()),
                 metrics_addr,

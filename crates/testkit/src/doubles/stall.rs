@@ -6,7 +6,8 @@
 
 use gpuplane_shell::inventory::{DeviceUuid, MigDevice};
 use gpuplane_shell::source::{
-    DeviceEvent, DeviceSource, Discovery, MigChangeError, MigRequest, SimSource, SourceError,
+    ComputeMode, ComputeModeError, DeviceEvent, DeviceSource, Discovery, MigChangeError,
+    MigRequest, SimSource, SourceError,
 };
 use std::ops::Deref;
 use std::sync::{Arc, Condvar, Mutex};
@@ -140,6 +141,18 @@ impl DeviceSource for StallingSim {
 
     fn destroy_mig(&self, gpu: &DeviceUuid, gpu_instance_id: u32) -> Result<(), MigChangeError> {
         self.sim.destroy_mig(gpu, gpu_instance_id)
+    }
+
+    fn compute_mode(&self, gpu: &DeviceUuid) -> Result<ComputeMode, ComputeModeError> {
+        self.sim.compute_mode(gpu)
+    }
+
+    fn set_compute_mode(
+        &self,
+        gpu: &DeviceUuid,
+        mode: ComputeMode,
+    ) -> Result<(), ComputeModeError> {
+        self.sim.set_compute_mode(gpu, mode)
     }
 }
 

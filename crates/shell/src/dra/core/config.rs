@@ -1,8 +1,10 @@
 //! What the core is and where it reads and writes: its driver and pool names, the host paths
 //! a prepare touches (one [`HostPaths`]), and whether the devices are real.
 
+use crate::mps::MpsHost;
 use crate::paths::HostPaths;
 use crate::source::DeviceMode;
+use std::sync::Arc;
 
 /// What the core is and where it reads and writes, fixed when it starts.
 #[derive(Debug, Clone)]
@@ -16,6 +18,9 @@ pub struct DraCoreConfig {
     pub paths: HostPaths,
     /// Real GPUs (specs with device nodes and driver files) or simulated ones.
     pub device_mode: DeviceMode,
+    /// Where MPS control daemons run; `None`: as the agent's own processes
+    /// ([`crate::mps::process::MpsDaemons`] at `paths`).
+    pub mps: Option<Arc<dyn MpsHost>>,
 }
 
 impl DraCoreConfig {
@@ -26,6 +31,7 @@ impl DraCoreConfig {
             node_name: node_name.to_string(),
             paths: HostPaths::standard(),
             device_mode: DeviceMode::Hardware,
+            mps: None,
         }
     }
 }

@@ -6,9 +6,9 @@ use crate::cdi::{DeviceNodesError, NameError, WriteError};
 use crate::dra::checkpoint::CheckpointError;
 use crate::dra::claims::ClaimError;
 use crate::dra::fetch::FetchError;
-use crate::dra::mps::MpsError;
 use crate::dra::ClaimRef;
 use crate::ledger::{Held, ShareRefused};
+use crate::mps::MpsError;
 use gpuplane_model::report::{chain, truncate, MAX_NOTE_BYTES};
 
 /// Why the core could not start.

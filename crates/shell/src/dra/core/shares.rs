@@ -1,9 +1,9 @@
 //! A claim's shares and their units' MPS control daemons: started before a share's prepare is
 //! recorded, stopped once a unit's last MPS share is unprepared. A crash between a start and
 //! the checkpoint write leaves a daemon no share needs, and one between the checkpoint write and
-//! a stop leaves one too: the next start's reconcile stops both ([`MpsDaemons::reconcile`]).
+//! a stop leaves one too: the next start's reconcile stops both ([`MpsHost::reconcile`]).
 //!
-//! [`MpsDaemons::reconcile`]: crate::dra::mps::MpsDaemons::reconcile
+//! [`MpsHost::reconcile`]: crate::mps::MpsHost::reconcile
 
 use super::{PrepareError, Shared, UserEvent};
 use crate::dra::checkpoint::{CheckpointData, ClaimEntry, ClaimState, ShareEntry};

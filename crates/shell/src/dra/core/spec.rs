@@ -202,7 +202,8 @@ impl Shared {
             }) else {
                 continue;
             };
-            let pipe = self.mps.dirs(&p.uuid).pipe.display().to_string();
+            let dirs = self.mps.dirs(&p.uuid);
+            let pipe = dirs.pipe.display().to_string();
             let mps = unit.enforcement == Enforcement::Mps;
             let edits = &mut d.container_edits;
             edits.env.extend(sharing::share_env(
@@ -217,6 +218,16 @@ impl Shared {
                     options: vec!["rbind".into(), "rw".into()],
                     mount_type: None,
                 });
+                // MPS clients need their server's /dev/shm (NVIDIA's DRA driver mounts its
+                // daemon's shm the same way, cmd/gpu-kubelet-plugin/sharing.go).
+                if self.mps.shares_shm() {
+                    edits.mounts.push(cdi::Mount {
+                        host_path: dirs.shm.display().to_string(),
+                        container_path: "/dev/shm".into(),
+                        options: vec!["rbind".into(), "rw".into()],
+                        mount_type: None,
+                    });
+                }
             }
         }
     }

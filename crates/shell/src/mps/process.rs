@@ -1,20 +1,15 @@
-//! MPS control daemons: one per shared unit while at least one MPS share is prepared
-//! on it, started by the first share's prepare and stopped after the last share's unprepare.
+//! MPS control daemons as processes of the calling program: NVIDIA's
+//! `nvidia-cuda-mps-control -d` from the driver root, run with `CUDA_VISIBLE_DEVICES` = the
+//! unit's UUID and its pipe and log directories from [`DaemonDirs`] (NVIDIA's MPS
+//! documentation: the control daemon writes `nvidia-cuda-mps-control.pid` into its pipe
+//! directory; `quit` sent through the same program in client mode stops it). On Volta and
+//! later the daemon is multi-user (`-M`), so share pods of different users run at once; before
+//! Volta a second user's client waits for the first's to end.
 //!
-//! A daemon is NVIDIA's `nvidia-cuda-mps-control -d` from the driver root, run with
-//! `CUDA_VISIBLE_DEVICES` = the unit's UUID and its pipe and log directories under
-//! `<state dir>/mps/<unit uuid>/{pipe,log}` (NVIDIA's MPS documentation: the control daemon
-//! writes `nvidia-cuda-mps-control.pid` into its pipe directory; `quit` sent through the same
-//! program in client mode stops it). Containers get the pipe directory mounted and
-//! `CUDA_MPS_PIPE_DIRECTORY` pointing at it, so their CUDA processes connect to their unit's
-//! daemon. On Volta and later the daemon is multi-user (`-M`), so share pods of different
-//! users run at once; before Volta a second user's client waits for the first's to end.
-//!
-//! The directories under `<state dir>/mps` are the record of which daemons are ours: nothing
-//! started outside gpuplane lives there, so nothing else is ever stopped. At start the agent
-//! stops each daemon no prepared share needs and starts the missing ones ([`MpsDaemons::reconcile`]).
-//! Every call here blocks (process runs, file reads): callers run it on the blocking pool.
+//! The agent's `--mps-daemons=agent` host, and what `gpuplane mps-daemon` ([`super::daemon`])
+//! runs inside a daemon pod.
 
+use super::{executable, DaemonDirs, MpsError, MpsHost, PROGRAM};
 use crate::inventory::DeviceUuid;
 use crate::paths::HostPaths;
 use std::collections::BTreeMap;
@@ -24,8 +19,6 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
-/// The control program, relative to the driver root.
-const PROGRAM: &str = "usr/bin/nvidia-cuda-mps-control";
 /// The file the control daemon writes its PID into, in its pipe directory.
 const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
 /// Multi-user mode: one MPS server, run as root, for the clients of every user. Without it a
@@ -37,63 +30,38 @@ const MULTIUSER: &str = "-M";
 /// How long one run of the control program may take (`-d` returns once the daemon is up).
 const RUN_TIMEOUT: Duration = Duration::from_secs(10);
 
-#[derive(Debug, thiserror::Error)]
-pub enum MpsError {
-    #[error("starting the MPS control daemon for GPU {unit} failed: {cause}; its log is {log}")]
-    Start {
-        unit: String,
-        cause: String,
-        log: String,
-    },
-    #[error("stopping the MPS control daemon for GPU {unit} failed: {cause}; its log is {log}")]
-    Stop {
-        unit: String,
-        cause: String,
-        log: String,
-    },
-}
-
-/// A daemon's directories.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DaemonDirs {
-    pub pipe: PathBuf,
-    pub log: PathBuf,
-}
-
-/// The MPS control daemons of this node.
+/// MPS control daemons run as this program's detached children.
 #[derive(Debug, Clone)]
 pub struct MpsDaemons {
     program: PathBuf,
-    base: PathBuf,
+    state_dir: PathBuf,
     proc_root: PathBuf,
 }
 
 impl MpsDaemons {
     pub fn new(paths: &HostPaths) -> MpsDaemons {
-        MpsDaemons {
-            program: paths.driver_files().join(PROGRAM),
-            base: paths.state_dir.join("mps"),
-            proc_root: paths.proc_root.clone(),
-        }
+        MpsDaemons::at(&paths.state_dir, paths.driver_files(), &paths.proc_root)
     }
 
-    /// Whether the driver root ships the control program (else shares are time-sliced).
-    pub fn available(&self) -> bool {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::metadata(&self.program)
-            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    /// Daemons of the driver mounted at `driver_files`, with their files under `state_dir`.
+    pub fn at(state_dir: &Path, driver_files: &Path, proc_root: &Path) -> MpsDaemons {
+        MpsDaemons {
+            program: driver_files.join(PROGRAM),
+            state_dir: state_dir.to_path_buf(),
+            proc_root: proc_root.to_path_buf(),
+        }
     }
 
     pub fn program(&self) -> &Path {
         &self.program
     }
 
+    fn base(&self) -> PathBuf {
+        self.state_dir.join("mps")
+    }
+
     pub fn dirs(&self, unit: &str) -> DaemonDirs {
-        let root = self.base.join(unit);
-        DaemonDirs {
-            pipe: root.join("pipe"),
-            log: root.join("log"),
-        }
+        DaemonDirs::new(&self.state_dir, unit)
     }
 
     /// Whether `unit`'s daemon runs: its PID file names a live process (a zombie, dead but
@@ -113,9 +81,66 @@ impl MpsDaemons {
         .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
     }
 
+    /// Stops `unit`'s daemon if it runs (`quit`), and waits until it has exited; its
+    /// directories stay.
+    pub fn quit(&self, unit: &str) -> Result<(), MpsError> {
+        let dirs = self.dirs(unit);
+        let fail = |cause: String| MpsError::Stop {
+            unit: unit.to_string(),
+            cause,
+            log: dirs.control_log(),
+        };
+        if self.running(unit) {
+            run(self.command(&dirs), Some(b"quit\n")).map_err(fail)?;
+            let deadline = Instant::now() + RUN_TIMEOUT;
+            while self.running(unit) {
+                if Instant::now() > deadline {
+                    return Err(fail("it did not exit after quit".into()));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            info!(unit, "stopped the MPS control daemon");
+        }
+        Ok(())
+    }
+
+    /// Units with a daemon directory (ours, running or left by a crash).
+    pub fn units(&self) -> Vec<String> {
+        std::fs::read_dir(self.base())
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| e.path().is_dir())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn command(&self, dirs: &DaemonDirs) -> Command {
+        let mut cmd = Command::new(&self.program);
+        cmd.env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
+            .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log);
+        cmd
+    }
+}
+
+impl MpsHost for MpsDaemons {
+    fn available(&self) -> bool {
+        executable(&self.program)
+    }
+
+    fn dirs(&self, unit: &str) -> DaemonDirs {
+        MpsDaemons::dirs(self, unit)
+    }
+
+    /// A detached process keeps the agent's `/dev/shm`: there is no directory to hand out.
+    fn shares_shm(&self) -> bool {
+        false
+    }
+
     /// Starts `unit`'s daemon unless it runs, multi-user (`-M`) when `multiuser`; true when it
     /// was started.
-    pub fn ensure(&self, unit: &str, multiuser: bool) -> Result<bool, MpsError> {
+    fn ensure(&self, unit: &str, multiuser: bool) -> Result<bool, MpsError> {
         if self.running(unit) {
             return Ok(false);
         }
@@ -123,7 +148,7 @@ impl MpsDaemons {
         let fail = |cause: String| MpsError::Start {
             unit: unit.to_string(),
             cause,
-            log: dirs.log.join("control.log").display().to_string(),
+            log: dirs.control_log(),
         };
         for d in [&dirs.pipe, &dirs.log] {
             std::fs::create_dir_all(d)
@@ -146,47 +171,24 @@ impl MpsDaemons {
     }
 
     /// Stops `unit`'s daemon (if it runs) and removes its directories.
-    pub fn stop(&self, unit: &str) -> Result<(), MpsError> {
+    fn stop(&self, unit: &str) -> Result<(), MpsError> {
+        self.quit(unit)?;
         let dirs = self.dirs(unit);
-        let fail = |cause: String| MpsError::Stop {
-            unit: unit.to_string(),
-            cause,
-            log: dirs.log.join("control.log").display().to_string(),
-        };
-        if self.running(unit) {
-            run(self.command(&dirs), Some(b"quit\n")).map_err(fail)?;
-            let deadline = Instant::now() + RUN_TIMEOUT;
-            while self.running(unit) {
-                if Instant::now() > deadline {
-                    return Err(fail("it did not exit after quit".into()));
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            info!(unit, "stopped the MPS control daemon");
-        }
-        match std::fs::remove_dir_all(self.base.join(unit)) {
+        match std::fs::remove_dir_all(&dirs.root) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(fail(format!("removing its directories: {e}"))),
+            Err(e) => Err(MpsError::Stop {
+                unit: unit.to_string(),
+                cause: format!("removing its directories: {e}"),
+                log: dirs.control_log(),
+            }),
         }
-    }
-
-    /// Units with a daemon directory (ours, running or left by a crash).
-    pub fn units(&self) -> Vec<String> {
-        std::fs::read_dir(&self.base)
-            .map(|rd| {
-                rd.flatten()
-                    .filter(|e| e.path().is_dir())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
     }
 
     /// Makes the running daemons those of `wanted` (agent start): stops each one no share
     /// needs, starts each missing one. Failures are logged; a prepare retried by the kubelet
     /// starts a missing daemon again.
-    pub fn reconcile(&self, wanted: &BTreeMap<DeviceUuid, bool>) {
+    fn reconcile(&self, wanted: &BTreeMap<DeviceUuid, bool>) {
         for unit in self.units() {
             if !wanted.keys().any(|w| w.as_str() == unit) {
                 info!(unit = %unit, "an MPS control daemon serves no prepared share; stopping it");
@@ -206,13 +208,6 @@ impl MpsDaemons {
                 }
             }
         }
-    }
-
-    fn command(&self, dirs: &DaemonDirs) -> Command {
-        let mut cmd = Command::new(&self.program);
-        cmd.env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
-            .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log);
-        cmd
     }
 }
 

@@ -1,0 +1,85 @@
+//! The MPS flags: where the node agent runs its MPS control daemons (`gpuplane node
+//! --mps-daemons`), and `gpuplane mps-daemon`, what a daemon pod runs.
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+
+/// Where the agent runs MPS control daemons.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DaemonsIn {
+    /// As the agent's own processes: for an agent run as a host process. They share its
+    /// cgroup: stopping the agent's cgroup stops every share.
+    Agent,
+    /// In pods of their own (the DaemonSet's choice): an agent upgrade, eviction or crash
+    /// leaves running shares alone. Needs POD_NAME and POD_NAMESPACE.
+    Pods,
+}
+
+/// The node agent's MPS flags.
+#[derive(Args)]
+pub struct NodeMpsArgs {
+    /// Where MPS control daemons run.
+    #[arg(long, value_enum, default_value_t = DaemonsIn::Agent)]
+    mps_daemons: DaemonsIn,
+    /// The agent's own pod (downward API metadata.name): daemon pods copy its image.
+    #[arg(long, env = "POD_NAME", value_name = "NAME")]
+    pod_name: Option<String>,
+    /// The agent's own namespace (downward API metadata.namespace): daemon pods live there.
+    #[arg(long, env = "POD_NAMESPACE", value_name = "NAMESPACE")]
+    pod_namespace: Option<String>,
+}
+
+impl NodeMpsArgs {
+    /// The agent's pod when daemons run in pods; an error says what is missing.
+    pub fn own_pod(&self) -> Result<Option<gpuplane_shell::node::dra::OwnPod>> {
+        if self.mps_daemons == DaemonsIn::Agent {
+            return Ok(None);
+        }
+        match (&self.pod_namespace, &self.pod_name) {
+            (Some(namespace), Some(name)) => Ok(Some(gpuplane_shell::node::dra::OwnPod {
+                namespace: namespace.clone(),
+                name: name.clone(),
+            })),
+            _ => anyhow::bail!(
+                "--mps-daemons=pods needs the agent's own pod: set POD_NAME and POD_NAMESPACE \
+                 from the downward API (metadata.name, metadata.namespace), as the DaemonSet \
+                 does, or pass --pod-name and --pod-namespace"
+            ),
+        }
+    }
+}
+
+/// `gpuplane mps-daemon`: one shared unit's MPS control daemon, run by its pod.
+#[derive(Args)]
+pub struct DaemonArgs {
+    /// The GPU or MIG device UUID the daemon serves.
+    #[arg(long)]
+    unit: String,
+    /// The agent's state directory (the daemon's files are under mps/<unit>/).
+    #[arg(long)]
+    state_dir: PathBuf,
+    /// Where the driver's files are mounted in this container.
+    #[arg(long, value_name = "DIR")]
+    driver_root_mount: PathBuf,
+    /// Serve every user from one MPS server (`-M`; Volta and later).
+    #[arg(long)]
+    multiuser: bool,
+}
+
+pub fn run_daemon(args: DaemonArgs) -> Result<()> {
+    use gpuplane_shell::mps::daemon;
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async {
+        let opts = daemon::DaemonOptions {
+            unit: args.unit,
+            state_dir: args.state_dir,
+            driver_files: args.driver_root_mount,
+            proc_root: PathBuf::from("/proc"),
+            multiuser: args.multiuser,
+        };
+        let stop = crate::termination()?;
+        daemon::serve(opts, stop).await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,263 @@
+//! MPS control daemons in pods of their own (`--mps-daemons=pods`): the DRA core creates one
+//! pod per shared GPU from the agent's own pod, through the API server double, and waits until
+//! the daemon it runs serves; a restarted core adopts the pod; the last share's unprepare
+//! deletes it. A small stand-in for the kubelet ([`PodRunner`]) runs each daemon pod as the
+//! kubelet would: its arguments against the gpuplane binary (the image's entrypoint), its
+//! `/dev/shm` volume as the stand-in MPS daemon's shm directory, SIGTERM when the pod is gone.
+//! The real kubelet and containerd run them in tests/lab.
+
+use crate::dra_shares::{prepare, uid, unprepare, Env, NODE};
+
+use gpuplane_shell::cdi::Spec;
+use gpuplane_shell::dra::core::spec_stem;
+use gpuplane_shell::dra::ClaimUid;
+use gpuplane_shell::mps::pods::MpsPods;
+use gpuplane_shell::mps::MpsHost;
+use gpuplane_shell::paths::HostPaths;
+use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+const NS: &str = "gpuplane-system";
+const IMAGE: &str = "registry.example/gpuplane:test";
+
+/// The agent's own pod, as the DaemonSet makes it.
+fn agent_pod() -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "gpuplane-node-x1", "namespace": NS, "uid": "agent-uid",
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet",
+                "name": "gpuplane-node", "uid": "ds-uid", "controller": true,
+                "blockOwnerDeletion": true}]},
+        "spec": {"nodeName": NODE, "priorityClassName": "system-node-critical",
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [{"name": "agent", "image": IMAGE, "imagePullPolicy": "IfNotPresent"}]}
+    })
+}
+
+/// Runs the daemon pods of the double as the kubelet would, until dropped.
+struct PodRunner {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// Every daemon process started, by pod name (several if restarted).
+    started: Arc<std::sync::Mutex<Vec<(String, u32)>>>,
+}
+
+fn terminate(mut child: Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
+}
+
+impl PodRunner {
+    fn start(api: Arc<ApiServerDouble>) -> PodRunner {
+        let stop = Arc::new(AtomicBool::new(false));
+        let started = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (stop2, started2) = (stop.clone(), started.clone());
+        let thread = std::thread::spawn(move || {
+            let mut running: BTreeMap<String, Child> = BTreeMap::new();
+            while !stop2.load(Ordering::Relaxed) {
+                let pods: BTreeMap<String, Value> = api
+                    .list_json("v1", "pods", Some(NS))
+                    .into_iter()
+                    .filter(|p| p["metadata"]["labels"]["app.kubernetes.io/name"] == "gpuplane-mps")
+                    .map(|p| (p["metadata"]["name"].as_str().unwrap().to_string(), p))
+                    .collect();
+                running.retain(|name, child| {
+                    let keep = pods.contains_key(name);
+                    if !keep {
+                        terminate(std::mem::replace(
+                            child,
+                            Command::new("true").spawn().unwrap(),
+                        ));
+                    }
+                    keep
+                });
+                for (name, pod) in pods {
+                    if running.contains_key(&name) {
+                        continue;
+                    }
+                    let child = run_pod(&pod);
+                    started2.lock().unwrap().push((name.clone(), child.id()));
+                    running.insert(name, child);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            for (_, child) in running {
+                terminate(child);
+            }
+        });
+        PodRunner {
+            stop,
+            thread: Some(thread),
+            started,
+        }
+    }
+
+    fn started(&self) -> Vec<(String, u32)> {
+        self.started.lock().unwrap().clone()
+    }
+}
+
+/// A daemon pod's container: the binary with its arguments; its `/dev/shm` volume is the
+/// stand-in daemon's shm directory.
+fn run_pod(pod: &Value) -> Child {
+    let c = &pod["spec"]["containers"][0];
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let shm = pod["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "shm")
+        .map(|v| v["hostPath"]["path"].as_str().unwrap().to_string())
+        .unwrap();
+    std::fs::create_dir_all(&shm).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_gpuplane"))
+        .args(args)
+        .env("GPUPLANE_FAKE_MPS_SHM", shm)
+        .spawn()
+        .unwrap()
+}
+
+impl Drop for PodRunner {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The host path a claim's spec mounts at `container_path`.
+fn mount_source(env: &Env, uid: &str, container_path: &str) -> Option<String> {
+    let stem = spec_stem(&ClaimUid::parse(uid).unwrap());
+    let spec: Spec =
+        serde_json::from_slice(&std::fs::read(env.path(&format!("cdi/{stem}.json"))).unwrap())
+            .unwrap();
+    spec.devices
+        .iter()
+        .flat_map(|d| &d.container_edits.mounts)
+        .find(|m| m.container_path == container_path)
+        .map(|m| m.host_path.clone())
+}
+
+async fn pods_host(env: &Env, api: &ApiServerDouble) -> Arc<dyn MpsHost> {
+    let paths = HostPaths {
+        proc_root: "/proc".into(),
+        ..HostPaths::under(&env.path(""))
+    };
+    let pods = MpsPods::new(
+        api.client().unwrap(),
+        NODE,
+        Some((NS, "gpuplane-node-x1")),
+        &paths,
+    )
+    .await
+    .unwrap();
+    Arc::new(pods)
+}
+
+fn daemon_pods(api: &ApiServerDouble) -> Vec<Value> {
+    api.list_json("v1", "pods", Some(NS))
+        .into_iter()
+        .filter(|p| p["metadata"]["labels"]["app.kubernetes.io/name"] == "gpuplane-mps")
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpus_daemon_runs_in_a_pod_of_its_own_that_a_restarted_agent_adopts() {
+    let api = Arc::new(ApiServerDouble::start().await.unwrap());
+    api.put_json(agent_pod()).unwrap();
+    let env = Env::new(true);
+    env.mps.set(pods_host(&env, &api).await).unwrap();
+    let runner = PodRunner::start(api.clone());
+    let a = env.add_claim(
+        "a",
+        &uid(1),
+        &[("gpu-0", Some(("s-a", "20Gi", "30")))],
+        json!([]),
+    );
+    let b = env.add_claim(
+        "b",
+        &uid(2),
+        &[("gpu-0", Some(("s-b", "40Gi", "50")))],
+        json!([]),
+    );
+    let core = env.core();
+    prepare(&core, &a).await.unwrap();
+    prepare(&core, &b).await.unwrap();
+
+    // One pod for the GPU, beside it, from the agent's build, owned by its DaemonSet.
+    let pods = daemon_pods(&api);
+    assert_eq!(pods.len(), 1, "{pods:#?}");
+    let pod = &pods[0];
+    assert_eq!(pod["spec"]["nodeName"], NODE);
+    assert_eq!(pod["spec"]["containers"][0]["image"], IMAGE);
+    assert_eq!(pod["spec"]["tolerations"][0]["key"], "nvidia.com/gpu");
+    assert_eq!(pod["metadata"]["ownerReferences"][0]["uid"], "ds-uid");
+    assert_eq!(
+        pod["metadata"]["annotations"]["gpuplane.dev/mps-unit"],
+        env.gpu(0).as_str()
+    );
+    assert_eq!(runner.started().len(), 1);
+
+    // Both shares' containers reach it through the pipe directory and its /dev/shm.
+    let shm =
+        mount_source(&env, &uid(1), "/dev/shm").expect("the spec mounts the daemon's /dev/shm");
+    assert!(shm.ends_with(&format!("mps/{}/shm", env.gpu(0))), "{shm}");
+    assert_eq!(
+        mount_source(&env, &uid(2), "/dev/shm").as_deref(),
+        Some(shm.as_str())
+    );
+    let mut client_a = env.cuda_client(&uid(1), 0, &[("GPUPLANE_FAKE_MPS_SHM", &shm)]);
+    assert_eq!(client_a.limits(), ("30.0".into(), "20480M".into()));
+    // Without the daemon's /dev/shm a client cannot connect.
+    let stray = tempfile::tempdir().unwrap();
+    let mut no_shm = env.cuda_client(
+        &uid(2),
+        0,
+        &[("GPUPLANE_FAKE_MPS_SHM", stray.path().to_str().unwrap())],
+    );
+    let status = no_shm.wait();
+    assert!(
+        !status.success(),
+        "a client without the server's /dev/shm connected"
+    );
+
+    // A restarted agent adopts the pod: no new pod, no new daemon, the client still holds.
+    drop(core);
+    let core = env.core();
+    core.restore_holds().await;
+    prepare(&core, &a).await.unwrap();
+    assert_eq!(daemon_pods(&api).len(), 1);
+    assert_eq!(
+        runner.started().len(),
+        1,
+        "the daemon pod was not started again"
+    );
+    assert!(
+        client_a.running(),
+        "the share lost its MPS server across the restart"
+    );
+
+    // The last share's unprepare deletes the pod, which stops the daemon; then its files go.
+    unprepare(&core, &b).await;
+    assert_eq!(daemon_pods(&api).len(), 1, "a share still runs on the GPU");
+    unprepare(&core, &a).await;
+    assert!(daemon_pods(&api).is_empty());
+    assert!(!env.path(&format!("state/mps/{}", env.gpu(0))).exists());
+    let ended = client_a.wait();
+    assert!(
+        !ended.success(),
+        "a client whose server stopped should fail"
+    );
+}
