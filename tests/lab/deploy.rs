@@ -73,7 +73,7 @@ fn webhook_secret(name: &str) -> (String, String) {
 
 /// The deployment overlay over daemonset/ at `overlay` (see the module docs for what it
 /// changes, and nothing else).
-fn deploy_overlay(overlay: &Path, image_ref: &str) -> String {
+fn deploy_overlay(overlay: &Path, image_ref: &str, extra: &str) -> String {
     use base64::Engine;
     // One CA per lab: an image upgrade re-applies the overlay, and a new CA there would race
     // the controller pods still serving the old certificate (a rollout does not rotate it).
@@ -98,7 +98,7 @@ fn deploy_overlay(overlay: &Path, image_ref: &str) -> String {
     - {{op: replace, path: /spec/template/spec/containers/0/image, value: "{image_ref}"}}
     - {{op: add, path: /spec/template/spec/containers/0/imagePullPolicy, value: Never}}
     - {{op: add, path: /spec/template/spec/containers/0/args/-, value: --simulate-from-node-label}}
-- target: {{kind: Deployment, name: gpuplane-controller}}
+{extra}- target: {{kind: Deployment, name: gpuplane-controller}}
   patch: |-
     - {{op: replace, path: /spec/template/spec/containers/0/image, value: "{image_ref}"}}
     - {{op: add, path: /spec/template/spec/containers/0/imagePullPolicy, value: Never}}
@@ -121,7 +121,7 @@ fn deploy_overlay(overlay: &Path, image_ref: &str) -> String {
 }
 
 /// A three-node lab with our image in every node and the machines' labels on the nodes.
-fn lab_with_image(tag: &str) -> Option<(ClusterLab, image::TestImage)> {
+pub(crate) fn lab_with_image(tag: &str) -> Option<(ClusterLab, image::TestImage)> {
     let lab = ClusterLab::start_nodes(3)?;
     let built = match image::build(&lab.work, tag, tag) {
         Ok(b) => b,
@@ -142,11 +142,22 @@ fn lab_with_image(tag: &str) -> Option<(ClusterLab, image::TestImage)> {
 
 /// `kubectl apply -k` of the deployment overlay; it must print no warning.
 fn apply_overlay(lab: &ClusterLab, image_ref: &str) {
+    apply_overlay_with(lab, image_ref, "", &[]);
+}
+
+/// [`apply_overlay`] with `extra` JSON patch lines for the agents' DaemonSet and further
+/// patches (`patches`, whole kustomize patch entries).
+pub(crate) fn apply_overlay_with(
+    lab: &ClusterLab,
+    image_ref: &str,
+    extra: &str,
+    patches: &[String],
+) {
     let overlay = lab.work.join("deploy");
     std::fs::create_dir_all(&overlay).unwrap();
     std::fs::write(
         overlay.join("kustomization.yaml"),
-        deploy_overlay(&overlay, image_ref),
+        deploy_overlay(&overlay, image_ref, extra) + &patches.concat(),
     )
     .unwrap();
     let out = lab.kubectl(&["apply", "-k", overlay.to_str().unwrap()]);
@@ -156,11 +167,11 @@ fn apply_overlay(lab: &ClusterLab, image_ref: &str) {
 }
 
 /// A pod: (node, name, ready).
-type PodOnNode = (String, String, bool);
+pub(crate) type PodOnNode = (String, String, bool);
 
 /// The pods of app `app` (`app.kubernetes.io/name`) in gpuplane's namespace that are not being
 /// deleted: (node, pod name, ready).
-fn app_pods(lab: &ClusterLab, app: &str) -> Vec<PodOnNode> {
+pub(crate) fn app_pods(lab: &ClusterLab, app: &str) -> Vec<PodOnNode> {
     let selector = format!("app.kubernetes.io/name={app}");
     let pods = lab
         .get_json(&["get", "pods", "-n", AGENT_NS, "-l", &selector])
@@ -187,12 +198,12 @@ fn app_pods(lab: &ClusterLab, app: &str) -> Vec<PodOnNode> {
 }
 
 /// The agent pods: (node, pod name, ready).
-fn agent_pods(lab: &ClusterLab) -> Vec<PodOnNode> {
+pub(crate) fn agent_pods(lab: &ClusterLab) -> Vec<PodOnNode> {
     app_pods(lab, "gpuplane-node")
 }
 
 /// Waits until an agent pod is Ready on each of the three nodes; those pods.
-fn agents_ready(lab: &ClusterLab) -> Vec<PodOnNode> {
+pub(crate) fn agents_ready(lab: &ClusterLab) -> Vec<PodOnNode> {
     eventually("an agent pod Ready on each of the 3 nodes", || {
         let pods = agent_pods(lab);
         (pods.len() == 3 && pods.iter().all(|p| p.2)).then_some(pods)
@@ -409,7 +420,7 @@ fn lease_holder(lab: &ClusterLab) -> Option<String> {
 }
 
 /// Waits until the controller's 2 replicas are Ready; those pods.
-fn controllers_ready(lab: &ClusterLab) -> Vec<(String, bool)> {
+pub(crate) fn controllers_ready(lab: &ClusterLab) -> Vec<(String, bool)> {
     eventually("the controller's 2 replicas Ready", || {
         let pods = controller_pods(lab);
         (pods.len() == 2 && pods.iter().all(|p| p.1)).then_some(pods)
@@ -524,7 +535,7 @@ fn the_controller_serves_through_its_service_and_its_lease_moves_when_the_leader
 }
 
 /// `kubectl rollout status` of the agents' DaemonSet, until it completes.
-fn rollout(lab: &ClusterLab) {
+pub(crate) fn rollout(lab: &ClusterLab) {
     let out = lab.kubectl(&[
         "rollout",
         "status",
@@ -541,7 +552,7 @@ fn rollout(lab: &ClusterLab) {
     );
 }
 
-fn pod_phase(lab: &ClusterLab, ns: &str, pod: &str) -> Option<String> {
+pub(crate) fn pod_phase(lab: &ClusterLab, ns: &str, pod: &str) -> Option<String> {
     lab.get_json(&["get", "pod", pod, "-n", ns])?["status"]["phase"]
         .as_str()
         .map(String::from)
