@@ -1044,7 +1044,30 @@ fn policy_denials_of(
     let policy: admission::ValidatingAdmissionPolicy =
         typed(find(docs, "ValidatingAdmissionPolicy", None, name).unwrap());
     let spec = policy.spec.unwrap();
-    let objects = [("object", new), ("oldObject", old), ("request", request)];
+    // A policy with a parameter gets the object its binding names.
+    let params = spec
+        .param_kind
+        .as_ref()
+        .and_then(|k| {
+            let binding = docs.iter().find(|d| {
+                d.kind() == "ValidatingAdmissionPolicyBinding"
+                    && d.value["spec"]["policyName"] == name
+            })?;
+            let r = &binding.value["spec"]["paramRef"];
+            find(
+                docs,
+                k.kind.as_deref()?,
+                r["namespace"].as_str(),
+                r["name"].as_str()?,
+            )
+        })
+        .map_or(Value::Null, |d| d.value.clone());
+    let objects = [
+        ("object", new),
+        ("oldObject", old),
+        ("request", request),
+        ("params", &params),
+    ];
     for c in spec.match_conditions.iter().flatten() {
         if cel_eval(&c.expression, &objects, None) != V::Bool(true) {
             return None;
@@ -1076,9 +1099,13 @@ fn the_node_agent_may_create_and_delete_only_mps_daemon_pods_of_its_own_node() {
             "extra": {"authentication.kubernetes.io/node-name": [node]}}})
     };
     // The pod the agent renders (crates/model/src/mps_pod.rs), every field the policy reads.
+    let daemonset = find(&docs, "DaemonSet", Some(NS), "gpuplane-node").unwrap();
     let agent_pod = gpuplane_shell::mps_pod::AgentPod {
         namespace: NS.into(),
-        image: "gpuplane:test".into(),
+        image: daemonset.value["spec"]["template"]["spec"]["containers"][0]["image"]
+            .as_str()
+            .unwrap()
+            .into(),
         ..Default::default()
     };
     let daemon = |node: &str| {
@@ -1112,6 +1139,9 @@ fn the_node_agent_may_create_and_delete_only_mps_daemon_pods_of_its_own_node() {
     let mut shell = own.clone();
     shell["spec"]["containers"][0]["args"] = json!(["node"]);
     assert_eq!(deny("CREATE", "node-a", &shell).len(), 1);
+    let mut other_image = own.clone();
+    other_image["spec"]["containers"][0]["image"] = json!("attacker/shell:1");
+    assert_eq!(deny("CREATE", "node-a", &other_image).len(), 1);
     let mut unlabelled = own.clone();
     unlabelled["metadata"]["labels"] = json!({"app": "x"});
     assert_eq!(deny("CREATE", "node-a", &unlabelled).len(), 1);

@@ -358,7 +358,7 @@ fn the_daemonset_serves_each_nodes_own_machine_from_its_pods() {
 
 /// A kubeconfig with a token of the agent's ServiceAccount bound to agent pod `pod`, as the
 /// kubelet projects into it (the API server adds the pod's node to the user's extra).
-fn pod_token_kubeconfig(lab: &ClusterLab, pod: &str) -> std::path::PathBuf {
+pub(crate) fn pod_token_kubeconfig(lab: &ClusterLab, pod: &str) -> std::path::PathBuf {
     let p = lab.get_json(&["get", "pod", pod, "-n", AGENT_NS]).unwrap();
     let uid = p["metadata"]["uid"].as_str().unwrap().to_string();
     lab.token_kubeconfig(

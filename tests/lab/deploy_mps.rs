@@ -12,7 +12,7 @@
 use crate::cluster::{self, eventually, image, ClusterLab, AGENT_NS, NODE};
 use crate::deploy::{
     agent_pods, agents_ready, app_pods, apply_overlay_with, controllers_ready, lab_with_image,
-    pod_phase, rollout,
+    pod_phase, pod_token_kubeconfig, rollout,
 };
 use crate::support;
 use serde_json::Value;
@@ -211,6 +211,32 @@ fn shares_keep_their_mps_server_through_agent_restarts_upgrades_and_returns() {
         let now = daemon_pods(&lab);
         assert_eq!(now, vec![daemon.clone()], "the daemon pod after {after}");
     };
+
+    // The agent's own token may create daemon pods of its build on its node, and nothing
+    // else: the same pod with another image is refused.
+    let agent = lab_node_agent(&lab).unwrap();
+    let kubeconfig = pod_token_kubeconfig(&lab, &agent);
+    let mut forged = lab
+        .get_json(&["get", "pod", &daemon.1, "-n", AGENT_NS])
+        .unwrap();
+    forged["metadata"] = serde_json::json!({"name": "forged", "namespace": AGENT_NS,
+        "labels": forged["metadata"]["labels"].clone()});
+    forged["spec"]["containers"][0]["image"] = "lab.local/busybox:1".into();
+    forged.as_object_mut().unwrap().remove("status");
+    let out = lab.kubectl_as(
+        &kubeconfig,
+        &["create", "-f", "-"],
+        Some(&forged.to_string()),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a daemon pod of another image was admitted"
+    );
+    assert!(
+        err.contains("gpuplane-node-mps-pods") && err.contains("lab.local/busybox:1"),
+        "{err}"
+    );
 
     // (b) The agent's pod deleted: the DaemonSet makes a new one.
     let first = lab_node_agent(&lab).unwrap();
