@@ -56,7 +56,7 @@ pub struct DaemonArgs {
     /// The GPU or MIG device UUID the daemon serves.
     #[arg(long)]
     unit: String,
-    /// The agent's state directory (the daemon's files are under mps/<unit>/).
+    /// The agent's state directory (the daemon's files are under `mps/<unit>/`).
     #[arg(long)]
     state_dir: PathBuf,
     /// Where the driver's files are mounted in this container.

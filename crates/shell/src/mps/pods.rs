@@ -2,7 +2,7 @@
 //! one pod per shared unit, rendered by [`gpuplane_model::mps_pod`] from what the agent's own
 //! pod says (image, pull policy and secrets, tolerations, priority class, DaemonSet), named
 //! after the node and unit so a restarted agent finds it again, deleted once the unit's last
-//! share is unprepared. The pod serves when its `ready.lock` is held ([`daemon::serving`]);
+//! share is unprepared. The pod serves when its `ready.lock` is held ([`super::daemon::serving`]);
 //! the agent reads that from the unit's directory rather than from the API, because the lock
 //! is released the instant the daemon stops, however it stops.
 
