@@ -10,9 +10,13 @@
 //! - API server writes: start-up until the slices are published (floor: one create per slice),
 //!   a restart with an unchanged inventory (must be 0), one health change (floor: one update);
 //! - fractional GPUs: NodePrepareResources of a share (consumable capacity) whose GPU's MPS
-//!   daemon already runs, and of the first share of a GPU (the daemon started, and stopped by
-//!   its unprepare), each vs a whole-GPU NodePrepareResources of the same agent in the same
-//!   rounds (the stand-in `nvidia-cuda-mps-control` of hack/fake-mps in the driver root);
+//!   daemon already runs, and of the first share of a GPU (the daemon's pod created and its
+//!   daemon serving, and the pod deleted and the daemon gone by its unprepare), each vs a
+//!   whole-GPU NodePrepareResources of the same agent in the same rounds; the daemons run in
+//!   pods of their own as the DaemonSet has it (`--mps-daemons=pods`), the test kit's pod
+//!   runner standing in for the kubelet and containerd (a process start where a real node
+//!   starts a container), the stand-in `nvidia-cuda-mps-control` of hack/fake-mps in the
+//!   driver root;
 //! - dynamic MIG: NodePrepareResources of a claim whose MIG instance the prepare creates (and
 //!   its unprepare destroys) vs a static MIG device's NodePrepareResources on the same agent in
 //!   the same rounds; and the instance's create + destroy through the real NVML backend on the
@@ -272,7 +276,23 @@ async fn api_writes() {
 /// A share prepared next to a running MPS daemon, and the first share of a GPU (daemon start
 /// included), each vs a whole-GPU prepare in the same rounds.
 async fn share_prepare() {
-    let lab = Lab::new("dgx-a100").await;
+    let mut lab = Lab::new("dgx-a100").await;
+    lab.node
+        .api
+        .put_json(serde_json::json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "gpuplane-node-bench", "namespace": "gpuplane-system"},
+            "spec": {"nodeName": gpuplane_testkit::doubles::lab::NODE, "containers": [{"name": "agent", "image": "gpuplane:bench"}]}}))
+        .expect("the agent's own pod");
+    lab.node.mps_pods = Some(gpuplane_shell::node::dra::OwnPod {
+        namespace: "gpuplane-system".into(),
+        name: "gpuplane-node-bench".into(),
+    });
+    let _runner = gpuplane_testkit::doubles::pod_runner::PodRunner::start(
+        lab.api.client().expect("client"),
+        "gpuplane-system",
+        gpuplane_testkit::doubles::lab::NODE,
+        std::path::Path::new(env!("CARGO_BIN_EXE_gpuplane")),
+    );
     let bin = lab.dir.path().join("driver/usr/bin");
     std::fs::create_dir_all(&bin).expect("driver bin dir");
     std::os::unix::fs::symlink(
@@ -328,7 +348,7 @@ async fn share_prepare() {
         percentiles(whole_a),
     );
     row(
-        &format!("NodePrepare first share, daemon start ({FIRST_SHARE_ROUNDS} calls)"),
+        &format!("NodePrepare first share, daemon pod start ({FIRST_SHARE_ROUNDS} calls)"),
         percentiles(first),
         percentiles(whole_b),
     );

@@ -1,10 +1,8 @@
 //! MPS control daemons in pods of their own (`--mps-daemons=pods`): the DRA core creates one
 //! pod per shared GPU from the agent's own pod, through the API server double, and waits until
 //! the daemon it runs serves; a restarted core adopts the pod; the last share's unprepare
-//! deletes it. A small stand-in for the kubelet ([`PodRunner`]) runs each daemon pod as the
-//! kubelet would: its arguments against the gpuplane binary (the image's entrypoint), its
-//! `/dev/shm` volume as the stand-in MPS daemon's shm directory, SIGTERM when the pod is gone.
-//! The real kubelet and containerd run them in tests/lab.
+//! deletes it. The test kit's `PodRunner` runs each daemon pod as the kubelet would; the real
+//! kubelet and containerd run them in tests/lab/deploy_mps.rs.
 
 use crate::dra_shares::{prepare, uid, unprepare, Env, NODE};
 
@@ -15,10 +13,8 @@ use gpuplane_shell::mps::pods::MpsPods;
 use gpuplane_shell::mps::MpsHost;
 use gpuplane_shell::paths::HostPaths;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
+use gpuplane_testkit::doubles::pod_runner::PodRunner;
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
-use std::process::{Child, Command};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 const NS: &str = "gpuplane-system";
@@ -36,105 +32,6 @@ fn agent_pod() -> Value {
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
             "containers": [{"name": "agent", "image": IMAGE, "imagePullPolicy": "IfNotPresent"}]}
     })
-}
-
-/// Runs the daemon pods of the double as the kubelet would, until dropped.
-struct PodRunner {
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    /// Every daemon process started, by pod name (several if restarted).
-    started: Arc<std::sync::Mutex<Vec<(String, u32)>>>,
-}
-
-fn terminate(mut child: Child) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let _ = child.wait();
-}
-
-impl PodRunner {
-    fn start(api: Arc<ApiServerDouble>) -> PodRunner {
-        let stop = Arc::new(AtomicBool::new(false));
-        let started = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let (stop2, started2) = (stop.clone(), started.clone());
-        let thread = std::thread::spawn(move || {
-            let mut running: BTreeMap<String, Child> = BTreeMap::new();
-            while !stop2.load(Ordering::Relaxed) {
-                let pods: BTreeMap<String, Value> = api
-                    .list_json("v1", "pods", Some(NS))
-                    .into_iter()
-                    .filter(|p| p["metadata"]["labels"]["app.kubernetes.io/name"] == "gpuplane-mps")
-                    .map(|p| (p["metadata"]["name"].as_str().unwrap().to_string(), p))
-                    .collect();
-                running.retain(|name, child| {
-                    let keep = pods.contains_key(name);
-                    if !keep {
-                        terminate(std::mem::replace(
-                            child,
-                            Command::new("true").spawn().unwrap(),
-                        ));
-                    }
-                    keep
-                });
-                for (name, pod) in pods {
-                    if running.contains_key(&name) {
-                        continue;
-                    }
-                    let child = run_pod(&pod);
-                    started2.lock().unwrap().push((name.clone(), child.id()));
-                    running.insert(name, child);
-                }
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            for (_, child) in running {
-                terminate(child);
-            }
-        });
-        PodRunner {
-            stop,
-            thread: Some(thread),
-            started,
-        }
-    }
-
-    fn started(&self) -> Vec<(String, u32)> {
-        self.started.lock().unwrap().clone()
-    }
-}
-
-/// A daemon pod's container: the binary with its arguments; its `/dev/shm` volume is the
-/// stand-in daemon's shm directory.
-fn run_pod(pod: &Value) -> Child {
-    let c = &pod["spec"]["containers"][0];
-    let args: Vec<&str> = c["args"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap())
-        .collect();
-    let shm = pod["spec"]["volumes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == "shm")
-        .map(|v| v["hostPath"]["path"].as_str().unwrap().to_string())
-        .unwrap();
-    std::fs::create_dir_all(&shm).unwrap();
-    Command::new(env!("CARGO_BIN_EXE_gpuplane"))
-        .args(args)
-        .env("GPUPLANE_FAKE_MPS_SHM", shm)
-        .spawn()
-        .unwrap()
-}
-
-impl Drop for PodRunner {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }
 
 /// The host path a claim's spec mounts at `container_path`.
@@ -179,7 +76,12 @@ async fn a_gpus_daemon_runs_in_a_pod_of_its_own_that_a_restarted_agent_adopts() 
     api.put_json(agent_pod()).unwrap();
     let env = Env::new(true);
     env.mps.set(pods_host(&env, &api).await).unwrap();
-    let runner = PodRunner::start(api.clone());
+    let runner = PodRunner::start(
+        api.client().unwrap(),
+        NS,
+        NODE,
+        std::path::Path::new(env!("CARGO_BIN_EXE_gpuplane")),
+    );
     let a = env.add_claim(
         "a",
         &uid(1),
@@ -260,4 +162,58 @@ async fn a_gpus_daemon_runs_in_a_pod_of_its_own_that_a_restarted_agent_adopts() 
         !ended.success(),
         "a client whose server stopped should fail"
     );
+}
+
+/// What a crash leaves is put right at the next start: a daemon pod created for a share whose
+/// prepare never reached the checkpoint is deleted, and a prepared share whose daemon pod is
+/// gone (deleted by hand, say) gets a new one before any prepare is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_deletes_a_daemon_pod_no_share_needs_and_recreates_a_missing_one() {
+    let api = Arc::new(ApiServerDouble::start().await.unwrap());
+    api.put_json(agent_pod()).unwrap();
+    let env = Env::new(true);
+    let host = pods_host(&env, &api).await;
+    env.mps.set(host.clone()).unwrap();
+    let runner = PodRunner::start(
+        api.client().unwrap(),
+        NS,
+        NODE,
+        std::path::Path::new(env!("CARGO_BIN_EXE_gpuplane")),
+    );
+    let a = env.add_claim(
+        "a",
+        &uid(1),
+        &[("gpu-0", Some(("s-a", "20Gi", "30")))],
+        json!([]),
+    );
+    {
+        let core = env.core();
+        prepare(&core, &a).await.unwrap();
+    }
+    // As if the agent died between a daemon pod's creation and its share's checkpoint write.
+    let stray = env.gpu(1);
+    let h = host.clone();
+    tokio::task::spawn_blocking(move || h.ensure(&stray, true))
+        .await
+        .unwrap()
+        .unwrap();
+    // And gpu-0's pod deleted while no agent ran.
+    let gpu0 = gpuplane_shell::mps_pod::pod_name(NODE, &env.gpu(0));
+    api.delete_json("v1", "pods", Some(NS), &gpu0).unwrap();
+    assert_eq!(daemon_pods(&api).len(), 1);
+
+    let core = env.core();
+    core.restore_holds().await;
+    let pods = daemon_pods(&api);
+    assert_eq!(pods.len(), 1, "{pods:#?}");
+    assert_eq!(pods[0]["metadata"]["name"], gpu0.as_str());
+    assert!(!env.path(&format!("state/mps/{}", env.gpu(1))).exists());
+    // The share is answered from the checkpoint once its new daemon serves.
+    prepare(&core, &a).await.unwrap();
+    let shm = mount_source(&env, &uid(1), "/dev/shm").unwrap();
+    let client = env.cuda_client(&uid(1), 0, &[("GPUPLANE_FAKE_MPS_SHM", &shm)]);
+    assert_eq!(client.limits(), ("30.0".into(), "20480M".into()));
+    assert_eq!(runner.started().iter().filter(|n| **n == gpu0).count(), 2);
+    unprepare(&core, &a).await;
+    assert!(daemon_pods(&api).is_empty());
 }

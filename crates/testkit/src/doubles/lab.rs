@@ -85,6 +85,9 @@ pub struct NodeLab {
     /// How agents started from now on treat their devices; `Simulated` unless a caller that
     /// made device nodes under `dev/` (see `devnodes`) sets `Hardware`.
     pub device_mode: DeviceMode,
+    /// The agent's own pod, for agents started from now on to run MPS daemons in pods
+    /// (`--mps-daemons=pods`; run them with `pod_runner`); `None`: as the agent's processes.
+    pub mps_pods: Option<gpuplane_shell::node::dra::OwnPod>,
 }
 
 /// A running agent of a lab.
@@ -135,6 +138,7 @@ impl NodeLab {
             dra,
             sim: StallingSim::new(sim),
             device_mode: DeviceMode::Simulated,
+            mps_pods: None,
         })
     }
 
@@ -194,7 +198,8 @@ impl NodeLab {
     ) -> Result<RunningAgent, LabError> {
         let cfg = self.root.join("config.yaml");
         std::fs::write(&cfg, config).map_err(io("writing", &cfg))?;
-        let (paths, device_mode) = (self.paths(), self.device_mode);
+        let (paths, device_mode, mps_pods) =
+            (self.paths(), self.device_mode, self.mps_pods.clone());
         let (stop, stopped) = oneshot::channel::<()>();
         let source: Arc<dyn DeviceSource> = Arc::new(self.sim.clone());
         // Both APIs, unless the Node object in the double carries the APIs label (as
@@ -214,7 +219,7 @@ impl NodeLab {
                 dra: serving.apis.dra.then(|| DraSettings {
                     driver_name: DRIVER.into(),
                     client: client.clone(),
-                    mps_pods: None,
+                    mps_pods,
                 }),
                 api: Some(client.clone()),
                 metrics_addr,

@@ -10,4 +10,5 @@ pub mod dial;
 pub mod kubelet;
 pub mod kubelet_dra;
 pub mod lab;
+pub mod pod_runner;
 pub mod stall;
