@@ -283,9 +283,10 @@ async fn share_prepare() {
             "metadata": {"name": "gpuplane-node-bench", "namespace": "gpuplane-system"},
             "spec": {"nodeName": gpuplane_testkit::doubles::lab::NODE, "containers": [{"name": "agent", "image": "gpuplane:bench"}]}}))
         .expect("the agent's own pod");
-    lab.node.mps_pods = Some(gpuplane_shell::node::dra::OwnPod {
+    lab.node.mps_pods = Some(gpuplane_shell::mps::pods::PodSettings {
         namespace: "gpuplane-system".into(),
         name: "gpuplane-node-bench".into(),
+        nvml_lib: None,
     });
     let _runner = gpuplane_testkit::doubles::pod_runner::PodRunner::start(
         lab.api.client().expect("client"),

@@ -547,7 +547,10 @@ fn node_options(
     client: Option<gpuplane_shell::kubeclient::Client>,
     serving: &apis::Serving,
 ) -> Result<gpuplane_shell::node::NodeOptions> {
-    let own_pod = args.mps.own_pod()?;
+    let real_nvml = args.source.simulate.is_none();
+    let own_pod = args
+        .mps
+        .pods(args.source.nvml_lib.clone().filter(|_| real_nvml))?;
     let dra = match (&client, serving.apis.dra) {
         (Some(client), true) => Some(gpuplane_shell::node::dra::DraSettings {
             driver_name: args.driver_name,

@@ -3,6 +3,7 @@
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
+use gpuplane_shell::mps::pods::PodSettings;
 use std::path::PathBuf;
 
 /// Where the agent runs MPS control daemons.
@@ -31,15 +32,17 @@ pub struct NodeMpsArgs {
 }
 
 impl NodeMpsArgs {
-    /// The agent's pod when daemons run in pods; an error says what is missing.
-    pub fn own_pod(&self) -> Result<Option<gpuplane_shell::node::dra::OwnPod>> {
+    /// The daemon pods' settings when daemons run in pods (`nvml_lib`: the agent's, when its
+    /// devices are real); an error says what is missing.
+    pub fn pods(&self, nvml_lib: Option<PathBuf>) -> Result<Option<PodSettings>> {
         if self.mps_daemons == DaemonsIn::Agent {
             return Ok(None);
         }
         match (&self.pod_namespace, &self.pod_name) {
-            (Some(namespace), Some(name)) => Ok(Some(gpuplane_shell::node::dra::OwnPod {
+            (Some(namespace), Some(name)) => Ok(Some(PodSettings {
                 namespace: namespace.clone(),
                 name: name.clone(),
+                nvml_lib,
             })),
             _ => anyhow::bail!(
                 "--mps-daemons=pods needs the agent's own pod: set POD_NAME and POD_NAMESPACE \
@@ -65,6 +68,10 @@ pub struct DaemonArgs {
     /// Serve every user from one MPS server (`-M`; Volta and later).
     #[arg(long)]
     multiuser: bool,
+    /// The driver's libnvidia-ml: the GPU is in compute mode EXCLUSIVE_PROCESS while the
+    /// daemon serves it. Without it the compute mode is left alone (simulated devices).
+    #[arg(long, value_name = "PATH")]
+    nvml_lib: Option<PathBuf>,
 }
 
 pub fn run_daemon(args: DaemonArgs) -> Result<()> {
@@ -77,6 +84,7 @@ pub fn run_daemon(args: DaemonArgs) -> Result<()> {
             driver_files: args.driver_root_mount,
             proc_root: PathBuf::from("/proc"),
             multiuser: args.multiuser,
+            nvml_lib: args.nvml_lib,
         };
         let stop = crate::termination()?;
         daemon::serve(opts, stop).await?;

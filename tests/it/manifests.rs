@@ -1117,6 +1117,7 @@ fn the_node_agent_may_create_and_delete_only_mps_daemon_pods_of_its_own_node() {
             state_dir: "/var/lib/gpuplane",
             driver_root: "/run/nvidia/driver",
             driver_root_mount: "/run/nvidia/driver",
+            nvml_lib: Some("/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"),
         };
         serde_json::to_value(pod.render()).unwrap()
     };
@@ -1505,10 +1506,15 @@ async fn mps_daemon_pod_calls(api: &ApiServerDouble, gpu: gpuplane_shell::invent
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let paths = gpuplane_shell::paths::HostPaths::under(dir.path());
-    let own = Some((NS, "gpuplane-node-x1"));
-    let pods = gpuplane_shell::mps::pods::MpsPods::new(api.client().unwrap(), NODE, own, &paths)
-        .await
-        .unwrap();
+    let own = gpuplane_shell::mps::pods::PodSettings {
+        namespace: NS.into(),
+        name: "gpuplane-node-x1".into(),
+        nvml_lib: None,
+    };
+    let pods =
+        gpuplane_shell::mps::pods::MpsPods::new(api.client().unwrap(), NODE, &own, &paths, None)
+            .await
+            .unwrap();
     let daemon_pods = || {
         api.list_json("v1", "pods", Some(NS))
             .iter()

@@ -9,12 +9,13 @@ use crate::dra_shares::{prepare, uid, unprepare, Env, NODE};
 use gpuplane_shell::cdi::Spec;
 use gpuplane_shell::dra::core::spec_stem;
 use gpuplane_shell::dra::ClaimUid;
-use gpuplane_shell::mps::pods::MpsPods;
+use gpuplane_shell::mps::pods::{MpsPods, PodSettings};
 use gpuplane_shell::mps::MpsHost;
 use gpuplane_shell::paths::HostPaths;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use gpuplane_testkit::doubles::pod_runner::PodRunner;
 use serde_json::{json, Value};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 const NS: &str = "gpuplane-system";
@@ -48,18 +49,27 @@ fn mount_source(env: &Env, uid: &str, container_path: &str) -> Option<String> {
 }
 
 async fn pods_host(env: &Env, api: &ApiServerDouble) -> Arc<dyn MpsHost> {
+    pods_host_with(env, api, None).await
+}
+
+/// [`pods_host`] with daemon pods setting compute modes through `nvml_lib`.
+async fn pods_host_with(
+    env: &Env,
+    api: &ApiServerDouble,
+    nvml_lib: Option<PathBuf>,
+) -> Arc<dyn MpsHost> {
     let paths = HostPaths {
         proc_root: "/proc".into(),
         ..HostPaths::under(&env.path(""))
     };
-    let pods = MpsPods::new(
-        api.client().unwrap(),
-        NODE,
-        Some((NS, "gpuplane-node-x1")),
-        &paths,
-    )
-    .await
-    .unwrap();
+    let settings = PodSettings {
+        namespace: NS.into(),
+        name: "gpuplane-node-x1".into(),
+        nvml_lib,
+    };
+    let pods = MpsPods::new(api.client().unwrap(), NODE, &settings, &paths, None)
+        .await
+        .unwrap();
     Arc::new(pods)
 }
 
@@ -216,4 +226,76 @@ async fn a_restart_deletes_a_daemon_pod_no_share_needs_and_recreates_a_missing_o
     assert_eq!(runner.started().iter().filter(|n| **n == gpu0).count(), 2);
     unprepare(&core, &a).await;
     assert!(daemon_pods(&api).is_empty());
+}
+
+/// The compute mode of `gpu` in the fake libnvidia-ml's state file (`Default` before any
+/// change), as another process would read it back.
+fn compute_mode(state: &std::path::Path, gpu: &str) -> String {
+    let Ok(text) = std::fs::read_to_string(state) else {
+        return "Default".into();
+    };
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["uuid"] == gpu)
+        .and_then(|g| g["computeMode"].as_str())
+        .unwrap_or("Default")
+        .to_string()
+}
+
+/// A GPU that MPS shares use is in `EXCLUSIVE_PROCESS` while its daemon pod serves (so only the
+/// MPS server holds a context on it), through the real NVML backend in the daemon pod against
+/// the fake libnvidia-ml; the mode it had is recorded beside the daemon and put back when the
+/// last share's unprepare deletes the pod. Other GPUs are left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_gpu_is_exclusive_to_its_mps_server_and_gets_its_mode_back() {
+    let api = Arc::new(ApiServerDouble::start().await.unwrap());
+    api.put_json(agent_pod()).unwrap();
+    let env = Env::new(true);
+    let lib = crate::support::built_fake().to_path_buf();
+    env.mps
+        .set(pods_host_with(&env, &api, Some(lib)).await)
+        .unwrap();
+    let state = env.path("nvml-state.json");
+    let host_env = vec![
+        (
+            "GPUPLANE_FAKE_NVML_PROFILE".to_string(),
+            "dgx-a100".to_string(),
+        ),
+        (
+            "GPUPLANE_FAKE_NVML_STATE".to_string(),
+            state.display().to_string(),
+        ),
+    ];
+    let _runner = PodRunner::start_with_env(
+        api.client().unwrap(),
+        NS,
+        NODE,
+        std::path::Path::new(env!("CARGO_BIN_EXE_gpuplane")),
+        host_env,
+    );
+    let (gpu0, gpu1) = (env.gpu(0), env.gpu(1));
+    let a = env.add_claim(
+        "a",
+        &uid(1),
+        &[("gpu-0", Some(("s-a", "20Gi", "30")))],
+        json!([]),
+    );
+    let core = env.core();
+    assert_eq!(compute_mode(&state, &gpu0), "Default");
+    prepare(&core, &a).await.unwrap();
+    assert_eq!(compute_mode(&state, &gpu0), "Exclusive_Process");
+    assert_eq!(compute_mode(&state, &gpu1), "Default");
+    let record = env.path(&format!("state/mps/{gpu0}/compute-mode.json"));
+    let recorded: Value = serde_json::from_slice(&std::fs::read(&record).unwrap()).unwrap();
+    assert_eq!(recorded["previous"], "Default");
+    let pod = &daemon_pods(&api)[0];
+    let args = pod["spec"]["containers"][0]["args"].to_string();
+    assert!(args.contains("--nvml-lib="), "{args}");
+
+    unprepare(&core, &a).await;
+    assert_eq!(compute_mode(&state, &gpu0), "Default");
+    assert!(!record.exists());
 }

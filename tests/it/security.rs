@@ -311,7 +311,7 @@ fn nothing_in_the_product_shells_out() {
     ];
     // The one program the product runs: NVIDIA's MPS control program, from a fixed path with
     // fixed arguments (docs/security.md). Not a shell, and nowhere else.
-    let mps = Path::new("crates/shell/src/dra/mps.rs");
+    let mps = Path::new("crates/shell/src/mps/process.rs");
     let mut ran_in_mps = false;
     for (path, text) in product_sources() {
         if path.ends_with(mps) {

@@ -259,7 +259,7 @@ impl Node {
     /// temporary file of an earlier run is left (the running agent's own are writes in flight:
     /// it may be rewriting its node spec as the check reads the directory) and nothing was set
     /// aside as corrupt. The MPS control daemons'
-    /// directories (`state/mps`, crates/shell/src/dra/mps.rs) are the daemons' own.
+    /// directories (`state/mps`, crates/shell/src/mps/process.rs) are the daemons' own.
     pub fn check_files(&self, restarted: bool) {
         for dir in ["cdi", "state"] {
             for entry in std::fs::read_dir(self.path(dir)).into_iter().flatten() {

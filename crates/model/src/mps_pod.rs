@@ -138,6 +138,9 @@ pub struct DaemonPod<'a> {
     /// `--driver-root-mount`, or the same path).
     pub driver_root: &'a str,
     pub driver_root_mount: &'a str,
+    /// The agent's libnvidia-ml (under the driver root, so at the same path in the pod): the
+    /// daemon sets its GPU's compute mode through it. `None`: simulated devices, no mode.
+    pub nvml_lib: Option<&'a str>,
 }
 
 /// The daemon pod's name: stable for a (node, unit), so the agent finds it again after a
@@ -179,6 +182,9 @@ impl DaemonPod<'_> {
         ];
         if self.multiuser {
             args.push("--multiuser".into());
+        }
+        if let Some(lib) = self.nvml_lib {
+            args.push(format!("--nvml-lib={lib}"));
         }
         args
     }
@@ -325,6 +331,7 @@ mod tests {
             state_dir: "/var/lib/gpuplane/",
             driver_root: "/",
             driver_root_mount: "/host",
+            nvml_lib: None,
         }
         .render();
         let spec = pod.spec.as_ref().unwrap();

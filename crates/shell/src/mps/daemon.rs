@@ -1,7 +1,8 @@
-//! `gpuplane mps-daemon`: what a daemon pod ([`gpuplane_model::mps_pod`]) runs. It starts one
-//! unit's MPS control daemon (a child of this process, so of the pod's cgroup and nothing
-//! else's), tells the agent it serves by holding a lock, and stops the daemon when the pod is
-//! deleted (SIGTERM). When the daemon dies on its own the process ends with an error, so the
+//! `gpuplane mps-daemon`: what a daemon pod ([`gpuplane_model::mps_pod`]) runs. It puts its GPU
+//! in `EXCLUSIVE_PROCESS` ([`super::compute_mode`]), starts one unit's MPS control daemon (a
+//! child of this process, so of the pod's cgroup and nothing else's), tells the agent it serves
+//! by holding a lock, and when the pod is deleted (SIGTERM) stops the daemon and puts the
+//! compute mode back. When the daemon dies on its own the process ends with an error, so the
 //! kubelet restarts the container and the log says why.
 //!
 //! Two locks in the unit's directory, both `flock`s (the kernel releases them when this process
@@ -12,8 +13,11 @@
 //!   the agent's "this unit's daemon serves" ([`serving`]), readable across the agent's and
 //!   the pod's PID namespaces.
 
+use super::compute_mode::{self, ModeError};
 use super::process::MpsDaemons;
 use super::{DaemonDirs, MpsError, MpsHost};
+use crate::inventory::DeviceUuid;
+use crate::source::DeviceSource;
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 use std::fs::{File, OpenOptions};
@@ -34,6 +38,10 @@ pub enum DaemonError {
     Lock { path: PathBuf, cause: String },
     #[error(transparent)]
     Mps(#[from] MpsError),
+    #[error("the compute mode: {0}")]
+    ComputeMode(#[from] ModeError),
+    #[error("opening NVML ({lib}): {cause}")]
+    Nvml { lib: PathBuf, cause: String },
     #[error("the MPS control daemon for GPU {unit} exited on its own; its log is {log}")]
     Died { unit: String, log: String },
     #[error("no MPS control program at {0}: is --driver-root-mount the agent's driver root?")]
@@ -51,6 +59,9 @@ pub struct DaemonOptions {
     pub driver_files: PathBuf,
     pub proc_root: PathBuf,
     pub multiuser: bool,
+    /// The driver's libnvidia-ml: the GPU's compute mode is set through it. `None`: left alone
+    /// (simulated devices).
+    pub nvml_lib: Option<PathBuf>,
 }
 
 fn lock(path: &Path, arg: FlockArg) -> Result<Flock<File>, DaemonError> {
@@ -89,7 +100,58 @@ fn held(path: &Path) -> bool {
     }
 }
 
-/// Runs the daemon until `stop` resolves (then quits it) or it dies (an error).
+/// What a serving instance holds: its two locks and the NVML its compute mode went through.
+struct Serving {
+    instance: Flock<File>,
+    ready: Flock<File>,
+    nvml: Option<Box<dyn DeviceSource>>,
+}
+
+/// The NVML the compute mode is set through, when the unit is a GPU and a library was named.
+fn open_nvml(opts: &DaemonOptions) -> Result<Option<Box<dyn DeviceSource>>, DaemonError> {
+    let lib = match &opts.nvml_lib {
+        Some(lib) if compute_mode::applies_to(&opts.unit) => lib,
+        _ => {
+            info!(unit = %opts.unit, "compute mode left alone (a MIG device, or no --nvml-lib)");
+            return Ok(None);
+        }
+    };
+    let fail = |cause: String| DaemonError::Nvml {
+        lib: lib.clone(),
+        cause,
+    };
+    let nvml = crate::nvml::NvmlSource::open(Some(lib)).map_err(|e| fail(e.to_string()))?;
+    Ok(Some(Box::new(nvml)))
+}
+
+/// One instance at a time: the instance lock, the compute mode, the daemon, then the ready
+/// lock (blocking).
+fn start(daemons: &MpsDaemons, opts: &DaemonOptions) -> Result<Serving, DaemonError> {
+    let root = daemons.dirs(&opts.unit).root;
+    std::fs::create_dir_all(&root).map_err(|e| DaemonError::Lock {
+        path: root.clone(),
+        cause: e.to_string(),
+    })?;
+    let instance = lock(&root.join(INSTANCE_LOCK), FlockArg::LockExclusive)?;
+    let nvml = open_nvml(opts)?;
+    if let Some(nvml) = &nvml {
+        let gpu = DeviceUuid::parse(opts.unit.clone()).map_err(|e| DaemonError::Nvml {
+            lib: opts.nvml_lib.clone().unwrap_or_default(),
+            cause: format!("--unit: {e}"),
+        })?;
+        compute_mode::make_exclusive(nvml.as_ref(), &gpu, &root)?;
+    }
+    daemons.ensure(&opts.unit, opts.multiuser)?;
+    let ready = lock(&root.join(READY_LOCK), FlockArg::LockExclusive)?;
+    Ok(Serving {
+        instance,
+        ready,
+        nvml,
+    })
+}
+
+/// Runs the daemon until `stop` resolves (then quits it and puts the compute mode back) or it
+/// dies (an error; the compute mode stays for the restarted instance).
 pub async fn serve(
     opts: DaemonOptions,
     stop: impl std::future::Future<Output = ()>,
@@ -99,24 +161,8 @@ pub async fn serve(
         return Err(DaemonError::NoProgram(daemons.program().to_path_buf()));
     }
     let dirs = daemons.dirs(&opts.unit);
-    std::fs::create_dir_all(&dirs.root).map_err(|e| DaemonError::Lock {
-        path: dirs.root.clone(),
-        cause: e.to_string(),
-    })?;
     let (d, o) = (daemons.clone(), opts.clone());
-    let ready = blocking(move || {
-        let instance = lock(
-            &d.dirs(&o.unit).root.join(INSTANCE_LOCK),
-            FlockArg::LockExclusive,
-        )?;
-        d.ensure(&o.unit, o.multiuser)?;
-        let ready = lock(
-            &d.dirs(&o.unit).root.join(READY_LOCK),
-            FlockArg::LockExclusive,
-        )?;
-        Ok((instance, ready))
-    })
-    .await?;
+    let serving = blocking(move || start(&d, &o)).await?;
     info!(unit = %opts.unit, pipe = %dirs.pipe.display(), multiuser = opts.multiuser,
         "the MPS control daemon serves");
     tokio::pin!(stop);
@@ -130,11 +176,23 @@ pub async fn serve(
             }
         }
     }
-    // Not serving from here on: the agent waits for this before it removes the directories.
-    let (instance, ready) = ready;
+    // Not serving from here on: the agent waits for the instance lock before it removes the
+    // directories.
+    let Serving {
+        instance,
+        ready,
+        nvml,
+    } = serving;
     drop(ready);
     let unit = opts.unit.clone();
-    blocking(move || Ok(daemons.quit(&unit)?)).await?;
+    blocking(move || {
+        daemons.quit(&unit)?;
+        if let Some(nvml) = nvml {
+            compute_mode::restore(nvml.as_ref(), &daemons.dirs(&unit).root)?;
+        }
+        Ok(())
+    })
+    .await?;
     drop(instance);
     info!(unit = %opts.unit, "stopped the MPS control daemon");
     Ok(())

@@ -17,6 +17,7 @@
 //! Every call blocks (process runs, file reads, API calls): callers run it on the blocking
 //! pool.
 
+pub mod compute_mode;
 pub mod daemon;
 pub mod pods;
 pub mod process;

@@ -7,13 +7,16 @@
 //! is released the instant the daemon stops, however it stops.
 
 use super::daemon::{instance_runs, serving};
-use super::{executable, DaemonDirs, MpsError, MpsHost, PROGRAM};
+use super::{compute_mode, executable, DaemonDirs, MpsError, MpsHost, PROGRAM};
 use crate::inventory::DeviceUuid;
 use crate::paths::HostPaths;
+use crate::source::DeviceSource;
 use gpuplane_model::mps_pod::{self, AgentPod, DaemonPod};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
@@ -27,13 +30,19 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(40);
 /// How often the unit's locks are read while waiting; the API is read every tenth time.
 const POLL: Duration = Duration::from_millis(100);
 
+/// What `--mps-daemons=pods` needs to know.
+#[derive(Debug, Clone)]
+pub struct PodSettings {
+    /// The agent's own pod (the downward API's metadata.namespace and metadata.name).
+    pub namespace: String,
+    pub name: String,
+    /// The agent's libnvidia-ml when its devices are real: daemon pods set their GPU's compute
+    /// mode through it.
+    pub nvml_lib: Option<PathBuf>,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PodsError {
-    #[error(
-        "--mps-daemons=pods needs the agent's own pod: set POD_NAME and POD_NAMESPACE from the \
-         downward API (metadata.name, metadata.namespace), as the DaemonSet does"
-    )]
-    NoPod,
     #[error("reading the agent's own pod {namespace}/{name}: {cause}")]
     Read {
         namespace: String,
@@ -50,6 +59,9 @@ pub struct MpsPods {
     node: String,
     agent: AgentPod,
     paths: HostPaths,
+    nvml_lib: Option<PathBuf>,
+    /// The agent's devices, to put a GPU's compute mode back where its daemon pod could not.
+    source: Option<Arc<dyn DeviceSource>>,
 }
 
 impl std::fmt::Debug for MpsPods {
@@ -63,14 +75,16 @@ impl std::fmt::Debug for MpsPods {
 }
 
 impl MpsPods {
-    /// Reads the agent's own pod (`namespace`/`name`) for what daemon pods copy from it.
+    /// Reads the agent's own pod for what daemon pods copy from it. `source`: the agent's
+    /// real devices (none when simulated).
     pub async fn new(
         client: kube::Client,
         node: &str,
-        own_pod: Option<(&str, &str)>,
+        settings: &PodSettings,
         paths: &HostPaths,
+        source: Option<Arc<dyn DeviceSource>>,
     ) -> Result<MpsPods, PodsError> {
-        let (namespace, name) = own_pod.ok_or(PodsError::NoPod)?;
+        let (namespace, name) = (settings.namespace.as_str(), settings.name.as_str());
         let read = |cause: String| PodsError::Read {
             namespace: namespace.to_string(),
             name: name.to_string(),
@@ -87,6 +101,8 @@ impl MpsPods {
             node: node.to_string(),
             agent,
             paths: paths.clone(),
+            nvml_lib: settings.nvml_lib.clone(),
+            source,
         })
     }
 
@@ -94,6 +110,7 @@ impl MpsPods {
         let state_dir = self.paths.state_dir.to_string_lossy();
         let driver_root = self.paths.driver_root.to_string_lossy();
         let mount = self.paths.driver_files();
+        let nvml_lib = self.nvml_lib.as_ref().map(|l| l.to_string_lossy());
         DaemonPod {
             node: &self.node,
             unit,
@@ -102,6 +119,7 @@ impl MpsPods {
             state_dir: &state_dir,
             driver_root: &driver_root,
             driver_root_mount: &mount.to_string_lossy(),
+            nvml_lib: nvml_lib.as_deref(),
         }
         .render()
     }
@@ -264,6 +282,14 @@ impl MpsHost for MpsPods {
             std::thread::sleep(POLL);
         }
         info!(unit, pod = %name, "stopped the MPS control daemon's pod");
+        // A pod killed before it put the compute mode back left its record.
+        if let Some(source) = &self.source {
+            if compute_mode::restore(source.as_ref(), &dirs.root)
+                .map_err(|e| fail(e.to_string()))?
+            {
+                info!(unit, "put back the compute mode its daemon pod left");
+            }
+        }
         match std::fs::remove_dir_all(&dirs.root) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

@@ -6,7 +6,8 @@ use crate::dra::core::{CoreError, DraCore, DraCoreConfig};
 use crate::dra::fetch::KubeClaims;
 use crate::dra::server::{DraServer, ServeError};
 use crate::ledger::dra_view;
-use crate::mps::{pods::MpsPods, MpsHost};
+use crate::mps::pods::{MpsPods, PodSettings};
+use crate::mps::MpsHost;
 use crate::node::events::{ClaimEvents, ReportingDriver};
 use crate::node::state::{NodeState, Snapshot};
 use crate::paths::HostPaths;
@@ -27,16 +28,9 @@ pub struct DraSettings {
     pub driver_name: String,
     /// Client for the API server (claims, ResourceSlices, Events on claims).
     pub client: kube::Client,
-    /// The agent's own pod when MPS control daemons run in pods of their own; `None`: as
-    /// the agent's processes.
-    pub mps_pods: Option<OwnPod>,
-}
-
-/// A pod by namespace and name.
-#[derive(Debug, Clone)]
-pub struct OwnPod {
-    pub namespace: String,
-    pub name: String,
+    /// Set when MPS control daemons run in pods of their own; `None`: as the agent's
+    /// processes.
+    pub mps_pods: Option<PodSettings>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -99,9 +93,9 @@ pub async fn start(
 ) -> Result<DraStarted, DraStartError> {
     let driver = settings.driver_name.clone();
     let mps = match &settings.mps_pods {
-        Some(own) => {
-            let own = Some((own.namespace.as_str(), own.name.as_str()));
-            let pods = MpsPods::new(settings.client.clone(), node_name, own, paths)
+        Some(pods) => {
+            let real = (device_mode == DeviceMode::Hardware).then(|| source.clone());
+            let pods = MpsPods::new(settings.client.clone(), node_name, pods, paths, real)
                 .await
                 .map_err(DraStartError::MpsPods)?;
             Some(Arc::new(pods) as Arc<dyn MpsHost>)

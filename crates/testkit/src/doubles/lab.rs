@@ -87,7 +87,7 @@ pub struct NodeLab {
     pub device_mode: DeviceMode,
     /// The agent's own pod, for agents started from now on to run MPS daemons in pods
     /// (`--mps-daemons=pods`; run them with `pod_runner`); `None`: as the agent's processes.
-    pub mps_pods: Option<gpuplane_shell::node::dra::OwnPod>,
+    pub mps_pods: Option<gpuplane_shell::mps::pods::PodSettings>,
 }
 
 /// A running agent of a lab.

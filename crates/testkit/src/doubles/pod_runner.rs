@@ -38,8 +38,9 @@ fn terminate(mut child: Child) {
     let _ = child.wait();
 }
 
-/// A daemon pod's container: `program` with its arguments, its shm volume as the stand-in's.
-fn run(program: &Path, pod: &Pod) -> Option<Child> {
+/// A daemon pod's container: `program` with its arguments and `env`, its shm volume as the
+/// stand-in's.
+fn run(program: &Path, env: &[(String, String)], pod: &Pod) -> Option<Child> {
     let spec = pod.spec.as_ref()?;
     let args = spec.containers.first()?.args.clone().unwrap_or_default();
     let shm = spec
@@ -53,6 +54,7 @@ fn run(program: &Path, pod: &Pod) -> Option<Child> {
     std::fs::create_dir_all(&shm).ok()?;
     Command::new(program)
         .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .env(SHM_ENV, shm)
         .spawn()
         .ok()
@@ -61,6 +63,18 @@ fn run(program: &Path, pod: &Pod) -> Option<Child> {
 impl PodRunner {
     /// Starts running `namespace`'s daemon pods of `node` with `program` (the gpuplane binary).
     pub fn start(client: kube::Client, namespace: &str, node: &str, program: &Path) -> PodRunner {
+        PodRunner::start_with_env(client, namespace, node, program, Vec::new())
+    }
+
+    /// [`PodRunner::start`], the containers' processes also getting `env`: what the host
+    /// gives every process there (the fake libnvidia-ml's profile and state file, say).
+    pub fn start_with_env(
+        client: kube::Client,
+        namespace: &str,
+        node: &str,
+        program: &Path,
+        env: Vec<(String, String)>,
+    ) -> PodRunner {
         let api: Api<Pod> = Api::namespaced(client, namespace);
         let params = ListParams::default()
             .labels("app.kubernetes.io/name=gpuplane-mps")
@@ -91,7 +105,7 @@ impl PodRunner {
                         if lock(&kids).contains_key(&name) {
                             continue;
                         }
-                        if let Some(child) = run(&program, &pod) {
+                        if let Some(child) = run(&program, &env, &pod) {
                             lock(&log).push(name.clone());
                             lock(&kids).insert(name, child);
                         }
