@@ -269,7 +269,7 @@ async fn a_shared_gpu_is_exclusive_to_its_mps_server_and_gets_its_mode_back() {
             state.display().to_string(),
         ),
     ];
-    let _runner = PodRunner::start_with_env(
+    let runner = PodRunner::start_with_env(
         api.client().unwrap(),
         NS,
         NODE,
@@ -294,6 +294,26 @@ async fn a_shared_gpu_is_exclusive_to_its_mps_server_and_gets_its_mode_back() {
     let pod = &daemon_pods(&api)[0];
     let args = pod["spec"]["containers"][0]["args"].to_string();
     assert!(args.contains("--nvml-lib="), "{args}");
+
+    // The daemon's container killed (its process and the daemon it started, as the kernel
+    // ends a container's cgroup) and started again: the new instance keeps the record of the
+    // mode from before MPS, not the Exclusive_Process it finds.
+    let name = pod["metadata"]["name"].as_str().unwrap();
+    let wrapper = runner.pid(name).unwrap();
+    let daemon = env.daemon_pid(0).unwrap();
+    for pid in [wrapper, daemon] {
+        std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    // The kubelet's retry of the prepare waits for the restarted container's daemon.
+    prepare(&core, &a).await.unwrap();
+    assert_eq!(runner.started().len(), 2, "the container was started again");
+    assert!(env.daemon_pid(0).is_some_and(|p| p != daemon));
+    assert_eq!(compute_mode(&state, &gpu0), "Exclusive_Process");
+    let recorded: Value = serde_json::from_slice(&std::fs::read(&record).unwrap()).unwrap();
+    assert_eq!(recorded["previous"], "Default");
 
     unprepare(&core, &a).await;
     assert_eq!(compute_mode(&state, &gpu0), "Default");

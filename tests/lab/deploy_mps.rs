@@ -195,8 +195,14 @@ fn shares_keep_their_mps_server_through_agent_restarts_upgrades_and_returns() {
         ("share-b", 2000, "20Gi", 20),
         ("share-c", 0, "10Gi", 10),
     ] {
+        let began = std::time::Instant::now();
         share_pod(&lab, name, uid, memory, compute, image);
         assert_eq!(connected(&lab, name), format!("{compute}.0"), "{name}");
+        // Wall times for benches/results/dra.txt: share-a starts the GPU's daemon pod.
+        eprintln!(
+            "{name} created -> client connected: {:.1}s",
+            began.elapsed().as_secs_f64()
+        );
         pods.push(name);
     }
     let daemons = daemon_pods(&lab);
@@ -239,16 +245,22 @@ fn shares_keep_their_mps_server_through_agent_restarts_upgrades_and_returns() {
     );
 
     // (b) The agent's pod deleted: the DaemonSet makes a new one.
+    // A share asked for at the moment of the deletion is prepared by the new agent.
     let first = lab_node_agent(&lab).unwrap();
+    let began = std::time::Instant::now();
     lab.kubectl_ok(&["delete", "pod", &first, "-n", AGENT_NS, "--wait=false"]);
+    share_pod(&lab, "share-d", 3000, "5Gi", 10, image);
+    assert_eq!(connected(&lab, "share-d"), "10.0");
+    eprintln!(
+        "agent pod deleted -> a share created then connected: {:.1}s",
+        began.elapsed().as_secs_f64()
+    );
     eventually("a new agent pod Ready on lab-node", || {
         lab_node_agent(&lab).filter(|p| *p != first)
     });
+    pods.push("share-d");
     still_connected(&lab, &pods, "the agent pod's deletion");
     same_daemon("the agent pod's deletion");
-    share_pod(&lab, "share-d", 3000, "5Gi", 10, image);
-    assert_eq!(connected(&lab, "share-d"), "10.0");
-    pods.push("share-d");
 
     // (a) A rolling update to another build.
     let second = image::build(&lab.work, "2", "2").unwrap();

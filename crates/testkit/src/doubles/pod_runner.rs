@@ -3,8 +3,8 @@
 //! `app.kubernetes.io/name=gpuplane-mps`, runs each one's container as the runtime would (its
 //! arguments after the image's entrypoint, the gpuplane binary; its host-path volumes at the
 //! same paths, as the agent renders them; its `/dev/shm` volume as the stand-in MPS daemon's shm
-//! directory, `GPUPLANE_FAKE_MPS_SHM`), and stops it with SIGTERM once the pod is gone, as the
-//! kubelet does on deletion. The real kubelet and containerd run these pods in tests/lab.
+//! directory, `GPUPLANE_FAKE_MPS_SHM`), starts it again when it ends (`restartPolicy: Always`),
+//! and stops it with SIGTERM once the pod is gone, as the kubelet does on deletion. The real kubelet and containerd run these pods in tests/lab.
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
@@ -93,6 +93,8 @@ impl PodRunner {
                         .collect();
                     let gone: Vec<Child> = {
                         let mut running = lock(&kids);
+                        // A container that ended is started again (restartPolicy: Always).
+                        running.retain(|_, c| matches!(c.try_wait(), Ok(None)));
                         let names: Vec<String> = running
                             .keys()
                             .filter(|n| !pods.contains_key(*n))
@@ -119,6 +121,11 @@ impl PodRunner {
             children,
             started,
         }
+    }
+
+    /// The process of pod `name`'s container now.
+    pub fn pid(&self, name: &str) -> Option<u32> {
+        lock(&self.children).get(name).map(Child::id)
     }
 
     /// Every pod started so far, in order (a name twice: started again).
