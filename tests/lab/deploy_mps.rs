@@ -245,19 +245,21 @@ fn shares_keep_their_mps_server_through_agent_restarts_upgrades_and_returns() {
     );
 
     // (b) The agent's pod deleted: the DaemonSet makes a new one.
-    // A share asked for at the moment of the deletion is prepared by the new agent.
+    // The new agent prepares shares. (A share whose prepare the kubelet tried while no agent
+    // was registered waits for the kubelet's retry backoff instead: about 70 s here.)
     let first = lab_node_agent(&lab).unwrap();
     let began = std::time::Instant::now();
     lab.kubectl_ok(&["delete", "pod", &first, "-n", AGENT_NS, "--wait=false"]);
-    share_pod(&lab, "share-d", 3000, "5Gi", 10, image);
-    assert_eq!(connected(&lab, "share-d"), "10.0");
-    eprintln!(
-        "agent pod deleted -> a share created then connected: {:.1}s",
-        began.elapsed().as_secs_f64()
-    );
     eventually("a new agent pod Ready on lab-node", || {
         lab_node_agent(&lab).filter(|p| *p != first)
     });
+    let ready = began.elapsed().as_secs_f64();
+    share_pod(&lab, "share-d", 3000, "5Gi", 10, image);
+    assert_eq!(connected(&lab, "share-d"), "10.0");
+    eprintln!(
+        "agent pod deleted -> new agent Ready {ready:.1}s -> a share created then connected {:.1}s",
+        began.elapsed().as_secs_f64()
+    );
     pods.push("share-d");
     still_connected(&lab, &pods, "the agent pod's deletion");
     same_daemon("the agent pod's deletion");
