@@ -6,12 +6,14 @@
 
 mod hours;
 mod mps;
+mod source_args;
+
+use source_args::SourceArgs;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use gpuplane_shell::node::apis::{self, Apis};
 use gpuplane_shell::paths::HostPaths;
-use gpuplane_shell::source::{DeviceSource, SimSource};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -229,73 +231,10 @@ struct NodeArgs {
     mps: mps::NodeMpsArgs,
 }
 
-/// Where devices come from; shared by every face that reads an inventory.
-#[derive(clap::Args)]
-struct SourceArgs {
-    /// Simulate a machine: a bundled profile name (dgx-a100, dgx-h100, dgx1-v100, pcie-l4x4,
-    /// a100-mig-mixed, h100-mig-single, dynamic-mig-mixed) or the path of a profile file. The
-    /// node agent then needs no device nodes: containers get each device's identity in their
-    /// environment (GPUPLANE_DEVICE_*, NVIDIA_VISIBLE_DEVICES) instead.
-    #[arg(long, value_name = "PROFILE", conflicts_with = "nvml_lib")]
-    simulate: Option<String>,
-    /// Path of libnvidia-ml.so.1 (default: the dynamic loader's search path).
-    #[arg(long, value_name = "PATH")]
-    nvml_lib: Option<PathBuf>,
-}
-
 #[derive(Clone, Copy, ValueEnum)]
 enum Output {
     Table,
     Json,
-}
-
-impl SourceArgs {
-    /// Opens the source and returns it with a label for humans.
-    fn open(&self) -> Result<(Box<dyn DeviceSource>, String)> {
-        match &self.simulate {
-            Some(spec) => {
-                let inventory = gpuplane_shell::sim::load(spec)?;
-                Ok((
-                    Box::new(SimSource::new(inventory)),
-                    format!("simulated ({spec})"),
-                ))
-            }
-            None => {
-                let source = gpuplane_shell::nvml::NvmlSource::open(self.nvml_lib.as_deref())?;
-                Ok((Box::new(source), self.nvml_label()))
-            }
-        }
-    }
-
-    /// Simulated devices exist only in the profile; NVML (also a fake libnvidia-ml) means
-    /// real device nodes and driver files.
-    fn mode(&self) -> gpuplane_shell::source::DeviceMode {
-        match self.simulate {
-            Some(_) => gpuplane_shell::source::DeviceMode::Simulated,
-            None => gpuplane_shell::source::DeviceMode::Hardware,
-        }
-    }
-
-    fn nvml_label(&self) -> String {
-        match &self.nvml_lib {
-            Some(p) => format!("NVML ({})", p.display()),
-            None => "NVML".to_string(),
-        }
-    }
-
-    /// For the agent: NVML that cannot be opened yet is retried by the agent with backoff
-    /// (node::deferred) instead of ending the process.
-    fn open_for_agent(&self) -> Result<(Box<dyn DeviceSource>, String)> {
-        if self.simulate.is_some() {
-            return self.open();
-        }
-        let lib = self.nvml_lib.clone();
-        let source = gpuplane_shell::node::deferred::Deferred::new(move || {
-            let nvml = gpuplane_shell::nvml::NvmlSource::open(lib.as_deref())?;
-            Ok(Box::new(nvml) as Box<dyn DeviceSource>)
-        });
-        Ok((Box::new(source), self.nvml_label()))
-    }
 }
 
 fn main() -> std::process::ExitCode {
@@ -465,7 +404,8 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
         let api_configured =
             args.kubeconfig.is_some() || gpuplane_shell::kubeclient::available_without_flags();
         let early_client = simulate_from_node_label(&mut args).await?;
-        let (source, label) = args.source.open_for_agent()?;
+        let boot_id = HostPaths::standard().boot_id();
+        let (source, label) = args.source.open_for_agent(&args.state_dir, &boot_id)?;
         tracing::info!(node = %args.node_name, source = %label, mode = ?args.source.mode(), version = env!("CARGO_PKG_VERSION"), build = %build_stamp(), "gpuplane node starting");
         let flags = Apis {
             device_plugin: args.device_plugin,

@@ -376,3 +376,55 @@ async fn an_xid_on_the_instance_or_its_parent_reaches_the_claims_device() {
     );
     unprepare(&core, &a).await;
 }
+
+/// A `--simulate` node keeps its MIG instances and compute modes across agent restarts of one
+/// boot, as a driver does: the next agent's simulated machine has the instance a claim made
+/// (else it would drop the claim's instance as gone), and after a reboot the profile's state.
+#[test]
+fn a_simulated_machine_keeps_its_instances_across_agent_restarts_of_one_boot() {
+    use gpuplane_shell::node::kept_sim::KeptSim;
+    use gpuplane_shell::source::ComputeMode;
+    let dir = tempfile::tempdir().unwrap();
+    let machine = || SimSource::new(gpuplane_shell::sim::load("dynamic-mig-mixed").unwrap());
+    let boot = |id: &str| Some(id.to_string());
+    let first = KeptSim::open(machine(), dir.path(), boot("boot-1"));
+    let gpu = first.discover().unwrap().inventory.gpus[0].uuid.clone();
+    let made = first
+        .create_mig(&MigRequest {
+            gpu: gpu.clone(),
+            profile: "3g.40gb".into(),
+            start: 0,
+        })
+        .unwrap();
+    first
+        .set_compute_mode(&gpu, ComputeMode::ExclusiveProcess)
+        .unwrap();
+    drop(first);
+
+    let migs = |s: &KeptSim| -> Vec<MigDevice> {
+        s.discover().unwrap().inventory.gpus[0].mig_devices.clone()
+    };
+    let again = KeptSim::open(machine(), dir.path(), boot("boot-1"));
+    assert_eq!(migs(&again), vec![made.clone()]);
+    assert_eq!(
+        again.compute_mode(&gpu).unwrap(),
+        ComputeMode::ExclusiveProcess
+    );
+    // Its instance is destroyed through the next agent, and that is kept too.
+    again.destroy_mig(&gpu, made.gpu_instance_id).unwrap();
+    drop(again);
+    assert!(migs(&KeptSim::open(machine(), dir.path(), boot("boot-1"))).is_empty());
+
+    // A reboot: the profile's state, whatever was saved.
+    let kept = KeptSim::open(machine(), dir.path(), boot("boot-1"));
+    kept.create_mig(&MigRequest {
+        gpu: gpu.clone(),
+        profile: "3g.40gb".into(),
+        start: 0,
+    })
+    .unwrap();
+    drop(kept);
+    let rebooted = KeptSim::open(machine(), dir.path(), boot("boot-2"));
+    assert!(migs(&rebooted).is_empty());
+    assert_eq!(rebooted.compute_mode(&gpu).unwrap(), ComputeMode::Default);
+}

@@ -29,15 +29,16 @@ fn driver_root_patch() -> String {
     )
 }
 
-/// The shipped node config with every GPU shared in steps of 1Gi and 10%.
-fn config_patch() -> String {
+/// Every GPU shared in steps of 1Gi and 10%.
+const SHARING: &str =
+    "sharing:\n  consumableCapacity:\n    gpus: all\n    memoryStep: 1Gi\n    computeStep: 10\n";
+
+/// The shipped node config with `section` added.
+pub(crate) fn config_patch(section: &str) -> String {
     let shipped =
         std::fs::read_to_string(cluster::repo().join("daemonset/node/config.yaml")).unwrap();
     let map: Value = serde_yaml_ng::from_str(&shipped).unwrap();
-    let config = format!(
-        "{}sharing:\n  consumableCapacity:\n    gpus: all\n    memoryStep: 1Gi\n    computeStep: 10\n",
-        map["data"]["config.yaml"].as_str().unwrap()
-    );
+    let config = format!("{}{section}", map["data"]["config.yaml"].as_str().unwrap());
     format!(
         "- target: {{kind: ConfigMap, name: gpuplane-node-config}}\n  patch: |-\n    - {{op: replace, path: /data/config.yaml, value: {}}}\n",
         serde_json::to_string(&config).unwrap()
@@ -64,7 +65,12 @@ fn install_stand_in(lab: &ClusterLab) {
 }
 
 fn deploy(lab: &ClusterLab, image_ref: &str) {
-    apply_overlay_with(lab, image_ref, &driver_root_patch(), &[config_patch()]);
+    apply_overlay_with(
+        lab,
+        image_ref,
+        &driver_root_patch(),
+        &[config_patch(SHARING)],
+    );
 }
 
 /// A pod on lab-node holding a share (`memory`, `compute` percent) of GPU 0, run as `uid`,

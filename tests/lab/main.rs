@@ -11,6 +11,7 @@ mod cluster;
 mod support;
 
 mod deploy;
+mod deploy_dynamic_mig;
 mod deploy_mps;
 mod helm;
 mod real_cluster;

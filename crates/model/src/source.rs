@@ -204,6 +204,23 @@ struct SimState {
     discoveries: AtomicU64,
 }
 
+/// [`SimSource::machine`]: a simulated machine's state that outlives the agent.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SimMachine {
+    pub gpus: Vec<SimGpu>,
+}
+
+/// One GPU of a [`SimMachine`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SimGpu {
+    pub uuid: DeviceUuid,
+    pub mig_devices: Vec<MigDevice>,
+    pub book: InstanceBook,
+    pub compute_mode: ComputeMode,
+}
+
 impl SimSource {
     pub fn new(inventory: Inventory) -> Self {
         let (sender, events) = std::sync::mpsc::channel();
@@ -218,6 +235,49 @@ impl SimSource {
                 discoveries: AtomicU64::new(0),
             }),
         }
+    }
+
+    /// What a real driver would keep of this machine across an agent restart (not a reboot):
+    /// each GPU's MIG devices and instance book, and its compute mode.
+    pub fn machine(&self) -> SimMachine {
+        let inventory = lock(&self.inner.inventory);
+        let books = lock(&self.inner.books);
+        let modes = lock(&self.inner.compute_modes);
+        SimMachine {
+            gpus: inventory
+                .gpus
+                .iter()
+                .map(|g| SimGpu {
+                    uuid: g.uuid.clone(),
+                    mig_devices: g.mig_devices.clone(),
+                    book: books.get(&g.uuid).cloned().unwrap_or_default(),
+                    compute_mode: modes.get(&g.uuid).copied().unwrap_or_default(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Takes `machine`'s MIG devices, instance books and compute modes; an error names a GPU
+    /// that `machine` has and this one lacks (another profile), and nothing is taken then.
+    pub fn restore(&self, machine: &SimMachine) -> Result<(), String> {
+        let mut inventory = lock(&self.inner.inventory);
+        if let Some(missing) = machine
+            .gpus
+            .iter()
+            .find(|m| !inventory.gpus.iter().any(|g| g.uuid == m.uuid))
+        {
+            return Err(format!("this machine has no GPU {}", missing.uuid));
+        }
+        let mut books = lock(&self.inner.books);
+        let mut modes = lock(&self.inner.compute_modes);
+        for saved in &machine.gpus {
+            if let Some(g) = inventory.gpus.iter_mut().find(|g| g.uuid == saved.uuid) {
+                g.mig_devices = saved.mig_devices.clone();
+            }
+            books.insert(saved.uuid.clone(), saved.book.clone());
+            modes.insert(saved.uuid.clone(), saved.compute_mode);
+        }
+        Ok(())
     }
 
     /// Delivers an Xid as the driver would.

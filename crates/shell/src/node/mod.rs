@@ -14,6 +14,7 @@ pub mod dra;
 pub mod events;
 pub mod health_marks;
 pub mod http;
+pub mod kept_sim;
 pub mod labeler;
 pub mod lock;
 pub mod owner;
