@@ -115,6 +115,8 @@ pub enum WebhookError {
         addr: SocketAddr,
         cause: std::io::Error,
     },
+    #[error("loading the certificate: its job did not finish: {0}")]
+    Worker(String),
 }
 
 /// A running webhook.
@@ -174,10 +176,12 @@ pub async fn start(
     client: kube::Client,
     opts: WebhookOptions,
 ) -> Result<RunningWebhook, WebhookError> {
-    let cert = Arc::new(tls::ReloadingCert::new(
-        &opts.tls_cert_file,
-        &opts.tls_key_file,
-    )?);
+    // Reading and parsing the files: off the runtime.
+    let (cert_file, key_file) = (opts.tls_cert_file.clone(), opts.tls_key_file.clone());
+    let cert = tokio::task::spawn_blocking(move || tls::ReloadingCert::new(&cert_file, &key_file))
+        .await
+        .map_err(|e| WebhookError::Worker(e.to_string()))??;
+    let cert = Arc::new(cert);
     let tls = Arc::new(cert.server_config()?);
     let probes = Arc::new(probe::Probes::new(
         opts.probes,
