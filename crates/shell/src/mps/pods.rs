@@ -27,8 +27,10 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long an unprepare waits for a deleted daemon pod's instance to end: the pod's grace
 /// period (30 s) and a margin.
 const STOP_TIMEOUT: Duration = Duration::from_secs(40);
-/// How often the unit's locks are read while waiting; the API is read every tenth time.
-const POLL: Duration = Duration::from_millis(100);
+/// How often the unit's locks are read while waiting (a lock probe is two system calls); the
+/// API is read every [`API_EVERY`]th time.
+const POLL: Duration = Duration::from_millis(20);
+const API_EVERY: u64 = 50;
 
 /// What `--mps-daemons=pods` needs to know.
 #[derive(Debug, Clone)]
@@ -238,7 +240,7 @@ impl MpsHost for MpsPods {
                 info!(unit, pod = %name, "the MPS control daemon's pod serves");
                 return Ok(true);
             }
-            if round.is_multiple_of(10) {
+            if round.is_multiple_of(API_EVERY) {
                 match self.get(&name).map_err(fail)? {
                     None => {
                         self.create(unit, multiuser).map_err(fail)?;

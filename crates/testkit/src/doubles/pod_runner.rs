@@ -56,6 +56,9 @@ fn run(program: &Path, env: &[(String, String)], pod: &Pod) -> Option<Child> {
         .args(args)
         .envs(env.iter().map(|(k, v)| (k, v)))
         .env(SHM_ENV, shm)
+        // The daemon logs to its log directory; its container's output would only clutter.
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
         .spawn()
         .ok()
 }
