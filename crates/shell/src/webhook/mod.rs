@@ -170,18 +170,22 @@ async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, WebhookError>
         })
 }
 
+/// The serving certificate, read and parsed off the runtime.
+async fn load_cert(opts: &WebhookOptions) -> Result<Arc<tls::ReloadingCert>, WebhookError> {
+    let (cert_file, key_file) = (opts.tls_cert_file.clone(), opts.tls_key_file.clone());
+    let cert = tokio::task::spawn_blocking(move || tls::ReloadingCert::new(&cert_file, &key_file))
+        .await
+        .map_err(|e| WebhookError::Worker(e.to_string()))??;
+    Ok(Arc::new(cert))
+}
+
 /// Loads the certificate, checks API access and fills the caches, binds, and serves in the
 /// background.
 pub async fn start(
     client: kube::Client,
     opts: WebhookOptions,
 ) -> Result<RunningWebhook, WebhookError> {
-    // Reading and parsing the files: off the runtime.
-    let (cert_file, key_file) = (opts.tls_cert_file.clone(), opts.tls_key_file.clone());
-    let cert = tokio::task::spawn_blocking(move || tls::ReloadingCert::new(&cert_file, &key_file))
-        .await
-        .map_err(|e| WebhookError::Worker(e.to_string()))??;
-    let cert = Arc::new(cert);
+    let cert = load_cert(&opts).await?;
     let tls = Arc::new(cert.server_config()?);
     let probes = Arc::new(probe::Probes::new(
         opts.probes,
