@@ -73,6 +73,20 @@ async fn pods_host_with(
     Arc::new(pods)
 }
 
+/// The API server double holding the agent's own pod.
+async fn api_with_agent_pod() -> Arc<ApiServerDouble> {
+    let api = Arc::new(ApiServerDouble::start().await.unwrap());
+    api.put_json(agent_pod()).unwrap();
+    api
+}
+
+/// The node's daemon pods run by the test kit's pod runner with the gpuplane binary, their
+/// processes also getting `host_env`.
+fn pod_runner(api: &ApiServerDouble, host_env: Vec<(String, String)>) -> PodRunner {
+    let program = std::path::Path::new(env!("CARGO_BIN_EXE_gpuplane"));
+    PodRunner::start_with_env(api.client().unwrap(), NS, NODE, program, host_env)
+}
+
 fn daemon_pods(api: &ApiServerDouble) -> Vec<Value> {
     api.list_json("v1", "pods", Some(NS))
         .into_iter()
@@ -82,16 +96,10 @@ fn daemon_pods(api: &ApiServerDouble) -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpus_daemon_runs_in_a_pod_of_its_own_that_a_restarted_agent_adopts() {
-    let api = Arc::new(ApiServerDouble::start().await.unwrap());
-    api.put_json(agent_pod()).unwrap();
+    let api = api_with_agent_pod().await;
     let env = Env::new(true);
     env.mps.set(pods_host(&env, &api).await).unwrap();
-    let runner = PodRunner::start(
-        api.client().unwrap(),
-        NS,
-        NODE,
-        std::path::Path::new(env!("CARGO_BIN_EXE_gpuplane")),
-    );
+    let runner = pod_runner(&api, Vec::new());
     let a = env.add_claim(
         "a",
         &uid(1),
@@ -179,17 +187,11 @@ async fn a_gpus_daemon_runs_in_a_pod_of_its_own_that_a_restarted_agent_adopts() 
 /// gone (deleted by hand, say) gets a new one before any prepare is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_deletes_a_daemon_pod_no_share_needs_and_recreates_a_missing_one() {
-    let api = Arc::new(ApiServerDouble::start().await.unwrap());
-    api.put_json(agent_pod()).unwrap();
+    let api = api_with_agent_pod().await;
     let env = Env::new(true);
     let host = pods_host(&env, &api).await;
     env.mps.set(host.clone()).unwrap();
-    let runner = PodRunner::start(
-        api.client().unwrap(),
-        NS,
-        NODE,
-        std::path::Path::new(env!("CARGO_BIN_EXE_gpuplane")),
-    );
+    let runner = pod_runner(&api, Vec::new());
     let a = env.add_claim(
         "a",
         &uid(1),
@@ -251,8 +253,7 @@ fn compute_mode(state: &std::path::Path, gpu: &str) -> String {
 /// last share's unprepare deletes the pod. Other GPUs are left alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_gpu_is_exclusive_to_its_mps_server_and_gets_its_mode_back() {
-    let api = Arc::new(ApiServerDouble::start().await.unwrap());
-    api.put_json(agent_pod()).unwrap();
+    let api = api_with_agent_pod().await;
     let env = Env::new(true);
     let lib = crate::support::built_fake().to_path_buf();
     env.mps
@@ -269,13 +270,7 @@ async fn a_shared_gpu_is_exclusive_to_its_mps_server_and_gets_its_mode_back() {
             state.display().to_string(),
         ),
     ];
-    let runner = PodRunner::start_with_env(
-        api.client().unwrap(),
-        NS,
-        NODE,
-        std::path::Path::new(env!("CARGO_BIN_EXE_gpuplane")),
-        host_env,
-    );
+    let runner = pod_runner(&api, host_env);
     let (gpu0, gpu1) = (env.gpu(0), env.gpu(1));
     let a = env.add_claim(
         "a",
