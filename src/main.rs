@@ -4,6 +4,7 @@
 // No panics on what a user, peer or file can influence: a check, not a habit.
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 
+mod cdi_hook;
 mod hours;
 mod mps;
 mod source_args;
@@ -52,6 +53,8 @@ enum Command {
     Node(Box<NodeArgs>),
     /// One MPS control daemon, as its pod runs it (the agent creates those pods).
     MpsDaemon(mps::DaemonArgs),
+    /// A CDI hook of the agent's, as a container runtime runs it.
+    CdiHook(cdi_hook::CdiHookArgs),
     /// Run the cluster-side controller: the GPU quota admission webhook.
     Controller(Box<ControllerArgs>),
     /// Why a GPU pod is Pending: one reason with its numbers, read from the API server.
@@ -290,6 +293,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Node(args) => run_node(*args),
         Command::Controller(args) => run_controller(*args),
         Command::MpsDaemon(args) => mps::run_daemon(args),
+        Command::CdiHook(args) => cdi_hook::run(args),
         Command::Explain(args) => run_explain(args),
         Command::Report { args, output } => {
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;

@@ -23,6 +23,7 @@ use std::time::Duration;
 const PROFILE_ENV: &str = "GPUPLANE_FAKE_NVML_PROFILE";
 const CONTROL_ENV: &str = "GPUPLANE_FAKE_NVML_CONTROL";
 const STATE_ENV: &str = "GPUPLANE_FAKE_NVML_STATE";
+const DRIVER_ENV: &str = "GPUPLANE_FAKE_NVML_DRIVER_VERSION";
 
 /// Environment variables are process-wide: set them and initialise NVML under this lock.
 static ENV: Mutex<()> = Mutex::new(());
@@ -66,6 +67,7 @@ impl Lab {
             Some(path) => std::env::set_var(STATE_ENV, path),
             None => std::env::remove_var(STATE_ENV),
         }
+        std::env::remove_var(DRIVER_ENV);
         NvmlSource::open(Some(&self.lib))
     }
 
@@ -574,4 +576,22 @@ fn a_compute_mode_set_through_nvml_reads_back_and_outlives_the_process_with_a_st
     // Without the file every load starts in DEFAULT, as after a driver reload.
     let machine = lab.open(DYNAMIC);
     assert_eq!(mode(&machine, gpu), ComputeMode::Default);
+}
+
+#[test]
+fn per_cgroup_memory_limits_are_offered_only_by_a_driver_that_has_them() {
+    let lab = Lab::new();
+    let machine = lab.open("dgx-h100");
+    assert_eq!(machine.source.memory_limit_library(), None, "driver 550");
+    drop(machine);
+    let r615 = {
+        let _env = ENV.lock().unwrap_or_else(|p| p.into_inner());
+        std::env::set_var(PROFILE_ENV, "dgx-h100");
+        std::env::remove_var(STATE_ENV);
+        std::env::set_var(DRIVER_ENV, "615.20.01");
+        let opened = NvmlSource::open(Some(&lab.lib));
+        std::env::remove_var(DRIVER_ENV);
+        opened.unwrap()
+    };
+    assert_eq!(r615.memory_limit_library(), Some(lab.lib.clone()));
 }

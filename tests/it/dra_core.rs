@@ -107,6 +107,7 @@ impl Env {
             paths: HostPaths::under(&self.root),
             device_mode: self.mode,
             mps: None,
+            memory_limits: None,
         }
     }
 

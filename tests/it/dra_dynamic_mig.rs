@@ -81,6 +81,7 @@ impl Env {
             paths: HostPaths::under(root),
             device_mode: DeviceMode::Simulated,
             mps: None,
+            memory_limits: None,
         };
         let fetcher: Arc<dyn ClaimFetcher> = self.claims.clone();
         DraCore::new(config, state, fetcher, Arc::new(self.source.clone())).unwrap()

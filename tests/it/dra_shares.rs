@@ -44,6 +44,8 @@ pub(crate) struct Env {
     claims: Arc<MemoryClaims>,
     /// Where the core runs MPS daemons; unset: as its own processes.
     pub(crate) mps: std::sync::OnceLock<Arc<dyn MpsHost>>,
+    /// What the memory-limit hooks run; unset: a driver without per-cgroup limits.
+    pub(crate) memory_limits: std::sync::OnceLock<gpuplane_shell::cdi::MemoryLimitHook>,
 }
 
 impl Env {
@@ -72,6 +74,7 @@ impl Env {
             state: Arc::new(NodeState::new(snapshot)),
             claims: Arc::new(MemoryClaims::default()),
             mps: std::sync::OnceLock::new(),
+            memory_limits: std::sync::OnceLock::new(),
         }
     }
 
@@ -96,6 +99,7 @@ impl Env {
             },
             device_mode: DeviceMode::Simulated,
             mps: self.mps.get().cloned(),
+            memory_limits: self.memory_limits.get().cloned(),
         };
         let fetcher: Arc<dyn ClaimFetcher> = self.claims.clone();
         let source = Arc::new(SimSource::new(self.inv.clone()));
@@ -214,7 +218,7 @@ impl Env {
     }
 
     /// Claim `name`'s first `status.devices` entry, once the background write made it.
-    async fn device_status(&self, name: &str) -> Value {
+    pub(crate) async fn device_status(&self, name: &str) -> Value {
         for _ in 0..500 {
             let claim = self.claims.get("ns", name).await.unwrap();
             if let Some(d) = claim

@@ -46,5 +46,6 @@ mod proto_names;
 mod quantities;
 mod restart_stress;
 mod security;
+mod share_memory;
 mod slices;
 mod webhook;

@@ -99,6 +99,15 @@ pub trait DeviceSource: Send + Sync {
     /// blocking pool, never on the async runtime: the driver call may block.
     fn set_compute_mode(&self, gpu: &DeviceUuid, mode: ComputeMode)
         -> Result<(), ComputeModeError>;
+
+    /// The NVML library through which a container's cgroup can be held to part of a whole GPU's
+    /// memory (`nvmlDeviceSetMemoryLimits_v1`, NVIDIA driver r615 and later, not on MIG
+    /// devices; see [`crate::cdi::memory_limit`]), as this process names it: a path, or
+    /// `libnvidia-ml.so.1` for the loader's. `None` where the driver has no such limit (older
+    /// drivers, simulated machines): share memory limits are then cooperative only.
+    fn memory_limit_library(&self) -> Option<std::path::PathBuf> {
+        None
+    }
 }
 
 /// A GPU's compute mode: which CUDA contexts the driver lets onto it (NVML's

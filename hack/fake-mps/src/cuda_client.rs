@@ -1,7 +1,10 @@
 //! A fake CUDA process, for tests: what a share container's CUDA program does with MPS, with no
 //! GPU behind it. It connects to the MPS control daemon of `CUDA_MPS_PIPE_DIRECTORY` (default
 //! `/tmp/nvidia-mps`) as a client of its own user id, passing its
-//! `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`; checks that its
+//! `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` and the inode of
+//! its cgroup v2 directory ([`fake_mps::own_cgroup_dir`]; `-` if it cannot tell), by which the
+//! daemon finds the driver's memory limit on that cgroup, as the driver knows a process's
+//! cgroup without being told; checks that its
 //! `/dev/shm` ([`fake_mps::SHM_ENV`]) holds the server's segment; prints the limits it was given,
 //! one line:
 //!
@@ -51,8 +54,11 @@ fn run() -> Result<(), String> {
         println!("no-mps active-thread-percentage=100.0 pinned-mem-limit=unlimited");
         return hold(None);
     };
+    let cgroup = fake_mps::own_cgroup_dir()
+        .and_then(|d| std::fs::metadata(d).ok())
+        .map_or_else(|| "-".to_string(), |m| m.ino().to_string());
     let hello = format!(
-        "{} uid={uid} threads={} pinned={}\n",
+        "{} uid={uid} threads={} pinned={} cgroup-inode={cgroup}\n",
         fake_mps::CLIENT_HELLO,
         env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
         env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")

@@ -10,6 +10,13 @@
 //!   servers started later), and a client's `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and
 //!   `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` "only further constrain" its server's: a client asking
 //!   for more gets the server's;
+//! - from driver r615 a cgroup's GPU memory limit, set through NVML, fails any allocation past
+//!   its hard limit by a process in that cgroup or below it, whatever the process's `CUDA_MPS_*`
+//!   environment says (NVML r615 change log; MPS documentation, "MPS v3 memory partitioning",
+//!   docs.nvidia.com/deploy/mps/mpsv3-memory-partitioning.html): a client's pinned memory limit
+//!   is also capped at its cgroup's hard limit (MiB, rounded down) in the fake NVML's state file
+//!   that `GPUPLANE_FAKE_NVML_STATE` names in the daemon's environment, if any
+//!   (`nvidia_ml::cgroup_memory_limit`);
 //! - clients need the daemon's `/dev/shm` (a segment the daemon leaves in [`fake_mps::shm_dir`]);
 //! - the servers live in the daemon's process: when it dies (its container or cgroup killed),
 //!   every client's connection ends with it.
@@ -19,6 +26,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -263,13 +271,17 @@ fn handle(dirs: &Dirs, shared: &Arc<Shared>, stream: UnixStream) -> Result<Flow,
     })
 }
 
-/// What a CUDA client says when it connects: `cuda-client uid=<n> threads=<p|-> pinned=<spec|->`.
+/// What a CUDA client says when it connects:
+/// `cuda-client uid=<n> threads=<p|-> pinned=<spec|-> cgroup-inode=<n|->` (a client without
+/// the last word is one in no known cgroup).
 #[derive(Debug, Clone, PartialEq)]
 struct ClientRequest {
     uid: u32,
     threads: Option<f64>,
     /// Device 0's limit from the client's `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, MiB.
     pinned_mib: Option<u64>,
+    /// The inode of the client's cgroup v2 directory.
+    cgroup_inode: Option<u64>,
 }
 
 impl ClientRequest {
@@ -278,18 +290,29 @@ impl ClientRequest {
             uid: u32::MAX,
             threads: None,
             pinned_mib: None,
+            cgroup_inode: None,
         };
         for word in rest.split_whitespace() {
             match word.split_once('=') {
                 Some(("uid", v)) => out.uid = v.parse().map_err(|_| format!("bad uid {v}"))?,
-                Some(("threads", "-")) | Some(("pinned", "-")) => {}
+                Some(("threads" | "pinned" | "cgroup-inode", "-")) => {}
                 Some(("threads", v)) => out.threads = v.parse().ok(),
                 Some(("pinned", v)) => out.pinned_mib = fake_mps::pinned_limit_for(v, "0"),
+                Some(("cgroup-inode", v)) => {
+                    out.cgroup_inode = Some(v.parse().map_err(|_| format!("bad inode {v}"))?)
+                }
                 _ => return Err(format!("bad client word {word}")),
             }
         }
         Ok(out)
     }
+}
+
+/// The driver's hard memory limit on the client's cgroup, MiB rounded down: what the fake
+/// NVML's state file named by `GPUPLANE_FAKE_NVML_STATE` in this daemon's environment holds.
+fn cgroup_limit_mib(inode: Option<u64>) -> Option<u64> {
+    let state = std::env::var_os(nvidia_ml::STATE_ENV)?;
+    nvidia_ml::cgroup_memory_limit(Path::new(&state), inode?).map(|bytes| bytes >> 20)
 }
 
 /// Serves one CUDA client: waits while another user's server has clients (single-user mode),
@@ -298,6 +321,8 @@ impl ClientRequest {
 fn serve_client(dirs: &Dirs, shared: &Shared, mut stream: UnixStream, req: &ClientRequest) {
     let _ = stream.set_read_timeout(None);
     let _ = dirs.log_event(&format!("client uid={} waiting", req.uid));
+    // Read before waiting: the driver's limit holds from the client's start.
+    let cgroup_mib = cgroup_limit_mib(req.cgroup_inode);
     let reply = {
         let mut state = lock(shared);
         while !state.may_serve(req.uid) {
@@ -311,10 +336,12 @@ fn serve_client(dirs: &Dirs, shared: &Shared, mut stream: UnixStream, req: &Clie
         let threads = req
             .threads
             .map_or(server.threads, |t| t.min(server.threads));
-        let pinned = match (req.pinned_mib, server.pinned_mib) {
-            (Some(c), Some(s)) => Some(c.min(s)),
-            (c, s) => c.or(s),
-        };
+        // The client's environment only lowers its server's; the driver's cgroup limit caps
+        // both.
+        let pinned = [req.pinned_mib, server.pinned_mib, cgroup_mib]
+            .into_iter()
+            .flatten()
+            .min();
         format!(
             "connected server-uid={} active-thread-percentage={threads:.1} pinned-mem-limit={} shm={}\n",
             server.uid,
@@ -508,6 +535,30 @@ mod tests {
         assert_eq!(texts[6], "25.0\n");
         assert_eq!(texts[7], "100.0\n");
         assert!(got.iter().all(|r| !r.quit));
+    }
+
+    #[test]
+    fn a_client_request_names_its_cgroup_inode_or_none() {
+        let request = |inode| ClientRequest {
+            uid: 7,
+            threads: None,
+            pinned_mib: None,
+            cgroup_inode: inode,
+        };
+        assert_eq!(
+            ClientRequest::parse(" uid=7 threads=- pinned=- cgroup-inode=4242"),
+            Ok(request(Some(4242)))
+        );
+        assert_eq!(
+            ClientRequest::parse(" uid=7 threads=- pinned=- cgroup-inode=-"),
+            Ok(request(None))
+        );
+        // A client of before the cgroup word: in no known cgroup.
+        assert_eq!(
+            ClientRequest::parse(" uid=7 threads=- pinned=-"),
+            Ok(request(None))
+        );
+        assert!(ClientRequest::parse(" uid=7 cgroup-inode=x").is_err());
     }
 
     #[test]

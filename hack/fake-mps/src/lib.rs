@@ -1,10 +1,11 @@
 //! What the fake `nvidia-cuda-mps-control` (src/main.rs) and the fake CUDA client
-//! (src/cuda_client.rs) share: where a daemon keeps its files, how its clients reach it, and
-//! the limit syntax of NVIDIA's MPS. Test-only: nothing shipped runs either program.
+//! (src/cuda_client.rs) share: where a daemon keeps its files, how its clients reach it, the
+//! limit syntax of NVIDIA's MPS, and where a process's cgroup is. Test-only: nothing shipped
+//! runs either program.
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The variable naming the directory that stands for `/dev/shm` (default `/dev/shm`): the
@@ -40,6 +41,27 @@ pub fn pinned_limit_for(spec: &str, device: &str) -> Option<u64> {
         .filter_map(|e| e.split_once('='))
         .find(|(d, _)| d.trim() == device)
         .and_then(|(_, v)| parse_mib(v))
+}
+
+/// Where cgroup v2 is mounted: `/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a hybrid host
+/// (v1 controllers at /sys/fs/cgroup, systemd's layout; this project's machines).
+pub fn cgroup2_root() -> PathBuf {
+    let root = Path::new("/sys/fs/cgroup");
+    if root.join("cgroup.controllers").is_file() {
+        root.to_path_buf()
+    } else {
+        root.join("unified")
+    }
+}
+
+/// This process's cgroup v2 directory: [`cgroup2_root`] joined with the `0::<path>` line of
+/// /proc/self/cgroup. In a container with a private cgroup namespace that path is `/` and the
+/// mount is the container's own cgroup, so both cases name the process's own directory.
+pub fn own_cgroup_dir() -> Option<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let dir = cgroup2_root().join(path.trim().trim_start_matches('/'));
+    dir.join("cgroup.controllers").is_file().then_some(dir)
 }
 
 /// Where the daemon of this environment keeps its files.

@@ -15,6 +15,9 @@
 //! * `CUDA_VISIBLE_DEVICES`: the GPUs the daemon would serve; only recorded in the log.
 //! * `GPUPLANE_FAKE_MPS_SHM` (default `/dev/shm`): stands for `/dev/shm`; the daemon leaves a
 //!   segment `cuda.shm.fake-mps.<pid>` there that its clients must see.
+//! * `GPUPLANE_FAKE_NVML_STATE` (optional): the fake NVML's state file (hack/fake-nvml); the
+//!   daemon caps each client's pinned memory limit at the driver's memory limit on the client's
+//!   cgroup kept there (src/daemon.rs).
 //!
 //! # Command line
 //!

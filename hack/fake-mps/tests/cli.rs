@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -52,7 +52,8 @@ impl Mps {
             .env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe)
             .env("CUDA_MPS_LOG_DIRECTORY", &self.log)
             .env("CUDA_VISIBLE_DEVICES", "1")
-            .env(fake_mps::SHM_ENV, &self.shm);
+            .env(fake_mps::SHM_ENV, &self.shm)
+            .env_remove(nvidia_ml::STATE_ENV);
         cmd
     }
 
@@ -88,6 +89,15 @@ impl Mps {
 
     fn start(&self) -> Output {
         self.run(&["-d"], "")
+    }
+
+    /// Starts the daemon (`-d`) with the fake NVML's state file `state` in its environment.
+    fn start_with_state(&self, state: &Path) -> Output {
+        self.command(&["-d"])
+            .env(nvidia_ml::STATE_ENV, state)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
     }
 
     fn client(&self, commands: &str) -> Output {
@@ -565,4 +575,69 @@ fn clients_fail_when_their_daemon_dies_and_run_without_mps_where_none_answers() 
     assert!(line.starts_with("no-mps "), "{line}");
     assert_eq!(field(&line, "active-thread-percentage"), "100.0");
     assert!(alone.finish().0.success());
+}
+
+const MIB: u64 = 1 << 20;
+
+/// This test process's cgroup v2 directory, which its clients inherit, found as the fake client
+/// finds its own. Without cgroup v2 the cgroup tests skip; under CI they may not.
+fn own_cgroup() -> Option<PathBuf> {
+    let dir = fake_mps::own_cgroup_dir();
+    if dir.is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no cgroup v2 directory for this process (CI is set, so this is a failure)"
+        );
+        eprintln!("SKIPPED: no cgroup v2 directory for this process");
+    }
+    dir
+}
+
+#[test]
+fn the_drivers_memory_limit_on_the_clients_cgroup_caps_it_whatever_its_environment_says() {
+    let Some(cgroup) = own_cgroup() else {
+        return;
+    };
+    let mps = Mps::new();
+    let state = mps.pipe.with_file_name("fake-nvml-state.json");
+    // 1.5 GiB and a little: the client sees whole MiB.
+    nvidia_ml::record_memory_limit(&state, "GPU-fake", &cgroup, 0, 1536 * MIB + 1000).unwrap();
+    let out = mps.start_with_state(&state);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let unset = mps.cuda_client(None, &[]);
+    let line = unset.line();
+    assert_eq!(field(&line, "pinned-mem-limit"), "1536M", "{line}");
+    let greedy = mps.cuda_client(None, &[("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=80G")]);
+    let line = greedy.line();
+    assert_eq!(field(&line, "pinned-mem-limit"), "1536M", "{line}");
+    // Below the driver's limit the environment still constrains.
+    let modest = mps.cuda_client(None, &[("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=512M")]);
+    assert_eq!(field(&modest.line(), "pinned-mem-limit"), "512M");
+    // Cleared (soft 0, hard max): the next client has the whole GPU again.
+    let max = nvidia_ml::MEMORY_LIMIT_MAX;
+    nvidia_ml::record_memory_limit(&state, "GPU-fake", &cgroup, 0, max).unwrap();
+    let after = mps.cuda_client(None, &[]);
+    assert_eq!(field(&after.line(), "pinned-mem-limit"), "unlimited");
+    for c in [unset, greedy, modest, after] {
+        assert!(c.finish().0.success());
+    }
+}
+
+#[test]
+fn without_a_driver_limit_on_the_clients_cgroup_the_limits_are_as_before() {
+    let mps = Mps::new();
+    let state = mps.pipe.with_file_name("fake-nvml-state.json");
+    // A limit on another cgroup only.
+    let other = tempfile::tempdir().unwrap();
+    std::fs::write(other.path().join("cgroup.controllers"), "").unwrap();
+    nvidia_ml::record_memory_limit(&state, "GPU-fake", other.path(), 0, 1024 * MIB).unwrap();
+    let out = mps.start_with_state(&state);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let unset = mps.cuda_client(None, &[]);
+    assert_eq!(field(&unset.line(), "pinned-mem-limit"), "unlimited");
+    let asking = mps.cuda_client(None, &[("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=2G")]);
+    assert_eq!(field(&asking.line(), "pinned-mem-limit"), "2048M");
+    for c in [unset, asking] {
+        assert!(c.finish().0.success());
+    }
 }

@@ -25,8 +25,13 @@
 //!   `NVML_ERROR_DRIVER_NOT_LOADED` (the kernel driver not loaded yet); read at every init that
 //!   has no machine yet, so a test can hold a starting agent there and then let it through.
 //!   Once initialised, both lines are no-ops.
+//! * `GPUPLANE_FAKE_NVML_DRIVER_VERSION` (optional, fake-only): a driver version (`615.20.01`,
+//!   2 to 4 dot-separated numbers; else `nvmlInit_v2` fails like a bad profile) reported instead
+//!   of the profile's everywhere (`nvmlSystemGetDriverVersion`, `nvmlSystemGetNVMLVersion`), and
+//!   deciding which driver's calls exist: the cgroup memory limits need 615 or newer.
 //! * `GPUPLANE_FAKE_NVML_STATE` (optional): a file (conventionally next to the profile) where
-//!   the MIG instances and the GPUs' compute modes are kept across processes. Without it each
+//!   the MIG instances, the GPUs' compute modes and the cgroup memory limits are kept across
+//!   processes. Without it each
 //!   process's instances and modes live and die with it, as though the driver were reloaded at
 //!   every start; with it, the instances one process created or destroyed and the modes it set
 //!   are there for the next (read at the first `nvmlInit_v2` that builds a machine, written
@@ -65,6 +70,15 @@
 //! until set, through GPU handles only (MIG device handles: `NVML_ERROR_NOT_SUPPORTED`); the
 //! details and NVML's words are in `compute_mode.rs`.
 //!
+//! # Cgroup memory limits (driver r615 and newer)
+//!
+//! `nvmlDeviceSetMemoryLimits_v1` (as root) and `nvmlDeviceGetMemoryLimits_v1` keep soft and
+//! hard limits per GPU and cgroup directory, in the state file; a driver older than r615 answers
+//! `NVML_ERROR_FUNCTION_NOT_FOUND`. For the fake MPS daemon, which caps its clients' memory at
+//! their cgroup's hard limit as the driver caps allocations, this crate is also a Rust library:
+//! [`cgroup_memory_limit`] reads the limit that applies to a cgroup, and tests write one with
+//! [`record_memory_limit`]. The details and NVIDIA's words are in `memory_limits.rs`.
+//!
 //! No panic crosses the C boundary: every export runs inside `entry`, which catches unwinding.
 
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -77,12 +91,16 @@ mod device;
 mod events;
 mod instances;
 mod links;
+mod memory_limits;
 mod mig;
 mod persist;
 mod state;
 mod system;
 #[cfg(test)]
 mod tests;
+
+pub use memory_limits::{cgroup_memory_limit, record_memory_limit, MEMORY_LIMIT_MAX};
+pub use state::STATE_ENV;
 
 use nvml_wrapper_sys::bindings::*;
 use std::ffi::{c_char, c_uint, CStr};
@@ -213,6 +231,8 @@ fn error_string(code: Ret) -> &'static CStr {
         DRIVER_NOT_LOADED => c"Driver Not Loaded",
         IN_USE => c"In use by another client",
         INSUFFICIENT_RESOURCES => c"Insufficient resources",
+        memory_limits::NO_PERMISSION => c"Insufficient Permissions",
+        memory_limits::FUNCTION_NOT_FOUND => c"Function Not Found",
         _ => c"Unknown Error",
     }
 }

@@ -1,19 +1,22 @@
-//! The state file (`GPUPLANE_FAKE_NVML_STATE`): the MIG instances and compute modes as the last
-//! change left them, so they outlive the process that made them, as instances and compute modes
-//! in a real driver outlive the agent that set them (a crash test restarts the agent and expects
-//! its instances still there; a restarted agent finds the GPUs of its MPS daemons still in
-//! `EXCLUSIVE_PROCESS`).
+//! The state file (`GPUPLANE_FAKE_NVML_STATE`): the MIG instances, compute modes and cgroup
+//! memory limits as the last change left them, so they outlive the process that made them, as
+//! instances and compute modes in a real driver outlive the agent that set them (a crash test
+//! restarts the agent and expects its instances still there; a restarted agent finds the GPUs
+//! of its MPS daemons still in `EXCLUSIVE_PROCESS`).
 //!
 //! JSON: `{"gpus": [{"uuid": "GPU-…", "migDevices": [<MigDevice>…], "book": <InstanceBook>,
 //! "computeMode": <ComputeMode>}]}`, one entry per GPU of the profile; the MIG devices replace
 //! those the profile lists, the book carries bare GPU instances and the creation count
 //! (`sim::instances`), and the compute mode is nvidia-smi's word (`"Default"`,
 //! `"Exclusive_Process"`, `"Prohibited"`; absent, as in files written before it was kept, means
-//! `"Default"`). Read when a process builds its machine (the first `nvmlInit_v2`); written after
-//! every change, whole, through a temporary file and a rename, so a process killed mid-write
-//! leaves the old state. Processes do not see each other's changes until their next
-//! initialisation.
+//! `"Default"`). Beside `gpus`, `"memoryLimits": [{"uuid": "GPU-…", "cgroup": "/sys/…",
+//! "inode": <n>, "softLimit": <bytes>, "hardLimit": <bytes>}…]` (absent: none), in
+//! `memory_limits.rs`'s format, which the fake MPS daemon reads too. Read when a process builds
+//! its machine (the first `nvmlInit_v2`); written after every change, whole, through a
+//! temporary file and a rename, so a process killed mid-write leaves the old state. Processes
+//! do not see each other's changes until their next initialisation.
 
+use crate::memory_limits::{self, MemoryLimit};
 use gpuplane_model::inventory::{Inventory, MigDevice};
 use gpuplane_model::sim::instances::InstanceBook;
 use gpuplane_model::source::ComputeMode;
@@ -21,12 +24,14 @@ use serde_json::{json, Value};
 use std::path::Path;
 
 /// Applies the state file at `path`, if there is one, to the machine built from the profile:
-/// its MIG devices, its instance books and its compute modes (all per GPU index).
+/// its MIG devices, its instance books and its compute modes (all per GPU index), and the
+/// memory limits (per GPU UUID).
 pub(crate) fn load(
     path: &Path,
     inventory: &mut Inventory,
     books: &mut [InstanceBook],
     modes: &mut [ComputeMode],
+    limits: &mut Vec<MemoryLimit>,
 ) -> Result<(), String> {
     let fail = |why: String| {
         format!(
@@ -65,15 +70,26 @@ pub(crate) fn load(
         books[index] = book;
         modes[index] = mode;
     }
+    *limits = memory_limits::from_state(&value).map_err(fail)?;
+    if let Some(l) = limits
+        .iter()
+        .find(|l| !inventory.gpus.iter().any(|g| g.uuid == l.uuid))
+    {
+        return Err(fail(format!(
+            "memoryLimits: GPU {} is not in the profile",
+            l.uuid
+        )));
+    }
     Ok(())
 }
 
-/// Writes the machine's MIG instances and compute modes to `path`.
+/// Writes the machine's MIG instances, compute modes and memory limits to `path`.
 pub(crate) fn save(
     path: &Path,
     inventory: &Inventory,
     books: &[InstanceBook],
     modes: &[ComputeMode],
+    limits: &[MemoryLimit],
 ) -> Result<(), String> {
     let gpus: Vec<Value> = inventory
         .gpus
@@ -84,17 +100,20 @@ pub(crate) fn save(
             json!({"uuid": g.uuid, "migDevices": g.mig_devices, "book": book, "computeMode": mode})
         })
         .collect();
-    let text = serde_json::to_string_pretty(&json!({ "gpus": gpus }))
+    let limits = memory_limits::to_state(limits);
+    write_whole(path, &json!({ "gpus": gpus, "memoryLimits": limits })).map_err(|e| {
+        format!("{e}; MIG, compute-mode and memory-limit changes will not outlive this process")
+    })
+}
+
+/// Writes `value` to `path` through a temporary file and a rename, so that a process killed
+/// mid-write leaves the old state.
+pub(crate) fn write_whole(path: &Path, value: &Value) -> Result<(), String> {
+    let text = serde_json::to_string_pretty(value)
         .map_err(|e| format!("state file {}: {e}", path.display()))?;
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     std::fs::write(&tmp, text)
         .and_then(|()| std::fs::rename(&tmp, path))
-        .map_err(|e| {
-            format!(
-                "cannot write state file {}: {e}; MIG and compute-mode changes will not \
-                 outlive this process",
-                path.display()
-            )
-        })
+        .map_err(|e| format!("cannot write state file {}: {e}", path.display()))
 }

@@ -1,6 +1,7 @@
 //! The fake machine: built from a simulation profile at init, mutated by control-file commands,
 //! shared by every export behind one mutex.
 
+use crate::memory_limits::MemoryLimit;
 use crate::{
     Ret, DRIVER_NOT_LOADED, GPU_IS_LOST, INVALID_ARGUMENT, NOT_SUPPORTED, UNINITIALIZED, UNKNOWN,
 };
@@ -18,7 +19,9 @@ use std::sync::{Mutex, MutexGuard};
 
 pub(crate) const PROFILE_ENV: &str = "GPUPLANE_FAKE_NVML_PROFILE";
 pub(crate) const CONTROL_ENV: &str = "GPUPLANE_FAKE_NVML_CONTROL";
-pub(crate) const STATE_ENV: &str = "GPUPLANE_FAKE_NVML_STATE";
+/// The state file's variable (`persist.rs`); public for the fake MPS daemon, which reads the
+/// cgroup memory limits there ([`crate::cgroup_memory_limit`]).
+pub const STATE_ENV: &str = "GPUPLANE_FAKE_NVML_STATE";
 pub(crate) const XID: u64 = nvmlEventTypeXidCriticalError as u64;
 pub(crate) const NO_INSTANCE: u32 = u32::MAX;
 
@@ -143,6 +146,8 @@ pub(crate) struct Fake {
     pub books: Vec<InstanceBook>,
     /// Per GPU index: its compute mode (`compute_mode.rs`), `Default` as after a driver load.
     pub compute_modes: Vec<ComputeMode>,
+    /// Every GPU's cgroup memory limits (`memory_limits.rs`).
+    pub memory_limits: Vec<MemoryLimit>,
     /// Where created and destroyed MIG instances and set compute modes are kept across
     /// processes (`STATE_ENV`).
     state_file: Option<PathBuf>,
@@ -261,17 +266,23 @@ impl Fake {
             partial: Vec::new(),
         });
         let mut inventory = inventory;
+        if let Some(version) = crate::system::driver_version_override()? {
+            inventory.driver_version = version;
+        }
         let mut books = vec![InstanceBook::default(); inventory.gpus.len()];
         let mut compute_modes = vec![ComputeMode::Default; inventory.gpus.len()];
+        let mut memory_limits = Vec::new();
         let state_file = std::env::var_os(STATE_ENV).map(PathBuf::from);
         if let Some(path) = &state_file {
-            crate::persist::load(path, &mut inventory, &mut books, &mut compute_modes)?;
+            let (modes, limits) = (&mut compute_modes, &mut memory_limits);
+            crate::persist::load(path, &mut inventory, &mut books, modes, limits)?;
         }
         Ok(Fake {
             inventory,
             extra,
             books,
             compute_modes,
+            memory_limits,
             state_file,
             lost: BTreeSet::new(),
             sets: BTreeMap::new(),
@@ -358,10 +369,10 @@ impl Fake {
 
     /// Writes the state file, if there is one; a failure is told on stderr, and the change
     /// stands in this process.
-    fn save(&self) {
+    pub(crate) fn save(&self) {
         if let Some(path) = &self.state_file {
-            let saved =
-                crate::persist::save(path, &self.inventory, &self.books, &self.compute_modes);
+            let (modes, limits) = (&self.compute_modes, &self.memory_limits);
+            let saved = crate::persist::save(path, &self.inventory, &self.books, modes, limits);
             if let Err(why) = saved {
                 let _ = writeln!(std::io::stderr(), "fake NVML: {why}");
             }

@@ -53,16 +53,19 @@ pub fn device_statuses(
 }
 
 /// Marks a `status.devices` entry as a share: its `shareID` (part of the entry's key), what it
-/// consumes in `data.share`, and a `ShareLimitsEnforced` condition, False today either way,
-/// naming what holds the limits: under MPS they are the CUDA client variables in the
-/// container's environment, which "only further constrain the limit set by the control daemon"
-/// (NVIDIA's MPS documentation, "Environment Variables") and so can be raised by the container;
-/// time-sliced, they are scheduling figures only.
+/// consumes in `data.share`, and a `ShareLimitsEnforced` condition naming what holds each
+/// limit. Under MPS the compute limit is the CUDA client variable in the container's
+/// environment, which "only further constrain the limit set by the control daemon" (NVIDIA's
+/// MPS documentation, "Environment Variables") and so can be raised by the container: the
+/// condition is False. The memory limit is held by the driver where `memory_held` (the
+/// container's cgroup limit, [`crate::cdi::memory_limit`]), else cooperative like compute.
+/// Time-sliced, both are scheduling figures only.
 pub fn add_share(
     entry: &mut Value,
     share_id: &str,
     share: &crate::sharing::Share,
     enforcement: crate::sharing::Enforcement,
+    memory_held: bool,
     now: &str,
 ) {
     use crate::sharing::Enforcement;
@@ -72,15 +75,19 @@ pub fn add_share(
         "compute": share.compute,
         "enforcement": enforcement.to_string(),
     });
-    let (status, message) = match enforcement {
-        Enforcement::Mps => ("False", format!("MPS runs this share beside the GPU's other shares, but its limits ({share}) are cooperative only: they are set in the container's environment (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), and a container that unsets or raises them gets up to the whole GPU")),
-        Enforcement::TimeSlicing => ("False", format!("the GPU is time-sliced among its shares: {share} are scheduling figures only, not limits (this node has no MPS control program, or its operator chose time-slicing)")),
+    entry["data"]["share"]["memoryHeld"] = json!(memory_held);
+    let memory =
+        crate::quantity::Quantity::from_u64(share.memory, crate::quantity::Format::BinarySI);
+    let (reason, message) = match (enforcement, memory_held) {
+        (Enforcement::Mps, true) => ("ComputeCooperative", format!("the driver holds this share's container to {memory} of GPU memory (a per-cgroup limit gpuplane sets outside the container, NVIDIA driver r615+); its {}% compute is cooperative only: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in the container's environment, which a container can unset or raise to get up to the whole GPU's SMs", share.compute)),
+        (Enforcement::Mps, false) => ("MPS", format!("MPS runs this share beside the GPU's other shares, but its limits ({share}) are cooperative only: they are set in the container's environment (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), and a container that unsets or raises them gets up to the whole GPU (per-cgroup memory limits need NVIDIA driver r615+ on a whole GPU)")),
+        (Enforcement::TimeSlicing, _) => ("TimeSlicing", format!("the GPU is time-sliced among its shares: {share} are scheduling figures only, not limits (this node has no MPS control program, or its operator chose time-slicing)")),
     };
     if let Some(conditions) = entry["conditions"].as_array_mut() {
         conditions.push(json!({
             "type": "ShareLimitsEnforced",
-            "status": status,
-            "reason": enforcement.to_string(),
+            "status": "False",
+            "reason": reason,
             "message": message,
             "lastTransitionTime": now,
         }));

@@ -7,10 +7,12 @@
 //!
 //! - [`driver`]: discovery of device nodes, driver libraries, binaries and the ldcache hook on
 //!   the host (the only I/O besides writing);
+//! - [`hook`]: the agent's own CDI hook (a share's GPU memory limit) and its executable;
 //! - [`install`]: the driver-install scan, cached per driver root and driver version;
 //! - [`writer`]: atomic, skip-if-identical writes of `<cdi root>/<stem>.json`.
 
 pub mod driver;
+pub mod hook;
 pub mod install;
 pub mod writer;
 

@@ -170,6 +170,10 @@ pub struct ShareEntry {
     /// The unit's whole capacity when it was prepared.
     pub capacity: Share,
     pub enforcement: Enforcement,
+    /// Whether the driver holds the share's container to its memory (a memory-limit CDI hook,
+    /// `gpuplane_model::cdi::memory_limit`); absent in checkpoints of earlier agents: false.
+    #[serde(default)]
+    pub memory_held: bool,
 }
 
 /// The checkpoint's content.

@@ -85,7 +85,7 @@ use crate::node::state::NodeState;
 use crate::paths::HostPaths;
 use crate::source::{DeviceMode, DeviceSource};
 use gpuplane_model::dynamic_mig;
-use spec::{remove_claim_spec, sweep_claim_specs};
+use spec::{remove_claim_spec, restore_spec, sweep_claim_specs};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -123,6 +123,8 @@ struct Shared {
     mps: Arc<dyn MpsHost>,
     /// Where dynamic MIG instances are created and destroyed.
     source: Arc<dyn DeviceSource>,
+    /// What holds a share's container to its memory, where the driver can.
+    memory_limits: Option<crate::cdi::MemoryLimitHook>,
 }
 
 /// Runs `job` on tokio's blocking pool (file writes with fsync, device-node checks) and waits
@@ -195,6 +197,7 @@ impl DraCore {
             installs: InstallCache::default(),
             mps,
             source,
+            memory_limits: config.memory_limits,
         });
         // Before any claim spec is restored: a prepared claim whose instance is gone is not
         // prepared any more.
@@ -462,39 +465,6 @@ impl Shared {
             self.write_device_status(c, Vec::new());
         }
         Ok(())
-    }
-}
-
-/// Makes a checkpointed claim's spec file hold the spec its entry records (start-up): a
-/// crash between the checkpoint write and the spec file, or a power loss that took the
-/// unsynced file, leaves it missing or short. A failure is logged; the kubelet's retry
-/// finds the spec missing and prepares the claim again.
-fn restore_spec(cdi_root: &std::path::Path, uid: &str, entry: &ClaimEntry) {
-    let Some(spec) = entry
-        .cdi_spec
-        .as_ref()
-        .filter(|_| entry.state == ClaimState::PrepareCompleted)
-    else {
-        return;
-    };
-    let claim = format!("{}/{}", entry.namespace, entry.name);
-    if !names::is_claim_spec_stem(&entry.cdi_spec_stem) {
-        warn!(claim = %claim, uid, stem = %entry.cdi_spec_stem,
-            "the checkpoint names a CDI spec that is not a claim spec; not restoring it");
-        return;
-    }
-    match cdi::write_spec(
-        cdi_root,
-        &entry.cdi_spec_stem,
-        spec,
-        cdi::Durability::Durable,
-    ) {
-        Ok(cdi::WriteOutcome::Unchanged) => {}
-        Ok(cdi::WriteOutcome::Written) => {
-            info!(claim = %claim, uid, "restored the CDI spec of a prepared claim from the checkpoint")
-        }
-        Err(e) => error!(claim = %claim, uid, error = %e,
-            "restoring the CDI spec of a prepared claim failed; it is prepared again when the kubelet retries"),
     }
 }
 

@@ -99,6 +99,10 @@ impl DeviceSource for Deferred {
     ) -> Result<(), ComputeModeError> {
         self.get().map_err(unopened)?.set_compute_mode(gpu, mode)
     }
+
+    fn memory_limit_library(&self) -> Option<std::path::PathBuf> {
+        self.opened.get().and_then(|s| s.memory_limit_library())
+    }
 }
 
 /// NVML not open yet: the call fails as `nvmlInit` did.

@@ -2,6 +2,8 @@
 //! the failures users must see), its kubelet-facing gRPC server, and the ResourceSlice
 //! publisher fed from the shared state.
 
+use crate::cdi::hook::install_hook_exe;
+use crate::cdi::MemoryLimitHook;
 use crate::dra::core::{CoreError, DraCore, DraCoreConfig};
 use crate::dra::fetch::KubeClaims;
 use crate::dra::server::{DraServer, ServeError};
@@ -102,7 +104,7 @@ pub async fn start(
         }
         None => None,
     };
-    let config = DraCoreConfig {
+    let mut config = DraCoreConfig {
         paths: paths.clone(),
         device_mode,
         mps,
@@ -110,12 +112,17 @@ pub async fn start(
     };
     let claims = Arc::new(KubeClaims::new(settings.client.clone()));
     let core_state = state.clone();
-    // Loading the checkpoint and restoring claim specs read and write files: off the runtime.
-    let core =
-        tokio::task::spawn_blocking(move || DraCore::new(config, core_state, claims, source))
-            .await
-            .map_err(|e| DraStartError::Worker(e.to_string()))?
-            .map_err(DraStartError::Core)?;
+    // Installing the hook's executable, loading the checkpoint and restoring claim specs read
+    // and write files: off the runtime.
+    let core = tokio::task::spawn_blocking(move || {
+        if device_mode == DeviceMode::Hardware {
+            config.memory_limits = memory_limit_hook(&config.paths, source.as_ref());
+        }
+        DraCore::new(config, core_state, claims, source)
+    })
+    .await
+    .map_err(|e| DraStartError::Worker(e.to_string()))?
+    .map_err(DraStartError::Core)?;
     core.restore_holds().await;
     let events = ClaimEvents::new(
         settings.client.clone(),
@@ -202,4 +209,42 @@ async fn publish(
         let _ = stop.wait_for(|s| *s).await;
     });
     tokio::join!(follow, keep);
+}
+
+/// What a share's memory-limit hook runs on this node, where the driver limits GPU memory per
+/// cgroup and the node runs cgroup v2: this executable, installed under the state directory,
+/// and the NVML library as the host names it. `None` (share memory cooperative, as the claims'
+/// status says) otherwise, or when the install fails (logged).
+fn memory_limit_hook(paths: &HostPaths, source: &dyn DeviceSource) -> Option<MemoryLimitHook> {
+    let lib = source.memory_limit_library()?;
+    if !std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        tracing::warn!("the driver limits GPU memory per cgroup, but this node does not run cgroup v2: share memory limits stay cooperative");
+        return None;
+    }
+    let installed = std::env::current_exe()
+        .map_err(|e| e.to_string())
+        .and_then(|exe| install_hook_exe(&exe, &paths.state_dir).map_err(|e| e.to_string()));
+    match installed {
+        Ok(exe) => Some(MemoryLimitHook {
+            exe: exe.display().to_string(),
+            nvml_lib: host_path(paths, &lib).display().to_string(),
+        }),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot install the executable of the memory-limit CDI hook: share memory limits stay cooperative");
+            None
+        }
+    }
+}
+
+/// `path` as the host names it: under the driver root when the agent reads that root at
+/// another mount.
+fn host_path(paths: &HostPaths, path: &std::path::Path) -> std::path::PathBuf {
+    match paths
+        .driver_root_mount
+        .as_deref()
+        .and_then(|m| path.strip_prefix(m).ok())
+    {
+        Some(rest) => paths.driver_root.join(rest),
+        None => path.to_path_buf(),
+    }
 }

@@ -10,11 +10,13 @@
 //!
 //! MIG profile names are derived the way NVIDIA's go-nvlib does (see `naming.rs`); which bundled
 //! MIG table a GPU follows is `table.rs`, dynamic MIG (creating and destroying instances)
-//! `mig.rs`, and compute modes (read and set for MPS) `compute_mode.rs`. Calls the wrapper
+//! `mig.rs`, compute modes (read and set for MPS) `compute_mode.rs`, and per-cgroup memory limits (held
+//! shares) `memory_limits.rs`. Calls the wrapper
 //! lacks or gets wrong are made directly in `raw.rs`, the only unsafe code in the crate.
 
 mod compute_mode;
 mod events;
+mod memory_limits;
 mod mig;
 mod naming;
 #[allow(unsafe_code)]
@@ -27,15 +29,18 @@ use crate::source::{
     ComputeMode, ComputeModeError, DeviceEvent, DeviceSource, Discovery, LostGpu, MigChangeError,
     MigRequest, SourceError,
 };
+pub use memory_limits::{set_cgroup_memory_limit, MemoryLimitError};
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// A [`DeviceSource`] backed by the NVIDIA driver (or anything exporting NVML's C API).
 pub struct NvmlSource {
     nvml: Nvml,
     events: events::Events,
+    /// The library, where the driver limits GPU memory per cgroup (`memory_limits.rs`).
+    memory_limits: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for NvmlSource {
@@ -93,7 +98,13 @@ impl NvmlSource {
             open_error(lib_path, &e)
         })?;
         let events = events::Events::new(&nvml);
-        let source = NvmlSource { nvml, events };
+        let lib = memory_limits::library_name(lib_path);
+        let memory_limits = memory_limits::supported(&nvml, &lib).then_some(lib);
+        let source = NvmlSource {
+            nvml,
+            events,
+            memory_limits,
+        };
         let count = source
             .nvml
             .device_count()
@@ -198,5 +209,9 @@ impl DeviceSource for NvmlSource {
         mode: ComputeMode,
     ) -> Result<(), ComputeModeError> {
         compute_mode::set(&self.nvml, gpu, mode)
+    }
+
+    fn memory_limit_library(&self) -> Option<PathBuf> {
+        self.memory_limits.clone()
     }
 }

@@ -306,3 +306,60 @@ pub(super) fn wait(nvml: &Nvml, set: &RawEventSet, timeout_ms: u32) -> Result<Ra
         compute_instance_id: data.computeInstanceId,
     })
 }
+
+/// `nvmlSetMemoryLimits_v1_t` (nvml.h, CUDA 13.4 / driver r615): a cgroup directory's path and
+/// its soft and hard GPU memory limits in bytes.
+#[repr(C)]
+struct SetMemoryLimitsV1 {
+    name_space: *const std::ffi::c_char,
+    soft_limit: u64,
+    hard_limit: u64,
+}
+
+/// `nvmlDeviceSetMemoryLimits_v1`'s signature.
+type SetMemoryLimitsFn = unsafe extern "C" fn(
+    nvmlDevice_t,
+    *mut SetMemoryLimitsV1,
+) -> nvml_wrapper_sys::bindings::nvmlReturn_t;
+
+/// The name of the per-cgroup memory limit call, which `nvml-wrapper`'s bindings predate.
+const SET_MEMORY_LIMITS: &[u8] = b"nvmlDeviceSetMemoryLimits_v1\0";
+
+/// Whether `lib` (the NVML library, loaded again by path: the loader hands back the handle it
+/// already has) exports `nvmlDeviceSetMemoryLimits_v1`.
+pub(super) fn has_memory_limits(lib: &libloading::Library) -> bool {
+    // SAFETY: only the symbol's presence is checked; the pointer is never called or read.
+    unsafe { lib.get::<*const std::ffi::c_void>(SET_MEMORY_LIMITS) }.is_ok()
+}
+
+/// `nvmlDeviceSetMemoryLimits_v1`: limits the processes of cgroup directory `cgroup` to
+/// `soft`/`hard` bytes of `device`'s memory.
+pub(super) fn set_memory_limits(
+    lib: &libloading::Library,
+    device: &Device<'_>,
+    cgroup: &std::ffi::CStr,
+    soft: u64,
+    hard: u64,
+) -> Result<(), NvmlError> {
+    // SAFETY: the symbol has nvml.h's r615 signature, declared above as `SetMemoryLimitsFn`.
+    let sym = unsafe { lib.get::<SetMemoryLimitsFn>(SET_MEMORY_LIMITS) }
+        .map_err(|e| NvmlError::FailedToLoadSymbol(e.to_string()))?;
+    let mut limits = SetMemoryLimitsV1 {
+        name_space: cgroup.as_ptr(),
+        soft_limit: soft,
+        hard_limit: hard,
+    };
+    // SAFETY: NVML-issued handle; `limits` is laid out as nvml.h's struct and, with the path it
+    // points to, lives for the whole call, which only reads it.
+    nvml_try(unsafe { sym(handle(device), &mut limits) })
+}
+
+/// Loads the NVML library at `path` for a symbol `nvml-wrapper` lacks. The wrapper has loaded
+/// the same file already, so the loader returns that handle and runs no initialiser again.
+pub(super) fn open_library(
+    path: &std::path::Path,
+) -> Result<libloading::Library, libloading::Error> {
+    // SAFETY: the library is NVIDIA's NVML (or its stand-in), already loaded and initialised in
+    // this process by `nvml-wrapper`; loading it again only takes another reference.
+    unsafe { libloading::Library::new(path) }
+}

@@ -21,6 +21,9 @@ pub struct DraCoreConfig {
     /// Where MPS control daemons run; `None`: as the agent's own processes
     /// ([`crate::mps::process::MpsDaemons`] at `paths`).
     pub mps: Option<Arc<dyn MpsHost>>,
+    /// What a share's memory-limit hook runs, where the driver limits GPU memory per cgroup
+    /// (`None`: share memory limits are cooperative only).
+    pub memory_limits: Option<crate::cdi::MemoryLimitHook>,
 }
 
 impl DraCoreConfig {
@@ -32,6 +35,7 @@ impl DraCoreConfig {
             paths: HostPaths::standard(),
             device_mode: DeviceMode::Hardware,
             mps: None,
+            memory_limits: None,
         }
     }
 }

@@ -41,18 +41,23 @@ pub(super) fn multiuser(inv: &Inventory, unit: &str) -> bool {
 }
 
 /// The Event for a prepared claim with shares: which of their limits hold how. Time-sliced,
-/// memory and compute are scheduling figures; under MPS they are cooperative (module docs of
-/// `gpuplane_model::dra::status::add_share`). Never "enforced" where they are not.
+/// memory and compute are scheduling figures; under MPS compute is cooperative, and memory too
+/// unless the driver holds it (`gpuplane_model::dra::status::add_share`). Never "enforced"
+/// where it is not.
 pub(super) fn notice(entry: &ClaimEntry) -> Option<UserEvent> {
-    let listed = |e: Enforcement| -> Vec<String> {
+    let listed = |e: Enforcement, held: bool| -> Vec<String> {
         entry
             .shares
             .iter()
-            .filter(|s| s.enforcement == e)
+            .filter(|s| s.enforcement == e && (e != Enforcement::Mps || s.memory_held == held))
             .map(|s| format!("{} ({})", s.device, s.share))
             .collect()
     };
-    let (sliced, mps) = (listed(Enforcement::TimeSlicing), listed(Enforcement::Mps));
+    let sliced = listed(Enforcement::TimeSlicing, false);
+    let (mps, held) = (
+        listed(Enforcement::Mps, false),
+        listed(Enforcement::Mps, true),
+    );
     let mut parts = Vec::new();
     if !sliced.is_empty() {
         parts.push(format!(
@@ -69,6 +74,15 @@ pub(super) fn notice(entry: &ClaimEntry) -> Option<UserEvent> {
              environment (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), \
              which a container can unset or raise",
             mps.join(", ")
+        ));
+    }
+    if !held.is_empty() {
+        parts.push(format!(
+            "prepared as MPS shares of {}: the driver holds each container to its memory (a \
+             per-cgroup limit set outside the container), but their compute limit is \
+             cooperative only, set in the container's environment \
+             (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), which a container can unset or raise",
+            held.join(", ")
         ));
     }
     (!parts.is_empty()).then(|| UserEvent {

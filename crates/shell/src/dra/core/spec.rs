@@ -1,12 +1,12 @@
 //! A claim's CDI spec: planned against the current inventory and health, rendered with its
 //! device nodes checked (or simulated), the devices the kubelet gets back, the ledger units and
-//! the claim's `status.devices` entries; the one removal of a claim's spec file, and the sweep
-//! of every claim spec after a reboot.
+//! the claim's `status.devices` entries; the one removal of a claim's spec file, its restore
+//! from the checkpoint at start, and the sweep of every claim spec after a reboot.
 
 use super::names::{cdi_device_name, is_claim_spec_stem};
 use super::{PrepareError, Shared};
 use crate::cdi::{self, ContainerEdits, DeviceName, DriverFiles, NamedDevices, WriteError};
-use crate::dra::checkpoint::ShareEntry;
+use crate::dra::checkpoint::{ClaimEntry, ClaimState, ShareEntry};
 use crate::dra::claims::{plan_claim, ClaimPlan};
 use crate::dra::{status, ClaimRef, ClaimUid, PreparedDevice};
 use crate::inventory::{DeviceRef, DeviceUuid, Inventory};
@@ -16,7 +16,7 @@ use crate::source::DeviceMode;
 use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use tracing::warn;
+use tracing::{error, info, warn};
 
 /// Removes a claim's spec; a stem that is not a claim spec's (a damaged or hand-edited
 /// checkpoint) is left alone with a warning, so the node spec can never be removed here.
@@ -33,6 +33,39 @@ pub(super) fn remove_claim_spec(
         return Ok(());
     }
     cdi::remove_spec(cdi_root, stem, durability)
+}
+
+/// Makes a checkpointed claim's spec file hold the spec its entry records (start-up): a
+/// crash between the checkpoint write and the spec file, or a power loss that took the
+/// unsynced file, leaves it missing or short. A failure is logged; the kubelet's retry
+/// finds the spec missing and prepares the claim again.
+pub(super) fn restore_spec(cdi_root: &Path, uid: &str, entry: &ClaimEntry) {
+    let Some(spec) = entry
+        .cdi_spec
+        .as_ref()
+        .filter(|_| entry.state == ClaimState::PrepareCompleted)
+    else {
+        return;
+    };
+    let claim = format!("{}/{}", entry.namespace, entry.name);
+    if !is_claim_spec_stem(&entry.cdi_spec_stem) {
+        warn!(claim = %claim, uid, stem = %entry.cdi_spec_stem,
+            "the checkpoint names a CDI spec that is not a claim spec; not restoring it");
+        return;
+    }
+    match cdi::write_spec(
+        cdi_root,
+        &entry.cdi_spec_stem,
+        spec,
+        cdi::Durability::Durable,
+    ) {
+        Ok(cdi::WriteOutcome::Unchanged) => {}
+        Ok(cdi::WriteOutcome::Written) => {
+            info!(claim = %claim, uid, "restored the CDI spec of a prepared claim from the checkpoint")
+        }
+        Err(e) => error!(claim = %claim, uid, error = %e,
+            "restoring the CDI spec of a prepared claim failed; it is prepared again when the kubelet retries"),
+    }
 }
 
 /// After a reboot every claim spec in `cdi_root` is of a claim no longer prepared (its
@@ -128,7 +161,7 @@ impl Shared {
         let claimed = claimed_devices(plan, &c.uid, inv, files)?;
         let mut spec = self.spec_over(&claimed, files)?;
         add_config_env(&mut spec, plan, &c.uid);
-        self.add_share_edits(&mut spec, plan, &c.uid);
+        self.add_share_edits(&mut spec, plan, &c.uid, inv);
         spec.cdi_version = cdi::minimum_version(&spec).to_string();
         let units = plan
             .devices
@@ -148,6 +181,7 @@ impl Shared {
                     share,
                     capacity: unit.whole(),
                     enforcement: unit.enforcement,
+                    memory_held: self.memory_hook(&p.uuid, unit.enforcement, inv).is_some(),
                 })
             })
             .collect();
@@ -163,6 +197,7 @@ impl Shared {
                     &share.share_id,
                     &share.share,
                     share.enforcement,
+                    share.memory_held,
                     &now,
                 );
             }
@@ -192,9 +227,31 @@ impl Shared {
         units
     }
 
+    /// The hook holding a share of `unit` to its memory, where this node can: MPS shares of a
+    /// whole GPU on a driver with per-cgroup memory limits (none on MIG devices: NVIDIA's
+    /// memory partitioning leaves them out).
+    fn memory_hook(
+        &self,
+        unit: &DeviceUuid,
+        enforcement: Enforcement,
+        inv: &Inventory,
+    ) -> Option<&cdi::MemoryLimitHook> {
+        let whole_gpu = inv.gpus.iter().any(|g| &g.uuid == unit);
+        (enforcement == Enforcement::Mps && whole_gpu)
+            .then_some(self.memory_limits.as_ref())
+            .flatten()
+    }
+
     /// A share's container edits: what it is and, under MPS, its daemon's pipe directory
-    /// (mounted at the same path) and CUDA's MPS client limits.
-    fn add_share_edits(&self, spec: &mut cdi::Spec, plan: &ClaimPlan, uid: &ClaimUid) {
+    /// (mounted at the same path), CUDA's MPS client limits and, where the driver can, the hook
+    /// that holds the container to its memory.
+    fn add_share_edits(
+        &self,
+        spec: &mut cdi::Spec,
+        plan: &ClaimPlan,
+        uid: &ClaimUid,
+        inv: &Inventory,
+    ) {
         for d in &mut spec.devices {
             let Some((share, unit, p)) = plan.devices.iter().find_map(|p| {
                 let (share, unit) = p.share?;
@@ -206,6 +263,9 @@ impl Shared {
             let pipe = dirs.pipe.display().to_string();
             let mps = unit.enforcement == Enforcement::Mps;
             let edits = &mut d.container_edits;
+            if let Some(h) = self.memory_hook(&p.uuid, unit.enforcement, inv) {
+                edits.hooks.push(h.hook(p.uuid.as_str(), share.memory));
+            }
             edits.env.extend(sharing::share_env(
                 &share,
                 unit.enforcement,
