@@ -46,7 +46,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-const CDI_ROOT: &str = "/var/run/cdi";
+pub(crate) const CDI_ROOT: &str = "/var/run/cdi";
 const NVML_LIB: &str = "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.90.07";
 const NVML_MARKER: &str = "gpuplane-fake-libnvidia-ml";
 const SMI_MARKER: &str = "gpuplane-fake-nvidia-smi";
@@ -61,7 +61,7 @@ fn skip(why: &str) -> bool {
 }
 
 /// True (after [`skip`]) when something these tests need is missing.
-fn lacks_prerequisites() -> bool {
+pub(crate) fn lacks_prerequisites() -> bool {
     (!is_root() && skip("needs root (mknod, podman as root)"))
         || (!have("podman", "--version") && skip("podman is not installed"))
         || (!have("runc", "--version") && skip("runc is not installed"))
@@ -70,7 +70,7 @@ fn lacks_prerequisites() -> bool {
 }
 
 /// Unique per process and run: `<pid>-<nanoseconds>`.
-fn unique_id() -> String {
+pub(crate) fn unique_id() -> String {
     format!(
         "{}-{}",
         std::process::id(),
@@ -81,12 +81,12 @@ fn unique_id() -> String {
     )
 }
 
-fn run(cmd: &mut Command) -> Output {
+pub(crate) fn run(cmd: &mut Command) -> Output {
     cmd.output()
         .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"))
 }
 
-fn ok(cmd: &mut Command) -> Output {
+pub(crate) fn ok(cmd: &mut Command) -> Output {
     let out = run(cmd);
     assert!(
         out.status.success(),
@@ -113,7 +113,7 @@ fn is_root() -> bool {
 }
 
 /// podman with a time limit, so a wedged runtime fails the test instead of hanging it.
-fn podman(args: &[&str]) -> Command {
+pub(crate) fn podman(args: &[&str]) -> Command {
     let mut c = Command::new("timeout");
     c.arg("180").arg("podman").args(args);
     c
@@ -121,9 +121,9 @@ fn podman(args: &[&str]) -> Command {
 
 /// Removes the spec files (by stem, under [`CDI_ROOT`]) and the image however a test ends.
 #[derive(Default)]
-struct Cleanup {
-    stems: Vec<String>,
-    image: Option<String>,
+pub(crate) struct Cleanup {
+    pub(crate) stems: Vec<String>,
+    pub(crate) image: Option<String>,
 }
 
 impl Drop for Cleanup {
@@ -139,7 +139,7 @@ impl Drop for Cleanup {
     }
 }
 
-fn spec_file(stem: &str) -> PathBuf {
+pub(crate) fn spec_file(stem: &str) -> PathBuf {
     Path::new(CDI_ROOT).join(format!("{stem}.json"))
 }
 

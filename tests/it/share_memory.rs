@@ -6,8 +6,11 @@
 //! and the share's CUDA program (the fake client, through the fake MPS daemon, which asks the
 //! driver's state as the real driver enforces it) gets its share even when it unsets or raises
 //! `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`. Without the hook, it gets what it asks for: the test
-//! fails if the hook sets nothing.
+//! fails if the hook sets nothing. Once by hand (the test as the runtime), once through podman
+//! and runc (a real CDI consumer running the spec's hook), which also fail the container's
+//! creation when the hook cannot hold it.
 
+use crate::cdi_podman::{lacks_prerequisites, spec_file, unique_id, Cleanup};
 use crate::dra_shares::{prepare, uid, Env};
 use crate::support;
 use gpuplane_shell::cdi::{MemoryLimitHook, Spec};
@@ -56,9 +59,14 @@ impl Drop for Leaf {
     }
 }
 
-/// The fake driver's settings: the profile Env simulates, its state, a driver with the call.
+/// The fake driver's settings: where the stand-in MPS daemon leaves its `/dev/shm` segment
+/// (clients need it too), the profile Env simulates, its state, a driver with the call.
 fn driver_env(env: &Env) -> Vec<(String, String)> {
     vec![
+        (
+            "GPUPLANE_FAKE_MPS_SHM".into(),
+            env.path("shm").display().to_string(),
+        ),
         ("GPUPLANE_FAKE_NVML_PROFILE".into(), "dgx-a100".into()),
         (
             "GPUPLANE_FAKE_NVML_STATE".into(),
@@ -75,6 +83,7 @@ fn driver_env(env: &Env) -> Vec<(String, String)> {
 /// allocations meet the driver's limits.
 fn held_env() -> Env {
     let env = Env::new(true);
+    std::fs::create_dir_all(env.path("shm")).unwrap();
     let program = env.path("driver/usr/bin/nvidia-cuda-mps-control");
     std::fs::remove_file(&program).unwrap();
     let exports: String = driver_env(&env)
@@ -227,6 +236,7 @@ async fn a_share_container_that_drops_or_raises_its_memory_limit_is_still_held_t
         if let Some(p) = pinned {
             e.push(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(), p.into()));
         }
+        e.push(driver_env(&env).swap_remove(0));
         e
     };
     let driver = driver_env(&env);
@@ -290,4 +300,131 @@ fn the_hook_refuses_what_it_cannot_hold_and_says_why() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("container runtime"), "{err}");
+}
+
+/// Claim `uid`'s spec as written, for podman: a kind of its own (the claim kind's driver is
+/// shared by every test), its hooks given the fake driver's settings `driver` (a real driver
+/// needs none) or, with `hooks: false`, no hooks; written to the CDI root. Returns the device
+/// to ask podman for.
+fn podman_spec(
+    env: &Env,
+    uid: &str,
+    id: &str,
+    driver: Option<&[(String, String)]>,
+    cleanup: &mut Cleanup,
+) -> String {
+    let stem = spec_stem(&ClaimUid::parse(uid).unwrap());
+    let mut spec: Spec =
+        serde_json::from_slice(&std::fs::read(env.path(&format!("cdi/{stem}.json"))).unwrap())
+            .unwrap();
+    spec.kind = format!("test-{id}.gpuplane.dev/share");
+    for d in &mut spec.devices {
+        match driver {
+            Some(vars) => {
+                for h in &mut d.container_edits.hooks {
+                    h.env = vars.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                }
+            }
+            None => d.container_edits.hooks.clear(),
+        }
+    }
+    let file = format!("gpuplane-test-{id}");
+    cleanup.stems.push(file.clone());
+    std::fs::write(spec_file(&file), serde_json::to_vec(&spec).unwrap()).unwrap();
+    format!("{}={}", spec.kind, spec.devices[0].name)
+}
+
+/// `podman run` of `script` in a container with `device`, as runc runs it on a cgroup v2 host:
+/// in a mount namespace of its own where this host's cgroup v2 hierarchy is /sys/fs/cgroup
+/// (NVIDIA's partitioning needs it there; this project's machines mount it at
+/// /sys/fs/cgroup/unified). The container's root is the host's `/` (bound at `root`), so the
+/// fake CUDA client runs in it from the build.
+fn podman_in_cgroup2(root: &Path, device: &str, shm: &str, script: &str) -> std::process::Output {
+    std::fs::create_dir_all(root).unwrap();
+    let inner = format!(
+        "mount --make-rprivate / && mount --bind {cg} /sys/fs/cgroup && mount --rbind / {root} \
+         && exec timeout 180 podman run --rm --runtime runc --network=none \
+         --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 --pids-limit=0 \
+         --device {device} -e GPUPLANE_FAKE_MPS_SHM={shm} --rootfs {root} sh -c \"$0\"",
+        cg = cgroup2_root().display(),
+        root = root.display(),
+    );
+    Command::new("unshare")
+        .args(["-m", "sh", "-c", &inner, script])
+        .output()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn through_podman_and_runc_the_hook_holds_the_container_whatever_it_does_with_its_env() {
+    if lacks_prerequisites() {
+        return;
+    }
+    let env = held_env();
+    let core = env.core();
+    let a = env.add_claim(
+        "a",
+        &uid(1),
+        &[("gpu-0", Some(("s-a", "40Gi", "50")))],
+        json!([]),
+    );
+    prepare(&core, &a).await.unwrap();
+    let id = unique_id();
+    let mut cleanup = Cleanup::default();
+    let driver = driver_env(&env);
+    let shm = env.path("shm").display().to_string();
+    let client = support::built_fake_cuda_client().display().to_string();
+    let script = format!(
+        "unset CUDA_MPS_PINNED_DEVICE_MEM_LIMIT; {client} </dev/null && \
+         export CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=81920M && {client} </dev/null"
+    );
+    let root = env.path("root");
+    let lines = |out: &std::process::Output| -> Vec<String> {
+        assert!(
+            out.status.success(),
+            "podman: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| pinned(l).to_string())
+            .collect()
+    };
+
+    // Held: the runtime ran the spec's hook on the container's own cgroup.
+    let held = podman_spec(
+        &env,
+        &uid(1),
+        &format!("{id}-held"),
+        Some(&driver),
+        &mut cleanup,
+    );
+    let out = podman_in_cgroup2(&root, &held, &shm, &script);
+    assert_eq!(lines(&out), ["40960M", "40960M"]);
+
+    // The same spec without its hook: the container gets what its environment asks.
+    let bare = podman_spec(&env, &uid(1), &format!("{id}-bare"), None, &mut cleanup);
+    let out = podman_in_cgroup2(&root, &bare, &shm, &script);
+    assert_eq!(lines(&out), ["unlimited", "81920M"]);
+
+    // A hook that cannot hold (the driver is older than r615) fails the container's creation:
+    // its program never runs.
+    let old: Vec<(String, String)> = driver
+        .iter()
+        .filter(|(k, _)| k != "GPUPLANE_FAKE_NVML_DRIVER_VERSION")
+        .cloned()
+        .collect();
+    let refused = podman_spec(
+        &env,
+        &uid(1),
+        &format!("{id}-old"),
+        Some(&old),
+        &mut cleanup,
+    );
+    let out = podman_in_cgroup2(&root, &refused, &shm, &script);
+    assert!(!out.status.success());
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("connected"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("hook"), "{err}");
 }

@@ -267,18 +267,26 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryLimits_v1(
 pub fn cgroup_memory_limit(state_file: &Path, cgroup_inode: u64) -> Option<u64> {
     let text = std::fs::read_to_string(state_file).ok()?;
     let state: Value = serde_json::from_str(&text).ok()?;
-    let limits: Vec<MemoryLimit> = from_state(&state)
-        .ok()?
-        .into_iter()
-        .filter(MemoryLimit::live)
-        .collect();
-    let dir = limits
+    let all: Vec<MemoryLimit> = from_state(&state).ok()?;
+    // The recorded inode names the cgroup wherever the reader's mount namespace puts it: the
+    // MPS server may see another /sys/fs/cgroup than the runtime whose hook set the limit, as
+    // the kernel, not a path, tells the real driver a process's cgroup.
+    let own = all
         .iter()
-        .find_map(|l| find_dir(Path::new(&l.cgroup), cgroup_inode, MAX_DEPTH))?;
-    limits
+        .filter(|l| l.inode == cgroup_inode)
+        .map(|l| l.hard);
+    let live: Vec<&MemoryLimit> = all.iter().filter(|l| l.live()).collect();
+    let inherited = live
         .iter()
-        .filter(|l| dir.starts_with(&l.cgroup))
-        .map(|l| l.hard)
+        .find_map(|l| find_dir(Path::new(&l.cgroup), cgroup_inode, MAX_DEPTH))
+        .map(|dir| {
+            live.iter()
+                .filter(|l| dir.starts_with(&l.cgroup))
+                .map(|l| l.hard)
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    own.chain(inherited)
         .min()
         .filter(|&hard| hard != MEMORY_LIMIT_MAX)
 }
