@@ -41,6 +41,8 @@ use gpuplane_shell::dra::ClaimRef;
 use gpuplane_shell::proto::deviceplugin_v1beta1 as pb;
 use gpuplane_shell::source::DeviceSource;
 use k8s_openapi::api::resource::v1::ResourceClaim;
+use std::io::Write;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const NS: &str = "bench";
@@ -56,6 +58,8 @@ const FIRST_SHARE_ROUNDS: usize = 40;
 /// Rounds of the dynamic MIG comparison, and of the NVML create + destroy.
 const DYNAMIC_ROUNDS: usize = 200;
 const NVML_ROUNDS: usize = 2000;
+/// Memory-limit hook runs, each a process start (and its floor, another).
+const HOOK_ROUNDS: usize = 200;
 /// Per agent, per round of the ledger comparison.
 const LEDGER_ALLOCATES: usize = 500;
 const LEDGER_PREPARES: usize = 80;
@@ -438,6 +442,83 @@ fn nvml_create_destroy() {
     );
 }
 
+/// A share's memory-limit hook as a container runtime runs it (`gpuplane cdi-hook
+/// memory-limit`: process start, NVML load on the fake libnvidia-ml at driver r615, the limit
+/// set on a cgroup v2 leaf holding a process) vs the same executable started for `--version`,
+/// alternating. What a share's container creation costs on top of the runtime's own work.
+fn memory_limit_hook() {
+    let root = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+        .map(std::path::PathBuf::from)
+        .into_iter()
+        .find(|r| r.join("cgroup.controllers").is_file());
+    let Some(root) = root else {
+        println!("memory-limit hook: skipped (no cgroup v2 hierarchy on this host)");
+        return;
+    };
+    let leaf = root.join(format!("gpuplane-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&leaf).expect("a cgroup v2 leaf (run as root)");
+    let mut held = Command::new("sleep").arg("600").spawn().expect("sleep");
+    std::fs::write(leaf.join("cgroup.procs"), held.id().to_string()).expect("join the leaf");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gpu = gpuplane_shell::sim::load("dgx-h100").expect("profile").gpus[0]
+        .uuid
+        .to_string();
+    let exe = env!("CARGO_BIN_EXE_gpuplane");
+    let state = format!(r#"{{"id":"bench","pid":{}}}"#, held.id());
+    let run = |args: &[&str]| {
+        let t = Instant::now();
+        let mut child = Command::new(exe)
+            .args(args)
+            .env("GPUPLANE_FAKE_NVML_PROFILE", "dgx-h100")
+            .env("GPUPLANE_FAKE_NVML_STATE", dir.path().join("state.json"))
+            .env("GPUPLANE_FAKE_NVML_DRIVER_VERSION", "615.20.01")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("gpuplane");
+        let _ = child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(state.as_bytes());
+        assert!(child.wait().expect("wait").success(), "{args:?} failed");
+        t.elapsed()
+    };
+    let lib = support::built_fake().display().to_string();
+    let root_arg = root.display().to_string();
+    let hook = [
+        "cdi-hook",
+        "memory-limit",
+        "--nvml-lib",
+        &lib,
+        "--device",
+        &gpu,
+        "--limit-bytes",
+        "21474836480",
+        "--cgroup-root",
+        &root_arg,
+    ];
+    let (mut hooked, mut bare) = (Vec::new(), Vec::new());
+    for i in 0..WARMUP + HOOK_ROUNDS {
+        let h = run(&hook);
+        let b = run(&["--version"]);
+        if i >= WARMUP {
+            hooked.push(h);
+            bare.push(b);
+        }
+    }
+    let _ = held.kill();
+    let _ = held.wait();
+    let _ = std::fs::remove_dir(&leaf);
+    println!("(floor = the same executable started for --version, alternating in the same rounds)");
+    row(
+        &format!("memory-limit hook, fake NVML r615 ({HOOK_ROUNDS} runs)"),
+        percentiles(hooked),
+        percentiles(bare),
+    );
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -455,5 +536,6 @@ fn main() {
     rt.block_on(share_prepare());
     rt.block_on(dynamic_mig_prepare());
     nvml_create_destroy();
+    memory_limit_hook();
     println!("(whole run {:.1?})", started.elapsed());
 }

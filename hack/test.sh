@@ -40,6 +40,8 @@ echo "== disk: $(df -h --output=avail "$target_dir" | tail -1 | tr -d ' ') free 
 
 echo "== rustfmt"
 cargo fmt --all -- --check
+# What the tests build in: `gpuplane demo` (tests/it/demo.rs) and the shell's crash points.
+test_features="gpuplane/crashpoints,gpuplane/demo"
 echo "== the image's binary (the Dockerfile's build: --no-default-features) for the test image"
 # Built first and copied aside: the build below puts the tests' binary (demo, crash points)
 # back at target/ci/gpuplane, and the deployment tests put this one into their image.
@@ -48,11 +50,11 @@ install -D -m 0755 "$target_dir/ci/gpuplane" "$target_dir/ci/image/gpuplane"
 echo "== build the tests (three integration binaries: tests/it, tests/lab, tests/nvml_fake.rs)"
 # Not --all-targets: the benches would link six more binaries that no test runs; clippy below
 # still type-checks them. The fake NVML and MPS are built by the tests that load them.
-cargo build "${profile[@]}" --workspace --tests --features gpuplane/crashpoints
+cargo build "${profile[@]}" --workspace --tests --features "$test_features"
 echo "== clippy -D warnings"
 cargo clippy "${profile[@]}" --workspace --all-targets -- -D warnings
-# The shipped build leaves the crash points out; the tests need them.
-cargo clippy "${profile[@]}" --workspace --all-targets --features gpuplane/crashpoints -- -D warnings
+# The shipped build leaves the demo and the crash points out; the tests need them.
+cargo clippy "${profile[@]}" --workspace --all-targets --features "$test_features" -- -D warnings
 # The image's build: no demo, no test doubles (Dockerfile: --no-default-features).
 cargo clippy "${profile[@]}" -p gpuplane --bin gpuplane --no-default-features -- -D warnings
 echo "== rustdoc -D warnings (intra-doc links resolve across the crate edges)"
@@ -68,7 +70,7 @@ else
   echo "hack/test.sh: hack/cluster/build.sh failed; the real-cluster tests will skip" >&2
 fi
 echo "== tests"
-cargo test "${profile[@]}" --workspace --features gpuplane/crashpoints
+cargo test "${profile[@]}" --workspace --features "$test_features"
 if $extended; then
   echo "== fuzz (extended)"
   ./hack/fuzz.sh

@@ -49,13 +49,15 @@ enum Command {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
         output: Output,
     },
-    /// Run the node agent: serve the kubelet device plugin API for this node's GPUs.
+    /// Run the node agent: serve this node's GPUs, MIG devices and shares to the kubelet through
+    /// both the device plugin API and DRA, from one inventory.
     Node(Box<NodeArgs>),
     /// One MPS control daemon, as its pod runs it (the agent creates those pods).
     MpsDaemon(mps::DaemonArgs),
     /// A CDI hook of the agent's, as a container runtime runs it.
     CdiHook(cdi_hook::CdiHookArgs),
-    /// Run the cluster-side controller: the GPU quota admission webhook.
+    /// Run the cluster-side controller: GPU quotas (admission webhook, queueing with scheduling
+    /// gates, preemption), "why Pending" answers and the GPU-hours ledger.
     Controller(Box<ControllerArgs>),
     /// Why a GPU pod is Pending: one reason with its numbers, read from the API server.
     Explain(ExplainArgs),

@@ -4,7 +4,7 @@
 //! deletes it. The test kit's `PodRunner` runs each daemon pod as the kubelet would; the real
 //! kubelet and containerd run them in tests/lab/deploy_mps.rs.
 
-use crate::dra_shares::{prepare, uid, unprepare, Env, NODE};
+use crate::dra_shares::{alive, prepare, uid, unprepare, Env, NODE};
 
 use gpuplane_shell::cdi::Spec;
 use gpuplane_shell::dra::core::spec_stem;
@@ -301,6 +301,16 @@ async fn a_shared_gpu_is_exclusive_to_its_mps_server_and_gets_its_mode_back() {
             .args(["-KILL", &pid.to_string()])
             .status()
             .unwrap();
+    }
+    // Gone, and with them the lock that says "serving" (`kill` only sends the signal): a
+    // prepare before that would find the old container still serving.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while alive(wrapper) || alive(daemon) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the killed processes did not end"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     // The kubelet's retry of the prepare waits for the restarted container's daemon.
     prepare(&core, &a).await.unwrap();

@@ -1,7 +1,8 @@
 //! Durable file writes: the one way the agent replaces a file on disk.
 //!
-//! [`write_atomic`] writes a temporary file in the target's directory (created with the requested
-//! mode), fsyncs it, renames it over the target and fsyncs the directory, so a reader (a container
+//! [`write_atomic`] writes a temporary file in the target's directory (tempfile's, which removes
+//! it on any error; given the requested mode), fsyncs it, renames it over the target and fsyncs
+//! the directory, so a reader (a container
 //! runtime reading a CDI spec, the agent reading its checkpoint after a crash) sees either the old
 //! content or the new, never half a file, and the new content survives a power loss once the call
 //! returns. [`remove_durable`] is the matching removal. Every error names the path it concerns.
@@ -23,10 +24,8 @@ use crate::crashpoint::{self, Step};
 use gpuplane_model::report::chain;
 use std::fs::{self, File, OpenOptions, Permissions};
 use std::io::{self, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Why a durable write or removal failed. Each variant names the file it was about.
 #[derive(Debug, thiserror::Error)]
@@ -81,22 +80,20 @@ fn parent_dir(path: &Path) -> PathBuf {
     }
 }
 
-/// A temporary-file name no other writer in this or another process uses at the same time.
-fn temp_name(file_name: &std::ffi::OsStr) -> std::ffi::OsString {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
+/// How many random letters and digits end a temporary name (tempfile's choice of name).
+const TEMP_RAND: usize = 8;
+
+/// The start of every temporary name for a file named `file_name`: `.<file_name>.tmp-`. Hidden
+/// and not ending in `.json`, so no reader of the directory takes it for a spec.
+fn temp_prefix(file_name: &std::ffi::OsStr) -> std::ffi::OsString {
     let mut name = std::ffi::OsString::from(".");
     name.push(file_name);
-    name.push(format!(".tmp-{}-{n}-{nanos}", std::process::id()));
+    name.push(".tmp-");
     name
 }
 
-/// Whether `name` is a temporary name [`temp_name`] made for a file starting with `prefix`:
-/// `.<prefix><rest>.tmp-<pid>-<n>-<nanos>`.
+/// Whether `name` is a temporary name made for a file starting with `prefix`:
+/// `.<prefix><rest>.tmp-` and [`TEMP_RAND`] letters and digits.
 fn is_temp_for(name: &str, prefix: &str) -> bool {
     let Some(rest) = name.strip_prefix('.').filter(|r| r.starts_with(prefix)) else {
         return false;
@@ -104,11 +101,7 @@ fn is_temp_for(name: &str, prefix: &str) -> bool {
     let Some((_, tail)) = rest.rsplit_once(".tmp-") else {
         return false;
     };
-    let parts: Vec<&str> = tail.split('-').collect();
-    parts.len() == 3
-        && parts
-            .iter()
-            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+    tail.len() == TEMP_RAND && tail.bytes().all(|b| b.is_ascii_alphanumeric())
 }
 
 /// Removes the temporary files an earlier, killed writer left in `dir` for files whose names
@@ -170,69 +163,45 @@ fn replace(path: &Path, bytes: &[u8], mode: u32, durable: bool) -> Result<(), Fs
     })?;
     let dir = parent_dir(path);
 
-    let (tmp, mut file) = create_temp(path, &dir, file_name, mode)?;
-    let written = file
+    // Dropped on any error below, the temporary file removes itself.
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&temp_prefix(file_name))
+        .rand_bytes(TEMP_RAND)
+        .tempfile_in(&dir)
+        .map_err(|cause| FsError::CreateTemp {
+            path: path.to_path_buf(),
+            dir: dir.clone(),
+            cause,
+        })?;
+    let written = tmp
+        .as_file_mut()
         .write_all(bytes)
-        .and_then(|()| file.set_permissions(Permissions::from_mode(mode)))
-        .and_then(|()| if durable { file.sync_all() } else { Ok(()) });
-    drop(file);
-    if let Err(source) = written {
-        let _ = fs::remove_file(&tmp);
+        .and_then(|()| tmp.as_file().set_permissions(Permissions::from_mode(mode)))
+        .and_then(|()| {
+            if durable {
+                tmp.as_file().sync_all()
+            } else {
+                Ok(())
+            }
+        });
+    if let Err(cause) = written {
         return Err(FsError::Write {
             path: path.to_path_buf(),
-            tmp,
-            cause: source,
+            tmp: tmp.path().to_path_buf(),
+            cause,
         });
     }
     crashpoint::reached_at(Step::FileBeforeRename, &path.to_string_lossy());
-    if let Err(source) = fs::rename(&tmp, path) {
-        let _ = fs::remove_file(&tmp);
-        return Err(FsError::Rename {
-            path: path.to_path_buf(),
-            tmp,
-            cause: source,
-        });
-    }
+    tmp.persist(path).map_err(|e| FsError::Rename {
+        path: path.to_path_buf(),
+        tmp: e.file.path().to_path_buf(),
+        cause: e.error,
+    })?;
     crashpoint::reached_at(Step::FileAfterRename, &path.to_string_lossy());
     if durable {
         sync_dir(path, &dir)?;
     }
     Ok(())
-}
-
-fn create_temp(
-    path: &Path,
-    dir: &Path,
-    file_name: &std::ffi::OsStr,
-    mode: u32,
-) -> Result<(PathBuf, File), FsError> {
-    let mut last = None;
-    // A clash needs another writer to pick the same pid, counter and nanoseconds; retry a few
-    // times anyway rather than fail.
-    for _ in 0..8 {
-        let tmp = dir.join(temp_name(file_name));
-        match OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .open(&tmp)
-        {
-            Ok(f) => return Ok((tmp, f)),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some(e),
-            Err(source) => {
-                return Err(FsError::CreateTemp {
-                    path: path.to_path_buf(),
-                    dir: dir.to_path_buf(),
-                    cause: source,
-                })
-            }
-        }
-    }
-    Err(FsError::CreateTemp {
-        path: path.to_path_buf(),
-        dir: dir.to_path_buf(),
-        cause: last.unwrap_or_else(|| io::Error::other("no unique temporary name")),
-    })
 }
 
 fn sync_dir(path: &Path, dir: &Path) -> Result<(), FsError> {
@@ -378,9 +347,7 @@ mod tests {
         for n in keep {
             fs::write(dir.path().join(n), b"").unwrap();
         }
-        let stale = dir
-            .path()
-            .join(temp_name(std::ffi::OsStr::new("spec.json")));
+        let stale = dir.path().join(".spec.json.tmp-a1B2c3D4");
         fs::write(&stale, b"half").unwrap();
         assert_eq!(remove_stale_temps(dir.path(), "spec").unwrap(), vec![stale]);
         let mut want: Vec<String> = keep.iter().map(|s| s.to_string()).collect();
