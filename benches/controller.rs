@@ -48,7 +48,7 @@ use https::{drive, floor_server, Level, Pki, FLOOR_BODY};
 
 use gpuplane_shell::controller::metrics::{MetricsSnapshot, QueueMetrics};
 use gpuplane_shell::controller::queue::{self as quota_loop, QueueOptions};
-use gpuplane_shell::devices::Devices;
+use gpuplane_shell::published::Devices;
 use gpuplane_shell::quota::GpuQuota;
 use gpuplane_shell::webhook::{self, RunningWebhook, WebhookOptions};
 use gpuplane_testkit::doubles::admission::pod_create_review;

@@ -11,8 +11,8 @@
 mod common;
 
 use common::{percentiles, row};
-use gpuplane_shell::controller::ledger::Working;
 use gpuplane_shell::controller::preempt::{choose_victims, Candidate, Preemption, Preemptor};
+use gpuplane_shell::controller::quota_ledger::Working;
 use gpuplane_shell::quota::{Charge, GpuQuota};
 use serde_json::json;
 use std::hint::black_box;

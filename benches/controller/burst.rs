@@ -10,7 +10,7 @@ use super::https::{drive, Level, Pki};
 use super::{bench_pod, pod_review};
 use gpuplane_shell::controller::metrics::QueueMetrics;
 use gpuplane_shell::controller::queue::{self as quota_loop, QueueOptions};
-use gpuplane_shell::devices::Devices;
+use gpuplane_shell::published::Devices;
 use gpuplane_shell::quota::{GpuQuota, MAX_RESERVATIONS};
 use gpuplane_shell::webhook::{self, RunningWebhook, WebhookOptions};
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;

@@ -5,7 +5,7 @@ use gpuplane_shell::controller::metrics::QueueMetrics;
 use gpuplane_shell::controller::pods::PodRef;
 use gpuplane_shell::controller::queue::{self, QueueOptions};
 use gpuplane_shell::controller::writes::{self, Ungated};
-use gpuplane_shell::devices::Devices;
+use gpuplane_shell::published::Devices;
 use gpuplane_shell::quota::SCHEDULING_GATE;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use k8s_openapi::api::core::v1::Pod;

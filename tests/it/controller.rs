@@ -280,7 +280,7 @@ impl Lab {
         let m = metrics.clone();
         let task = tokio::spawn(async move {
             let devices =
-                gpuplane_shell::devices::Devices::start(&client, opts.catalog.clone(), |_, _| {});
+                gpuplane_shell::published::Devices::start(&client, opts.catalog.clone(), |_, _| {});
             queue::run(client, opts, devices, m, async {
                 let _ = stopped.await;
             })
@@ -930,7 +930,7 @@ fn gpu_node(name: &str, gpus: u64) -> serde_json::Value {
 #[tokio::test]
 async fn every_new_reason_lands_before_any_event_and_each_pod_gets_one_event() {
     use gpuplane_shell::controller::explainer::{self, ExplainerOptions, CONDITION};
-    use gpuplane_shell::devices::Devices;
+    use gpuplane_shell::published::Devices;
     let server = ApiServerDouble::start().await.unwrap();
     server.put_json(gpu_node("node-1", 2)).unwrap();
     let pods: Api<Pod> = Api::namespaced(server.client().unwrap(), QNS);
@@ -988,7 +988,7 @@ async fn every_new_reason_lands_before_any_event_and_each_pod_gets_one_event() {
 #[tokio::test]
 async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reason() {
     use gpuplane_shell::controller::explainer::{self, ExplainerOptions, CONDITION};
-    use gpuplane_shell::devices::Devices;
+    use gpuplane_shell::published::Devices;
     let server = ApiServerDouble::start().await.unwrap();
     server.put_json(gpu_node("node-1", 2)).unwrap();
     let start = |metrics: Arc<QueueMetrics>| {
@@ -1101,7 +1101,7 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
 #[tokio::test]
 async fn the_explainers_kept_device_catalog_follows_slices_and_classes() {
     use gpuplane_shell::controller::explainer::{self, ExplainerOptions, CONDITION};
-    use gpuplane_shell::devices::Devices;
+    use gpuplane_shell::published::Devices;
     let server = ApiServerDouble::start().await.unwrap();
     let class = |product: &str| {
         json!({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",

@@ -64,7 +64,7 @@ fn start_loop_every(
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         let devices =
-            gpuplane_shell::devices::Devices::start(&client, opts.catalog.clone(), |_, _| {});
+            gpuplane_shell::published::Devices::start(&client, opts.catalog.clone(), |_, _| {});
         queue::run(client, opts, devices, metrics, async {
             let _ = stopped.await;
         })

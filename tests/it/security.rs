@@ -410,7 +410,7 @@ fn device_source_calls_stay_off_the_runtime_and_the_state_lock() {
                 }
                 let allowed = !rel.contains("crates/model/")
                     && match call {
-                        ".responds(" => rel.ends_with("crates/shell/src/node/probe.rs"),
+                        ".responds(" => rel.ends_with("crates/shell/src/node/lost_gpus.rs"),
                         ".discover()" => code.contains("spawn_blocking"),
                         ".create_mig(" | ".destroy_mig(" => {
                             rel.ends_with("crates/shell/src/dra/core/instances.rs")

@@ -1758,7 +1758,7 @@ fn webhook_configurations_fail_closed_and_spare_system_namespaces() {
 use gpuplane_shell::controller::lease::LeaseTimings;
 use gpuplane_shell::controller::replica::{self, Replica};
 use gpuplane_shell::controller::ControllerOptions;
-use gpuplane_shell::webhook::probe::ProbeSettings;
+use gpuplane_shell::webhook::health::ProbeSettings;
 
 /// A plain HTTP/1.1 GET; the status and the body.
 async fn get(addr: SocketAddr, path: &str) -> (u16, String) {

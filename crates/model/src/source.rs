@@ -73,7 +73,7 @@ pub trait DeviceSource: Send + Sync {
 
     /// Whether the GPU with this UUID answers queries right now. May block for as long as the
     /// driver does (NVML stalls on a GPU that fell off the bus): the agent calls it only from
-    /// its probe thread (`node::probe`), never on the async runtime or under the state lock.
+    /// its probe thread (`node::lost_gpus`), never on the async runtime or under the state lock.
     fn responds(&self, gpu_uuid: &str) -> bool;
 
     /// Dynamic MIG: creates a GPU instance of `req.profile` at memory slice `req.start` of GPU

@@ -1,7 +1,7 @@
 //! One way to keep a watch-fed cache: a kube-runtime reflector store and the future that feeds
 //! it, with backoff, telling the caller of each change and each watch error, and logging a
 //! failing watch once per outage (and its recovery) rather than once per retry. The webhook's
-//! caches, the shared [`crate::devices::Devices`] and the controller's explainer use it.
+//! caches, the shared [`crate::published::Devices`] and the controller's explainer use it.
 
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};

@@ -1,5 +1,5 @@
 //! The quota controller's decisions, pure: the release planner with the starvation rule
-//! ([`plan`]), the quota model as the planner's ledger ([`ledger`]), one namespace's decision
+//! ([`plan`]), the quota model as the planner's ledger ([`quota_ledger`]), one namespace's decision
 //! ([`namespace`]: status, releases, notes), what is read from a Pod ([`pods`]), and the
 //! namespace label the mutating gate webhook selects on ([`queue_label`]), and leader
 //! election's expiry and step-down rules ([`lease`]), the GPU-hours ledger's accounting
@@ -8,9 +8,9 @@
 
 pub mod hours;
 pub mod lease;
-pub mod ledger;
 pub mod namespace;
 pub mod plan;
 pub mod pods;
 pub mod preempt;
 pub mod queue_label;
+pub mod quota_ledger;

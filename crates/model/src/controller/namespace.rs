@@ -17,9 +17,9 @@ mod preemptions;
 mod units;
 
 use super::hours::Book;
-use super::ledger::{compact, Working};
 use super::plan::plan_releases;
 use super::pods::{self, PodRef};
+use super::quota_ledger::{compact, Working};
 use crate::controller::preempt::Candidate;
 use crate::quota::escrow::{stale_escrows, MAX_UNFLUSHED};
 use crate::quota::status::{rfc3339, set_condition};

@@ -25,8 +25,8 @@
 //!   those the policy would let this unit evict are counted as going: if they free enough the
 //!   answer is [`Preemption::Wait`], otherwise new victims are chosen for the rest.
 
-use super::ledger::Working;
 use super::pods;
+use super::quota_ledger::Working;
 use crate::quota::{
     borrowing, Charge, QuotaMathError, QuotaMode, ReclaimWithinCohort, Usage, WithinQuota,
 };

@@ -4,12 +4,12 @@
 //! (discover, the device plugin, DRA, CDI) reads only these types. Keeping one model is what lets
 //! the NVML path be tested against the simulated one field by field.
 
+mod device_names;
 mod ids;
 pub mod mig;
-mod names;
 
+pub use device_names::{profile_label, DeviceRef};
 pub use ids::{DeviceUuid, IdError, MigProfile, ResourceName, UnitKind};
-pub use names::{profile_label, DeviceRef};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

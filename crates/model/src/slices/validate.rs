@@ -14,12 +14,12 @@
 //! across slices, as the scheduler reads them) is [`validate_pool`].
 
 mod device;
-mod names;
+mod name_rules;
 mod pool;
 
 pub use pool::validate_pool;
 
-pub use names::is_semver;
+pub use name_rules::is_semver;
 
 use super::{
     MAX_COUNTERS_PER_SET, MAX_COUNTER_SETS_PER_SLICE, MAX_DEVICES_PER_SLICE,
@@ -28,7 +28,7 @@ use super::{
 use k8s_openapi::api::resource::v1::{
     CounterSet, Device, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
-use names::DNS_SUBDOMAIN_MAX;
+use name_rules::DNS_SUBDOMAIN_MAX;
 use std::collections::BTreeSet;
 use std::fmt;
 

@@ -25,7 +25,7 @@
 use super::metrics::QueueMetrics;
 use super::pods::{self, PodRef};
 use super::writes::{self, bounded, Condition};
-use crate::devices::Devices;
+use crate::published::Devices;
 use crate::reflect::{Cached, Shape};
 use gpuplane_model::explain::{
     explain, fragmentation_by_pool, refused_by_kubelet, Cluster, Explanation, Reason, Shared,

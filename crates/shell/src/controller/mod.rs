@@ -35,7 +35,7 @@ pub mod writes;
 
 pub use gpuplane_model::controller::*;
 
-use crate::devices::Devices;
+use crate::published::Devices;
 use elector::Role;
 use explainer::ExplainerOptions;
 use labeler::LabelerOptions;

@@ -22,13 +22,13 @@ pub use error::{error_policy, QueueError};
 pub use preempt::PREEMPTED_CONDITION;
 
 use super::cache::Cache;
-use super::ledger::{compact, Working};
 use super::meter::{HoursOptions, Meter, Pricing};
 use super::metrics::QueueMetrics;
 use super::namespace::{self, Decision, Inputs, QueueSettings};
 use super::pods;
+use super::quota_ledger::{compact, Working};
 use super::schedule::{drive, Keyed, Timing};
-use crate::devices::Devices;
+use crate::published::Devices;
 use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota, QuotaMode};
 use error::api_error;
 use k8s_openapi::api::core::v1::Pod;

@@ -2,7 +2,7 @@
 //! GpuQuotas, ResourceClaims, templates), each feeding the loop's channel as an [`Input`],
 //! and a relay of the shared [`Devices`]' changes. The labeler's watcher uses [`forward`] too.
 
-use crate::devices::Devices;
+use crate::published::Devices;
 use crate::quota::{governs_pod, GpuQuota};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};

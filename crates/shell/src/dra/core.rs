@@ -60,15 +60,15 @@
 
 mod config;
 mod errors;
+mod holds;
 mod instances;
-mod ledger;
-mod names;
 mod shares;
 mod spec;
+mod spec_names;
 
 pub use config::DraCoreConfig;
 pub use errors::{kubelet_error, CoreError, PrepareError, UserEvent};
-pub use names::{cdi_device_name, spec_stem, CDI_CLASS};
+pub use spec_names::{cdi_device_name, spec_stem, CDI_CLASS};
 
 use super::checkpoint::{self, Checkpoint, CheckpointData, ClaimEntry, ClaimState};
 use super::fetch::{ClaimFetcher, FetchError};

@@ -17,9 +17,9 @@ pub mod http;
 pub mod kept_sim;
 pub mod labeler;
 pub mod lock;
+pub mod lost_gpus;
 pub mod owner;
 pub mod podresources;
-pub mod probe;
 pub mod simulate;
 pub mod state;
 pub mod tasks;
@@ -378,7 +378,8 @@ impl Agent<'_> {
         hangup: tokio::signal::unix::Signal,
         running: &mut Running,
     ) -> Result<(Owner, mpsc::UnboundedReceiver<Input>), NodeError> {
-        let prober = probe::Prober::start(self.source.clone()).map_err(NodeError::ProbeThread)?;
+        let prober =
+            lost_gpus::Prober::start(self.source.clone()).map_err(NodeError::ProbeThread)?;
         let opts = self.opts;
         // Shared with Allocate, which must not hand out a CDI name whose spec is not written.
         let node_spec = Arc::new(cdi::NodeSpec::new(opts.paths.clone(), opts.device_mode));

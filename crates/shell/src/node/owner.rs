@@ -9,7 +9,7 @@
 //! Every turn ticks the readiness clock behind `/healthz`.
 
 use super::http::Readiness;
-use super::probe::Prober;
+use super::lost_gpus::Prober;
 use super::state::{NodeState, Snapshot};
 use crate::config::{AgentConfig, ConfigError};
 use crate::health::{Cause, Change, Health};

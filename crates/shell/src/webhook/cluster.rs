@@ -8,8 +8,8 @@
 //! when those fail. A probe loop tells [`Probes`] whether the API server answers (a watch
 //! that fails to reconnect yields nothing, so the caches alone cannot tell).
 
-use super::probe::Probes;
-use crate::devices::Devices;
+use super::health::Probes;
+use crate::published::Devices;
 use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota};
 use gpuplane_model::report::chain;
 use k8s_openapi::api::resource::v1::{ResourceClaimSpec, ResourceClaimTemplate};

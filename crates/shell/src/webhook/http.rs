@@ -3,14 +3,14 @@
 //! `POST /validate` and `POST /mutate` take an AdmissionReview (`Content-Type:
 //! application/json`, at most [`MAX_BODY`] bytes) and answer one; a body that is not one is
 //! answered 400 (415 for another content type, 413 when too large) with a plain-text message.
-//! `GET /healthz` and `GET /readyz` answer as [`super::probe`] says (200 or 503, a plain-text
+//! `GET /healthz` and `GET /readyz` answer as [`super::health`] says (200 or 503, a plain-text
 //! body). The metrics listener (plain HTTP) serves `GET /metrics` and the same probes.
 
 use super::admit::Admitter;
 use super::cluster::Cluster;
 use super::commit::CommitCounters;
+use super::health::{self, Probes};
 use super::metrics::{exposition, Metrics, Webhook};
-use super::probe::{self, Probes};
 use super::review;
 use crate::controller::metrics::QueueMetrics;
 use crate::httpserve::{serve, ServeLimits};
@@ -139,9 +139,9 @@ async fn decide(admitter: &Admitter, req: Request<Incoming>, mutate: bool) -> Re
 fn probe_answer(probes: &Probes, ready: bool) -> Response<Body> {
     let view = probes.view();
     let (ok, body) = if ready {
-        probe::readyz(&view, &probes.settings())
+        health::readyz(&view, &probes.settings())
     } else {
-        probe::healthz(&view, &probes.settings())
+        health::healthz(&view, &probes.settings())
     };
     let code = if ok {
         StatusCode::OK

@@ -5,7 +5,7 @@
 //! exposition ([`exposition`]).
 
 use super::commit::CommitCounters;
-use super::probe::Probes;
+use super::health::Probes;
 use super::review::Verdict;
 use crate::controller::elector::Role;
 use crate::controller::metrics::{QueueMetrics, QuotaLabels};

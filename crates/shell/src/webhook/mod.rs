@@ -8,7 +8,7 @@
 //!   reservations (one status write per batch of admissions to a quota); [`escrow`]: the
 //!   replica's share of a quota's headroom, admitted within without a write.
 //! - [`http`]: the servers (HTTPS webhook; plain-HTTP metrics and probes).
-//! - [`probe`]: what `/healthz` and `/readyz` say; [`metrics`]: what `/metrics` says.
+//! - [`health`]: what `/healthz` and `/readyz` say; [`metrics`]: what `/metrics` says.
 //!
 //! [`run`] serves until shutdown; [`start`] returns a handle (tests run several replicas
 //! side by side).
@@ -17,9 +17,9 @@ pub mod admit;
 pub mod cluster;
 pub mod commit;
 pub mod escrow;
+pub mod health;
 pub mod http;
 pub mod metrics;
-pub mod probe;
 pub mod review;
 pub mod tls;
 
@@ -62,7 +62,7 @@ pub struct WebhookOptions {
     /// instead of one status write per batch of admissions.
     pub escrow: bool,
     /// How the API server is probed for `/readyz`.
-    pub probes: probe::ProbeSettings,
+    pub probes: health::ProbeSettings,
     /// The quota loops beside the webhook, if they run in this process.
     pub loops: Option<Loops>,
 }
@@ -98,7 +98,7 @@ impl WebhookOptions {
             max_batch: commit::CommitOptions::default().max_batch,
             identity: crate::controller::identity("gpuplane-controller"),
             escrow: true,
-            probes: probe::ProbeSettings::default(),
+            probes: health::ProbeSettings::default(),
             loops: None,
         }
     }
@@ -142,7 +142,7 @@ impl RunningWebhook {
     }
 
     /// The published devices its caches hold, for the quota loops of the same replica.
-    pub fn devices(&self) -> Arc<crate::devices::Devices> {
+    pub fn devices(&self) -> Arc<crate::published::Devices> {
         self.cluster.devices()
     }
 
@@ -187,7 +187,7 @@ pub async fn start(
 ) -> Result<RunningWebhook, WebhookError> {
     let cert = load_cert(&opts).await?;
     let tls = Arc::new(cert.server_config()?);
-    let probes = Arc::new(probe::Probes::new(
+    let probes = Arc::new(health::Probes::new(
         opts.probes,
         opts.loops.as_ref().map(|l| l.role.clone()),
     ));

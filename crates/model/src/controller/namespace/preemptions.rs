@@ -9,10 +9,10 @@
 
 use super::units::note;
 use super::{Inputs, Note, Queued};
-use crate::controller::ledger::Working;
 use crate::controller::plan::{queue_order, Plan, Release, Wait, WaitReason, Waiting};
 use crate::controller::pods::PodRef;
 use crate::controller::preempt::{choose_victims, Candidate, NoPreemption, Preemption, Preemptor};
+use crate::controller::quota_ledger::Working;
 use crate::quota::{Charge, QuotaMathError};
 
 /// Units a namespace's cycle looks for victims for: each choice walks every candidate, and a

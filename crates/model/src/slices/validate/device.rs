@@ -1,7 +1,7 @@
 //! The per-device rules of a ResourceSlice: attributes and capacities, taints, counter
 //! consumption, per-device node selection and binding conditions.
 
-use super::names::{is_semver, truncate_key};
+use super::name_rules::{is_semver, truncate_key};
 use super::{invalid, Checker, Problem};
 use crate::slices::{MAX_ATTRIBUTES_AND_CAPACITIES, MAX_ATTRIBUTE_VALUE_LEN};
 use k8s_openapi::api::resource::v1::{

@@ -3,7 +3,7 @@
 //! the claim's `status.devices` entries; the one removal of a claim's spec file, its restore
 //! from the checkpoint at start, and the sweep of every claim spec after a reboot.
 
-use super::names::{cdi_device_name, is_claim_spec_stem};
+use super::spec_names::{cdi_device_name, is_claim_spec_stem};
 use super::{PrepareError, Shared};
 use crate::cdi::{self, ContainerEdits, DeviceName, DriverFiles, NamedDevices, WriteError};
 use crate::dra::checkpoint::{ClaimEntry, ClaimState, ShareEntry};

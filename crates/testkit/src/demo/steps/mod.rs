@@ -11,7 +11,7 @@ mod allocation;
 mod claim;
 mod health;
 mod inventory;
-mod ledger;
+mod one_ledger;
 mod pod_group;
 mod quota;
 
@@ -68,7 +68,7 @@ pub async fn run(
         Step::Inventory => inventory::run(cx, say).await,
         Step::NvlinkAllocation => allocation::run(cx, carry, say).await,
         Step::DraClaim => claim::run(cx, carry, say).await,
-        Step::LedgerRefusal => ledger::run(cx, carry, say).await,
+        Step::LedgerRefusal => one_ledger::run(cx, carry, say).await,
         Step::Quota => quota::run(cx, say).await,
         Step::PodGroup => pod_group::run(cx, say).await,
         Step::XidHealth => health::run(cx, carry, say).await,
