@@ -8,12 +8,7 @@ use crate::config::{AgentConfig, DeviceIdStrategy, MigStrategy};
 use crate::inventory::{DeviceUuid, Gpu, Inventory, MigDevice, ResourceName};
 use std::collections::BTreeMap;
 
-/// The resource name whole GPUs (and MIG devices under the `single` strategy) are offered as.
-pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
-/// Prefix of MIG resources under the `mixed` strategy (`nvidia.com/mig-1g.10gb`).
-pub const MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
-/// Suffix of time-sliced resources renamed by `renameByDefault`.
-pub const SHARED_SUFFIX: &str = ".shared";
+pub use crate::inventory::{GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX};
 
 /// One device as the kubelet sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,7 +4,6 @@
 //! them at their edge; past it the core holds only these, so nothing further in re-validates
 //! them and a bad value (a `,` in a comma-joined device list, a stray newline) cannot get in.
 
-use crate::deviceplugin::resources::{GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX};
 use serde::{Deserialize, Serialize};
 
 /// Why a UUID, profile or resource name was refused: the value and the rule it breaks.
@@ -180,6 +179,14 @@ fn profile_shape(v: &str) -> bool {
     }
     true
 }
+
+/// The resource name whole GPUs (and MIG devices under the `single` strategy) are offered as,
+/// NVIDIA's device plugin's, so pod specs keep working.
+pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+/// Prefix of MIG resources under the `mixed` strategy (`nvidia.com/mig-1g.10gb`).
+pub const MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
+/// Suffix of time-sliced resources renamed by `renameByDefault`.
+pub const SHARED_SUFFIX: &str = ".shared";
 
 /// A Kubernetes extended resource name, `<domain>/<name>` as the API server validates it: the
 /// domain a DNS subdomain (at most 253 bytes) outside `kubernetes.io`, the name at most 63

@@ -9,7 +9,10 @@ mod ids;
 pub mod mig;
 
 pub use device_names::{profile_label, DeviceRef};
-pub use ids::{DeviceUuid, IdError, MigProfile, ResourceName, UnitKind};
+pub use ids::{
+    DeviceUuid, IdError, MigProfile, ResourceName, UnitKind, GPU_RESOURCE, MIG_RESOURCE_PREFIX,
+    SHARED_SUFFIX,
+};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

@@ -36,7 +36,7 @@ pub use read::SliceDevices;
 /// The default DRA driver name of gpuplane's node agent.
 pub const DEFAULT_DRIVER: &str = "gpu.gpuplane.dev";
 /// The device plugin's resource names, which quota charges.
-pub use crate::deviceplugin::resources::{GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX};
+pub use crate::inventory::{GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX};
 
 /// What the catalog is told rather than reads from the cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
