@@ -319,3 +319,45 @@ fn fn_indent(line: &str) -> Option<usize> {
     let opens = words.next() == Some("fn") && !code.trim_end().ends_with(';');
     opens.then_some(indent)
 }
+
+/// The node's inventory has two writers (ARCHITECTURE.md, `node/`): the state owner, for
+/// discovery, driver events and config (`owner.rs`, and `mod.rs` installing the first discovery),
+/// and the DRA core, for the dynamic-MIG instances it has just created or destroyed
+/// (`dra/core/instances.rs`: synchronously, as a prepare's answer names the instance, the way
+/// Allocate changes the ledger). Any other file that replaces the inventory, writes its GPUs or
+/// changes which instances are ours fails here.
+#[test]
+fn only_the_state_owner_and_the_dra_cores_instances_write_the_inventory() {
+    let writes = [
+        "replace_inventory(",
+        ".inventory = ",
+        "inventory.gpus.iter_mut()",
+        "inventory.gpus.push(",
+        ".mig_owned = ",
+        ".mig_owned.remove(",
+        ".mig_owned.insert(",
+        "Snapshot::with_mig_owned(",
+        "Snapshot::new(",
+    ];
+    let allowed = [
+        "node/state.rs",
+        "node/owner.rs",
+        "node/mod.rs",
+        "dra/core/instances.rs",
+    ];
+    let mut found = Vec::new();
+    for (rel, text) in sources("crates/shell/src") {
+        if allowed.iter().any(|a| rel.ends_with(a)) {
+            continue;
+        }
+        for line in non_test_lines(&text) {
+            if let Some(w) = writes.iter().find(|w| line.contains(*w)) {
+                found.push(format!("{rel}: {w}: {}", line.trim()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "inventory written outside its owners: {found:#?}"
+    );
+}

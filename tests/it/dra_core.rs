@@ -814,7 +814,7 @@ async fn driver_libraries_are_scanned_once_per_driver_version() {
         let mut inv = s.inventory.clone();
         inv.driver_version = upgraded.into();
         let config = s.config.clone();
-        s.replace(inv, config).unwrap();
+        s.replace_inventory(inv, config).unwrap();
         ((), true)
     });
     let third = prepare("c", 3, env.mig(2)).await;

@@ -50,7 +50,7 @@ pub enum NodeSpecError {
 struct Synced {
     /// Counts publications, so a reader can wait for one newer than what it saw.
     seq: u64,
-    inventory: Option<Inventory>,
+    synced_for: Option<Inventory>,
     outcome: Result<(), NodeSpecError>,
 }
 
@@ -86,7 +86,7 @@ impl NodeSpec {
             installs: InstallCache::default(),
             synced: watch::Sender::new(Synced {
                 seq: 0,
-                inventory: None,
+                synced_for: None,
                 outcome: Ok(()),
             }),
             retry: Notify::new(),
@@ -108,7 +108,7 @@ impl NodeSpec {
         };
         self.synced.send_modify(|s| {
             s.seq += 1;
-            s.inventory = Some(inv.clone());
+            s.synced_for = Some(inv.clone());
             s.outcome = outcome;
         });
         state
@@ -130,7 +130,7 @@ impl NodeSpec {
         let mut rx = self.synced.subscribe();
         let seen = {
             let s = rx.borrow_and_update();
-            if s.inventory.as_ref() == Some(inv) && s.outcome.is_ok() {
+            if s.synced_for.as_ref() == Some(inv) && s.outcome.is_ok() {
                 return Ok(());
             }
             s.seq
@@ -139,7 +139,7 @@ impl NodeSpec {
         let fresh = async {
             while rx.changed().await.is_ok() {
                 let s = rx.borrow_and_update();
-                if s.seq > seen && s.inventory.as_ref() == Some(inv) {
+                if s.seq > seen && s.synced_for.as_ref() == Some(inv) {
                     return Some(s.outcome.clone());
                 }
             }

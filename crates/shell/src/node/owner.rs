@@ -198,7 +198,7 @@ fn replace_running(s: &mut Snapshot, inventory: Inventory, config: AgentConfig) 
         return (true, false);
     }
     let inventory_changed = s.inventory != inventory;
-    match s.replace(inventory, config) {
+    match s.replace_inventory(inventory, config) {
         Ok(()) => {
             if inventory_changed {
                 tracing::info!(

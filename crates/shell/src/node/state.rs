@@ -69,7 +69,7 @@ impl Snapshot {
     }
 
     /// Replaces inventory and/or config, keeping health marks of units that still exist.
-    pub fn replace(
+    pub fn replace_inventory(
         &mut self,
         mut inventory: Inventory,
         config: AgentConfig,

@@ -322,7 +322,7 @@ fn insert(inv: &mut Inventory, m: MigDevice) {
 /// config did not give before) keeps the old inventory.
 fn install(s: &mut Snapshot, inv: Inventory) {
     let config = s.config.clone();
-    if let Err(e) = s.replace(inv, config) {
+    if let Err(e) = s.replace_inventory(inv, config) {
         warn!(error = %e, "the inventory with the MIG instances changed could not be planned");
     }
 }
