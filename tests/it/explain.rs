@@ -164,3 +164,53 @@ async fn explain_namespace_reads_the_cluster_only_for_pods_without_the_controlle
     assert_eq!(server.requests().len(), 1, "{:?}", server.requests());
     assert_eq!(cluster_lists(&server), 0);
 }
+
+/// The fields docs/troubleshooting.md promises scripts in `explain -o json` are exactly those the
+/// product writes, with either source.
+#[test]
+fn the_documented_json_fields_are_the_ones_written() {
+    use gpuplane_shell::explain::{Explanation, Reason, Source};
+    let docs = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/troubleshooting.md"),
+    )
+    .unwrap();
+    let table = docs
+        .split("`-o json` prints")
+        .nth(1)
+        .expect("the JSON fields section")
+        .split("\n\n")
+        .nth(1)
+        .expect("its table");
+    let mut documented: Vec<String> = table
+        .lines()
+        .skip(2)
+        .filter_map(|row| row.split('|').nth(1))
+        .flat_map(|cell| {
+            cell.split(',')
+                .map(|f| f.trim().trim_matches('`').to_string())
+        })
+        .collect();
+    documented.sort();
+    let mut written: Vec<String> = [
+        Source::Computed,
+        Source::Controller {
+            since: Some("2026-12-06T10:00:00Z".into()),
+        },
+    ]
+    .into_iter()
+    .flat_map(|source| {
+        let answer = Explanation {
+            namespace: "ns".into(),
+            pod: "p".into(),
+            reason: Reason::Capacity,
+            message: "needs 4 nvidia.com/gpu; 2 free in the cluster".into(),
+            source,
+        };
+        let v = serde_json::to_value(answer).unwrap();
+        v.as_object().unwrap().keys().cloned().collect::<Vec<_>>()
+    })
+    .collect();
+    written.sort();
+    written.dedup();
+    assert_eq!(documented, written);
+}

@@ -7,9 +7,9 @@
 //! lists are megabytes, so the condition, current within about two seconds, is the default;
 //! `live` computes anyway.
 
-use gpuplane_model::explain::{
-    explain, from_condition, refused_by_kubelet, Cluster, Explanation, Listed, Source,
-};
+use gpuplane_model::explain::{explain, from_condition, refused_by_kubelet, Cluster, Listed};
+/// What an answer is (its `-o json` form is documented in docs/troubleshooting.md).
+pub use gpuplane_model::explain::{Explanation, Reason, Source};
 use gpuplane_model::quota::CatalogSettings;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{
