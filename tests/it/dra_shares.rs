@@ -168,17 +168,16 @@ impl Env {
         if !exe.exists() {
             fs::copy(support::built_fake_cuda_client(), &exe).unwrap();
         }
-        let mut child = std::process::Command::new(exe)
-            .env_clear()
+        let mut cmd = std::process::Command::new(exe);
+        cmd.env_clear()
             .envs(env)
             .envs(extra.iter().copied())
             .uid(user)
             .gid(user)
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+            .stderr(std::process::Stdio::piped());
+        let mut child = spawn_fresh_copy(&mut cmd);
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -310,6 +309,24 @@ impl Drop for CudaClient {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Spawns a program this test process has just copied. A child another thread forked while
+/// the copy was open for writing holds that descriptor until its own exec, and until then the
+/// kernel refuses to run the file (ETXTBSY, rust-lang/rust#114554): try again once that child
+/// has exec'd, which takes no more than a moment.
+fn spawn_fresh_copy(cmd: &mut std::process::Command) -> std::process::Child {
+    const ETXTBSY: i32 = 26;
+    let deadline = Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        match cmd.spawn() {
+            Ok(child) => return child,
+            Err(e) if e.raw_os_error() == Some(ETXTBSY) && Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Err(e) => panic!("spawning {cmd:?}: {e}"),
+        }
     }
 }
 
