@@ -112,6 +112,21 @@ fn held_env() -> Env {
     env
 }
 
+/// [`held_env`] with claim `ns/a` prepared: a 40Gi, 50% share of GPU 0 (the core returned
+/// keeps its daemon).
+async fn held_share() -> (Env, gpuplane_shell::dra::core::DraCore) {
+    let env = held_env();
+    let core = env.core();
+    let a = env.add_claim(
+        "a",
+        &uid(1),
+        &[("gpu-0", Some(("s-a", "40Gi", "50")))],
+        json!([]),
+    );
+    prepare(&core, &a).await.unwrap();
+    (env, core)
+}
+
 /// Claim `uid`'s one device's spec edits: (hooks, env).
 fn share_edits(env: &Env, uid: &str) -> (Vec<gpuplane_shell::cdi::Hook>, Vec<String>) {
     let stem = spec_stem(&ClaimUid::parse(uid).unwrap());
@@ -201,15 +216,7 @@ fn pinned(line: &str) -> &str {
 
 #[tokio::test]
 async fn a_share_container_that_drops_or_raises_its_memory_limit_is_still_held_to_its_share() {
-    let env = held_env();
-    let core = env.core();
-    let a = env.add_claim(
-        "a",
-        &uid(1),
-        &[("gpu-0", Some(("s-a", "40Gi", "50")))],
-        json!([]),
-    );
-    prepare(&core, &a).await.unwrap();
+    let (env, _core) = held_share().await;
 
     let (hooks, spec_env) = share_edits(&env, &uid(1));
     assert_eq!(hooks.len(), 1, "{hooks:?}");
@@ -360,15 +367,7 @@ async fn through_podman_and_runc_the_hook_holds_the_container_whatever_it_does_w
     if lacks_prerequisites() {
         return;
     }
-    let env = held_env();
-    let core = env.core();
-    let a = env.add_claim(
-        "a",
-        &uid(1),
-        &[("gpu-0", Some(("s-a", "40Gi", "50")))],
-        json!([]),
-    );
-    prepare(&core, &a).await.unwrap();
+    let (env, _core) = held_share().await;
     let id = unique_id();
     let mut cleanup = Cleanup::default();
     let driver = driver_env(&env);
