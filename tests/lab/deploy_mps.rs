@@ -106,6 +106,29 @@ spec:
     ));
 }
 
+/// The `ShareLimitsEnforced` condition of `pod`'s claim, once the agent wrote it; also checks
+/// that the claim's share is not marked memory-held.
+fn share_condition(lab: &ClusterLab, pod: &str) -> Value {
+    let claim = eventually(&format!("{pod}'s claim"), || {
+        let out = lab.kubectl(&["get", "pod", pod, "-o", "json"]);
+        let p: Value = serde_json::from_slice(&out.stdout).ok()?;
+        p["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+            .as_str()
+            .map(str::to_string)
+    });
+    eventually(&format!("{pod}'s ShareLimitsEnforced condition"), || {
+        let out = lab.kubectl(&["get", "resourceclaim", &claim, "-o", "json"]);
+        let c: Value = serde_json::from_slice(&out.stdout).ok()?;
+        let device = &c["status"]["devices"][0];
+        assert_eq!(device["data"]["share"]["memoryHeld"], false, "{device}");
+        device["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "ShareLimitsEnforced")
+            .cloned()
+    })
+}
+
 /// The client's lines so far.
 fn client_log(lab: &ClusterLab, pod: &str) -> String {
     String::from_utf8_lossy(&lab.kubectl(&["logs", pod]).stdout).to_string()
@@ -211,6 +234,12 @@ fn shares_keep_their_mps_server_through_agent_restarts_upgrades_and_returns() {
         );
         pods.push(name);
     }
+    // These nodes mount cgroup v1 at /sys/fs/cgroup (the lab's kubelet runs cgroupfs on v1), where
+    // NVIDIA's per-cgroup memory limit does not exist: the claim says its memory is cooperative
+    // too, never held.
+    let condition = share_condition(&lab, "share-a");
+    assert_eq!(condition["reason"], "MPS", "{condition}");
+    assert_eq!(condition["status"], "False", "{condition}");
     let daemons = daemon_pods(&lab);
     assert_eq!(
         daemons.len(),
