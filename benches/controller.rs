@@ -46,11 +46,11 @@ mod queue;
 use common::{percentiles, row};
 use https::{drive, floor_server, Level, Pki, FLOOR_BODY};
 
-use gpuplane_shell::controller::metrics::{MetricsSnapshot, QueueMetrics};
-use gpuplane_shell::controller::queue::{self as quota_loop, QueueOptions};
-use gpuplane_shell::published::Devices;
-use gpuplane_shell::quota::GpuQuota;
-use gpuplane_shell::webhook::{self, RunningWebhook, WebhookOptions};
+use gpuplane_cluster::controller::metrics::{MetricsSnapshot, QueueMetrics};
+use gpuplane_cluster::controller::queue::{self as quota_loop, QueueOptions};
+use gpuplane_cluster::published::Devices;
+use gpuplane_cluster::webhook::{self, RunningWebhook, WebhookOptions};
+use gpuplane_model::quota::GpuQuota;
 use gpuplane_testkit::doubles::admission::pod_create_review;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use kube::api::{Api, PostParams};

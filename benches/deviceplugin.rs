@@ -11,13 +11,13 @@
 mod common;
 
 use common::{percentiles, row};
-use gpuplane_shell::paths::HostPaths;
+use gpuplane_node::paths::HostPaths;
 
-use gpuplane_shell::deviceplugin::allocate;
-use gpuplane_shell::inventory::{Link, PathLevel};
-use gpuplane_shell::proto::deviceplugin_v1beta1 as pb;
-use gpuplane_shell::source::{DeviceSource, SimSource};
-use gpuplane_shell::topology::{self, TopologyModel};
+use gpuplane_model::inventory::{Link, PathLevel};
+use gpuplane_model::source::{DeviceSource, SimSource};
+use gpuplane_model::topology::{self, TopologyModel};
+use gpuplane_node::deviceplugin::allocate;
+use gpuplane_node::proto::deviceplugin_v1beta1 as pb;
 use gpuplane_testkit::doubles::kubelet::KubeletDouble;
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -42,10 +42,10 @@ async fn allocate_vs_bare_rpc() {
     let mut kubelet = KubeletDouble::start(&dir.path().join("kubelet"))
         .await
         .expect("kubelet double");
-    let sim = SimSource::new(gpuplane_shell::sim::load("dgx-h100").expect("profile"));
+    let sim = SimSource::new(gpuplane_model::sim::load("dgx-h100").expect("profile"));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let source: Arc<dyn DeviceSource> = Arc::new(sim.clone());
-    let agent = tokio::spawn(gpuplane_shell::node::run(
+    let agent = tokio::spawn(gpuplane_node::node::run(
         node_options(dir.path()),
         source,
         async {
@@ -72,7 +72,7 @@ async fn allocate_vs_bare_rpc() {
     // server of ours uses): what the rewriter alone costs.
     let mut rewritten = bare_server(&dir.path().join("rewritten.sock"), true).await;
     let mut plugin = pb::device_plugin_client::DevicePluginClient::new(
-        gpuplane_shell::grpc::connect(&endpoint)
+        gpuplane_node::grpc::connect(&endpoint)
             .await
             .expect("dial plugin"),
     );
@@ -109,8 +109,8 @@ async fn allocate_vs_bare_rpc() {
 }
 
 /// The agent's options in `dir`: device plugin only, no API server.
-fn node_options(dir: &std::path::Path) -> gpuplane_shell::node::NodeOptions {
-    gpuplane_shell::node::NodeOptions {
+fn node_options(dir: &std::path::Path) -> gpuplane_node::node::NodeOptions {
+    gpuplane_node::node::NodeOptions {
         node_name: "bench".into(),
         paths: HostPaths {
             kubelet_root: dir.join("kubelet"),
@@ -128,7 +128,7 @@ fn node_options(dir: &std::path::Path) -> gpuplane_shell::node::NodeOptions {
         api: None,
         metrics_addr: None,
         // No device nodes in the temp dir: simulated, as `--simulate` runs it.
-        device_mode: gpuplane_shell::source::DeviceMode::Simulated,
+        device_mode: gpuplane_model::source::DeviceMode::Simulated,
     }
 }
 
@@ -137,20 +137,18 @@ type BareClient = pb::registration_client::RegistrationClient<tonic::transport::
 /// A server of the bare RPC on `sock` (its connections through `grpc::incoming` if
 /// `rewrite`), and a client dialled to it.
 async fn bare_server(sock: &std::path::Path, rewrite: bool) -> BareClient {
-    let listener = gpuplane_shell::grpc::bind(sock).expect("bind");
+    let listener = gpuplane_node::grpc::bind(sock).expect("bind");
     let server = tonic::transport::Server::builder()
         .add_service(pb::registration_server::RegistrationServer::new(Bare));
     if rewrite {
-        tokio::spawn(server.serve_with_incoming(gpuplane_shell::grpc::incoming(listener)));
+        tokio::spawn(server.serve_with_incoming(gpuplane_node::grpc::incoming(listener)));
     } else {
         tokio::spawn(
             server.serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
         );
     }
     pb::registration_client::RegistrationClient::new(
-        gpuplane_shell::grpc::connect(sock)
-            .await
-            .expect("dial bare"),
+        gpuplane_node::grpc::connect(sock).await.expect("dial bare"),
     )
 }
 
@@ -188,8 +186,8 @@ fn synthetic(islands: u32, per: u32) -> TopologyModel {
 }
 
 fn preferred_compute() {
-    let h100 = TopologyModel::new(&gpuplane_shell::sim::load("dgx-h100").expect("profile"));
-    let v100 = TopologyModel::new(&gpuplane_shell::sim::load("dgx1-v100").expect("profile"));
+    let h100 = TopologyModel::new(&gpuplane_model::sim::load("dgx-h100").expect("profile"));
+    let v100 = TopologyModel::new(&gpuplane_model::sim::load("dgx1-v100").expect("profile"));
     let cases: Vec<(String, TopologyModel, usize)> = vec![
         ("8 GPUs (dgx-h100, NVSwitch), size 4".into(), h100, 4),
         ("8 GPUs (dgx1-v100, cube mesh), size 4".into(), v100, 4),
@@ -231,10 +229,10 @@ fn preferred_compute() {
         );
     }
     // The gRPC-facing wrapper adds ID mapping on top of the same computation.
-    let inv = gpuplane_shell::sim::load("h100-mig-single").expect("profile");
-    let cfg = gpuplane_shell::config::AgentConfig::parse("bench", "flags: {migStrategy: single}")
+    let inv = gpuplane_model::sim::load("h100-mig-single").expect("profile");
+    let cfg = gpuplane_model::config::AgentConfig::parse("bench", "flags: {migStrategy: single}")
         .expect("config");
-    let plan = gpuplane_shell::deviceplugin::resources::plan(&inv, &cfg)
+    let plan = gpuplane_node::deviceplugin::resources::plan(&inv, &cfg)
         .expect("plan")
         .resources
         .remove(0);

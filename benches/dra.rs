@@ -37,9 +37,9 @@ mod support;
 use common::{percentiles, row};
 use lab::{count_row, floor_once, write_breakdown, Lab};
 
-use gpuplane_shell::dra::ClaimRef;
-use gpuplane_shell::proto::deviceplugin_v1beta1 as pb;
-use gpuplane_shell::source::DeviceSource;
+use gpuplane_model::source::DeviceSource;
+use gpuplane_node::dra::ClaimRef;
+use gpuplane_node::proto::deviceplugin_v1beta1 as pb;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -155,7 +155,7 @@ async fn ledger_overhead() {
         for (m, (_, config, plugin_devices)) in modes.iter().enumerate() {
             let (agent, endpoint) = lab.start_registered(config, *plugin_devices).await;
             let mut plugin = pb::device_plugin_client::DevicePluginClient::new(
-                gpuplane_shell::grpc::connect(&endpoint)
+                gpuplane_node::grpc::connect(&endpoint)
                     .await
                     .expect("dial plugin"),
             );
@@ -287,7 +287,7 @@ async fn share_prepare() {
             "metadata": {"name": "gpuplane-node-bench", "namespace": "gpuplane-system"},
             "spec": {"nodeName": gpuplane_testkit::doubles::lab::NODE, "containers": [{"name": "agent", "image": "gpuplane:bench"}]}}))
         .expect("the agent's own pod");
-    lab.node.mps_pods = Some(gpuplane_shell::mps::pods::PodSettings {
+    lab.node.mps_pods = Some(gpuplane_node::mps::pods::PodSettings {
         namespace: "gpuplane-system".into(),
         name: "gpuplane-node-bench".into(),
         nvml_lib: None,
@@ -410,12 +410,12 @@ async fn dynamic_mig_prepare() {
 /// the same GPU (a single NVML query through the same library).
 fn nvml_create_destroy() {
     std::env::set_var("GPUPLANE_FAKE_NVML_PROFILE", "dynamic-mig-mixed");
-    let nvml = gpuplane_shell::nvml::NvmlSource::open(Some(support::built_fake()))
+    let nvml = gpuplane_node::nvml::NvmlSource::open(Some(support::built_fake()))
         .expect("the fake libnvidia-ml opens");
     let gpu = nvml.discover().expect("discover").inventory.gpus[0]
         .uuid
         .clone();
-    let req = gpuplane_shell::source::MigRequest {
+    let req = gpuplane_model::source::MigRequest {
         gpu: gpu.clone(),
         profile: "3g.40gb".into(),
         start: 4,
@@ -460,7 +460,7 @@ fn memory_limit_hook() {
     let mut held = Command::new("sleep").arg("600").spawn().expect("sleep");
     std::fs::write(leaf.join("cgroup.procs"), held.id().to_string()).expect("join the leaf");
     let dir = tempfile::tempdir().expect("tempdir");
-    let gpu = gpuplane_shell::sim::load("dgx-h100").expect("profile").gpus[0]
+    let gpu = gpuplane_model::sim::load("dgx-h100").expect("profile").gpus[0]
         .uuid
         .to_string();
     let exe = env!("CARGO_BIN_EXE_gpuplane");

@@ -18,8 +18,8 @@
 mod common;
 
 use common::{percentiles, row};
-use gpuplane_shell::controller::hours::{account, Book, HoursSettings, Metered};
-use gpuplane_shell::quota::{pod_charge, CatalogSettings, DeviceCatalog};
+use gpuplane_cluster::controller::hours::{account, Book, HoursSettings, Metered};
+use gpuplane_model::quota::{pod_charge, CatalogSettings, DeviceCatalog};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 use std::collections::BTreeMap;

@@ -11,9 +11,9 @@
 mod common;
 
 use common::{percentiles, row};
-use gpuplane_shell::controller::preempt::{choose_victims, Candidate, Preemption, Preemptor};
-use gpuplane_shell::controller::quota_ledger::Working;
-use gpuplane_shell::quota::{Charge, GpuQuota};
+use gpuplane_cluster::controller::preempt::{choose_victims, Candidate, Preemption, Preemptor};
+use gpuplane_cluster::controller::quota_ledger::Working;
+use gpuplane_model::quota::{Charge, GpuQuota};
 use serde_json::json;
 use std::hint::black_box;
 use std::time::{Duration, Instant, SystemTime};

@@ -25,7 +25,7 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use gpuplane_shell::dra::ClaimRef;
+use gpuplane_node::dra::ClaimRef;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use gpuplane_testkit::doubles::kubelet::KubeletDouble;
 use gpuplane_testkit::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
@@ -188,7 +188,7 @@ async fn soak(seconds: u64) {
         .unwrap();
     dra.watch_health(DRIVER).unwrap();
     let serving = start.elapsed().as_secs_f64();
-    let uuids: Vec<String> = gpuplane_shell::sim::load("dgx-h100")
+    let uuids: Vec<String> = gpuplane_model::sim::load("dgx-h100")
         .unwrap()
         .gpus
         .iter()

@@ -40,7 +40,7 @@ echo "== disk: $(df -h --output=avail "$target_dir" | tail -1 | tr -d ' ') free 
 
 echo "== rustfmt"
 cargo fmt --all -- --check
-# What the tests build in: `gpuplane demo` (tests/it/demo.rs) and the shell's crash points.
+# What the tests build in: `gpuplane demo` (tests/it/demo.rs) and the node agent's crash points.
 test_features="gpuplane/crashpoints,gpuplane/demo"
 echo "== the image's binary (the Dockerfile's build: --no-default-features) for the test image"
 # Built first and copied aside: the build below puts the tests' binary (demo, crash points)

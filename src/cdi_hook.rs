@@ -1,9 +1,9 @@
 //! `gpuplane cdi-hook`: the agent's CDI hooks, which a container runtime runs (never a person):
-//! `memory-limit` holds a share's container to its GPU memory (`gpuplane_shell::cdi::hook`).
+//! `memory-limit` holds a share's container to its GPU memory (`gpuplane_node::cdi::hook`).
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
-use gpuplane_shell::cdi::hook::{apply_memory_limit, MemoryLimit};
+use gpuplane_node::cdi::hook::{apply_memory_limit, MemoryLimit};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 

@@ -2,8 +2,8 @@
 //! `--gpu-hours-lag`) and `gpuplane report`'s.
 
 use clap::Args;
-use gpuplane_shell::controller::hours::{parse_duration, By, HoursSettings};
-use gpuplane_shell::controller::meter::{HoursOptions, ReportQuery};
+use gpuplane_cluster::controller::hours::{parse_duration, By, HoursSettings};
+use gpuplane_cluster::controller::meter::{HoursOptions, ReportQuery};
 use std::path::PathBuf;
 use std::time::Duration;
 

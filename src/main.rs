@@ -13,8 +13,8 @@ use source_args::SourceArgs;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use gpuplane_shell::node::apis::{self, Apis};
-use gpuplane_shell::paths::HostPaths;
+use gpuplane_node::node::apis::{self, Apis};
+use gpuplane_node::paths::HostPaths;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -286,8 +286,8 @@ fn run(cli: Cli) -> Result<()> {
             let (source, label) = source.open()?;
             let found = source.discover().context("discovering devices")?;
             let text = match output {
-                Output::Table => gpuplane_shell::discover::render_table(&label, &found),
-                Output::Json => gpuplane_shell::discover::render_json(&label, &found)?,
+                Output::Table => gpuplane_node::discover::render_table(&label, &found),
+                Output::Json => gpuplane_node::discover::render_json(&label, &found)?,
             };
             print!("{text}");
             Ok(())
@@ -300,8 +300,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Report { args, output } => {
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             let report = runtime.block_on(async {
-                let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref()).await?;
-                anyhow::Ok(gpuplane_shell::controller::meter::report(&client, &args.query()).await?)
+                let client =
+                    gpuplane_common::kubeclient::client(args.kubeconfig.as_deref()).await?;
+                anyhow::Ok(
+                    gpuplane_cluster::controller::meter::report(&client, &args.query()).await?,
+                )
             })?;
             match output {
                 Output::Table => print!("{}", report.table()),
@@ -315,14 +318,14 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn run_explain(args: ExplainArgs) -> Result<()> {
-    use gpuplane_shell::explain;
+    use gpuplane_cluster::explain;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-    let settings = gpuplane_shell::quota::CatalogSettings {
+    let settings = gpuplane_model::quota::CatalogSettings {
         time_slicing: args.time_sliced.into_iter().collect(),
         ..Default::default()
     };
     let answers = runtime.block_on(async {
-        let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref()).await?;
+        let client = gpuplane_common::kubeclient::client(args.kubeconfig.as_deref()).await?;
         let answers = match &args.what {
             ExplainWhat::Pod { pod: (ns, name) } => {
                 vec![explain::pod(&client, settings, ns, name, args.live).await?]
@@ -378,10 +381,10 @@ fn run_demo(args: DemoArgs) -> Result<()> {
 fn run_controller(args: ControllerArgs) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
-        let client = gpuplane_shell::kubeclient::client_without_retry(args.kubeconfig.as_deref())
+        let client = gpuplane_common::kubeclient::client_without_retry(args.kubeconfig.as_deref())
             .await
             .context("the controller needs API access")?;
-        let mut opts = gpuplane_shell::webhook::WebhookOptions::new(args.tls_cert_file, args.tls_key_file, &args.namespace);
+        let mut opts = gpuplane_cluster::webhook::WebhookOptions::new(args.tls_cert_file, args.tls_key_file, &args.namespace);
         opts.addr = args.webhook_addr;
         opts.metrics_addr = args.metrics_addr;
         opts.catalog.drivers = args.driver_names;
@@ -392,13 +395,13 @@ fn run_controller(args: ControllerArgs) -> Result<()> {
         let host = std::env::var("POD_NAME")
             .or_else(|_| std::env::var("HOSTNAME"))
             .unwrap_or_else(|_| "gpuplane-controller".into());
-        let identity = gpuplane_shell::controller::identity(&host);
+        let identity = gpuplane_cluster::controller::identity(&host);
         opts.identity = identity.clone();
-        let mut loops = gpuplane_shell::controller::ControllerOptions::new(&args.namespace, &identity);
+        let mut loops = gpuplane_cluster::controller::ControllerOptions::new(&args.namespace, &identity);
         loops.leader_elect = args.leader_elect;
         loops.queue.catalog = opts.catalog.clone();
         loops.queue.hours = Some(args.hours.options(&args.namespace));
-        gpuplane_shell::controller::replica::run(client, opts, loops, shutdown).await?;
+        gpuplane_cluster::controller::replica::run(client, opts, loops, shutdown).await?;
         tracing::info!("gpuplane controller stopped");
         Ok(())
     })
@@ -408,7 +411,7 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
         let api_configured =
-            args.kubeconfig.is_some() || gpuplane_shell::kubeclient::available_without_flags();
+            args.kubeconfig.is_some() || gpuplane_common::kubeclient::available_without_flags();
         let early_client = simulate_from_node_label(&mut args).await?;
         let boot_id = HostPaths::standard().boot_id();
         let (source, label) = args.source.open_for_agent(&args.state_dir, &boot_id)?;
@@ -441,7 +444,7 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
                 None => terminated.await,
             }
         };
-        gpuplane_shell::node::run(opts, Arc::from(source), stop).await?;
+        gpuplane_node::node::run(opts, Arc::from(source), stop).await?;
         tracing::info!("gpuplane node stopped");
         Ok(())
     })
@@ -451,15 +454,15 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
 /// flags. The client made to read the label, to be used for everything after.
 async fn simulate_from_node_label(
     args: &mut NodeArgs,
-) -> Result<Option<gpuplane_shell::kubeclient::Client>> {
+) -> Result<Option<gpuplane_common::kubeclient::Client>> {
     if !args.simulate_from_node_label {
         return Ok(None);
     }
-    let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref())
+    let client = gpuplane_common::kubeclient::client(args.kubeconfig.as_deref())
         .await
         .context("--simulate-from-node-label needs API access")?;
     if let Some(profile) =
-        gpuplane_shell::node::simulate::profile_from_label(&client, &args.node_name).await?
+        gpuplane_node::node::simulate::profile_from_label(&client, &args.node_name).await?
     {
         args.source.simulate = Some(profile);
         args.source.nvml_lib = None;
@@ -473,11 +476,11 @@ async fn node_client(
     args: &NodeArgs,
     flags: Apis,
     api_configured: bool,
-) -> Result<Option<gpuplane_shell::kubeclient::Client>> {
+) -> Result<Option<gpuplane_common::kubeclient::Client>> {
     if !flags.dra && !api_configured {
         return Ok(None);
     }
-    let client = gpuplane_shell::kubeclient::client(args.kubeconfig.as_deref())
+    let client = gpuplane_common::kubeclient::client(args.kubeconfig.as_deref())
         .await
         .context(if flags.dra {
             "--dra needs API access"
@@ -490,22 +493,22 @@ async fn node_client(
 /// The agent's options from the flags and the APIs this node serves.
 fn node_options(
     args: NodeArgs,
-    client: Option<gpuplane_shell::kubeclient::Client>,
+    client: Option<gpuplane_common::kubeclient::Client>,
     serving: &apis::Serving,
-) -> Result<gpuplane_shell::node::NodeOptions> {
+) -> Result<gpuplane_node::node::NodeOptions> {
     let real_nvml = args.source.simulate.is_none();
     let own_pod = args
         .mps
         .pods(args.source.nvml_lib.clone().filter(|_| real_nvml))?;
     let dra = match (&client, serving.apis.dra) {
-        (Some(client), true) => Some(gpuplane_shell::node::dra::DraSettings {
+        (Some(client), true) => Some(gpuplane_node::node::dra::DraSettings {
             driver_name: args.driver_name,
             client: client.clone(),
             mps_pods: own_pod,
         }),
         _ => None,
     };
-    Ok(gpuplane_shell::node::NodeOptions {
+    Ok(gpuplane_node::node::NodeOptions {
         node_name: args.node_name,
         paths: HostPaths {
             kubelet_root: args.kubelet_root,

@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
-use gpuplane_shell::mps::pods::PodSettings;
+use gpuplane_node::mps::pods::PodSettings;
 use std::path::PathBuf;
 
 /// Where the agent runs MPS control daemons.
@@ -75,7 +75,7 @@ pub struct DaemonArgs {
 }
 
 pub fn run_daemon(args: DaemonArgs) -> Result<()> {
-    use gpuplane_shell::mps::daemon;
+    use gpuplane_node::mps::daemon;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async {
         let opts = daemon::DaemonOptions {

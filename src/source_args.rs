@@ -2,7 +2,7 @@
 //! `--nvml-lib`), and how each face opens its source.
 
 use anyhow::Result;
-use gpuplane_shell::source::{DeviceSource, SimSource};
+use gpuplane_model::source::{DeviceSource, SimSource};
 use std::path::{Path, PathBuf};
 
 /// Where devices come from; shared by every face that reads an inventory.
@@ -24,14 +24,14 @@ impl SourceArgs {
     pub fn open(&self) -> Result<(Box<dyn DeviceSource>, String)> {
         match &self.simulate {
             Some(spec) => {
-                let inventory = gpuplane_shell::sim::load(spec)?;
+                let inventory = gpuplane_model::sim::load(spec)?;
                 Ok((
                     Box::new(SimSource::new(inventory)),
                     format!("simulated ({spec})"),
                 ))
             }
             None => {
-                let source = gpuplane_shell::nvml::NvmlSource::open(self.nvml_lib.as_deref())?;
+                let source = gpuplane_node::nvml::NvmlSource::open(self.nvml_lib.as_deref())?;
                 Ok((Box::new(source), self.nvml_label()))
             }
         }
@@ -39,10 +39,10 @@ impl SourceArgs {
 
     /// Simulated devices exist only in the profile; NVML (also a fake libnvidia-ml) means
     /// real device nodes and driver files.
-    pub fn mode(&self) -> gpuplane_shell::source::DeviceMode {
+    pub fn mode(&self) -> gpuplane_model::source::DeviceMode {
         match self.simulate {
-            Some(_) => gpuplane_shell::source::DeviceMode::Simulated,
-            None => gpuplane_shell::source::DeviceMode::Hardware,
+            Some(_) => gpuplane_model::source::DeviceMode::Simulated,
+            None => gpuplane_model::source::DeviceMode::Hardware,
         }
     }
 
@@ -63,14 +63,14 @@ impl SourceArgs {
         boot_id: &Path,
     ) -> Result<(Box<dyn DeviceSource>, String)> {
         if let Some(spec) = &self.simulate {
-            let sim = SimSource::new(gpuplane_shell::sim::load(spec)?);
-            let boot = gpuplane_shell::dra::checkpoint::read_boot_id(boot_id);
-            let kept = gpuplane_shell::node::kept_sim::KeptSim::open(sim, state_dir, boot);
+            let sim = SimSource::new(gpuplane_model::sim::load(spec)?);
+            let boot = gpuplane_node::dra::checkpoint::read_boot_id(boot_id);
+            let kept = gpuplane_node::node::kept_sim::KeptSim::open(sim, state_dir, boot);
             return Ok((Box::new(kept), format!("simulated ({spec})")));
         }
         let lib = self.nvml_lib.clone();
-        let source = gpuplane_shell::node::deferred::Deferred::new(move || {
-            let nvml = gpuplane_shell::nvml::NvmlSource::open(lib.as_deref())?;
+        let source = gpuplane_node::node::deferred::Deferred::new(move || {
+            let nvml = gpuplane_node::nvml::NvmlSource::open(lib.as_deref())?;
             Ok(Box::new(nvml) as Box<dyn DeviceSource>)
         });
         Ok((Box::new(source), self.nvml_label()))

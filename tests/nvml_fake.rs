@@ -1,6 +1,6 @@
 //! The NVML backend, black-box: hack/fake-nvml serves simulation profiles through NVML's C ABI,
 //! `NvmlSource` loads it like the real `libnvidia-ml.so.1`, and what it reads must equal what
-//! `gpuplane_shell::sim::load` yields for the same profile.
+//! `gpuplane_model::sim::load` yields for the same profile.
 //!
 //! The fake keeps its machine in library statics chosen from environment variables at
 //! `nvmlInit_v2`. So each test loads its own copy of the library (a different file is a separate
@@ -8,12 +8,12 @@
 
 mod support;
 
-use gpuplane_shell::inventory::DeviceUuid;
-use gpuplane_shell::nvml::NvmlSource;
-use gpuplane_shell::sim;
-use gpuplane_shell::source::{
+use gpuplane_model::inventory::DeviceUuid;
+use gpuplane_model::sim;
+use gpuplane_model::source::{
     ComputeMode, ComputeModeError, DeviceEvent, DeviceSource, MigChangeError, MigRequest, SimSource,
 };
+use gpuplane_node::nvml::NvmlSource;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -48,7 +48,7 @@ impl Lab {
         Lab { dir, lib }
     }
 
-    fn try_open(&self, profile: &str) -> Result<NvmlSource, gpuplane_shell::source::SourceError> {
+    fn try_open(&self, profile: &str) -> Result<NvmlSource, gpuplane_model::source::SourceError> {
         self.try_open_with_state(profile, None)
     }
 
@@ -57,7 +57,7 @@ impl Lab {
         &self,
         profile: &str,
         state: Option<&Path>,
-    ) -> Result<NvmlSource, gpuplane_shell::source::SourceError> {
+    ) -> Result<NvmlSource, gpuplane_model::source::SourceError> {
         let control = self.dir.path().join("control");
         std::fs::write(&control, "").unwrap();
         let _env = ENV.lock().unwrap_or_else(|p| p.into_inner());

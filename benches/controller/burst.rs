@@ -8,11 +8,11 @@
 
 use super::https::{drive, Level, Pki};
 use super::{bench_pod, pod_review};
-use gpuplane_shell::controller::metrics::QueueMetrics;
-use gpuplane_shell::controller::queue::{self as quota_loop, QueueOptions};
-use gpuplane_shell::published::Devices;
-use gpuplane_shell::quota::{GpuQuota, MAX_RESERVATIONS};
-use gpuplane_shell::webhook::{self, RunningWebhook, WebhookOptions};
+use gpuplane_cluster::controller::metrics::QueueMetrics;
+use gpuplane_cluster::controller::queue::{self as quota_loop, QueueOptions};
+use gpuplane_cluster::published::Devices;
+use gpuplane_cluster::webhook::{self, RunningWebhook, WebhookOptions};
+use gpuplane_model::quota::{GpuQuota, MAX_RESERVATIONS};
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

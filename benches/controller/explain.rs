@@ -4,7 +4,7 @@
 //! same pod through the same client.
 
 use super::common::{percentiles, row};
-use gpuplane_shell::explain;
+use gpuplane_cluster::explain;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;

@@ -2,8 +2,8 @@
 //! the floor of a prepare, and the rows for write counts.
 
 use super::{NS, WAIT};
-use gpuplane_shell::dra::ClaimRef;
-use gpuplane_shell::source::SimSource;
+use gpuplane_model::source::SimSource;
+use gpuplane_node::dra::ClaimRef;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use gpuplane_testkit::doubles::kubelet_dra::KubeletDraOptions;
 use gpuplane_testkit::doubles::lab::{NodeLab, RunningAgent, DRIVER};
@@ -71,7 +71,7 @@ impl Deref for Lab {
 impl Lab {
     pub async fn new(profile: &str) -> Lab {
         let dir = tempfile::tempdir().expect("temp dir");
-        let sim = SimSource::new(gpuplane_shell::sim::load(profile).expect("profile"));
+        let sim = SimSource::new(gpuplane_model::sim::load(profile).expect("profile"));
         let node = NodeLab::start(dir.path(), sim, KubeletDraOptions::default())
             .await
             .expect("lab");
@@ -188,12 +188,8 @@ pub async fn floor_once(
     let gets = t.elapsed();
     let t = Instant::now();
     for i in 0..refs.len() {
-        gpuplane_shell::fsutil::write_atomic(
-            &dir.join(format!("floor-{i}.json")),
-            bytes,
-            FILE_MODE,
-        )
-        .expect("floor write");
+        gpuplane_node::fsutil::write_atomic(&dir.join(format!("floor-{i}.json")), bytes, FILE_MODE)
+            .expect("floor write");
     }
     (gets, t.elapsed())
 }

@@ -62,11 +62,11 @@ fn slices(i: usize, n: usize, name: &str) -> Vec<ResourceSlice> {
     } else {
         "dgx-h100"
     };
-    let text = gpuplane_shell::sim::bundled_text(profile).unwrap();
-    let inv = gpuplane_shell::sim::from_str(profile, profile, text).unwrap();
-    let mut health = gpuplane_shell::health::HealthBook::default();
+    let text = gpuplane_model::sim::bundled_text(profile).unwrap();
+    let inv = gpuplane_model::sim::from_str(profile, profile, text).unwrap();
+    let mut health = gpuplane_model::health::HealthBook::default();
     health.set_inventory(&inv);
-    gpuplane_shell::slices::render::render(&inv, &health, "gpu.gpuplane.dev", name)
+    gpuplane_node::slices::render::render(&inv, &health, "gpu.gpuplane.dev", name)
 }
 
 /// A pod asking `gpus` of the device plugin, bound to `node` when given.

@@ -20,7 +20,7 @@ const NOT_IN_THE_MODEL: &[&str] = &[
     "nvml-wrapper",
     "nvml-wrapper-sys",
     "nix",
-    // Metrics are the shell's (crates/shell/src/metrics.rs).
+    // Metrics are the shells' (crates/common/src/metrics.rs).
     "prometheus-client",
 ];
 
@@ -61,14 +61,48 @@ fn the_model_crate_links_no_runtime_network_rpc_or_nvml_crate() {
     );
 }
 
+/// The two products and what they share. Neither product crate depends on the other, the
+/// common crate on neither, and none of them on the test kit: a node agent carries no quota
+/// controller, a controller no NVML, and neither a double.
 #[test]
-fn the_shell_links_the_model_and_never_the_test_kit() {
-    let shell = normal_dependencies("gpuplane-shell");
-    assert!(shell.iter().any(|d| d == "gpuplane-model"));
-    assert!(
-        !shell.iter().any(|d| d == "gpuplane-testkit"),
-        "the shell must not depend on the doubles: {shell:?}"
-    );
+fn the_node_and_cluster_crates_share_only_the_common_one() {
+    let node = normal_dependencies("gpuplane-node");
+    let cluster = normal_dependencies("gpuplane-cluster");
+    let common = normal_dependencies("gpuplane-common");
+    for (name, deps) in [("node", &node), ("cluster", &cluster)] {
+        for needed in ["gpuplane-model", "gpuplane-common"] {
+            assert!(
+                deps.iter().any(|d| d == needed),
+                "{name}: no {needed}: {deps:?}"
+            );
+        }
+    }
+    let arrows = [
+        ("gpuplane-node", &node, "gpuplane-cluster"),
+        ("gpuplane-cluster", &cluster, "gpuplane-node"),
+        ("gpuplane-common", &common, "gpuplane-node"),
+        ("gpuplane-common", &common, "gpuplane-cluster"),
+    ];
+    for (from, deps, to) in arrows {
+        assert!(
+            !deps.iter().any(|d| d == to),
+            "{from} must not depend on {to}; move what both need to gpuplane-common: {deps:?}"
+        );
+    }
+    for (from, deps) in [("node", &node), ("cluster", &cluster), ("common", &common)] {
+        assert!(
+            !deps.iter().any(|d| d == "gpuplane-testkit"),
+            "gpuplane-{from} must not depend on the doubles: {deps:?}"
+        );
+    }
+    // NVML and the kubelet's gRPC are the node's alone.
+    for crate_only_on_nodes in ["nvml-wrapper", "tonic"] {
+        assert!(node.iter().any(|d| d == crate_only_on_nodes));
+        assert!(
+            !cluster.iter().any(|d| d == crate_only_on_nodes),
+            "the cluster side links {crate_only_on_nodes}"
+        );
+    }
 }
 
 #[test]
@@ -128,7 +162,7 @@ const GRPC_EDGE: &[&str] = &[
 #[test]
 fn protobuf_and_tonic_stay_at_the_grpc_edge() {
     let mut naming = Vec::new();
-    for (rel, text) in sources("crates/shell/src") {
+    for (rel, text) in sources("crates/node/src") {
         let code = text
             .lines()
             .map(|l| l.split("//").next().unwrap_or(""))
@@ -141,6 +175,13 @@ fn protobuf_and_tonic_stay_at_the_grpc_edge() {
         naming, GRPC_EDGE,
         "protobuf/tonic types outside the gRPC edge: convert to plain types in the service"
     );
+    let elsewhere: Vec<String> = ["crates/cluster/src", "crates/common/src"]
+        .into_iter()
+        .flat_map(rust_files)
+        .filter(|(_, text)| text.contains("tonic") || text.contains("proto::"))
+        .map(|(rel, _)| rel)
+        .collect();
+    assert!(elsewhere.is_empty(), "gRPC outside the node: {elsewhere:?}");
 }
 
 fn read(rel: &str) -> String {
@@ -155,15 +196,17 @@ fn the_product_crates_deny_unwrap_and_expect() {
     let deny = "deny(clippy::unwrap_used, clippy::expect_used)";
     for lib in [
         "crates/model/src/lib.rs",
-        "crates/shell/src/lib.rs",
+        "crates/common/src/lib.rs",
+        "crates/node/src/lib.rs",
+        "crates/cluster/src/lib.rs",
         "src/main.rs",
     ] {
         assert!(read(lib).contains(deny), "{lib} does not {deny}");
     }
-    let product = ["crates/model/src", "crates/shell/src"]
+    let product = PRODUCT_SOURCES
         .into_iter()
         .flat_map(|dir| {
-            sources(dir)
+            rust_files(dir)
                 .into_iter()
                 .map(move |(rel, text)| (format!("{dir}/{rel}"), text))
         })
@@ -180,9 +223,11 @@ fn unsafe_code_is_refused_outside_the_nvml_edge() {
     assert!(read("crates/model/src/lib.rs").contains("#![forbid(unsafe_code)]"));
     assert!(read("src/main.rs").contains("#![forbid(unsafe_code)]"));
     assert!(read("crates/testkit/src/lib.rs").contains("#![forbid(unsafe_code)]"));
-    assert!(read("crates/shell/src/lib.rs").contains("#![deny(unsafe_code)]"));
-    // The one exemption in the shell: the raw NVML calls.
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/shell/src");
+    assert!(read("crates/common/src/lib.rs").contains("#![forbid(unsafe_code)]"));
+    assert!(read("crates/cluster/src/lib.rs").contains("#![forbid(unsafe_code)]"));
+    assert!(read("crates/node/src/lib.rs").contains("#![deny(unsafe_code)]"));
+    // The one exemption in the node agent: the raw NVML calls.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/node/src");
     let mut allowed = Vec::new();
     let mut stack = vec![root.clone()];
     while let Some(dir) = stack.pop() {
@@ -205,12 +250,22 @@ fn unsafe_code_is_refused_outside_the_nvml_edge() {
     );
 }
 
-/// Where the Rust sources of every package in the workspace live: the model, the shell, the
+/// The product's library sources: the pure core and the three shell crates.
+const PRODUCT_SOURCES: [&str; 4] = [
+    "crates/model/src",
+    "crates/common/src",
+    "crates/node/src",
+    "crates/cluster/src",
+];
+
+/// Where the Rust sources of every package in the workspace live: the model, the shells, the
 /// test kit (doubles, labs, the demo), the binary, the fake NVML and MPS, and the benches.
 /// `every_workspace_member_is_held_to_the_size_limits` keeps the list in step with Cargo.toml.
 const SIZED_SOURCES: &[&str] = &[
     "crates/model/src",
-    "crates/shell/src",
+    "crates/common/src",
+    "crates/node/src",
+    "crates/cluster/src",
     "crates/testkit/src",
     "src",
     "hack/fake-nvml/src",
@@ -346,7 +401,7 @@ fn only_the_state_owner_and_the_dra_cores_instances_write_the_inventory() {
         "dra/core/instances.rs",
     ];
     let mut found = Vec::new();
-    for (rel, text) in sources("crates/shell/src") {
+    for (rel, text) in sources("crates/node/src") {
         if allowed.iter().any(|a| rel.ends_with(a)) {
             continue;
         }

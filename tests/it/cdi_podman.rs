@@ -28,12 +28,12 @@
 //! agent's, byte for byte apart from the kind.
 
 use crate::lab::{Lab, NODE, WAIT};
-use gpuplane_shell::cdi::{self, Kind, WriteOutcome};
-use gpuplane_shell::dra::{ClaimRef, PreparedDevice};
-use gpuplane_shell::node::dra::DraSettings;
-use gpuplane_shell::node::{NodeError, NodeOptions};
-use gpuplane_shell::paths::HostPaths;
-use gpuplane_shell::source::{DeviceMode, DeviceSource, SimSource};
+use gpuplane_model::source::{DeviceMode, DeviceSource, SimSource};
+use gpuplane_node::cdi::{self, Kind, WriteOutcome};
+use gpuplane_node::dra::{ClaimRef, PreparedDevice};
+use gpuplane_node::node::dra::DraSettings;
+use gpuplane_node::node::{NodeError, NodeOptions};
+use gpuplane_node::paths::HostPaths;
 use gpuplane_testkit::doubles::devnodes;
 use gpuplane_testkit::doubles::kubelet::KubeletDouble;
 use serde_json::{json, Value};
@@ -265,7 +265,7 @@ fn podman_injects_a_rendered_spec() {
     fake_driver_root(&driver_root);
     fs::create_dir_all(&dev_root).unwrap();
 
-    let inv = gpuplane_shell::sim::load("pcie-l4x4").unwrap();
+    let inv = gpuplane_model::sim::load("pcie-l4x4").unwrap();
 
     // Before the nodes exist the agent must not write the spec.
     let proc = cdi::ProcCaps::new(&HostPaths::standard().proc_root);
@@ -379,7 +379,7 @@ impl Agent {
         };
         let (stop, stopped) = oneshot::channel::<()>();
         let source: Arc<dyn DeviceSource> = Arc::new(lab.sim.clone());
-        let task = tokio::spawn(gpuplane_shell::node::run(opts, source, async {
+        let task = tokio::spawn(gpuplane_node::node::run(opts, source, async {
             let _ = stopped.await;
         }));
         Agent { stop, task }
@@ -582,7 +582,7 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
     assert_eq!(minors, (0..7).collect::<Vec<_>>());
     make_dev_nodes(&dev_root, minors);
 
-    let node_stem = gpuplane_shell::node::cdi::NODE_SPEC_STEM;
+    let node_stem = gpuplane_node::node::cdi::NODE_SPEC_STEM;
     let node_spec_was_there = spec_file(node_stem).exists();
     let mut cleanup = Cleanup::default();
     if !node_spec_was_there {
@@ -665,7 +665,7 @@ async fn podman_runs_a_container_with_what_allocate_gives_on_a_simulated_node() 
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path();
     // A simulated machine of two GPUs; no device nodes, no driver files anywhere.
-    let mut inv = gpuplane_shell::sim::load("pcie-l4x4").unwrap();
+    let mut inv = gpuplane_model::sim::load("pcie-l4x4").unwrap();
     inv.gpus.truncate(2);
     inv.topology.links.retain(|l| l.from < 2 && l.to < 2);
     let kubelet = KubeletDouble::start(&d.join("kubelet")).await.unwrap();
@@ -690,7 +690,7 @@ async fn podman_runs_a_container_with_what_allocate_gives_on_a_simulated_node() 
     };
     let (stop, stopped) = oneshot::channel::<()>();
     let source: Arc<dyn DeviceSource> = Arc::new(SimSource::new(inv.clone()));
-    let task = tokio::spawn(gpuplane_shell::node::run(opts, source, async {
+    let task = tokio::spawn(gpuplane_node::node::run(opts, source, async {
         let _ = stopped.await;
     }));
     let agent = Agent { stop, task };
@@ -707,10 +707,9 @@ async fn podman_runs_a_container_with_what_allocate_gives_on_a_simulated_node() 
     let uuids = [inv.gpus[0].uuid.as_str(), inv.gpus[1].uuid.as_str()];
 
     // The node spec the agent wrote, into /var/run/cdi under a kind of this run's.
-    let written = d.join("cdi").join(format!(
-        "{}.json",
-        gpuplane_shell::node::cdi::NODE_SPEC_STEM
-    ));
+    let written = d
+        .join("cdi")
+        .join(format!("{}.json", gpuplane_node::node::cdi::NODE_SPEC_STEM));
     let mut spec: cdi::Spec = serde_json::from_slice(&fs::read(&written).unwrap()).unwrap();
     assert_eq!(spec.kind, "nvidia.com/gpu");
     assert_eq!(spec.cdi_version, "0.5.0", "podman 4.3 reads at most 0.5.0");
@@ -763,15 +762,15 @@ async fn podman_runs_a_container_with_a_claim_prepared_on_a_simulated_node() {
     let dra_devices = inv.dra_devices();
     let whole = *dra_devices
         .iter()
-        .find(|d| matches!(d, gpuplane_shell::inventory::DeviceRef::Gpu(_)))
+        .find(|d| matches!(d, gpuplane_model::inventory::DeviceRef::Gpu(_)))
         .expect("a whole GPU");
     let part = *dra_devices
         .iter()
-        .find(|d| matches!(d, gpuplane_shell::inventory::DeviceRef::Mig { .. }))
+        .find(|d| matches!(d, gpuplane_model::inventory::DeviceRef::Mig { .. }))
         .expect("a MIG device");
     let (parent, mig) = match part {
-        gpuplane_shell::inventory::DeviceRef::Mig { parent, mig } => (parent, mig),
-        gpuplane_shell::inventory::DeviceRef::Gpu(_) => unreachable!("found as MIG"),
+        gpuplane_model::inventory::DeviceRef::Mig { parent, mig } => (parent, mig),
+        gpuplane_model::inventory::DeviceRef::Gpu(_) => unreachable!("found as MIG"),
     };
     let mig_index = parent
         .mig_devices

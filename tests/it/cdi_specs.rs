@@ -1,15 +1,15 @@
 //! CDI specs: driver discovery over fake driver/dev/proc trees, and rendering over simulated
 //! inventories.
 
-use gpuplane_shell::cdi::files::DynamicMajors;
-use gpuplane_shell::cdi::render::{node_devices, render_spec, DeviceRef, NamedDevices};
-use gpuplane_shell::cdi::*;
-use gpuplane_shell::inventory::Inventory;
+use gpuplane_model::inventory::Inventory;
+use gpuplane_node::cdi::files::DynamicMajors;
+use gpuplane_node::cdi::render::{node_devices, render_spec, DeviceRef, NamedDevices};
+use gpuplane_node::cdi::*;
 use std::fs;
 use std::path::{Path, PathBuf};
 
 fn inv(profile: &str) -> Inventory {
-    gpuplane_shell::sim::load(profile).unwrap()
+    gpuplane_model::sim::load(profile).unwrap()
 }
 
 fn touch(path: &Path) {

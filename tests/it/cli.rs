@@ -62,7 +62,7 @@ fn discover_json_is_parseable_with_the_documented_fields() {
 fn a_bad_profile_file_names_the_file_the_field_and_exits_non_zero() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("mine.yaml");
-    let text_in = gpuplane_shell::sim::bundled_text("a100-mig-mixed")
+    let text_in = gpuplane_model::sim::bundled_text("a100-mig-mixed")
         .unwrap()
         .replacen("profile: 3g.20gb", "profile: 3g.99gb", 1);
     std::fs::write(&path, text_in).unwrap();
@@ -324,7 +324,7 @@ async fn a_second_agent_on_the_same_state_dir_exits_at_once_and_a_sigkilled_one_
         .unwrap();
     let lock = root
         .join("state")
-        .join(gpuplane_shell::node::lock::FILE_NAME);
+        .join(gpuplane_node::node::lock::FILE_NAME);
     assert_eq!(
         std::fs::read_to_string(&lock).unwrap(),
         format!("{}\n", first.pid())
@@ -337,7 +337,7 @@ async fn a_second_agent_on_the_same_state_dir_exits_at_once_and_a_sigkilled_one_
     let before: Vec<_> = sockets.iter().map(|s| identity(s)).collect();
     let registrations = dra.registrations().len();
     let slots = || {
-        gpuplane_shell::dra::checkpoint::SLOTS
+        gpuplane_node::dra::checkpoint::SLOTS
             .map(|slot| std::fs::read(root.join("state").join(slot)).ok())
     };
     let checkpoint = slots();

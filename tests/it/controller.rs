@@ -1,12 +1,12 @@
 //! The quota controller's loops against the API server double with the real kube client:
 //! leader election over a Lease, and the queue that releases gated GPU pods.
 
-use gpuplane_shell::controller::elector::{self, Elector, Role};
-use gpuplane_shell::controller::lease::LeaseTimings;
-use gpuplane_shell::controller::metrics::QueueMetrics;
-use gpuplane_shell::controller::namespace::QueueSettings;
-use gpuplane_shell::controller::queue::{self, QueueOptions};
-use gpuplane_shell::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode, SCHEDULING_GATE};
+use gpuplane_cluster::controller::elector::{self, Elector, Role};
+use gpuplane_cluster::controller::lease::LeaseTimings;
+use gpuplane_cluster::controller::metrics::QueueMetrics;
+use gpuplane_cluster::controller::namespace::QueueSettings;
+use gpuplane_cluster::controller::queue::{self, QueueOptions};
+use gpuplane_model::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode, SCHEDULING_GATE};
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Event, Pod};
@@ -279,8 +279,11 @@ impl Lab {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let m = metrics.clone();
         let task = tokio::spawn(async move {
-            let devices =
-                gpuplane_shell::published::Devices::start(&client, opts.catalog.clone(), |_, _| {});
+            let devices = gpuplane_cluster::published::Devices::start(
+                &client,
+                opts.catalog.clone(),
+                |_, _| {},
+            );
             queue::run(client, opts, devices, m, async {
                 let _ = stopped.await;
             })
@@ -738,7 +741,7 @@ async fn a_thousand_queued_pods_are_released_in_a_few_cycles_not_one_per_cycle()
 
 // ---- the namespace label the mutating gate webhook selects on ----
 
-const QUEUE_LABEL: &str = gpuplane_shell::controller::queue_label::QUEUE_LABEL;
+const QUEUE_LABEL: &str = gpuplane_cluster::controller::queue_label::QUEUE_LABEL;
 
 /// The namespace labeler running against `server` with fast timings; stopped when the sender
 /// is dropped or sent to.
@@ -748,7 +751,7 @@ fn start_labeler(
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<()>,
 ) {
-    use gpuplane_shell::controller::labeler::{self, LabelerOptions};
+    use gpuplane_cluster::controller::labeler::{self, LabelerOptions};
     let opts = LabelerOptions {
         batch: Duration::from_millis(10),
         resync: Duration::from_millis(300),
@@ -929,8 +932,8 @@ fn gpu_node(name: &str, gpus: u64) -> serde_json::Value {
 
 #[tokio::test]
 async fn every_new_reason_lands_before_any_event_and_each_pod_gets_one_event() {
-    use gpuplane_shell::controller::explainer::{self, ExplainerOptions, CONDITION};
-    use gpuplane_shell::published::Devices;
+    use gpuplane_cluster::controller::explainer::{self, ExplainerOptions, CONDITION};
+    use gpuplane_cluster::published::Devices;
     let server = ApiServerDouble::start().await.unwrap();
     server.put_json(gpu_node("node-1", 2)).unwrap();
     let pods: Api<Pod> = Api::namespaced(server.client().unwrap(), QNS);
@@ -987,8 +990,8 @@ async fn every_new_reason_lands_before_any_event_and_each_pod_gets_one_event() {
 
 #[tokio::test]
 async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reason() {
-    use gpuplane_shell::controller::explainer::{self, ExplainerOptions, CONDITION};
-    use gpuplane_shell::published::Devices;
+    use gpuplane_cluster::controller::explainer::{self, ExplainerOptions, CONDITION};
+    use gpuplane_cluster::published::Devices;
     let server = ApiServerDouble::start().await.unwrap();
     server.put_json(gpu_node("node-1", 2)).unwrap();
     let start = |metrics: Arc<QueueMetrics>| {
@@ -1048,7 +1051,7 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
         "gpuplane_pending_gpu_pods{reason=\"Placement\"} 0",
     ];
     eventually("the new leader's first cycle", || async {
-        let text = gpuplane_shell::metrics::render(&[metrics.registry()]);
+        let text = gpuplane_common::metrics::render(&[metrics.registry()]);
         lines.iter().all(|line| text.lines().any(|l| l == *line))
     })
     .await;
@@ -1089,7 +1092,7 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
     })
     .await;
     let seen = format!("gpuplane_pending_gpu_pod_seconds_count{{reason=\"{new}\"}} 1");
-    let text = gpuplane_shell::metrics::render(&[metrics.registry()]);
+    let text = gpuplane_common::metrics::render(&[metrics.registry()]);
     assert!(text.lines().any(|l| l == seen), "{seen} in:\n{text}");
     assert_eq!(events_for(&server, "big").await.len(), 2);
     let _ = stop.send(());
@@ -1100,8 +1103,8 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
 /// DeviceClass must still reach the answer (the catalog is rebuilt when either changes).
 #[tokio::test]
 async fn the_explainers_kept_device_catalog_follows_slices_and_classes() {
-    use gpuplane_shell::controller::explainer::{self, ExplainerOptions, CONDITION};
-    use gpuplane_shell::published::Devices;
+    use gpuplane_cluster::controller::explainer::{self, ExplainerOptions, CONDITION};
+    use gpuplane_cluster::published::Devices;
     let server = ApiServerDouble::start().await.unwrap();
     let class = |product: &str| {
         json!({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
@@ -1143,11 +1146,11 @@ async fn the_explainers_kept_device_catalog_follows_slices_and_classes() {
         reason().await.as_deref() == Some("Selector")
     })
     .await;
-    let text = gpuplane_shell::sim::bundled_text("dgx-h100").unwrap();
-    let inv = gpuplane_shell::sim::from_str("dgx-h100", "dgx-h100", text).unwrap();
-    let mut health = gpuplane_shell::health::HealthBook::default();
+    let text = gpuplane_model::sim::bundled_text("dgx-h100").unwrap();
+    let inv = gpuplane_model::sim::from_str("dgx-h100", "dgx-h100", text).unwrap();
+    let mut health = gpuplane_model::health::HealthBook::default();
     health.set_inventory(&inv);
-    for s in gpuplane_shell::slices::render::render(&inv, &health, "gpu.gpuplane.dev", "node-1") {
+    for s in gpuplane_node::slices::render::render(&inv, &health, "gpu.gpuplane.dev", "node-1") {
         server.put_json(serde_json::to_value(s).unwrap()).unwrap();
     }
     eventually("another reason once H100s are published", || async {

@@ -1,6 +1,6 @@
 //! Crash consistency: the real agent binary is killed with SIGKILL at every step of prepare,
 //! unprepare, the CDI spec and checkpoint writes and slice publication, restarted, and checked
-//! from the outside. A crash point (`GPUPLANE_CRASHPOINT`, crates/shell/src/crashpoint.rs) only chooses
+//! from the outside. A crash point (`GPUPLANE_CRASHPOINT`, crates/node/src/crashpoint.rs) only chooses
 //! where the kill lands: the agent stops there, writes a marker, and the test kills it.
 //!
 //! After every kill: every `*.json` in the CDI root is a whole CDI spec and the checkpoint
@@ -18,8 +18,8 @@
 
 use crate::crash_node::{cdi_ids, Node, WAIT};
 use crate::support::{eventually, NODE};
-use gpuplane_shell::dra::checkpoint::ClaimState;
-use gpuplane_shell::dra::ClaimRef;
+use gpuplane_node::dra::checkpoint::ClaimState;
+use gpuplane_node::dra::ClaimRef;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use serde_json::Value;
 use std::collections::BTreeSet;
@@ -91,7 +91,7 @@ async fn a_kill_at_any_step_of_prepare_then_the_retried_prepare_answers_the_allo
         }
         let entry = node.checkpoint().claims[c.uid.as_str()].clone();
         assert_eq!(entry.state, ClaimState::PrepareCompleted, "{step}");
-        let spec: gpuplane_shell::cdi::Spec =
+        let spec: gpuplane_node::cdi::Spec =
             serde_json::from_slice(&std::fs::read(node.spec_path(&c)).unwrap()).unwrap();
         let mut names: Vec<String> = spec.devices.iter().map(|d| d.name.clone()).collect();
         names.sort();
@@ -151,7 +151,7 @@ async fn a_kill_at_any_step_of_unprepare_then_the_retried_unprepare_leaves_no_tr
 
 /// A DGX H100 with every GPU in MIG mode, doubled to 16 GPUs: 112 MIG devices, two slices.
 fn sixteen_gpu_profile(dir: &Path) -> PathBuf {
-    let text = gpuplane_shell::sim::bundled_text("h100-mig-single").unwrap();
+    let text = gpuplane_model::sim::bundled_text("h100-mig-single").unwrap();
     let (head, rest) = text.split_once("gpus:\n").unwrap();
     let (gpus, _) = rest.split_once("topology:\n").unwrap();
     let more = gpus.replace("pciBusId: \"00000000:", "pciBusId: \"00000001:");
@@ -215,7 +215,7 @@ async fn a_kill_between_slice_writes_leaves_a_pool_the_next_agent_completes() {
     for s in pool(&node.api) {
         let slice: k8s_openapi::api::resource::v1::ResourceSlice =
             serde_json::from_value(s).unwrap();
-        gpuplane_shell::slices::validate::validate(&slice).unwrap();
+        gpuplane_node::slices::validate::validate(&slice).unwrap();
     }
     node.kill().await;
 
@@ -258,7 +258,7 @@ async fn a_kill_while_the_node_cdi_spec_is_replaced_leaves_the_old_or_the_new_on
         } else {
             assert_eq!(at_kill, old, "{step}");
         }
-        node.uuids = gpuplane_shell::sim::load("dgx-a100")
+        node.uuids = gpuplane_model::sim::load("dgx-a100")
             .unwrap()
             .gpus
             .iter()

@@ -11,7 +11,7 @@
 use crate::support;
 
 use crate::crash_node::Node;
-use gpuplane_shell::dra::ClaimRef;
+use gpuplane_node::dra::ClaimRef;
 use serde_json::Value;
 
 /// GPUs 0 and 1 are H100s in MIG mode with no instances; GPU 3 an L4, the one device the

@@ -21,7 +21,7 @@ use crate::support;
 
 use crate::crash_node::{cdi_ids, Node, GPU_RESOURCE, WAIT};
 use crate::support::{DRIVER, NODE};
-use gpuplane_shell::dra::{ClaimRef, PreparedDevice};
+use gpuplane_node::dra::{ClaimRef, PreparedDevice};
 use std::cell::Cell;
 use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
@@ -185,7 +185,7 @@ impl SharesNode {
             "{what}: the prepare of {} answers its share",
             s.claim.name
         );
-        let spec: gpuplane_shell::cdi::Spec =
+        let spec: gpuplane_node::cdi::Spec =
             serde_json::from_slice(&std::fs::read(self.spec_path(&s.claim)).unwrap()).unwrap();
         let env: Vec<String> = spec
             .devices

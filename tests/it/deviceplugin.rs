@@ -4,10 +4,10 @@
 
 use crate::support;
 
-use gpuplane_shell::inventory::DeviceUuid;
-use gpuplane_shell::node::NodeOptions;
-use gpuplane_shell::paths::HostPaths;
-use gpuplane_shell::source::{DeviceMode, DeviceSource, SimSource};
+use gpuplane_model::inventory::DeviceUuid;
+use gpuplane_model::source::{DeviceMode, DeviceSource, SimSource};
+use gpuplane_node::node::NodeOptions;
+use gpuplane_node::paths::HostPaths;
 use gpuplane_testkit::doubles::kubelet::{KubeletDouble, PluginView};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -25,7 +25,7 @@ struct Harness {
     kubelet: KubeletDouble,
     sim: SimSource,
     stop: Option<oneshot::Sender<()>>,
-    agent: JoinHandle<Result<(), gpuplane_shell::node::NodeError>>,
+    agent: JoinHandle<Result<(), gpuplane_node::node::NodeError>>,
     /// Where the agent serves `/metrics`, if it was started to.
     metrics: Option<SocketAddr>,
 }
@@ -86,14 +86,14 @@ async fn start_with(
     let kubelet = KubeletDouble::start(&dir.path().join("kubelet"))
         .await
         .unwrap();
-    let sim = SimSource::new(gpuplane_shell::sim::load(profile).unwrap());
+    let sim = SimSource::new(gpuplane_model::sim::load(profile).unwrap());
     let (stop, stopped) = oneshot::channel::<()>();
     let opts = NodeOptions {
         metrics_addr: metrics,
         ..options(dir.path(), config, mode)
     };
     let source: Arc<dyn DeviceSource> = Arc::new(sim.clone());
-    let agent = tokio::spawn(gpuplane_shell::node::run(opts, source, async {
+    let agent = tokio::spawn(gpuplane_node::node::run(opts, source, async {
         let _ = stopped.await;
     }));
     Harness {
@@ -291,7 +291,7 @@ async fn preferred_allocation_on_the_cube_mesh_picks_nvlink_pairs() {
     let view = h.wait_devices(GPU, 8).await;
     let all = ids(&view);
     let pair = h.kubelet.preferred(GPU, &all, &[], 2).await.unwrap();
-    let inv = gpuplane_shell::sim::load("dgx1-v100").unwrap();
+    let inv = gpuplane_model::sim::load("dgx1-v100").unwrap();
     let (a, b): (u32, u32) = (pair[0].parse().unwrap(), pair[1].parse().unwrap());
     assert_eq!(inv.topology.link(a, b).unwrap().nvlinks, 2, "{pair:?}");
     // must_include is honoured and only offered devices come back.
@@ -331,9 +331,9 @@ async fn an_agent_started_before_the_kubelet_registers_once_it_appears() {
     let dir = tempfile::tempdir().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
     let source: Arc<dyn DeviceSource> = Arc::new(SimSource::new(
-        gpuplane_shell::sim::load("pcie-l4x4").unwrap(),
+        gpuplane_model::sim::load("pcie-l4x4").unwrap(),
     ));
-    let agent = tokio::spawn(gpuplane_shell::node::run(
+    let agent = tokio::spawn(gpuplane_node::node::run(
         options(dir.path(), None, DeviceMode::Simulated),
         source,
         async {
@@ -344,7 +344,7 @@ async fn an_agent_started_before_the_kubelet_registers_once_it_appears() {
     let socket = dir
         .path()
         .join("kubelet/device-plugins")
-        .join(gpuplane_shell::deviceplugin::registrar::socket_name(GPU));
+        .join(gpuplane_node::deviceplugin::registrar::socket_name(GPU));
     wait_until("the plugin socket served before the kubelet exists", || {
         socket.exists() || agent.is_finished()
     })
@@ -513,8 +513,8 @@ async fn mig_reconfiguration_is_picked_up_without_a_restart() {
     )
     .await;
     h.wait_devices("nvidia.com/mig-4g.20gb", 1).await;
-    let mut inv = gpuplane_shell::sim::load("a100-mig-mixed").unwrap();
-    let mut seven = gpuplane_shell::sim::load("h100-mig-single").unwrap().gpus[0]
+    let mut inv = gpuplane_model::sim::load("a100-mig-mixed").unwrap();
+    let mut seven = gpuplane_model::sim::load("h100-mig-single").unwrap().gpus[0]
         .mig_devices
         .clone();
     for (i, m) in seven.iter_mut().enumerate() {
@@ -663,7 +663,7 @@ async fn on_nvml_allocate_refuses_until_the_device_nodes_are_right() {
         .await
         .unwrap();
     let kubelet = KubeletDouble::start(&root.join("kubelet")).await.unwrap();
-    let inv = gpuplane_shell::sim::load("pcie-l4x4").unwrap();
+    let inv = gpuplane_model::sim::load("pcie-l4x4").unwrap();
     support::lay_out_node(root, inv.gpus.len(), &api.url());
     // The driver is half-way: GPU 1's node is not there yet, a stray file sits where GPU 0's
     // must be, and GPU 3's has GPU 7's number.
@@ -730,7 +730,7 @@ async fn on_nvml_allocate_refuses_until_the_device_nodes_are_right() {
         [name.as_str()]
     );
     assert!(grant.envs.is_empty(), "{:?}", grant.envs);
-    let spec: gpuplane_shell::cdi::Spec =
+    let spec: gpuplane_node::cdi::Spec =
         serde_json::from_slice(&std::fs::read(&spec_path).expect("spec written")).unwrap();
     let device = spec
         .devices

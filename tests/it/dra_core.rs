@@ -5,16 +5,16 @@
 //! character devices with the NVIDIA driver's numbers, made with mknod, so they need root and
 //! skip without it. The simulated mode needs no nodes.
 
-use gpuplane_shell::cdi::Spec;
-use gpuplane_shell::config::AgentConfig;
-use gpuplane_shell::dra::checkpoint::{self, CheckpointData, ClaimEntry, ClaimState};
-use gpuplane_shell::dra::core::{spec_stem, DraCore, DraCoreConfig};
-use gpuplane_shell::dra::fetch::ClaimFetcher;
-use gpuplane_shell::dra::{ClaimRef, ClaimUid, DeviceHealthState, DraDriver, PreparedDevice};
-use gpuplane_shell::inventory::{DeviceRef, Inventory};
-use gpuplane_shell::node::state::{NodeState, Snapshot};
-use gpuplane_shell::paths::HostPaths;
-use gpuplane_shell::source::{DeviceMode, SimSource};
+use gpuplane_model::config::AgentConfig;
+use gpuplane_model::inventory::{DeviceRef, Inventory};
+use gpuplane_model::source::{DeviceMode, SimSource};
+use gpuplane_node::cdi::Spec;
+use gpuplane_node::dra::checkpoint::{self, CheckpointData, ClaimEntry, ClaimState};
+use gpuplane_node::dra::core::{spec_stem, DraCore, DraCoreConfig};
+use gpuplane_node::dra::fetch::ClaimFetcher;
+use gpuplane_node::dra::{ClaimRef, ClaimUid, DeviceHealthState, DraDriver, PreparedDevice};
+use gpuplane_node::node::state::{NodeState, Snapshot};
+use gpuplane_node::paths::HostPaths;
 use gpuplane_testkit::doubles::claims::MemoryClaims;
 use gpuplane_testkit::doubles::devnodes;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -85,7 +85,7 @@ impl Env {
     fn bare(mode: DeviceMode) -> Env {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().to_path_buf();
-        let inv = gpuplane_shell::sim::load("a100-mig-mixed").unwrap();
+        let inv = gpuplane_model::sim::load("a100-mig-mixed").unwrap();
         fs::create_dir_all(root.join("driver")).unwrap();
         fs::create_dir_all(root.join("proc/sys/kernel/random")).unwrap();
         fs::write(root.join("proc/sys/kernel/random/boot_id"), "boot-1\n").unwrap();
@@ -142,7 +142,7 @@ impl Env {
         self.inv
             .dra_devices()
             .into_iter()
-            .filter(|d| matches!(d, gpuplane_shell::inventory::DeviceRef::Mig { .. }))
+            .filter(|d| matches!(d, gpuplane_model::inventory::DeviceRef::Mig { .. }))
             .nth(i)
             .unwrap()
             .dra_name()
@@ -347,7 +347,7 @@ async fn per_claim_errors_name_the_claim_and_the_reason() {
     env.state.update(|s| {
         let policy = s.config.xid_policy.clone();
         s.health.on_event(
-            &gpuplane_shell::source::DeviceEvent::Xid {
+            &gpuplane_model::source::DeviceEvent::Xid {
                 gpu_uuid: parent_uuid,
                 mig_uuid: Some(mig_uuid.clone()),
                 xid: 48,
@@ -474,7 +474,7 @@ async fn simulated_devices_are_prepared_without_device_nodes_and_carry_their_ide
         .iter()
         .find_map(|g| {
             let i = g.mig_devices.iter().position(|m| {
-                gpuplane_shell::inventory::DeviceRef::Mig { parent: g, mig: m }.dra_name() == mig
+                gpuplane_model::inventory::DeviceRef::Mig { parent: g, mig: m }.dra_name() == mig
             })?;
             Some((g, i))
         })

@@ -4,17 +4,17 @@
 //! The checkpoint records intent and instance, so a restarted agent adopts what it made and
 //! never touches an instance another tool made.
 
-use gpuplane_shell::cdi::Spec;
-use gpuplane_shell::config::AgentConfig;
-use gpuplane_shell::dra::checkpoint::{self, CheckpointData, ClaimState};
-use gpuplane_shell::dra::core::{spec_stem, DraCore, DraCoreConfig};
-use gpuplane_shell::dra::fetch::ClaimFetcher;
-use gpuplane_shell::dra::{ClaimRef, ClaimUid, DraDriver};
-use gpuplane_shell::inventory::{Inventory, MigDevice};
-use gpuplane_shell::node::dra::desired_slices;
-use gpuplane_shell::node::state::{NodeState, Snapshot};
-use gpuplane_shell::paths::HostPaths;
-use gpuplane_shell::source::{DeviceMode, DeviceSource, MigRequest, SimSource};
+use gpuplane_model::config::AgentConfig;
+use gpuplane_model::inventory::{Inventory, MigDevice};
+use gpuplane_model::source::{DeviceMode, DeviceSource, MigRequest, SimSource};
+use gpuplane_node::cdi::Spec;
+use gpuplane_node::dra::checkpoint::{self, CheckpointData, ClaimState};
+use gpuplane_node::dra::core::{spec_stem, DraCore, DraCoreConfig};
+use gpuplane_node::dra::fetch::ClaimFetcher;
+use gpuplane_node::dra::{ClaimRef, ClaimUid, DraDriver};
+use gpuplane_node::node::dra::desired_slices;
+use gpuplane_node::node::state::{NodeState, Snapshot};
+use gpuplane_node::paths::HostPaths;
 use gpuplane_testkit::doubles::claims::MemoryClaims;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
@@ -46,7 +46,7 @@ impl Env {
         fs::write(root.join("proc/sys/kernel/random/boot_id"), "boot-1\n").unwrap();
         Env {
             dir,
-            source: SimSource::new(gpuplane_shell::sim::load(PROFILE).unwrap()),
+            source: SimSource::new(gpuplane_model::sim::load(PROFILE).unwrap()),
             claims: Arc::new(MemoryClaims::default()),
         }
     }
@@ -320,8 +320,8 @@ async fn an_instance_another_tool_made_is_never_touched_and_its_gpu_says_why() {
 
 #[tokio::test]
 async fn an_xid_on_the_instance_or_its_parent_reaches_the_claims_device() {
-    use gpuplane_shell::dra::DeviceHealthState;
-    use gpuplane_shell::source::DeviceEvent;
+    use gpuplane_model::source::DeviceEvent;
+    use gpuplane_node::dra::DeviceHealthState;
     let env = Env::new();
     let state = env.state();
     let core = env.core(state.clone());
@@ -345,7 +345,7 @@ async fn an_xid_on_the_instance_or_its_parent_reaches_the_claims_device() {
             hw.gpus[0].mig_devices[0].uuid.clone(),
         )
     };
-    let xid = |mig: Option<&gpuplane_shell::inventory::DeviceUuid>| {
+    let xid = |mig: Option<&gpuplane_model::inventory::DeviceUuid>| {
         let event = DeviceEvent::Xid {
             gpu_uuid: gpu.clone(),
             mig_uuid: mig.cloned(),
@@ -383,10 +383,10 @@ async fn an_xid_on_the_instance_or_its_parent_reaches_the_claims_device() {
 /// (else it would drop the claim's instance as gone), and after a reboot the profile's state.
 #[test]
 fn a_simulated_machine_keeps_its_instances_across_agent_restarts_of_one_boot() {
-    use gpuplane_shell::node::kept_sim::KeptSim;
-    use gpuplane_shell::source::ComputeMode;
+    use gpuplane_model::source::ComputeMode;
+    use gpuplane_node::node::kept_sim::KeptSim;
     let dir = tempfile::tempdir().unwrap();
-    let machine = || SimSource::new(gpuplane_shell::sim::load("dynamic-mig-mixed").unwrap());
+    let machine = || SimSource::new(gpuplane_model::sim::load("dynamic-mig-mixed").unwrap());
     let boot = |id: &str| Some(id.to_string());
     let first = KeptSim::open(machine(), dir.path(), boot("boot-1"));
     let gpu = first.discover().unwrap().inventory.gpus[0].uuid.clone();

@@ -6,7 +6,7 @@
 use crate::support;
 
 use crate::lab::{Lab, DRIVER, NODE, WAIT};
-use gpuplane_shell::dra::ClaimRef;
+use gpuplane_node::dra::ClaimRef;
 use gpuplane_testkit::doubles::apiserver::Fault;
 use serde_json::{json, Value};
 use std::time::Duration;

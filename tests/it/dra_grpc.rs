@@ -3,13 +3,13 @@
 //! socket re-creation and shutdown, all driven through the kubelet DRA double against a fake
 //! `DraDriver` (the real core is tested on its own).
 
-use gpuplane_shell::dra::server::{DraPaths, DraServer};
-use gpuplane_shell::dra::service::RawClaim;
-use gpuplane_shell::dra::{
+use gpuplane_node::dra::server::{DraPaths, DraServer};
+use gpuplane_node::dra::service::RawClaim;
+use gpuplane_node::dra::{
     ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
 };
-use gpuplane_shell::proto::dra_health_v1::HealthStatus;
-use gpuplane_shell::proto::pluginregistration_v1 as reg_pb;
+use gpuplane_node::proto::dra_health_v1::HealthStatus;
+use gpuplane_node::proto::pluginregistration_v1 as reg_pb;
 use gpuplane_testkit::doubles::kubelet_dra::{
     DraVersion, HealthVersion, KubeletDraDouble, KubeletDraOptions,
 };
@@ -134,7 +134,7 @@ struct Harness {
     paths: DraPaths,
     registered: watch::Receiver<bool>,
     stop: watch::Sender<bool>,
-    server: JoinHandle<Result<(), gpuplane_shell::dra::server::ServeError>>,
+    server: JoinHandle<Result<(), gpuplane_node::dra::server::ServeError>>,
 }
 
 fn start() -> Harness {
@@ -267,7 +267,7 @@ async fn refusal_is_recorded_by_the_plugin() {
         .path()
         .join("kubelet/plugins_registry/gpu.nvidia.com-reg.sock");
     let channel = loop {
-        match gpuplane_shell::grpc::connect(&sock).await {
+        match gpuplane_node::grpc::connect(&sock).await {
             Ok(c) => break c,
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }

@@ -4,9 +4,9 @@
 use crate::support;
 
 use crate::lab::{Lab, DRIVER, NODE, WAIT};
-use gpuplane_shell::dra::ClaimRef;
-use gpuplane_shell::proto::dra_health_v1::HealthStatus;
-use gpuplane_shell::source::DeviceSource;
+use gpuplane_model::source::DeviceSource;
+use gpuplane_node::dra::ClaimRef;
+use gpuplane_node::proto::dra_health_v1::HealthStatus;
 use gpuplane_testkit::doubles::apiserver::Fault;
 use gpuplane_testkit::doubles::kubelet::PluginView;
 use serde_json::json;
@@ -233,7 +233,7 @@ async fn slices_are_published_valid_and_a_restart_with_the_same_inventory_writes
     for s in lab.slices() {
         let slice: k8s_openapi::api::resource::v1::ResourceSlice =
             serde_json::from_value(s).unwrap();
-        gpuplane_shell::slices::validate::validate(&slice).unwrap();
+        gpuplane_node::slices::validate::validate(&slice).unwrap();
         assert_eq!(slice.spec.node_name.as_deref(), Some(NODE));
     }
     assert!(Lab::device(&lab.slices(), "gpu-0-mig-1g10gb-1").is_some());
@@ -648,7 +648,7 @@ async fn a_restart_rebuilds_the_same_ledger_from_pod_resources_and_the_checkpoin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn device_health_streams_the_same_over_dra_health_v1_and_v1alpha1() {
-    use gpuplane_shell::proto::{dra_health_v1 as v1, dra_health_v1alpha1 as v1alpha1};
+    use gpuplane_node::proto::{dra_health_v1 as v1, dra_health_v1alpha1 as v1alpha1};
     use gpuplane_testkit::doubles::kubelet_dra::HealthVersion;
 
     let lab = Lab::new("dgx-h100").await;
@@ -677,7 +677,7 @@ async fn device_health_streams_the_same_over_dra_health_v1_and_v1alpha1() {
     assert_eq!(seen.version, Some(HealthVersion::V1));
 
     // Two clients of our own on the DRA socket, one per version.
-    let channel = gpuplane_shell::grpc::connect(&plugin.endpoint)
+    let channel = gpuplane_node::grpc::connect(&plugin.endpoint)
         .await
         .unwrap();
     let mut v1_stream = v1::dra_resource_health_client::DraResourceHealthClient::new(channel)
@@ -685,7 +685,7 @@ async fn device_health_streams_the_same_over_dra_health_v1_and_v1alpha1() {
         .await
         .unwrap()
         .into_inner();
-    let channel = gpuplane_shell::grpc::connect(&plugin.endpoint)
+    let channel = gpuplane_node::grpc::connect(&plugin.endpoint)
         .await
         .unwrap();
     let mut alpha_stream =
@@ -897,7 +897,7 @@ async fn a_hung_inventory_refresh_holds_up_no_health_change_config_reload_or_kub
     let grant = lab.kubelet.allocate(GPU, &[replica]).await;
     assert!(!grant.unwrap().cdi_devices.is_empty());
     // Past the stuck threshold, /healthz still says the agent turns.
-    tokio::time::sleep(gpuplane_shell::node::http::STUCK_AFTER + Duration::from_secs(1)).await;
+    tokio::time::sleep(gpuplane_node::node::http::STUCK_AFTER + Duration::from_secs(1)).await;
     let healthz = tokio::task::spawn_blocking(move || support::http_get(addr, "/healthz"))
         .await
         .unwrap();

@@ -7,8 +7,8 @@
 use crate::support;
 
 use crate::support::{AgentProcess, DRIVER};
-use gpuplane_shell::proto::dra_v1;
-use gpuplane_shell::proto::pluginregistration_v1 as reg_pb;
+use gpuplane_node::proto::dra_v1;
+use gpuplane_node::proto::pluginregistration_v1 as reg_pb;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use gpuplane_testkit::doubles::dial::{self, Authority};
 use std::path::{Path, PathBuf};

@@ -5,18 +5,18 @@
 
 use crate::support;
 
-use gpuplane_shell::cdi::Spec;
-use gpuplane_shell::config::AgentConfig;
-use gpuplane_shell::dra::checkpoint::{self, CheckpointData};
-use gpuplane_shell::dra::core::{spec_stem, DraCore, DraCoreConfig};
-use gpuplane_shell::dra::fetch::ClaimFetcher;
-use gpuplane_shell::dra::{ClaimRef, ClaimUid, DraDriver};
-use gpuplane_shell::inventory::Inventory;
-use gpuplane_shell::ledger::Holder;
-use gpuplane_shell::mps::MpsHost;
-use gpuplane_shell::node::state::{NodeState, Snapshot};
-use gpuplane_shell::paths::HostPaths;
-use gpuplane_shell::source::{DeviceMode, SimSource};
+use gpuplane_model::config::AgentConfig;
+use gpuplane_model::inventory::Inventory;
+use gpuplane_model::ledger::Holder;
+use gpuplane_model::source::{DeviceMode, SimSource};
+use gpuplane_node::cdi::Spec;
+use gpuplane_node::dra::checkpoint::{self, CheckpointData};
+use gpuplane_node::dra::core::{spec_stem, DraCore, DraCoreConfig};
+use gpuplane_node::dra::fetch::ClaimFetcher;
+use gpuplane_node::dra::{ClaimRef, ClaimUid, DraDriver};
+use gpuplane_node::mps::MpsHost;
+use gpuplane_node::node::state::{NodeState, Snapshot};
+use gpuplane_node::paths::HostPaths;
 use gpuplane_testkit::doubles::claims::MemoryClaims;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::{json, Value};
@@ -45,7 +45,7 @@ pub(crate) struct Env {
     /// Where the core runs MPS daemons; unset: as its own processes.
     pub(crate) mps: std::sync::OnceLock<Arc<dyn MpsHost>>,
     /// What the memory-limit hooks run; unset: a driver without per-cgroup limits.
-    pub(crate) memory_limits: std::sync::OnceLock<gpuplane_shell::cdi::MemoryLimitHook>,
+    pub(crate) memory_limits: std::sync::OnceLock<gpuplane_node::cdi::MemoryLimitHook>,
 }
 
 impl Env {
@@ -54,7 +54,7 @@ impl Env {
     pub(crate) fn new(mps: bool) -> Env {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
-        let inv = gpuplane_shell::sim::load("dgx-a100").unwrap();
+        let inv = gpuplane_model::sim::load("dgx-a100").unwrap();
         fs::create_dir_all(root.join("proc/sys/kernel/random")).unwrap();
         fs::write(root.join("proc/sys/kernel/random/boot_id"), "boot-1\n").unwrap();
         let bin = root.join("driver/usr/bin");
@@ -712,11 +712,11 @@ fn the_sharing_docs_example_is_what_a_dgx_h100_publishes() {
         "config, device and claim blocks: {blocks:?}"
     );
     let config = AgentConfig::parse("docs", blocks[0]).unwrap();
-    let inv = gpuplane_shell::sim::load("dgx-h100").unwrap();
-    let shared = gpuplane_shell::sharing::shared_units(&inv, config.shares.as_ref());
-    let mut health = gpuplane_shell::health::HealthBook::default();
+    let inv = gpuplane_model::sim::load("dgx-h100").unwrap();
+    let shared = gpuplane_model::sharing::shared_units(&inv, config.shares.as_ref());
+    let mut health = gpuplane_model::health::HealthBook::default();
     health.set_inventory(&inv);
-    let slices = gpuplane_shell::slices::render::render_with_generation(
+    let slices = gpuplane_node::slices::render::render_with_generation(
         &inv, &health, DRIVER, NODE, 0, &shared,
     );
     let published: Value = slices
@@ -738,12 +738,12 @@ fn the_sharing_docs_example_is_what_a_dgx_h100_publishes() {
     let unit = shared.get(&inv.gpus[0].uuid).expect("gpu-0 is shared");
     let gi = |n: u64| n << 30;
     let quantity = |v: &Value| {
-        let q = gpuplane_shell::quantity::Quantity::parse(v.as_str().unwrap()).unwrap();
+        let q = gpuplane_model::quantity::Quantity::parse(v.as_str().unwrap()).unwrap();
         u64::try_from(q.value().unwrap()).unwrap()
     };
     // Rounded up to the steps, as the scheduler does (the docs' 25 becomes 30).
     let compute = u32::try_from(quantity(&asked["compute"])).unwrap();
-    let share = gpuplane_shell::sharing::Share {
+    let share = gpuplane_model::sharing::Share {
         memory: quantity(&asked["memory"]).div_ceil(unit.memory_step) * unit.memory_step,
         compute: compute.div_ceil(unit.compute_step) * unit.compute_step,
     };

@@ -82,10 +82,10 @@ fn checkpoint_seeds_are_byte_for_byte_what_the_agent_writes() {
     assert!(!seeds.is_empty());
     for seed in seeds {
         let bytes = std::fs::read(&seed).unwrap();
-        let data = gpuplane_shell::dra::checkpoint::decode(&bytes)
+        let data = gpuplane_node::dra::checkpoint::decode(&bytes)
             .unwrap_or_else(|e| panic!("{}: {e}", seed.display()));
         assert_eq!(
-            gpuplane_shell::dra::checkpoint::encode(&data).unwrap(),
+            gpuplane_node::dra::checkpoint::encode(&data).unwrap(),
             bytes,
             "{}",
             seed.display()
@@ -111,20 +111,20 @@ fn seeds(target: &str) -> Vec<PathBuf> {
 fn profile_config_and_opaque_seeds_are_accepted() {
     for f in seeds("sim_profile") {
         let text = std::fs::read_to_string(&f).unwrap();
-        gpuplane_shell::sim::from_str("seed", "seed", &text)
+        gpuplane_model::sim::from_str("seed", "seed", &text)
             .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
     }
     for f in seeds("agent_config") {
         let text = std::fs::read_to_string(&f).unwrap();
-        gpuplane_shell::config::AgentConfig::parse("seed", &text)
+        gpuplane_model::config::AgentConfig::parse("seed", &text)
             .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
     }
     for f in seeds("opaque_config") {
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&f).unwrap()).unwrap();
-        gpuplane_shell::dra::opaque::parse(&v).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        gpuplane_node::dra::opaque::parse(&v).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
     }
     for f in seeds("admission_review") {
-        gpuplane_shell::webhook::review::decode(&std::fs::read(&f).unwrap())
+        gpuplane_cluster::webhook::review::decode(&std::fs::read(&f).unwrap())
             .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
     }
 }

@@ -4,11 +4,11 @@
 //! counters agree with the pods' own times.
 
 use crate::controller::eventually;
-use gpuplane_shell::controller::hours::{Book, By, HoursSettings};
-use gpuplane_shell::controller::meter::{self, HoursOptions, ReportQuery, BOOK_KEY, BOOK_NAME};
-use gpuplane_shell::controller::metrics::QueueMetrics;
-use gpuplane_shell::controller::queue::{self, QueueOptions};
-use gpuplane_shell::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits};
+use gpuplane_cluster::controller::hours::{Book, By, HoursSettings};
+use gpuplane_cluster::controller::meter::{self, HoursOptions, ReportQuery, BOOK_KEY, BOOK_NAME};
+use gpuplane_cluster::controller::metrics::QueueMetrics;
+use gpuplane_cluster::controller::queue::{self, QueueOptions};
+use gpuplane_model::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits};
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::jiff::Timestamp;
@@ -64,7 +64,7 @@ fn start_loop_every(
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         let devices =
-            gpuplane_shell::published::Devices::start(&client, opts.catalog.clone(), |_, _| {});
+            gpuplane_cluster::published::Devices::start(&client, opts.catalog.clone(), |_, _| {});
         queue::run(client, opts, devices, metrics, async {
             let _ = stopped.await;
         })
@@ -213,7 +213,7 @@ async fn pods_are_counted_from_their_own_times_across_a_controller_restart() {
         h.is_some_and(|h| (h.gpu_seconds - total).abs() < 1e-6)
     })
     .await;
-    let text = gpuplane_shell::metrics::render(&[metrics.registry()]);
+    let text = gpuplane_common::metrics::render(&[metrics.registry()]);
     let counter = |prefix: &str| -> f64 {
         text.lines()
             .find_map(|l| l.strip_prefix(prefix))

@@ -2,13 +2,13 @@
 //! client sends: `localhost` (device manager, DRA client), the percent-encoded socket path (the
 //! plugin watcher: grpc-go with a bare path target), the raw path (grpc-java, older grpc-go), an
 //! empty one and none. Driven against the real agent over its real sockets; the control case
-//! shows that a tonic server without `gpuplane_shell::grpc::incoming` resets the plugin watcher.
+//! shows that a tonic server without `gpuplane_node::grpc::incoming` resets the plugin watcher.
 
 use crate::lab::{Agent, Lab, DRIVER};
-use gpuplane_shell::dra::registration::RegistrationService;
-use gpuplane_shell::proto::deviceplugin_v1beta1 as dp;
-use gpuplane_shell::proto::dra_v1;
-use gpuplane_shell::proto::pluginregistration_v1 as reg_pb;
+use gpuplane_node::dra::registration::RegistrationService;
+use gpuplane_node::proto::deviceplugin_v1beta1 as dp;
+use gpuplane_node::proto::dra_v1;
+use gpuplane_node::proto::pluginregistration_v1 as reg_pb;
 use gpuplane_testkit::doubles::dial::{self, Authority};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -137,13 +137,13 @@ async fn every_unix_socket_server_answers_all_four_authority_forms() {
 }
 
 /// The control: the same registration service on a plain tonic server (no
-/// `gpuplane_shell::grpc::incoming`) answers `localhost` and resets the plugin watcher's request, as
+/// `gpuplane_node::grpc::incoming`) answers `localhost` and resets the plugin watcher's request, as
 /// it did before the rewriter. If this starts passing, h2 learned to accept such authorities.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plain_tonic_server_resets_the_plugin_watchers_request() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("x-reg.sock");
-    let listener = gpuplane_shell::grpc::bind(&socket).unwrap();
+    let listener = gpuplane_node::grpc::bind(&socket).unwrap();
     let service = RegistrationService::new(DRIVER, &dir.path().join("dra.sock"));
     let server = tokio::spawn(
         tonic::transport::Server::builder()

@@ -7,9 +7,9 @@
 use crate::lab;
 
 use crate::lab::{overlapping, Lab, Rng, WAIT};
-use gpuplane_shell::dra::ClaimRef;
-use gpuplane_shell::inventory::Inventory;
-use gpuplane_shell::source::DeviceSource;
+use gpuplane_model::inventory::Inventory;
+use gpuplane_model::source::DeviceSource;
+use gpuplane_node::dra::ClaimRef;
 use std::collections::BTreeMap;
 
 /// Everything handed out right now, by consumer: pods through the device plugin (by the

@@ -5,7 +5,7 @@
 //! node agent and the real controller against the API server double.
 
 use crate::lab::{Lab, DRIVER, NODE, WAIT};
-use gpuplane_shell::source::DeviceSource;
+use gpuplane_model::source::DeviceSource;
 use gpuplane_testkit::doubles::apiserver::{ApiCall, ApiServerDouble};
 use k8s_openapi::api::admissionregistration::v1 as admission;
 use k8s_openapi::api::apps::v1 as apps;
@@ -849,7 +849,7 @@ fn the_quota_webhooks_receive_only_what_they_govern() {
         // The controller caches exactly the pods the webhooks receive.
         let typed: core::Pod = serde_json::from_value(pod.clone()).unwrap();
         assert_eq!(
-            gpuplane_shell::quota::governs_pod(&typed),
+            gpuplane_model::quota::governs_pod(&typed),
             *want,
             "controller cache: {what}"
         );
@@ -1100,7 +1100,7 @@ fn the_node_agent_may_create_and_delete_only_mps_daemon_pods_of_its_own_node() {
     };
     // The pod the agent renders (crates/model/src/mps_pod.rs), every field the policy reads.
     let daemonset = find(&docs, "DaemonSet", Some(NS), "gpuplane-node").unwrap();
-    let agent_pod = gpuplane_shell::mps_pod::AgentPod {
+    let agent_pod = gpuplane_model::mps_pod::AgentPod {
         namespace: NS.into(),
         image: daemonset.value["spec"]["template"]["spec"]["containers"][0]["image"]
             .as_str()
@@ -1109,7 +1109,7 @@ fn the_node_agent_may_create_and_delete_only_mps_daemon_pods_of_its_own_node() {
         ..Default::default()
     };
     let daemon = |node: &str| {
-        let pod = gpuplane_shell::mps_pod::DaemonPod {
+        let pod = gpuplane_model::mps_pod::DaemonPod {
             node,
             unit: "GPU-1",
             multiuser: true,
@@ -1226,9 +1226,9 @@ fn the_controller_may_change_only_the_queue_label_of_a_namespace() {
 
 #[test]
 fn the_controller_may_change_only_its_gate_and_its_conditions_of_a_pod() {
-    use gpuplane_shell::controller::explainer::CONDITION as EXPLAIN_CONDITION;
-    use gpuplane_shell::controller::pods::CONDITION as QUOTA_CONDITION;
-    use gpuplane_shell::quota::SCHEDULING_GATE;
+    use gpuplane_cluster::controller::explainer::CONDITION as EXPLAIN_CONDITION;
+    use gpuplane_cluster::controller::pods::CONDITION as QUOTA_CONDITION;
+    use gpuplane_model::quota::SCHEDULING_GATE;
     let docs = docs();
     let policy = "gpuplane-controller-pods";
     let controller = "system:serviceaccount:gpuplane-system:gpuplane-controller";
@@ -1379,7 +1379,7 @@ fn device_classes_back_the_device_plugin_resource_names() {
             .unwrap_or_else(|| panic!("{}: no profile in {cel}", d.name()));
         assert_eq!(
             name,
-            gpuplane_shell::inventory::ResourceName::mig(&profile.parse().unwrap()),
+            gpuplane_model::inventory::ResourceName::mig(&profile.parse().unwrap()),
             "{}",
             d.name()
         );
@@ -1388,9 +1388,9 @@ fn device_classes_back_the_device_plugin_resource_names() {
     assert_eq!(backed["nvidia.com/gpu"], "gpu.gpuplane.dev");
     // Every MIG profile of the simulation profiles has its class.
     for p in ["a100-mig-mixed", "h100-mig-single"] {
-        let inv = gpuplane_shell::sim::load(p).unwrap();
+        let inv = gpuplane_model::sim::load(p).unwrap();
         for mig in inv.gpus.iter().flat_map(|g| g.mig_devices.iter()) {
-            let name = gpuplane_shell::inventory::ResourceName::mig(&mig.profile);
+            let name = gpuplane_model::inventory::ResourceName::mig(&mig.profile);
             assert!(
                 backed.contains_key(name.as_str()),
                 "{p}: no class backs {name}"
@@ -1422,10 +1422,10 @@ fn the_node_config_map_is_a_valid_agent_config_at_the_path_the_agent_reads() {
     let cm: core::ConfigMap = typed(find(&docs, "ConfigMap", Some(NS), cm_name).unwrap());
     let key = config.file_name().unwrap().to_str().unwrap();
     let text = &cm.data.unwrap()[key];
-    let parsed = gpuplane_shell::config::AgentConfig::parse(key, text).unwrap();
+    let parsed = gpuplane_model::config::AgentConfig::parse(key, text).unwrap();
     assert_eq!(
         parsed.allocation,
-        gpuplane_shell::config::AllocationMode::Shared
+        gpuplane_model::config::AllocationMode::Shared
     );
 }
 
@@ -1483,7 +1483,7 @@ fn grants(docs: &[Doc], namespace: &str, account: &str) -> BTreeMap<Rule, Option
                 if let Some(names) = r.get("resourceNames") {
                     let want = match res.as_str() {
                         "resourceclaims/driver" => DRIVER,
-                        "configmaps" => gpuplane_shell::controller::meter::BOOK_NAME,
+                        "configmaps" => gpuplane_cluster::controller::meter::BOOK_NAME,
                         _ => panic!("resourceNames on {res}: extend this test"),
                     };
                     assert_eq!(names, &serde_json::json!([want]), "{}", role.name());
@@ -1495,24 +1495,24 @@ fn grants(docs: &[Doc], namespace: &str, account: &str) -> BTreeMap<Rule, Option
     out
 }
 
-/// What `--mps-daemons=pods` calls (crates/shell/src/mps/pods.rs): the agent's own pod read, this
+/// What `--mps-daemons=pods` calls (crates/node/src/mps/pods.rs): the agent's own pod read, this
 /// node's daemon pods listed, one created for a GPU that MPS shares use and deleted after its
 /// last share (tests/it/mps_pods.rs runs those pods).
-async fn mps_daemon_pod_calls(api: &ApiServerDouble, gpu: gpuplane_shell::inventory::DeviceUuid) {
-    use gpuplane_shell::mps::MpsHost;
+async fn mps_daemon_pod_calls(api: &ApiServerDouble, gpu: gpuplane_model::inventory::DeviceUuid) {
+    use gpuplane_node::mps::MpsHost;
     api.put_json(json!({"apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "gpuplane-node-x1", "namespace": NS},
         "spec": {"nodeName": NODE, "containers": [{"name": "agent", "image": "gpuplane:test"}]}}))
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let paths = gpuplane_shell::paths::HostPaths::under(dir.path());
-    let own = gpuplane_shell::mps::pods::PodSettings {
+    let paths = gpuplane_node::paths::HostPaths::under(dir.path());
+    let own = gpuplane_node::mps::pods::PodSettings {
         namespace: NS.into(),
         name: "gpuplane-node-x1".into(),
         nvml_lib: None,
     };
     let pods =
-        gpuplane_shell::mps::pods::MpsPods::new(api.client().unwrap(), NODE, &own, &paths, None)
+        gpuplane_node::mps::pods::MpsPods::new(api.client().unwrap(), NODE, &own, &paths, None)
             .await
             .unwrap();
     let daemon_pods = || {
@@ -1785,7 +1785,7 @@ fn gpu_pod(ns: &str, name: &str, gated: bool) -> Value {
     let mut spec = json!({"containers": [{"name": "main", "image": "cuda",
         "resources": {"limits": {"nvidia.com/gpu": "1"}}}]});
     if gated {
-        spec["schedulingGates"] = json!([{"name": gpuplane_shell::quota::SCHEDULING_GATE}]);
+        spec["schedulingGates"] = json!([{"name": gpuplane_model::quota::SCHEDULING_GATE}]);
     }
     json!({"apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{name}")}, "spec": spec})
@@ -1846,14 +1846,14 @@ fn seed_cluster(api: &ApiServerDouble) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rbac_grants_exactly_what_the_controller_calls() {
-    use gpuplane_shell::controller::{self, lease::LeaseTimings, ControllerOptions};
+    use gpuplane_cluster::controller::{self, lease::LeaseTimings, ControllerOptions};
     let api = ApiServerDouble::start().await.unwrap();
     seed_cluster(&api);
     let pki = tls::Pki::new();
-    let mut opts = gpuplane_shell::webhook::WebhookOptions::new(pki.cert(), pki.key(), NS);
+    let mut opts = gpuplane_cluster::webhook::WebhookOptions::new(pki.cert(), pki.key(), NS);
     opts.addr = "127.0.0.1:0".parse().unwrap();
     opts.sync_timeout = Duration::from_secs(10);
-    let webhook = gpuplane_shell::webhook::start(api.client().unwrap(), opts)
+    let webhook = gpuplane_cluster::webhook::start(api.client().unwrap(), opts)
         .await
         .unwrap();
     let mut loops = ControllerOptions::new(NS, "replica-1");
@@ -2003,7 +2003,7 @@ fn the_crd_refuses_a_raise_of_what_hard_does_not_limit_or_of_nothing() {
 /// quota an older CRD let a bad key into), at most 16 of them.
 #[test]
 fn the_crd_refuses_a_required_label_that_is_no_label_key() {
-    use gpuplane_shell::quota::owners::is_label_key;
+    use gpuplane_model::quota::owners::is_label_key;
     use kube_cel::cel::Value as V;
     let schema = &gpuquota_spec_schema()["properties"]["requireLabels"];
     assert_eq!(schema["maxItems"], 16);

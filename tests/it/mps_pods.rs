@@ -6,12 +6,12 @@
 
 use crate::dra_shares::{alive, prepare, uid, unprepare, Env, NODE};
 
-use gpuplane_shell::cdi::Spec;
-use gpuplane_shell::dra::core::spec_stem;
-use gpuplane_shell::dra::ClaimUid;
-use gpuplane_shell::mps::pods::{MpsPods, PodSettings};
-use gpuplane_shell::mps::MpsHost;
-use gpuplane_shell::paths::HostPaths;
+use gpuplane_node::cdi::Spec;
+use gpuplane_node::dra::core::spec_stem;
+use gpuplane_node::dra::ClaimUid;
+use gpuplane_node::mps::pods::{MpsPods, PodSettings};
+use gpuplane_node::mps::MpsHost;
+use gpuplane_node::paths::HostPaths;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use gpuplane_testkit::doubles::pod_runner::PodRunner;
 use serde_json::{json, Value};
@@ -210,7 +210,7 @@ async fn a_restart_deletes_a_daemon_pod_no_share_needs_and_recreates_a_missing_o
         .unwrap()
         .unwrap();
     // And gpu-0's pod deleted while no agent ran.
-    let gpu0 = gpuplane_shell::mps_pod::pod_name(NODE, &env.gpu(0));
+    let gpu0 = gpuplane_model::mps_pod::pod_name(NODE, &env.gpu(0));
     api.delete_json("v1", "pods", Some(NS), &gpu0).unwrap();
     assert_eq!(daemon_pods(&api).len(), 1);
 

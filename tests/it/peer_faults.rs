@@ -18,13 +18,13 @@
 use crate::support;
 
 use crate::support::{eventually, put_claim, AgentProcess, DRIVER};
-use gpuplane_shell::dra::service::RawClaim;
-use gpuplane_shell::dra::ClaimRef;
-use gpuplane_shell::inventory::DeviceUuid;
-use gpuplane_shell::proto::deviceplugin_v1beta1 as dp;
-use gpuplane_shell::proto::dra_health_v1alpha1 as health;
-use gpuplane_shell::proto::dra_v1 as v1;
-use gpuplane_shell::source::{DeviceSource, SimSource};
+use gpuplane_model::inventory::DeviceUuid;
+use gpuplane_model::source::{DeviceSource, SimSource};
+use gpuplane_node::dra::service::RawClaim;
+use gpuplane_node::dra::ClaimRef;
+use gpuplane_node::proto::deviceplugin_v1beta1 as dp;
+use gpuplane_node::proto::dra_health_v1alpha1 as health;
+use gpuplane_node::proto::dra_v1 as v1;
 use gpuplane_testkit::doubles::apiserver::{ApiServerDouble, Fault};
 use gpuplane_testkit::doubles::kubelet::KubeletDouble;
 use gpuplane_testkit::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
@@ -64,7 +64,7 @@ impl DerefMut for Node {
 impl Node {
     async fn start(config: &str) -> Node {
         let dir = tempfile::tempdir().unwrap();
-        let sim = SimSource::new(gpuplane_shell::sim::load("dgx-h100").unwrap());
+        let sim = SimSource::new(gpuplane_model::sim::load("dgx-h100").unwrap());
         let lab = NodeLab::start(dir.path(), sim, KubeletDraOptions::default())
             .await
             .unwrap();
@@ -229,7 +229,7 @@ async fn api_server_errors_timeouts_and_lost_watches_leave_the_kubelet_served_an
     for s in node.slices() {
         let slice: k8s_openapi::api::resource::v1::ResourceSlice =
             serde_json::from_value(s).unwrap();
-        gpuplane_shell::slices::validate::validate(&slice).unwrap();
+        gpuplane_node::slices::validate::validate(&slice).unwrap();
     }
     assert!(node.metric(failed) > failed_before);
     // ListAndWatch: the Xid GPUs and the two claims' GPUs are out, the rest offered.
@@ -293,7 +293,7 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
     let dp_endpoint = node.kubelet.plugin(GPU).unwrap().endpoint;
     let dra_endpoint = node.dra.plugin(DRIVER).unwrap().endpoint;
     for _ in 0..20 {
-        let channel = gpuplane_shell::grpc::connect(&dp_endpoint).await.unwrap();
+        let channel = gpuplane_node::grpc::connect(&dp_endpoint).await.unwrap();
         let mut stream = dp::device_plugin_client::DevicePluginClient::new(channel)
             .list_and_watch(dp::Empty {})
             .await
@@ -301,7 +301,7 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
             .into_inner();
         assert_eq!(stream.message().await.unwrap().unwrap().devices.len(), 8);
         drop(stream);
-        let channel = gpuplane_shell::grpc::connect(&dra_endpoint).await.unwrap();
+        let channel = gpuplane_node::grpc::connect(&dra_endpoint).await.unwrap();
         let mut stream = health::dra_resource_health_client::DraResourceHealthClient::new(channel)
             .node_watch_resources(health::NodeWatchResourcesRequest {})
             .await
@@ -402,7 +402,7 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
 /// NodePrepareResources over v1 for one claim, straight on the socket; the per-claim error.
 async fn raw_prepare(node: &Node, c: &RawClaim) -> String {
     let endpoint = node.dra.plugin(DRIVER).unwrap().endpoint;
-    let channel = gpuplane_shell::grpc::connect(&endpoint).await.unwrap();
+    let channel = gpuplane_node::grpc::connect(&endpoint).await.unwrap();
     let resp = v1::dra_plugin_client::DraPluginClient::new(channel)
         .node_prepare_resources(v1::NodePrepareResourcesRequest {
             claims: vec![v1::Claim {

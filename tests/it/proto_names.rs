@@ -5,7 +5,7 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use gpuplane_shell::proto::{
+use gpuplane_node::proto::{
     deviceplugin_v1beta1 as dp, dra_health_v1 as health_v1, dra_health_v1alpha1 as health, dra_v1,
     dra_v1beta1, pluginregistration_v1 as reg, podresources_v1 as podres,
 };

@@ -3,10 +3,10 @@
 //! and as the webhook's catalog prices it), and an opaque DRA config's MPS memory limit.
 //! Each accepts the same value or refuses with an error naming its field.
 
-use gpuplane_shell::dra::opaque::{self, Sharing};
-use gpuplane_shell::quota::catalog::{CatalogSettings, DeviceCatalog, DEFAULT_DRIVER};
-use gpuplane_shell::quota::GpuQuotaSpec;
-use gpuplane_shell::slices::validate::validate;
+use gpuplane_model::quota::catalog::{CatalogSettings, DeviceCatalog, DEFAULT_DRIVER};
+use gpuplane_model::quota::GpuQuotaSpec;
+use gpuplane_node::dra::opaque::{self, Sharing};
+use gpuplane_node::slices::validate::validate;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::json;
 

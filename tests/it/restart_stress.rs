@@ -21,9 +21,9 @@ use crate::support;
 
 use crate::lab::{overlapping, Lab, Rng};
 use crate::support::AgentProcess;
-use gpuplane_shell::dra::ClaimRef;
-use gpuplane_shell::inventory::Inventory;
-use gpuplane_shell::source::DeviceSource;
+use gpuplane_model::inventory::Inventory;
+use gpuplane_model::source::DeviceSource;
+use gpuplane_node::dra::ClaimRef;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;

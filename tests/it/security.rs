@@ -2,9 +2,9 @@
 //! running agent, claim identifiers that cannot steer a file name, the webhook's TLS versions
 //! and cipher suites, request size limits, and no shelling out.
 
-use gpuplane_shell::dra::service::RawClaim;
-use gpuplane_shell::proto::{deviceplugin_v1beta1 as dp, dra_v1};
-use gpuplane_shell::source::SimSource;
+use gpuplane_model::source::SimSource;
+use gpuplane_node::dra::service::RawClaim;
+use gpuplane_node::proto::{deviceplugin_v1beta1 as dp, dra_v1};
 use gpuplane_testkit::doubles::kubelet_dra::KubeletDraOptions;
 use gpuplane_testkit::doubles::lab::{NodeLab, RunningAgent};
 use std::collections::BTreeSet;
@@ -74,7 +74,7 @@ impl Running {
 /// The real agent (device plugin and DRA) on a simulated 4-GPU machine, once both APIs serve.
 async fn agent() -> Running {
     let dir = tempfile::tempdir().unwrap();
-    let sim = SimSource::new(gpuplane_shell::sim::load("pcie-l4x4").unwrap());
+    let sim = SimSource::new(gpuplane_model::sim::load("pcie-l4x4").unwrap());
     let lab = NodeLab::start(dir.path(), sim, KubeletDraOptions::default())
         .await
         .unwrap();
@@ -119,7 +119,7 @@ async fn sockets_state_and_cdi_files_have_the_documented_modes() {
     // The checkpoint's second write creates its second slot file.
     let second = r.lab.claim("team-a", "second", &["gpu-1"]).unwrap();
     r.lab.prepare(&second).await.unwrap();
-    for slot in gpuplane_shell::dra::checkpoint::SLOTS {
+    for slot in gpuplane_node::dra::checkpoint::SLOTS {
         assert_eq!(
             mode(&paths.state_dir.join(slot)),
             0o600,
@@ -203,7 +203,7 @@ async fn hostile_claim_identifiers_write_and_remove_nothing() {
     assert!(new.is_empty(), "hostile claims created {new:?}");
     let gone: Vec<&PathBuf> = before.difference(&after).collect();
     assert!(gone.is_empty(), "hostile claims removed {gone:?}");
-    let text: String = gpuplane_shell::dra::checkpoint::SLOTS
+    let text: String = gpuplane_node::dra::checkpoint::SLOTS
         .iter()
         .map(|slot| std::fs::read(paths.state_dir.join(slot)).unwrap_or_default())
         .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
@@ -220,7 +220,7 @@ async fn grpc_requests_over_four_mebibytes_are_refused_before_any_handler_runs()
     let r = agent().await;
     let huge = "0".repeat(5 << 20);
 
-    let ch = gpuplane_shell::grpc::connect(&r.dp_socket()).await.unwrap();
+    let ch = gpuplane_node::grpc::connect(&r.dp_socket()).await.unwrap();
     let mut client = dp::device_plugin_client::DevicePluginClient::new(ch);
     let err = client
         .allocate(dp::AllocateRequest {
@@ -232,9 +232,7 @@ async fn grpc_requests_over_four_mebibytes_are_refused_before_any_handler_runs()
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::OutOfRange, "{err:?}");
 
-    let ch = gpuplane_shell::grpc::connect(&r.dra_socket())
-        .await
-        .unwrap();
+    let ch = gpuplane_node::grpc::connect(&r.dra_socket()).await.unwrap();
     let mut client = dra_v1::dra_plugin_client::DraPluginClient::new(ch);
     let err = client
         .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
@@ -261,7 +259,7 @@ fn sockets_are_bound_owner_only_and_replace_a_stale_file() {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     std::fs::write(&path, "stale").unwrap();
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let _listener = gpuplane_shell::grpc::bind(&path).unwrap();
+    let _listener = gpuplane_node::grpc::bind(&path).unwrap();
     assert_eq!(mode(&path), 0o600);
     assert!(std::fs::symlink_metadata(&path)
         .unwrap()
@@ -282,7 +280,9 @@ fn product_sources() -> Vec<(PathBuf, String)> {
     let mut out = Vec::new();
     for base in [
         "src",
-        "crates/shell/src",
+        "crates/common/src",
+        "crates/node/src",
+        "crates/cluster/src",
         "crates/model/src",
         "hack/fake-nvml/src",
     ] {
@@ -311,7 +311,7 @@ fn nothing_in_the_product_shells_out() {
     ];
     // The one program the product runs: NVIDIA's MPS control program, from a fixed path with
     // fixed arguments (docs/security.md). Not a shell, and nowhere else.
-    let mps = Path::new("crates/shell/src/mps/process.rs");
+    let mps = Path::new("crates/node/src/mps/process.rs");
     let mut ran_in_mps = false;
     for (path, text) in product_sources() {
         if path.ends_with(mps) {
@@ -348,18 +348,18 @@ fn nothing_in_the_product_shells_out() {
 fn unix_sockets_are_bound_only_through_grpc_bind() {
     for (path, text) in product_sources() {
         let rel = path.to_string_lossy().to_string();
-        if rel.ends_with("crates/shell/src/grpc/mod.rs") {
+        if rel.ends_with("crates/node/src/grpc/mod.rs") {
             continue;
         }
         assert!(
             !text.contains("UnixListener::bind"),
-            "{rel} binds a unix socket itself; use gpuplane_shell::grpc::bind (mode 0600)"
+            "{rel} binds a unix socket itself; use gpuplane_node::grpc::bind (mode 0600)"
         );
         // Doubles included: a server that skips grpc::incoming resets kubelet clients whose
         // `:authority` is a socket path (tests/it/kubelet_authority.rs).
         assert!(
             !text.contains("UnixListenerStream::new"),
-            "{rel} serves a unix socket without gpuplane_shell::grpc::incoming"
+            "{rel} serves a unix socket without gpuplane_node::grpc::incoming"
         );
     }
 }
@@ -388,17 +388,17 @@ fn device_source_calls_stay_off_the_runtime_and_the_state_lock() {
         // The model crate holds no call at all (the trait is defined there).
         let agent = [
             "crates/model/src/",
-            "crates/shell/src/node/",
-            "crates/shell/src/dra/",
-            "crates/shell/src/deviceplugin/",
-            "crates/shell/src/slices/",
+            "crates/node/src/node/",
+            "crates/node/src/dra/",
+            "crates/node/src/deviceplugin/",
+            "crates/node/src/slices/",
         ]
         .iter()
         .any(|d| rel.contains(d));
         // Sources themselves (they delegate): NVML opened late, the simulated machine kept.
         if !agent
-            || rel.ends_with("crates/shell/src/node/deferred.rs")
-            || rel.ends_with("crates/shell/src/node/kept_sim.rs")
+            || rel.ends_with("crates/node/src/node/deferred.rs")
+            || rel.ends_with("crates/node/src/node/kept_sim.rs")
         {
             continue;
         }
@@ -410,13 +410,13 @@ fn device_source_calls_stay_off_the_runtime_and_the_state_lock() {
                 }
                 let allowed = !rel.contains("crates/model/")
                     && match call {
-                        ".responds(" => rel.ends_with("crates/shell/src/node/lost_gpus.rs"),
+                        ".responds(" => rel.ends_with("crates/node/src/node/lost_gpus.rs"),
                         ".discover()" => code.contains("spawn_blocking"),
                         ".create_mig(" | ".destroy_mig(" => {
-                            rel.ends_with("crates/shell/src/dra/core/instances.rs")
+                            rel.ends_with("crates/node/src/dra/core/instances.rs")
                         }
                         _ => {
-                            rel.ends_with("crates/shell/src/node/tasks.rs")
+                            rel.ends_with("crates/node/src/node/tasks.rs")
                                 && text.contains("fn spawn_event_pump")
                         }
                     };
@@ -433,7 +433,7 @@ fn device_source_calls_stay_off_the_runtime_and_the_state_lock() {
 
 // The webhook reads at most 4 MiB of body (tests/it/webhook.rs sends larger ones); raising the
 // bound is a decision for docs/security.md, so it does not compile without changing this too.
-const _: () = assert!(gpuplane_shell::webhook::http::MAX_BODY <= 4 * 1024 * 1024);
+const _: () = assert!(gpuplane_cluster::webhook::http::MAX_BODY <= 4 * 1024 * 1024);
 
 // ---- TLS -----------------------------------------------------------------------------------
 
@@ -444,8 +444,9 @@ fn server_config() -> Arc<rustls::ServerConfig> {
     let key_path = dir.path().join("tls.key");
     std::fs::write(&cert_path, cert.cert.pem()).unwrap();
     std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
-    let resolver =
-        Arc::new(gpuplane_shell::webhook::tls::ReloadingCert::new(&cert_path, &key_path).unwrap());
+    let resolver = Arc::new(
+        gpuplane_cluster::webhook::tls::ReloadingCert::new(&cert_path, &key_path).unwrap(),
+    );
     Arc::new(resolver.server_config().unwrap())
 }
 

@@ -13,9 +13,9 @@
 use crate::cdi_podman::{lacks_prerequisites, spec_file, unique_id, Cleanup};
 use crate::dra_shares::{prepare, uid, Env};
 use crate::support;
-use gpuplane_shell::cdi::{MemoryLimitHook, Spec};
-use gpuplane_shell::dra::core::spec_stem;
-use gpuplane_shell::dra::ClaimUid;
+use gpuplane_node::cdi::{MemoryLimitHook, Spec};
+use gpuplane_node::dra::core::spec_stem;
+use gpuplane_node::dra::ClaimUid;
 use serde_json::json;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -114,7 +114,7 @@ fn held_env() -> Env {
 
 /// [`held_env`] with claim `ns/a` prepared: a 40Gi, 50% share of GPU 0 (the core returned
 /// keeps its daemon).
-async fn held_share() -> (Env, gpuplane_shell::dra::core::DraCore) {
+async fn held_share() -> (Env, gpuplane_node::dra::core::DraCore) {
     let env = held_env();
     let core = env.core();
     let a = env.add_claim(
@@ -128,7 +128,7 @@ async fn held_share() -> (Env, gpuplane_shell::dra::core::DraCore) {
 }
 
 /// Claim `uid`'s one device's spec edits: (hooks, env).
-fn share_edits(env: &Env, uid: &str) -> (Vec<gpuplane_shell::cdi::Hook>, Vec<String>) {
+fn share_edits(env: &Env, uid: &str) -> (Vec<gpuplane_node::cdi::Hook>, Vec<String>) {
     let stem = spec_stem(&ClaimUid::parse(uid).unwrap());
     let spec: Spec =
         serde_json::from_slice(&std::fs::read(env.path(&format!("cdi/{stem}.json"))).unwrap())
@@ -185,7 +185,7 @@ impl Drop for Container {
 
 /// Runs `hook` as a runtime does at createRuntime for the container with init process `pid`.
 fn run_hook(
-    hook: &gpuplane_shell::cdi::Hook,
+    hook: &gpuplane_node::cdi::Hook,
     pid: u32,
     driver: &[(String, String)],
 ) -> std::process::Output {

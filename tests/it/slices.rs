@@ -2,12 +2,12 @@
 //! survives restarts without writing, repairs deletions by others, retries conflicts,
 //! server errors and timeouts, and leaves no orphans behind.
 
-use gpuplane_shell::health::HealthBook;
-use gpuplane_shell::inventory::{DeviceUuid, Inventory};
-use gpuplane_shell::slices::{
+use gpuplane_model::health::HealthBook;
+use gpuplane_model::inventory::{DeviceUuid, Inventory};
+use gpuplane_model::source::DeviceEvent;
+use gpuplane_node::slices::{
     keep_published, render, LoopOptions, RetryPolicy, SlicePublisher, UNHEALTHY_TAINT_KEY,
 };
-use gpuplane_shell::source::DeviceEvent;
 use gpuplane_testkit::doubles::apiserver::{ApiServerDouble, Fault};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::{json, Value};
@@ -22,7 +22,7 @@ const API: &str = "resource.k8s.io/v1";
 /// `copies` renumbered copies of a bundled profile's GPUs (`h100-mig-single` x3 = 168 MIG
 /// devices, three slices).
 fn inventory(profile: &str, copies: u32) -> Inventory {
-    let base = gpuplane_shell::sim::load(profile).unwrap();
+    let base = gpuplane_model::sim::load(profile).unwrap();
     let mut inv = base.clone();
     inv.gpus.clear();
     inv.topology.links.clear();
@@ -146,7 +146,7 @@ async fn a_health_change_updates_exactly_the_changed_slice() {
         .unwrap();
     let before: Vec<Value> = stored(&server);
 
-    let policy = gpuplane_shell::config::AgentConfig::default().xid_policy;
+    let policy = gpuplane_model::config::AgentConfig::default().xid_policy;
     let t0 = Instant::now();
     health.on_event(
         &DeviceEvent::Xid {
@@ -256,7 +256,7 @@ async fn conflicts_server_errors_and_timeouts_are_retried() {
     assert_eq!(names(&server).len(), 3);
 
     // A 409 on the update: re-list, retry.
-    let policy = gpuplane_shell::config::AgentConfig::default().xid_policy;
+    let policy = gpuplane_model::config::AgentConfig::default().xid_policy;
     health.on_event(
         &DeviceEvent::Xid {
             gpu_uuid: inv.gpus[0].uuid.clone(),
@@ -406,7 +406,7 @@ async fn shrinking_leaves_no_orphans_or_duplicates() {
 #[tokio::test]
 async fn invalid_or_foreign_desired_slices_are_refused_without_writing() {
     let (server, mut publisher) = setup().await;
-    let inv = gpuplane_shell::sim::load("dgx-h100").unwrap();
+    let inv = gpuplane_model::sim::load("dgx-h100").unwrap();
     let mut bad = render(&inv, &healthy(&inv), DRIVER, NODE);
     bad[0].spec.devices.as_mut().unwrap()[0].name = "Not A Label".into();
     let err = publisher.sync(bad).await.unwrap_err();
@@ -451,7 +451,7 @@ async fn the_loop_follows_desired_changes_and_repairs_deletions() {
     eventually("generation bumped", || generations(&server) == [2, 2, 2]).await;
 
     // A health change flows through the watch channel.
-    let policy = gpuplane_shell::config::AgentConfig::default().xid_policy;
+    let policy = gpuplane_model::config::AgentConfig::default().xid_policy;
     health.on_event(
         &DeviceEvent::Xid {
             gpu_uuid: inv.gpus[5].uuid.clone(),
@@ -508,8 +508,8 @@ fn every_attribute_the_docs_name_is_published() {
         }
     };
     let (mut attributes, mut capacities) = (BTreeSet::new(), BTreeSet::new());
-    for machine in gpuplane_shell::sim::bundled_names() {
-        let inv = gpuplane_shell::sim::load(machine).unwrap();
+    for machine in gpuplane_model::sim::bundled_names() {
+        let inv = gpuplane_model::sim::load(machine).unwrap();
         let mut health = HealthBook::default();
         health.set_inventory(&inv);
         for s in render::render(&inv, &health, DRIVER, NODE) {

@@ -4,8 +4,8 @@
 //! replicas (webhook and loops): `/readyz` through leadership and an API outage, and
 //! `/metrics` per GpuQuota after a known scenario.
 
-use gpuplane_shell::quota::{GpuQuota, ReservationState, SCHEDULING_GATE};
-use gpuplane_shell::webhook::{self, RunningWebhook, WebhookOptions};
+use gpuplane_cluster::webhook::{self, RunningWebhook, WebhookOptions};
+use gpuplane_model::quota::{GpuQuota, ReservationState, SCHEDULING_GATE};
 use gpuplane_testkit::doubles::apiserver::{ApiServerDouble, Fault};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use serde_json::{json, Value};
@@ -1325,7 +1325,7 @@ async fn queue_mode_gates_gpu_pods_and_records_them_as_queued() {
         (r["allowed"].as_bool(), r["patchType"].as_str()),
         (Some(true), Some("JSONPatch"))
     );
-    let patch = gpuplane_shell::webhook::review::base64(
+    let patch = gpuplane_cluster::webhook::review::base64(
         serde_json::to_string(&json!([{"op": "add", "path": "/spec/schedulingGates", "value": [{"name": SCHEDULING_GATE}]}])).unwrap().as_bytes(),
     );
     assert_eq!(r["patch"], patch);
@@ -1755,10 +1755,10 @@ fn webhook_configurations_fail_closed_and_spare_system_namespaces() {
 
 // ---- whole replicas: probes and metrics ----
 
-use gpuplane_shell::controller::lease::LeaseTimings;
-use gpuplane_shell::controller::replica::{self, Replica};
-use gpuplane_shell::controller::ControllerOptions;
-use gpuplane_shell::webhook::health::ProbeSettings;
+use gpuplane_cluster::controller::lease::LeaseTimings;
+use gpuplane_cluster::controller::replica::{self, Replica};
+use gpuplane_cluster::controller::ControllerOptions;
+use gpuplane_cluster::webhook::health::ProbeSettings;
 
 /// A plain HTTP/1.1 GET; the status and the body.
 async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
@@ -2389,8 +2389,8 @@ async fn a_pod_whose_template_is_not_created_yet_waits_gated_and_is_charged_once
 /// their entries), admissions resume.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn past_the_reservation_cap_admissions_back_off_until_the_controller_catches_up() {
-    use gpuplane_shell::quota::escrow::MAX_UNFLUSHED;
-    use gpuplane_shell::quota::MAX_RESERVATIONS;
+    use gpuplane_model::quota::escrow::MAX_UNFLUSHED;
+    use gpuplane_model::quota::MAX_RESERVATIONS;
     let api = ApiServerDouble::start().await.unwrap();
     quota(
         &api,

@@ -12,7 +12,7 @@
 use crate::cluster;
 
 use base64::Engine;
-use gpuplane_shell::config::{AgentConfig, MigStrategy};
+use gpuplane_model::config::{AgentConfig, MigStrategy};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -732,5 +732,5 @@ fn the_uninstall_doc_removes_every_label_the_agent_writes() {
                 .unwrap_or_else(|| panic!("{a} is not a removal"))
         })
         .collect();
-    assert_eq!(removed, gpuplane_shell::labels::MANAGED);
+    assert_eq!(removed, gpuplane_model::labels::MANAGED);
 }

@@ -810,7 +810,7 @@ fn an_xid_makes_a_gpu_unhealthy_for_the_kubelet_and_the_scheduler_until_it_recov
     // Long enough for the kubelet's node status (every 10 s) and the scheduler to see it.
     let (_agent, control) = xid_agent(&lab, &kubeconfig, "60s");
     wait_registered(&lab);
-    let gpu3 = gpuplane_shell::sim::load("dgx-h100").unwrap().gpus[3]
+    let gpu3 = gpuplane_model::sim::load("dgx-h100").unwrap().gpus[3]
         .uuid
         .to_string();
     let unhealthy = |lab: &ClusterLab| {
@@ -911,7 +911,7 @@ fn an_admin_drains_a_gpu_with_a_device_taint_rule() {
     let Some((lab, _kc, _agent)) = lab_with_agent() else {
         return;
     };
-    let gpu5 = gpuplane_shell::sim::load("dgx-h100").unwrap().gpus[5]
+    let gpu5 = gpuplane_model::sim::load("dgx-h100").unwrap().gpus[5]
         .uuid
         .clone();
     let on_gpu5 = format!("device.attributes['gpu.gpuplane.dev'].uuid == '{gpu5}'");

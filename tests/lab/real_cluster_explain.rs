@@ -121,7 +121,7 @@ fn gpus_made_unhealthy_by_an_xid_are_named_for_the_pods_they_keep_pending() {
     eventually("node lab-node to report nvidia.com/gpu: 8", || {
         (allocatable_gpus(&lab).as_deref() == Some("8")).then_some(())
     });
-    let gpu3 = gpuplane_shell::sim::load("dgx-h100").unwrap().gpus[3]
+    let gpu3 = gpuplane_model::sim::load("dgx-h100").unwrap().gpus[3]
         .uuid
         .to_string();
     std::fs::write(&control, "xid 3 48\n").unwrap();

@@ -8,8 +8,8 @@ use crate::cluster::{
     eventually, gpuplane_json, sleeping_gpu_pod_for, start_controller_with, wait_controller_ready,
     ClusterLab, LabAgent, AGENT_NS,
 };
-use gpuplane_shell::controller::hours::{Book, By};
-use gpuplane_shell::controller::meter::{BOOK_KEY, BOOK_NAME};
+use gpuplane_cluster::controller::hours::{Book, By};
+use gpuplane_cluster::controller::meter::{BOOK_KEY, BOOK_NAME};
 use k8s_openapi::jiff::Timestamp;
 use serde_json::Value;
 

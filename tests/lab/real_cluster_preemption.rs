@@ -13,7 +13,7 @@ use crate::cluster::{
     eventually, eventually_or, pod_events, refusals, sleeping_gpu_pod, start_controller,
     wait_controller_ready, wait_running, ClusterLab, LabAgent,
 };
-use gpuplane_shell::quota::SCHEDULING_GATE;
+use gpuplane_model::quota::SCHEDULING_GATE;
 use serde_json::Value;
 use std::time::Instant;
 

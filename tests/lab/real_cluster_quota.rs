@@ -10,7 +10,7 @@ use crate::cluster::{
     eventually, refusals, start_controller, ClusterLab, LabAgent, LabProcess,
     CONTROLLER_METRICS_ADDR, NODE,
 };
-use gpuplane_shell::quota::SCHEDULING_GATE;
+use gpuplane_model::quota::SCHEDULING_GATE;
 use serde_json::Value;
 use std::path::Path;
 
@@ -696,7 +696,7 @@ fn a_pod_applied_before_its_claim_template_waits_for_it_then_runs() {
 /// read (`in`, `has`, regex, semver, quantity arithmetic).
 #[test]
 fn quota_and_the_scheduler_select_the_same_devices_with_each_cel_expression() {
-    use gpuplane_shell::quota::{selector::Selector, CatalogSettings, ClassMatch, DeviceCatalog};
+    use gpuplane_model::quota::{selector::Selector, CatalogSettings, ClassMatch, DeviceCatalog};
     use std::collections::BTreeSet;
     let Some(lab) = ClusterLab::start() else {
         return;

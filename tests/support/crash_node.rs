@@ -5,8 +5,8 @@
 #![allow(dead_code)]
 
 use crate::support::{self, eventually, AgentProcess, DRIVER};
-use gpuplane_shell::dra::checkpoint::{self, CheckpointData};
-use gpuplane_shell::dra::ClaimRef;
+use gpuplane_node::dra::checkpoint::{self, CheckpointData};
+use gpuplane_node::dra::ClaimRef;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use gpuplane_testkit::doubles::kubelet::KubeletDouble;
 use gpuplane_testkit::doubles::kubelet_dra::{KubeletDraDouble, KubeletDraOptions};
@@ -48,7 +48,7 @@ impl Node {
             &kubelet_root,
             KubeletDraOptions::default(),
         ));
-        let uuids: Vec<String> = gpuplane_shell::sim::load(profile)
+        let uuids: Vec<String> = gpuplane_model::sim::load(profile)
             .unwrap()
             .gpus
             .iter()
@@ -259,7 +259,7 @@ impl Node {
     /// temporary file of an earlier run is left (the running agent's own are writes in flight:
     /// it may be rewriting its node spec as the check reads the directory) and nothing was set
     /// aside as corrupt. The MPS control daemons'
-    /// directories (`state/mps`, crates/shell/src/mps/process.rs) are the daemons' own.
+    /// directories (`state/mps`, crates/node/src/mps/process.rs) are the daemons' own.
     pub fn check_files(&self, restarted: bool) {
         for dir in ["cdi", "state"] {
             for entry in std::fs::read_dir(self.path(dir)).into_iter().flatten() {
@@ -286,10 +286,10 @@ impl Node {
                     );
                 } else if dir == "cdi" {
                     assert!(name.ends_with(".json"), "{name}");
-                    let spec: gpuplane_shell::cdi::Spec = serde_json::from_slice(&bytes)
+                    let spec: gpuplane_node::cdi::Spec = serde_json::from_slice(&bytes)
                         .unwrap_or_else(|e| panic!("{name} is not a whole CDI spec: {e}"));
                     assert!(!spec.devices.is_empty(), "{name} has no devices");
-                } else if name == gpuplane_shell::node::lock::FILE_NAME {
+                } else if name == gpuplane_node::node::lock::FILE_NAME {
                     // The one-agent lock (node/lock.rs); it holds a PID, not state.
                 } else {
                     assert!(

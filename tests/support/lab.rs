@@ -4,9 +4,9 @@
 //! test crates; each uses a part of it.
 #![allow(dead_code)]
 
-use gpuplane_shell::dra::ClaimRef;
-use gpuplane_shell::inventory::Inventory;
-use gpuplane_shell::source::SimSource;
+use gpuplane_model::inventory::Inventory;
+use gpuplane_model::source::SimSource;
+use gpuplane_node::dra::ClaimRef;
 use gpuplane_testkit::doubles::kubelet_dra::KubeletDraOptions;
 use gpuplane_testkit::doubles::lab::{NodeLab, RunningAgent};
 use serde_json::Value;
@@ -67,7 +67,7 @@ impl Lab {
     /// A lab whose DRA kubelet double negotiates as `options` say (e.g. v1beta1 only).
     pub async fn with_kubelet(profile: &str, options: KubeletDraOptions) -> Lab {
         let dir = tempfile::tempdir().unwrap();
-        let sim = SimSource::new(gpuplane_shell::sim::load(profile).unwrap());
+        let sim = SimSource::new(gpuplane_model::sim::load(profile).unwrap());
         let node = NodeLab::start(dir.path(), sim, options).await.unwrap();
         Lab { node, dir }
     }

@@ -297,7 +297,7 @@ pub fn put_claim(
     api: &gpuplane_testkit::doubles::apiserver::ApiServerDouble,
     name: &str,
     devices: &[&str],
-) -> gpuplane_shell::dra::ClaimRef {
+) -> gpuplane_node::dra::ClaimRef {
     let results: Vec<serde_json::Value> = devices
         .iter()
         .map(
@@ -312,12 +312,8 @@ pub fn put_claim(
             "status": {"allocation": {"devices": {"results": results}}}
         }))
         .unwrap();
-    gpuplane_shell::dra::ClaimRef::parse(
-        "team-a",
-        stored["metadata"]["uid"].as_str().unwrap(),
-        name,
-    )
-    .unwrap()
+    gpuplane_node::dra::ClaimRef::parse("team-a", stored["metadata"]["uid"].as_str().unwrap(), name)
+        .unwrap()
 }
 
 /// Resident memory of process `pid` (`VmRSS` in `/proc/<pid>/status`), in KiB.

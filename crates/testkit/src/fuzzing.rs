@@ -12,23 +12,23 @@
 //! controller calls it. Like the gRPC services, it knows protobuf types: request bytes are
 //! decoded by prost, as they are when they arrive.
 
-use gpuplane_shell::cdi::{self, DeviceName, Kind, QualifiedName};
-use gpuplane_shell::config::{AgentConfig, DeviceListStrategy};
-use gpuplane_shell::deviceplugin::allocate;
-use gpuplane_shell::deviceplugin::resources::{self, ResourcePlan};
-use gpuplane_shell::dra::checkpoint;
-use gpuplane_shell::dra::core::{cdi_device_name, spec_stem};
-use gpuplane_shell::dra::opaque::{self, GpuConfig, Sharing, TimeSliceInterval};
-use gpuplane_shell::dra::service::{validate, RawClaim};
-use gpuplane_shell::dra::{ClaimUid, ObjectName};
-use gpuplane_shell::health::HealthBook;
-use gpuplane_shell::inventory::Inventory;
-use gpuplane_shell::proto::{deviceplugin_v1beta1 as dp, dra_v1, dra_v1beta1};
-use gpuplane_shell::quota::{check, claim_charge, pod_charge, pod_template_names};
-use gpuplane_shell::quota::{CatalogSettings, DeviceCatalog, GpuQuota};
-use gpuplane_shell::source::DeviceMode;
-use gpuplane_shell::topology::TopologyModel;
-use gpuplane_shell::webhook::review::{self, Verdict};
+use gpuplane_cluster::webhook::review::{self, Verdict};
+use gpuplane_model::config::{AgentConfig, DeviceListStrategy};
+use gpuplane_model::health::HealthBook;
+use gpuplane_model::inventory::Inventory;
+use gpuplane_model::quota::{check, claim_charge, pod_charge, pod_template_names};
+use gpuplane_model::quota::{CatalogSettings, DeviceCatalog, GpuQuota};
+use gpuplane_model::source::DeviceMode;
+use gpuplane_model::topology::TopologyModel;
+use gpuplane_node::cdi::{self, DeviceName, Kind, QualifiedName};
+use gpuplane_node::deviceplugin::allocate;
+use gpuplane_node::deviceplugin::resources::{self, ResourcePlan};
+use gpuplane_node::dra::checkpoint;
+use gpuplane_node::dra::core::{cdi_device_name, spec_stem};
+use gpuplane_node::dra::opaque::{self, GpuConfig, Sharing, TimeSliceInterval};
+use gpuplane_node::dra::service::{validate, RawClaim};
+use gpuplane_node::dra::{ClaimUid, ObjectName};
+use gpuplane_node::proto::{deviceplugin_v1beta1 as dp, dra_v1, dra_v1beta1};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceClaimSpec};
 use prost::Message;
@@ -62,8 +62,8 @@ const DRIVER: &str = "gpu.gpuplane.dev";
 const NODE: &str = "node-1";
 
 fn bundled(name: &str) -> Inventory {
-    let text = gpuplane_shell::sim::bundled_text(name).unwrap_or_default();
-    gpuplane_shell::sim::from_str(name, name, text).expect("bundled profiles are valid")
+    let text = gpuplane_model::sim::bundled_text(name).unwrap_or_default();
+    gpuplane_model::sim::from_str(name, name, text).expect("bundled profiles are valid")
 }
 
 fn config(text: &str) -> AgentConfig {
@@ -77,10 +77,10 @@ pub fn sim_profile(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    let Ok(inv) = gpuplane_shell::sim::from_str("fuzz.yaml", "fuzz", text) else {
+    let Ok(inv) = gpuplane_model::sim::from_str("fuzz.yaml", "fuzz", text) else {
         return;
     };
-    let again = gpuplane_shell::sim::from_str("fuzz.yaml", "fuzz", text).expect("accepted once");
+    let again = gpuplane_model::sim::from_str("fuzz.yaml", "fuzz", text).expect("accepted once");
     assert_eq!(inv, again, "a profile must load the same way every time");
     let mut uuids = BTreeSet::new();
     for (i, g) in inv.gpus.iter().enumerate() {
@@ -110,7 +110,7 @@ pub fn sim_profile(data: &[u8]) {
     let _ = resources::plan(&inv, &AgentConfig::default());
     let mut health = HealthBook::default();
     health.set_inventory(&inv);
-    let _ = gpuplane_shell::slices::render::render(&inv, &health, DRIVER, NODE);
+    let _ = gpuplane_node::slices::render::render(&inv, &health, DRIVER, NODE);
 }
 
 /// The agent config file. Accepted configs parse the same way twice and plan against every
@@ -132,7 +132,7 @@ pub fn agent_config(data: &[u8]) {
     }
     static MACHINES: OnceLock<Vec<Inventory>> = OnceLock::new();
     let machines = MACHINES.get_or_init(|| {
-        gpuplane_shell::sim::bundled_names()
+        gpuplane_model::sim::bundled_names()
             .into_iter()
             .map(bundled)
             .collect()
@@ -277,7 +277,7 @@ fn catalog() -> &'static DeviceCatalog {
             let inv = bundled(profile);
             let mut health = HealthBook::default();
             health.set_inventory(&inv);
-            slices.extend(gpuplane_shell::slices::render::render(&inv, &health, DRIVER, node));
+            slices.extend(gpuplane_node::slices::render::render(&inv, &health, DRIVER, node));
         }
         let class = |name: &str, ty: &str| -> DeviceClass {
             serde_json::from_value(json!({

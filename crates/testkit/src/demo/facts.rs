@@ -3,9 +3,9 @@
 //! ids, published devices as plain data, and JSON patches from an AdmissionReview.
 
 use base64::Engine;
-use gpuplane_shell::inventory::Inventory;
-use gpuplane_shell::report::chain;
-use gpuplane_shell::topology::TopologyModel;
+use gpuplane_model::inventory::Inventory;
+use gpuplane_model::report::chain;
+use gpuplane_model::topology::TopologyModel;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -144,8 +144,8 @@ pub fn published_devices(slices: &[ResourceSlice]) -> Vec<PublishedDevice> {
             out.push(PublishedDevice {
                 slice: slice.clone(),
                 name: d.name.clone(),
-                kind: attr(gpuplane_shell::slices::render::names::TYPE),
-                uuid: attr(gpuplane_shell::slices::render::names::UUID),
+                kind: attr(gpuplane_node::slices::render::names::TYPE),
+                uuid: attr(gpuplane_node::slices::render::names::UUID),
                 taints: d
                     .taints
                     .iter()
@@ -169,7 +169,7 @@ pub enum PatchError {
     Apply(json_patch::PatchError),
 }
 
-gpuplane_shell::causes_from!(PatchError {
+gpuplane_model::causes_from!(PatchError {
     Base64(base64::DecodeError),
     Json(serde_json::Error),
     Apply(json_patch::PatchError),
@@ -187,11 +187,11 @@ pub fn apply_review_patch(object: &mut Value, patch_b64: &str) -> Result<(), Pat
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuplane_shell::inventory::{Link, PathLevel, Topology};
+    use gpuplane_model::inventory::{Link, PathLevel, Topology};
     use serde_json::json;
 
     fn inventory(profile: &str) -> Inventory {
-        gpuplane_shell::sim::load(profile).unwrap_or_else(|e| panic!("{e}"))
+        gpuplane_model::sim::load(profile).unwrap_or_else(|e| panic!("{e}"))
     }
 
     #[test]
@@ -296,7 +296,7 @@ mod tests {
     fn a_review_patch_is_applied_like_the_api_server_does() {
         let patch =
             json!([{"op": "add", "path": "/spec/schedulingGates", "value": [{"name": "g"}]}]);
-        let b64 = gpuplane_shell::webhook::review::base64(
+        let b64 = gpuplane_cluster::webhook::review::base64(
             &serde_json::to_vec(&patch).unwrap_or_default(),
         );
         let mut pod = json!({"spec": {"containers": []}});

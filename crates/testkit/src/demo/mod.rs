@@ -1,6 +1,6 @@
 //! `gpuplane demo`: the whole product on a simulated machine in one process, no cluster.
 //!
-//! The real node agent ([`gpuplane_shell::node::run`], device plugin and DRA over one ledger) runs on a
+//! The real node agent ([`gpuplane_node::node::run`], device plugin and DRA over one ledger) runs on a
 //! [`SimSource`] inside a [`NodeLab`] (kubelet doubles over unix sockets, the API server double
 //! over HTTP, all in a temp dir); the real quota webhook serves HTTPS with a certificate made in
 //! process and the real controller loops run against the same API server double. [`steps`] then
@@ -15,17 +15,17 @@ pub mod tls;
 
 use crate::doubles::kubelet_dra::KubeletDraOptions;
 use crate::doubles::lab::{LabError, NodeLab, RunningAgent, DRIVER, NODE};
-use gpuplane_shell::controller::elector::ElectionError;
-use gpuplane_shell::controller::metrics::QueueMetrics;
-use gpuplane_shell::controller::namespace::QueueSettings;
-use gpuplane_shell::controller::queue::QueueOptions;
-use gpuplane_shell::controller::ControllerOptions;
-use gpuplane_shell::inventory::Inventory;
-use gpuplane_shell::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode};
-use gpuplane_shell::report::chain;
-use gpuplane_shell::sim::ProfileError;
-use gpuplane_shell::source::SimSource;
-use gpuplane_shell::webhook::{RunningWebhook, WebhookError, WebhookOptions};
+use gpuplane_cluster::controller::elector::ElectionError;
+use gpuplane_cluster::controller::metrics::QueueMetrics;
+use gpuplane_cluster::controller::namespace::QueueSettings;
+use gpuplane_cluster::controller::queue::QueueOptions;
+use gpuplane_cluster::controller::ControllerOptions;
+use gpuplane_cluster::webhook::{RunningWebhook, WebhookError, WebhookOptions};
+use gpuplane_model::inventory::Inventory;
+use gpuplane_model::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode};
+use gpuplane_model::report::chain;
+use gpuplane_model::sim::ProfileError;
+use gpuplane_model::source::SimSource;
 use kube::api::{Api, PostParams};
 use std::io::Write;
 use std::path::Path;
@@ -68,7 +68,7 @@ pub enum DemoError {
     AgentStart(String),
 }
 
-gpuplane_shell::causes_from!(DemoError { Webhook(WebhookError) });
+gpuplane_model::causes_from!(DemoError { Webhook(WebhookError) });
 
 /// The narrative: indented lines under numbered headings.
 pub struct Narrator<'w> {
@@ -140,7 +140,7 @@ async fn create_quota(
 /// Runs the whole demo, narrating into `out`, and returns how every step ended.
 pub async fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<Summary, DemoError> {
     let started = Instant::now();
-    let inventory = gpuplane_shell::sim::load(&opts.profile)?;
+    let inventory = gpuplane_model::sim::load(&opts.profile)?;
     let dir = tempfile::Builder::new()
         .prefix("gpuplane-demo-")
         .tempdir()
@@ -254,7 +254,7 @@ impl ClusterSide {
             "gpuplane-system",
         );
         wopts.addr = ([127, 0, 0, 1], 0).into();
-        let webhook = gpuplane_shell::webhook::start(client.clone(), wopts).await?;
+        let webhook = gpuplane_cluster::webhook::start(client.clone(), wopts).await?;
 
         // One replica: the loops run at once, without a Lease. Short batching and resync so
         // the story does not wait on timers tuned for a large cluster.
@@ -270,7 +270,7 @@ impl ClusterSide {
         };
         let metrics = Arc::new(QueueMetrics::default());
         let (stop_controller, controller_stopped) = oneshot::channel::<()>();
-        let controller = tokio::spawn(gpuplane_shell::controller::run(
+        let controller = tokio::spawn(gpuplane_cluster::controller::run(
             client.clone(),
             copts,
             metrics.clone(),
@@ -323,7 +323,7 @@ fn teardown(what: &str, r: Result<(), String>) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuplane_shell::config::{AgentConfig, MigStrategy};
+    use gpuplane_model::config::{AgentConfig, MigStrategy};
 
     #[test]
     fn the_agent_config_is_valid_and_offers_mig_devices_when_there_are_any() {
@@ -331,7 +331,7 @@ mod tests {
             ("dgx-h100", MigStrategy::None),
             ("a100-mig-mixed", MigStrategy::Mixed),
         ] {
-            let inv = gpuplane_shell::sim::load(profile).unwrap_or_else(|e| panic!("{e}"));
+            let inv = gpuplane_model::sim::load(profile).unwrap_or_else(|e| panic!("{e}"));
             let cfg = AgentConfig::parse("demo.yaml", &agent_config(&inv))
                 .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(cfg.mig_strategy, strategy, "{profile}");

@@ -3,7 +3,7 @@
 //! trusts that CA only. AdmissionReviews then travel over real HTTPS with verification on, as
 //! from the API server. Also the small HTTPS client that posts them.
 
-use gpuplane_shell::report::chain;
+use gpuplane_model::report::chain;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
@@ -45,7 +45,7 @@ pub enum TlsError {
     },
 }
 
-gpuplane_shell::causes_from!(TlsError {
+gpuplane_model::causes_from!(TlsError {
     Certificate(rcgen::Error),
     Rustls(rustls::Error),
     Http(hyper::Error),

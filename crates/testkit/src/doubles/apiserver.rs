@@ -39,7 +39,7 @@ pub use faults::{Fault, FaultAction, FaultId};
 pub use resources::ResourceInfo;
 
 use faults::{FaultBook, RequestLog};
-use gpuplane_shell::report::chain;
+use gpuplane_model::report::chain;
 use serde_json::Value;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};

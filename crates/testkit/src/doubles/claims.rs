@@ -1,9 +1,9 @@
 //! [`MemoryClaims`]: a [`ClaimFetcher`] over ResourceClaims held in memory, for tests that
 //! drive the DRA core without an API server. The product reads claims over the API server
-//! (`gpuplane_shell::dra::fetch::KubeClaims`); this double lives in the test kit so the shell
+//! (`gpuplane_node::dra::fetch::KubeClaims`); this double lives in the test kit so the shell
 //! ships none.
 
-use gpuplane_shell::dra::fetch::{ClaimFetcher, FetchError};
+use gpuplane_node::dra::fetch::{ClaimFetcher, FetchError};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use std::collections::BTreeMap;
 use std::sync::Mutex;

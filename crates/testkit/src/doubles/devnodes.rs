@@ -6,8 +6,8 @@
 //!
 //! The agent checks nodes for what they are, so an empty file no longer stands in for one.
 
-use gpuplane_shell::cdi::files::{CAPS_DRIVER, CTL_MINOR, NVIDIA_MAJOR, UVM_DRIVER};
-use gpuplane_shell::cdi::ProcCaps;
+use gpuplane_node::cdi::files::{CAPS_DRIVER, CTL_MINOR, NVIDIA_MAJOR, UVM_DRIVER};
+use gpuplane_node::cdi::ProcCaps;
 use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 use std::io;
 use std::path::Path;
@@ -18,7 +18,7 @@ pub const STAND_IN_MAJOR: u64 = 510;
 
 /// The majors the agent will expect on this host for the drivers with a dynamic one.
 pub fn dynamic_majors() -> (u64, u64) {
-    let proc = ProcCaps::new(&gpuplane_shell::paths::HostPaths::standard().proc_root);
+    let proc = ProcCaps::new(&gpuplane_node::paths::HostPaths::standard().proc_root);
     (
         proc.char_major(UVM_DRIVER).unwrap_or(STAND_IN_MAJOR),
         proc.char_major(CAPS_DRIVER).unwrap_or(STAND_IN_MAJOR),

@@ -8,7 +8,7 @@
 //! sets `localhost`; the DRA client dials `unix:<path>`, which also yields `localhost`. grpc-java
 //! and older grpc-go send the raw path; some clients send an empty value or none.
 
-use gpuplane_shell::grpc::{self, authority, SocketError};
+use gpuplane_node::grpc::{self, authority, SocketError};
 use std::io;
 use std::path::Path;
 use std::pin::Pin;

@@ -7,9 +7,9 @@
 //! `v1.PodResourcesLister`, as the kubelet does. `restart` does what a kubelet restart does to
 //! plugins: it deletes every socket in `device-plugins/` and re-creates `kubelet.sock`.
 
-use gpuplane_shell::grpc;
-use gpuplane_shell::proto::deviceplugin_v1beta1 as pb;
-use gpuplane_shell::proto::podresources_v1 as pr;
+use gpuplane_node::grpc;
+use gpuplane_node::proto::deviceplugin_v1beta1 as pb;
+use gpuplane_node::proto::podresources_v1 as pr;
 use pb::device_plugin_client::DevicePluginClient;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

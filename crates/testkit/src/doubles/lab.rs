@@ -1,4 +1,4 @@
-//! A node without a cluster: the real agent (`gpuplane_shell::node::run`) on a simulated machine, wired
+//! A node without a cluster: the real agent (`gpuplane_node::node::run`) on a simulated machine, wired
 //! to the API server double over HTTP (real kube client) and to the kubelet doubles (device
 //! plugin and DRA) over unix sockets, every path under one directory the caller owns.
 //! `gpuplane demo` and the end-to-end tests share this wiring, so both exercise the same set-up.
@@ -10,14 +10,14 @@ use super::apiserver::{ApiServerDouble, ApiServerError};
 use super::kubelet::KubeletDouble;
 use super::kubelet_dra::{KubeletDraDouble, KubeletDraOptions, WireClaim};
 use super::stall::StallingSim;
-use gpuplane_shell::dra::{ClaimRef, PreparedDevice};
-use gpuplane_shell::grpc::SocketError;
-use gpuplane_shell::node::apis::{self, Apis};
-use gpuplane_shell::node::dra::DraSettings;
-use gpuplane_shell::node::{NodeError, NodeOptions};
-use gpuplane_shell::paths::HostPaths;
-use gpuplane_shell::report::chain;
-use gpuplane_shell::source::{DeviceMode, DeviceSource, SimSource, SourceError};
+use gpuplane_model::report::chain;
+use gpuplane_model::source::{DeviceMode, DeviceSource, SimSource, SourceError};
+use gpuplane_node::dra::{ClaimRef, PreparedDevice};
+use gpuplane_node::grpc::SocketError;
+use gpuplane_node::node::apis::{self, Apis};
+use gpuplane_node::node::dra::DraSettings;
+use gpuplane_node::node::{NodeError, NodeOptions};
+use gpuplane_node::paths::HostPaths;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,7 +27,7 @@ use tokio::task::JoinHandle;
 /// The node's name, which is also the pool name of its devices.
 pub const NODE: &str = "node-a";
 /// The DRA driver name the lab's agent serves.
-pub const DRIVER: &str = gpuplane_shell::quota::catalog::DEFAULT_DRIVER;
+pub const DRIVER: &str = gpuplane_model::quota::catalog::DEFAULT_DRIVER;
 /// The device class the lab's claims name.
 pub const DEVICE_CLASS: &str = "gpu.gpuplane.dev";
 
@@ -50,17 +50,17 @@ pub enum LabError {
     #[error("lab: the agent failed: {}", chain(.0))]
     Agent(NodeError),
     #[error("lab: {}", chain(.0))]
-    DraPaths(gpuplane_shell::dra::server::ServeError),
+    DraPaths(gpuplane_node::dra::server::ServeError),
     #[error("lab: the agent's task ended abnormally: {}", chain(.0))]
     AgentTask(tokio::task::JoinError),
 }
 
-gpuplane_shell::causes_from!(LabError {
+gpuplane_model::causes_from!(LabError {
     ApiServer(ApiServerError),
     Socket(SocketError),
     Source(SourceError),
     Agent(NodeError),
-    DraPaths(gpuplane_shell::dra::server::ServeError),
+    DraPaths(gpuplane_node::dra::server::ServeError),
     AgentTask(tokio::task::JoinError),
 });
 
@@ -87,7 +87,7 @@ pub struct NodeLab {
     pub device_mode: DeviceMode,
     /// The agent's own pod, for agents started from now on to run MPS daemons in pods
     /// (`--mps-daemons=pods`; run them with `pod_runner`); `None`: as the agent's processes.
-    pub mps_pods: Option<gpuplane_shell::mps::pods::PodSettings>,
+    pub mps_pods: Option<gpuplane_node::mps::pods::PodSettings>,
 }
 
 /// A running agent of a lab.
@@ -157,8 +157,8 @@ impl NodeLab {
     }
 
     /// The agent's DRA sockets (registration and DRA) for [`DRIVER`].
-    pub fn dra_sockets(&self) -> Result<gpuplane_shell::dra::server::DraPaths, LabError> {
-        Ok(gpuplane_shell::dra::server::DraPaths::new(
+    pub fn dra_sockets(&self) -> Result<gpuplane_node::dra::server::DraPaths, LabError> {
+        Ok(gpuplane_node::dra::server::DraPaths::new(
             &self.paths().kubelet_root,
             DRIVER,
         )?)
@@ -168,7 +168,7 @@ impl NodeLab {
     pub fn device_plugin_socket(&self, resource: &str) -> PathBuf {
         self.paths()
             .device_plugins()
-            .join(gpuplane_shell::deviceplugin::registrar::socket_name(
+            .join(gpuplane_node::deviceplugin::registrar::socket_name(
                 resource,
             ))
     }
@@ -225,7 +225,7 @@ impl NodeLab {
                 metrics_addr,
                 device_mode,
             };
-            gpuplane_shell::node::run(opts, source, async move {
+            gpuplane_node::node::run(opts, source, async move {
                 tokio::select! {
                     _ = stopped => {}
                     _ = apis::changed(client, NODE.into(), both, serving) => {}

@@ -1,5 +1,5 @@
 //! A stand-in for the kubelet and container runtime of one node, for MPS daemon pods only
-//! (`gpuplane_shell::mps::pods`): it watches the API server for the node's pods labelled
+//! (`gpuplane_node::mps::pods`): it watches the API server for the node's pods labelled
 //! `app.kubernetes.io/name=gpuplane-mps`, runs each one's container as the runtime would (its
 //! arguments after the image's entrypoint, the gpuplane binary; its host-path volumes at the
 //! same paths, as the agent renders them; its `/dev/shm` volume as the stand-in MPS daemon's shm

@@ -4,8 +4,8 @@
 //! else. It lives here, not beside `SimSource` in the model, because it is test machinery
 //! (threads parked on condition variables) that the product never runs.
 
-use gpuplane_shell::inventory::{DeviceUuid, MigDevice};
-use gpuplane_shell::source::{
+use gpuplane_model::inventory::{DeviceUuid, MigDevice};
+use gpuplane_model::source::{
     ComputeMode, ComputeModeError, DeviceEvent, DeviceSource, Discovery, MigChangeError,
     MigRequest, SimSource, SourceError,
 };
@@ -168,7 +168,7 @@ mod tests {
 
     #[test]
     fn a_stalled_probe_returns_only_once_released_and_then_answers_as_the_machine_does() {
-        let inv = gpuplane_shell::sim::load("dgx-h100").unwrap_or_else(|e| panic!("{e}"));
+        let inv = gpuplane_model::sim::load("dgx-h100").unwrap_or_else(|e| panic!("{e}"));
         let uuid = inv.gpus[0].uuid.clone();
         let source = StallingSim::new(SimSource::new(inv));
         let stall = source.stall_probes();
@@ -184,7 +184,7 @@ mod tests {
 
     #[test]
     fn a_stalled_discovery_holds_until_released() {
-        let inv = gpuplane_shell::sim::load("dgx-h100").unwrap_or_else(|e| panic!("{e}"));
+        let inv = gpuplane_model::sim::load("dgx-h100").unwrap_or_else(|e| panic!("{e}"));
         let gpus = inv.gpus.len();
         let source = StallingSim::new(SimSource::new(inv));
         let stall = source.stall_discovery();

@@ -5,9 +5,9 @@
 use super::{facts, gpu_index, list, Carry, Context, NODE_NAMESPACE};
 use crate::demo::summary::Outcome;
 use crate::demo::Narrator;
-use gpuplane_shell::inventory::Inventory;
-use gpuplane_shell::quota::catalog::GPU_RESOURCE;
-use gpuplane_shell::topology::TopologyModel;
+use gpuplane_model::inventory::Inventory;
+use gpuplane_model::quota::catalog::GPU_RESOURCE;
+use gpuplane_model::topology::TopologyModel;
 use std::collections::BTreeSet;
 
 /// GPUs of the topology step's request.

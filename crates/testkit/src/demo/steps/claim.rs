@@ -7,7 +7,7 @@ use crate::demo::facts::PublishedDevice;
 use crate::demo::summary::Outcome;
 use crate::demo::Narrator;
 use crate::doubles::lab::NODE;
-use gpuplane_shell::dra::{ClaimRef, PreparedDevice};
+use gpuplane_node::dra::{ClaimRef, PreparedDevice};
 use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
 use kube::api::Api;
 use serde_json::Value;

@@ -6,9 +6,9 @@ use super::{list, listed, poll, published, Carry, Context};
 use crate::demo::summary::Outcome;
 use crate::demo::{Narrator, RECOVERY_QUIET_PERIOD};
 use crate::doubles::lab::{DRIVER, NODE};
-use gpuplane_shell::inventory::DeviceRef;
-use gpuplane_shell::proto::dra_health_v1::HealthStatus;
-use gpuplane_shell::slices::render::UNHEALTHY_TAINT_KEY;
+use gpuplane_model::inventory::DeviceRef;
+use gpuplane_node::proto::dra_health_v1::HealthStatus;
+use gpuplane_node::slices::render::UNHEALTHY_TAINT_KEY;
 use std::time::Instant;
 
 /// A critical Xid (double-bit ECC error): not on NVIDIA's list of application-caused ones.

@@ -5,7 +5,7 @@ use super::{facts, listed, poll, published, Context};
 use crate::demo::summary::Outcome;
 use crate::demo::Narrator;
 use crate::doubles::lab::NODE;
-use gpuplane_shell::inventory::Inventory;
+use gpuplane_model::inventory::Inventory;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
 use std::collections::{BTreeMap, BTreeSet};

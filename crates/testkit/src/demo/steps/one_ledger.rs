@@ -6,7 +6,7 @@ use super::{list, listed, poll, published, Carry, Context, NODE_NAMESPACE};
 use crate::demo::facts::PublishedDevice;
 use crate::demo::summary::Outcome;
 use crate::demo::Narrator;
-use gpuplane_shell::dra::ClaimRef;
+use gpuplane_node::dra::ClaimRef;
 
 pub(super) async fn run(cx: &Context<'_>, carry: &mut Carry, say: &mut Narrator<'_>) -> Outcome {
     let Some((claim, device)) = carry.claim.clone() else {

@@ -6,8 +6,8 @@ use super::{list, Context};
 use crate::demo::summary::Outcome;
 use crate::demo::{Narrator, QUOTA_NAME, REJECT_GPUS, REJECT_NAMESPACE};
 use crate::doubles::admission::pod_create_review;
-use gpuplane_shell::quota::catalog::GPU_RESOURCE;
-use gpuplane_shell::quota::{GpuQuota, ReservationState};
+use gpuplane_model::quota::catalog::GPU_RESOURCE;
+use gpuplane_model::quota::{GpuQuota, ReservationState};
 use kube::api::Api;
 use serde_json::{json, Value};
 
@@ -142,7 +142,8 @@ mod tests {
     fn the_pod_reviews_pass_the_webhooks_strict_decoding() {
         let pod = gpu_pod("team-a", "p", 2);
         let body = serde_json::to_vec(&pod_create_review("u-1", &pod)).unwrap_or_default();
-        let req = gpuplane_shell::webhook::review::decode(&body).unwrap_or_else(|e| panic!("{e}"));
+        let req =
+            gpuplane_cluster::webhook::review::decode(&body).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(req.uid, "u-1");
         assert_eq!(req.operation, "CREATE");
         assert_eq!(req.namespace.as_deref(), Some("team-a"));

@@ -160,7 +160,7 @@ impl Store {
                 }
             }
         }
-        if !gpuplane_shell::names::is_dns_subdomain(&name) {
+        if !gpuplane_model::names::is_dns_subdomain(&name) {
             return Err(ApiError::invalid(
                 info,
                 &name,

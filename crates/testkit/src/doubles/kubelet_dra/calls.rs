@@ -3,9 +3,9 @@
 //! when a claim is left out of the answer.
 
 use super::{DraVersion, KubeletDraDouble};
-use gpuplane_shell::dra::service::RawClaim;
-use gpuplane_shell::dra::{ClaimRef, PrepareResult, PreparedDevice};
-use gpuplane_shell::proto::{dra_v1 as v1, dra_v1beta1 as v1beta1};
+use gpuplane_node::dra::service::RawClaim;
+use gpuplane_node::dra::{ClaimRef, PrepareResult, PreparedDevice};
+use gpuplane_node::proto::{dra_v1 as v1, dra_v1beta1 as v1beta1};
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 use tonic::{Request, Status};

@@ -2,8 +2,8 @@
 //! followed until it ends, its latest list kept as v1 messages whatever the version.
 
 use super::{lock, HealthVersion, Inner, Plugin};
-use gpuplane_shell::proto::dra_health_v1 as health_pb;
-use gpuplane_shell::proto::dra_health_v1alpha1 as health_v1alpha1;
+use gpuplane_node::proto::dra_health_v1 as health_pb;
+use gpuplane_node::proto::dra_health_v1alpha1 as health_v1alpha1;
 use std::sync::Arc;
 use tonic::transport::Channel;
 use tonic::Status;

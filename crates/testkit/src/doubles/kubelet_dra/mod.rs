@@ -29,8 +29,8 @@ mod watcher;
 
 pub use calls::WireClaim;
 
-use gpuplane_shell::proto::dra_health_v1 as health_pb;
-use gpuplane_shell::proto::pluginregistration_v1 as reg_pb;
+use gpuplane_node::proto::dra_health_v1 as health_pb;
+use gpuplane_node::proto::pluginregistration_v1 as reg_pb;
 use health::start_health;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

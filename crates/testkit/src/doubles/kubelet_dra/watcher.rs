@@ -9,8 +9,8 @@ use super::{
     RegistrationEvent,
 };
 use crate::doubles::dial;
-use gpuplane_shell::grpc;
-use gpuplane_shell::proto::pluginregistration_v1 as reg_pb;
+use gpuplane_node::grpc;
+use gpuplane_node::proto::pluginregistration_v1 as reg_pb;
 use reg_pb::registration_client::RegistrationClient;
 use std::collections::BTreeMap;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};

@@ -3,7 +3,7 @@
 //! `protoc` is needed.
 //!
 //! Each API is compiled on its own into `OUT_DIR/<module>/` and the single
-//! generated file is moved to `OUT_DIR/<module>.rs`, which `crates/shell/src/proto.rs`
+//! generated file is moved to `OUT_DIR/<module>.rs`, which `crates/node/src/proto.rs`
 //! includes. Upstream packages use short, clashing names (`v1beta1` is the
 //! device plugin package, `v1` both the DRA health and the pod resources
 //! one, and more kubelet APIs reuse those names), so compiling them
