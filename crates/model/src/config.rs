@@ -14,7 +14,8 @@ use std::time::Duration;
 
 mod select;
 
-pub use select::{check_shared_and_dynamic, GpuSelect};
+pub use crate::gpu_select::{GpuSelect, InvalidField};
+pub use select::check_shared_and_dynamic;
 
 /// Xids that NVIDIA's device plugin ignores by default: application errors that do not mean the
 /// GPU is broken (13 graphics engine exception, 31 MMU fault, 43 GPU stopped processing,
@@ -296,6 +297,11 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
 }
 
 /// An invalid field of the config file at `path`.
+/// A section's [`InvalidField`], in the file at `path`.
+fn in_file(path: &str, e: InvalidField) -> ConfigError {
+    invalid(path, &e.field, e.reason)
+}
+
 fn invalid(path: &str, field: &str, reason: String) -> ConfigError {
     ConfigError::Invalid {
         path: path.to_string(),
@@ -360,10 +366,13 @@ impl AgentConfig {
             cfg.apply_time_slicing(path, ts)?;
         }
         if let Some(cc) = raw.sharing.consumable_capacity {
-            cfg.shares = Some(cc.validate(path)?);
+            cfg.shares = Some(cc.validate().map_err(|e| in_file(path, e))?);
         }
         if let Some(section) = raw.dynamic_mig {
-            let dynamic = section.unwrap_or_default().validate(path)?;
+            let dynamic = section
+                .unwrap_or_default()
+                .validate()
+                .map_err(|e| in_file(path, e))?;
             check_shared_and_dynamic(path, cfg.shares.as_ref(), &dynamic)?;
             cfg.dynamic_mig = Some(dynamic);
         }

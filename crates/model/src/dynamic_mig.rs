@@ -17,7 +17,7 @@ pub use devices::{
     COMPUTE_SLICES_COUNTER, ENGINE_COUNTERS,
 };
 
-use crate::config::{ConfigError, GpuSelect};
+use crate::gpu_select::{GpuSelect, InvalidField};
 use crate::inventory::mig::{self, MigCatalogue};
 use crate::inventory::{Gpu, Inventory, MigDevice};
 use serde::Deserialize;
@@ -44,9 +44,8 @@ pub(crate) struct RawDynamicMig {
 
 impl RawDynamicMig {
     /// Validates the section; errors name `dynamicMig.gpus` or `dynamicMig.models`.
-    pub(crate) fn validate(self, path: &str) -> Result<DynamicMigConfig, ConfigError> {
+    pub(crate) fn validate(self) -> Result<DynamicMigConfig, InvalidField> {
         let select = GpuSelect::parse(
-            path,
             SECTION,
             self.gpus,
             self.models,

@@ -19,6 +19,7 @@ pub mod deviceplugin;
 pub mod dra;
 pub mod dynamic_mig;
 pub mod explain;
+pub mod gpu_select;
 pub mod health;
 pub mod inventory;
 pub mod labels;

@@ -14,7 +14,7 @@
 //! The node never trusts the request: it reads `consumedCapacity` from the allocation result
 //! and checks it against the same policy ([`UnitShares::check`]) before holding it.
 
-use crate::config::{ConfigError, GpuSelect};
+use crate::gpu_select::{GpuSelect, InvalidField};
 use crate::inventory::{DeviceRef, DeviceUuid, Gpu, Inventory};
 use crate::quantity::{Format, Quantity};
 use serde::Deserialize;
@@ -304,14 +304,9 @@ const DEFAULT_COMPUTE_STEP: u32 = 5;
 
 impl RawShares {
     /// Validates the section; errors name the field under [`SECTION`].
-    pub(crate) fn validate(self, path: &str) -> Result<ShareConfig, ConfigError> {
-        let bad = |field: &str, reason: String| ConfigError::Invalid {
-            path: path.to_string(),
-            field: format!("{SECTION}.{field}"),
-            reason,
-        };
+    pub(crate) fn validate(self) -> Result<ShareConfig, InvalidField> {
+        let bad = |field: &str, reason: String| InvalidField::new(SECTION, field, reason);
         let select = GpuSelect::parse(
-            path,
             SECTION,
             self.gpus,
             self.models,
@@ -452,11 +447,7 @@ mod tests {
 
     #[test]
     fn the_section_is_validated_naming_its_fields() {
-        let parse = |y: &str| {
-            serde_yaml_ng::from_str::<RawShares>(y)
-                .unwrap()
-                .validate("f")
-        };
+        let parse = |y: &str| serde_yaml_ng::from_str::<RawShares>(y).unwrap().validate();
         let c = parse("gpus: [0, 2]\nmemoryStep: 2Gi\ncomputeStep: 10").unwrap();
         assert_eq!(c.select, GpuSelect::Indices(BTreeSet::from([0, 2])));
         assert_eq!((c.memory_step, c.compute_step), (2 << 30, 10));
@@ -467,8 +458,8 @@ mod tests {
             ("gpus: two", "gpus"),
             ("gpus: [0]\nmodels: [x]", "gpus"),
         ] {
-            let e = parse(y).unwrap_err().to_string();
-            assert!(e.contains(&format!("{SECTION}.{field}")), "{y}: {e}");
+            let e = parse(y).unwrap_err();
+            assert_eq!(e.field, format!("{SECTION}.{field}"), "{y}: {e}");
         }
     }
 }

@@ -21,8 +21,9 @@ use super::plan::plan_releases;
 use super::pods::{self, PodRef};
 use super::quota_ledger::{compact, Working};
 use crate::controller::preempt::Candidate;
+use crate::quota::clock::rfc3339;
 use crate::quota::escrow::{stale_escrows, MAX_UNFLUSHED};
-use crate::quota::status::{rfc3339, set_condition};
+use crate::quota::status::set_condition;
 use crate::quota::{
     claim_charge, claim_is_pod_owned, note_raises, pod_charge, settled_claim_charge,
     stale_reservations, Charge, DeviceCatalog, GpuQuota, LiveObject, ObjectKind, QuotaCondition,

@@ -19,11 +19,11 @@
 //! when it still fits against a read made after its own reservation was durable, hence the
 //! admitted borrowers never take together more than the cohort had unused.
 
-use super::charge::Charge;
 use super::check::{check_consumed, Denial, Fit};
 use super::crd::{Escrow, GpuQuota, GpuQuotaStatus, Reservation, ReservationState};
 use super::escrow::{self, EscrowRound};
 use super::status::{ReservationKey, MAX_RESERVATIONS};
+use super::usage::Charge;
 use super::usage::Usage;
 use std::collections::HashMap;
 

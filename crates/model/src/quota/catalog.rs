@@ -19,11 +19,10 @@
 //! catalog keeps that and the request policies of its `memory` and `compute` capacities, and
 //! [`super::share`] prices a share from them.
 
-use super::charge::{Charge, UnknownCharge};
+use super::capacity::ConsumableCapacity;
 use super::ratio::Gpus;
 use super::selector::{AttrValue, CelDevice, Selector};
-use super::share::ConsumableCapacity;
-use super::usage::{Dimension, Memory};
+use super::usage::{Charge, Dimension, Memory, UnknownCharge};
 use k8s_openapi::api::resource::v1::{DeviceClass, DeviceTaint, ResourceSlice};
 use read::class_infos;
 use std::borrow::Borrow;

@@ -27,10 +27,10 @@
 //! `status.allocation` and the slices: the controller replaces the worst case with it.
 
 use super::catalog::{CatalogDevice, ClassMatch, DeviceCatalog};
-use super::ratio::{Gpus, QuotaMathError};
+use super::ratio::QuotaMathError;
 use super::selector::Selector;
 use super::share::{allocation_charge, settled_share_charge, CapacityAmounts};
-use super::usage::{Dimension, Usage};
+use super::usage::Charge;
 use crate::quantity::QuantityError;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::api::resource::v1::{
@@ -42,90 +42,6 @@ use std::collections::BTreeMap;
 
 /// Devices charged for an `All` request: Kubernetes' `AllocationResultsMaxSize`.
 pub const ALL_MODE_DEVICES: u64 = 32;
-
-/// A dimension whose cost could not be determined, and why. A quota that limits that
-/// dimension denies (fail closed).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UnknownCharge {
-    pub dimension: Dimension,
-    pub why: String,
-}
-
-/// What something costs: a usage plus the dimensions that could not be priced.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Charge {
-    pub usage: Usage,
-    pub unknown: Vec<UnknownCharge>,
-}
-
-impl Charge {
-    /// Nothing known of it: GPUs and GPU memory both unpriced, for `why`.
-    pub fn unknown_gpus(why: String) -> Charge {
-        Charge {
-            usage: Usage::default(),
-            unknown: [Dimension::Gpus, Dimension::GpuMemory]
-                .into_iter()
-                .map(|dimension| UnknownCharge {
-                    dimension,
-                    why: why.clone(),
-                })
-                .collect(),
-        }
-    }
-
-    /// `n` whole GPUs and nothing else (no memory, no device count): a charge in one
-    /// dimension, as tests and benches state one.
-    pub fn whole_gpus(n: u64) -> Charge {
-        Charge {
-            usage: Usage {
-                gpus: Gpus::whole(n),
-                ..Usage::default()
-            },
-            unknown: Vec::new(),
-        }
-    }
-
-    /// Nothing GPU-related at all: no quota applies.
-    pub fn is_empty(&self) -> bool {
-        self.usage.is_zero() && self.usage.devices.is_empty() && self.unknown.is_empty()
-    }
-
-    pub fn add_assign(&mut self, o: &Charge) -> Result<(), QuotaMathError> {
-        self.usage.add_assign(&o.usage)?;
-        for u in &o.unknown {
-            if !self.unknown.contains(u) {
-                self.unknown.push(u.clone());
-            }
-        }
-        Ok(())
-    }
-
-    /// Dimension-wise worst case of two alternatives.
-    pub fn max(&self, o: &Charge) -> Charge {
-        let mut out = Charge {
-            usage: self.usage.max(&o.usage),
-            unknown: self.unknown.clone(),
-        };
-        for u in &o.unknown {
-            if !out.unknown.contains(u) {
-                out.unknown.push(u.clone());
-            }
-        }
-        out
-    }
-
-    pub fn checked_mul_int(&self, k: u64) -> Result<Charge, QuotaMathError> {
-        Ok(Charge {
-            usage: self.usage.checked_mul_int(k)?,
-            unknown: self.unknown.clone(),
-        })
-    }
-
-    /// The first unknown in `d`, if any.
-    pub fn unknown_in(&self, d: &Dimension) -> Option<&UnknownCharge> {
-        self.unknown.iter().find(|u| &u.dimension == d)
-    }
-}
 
 /// Why a charge could not be computed at all.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -7,10 +7,10 @@
 //! `borrowingLimit`, and only while the whole cohort stays within the sum of its members'
 //! `hard` (quotas that do not limit the dimension neither lend nor count).
 
-use super::charge::Charge;
 use super::crd::GpuQuota;
 use super::ratio::QuotaMathError;
 use super::status::ReservationKey;
+use super::usage::Charge;
 use super::usage::{Amount, Dimension};
 use std::fmt;
 

@@ -3,7 +3,6 @@
 //! (`GpuQuota::crd()`); a test keeps the two equal.
 
 use super::preemption::PreemptionPolicy;
-use super::temporary::{RaiseStatus, TemporaryRaise};
 use super::usage::{Limits, Usage};
 use kube_derive::CustomResource;
 use schemars::JsonSchema;
@@ -232,4 +231,41 @@ pub struct GpuHoursStatus {
     pub gpu_seconds: f64,
     /// GPU memory bytes times seconds.
     pub gpu_memory_byte_seconds: f64,
+}
+
+/// More `hard` for a while.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TemporaryRaise {
+    /// Added to `spec.hard` per dimension; only a dimension `spec.hard` limits can be raised.
+    pub hard: Limits,
+    /// When the raise ends (RFC 3339, e.g. `2026-12-31T18:00:00Z`).
+    #[schemars(schema_with = "date_time_schema")]
+    pub expires: String,
+    /// Why, and who asked: shown in the quota's condition and Events.
+    #[schemars(length(min = 1, max = 256))]
+    pub reason: String,
+}
+
+fn date_time_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({"type": "string", "format": "date-time", "maxLength": 64})
+}
+
+/// Where a raise stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum RaiseState {
+    InForce,
+    Expired,
+    /// `expires` is not an RFC 3339 time (the CRD's schema refuses that; an older one may
+    /// not have): never in force.
+    Invalid,
+}
+
+/// One raise as the controller last saw it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RaiseStatus {
+    pub reason: String,
+    pub expires: String,
+    pub state: RaiseState,
 }

@@ -19,9 +19,9 @@
 
 pub mod replica;
 
+use super::clock::{age, rfc3339};
 use super::crd::{Escrow, GpuQuota, GpuQuotaStatus, QuotaMode};
 use super::ratio::QuotaMathError;
-use super::status::age;
 use super::usage::{Limits, Usage};
 use k8s_openapi::jiff::Timestamp;
 use std::time::Duration;
@@ -82,7 +82,7 @@ pub fn limited(hard: &Limits, u: &Usage) -> Usage {
 
 /// Whether `charge` is known in every dimension `hard` limits (what it could not price does
 /// not matter where nothing is limited; where something is, the batch decides and says why).
-pub fn priced(hard: &Limits, charge: &super::charge::Charge) -> bool {
+pub fn priced(hard: &Limits, charge: &super::usage::Charge) -> bool {
     charge
         .unknown
         .iter()
@@ -180,7 +180,7 @@ pub fn entry(old: Option<&Escrow>, holder: &str, amount: Usage, now: Timestamp) 
     Some(Escrow {
         holder: holder.into(),
         amount,
-        renewed: super::status::rfc3339(now),
+        renewed: rfc3339(now),
     })
 }
 

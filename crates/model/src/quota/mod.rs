@@ -71,9 +71,11 @@
 //! See docs/quota.md.
 
 pub mod batch;
+pub mod capacity;
 pub mod catalog;
 pub mod charge;
 pub mod check;
+pub mod clock;
 pub mod crd;
 pub mod escrow;
 pub mod owners;
@@ -88,34 +90,33 @@ pub mod temporary;
 pub mod usage;
 
 pub use batch::{borrows, decide_batch, stale_borrowers, Decided, Op, Outcome};
+pub use capacity::{ConsumableCapacity, RequestPolicy, ValidRange};
 pub use catalog::{
     mig_share, CatalogDevice, CatalogSettings, ClassMatch, DeviceCatalog, DeviceFacts, DeviceKind,
     SliceDevices,
 };
 pub use charge::{
     claim_charge, claim_is_extended_resource_claim, claim_is_pod_owned, pod_charge,
-    pod_resource_counts, pod_template_names, settled_claim_charge, Charge, ChargeError,
-    UnknownCharge,
+    pod_resource_counts, pod_template_names, settled_claim_charge, ChargeError,
 };
 pub use check::{borrowing, check, check_consumed, record_queued, try_reserve, Denial, Fit};
+pub use clock::now_rfc3339;
 pub use crd::{
     Escrow, GpuHoursStatus, GpuQuota, GpuQuotaSpec, GpuQuotaStatus, ObjectKind, QuotaCondition,
     QuotaMode, Reservation, ReservationState, SCHEDULING_GATE,
 };
+pub use crd::{RaiseState, RaiseStatus, TemporaryRaise};
 pub use owners::owner_refusal;
 pub use preemption::{PreemptionPolicy, ReclaimWithinCohort, WithinQuota};
 pub use ratio::{Gpus, QuotaMathError};
 pub use scope::{claims_or_names, governs_pod};
-pub use share::{
-    allocation_charge, CapacityAmounts, ConsumableCapacity, RequestPolicy, ValidRange,
-};
+pub use share::{allocation_charge, CapacityAmounts};
 pub use status::{
-    now_rfc3339, stale_reservations, LiveObject, ReservationKey, DEFAULT_RESERVATION_GRACE,
-    MAX_RESERVATIONS,
+    stale_reservations, LiveObject, ReservationKey, DEFAULT_RESERVATION_GRACE, MAX_RESERVATIONS,
 };
 pub use template_wait::{missing_templates, ungated_denial, waiting_message};
-pub use temporary::{note_raises, RaiseState, RaiseStatus, TemporaryRaise, RAISE_CONDITION};
-pub use usage::{Amount, Dimension, Limits, Memory, Usage};
+pub use temporary::{note_raises, RAISE_CONDITION};
+pub use usage::{Amount, Charge, Dimension, Limits, Memory, UnknownCharge, Usage};
 
 #[cfg(test)]
 mod tests;

@@ -8,8 +8,8 @@
 //! key when the quota is written; one that got past it (an older CRD) refuses every GPU pod,
 //! naming the key, since no pod can carry it.
 
-use super::charge::Charge;
 use super::crd::GpuQuota;
+use super::usage::Charge;
 use crate::names::{is_dns_subdomain, is_qualified_name_part, QUALIFIED_NAME_MAX};
 use std::collections::BTreeMap;
 

@@ -1,6 +1,7 @@
 //! Reservations in a GpuQuota's status (pure): recording, releasing, totals, and which ones
 //! are stale.
 
+use super::clock::{age, rfc3339};
 use super::crd::{GpuQuotaStatus, ObjectKind, QuotaCondition, Reservation, ReservationState};
 use super::ratio::QuotaMathError;
 use super::usage::Usage;
@@ -69,24 +70,6 @@ impl Reservation {
     pub fn since_time(&self) -> Option<Timestamp> {
         self.since.parse().ok()
     }
-}
-
-/// Now, to the second, as RFC 3339 (`2025-01-02T03:04:05Z`).
-pub fn now_rfc3339() -> String {
-    rfc3339(Timestamp::now())
-}
-
-/// How long before `now` the time `since` was; `None` when it is later (clocks apart).
-pub fn age(since: Timestamp, now: Timestamp) -> Option<Duration> {
-    let ms = now.as_millisecond().checked_sub(since.as_millisecond())?;
-    u64::try_from(ms).ok().map(Duration::from_millis)
-}
-
-/// `t` to the second, as RFC 3339.
-pub fn rfc3339(t: Timestamp) -> String {
-    Timestamp::from_second(t.as_second())
-        .unwrap_or(t)
-        .to_string()
 }
 
 /// Puts condition `c` in `conds`, replacing the one of its type; its `lastTransitionTime`

@@ -7,13 +7,13 @@
 //! a user's edit: what runs keeps running, new admissions see the base. The controller keeps
 //! each raise's state in the status ([`note_raises`]) and tells of an expiry once.
 
-use super::crd::{GpuQuota, GpuQuotaSpec, GpuQuotaStatus, QuotaCondition};
+use super::crd::{
+    GpuQuota, GpuQuotaSpec, GpuQuotaStatus, QuotaCondition, RaiseState, RaiseStatus, TemporaryRaise,
+};
 use super::status::set_condition;
 use super::usage::{Amount, Dimension, Limits};
 use crate::report::{truncate, MAX_NOTE_BYTES};
 use k8s_openapi::jiff::Timestamp;
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
 
 /// The GpuQuota condition telling whether raises are in force.
 pub const RAISE_CONDITION: &str = "TemporaryRaise";
@@ -21,43 +21,6 @@ pub const RAISE_CONDITION: &str = "TemporaryRaise";
 /// The condition's message is cut here: sixteen raises of sixty-four device kinds would
 /// otherwise take tens of kilobytes of a status that must stay small.
 const MAX_CONDITION_BYTES: usize = 2048;
-
-/// More `hard` for a while.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct TemporaryRaise {
-    /// Added to `spec.hard` per dimension; only a dimension `spec.hard` limits can be raised.
-    pub hard: Limits,
-    /// When the raise ends (RFC 3339, e.g. `2026-12-31T18:00:00Z`).
-    #[schemars(schema_with = "date_time_schema")]
-    pub expires: String,
-    /// Why, and who asked: shown in the quota's condition and Events.
-    #[schemars(length(min = 1, max = 256))]
-    pub reason: String,
-}
-
-fn date_time_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-    schemars::json_schema!({"type": "string", "format": "date-time", "maxLength": 64})
-}
-
-/// Where a raise stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub enum RaiseState {
-    InForce,
-    Expired,
-    /// `expires` is not an RFC 3339 time (the CRD's schema refuses that; an older one may
-    /// not have): never in force.
-    Invalid,
-}
-
-/// One raise as the controller last saw it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct RaiseStatus {
-    pub reason: String,
-    pub expires: String,
-    pub state: RaiseState,
-}
 
 impl TemporaryRaise {
     pub fn expiry(&self) -> Option<Timestamp> {

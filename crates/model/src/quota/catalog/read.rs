@@ -6,9 +6,9 @@
 use super::{
     mig_share, split_name, CatalogDevice, CatalogSettings, ClassInfo, DeviceFacts, DeviceKind, Name,
 };
+use crate::quota::capacity::{ConsumableCapacity, COMPUTE_CAPACITY, MEMORY_CAPACITY};
 use crate::quota::ratio::Gpus;
 use crate::quota::selector::{AttrValue, Selector};
-use crate::quota::share::{ConsumableCapacity, COMPUTE_CAPACITY, MEMORY_CAPACITY};
 use crate::quota::usage::Memory;
 use crate::slices::render::names::NUMA_NODE;
 use k8s_openapi::api::resource::v1::{Device, DeviceClass, ResourceSlice};
