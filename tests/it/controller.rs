@@ -446,13 +446,14 @@ async fn a_four_pod_group_waits_for_four_free_devices_and_is_released_whole_in_o
     for i in 0..4 {
         lab.create(member(&format!("train-{i}"), "train", 4)).await;
     }
-    // 2 free of 8: the group waits, and says why with the numbers. (A cycle that ran while
+    // 6 of 8 used: the group waits, and says why with the numbers. (A cycle that ran while
     // the members were still being created says first that members are missing.)
     eventually("the group's members to carry the reason", || async {
         let mut all = true;
         for i in 0..4 {
             let p = lab.pods.get(&format!("train-{i}")).await.unwrap();
-            all &= condition(&p).is_some_and(|c| c.0 == "False" && c.2.contains("needs 4 gpus"));
+            all &=
+                condition(&p).is_some_and(|c| c.0 == "False" && c.2.contains("gpus: requested 4,"));
         }
         all
     })
@@ -463,7 +464,7 @@ async fn a_four_pod_group_waits_for_four_free_devices_and_is_released_whole_in_o
         let (status, reason, message) = condition(&p).unwrap();
         assert_eq!((status.as_str(), reason.as_str()), ("False", "Waiting"));
         assert!(
-            message.contains("needs 4 gpus, 2 free of 8 in GpuQuota team-a/default"),
+            message.contains("gpus: requested 4, used 6 of 8 in GpuQuota team-a/default"),
             "{message}"
         );
         assert!(
@@ -477,7 +478,7 @@ async fn a_four_pod_group_waits_for_four_free_devices_and_is_released_whole_in_o
             .any(|e| e.reason.as_deref() == Some("QuotaInsufficient")
                 && e.message
                     .as_deref()
-                    .is_some_and(|m| m.contains("needs 4 gpus, 2 free of 8"))),
+                    .is_some_and(|m| m.contains("gpus: requested 4, used 6 of 8"))),
         "{ev:?}"
     );
     let q = lab.quota().await.status.unwrap();

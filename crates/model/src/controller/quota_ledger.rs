@@ -8,7 +8,7 @@
 //! reservations or ten thousand, and admitting a unit is one addition.
 
 use super::plan::Ledger;
-use crate::quota::{check, Charge, Denial, GpuQuota, QuotaMathError, ReservationKey, Usage};
+use crate::quota::{check, Charge, GpuQuota, QuotaMathError, ReservationKey, Usage};
 use k8s_openapi::jiff::Timestamp;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -136,7 +136,7 @@ impl Working {
             .filter_map(|&i| {
                 check(&self.quotas[i], &self.quotas, None, charge)
                     .err()
-                    .map(|d| describe(&d, &self.quotas[i], charge))
+                    .map(|d| d.to_string())
             })
             .collect();
         if why.is_empty() {
@@ -149,10 +149,7 @@ impl Working {
     fn within_limits_at(&self, idx: &[usize], charge: &Charge) -> Result<(), String> {
         for &i in idx {
             if let Err(d) = check(&self.empty[i], &self.empty, None, charge) {
-                return Err(format!(
-                    "{}, even with nothing else admitted",
-                    describe(&d, &self.empty[i], charge)
-                ));
+                return Err(format!("{d}, even with nothing else admitted"));
             }
         }
         Ok(())
@@ -198,42 +195,6 @@ impl Ledger for NamespaceLedger<'_> {
             tracing::warn!(error = %e, "admitting into the working ledger");
         }
     }
-}
-
-/// A denial in the words of a waiting pod: per dimension that does not fit,
-/// `needs 4 gpus, 2 free of 8 in GpuQuota team-a/default`; the model's own words for what it
-/// could not price or for cohort limits.
-pub fn describe(denial: &Denial, quota: &GpuQuota, charge: &Charge) -> String {
-    let held = quota.status_or_default().used;
-    let mut parts = Vec::new();
-    for reason in &denial.reasons {
-        let dim = quota
-            .spec
-            .hard
-            .bounds()
-            .into_iter()
-            .find(|(d, _)| reason.starts_with(&format!("{d}: requested ")));
-        let Some((dim, hard)) = dim else {
-            parts.push(reason.clone());
-            continue;
-        };
-        let need = charge.usage.get(&dim);
-        let free = hard
-            .saturating_sub(held.get(&dim))
-            .map(|f| f.to_string())
-            .unwrap_or_else(|_| "?".into());
-        let mut text = format!(
-            "needs {need} {dim}, {free} free of {hard} in GpuQuota {}",
-            denial.quota
-        );
-        // Cohort details follow the model's first clause.
-        if let Some((_, rest)) = reason.split_once("; ") {
-            text.push_str("; ");
-            text.push_str(rest);
-        }
-        parts.push(text);
-    }
-    parts.join("; ")
 }
 
 #[cfg(test)]
@@ -294,18 +255,18 @@ mod tests {
         let mut l = w.namespace("team-a");
         assert_eq!(
             l.check(&Charge::whole_gpus(4)),
-            Err("needs 4 gpus, 2 free of 8 in GpuQuota team-a/default".into())
+            Err("gpus: requested 4, used 6 of 8 in GpuQuota team-a/default".into())
         );
         assert!(l.check(&Charge::whole_gpus(2)).is_ok());
         l.admit(&Charge::whole_gpus(2));
         assert_eq!(
             l.check(&Charge::whole_gpus(1)),
-            Err("needs 1 gpus, 0 free of 8 in GpuQuota team-a/default".into())
+            Err("gpus: requested 1, used 8 of 8 in GpuQuota team-a/default".into())
         );
         assert!(l.within_limits(&Charge::whole_gpus(8)).is_ok());
         assert_eq!(
             l.within_limits(&Charge::whole_gpus(9)),
-            Err("needs 9 gpus, 8 free of 8 in GpuQuota team-a/default, even with nothing else admitted".into())
+            Err("gpus: requested 9, used 0 of 8 in GpuQuota team-a/default, even with nothing else admitted".into())
         );
         // A namespace without a quota is not limited.
         assert!(w

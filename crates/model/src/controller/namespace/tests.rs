@@ -142,7 +142,7 @@ fn a_release_is_recorded_as_reserved_in_every_quota_of_the_namespace() {
     assert!(d.releases.is_empty());
     assert_eq!(
         d.waiting[0].1.message,
-        "waiting for quota: needs 4 gpus, 3 free of 4 in GpuQuota team-a/extra"
+        "waiting for quota: gpus: requested 4, used 1 of 4 in GpuQuota team-a/extra"
     );
 }
 

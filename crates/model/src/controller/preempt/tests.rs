@@ -114,7 +114,7 @@ fn within_quota_only_pods_of_lower_priority_are_evicted() {
     assert_eq!(
         no.to_string(),
         "even evicting all 2 pods the policy allows (pods of team-a below priority 10; none \
-         borrowed in its cohort) would leave: needs 6 gpus, 4 free of 6 in GpuQuota \
+         borrowed in its cohort) would leave: gpus: requested 6, used 2 of 6 in GpuQuota \
          team-a/default"
     );
 }
@@ -126,7 +126,7 @@ fn pods_of_equal_priority_are_never_evicted() {
     assert_eq!(
         no.to_string(),
         "no running pod may be evicted for it (the policy allows pods of team-a below \
-         priority 5; none borrowed in its cohort): needs 1 gpus, 0 free of 4 in GpuQuota \
+         priority 5; none borrowed in its cohort): gpus: requested 1, used 4 of 4 in GpuQuota \
          team-a/default"
     );
 }
@@ -218,8 +218,8 @@ fn cohort_reclaim_takes_only_what_a_borrowing_quota_borrows() {
     assert_eq!(
         no.to_string(),
         "even evicting all 1 pods the policy allows (no pod of its own namespace \
-         (withinQuota: Never); pods borrowing in cohort research) would leave: needs 4 gpus, \
-         0 free of 4 in GpuQuota team-a/default; cohort research has 2 unused to lend, 4 needed"
+         (withinQuota: Never); pods borrowing in cohort research) would leave: gpus: requested 4, \
+         used 4 of 4 in GpuQuota team-a/default; cohort research has 2 unused to lend, 4 needed"
     );
 }
 
@@ -282,7 +282,7 @@ fn a_unit_that_would_not_fit_an_empty_quota_evicts_no_one() {
     let no = refusal(in_full_team_a(&pods, 9, 5));
     assert_eq!(
         no.to_string(),
-        "evicting cannot help: needs 5 gpus, 4 free of 4 in GpuQuota team-a/default, even \
+        "evicting cannot help: gpus: requested 5, used 0 of 4 in GpuQuota team-a/default, even \
          with nothing else admitted"
     );
 }
