@@ -1,12 +1,12 @@
 //! `gpuplane demo` as a user runs it: the real binary to completion, its summary read back
-//! row by row, on the default machine and on ones that cannot show every step; and a profile
-//! that does not exist.
+//! row by row (each step by name, with its evidence), on the default machine, on one with GPUs
+//! for dynamic MIG and on ones that cannot show every step; and a profile that does not exist.
 
 use std::collections::BTreeMap;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-const STEPS: [&str; 7] = [
+const STEPS: [&str; 12] = [
     "inventory",
     "nvlink-allocation",
     "dra-claim",
@@ -14,7 +14,58 @@ const STEPS: [&str; 7] = [
     "quota",
     "pod-group",
     "xid-health",
+    "gpu-share",
+    "dynamic-mig",
+    "why-pending",
+    "preemption",
+    "gpu-hours",
 ];
+
+/// Steps the default machine (dgx-h100) cannot show, with the reason they give.
+const SKIPPED_ON_DGX_H100: [(&str, &str); 1] =
+    [("dynamic-mig", "no GPU in MIG mode without instances")];
+
+/// What each new step's evidence must say, from the answers it got.
+fn new_steps_evidence(rows: &BTreeMap<String, (usize, String, String)>, stdout: &str) {
+    let ev = |key: &str| -> &str {
+        let (_, result, evidence) = &rows[key];
+        assert_eq!(result, "held", "{key}: {evidence}\n{stdout}");
+        evidence
+    };
+    // The quota card: the share's own figures in its CDI spec and in the quota's charge.
+    let share = ev("gpu-share");
+    for want in [
+        "GPUPLANE_SHARE_MEMORY=15Gi",
+        "GPUPLANE_SHARE_COMPUTE=80",
+        "used gpuMemory 15Gi, gpus 4/5",
+        "gpuMemory: requested 10Gi, used 15Gi of 20Gi",
+        "gpus: requested 1/2, used 4/5 of 1",
+    ] {
+        assert!(share.contains(want), "gpu-share lacks {want:?}: {share}");
+    }
+    let pending = ev("why-pending");
+    assert!(
+        pending.starts_with("Fragmentation: needs ")
+            && pending.contains("node-b 2, node-c 2")
+            && pending.contains(" free across "),
+        "{pending}"
+    );
+    let preemption = ev("preemption");
+    assert!(
+        preemption.contains("batch (priority 10) evicted through the Eviction API")
+            && preemption.contains("infer (priority 1000) gated until it was gone, then released"),
+        "{preemption}"
+    );
+    assert!(
+        stdout.contains("1 x POST pods/batch/eviction, 0 x DELETE"),
+        "{stdout}"
+    );
+    let hours = ev("gpu-hours");
+    assert!(
+        hours.contains("team-h: 3.000 GPU-hours = 2 GPUs x 1.5 h"),
+        "{hours}"
+    );
+}
 
 fn demo(args: &[&str]) -> (Output, Duration) {
     let start = Instant::now();
@@ -34,7 +85,8 @@ fn summary(stdout: &str) -> BTreeMap<String, (usize, String, String)> {
         .unwrap_or_else(|| panic!("no summary in:\n{stdout}"))
         .1;
     let mut rows = BTreeMap::new();
-    for line in table.lines().skip(2) {
+    // Rows are indented; the verdict below them is not.
+    for line in table.lines().skip(2).filter(|l| l.starts_with(' ')) {
         let mut parts = line.split_whitespace();
         let (Some(n), Some(key), Some(result)) = (parts.next(), parts.next(), parts.next()) else {
             continue;
@@ -68,11 +120,22 @@ fn the_demo_runs_to_completion_in_seconds_and_every_step_holds() {
             .get(*key)
             .unwrap_or_else(|| panic!("no row for {key} in:\n{stdout}"));
         assert_eq!(*n, i + 1, "{key}");
-        assert_eq!(result, "held", "{key}: {evidence}\n{stdout}");
+        match SKIPPED_ON_DGX_H100.iter().find(|(k, _)| k == key) {
+            Some((_, why)) => assert!(
+                result == "skipped" && evidence.contains(why),
+                "{key}: {result} {evidence}"
+            ),
+            None => assert_eq!(result, "held", "{key}: {evidence}\n{stdout}"),
+        }
         assert!(!evidence.is_empty(), "{key} gives no evidence");
     }
     assert_eq!(rows.len(), STEPS.len(), "{rows:?}");
-    assert!(stdout.contains("\nAll 7 steps held.\n"), "{stdout}");
+    assert!(
+        stdout
+            .contains("\n11 steps held, 1 skipped (the machine cannot show them); none failed.\n"),
+        "{stdout}"
+    );
+    new_steps_evidence(&rows, &stdout);
     // The evidence comes from the answers: the machine's facts and the real refusals.
     assert!(
         rows["inventory"].2.contains("all 8 units") && rows["inventory"].2.contains("NVSwitch"),
@@ -95,11 +158,44 @@ fn the_demo_runs_to_completion_in_seconds_and_every_step_holds() {
 }
 
 #[test]
+fn a_machine_with_gpus_in_mig_mode_shows_a_dynamic_mig_instance_made_and_destroyed() {
+    let (out, _) = demo(&["--profile", "dynamic-mig-mixed"]);
+    let stdout = text(&out.stdout);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{stdout}\n{}",
+        out.status,
+        text(&out.stderr)
+    );
+    let rows = summary(&stdout);
+    for key in STEPS {
+        let (_, result, evidence) = &rows[key];
+        let want = if key == "nvlink-allocation" {
+            "skipped"
+        } else {
+            "held"
+        };
+        assert_eq!(result, want, "{key}: {evidence}\n{stdout}");
+    }
+    let (_, _, evidence) = &rows["dynamic-mig"];
+    assert!(
+        evidence.contains("MIG instance 3g.40gb at slice 4 made at NodePrepare (MIG-")
+            && evidence.ends_with("destroyed at NodeUnprepare"),
+        "{evidence}"
+    );
+    assert!(
+        stdout.contains("NodeUnprepareResources -> 0 MIG instance(s) left"),
+        "{stdout}"
+    );
+}
+
+#[test]
 fn machines_that_cannot_show_a_step_skip_it_with_the_reason_and_still_pass() {
     for (profile, skipped, why) in [
         ("pcie-l4x4", "nvlink-allocation", "no NVLink"),
         ("a100-mig-mixed", "nvlink-allocation", "1 whole GPU(s)"),
     ] {
+        let dynamic = ("dynamic-mig", "no GPU in MIG mode without instances");
         let (out, _) = demo(&["--profile", profile]);
         let stdout = text(&out.stdout);
         assert!(
@@ -111,15 +207,16 @@ fn machines_that_cannot_show_a_step_skip_it_with_the_reason_and_still_pass() {
         let rows = summary(&stdout);
         for key in STEPS {
             let (_, result, evidence) = &rows[key];
-            if key == skipped {
-                assert_eq!(result, "skipped", "{profile} {key}");
-                assert!(evidence.contains(why), "{profile}: {evidence}");
-            } else {
-                assert_eq!(result, "held", "{profile} {key}: {evidence}\n{stdout}");
+            match [(skipped, why), dynamic].iter().find(|(k, _)| *k == key) {
+                Some((_, why)) => {
+                    assert_eq!(result, "skipped", "{profile} {key}");
+                    assert!(evidence.contains(why), "{profile}: {evidence}");
+                }
+                None => assert_eq!(result, "held", "{profile} {key}: {evidence}\n{stdout}"),
             }
         }
         assert!(
-            stdout.contains("6 steps held, 1 skipped"),
+            stdout.contains("10 steps held, 2 skipped"),
             "{profile}: {stdout}"
         );
     }
@@ -140,11 +237,33 @@ fn json_output_carries_the_summary_alone_on_stdout() {
         .map(|s| s["key"].as_str().unwrap())
         .collect();
     assert_eq!(keys, STEPS);
-    assert!(v["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .all(|s| s["result"] == "held"));
+    for s in v["steps"].as_array().unwrap() {
+        let want = if s["key"] == "dynamic-mig" {
+            "skipped"
+        } else {
+            "held"
+        };
+        assert_eq!(s["result"], want, "{s}");
+        assert!(s["detail"].as_str().is_some_and(|d| !d.is_empty()), "{s}");
+    }
+    // The new steps' evidence is in the JSON too.
+    let detail = |key: &str| {
+        v["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["key"] == key)
+            .and_then(|s| s["detail"].as_str())
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(
+        detail("gpu-share").contains("used gpuMemory 15Gi, gpus 4/5"),
+        "{v}"
+    );
+    assert!(detail("why-pending").starts_with("Fragmentation: "), "{v}");
+    assert!(detail("preemption").contains("Eviction API"), "{v}");
+    assert!(detail("gpu-hours").contains("3.000 GPU-hours"), "{v}");
     // The narrative went to stderr.
     assert!(text(&out.stderr).contains("1. The inventory and its topology"));
 }

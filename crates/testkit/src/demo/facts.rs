@@ -127,6 +127,14 @@ pub struct PublishedDevice {
     pub uuid: Option<String>,
     /// `key=value` per taint.
     pub taints: Vec<String>,
+    /// Published for several allocations at once (a GPU shared through consumable capacity).
+    pub shared: bool,
+    /// Consumes a counter set: a dynamic MIG placement, or a GPU dynamic MIG cuts.
+    pub partitionable: bool,
+    /// Attribute `profile` (MIG devices).
+    pub profile: Option<String>,
+    /// Attribute `placementStart` (dynamic MIG placements).
+    pub placement: Option<i64>,
 }
 
 /// Every device of the given slices, in slice order.
@@ -141,11 +149,20 @@ pub fn published_devices(slices: &[ResourceSlice]) -> Vec<PublishedDevice> {
                     .and_then(|a| a.get(k))
                     .and_then(|v| v.string.clone())
             };
+            let placement = d
+                .attributes
+                .as_ref()
+                .and_then(|a| a.get(gpuplane_node::slices::render::names::PLACEMENT_START))
+                .and_then(|v| v.int);
             out.push(PublishedDevice {
                 slice: slice.clone(),
                 name: d.name.clone(),
                 kind: attr(gpuplane_node::slices::render::names::TYPE),
                 uuid: attr(gpuplane_node::slices::render::names::UUID),
+                shared: d.allow_multiple_allocations == Some(true),
+                partitionable: d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()),
+                profile: attr(gpuplane_node::slices::render::names::PROFILE),
+                placement,
                 taints: d
                     .taints
                     .iter()

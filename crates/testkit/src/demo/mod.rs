@@ -16,6 +16,8 @@ pub mod tls;
 use crate::doubles::kubelet_dra::KubeletDraOptions;
 use crate::doubles::lab::{LabError, NodeLab, RunningAgent, DRIVER, NODE};
 use gpuplane_cluster::controller::elector::ElectionError;
+use gpuplane_cluster::controller::hours::HoursSettings;
+use gpuplane_cluster::controller::meter::HoursOptions;
 use gpuplane_cluster::controller::metrics::QueueMetrics;
 use gpuplane_cluster::controller::namespace::QueueSettings;
 use gpuplane_cluster::controller::queue::QueueOptions;
@@ -26,7 +28,9 @@ use gpuplane_model::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode};
 use gpuplane_model::report::chain;
 use gpuplane_model::sim::ProfileError;
 use gpuplane_model::source::SimSource;
+use k8s_openapi::api::resource::v1::DeviceClass;
 use kube::api::{Api, PostParams};
+use serde::Deserialize;
 use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
@@ -62,6 +66,12 @@ pub enum DemoError {
     Tls(#[from] TlsError),
     #[error("starting the quota webhook: {}", chain(.0))]
     Webhook(WebhookError),
+    #[error("daemonset/deviceclasses.yaml: {0}")]
+    DeviceClasses(serde_yaml_ng::Error),
+    #[error("creating DeviceClass {name}: {}", chain(.cause))]
+    DeviceClass { name: String, cause: kube::Error },
+    #[error("the demo's GpuQuota specs: {0}")]
+    QuotaSpec(serde_json::Error),
     #[error("creating GpuQuota {name}: {}", chain(.cause))]
     Quota { name: String, cause: kube::Error },
     #[error("the node agent did not come up: {0}")]
@@ -92,17 +102,49 @@ impl<'w> Narrator<'w> {
 }
 
 /// The agent config the demo runs with: MIG devices offered one resource per profile when the
-/// machine has any (so every unit is visible to both APIs), and a short recovery quiet period.
+/// machine has any (so every unit is visible to both APIs), a short recovery quiet period, the
+/// last GPU with MIG off shared through consumable capacity (1Gi and 10% steps), and the GPUs
+/// in MIG mode without instances cut by dynamic MIG.
 pub fn agent_config(inv: &Inventory) -> String {
     let mig = if inv.gpus.iter().any(|g| g.mig.current) {
         "mixed"
     } else {
         "none"
     };
-    format!(
+    let mut config = format!(
         "version: v1\nflags:\n  migStrategy: {mig}\nhealth:\n  recoveryQuietPeriod: {}ms\n",
         RECOVERY_QUIET_PERIOD.as_millis()
-    )
+    );
+    if let Some(i) = shared_gpu(inv) {
+        config.push_str(&format!(
+            "sharing:\n  consumableCapacity:\n    gpus: [{i}]\n    memoryStep: 1Gi\n    computeStep: 10\n"
+        ));
+    }
+    let dynamic = dynamic_gpus(inv);
+    if !dynamic.is_empty() {
+        let list: Vec<String> = dynamic.iter().map(u32::to_string).collect();
+        config.push_str(&format!("dynamicMig:\n  gpus: [{}]\n", list.join(", ")));
+    }
+    config
+}
+
+/// The GPU the share step shares: the last one with MIG off (the other steps take GPUs from
+/// the first).
+pub fn shared_gpu(inv: &Inventory) -> Option<u32> {
+    inv.gpus
+        .iter()
+        .filter(|g| !g.mig.current)
+        .map(|g| g.index)
+        .max()
+}
+
+/// The GPUs in MIG mode with no MIG instances: gpuplane cuts them claim by claim.
+pub fn dynamic_gpus(inv: &Inventory) -> Vec<u32> {
+    inv.gpus
+        .iter()
+        .filter(|g| g.mig.current && g.mig_devices.is_empty())
+        .map(|g| g.index)
+        .collect()
 }
 
 /// The namespaces and GpuQuotas of the quota steps.
@@ -112,21 +154,52 @@ pub const QUOTA_NAME: &str = "default";
 /// GPUs of the Reject-mode quota (step 5) and the Queue-mode one (step 6).
 pub const REJECT_GPUS: u64 = 2;
 pub const QUEUE_GPUS: u64 = 4;
+/// The GPU-share quota card's namespace: a Reject-mode GpuQuota of 20Gi of GPU memory and one
+/// GPU (100%).
+pub const SHARE_NAMESPACE: &str = "team-s";
+/// The preemption step's namespace: a Queue-mode GpuQuota of [`PREEMPT_GPUS`] that lets a
+/// waiting pod evict pods of lower priority.
+pub const PREEMPT_NAMESPACE: &str = "team-p";
+pub const PREEMPT_GPUS: u64 = 2;
+/// The GPU-hours step's namespace, with a pod that ran before the controller started.
+pub const HOURS_NAMESPACE: &str = "team-h";
+/// Where the controller keeps the GPU-hours book.
+pub const CONTROLLER_NAMESPACE: &str = "gpuplane-system";
 
-async fn create_quota(
-    client: &kube::Client,
-    namespace: &str,
-    gpus: u64,
-    mode: QuotaMode,
-) -> Result<(), DemoError> {
-    let spec = GpuQuotaSpec {
+fn whole_gpus(gpus: u64, mode: QuotaMode) -> GpuQuotaSpec {
+    GpuQuotaSpec {
         hard: Limits {
             gpus: Some(Gpus::whole(gpus)),
             ..Limits::default()
         },
         mode,
         ..GpuQuotaSpec::default()
-    };
+    }
+}
+
+/// The GpuQuotas of the steps, by namespace.
+fn quotas() -> Result<Vec<(&'static str, GpuQuotaSpec)>, serde_json::Error> {
+    let card = serde_json::from_value(
+        serde_json::json!({"hard": {"gpuMemory": "20Gi", "gpus": 1}, "mode": "Reject"}),
+    )?;
+    let preempting = serde_json::from_value(serde_json::json!({
+        "hard": {"gpus": PREEMPT_GPUS}, "mode": "Queue",
+        "preemption": {"withinQuota": "LowerPriority"}
+    }))?;
+    Ok(vec![
+        (REJECT_NAMESPACE, whole_gpus(REJECT_GPUS, QuotaMode::Reject)),
+        (QUEUE_NAMESPACE, whole_gpus(QUEUE_GPUS, QuotaMode::Queue)),
+        (SHARE_NAMESPACE, card),
+        (PREEMPT_NAMESPACE, preempting),
+        (HOURS_NAMESPACE, whole_gpus(8, QuotaMode::Reject)),
+    ])
+}
+
+async fn create_quota(
+    client: &kube::Client,
+    namespace: &str,
+    spec: GpuQuotaSpec,
+) -> Result<(), DemoError> {
     Api::<GpuQuota>::namespaced(client.clone(), namespace)
         .create(&PostParams::default(), &GpuQuota::new(QUOTA_NAME, spec))
         .await
@@ -197,6 +270,22 @@ pub async fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<Summary, Dem
     })
 }
 
+/// The DeviceClasses `kubectl apply -k daemonset/` installs (gpu, mig and the MIG size
+/// families): claims name them, and quota prices a claim by its class.
+const DEVICE_CLASSES: &str = include_str!("../../../../daemonset/deviceclasses.yaml");
+
+async fn install_device_classes(client: &kube::Client) -> Result<(), DemoError> {
+    let api = Api::<DeviceClass>::all(client.clone());
+    for doc in serde_yaml_ng::Deserializer::from_str(DEVICE_CLASSES) {
+        let class = DeviceClass::deserialize(doc).map_err(DemoError::DeviceClasses)?;
+        let name = class.metadata.name.clone().unwrap_or_default();
+        api.create(&PostParams::default(), &class)
+            .await
+            .map_err(|cause| DemoError::DeviceClass { name, cause })?;
+    }
+    Ok(())
+}
+
 /// The node lab in `dir` with the real agent on `inventory`, registered with both kubelet
 /// APIs and followed by the DRA health stream.
 async fn start_node(
@@ -245,20 +334,27 @@ impl ClusterSide {
     async fn start(lab: &NodeLab, dir: &Path) -> Result<ClusterSide, DemoError> {
         // The quotas exist before the webhook starts, so its first cache fill has them.
         let client = lab.api.client().map_err(LabError::from)?;
-        create_quota(&client, REJECT_NAMESPACE, REJECT_GPUS, QuotaMode::Reject).await?;
-        create_quota(&client, QUEUE_NAMESPACE, QUEUE_GPUS, QuotaMode::Queue).await?;
+        install_device_classes(&client).await?;
+        for (namespace, spec) in quotas().map_err(DemoError::QuotaSpec)? {
+            create_quota(&client, namespace, spec).await?;
+        }
+        // A pod that ran before the controller started: its new GPU-hours book counts it.
+        lab.api
+            .put_json(steps::hours::finished_pod())
+            .map_err(LabError::from)?;
         let pki = DemoPki::issue(dir)?;
         let mut wopts = WebhookOptions::new(
             pki.cert_file.clone(),
             pki.key_file.clone(),
-            "gpuplane-system",
+            CONTROLLER_NAMESPACE,
         );
         wopts.addr = ([127, 0, 0, 1], 0).into();
         let webhook = gpuplane_cluster::webhook::start(client.clone(), wopts).await?;
 
         // One replica: the loops run at once, without a Lease. Short batching and resync so
         // the story does not wait on timers tuned for a large cluster.
-        let mut copts = ControllerOptions::new("gpuplane-system", "gpuplane-demo");
+        // The GPU-hours book is written every 200 ms with no lag (no kubelet reports late here).
+        let mut copts = ControllerOptions::new(CONTROLLER_NAMESPACE, "gpuplane-demo");
         copts.leader_elect = false;
         copts.queue = QueueOptions {
             settings: QueueSettings::default(),
@@ -266,6 +362,14 @@ impl ClusterSide {
             resync: Duration::from_millis(500),
             note_refresh: Duration::from_millis(200),
             instance: "gpuplane-demo".into(),
+            hours: Some(HoursOptions {
+                settings: HoursSettings {
+                    lag: Duration::ZERO,
+                    ..HoursSettings::default()
+                },
+                interval: Duration::from_millis(200),
+                namespace: CONTROLLER_NAMESPACE.into(),
+            }),
             ..QueueOptions::default()
         };
         let metrics = Arc::new(QueueMetrics::default());
@@ -337,5 +441,17 @@ mod tests {
             assert_eq!(cfg.mig_strategy, strategy, "{profile}");
             assert_eq!(cfg.recovery_quiet_period, RECOVERY_QUIET_PERIOD);
         }
+        // dgx-h100 shares its last GPU; dynamic-mig-mixed shares its L4 and cuts GPUs 0 and 1.
+        let h100 = gpuplane_model::sim::load("dgx-h100").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((shared_gpu(&h100), dynamic_gpus(&h100)), (Some(7), vec![]));
+        let dynamic =
+            gpuplane_model::sim::load("dynamic-mig-mixed").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (shared_gpu(&dynamic), dynamic_gpus(&dynamic)),
+            (Some(3), vec![0, 1])
+        );
+        let text = agent_config(&dynamic);
+        AgentConfig::parse("demo.yaml", &text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        assert!(quotas().is_ok());
     }
 }

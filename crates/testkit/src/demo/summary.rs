@@ -15,10 +15,15 @@ pub enum Step {
     Quota,
     PodGroup,
     XidHealth,
+    GpuShare,
+    DynamicMig,
+    WhyPending,
+    Preemption,
+    GpuHours,
 }
 
 impl Step {
-    pub const ALL: [Step; 7] = [
+    pub const ALL: [Step; 12] = [
         Step::Inventory,
         Step::NvlinkAllocation,
         Step::DraClaim,
@@ -26,6 +31,11 @@ impl Step {
         Step::Quota,
         Step::PodGroup,
         Step::XidHealth,
+        Step::GpuShare,
+        Step::DynamicMig,
+        Step::WhyPending,
+        Step::Preemption,
+        Step::GpuHours,
     ];
 
     /// 1-based position in the story.
@@ -46,6 +56,11 @@ impl Step {
             Step::Quota => "quota",
             Step::PodGroup => "pod-group",
             Step::XidHealth => "xid-health",
+            Step::GpuShare => "gpu-share",
+            Step::DynamicMig => "dynamic-mig",
+            Step::WhyPending => "why-pending",
+            Step::Preemption => "preemption",
+            Step::GpuHours => "gpu-hours",
         }
     }
 
@@ -59,6 +74,13 @@ impl Step {
             Step::Quota => "A GpuQuota admits one pod and denies another",
             Step::PodGroup => "A pod group is released all at once",
             Step::XidHealth => "An Xid turns a device unhealthy, and it recovers",
+            Step::GpuShare => {
+                "A fractional GPU share is prepared and charged to quota on the same numbers"
+            }
+            Step::DynamicMig => "A MIG instance is made for a claim, and destroyed when it ends",
+            Step::WhyPending => "Why a fragmented request is Pending",
+            Step::Preemption => "A high-priority pod preempts a lower-priority one under its quota",
+            Step::GpuHours => "The GPU-hours report",
         }
     }
 }
@@ -166,7 +188,7 @@ impl Summary {
             .unwrap_or(0)
             .max("STEP".len());
         let mut out = format!(
-            "Summary ({}, {:.1} s)\n  #  {:<width$}  {:<7}  EVIDENCE\n",
+            "Summary ({}, {:.1} s)\n   #  {:<width$}  {:<7}  EVIDENCE\n",
             self.profile,
             self.elapsed.as_secs_f64(),
             "STEP",
@@ -174,7 +196,7 @@ impl Summary {
         );
         for r in &self.results {
             out.push_str(&format!(
-                "  {}  {:<width$}  {:<7}  {}\n",
+                "  {:>2}  {:<width$}  {:<7}  {}\n",
                 r.step.number(),
                 r.step.key(),
                 r.outcome.word(),
@@ -235,29 +257,30 @@ mod tests {
     #[test]
     fn steps_are_numbered_in_story_order_with_distinct_keys() {
         let numbers: Vec<usize> = Step::ALL.iter().map(|s| s.number()).collect();
-        assert_eq!(numbers, [1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(numbers, (1..=12).collect::<Vec<_>>());
         let mut keys: Vec<&str> = Step::ALL.iter().map(|s| s.key()).collect();
         keys.sort();
         keys.dedup();
-        assert_eq!(keys.len(), 7);
+        assert_eq!(keys.len(), 12);
     }
 
     #[test]
     fn the_table_has_one_aligned_row_per_step_and_says_all_held() {
-        let s = summary((0..7).map(|i| Outcome::Held(format!("ev {i}"))).collect());
+        let s = summary((0..12).map(|i| Outcome::Held(format!("ev {i}"))).collect());
         let table = s.render_table();
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines[0], "Summary (dgx-h100, 4.2 s)");
-        assert_eq!(lines[1], "  #  STEP               RESULT   EVIDENCE");
-        assert_eq!(lines[2], "  1  inventory          held     ev 0");
-        assert_eq!(lines[8], "  7  xid-health         held     ev 6");
-        assert_eq!(lines[9], "All 7 steps held.");
+        assert_eq!(lines[1], "   #  STEP               RESULT   EVIDENCE");
+        assert_eq!(lines[2], "   1  inventory          held     ev 0");
+        assert_eq!(lines[8], "   7  xid-health         held     ev 6");
+        assert_eq!(lines[13], "  12  gpu-hours          held     ev 11");
+        assert_eq!(lines[14], "All 12 steps held.");
         assert!(s.ok());
     }
 
     #[test]
     fn a_failed_shutdown_fails_the_run_even_when_every_step_held() {
-        let mut s = summary((0..7).map(|_| Outcome::Held("ok".into())).collect());
+        let mut s = summary((0..12).map(|_| Outcome::Held("ok".into())).collect());
         s.shutdown.push("node agent: socket left behind".into());
         assert!(!s.ok());
         assert!(s.failed().is_empty());
@@ -270,35 +293,35 @@ mod tests {
 
     #[test]
     fn skipped_steps_are_not_failures_and_failures_are_named() {
-        let mut outcomes: Vec<Outcome> = (0..7).map(|_| Outcome::Held("ok".into())).collect();
+        let mut outcomes: Vec<Outcome> = (0..12).map(|_| Outcome::Held("ok".into())).collect();
         outcomes[1] = Outcome::Skipped("no NVLink".into());
         let s = summary(outcomes.clone());
         assert!(s.failed().is_empty());
         assert_eq!(
             s.verdict(),
-            "6 steps held, 1 skipped (the machine cannot show them); none failed."
+            "11 steps held, 1 skipped (the machine cannot show them); none failed."
         );
         assert!(s
             .render_table()
-            .contains("  2  nvlink-allocation  skipped  no NVLink\n"));
+            .contains("   2  nvlink-allocation  skipped  no NVLink\n"));
 
         outcomes[3] = Outcome::Failed("Allocate was granted".into());
         let s = summary(outcomes);
         assert_eq!(s.failed(), [Step::LedgerRefusal]);
-        assert_eq!(s.verdict(), "1 of 7 steps did not hold: ledger-refusal");
+        assert_eq!(s.verdict(), "1 of 12 steps did not hold: ledger-refusal");
         assert!(s
             .render_table()
-            .contains("  4  ledger-refusal     FAILED   Allocate was granted\n"));
+            .contains("   4  ledger-refusal     FAILED   Allocate was granted\n"));
     }
 
     #[test]
     fn json_carries_every_step_and_whether_the_run_held() {
-        let mut outcomes: Vec<Outcome> = (0..7).map(|_| Outcome::Held("ok".into())).collect();
+        let mut outcomes: Vec<Outcome> = (0..12).map(|_| Outcome::Held("ok".into())).collect();
         outcomes[6] = Outcome::Failed("no taint".into());
         let v = summary(outcomes).to_json();
         assert_eq!(v["ok"], false);
         assert_eq!(v["profile"], "dgx-h100");
-        assert_eq!(v["steps"].as_array().map(Vec::len), Some(7));
+        assert_eq!(v["steps"].as_array().map(Vec::len), Some(12));
         assert_eq!(v["steps"][6]["key"], "xid-health");
         assert_eq!(v["steps"][6]["result"], "failed");
         assert_eq!(v["steps"][0]["result"], "held");

@@ -26,3 +26,18 @@ pub fn pod_create_review(uid: &str, pod: &Value) -> Value {
         }
     })
 }
+
+/// An AdmissionReview v1 for creating the ResourceClaim `claim` in its namespace (by user
+/// `alice`), as the API server sends it.
+pub fn claim_create_review(uid: &str, claim: &Value) -> Value {
+    let mut review = pod_create_review(uid, claim);
+    let kind = json!({"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"});
+    let resource =
+        json!({"group": "resource.k8s.io", "version": "v1", "resource": "resourceclaims"});
+    let r = &mut review["request"];
+    r["kind"] = kind.clone();
+    r["requestKind"] = kind;
+    r["resource"] = resource.clone();
+    r["requestResource"] = resource;
+    review
+}

@@ -41,7 +41,7 @@ impl PluginView {
 }
 
 /// Devices assigned to one container: (namespace, pod, container) -> resource -> device IDs.
-type Assignments = BTreeMap<(String, String, String), BTreeMap<String, Vec<String>>>;
+pub type Assignments = BTreeMap<(String, String, String), BTreeMap<String, Vec<String>>>;
 
 #[derive(Default)]
 struct Inner {
@@ -492,6 +492,11 @@ impl KubeletDouble {
     /// The pod ended: its devices are no longer assigned (PodResources stops listing them).
     pub fn end_pod(&self, namespace: &str, pod: &str) {
         lock(&self.inner.assigned).retain(|(ns, p, _), _| !(ns == namespace && p == pod));
+    }
+
+    /// The devices assigned to containers now, as PodResources lists them.
+    pub fn assignments(&self) -> Assignments {
+        lock(&self.inner.assigned).clone()
     }
 
     /// How many PodResources List requests have arrived (across restarts). Read right after a

@@ -48,10 +48,15 @@ pub(super) async fn run(cx: &Context<'_>, carry: &mut Carry, say: &mut Narrator<
     Outcome::Held(held)
 }
 
-/// A whole GPU if one is free (untainted, not the pod's of step 2), else a MIG device.
+/// A whole GPU if one is free (untainted, not the pod's of step 2), else a MIG device; never
+/// the GPU the share step shares, nor one dynamic MIG cuts (the device plugin does not offer
+/// those, and the next step needs a device both APIs offer).
 fn free_device(devices: &[PublishedDevice], carry: &Carry) -> Option<PublishedDevice> {
     let free = |d: &&PublishedDevice| {
-        d.taints.is_empty() && d.uuid.as_ref().is_some_and(|u| !carry.pod_ids.contains(u))
+        d.taints.is_empty()
+            && !d.shared
+            && !d.partitionable
+            && d.uuid.as_ref().is_some_and(|u| !carry.pod_ids.contains(u))
     };
     devices
         .iter()
@@ -103,7 +108,7 @@ fn spec_of(
 }
 
 /// The CDI spec file under `cdi_root` that defines `id`, with its device names.
-fn find_spec(cdi_root: &Path, id: &str) -> Result<(PathBuf, Vec<String>), String> {
+pub(super) fn find_spec(cdi_root: &Path, id: &str) -> Result<(PathBuf, Vec<String>), String> {
     let (kind, name) =
         facts::split_cdi_id(id).ok_or_else(|| format!("{id} is not a CDI device id"))?;
     let entries =
@@ -179,4 +184,22 @@ async fn status_ready(
         ));
     }
     Ok(())
+}
+
+/// Every environment variable a CDI spec file sets, for the spec and its devices.
+pub(super) fn spec_env(path: &std::path::Path) -> Result<Vec<String>, String> {
+    let text = std::fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let spec: Value =
+        serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let edits = std::iter::once(&spec["containerEdits"]).chain(
+        spec["devices"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|d| &d["containerEdits"]),
+    );
+    Ok(edits
+        .flat_map(|e| e["env"].as_array().cloned().unwrap_or_default())
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .collect())
 }

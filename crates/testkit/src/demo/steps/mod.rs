@@ -1,4 +1,4 @@
-//! The demo's seven steps. Each makes real calls (gRPC to the agent through the kubelet doubles,
+//! The demo's twelve steps. Each makes real calls (gRPC to the agent through the kubelet doubles,
 //! HTTPS AdmissionReviews to the webhook, the kube client to the API server double), narrates
 //! what came back, and judges the step from those answers only. A step the machine cannot show
 //! (too few GPUs, no NVLink) is skipped with the reason.
@@ -9,11 +9,16 @@
 
 mod allocation;
 mod claim;
+mod dynamic_mig;
 mod health;
+pub(super) mod hours;
 mod inventory;
 mod one_ledger;
+mod pending;
 mod pod_group;
+mod preemption;
 mod quota;
+mod share;
 
 use super::facts::{self, PublishedDevice};
 use super::summary::{Outcome, Step};
@@ -72,6 +77,11 @@ pub async fn run(
         Step::Quota => quota::run(cx, say).await,
         Step::PodGroup => pod_group::run(cx, say).await,
         Step::XidHealth => health::run(cx, carry, say).await,
+        Step::GpuShare => share::run(cx, say).await,
+        Step::DynamicMig => dynamic_mig::run(cx, say).await,
+        Step::WhyPending => pending::run(cx, say).await,
+        Step::Preemption => preemption::run(cx, say).await,
+        Step::GpuHours => hours::run(cx, say).await,
     }
 }
 

@@ -6,6 +6,7 @@ use super::{list, listed, poll, published, Carry, Context, NODE_NAMESPACE};
 use crate::demo::facts::PublishedDevice;
 use crate::demo::summary::Outcome;
 use crate::demo::Narrator;
+use gpuplane_model::quota::catalog::GPU_RESOURCE;
 use gpuplane_node::dra::ClaimRef;
 
 pub(super) async fn run(cx: &Context<'_>, carry: &mut Carry, say: &mut Narrator<'_>) -> Outcome {
@@ -79,7 +80,8 @@ async fn allocate_refused(
 }
 
 /// Where step 2 did not run: a 1-unit pod admitted through the device plugin on a healthy
-/// device other than `claimed`, if there is one.
+/// device other than `claimed`, if there is one; a MIG device where there is one, so that a
+/// machine with a single whole GPU keeps it for the share step.
 async fn admit_small_pod(
     cx: &Context<'_>,
     carry: &mut Carry,
@@ -88,7 +90,8 @@ async fn admit_small_pod(
 ) -> Result<(), String> {
     let free = listed(cx.lab)
         .into_iter()
-        .find(|(id, (_, health))| health == "Healthy" && id != claimed);
+        .filter(|(id, (_, health))| health == "Healthy" && id != claimed)
+        .min_by_key(|(_, (resource, _))| resource == GPU_RESOURCE);
     let Some((_, (resource, _))) = free else {
         return Ok(());
     };

@@ -5,7 +5,7 @@
 use super::{list, Context};
 use crate::demo::summary::Outcome;
 use crate::demo::{Narrator, QUOTA_NAME, REJECT_GPUS, REJECT_NAMESPACE};
-use crate::doubles::admission::pod_create_review;
+use crate::doubles::admission::{claim_create_review, pod_create_review};
 use gpuplane_model::quota::catalog::GPU_RESOURCE;
 use gpuplane_model::quota::{GpuQuota, ReservationState};
 use kube::api::Api;
@@ -103,7 +103,8 @@ pub(super) fn gpu_pod(namespace: &str, name: &str, gpus: u32) -> Value {
     })
 }
 
-/// The webhook's verdict on `pod`: (allowed, message, base64 patch).
+/// The webhook's verdict on creating `pod` (or a ResourceClaim): (allowed, message, base64
+/// patch).
 pub(super) async fn review(
     cx: &Context<'_>,
     path: &str,
@@ -115,7 +116,10 @@ pub(super) async fn review(
         .post_json(
             cx.webhook,
             path,
-            &pod_create_review(&format!("review-{name}"), pod),
+            &match pod["kind"].as_str() {
+                Some("ResourceClaim") => claim_create_review(&format!("review-{name}"), pod),
+                _ => pod_create_review(&format!("review-{name}"), pod),
+            },
         )
         .await
         .map_err(|e| e.to_string())?;

@@ -416,6 +416,35 @@ fn collection(
     }
 }
 
+/// `pods/<name>/eviction` (policy/v1 Eviction): the pod is deleted with the Eviction's
+/// `deleteOptions` (its preconditions hold), and the answer is a `Status` of Success, as the
+/// API server gives where no PodDisruptionBudget covers the pod (the double has none).
+fn evict(
+    store: &mut Store,
+    info: &ResourceInfo,
+    ns: &str,
+    name: &str,
+    body: &[u8],
+    dry_run: bool,
+) -> Result<Response<Body>, ApiError> {
+    let eviction = if body.is_empty() {
+        json!({})
+    } else {
+        body_json(body)?
+    };
+    let options = match &eviction["deleteOptions"] {
+        Value::Null => json!({}),
+        o => o.clone(),
+    };
+    let (options, dry) =
+        delete_options(&serde_json::to_vec(&options).unwrap_or_default(), dry_run)?;
+    store.api_delete(info, ns, name, &options, dry)?;
+    Ok(json_response(
+        201,
+        &json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
+    ))
+}
+
 /// What [`object`] needs of a request besides its path.
 struct ObjectRequest<'a> {
     method: &'a str,
@@ -438,6 +467,9 @@ fn object(
     let sub = match t.sub.as_deref() {
         None => Sub::Main,
         Some("status") if info.has_status => Sub::Status,
+        Some("eviction") if info.plural == "pods" && r.method == "POST" => {
+            return evict(store, info, &ns, name, r.body, dry_run);
+        }
         Some(_) => return Err(ApiError::no_such_path()),
     };
     let created = |(v, created): (Value, bool)| json_response(if created { 201 } else { 200 }, &v);
