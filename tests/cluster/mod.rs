@@ -16,8 +16,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// The one polling helper (tests/support/eventually.rs), included by path because the benches
+/// include this module without tests/support.
+#[path = "../support/eventually.rs"]
+mod polling;
+pub use polling::blocking::{eventually, eventually_or};
+
 /// A hang guard for each wait, never a timing assertion: a loaded machine is slow, not wrong.
-pub const WAIT: Duration = Duration::from_secs(120);
+pub const WAIT: Duration = polling::blocking::LIMIT;
 /// The lab's node, as its kubelet registers it.
 pub const NODE: &str = "lab-node";
 /// The DRA driver name the agent serves (the DeviceClasses' driver).
@@ -101,29 +107,6 @@ fn is_root() -> bool {
         .arg("-u")
         .output()
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-}
-
-/// Polls `check` every 250 ms until it gives a value; panics after [`WAIT`] naming `what`.
-pub fn eventually<T>(what: &str, check: impl FnMut() -> Option<T>) -> T {
-    eventually_or(what, check, String::new)
-}
-
-/// [`eventually`], adding `context()` (e.g. a `kubectl describe`) to the panic message.
-pub fn eventually_or<T>(
-    what: &str,
-    mut check: impl FnMut() -> Option<T>,
-    context: impl FnOnce() -> String,
-) -> T {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(v) = check() {
-            return v;
-        }
-        if Instant::now() >= deadline {
-            panic!("gave up after {WAIT:?} waiting for {what}\n{}", context());
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    }
 }
 
 /// Lines of a gpuplane log that report an API refusal (the API server's message reads `... is

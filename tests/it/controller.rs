@@ -1,6 +1,7 @@
 //! The quota controller's loops against the API server double with the real kube client:
 //! leader election over a Lease, and the queue that releases gated GPU pods.
 
+use crate::support::eventually::{eventually_async, LIMIT};
 use gpuplane_shell::controller::elector::{self, Elector, Role};
 use gpuplane_shell::controller::lease::LeaseTimings;
 use gpuplane_shell::controller::metrics::QueueMetrics;
@@ -13,7 +14,6 @@ use k8s_openapi::api::core::v1::{Event, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
 use serde_json::json;
-use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -134,7 +134,7 @@ fn spawn_candidate(
 
 /// Waits until `log` shows `id`'s work started.
 async fn wait_leads(log: &WorkLog, id: &str) {
-    eventually(&format!("{id} leading"), || async {
+    eventually_async(&format!("{id} leading"), LIMIT, || async {
         log.lock().unwrap().iter().any(|e| e.0 == id && e.1)
     })
     .await;
@@ -321,7 +321,7 @@ impl Lab {
     /// settled (used by tests that step the world).
     async fn cycles(&self, n: u64) {
         let start = self.metrics.snapshot().cycles;
-        eventually("the loop to run", || async {
+        eventually_async("the loop to run", LIMIT, || async {
             self.metrics.snapshot().cycles >= start + n
         })
         .await;
@@ -333,21 +333,6 @@ fn is_gated(p: &Pod) -> bool {
         .as_ref()
         .and_then(|s| s.scheduling_gates.as_ref())
         .is_some_and(|g| g.iter().any(|g| g.name == SCHEDULING_GATE))
-}
-
-pub(crate) async fn eventually<F, Fut>(what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let start = Instant::now();
-    while !f().await {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// A GPU pod: gated (queued) or running on a node.
@@ -445,7 +430,7 @@ async fn a_four_pod_group_waits_for_four_free_devices_and_is_released_whole_in_o
     }
     // 2 free of 8: the group waits, and says why with the numbers. (A cycle that ran while
     // the members were still being created says first that members are missing.)
-    eventually("the group's members to carry the reason", || async {
+    eventually_async("the group's members to carry the reason", LIMIT, || async {
         let mut all = true;
         for i in 0..4 {
             let p = lab.pods.get(&format!("train-{i}")).await.unwrap();
@@ -494,7 +479,7 @@ async fn a_four_pod_group_waits_for_four_free_devices_and_is_released_whole_in_o
     // A second one frees: the whole group goes in one cycle.
     lab.server.clear_requests();
     delete(&lab, "run-1").await;
-    eventually("the group to be released", || async {
+    eventually_async("the group to be released", LIMIT, || async {
         let pods = lab.pods.list(&ListParams::default()).await.unwrap().items;
         // (Mid-cycle, four separate writes may be half done; the request log below shows
         // they belong to one cycle.)
@@ -536,7 +521,7 @@ async fn a_four_pod_group_waits_for_four_free_devices_and_is_released_whole_in_o
         q.used.gpus
     );
     // Admitted pods are told so.
-    eventually("the condition to turn True", || async {
+    eventually_async("the condition to turn True", LIMIT, || async {
         let p = lab.pods.get("train-3").await.unwrap();
         condition(&p).is_some_and(|c| c.0 == "True" && c.1 == "Admitted")
     })
@@ -565,7 +550,7 @@ async fn queued_pods_are_released_by_priority_then_creation_time() {
     ] {
         lab.server.put_json(p).unwrap();
     }
-    eventually("all four to wait", || async {
+    eventually_async("all four to wait", LIMIT, || async {
         let p = lab.pods.get("low-new").await.unwrap();
         condition(&p).is_some()
     })
@@ -700,7 +685,7 @@ async fn reservations_of_pods_that_never_appeared_are_dropped_and_running_pods_s
             Err(e) => panic!("{e}"),
         }
     }
-    eventually("the reservations to go", || async {
+    eventually_async("the reservations to go", LIMIT, || async {
         let s = lab.quota().await.status.unwrap_or_default();
         s.reservations.is_empty() && s.used.gpus == Gpus::whole(2)
     })
@@ -720,7 +705,7 @@ async fn a_thousand_queued_pods_are_released_in_a_few_cycles_not_one_per_cycle()
             .unwrap();
     }
     let t = Instant::now();
-    eventually("every pod to be released", || async {
+    eventually_async("every pod to be released", LIMIT, || async {
         lab.metrics.snapshot().released >= n
     })
     .await;
@@ -822,10 +807,14 @@ async fn the_queue_label_follows_queue_quotas_and_comes_back_after_removal_by_ha
     let (stop, task) = start_labeler(&server);
 
     let labelled = |ns: &str| ns_labels(&server, ns).is_some_and(|l| l[QUEUE_LABEL] == "true");
-    eventually("team-q labelled and the hand-set label gone", || async {
-        labelled("team-q")
-            && ns_labels(&server, "by-hand").is_some_and(|l| l[QUEUE_LABEL].is_null())
-    })
+    eventually_async(
+        "team-q labelled and the hand-set label gone",
+        LIMIT,
+        || async {
+            labelled("team-q")
+                && ns_labels(&server, "by-hand").is_some_and(|l| l[QUEUE_LABEL].is_null())
+        },
+    )
     .await;
     assert_eq!(
         ns_labels(&server, "team-q").unwrap(),
@@ -846,16 +835,19 @@ async fn the_queue_label_follows_queue_quotas_and_comes_back_after_removal_by_ha
         .await
         .unwrap();
     assert!(!labelled("team-q"));
-    eventually("the label back on team-q", || async { labelled("team-q") }).await;
+    eventually_async("the label back on team-q", LIMIT, || async {
+        labelled("team-q")
+    })
+    .await;
 
     // Switched to Reject: the label goes; back to Queue: it comes back; deleted: it goes.
     set_mode(&server, "team-q", "Reject").await;
-    eventually("the label off team-q in Reject mode", || async {
+    eventually_async("the label off team-q in Reject mode", LIMIT, || async {
         ns_labels(&server, "team-q") == Some(json!({"team": "q"}))
     })
     .await;
     set_mode(&server, "team-r", "Queue").await;
-    eventually("team-r labelled in Queue mode", || async {
+    eventually_async("team-r labelled in Queue mode", LIMIT, || async {
         labelled("team-r")
     })
     .await;
@@ -863,9 +855,11 @@ async fn the_queue_label_follows_queue_quotas_and_comes_back_after_removal_by_ha
         .delete("default", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("the label off team-r with its quota deleted", || async {
-        ns_labels(&server, "team-r") == Some(json!({"team": "r"}))
-    })
+    eventually_async(
+        "the label off team-r with its quota deleted",
+        LIMIT,
+        || async { ns_labels(&server, "team-r") == Some(json!({"team": "r"})) },
+    )
     .await;
 
     // Several resyncs later: a namespace is never created, nothing but the one label was
@@ -873,7 +867,10 @@ async fn the_queue_label_follows_queue_quotas_and_comes_back_after_removal_by_ha
     // a Queue quota) again and tries its patch, which 404s: two more such tries, two resyncs.
     let ghost_tries = || server.count_requests("PATCH", "/namespaces/ghost");
     let tried = ghost_tries();
-    eventually("two more resyncs", || async { ghost_tries() >= tried + 2 }).await;
+    eventually_async("two more resyncs", LIMIT, || async {
+        ghost_tries() >= tried + 2
+    })
+    .await;
     let _ = stop.send(());
     task.await.unwrap();
     assert!(server.get_json("v1", "namespaces", None, "ghost").is_none());
@@ -907,9 +904,11 @@ async fn a_failed_label_patch_is_retried_with_backoff() {
     server.inject(Fault::status("PATCH", "/api/v1/namespaces/team-q", 500).times(3));
     server.put_json(queue_quota("team-q", "Queue")).unwrap();
     let (stop, task) = start_labeler(&server);
-    eventually("team-q labelled despite three failed patches", || async {
-        ns_labels(&server, "team-q").is_some_and(|l| l[QUEUE_LABEL] == "true")
-    })
+    eventually_async(
+        "team-q labelled despite three failed patches",
+        LIMIT,
+        || async { ns_labels(&server, "team-q").is_some_and(|l| l[QUEUE_LABEL] == "true") },
+    )
     .await;
     assert_eq!(
         server.count_requests("PATCH", "/api/v1/namespaces/team-q"),
@@ -963,7 +962,7 @@ async fn every_new_reason_lands_before_any_event_and_each_pod_gets_one_event() {
         }
         n
     };
-    eventually("a first Event", || async { all_events().await > 0 }).await;
+    eventually_async("a first Event", LIMIT, || async { all_events().await > 0 }).await;
     for name in &names {
         let c = condition_of(&pods.get(name).await.unwrap(), CONDITION);
         assert_eq!(
@@ -972,7 +971,7 @@ async fn every_new_reason_lands_before_any_event_and_each_pod_gets_one_event() {
             "{name}: its reason before any Event"
         );
     }
-    eventually("five Events", || async { all_events().await == 5 }).await;
+    eventually_async("five Events", LIMIT, || async { all_events().await == 5 }).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     for name in &names {
         assert_eq!(
@@ -1018,18 +1017,18 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
         "Capacity".to_string(),
         "needs 4 nvidia.com/gpu; 2 free in the cluster".to_string(),
     );
-    eventually("reason Capacity on the pod", || async {
+    eventually_async("reason Capacity on the pod", LIMIT, || async {
         said().await.as_ref() == Some(&capacity)
     })
     .await;
-    eventually("an Event", || async {
+    eventually_async("an Event", LIMIT, || async {
         !events_for(&server, "big").await.is_empty()
     })
     .await;
     // Changes that leave the reason alone (another node too small, a label) make no Event.
     server.put_json(gpu_node("node-0", 1)).unwrap();
     let message = "needs 4 nvidia.com/gpu; 3 free in the cluster";
-    eventually("the message follows", || async {
+    eventually_async("the message follows", LIMIT, || async {
         said().await.is_some_and(|c| c.2 == message)
     })
     .await;
@@ -1047,7 +1046,7 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
         "gpuplane_pending_gpu_pods{reason=\"Capacity\"} 1",
         "gpuplane_pending_gpu_pods{reason=\"Placement\"} 0",
     ];
-    eventually("the new leader's first cycle", || async {
+    eventually_async("the new leader's first cycle", LIMIT, || async {
         let text = gpuplane_shell::metrics::render(&[metrics.registry()]);
         lines.iter().all(|line| text.lines().any(|l| l == *line))
     })
@@ -1056,12 +1055,12 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
     assert_eq!(events_for(&server, "big").await.len(), 1);
     // A node with room: the reason changes, and a second Event says so.
     server.put_json(gpu_node("node-2", 8)).unwrap();
-    eventually("another reason", || async {
+    eventually_async("another reason", LIMIT, || async {
         said().await.is_some_and(|c| c.1 != "Capacity")
     })
     .await;
     let new = said().await.unwrap().1;
-    eventually("a second Event", || async {
+    eventually_async("a second Event", LIMIT, || async {
         events_for(&server, "big").await.len() == 2
     })
     .await;
@@ -1084,7 +1083,7 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
         "Scheduled".to_string(),
         "scheduled to node node-2".to_string(),
     );
-    eventually("condition True", || async {
+    eventually_async("condition True", LIMIT, || async {
         said().await.as_ref() == Some(&scheduled)
     })
     .await;
@@ -1139,7 +1138,7 @@ async fn the_explainers_kept_device_catalog_follows_slices_and_classes() {
     pods.create(&PostParams::default(), &claim).await.unwrap();
     let reason =
         || async { condition_of(&pods.get("claim").await.unwrap(), CONDITION).map(|c| c.1) };
-    eventually("Selector: nothing is published", || async {
+    eventually_async("Selector: nothing is published", LIMIT, || async {
         reason().await.as_deref() == Some("Selector")
     })
     .await;
@@ -1150,13 +1149,14 @@ async fn the_explainers_kept_device_catalog_follows_slices_and_classes() {
     for s in gpuplane_shell::slices::render::render(&inv, &health, "gpu.gpuplane.dev", "node-1") {
         server.put_json(serde_json::to_value(s).unwrap()).unwrap();
     }
-    eventually("another reason once H100s are published", || async {
+    eventually_async("another reason once H100s are published", LIMIT, || async {
         reason().await.is_some_and(|r| r != "Selector")
     })
     .await;
     server.put_json(class("NVIDIA B200")).unwrap();
-    eventually(
+    eventually_async(
         "Selector again once the class asks for what is not there",
+        LIMIT,
         || async { reason().await.as_deref() == Some("Selector") },
     )
     .await;

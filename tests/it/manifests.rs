@@ -5,6 +5,7 @@
 //! node agent and the real controller against the API server double.
 
 use crate::lab::{Lab, DRIVER, NODE, WAIT};
+use crate::support::eventually::{eventually, LIMIT};
 use gpuplane_shell::source::DeviceSource;
 use gpuplane_testkit::doubles::apiserver::{ApiCall, ApiServerDouble};
 use k8s_openapi::api::admissionregistration::v1 as admission;
@@ -1791,17 +1792,6 @@ fn gpu_pod(ns: &str, name: &str, gated: bool) -> Value {
         "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{name}")}, "spec": spec})
 }
 
-async fn eventually<F: Fn() -> bool>(what: &str, f: F) {
-    let start = std::time::Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 fn seed_cluster(api: &ApiServerDouble) {
     for ns in ["team-a", "team-b"] {
         api.put_json(
@@ -1900,24 +1890,29 @@ async fn rbac_grants_exactly_what_the_controller_calls() {
             .as_array()
             .is_some_and(|g| !g.is_empty())
     };
-    eventually("one pod released and one waiting with an Event", || {
-        (gated("q1") != gated("q2")) && !api.list_json("v1", "events", Some("team-b")).is_empty()
-    })
+    eventually(
+        "one pod released and one waiting with an Event",
+        LIMIT,
+        || {
+            (gated("q1") != gated("q2"))
+                && !api.list_json("v1", "events", Some("team-b")).is_empty()
+        },
+    )
     .await;
     // The namespace labeler: team-b (Queue mode) gets the label the gate webhook selects on.
-    eventually("the queue label on team-b", || {
+    eventually("the queue label on team-b", LIMIT, || {
         api.get_json("v1", "namespaces", None, "team-b").unwrap()["metadata"]["labels"]
             ["quota.gpuplane.dev/queue"]
             == "true"
     })
     .await;
     // The leader renews its Lease.
-    eventually("a Lease renewal", || {
+    eventually("a Lease renewal", LIMIT, || {
         api.count_requests("PUT", "/leases/") > 0
     })
     .await;
     // The GPU-hours book: read, created, then replaced.
-    eventually("a GPU-hours book update", || {
+    eventually("a GPU-hours book update", LIMIT, || {
         api.count_requests("PUT", "/configmaps/") > 0
     })
     .await;

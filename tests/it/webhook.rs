@@ -4,6 +4,7 @@
 //! replicas (webhook and loops): `/readyz` through leadership and an API outage, and
 //! `/metrics` per GpuQuota after a known scenario.
 
+use crate::support::eventually::{eventually_async, LIMIT};
 use gpuplane_shell::quota::{GpuQuota, ReservationState, SCHEDULING_GATE};
 use gpuplane_shell::webhook::{self, RunningWebhook, WebhookOptions};
 use gpuplane_testkit::doubles::apiserver::{ApiServerDouble, Fault};
@@ -1787,22 +1788,6 @@ async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
-/// Polls `f` until it holds (20 s at most).
-async fn eventually<F, Fut>(what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let start = std::time::Instant::now();
-    while !f().await {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// A whole controller replica named `id`: webhook, probes every 100 ms (away after 1 s
 /// without an answer), and the loops under a fast Lease (or without one).
 async fn controller_replica_with_grace(
@@ -1882,8 +1867,9 @@ async fn a_pod_seen_turns_its_reservation_into_usage_at_once_while_another_waits
     // written (the webhook answers once its write is done).
     let written = api.requests().len();
     let quota_list = format!("/namespaces/{NS}/gpuquotas");
-    eventually(
+    eventually_async(
         "the loop's list of the quotas after both reservations",
+        LIMIT,
         || async {
             api.requests()[written..].iter().any(|(method, path)| {
                 let (path, query) = path.split_once('?').unwrap_or((path, ""));
@@ -1893,7 +1879,7 @@ async fn a_pod_seen_turns_its_reservation_into_usage_at_once_while_another_waits
     )
     .await;
     api.put_json(gpu_pod("p-0", "nvidia.com/gpu", 1)).unwrap();
-    eventually("p-0's reservation to turn into usage", || async {
+    eventually_async("p-0's reservation to turn into usage", LIMIT, || async {
         let s = stored_quota(&api, "q").status.unwrap_or_default();
         let names: Vec<&str> = s.reservations.iter().map(|r| r.name.as_str()).collect();
         names == ["ghost"] && s.used.devices.get("nvidia.com/gpu") == Some(&1)
@@ -1951,12 +1937,16 @@ async fn reservations_become_usage_once_their_pods_exist_and_expire_when_they_ne
             s.used.devices.get("nvidia.com/gpu").copied().unwrap_or(0),
         )
     };
-    eventually("the pods' reservations to turn into usage", || async {
-        let (names, used) = state();
-        used == 3 && names.iter().all(|n| n == "ghost")
-    })
+    eventually_async(
+        "the pods' reservations to turn into usage",
+        LIMIT,
+        || async {
+            let (names, used) = state();
+            used == 3 && names.iter().all(|n| n == "ghost")
+        },
+    )
     .await;
-    eventually("the ghost's reservation to expire", || async {
+    eventually_async("the ghost's reservation to expire", LIMIT, || async {
         state() == (vec![], 3)
     })
     .await;
@@ -2067,7 +2057,7 @@ async fn readyz_tells_leader_from_follower_and_reports_an_api_outage_while_answe
         assert_eq!(status, 200, "{body}");
         assert!(body.starts_with("ready\n"), "{body}");
     }
-    eventually("a leader again", || async {
+    eventually_async("a leader again", LIMIT, || async {
         let (_, ra) = readyz(&a).await;
         let (_, rb) = readyz(&b).await;
         ra.contains("role: leader") != rb.contains("role: leader")
@@ -2349,7 +2339,7 @@ async fn a_pod_whose_template_is_not_created_yet_waits_gated_and_is_charged_once
             .clone();
         Some((gated, c["message"].as_str()?.to_string()))
     };
-    eventually("the pod told it waits for its template", || async {
+    eventually_async("the pod told it waits for its template", LIMIT, || async {
         condition(&api).is_some_and(|(g, m)| g && m.contains(waiting))
     })
     .await;
@@ -2361,11 +2351,15 @@ async fn a_pod_whose_template_is_not_created_yet_waits_gated_and_is_charged_once
                 {"deviceClassName": "mig.gpuplane.dev", "allocationMode": "ExactCount", "count": count}}]}}}})
     };
     api.put_json(template(2)).unwrap();
-    eventually("the pod kept gated with the quota's reason", || async {
-        condition(&api).is_some_and(|(g, m)| {
-            g && m.contains("devices[mig.gpuplane.dev]") && m.contains("GpuQuota team-a/q")
-        })
-    })
+    eventually_async(
+        "the pod kept gated with the quota's reason",
+        LIMIT,
+        || async {
+            condition(&api).is_some_and(|(g, m)| {
+                g && m.contains("devices[mig.gpuplane.dev]") && m.contains("GpuQuota team-a/q")
+            })
+        },
+    )
     .await;
     assert!(stored_quota(&api, "q")
         .status
@@ -2374,7 +2368,7 @@ async fn a_pod_whose_template_is_not_created_yet_waits_gated_and_is_charged_once
         .is_zero());
     // One device fits: released, and charged once, through the pod.
     api.put_json(template(1)).unwrap();
-    eventually("the pod released and counted in used", || async {
+    eventually_async("the pod released and counted in used", LIMIT, || async {
         let s = stored_quota(&api, "q").status.unwrap_or_default();
         condition(&api).is_some_and(|(g, _)| !g)
             && s.used.devices.get("mig.gpuplane.dev") == Some(&1)
@@ -2441,7 +2435,7 @@ async fn past_the_reservation_cap_admissions_back_off_until_the_controller_catch
         api.put_json(gpu_pod(&format!("p-{i}"), "nvidia.com/gpu", 1))
             .unwrap();
     }
-    eventually("the entries of seen pods to go", || async {
+    eventually_async("the entries of seen pods to go", LIMIT, || async {
         let s = stored_quota(&api, "q").status.unwrap_or_default();
         s.reservations.is_empty()
             && s.used.devices.get("nvidia.com/gpu") == Some(&(admitted as u64))
