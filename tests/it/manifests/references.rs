@@ -102,12 +102,24 @@ fn names_and_labels_that_objects_refer_to_exist() {
         2,
         "the controller Deployment and the node DaemonSet"
     );
+    workloads_refer_to_what_exists(&docs, &work);
+    services_and_budgets_select_workloads(&docs, &work);
+    bindings_and_webhooks_refer_to_what_exists(&docs);
+    admission_policies_restrict_the_workloads(&docs, &work);
+}
+
+/// A workload as [`workloads`] gives it: the object, its pod template and its selector.
+type Workload<'a> = (&'a Doc, core::PodTemplateSpec, BTreeMap<String, String>);
+
+/// Workloads select their own pods, and their ServiceAccounts, ConfigMaps, Secrets, probe ports
+/// and mounted volumes exist.
+fn workloads_refer_to_what_exists(docs: &[Doc], work: &[Workload]) {
     let secrets_made: BTreeSet<String> = docs
         .iter()
         .filter(|d| d.kind() == "Certificate")
         .map(|d| d.value["spec"]["secretName"].as_str().unwrap().to_string())
         .collect();
-    for (d, template, selector) in &work {
+    for (d, template, selector) in work {
         let labels = template
             .metadata
             .clone()
@@ -122,14 +134,14 @@ fn names_and_labels_that_objects_refer_to_exist() {
         let spec = template.spec.clone().unwrap();
         let sa = spec.service_account_name.clone().unwrap();
         assert!(
-            find(&docs, "ServiceAccount", d.namespace(), &sa).is_some(),
+            find(docs, "ServiceAccount", d.namespace(), &sa).is_some(),
             "{}: ServiceAccount {sa} missing",
             d.name()
         );
         for v in spec.volumes.iter().flatten() {
             if let Some(cm) = &v.config_map {
                 assert!(
-                    find(&docs, "ConfigMap", d.namespace(), &cm.name).is_some(),
+                    find(docs, "ConfigMap", d.namespace(), &cm.name).is_some(),
                     "{}: ConfigMap {} missing",
                     d.name(),
                     cm.name
@@ -184,6 +196,11 @@ fn names_and_labels_that_objects_refer_to_exist() {
             }
         }
     }
+}
+
+/// Services select pods of a workload and target ports it declares; a PodDisruptionBudget
+/// covers a workload's pods.
+fn services_and_budgets_select_workloads(docs: &[Doc], work: &[Workload]) {
     // Services select pods of a workload and target ports it declares.
     for d in docs.iter().filter(|d| d.kind() == "Service") {
         let spec = typed::<core::Service>(d).spec.unwrap();
@@ -233,6 +250,11 @@ fn names_and_labels_that_objects_refer_to_exist() {
             &t.metadata.clone().unwrap().labels.unwrap_or_default()
         )));
     }
+}
+
+/// Bindings refer to roles and service accounts that exist; webhooks call a Service that
+/// exists, with a CA from a Certificate that exists.
+fn bindings_and_webhooks_refer_to_what_exists(docs: &[Doc]) {
     // Bindings refer to roles and service accounts that exist.
     for d in docs
         .iter()
@@ -246,7 +268,7 @@ fn names_and_labels_that_objects_refer_to_exist() {
         };
         let role = d.value["roleRef"]["name"].as_str().unwrap();
         assert!(
-            find(&docs, role_kind, role_ns, role).is_some(),
+            find(docs, role_kind, role_ns, role).is_some(),
             "{}: {role_kind} {role} missing",
             d.name()
         );
@@ -254,7 +276,7 @@ fn names_and_labels_that_objects_refer_to_exist() {
             assert_eq!(s["kind"], "ServiceAccount");
             let (ns, name) = (s["namespace"].as_str(), s["name"].as_str().unwrap());
             assert!(
-                find(&docs, "ServiceAccount", ns, name).is_some(),
+                find(docs, "ServiceAccount", ns, name).is_some(),
                 "{}: subject {name} missing",
                 d.name()
             );
@@ -270,11 +292,11 @@ fn names_and_labels_that_objects_refer_to_exist() {
             .as_str()
             .unwrap();
         let (ns, name) = ca.split_once('/').unwrap();
-        assert!(find(&docs, "Certificate", Some(ns), name).is_some(), "{ca}");
+        assert!(find(docs, "Certificate", Some(ns), name).is_some(), "{ca}");
         for w in d.value["webhooks"].as_array().unwrap() {
             let svc = &w["clientConfig"]["service"];
             let s = find(
-                &docs,
+                docs,
                 "Service",
                 svc["namespace"].as_str(),
                 svc["name"].as_str().unwrap(),
@@ -292,6 +314,10 @@ fn names_and_labels_that_objects_refer_to_exist() {
             );
         }
     }
+}
+
+/// Each admission policy is bound and restricts the account of one of the workloads.
+fn admission_policies_restrict_the_workloads(docs: &[Doc], work: &[Workload]) {
     // Each admission policy has a binding naming it, and restricts the account of one of the
     // workloads: the node agent's (ResourceSlices, node labels) or the controller's (the
     // namespace label).
@@ -313,7 +339,7 @@ fn names_and_labels_that_objects_refer_to_exist() {
         .collect();
     for b in &bound {
         assert!(
-            find(&docs, "ValidatingAdmissionPolicy", None, b).is_some(),
+            find(docs, "ValidatingAdmissionPolicy", None, b).is_some(),
             "a binding names the missing policy {b}"
         );
     }

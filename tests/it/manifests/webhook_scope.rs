@@ -99,9 +99,32 @@ fn the_quota_webhooks_receive_only_what_they_govern() {
         .flatten()
         .find(|w| w.name == "template-gate.quota.gpuplane.dev")
         .unwrap();
+    for (what, pod, want) in &pods_to_send() {
+        pod_sent_where_governed(quota, gate, template_gate, what, pod, *want);
+    }
+    claims_sent_where_governed(quota);
+    // Failure policies: enforcement fails closed (GPU requests only reach it), the gate open.
+    assert_eq!(quota.failure_policy.as_deref(), Some("Fail"));
+    assert_eq!(gate.failure_policy.as_deref(), Some("Ignore"));
+    assert_eq!(template_gate.failure_policy.as_deref(), Some("Ignore"));
+    let named_claim = pod_asking(json!([{"name": "m"}]), None, false);
+    let mut named_claim = named_claim;
+    named_claim["spec"]["resourceClaims"] = json!([{"name": "gpu", "resourceClaimName": "c"}]);
+    let t = template_gate
+        .match_conditions
+        .as_deref()
+        .unwrap_or_default();
+    assert!(!sent_to(&template_gate.name, t, "pods", &named_claim));
+    every_webhook_honours_the_opt_out(&validating, &mutating);
+    namespaces_select_the_webhooks(quota, gate, template_gate);
+}
+
+/// Pods, and whether the quota webhooks govern them (GPUs in any container, or a claim
+/// template) or not (CPU and memory only, no resources, another vendor's device).
+fn pods_to_send() -> [(&'static str, Value, bool); 8] {
     let gpu = json!({"limits": {"nvidia.com/gpu": "1"}});
     let cpu = json!({"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "1Gi"}});
-    let pods = [
+    [
         (
             "a pod with nvidia.com/gpu limits",
             pod_asking(json!([{"name": "m", "resources": gpu}]), None, false),
@@ -166,41 +189,55 @@ fn the_quota_webhooks_receive_only_what_they_govern() {
             ),
             false,
         ),
-    ];
-    for (what, pod, want) in &pods {
-        let q = quota.match_conditions.as_deref().unwrap_or_default();
-        assert_eq!(
-            sent_to(&quota.name, q, "pods", pod),
-            *want,
-            "validating: {what}"
-        );
-        let g = gate.match_conditions.as_deref().unwrap_or_default();
-        assert_eq!(
-            sent_to(&gate.name, g, "pods", pod),
-            *want,
-            "mutating: {what}"
-        );
-        // Only pods that name a template; every such pod is governed.
-        let t = template_gate
-            .match_conditions
-            .as_deref()
-            .unwrap_or_default();
-        let names_template = pod["spec"]["resourceClaims"]
-            .as_array()
-            .is_some_and(|c| c.iter().any(|c| c["resourceClaimTemplateName"].is_string()));
-        assert_eq!(
-            sent_to(&template_gate.name, t, "pods", pod),
-            names_template,
-            "template gate: {what}"
-        );
-        // The controller caches exactly the pods the webhooks receive.
-        let typed: core::Pod = serde_json::from_value(pod.clone()).unwrap();
-        assert_eq!(
-            gpuplane_shell::quota::governs_pod(&typed),
-            *want,
-            "controller cache: {what}"
-        );
-    }
+    ]
+}
+
+/// `pod` (`what`) reaches the validating webhook and the gate exactly when governed (`want`),
+/// the template gate exactly when it names a template, and the controller caches it likewise.
+fn pod_sent_where_governed(
+    quota: &admission::ValidatingWebhook,
+    gate: &admission::MutatingWebhook,
+    template_gate: &admission::MutatingWebhook,
+    what: &str,
+    pod: &Value,
+    want: bool,
+) {
+    let q = quota.match_conditions.as_deref().unwrap_or_default();
+    assert_eq!(
+        sent_to(&quota.name, q, "pods", pod),
+        want,
+        "validating: {what}"
+    );
+    let g = gate.match_conditions.as_deref().unwrap_or_default();
+    assert_eq!(
+        sent_to(&gate.name, g, "pods", pod),
+        want,
+        "mutating: {what}"
+    );
+    // Only pods that name a template; every such pod is governed.
+    let t = template_gate
+        .match_conditions
+        .as_deref()
+        .unwrap_or_default();
+    let names_template = pod["spec"]["resourceClaims"]
+        .as_array()
+        .is_some_and(|c| c.iter().any(|c| c["resourceClaimTemplateName"].is_string()));
+    assert_eq!(
+        sent_to(&template_gate.name, t, "pods", pod),
+        names_template,
+        "template gate: {what}"
+    );
+    // The controller caches exactly the pods the webhooks receive.
+    let typed: core::Pod = serde_json::from_value(pod.clone()).unwrap();
+    assert_eq!(
+        gpuplane_shell::quota::governs_pod(&typed),
+        want,
+        "controller cache: {what}"
+    );
+}
+
+/// Claims reach the validating webhook exactly when they ask for a GPU class.
+fn claims_sent_where_governed(quota: &admission::ValidatingWebhook) {
     let claims = [
         (
             "a claim of gpu.gpuplane.dev",
@@ -233,19 +270,13 @@ fn the_quota_webhooks_receive_only_what_they_govern() {
             "validating: {what}"
         );
     }
-    // Failure policies: enforcement fails closed (GPU requests only reach it), the gate open.
-    assert_eq!(quota.failure_policy.as_deref(), Some("Fail"));
-    assert_eq!(gate.failure_policy.as_deref(), Some("Ignore"));
-    assert_eq!(template_gate.failure_policy.as_deref(), Some("Ignore"));
-    let named_claim = pod_asking(json!([{"name": "m"}]), None, false);
-    let mut named_claim = named_claim;
-    named_claim["spec"]["resourceClaims"] = json!([{"name": "gpu", "resourceClaimName": "c"}]);
-    let t = template_gate
-        .match_conditions
-        .as_deref()
-        .unwrap_or_default();
-    assert!(!sent_to(&template_gate.name, t, "pods", &named_claim));
-    // Every webhook honours the namespace opt-out label.
+}
+
+/// Every webhook honours the namespace opt-out label.
+fn every_webhook_honours_the_opt_out(
+    validating: &admission::ValidatingWebhookConfiguration,
+    mutating: &admission::MutatingWebhookConfiguration,
+) {
     let selectors = validating
         .webhooks
         .iter()
@@ -267,8 +298,15 @@ fn the_quota_webhooks_receive_only_what_they_govern() {
             "{exprs:?}"
         );
     }
-    // The gate is called only where the controller put the queue label; enforcement
-    // everywhere in scope.
+}
+
+/// The gate is called only where the controller put the queue label; enforcement everywhere
+/// in scope.
+fn namespaces_select_the_webhooks(
+    quota: &admission::ValidatingWebhook,
+    gate: &admission::MutatingWebhook,
+    template_gate: &admission::MutatingWebhook,
+) {
     let ns = |name: &str, extra: &[(&str, &str)]| {
         let mut l = BTreeMap::from([("kubernetes.io/metadata.name".to_string(), name.to_string())]);
         l.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));

@@ -84,7 +84,11 @@ spec:
         || (!spec.exists()).then_some(()),
     );
 
-    // A standalone claim outlives its pod: unprepare removes our status.devices entry.
+    a_standalone_claim_loses_our_status_on_unprepare(&lab);
+}
+
+/// A standalone claim outlives its pod: unprepare removes our status.devices entry.
+fn a_standalone_claim_loses_our_status_on_unprepare(lab: &ClusterLab) {
     lab.apply(
         r#"apiVersion: resource.k8s.io/v1
 kind: ResourceClaim
@@ -111,7 +115,7 @@ spec:
       claims: [{name: gpu}]
 "#,
     );
-    wait_phase(&lab, "standalone-pod", &["Running"]);
+    wait_phase(lab, "standalone-pod", &["Running"]);
     let claim = lab
         .get_json(&["get", "resourceclaim", "standalone"])
         .unwrap();
@@ -119,7 +123,7 @@ spec:
         .as_str()
         .unwrap()
         .to_string();
-    our_device_status(&lab, "standalone", &device);
+    our_device_status(lab, "standalone", &device);
     lab.kubectl_ok(&[
         "delete",
         "pod",

@@ -300,6 +300,41 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     // The whole kustomization is accepted (apply -k succeeded, the CRD is Established) and
     // the ValidatingAdmissionPolicy type-checks against the real schema.
     let installed = lab.install(true);
+    the_install_is_accepted(&lab);
+
+    let agent = LabAgent::start(&lab, &installed.agent, "1");
+    let controller = start_controller(&lab, &installed, "1");
+    cluster::wait_controller_ready(&lab);
+    eventually("node lab-node to report nvidia.com/gpu: 8", || {
+        let node = lab.get_json(&["get", "node", NODE])?;
+        (node["status"]["allocatable"]["nvidia.com/gpu"] == "8").then_some(())
+    });
+
+    reject_mode_refuses_over_quota(&lab);
+    controller_writes_are_narrowed_to_its_own(&lab, &installed, "team-a", "two");
+    owner_labels_are_required_where_the_quota_says(&lab, "team-a");
+    temporary_raises_hold_until_they_expire(&lab, "team-raise");
+
+    queue_mode_gates_and_releases(&lab);
+    let agent = a_dra_only_node_charges_no_claim_twice(&lab, &installed, agent);
+    let controller_log = a_controller_outage_blocks_gpu_pods_only(&lab, controller);
+    the_controller_is_refused_what_it_was_not_granted(&lab, &installed);
+    assert!(
+        refusals(&controller_log).is_empty(),
+        "the controller was refused a call:\n{controller_log}"
+    );
+    let agent_log = agent.log_text();
+    assert!(
+        refusals(&agent_log).is_empty(),
+        "the agent was refused a call:\n{agent_log}"
+    );
+    drop::<LabProcess>(agent);
+}
+
+/// The whole kustomization is accepted (apply -k succeeded, the CRD is Established), the
+/// ValidatingAdmissionPolicies type-check against the real schema, and the webhooks are called
+/// by URL on the lab's loopback.
+fn the_install_is_accepted(lab: &ClusterLab) {
     for policy in [
         "gpuplane-node-resourceslices",
         "gpuplane-node-labels",
@@ -331,24 +366,20 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
             assert!(url.starts_with("https://127.0.0.1:"), "{kind}: {hook}");
         }
     }
+}
 
-    let agent = LabAgent::start(&lab, &installed.agent, "1");
-    let controller = start_controller(&lab, &installed, "1");
-    cluster::wait_controller_ready(&lab);
-    eventually("node lab-node to report nvidia.com/gpu: 8", || {
-        let node = lab.get_json(&["get", "node", NODE])?;
-        (node["status"]["allocatable"]["nvidia.com/gpu"] == "8").then_some(())
-    });
-
+/// Reject mode: within quota is created and runs; over quota is refused by the real API
+/// server with our reason, as kubectl prints it.
+fn reject_mode_refuses_over_quota(lab: &ClusterLab) {
     // Reject mode: within quota is created and runs; over quota is refused by the real API
     // server with our reason, as kubectl prints it.
-    namespace_with_quota(&lab, "team-a", "devices", 2, "Reject");
+    namespace_with_quota(lab, "team-a", "devices", 2, "Reject");
     // Outside Queue mode the API server does not call the mutating gate webhook at all: the
     // namespace has no queue label, and the pod costs one validating call only.
-    assert_eq!(queue_label(&lab, "team-a"), None);
-    let before = webhook_calls(&lab);
+    assert_eq!(queue_label(lab, "team-a"), None);
+    let before = webhook_calls(lab);
     lab.create(&pod("team-a", "two", 2), &[]).unwrap();
-    let after = webhook_calls(&lab);
+    let after = webhook_calls(lab);
     assert_eq!(
         (after.0 - before.0, after.1 - before.1),
         (1, 0),
@@ -360,27 +391,28 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
             && err.contains("requested 1, used 2 of 2 in GpuQuota team-a/default"),
         "kubectl's error: {err}"
     );
-    cluster::wait_running(&lab, "team-a", "two");
-    assert!(pod_json(&lab, "team-a", "one-more").is_none());
-    controller_writes_are_narrowed_to_its_own(&lab, &installed, "team-a", "two");
-    owner_labels_are_required_where_the_quota_says(&lab, "team-a");
-    temporary_raises_hold_until_they_expire(&lab, "team-raise");
+    cluster::wait_running(lab, "team-a", "two");
+    assert!(pod_json(lab, "team-a", "one-more").is_none());
+}
 
+/// Queue mode: a GPU pod is created gated and released by the controller when it fits; the
+/// next waits gated until the first is deleted.
+fn queue_mode_gates_and_releases(lab: &ClusterLab) {
     // Queue mode: a GPU pod is created gated and released by the controller when it fits;
     // the next waits gated until the first is deleted.
     // The gate is called there because the controller labelled the namespace (the dry run
     // above already came back gated).
-    namespace_with_quota(&lab, "team-q", "devices", 1, "Queue");
-    assert_eq!(queue_label(&lab, "team-q").as_deref(), Some("true"));
-    let before = webhook_calls(&lab);
+    namespace_with_quota(lab, "team-q", "devices", 1, "Queue");
+    assert_eq!(queue_label(lab, "team-q").as_deref(), Some("true"));
+    let before = webhook_calls(lab);
     let first = lab.create(&pod("team-q", "first", 1), &[]).unwrap();
     assert_eq!(gates(&first), [SCHEDULING_GATE], "created gated: {first}");
-    let after = webhook_calls(&lab);
+    let after = webhook_calls(lab);
     assert!(
         after.1 > before.1 && after.0 > before.0,
         "both webhooks called: {before:?} -> {after:?}"
     );
-    cluster::wait_running(&lab, "team-q", "first");
+    cluster::wait_running(lab, "team-q", "first");
     let second = lab.create(&pod("team-q", "second", 1), &[]).unwrap();
     assert_eq!(gates(&second), [SCHEDULING_GATE]);
     eventually("the second pod to be queued in the GpuQuota status", || {
@@ -388,7 +420,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         let n = &q["status"]["queued"]["devices"]["nvidia.com/gpu"];
         (n == 1 || n == "1").then_some(())
     });
-    let waiting = pod_json(&lab, "team-q", "second").unwrap();
+    let waiting = pod_json(lab, "team-q", "second").unwrap();
     assert_eq!(gates(&waiting), [SCHEDULING_GATE], "released over quota");
     assert_eq!(
         scheduled_reason(&waiting).as_deref(),
@@ -419,13 +451,22 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         "--wait=true",
         "--timeout=120s",
     ]);
-    cluster::wait_running(&lab, "team-q", "second");
+    cluster::wait_running(lab, "team-q", "second");
     // The label removed by hand comes back.
     lab.kubectl_ok(&["label", "namespace", "team-q", "quota.gpuplane.dev/queue-"]);
     eventually("the queue label back on team-q", || {
-        (queue_label(&lab, "team-q")? == "true").then_some(())
+        (queue_label(lab, "team-q")? == "true").then_some(())
     });
+}
 
+/// On a DRA-only node the scheduler serves nvidia.com/gpu through a claim it creates for the
+/// pod, which is not charged again. `agent` stops for the label change; the agent started
+/// again with the DRA API only.
+fn a_dra_only_node_charges_no_claim_twice(
+    lab: &ClusterLab,
+    installed: &cluster::Installed,
+    agent: LabProcess,
+) -> LabProcess {
     // On a DRA-only node the scheduler serves nvidia.com/gpu through a claim it creates for
     // the pod; the pod was charged its GPU, so that claim is not charged again: a quota of
     // exactly one whole GPU (`gpus`, which both would count in) still runs a one-GPU pod.
@@ -436,7 +477,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         agent.log_text().contains("changed; stopping").then_some(())
     });
     drop(agent);
-    let agent = LabAgent::start(&lab, &installed.agent, "dra");
+    let agent = LabAgent::start(lab, &installed.agent, "dra");
     eventually(
         "the device plugin's nvidia.com/gpu to leave allocatable",
         || {
@@ -445,21 +486,26 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
             (n.is_null() || n == "0").then_some(())
         },
     );
-    namespace_with_quota(&lab, "team-d", "gpus", 1, "Reject");
+    namespace_with_quota(lab, "team-d", "gpus", 1, "Reject");
     lab.create(&pod("team-d", "via-dra", 1), &[]).unwrap();
-    cluster::wait_running(&lab, "team-d", "via-dra");
-    let p = pod_json(&lab, "team-d", "via-dra").unwrap();
+    cluster::wait_running(lab, "team-d", "via-dra");
+    let p = pod_json(lab, "team-d", "via-dra").unwrap();
     assert!(
         p["status"]["extendedResourceClaimStatus"]["resourceClaimName"].is_string(),
         "served through DRA: {}",
         p["status"]
     );
+    agent
+}
 
+/// A controller outage blocks GPU pods only: pods without GPUs are never sent. The stopped
+/// controller's log.
+fn a_controller_outage_blocks_gpu_pods_only(lab: &ClusterLab, controller: LabProcess) -> String {
     // A controller outage blocks GPU pods only: pods without GPUs are never sent.
     let controller_log = controller.log_text();
     controller.stop();
     lab.create(&pod("team-a", "no-gpus", 0), &[]).unwrap();
-    cluster::wait_running(&lab, "team-a", "no-gpus");
+    cluster::wait_running(lab, "team-a", "no-gpus");
     let err = lab
         .create(&pod("team-a", "gpu-while-down", 1), &[])
         .unwrap_err();
@@ -467,7 +513,15 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         err.contains(r#"failed calling webhook "quota.gpuplane.dev""#),
         "{err}"
     );
+    controller_log
+}
 
+/// RBAC is exactly enough: the controller is refused what it was not granted, and its `patch
+/// namespaces` covers one label only.
+fn the_controller_is_refused_what_it_was_not_granted(
+    lab: &ClusterLab,
+    installed: &cluster::Installed,
+) {
     // RBAC is exactly enough: the controller is refused what it was not granted, and neither
     // it nor the agent was refused anything over the run.
     let out = lab.kubectl_as(&installed.controller, &["get", "secrets", "-A"], None);
@@ -505,14 +559,4 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     }
     let ns = lab.get_json(&["get", "namespace", "team-a"]).unwrap();
     assert!(ns["metadata"]["labels"]["team"].is_null(), "{ns}");
-    assert!(
-        refusals(&controller_log).is_empty(),
-        "the controller was refused a call:\n{controller_log}"
-    );
-    let agent_log = agent.log_text();
-    assert!(
-        refusals(&agent_log).is_empty(),
-        "the agent was refused a call:\n{agent_log}"
-    );
-    drop::<LabProcess>(agent);
 }
