@@ -28,7 +28,8 @@ pub use objects::*;
 pub use processes::*;
 
 /// The one polling helper (tests/support/eventually.rs), included by path because the benches
-/// include this module without tests/support.
+/// include this module without tests/support (the lab tier, which has both, loads it twice).
+#[allow(clippy::duplicate_mod)]
 #[path = "../support/eventually.rs"]
 mod polling;
 pub use polling::blocking::{eventually, eventually_or};

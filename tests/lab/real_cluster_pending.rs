@@ -186,14 +186,11 @@ fn fragmentation_until_one_node_has_enough(lab: &ClusterLab) {
         (&"Fragmentation".into(), &frag.into()),
         "{cli}"
     );
-    wait_metric(
-        &lab,
-        "gpuplane_pending_gpu_pods{reason=\"Fragmentation\"} 1",
-    );
+    wait_metric(lab, "gpuplane_pending_gpu_pods{reason=\"Fragmentation\"} 1");
     let pool = format!("pool=\"{A100}\",resource=\"nvidia.com/gpu\"");
     wait_metric(lab, &format!("gpuplane_node_pool_free_gpus{{{pool}}} 4"));
     wait_metric(
-        &lab,
+        lab,
         &format!("gpuplane_node_pool_fragmentation_ratio{{{pool}}} 0.5"),
     );
 
@@ -202,12 +199,9 @@ fn fragmentation_until_one_node_has_enough(lab: &ClusterLab) {
     let cond = condition(lab, "default", "four", "Scheduled");
     assert_eq!(cond["status"], "True", "{cond}");
     assert_eq!(explain(lab, "default/four")["reason"], "NotWaiting");
+    wait_metric(lab, "gpuplane_pending_gpu_pods{reason=\"Fragmentation\"} 0");
     wait_metric(
-        &lab,
-        "gpuplane_pending_gpu_pods{reason=\"Fragmentation\"} 0",
-    );
-    wait_metric(
-        &lab,
+        lab,
         &format!("gpuplane_node_pool_fragmentation_ratio{{{pool}}} 0.0"),
     );
 }
