@@ -9,15 +9,33 @@
 //! panics instead, so CI cannot pass by skipping.
 #![allow(dead_code)]
 
-pub mod image;
-
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod image;
+mod install;
+mod objects;
+mod processes;
+
+// The tests and benches name these as `cluster::...`, as before the split.
+#[allow(unused_imports)]
+pub use install::*;
+#[allow(unused_imports)]
+pub use objects::*;
+#[allow(unused_imports)]
+pub use processes::*;
+
+/// The one polling helper (tests/support/eventually.rs), included by path because the benches
+/// include this module without tests/support (the lab tier, which has both, loads it twice).
+#[allow(clippy::duplicate_mod)]
+#[path = "../support/eventually.rs"]
+mod polling;
+pub use polling::blocking::{eventually, eventually_or};
+
 /// A hang guard for each wait, never a timing assertion: a loaded machine is slow, not wrong.
-pub const WAIT: Duration = Duration::from_secs(120);
+pub const WAIT: Duration = polling::blocking::LIMIT;
 /// The lab's node, as its kubelet registers it.
 pub const NODE: &str = "lab-node";
 /// The DRA driver name the agent serves (the DeviceClasses' driver).
@@ -103,29 +121,6 @@ fn is_root() -> bool {
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
 
-/// Polls `check` every 250 ms until it gives a value; panics after [`WAIT`] naming `what`.
-pub fn eventually<T>(what: &str, check: impl FnMut() -> Option<T>) -> T {
-    eventually_or(what, check, String::new)
-}
-
-/// [`eventually`], adding `context()` (e.g. a `kubectl describe`) to the panic message.
-pub fn eventually_or<T>(
-    what: &str,
-    mut check: impl FnMut() -> Option<T>,
-    context: impl FnOnce() -> String,
-) -> T {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(v) = check() {
-            return v;
-        }
-        if Instant::now() >= deadline {
-            panic!("gave up after {WAIT:?} waiting for {what}\n{}", context());
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    }
-}
-
 /// Lines of a gpuplane log that report an API refusal (the API server's message reads `... is
 /// forbidden: User ...`, kube's error adds the reason `Forbidden` and `code: 403`). Not a bare
 /// `403`: timestamps' fractions and UUIDs contain it by chance.
@@ -135,184 +130,6 @@ pub fn refusals(log: &str) -> Vec<&str> {
             l.contains("Forbidden") || l.contains("is forbidden") || l.contains("code: 403")
         })
         .collect()
-}
-
-/// The ResourceClaimTemplate `default/one-gpu`: one device of DeviceClass `gpu.gpuplane.dev`.
-pub const ONE_GPU_TEMPLATE: &str = r#"apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata: {name: one-gpu, namespace: default}
-spec:
-  spec:
-    devices:
-      requests:
-      - name: gpu
-        exactly: {deviceClassName: gpu.gpuplane.dev}
-"#;
-
-/// A pod that runs busybox's `command` (a JSON list) in `ns` asking for `gpus` whole
-/// `nvidia.com/gpu` (none: no resources), with a 1 s grace period.
-pub fn gpu_pod(ns: &str, name: &str, gpus: u32, command: &str) -> String {
-    let resources = if gpus == 0 {
-        String::new()
-    } else {
-        format!("\n    resources:\n      limits: {{nvidia.com/gpu: {gpus}}}")
-    };
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: {ns}}}
-spec:
-  terminationGracePeriodSeconds: 1
-  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: {command}{resources}
-"#
-    )
-}
-
-/// A pod `ns/name` that sleeps asking `gpus` nvidia.com/gpu, with `meta` lines added to its
-/// metadata and `spec` lines to its spec (each indented two).
-pub fn sleeping_gpu_pod(ns: &str, name: &str, gpus: u32, meta: &str, spec: &str) -> String {
-    sleeping_gpu_pod_for(ns, name, gpus, meta, spec, 3600)
-}
-
-/// [`sleeping_gpu_pod`] sleeping `seconds`.
-pub fn sleeping_gpu_pod_for(
-    ns: &str,
-    name: &str,
-    gpus: u32,
-    meta: &str,
-    spec: &str,
-    seconds: u32,
-) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata:
-  name: {name}
-  namespace: {ns}
-{meta}spec:
-  terminationGracePeriodSeconds: 1
-{spec}  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: ["sleep", "{seconds}"]
-    resources:
-      limits: {{nvidia.com/gpu: {gpus}}}
-"#
-    )
-}
-
-/// The Events with `reason` on pod `ns/name`.
-pub fn pod_events(lab: &ClusterLab, ns: &str, name: &str, reason: &str) -> Vec<Value> {
-    let selector = format!("involvedObject.name={name},reason={reason}");
-    lab.get_json(&["get", "events", "-n", ns, "--field-selector", &selector])
-        .and_then(|e| e["items"].as_array().cloned())
-        .unwrap_or_default()
-}
-
-/// A ResourceClaimTemplate `ns/name`: one request `gpu` of DeviceClass `gpu.gpuplane.dev`,
-/// with `extra` lines (`count: 2`, `capacity: {...}`, ...) added to its `exactly`.
-pub fn claim_template(ns: &str, name: &str, extra: &[String]) -> String {
-    claim_template_of(ns, name, "gpu.gpuplane.dev", extra)
-}
-
-/// [`claim_template`] with DeviceClass `class`.
-pub fn claim_template_of(ns: &str, name: &str, class: &str, extra: &[String]) -> String {
-    let extra: String = extra.iter().map(|l| format!("\n          {l}")).collect();
-    format!(
-        r#"apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata: {{name: {name}, namespace: {ns}}}
-spec:
-  spec:
-    devices:
-      requests:
-      - name: gpu
-        exactly:
-          deviceClassName: {class}{extra}
-"#
-    )
-}
-
-/// Waits until pod `ns/name` runs (describing it on timeout).
-pub fn wait_running(lab: &ClusterLab, ns: &str, name: &str) {
-    eventually_or(
-        &format!("pod {ns}/{name} to run"),
-        || {
-            let pod = lab.get_json(&["get", "pod", name, "-n", ns])?;
-            (pod["status"]["phase"] == "Running").then_some(())
-        },
-        || lab.describe_pod_in(ns, name),
-    );
-}
-
-/// The environment pod `default/<pod>` printed (the `env` of [`claim_pod`]), once it did.
-pub fn pod_env(lab: &ClusterLab, pod: &str) -> Vec<String> {
-    eventually_or(
-        &format!("pod {pod}'s environment in its log"),
-        || {
-            let log = lab.kubectl(&["logs", pod]);
-            let text = String::from_utf8_lossy(&log.stdout).into_owned();
-            text.contains("PATH=")
-                .then(|| text.lines().map(String::from).collect())
-        },
-        || lab.describe_pod(pod),
-    )
-}
-
-/// The scheduler's reason for not placing pod `default/<name>`: its PodScheduled=False message.
-pub fn unschedulable_reason(lab: &ClusterLab, name: &str) -> Option<String> {
-    let pod = lab.get_json(&["get", "pod", name])?;
-    pod["status"]["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == "PodScheduled" && c["status"] == "False")
-        .and_then(|c| c["message"].as_str().map(String::from))
-}
-
-/// The ResourceSlices of our driver on [`NODE`], as the API server stored them.
-pub fn node_slices(lab: &ClusterLab) -> Vec<Value> {
-    lab.get_json(&["get", "resourceslices"])
-        .and_then(|l| l["items"].as_array().cloned())
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|s| s["spec"]["nodeName"] == NODE && s["spec"]["driver"] == DRIVER)
-        .collect()
-}
-
-/// The devices of [`node_slices`].
-pub fn node_devices(lab: &ClusterLab) -> Vec<Value> {
-    node_slices(lab)
-        .iter()
-        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
-        .collect()
-}
-
-/// A pod `ns/name` holding a claim made from template `template`, printing its environment and
-/// then sleeping so that it keeps the devices.
-pub fn claim_pod(ns: &str, name: &str, template: &str) -> String {
-    format!(
-        r#"apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, namespace: {ns}}}
-spec:
-  restartPolicy: Never
-  terminationGracePeriodSeconds: 1
-  resourceClaims:
-  - {{name: gpu, resourceClaimTemplateName: {template}}}
-  containers:
-  - name: c
-    image: lab.local/busybox:1
-    imagePullPolicy: Never
-    command: ["sh", "-c", "env; sleep 3600"]
-    resources:
-      claims: [{{name: gpu}}]
-"#
-    )
 }
 
 /// One lab: the `lab.sh` process, its work dir and the namespaces' init. Dropping it kills
@@ -799,103 +616,6 @@ impl LabNode {
     }
 }
 
-/// What [`ClusterLab::install`] made: each service account's kubeconfig and the webhook's
-/// serving certificate (for 127.0.0.1, issued by a CA the webhook configurations trust).
-pub struct Installed {
-    pub agent: PathBuf,
-    pub controller: PathBuf,
-    pub webhook_cert: PathBuf,
-    pub webhook_key: PathBuf,
-}
-
-/// The start of a kustomization at `overlay` over daemonset/ (kustomize takes only a relative
-/// path to a base) with `resources` of its own, and the patches every lab needs: cert-manager
-/// is not installed, so its Issuer and Certificate go. Patches follow.
-pub fn overlay_head(overlay: &Path, resources: &[&str]) -> String {
-    let up = "../".repeat(overlay.components().count() - 1);
-    let base = format!(
-        "{up}{}",
-        repo()
-            .join("daemonset")
-            .display()
-            .to_string()
-            .trim_start_matches('/')
-    );
-    let own: String = resources.iter().map(|r| format!("- {r}\n")).collect();
-    format!(
-        r#"apiVersion: kustomize.config.k8s.io/v1beta1
-kind: Kustomization
-resources:
-- {base}
-{own}patches:
-- patch: |-
-    $patch: delete
-    apiVersion: cert-manager.io/v1
-    kind: Issuer
-    metadata: {{name: gpuplane-selfsigned, namespace: {AGENT_NS}}}
-- patch: |-
-    $patch: delete
-    apiVersion: cert-manager.io/v1
-    kind: Certificate
-    metadata: {{name: gpuplane-webhook, namespace: {AGENT_NS}}}
-"#
-    )
-}
-
-/// The kustomization the lab applies over daemonset/ (at `overlay`; kustomize takes only a
-/// relative path to a base). The patches are the loopback ones and nothing else:
-/// - cert-manager is not installed: the test is the CA (`ca_pem`), so its Issuer and
-///   Certificate go;
-/// - the agent and the controller run as host processes in the lab's network namespace (the
-///   lab has no image registry): the Deployment keeps 0 replicas and the DaemonSet selects no
-///   node, while the API server still validates both;
-/// - the webhooks are called by URL on 127.0.0.1 (the controller shares the API server's
-///   network namespace) with `ca_pem` as caBundle, or left out when `ca_pem` is `None`.
-pub fn lab_overlay(overlay: &Path, ca_pem: Option<&str>) -> String {
-    let mut text = overlay_head(overlay, &[]);
-    text += r#"- target: {kind: Deployment, name: gpuplane-controller}
-  patch: |-
-    - {op: replace, path: /spec/replicas, value: 0}
-- target: {kind: DaemonSet, name: gpuplane-node}
-  patch: |-
-    - {op: replace, path: /spec/template/spec/nodeSelector, value: {gpuplane.dev/lab: host-process}}
-"#;
-    match ca_pem {
-        Some(pem) => {
-            use base64::Engine;
-            let ca = base64::engine::general_purpose::STANDARD.encode(pem);
-            let url = |path: &str| {
-                format!("{{url: \"https://{WEBHOOK_ADDR}{path}\", caBundle: \"{ca}\"}}")
-            };
-            let (validate, mutate) = (url("/validate"), url("/mutate"));
-            text += &format!(
-                r#"- target: {{kind: ValidatingWebhookConfiguration, name: gpuplane-quota}}
-  patch: |-
-    - {{op: remove, path: /metadata/annotations}}
-    - {{op: replace, path: /webhooks/0/clientConfig, value: {validate}}}
-    - {{op: replace, path: /webhooks/1/clientConfig, value: {validate}}}
-- target: {{kind: MutatingWebhookConfiguration, name: gpuplane-quota}}
-  patch: |-
-    - {{op: remove, path: /metadata/annotations}}
-    - {{op: replace, path: /webhooks/0/clientConfig, value: {mutate}}}
-    - {{op: replace, path: /webhooks/1/clientConfig, value: {mutate}}}
-"#
-            );
-        }
-        None => {
-            for kind in [
-                "ValidatingWebhookConfiguration",
-                "MutatingWebhookConfiguration",
-            ] {
-                text += &format!(
-                    "- patch: |-\n    $patch: delete\n    apiVersion: admissionregistration.k8s.io/v1\n    kind: {kind}\n    metadata: {{name: gpuplane-quota}}\n"
-                );
-            }
-        }
-    }
-    text
-}
-
 impl Drop for ClusterLab {
     fn drop(&mut self) {
         if std::thread::panicking() {
@@ -948,233 +668,4 @@ fn remove_cgroup(dir: &Path) {
         }
     }
     let _ = std::fs::remove_dir(dir);
-}
-
-/// A real `gpuplane` process in the lab's network namespace (a host process otherwise: host
-/// mounts and PIDs), logging to `<work>/<name>.log`. Killed when dropped.
-pub struct LabProcess {
-    child: Child,
-    pub log: PathBuf,
-}
-
-/// The node agent: `gpuplane node` with the flags of daemonset/node/daemonset.yaml where they
-/// apply and a simulated (or fake-NVML) device source.
-pub struct LabAgent;
-
-impl LabAgent {
-    /// Starts the agent on the simulated dgx-h100 with the DaemonSet's config and both APIs;
-    /// `tag` names its log (`<work>/agent-<tag>.log`).
-    pub fn start(lab: &ClusterLab, kubeconfig: &Path, tag: &str) -> LabProcess {
-        LabAgent::start_with(
-            lab,
-            kubeconfig,
-            tag,
-            &["--simulate", "dgx-h100", "--device-plugin=true"],
-            &[],
-            None,
-        )
-    }
-
-    /// The agent's directory (`dev/`, `driver/`, `state/`, `config.yaml`).
-    pub fn dir(lab: &ClusterLab) -> PathBuf {
-        lab.work.join("agent")
-    }
-
-    /// Starts the agent with `args`: its device source (`--simulate P` or `--nvml-lib L`) and
-    /// `--device-plugin=BOOL` (DRA is always on), extra environment, and `config` instead of
-    /// the DaemonSet's ConfigMap when given.
-    pub fn start_with(
-        lab: &ClusterLab,
-        kubeconfig: &Path,
-        tag: &str,
-        args: &[&str],
-        env: &[(&str, &std::ffi::OsStr)],
-        config: Option<&str>,
-    ) -> LabProcess {
-        let dir = LabAgent::dir(lab);
-        std::fs::create_dir_all(dir.join("dev")).unwrap();
-        std::fs::create_dir_all(dir.join("driver")).unwrap();
-        // The DaemonSet's config file: the ConfigMap's config.yaml.
-        let cm: serde_yaml_ng::Value = serde_yaml_ng::from_str(
-            &std::fs::read_to_string(repo().join("daemonset/node/config.yaml")).unwrap(),
-        )
-        .unwrap();
-        let text = config.unwrap_or_else(|| cm["data"]["config.yaml"].as_str().unwrap());
-        std::fs::write(dir.join("config.yaml"), text).unwrap();
-        let mut cmd = lab.in_netns(env!("CARGO_BIN_EXE_gpuplane"));
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        cmd.arg("node")
-            .args(args)
-            .args(["--node-name", NODE])
-            .arg("--kubelet-root")
-            .arg(lab.kubelet_root())
-            .arg("--cdi-root")
-            .arg(lab.cdi_dir())
-            .arg("--state-dir")
-            .arg(dir.join("state"))
-            .arg("--driver-root")
-            .arg(dir.join("driver"))
-            .arg("--dev-root")
-            .arg(dir.join("dev"))
-            .arg("--config")
-            .arg(dir.join("config.yaml"))
-            .arg("--dra=true")
-            .arg(format!("--driver-name={DRIVER}"))
-            .arg("--metrics-addr=127.0.0.1:9400")
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .env("NODE_NAME", NODE)
-            .env_remove("GPUPLANE_CRASHPOINT");
-        LabProcess::spawn(lab, cmd, &format!("agent-{tag}"))
-    }
-}
-
-/// `gpuplane ARGS --kubeconfig <admin>` in the lab's network namespace, its JSON output.
-pub fn gpuplane_json(lab: &ClusterLab, args: &[&str]) -> Value {
-    let out = lab
-        .in_netns(env!("CARGO_BIN_EXE_gpuplane"))
-        .args(args)
-        .arg("--kubeconfig")
-        .arg(lab.admin_kubeconfig())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "gpuplane {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
-/// Waits until the controller's `/readyz` answers 200 (its caches synced, the webhook served).
-pub fn wait_controller_ready(lab: &ClusterLab) {
-    eventually("the controller to be ready", || {
-        let out = lab
-            .in_netns("curl")
-            .args(["-sf", &format!("http://{CONTROLLER_METRICS_ADDR}/readyz")])
-            .output()
-            .unwrap();
-        out.status.success().then_some(())
-    });
-}
-
-/// The quota controller: `gpuplane controller` with the Deployment's flags, serving the
-/// webhook on [`WEBHOOK_ADDR`] with the certificate [`ClusterLab::install`] issued.
-pub fn start_controller(lab: &ClusterLab, installed: &Installed, tag: &str) -> LabProcess {
-    start_controller_with(lab, installed, tag, &[])
-}
-
-/// [`start_controller`] with `extra` flags.
-pub fn start_controller_with(
-    lab: &ClusterLab,
-    installed: &Installed,
-    tag: &str,
-    extra: &[&str],
-) -> LabProcess {
-    let mut cmd = lab.in_netns(env!("CARGO_BIN_EXE_gpuplane"));
-    cmd.arg("controller")
-        .arg("--kubeconfig")
-        .arg(&installed.controller)
-        .arg(format!("--webhook-addr={WEBHOOK_ADDR}"))
-        .arg("--tls-cert-file")
-        .arg(&installed.webhook_cert)
-        .arg("--tls-key-file")
-        .arg(&installed.webhook_key)
-        .arg(format!("--metrics-addr={CONTROLLER_METRICS_ADDR}"))
-        .arg("--leader-elect=true")
-        .args(extra)
-        .env("POD_NAMESPACE", AGENT_NS)
-        .env("POD_NAME", format!("controller-{tag}"))
-        // As the Deployment sets it (daemonset/controller/deployment.yaml).
-        .env("MALLOC_ARENA_MAX", "2");
-    LabProcess::spawn(lab, cmd, &format!("controller-{tag}"))
-}
-
-impl LabProcess {
-    fn spawn(lab: &ClusterLab, mut cmd: Command, name: &str) -> LabProcess {
-        let log = lab.work.join(format!("{name}.log"));
-        let out = std::fs::File::create(&log).unwrap();
-        let child = cmd
-            .env("RUST_LOG", "info")
-            .env_remove("KUBECONFIG")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {name} in the lab's network namespace: {e}"));
-        LabProcess { child, log }
-    }
-
-    /// Stops it as the kubelet stops a pod: SIGTERM, then SIGKILL after 30 s.
-    pub fn stop(mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.child.try_wait().unwrap().is_none() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// SIGKILL, as an OOM kill or a node's crash does, and wait until it is gone.
-    pub fn kill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for LabProcess {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let text = self.log_text();
-            let lines: Vec<&str> = text.lines().collect();
-            let from = lines.len().saturating_sub(40);
-            eprintln!(
-                "---- tail {}\n{}",
-                self.log.display(),
-                lines[from..].join("\n")
-            );
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The arguments of the `kubectl label nodes --all ...` command in docs/install.md (Helm,
-/// Uninstall; backslash-continued lines), without `kubectl`.
-pub fn documented_label_removal() -> Vec<String> {
-    let doc = std::fs::read_to_string(repo().join("docs/install.md")).unwrap();
-    let start = doc
-        .find("kubectl label nodes --all")
-        .expect("docs/install.md has no `kubectl label nodes --all ...` command");
-    let end = start + doc[start..].find("```").unwrap();
-    doc[start..end]
-        .split_whitespace()
-        .filter(|w| *w != "\\")
-        .skip(1)
-        .map(String::from)
-        .collect()
-}
-
-/// name -> resourceVersion of the ResourceSlices of our driver (of node `node` only, unless
-/// it is empty).
-pub fn slice_versions(lab: &ClusterLab, node: &str) -> std::collections::BTreeMap<String, String> {
-    lab.get_json(&["get", "resourceslices"])
-        .and_then(|l| l["items"].as_array().cloned())
-        .unwrap_or_default()
-        .iter()
-        .filter(|s| {
-            s["spec"]["driver"] == DRIVER && (node.is_empty() || s["spec"]["nodeName"] == node)
-        })
-        .map(|s| {
-            let field = |k: &str| s["metadata"][k].as_str().unwrap_or("").to_string();
-            (field("name"), field("resourceVersion"))
-        })
-        .collect()
 }

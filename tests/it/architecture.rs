@@ -292,22 +292,84 @@ fn files_and_functions_stay_small_in_every_crate() {
             if lines.len() > FILE_LINES {
                 too_long.push(format!("{dir}/{rel}: {} lines", lines.len()));
             }
-            for (start, line) in lines.iter().enumerate() {
-                let Some(indent) = fn_indent(line) else {
-                    continue;
-                };
-                let close = format!("{}}}", " ".repeat(indent));
-                let end = lines[start..]
-                    .iter()
-                    .position(|l| *l == close)
-                    .map_or(lines.len() - start, |n| n + 1);
-                if end > FN_LINES {
-                    too_long.push(format!("{dir}/{rel}:{}: a {end}-line function", start + 1));
-                }
+            for (start, end) in long_functions(&lines, FN_LINES) {
+                too_long.push(format!("{dir}/{rel}:{}: a {end}-line function", start + 1));
             }
         }
     }
     assert!(too_long.is_empty(), "split these: {too_long:#?}");
+}
+
+/// The functions among `lines` longer than `limit` lines: where each starts (0-based) and how
+/// many lines it has, from its `fn` line to the `}` at the same indentation.
+fn long_functions(lines: &[&str], limit: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    for (start, line) in lines.iter().enumerate() {
+        let Some(indent) = fn_indent(line) else {
+            continue;
+        };
+        let close = format!("{}}}", " ".repeat(indent));
+        let end = lines[start..]
+            .iter()
+            .position(|l| *l == close)
+            .map_or(lines.len() - start, |n| n + 1);
+        if end > limit {
+            out.push((start, end));
+        }
+    }
+    out
+}
+
+/// The tests are held to limits of their own, looser than the product's (a test tells one
+/// story, with its assertions inline): no file under `tests/` over 800 lines, split by theme
+/// into a module directory instead, and no function over 120 lines, split into named steps.
+/// Every line counts here.
+#[test]
+fn test_files_and_functions_stay_small() {
+    const FILE_LINES: usize = 800;
+    const FN_LINES: usize = 120;
+    let mut too_long = Vec::new();
+    for (rel, text) in sources("tests") {
+        let lines: Vec<&str> = text.lines().collect();
+        if lines.len() > FILE_LINES {
+            too_long.push(format!("tests/{rel}: {} lines", lines.len()));
+        }
+        for (start, end) in long_functions(&lines, FN_LINES) {
+            too_long.push(format!("tests/{rel}:{}: a {end}-line function", start + 1));
+        }
+    }
+    assert!(too_long.is_empty(), "split these: {too_long:#?}");
+}
+
+/// Polling has one home, tests/support/eventually.rs (with the test kit's doubles' own
+/// `wait_for`/`wait_until` methods, outside `tests/`): no other file under `tests/` defines a
+/// function (or method) of the names polling helpers go by; tests call the shared one.
+#[test]
+fn polling_helpers_live_only_in_the_support_module() {
+    const POLLING: &[&str] = &["eventually", "wait_until", "wait_for"];
+    let mut copies = Vec::new();
+    for (rel, text) in sources("tests") {
+        if rel.starts_with("support/") {
+            continue;
+        }
+        for (n, line) in text.lines().enumerate() {
+            if fn_name(line).is_some_and(|name| POLLING.contains(&name)) {
+                copies.push(format!("tests/{rel}:{}: {}", n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        copies.is_empty(),
+        "use tests/support/eventually.rs instead of these: {copies:#?}"
+    );
+}
+
+/// The name of the function a line declares (`fn name`, `pub async fn name<T>(`, ...).
+fn fn_name(line: &str) -> Option<&str> {
+    let (_, rest) = fn_declaration(line)?;
+    rest.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .next()
+        .filter(|n| !n.is_empty())
 }
 
 /// A new crate is not silently exempt from the size limits: every member of the workspace
@@ -361,18 +423,28 @@ fn non_test_lines(text: &str) -> Vec<&str> {
 
 /// The indentation of a line that opens a function body (`fn`, `pub fn`, `async fn`, ...).
 fn fn_indent(line: &str) -> Option<usize> {
-    let code = line.trim_start();
-    let indent = line.len() - code.len();
-    let mut words = code.split_whitespace().peekable();
-    while let Some(w) = words.peek() {
-        if *w == "pub" || w.starts_with("pub(") || ["async", "const", "unsafe"].contains(w) {
-            words.next();
-        } else {
-            break;
+    let (indent, _) = fn_declaration(line)?;
+    (!line.trim_end().ends_with(';')).then_some(indent)
+}
+
+/// A line that declares a function (`fn`, after `pub`, `async`, `const` or `unsafe`): its
+/// indentation, and what follows `fn` (the name first).
+fn fn_declaration(line: &str) -> Option<(usize, &str)> {
+    let mut rest = line.trim_start();
+    let indent = line.len() - rest.len();
+    while let Some(word) = rest.split_whitespace().next() {
+        rest = rest[word.len()..].trim_start();
+        if word == "fn" {
+            return Some((indent, rest));
+        }
+        if !(word == "pub"
+            || word.starts_with("pub(")
+            || ["async", "const", "unsafe"].contains(&word))
+        {
+            return None;
         }
     }
-    let opens = words.next() == Some("fn") && !code.trim_end().ends_with(';');
-    opens.then_some(indent)
+    None
 }
 
 /// The node's inventory has two writers (ARCHITECTURE.md, `node/`): the state owner, for

@@ -3,6 +3,7 @@
 //! libnvidia-ml (real hardware from its point of view) with device nodes in a temp dir.
 
 use crate::support;
+use crate::support::eventually;
 
 use gpuplane_model::inventory::DeviceUuid;
 use gpuplane_model::source::{DeviceMode, DeviceSource, SimSource};
@@ -173,18 +174,6 @@ fn write_config(dir: &Path, text: &str) {
     std::fs::rename(&tmp, dir.join("config.yaml")).unwrap();
 }
 
-/// Waits until `done` holds, checked every 20 ms.
-async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + WAIT;
-    while !done() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Gone, or disconnected (the kubelet then counts none of its devices as healthy).
 fn withdrawn(p: &BTreeMap<String, PluginView>, resource: &str) -> bool {
     p.get(resource).is_none_or(|v| v.healthy() == 0)
@@ -345,9 +334,11 @@ async fn an_agent_started_before_the_kubelet_registers_once_it_appears() {
         .path()
         .join("kubelet/device-plugins")
         .join(gpuplane_node::deviceplugin::registrar::socket_name(GPU));
-    wait_until("the plugin socket served before the kubelet exists", || {
-        socket.exists() || agent.is_finished()
-    })
+    eventually(
+        "the plugin socket served before the kubelet exists",
+        WAIT,
+        || socket.exists() || agent.is_finished(),
+    )
     .await;
     assert!(
         !agent.is_finished(),
@@ -476,7 +467,7 @@ async fn a_lost_gpu_is_unhealthy_alone_and_the_others_stay_allocatable() {
     // it, what ListAndWatch shows includes the refresh.
     let marker = h.gpu_uuid(5);
     let discoveries = h.sim.discoveries();
-    wait_until("a refresh that saw GPU 2 lost", || {
+    eventually("a refresh that saw GPU 2 lost", WAIT, || {
         h.sim.discoveries() >= discoveries + 2
     })
     .await;

@@ -386,6 +386,42 @@ async fn two_shares_fill_a_gpu_under_one_mps_daemon_which_stops_after_the_last()
             "ns/b 40Gi memory, 50% compute"
         ]
     );
+    each_share_finds_the_daemon_and_its_limits_in_its_environment(&env);
+    the_share_limits_are_cooperative(&env).await;
+
+    // Full: a third share is refused, naming the holders; nothing of it is left.
+    let c = env.add_claim(
+        "c",
+        &uid(3),
+        &[("gpu-0", Some(("s-c", "1Gi", "10")))],
+        json!([]),
+    );
+    let err = prepare(&core, &c).await.unwrap_err();
+    assert!(
+        err.contains("ResourceClaim ns/a") && err.contains("ResourceClaim ns/b"),
+        "{err}"
+    );
+    assert!(err.contains("0 memory and 0% compute are free"), "{err}");
+    assert!(!env.checkpoint().claims.contains_key(&uid(3)));
+    // A whole-GPU claim (or the device plugin) gets no share of it either.
+    let w = env.add_claim("w", &uid(4), &[("gpu-0", None)], json!([]));
+    let err = prepare(&core, &w).await.unwrap_err();
+    assert!(err.contains("ResourceClaim ns/a"), "{err}");
+
+    unprepare(&core, &a).await;
+    assert_eq!(env.daemon_pid(0), Some(first), "b still runs on it");
+    unprepare(&core, &b).await;
+    assert_eq!(env.daemon_pid(0), None, "the last share stops the daemon");
+    assert!(!env.path(&format!("state/mps/{}", env.gpu(0))).exists());
+    assert!(env.share_holders(0).is_empty());
+    // Whole again.
+    prepare(&core, &w).await.unwrap();
+    assert!(env.daemon_pid(0).is_none(), "a whole GPU runs no daemon");
+}
+
+/// Each of the two shares' containers finds the GPU's MPS pipe and its share (50% compute,
+/// 40Gi) in the environment of its CDI spec.
+fn each_share_finds_the_daemon_and_its_limits_in_its_environment(env: &Env) {
     let pipe = env.path(&format!("state/mps/{}/pipe", env.gpu(0)));
     for uid in [uid(1), uid(2)] {
         let e = env.spec_env(&uid);
@@ -402,6 +438,11 @@ async fn two_shares_fill_a_gpu_under_one_mps_daemon_which_stops_after_the_last()
             );
         }
     }
+}
+
+/// The status tells the user the share, and that its limits are not enforced; where users can
+/// be switched, the shares' programs get their limits and a container may raise them.
+async fn the_share_limits_are_cooperative(env: &Env) {
     // The status tells the user the share, and that its limits are not enforced: they live
     // in the container's environment, which the container controls.
     let status = env.device_status("a").await;
@@ -444,35 +485,6 @@ async fn two_shares_fill_a_gpu_under_one_mps_daemon_which_stops_after_the_last()
         );
         assert_eq!(greedy.limits().0, "100.0");
     }
-
-    // Full: a third share is refused, naming the holders; nothing of it is left.
-    let c = env.add_claim(
-        "c",
-        &uid(3),
-        &[("gpu-0", Some(("s-c", "1Gi", "10")))],
-        json!([]),
-    );
-    let err = prepare(&core, &c).await.unwrap_err();
-    assert!(
-        err.contains("ResourceClaim ns/a") && err.contains("ResourceClaim ns/b"),
-        "{err}"
-    );
-    assert!(err.contains("0 memory and 0% compute are free"), "{err}");
-    assert!(!env.checkpoint().claims.contains_key(&uid(3)));
-    // A whole-GPU claim (or the device plugin) gets no share of it either.
-    let w = env.add_claim("w", &uid(4), &[("gpu-0", None)], json!([]));
-    let err = prepare(&core, &w).await.unwrap_err();
-    assert!(err.contains("ResourceClaim ns/a"), "{err}");
-
-    unprepare(&core, &a).await;
-    assert_eq!(env.daemon_pid(0), Some(first), "b still runs on it");
-    unprepare(&core, &b).await;
-    assert_eq!(env.daemon_pid(0), None, "the last share stops the daemon");
-    assert!(!env.path(&format!("state/mps/{}", env.gpu(0))).exists());
-    assert!(env.share_holders(0).is_empty());
-    // Whole again.
-    prepare(&core, &w).await.unwrap();
-    assert!(env.daemon_pid(0).is_none(), "a whole GPU runs no daemon");
 }
 
 #[tokio::test]

@@ -3,7 +3,7 @@
 //! the book (ConfigMap), `gpuplane report`'s query, the GpuQuota's `status.gpuHours` and the
 //! counters agree with the pods' own times.
 
-use crate::controller::eventually;
+use crate::support::eventually::{eventually_async, LIMIT};
 use gpuplane_cluster::controller::hours::{Book, By, HoursSettings};
 use gpuplane_cluster::controller::meter::{self, HoursOptions, ReportQuery, BOOK_KEY, BOOK_NAME};
 use gpuplane_cluster::controller::metrics::QueueMetrics;
@@ -204,7 +204,7 @@ async fn pods_are_counted_from_their_own_times_across_a_controller_restart() {
         .iter()
         .any(|r| r.tenant == "ml" && (r.gpu_hours - ml / 3600.0).abs() < 1e-9));
     // The quota's status shows the period's total; the counters hold both leaders' flushes.
-    eventually("status.gpuHours", || async {
+    eventually_async("status.gpuHours", LIMIT, || async {
         let q = Api::<GpuQuota>::namespaced(client.clone(), QNS)
             .get("default")
             .await

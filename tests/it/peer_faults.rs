@@ -256,6 +256,26 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
     let claim = put_claim(&node.api, "steady", &["gpu-0"]);
     let ids = node.prepare(&claim).await.unwrap();
 
+    kubelet_sides_restart_and_sockets_vanish(&mut node, &claim, &ids).await;
+    streams_opened_and_dropped_leave_the_agent_serving(&node).await;
+    garbage_device_ids_get_clear_errors(&node).await;
+    garbage_claims_get_clear_errors_and_undo_nothing(&node).await;
+
+    assert_eq!(node.prepare(&claim).await.unwrap(), ids);
+    assert_eq!(
+        support::http_get(node.metrics, "/healthz").map(|(c, _)| c),
+        Some(200)
+    );
+    node.stop().await;
+}
+
+/// Restarts, repeatedly, of both kubelet sides, and the agent's DRA sockets vanishing: served
+/// and registered again, and `claim` prepared again to the same `ids`.
+async fn kubelet_sides_restart_and_sockets_vanish(
+    node: &mut Node,
+    claim: &ClaimRef,
+    ids: &[String],
+) {
     // Restarts, repeatedly, of both kubelet sides.
     for round in 0..4 {
         let before = node.kubelet.registrations().len();
@@ -273,7 +293,7 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
             })
             .await
             .unwrap();
-        assert_eq!(node.prepare(&claim).await.unwrap(), ids, "round {round}");
+        assert_eq!(node.prepare(claim).await.unwrap(), ids, "round {round}");
     }
 
     // The agent's DRA sockets vanish: served and registered again.
@@ -287,8 +307,12 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
         })
         .await
         .unwrap();
-    assert_eq!(node.prepare(&claim).await.unwrap(), ids);
+    assert_eq!(node.prepare(claim).await.unwrap(), ids);
+}
 
+/// Streams opened and dropped by the kubelet side, over and over; the kubelet's own stream
+/// still follows.
+async fn streams_opened_and_dropped_leave_the_agent_serving(node: &Node) {
     // Streams opened and dropped by the kubelet side, over and over.
     let dp_endpoint = node.kubelet.plugin(GPU).unwrap().endpoint;
     let dra_endpoint = node.dra.plugin(DRIVER).unwrap().endpoint;
@@ -310,7 +334,10 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
         assert_eq!(stream.message().await.unwrap().unwrap().devices.len(), 8);
     }
     node.xid(3).await; // the kubelet's own stream still follows
+}
 
+/// Garbage device IDs get clear errors.
+async fn garbage_device_ids_get_clear_errors(node: &Node) {
     // Garbage device IDs.
     let err = node
         .kubelet
@@ -323,7 +350,11 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
         .preferred(GPU, &["GPU-nope".into()], &["../x".into()], 1)
         .await;
     assert!(err.is_err(), "{err:?}");
+}
 
+/// Garbage claims, with one good claim in the same request, get clear errors each, and an
+/// unprepare of garbage removes nothing.
+async fn garbage_claims_get_clear_errors_and_undo_nothing(node: &Node) {
     // Garbage claims, with one good claim in the same request.
     let good = put_claim(&node.api, "good", &["gpu-1"]);
     let garbage = [
@@ -359,7 +390,7 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
         "{:?}",
         answers[good.uid.as_str()]
     );
-    let err = raw_prepare(&node, &empty).await;
+    let err = raw_prepare(node, &empty).await;
     assert!(!err.is_empty(), "an empty UID is refused");
 
     // Unprepare of garbage removes nothing.
@@ -391,12 +422,6 @@ async fn kubelet_restarts_dropped_streams_and_garbage_ids_get_clear_errors_and_t
         }
     }
     assert_eq!(specs(), before);
-    assert_eq!(node.prepare(&claim).await.unwrap(), ids);
-    assert_eq!(
-        support::http_get(node.metrics, "/healthz").map(|(c, _)| c),
-        Some(200)
-    );
-    node.stop().await;
 }
 
 /// NodePrepareResources over v1 for one claim, straight on the socket; the per-claim error.

@@ -2,6 +2,7 @@
 //! running agent, claim identifiers that cannot steer a file name, the webhook's TLS versions
 //! and cipher suites, request size limits, and no shelling out.
 
+use crate::support::eventually;
 use gpuplane_model::source::SimSource;
 use gpuplane_node::dra::service::RawClaim;
 use gpuplane_node::proto::{deviceplugin_v1beta1 as dp, dra_v1};
@@ -43,14 +44,6 @@ fn tree(dir: &Path) -> BTreeSet<PathBuf> {
     out
 }
 
-async fn eventually(what: &str, check: impl Fn() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !check() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 struct Running {
     lab: NodeLab,
     agent: RunningAgent,
@@ -84,7 +77,7 @@ async fn agent() -> Running {
         agent,
         _dir: dir,
     };
-    eventually("the device plugin and DRA sockets", || {
+    eventually("the device plugin and DRA sockets", WAIT, || {
         r.dp_socket().exists() && r.dra_socket().exists() && r.registration_socket().exists()
     })
     .await;

@@ -2,6 +2,7 @@
 //! survives restarts without writing, repairs deletions by others, retries conflicts,
 //! server errors and timeouts, and leaves no orphans behind.
 
+use crate::support::eventually;
 use gpuplane_model::health::HealthBook;
 use gpuplane_model::inventory::{DeviceUuid, Inventory};
 use gpuplane_model::source::DeviceEvent;
@@ -14,6 +15,9 @@ use serde_json::{json, Value};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+/// How long the publisher gets to show a change.
+const WAIT: Duration = Duration::from_secs(15);
 
 const DRIVER: &str = "gpu.gpuplane.dev";
 const NODE: &str = "node-a";
@@ -417,14 +421,6 @@ async fn invalid_or_foreign_desired_slices_are_refused_without_writing() {
     assert_eq!(server.count_writes(), 0);
 }
 
-async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !check() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test]
 async fn the_loop_follows_desired_changes_and_repairs_deletions() {
     let (server, publisher) = setup().await;
@@ -441,14 +437,17 @@ async fn the_loop_follows_desired_changes_and_repairs_deletions() {
         let _ = stop_rx.await;
     }));
 
-    eventually("three slices", || names(&server).len() == 3).await;
+    eventually("three slices", WAIT, || names(&server).len() == 3).await;
 
     // The kubelet restarts and deletes this node's slices: they come back.
     for n in names(&server) {
         server.delete_json(API, "resourceslices", None, &n).unwrap();
     }
-    eventually("slices re-created", || names(&server).len() == 3).await;
-    eventually("generation bumped", || generations(&server) == [2, 2, 2]).await;
+    eventually("slices re-created", WAIT, || names(&server).len() == 3).await;
+    eventually("generation bumped", WAIT, || {
+        generations(&server) == [2, 2, 2]
+    })
+    .await;
 
     // A health change flows through the watch channel.
     let policy = gpuplane_model::config::AgentConfig::default().xid_policy;
@@ -462,7 +461,7 @@ async fn the_loop_follows_desired_changes_and_repairs_deletions() {
         &policy,
     );
     tx.send(render(&inv, &health, DRIVER, NODE)).unwrap();
-    eventually("taint published", || {
+    eventually("taint published", WAIT, || {
         stored(&server)[0]["spec"]["devices"][35]
             .get("taints")
             .is_some()
@@ -477,7 +476,7 @@ async fn the_loop_follows_desired_changes_and_repairs_deletions() {
     let mut edited = stored(&server)[0].clone();
     edited["metadata"]["annotations"] = json!({"example.com/note": "by hand"});
     server.put_json(edited).unwrap();
-    eventually("the loop's sync after the edit", || {
+    eventually("the loop's sync after the edit", WAIT, || {
         server.requests().iter().any(|(method, path)| {
             method == "GET" && path.contains("/resourceslices") && !path.contains("watch=")
         })

@@ -218,22 +218,7 @@ fn shares_keep_their_mps_server_through_agent_restarts_upgrades_and_returns() {
     agents_ready(&lab);
     controllers_ready(&lab);
     let image = built.reference.as_str();
-    let mut pods = Vec::new();
-    for (name, uid, memory, compute) in [
-        ("share-a", 1000, "20Gi", 30),
-        ("share-b", 2000, "20Gi", 20),
-        ("share-c", 0, "10Gi", 10),
-    ] {
-        let began = std::time::Instant::now();
-        share_pod(&lab, name, uid, memory, compute, image);
-        assert_eq!(connected(&lab, name), format!("{compute}.0"), "{name}");
-        // Wall times for benches/results/dra.txt: share-a starts the GPU's daemon pod.
-        eprintln!(
-            "{name} created -> client connected: {:.1}s",
-            began.elapsed().as_secs_f64()
-        );
-        pods.push(name);
-    }
+    let mut pods = three_shares_connect(&lab, image);
     // These nodes mount cgroup v1 at /sys/fs/cgroup (the lab's kubelet runs cgroupfs on v1), where
     // NVIDIA's per-cgroup memory limit does not exist: the claim says its memory is cooperative
     // too, never held.
@@ -253,31 +238,7 @@ fn shares_keep_their_mps_server_through_agent_restarts_upgrades_and_returns() {
         assert_eq!(now, vec![daemon.clone()], "the daemon pod after {after}");
     };
 
-    // The agent's own token may create daemon pods of its build on its node, and nothing
-    // else: the same pod with another image is refused.
-    let agent = lab_node_agent(&lab).unwrap();
-    let kubeconfig = pod_token_kubeconfig(&lab, &agent);
-    let mut forged = lab
-        .get_json(&["get", "pod", &daemon.1, "-n", AGENT_NS])
-        .unwrap();
-    forged["metadata"] = serde_json::json!({"name": "forged", "namespace": AGENT_NS,
-        "labels": forged["metadata"]["labels"].clone()});
-    forged["spec"]["containers"][0]["image"] = "lab.local/busybox:1".into();
-    forged.as_object_mut().unwrap().remove("status");
-    let out = lab.kubectl_as(
-        &kubeconfig,
-        &["create", "-f", "-"],
-        Some(&forged.to_string()),
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "a daemon pod of another image was admitted"
-    );
-    assert!(
-        err.contains("gpuplane-node-mps-pods") && err.contains("lab.local/busybox:1"),
-        "{err}"
-    );
+    the_agents_token_creates_only_daemon_pods_of_its_build(&lab, &daemon.1);
 
     // (b) The agent's pod deleted: the DaemonSet makes a new one.
     // The new agent prepares shares. (A share whose prepare the kubelet tried while no agent
@@ -324,26 +285,83 @@ fn shares_keep_their_mps_server_through_agent_restarts_upgrades_and_returns() {
     assert_eq!(connected(&lab, "share-f"), "10.0");
     pods.push("share-f");
 
-    // The last share's unprepare deletes the daemon pod and its files.
-    for pod in &pods {
+    the_last_unprepare_deletes_the_daemon_pod(&lab, &pods);
+    uninstalling_deletes_a_serving_daemon_pod(&lab, image);
+}
+
+/// Three share pods on one GPU, two of them of other users than root, each connected with its
+/// compute share; their names.
+fn three_shares_connect(lab: &ClusterLab, image: &str) -> Vec<&'static str> {
+    let mut pods = Vec::new();
+    for (name, uid, memory, compute) in [
+        ("share-a", 1000, "20Gi", 30),
+        ("share-b", 2000, "20Gi", 20),
+        ("share-c", 0, "10Gi", 10),
+    ] {
+        let began = std::time::Instant::now();
+        share_pod(lab, name, uid, memory, compute, image);
+        assert_eq!(connected(lab, name), format!("{compute}.0"), "{name}");
+        // Wall times for benches/results/dra.txt: share-a starts the GPU's daemon pod.
+        eprintln!(
+            "{name} created -> client connected: {:.1}s",
+            began.elapsed().as_secs_f64()
+        );
+        pods.push(name);
+    }
+    pods
+}
+
+/// The agent's own token may create daemon pods of its build on its node, and nothing else:
+/// the daemon pod `daemon` with another image is refused.
+fn the_agents_token_creates_only_daemon_pods_of_its_build(lab: &ClusterLab, daemon: &str) {
+    let agent = lab_node_agent(lab).unwrap();
+    let kubeconfig = pod_token_kubeconfig(lab, &agent);
+    let mut forged = lab
+        .get_json(&["get", "pod", daemon, "-n", AGENT_NS])
+        .unwrap();
+    forged["metadata"] = serde_json::json!({"name": "forged", "namespace": AGENT_NS,
+        "labels": forged["metadata"]["labels"].clone()});
+    forged["spec"]["containers"][0]["image"] = "lab.local/busybox:1".into();
+    forged.as_object_mut().unwrap().remove("status");
+    let out = lab.kubectl_as(
+        &kubeconfig,
+        &["create", "-f", "-"],
+        Some(&forged.to_string()),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a daemon pod of another image was admitted"
+    );
+    assert!(
+        err.contains("gpuplane-node-mps-pods") && err.contains("lab.local/busybox:1"),
+        "{err}"
+    );
+}
+
+/// The last share's unprepare deletes the daemon pod and its files.
+fn the_last_unprepare_deletes_the_daemon_pod(lab: &ClusterLab, pods: &[&str]) {
+    for pod in pods {
         lab.kubectl_ok(&["delete", "pod", pod, "--wait=false"]);
     }
     eventually("no MPS daemon pod once the shares are gone", || {
-        daemon_pods(&lab).is_empty().then_some(())
+        daemon_pods(lab).is_empty().then_some(())
     });
     let mps_dir = lab.nodes()[0].state_dir().join("mps");
     eventually("the daemon's files removed", || {
         let left = std::fs::read_dir(&mps_dir).map(|d| d.count()).unwrap_or(0);
         (left == 0).then_some(())
     });
+}
 
-    // Uninstalling with a share running leaves no daemon pod behind.
-    share_pod(&lab, "share-g", 0, "5Gi", 10, image);
-    connected(&lab, "share-g");
-    assert_eq!(daemon_pods(&lab).len(), 1);
+/// Uninstalling with a share running leaves no daemon pod behind.
+fn uninstalling_deletes_a_serving_daemon_pod(lab: &ClusterLab, image: &str) {
+    share_pod(lab, "share-g", 0, "5Gi", 10, image);
+    connected(lab, "share-g");
+    assert_eq!(daemon_pods(lab).len(), 1);
     let overlay = lab.work.join("deploy");
     lab.kubectl_ok(&["delete", "-k", overlay.to_str().unwrap(), "--wait=false"]);
     eventually("no MPS daemon pod after uninstalling", || {
-        (daemon_pods(&lab).is_empty() && app_pods(&lab, "gpuplane-node").is_empty()).then_some(())
+        (daemon_pods(lab).is_empty() && app_pods(lab, "gpuplane-node").is_empty()).then_some(())
     });
 }

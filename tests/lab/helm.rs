@@ -455,93 +455,10 @@ fn values_reach_the_objects_they_configure() {
         );
     }
 
-    // The agent: APIs, driver name, the simulation flag, scheduling, resources.
-    let agent = args_of(ds);
-    for want in [
-        "--device-plugin=false",
-        "--dra=true",
-        "--driver-name=gpu.nvidia.com",
-        "--simulate-from-node-label",
-    ] {
-        assert!(agent.iter().any(|a| a == want), "{want} not in {agent:?}");
-    }
-    let pod = &ds["spec"]["template"]["spec"];
-    assert_eq!(pod["nodeSelector"], json!({"pool": "gpu"}));
-    assert_eq!(
-        pod["tolerations"],
-        json!([{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}])
-    );
-    assert_eq!(pod["priorityClassName"], "gpu-critical");
-    assert_eq!(
-        container(ds)["resources"],
-        json!({"requests": {"cpu": "50m", "memory": "100Mi"}, "limits": {"memory": "1Gi"}})
-    );
-
-    // The controller: replicas (a PDB with more than one), the driver it prices, the
-    // time-sliced resources under their advertised names, scheduling.
-    assert_eq!(deploy["spec"]["replicas"], 3);
-    assert_eq!(of_kind(&o, "PodDisruptionBudget").count(), 1);
-    let controller = args_of(deploy);
-    for want in [
-        "--driver-name=gpu.nvidia.com",
-        "--time-sliced=nvidia.com/gpu.shared=4",
-        "--time-sliced=nvidia.com/mig-1g.10gb.quarter=2",
-    ] {
-        assert!(
-            controller.iter().any(|a| a == want),
-            "{want} not in {controller:?}"
-        );
-    }
-    let cpod = &deploy["spec"]["template"]["spec"];
-    assert_eq!(cpod["nodeSelector"], json!({"role": "infra"}));
-    assert!(cpod.get("priorityClassName").is_none(), "{cpod}");
-    assert_eq!(
-        container(deploy)["resources"],
-        json!({"requests": {"cpu": "200m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}})
-    );
-
-    // Every DeviceClass selects the configured driver, and the agent may write the status of
-    // claims of that driver.
-    let classes: Vec<&Value> = of_kind(&o, "DeviceClass").collect();
-    assert!(classes.len() > 30, "{} DeviceClasses", classes.len());
-    for c in classes {
-        let cel = c["spec"]["selectors"][0]["cel"]["expression"]
-            .as_str()
-            .unwrap();
-        assert!(
-            cel.starts_with(
-                "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com']."
-            ),
-            "{}: {cel}",
-            c["metadata"]["name"]
-        );
-        assert!(!cel.contains("gpu.gpuplane.dev"), "{cel}");
-    }
-    let role = find(&o, "ClusterRole", "gpuplane-node");
-    let driver_rule = role["rules"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["resources"] == json!(["resourceclaims/driver"]))
-        .unwrap();
-    assert_eq!(driver_rule["resourceNames"], json!(["gpu.nvidia.com"]));
-
-    // The config file: what the agent reads.
-    let config = agent_config(&o);
-    assert_eq!(config.mig_strategy, MigStrategy::Mixed);
-    let sliced: Vec<(&str, u32)> = config
-        .time_slicing
-        .iter()
-        .map(|r| (r.advertised_as.as_str(), r.replicas))
-        .collect();
-    assert_eq!(
-        sliced,
-        [
-            ("nvidia.com/gpu.shared", 4),
-            ("nvidia.com/mig-1g.10gb.quarter", 2)
-        ]
-    );
-    assert!(config.node_labels, "defaults the values did not set stay");
+    let agent = the_agent_gets_its_values(ds);
+    let controller = the_controller_gets_its_values(&o, deploy);
+    classes_and_rbac_name_the_driver(&o);
+    the_config_file_gets_its_values(&o);
 
     // The binary accepts both workloads' arguments. --simulate-from-node-label is checked
     // once the binary has it (it is being added alongside this chart).
@@ -569,6 +486,108 @@ fn values_reach_the_objects_they_configure() {
     assert!(!args_of(find(&d, "Deployment", "gpuplane-controller"))
         .iter()
         .any(|a| a.starts_with("--driver-name") || a.starts_with("--time-sliced")));
+}
+
+/// The agent's values: APIs, driver name, the simulation flag, scheduling, resources; its
+/// arguments.
+fn the_agent_gets_its_values(ds: &Value) -> Vec<String> {
+    // The agent: APIs, driver name, the simulation flag, scheduling, resources.
+    let agent = args_of(ds);
+    for want in [
+        "--device-plugin=false",
+        "--dra=true",
+        "--driver-name=gpu.nvidia.com",
+        "--simulate-from-node-label",
+    ] {
+        assert!(agent.iter().any(|a| a == want), "{want} not in {agent:?}");
+    }
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["nodeSelector"], json!({"pool": "gpu"}));
+    assert_eq!(
+        pod["tolerations"],
+        json!([{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}])
+    );
+    assert_eq!(pod["priorityClassName"], "gpu-critical");
+    assert_eq!(
+        container(ds)["resources"],
+        json!({"requests": {"cpu": "50m", "memory": "100Mi"}, "limits": {"memory": "1Gi"}})
+    );
+    agent
+}
+
+/// The controller's values: replicas (a PDB with more than one), the driver it prices, the
+/// time-sliced resources under their advertised names, scheduling; its arguments.
+fn the_controller_gets_its_values(o: &Objects, deploy: &Value) -> Vec<String> {
+    // The controller: replicas (a PDB with more than one), the driver it prices, the
+    // time-sliced resources under their advertised names, scheduling.
+    assert_eq!(deploy["spec"]["replicas"], 3);
+    assert_eq!(of_kind(o, "PodDisruptionBudget").count(), 1);
+    let controller = args_of(deploy);
+    for want in [
+        "--driver-name=gpu.nvidia.com",
+        "--time-sliced=nvidia.com/gpu.shared=4",
+        "--time-sliced=nvidia.com/mig-1g.10gb.quarter=2",
+    ] {
+        assert!(
+            controller.iter().any(|a| a == want),
+            "{want} not in {controller:?}"
+        );
+    }
+    let cpod = &deploy["spec"]["template"]["spec"];
+    assert_eq!(cpod["nodeSelector"], json!({"role": "infra"}));
+    assert!(cpod.get("priorityClassName").is_none(), "{cpod}");
+    assert_eq!(
+        container(deploy)["resources"],
+        json!({"requests": {"cpu": "200m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}})
+    );
+    controller
+}
+
+/// Every DeviceClass selects the configured driver, and the agent may write the status of
+/// claims of that driver.
+fn classes_and_rbac_name_the_driver(o: &Objects) {
+    let classes: Vec<&Value> = of_kind(o, "DeviceClass").collect();
+    assert!(classes.len() > 30, "{} DeviceClasses", classes.len());
+    for c in classes {
+        let cel = c["spec"]["selectors"][0]["cel"]["expression"]
+            .as_str()
+            .unwrap();
+        assert!(
+            cel.starts_with(
+                "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com']."
+            ),
+            "{}: {cel}",
+            c["metadata"]["name"]
+        );
+        assert!(!cel.contains("gpu.gpuplane.dev"), "{cel}");
+    }
+    let role = find(o, "ClusterRole", "gpuplane-node");
+    let driver_rule = role["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["resources"] == json!(["resourceclaims/driver"]))
+        .unwrap();
+    assert_eq!(driver_rule["resourceNames"], json!(["gpu.nvidia.com"]));
+}
+
+/// The config file: what the agent reads.
+fn the_config_file_gets_its_values(o: &Objects) {
+    let config = agent_config(o);
+    assert_eq!(config.mig_strategy, MigStrategy::Mixed);
+    let sliced: Vec<(&str, u32)> = config
+        .time_slicing
+        .iter()
+        .map(|r| (r.advertised_as.as_str(), r.replicas))
+        .collect();
+    assert_eq!(
+        sliced,
+        [
+            ("nvidia.com/gpu.shared", 4),
+            ("nvidia.com/mig-1g.10gb.quarter", 2)
+        ]
+    );
+    assert!(config.node_labels, "defaults the values did not set stay");
 }
 
 #[test]

@@ -114,54 +114,7 @@ fn the_scheduler_packs_instances_by_the_counters_and_the_agent_makes_and_unmakes
             .then_some(d)
     });
 
-    // All three kinds of GPU publish: counter sets in a slice of their own, placements
-    // consuming them, the static MIG GPU's instances, the MIG-off GPU whole.
-    let slices = cluster::node_slices(&lab);
-    let sets: BTreeSet<String> = slices
-        .iter()
-        .flat_map(|s| {
-            s["spec"]["sharedCounters"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default()
-        })
-        .filter_map(|c| c["name"].as_str().map(String::from))
-        .collect();
-    assert_eq!(
-        sets,
-        BTreeSet::from(["gpu-0".to_string(), "gpu-1".to_string()])
-    );
-    assert!(
-        slices
-            .iter()
-            .all(|s| s["spec"]["sharedCounters"].is_null() || s["spec"]["devices"].is_null()),
-        "counter sets are in slices without devices"
-    );
-    let names: BTreeSet<String> = devices
-        .iter()
-        .filter_map(|d| d["name"].as_str().map(String::from))
-        .collect();
-    for want in [
-        "gpu-0",
-        "gpu-0-mig-3g40gb-at4",
-        "gpu-0-mig-4g40gb-at0",
-        "gpu-3",
-    ] {
-        assert!(names.contains(want), "{want} in {names:?}");
-    }
-    assert!(
-        names
-            .iter()
-            .any(|n| n.starts_with("gpu-2-mig-") && !n.contains("-at")),
-        "the static MIG GPU publishes its instances: {names:?}"
-    );
-    let placed = devices
-        .iter()
-        .find(|d| d["name"] == "gpu-0-mig-3g40gb-at4")
-        .unwrap();
-    assert_eq!(attr(placed, "profile"), "3g.40gb");
-    assert_eq!(attr(placed, "placementStart"), 4);
-    assert!(placed["consumesCounters"][0]["counterSet"] == "gpu-0");
+    every_kind_of_gpu_publishes(&lab, &devices);
 
     // 3g.40gb at slice 4 of GPU 0, then a 4g.40gb there too: they fit together.
     pod(
@@ -228,4 +181,55 @@ fn the_scheduler_packs_instances_by_the_counters_and_the_agent_makes_and_unmakes
     eventually("no instance left once the pods are gone", || {
         (instances(&lab) == [(0, 0), (1, 0)]).then_some(())
     });
+}
+
+/// All three kinds of GPU publish: counter sets in a slice of their own, placements consuming
+/// them (in `devices`), the static MIG GPU's instances, the MIG-off GPU whole.
+fn every_kind_of_gpu_publishes(lab: &ClusterLab, devices: &[Value]) {
+    let slices = cluster::node_slices(lab);
+    let sets: BTreeSet<String> = slices
+        .iter()
+        .flat_map(|s| {
+            s["spec"]["sharedCounters"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|c| c["name"].as_str().map(String::from))
+        .collect();
+    assert_eq!(
+        sets,
+        BTreeSet::from(["gpu-0".to_string(), "gpu-1".to_string()])
+    );
+    assert!(
+        slices
+            .iter()
+            .all(|s| s["spec"]["sharedCounters"].is_null() || s["spec"]["devices"].is_null()),
+        "counter sets are in slices without devices"
+    );
+    let names: BTreeSet<String> = devices
+        .iter()
+        .filter_map(|d| d["name"].as_str().map(String::from))
+        .collect();
+    for want in [
+        "gpu-0",
+        "gpu-0-mig-3g40gb-at4",
+        "gpu-0-mig-4g40gb-at0",
+        "gpu-3",
+    ] {
+        assert!(names.contains(want), "{want} in {names:?}");
+    }
+    assert!(
+        names
+            .iter()
+            .any(|n| n.starts_with("gpu-2-mig-") && !n.contains("-at")),
+        "the static MIG GPU publishes its instances: {names:?}"
+    );
+    let placed = devices
+        .iter()
+        .find(|d| d["name"] == "gpu-0-mig-3g40gb-at4")
+        .unwrap();
+    assert_eq!(attr(placed, "profile"), "3g.40gb");
+    assert_eq!(attr(placed, "placementStart"), 4);
+    assert!(placed["consumesCounters"][0]["counterSet"] == "gpu-0");
 }

@@ -104,65 +104,7 @@ fn fragmentation_gang_and_a_stopped_agent_each_carry_their_reason_and_numbers() 
         (offered.len() == 3 && offered.iter().all(|g| *g == "8" || *g == "4")).then_some(())
     });
 
-    // 2 free on each node: 6 in all, none with 4.
-    for (name, gpus, node) in [
-        ("h1", 6, NODE),
-        ("h2", 2, "lab-node-2"),
-        ("h3", 2, "lab-node-3"),
-    ] {
-        lab.apply(&pod("default", name, gpus, Some(node), ""));
-    }
-    for name in ["h1", "h2", "h3"] {
-        cluster::wait_running(&lab, "default", name);
-    }
-    lab.apply(&pod("default", "four", 4, None, ""));
-    let frag = "needs 4 nvidia.com/gpu; 6 free across 3 nodes, at most 2 on one: lab-node 2, lab-node-2 2, lab-node-3 2";
-    let cond = condition(&lab, "default", "four", "Fragmentation");
-    assert_eq!(
-        (&cond["status"], &cond["message"]),
-        (&"False".into(), &frag.into()),
-        "{cond}"
-    );
-    let evs = eventually("a Fragmentation Event on pod four", || {
-        let e = cluster::pod_events(&lab, "default", "four", "Fragmentation");
-        (!e.is_empty()).then_some(e)
-    });
-    assert_eq!(
-        (evs.len(), &evs[0]["type"]),
-        (1, &"Warning".into()),
-        "{evs:?}"
-    );
-    let cli = explain(&lab, "default/four");
-    assert_eq!(
-        (&cli["reason"], &cli["message"]),
-        (&"Fragmentation".into(), &frag.into()),
-        "{cli}"
-    );
-    wait_metric(
-        &lab,
-        "gpuplane_pending_gpu_pods{reason=\"Fragmentation\"} 1",
-    );
-    let pool = format!("pool=\"{A100}\",resource=\"nvidia.com/gpu\"");
-    wait_metric(&lab, &format!("gpuplane_node_pool_free_gpus{{{pool}}} 4"));
-    wait_metric(
-        &lab,
-        &format!("gpuplane_node_pool_fragmentation_ratio{{{pool}}} 0.5"),
-    );
-
-    // h2 ends: lab-node-2 has 4 free, the scheduler places `four` there.
-    lab.kubectl_ok(&["delete", "pod", "h2", "--wait=true"]);
-    let cond = condition(&lab, "default", "four", "Scheduled");
-    assert_eq!(cond["status"], "True", "{cond}");
-    assert_eq!(explain(&lab, "default/four")["reason"], "NotWaiting");
-    wait_metric(
-        &lab,
-        "gpuplane_pending_gpu_pods{reason=\"Fragmentation\"} 0",
-    );
-    wait_metric(
-        &lab,
-        &format!("gpuplane_node_pool_fragmentation_ratio{{{pool}}} 0.0"),
-    );
-
+    fragmentation_until_one_node_has_enough(&lab);
     gang(&lab);
 
     // The agent stops: lab-node offers none, and the 2 free on lab-node-3 are not enough for
@@ -204,6 +146,63 @@ fn fragmentation_gang_and_a_stopped_agent_each_carry_their_reason_and_numbers() 
     assert!(
         refusals(&log).is_empty(),
         "the controller was refused a call:\n{log}"
+    );
+}
+
+/// 2 free on each node: 6 in all, none with 4; a pod of 4 waits as Fragmentation (condition,
+/// Event, `gpuplane explain`, metrics) until h2 ends and lab-node-2 has 4 free.
+fn fragmentation_until_one_node_has_enough(lab: &ClusterLab) {
+    // 2 free on each node: 6 in all, none with 4.
+    for (name, gpus, node) in [
+        ("h1", 6, NODE),
+        ("h2", 2, "lab-node-2"),
+        ("h3", 2, "lab-node-3"),
+    ] {
+        lab.apply(&pod("default", name, gpus, Some(node), ""));
+    }
+    for name in ["h1", "h2", "h3"] {
+        cluster::wait_running(lab, "default", name);
+    }
+    lab.apply(&pod("default", "four", 4, None, ""));
+    let frag = "needs 4 nvidia.com/gpu; 6 free across 3 nodes, at most 2 on one: lab-node 2, lab-node-2 2, lab-node-3 2";
+    let cond = condition(lab, "default", "four", "Fragmentation");
+    assert_eq!(
+        (&cond["status"], &cond["message"]),
+        (&"False".into(), &frag.into()),
+        "{cond}"
+    );
+    let evs = eventually("a Fragmentation Event on pod four", || {
+        let e = cluster::pod_events(lab, "default", "four", "Fragmentation");
+        (!e.is_empty()).then_some(e)
+    });
+    assert_eq!(
+        (evs.len(), &evs[0]["type"]),
+        (1, &"Warning".into()),
+        "{evs:?}"
+    );
+    let cli = explain(lab, "default/four");
+    assert_eq!(
+        (&cli["reason"], &cli["message"]),
+        (&"Fragmentation".into(), &frag.into()),
+        "{cli}"
+    );
+    wait_metric(lab, "gpuplane_pending_gpu_pods{reason=\"Fragmentation\"} 1");
+    let pool = format!("pool=\"{A100}\",resource=\"nvidia.com/gpu\"");
+    wait_metric(lab, &format!("gpuplane_node_pool_free_gpus{{{pool}}} 4"));
+    wait_metric(
+        lab,
+        &format!("gpuplane_node_pool_fragmentation_ratio{{{pool}}} 0.5"),
+    );
+
+    // h2 ends: lab-node-2 has 4 free, the scheduler places `four` there.
+    lab.kubectl_ok(&["delete", "pod", "h2", "--wait=true"]);
+    let cond = condition(lab, "default", "four", "Scheduled");
+    assert_eq!(cond["status"], "True", "{cond}");
+    assert_eq!(explain(lab, "default/four")["reason"], "NotWaiting");
+    wait_metric(lab, "gpuplane_pending_gpu_pods{reason=\"Fragmentation\"} 0");
+    wait_metric(
+        lab,
+        &format!("gpuplane_node_pool_fragmentation_ratio{{{pool}}} 0.0"),
     );
 }
 

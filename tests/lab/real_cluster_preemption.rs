@@ -282,12 +282,32 @@ fn a_high_priority_pod_evicts_exactly_enough_lower_priority_pods_through_the_evi
     lab.kubectl_ok(&["create", "namespace", NS]);
     lab.apply(SETUP);
 
-    // Training fills the quota: the Deployment's 2 pods, then a pod group of 2 (started last).
-    create_gated(&lab, "probe", &pod(NS, "probe", 1, "train-low", "", 1));
+    training_fills_the_quota(&lab);
+    let to_running = inference_evicts_the_pod_group(&lab);
+    a_budget_blocks_the_eviction(&lab);
+    without_the_budget_one_training_pod_goes(&lab);
+
+    lab.kubectl_ok(&["delete", "namespace", NS, "--wait=true"]);
+    cohort_reclaim(&lab);
+
+    let log = controller.log_text();
+    assert!(
+        refusals(&log).is_empty(),
+        "the controller was refused a call:\n{log}"
+    );
+    eprintln!(
+        "preemption: inference pod created -> running in {:.1} s (its victims' grace period 20 s included)",
+        to_running.as_secs_f64()
+    );
+}
+
+/// Training fills the quota: the Deployment's 2 pods, then a pod group of 2 (started last).
+fn training_fills_the_quota(lab: &ClusterLab) {
+    create_gated(lab, "probe", &pod(NS, "probe", 1, "train-low", "", 1));
     lab.kubectl_ok(&["delete", "pod", "-n", NS, "probe", "--wait=true"]);
     lab.apply(TRAINING);
     eventually("both training pods to run", || {
-        let t = training(&lab);
+        let t = training(lab);
         (t.len() == 2 && t.iter().all(|(_, running, ..)| *running)).then_some(())
     });
     let group = "  labels: {quota.gpuplane.dev/pod-group: sweep}\n  annotations: {quota.gpuplane.dev/pod-group-size: \"2\"}\n";
@@ -295,17 +315,20 @@ fn a_high_priority_pod_evicts_exactly_enough_lower_priority_pods_through_the_evi
         lab.apply(&pod(NS, name, 1, "train-low", group, 20));
     }
     for name in ["sweep-0", "sweep-1"] {
-        wait_running(&lab, NS, name);
+        wait_running(lab, NS, name);
     }
+}
 
-    // Inference arrives: 2 GPUs at priority 1000. The group is the most recently started and
-    // frees exactly 2: it goes whole; the Deployment's pods stay.
+/// Inference arrives: 2 GPUs at priority 1000. The group is the most recently started and
+/// frees exactly 2: it goes whole; the Deployment's pods stay. How long the inference pod
+/// took from created to running.
+fn inference_evicts_the_pod_group(lab: &ClusterLab) -> std::time::Duration {
     let created = Instant::now();
-    create_gated(&lab, "infer", &pod(NS, "infer", 2, "infer-high", "", 1));
+    create_gated(lab, "infer", &pod(NS, "infer", 2, "infer-high", "", 1));
     let victims = eventually("the pod group to be evicted", || {
         let v: Vec<Value> = ["sweep-0", "sweep-1"]
             .iter()
-            .filter_map(|n| get_pod(&lab, n))
+            .filter_map(|n| get_pod(lab, n))
             .filter(|p| !p["metadata"]["deletionTimestamp"].is_null())
             // Our condition is written right after the eviction.
             .filter(|p| condition(p, "gpuplane.dev/Preempted").is_some())
@@ -325,7 +348,7 @@ fn a_high_priority_pod_evicts_exactly_enough_lower_priority_pods_through_the_evi
         assert_eq!(target["reason"], "EvictionByEvictionAPI", "{v}");
     }
     // While the group terminates its charge still counts: the inference pod stays gated.
-    let p = get_pod(&lab, "infer").unwrap_or_default();
+    let p = get_pod(lab, "infer").unwrap_or_default();
     assert!(gated(&p), "released before its victims were gone: {p}");
     let note = condition(&p, "QuotaAdmitted").unwrap_or_default();
     let message = note["message"].as_str().unwrap_or_default();
@@ -334,83 +357,72 @@ fn a_high_priority_pod_evicts_exactly_enough_lower_priority_pods_through_the_evi
             && message.contains("ml/sweep-1 (priority 10)"),
         "{note}"
     );
-    wait_running(&lab, NS, "infer");
+    wait_running(lab, NS, "infer");
     let to_running = created.elapsed();
-    assert_eq!(preempted_events(&lab).len(), 2);
-    let t = training(&lab);
+    assert_eq!(preempted_events(lab).len(), 2);
+    let t = training(lab);
     assert!(
         t.len() == 2
             && t.iter()
                 .all(|(_, running, terminating, _)| *running && !terminating),
         "training was not touched: {t:?}"
     );
+    to_running
+}
 
-    // A budget forbids evicting training: the next inference pod's eviction is refused, the
-    // controller never deletes, and the pod waits.
+/// A budget forbids evicting training: the next inference pod's eviction is refused, the
+/// controller never deletes, and the pod waits.
+fn a_budget_blocks_the_eviction(lab: &ClusterLab) {
     lab.apply(BUDGET);
     eventually("the budget to allow no disruption", || {
         let b = lab.get_json(&["get", "pdb", "train", "-n", NS])?;
         (b["status"]["disruptionsAllowed"] == 0 && b["status"]["currentHealthy"] == 2).then_some(())
     });
-    create_gated(&lab, "infer-2", &pod(NS, "infer-2", 1, "infer-high", "", 1));
+    create_gated(lab, "infer-2", &pod(NS, "infer-2", 1, "infer-high", "", 1));
     let refused = eventually_or(
         "the refused eviction to be told to infer-2",
         || {
-            pod_events(&lab, NS, "infer-2", "QuotaPreemptionBlocked")
+            pod_events(lab, NS, "infer-2", "QuotaPreemptionBlocked")
                 .into_iter()
                 .next()
         },
-        || state(&lab, "infer-2"),
+        || state(lab, "infer-2"),
     );
     let message = refused["message"].as_str().unwrap_or_default();
     assert!(message.contains("disruption budget"), "{refused}");
-    let t = training(&lab);
+    let t = training(lab);
     assert!(
         t.iter()
             .all(|(_, running, terminating, _)| *running && !terminating),
         "a budget-protected pod was evicted or deleted: {t:?}"
     );
-    assert!(gated(&get_pod(&lab, "infer-2").unwrap_or_default()));
+    assert!(gated(&get_pod(lab, "infer-2").unwrap_or_default()));
+}
 
-    // The budget goes: exactly one training pod is evicted, infer-2 runs, and the Deployment's
-    // replacement waits at the gate, told why.
+/// The budget goes: exactly one training pod is evicted, infer-2 runs, and the Deployment's
+/// replacement waits at the gate, told why.
+fn without_the_budget_one_training_pod_goes(lab: &ClusterLab) {
     lab.kubectl_ok(&["delete", "pdb", "train", "-n", NS]);
-    wait_running(&lab, NS, "infer-2");
+    wait_running(lab, NS, "infer-2");
     let replacement = eventually_or(
         "the Deployment's replacement to wait gated with a reason",
         || {
-            let (name, ..) = training(&lab).into_iter().find(|(.., gated)| *gated)?;
-            let p = get_pod(&lab, &name)?;
+            let (name, ..) = training(lab).into_iter().find(|(.., gated)| *gated)?;
+            let p = get_pod(lab, &name)?;
             let c = condition(&p, "QuotaAdmitted")?;
             let told = c["message"].as_str()?.contains("no preemption");
             (c["status"] == "False" && told).then_some(c)
         },
-        || state(&lab, "infer-2"),
+        || state(lab, "infer-2"),
     );
     let message = replacement["message"].as_str().unwrap_or_default();
     assert!(message.contains("waiting for quota"), "{replacement}");
     assert!(message.contains("no preemption"), "{replacement}");
     assert_eq!(
-        preempted_events(&lab).len(),
+        preempted_events(lab).len(),
         3,
         "the group's 2 and one training pod"
     );
-    let running = training(&lab)
-        .iter()
-        .filter(|(_, r, t, _)| *r && !t)
-        .count();
+    let running = training(lab).iter().filter(|(_, r, t, _)| *r && !t).count();
     assert_eq!(running, 1);
-
-    lab.kubectl_ok(&["delete", "namespace", NS, "--wait=true"]);
-    cohort_reclaim(&lab);
-
-    let log = controller.log_text();
-    assert!(
-        refusals(&log).is_empty(),
-        "the controller was refused a call:\n{log}"
-    );
-    eprintln!(
-        "preemption: inference pod created -> running in {:.1} s (its victims' grace period 20 s included)",
-        to_running.as_secs_f64()
-    );
 }

@@ -107,10 +107,34 @@ fn a_gpu_share_is_charged_its_memory_and_compute_by_the_real_api_server() {
     let controller = start_controller(&lab, &installed, "1");
     cluster::wait_controller_ready(&lab);
 
-    // The slices as the API server validated and stored them: every GPU of the dgx-a100 (80Gi
-    // each) is one shared device with the two consumable capacities and their policies.
+    let devices = eight_shared_gpus_published(&lab);
+    the_webhook_prices_shares(&lab);
+    let pod = the_first_share_runs(&lab);
+    the_share_is_allocated_and_seen(&lab, &pod, &devices);
+    the_share_is_charged_and_a_second_refused(&lab);
+
+    // Neither process was refused an API call over the run.
+    for (who, log) in [
+        ("agent", agent.log_text()),
+        ("controller", controller.log_text()),
+    ] {
+        assert!(
+            refusals(&log).is_empty(),
+            "the {who} was refused a call:\n{log}"
+        );
+    }
+    eprintln!(
+        "shares quota card: {:.1}s (lab start {:.1}s)",
+        began.elapsed().as_secs_f64(),
+        lab.start_time.as_secs_f64()
+    );
+}
+
+/// The slices as the API server validated and stored them: every GPU of the dgx-a100 (80Gi
+/// each) is one shared device with the two consumable capacities and their policies.
+fn eight_shared_gpus_published(lab: &ClusterLab) -> Vec<Value> {
     let devices = eventually("8 shared GPUs in lab-node's ResourceSlices", || {
-        let d = slice_devices(&lab);
+        let d = slice_devices(lab);
         (d.len() == 8 && d.iter().all(|d| d["allowMultipleAllocations"] == true)).then_some(d)
     });
     for d in &devices {
@@ -129,7 +153,12 @@ fn a_gpu_share_is_charged_its_memory_and_compute_by_the_real_api_server() {
             "{d}"
         );
     }
+    devices
+}
 
+/// The card's namespace: a GpuQuota of 20Gi and one GPU, and the shares' templates; the
+/// webhook then prices shares from the published slices.
+fn the_webhook_prices_shares(lab: &ClusterLab) {
     // The card's namespace: a GpuQuota of 20Gi and one GPU, and the two shares' templates.
     lab.kubectl_ok(&["create", "namespace", NS]);
     lab.apply(QUOTA);
@@ -152,7 +181,10 @@ fn a_gpu_share_is_charged_its_memory_and_compute_by_the_real_api_server() {
         },
         || format!("the last dry run: {}", last.borrow()),
     );
+}
 
+/// The first share fits (15Gi of 20Gi, 4/5 of 1 GPU) and runs; its pod.
+fn the_first_share_runs(lab: &ClusterLab) -> Value {
     // The first share fits (15Gi of 20Gi, 4/5 of 1 GPU) and runs.
     lab.create(&share_pod("first", "share-15gi-80"), &[])
         .unwrap();
@@ -165,7 +197,12 @@ fn a_gpu_share_is_charged_its_memory_and_compute_by_the_real_api_server() {
         || lab.describe_pod_in(NS, "first"),
     );
     assert_eq!(pod["spec"]["nodeName"], NODE);
+    pod
+}
 
+/// The scheduler allocated a share of one of `devices` to `pod`, and the container sees that
+/// GPU and its share.
+fn the_share_is_allocated_and_seen(lab: &ClusterLab, pod: &Value, devices: &[Value]) {
     // The scheduler allocated a share: the claim's result carries what it consumes and the
     // share's ID.
     let claim_name = pod["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
@@ -220,7 +257,11 @@ fn a_gpu_share_is_charged_its_memory_and_compute_by_the_real_api_server() {
         Some("80"),
         "{log}"
     );
+}
 
+/// The controller counts the running share at its price, and a second share over the quota
+/// is refused.
+fn the_share_is_charged_and_a_second_refused(lab: &ClusterLab) {
     // The controller counts the running share at its price, and nothing else.
     eventually("GpuQuota team-s/default to count the share as used", || {
         let q = lab.get_json(&["get", "gpuquota", "default", "-n", NS])?;
@@ -245,20 +286,4 @@ fn a_gpu_share_is_charged_its_memory_and_compute_by_the_real_api_server() {
         "kubectl's error: {err}"
     );
     assert!(lab.get_json(&["get", "pod", "second", "-n", NS]).is_none());
-
-    // Neither process was refused an API call over the run.
-    for (who, log) in [
-        ("agent", agent.log_text()),
-        ("controller", controller.log_text()),
-    ] {
-        assert!(
-            refusals(&log).is_empty(),
-            "the {who} was refused a call:\n{log}"
-        );
-    }
-    eprintln!(
-        "shares quota card: {:.1}s (lab start {:.1}s)",
-        began.elapsed().as_secs_f64(),
-        lab.start_time.as_secs_f64()
-    );
 }

@@ -100,15 +100,9 @@ impl Lab {
             .map(|(s, _)| s)
     }
 
+    /// Waits (at most [`WAIT`]) until `check` holds of this lab.
     pub async fn eventually(&self, what: &str, check: impl Fn(&Lab) -> bool) {
-        let deadline = std::time::Instant::now() + WAIT;
-        while !check(self) {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "timed out waiting for {what}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        crate::support::eventually(what, WAIT, || check(self)).await;
     }
 
     /// A claim in `team-a` allocated by the (absent) scheduler to `devices` of this node's pool.

@@ -5,6 +5,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
+pub mod eventually;
+#[allow(unused_imports)] // not every test crate polls
+pub use eventually::{eventually, eventually_async};
+
 /// Builds the fake (once per test binary) and returns the path cargo reports for it. It is
 /// built with the profile this test was (hack/test.sh uses `ci`), so it shares its artifacts.
 pub fn built_fake() -> &'static Path {
@@ -276,19 +280,6 @@ pub fn metric_value(body: &str, sample: &str) -> Option<f64> {
             .parse()
             .ok()
     })
-}
-
-/// Waits for `check`, polling every 20 ms; panics naming `what` after `limit` (a hang guard,
-/// not a timing assertion).
-pub async fn eventually(what: &str, limit: std::time::Duration, mut check: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + limit;
-    while !check() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "gave up after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
 }
 
 /// Stores a ResourceClaim in `team-a` allocated by the (absent) scheduler to `devices` of

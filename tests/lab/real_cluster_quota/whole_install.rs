@@ -1,98 +1,7 @@
-//! The whole of daemonset/ against real Kubernetes (issue 13): `kubectl apply -k` through the
-//! lab's loopback overlay, the real `gpuplane controller` serving the quota webhooks by URL,
-//! called by the real kube-apiserver, with the node agent and the real scheduler and kubelet
-//! running the pods it admits. Skips like tests/lab/real_cluster.rs (root and the cluster binaries
-//! needed), fails instead under `CI`.
+//! The real kube-apiserver calls the quota webhooks of the whole install: admission, Queue mode,
+//! required owner labels, temporary raises, and the controller's writes narrowed to its own.
 
-use crate::cluster;
-
-use crate::cluster::{
-    eventually, refusals, start_controller, ClusterLab, LabAgent, LabProcess,
-    CONTROLLER_METRICS_ADDR, NODE,
-};
-use gpuplane_model::quota::SCHEDULING_GATE;
-use serde_json::Value;
-use std::path::Path;
-
-/// A long-running busybox pod in `ns` asking for `gpus` whole GPUs (none: no resources).
-fn pod(ns: &str, name: &str, gpus: u32) -> String {
-    cluster::gpu_pod(ns, name, gpus, r#"["sleep", "3600"]"#)
-}
-
-/// A GpuQuota `hard` of `gpus` in dimension `dim`: `devices` (`nvidia.com/gpu` counted by
-/// name) or `gpus` (whole-GPU equivalents, whatever API the devices come through).
-fn quota(ns: &str, dim: &str, gpus: u32, mode: &str) -> String {
-    let hard = match dim {
-        "devices" => format!("devices: {{nvidia.com/gpu: {gpus}}}"),
-        _ => format!("{dim}: {gpus}"),
-    };
-    format!(
-        r#"apiVersion: quota.gpuplane.dev/v1alpha1
-kind: GpuQuota
-metadata: {{name: default, namespace: {ns}}}
-spec:
-  hard:
-    {hard}
-  mode: {mode}
-"#
-    )
-}
-
-/// A namespace with a GpuQuota of `gpus` in `dim` (see [`quota`]), once the webhooks' caches
-/// hold it: a server-side dry run of a pod one GPU over it is refused (Reject) or gated (Queue).
-fn namespace_with_quota(lab: &ClusterLab, ns: &str, dim: &str, gpus: u32, mode: &str) {
-    lab.kubectl_ok(&["create", "namespace", ns]);
-    lab.apply(&quota(ns, dim, gpus, mode));
-    let over = pod(ns, "dry-run-probe", gpus + 1);
-    eventually(
-        &format!("the webhooks to enforce GpuQuota {ns}/default"),
-        || match lab.create(&over, &["--dry-run=server"]) {
-            Err(e) => {
-                (mode == "Reject" && e.contains(&format!("in GpuQuota {ns}/default"))).then_some(())
-            }
-            Ok(p) => (mode == "Queue" && gates(&p) == [SCHEDULING_GATE]).then_some(()),
-        },
-    );
-}
-
-pub(crate) fn pod_json(lab: &ClusterLab, ns: &str, name: &str) -> Option<Value> {
-    lab.get_json(&["get", "pod", name, "-n", ns])
-}
-
-fn gates(pod: &Value) -> Vec<String> {
-    pod["spec"]["schedulingGates"]
-        .as_array()
-        .map(|g| {
-            g.iter()
-                .filter_map(|g| g["name"].as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// The PodScheduled condition's reason, if any.
-fn scheduled_reason(pod: &Value) -> Option<String> {
-    pod["status"]["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == "PodScheduled")?["reason"]
-        .as_str()
-        .map(String::from)
-}
-
-/// The controller's `/metrics` text.
-pub(crate) fn controller_metrics(lab: &ClusterLab) -> String {
-    let out = lab
-        .in_netns("curl")
-        .args(["-sf", &format!("http://{CONTROLLER_METRICS_ADDR}/metrics")])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "scraping the controller's metrics failed"
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+use super::*;
 
 /// AdmissionReviews the controller answered on `/validate` and `/mutate` so far
 /// (`gpuplane_webhook_decision_seconds_count`, one per request whatever the answer).
@@ -391,6 +300,41 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     // The whole kustomization is accepted (apply -k succeeded, the CRD is Established) and
     // the ValidatingAdmissionPolicy type-checks against the real schema.
     let installed = lab.install(true);
+    the_install_is_accepted(&lab);
+
+    let agent = LabAgent::start(&lab, &installed.agent, "1");
+    let controller = start_controller(&lab, &installed, "1");
+    cluster::wait_controller_ready(&lab);
+    eventually("node lab-node to report nvidia.com/gpu: 8", || {
+        let node = lab.get_json(&["get", "node", NODE])?;
+        (node["status"]["allocatable"]["nvidia.com/gpu"] == "8").then_some(())
+    });
+
+    reject_mode_refuses_over_quota(&lab);
+    controller_writes_are_narrowed_to_its_own(&lab, &installed, "team-a", "two");
+    owner_labels_are_required_where_the_quota_says(&lab, "team-a");
+    temporary_raises_hold_until_they_expire(&lab, "team-raise");
+
+    queue_mode_gates_and_releases(&lab);
+    let agent = a_dra_only_node_charges_no_claim_twice(&lab, &installed, agent);
+    let controller_log = a_controller_outage_blocks_gpu_pods_only(&lab, controller);
+    the_controller_is_refused_what_it_was_not_granted(&lab, &installed);
+    assert!(
+        refusals(&controller_log).is_empty(),
+        "the controller was refused a call:\n{controller_log}"
+    );
+    let agent_log = agent.log_text();
+    assert!(
+        refusals(&agent_log).is_empty(),
+        "the agent was refused a call:\n{agent_log}"
+    );
+    drop::<LabProcess>(agent);
+}
+
+/// The whole kustomization is accepted (apply -k succeeded, the CRD is Established), the
+/// ValidatingAdmissionPolicies type-check against the real schema, and the webhooks are called
+/// by URL on the lab's loopback.
+fn the_install_is_accepted(lab: &ClusterLab) {
     for policy in [
         "gpuplane-node-resourceslices",
         "gpuplane-node-labels",
@@ -422,24 +366,20 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
             assert!(url.starts_with("https://127.0.0.1:"), "{kind}: {hook}");
         }
     }
+}
 
-    let agent = LabAgent::start(&lab, &installed.agent, "1");
-    let controller = start_controller(&lab, &installed, "1");
-    cluster::wait_controller_ready(&lab);
-    eventually("node lab-node to report nvidia.com/gpu: 8", || {
-        let node = lab.get_json(&["get", "node", NODE])?;
-        (node["status"]["allocatable"]["nvidia.com/gpu"] == "8").then_some(())
-    });
-
+/// Reject mode: within quota is created and runs; over quota is refused by the real API
+/// server with our reason, as kubectl prints it.
+fn reject_mode_refuses_over_quota(lab: &ClusterLab) {
     // Reject mode: within quota is created and runs; over quota is refused by the real API
     // server with our reason, as kubectl prints it.
-    namespace_with_quota(&lab, "team-a", "devices", 2, "Reject");
+    namespace_with_quota(lab, "team-a", "devices", 2, "Reject");
     // Outside Queue mode the API server does not call the mutating gate webhook at all: the
     // namespace has no queue label, and the pod costs one validating call only.
-    assert_eq!(queue_label(&lab, "team-a"), None);
-    let before = webhook_calls(&lab);
+    assert_eq!(queue_label(lab, "team-a"), None);
+    let before = webhook_calls(lab);
     lab.create(&pod("team-a", "two", 2), &[]).unwrap();
-    let after = webhook_calls(&lab);
+    let after = webhook_calls(lab);
     assert_eq!(
         (after.0 - before.0, after.1 - before.1),
         (1, 0),
@@ -451,27 +391,28 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
             && err.contains("requested 1, used 2 of 2 in GpuQuota team-a/default"),
         "kubectl's error: {err}"
     );
-    cluster::wait_running(&lab, "team-a", "two");
-    assert!(pod_json(&lab, "team-a", "one-more").is_none());
-    controller_writes_are_narrowed_to_its_own(&lab, &installed, "team-a", "two");
-    owner_labels_are_required_where_the_quota_says(&lab, "team-a");
-    temporary_raises_hold_until_they_expire(&lab, "team-raise");
+    cluster::wait_running(lab, "team-a", "two");
+    assert!(pod_json(lab, "team-a", "one-more").is_none());
+}
 
+/// Queue mode: a GPU pod is created gated and released by the controller when it fits; the
+/// next waits gated until the first is deleted.
+fn queue_mode_gates_and_releases(lab: &ClusterLab) {
     // Queue mode: a GPU pod is created gated and released by the controller when it fits;
     // the next waits gated until the first is deleted.
     // The gate is called there because the controller labelled the namespace (the dry run
     // above already came back gated).
-    namespace_with_quota(&lab, "team-q", "devices", 1, "Queue");
-    assert_eq!(queue_label(&lab, "team-q").as_deref(), Some("true"));
-    let before = webhook_calls(&lab);
+    namespace_with_quota(lab, "team-q", "devices", 1, "Queue");
+    assert_eq!(queue_label(lab, "team-q").as_deref(), Some("true"));
+    let before = webhook_calls(lab);
     let first = lab.create(&pod("team-q", "first", 1), &[]).unwrap();
     assert_eq!(gates(&first), [SCHEDULING_GATE], "created gated: {first}");
-    let after = webhook_calls(&lab);
+    let after = webhook_calls(lab);
     assert!(
         after.1 > before.1 && after.0 > before.0,
         "both webhooks called: {before:?} -> {after:?}"
     );
-    cluster::wait_running(&lab, "team-q", "first");
+    cluster::wait_running(lab, "team-q", "first");
     let second = lab.create(&pod("team-q", "second", 1), &[]).unwrap();
     assert_eq!(gates(&second), [SCHEDULING_GATE]);
     eventually("the second pod to be queued in the GpuQuota status", || {
@@ -479,7 +420,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         let n = &q["status"]["queued"]["devices"]["nvidia.com/gpu"];
         (n == 1 || n == "1").then_some(())
     });
-    let waiting = pod_json(&lab, "team-q", "second").unwrap();
+    let waiting = pod_json(lab, "team-q", "second").unwrap();
     assert_eq!(gates(&waiting), [SCHEDULING_GATE], "released over quota");
     assert_eq!(
         scheduled_reason(&waiting).as_deref(),
@@ -510,13 +451,22 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         "--wait=true",
         "--timeout=120s",
     ]);
-    cluster::wait_running(&lab, "team-q", "second");
+    cluster::wait_running(lab, "team-q", "second");
     // The label removed by hand comes back.
     lab.kubectl_ok(&["label", "namespace", "team-q", "quota.gpuplane.dev/queue-"]);
     eventually("the queue label back on team-q", || {
-        (queue_label(&lab, "team-q")? == "true").then_some(())
+        (queue_label(lab, "team-q")? == "true").then_some(())
     });
+}
 
+/// On a DRA-only node the scheduler serves nvidia.com/gpu through a claim it creates for the
+/// pod, which is not charged again. `agent` stops for the label change; the agent started
+/// again with the DRA API only.
+fn a_dra_only_node_charges_no_claim_twice(
+    lab: &ClusterLab,
+    installed: &cluster::Installed,
+    agent: LabProcess,
+) -> LabProcess {
     // On a DRA-only node the scheduler serves nvidia.com/gpu through a claim it creates for
     // the pod; the pod was charged its GPU, so that claim is not charged again: a quota of
     // exactly one whole GPU (`gpus`, which both would count in) still runs a one-GPU pod.
@@ -527,7 +477,7 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         agent.log_text().contains("changed; stopping").then_some(())
     });
     drop(agent);
-    let agent = LabAgent::start(&lab, &installed.agent, "dra");
+    let agent = LabAgent::start(lab, &installed.agent, "dra");
     eventually(
         "the device plugin's nvidia.com/gpu to leave allocatable",
         || {
@@ -536,21 +486,26 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
             (n.is_null() || n == "0").then_some(())
         },
     );
-    namespace_with_quota(&lab, "team-d", "gpus", 1, "Reject");
+    namespace_with_quota(lab, "team-d", "gpus", 1, "Reject");
     lab.create(&pod("team-d", "via-dra", 1), &[]).unwrap();
-    cluster::wait_running(&lab, "team-d", "via-dra");
-    let p = pod_json(&lab, "team-d", "via-dra").unwrap();
+    cluster::wait_running(lab, "team-d", "via-dra");
+    let p = pod_json(lab, "team-d", "via-dra").unwrap();
     assert!(
         p["status"]["extendedResourceClaimStatus"]["resourceClaimName"].is_string(),
         "served through DRA: {}",
         p["status"]
     );
+    agent
+}
 
+/// A controller outage blocks GPU pods only: pods without GPUs are never sent. The stopped
+/// controller's log.
+fn a_controller_outage_blocks_gpu_pods_only(lab: &ClusterLab, controller: LabProcess) -> String {
     // A controller outage blocks GPU pods only: pods without GPUs are never sent.
     let controller_log = controller.log_text();
     controller.stop();
     lab.create(&pod("team-a", "no-gpus", 0), &[]).unwrap();
-    cluster::wait_running(&lab, "team-a", "no-gpus");
+    cluster::wait_running(lab, "team-a", "no-gpus");
     let err = lab
         .create(&pod("team-a", "gpu-while-down", 1), &[])
         .unwrap_err();
@@ -558,7 +513,15 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
         err.contains(r#"failed calling webhook "quota.gpuplane.dev""#),
         "{err}"
     );
+    controller_log
+}
 
+/// RBAC is exactly enough: the controller is refused what it was not granted, and its `patch
+/// namespaces` covers one label only.
+fn the_controller_is_refused_what_it_was_not_granted(
+    lab: &ClusterLab,
+    installed: &cluster::Installed,
+) {
     // RBAC is exactly enough: the controller is refused what it was not granted, and neither
     // it nor the agent was refused anything over the run.
     let out = lab.kubectl_as(&installed.controller, &["get", "secrets", "-A"], None);
@@ -596,241 +559,4 @@ fn the_real_api_server_calls_the_quota_webhook_of_the_whole_install() {
     }
     let ns = lab.get_json(&["get", "namespace", "team-a"]).unwrap();
     assert!(ns["metadata"]["labels"]["team"].is_null(), "{ns}");
-    assert!(
-        refusals(&controller_log).is_empty(),
-        "the controller was refused a call:\n{controller_log}"
-    );
-    let agent_log = agent.log_text();
-    assert!(
-        refusals(&agent_log).is_empty(),
-        "the agent was refused a call:\n{agent_log}"
-    );
-    drop::<LabProcess>(agent);
-}
-
-/// The `QuotaAdmitted` condition's message, if the controller wrote one.
-fn quota_note(pod: &Value) -> Option<String> {
-    pod["status"]["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == "QuotaAdmitted")?["message"]
-        .as_str()
-        .map(String::from)
-}
-
-/// Issue 28: `kubectl apply` of a pod before its ResourceClaimTemplate (a directory applied in
-/// the wrong order, GitOps) in a governed namespace, Reject mode: the pod is created gated and
-/// told it waits for the template; once the template exists the pod runs, charged once (a
-/// quota of exactly one GPU), and a pod whose template asks for more than the quota allows
-/// stays gated with the quota's reason instead.
-#[test]
-fn a_pod_applied_before_its_claim_template_waits_for_it_then_runs() {
-    let Some(lab) = ClusterLab::start() else {
-        return;
-    };
-    let installed = lab.install(true);
-    let _agent = LabAgent::start(&lab, &installed.agent, "1");
-    let _controller = start_controller(&lab, &installed, "1");
-    cluster::wait_controller_ready(&lab);
-    namespace_with_quota(&lab, "team-t", "gpus", 1, "Reject");
-    for (pod, template) in [("early", "one-gpu"), ("big", "two-gpus")] {
-        let p = lab
-            .create(&cluster::claim_pod("team-t", pod, template), &[])
-            .unwrap();
-        assert_eq!(gates(&p), [SCHEDULING_GATE], "created gated: {p}");
-        let waiting = format!("waiting for ResourceClaimTemplate team-t/{template} to be created");
-        eventually(&format!("pod {pod} told it waits for {template}"), || {
-            let p = pod_json(&lab, "team-t", pod)?;
-            quota_note(&p)?.contains(&waiting).then_some(())
-        });
-    }
-    let p = pod_json(&lab, "team-t", "early").unwrap();
-    assert_eq!(scheduled_reason(&p).as_deref(), Some("SchedulingGated"));
-    let q = lab
-        .get_json(&["get", "gpuquota", "default", "-n", "team-t"])
-        .unwrap();
-    assert!(
-        q["status"]["reservations"]
-            .as_array()
-            .is_none_or(|r| r.is_empty()),
-        "nothing charged while waiting: {}",
-        q["status"]
-    );
-    lab.apply(&cluster::claim_template_of(
-        "team-t",
-        "one-gpu",
-        "gpu.gpuplane.dev",
-        &[],
-    ));
-    lab.apply(&cluster::claim_template_of(
-        "team-t",
-        "two-gpus",
-        "gpu.gpuplane.dev",
-        &[
-            "allocationMode: ExactCount".to_string(),
-            "count: 2".to_string(),
-        ],
-    ));
-    cluster::wait_running(&lab, "team-t", "early");
-    eventually("pod big kept gated with the quota's reason", || {
-        let p = pod_json(&lab, "team-t", "big")?;
-        let note = quota_note(&p)?;
-        (gates(&p) == [SCHEDULING_GATE]
-            && note.contains("can never be admitted")
-            && note.contains("GpuQuota team-t/default"))
-        .then_some(())
-    });
-    eventually("one GPU used in team-t, charged once", || {
-        let q = lab.get_json(&["get", "gpuquota", "default", "-n", "team-t"])?;
-        let used = &q["status"]["used"]["gpus"];
-        (used == 1 || used == "1").then_some(())
-    });
-}
-
-/// Quota prices a claim by the devices its selectors may match; the scheduler allocates from
-/// the ones they do match. Both now run a real CEL engine, so they must agree: on the
-/// a100-mig-mixed node (MIG devices of four profiles on three GPUs), a claim of DeviceClass
-/// `mig.gpuplane.dev` with `allocationMode: All` and each expression gets from the real
-/// scheduler exactly the devices quota's catalog matches with the same expression, read from
-/// the same slices and classes. The expressions use what the old hand-written subset could not
-/// read (`in`, `has`, regex, semver, quantity arithmetic).
-#[test]
-fn quota_and_the_scheduler_select_the_same_devices_with_each_cel_expression() {
-    use gpuplane_model::quota::{selector::Selector, CatalogSettings, ClassMatch, DeviceCatalog};
-    use std::collections::BTreeSet;
-    let Some(lab) = ClusterLab::start() else {
-        return;
-    };
-    let kubeconfig = lab.install_agent_identity();
-    let _agent = LabAgent::start_with(
-        &lab,
-        &kubeconfig,
-        "cel",
-        &["--simulate", "a100-mig-mixed", "--device-plugin=false"],
-        &[],
-        None,
-    );
-    let a = r#"device.attributes["gpu.gpuplane.dev"]"#;
-    let mem = r#"device.capacity["gpu.gpuplane.dev"].memory"#;
-    let expressions = [
-        format!(r#"{a}.profile == "1g.5gb""#),
-        format!(r#"{a}.profile in ["2g.10gb", "4g.20gb"]"#),
-        format!(r#"{mem}.compareTo(quantity("10Gi")) >= 0 && {mem}.isLessThan(quantity("20Gi"))"#),
-        format!(r#"{a}.profile.matches("^[34]g[.]")"#),
-        format!(r#"has({a}.parentIndex) && {a}.parentIndex == 1"#),
-        format!(
-            r#"{a}.driverVersion.isGreaterThan(semver("535.0.0")) && {a}.profile.startsWith("1g")"#
-        ),
-        format!(r#"{a}.profile.endsWith(".5gb") || {a}["profile"] == "3g.20gb""#),
-    ];
-    let devices = eventually("the MIG devices in lab-node's slices", || {
-        let d = cluster::node_devices(&lab);
-        (d.len() > 8).then_some(d)
-    });
-    let slices: Vec<k8s_openapi::api::resource::v1::ResourceSlice> = cluster::node_slices(&lab)
-        .into_iter()
-        .map(|s| serde_json::from_value(s).unwrap())
-        .collect();
-    let classes: Vec<k8s_openapi::api::resource::v1::DeviceClass> =
-        lab.get_json(&["get", "deviceclasses"]).unwrap()["items"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| serde_json::from_value(c.clone()).unwrap())
-            .collect();
-    let catalog = DeviceCatalog::new(&slices, &classes, CatalogSettings::default());
-    for (i, expr) in expressions.iter().enumerate() {
-        let selector = Selector::parse(expr);
-        assert!(selector.understood(), "{expr}");
-        let ClassMatch::Devices(matched) = catalog.matching("mig.gpuplane.dev", &[selector]) else {
-            panic!("quota does not know DeviceClass mig.gpuplane.dev");
-        };
-        let quota_view: BTreeSet<String> = matched.iter().map(|d| d.name.clone()).collect();
-        assert!(
-            !quota_view.is_empty() && quota_view.len() < devices.len(),
-            "{expr}: pick expressions that split the node's devices, not {quota_view:?}"
-        );
-        let name = format!("cel-{i}");
-        let extra = [
-            "allocationMode: All".to_string(),
-            format!("selectors: [{{cel: {{expression: '{expr}'}}}}]"),
-        ];
-        lab.apply(&cluster::claim_template_of(
-            "default",
-            &name,
-            "mig.gpuplane.dev",
-            &extra,
-        ));
-        lab.apply(&cluster::claim_pod("default", &name, &name));
-        let scheduler_view: BTreeSet<String> = cluster::eventually_or(
-            &format!("the claim of pod {name} allocated"),
-            || {
-                let claims = lab.get_json(&["get", "resourceclaims"])?;
-                let claim = claims["items"]
-                    .as_array()?
-                    .iter()
-                    .find(|c| c["metadata"]["ownerReferences"][0]["name"] == name.as_str())?;
-                let results = claim["status"]["allocation"]["devices"]["results"].as_array()?;
-                Some(
-                    results
-                        .iter()
-                        .filter_map(|r| r["device"].as_str().map(String::from))
-                        .collect(),
-                )
-            },
-            || lab.describe_pod(&name),
-        );
-        assert_eq!(scheduler_view, quota_view, "{expr}");
-        // Frees the devices for the next All-mode claim.
-        lab.kubectl_ok(&["delete", "pod", &name, "--wait=true"]);
-    }
-}
-
-/// Issue 26 in the controller: a pod asking 9 GPUs of the 8-GPU lab node carries why it is
-/// Pending as the condition `gpuplane.dev/GPUsAvailable` (the numbers `gpuplane explain`
-/// gives), one Event with the reason, and counts in `gpuplane_pending_gpu_pods`. The
-/// controller runs with the installed RBAC, so its node watch is checked for real.
-#[test]
-fn a_pod_asking_more_gpus_than_the_cluster_has_carries_why_it_is_pending() {
-    let Some(lab) = ClusterLab::start() else {
-        return;
-    };
-    let installed = lab.install(true);
-    let _agent = LabAgent::start(&lab, &installed.agent, "1");
-    let controller = start_controller(&lab, &installed, "1");
-    cluster::wait_controller_ready(&lab);
-    eventually("node lab-node to report nvidia.com/gpu: 8", || {
-        let node = lab.get_json(&["get", "node", NODE])?;
-        (node["status"]["allocatable"]["nvidia.com/gpu"] == "8").then_some(())
-    });
-    lab.create(&pod("default", "nine", 9), &[]).unwrap();
-    let cond = eventually("the GPUsAvailable condition on pod nine", || {
-        let p = pod_json(&lab, "default", "nine")?;
-        let conds = p["status"]["conditions"].as_array()?.clone();
-        conds
-            .into_iter()
-            .find(|c| c["type"] == "gpuplane.dev/GPUsAvailable" && c["reason"] == "Capacity")
-    });
-    assert_eq!(cond["status"], "False", "{cond}");
-    assert_eq!(
-        cond["message"], "needs 9 nvidia.com/gpu; 8 free in the cluster",
-        "{cond}"
-    );
-    let events = eventually("a Capacity Event for pod nine", || {
-        let items = cluster::pod_events(&lab, "default", "nine", "Capacity");
-        (!items.is_empty()).then_some(items)
-    });
-    assert_eq!(events.len(), 1, "{events:?}");
-    assert_eq!(events[0]["type"], "Warning", "{:?}", events[0]);
-    eventually("gpuplane_pending_gpu_pods{reason=Capacity} 1", || {
-        let text = controller_metrics(&lab);
-        text.lines()
-            .any(|l| l == "gpuplane_pending_gpu_pods{reason=\"Capacity\"} 1")
-            .then_some(())
-    });
-    let log = controller.log_text();
-    assert!(
-        refusals(&log).is_empty(),
-        "the controller was refused a call:\n{log}"
-    );
 }
