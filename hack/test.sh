@@ -50,7 +50,11 @@ install -D -m 0755 "$target_dir/ci/gpuplane" "$target_dir/ci/image/gpuplane"
 echo "== build the tests (three integration binaries: tests/it, tests/lab, tests/nvml_fake.rs)"
 # Not --all-targets: the benches would link six more binaries that no test runs; clippy below
 # still type-checks them. The fake NVML and MPS are built by the tests that load them.
-cargo build "${profile[@]}" --workspace --tests --features "$test_features"
+suite_build=(--workspace --tests --features "$test_features")
+cargo build "${profile[@]}" "${suite_build[@]}"
+# The tests ask cargo for their stand-ins (fake NVML, fake MPS) with this very build, which it
+# finds fresh: built once (tests/support/mod.rs, `built_artifact`).
+export GPUPLANE_SUITE_BUILD="${suite_build[*]}"
 echo "== clippy -D warnings"
 cargo clippy "${profile[@]}" --workspace --all-targets -- -D warnings
 # The shipped build leaves the demo and the crash points out; the tests need them.

@@ -46,28 +46,62 @@ pub fn built_fake_cuda_client() -> &'static Path {
     })
 }
 
-/// `cargo build -p <package>` with this test's profile; the file `pick` finds in the
-/// compiler-artifact message of target `target`.
+/// What hack/test.sh built every stand-in with (`cargo build` arguments): asking cargo for the
+/// same build again finds it fresh, where `-p <package>` alone would resolve the workspace's
+/// features differently and compile dozens of crates a second time in the middle of the tests.
+const SUITE_BUILD: &str = "GPUPLANE_SUITE_BUILD";
+
+/// `cargo build` of `package` with this test's profile (the whole suite's build when
+/// [`SUITE_BUILD`] names it); the file `pick` finds in the compiler-artifact message of the
+/// non-test target `target`.
 fn built_artifact(
     package: &str,
     target: &str,
     pick: impl Fn(&serde_json::Value) -> Option<PathBuf>,
 ) -> PathBuf {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let out = Command::new(cargo)
-        .args(["build", "-p", package, "--profile", own_profile()])
+    let what: Vec<String> = match std::env::var(SUITE_BUILD) {
+        Ok(args) if !args.trim().is_empty() => args.split_whitespace().map(String::from).collect(),
+        _ => vec!["-p".into(), package.into()],
+    };
+    let mut build = Command::new(cargo);
+    // What cargo sets for this test process describes the test, not the build: a build script
+    // that reruns when one changes (ring's, on CARGO_MANIFEST_DIR) would otherwise compile its
+    // crate and everything above it again.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name == "CARGO_MANIFEST_DIR"
+            || name == "CARGO_MANIFEST_PATH"
+            || name == "CARGO_CRATE_NAME"
+            || name == "CARGO_PRIMARY_PACKAGE"
+            || name == "CARGO_TARGET_TMPDIR"
+            || name == "OUT_DIR"
+            || name.starts_with("CARGO_PKG_")
+            || name.starts_with("CARGO_BIN_")
+        {
+            build.env_remove(&*name);
+        }
+    }
+    let out = build
+        .arg("build")
+        .args(&what)
+        .args(["--profile", own_profile()])
         .arg("--message-format=json-render-diagnostics")
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .stderr(Stdio::inherit())
         .output()
-        .unwrap_or_else(|e| panic!("run cargo build -p {package}: {e}"));
-    assert!(out.status.success(), "cargo build -p {package} failed");
+        .unwrap_or_else(|e| panic!("run cargo build {what:?}: {e}"));
+    assert!(out.status.success(), "cargo build {what:?} failed");
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == target)
+        .filter(|m| {
+            m["reason"] == "compiler-artifact"
+                && m["target"]["name"] == target
+                && m["profile"]["test"] == false
+        })
         .find_map(|m| pick(&m))
-        .unwrap_or_else(|| panic!("cargo reported no {target} artifact"))
+        .unwrap_or_else(|| panic!("cargo build {what:?} reported no {target} artifact"))
 }
 
 /// The cargo profile this test binary was built with, read from where cargo put the agent
