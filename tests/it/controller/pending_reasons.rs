@@ -178,6 +178,61 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
     task.await.unwrap();
 }
 
+/// Numbers that change twice inside a pod's message window reach the pod when the window
+/// ends, though nothing else changes after: the explainer wakes for them, not at its resync.
+#[tokio::test]
+async fn the_latest_numbers_are_written_when_the_message_window_ends() {
+    use gpuplane_cluster::controller::explainer::{self, ExplainerOptions, CONDITION};
+    use gpuplane_cluster::published::Devices;
+    let server = ApiServerDouble::start().await.unwrap();
+    server.put_json(gpu_node("node-1", 2)).unwrap();
+    let mut opts = ExplainerOptions::new("replica-1");
+    opts.debounce = Duration::from_millis(50);
+    opts.message_refresh = Duration::from_secs(3);
+    // Past the test's limit: only the window's end can bring the last numbers.
+    opts.resync = Duration::from_secs(3600);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let client = server.client().unwrap();
+    let task = tokio::spawn(async move {
+        let devices = Devices::start(&client, Default::default(), |_, _| {});
+        let metrics = Arc::new(QueueMetrics::default());
+        explainer::run(client, opts, devices, metrics, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    let pods: Api<Pod> = Api::namespaced(server.client().unwrap(), QNS);
+    let mut big = pod("big", 8, false);
+    big["spec"].as_object_mut().unwrap().remove("nodeName");
+    pods.create(
+        &PostParams::default(),
+        &serde_json::from_value(big).unwrap(),
+    )
+    .await
+    .unwrap();
+    let message =
+        || async { condition_of(&pods.get("big").await.unwrap(), CONDITION).map(|c| (c.1, c.2)) };
+    let free = |n: u64| {
+        Some((
+            "Capacity".to_string(),
+            format!("needs 8 nvidia.com/gpu; {n} free in the cluster"),
+        ))
+    };
+    eventually_async("the first numbers", LIMIT, || async {
+        message().await == free(2)
+    })
+    .await;
+    // Two changes inside the window: the second's numbers are the ones that must land.
+    server.put_json(gpu_node("node-2", 1)).unwrap();
+    server.put_json(gpu_node("node-3", 1)).unwrap();
+    eventually_async("the latest numbers after the window", LIMIT, || async {
+        message().await == free(4)
+    })
+    .await;
+    let _ = stop.send(());
+    task.await.unwrap();
+}
+
 /// The explainer keeps its device catalog between cycles; a new ResourceSlice or a changed
 /// DeviceClass must still reach the answer (the catalog is rebuilt when either changes).
 #[tokio::test]

@@ -194,6 +194,9 @@ fn our_condition(pod: &Pod) -> Option<&PodCondition> {
 #[derive(Debug, Default)]
 struct Explainer {
     tracked: HashMap<String, Tracked>,
+    /// The earliest end of a message window that held back a pod's newer numbers: the loop
+    /// wakes then to write them, changes or not.
+    held_back_until: Option<Instant>,
 }
 
 impl Explainer {
@@ -209,6 +212,7 @@ impl Explainer {
         let mut writes = Vec::new();
         let mut counts = BTreeMap::new();
         let mut seen = HashSet::new();
+        self.held_back_until = None;
         for pod in pods {
             let cond = our_condition(pod);
             let previous = cond.map(|c| c.status.clone());
@@ -278,7 +282,9 @@ impl Explainer {
             .is_some_and(|c| c.status == "False" && c.reason.as_deref() == Some(e.reason.as_str()));
         let same_message =
             same_reason && cond.and_then(|c| c.message.as_deref()) == Some(e.message.as_str());
-        let refresh_due = t.written.is_none_or(|w| w.elapsed() >= refresh);
+        let window_end = t.written.map(|w| w + refresh);
+        let refresh_due = window_end.is_none_or(|end| Instant::now() >= end);
+        let held_back = window_end.filter(|_| same_reason && !same_message && !refresh_due);
         if !same_reason || (!same_message && refresh_due) {
             writes.push(Write::Condition {
                 pod: PodRef::of(pod),
@@ -295,6 +301,9 @@ impl Explainer {
                 reason: e.reason,
                 message: e.message,
             });
+        }
+        if let Some(end) = held_back {
+            self.held_back_until = Some(self.held_back_until.map_or(end, |h| h.min(end)));
         }
         writes
     }
@@ -483,7 +492,12 @@ pub async fn run(
             // A plan costs CPU in proportion to the cluster: at most half the loop's time.
             tokio::time::sleep(opts.debounce.max(planned)).await;
             if !failed {
-                let _ = tokio::time::timeout(opts.resync, wake.notified()).await;
+                // Newer numbers held back by a pod's message window are written when it ends.
+                let wait = explainer.held_back_until.map_or(opts.resync, |end| {
+                    end.saturating_duration_since(Instant::now())
+                        .min(opts.resync)
+                });
+                let _ = tokio::time::timeout(wait, wake.notified()).await;
             }
         }
     };
