@@ -67,13 +67,16 @@ pub enum Reason {
     /// The kubelet refused it with TopologyAffinityError: the node's free GPUs are not on one
     /// NUMA node, which the scheduler does not see.
     Topology,
+    /// Just released from its scheduling gates (by the quota controller, say): what it asks
+    /// for is free, and the scheduler has not tried it since.
+    Scheduling,
     /// None of the above could be decided: the scheduler's message, quoted.
     Unknown,
 }
 
 impl Reason {
     /// Every reason a waiting pod can have (all but [`Reason::NotWaiting`]), in order.
-    pub const WAITING: [Reason; 10] = [
+    pub const WAITING: [Reason; 11] = [
         Reason::Quota,
         Reason::Gang,
         Reason::Selector,
@@ -83,6 +86,7 @@ impl Reason {
         Reason::Fragmentation,
         Reason::Unhealthy,
         Reason::Topology,
+        Reason::Scheduling,
         Reason::Unknown,
     ];
 
@@ -99,6 +103,7 @@ impl Reason {
             Reason::Fragmentation => "Fragmentation",
             Reason::Unhealthy => "Unhealthy",
             Reason::Topology => "Topology",
+            Reason::Scheduling => "Scheduling",
             Reason::Unknown => "Unknown",
         }
     }
@@ -394,6 +399,14 @@ fn classify(pod: &Pod, cluster: &Cluster) -> (Reason, String) {
     if let Some(answer) = claims::answer(pod, cluster) {
         return answer;
     }
+    if just_released(pod, spec) {
+        return (
+            Reason::Scheduling,
+            "released from its scheduling gates; what it asks for is free on some node, and \
+             the scheduler has not tried it since"
+                .into(),
+        );
+    }
     (
         Reason::Unknown,
         format!(
@@ -401,6 +414,28 @@ fn classify(pod: &Pod, cluster: &Cluster) -> (Reason, String) {
             scheduler_says(pod)
         ),
     )
+}
+
+/// Whether the pod was just released from its scheduling gates: its `PodScheduled` False
+/// condition is still the `SchedulingGated` one the API server set while gates were on, though
+/// none is left (it stays until the scheduler's first attempt).
+fn just_released(pod: &Pod, spec: &PodSpec) -> bool {
+    let gated = spec
+        .scheduling_gates
+        .as_ref()
+        .is_some_and(|g| !g.is_empty());
+    !gated
+        && pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+            .any(|c| {
+                c.type_ == "PodScheduled"
+                    && c.status == "False"
+                    && c.reason.as_deref() == Some("SchedulingGated")
+            })
 }
 
 impl Cluster {

@@ -263,6 +263,34 @@ fn what_it_cannot_classify_it_says_so_quoting_the_scheduler() {
     );
 }
 
+/// Right after the quota controller lifts its gate, the pod still carries the API server's
+/// `SchedulingGated` condition until the scheduler's first attempt: that is a reason of its
+/// own, not the scheduler's stale words. With another gate still on, the words are current.
+#[test]
+fn a_pod_just_released_from_its_gates_is_scheduling_not_unknown() {
+    let gated_condition = json!({"type": "PodScheduled", "status": "False",
+        "reason": "SchedulingGated", "message": "Scheduling is blocked due to non-empty scheduling gates"});
+    let released = pod(
+        "p",
+        1,
+        json!({"status": {"conditions": [gated_condition.clone()]}}),
+    );
+    let nodes = [node("a", 8, json!({}))];
+    let (r, m) = answer(&released, &nodes, &[]);
+    assert_eq!(r, Reason::Scheduling, "{m}");
+    assert!(m.contains("released from its scheduling gates"), "{m}");
+    let still_gated = pod(
+        "p",
+        1,
+        json!({"spec": {"schedulingGates": [{"name": "example.com/other"}]},
+            "status": {"conditions": [gated_condition]}}),
+    );
+    let (r, m) = answer(&still_gated, &nodes, &[]);
+    assert_eq!(r, Reason::Unknown, "{m}");
+    assert!(m.contains("non-empty scheduling gates"), "{m}");
+    assert_eq!(Reason::parse("Scheduling"), Some(Reason::Scheduling));
+}
+
 #[test]
 fn finished_pods_free_their_gpus() {
     let done = pod(
