@@ -27,6 +27,7 @@ mod crash_dynamic_mig;
 mod crash_shares;
 mod demo;
 mod deviceplugin;
+mod docs_examples;
 mod dra_core;
 mod dra_dynamic_mig;
 mod dra_events;

@@ -200,6 +200,14 @@ struct Explainer {
 }
 
 impl Explainer {
+    /// How long the loop may wait for a change: `resync` at most, and no later than the end of
+    /// a message window that held back a pod's newer numbers, which are written then.
+    fn idle(&self, resync: Duration) -> Duration {
+        self.held_back_until.map_or(resync, |end| {
+            end.saturating_duration_since(Instant::now()).min(resync)
+        })
+    }
+
     /// The writes that bring every pod's condition and Events in step with `cluster`, and how
     /// many pods wait per reason. Pods that left the explained set are observed in `metrics`.
     fn plan(
@@ -422,6 +430,30 @@ async fn write(client: &kube::Client, w: &Write, instance: &str) -> Result<(), k
     }
 }
 
+/// Cycles once the stores have listed, then again on each change (and at the end of a held-back
+/// message window, and at resync); never returns while they have.
+async fn explain_each_change(
+    client: &kube::Client,
+    stores: &Stores,
+    opts: &ExplainerOptions,
+    metrics: &QueueMetrics,
+    wake: &Notify,
+) {
+    if !stores.ready().await {
+        return;
+    }
+    let mut explainer = Explainer::default();
+    loop {
+        let (failed, planned) = explainer.cycle(client, stores, opts, metrics).await;
+        // A plan costs CPU in proportion to the cluster: at most half the loop's time.
+        tokio::time::sleep(opts.debounce.max(planned)).await;
+        if !failed {
+            let idle = explainer.idle(opts.resync);
+            let _ = tokio::time::timeout(idle, wake.notified()).await;
+        }
+    }
+}
+
 /// Runs the explainer until `stop`.
 pub async fn run(
     client: kube::Client,
@@ -482,25 +514,7 @@ pub async fn run(
         templates,
         changes: changes.clone(),
     };
-    let work = async {
-        if !stores.ready().await {
-            return;
-        }
-        let mut explainer = Explainer::default();
-        loop {
-            let (failed, planned) = explainer.cycle(&client, &stores, &opts, &metrics).await;
-            // A plan costs CPU in proportion to the cluster: at most half the loop's time.
-            tokio::time::sleep(opts.debounce.max(planned)).await;
-            if !failed {
-                // Newer numbers held back by a pod's message window are written when it ends.
-                let wait = explainer.held_back_until.map_or(opts.resync, |end| {
-                    end.saturating_duration_since(Instant::now())
-                        .min(opts.resync)
-                });
-                let _ = tokio::time::timeout(wait, wake.notified()).await;
-            }
-        }
-    };
+    let work = explain_each_change(&client, &stores, &opts, &metrics, &wake);
     let feeds = async { tokio::join!(f1, f2, f3, f4, relay) };
     tokio::select! {
         _ = stop => {}
