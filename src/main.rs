@@ -318,7 +318,7 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn run_explain(args: ExplainArgs) -> Result<()> {
-    use gpuplane_cluster::explain;
+    use gpuplane_cluster::explain_cli;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let settings = gpuplane_model::quota::CatalogSettings {
         time_slicing: args.time_sliced.into_iter().collect(),
@@ -328,10 +328,10 @@ fn run_explain(args: ExplainArgs) -> Result<()> {
         let client = gpuplane_common::kubeclient::client(args.kubeconfig.as_deref()).await?;
         let answers = match &args.what {
             ExplainWhat::Pod { pod: (ns, name) } => {
-                vec![explain::pod(&client, settings, ns, name, args.live).await?]
+                vec![explain_cli::pod(&client, settings, ns, name, args.live).await?]
             }
             ExplainWhat::Namespace { namespace } => {
-                explain::namespace(&client, settings, namespace, args.live).await?
+                explain_cli::namespace(&client, settings, namespace, args.live).await?
             }
         };
         anyhow::Ok(answers)
@@ -343,7 +343,7 @@ fn run_explain(args: ExplainArgs) -> Result<()> {
         (Output::Json, ExplainWhat::Namespace { .. }) => {
             println!("{}", serde_json::to_string_pretty(&answers)?)
         }
-        (Output::Table, _) => print!("{}", explain::render_table(&answers)),
+        (Output::Table, _) => print!("{}", explain_cli::render_table(&answers)),
     }
     Ok(())
 }

@@ -4,7 +4,7 @@
 //! same pod through the same client.
 
 use super::common::{percentiles, row};
-use gpuplane_cluster::explain;
+use gpuplane_cluster::explain_cli;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
@@ -74,7 +74,7 @@ pub async fn explain_bench() {
     let ask = |live: bool| {
         let client = client.clone();
         async move {
-            let e = explain::pod(&client, Default::default(), NS, "frag", live)
+            let e = explain_cli::pod(&client, Default::default(), NS, "frag", live)
                 .await
                 .unwrap();
             assert_eq!(e.reason.as_str(), "Fragmentation");

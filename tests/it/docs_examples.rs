@@ -145,7 +145,7 @@ fn every_documented_quota_denial_is_what_the_quota_check_says() {
 /// row and with a row of its own in the reasons table, and no reason the product lacks.
 #[test]
 fn every_reason_explain_gives_is_documented_and_no_other() {
-    use gpuplane_cluster::explain::Reason;
+    use gpuplane_cluster::explain_cli::Reason;
     let docs = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/troubleshooting.md"),
     )

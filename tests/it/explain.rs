@@ -169,7 +169,7 @@ async fn explain_namespace_reads_the_cluster_only_for_pods_without_the_controlle
 /// product writes, with either source.
 #[test]
 fn the_documented_json_fields_are_the_ones_written() {
-    use gpuplane_cluster::explain::{Explanation, Reason, Source};
+    use gpuplane_cluster::explain_cli::{Explanation, Reason, Source};
     let docs = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/troubleshooting.md"),
     )

@@ -10,7 +10,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod controller;
-pub mod explain;
+pub mod explain_cli;
 pub mod published;
 pub mod reflect;
 pub mod webhook;

@@ -9,7 +9,7 @@ use super::{poll, Context, NODE_NAMESPACE};
 use crate::demo::summary::Outcome;
 use crate::demo::Narrator;
 use crate::doubles::lab::NODE;
-use gpuplane_cluster::explain::{Explanation, Reason, Source};
+use gpuplane_cluster::explain_cli::{Explanation, Reason, Source};
 use gpuplane_model::quota::catalog::GPU_RESOURCE;
 use gpuplane_model::quota::CatalogSettings;
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -150,7 +150,7 @@ async fn answers(
     say: &mut Narrator<'_>,
 ) -> Result<(Explanation, Explanation), String> {
     let explain = |live| {
-        gpuplane_cluster::explain::pod(
+        gpuplane_cluster::explain_cli::pod(
             &cx.client,
             CatalogSettings::default(),
             NODE_NAMESPACE,
