@@ -488,3 +488,85 @@ fn only_the_state_owner_and_the_dra_cores_instances_write_the_inventory() {
         "inventory written outside its owners: {found:#?}"
     );
 }
+
+/// The top-level modules a file's code (not its comments or tests) names through
+/// `crate::`: `crate::quota::Charge` and `use crate::{quota, sim}` alike.
+fn crate_modules_named(text: &str) -> std::collections::BTreeSet<String> {
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut out = std::collections::BTreeSet::new();
+    for line in non_test_lines(text) {
+        let code = line.split("//").next().unwrap_or("");
+        for (at, _) in code.match_indices("crate::") {
+            let rest = &code[at + "crate::".len()..];
+            if let Some(list) = rest.strip_prefix('{') {
+                let list = list.split('}').next().unwrap_or("");
+                out.extend(list.split(',').map(|m| ident(m.trim())));
+            } else {
+                out.insert(ident(rest));
+            }
+        }
+    }
+    out.retain(|m| !m.is_empty());
+    out
+}
+
+/// The pure core is layered: no two of its modules (`config`, `quota`, `inventory`, ...) name
+/// each other, directly or around a circle, so each can be read and tested from the bottom up.
+#[test]
+fn the_models_modules_form_no_circle() {
+    let mut edges: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+        Default::default();
+    for (rel, text) in sources("crates/model/src") {
+        let module = rel.split(['/', '.']).next().unwrap_or_default().to_string();
+        if rel.contains("tests") || module == "lib" {
+            continue;
+        }
+        let named = crate_modules_named(&text);
+        edges
+            .entry(module.clone())
+            .or_default()
+            .extend(named.into_iter().filter(|m| *m != module));
+    }
+    assert!(
+        edges.len() > 15,
+        "the model's modules were not read: {edges:?}"
+    );
+    // A depth-first walk; a module met again on the current path closes a circle.
+    fn walk(
+        m: &str,
+        edges: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut std::collections::BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|p| p == m) {
+            let mut circle = path[at..].to_vec();
+            circle.push(m.to_string());
+            return Some(circle);
+        }
+        if !done.insert(m.to_string()) {
+            return None;
+        }
+        path.push(m.to_string());
+        for next in edges.get(m).into_iter().flatten() {
+            if let Some(c) = walk(next, edges, path, done) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        None
+    }
+    let mut done = Default::default();
+    for m in edges.keys() {
+        if let Some(circle) = walk(m, &edges, &mut Vec::new(), &mut done) {
+            panic!(
+                "the model's modules name each other around a circle: {}; move what both need \
+                 below them",
+                circle.join(" -> ")
+            );
+        }
+    }
+}

@@ -19,7 +19,7 @@ pub use devices::{
 
 use crate::gpu_select::{GpuSelect, InvalidField};
 use crate::inventory::mig::{self, MigCatalogue};
-use crate::inventory::{Gpu, Inventory, MigDevice};
+use crate::inventory::{DeviceRef, Gpu, Inventory, MigDevice};
 use serde::Deserialize;
 use std::fmt;
 
@@ -234,6 +234,30 @@ fn check(
 pub fn mark(inv: &mut Inventory, p: &Participation) {
     for g in &mut inv.gpus {
         g.mig.dynamic = p.takes_part(g.index);
+    }
+}
+
+// Here rather than beside `Inventory::dra_devices`: resolving a name needs the dynamic devices,
+// and the inventory sits below this module.
+impl Inventory {
+    /// The DRA device with this name; for a dynamic MIG device, its instance once it exists
+    /// (placements never overlap, so at most one instance sits at the device's profile and
+    /// start): a prepared dynamic device is then planned, specified and held as that MIG device.
+    pub fn dra_device(&self, name: &str) -> Option<DeviceRef<'_>> {
+        self.dra_devices()
+            .into_iter()
+            .find(|d| d.dra_name() == name)
+            .or_else(|| {
+                let d = device(self, name)?;
+                let request = d.to_request();
+                let mig = d.parent.mig_devices.iter().find(|m| {
+                    m.placement.start == request.start && m.profile.as_str() == request.profile
+                })?;
+                Some(DeviceRef::Mig {
+                    parent: d.parent,
+                    mig,
+                })
+            })
     }
 }
 

@@ -61,8 +61,8 @@ pub fn profile_label(profile: &str) -> String {
 impl Inventory {
     /// Every DRA device: whole GPUs with MIG off, and the MIG devices of GPUs with MIG on (a
     /// partitioned GPU is not also offered whole: NVIDIA's driver did that and double-booked it).
-    /// GPUs partitioned by dynamic MIG (`mig.dynamic`) are left out: their devices are
-    /// [`crate::dynamic_mig::devices`].
+    /// GPUs partitioned by dynamic MIG (`mig.dynamic`) are left out: the `dynamic_mig` module
+    /// names their devices.
     pub fn dra_devices(&self) -> Vec<DeviceRef<'_>> {
         let mut out = Vec::new();
         for g in self.gpus.iter().filter(|g| !g.mig.dynamic) {
@@ -77,26 +77,6 @@ impl Inventory {
             }
         }
         out
-    }
-
-    /// The DRA device with this name; for a dynamic MIG device, its instance once it exists
-    /// (placements never overlap, so at most one instance sits at the device's profile and
-    /// start): a prepared dynamic device is then planned, specified and held as that MIG device.
-    pub fn dra_device(&self, name: &str) -> Option<DeviceRef<'_>> {
-        self.dra_devices()
-            .into_iter()
-            .find(|d| d.dra_name() == name)
-            .or_else(|| {
-                let d = crate::dynamic_mig::device(self, name)?;
-                let request = d.to_request();
-                let mig = d.parent.mig_devices.iter().find(|m| {
-                    m.placement.start == request.start && m.profile.as_str() == request.profile
-                })?;
-                Some(DeviceRef::Mig {
-                    parent: d.parent,
-                    mig,
-                })
-            })
     }
 }
 
