@@ -18,6 +18,7 @@ mod crash_node;
 
 mod apiserver_double;
 mod architecture;
+mod async_blocking;
 mod cdi_podman;
 mod cdi_specs;
 mod cli;

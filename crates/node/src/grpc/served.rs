@@ -99,8 +99,15 @@ impl Served {
     /// in-flight calls get [`STOP_GRACE`]). File first: a socket file nobody listens on is what
     /// a kubelet must never find (it dials, gets "connection refused" and backs off).
     pub async fn stop(mut self) {
-        if self.id.is_some() && file_id(&self.socket) == self.id {
-            remove_socket(&self.socket, self.what);
+        // File work, off the runtime: a stat and an unlink of the socket, if still ours.
+        let (socket, id, what) = (self.socket.clone(), self.id, self.what);
+        let removed = tokio::task::spawn_blocking(move || {
+            if id.is_some() && file_id(&socket) == id {
+                remove_socket(&socket, what);
+            }
+        });
+        if let Err(e) = removed.await {
+            tracing::warn!(socket = %self.socket.display(), error = %e, "removing the {} socket did not finish", self.what);
         }
         let _ = self.stop.send(true);
         if tokio::time::timeout(STOP_GRACE, &mut self.task)
