@@ -149,28 +149,41 @@ pub struct ClusterLab {
     _slot: LabSlot,
 }
 
-/// The machine's one lab: its cores are few, and two labs would double every wait. Tests of
-/// one binary run on several threads, so a lab waits for the one before it to be torn down.
-/// A token rather than a `MutexGuard`, which could not move to another thread with its lab.
+/// The machine's lab slots: `GPUPLANE_LABS` labs at once (default 1: on two cores a second lab
+/// doubles every wait rather than halving the tier; benches/results/labs_at_once.txt has the
+/// measurement). Tests of one binary run on several threads, so a lab waits for a slot to be
+/// torn down. A token rather than a `MutexGuard`, which could not move to another thread with
+/// its lab.
 struct LabSlot;
 
-static LAB_BUSY: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
+static LABS_RUNNING: std::sync::Mutex<usize> = std::sync::Mutex::new(0);
 static LAB_FREED: std::sync::Condvar = std::sync::Condvar::new();
+
+/// How many labs may run at once.
+fn lab_slots() -> usize {
+    std::env::var("GPUPLANE_LABS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(1)
+}
 
 impl LabSlot {
     fn take() -> LabSlot {
-        let mut busy = LAB_BUSY.lock().unwrap_or_else(|e| e.into_inner());
-        while *busy {
-            busy = LAB_FREED.wait(busy).unwrap_or_else(|e| e.into_inner());
+        let slots = lab_slots();
+        let mut running = LABS_RUNNING.lock().unwrap_or_else(|e| e.into_inner());
+        while *running >= slots {
+            running = LAB_FREED.wait(running).unwrap_or_else(|e| e.into_inner());
         }
-        *busy = true;
+        *running += 1;
         LabSlot
     }
 }
 
 impl Drop for LabSlot {
     fn drop(&mut self) {
-        *LAB_BUSY.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        let mut running = LABS_RUNNING.lock().unwrap_or_else(|e| e.into_inner());
+        *running = running.saturating_sub(1);
         LAB_FREED.notify_one();
     }
 }
