@@ -11,6 +11,7 @@ use gpuplane_node::cdi::Spec;
 use gpuplane_node::dra::checkpoint::{self, CheckpointData, ClaimState};
 use gpuplane_node::dra::core::{spec_stem, DraCore, DraCoreConfig};
 use gpuplane_node::dra::fetch::ClaimFetcher;
+use gpuplane_node::dra::service::kubelet_error;
 use gpuplane_node::dra::{ClaimRef, ClaimUid, DraDriver};
 use gpuplane_node::node::dra::desired_slices;
 use gpuplane_node::node::state::{NodeState, Snapshot};
@@ -124,13 +125,17 @@ impl Env {
 }
 
 async fn prepare(core: &DraCore, c: &ClaimRef) -> Result<(), String> {
+    // The error as the kubelet gets it, from the gRPC edge.
     let mut out = core.prepare(vec![c.clone()]).await;
-    out.remove(c.uid.as_str()).unwrap().map(|_| ())
+    out.remove(&c.uid)
+        .unwrap()
+        .map(|_| ())
+        .map_err(|e| kubelet_error(c, &e))
 }
 
 async fn unprepare(core: &DraCore, c: &ClaimRef) {
     let mut out = core.unprepare(vec![c.clone()]).await;
-    out.remove(c.uid.as_str()).unwrap().unwrap();
+    out.remove(&c.uid).unwrap().unwrap();
 }
 
 fn placements(instances: &[MigDevice]) -> Vec<(String, u32)> {

@@ -3,10 +3,12 @@
 //! socket re-creation and shutdown, all driven through the kubelet DRA double against a fake
 //! `DraDriver` (the real core is tested on its own).
 
+use gpuplane_node::dra::core::{PrepareError, UnprepareError};
+use gpuplane_node::dra::fetch::FetchError;
 use gpuplane_node::dra::server::{DraPaths, DraServer};
 use gpuplane_node::dra::service::RawClaim;
 use gpuplane_node::dra::{
-    ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
+    ClaimRef, ClaimUid, DeviceHealthReport, DeviceHealthState, DraDriver, PreparedDevice,
 };
 use gpuplane_node::proto::dra_health_v1::HealthStatus;
 use gpuplane_node::proto::pluginregistration_v1 as reg_pb;
@@ -85,22 +87,33 @@ fn device_for(uid: &str) -> PreparedDevice {
 
 #[async_trait::async_trait]
 impl DraDriver for FakeDriver {
-    async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
+    async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> BTreeMap<ClaimUid, Result<Vec<PreparedDevice>, PrepareError>> {
         self.calls.lock().unwrap().push(("prepare", claims.clone()));
         claims
             .into_iter()
             .map(|c| {
                 let r = if c.uid == FAILING_UID {
-                    Err("claim not found in the API server".into())
+                    Err(PrepareError::Fetch {
+                        cause: Box::new(FetchError::NotFound {
+                            namespace: c.namespace.to_string(),
+                            name: c.name.to_string(),
+                        }),
+                    })
                 } else {
                     Ok(vec![device_for(&c.uid)])
                 };
-                (c.uid.into(), r)
+                (c.uid, r)
             })
             .collect()
     }
 
-    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
+    async fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> BTreeMap<ClaimUid, Result<(), UnprepareError>> {
         self.calls
             .lock()
             .unwrap()
@@ -109,11 +122,11 @@ impl DraDriver for FakeDriver {
             .into_iter()
             .map(|c| {
                 let r = if c.uid == FAILING_UID {
-                    Err("checkpoint busy".into())
+                    Err(UnprepareError::Worker("checkpoint busy".into()))
                 } else {
                     Ok(())
                 };
-                (c.uid.into(), r)
+                (c.uid, r)
             })
             .collect()
     }
@@ -326,9 +339,12 @@ async fn prepare_and_unprepare(options: KubeletDraOptions, version: DraVersion) 
         vec![OK_UID, FAILING_UID, SHARED_UID, "uid-no-name", "uid-no-ns"]
     );
     assert_eq!(prepared[OK_UID], Ok(vec![device_for(OK_UID)]));
+    // The driver's typed error, made the kubelet's text at the gRPC edge.
     assert_eq!(
         prepared[FAILING_UID],
-        Err("claim not found in the API server".to_string())
+        Err(format!(
+            "claim team-a/gone ({FAILING_UID}): ResourceClaim team-a/gone not found"
+        ))
     );
     assert_eq!(
         prepared["uid-no-name"],
@@ -353,7 +369,12 @@ async fn prepare_and_unprepare(options: KubeletDraOptions, version: DraVersion) 
     assert_eq!(unprepared.len(), claims.len());
     assert_eq!(unprepared[OK_UID], Ok(()));
     assert_eq!(unprepared[SHARED_UID], Ok(()));
-    assert_eq!(unprepared[FAILING_UID], Err("checkpoint busy".to_string()));
+    assert_eq!(
+        unprepared[FAILING_UID],
+        Err(format!(
+            "claim team-a/gone ({FAILING_UID}): the file-writing job failed: checkpoint busy"
+        ))
+    );
     assert!(unprepared["uid-no-name"].is_err());
     assert!(unprepared["uid-no-ns"].is_err());
 

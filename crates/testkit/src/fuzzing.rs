@@ -402,8 +402,10 @@ pub fn deviceplugin_request(data: &[u8]) {
             return;
         };
         for c in &req.container_requests {
-            let Ok(grant) =
-                allocate::allocate(plan, &health, cfg, &c.devices_ids, DeviceMode::Hardware)
+            // As the gRPC service does: the strings parsed once, then decided.
+            let mode = DeviceMode::Hardware;
+            let Ok(grant) = allocate::parse_ids(plan, &health, cfg, &c.devices_ids, mode)
+                .and_then(|ids| allocate::allocate(plan, &health, cfg, &ids, mode))
             else {
                 continue;
             };

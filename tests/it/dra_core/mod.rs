@@ -12,6 +12,7 @@ use gpuplane_node::cdi::Spec;
 use gpuplane_node::dra::checkpoint::{self, CheckpointData, ClaimEntry, ClaimState};
 use gpuplane_node::dra::core::{spec_stem, DraCore, DraCoreConfig};
 use gpuplane_node::dra::fetch::ClaimFetcher;
+use gpuplane_node::dra::service::kubelet_error;
 use gpuplane_node::dra::{ClaimRef, ClaimUid, DeviceHealthState, DraDriver, PreparedDevice};
 use gpuplane_node::node::state::{NodeState, Snapshot};
 use gpuplane_node::paths::HostPaths;
@@ -114,10 +115,10 @@ impl Env {
         }
     }
 
-    fn core(&self) -> DraCore {
+    fn core(&self) -> AsKubelet {
         let fetcher: Arc<dyn ClaimFetcher> = self.claims.clone();
         let source = Arc::new(SimSource::new(self.inv.clone()));
-        DraCore::new(self.config(), self.state.clone(), fetcher, source).unwrap()
+        AsKubelet(DraCore::new(self.config(), self.state.clone(), fetcher, source).unwrap())
     }
 
     fn cdi(&self) -> PathBuf {
@@ -189,6 +190,43 @@ fn mtimes(dir: &Path) -> BTreeMap<String, std::time::SystemTime> {
             )
         })
         .collect()
+}
+
+/// The core with its answers as the kubelet gets them: each typed error made the kubelet's
+/// string the way the gRPC edge makes it ([`kubelet_error`]), keyed by UID.
+struct AsKubelet(DraCore);
+
+impl std::ops::Deref for AsKubelet {
+    type Target = DraCore;
+    fn deref(&self) -> &DraCore {
+        &self.0
+    }
+}
+
+type Answers<T> = BTreeMap<String, Result<T, String>>;
+
+/// Each answer with its error as the kubelet reads it.
+fn as_kubelet<T, E: std::fmt::Display>(
+    claims: &[ClaimRef],
+    answers: BTreeMap<ClaimUid, Result<T, E>>,
+) -> Answers<T> {
+    answers
+        .into_iter()
+        .map(|(uid, r)| {
+            let c = claims.iter().find(|c| c.uid == uid).expect("a claim asked");
+            (uid.to_string(), r.map_err(|e| kubelet_error(c, &e)))
+        })
+        .collect()
+}
+
+impl AsKubelet {
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> Answers<Vec<PreparedDevice>> {
+        as_kubelet(&claims, DraDriver::prepare(&self.0, claims.clone()).await)
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> Answers<()> {
+        as_kubelet(&claims, DraDriver::unprepare(&self.0, claims.clone()).await)
+    }
 }
 
 fn devices(r: &Result<Vec<PreparedDevice>, String>) -> &[PreparedDevice] {

@@ -1,12 +1,13 @@
 //! Allocate and GetPreferredAllocation decisions for one resource (pure).
 //!
 //! Takes the resource's plan, device health and the request; returns what the container gets or
-//! a refusal the kubelet will show the user. No gRPC types: the service converts.
+//! a refusal the kubelet will show the user. No gRPC types: the service converts, and parses
+//! the kubelet's device IDs once ([`parse_ids`]); Allocate decides on [`DeviceId`]s.
 
 use super::resources::{PluginDevice, ResourcePlan};
 use crate::config::{AgentConfig, DeviceListStrategy};
 use crate::health::{Health, HealthBook};
-use crate::inventory::{DeviceUuid, ResourceName};
+use crate::inventory::{DeviceId, DeviceUuid, ResourceName};
 use crate::ledger::{Holder, Ledger};
 use crate::source::DeviceMode;
 use crate::topology::{self, PreferError, TopologyModel};
@@ -68,33 +69,28 @@ pub fn allocate(
     plan: &ResourcePlan,
     health: &HealthBook,
     cfg: &AgentConfig,
-    ids: &[String],
+    ids: &[DeviceId],
     mode: DeviceMode,
 ) -> Result<ContainerGrant, AllocateError> {
     let resource = plan.name.to_string();
-    if plan.replicas > 1 && cfg.fail_requests_greater_than_one && ids.len() > 1 {
-        return Err(AllocateError::TooManyReplicas {
-            resource,
-            requested: ids.len(),
-        });
-    }
+    check_count(plan, cfg, ids.len())?;
     let mut seen = BTreeSet::new();
     let mut units: Vec<&PluginDevice> = Vec::with_capacity(ids.len());
     for id in ids {
         if !seen.insert(id.as_str()) {
             return Err(AllocateError::Duplicate {
                 resource,
-                id: id.clone(),
+                id: id.to_string(),
             });
         }
         let dev = find(plan, id).ok_or_else(|| AllocateError::UnknownDevice {
             resource: resource.clone(),
-            id: id.clone(),
+            id: id.to_string(),
         })?;
         if let Health::Unhealthy(cause) = health.health(&dev.unit) {
             return Err(AllocateError::Unhealthy {
                 resource,
-                id: id.clone(),
+                id: id.to_string(),
                 cause: cause.to_string(),
             });
         }
@@ -130,6 +126,50 @@ pub fn allocate(
     Ok(grant)
 }
 
+/// A time-sliced resource limited to one replica per container refuses more (checked before any
+/// ID).
+fn check_count(
+    plan: &ResourcePlan,
+    cfg: &AgentConfig,
+    requested: usize,
+) -> Result<(), AllocateError> {
+    if plan.replicas > 1 && cfg.fail_requests_greater_than_one && requested > 1 {
+        return Err(AllocateError::TooManyReplicas {
+            resource: plan.name.to_string(),
+            requested,
+        });
+    }
+    Ok(())
+}
+
+/// The kubelet's device IDs for one container, parsed once (at the gRPC edge) for [`allocate`].
+/// An ID that does not parse names no device of this node, so it is refused as an unknown one,
+/// and only where [`allocate`] would come to it: after the replica count and the IDs before it,
+/// so a request with several faults gets the refusal it always got.
+pub fn parse_ids(
+    plan: &ResourcePlan,
+    health: &HealthBook,
+    cfg: &AgentConfig,
+    raw: &[String],
+    mode: DeviceMode,
+) -> Result<Vec<DeviceId>, AllocateError> {
+    let mut ids = Vec::with_capacity(raw.len());
+    for id in raw {
+        match DeviceId::parse(id.as_str()) {
+            Ok(id) => ids.push(id),
+            Err(_) => {
+                check_count(plan, cfg, raw.len())?;
+                allocate(plan, health, cfg, &ids, mode)?;
+                return Err(AllocateError::UnknownDevice {
+                    resource: plan.name.to_string(),
+                    id: id.clone(),
+                });
+            }
+        }
+    }
+    Ok(ids)
+}
+
 /// The ledger holder the device plugin records for a container's devices.
 pub fn holder(resource: &ResourceName, ids: &[String]) -> Holder {
     Holder::DevicePlugin {
@@ -145,7 +185,7 @@ pub fn holder(resource: &ResourceName, ids: &[String]) -> Holder {
 pub fn hold(
     plan: &ResourcePlan,
     ledger: &mut Ledger,
-    ids: &[String],
+    ids: &[DeviceId],
     now: Instant,
 ) -> Result<(Vec<DeviceUuid>, bool), AllocateError> {
     let mut units: Vec<DeviceUuid> = ids
@@ -159,13 +199,14 @@ pub fn hold(
     let newly = units
         .iter()
         .any(|u| !matches!(ledger.holder(u), Some(Holder::DevicePlugin { .. })));
+    let device_ids: Vec<String> = ids.iter().map(DeviceId::to_string).collect();
     ledger
-        .hold_all(&units, &holder(&plan.name, ids), now)
+        .hold_all(&units, &holder(&plan.name, &device_ids), now)
         .map_err(|held| {
             let id = plan
                 .devices
                 .iter()
-                .find(|d| d.unit == held.unit && ids.contains(&d.id))
+                .find(|d| d.unit == held.unit && device_ids.contains(&d.id))
                 .map_or(held.unit.to_string(), |d| d.id.clone());
             AllocateError::Held {
                 resource: plan.name.to_string(),
@@ -379,6 +420,10 @@ mod tests {
         (p, TopologyModel::new(&inv), health, cfg)
     }
 
+    fn dev(p: &ResourcePlan, i: usize) -> DeviceId {
+        DeviceId::parse(p.devices[i].id.as_str()).unwrap()
+    }
+
     fn ids(p: &ResourcePlan) -> Vec<String> {
         p.devices.iter().map(|d| d.id.clone()).collect()
     }
@@ -393,7 +438,7 @@ mod tests {
             &p,
             &health,
             &cfg,
-            &[p.devices[0].id.clone(), p.devices[1].id.clone()],
+            &[dev(&p, 0), dev(&p, 1)],
             DeviceMode::Hardware,
         )
         .unwrap();
@@ -407,7 +452,7 @@ mod tests {
     #[test]
     fn simulated_devices_get_their_uuids_in_nvidia_visible_devices() {
         let (p, _, health, cfg) = setup("h100-mig-single", "flags: {migStrategy: single}");
-        let picked = [p.devices[3].id.clone(), p.devices[0].id.clone()];
+        let picked = [dev(&p, 3), dev(&p, 0)];
         let g = allocate(&p, &health, &cfg, &picked, DeviceMode::Simulated).unwrap();
         let uuids = format!("{},{}", p.devices[3].unit, p.devices[0].unit);
         assert!(uuids.contains("MIG-"), "{uuids}");
@@ -418,25 +463,55 @@ mod tests {
             "pcie-l4x4",
             "flags: {plugin: {deviceListStrategy: [envvar, cdi-cri], deviceIDStrategy: index}}",
         );
-        let g = allocate(
-            &p,
-            &health,
-            &cfg,
-            &[p.devices[1].id.clone()],
-            DeviceMode::Simulated,
-        )
-        .unwrap();
+        let g = allocate(&p, &health, &cfg, &[dev(&p, 1)], DeviceMode::Simulated).unwrap();
         assert_eq!(g.envs.get(VISIBLE_DEVICES).map(String::as_str), Some("1"));
     }
 
     #[test]
     fn duplicate_ids_are_refused() {
         let (p, _, health, cfg) = setup("pcie-l4x4", "");
-        let id = p.devices[0].id.clone();
+        let id = dev(&p, 0);
         assert!(matches!(
             allocate(&p, &health, &cfg, &[id.clone(), id], DeviceMode::Hardware),
             Err(AllocateError::Duplicate { .. })
         ));
+    }
+
+    #[test]
+    fn an_id_that_is_none_is_refused_as_unknown_where_allocate_comes_to_it() {
+        let (p, _, health, cfg) = setup("pcie-l4x4", "");
+        let parse = |raw: &[&str]| {
+            let raw: Vec<String> = raw.iter().map(|s| s.to_string()).collect();
+            parse_ids(&p, &health, &cfg, &raw, DeviceMode::Hardware)
+        };
+        let unknown = |id: &str| AllocateError::UnknownDevice {
+            resource: "nvidia.com/gpu".into(),
+            id: id.into(),
+        };
+        let first = p.devices[0].id.as_str();
+        assert_eq!(parse(&[first]), Ok(vec![dev(&p, 0)]));
+        // An unknown ID before a malformed one is the refusal, as it always was.
+        assert_eq!(parse(&["GPU-nope", ""]), Err(unknown("GPU-nope")));
+        assert_eq!(parse(&[first, "a b"]), Err(unknown("a b")));
+        let dup = parse(&[first, first, ""]);
+        assert!(
+            matches!(dup, Err(AllocateError::Duplicate { .. })),
+            "{dup:?}"
+        );
+        // The replica count comes before any ID.
+        let (p, _, health, cfg) = setup(
+            "pcie-l4x4",
+            "sharing: {timeSlicing: {failRequestsGreaterThanOne: true, resources: [{name: nvidia.com/gpu, replicas: 2}]}}",
+        );
+        let raw = vec![String::new(), p.devices[0].id.clone()];
+        let many = parse_ids(&p, &health, &cfg, &raw, DeviceMode::Hardware);
+        assert!(
+            matches!(
+                many,
+                Err(AllocateError::TooManyReplicas { requested: 2, .. })
+            ),
+            "{many:?}"
+        );
     }
 
     #[test]

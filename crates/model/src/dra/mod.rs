@@ -51,7 +51,8 @@ pub struct PreparedDevice {
     pub share_id: Option<String>,
 }
 
-/// Per-claim answer: the prepared devices, or an error message the kubelet shows and retries.
+/// Per-claim answer as the kubelet receives it: the prepared devices, or the error message it
+/// shows and retries on. The driver's answers are typed; the gRPC edge makes this.
 pub type PrepareResult = Result<Vec<PreparedDevice>, String>;
 
 /// Health of one published device, for the DRA health stream.

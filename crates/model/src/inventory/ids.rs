@@ -1,6 +1,6 @@
 //! The identities a device carries, checked once where they enter: a GPU or MIG device UUID
-//! ([`DeviceUuid`]), a MIG profile name ([`MigProfile`]) and a kubelet extended resource name
-//! ([`ResourceName`]). NVML, the simulation profiles, the config file and the fake NVML parse
+//! ([`DeviceUuid`]), a MIG profile name ([`MigProfile`]), a kubelet extended resource name
+//! ([`ResourceName`]) and a device plugin device ID ([`DeviceId`], parsed at the gRPC edge). NVML, the simulation profiles, the config file and the fake NVML parse
 //! them at their edge; past it the core holds only these, so nothing further in re-validates
 //! them and a bad value (a `,` in a comma-joined device list, a stray newline) cannot get in.
 
@@ -260,6 +260,41 @@ fn check_resource(v: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
+/// A device plugin device ID, as this node offers them in ListAndWatch and the kubelet sends
+/// them back in Allocate: a unit's UUID or index (`deviceIDStrategy: index`, `<gpu>` or
+/// `<gpu>:<mig>`), with `::<replica>` for a time-sliced replica. At most 128 bytes of ASCII
+/// letters, digits, `-`, `:` and `/` (a legacy MIG UUID's). Whether this node offers it is
+/// Allocate's question; this is only what any of its IDs looks like.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct DeviceId(String);
+
+const DEVICE_ID: &str = "device ID";
+
+impl DeviceId {
+    pub fn parse(value: impl Into<String>) -> Result<DeviceId, IdError> {
+        let value = value.into();
+        let rule = common_text(&value).err().or(if value.len() > 128 {
+            Some("is longer than 128 bytes")
+        } else if !value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-:/".contains(&b))
+        {
+            Some("may hold only ASCII letters, digits, `-`, `:` and `/`")
+        } else {
+            None
+        });
+        match rule {
+            Some(rule) => Err(IdError::new(DEVICE_ID, value, rule)),
+            None => Ok(DeviceId(value)),
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
 macro_rules! id_newtype {
     ($t:ident) => {
         str_newtype!($t);
@@ -290,6 +325,7 @@ macro_rules! id_newtype {
 id_newtype!(DeviceUuid);
 id_newtype!(MigProfile);
 id_newtype!(ResourceName);
+id_newtype!(DeviceId);
 
 #[cfg(test)]
 mod tests {
@@ -420,6 +456,25 @@ mod tests {
         assert!(MigProfile::parse(format!("1g.1gb+{}", "a".repeat(53))).is_err());
         let gpu = ResourceName::gpu();
         assert_eq!(gpu.shared().unwrap(), "nvidia.com/gpu.shared");
+    }
+
+    #[test]
+    fn device_ids() {
+        for ok in [
+            "GPU-8f2c",
+            "MIG-GPU-8f2c/1/0",
+            "3",
+            "0:1",
+            "GPU-8f2c::2",
+            "0:1::3",
+        ] {
+            assert_eq!(DeviceId::parse(ok).unwrap(), ok);
+        }
+        let why = |v: &str| DeviceId::parse(v).unwrap_err().to_string();
+        assert_eq!(why(""), "invalid device ID \"\": is empty");
+        assert!(why("GPU-a b").contains("whitespace"));
+        assert!(why("../x").contains("may hold only"), "{}", why("../x"));
+        assert!(why(&"7".repeat(129)).contains("longer than 128"));
     }
 
     #[test]

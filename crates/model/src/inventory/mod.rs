@@ -10,8 +10,8 @@ pub mod mig;
 
 pub use device_names::{profile_label, DeviceRef};
 pub use ids::{
-    DeviceUuid, IdError, MigProfile, ResourceName, UnitKind, GPU_RESOURCE, MIG_RESOURCE_PREFIX,
-    SHARED_SUFFIX,
+    DeviceId, DeviceUuid, IdError, MigProfile, ResourceName, UnitKind, GPU_RESOURCE,
+    MIG_RESOURCE_PREFIX, SHARED_SUFFIX,
 };
 
 use serde::{Deserialize, Serialize};

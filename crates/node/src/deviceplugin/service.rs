@@ -219,15 +219,19 @@ impl DevicePlugin for DevicePluginService {
             let mut out = Vec::new();
             let mut held = false;
             for c in &requests {
-                let grant = match allocate::allocate(plan, &s.health, &s.config, &c.devices_ids, mode) {
-                    Ok(g) => g,
+                // The kubelet's strings become device IDs here, once.
+                let (health, cfg) = (&s.health, &s.config);
+                let decided = allocate::parse_ids(plan, health, cfg, &c.devices_ids, mode)
+                    .and_then(|ids| allocate::allocate(plan, health, cfg, &ids, mode).map(|g| (g, ids)));
+                let (grant, ids) = match decided {
+                    Ok(decided) => decided,
                     Err(e) => {
                         tracing::warn!(resource, devices = ?c.devices_ids, error = %e, "Allocate refused");
                         return (Err(refusal(&e)), held);
                     }
                 };
                 if shared {
-                    match allocate::hold(plan, &mut s.ledger, &c.devices_ids, Instant::now()) {
+                    match allocate::hold(plan, &mut s.ledger, &ids, Instant::now()) {
                         Ok((units, newly)) => {
                             held |= newly;
                             metrics::node().ledger_handouts.get_or_create(&ApiLabel::DEVICE_PLUGIN).inc();

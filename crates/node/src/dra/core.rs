@@ -27,8 +27,9 @@
 //! write), then its ledger hold. A power loss can bring a removed spec file back; that is a
 //! reboot, and the first start after one removes every claim spec in the CDI root.
 //!
-//! Each claim succeeds or fails on its own; a failure is an error string naming the claim
-//! (`claim <namespace>/<name> (<uid>): <reason>`), logged once.
+//! Each claim succeeds or fails on its own; a failure is a typed error ([`PrepareError`],
+//! [`UnprepareError`]) that the gRPC edge turns into the kubelet's string naming the claim
+//! (`claim <namespace>/<name> (<uid>): <reason>`) and logs once.
 //!
 //! Names coming from the kubelet are validated before use: the UID must be lower-case hex and
 //! dashes (it is the only input that reaches a file name), namespace and name must be DNS
@@ -67,14 +68,12 @@ mod spec;
 mod spec_names;
 
 pub use config::DraCoreConfig;
-pub use errors::{kubelet_error, CoreError, PrepareError, UserEvent};
+pub use errors::{CoreError, PrepareError, UnprepareError, UserEvent};
 pub use spec_names::{cdi_device_name, spec_stem, CDI_CLASS};
 
 use super::checkpoint::{self, Checkpoint, CheckpointData, ClaimEntry, ClaimState};
 use super::fetch::{ClaimFetcher, FetchError};
-use super::{
-    ClaimRef, DeviceHealthReport, DeviceHealthState, DraDriver, PrepareResult, PreparedDevice,
-};
+use super::{ClaimRef, ClaimUid, DeviceHealthReport, DeviceHealthState, DraDriver, PreparedDevice};
 use crate::cdi::{self, InstallCache, Kind};
 use crate::health::Health;
 use crate::inventory::DeviceUuid;
@@ -128,13 +127,13 @@ struct Shared {
 }
 
 /// Runs `job` on tokio's blocking pool (file writes with fsync, device-node checks) and waits
-/// for it; a runtime worker never blocks on the disk.
-async fn off_runtime<T: Send + 'static>(
-    job: impl FnOnce() -> Result<T, PrepareError> + Send + 'static,
-) -> Result<T, PrepareError> {
-    tokio::task::spawn_blocking(job)
-        .await
-        .map_err(|e| PrepareError::Worker(e.to_string()))?
+/// for it; a runtime worker never blocks on the disk. A panicking job is the error's `Worker`.
+async fn off_runtime<T, E>(job: impl FnOnce() -> Result<T, E> + Send + 'static) -> Result<T, E>
+where
+    T: Send + 'static,
+    E: From<tokio::task::JoinError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(job).await?
 }
 
 /// How long a prepare waits for the device plugin's holds after a (re)start before it is
@@ -300,7 +299,7 @@ impl DraCore {
         off_runtime(move || shared.prepare_locked(cp, &claim, &c)).await
     }
 
-    async fn unprepare_one(&self, c: &ClaimRef) -> Result<(), PrepareError> {
+    async fn unprepare_one(&self, c: &ClaimRef) -> Result<(), UnprepareError> {
         let cp = self.checkpoint.clone().lock_owned().await;
         let (shared, c) = (self.shared.clone(), c.clone());
         off_runtime(move || shared.unprepare_locked(cp, &c)).await
@@ -428,7 +427,7 @@ impl Shared {
         &self,
         mut cp: OwnedMutexGuard<Checkpoint>,
         c: &ClaimRef,
-    ) -> Result<(), PrepareError> {
+    ) -> Result<(), UnprepareError> {
         let was_prepared = cp.get(&c.uid).is_some();
         let shares = cp.get(&c.uid).map(|e| e.shares.clone()).unwrap_or_default();
         let instances = cp
@@ -477,15 +476,15 @@ fn claim_span(c: &ClaimRef) -> tracing::Span {
     tracing::info_span!("claim", namespace = %c.namespace, name = %c.name, uid = %c.uid)
 }
 
-/// One claim's prepare outcome with its typed error.
-pub type PrepareOutcome = (ClaimRef, Result<Vec<PreparedDevice>, PrepareError>);
-
-impl DraCore {
-    /// Prepares each claim on its own (logged, counted), returning the typed errors, so the
-    /// agent can tell users about the failures they must see; [`DraDriver::prepare`] turns them
-    /// into the kubelet's strings.
-    pub async fn prepare_each(&self, claims: Vec<ClaimRef>) -> Vec<PrepareOutcome> {
-        let mut out = Vec::with_capacity(claims.len());
+#[async_trait::async_trait]
+impl DraDriver for DraCore {
+    /// Prepares each claim on its own (counted); the gRPC service logs each outcome once and
+    /// turns the errors into the kubelet's strings.
+    async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> BTreeMap<ClaimUid, Result<Vec<PreparedDevice>, PrepareError>> {
+        let mut out = BTreeMap::new();
         for c in claims {
             let started = Instant::now();
             // The outcome is logged once, by the gRPC service that was asked; lines logged on
@@ -501,36 +500,25 @@ impl DraCore {
                 .get_or_create(&metrics::PrepareLabel { outcome })
                 .inc();
             m.prepare_seconds.observe(started.elapsed().as_secs_f64());
-            out.push((c, result));
+            out.insert(c.uid, result);
         }
         out
     }
-}
 
-#[async_trait::async_trait]
-impl DraDriver for DraCore {
-    async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
-        self.prepare_each(claims)
-            .await
-            .into_iter()
-            .map(|(c, r)| {
-                let r = r.map_err(|e| kubelet_error(&c, &e));
-                (c.uid.into(), r)
-            })
-            .collect()
-    }
-
-    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
+    async fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> BTreeMap<ClaimUid, Result<(), UnprepareError>> {
         let mut out = BTreeMap::new();
         for c in claims {
-            let result = self
-                .unprepare_one(&c)
-                .instrument(claim_span(&c))
-                .await
-                .map_err(|e| kubelet_error(&c, &e));
-            out.insert(c.uid.into(), result);
+            let result = self.unprepare_one(&c).instrument(claim_span(&c)).await;
+            out.insert(c.uid, result);
         }
         out
+    }
+
+    async fn share_notice(&self, uid: &ClaimUid) -> Option<UserEvent> {
+        DraCore::share_notice(self, uid).await
     }
 
     fn device_health(&self) -> Vec<DeviceHealthReport> {

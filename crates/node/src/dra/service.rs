@@ -4,16 +4,18 @@
 //! ones (empty uid, name or namespace) per claim, hands the rest to the driver, and turns the
 //! per-claim answers back into protobuf. Failures are never a gRPC status: every claim UID the
 //! kubelet asked about gets an entry, with the message in the claim's `error` field, so one bad
-//! claim does not fail its neighbours. Each failed claim is logged once, here, with its
-//! namespace, name and uid.
+//! claim does not fail its neighbours. The driver's typed errors become that message here, and
+//! only here ([`kubelet_error`]). Each failed claim is logged once, here, with its namespace,
+//! name and uid.
 //!
 //! The driver runs on its own task: if the kubelet gives up on a call (its 45 s timeout), the
 //! prepare or unprepare still finishes instead of being cancelled half way, and a panic in the
 //! driver becomes a per-claim error instead of a broken call.
 
-use super::{ClaimRef, DraDriver, IdentityError, PrepareResult, PreparedDevice};
+use super::{ClaimRef, ClaimUid, DraDriver, IdentityError, PrepareResult, PreparedDevice};
 use crate::proto::{dra_v1 as v1, dra_v1beta1 as v1beta1};
 use std::collections::{BTreeMap, HashMap};
+use std::fmt::Display;
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
@@ -149,6 +151,12 @@ pub fn validate(raw: Vec<RawClaim>) -> Checked {
     checked
 }
 
+/// The per-claim error the kubelet gets for a driver's error `e`:
+/// `claim <namespace>/<name> (<uid>): <e>`.
+pub fn kubelet_error(c: &ClaimRef, e: &impl Display) -> String {
+    format!("claim {}/{} ({}): {e}", c.namespace, c.name, c.uid)
+}
+
 fn log_failure(api: Api, op: &str, namespace: &str, name: &str, uid: &str, error: &str) {
     tracing::warn!(
         api = api.as_str(),
@@ -217,8 +225,9 @@ impl DraService {
 
 /// One kubelet call's answer, per claim uid: malformed claims are refused here, an invalid
 /// identity is answered by `invalid`, and the rest are asked of the driver in a task of its own
-/// (a panicking driver fails those claims, not the server). Each failure is logged once.
-async fn answer<T, F>(
+/// (a panicking driver fails those claims, not the server), its errors made the kubelet's
+/// strings ([`kubelet_error`]). Each failure is logged once.
+async fn answer<T, E, F>(
     api: Api,
     op: &'static str,
     checked: Checked,
@@ -227,7 +236,8 @@ async fn answer<T, F>(
 ) -> BTreeMap<String, Result<T, String>>
 where
     T: Send + 'static,
-    F: std::future::Future<Output = BTreeMap<String, Result<T, String>>> + Send + 'static,
+    E: Display + Send + 'static,
+    F: std::future::Future<Output = BTreeMap<ClaimUid, Result<T, E>>> + Send + 'static,
 {
     let Checked {
         accepted: claims,
@@ -257,9 +267,10 @@ where
         }
     };
     for c in claims {
-        let result = answers.remove(c.uid.as_str()).unwrap_or_else(|| {
-            Err("internal error: the driver returned no result for this claim".to_string())
-        });
+        let result = match answers.remove(&c.uid) {
+            Some(answer) => answer.map_err(|e| kubelet_error(&c, &e)),
+            None => Err("internal error: the driver returned no result for this claim".to_string()),
+        };
         match &result {
             Ok(_) => tracing::info!(
                 api = api.as_str(),
@@ -481,6 +492,17 @@ mod tests {
         );
         assert_eq!(why("0c"), "claim namespace `a/b` is not a DNS subdomain");
         assert_eq!(why("0d"), "claim name `Bad` is not a DNS subdomain");
+    }
+
+    #[test]
+    fn the_kubelet_error_names_the_claim_then_the_cause() {
+        let c = ClaimRef::parse("a", "0", "c").unwrap();
+        let e = crate::dra::core::PrepareError::Worker("the job panicked".into());
+        assert_eq!(
+            kubelet_error(&c, &e),
+            "claim a/c (0): the file-writing job failed: the job panicked"
+        );
+        assert_eq!(RawClaim::from(&c).label(), "claim a/c (0)");
     }
 
     #[test]

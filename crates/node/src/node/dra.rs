@@ -130,7 +130,7 @@ pub async fn start(
         node_name,
         state.counters().clone(),
     );
-    let reporting = ReportingDriver::new(Arc::new(core), events);
+    let reporting = ReportingDriver::new(core, events);
     let server = DraServer::new(&paths.kubelet_root, &driver, Arc::new(reporting))
         .map_err(DraStartError::Serve)?;
     let registered = server.registered();

@@ -10,8 +10,8 @@
 //!
 //! [`PrepareError::user_event`]: crate::dra::core::PrepareError::user_event
 
-use crate::dra::core::{kubelet_error, DraCore, UserEvent};
-use crate::dra::{ClaimRef, DeviceHealthReport, DraDriver, PrepareResult};
+use crate::dra::core::{PrepareError, UnprepareError, UserEvent};
+use crate::dra::{ClaimRef, ClaimUid, DeviceHealthReport, DraDriver, PreparedDevice};
 use crate::metrics::{AgentCounters, ClaimEvent as ClaimEventOutcome};
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::events::v1::Event;
@@ -189,53 +189,62 @@ impl ClaimEvents {
     }
 }
 
-/// The DRA core as the kubelet sees it, plus Events for the failures users must see.
-pub struct ReportingDriver {
-    core: Arc<DraCore>,
+/// A DRA driver as the kubelet sees it, plus Events for the failures users must see.
+pub struct ReportingDriver<D> {
+    inner: D,
     events: ClaimEvents,
 }
 
-impl ReportingDriver {
-    pub fn new(core: Arc<DraCore>, events: ClaimEvents) -> ReportingDriver {
-        ReportingDriver { core, events }
+impl<D: DraDriver> ReportingDriver<D> {
+    pub fn new(inner: D, events: ClaimEvents) -> ReportingDriver<D> {
+        ReportingDriver { inner, events }
     }
 }
 
 #[async_trait::async_trait]
-impl DraDriver for ReportingDriver {
-    async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult> {
-        let mut out = BTreeMap::new();
-        for (c, r) in self.core.prepare_each(claims).await {
-            let r = match r {
-                Ok(devices) => {
-                    // Prepared, but the user must know if a share's limits are not enforced.
-                    if let Some(event) = self.core.share_notice(&c.uid).await {
-                        self.events.report(&c, &event);
+impl<D: DraDriver> DraDriver for ReportingDriver<D> {
+    async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> BTreeMap<ClaimUid, Result<Vec<PreparedDevice>, PrepareError>> {
+        let asked: Vec<ClaimRef> = claims.clone();
+        let out = self.inner.prepare(claims).await;
+        for c in &asked {
+            match out.get(&c.uid) {
+                // Prepared, but the user must know if a share's limits are not enforced.
+                Some(Ok(_)) => {
+                    if let Some(event) = self.inner.share_notice(&c.uid).await {
+                        self.events.report(c, &event);
                     }
-                    Ok(devices)
                 }
-                Err(e) => {
+                Some(Err(e)) => {
                     if let Some(event) = e.user_event() {
-                        self.events.report(&c, &event);
+                        self.events.report(c, &event);
                     }
-                    Err(kubelet_error(&c, &e))
                 }
-            };
-            out.insert(c.uid.into(), r);
+                None => {}
+            }
         }
         out
     }
 
-    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, Result<(), String>> {
-        self.core.unprepare(claims).await
+    async fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> BTreeMap<ClaimUid, Result<(), UnprepareError>> {
+        self.inner.unprepare(claims).await
     }
 
     fn device_health(&self) -> Vec<DeviceHealthReport> {
-        self.core.device_health()
+        self.inner.device_health()
     }
 
     fn health_changes(&self) -> watch::Receiver<u64> {
-        self.core.health_changes()
+        self.inner.health_changes()
+    }
+
+    async fn share_notice(&self, uid: &ClaimUid) -> Option<UserEvent> {
+        self.inner.share_notice(uid).await
     }
 }
 

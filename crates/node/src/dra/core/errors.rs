@@ -1,12 +1,11 @@
-//! Why the core could not start, why a claim could not be prepared, and what of a failure
-//! the kubelet and the claim's user are told.
+//! Why the core could not start, why a claim could not be prepared or unprepared, and what of
+//! a failure the claim's user is told. The kubelet's text is made at the gRPC edge
+//! ([`crate::dra::service::kubelet_error`]), from these errors' Display.
 
-use super::claim_label;
 use crate::cdi::{DeviceNodesError, NameError, WriteError};
 use crate::dra::checkpoint::CheckpointError;
 use crate::dra::claims::ClaimError;
 use crate::dra::fetch::FetchError;
-use crate::dra::ClaimRef;
 use crate::ledger::{Held, ShareRefused};
 use crate::mps::MpsError;
 use gpuplane_model::report::{chain, truncate, MAX_NOTE_BYTES};
@@ -20,7 +19,7 @@ pub enum CoreError {
     Checkpoint { cause: CheckpointError },
 }
 
-/// Why one claim could not be prepared or unprepared (the claim is named by the caller).
+/// Why one claim could not be prepared (the claim is named by the caller).
 #[derive(Debug, thiserror::Error)]
 pub enum PrepareError {
     #[error("{}", chain(.cause))]
@@ -48,7 +47,7 @@ pub enum PrepareError {
         device: String,
         cause: Box<ShareRefused>,
     },
-    /// A dynamic MIG instance could not be created or destroyed.
+    /// A dynamic MIG instance could not be created.
     #[error("device {device}: could not {action} its MIG instance: {}", chain(.cause))]
     Mig {
         device: String,
@@ -159,9 +158,47 @@ fn plan_event(cause: &ClaimError) -> Option<(&'static str, &'static str)> {
     })
 }
 
-/// The per-claim error the kubelet gets: `claim <namespace>/<name> (<uid>): <reason>`.
-pub fn kubelet_error(c: &ClaimRef, e: &PrepareError) -> String {
-    format!("claim {} ({}): {e}", claim_label(c), c.uid)
+/// Why one claim could not be unprepared (the claim is named by the caller). The same words as
+/// the [`PrepareError`] of the same step.
+#[derive(Debug, thiserror::Error)]
+pub enum UnprepareError {
+    #[error("{}", chain(.cause))]
+    Checkpoint { cause: CheckpointError },
+    #[error("{}", chain(.cause))]
+    Spec { cause: WriteError },
+    /// The blocking-pool job that removes the claim's files panicked (a bug).
+    #[error("the file-writing job failed: {0}")]
+    Worker(String),
+    /// A dynamic MIG instance of the claim could not be destroyed.
+    #[error("device {device}: could not destroy its MIG instance: {}", chain(.cause))]
+    Mig {
+        device: String,
+        cause: crate::source::MigChangeError,
+    },
+}
+
+impl From<tokio::task::JoinError> for PrepareError {
+    fn from(e: tokio::task::JoinError) -> Self {
+        PrepareError::Worker(e.to_string())
+    }
+}
+
+impl From<tokio::task::JoinError> for UnprepareError {
+    fn from(e: tokio::task::JoinError) -> Self {
+        UnprepareError::Worker(e.to_string())
+    }
+}
+
+impl From<CheckpointError> for UnprepareError {
+    fn from(source: CheckpointError) -> Self {
+        UnprepareError::Checkpoint { cause: source }
+    }
+}
+
+impl From<WriteError> for UnprepareError {
+    fn from(source: WriteError) -> Self {
+        UnprepareError::Spec { cause: source }
+    }
 }
 
 impl From<CheckpointError> for PrepareError {
@@ -223,11 +260,6 @@ mod tests {
         // Node-local I/O: logged, not shown to users.
         let bad = PrepareError::Worker("the job panicked".into());
         assert_eq!(bad.user_event(), None);
-        let c = ClaimRef::parse("a", "0", "c").unwrap();
-        assert_eq!(
-            kubelet_error(&c, &bad),
-            "claim a/c (0): the file-writing job failed: the job panicked"
-        );
     }
 
     #[test]

@@ -21,7 +21,7 @@
 //! or a kill between destroy and record) goes back to `PrepareStarted` at start: a prepare retry
 //! creates it again (with a new UUID, as NVML gives), an unprepare retry finishes the job.
 
-use super::{claim_label, PrepareError, Shared};
+use super::{claim_label, PrepareError, Shared, UnprepareError};
 use crate::dra::checkpoint::{Checkpoint, ClaimEntry, ClaimState, CreatedMig, MigEntry};
 use crate::dra::ClaimRef;
 use crate::inventory::{Inventory, MigDevice};
@@ -210,7 +210,7 @@ impl Shared {
         &self,
         c: &ClaimRef,
         instances: &[MigEntry],
-    ) -> Result<(), PrepareError> {
+    ) -> Result<(), UnprepareError> {
         if instances.is_empty() {
             return Ok(());
         }
@@ -228,9 +228,8 @@ impl Shared {
                 }
                 Err(MigChangeError::NotFound(_)) => {}
                 Err(cause) => {
-                    return Err(PrepareError::Mig {
+                    return Err(UnprepareError::Mig {
                         device: m.device.clone(),
-                        action: "destroy",
                         cause,
                     })
                 }
