@@ -66,12 +66,17 @@ impl Evicted {
 impl Evictions {
     /// The pods a waiting unit of `ns` may have evicted (empty when no Queue-mode quota of
     /// `ns` preempts or nothing of `ns` waits).
-    pub(super) fn candidates(&mut self, ns: &str, queued: bool, seen: &Watched) -> Vec<Candidate> {
+    pub(super) fn candidates(
+        &mut self,
+        ns: &str,
+        queued: bool,
+        watched: &Watched,
+    ) -> Vec<Candidate> {
         let now = Instant::now();
         self.evicted.retain(|_, v| v.remembered(now));
         self.blocked
             .retain(|_, at| now.duration_since(*at) < BLOCKED_FOR);
-        let quotas = seen.quotas.in_namespace(ns);
+        let quotas = watched.quotas.in_namespace(ns);
         let preempts = quotas
             .iter()
             .any(|q| q.spec.mode == QuotaMode::Queue && q.spec.preemption.preempts());
@@ -82,7 +87,7 @@ impl Evictions {
             .iter()
             .filter_map(|q| q.spec.cohort.as_ref())
             .collect();
-        let mut namespaces: BTreeSet<String> = seen
+        let mut namespaces: BTreeSet<String> = watched
             .quotas
             .all()
             .filter(|q| q.spec.cohort.as_ref().is_some_and(|c| cohorts.contains(c)))
@@ -91,12 +96,12 @@ impl Evictions {
         namespaces.insert(ns.to_string());
         let mut out = Vec::new();
         for n in &namespaces {
-            let templates = seen.template_specs(n);
-            for p in seen.pods.in_namespace(n) {
+            let templates = watched.template_specs(n);
+            for p in watched.pods.in_namespace(n) {
                 if !pods::is_counted(&p) || self.is_blocked(n, &p) {
                     continue;
                 }
-                let Ok(charge) = pod_charge(&p, &templates, seen.catalog()) else {
+                let Ok(charge) = pod_charge(&p, &templates, watched.catalog()) else {
                     continue;
                 };
                 let mut c = Candidate::of(&p, charge);
