@@ -482,30 +482,40 @@ pub async fn run(
         templates,
         changes: changes.clone(),
     };
-    let work = async {
-        if !stores.ready().await {
-            return;
-        }
-        let mut explainer = Explainer::default();
-        loop {
-            let (failed, planned) = explainer.cycle(&client, &stores, &opts, &metrics).await;
-            // A plan costs CPU in proportion to the cluster: at most half the loop's time.
-            tokio::time::sleep(opts.debounce.max(planned)).await;
-            if !failed {
-                // Newer numbers held back by a pod's message window are written when it ends.
-                let wait = explainer.held_back_until.map_or(opts.resync, |end| {
-                    end.saturating_duration_since(Instant::now())
-                        .min(opts.resync)
-                });
-                let _ = tokio::time::timeout(wait, wake.notified()).await;
-            }
-        }
-    };
+    let work = explain_on_change(&client, &stores, &opts, &metrics, &wake);
     let feeds = async { tokio::join!(f1, f2, f3, f4, relay) };
     tokio::select! {
         _ = stop => {}
         _ = work => {}
         _ = feeds => {}
+    }
+}
+
+/// Once the stores have listed: explains, then again on a change (`wake`, debounced) or at
+/// the latest after `resync`, for ever.
+async fn explain_on_change(
+    client: &kube::Client,
+    stores: &Stores,
+    opts: &ExplainerOptions,
+    metrics: &Arc<QueueMetrics>,
+    wake: &Notify,
+) {
+    if !stores.ready().await {
+        return;
+    }
+    let mut explainer = Explainer::default();
+    loop {
+        let (failed, planned) = explainer.cycle(client, stores, opts, metrics).await;
+        // A plan costs CPU in proportion to the cluster: at most half the loop's time.
+        tokio::time::sleep(opts.debounce.max(planned)).await;
+        if !failed {
+            // Newer numbers held back by a pod's message window are written when it ends.
+            let wait = explainer.held_back_until.map_or(opts.resync, |end| {
+                end.saturating_duration_since(Instant::now())
+                    .min(opts.resync)
+            });
+            let _ = tokio::time::timeout(wait, wake.notified()).await;
+        }
     }
 }
 
