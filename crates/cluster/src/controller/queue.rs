@@ -13,36 +13,39 @@
 //! [`error_policy`], which says when to try the namespace again.
 
 mod error;
+mod namespaces;
+mod own_writes;
 mod pod_writes;
 mod preempt;
 mod quota_events;
+mod watched;
 
 pub use super::watchers::{spawn_watchers, Input};
 pub use error::{error_policy, QueueError};
 pub use preempt::PREEMPTED_CONDITION;
 
-use super::cache::Cache;
 use super::meter::{HoursOptions, Meter, Pricing};
 use super::metrics::QueueMetrics;
 use super::namespace::{self, Decision, Inputs, QueueSettings};
 use super::pods;
-use super::quota_ledger::{compact, Working};
+use super::quota_ledger::Working;
 use super::schedule::{drive, Keyed, Timing};
 use crate::published::Devices;
-use crate::quota::{CatalogSettings, DeviceCatalog, GpuQuota, QuotaMode};
+use crate::quota::{CatalogSettings, GpuQuota, QuotaMode};
 use error::api_error;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate};
-use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, ListParams};
 use kube::runtime::watcher::Event;
-use pod_writes::Memo;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use namespaces::Namespaces;
+use own_writes::OwnWrites;
+use preempt::Evictions;
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+use watched::Watched;
 
 /// A namespace whose status write conflicted is decided again at once this many times before
 /// its retry waits for [`error_policy`].
@@ -92,29 +95,21 @@ impl Default for QueueOptions {
     }
 }
 
-/// The loop's state.
+/// The loop: its parts, each owning its state, and the cycle that runs them.
 pub struct QueueLoop {
     client: kube::Client,
     opts: QueueOptions,
     metrics: Arc<QueueMetrics>,
-    pods: Cache<Pod>,
-    quotas: Cache<GpuQuota>,
-    claims: Cache<ResourceClaim>,
-    templates: Cache<ResourceClaimTemplate>,
-    devices: Arc<Devices>,
-    catalog: Arc<DeviceCatalog>,
-    catalog_stale: bool,
-    /// Our own last writes of GpuQuotas, newer than the cache until its watch catches up.
-    written: HashMap<String, GpuQuota>,
-    /// Pods we ungated, by uid, with their namespace and when, until the cache shows it.
-    ungated: HashMap<String, (String, Instant)>,
-    memos: HashMap<String, Memo>,
-    failures: HashMap<String, u32>,
-    charges: namespace::Charges,
-    /// When each namespace's quotas were last written.
-    settled: HashMap<String, Instant>,
+    /// What the watches show (`queue/watched.rs`).
+    watched: Watched,
+    /// What we wrote that the watches have not shown yet (`queue/own_writes.rs`).
+    own_writes: OwnWrites,
+    /// Each namespace's memory between cycles (`queue/namespaces.rs`).
+    namespaces: Namespaces,
+    /// Our evictions and the ones budgets refused (`queue/preempt.rs`).
+    evictions: Evictions,
+    /// The GPU-hours ledger (`None`: off).
     meter: Option<Meter>,
-    evictions: preempt::Evictions,
 }
 
 impl QueueLoop {
@@ -130,83 +125,35 @@ impl QueueLoop {
             client,
             opts,
             metrics,
-            pods: Cache::default(),
-            quotas: Cache::default(),
-            claims: Cache::default(),
-            templates: Cache::default(),
-            devices,
-            catalog: Arc::new(DeviceCatalog::default()),
-            catalog_stale: true,
-            written: HashMap::new(),
-            ungated: HashMap::new(),
-            memos: HashMap::new(),
-            failures: HashMap::new(),
-            charges: namespace::Charges::default(),
-            settled: HashMap::new(),
+            watched: Watched::new(devices),
+            own_writes: OwnWrites::default(),
+            namespaces: Namespaces::default(),
+            evictions: Evictions::default(),
             meter,
-            evictions: preempt::Evictions::default(),
         }
-    }
-
-    fn ready(&self) -> bool {
-        self.pods.is_ready()
-            && self.quotas.is_ready()
-            && self.claims.is_ready()
-            && self.templates.is_ready()
-    }
-
-    fn known_namespaces(&self) -> BTreeSet<String> {
-        self.quotas
-            .namespaces()
-            .chain(self.pods.namespaces())
-            .cloned()
-            .collect()
     }
 
     /// Applies one input; returns the namespaces to reconcile because of it.
     fn apply(&mut self, input: Input) -> BTreeSet<String> {
-        match input {
+        match &input {
             Input::Pod(e) => {
-                if let (Some(m), Event::Delete(p)) = (self.meter.as_mut(), &*e) {
-                    let templates = |ns: &str| template_specs(&self.templates, ns);
+                if let (Some(m), Event::Delete(p)) = (self.meter.as_mut(), &**e) {
+                    let w = &self.watched;
+                    let templates = |ns: &str| w.template_specs(ns);
                     m.deleted(
                         p,
                         &Pricing {
-                            catalog: &self.catalog,
+                            catalog: w.catalog(),
                             templates: &templates,
                         },
                     );
                 }
-                self.pods.apply(*e)
             }
-            Input::Claim(e) => self.claims.apply(*e),
-            Input::Template(e) => {
-                // A pod's charge may come from its templates.
-                self.reprice();
-                self.templates.apply(*e)
-            }
-            Input::Quota(e) => {
-                let e = *e;
-                let cohorts: Vec<String> = match &e {
-                    Event::Apply(q) | Event::Delete(q) | Event::InitApply(q) => {
-                        q.spec.cohort.iter().cloned().collect()
-                    }
-                    _ => Vec::new(),
-                };
-                let mut touched = self.quotas.apply(e);
-                // Borrowing couples the namespaces of a cohort.
-                for q in self.quotas.all() {
-                    if q.spec.cohort.as_ref().is_some_and(|c| cohorts.contains(c)) {
-                        touched.insert(q.metadata.namespace.clone().unwrap_or_default());
-                    }
-                }
-                touched
-            }
-            Input::Devices => {
-                self.catalog_stale = true;
-                self.known_namespaces()
-            }
+            // A pod's charge may come from its templates.
+            Input::Template(_) => self.reprice(),
+            _ => {}
         }
+        self.watched.apply(input)
     }
 
     /// Runs until `stop` resolves or the input ends.
@@ -223,16 +170,14 @@ impl QueueLoop {
 
     /// Pods are priced again (templates or the catalog changed).
     fn reprice(&mut self) {
-        self.charges.clear();
+        self.namespaces.reprice();
         if let Some(m) = self.meter.as_mut() {
             m.reprice();
         }
     }
 
     fn refresh_catalog(&mut self) {
-        if self.catalog_stale {
-            self.catalog = self.devices.catalog();
-            self.catalog_stale = false;
+        if self.watched.refresh_catalog() {
             self.reprice();
         }
     }
@@ -243,11 +188,12 @@ impl QueueLoop {
         let Some(mut m) = self.meter.take() else {
             return BTreeSet::new();
         };
-        let pods: Vec<_> = self.pods.all().collect();
-        let quotas: Vec<_> = self.quotas.all().collect();
-        let templates = |ns: &str| template_specs(&self.templates, ns);
+        let w = &self.watched;
+        let pods: Vec<_> = w.pods.all().collect();
+        let quotas: Vec<_> = w.quotas.all().collect();
+        let templates = |ns: &str| w.template_specs(ns);
         let pricing = Pricing {
-            catalog: &self.catalog,
+            catalog: w.catalog(),
             templates: &templates,
         };
         let touched = m
@@ -260,12 +206,12 @@ impl QueueLoop {
     /// Reconciles `namespaces`; returns when each wants to run again.
     pub async fn cycle(&mut self, namespaces: &[String]) -> Vec<(String, Instant)> {
         self.refresh_catalog();
-        let mut working = self.working();
+        let mut working = self.own_writes.working(&self.watched.quotas);
         let mut again = Vec::new();
         for ns in namespaces {
             match self.reconcile(ns, SystemTime::now(), &mut working).await {
                 Ok(next) => {
-                    self.failures.remove(ns);
+                    self.namespaces.succeeded(ns);
                     if let Some(t) = next {
                         let wait = t
                             .duration_since(SystemTime::now())
@@ -274,9 +220,7 @@ impl QueueLoop {
                     }
                 }
                 Err(e) => {
-                    let n = self.failures.entry(ns.clone()).or_insert(0);
-                    *n += 1;
-                    let after = error_policy(&e, *n);
+                    let after = error_policy(&e, self.namespaces.failed(ns));
                     if matches!(e, QueueError::Conflict(_)) {
                         self.metrics.status_write(true);
                     } else {
@@ -290,30 +234,6 @@ impl QueueLoop {
         again
     }
 
-    /// Every cached quota (or our newer write of it), compacted.
-    fn working(&mut self) -> Working {
-        let mut all = Vec::new();
-        for q in self.quotas.all() {
-            let id = q.id();
-            let newer = self
-                .written
-                .get(&id)
-                .filter(|w| version(w) > version(&q))
-                .cloned();
-            if newer.is_none() {
-                self.written.remove(&id);
-            }
-            let q = newer.unwrap_or_else(|| (*q).clone());
-            match compact(&q, &BTreeSet::new(), Timestamp::now()) {
-                Ok(c) => all.push(c),
-                Err(e) => {
-                    tracing::warn!(quota = %id, error = %e, "GpuQuota status cannot be summed; left out")
-                }
-            }
-        }
-        Working::new(all)
-    }
-
     async fn reconcile(
         &mut self,
         ns: &str,
@@ -321,9 +241,12 @@ impl QueueLoop {
         working: &mut Working,
     ) -> Result<Option<SystemTime>, QueueError> {
         self.metrics.cycle();
-        let pods = self.pods.in_namespace(ns);
-        self.forget_gone(ns, &pods);
-        if self.quotas.in_namespace(ns).is_empty() && !pods.iter().any(|p| pods::is_queued(p)) {
+        let pods = self.watched.pods.in_namespace(ns);
+        self.namespaces.forget_gone(ns, &pods);
+        self.own_writes.forget_shown(ns, &pods);
+        if self.watched.quotas.in_namespace(ns).is_empty()
+            && !pods.iter().any(|p| pods::is_queued(p))
+        {
             self.metrics.set_waiting(ns, Vec::new(), 0);
             return Ok(None);
         }
@@ -331,10 +254,11 @@ impl QueueLoop {
             // Only usage to settle, and the last write was just now: come back for it.
             return Ok(Some(now + wait));
         }
-        let claims = self.claims.in_namespace(ns);
-        let templates = template_specs(&self.templates, ns);
-        let catalog = self.catalog.clone();
-        let candidates = self.candidates(ns, pods.iter().any(|p| pods::is_queued(p)));
+        let claims = self.watched.claims.in_namespace(ns);
+        let templates = self.watched.template_specs(ns);
+        let catalog = self.watched.catalog().clone();
+        let queued = pods.iter().any(|p| pods::is_queued(p));
+        let candidates = self.evictions.candidates(ns, queued, &self.watched);
         let book = self.meter.as_ref().and_then(Meter::book);
         let inputs = Inputs {
             namespace: ns,
@@ -352,40 +276,19 @@ impl QueueLoop {
             .set_waiting(ns, quota_names(&decision), decision.waiting.len() as u64);
         let released = self.release(ns, &decision, &pods).await;
         // A refused eviction is chosen around at once.
-        let again = self
-            .evict(&decision)
-            .await
-            .then(|| now + Duration::from_secs(1));
+        let (client, instance, cached) = (&self.client, &self.opts.instance, &self.watched.pods);
+        let evicted = self
+            .evictions
+            .evict(client, instance, &self.metrics, cached, &decision);
+        let again = evicted.await.then(|| now + Duration::from_secs(1));
         self.notes(ns, &decision.waiting).await;
         self.admitted_notes(ns, released).await;
         self.quota_events(ns, &decision).await;
-        let unblock = (!candidates.is_empty()).then(|| self.next_unblock());
+        let unblock = (!candidates.is_empty()).then(|| self.evictions.next_unblock());
         Ok([decision.next_deadline, again, unblock.flatten()]
             .into_iter()
             .flatten()
             .min())
-    }
-
-    /// Forgets what was said to pods of `ns` that are gone, and every ungate whose pod the
-    /// cache no longer shows gated (or that is a minute old: the cache missed it, so the gate
-    /// is removed again).
-    fn forget_gone(&mut self, ns: &str, pods: &[Arc<Pod>]) {
-        let uids: BTreeSet<&str> = pods
-            .iter()
-            .filter_map(|p| p.metadata.uid.as_deref())
-            .collect();
-        self.memos
-            .retain(|uid, m| m.namespace != ns || uids.contains(uid.as_str()));
-        let gated: BTreeSet<&str> = pods
-            .iter()
-            .filter(|p| pods::gate_index(p).is_some())
-            .filter_map(|p| p.metadata.uid.as_deref())
-            .collect();
-        // Only this namespace's marks: `gated` says nothing about other namespaces' pods.
-        self.ungated.retain(|uid, (namespace, at)| {
-            namespace != ns
-                || (gated.contains(uid.as_str()) && at.elapsed() < Duration::from_secs(60))
-        });
     }
 
     /// Decides the namespace on a fresh list of its quotas and writes them; a conflicting
@@ -400,7 +303,7 @@ impl QueueLoop {
             namespace: ns.into(),
             cause: source,
         };
-        let observed = namespace::observe(inputs, &mut self.charges).map_err(math)?;
+        let observed = namespace::observe(inputs, self.namespaces.charges()).map_err(math)?;
         let api: Api<GpuQuota> = Api::namespaced(self.client.clone(), ns);
         let mut conflicts = 0;
         loop {
@@ -410,7 +313,10 @@ impl QueueLoop {
                 .map_err(|e| api_error("listing GpuQuotas in", ns, e))?
                 .items;
             let decision = namespace::decide(inputs, &observed, &fresh, working).map_err(math)?;
-            match self.write_quotas(ns, &api, &decision).await {
+            let written = self
+                .own_writes
+                .write_quotas(ns, &api, &decision, &self.metrics);
+            match written.await {
                 // Decide again at once from a fresh read: after a backoff the webhook's group
                 // commit, which writes the same status once per batch, would win again, and
                 // the reservations this write drops would pile up in every status it writes.
@@ -418,7 +324,7 @@ impl QueueLoop {
                     conflicts += 1;
                     self.metrics.status_write(true);
                     // What this attempt charged to the cohort was never written.
-                    *working = self.working();
+                    *working = self.own_writes.working(&self.watched.quotas);
                 }
                 r => return r.map(|()| decision),
             }
@@ -429,63 +335,13 @@ impl QueueLoop {
     /// usage (its quotas are all in Reject mode, so nothing is queued to release) and it was
     /// written less than `settle_interval` ago.
     fn settle_later(&self, ns: &str, pods: &[Arc<Pod>]) -> Option<Duration> {
-        let elapsed = self.settled.get(ns)?.elapsed();
-        let wait = self.opts.settle_interval.checked_sub(elapsed)?;
-        let quotas = self.quotas.in_namespace(ns);
+        let wait = self.own_writes.settle_wait(ns, self.opts.settle_interval)?;
+        let quotas = self.watched.quotas.in_namespace(ns);
         let reject_only = !quotas.is_empty()
             && quotas.iter().all(|q| q.spec.mode == QuotaMode::Reject)
             && !pods.iter().any(|p| pods::is_queued(p));
         reject_only.then_some(wait)
     }
-
-    async fn write_quotas(
-        &mut self,
-        ns: &str,
-        api: &Api<GpuQuota>,
-        d: &Decision,
-    ) -> Result<(), QueueError> {
-        for (q, changed) in &d.quotas {
-            if !changed {
-                continue;
-            }
-            self.settled.insert(ns.to_string(), Instant::now());
-            let name = q.metadata.name.clone().unwrap_or_default();
-            match api.replace_status(&name, &PostParams::default(), q).await {
-                Ok(w) => {
-                    self.metrics.status_write(false);
-                    self.written.insert(w.id(), w);
-                }
-                Err(kube::Error::Api(s)) if s.code == 409 => {
-                    return Err(QueueError::Conflict(format!("{ns}/{name}")));
-                }
-                Err(e) => {
-                    return Err(api_error(
-                        "writing the status of GpuQuota",
-                        &format!("{ns}/{name}"),
-                        e,
-                    ))
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// A namespace's ResourceClaimTemplates by name: a pod's charge may come from them.
-fn template_specs(
-    templates: &Cache<ResourceClaimTemplate>,
-    ns: &str,
-) -> BTreeMap<String, ResourceClaimSpec> {
-    templates
-        .in_namespace(ns)
-        .iter()
-        .map(|t| {
-            (
-                t.metadata.name.clone().unwrap_or_default(),
-                t.spec.spec.clone(),
-            )
-        })
-        .collect()
 }
 
 /// The names of the namespace's GpuQuotas in a decision.
@@ -494,14 +350,6 @@ fn quota_names(d: &Decision) -> Vec<String> {
         .iter()
         .filter_map(|(q, _)| q.metadata.name.clone())
         .collect()
-}
-
-fn version(q: &GpuQuota) -> u64 {
-    q.metadata
-        .resource_version
-        .as_deref()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 /// Runs the loop with real watchers until `stop` resolves.
@@ -528,7 +376,7 @@ pub async fn run(
     l.drive(rx, stop).await;
     // A last flush of the GPU-hours book, so a handover or a rollout loses no interval (bounded:
     // the API server may be what went away; never from caches that have not listed).
-    if l.ready() {
+    if l.watched.ready() {
         let _ = tokio::time::timeout(Duration::from_secs(5), l.flush_hours()).await;
     }
     for w in watchers {
@@ -540,7 +388,7 @@ impl Keyed for QueueLoop {
     type Input = Input;
 
     fn ready(&self) -> bool {
-        QueueLoop::ready(self)
+        self.watched.ready()
     }
 
     fn apply(&mut self, input: Input) -> BTreeSet<String> {
@@ -548,7 +396,7 @@ impl Keyed for QueueLoop {
     }
 
     fn known(&self) -> BTreeSet<String> {
-        self.known_namespaces()
+        self.watched.namespaces()
     }
 
     async fn run(&mut self, due: Vec<String>) -> Vec<(String, Instant)> {

@@ -74,17 +74,19 @@ pub use spec_names::{cdi_device_name, spec_stem, CDI_CLASS};
 use super::checkpoint::{self, Checkpoint, CheckpointData, ClaimEntry, ClaimState};
 use super::fetch::{ClaimFetcher, FetchError};
 use super::{ClaimRef, ClaimUid, DeviceHealthReport, DeviceHealthState, DraDriver, PreparedDevice};
-use crate::cdi::{self, InstallCache, Kind};
+use crate::cdi::{self, Kind};
 use crate::health::Health;
 use crate::inventory::DeviceUuid;
 use crate::ledger::dra_view;
 use crate::metrics;
-use crate::mps::{process::MpsDaemons, MpsHost};
+use crate::mps::process::MpsDaemons;
 use crate::node::state::NodeState;
-use crate::paths::HostPaths;
-use crate::source::{DeviceMode, DeviceSource};
+use crate::source::DeviceSource;
 use gpuplane_model::dynamic_mig;
-use spec::{remove_claim_spec, restore_spec, sweep_claim_specs};
+use holds::Holds;
+use instances::Instances;
+use shares::Daemons;
+use spec::{sweep_claim_specs, Specs};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -107,23 +109,18 @@ pub struct DraCore {
 }
 
 /// What the core knows besides the checkpoint: fixed at start, shared with the blocking-pool
-/// jobs.
+/// jobs. A prepare runs its parts in turn (module docs).
 struct Shared {
-    driver: String,
-    pool: String,
-    kind: Kind,
     state: Arc<NodeState>,
     claims: Arc<dyn ClaimFetcher>,
-    paths: HostPaths,
-    device_mode: DeviceMode,
-    /// The driver's libraries, scanned once per driver version rather than per prepare.
-    installs: InstallCache,
-    /// Where the MPS control daemons of shared units run.
-    mps: Arc<dyn MpsHost>,
-    /// Where dynamic MIG instances are created and destroyed.
-    source: Arc<dyn DeviceSource>,
-    /// What holds a share's container to its memory, where the driver can.
-    memory_limits: Option<crate::cdi::MemoryLimitHook>,
+    /// The claims' CDI specs: rendered, written, restored, removed (`core/spec.rs`).
+    specs: Specs,
+    /// The claims' units and shares in the ledger (`core/holds.rs`).
+    holds: Holds,
+    /// The MPS control daemons of shared units (`core/shares.rs`).
+    daemons: Daemons,
+    /// Dynamic MIG instances (`core/instances.rs`).
+    instances: Instances,
 }
 
 /// Runs `job` on tokio's blocking pool (file writes with fsync, device-node checks) and waits
@@ -185,24 +182,27 @@ impl DraCore {
         }
         let mps = (config.mps.clone()).unwrap_or_else(|| Arc::new(MpsDaemons::new(&config.paths)));
         let mut checkpoint = loaded.checkpoint;
+        let instances = Instances::new(&config.driver, &config.node_name, state.clone(), source);
         let shared = Arc::new(Shared {
-            driver: config.driver,
-            pool: config.node_name,
-            kind,
+            holds: Holds::new(state.clone()),
+            daemons: Daemons::new(state.clone(), mps),
+            instances,
+            specs: Specs::new(
+                config.driver,
+                config.node_name,
+                kind,
+                config.paths,
+                config.device_mode,
+                config.memory_limits,
+            ),
             state,
             claims,
-            paths: config.paths,
-            device_mode: config.device_mode,
-            installs: InstallCache::default(),
-            mps,
-            source,
-            memory_limits: config.memory_limits,
         });
         // Before any claim spec is restored: a prepared claim whose instance is gone is not
         // prepared any more.
-        shared.reconcile_instances(&mut checkpoint);
+        shared.instances.reconcile_instances(&mut checkpoint);
         for (uid, entry) in &checkpoint.data().claims {
-            restore_spec(&shared.paths.cdi_root, uid, entry);
+            shared.specs.restore(uid, entry);
         }
         Ok(DraCore {
             shared,
@@ -212,23 +212,23 @@ impl DraCore {
 
     /// The CDI kind of the per-claim specs (`k8s.<driver>/claim`).
     pub fn cdi_kind(&self) -> &Kind {
-        &self.shared.kind
+        &self.shared.specs.kind
     }
 
     pub fn driver(&self) -> &str {
-        &self.shared.driver
+        &self.shared.specs.driver
     }
 
     /// The pool (node name) of this node's devices.
     pub fn pool(&self) -> &str {
-        &self.shared.pool
+        &self.shared.specs.pool
     }
 
     /// How often the driver's libraries were scanned (once per driver version). For the tests'
     /// assertions.
     #[doc(hidden)]
     pub fn install_scans(&self) -> u64 {
-        self.shared.installs.scans()
+        self.shared.specs.installs.scans()
     }
 
     /// Unit UUID (GPU or MIG) → UID of the claim it is prepared (or being prepared) for. For
@@ -271,7 +271,7 @@ impl DraCore {
             // A daemon that died since: the share gets one again before the answer.
             if !shares.is_empty() {
                 let shared = self.shared.clone();
-                off_runtime(move || shared.start_daemons(&shares)).await?;
+                off_runtime(move || shared.daemons.start_daemons(&shares)).await?;
             }
             return Ok(devices);
         }
@@ -322,15 +322,15 @@ impl DraCore {
                     continue;
                 }
             };
-            if let Err(e) = self.shared.hold(&c, &entry.units, &entry.shares) {
+            if let Err(e) = self.shared.holds.hold(&c, &entry.units, &entry.shares) {
                 error!(claim = %claim_label(&c), error = %e, "checkpointed claim overlaps another holder");
             }
         }
         let wanted = shares::mps_daemons(cp.data(), &self.shared.state.read().inventory);
         drop(cp);
-        let mps = self.shared.mps.clone();
+        let daemons = self.shared.daemons.clone();
         // Starting and stopping daemons runs programs: off the runtime.
-        if let Err(e) = tokio::task::spawn_blocking(move || mps.reconcile(&wanted)).await {
+        if let Err(e) = tokio::task::spawn_blocking(move || daemons.reconcile(&wanted)).await {
             error!(error = %e, "reconciling the MPS control daemons failed");
         }
     }
@@ -342,9 +342,7 @@ impl Shared {
         let entry = cp
             .get(uid)
             .filter(|e| e.state == ClaimState::PrepareCompleted)?;
-        let spec_present = cdi::writer::spec_path(&self.paths.cdi_root, &entry.cdi_spec_stem)
-            .is_ok_and(|p| p.exists());
-        if !spec_present {
+        if !self.specs.present(&entry.cdi_spec_stem) {
             if log {
                 warn!(claim = %format!("{}/{}", entry.namespace, entry.name), uid = %uid,
                     "the CDI spec of a prepared claim is gone; preparing it again");
@@ -365,11 +363,11 @@ impl Shared {
         if let Some(devices) = self.completed(&cp, &c.uid, false) {
             return Ok(devices);
         }
-        let instances = self.create_instances(&mut cp, claim, c)?;
-        let rendered = self.render(claim, c)?;
-        self.hold(c, &rendered.units, &rendered.shares)?;
-        if let Err(e) = self.start_daemons(&rendered.shares) {
-            self.release(c);
+        let instances = self.instances.create_instances(&mut cp, claim, c)?;
+        let rendered = self.specs.render(&self.state, &self.daemons, claim, c)?;
+        self.holds.hold(c, &rendered.units, &rendered.shares)?;
+        if let Err(e) = self.daemons.start_daemons(&rendered.shares) {
+            self.holds.release(c);
             return Err(e);
         }
         let stem = spec_stem(&c.uid);
@@ -392,12 +390,8 @@ impl Shared {
         // Not fsync'd: the entry just written is the durable record, and start-up rewrites
         // the file from it (restore_spec). A failed write leaves the entry; the kubelet's
         // retry finds the spec missing and prepares the claim again.
-        cdi::write_spec(
-            &self.paths.cdi_root,
-            &stem,
-            &rendered.spec,
-            cdi::Durability::Recoverable,
-        )?;
+        self.specs
+            .write(&stem, &rendered.spec, cdi::Durability::Recoverable)?;
         crate::crashpoint::reached(crate::crashpoint::Step::PrepareAfterCdiSpec);
         self.write_device_status(c, rendered.status);
         Ok(rendered.devices)
@@ -448,18 +442,18 @@ impl Shared {
         // Not synced: a power loss that brings a spec back is a reboot, after which start-up
         // sweeps every claim spec away.
         for stem in &stems {
-            remove_claim_spec(&self.paths.cdi_root, stem, cdi::Durability::Recoverable)?;
+            self.specs.remove(stem, cdi::Durability::Recoverable)?;
         }
         crate::crashpoint::reached(crate::crashpoint::Step::UnprepareAfterSpecRemoval);
         // Before the entry goes: an instance no entry records is never ours.
-        self.destroy_instances(c, &instances)?;
+        self.instances.destroy_instances(c, &instances)?;
         cp.update(|d| {
             d.claims.remove(c.uid.as_str());
         })?;
         crate::crashpoint::reached(crate::crashpoint::Step::UnprepareAfterCheckpoint);
-        self.release(c);
-        self.forget_instances(&instances);
-        self.stop_unused_daemons(&shares);
+        self.holds.release(c);
+        self.instances.forget_instances(&instances);
+        self.daemons.stop_unused_daemons(&shares);
         if was_prepared {
             self.write_device_status(c, Vec::new());
         }
@@ -542,7 +536,7 @@ impl DraDriver for DraCore {
                     Health::Unhealthy(cause) => (DeviceHealthState::Unhealthy, cause.to_string()),
                 };
                 DeviceHealthReport {
-                    pool: self.shared.pool.clone(),
+                    pool: self.shared.specs.pool.clone(),
                     device,
                     health,
                     message,

@@ -3,6 +3,7 @@
 //! it waits or that it was admitted. Writes run concurrently ([`bounded`]); a failed one is
 //! logged and made again in a later cycle.
 
+use super::namespaces::Due;
 use super::{quota_names, QueueLoop};
 use crate::controller::namespace::{Decision, Note};
 use crate::controller::pods::{self, PodRef};
@@ -13,15 +14,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::SystemTime;
 use tokio::time::Instant;
-
-/// What was last said to a waiting pod.
-#[derive(Debug, Clone)]
-pub(super) struct Memo {
-    pub(super) namespace: String,
-    kind: &'static str,
-    message: String,
-    at: Instant,
-}
 
 impl QueueLoop {
     /// Removes the gates of the released units and of pods admitted earlier; returns the pods
@@ -36,7 +28,7 @@ impl QueueLoop {
         todo.extend(
             d.admitted_gated
                 .iter()
-                .filter(|p| !self.ungated.contains_key(&p.uid))
+                .filter(|p| !self.own_writes.is_ungated(&p.uid))
                 .cloned(),
         );
         if todo.is_empty() {
@@ -67,9 +59,8 @@ impl QueueLoop {
                     if matches!(r, Ok(Ungated::Removed)) {
                         self.metrics.released(ns, &quotas, waited);
                     }
-                    self.ungated
-                        .insert(p.uid.clone(), (ns.to_string(), Instant::now()));
-                    if p.condition.is_some() || self.memos.contains_key(&p.uid) {
+                    self.own_writes.ungated(&p.uid, ns);
+                    if p.condition.is_some() || self.namespaces.was_told(&p.uid) {
                         told.push(p);
                     }
                 }
@@ -87,40 +78,24 @@ impl QueueLoop {
     /// every `note_refresh`; an Event when the kind of reason changes).
     pub(super) async fn notes(&mut self, ns: &str, waiting: &[(PodRef, Note)]) {
         let now = Instant::now();
-        let mut todo = Vec::new();
-        for (p, note) in waiting {
-            let memo = self.memos.get(&p.uid);
-            let shown = p
-                .condition
-                .as_ref()
-                .filter(|(_, s, _)| s == "False")
-                .map(|(_, _, m)| m.as_str());
-            let said = memo.map(|m| m.message.as_str());
-            let current =
-                shown == Some(note.message.as_str()) || said == Some(note.message.as_str());
-            let kind_changed = memo.is_none_or(|m| m.kind != note.kind);
-            let refresh_due =
-                memo.is_none_or(|m| now.duration_since(m.at) >= self.opts.note_refresh);
-            let condition = shown.is_none() || (!current && (kind_changed || refresh_due));
-            let event = match memo {
-                Some(m) => m.kind != note.kind,
-                // After a restart: only pods never told before.
-                None => shown.is_none(),
-            };
-            if condition || event {
-                todo.push((p.clone(), note.clone(), condition, event));
-            }
-            if todo.len() >= self.opts.notes_per_cycle {
-                break;
-            }
-        }
+        let todo = self.namespaces.notes_due(
+            waiting,
+            now,
+            self.opts.note_refresh,
+            self.opts.notes_per_cycle,
+        );
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), ns);
         let events: Api<CoreEvent> = Api::namespaced(self.client.clone(), ns);
         let instance = self.opts.instance.clone();
         let results = bounded(
             self.opts.concurrency,
             todo,
-            |(p, note, condition, event)| {
+            |Due {
+                 pod: p,
+                 note,
+                 condition,
+                 event,
+             }| {
                 let (pods, events, instance) = (pods.clone(), events.clone(), instance.clone());
                 async move {
                     let mut r = Ok(());
@@ -146,17 +121,7 @@ impl QueueLoop {
         .await;
         for (p, note, r) in results {
             match r {
-                Ok(()) => {
-                    self.memos.insert(
-                        p.uid.clone(),
-                        Memo {
-                            namespace: ns.into(),
-                            kind: note.kind,
-                            message: note.message,
-                            at: now,
-                        },
-                    );
-                }
+                Ok(()) => self.namespaces.told(ns, &p, note, now),
                 Err(e) => {
                     tracing::warn!(pod = %format!("{ns}/{}", p.name), error = %e, "recording why a pod waits failed")
                 }
@@ -171,7 +136,7 @@ impl QueueLoop {
         let message =
             format!("admitted by the GpuQuotas of namespace {ns}; the scheduling gate is removed");
         for p in &told {
-            self.memos.remove(&p.uid);
+            self.namespaces.admitted(&p.uid);
         }
         let results = bounded(self.opts.concurrency, told, |p| {
             let (pods, events, instance, message) = (

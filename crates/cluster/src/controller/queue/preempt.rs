@@ -10,7 +10,9 @@
 //! the cohort's ledger reads other namespaces' quota status, which their own cycles settle a
 //! moment later (counting it held then would evict one pod more).
 
-use super::{template_specs, QueueLoop};
+use super::watched::Watched;
+use crate::controller::cache::Cache;
+use crate::controller::metrics::QueueMetrics;
 use crate::controller::namespace::{Decision, Eviction};
 use crate::controller::pods::{self, PodRef};
 use crate::controller::preempt::Candidate;
@@ -34,7 +36,7 @@ const GONE_FOR: Duration = Duration::from_secs(10);
 /// The pod condition an evicted pod is given (besides Kubernetes' own `DisruptionTarget`).
 pub const PREEMPTED_CONDITION: &str = "gpuplane.dev/Preempted";
 
-/// What the loop remembers of its evictions.
+/// What the loop remembers of its evictions, and the evictions it makes.
 #[derive(Debug, Default)]
 pub(super) struct Evictions {
     /// Pods evicted, by uid.
@@ -61,16 +63,20 @@ impl Evicted {
     }
 }
 
-impl QueueLoop {
+impl Evictions {
     /// The pods a waiting unit of `ns` may have evicted (empty when no Queue-mode quota of
     /// `ns` preempts or nothing of `ns` waits).
-    pub(super) fn candidates(&mut self, ns: &str, queued: bool) -> Vec<Candidate> {
+    pub(super) fn candidates(
+        &mut self,
+        ns: &str,
+        queued: bool,
+        watched: &Watched,
+    ) -> Vec<Candidate> {
         let now = Instant::now();
-        let e = &mut self.evictions;
-        e.evicted.retain(|_, v| v.remembered(now));
-        e.blocked
+        self.evicted.retain(|_, v| v.remembered(now));
+        self.blocked
             .retain(|_, at| now.duration_since(*at) < BLOCKED_FOR);
-        let quotas = self.quotas.in_namespace(ns);
+        let quotas = watched.quotas.in_namespace(ns);
         let preempts = quotas
             .iter()
             .any(|q| q.spec.mode == QuotaMode::Queue && q.spec.preemption.preempts());
@@ -81,7 +87,7 @@ impl QueueLoop {
             .iter()
             .filter_map(|q| q.spec.cohort.as_ref())
             .collect();
-        let mut namespaces: BTreeSet<String> = self
+        let mut namespaces: BTreeSet<String> = watched
             .quotas
             .all()
             .filter(|q| q.spec.cohort.as_ref().is_some_and(|c| cohorts.contains(c)))
@@ -90,27 +96,27 @@ impl QueueLoop {
         namespaces.insert(ns.to_string());
         let mut out = Vec::new();
         for n in &namespaces {
-            let templates = template_specs(&self.templates, n);
-            for p in self.pods.in_namespace(n) {
+            let templates = watched.template_specs(n);
+            for p in watched.pods.in_namespace(n) {
                 if !pods::is_counted(&p) || self.is_blocked(n, &p) {
                     continue;
                 }
-                let Ok(charge) = pod_charge(&p, &templates, &self.catalog) else {
+                let Ok(charge) = pod_charge(&p, &templates, watched.catalog()) else {
                     continue;
                 };
                 let mut c = Candidate::of(&p, charge);
-                if let Some(v) = self.evictions.evicted.get_mut(&c.uid) {
+                if let Some(v) = self.evicted.get_mut(&c.uid) {
                     c.terminating = true;
                     v.gone = None;
                 }
                 out.push(c);
             }
         }
-        let seen: BTreeSet<String> = out.iter().map(|c| c.uid.clone()).collect();
-        for (uid, v) in &mut self.evictions.evicted {
+        let listed: BTreeSet<String> = out.iter().map(|c| c.uid.clone()).collect();
+        for (uid, v) in &mut self.evicted {
             // `ns`'s own usage is counted from its pods, so only other namespaces' lag.
             let lagging = v.victim.namespace != ns && namespaces.contains(&v.victim.namespace);
-            if !seen.contains(uid) && lagging {
+            if !listed.contains(uid) && lagging {
                 v.gone.get_or_insert(now);
                 out.push(Candidate {
                     terminating: true,
@@ -124,30 +130,36 @@ impl QueueLoop {
     /// When the first pod a budget held comes back into the choices: a namespace that had
     /// candidates is decided again then (budgets are not watched).
     pub(super) fn next_unblock(&self) -> Option<SystemTime> {
-        let first = self.evictions.blocked.values().min()?;
+        let first = self.blocked.values().min()?;
         let left = (*first + BLOCKED_FOR).saturating_duration_since(Instant::now());
         Some(SystemTime::now() + left)
     }
 
     fn is_blocked(&self, ns: &str, p: &Pod) -> bool {
-        let b = &self.evictions.blocked;
+        let b = &self.blocked;
         p.metadata.uid.as_ref().is_some_and(|u| b.contains_key(u))
             || pods::group(p).is_some_and(|(g, _)| b.contains_key(&format!("{ns}/{g}")))
     }
 
-    /// Makes the decision's evictions; whether the namespace should be decided again at once
-    /// (a budget refused one, or a call failed).
-    pub(super) async fn evict(&mut self, d: &Decision) -> bool {
+    /// Makes the decision's evictions through `client` (`instance` reporting their Events);
+    /// whether the namespace should be decided again at once (a budget refused one, or a call
+    /// failed). A refused victim's pod group is read from `pods`.
+    pub(super) async fn evict(
+        &mut self,
+        client: &kube::Client,
+        instance: &str,
+        metrics: &QueueMetrics,
+        pods: &Cache<Pod>,
+        d: &Decision,
+    ) -> bool {
         let mut again = false;
         // After a refusal the rest of that unit's victims wait for the next choice.
         let mut refused: BTreeSet<&str> = BTreeSet::new();
         for e in &d.evictions {
-            if refused.contains(e.preemptor.as_str())
-                || self.evictions.evicted.contains_key(&e.victim.uid)
-            {
+            if refused.contains(e.preemptor.as_str()) || self.evicted.contains_key(&e.victim.uid) {
                 continue;
             }
-            let api: Api<Pod> = Api::namespaced(self.client.clone(), &e.victim.namespace);
+            let api: Api<Pod> = Api::namespaced(client.clone(), &e.victim.namespace);
             let params = EvictParams {
                 delete_options: Some(DeleteParams {
                     // Never a newer pod of the same name.
@@ -166,27 +178,28 @@ impl QueueLoop {
                         victim: e.victim.clone(),
                         gone: None,
                     };
-                    self.evictions.evicted.insert(e.victim.uid.clone(), v);
-                    self.metrics.preempted(&e.victim.namespace);
+                    self.evicted.insert(e.victim.uid.clone(), v);
+                    metrics.preempted(&e.victim.namespace);
                     tracing::info!(pod = %format!("{}/{}", e.victim.namespace, e.victim.name), preemptor = %e.preemptor, "evicted to make room");
-                    self.tell_victim(&api, e).await;
+                    tell_victim(client, instance, &api, e).await;
                 }
                 Err(kube::Error::Api(s)) if s.code == 404 => {}
                 Err(kube::Error::Api(s)) if s.code == 429 => {
                     refused.insert(&e.preemptor);
                     again = true;
-                    self.blocked(e);
+                    self.block(e, pods);
                     let message = format!(
                         "the eviction of pod {}/{} to make room for {} was refused: {} (a PodDisruptionBudget holds it; other pods are chosen or the pod waits)",
                         e.victim.namespace, e.victim.name, e.preemptor, s.message
                     );
-                    self.tell_preemptor(&e.preemptor_pods, "QuotaPreemptionBlocked", &message)
+                    let pods = &e.preemptor_pods;
+                    tell_preemptor(client, instance, pods, "QuotaPreemptionBlocked", &message)
                         .await;
                 }
                 Err(err) => {
                     refused.insert(&e.preemptor);
                     again = true;
-                    self.metrics.error();
+                    metrics.error();
                     tracing::warn!(pod = %format!("{}/{}", e.victim.namespace, e.victim.name), error = %err, "evicting a pod to make room failed; decided again");
                 }
             }
@@ -194,12 +207,12 @@ impl QueueLoop {
         again
     }
 
-    fn blocked(&mut self, e: &Eviction) {
+    /// A budget refused `e`: its victim, and its pod group, are left out of the choices.
+    fn block(&mut self, e: &Eviction, pods: &Cache<Pod>) {
         let now = Instant::now();
-        let b = &mut self.evictions.blocked;
+        let b = &mut self.blocked;
         b.insert(e.victim.uid.clone(), now);
-        let group = self
-            .pods
+        let group = pods
             .in_namespace(&e.victim.namespace)
             .into_iter()
             .find(|p| p.metadata.uid.as_deref() == Some(e.victim.uid.as_str()))
@@ -208,48 +221,53 @@ impl QueueLoop {
             b.insert(format!("{}/{g}", e.victim.namespace), now);
         }
     }
+}
 
-    /// The victim's condition and Event (a pod already gone is not an error).
-    async fn tell_victim(&self, api: &Api<Pod>, e: &Eviction) {
-        let c = Condition {
-            type_: PREEMPTED_CONDITION,
-            status: true,
-            reason: "PreemptedByQuota",
-            message: &e.message,
+/// The victim's condition and Event (a pod already gone is not an error).
+async fn tell_victim(client: &kube::Client, instance: &str, api: &Api<Pod>, e: &Eviction) {
+    let c = Condition {
+        type_: PREEMPTED_CONDITION,
+        status: true,
+        reason: "PreemptedByQuota",
+        message: &e.message,
+    };
+    let mut r = writes::set_pod_condition(api, &e.victim.name, None, c).await;
+    if r.is_ok() {
+        let events: Api<CoreEvent> = Api::namespaced(client.clone(), &e.victim.namespace);
+        let victim = PodRef {
+            namespace: e.victim.namespace.clone(),
+            name: e.victim.name.clone(),
+            uid: e.victim.uid.clone(),
+            gate_index: None,
+            condition: None,
         };
-        let mut r = writes::set_pod_condition(api, &e.victim.name, None, c).await;
-        if r.is_ok() {
-            let events: Api<CoreEvent> = Api::namespaced(self.client.clone(), &e.victim.namespace);
-            let victim = PodRef {
-                namespace: e.victim.namespace.clone(),
-                name: e.victim.name.clone(),
-                uid: e.victim.uid.clone(),
-                gate_index: None,
-                condition: None,
-            };
-            let instance = &self.opts.instance;
-            r = writes::event(
-                &events,
-                &victim,
-                true,
-                "QuotaPreempted",
-                &e.message,
-                instance,
-            )
-            .await;
-        }
-        if let Err(err) = r {
-            tracing::warn!(pod = %format!("{}/{}", e.victim.namespace, e.victim.name), error = %err, "recording a preemption on its victim failed");
-        }
+        r = writes::event(
+            &events,
+            &victim,
+            true,
+            "QuotaPreempted",
+            &e.message,
+            instance,
+        )
+        .await;
     }
+    if let Err(err) = r {
+        tracing::warn!(pod = %format!("{}/{}", e.victim.namespace, e.victim.name), error = %err, "recording a preemption on its victim failed");
+    }
+}
 
-    async fn tell_preemptor(&self, pods: &[PodRef], reason: &str, message: &str) {
-        for p in pods {
-            let events: Api<CoreEvent> = Api::namespaced(self.client.clone(), &p.namespace);
-            let r = writes::event(&events, p, true, reason, message, &self.opts.instance).await;
-            if let Err(err) = r {
-                tracing::warn!(pod = %format!("{}/{}", p.namespace, p.name), error = %err, "recording a refused preemption failed");
-            }
+async fn tell_preemptor(
+    client: &kube::Client,
+    instance: &str,
+    pods: &[PodRef],
+    reason: &str,
+    message: &str,
+) {
+    for p in pods {
+        let events: Api<CoreEvent> = Api::namespaced(client.clone(), &p.namespace);
+        let r = writes::event(&events, p, true, reason, message, instance).await;
+        if let Err(err) = r {
+            tracing::warn!(pod = %format!("{}/{}", p.namespace, p.name), error = %err, "recording a refused preemption failed");
         }
     }
 }

@@ -3,16 +3,24 @@
 //! units are held in every allocation mode: even where DRA owns its GPUs alone, their sum on a
 //! unit must fit it.
 
-use super::{claim_label, PrepareError, Shared};
+use super::{claim_label, PrepareError};
 use crate::config::AllocationMode;
 use crate::dra::checkpoint::ShareEntry;
 use crate::dra::ClaimRef;
 use crate::inventory::DeviceUuid;
 use crate::ledger::{Holder, ShareRefused, ShareRequest};
 use crate::metrics::{self, ApiLabel};
+use crate::node::state::NodeState;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 use tracing::info;
+
+/// The claims' holds in the node's allocation ledger.
+pub(super) struct Holds {
+    /// The node state whose ledger holds the claims' units and shares.
+    state: Arc<NodeState>,
+}
 
 /// Holds a claim's shares, or refuses naming the device and the holders.
 fn hold_shares(
@@ -62,7 +70,11 @@ fn hold_shares(
     }
 }
 
-impl Shared {
+impl Holds {
+    pub(super) fn new(state: Arc<NodeState>) -> Holds {
+        Holds { state }
+    }
+
     /// Records the claim's units in the allocation ledger (shared mode), refusing units another
     /// consumer holds. Under the checkpoint lock, so two prepares cannot race for a unit; the
     /// device plugin's Allocate holds under the state's write lock, which `update` takes too.

@@ -21,15 +21,28 @@
 //! or a kill between destroy and record) goes back to `PrepareStarted` at start: a prepare retry
 //! creates it again (with a new UUID, as NVML gives), an unprepare retry finishes the job.
 
-use super::{claim_label, PrepareError, Shared, UnprepareError};
+use super::{claim_label, PrepareError, UnprepareError};
 use crate::dra::checkpoint::{Checkpoint, ClaimEntry, ClaimState, CreatedMig, MigEntry};
 use crate::dra::ClaimRef;
 use crate::inventory::{Inventory, MigDevice};
-use crate::node::state::Snapshot;
-use crate::source::{MigChangeError, MigRequest};
+use crate::node::state::{NodeState, Snapshot};
+use crate::source::{DeviceSource, MigChangeError, MigRequest};
 use gpuplane_model::dynamic_mig;
 use k8s_openapi::api::resource::v1::ResourceClaim;
+use std::sync::Arc;
 use tracing::{info, warn};
+
+/// The dynamic MIG instances of this driver's claims: made and destroyed through the device
+/// source, and kept in the node's inventory.
+pub(super) struct Instances {
+    /// The driver and pool whose claims' results name dynamic devices.
+    driver: String,
+    pool: String,
+    /// The node state whose inventory holds the instances, and which of them are ours.
+    state: Arc<NodeState>,
+    /// Where dynamic MIG instances are created and destroyed.
+    source: Arc<dyn DeviceSource>,
+}
 
 /// The instance a MIG entry stands for, if it exists in `inv`: the one at its GPU, profile and
 /// start.
@@ -68,7 +81,21 @@ fn wanted(claim: &ResourceClaim, driver: &str, pool: &str, inv: &Inventory) -> V
     out
 }
 
-impl Shared {
+impl Instances {
+    pub(super) fn new(
+        driver: &str,
+        pool: &str,
+        state: Arc<NodeState>,
+        source: Arc<dyn DeviceSource>,
+    ) -> Instances {
+        Instances {
+            driver: driver.to_string(),
+            pool: pool.to_string(),
+            state,
+            source,
+        }
+    }
+
     /// Steps 1 and 2 of the module docs for `claim`; the instances are in the inventory when
     /// it returns, and the entries the prepared claim records are returned.
     pub(super) fn create_instances(

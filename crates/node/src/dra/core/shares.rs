@@ -5,12 +5,24 @@
 //!
 //! [`MpsHost::reconcile`]: crate::mps::MpsHost::reconcile
 
-use super::{PrepareError, Shared, UserEvent};
+use super::{PrepareError, UserEvent};
 use crate::dra::checkpoint::{CheckpointData, ClaimEntry, ClaimState, ShareEntry};
 use crate::inventory::{DeviceUuid, Inventory};
-use crate::sharing::Enforcement;
+use crate::mps::{DaemonDirs, MpsHost};
+use crate::node::state::NodeState;
+use crate::sharing::{self, Enforcement};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use tracing::warn;
+
+/// The MPS control daemons of shared units: where they run, and the node state that says which
+/// units are shared and by whom.
+#[derive(Clone)]
+pub(super) struct Daemons {
+    state: Arc<NodeState>,
+    /// Where the MPS control daemons of shared units run.
+    mps: Arc<dyn MpsHost>,
+}
 
 /// The units whose MPS shares the checkpoint records as prepared (their daemons must run),
 /// each with whether its daemon is multi-user ([`multiuser`]).
@@ -91,7 +103,42 @@ pub(super) fn notice(entry: &ClaimEntry) -> Option<UserEvent> {
     })
 }
 
-impl Shared {
+impl Daemons {
+    pub(super) fn new(state: Arc<NodeState>, mps: Arc<dyn MpsHost>) -> Daemons {
+        Daemons { state, mps }
+    }
+
+    /// The shared units of `inv`; MPS becomes time-slicing where the driver root has no MPS
+    /// control program (the claim's status and an Event say so).
+    pub(super) fn shared_units(
+        &self,
+        inv: &Inventory,
+        cfg: Option<&sharing::ShareConfig>,
+    ) -> BTreeMap<DeviceUuid, sharing::UnitShares> {
+        let mut units = sharing::shared_units(inv, cfg);
+        if !units.is_empty() && !self.mps.available() {
+            for u in units.values_mut() {
+                u.enforcement = Enforcement::TimeSlicing;
+            }
+        }
+        units
+    }
+
+    /// The directories of `unit`'s daemon (its pipe directory, its `/dev/shm`).
+    pub(super) fn dirs(&self, unit: &str) -> DaemonDirs {
+        self.mps.dirs(unit)
+    }
+
+    /// Whether MPS clients mount their daemon's `/dev/shm`.
+    pub(super) fn shares_shm(&self) -> bool {
+        self.mps.shares_shm()
+    }
+
+    /// Starts the daemons `wanted` lists and stops the others (agent start-up).
+    pub(super) fn reconcile(&self, wanted: &BTreeMap<DeviceUuid, bool>) {
+        self.mps.reconcile(wanted);
+    }
+
     /// Makes sure the daemon of each MPS share's unit runs before the prepare answers.
     pub(super) fn start_daemons(&self, shares: &[ShareEntry]) -> Result<(), PrepareError> {
         let mut started = false;

@@ -3,14 +3,18 @@
 //! the claim's `status.devices` entries; the one removal of a claim's spec file, its restore
 //! from the checkpoint at start, and the sweep of every claim spec after a reboot.
 
+use super::shares::Daemons;
 use super::spec_names::{cdi_device_name, is_claim_spec_stem};
-use super::{PrepareError, Shared};
-use crate::cdi::{self, ContainerEdits, DeviceName, DriverFiles, NamedDevices, WriteError};
+use super::PrepareError;
+use crate::cdi::{self, ContainerEdits, DeviceName, DriverFiles, InstallCache, Kind};
+use crate::cdi::{MemoryLimitHook, NamedDevices, WriteError};
 use crate::dra::checkpoint::{ClaimEntry, ClaimState, ShareEntry};
 use crate::dra::claims::{plan_claim, ClaimPlan};
 use crate::dra::{status, ClaimRef, ClaimUid, PreparedDevice};
 use crate::inventory::{DeviceRef, DeviceUuid, Inventory};
 use crate::ledger::dra_view;
+use crate::node::state::NodeState;
+use crate::paths::HostPaths;
 use crate::sharing::{self, Enforcement};
 use crate::source::DeviceMode;
 use k8s_openapi::jiff::Timestamp;
@@ -99,6 +103,23 @@ pub(super) fn sweep_claim_specs(cdi_root: &Path) -> Vec<String> {
     removed
 }
 
+/// The claims' CDI specs: what they are made of (the driver's files or simulated devices, the
+/// share hooks) and where they are written.
+pub(super) struct Specs {
+    /// The driver and pool the claims' results and statuses name.
+    pub(super) driver: String,
+    pub(super) pool: String,
+    /// The CDI kind of the claim specs (`k8s.<driver>/claim`).
+    pub(super) kind: Kind,
+    /// The CDI root the specs go to, and where the driver's files are found.
+    paths: HostPaths,
+    device_mode: DeviceMode,
+    /// The driver's libraries, scanned once per driver version rather than per prepare.
+    pub(super) installs: InstallCache,
+    /// What holds a share's container to its memory, where the driver can.
+    memory_limits: Option<MemoryLimitHook>,
+}
+
 /// A rendered preparation, not yet written.
 pub(super) struct Rendered {
     pub(super) spec: cdi::Spec,
@@ -122,17 +143,64 @@ struct Claimed<'a> {
     needed: BTreeSet<PathBuf>,
 }
 
-impl Shared {
-    /// Plans the claim against the current inventory and health and renders its spec.
+impl Specs {
+    pub(super) fn new(
+        driver: String,
+        pool: String,
+        kind: Kind,
+        paths: HostPaths,
+        device_mode: DeviceMode,
+        memory_limits: Option<MemoryLimitHook>,
+    ) -> Specs {
+        Specs {
+            driver,
+            pool,
+            kind,
+            paths,
+            device_mode,
+            installs: InstallCache::default(),
+            memory_limits,
+        }
+    }
+
+    /// Whether the spec file of `stem` is there.
+    pub(super) fn present(&self, stem: &str) -> bool {
+        cdi::writer::spec_path(&self.paths.cdi_root, stem).is_ok_and(|p| p.exists())
+    }
+
+    /// Writes the claim spec of `stem`.
+    pub(super) fn write(
+        &self,
+        stem: &str,
+        spec: &cdi::Spec,
+        durability: cdi::Durability,
+    ) -> Result<cdi::WriteOutcome, WriteError> {
+        cdi::write_spec(&self.paths.cdi_root, stem, spec, durability)
+    }
+
+    /// Removes the claim spec of `stem` ([`remove_claim_spec`]).
+    pub(super) fn remove(&self, stem: &str, durability: cdi::Durability) -> Result<(), WriteError> {
+        remove_claim_spec(&self.paths.cdi_root, stem, durability)
+    }
+
+    /// Rewrites a checkpointed claim's spec from its entry ([`restore_spec`]).
+    pub(super) fn restore(&self, uid: &str, entry: &ClaimEntry) {
+        restore_spec(&self.paths.cdi_root, uid, entry);
+    }
+
+    /// Plans the claim against the current inventory and health of `state` (its shared units
+    /// as `daemons` can run them) and renders its spec.
     pub(super) fn render(
         &self,
+        state: &NodeState,
+        daemons: &Daemons,
         claim: &k8s_openapi::api::resource::v1::ResourceClaim,
         c: &ClaimRef,
     ) -> Result<Rendered, PrepareError> {
         let (inv, health, shares) = {
-            let snap = self.state.read();
+            let snap = state.read();
             let inv = dra_view(&snap.inventory, &snap.config.allocation);
-            let shares = self.shared_units(&inv, snap.config.shares.as_ref());
+            let shares = daemons.shared_units(&inv, snap.config.shares.as_ref());
             (inv, snap.health.clone(), shares)
         };
         let plan = plan_claim(claim, c, &self.driver, &self.pool, &inv, &health, &shares)
@@ -140,10 +208,10 @@ impl Shared {
         let generation = claim.metadata.generation;
         match self.device_mode {
             // Nothing on the host to discover: no driver files, no device nodes.
-            DeviceMode::Simulated => self.render_plan(&plan, c, generation, &inv, None),
+            DeviceMode::Simulated => self.render_plan(&plan, c, generation, &inv, daemons, None),
             DeviceMode::Hardware => {
                 let files = self.installs.discover(&self.paths, &inv);
-                self.render_plan(&plan, c, generation, &inv, Some(&files))
+                self.render_plan(&plan, c, generation, &inv, daemons, Some(&files))
             }
         }
     }
@@ -156,12 +224,13 @@ impl Shared {
         c: &ClaimRef,
         generation: Option<i64>,
         inv: &Inventory,
+        daemons: &Daemons,
         files: Option<&DriverFiles>,
     ) -> Result<Rendered, PrepareError> {
         let claimed = claimed_devices(plan, &c.uid, inv, files)?;
         let mut spec = self.spec_over(&claimed, files)?;
         add_config_env(&mut spec, plan, &c.uid);
-        self.add_share_edits(&mut spec, plan, &c.uid, inv);
+        self.add_share_edits(&mut spec, plan, &c.uid, inv, daemons);
         spec.cdi_version = cdi::minimum_version(&spec).to_string();
         let units = plan
             .devices
@@ -211,22 +280,6 @@ impl Shared {
         })
     }
 
-    /// The shared units of `inv`; MPS becomes time-slicing where the driver root has no MPS
-    /// control program (the claim's status and an Event say so).
-    pub(super) fn shared_units(
-        &self,
-        inv: &Inventory,
-        cfg: Option<&sharing::ShareConfig>,
-    ) -> BTreeMap<DeviceUuid, sharing::UnitShares> {
-        let mut units = sharing::shared_units(inv, cfg);
-        if !units.is_empty() && !self.mps.available() {
-            for u in units.values_mut() {
-                u.enforcement = Enforcement::TimeSlicing;
-            }
-        }
-        units
-    }
-
     /// The hook holding a share of `unit` to its memory, where this node can: MPS shares of a
     /// whole GPU on a driver with per-cgroup memory limits (none on MIG devices: NVIDIA's
     /// memory partitioning leaves them out).
@@ -235,7 +288,7 @@ impl Shared {
         unit: &DeviceUuid,
         enforcement: Enforcement,
         inv: &Inventory,
-    ) -> Option<&cdi::MemoryLimitHook> {
+    ) -> Option<&MemoryLimitHook> {
         let whole_gpu = inv.gpus.iter().any(|g| &g.uuid == unit);
         (enforcement == Enforcement::Mps && whole_gpu)
             .then_some(self.memory_limits.as_ref())
@@ -251,6 +304,7 @@ impl Shared {
         plan: &ClaimPlan,
         uid: &ClaimUid,
         inv: &Inventory,
+        daemons: &Daemons,
     ) {
         for d in &mut spec.devices {
             let Some((share, unit, p)) = plan.devices.iter().find_map(|p| {
@@ -259,7 +313,7 @@ impl Shared {
             }) else {
                 continue;
             };
-            let dirs = self.mps.dirs(&p.uuid);
+            let dirs = daemons.dirs(&p.uuid);
             let pipe = dirs.pipe.display().to_string();
             let mps = unit.enforcement == Enforcement::Mps;
             let edits = &mut d.container_edits;
@@ -280,7 +334,7 @@ impl Shared {
                 });
                 // MPS clients need their server's /dev/shm (NVIDIA's DRA driver mounts its
                 // daemon's shm the same way, cmd/gpu-kubelet-plugin/sharing.go).
-                if self.mps.shares_shm() {
+                if daemons.shares_shm() {
                     edits.mounts.push(cdi::Mount {
                         host_path: dirs.shm.display().to_string(),
                         container_path: "/dev/shm".into(),
