@@ -1,7 +1,7 @@
 //! The quota loop (I/O shell): watches pods, GpuQuotas, ResourceClaims and templates into
-//! [`Cache`]s, reads the published devices from the shared [`Devices`], and reconciles each namespace that
-//! changed (or whose time came) with [`namespace::decide`], then applies the decision:
-//! GpuQuota status first (PUT `/status` with the resourceVersion just read; a 409 lists and
+//! [`Cache`](super::cache::Cache)s, reads the published devices from the shared
+//! [`Devices`], and reconciles each namespace that changed (or whose time came) with
+//! [`namespace::decide`], then applies the decision: GpuQuota status first (PUT `/status` with the resourceVersion just read; a 409 lists and
 //! decides the namespace again at once, a few times, then backs off), gates second, notes
 //! (conditions and Events) last.
 //!

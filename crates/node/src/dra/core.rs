@@ -40,9 +40,9 @@
 //! without GPUs, #1380): until then the prepare fails naming them ([`DeviceNodesError`], the
 //! refusal the device plugin's Allocate gives too) and the kubelet retries.
 //!
-//! Simulated devices ([`DeviceMode::Simulated`]) have no nodes to wait for: their spec carries
-//! each device's `GPUPLANE_DEVICE_<key>` identity and, spec-level, `NVIDIA_VISIBLE_DEVICES` with
-//! the claim's UUIDs. The runtime applies spec-level edits once for any device of the spec, so a
+//! Simulated devices ([`DeviceMode::Simulated`](crate::source::DeviceMode::Simulated)) have
+//! no nodes to wait for: their spec carries each device's `GPUPLANE_DEVICE_<key>` identity
+//! and, spec-level, `NVIDIA_VISIBLE_DEVICES` with the claim's UUIDs. The runtime applies spec-level edits once for any device of the spec, so a
 //! container that references only some of a claim's requests still sees all of the claim's
 //! UUIDs there, and one that references several claims sees one claim's value (the later
 //! replaces the earlier); `GPUPLANE_DEVICE_*` are exact in both cases.
@@ -53,7 +53,7 @@
 //! checkpoint lock moved into the job: the steps keep their order, the answer waits for the
 //! job, and a kubelet call cancelled meanwhile does not cut the job short. The state lock is
 //! taken only for the short plan read and the hold, never across a file operation. The
-//! driver's libraries are scanned once per driver version ([`InstallCache`]); device nodes are
+//! driver's libraries are scanned once per driver version ([`InstallCache`](crate::cdi::InstallCache)); device nodes are
 //! checked on every prepare.
 //!
 //! [`plan_claim`]: crate::dra::claims::plan_claim
