@@ -569,6 +569,10 @@ fn clients_fail_when_their_daemon_dies_and_run_without_mps_where_none_answers() 
     let (status, err) = c.end();
     assert!(!status.success());
     assert!(err.contains("the MPS server is gone"), "{err}");
+    // The client saw its connection close, but a killed process closes its descriptors one by
+    // one: until the daemon is gone, its listening socket may still take a connection (and then
+    // drop it). Wait for the exit itself.
+    wait_until("the killed daemon to exit", || !alive(pid));
     // No daemon at all: CUDA runs without MPS, on the whole GPU.
     let alone = mps.cuda_client(None, &[("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "10")]);
     let line = alone.line();
