@@ -9,10 +9,32 @@ fn gpu_node(name: &str, gpus: u64) -> serde_json::Value {
             "conditions": [{"type": "Ready", "status": "True"}]}})
 }
 
+/// Runs the explainer against `server` with `opts` until the returned sender is used or
+/// dropped; its task to await after.
+fn start_explainer(
+    server: &ApiServerDouble,
+    opts: gpuplane_cluster::controller::explainer::ExplainerOptions,
+    metrics: Arc<QueueMetrics>,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    use gpuplane_cluster::published::Devices;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let client = server.client().unwrap();
+    let task = tokio::spawn(async move {
+        let devices = Devices::start(&client, Default::default(), |_, _| {});
+        gpuplane_cluster::controller::explainer::run(client, opts, devices, metrics, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    (stop, task)
+}
+
 #[tokio::test]
 async fn every_new_reason_lands_before_any_event_and_each_pod_gets_one_event() {
-    use gpuplane_cluster::controller::explainer::{self, ExplainerOptions, CONDITION};
-    use gpuplane_cluster::published::Devices;
+    use gpuplane_cluster::controller::explainer::{ExplainerOptions, CONDITION};
     let server = ApiServerDouble::start().await.unwrap();
     server.put_json(gpu_node("node-1", 2)).unwrap();
     let pods: Api<Pod> = Api::namespaced(server.client().unwrap(), QNS);
@@ -28,16 +50,7 @@ async fn every_new_reason_lands_before_any_event_and_each_pod_gets_one_event() {
     opts.debounce = Duration::from_millis(50);
     // One write at a time, so the order shows: Events go in batches of 4 after the reasons.
     opts.concurrency = 1;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let client = server.client().unwrap();
-    let metrics = Arc::new(QueueMetrics::default());
-    let task = tokio::spawn(async move {
-        let devices = Devices::start(&client, Default::default(), |_, _| {});
-        explainer::run(client, opts, devices, metrics, async {
-            let _ = stopped.await;
-        })
-        .await
-    });
+    let (stop, task) = start_explainer(&server, opts, Arc::new(QueueMetrics::default()));
     let all_events = || async {
         let mut n = 0;
         for name in &names {
@@ -69,24 +82,14 @@ async fn every_new_reason_lands_before_any_event_and_each_pod_gets_one_event() {
 
 #[tokio::test]
 async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reason() {
-    use gpuplane_cluster::controller::explainer::{self, ExplainerOptions, CONDITION};
-    use gpuplane_cluster::published::Devices;
+    use gpuplane_cluster::controller::explainer::{ExplainerOptions, CONDITION};
     let server = ApiServerDouble::start().await.unwrap();
     server.put_json(gpu_node("node-1", 2)).unwrap();
     let start = |metrics: Arc<QueueMetrics>| {
         let mut opts = ExplainerOptions::new("replica-1");
         opts.debounce = Duration::from_millis(50);
         opts.message_refresh = Duration::ZERO;
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let client = server.client().unwrap();
-        let task = tokio::spawn(async move {
-            let devices = Devices::start(&client, Default::default(), |_, _| {});
-            explainer::run(client, opts, devices, metrics, async {
-                let _ = stopped.await;
-            })
-            .await
-        });
-        (stop, task)
+        start_explainer(&server, opts, metrics)
     };
     let (stop, task) = start(Arc::new(QueueMetrics::default()));
     let pods: Api<Pod> = Api::namespaced(server.client().unwrap(), QNS);
@@ -182,8 +185,7 @@ async fn a_pending_gpu_pod_carries_why_it_waits_and_one_event_per_change_of_reas
 /// ends, though nothing else changes after: the explainer wakes for them, not at its resync.
 #[tokio::test]
 async fn the_latest_numbers_are_written_when_the_message_window_ends() {
-    use gpuplane_cluster::controller::explainer::{self, ExplainerOptions, CONDITION};
-    use gpuplane_cluster::published::Devices;
+    use gpuplane_cluster::controller::explainer::{ExplainerOptions, CONDITION};
     let server = ApiServerDouble::start().await.unwrap();
     server.put_json(gpu_node("node-1", 2)).unwrap();
     let mut opts = ExplainerOptions::new("replica-1");
@@ -191,16 +193,7 @@ async fn the_latest_numbers_are_written_when_the_message_window_ends() {
     opts.message_refresh = Duration::from_secs(3);
     // Past the test's limit: only the window's end can bring the last numbers.
     opts.resync = Duration::from_secs(3600);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let client = server.client().unwrap();
-    let task = tokio::spawn(async move {
-        let devices = Devices::start(&client, Default::default(), |_, _| {});
-        let metrics = Arc::new(QueueMetrics::default());
-        explainer::run(client, opts, devices, metrics, async {
-            let _ = stopped.await;
-        })
-        .await
-    });
+    let (stop, task) = start_explainer(&server, opts, Arc::new(QueueMetrics::default()));
     let pods: Api<Pod> = Api::namespaced(server.client().unwrap(), QNS);
     let mut big = pod("big", 8, false);
     big["spec"].as_object_mut().unwrap().remove("nodeName");
@@ -237,8 +230,7 @@ async fn the_latest_numbers_are_written_when_the_message_window_ends() {
 /// DeviceClass must still reach the answer (the catalog is rebuilt when either changes).
 #[tokio::test]
 async fn the_explainers_kept_device_catalog_follows_slices_and_classes() {
-    use gpuplane_cluster::controller::explainer::{self, ExplainerOptions, CONDITION};
-    use gpuplane_cluster::published::Devices;
+    use gpuplane_cluster::controller::explainer::{ExplainerOptions, CONDITION};
     let server = ApiServerDouble::start().await.unwrap();
     let class = |product: &str| {
         json!({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
@@ -257,16 +249,7 @@ async fn the_explainers_kept_device_catalog_follows_slices_and_classes() {
         .unwrap();
     let mut opts = ExplainerOptions::new("replica-1");
     opts.debounce = Duration::from_millis(50);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let client = server.client().unwrap();
-    let metrics = Arc::new(QueueMetrics::default());
-    let task = tokio::spawn(async move {
-        let devices = Devices::start(&client, Default::default(), |_, _| {});
-        explainer::run(client, opts, devices, metrics, async {
-            let _ = stopped.await;
-        })
-        .await
-    });
+    let (stop, task) = start_explainer(&server, opts, Arc::new(QueueMetrics::default()));
     let pods: Api<Pod> = Api::namespaced(server.client().unwrap(), QNS);
     let claim: Pod = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "claim", "namespace": QNS},
