@@ -219,6 +219,16 @@ fn sync_dir(path: &Path, dir: &Path) -> Result<(), FsError> {
 /// for a file read back through a checksum, beside another copy of the previous content (the
 /// DRA checkpoint's two slots). A missing `path` is an error: create it with [`write_atomic`].
 pub fn overwrite_in_place(path: &Path, bytes: &[u8]) -> Result<(), FsError> {
+    overwrite(path, bytes, true)
+}
+
+/// [`overwrite_in_place`] without the fdatasync: a restarted process reads the new bytes, a
+/// power loss may tear them. Only for content that matters only until the next boot.
+pub fn overwrite_in_place_unsynced(path: &Path, bytes: &[u8]) -> Result<(), FsError> {
+    overwrite(path, bytes, false)
+}
+
+fn overwrite(path: &Path, bytes: &[u8], durable: bool) -> Result<(), FsError> {
     use std::os::unix::fs::FileExt;
     let overwrite = |cause| FsError::Overwrite {
         path: path.to_path_buf(),
@@ -231,6 +241,9 @@ pub fn overwrite_in_place(path: &Path, bytes: &[u8]) -> Result<(), FsError> {
     file.write_all_at(bytes, 0)
         .and_then(|()| file.set_len(bytes.len() as u64))
         .map_err(overwrite)?;
+    if !durable {
+        return Ok(());
+    }
     crashpoint::reached_at(Step::FileBeforeSync, &path.to_string_lossy());
     file.sync_data().map_err(overwrite)
 }

@@ -125,7 +125,8 @@ impl DevicePlugin for DevicePluginService {
     ) -> Result<Response<DeviceStream>, Status> {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let me = self.clone();
-        let mut changes = self.state.subscribe();
+        // Holds too: a unit a DRA claim holds is withdrawn from the list.
+        let mut changes = self.state.subscribe_holds();
         let mut stopping = self.stopping.clone();
         tokio::spawn(async move {
             let mut last: Option<Vec<pb::Device>> = None;
@@ -211,7 +212,7 @@ impl DevicePlugin for DevicePluginService {
         }
         // Decide and hold under one write lock, so a concurrent NodePrepare cannot take the
         // same unit between the check and the hold.
-        let container_responses = self.state.update(|s| {
+        let container_responses = self.state.update_holds(|s| {
             let Some(plan) = s.plan.resource(resource) else {
                 return (Err(gone(resource)), false);
             };

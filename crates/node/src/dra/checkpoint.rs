@@ -11,7 +11,9 @@
 //! write tears at most that slot, which then fails its checksum, and the other slot holds the
 //! content before the write. The newest slot that checks is the checkpoint (`sequence`, one
 //! more on every write). One fdatasync per write rather than a replacement's two (file, then
-//! directory) is what keeps a prepare near one durable write (benches/dra.rs).
+//! directory) is what keeps a prepare near one durable write (benches/dra.rs). The one write
+//! without it is a dynamic MIG instance's intent, which matters only until the next boot
+//! ([`Checkpoint::update_until_reboot`]).
 //!
 //!
 //! ```text
@@ -425,7 +427,7 @@ impl Checkpoint {
     /// Writes the content as it is (into the other slot).
     pub fn save(&mut self) -> Result<(), CheckpointError> {
         let next = self.data.clone();
-        self.write(next)
+        self.write(next, Flush::Synced)
     }
 
     /// Applies `change` to a copy, saves the copy and only then adopts it: the content in
@@ -434,20 +436,43 @@ impl Checkpoint {
         &mut self,
         change: impl FnOnce(&mut CheckpointData),
     ) -> Result<(), CheckpointError> {
+        self.update_with(change, Flush::Synced)
+    }
+
+    /// [`Checkpoint::update`] without the fdatasync, for a record that matters only until the
+    /// next boot: the intent to create a dynamic MIG instance. A process crash keeps the write
+    /// (it is in the page cache); a power loss may tear the slot, and then the other slot,
+    /// fsync'd, is read. After a power loss nothing such a record announces is left anyway: MIG
+    /// GPU and compute instances do not survive a reboot (NVIDIA's MIG User Guide, "Getting
+    /// Started with MIG": the instances are not persistent across reboots), and a checkpoint of
+    /// another boot drops every claim (see Loading above). The next synced write goes to the
+    /// slot this one left, so the content on disk is fsync'd again as soon as the prepare ends.
+    pub fn update_until_reboot(
+        &mut self,
+        change: impl FnOnce(&mut CheckpointData),
+    ) -> Result<(), CheckpointError> {
+        self.update_with(change, Flush::Unsynced)
+    }
+
+    fn update_with(
+        &mut self,
+        change: impl FnOnce(&mut CheckpointData),
+        flush: Flush,
+    ) -> Result<(), CheckpointError> {
         let mut next = self.data.clone();
         change(&mut next);
         if next == self.data {
             return Ok(());
         }
-        self.write(next)
+        self.write(next, flush)
     }
 
     /// Writes `next`, one sequence on, into the slot not holding the current content, and
     /// adopts it.
-    fn write(&mut self, mut next: CheckpointData) -> Result<(), CheckpointError> {
+    fn write(&mut self, mut next: CheckpointData, flush: Flush) -> Result<(), CheckpointError> {
         next.sequence = self.data.sequence + 1;
         let slot = self.slot.map_or(0, |s| 1 - s);
-        write_slot(&self.state_dir, SLOTS[slot], &next)?;
+        write_slot(&self.state_dir, SLOTS[slot], &next, flush)?;
         self.data = next;
         self.slot = Some(slot);
         Ok(())
@@ -492,7 +517,19 @@ pub fn read(state_dir: &Path) -> Option<CheckpointData> {
     newest(&read_slots(state_dir)).map(|(_, d)| d)
 }
 
-fn write_slot(state_dir: &Path, name: &str, data: &CheckpointData) -> Result<(), CheckpointError> {
+/// Whether a slot write is fdatasync'd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flush {
+    Synced,
+    Unsynced,
+}
+
+fn write_slot(
+    state_dir: &Path,
+    name: &str,
+    data: &CheckpointData,
+    flush: Flush,
+) -> Result<(), CheckpointError> {
     let path = state_dir.join(name);
     fs::DirBuilder::new()
         .recursive(true)
@@ -508,8 +545,13 @@ fn write_slot(state_dir: &Path, name: &str, data: &CheckpointData) -> Result<(),
     })?;
     // An existing slot is overwritten in place (one fdatasync); the first write of a slot
     // creates it whole, so a slot file never exists half-made by a crash in its creation.
-    let written = match fs::symlink_metadata(&path) {
-        Ok(m) if m.file_type().is_file() => fsutil::overwrite_in_place(&path, &bytes),
+    let written = match (fs::symlink_metadata(&path), flush) {
+        (Ok(m), Flush::Synced) if m.file_type().is_file() => {
+            fsutil::overwrite_in_place(&path, &bytes)
+        }
+        (Ok(m), Flush::Unsynced) if m.file_type().is_file() => {
+            fsutil::overwrite_in_place_unsynced(&path, &bytes)
+        }
         _ => fsutil::write_atomic(&path, &bytes, FILE_MODE),
     };
     written.map_err(|source| CheckpointError::Write { cause: source })
@@ -589,6 +631,49 @@ mod tests {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .filter(|n| n.starts_with("dra-checkpoint.json.corrupt-"))
             .collect()
+    }
+
+    #[test]
+    fn an_unsynced_write_is_read_back_and_the_next_synced_write_goes_to_the_other_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        let mut cp = saved(&state, "boot-1");
+        cp.update(|d| {
+            d.claims
+                .insert("def".into(), entry(ClaimState::PrepareStarted));
+        })
+        .unwrap();
+        // Both slots exist now; the intent overwrites the older one without a sync.
+        cp.update_until_reboot(|d| {
+            d.claims
+                .insert("ghi".into(), entry(ClaimState::PrepareStarted));
+        })
+        .unwrap();
+        let intent = read(&state).unwrap();
+        assert_eq!(intent.sequence, 3);
+        assert!(
+            intent.claims.contains_key("ghi"),
+            "a restart reads the intent"
+        );
+        cp.update(|d| {
+            d.claims.get_mut("ghi").unwrap().state = ClaimState::PrepareCompleted;
+        })
+        .unwrap();
+        let slots: Vec<u64> = SLOTS
+            .iter()
+            .map(|n| decode(&fs::read(state.join(n)).unwrap()).unwrap().sequence)
+            .collect();
+        let mut sorted = slots.clone();
+        sorted.sort();
+        assert_eq!(
+            sorted,
+            [3, 4],
+            "the synced write kept the intent's slot: {slots:?}"
+        );
+        assert_eq!(
+            read(&state).unwrap().claims["ghi"].state,
+            ClaimState::PrepareCompleted
+        );
     }
 
     #[test]

@@ -7,6 +7,7 @@ use crate::cdi::MemoryLimitHook;
 use crate::dra::core::{CoreError, DraCore, DraCoreConfig};
 use crate::dra::fetch::KubeClaims;
 use crate::dra::server::{DraServer, ServeError};
+use crate::inventory::DeviceUuid;
 use crate::ledger::dra_view;
 use crate::mps::pods::{MpsPods, PodSettings};
 use crate::mps::MpsHost;
@@ -18,6 +19,8 @@ use crate::slices::render;
 use crate::source::{DeviceMode, DeviceSource};
 use gpuplane_model::report::chain;
 use k8s_openapi::api::resource::v1::ResourceSlice;
+
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -180,7 +183,8 @@ async fn publish(
         _ = stop.wait_for(|s| *s) => return,
     }
     // Subscribed before the first value is computed: no change falls in between.
-    let mut changes = state.subscribe();
+    let mut changes = state.subscribe_holds();
+    let mut rendered_from = slice_inputs(&state);
     let (tx, rx) = watch::channel(desired_slices(&state.read(), &driver, &node));
     let mut follow_stop = stop.clone();
     // Desired slices follow every state change; the publisher writes only differences.
@@ -190,6 +194,13 @@ async fn publish(
                 r = changes.changed() => if r.is_err() { return },
                 _ = follow_stop.wait_for(|s| *s) => return,
             }
+            // Most changes are DRA claims' holds, which slices do not show: render only when
+            // the node or the device plugin's holds changed.
+            let inputs = slice_inputs(&state);
+            if inputs == rendered_from {
+                continue;
+            }
+            rendered_from = inputs;
             let next = desired_slices(&state.read(), &driver, &node);
             tx.send_if_modified(|cur| {
                 let differs = *cur != next;
@@ -209,6 +220,14 @@ async fn publish(
         let _ = stop.wait_for(|s| *s).await;
     });
     tokio::join!(follow, keep);
+}
+
+/// What [`desired_slices`] depends on, in brief: the node's generation and the units the device
+/// plugin holds. The generation is read first, so a node change between the two reads renders
+/// again at its own wake-up.
+fn slice_inputs(state: &NodeState) -> (u64, BTreeSet<DeviceUuid>) {
+    let generation = state.node_generation();
+    (generation, state.read().ledger.device_plugin_blocked())
 }
 
 /// What a share's memory-limit hook runs on this node, where the driver limits GPU memory per

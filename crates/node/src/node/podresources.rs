@@ -99,7 +99,7 @@ pub async fn run(socket: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Re
         match tokio::time::timeout(Duration::from_secs(5), list(&socket)).await {
             Ok(Ok(resp)) => {
                 failing = false;
-                state.update(|s| {
+                state.update_holds(|s| {
                     let in_use = units_in_use(&resp, &s.plan);
                     let grace = s.config.pod_resources_grace;
                     let (added, released, conflicts) = s.ledger.sync_device_plugin(&in_use, listed_at, grace);

@@ -1,6 +1,11 @@
 //! The agent's shared state: one snapshot of inventory, plan, topology and health that every
-//! server reads, a generation counter that wakes watchers when it changes, and the agent's own
+//! server reads, two generation counters that wake watchers when it changes, and the agent's own
 //! counters for `/metrics` (outside the lock).
+//!
+//! Holds change on every hand-out and release, the node (inventory, config, plan, health)
+//! rarely. Only ListAndWatch and the ResourceSlices show holds, so only their watchers wake for a
+//! hold: a NodePrepare does not make the labeler, the node CDI spec, the health marks and the
+//! DRA health stream look again.
 //!
 //! A std `RwLock` (not tokio's): critical sections are short, never span an `.await`, and the
 //! blocking event pump thread writes to it too.
@@ -94,7 +99,10 @@ impl Snapshot {
 #[derive(Debug)]
 pub struct NodeState {
     snapshot: RwLock<Snapshot>,
+    /// Bumped by every node change (not by holds alone).
     generation: watch::Sender<u64>,
+    /// Bumped by every change, holds included.
+    any: watch::Sender<u64>,
     /// What this agent counted (config reloads, Events on claims), for `/metrics`.
     counters: AgentCounters,
 }
@@ -104,6 +112,7 @@ impl NodeState {
         NodeState {
             snapshot: RwLock::new(snapshot),
             generation: watch::channel(0).0,
+            any: watch::channel(0).0,
             counters: AgentCounters::default(),
         }
     }
@@ -124,18 +133,40 @@ impl NodeState {
         self.snapshot.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Applies `f`; if it reports a change, wakes every watcher.
+    /// Applies `f`; if it reports a change of the node (inventory, config, plan, health), wakes
+    /// every watcher.
     pub fn update<R>(&self, f: impl FnOnce(&mut Snapshot) -> (R, bool)) -> R {
         let (result, changed) = f(&mut self.write());
         if changed {
             self.generation.send_modify(|g| *g += 1);
+            self.any.send_modify(|g| *g += 1);
         }
         result
     }
 
-    /// A receiver that wakes on every change.
+    /// Applies `f`, which changes only the ledger (and whether the device plugin's holds are
+    /// known); if it reports a change, wakes the watchers of holds ([`NodeState::subscribe_holds`]).
+    pub fn update_holds<R>(&self, f: impl FnOnce(&mut Snapshot) -> (R, bool)) -> R {
+        let (result, changed) = f(&mut self.write());
+        if changed {
+            self.any.send_modify(|g| *g += 1);
+        }
+        result
+    }
+
+    /// A receiver that wakes on every change of the node, not on holds alone.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.generation.subscribe()
+    }
+
+    /// A receiver that wakes on every change, holds included.
+    pub fn subscribe_holds(&self) -> watch::Receiver<u64> {
+        self.any.subscribe()
+    }
+
+    /// How many node changes there have been: equal numbers, an unchanged node.
+    pub fn node_generation(&self) -> u64 {
+        *self.generation.borrow()
     }
 
     /// Waits until the ledger knows the device plugin's holds
@@ -146,7 +177,7 @@ impl NodeState {
             return true;
         }
         // Subscribed before the next look: an update in between still wakes us.
-        let mut changes = self.subscribe();
+        let mut changes = self.subscribe_holds();
         loop {
             if !self.read().awaiting_device_plugin_holds {
                 return true;
@@ -229,5 +260,44 @@ fn mark_dynamic(
                 "dynamic MIG: gpuplane creates this GPU's MIG instances as claims need them"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> NodeState {
+        let inventory = Inventory {
+            driver_version: String::new(),
+            cuda_driver_version: String::new(),
+            gpus: Vec::new(),
+            topology: crate::inventory::Topology::default(),
+        };
+        NodeState::new(Snapshot::new(inventory, AgentConfig::default()).unwrap())
+    }
+
+    #[test]
+    fn a_hold_wakes_only_the_watchers_of_holds_and_a_node_change_wakes_all() {
+        let s = state();
+        let mut node = s.subscribe();
+        let mut holds = s.subscribe_holds();
+        s.update_holds(|_| ((), true));
+        assert!(!node.has_changed().unwrap(), "a hold woke a node watcher");
+        assert!(
+            holds.has_changed().unwrap(),
+            "a hold did not wake a watcher of holds"
+        );
+        holds.mark_unchanged();
+        let before = s.node_generation();
+        s.update(|_| ((), true));
+        assert!(node.has_changed().unwrap());
+        assert!(holds.has_changed().unwrap());
+        assert_eq!(s.node_generation(), before + 1);
+        node.mark_unchanged();
+        holds.mark_unchanged();
+        s.update(|_| ((), false));
+        s.update_holds(|_| ((), false));
+        assert!(!node.has_changed().unwrap() && !holds.has_changed().unwrap());
     }
 }

@@ -88,7 +88,7 @@ impl Holds {
             uid: c.uid.clone(),
             name: claim_label(c),
         };
-        self.state.update(|s| {
+        self.state.update_holds(|s| {
             if let Err(e) = hold_shares(&mut s.ledger, c, &who, shares) {
                 return (Err(e), false);
             }
@@ -130,7 +130,7 @@ impl Holds {
 
     /// Gives back whatever the claim holds: its shares, and its whole units in shared mode.
     pub(super) fn release(&self, c: &ClaimRef) {
-        let released = self.state.update(|s| {
+        let released = self.state.update_holds(|s| {
             let r = s.ledger.release_claim(&c.uid);
             let changed = !r.is_empty();
             (r, changed)

@@ -192,8 +192,8 @@ impl Instances {
         (made, None)
     }
 
-    /// Writes the claim's entry with `instances` (a new entry starts as `PrepareStarted`); no
-    /// write when nothing changed.
+    /// Writes the claim's entry with `instances` (a new entry starts as `PrepareStarted`),
+    /// unsynced; no write when nothing changed.
     fn record(
         &self,
         cp: &mut Checkpoint,
@@ -215,7 +215,8 @@ impl Instances {
             instances: Vec::new(),
         });
         entry.instances = instances.to_vec();
-        cp.update(|d| {
+        // What it records goes with a reboot: no fdatasync (see `update_until_reboot`).
+        cp.update_until_reboot(|d| {
             d.claims.insert(c.uid.to_string(), entry);
         })?;
         self.sync_owned(cp);
