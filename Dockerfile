@@ -9,8 +9,8 @@ COPY . .
 # the cached target dir, which is not part of the image.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p gpuplane --bin gpuplane --no-default-features \
-    && install -D -m 0755 target/release/gpuplane /out/gpuplane
+    cargo build --profile dist --locked -p gpuplane --bin gpuplane --no-default-features \
+    && install -D -m 0755 target/dist/gpuplane /out/gpuplane
 
 # Stage 2: run. distroless/cc has glibc and libgcc (all the binary links against) and nothing
 # else: no shell, no package manager. NVML (libnvidia-ml.so.1) is not in the image: the node

@@ -5,9 +5,12 @@
 //!
 //! The controller caches only the pods the quota governs (`quota::governs_pod`, the webhooks'
 //! matchConditions), so the pods without GPUs should cost it their decoding only. Target:
-//! under 64 MiB. Run: `cargo bench --bench controller_memory`; results in
+//! under 64 MiB, of the binary `GPUPLANE_SHIPPED_BIN` names (benches/common/shipped.rs). Run:
+//! `cargo bench --bench controller_memory`; results in
 //! benches/results/controller_memory.txt.
 
+#[path = "common/shipped.rs"]
+mod shipped;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
@@ -81,7 +84,7 @@ fn used_gpus(api: &ApiServerDouble, ns: &str) -> Option<u64> {
 
 fn spawn_controller(dir: &Path, kubeconfig: &Path, pki: &DemoPki) -> Child {
     let log = std::fs::File::create(dir.join("controller.log")).unwrap();
-    Command::new(env!("CARGO_BIN_EXE_gpuplane"))
+    Command::new(shipped::binary().0)
         .arg("controller")
         .arg("--kubeconfig")
         .arg(kubeconfig)
@@ -143,7 +146,9 @@ async fn main() {
     let (floor, floor_t) = measure(false).await;
     let (loaded, loaded_t) = measure(true).await;
     let mib = |k: u64| k as f64 / 1024.0;
+    let (bin, which) = shipped::binary();
     println!("controller memory (VmRSS peak over 5 s after every namespace's usage is counted)");
+    println!("({which} binary, {bin})");
     println!("{:<58} {:>10} {:>12}", "", "RSS MiB", "counted in");
     println!(
         "{:<58} {:>10.1} {:>10.1} s",

@@ -4,11 +4,13 @@
 //!   kind of socket;
 //! - GetPreferredAllocation compute time for 8, 16 and 64 GPUs vs reading the topology matrix;
 //! - idle resident memory of the agent on h100-mig-single (56 MIG devices) vs the same binary
-//!   serving nothing.
+//!   serving nothing, of the binary `GPUPLANE_SHIPPED_BIN` names (benches/common/shipped.rs).
 //!
 //! Run: `cargo bench --bench deviceplugin` (results are kept in benches/results/).
 
 mod common;
+#[path = "common/shipped.rs"]
+mod shipped;
 
 use common::{percentiles, row};
 use gpuplane_node::paths::HostPaths;
@@ -275,9 +277,10 @@ async fn idle_memory() {
         .expect("kubelet double");
     let cfg = dir.path().join("config.yaml");
     std::fs::write(&cfg, "flags: {migStrategy: single}\n").expect("config");
-    let bin = env!("CARGO_BIN_EXE_gpuplane");
+    let (bin, which) = shipped::binary();
+    println!("(idle RSS of {which} binary, {bin})");
     let spawn = |device_plugin: &str| {
-        std::process::Command::new(bin)
+        std::process::Command::new(&bin)
             .args([
                 "node",
                 "--node-name",

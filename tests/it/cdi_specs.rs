@@ -459,6 +459,29 @@ fn claim_style_specs_reuse_the_building_block() {
     assert_eq!(node_devices(&inv).len(), 4 * 2 + 1);
 }
 
+#[test]
+fn the_node_spec_lists_a_dynamic_gpu_but_not_the_instances_made_on_it_for_claims() {
+    let mut inv = inv("a100-mig-mixed");
+    let gpu = inv
+        .gpus
+        .iter()
+        .position(|g| !g.mig_devices.is_empty())
+        .unwrap();
+    let names = |inv: &Inventory| -> Vec<String> {
+        node_devices(inv)
+            .iter()
+            .map(|d| d.name.to_string())
+            .collect()
+    };
+    let instance = inv.gpus[gpu].mig_devices[0].uuid.to_string();
+    assert!(names(&inv).contains(&instance));
+    inv.gpus[gpu].mig.dynamic = true;
+    let listed = names(&inv);
+    assert!(!listed.contains(&instance), "{listed:?}");
+    assert!(listed.contains(&inv.gpus[gpu].uuid.to_string()));
+    assert!(!listed.iter().any(|n| n.starts_with(&format!("{gpu}:"))));
+}
+
 /// Lays out a driver root with libraries in two directories, links and decoys.
 fn fake_driver(root: &Path) {
     let lib = root.join("usr/lib/x86_64-linux-gnu");

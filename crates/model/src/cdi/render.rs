@@ -297,7 +297,7 @@ fn push_named<'a>(out: &mut Vec<NamedDevices<'a>>, name: String, dev: DeviceRef<
 }
 
 /// The node spec's devices: per GPU its index and UUID, per MIG device `<gpu>:<mig>` and its
-/// UUID, and `all`.
+/// UUID (not a dynamic GPU's instances), and `all`.
 pub fn node_devices(inv: &Inventory) -> Vec<NamedDevices<'_>> {
     let mut out = Vec::new();
     let mut all = Vec::new();
@@ -306,6 +306,12 @@ pub fn node_devices(inv: &Inventory) -> Vec<NamedDevices<'_>> {
         all.push(dev);
         push_named(&mut out, gpu.index.to_string(), dev);
         push_named(&mut out, gpu.uuid.to_string(), dev);
+        // A dynamic GPU's instances come and go with the claims they were made for, whose own
+        // specs name them: listed here, each create and destroy would rewrite (and fsync) the
+        // node spec and hold up every Allocate until it is written.
+        if gpu.mig.dynamic {
+            continue;
+        }
         for (i, mig) in gpu.mig_devices.iter().enumerate() {
             let dev = DeviceRef::Mig { parent: gpu, mig };
             all.push(dev);
