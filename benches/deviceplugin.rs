@@ -15,7 +15,7 @@ mod shipped;
 use common::{percentiles, row};
 use gpuplane_node::paths::HostPaths;
 
-use gpuplane_model::inventory::{Link, PathLevel};
+use gpuplane_model::inventory::{DeviceId, Link, PathLevel};
 use gpuplane_model::source::{DeviceSource, SimSource};
 use gpuplane_model::topology::{self, TopologyModel};
 use gpuplane_node::deviceplugin::allocate;
@@ -239,7 +239,7 @@ fn preferred_compute() {
         .resources
         .remove(0);
     let model = TopologyModel::new(&inv);
-    let ids: Vec<String> = plan.devices.iter().map(|d| d.id.clone()).collect();
+    let ids: Vec<DeviceId> = plan.devices.iter().map(|d| d.id.clone()).collect();
     let mut t = Vec::new();
     let mut f = Vec::new();
     for _ in 0..300 {

@@ -11,7 +11,7 @@
 
 use crate::config::{AllocationMode, Partition};
 use crate::dra::ClaimUid;
-use crate::inventory::{DeviceUuid, Gpu, Inventory, ResourceName};
+use crate::inventory::{DeviceId, DeviceUuid, Gpu, Inventory, ResourceName};
 use crate::sharing::Share;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -61,7 +61,7 @@ pub enum Holder {
     /// `namespace/name/container` once PodResources names it, `None` between Allocate and then.
     DevicePlugin {
         resource: ResourceName,
-        device_ids: Vec<String>,
+        device_ids: Vec<DeviceId>,
         pod: Option<String>,
     },
     /// A prepared DRA claim.
@@ -95,7 +95,7 @@ impl Holder {
     fn device_ids(&self) -> BTreeSet<&str> {
         match self {
             Holder::DevicePlugin { device_ids, .. } => {
-                device_ids.iter().map(String::as_str).collect()
+                device_ids.iter().map(DeviceId::as_str).collect()
             }
             Holder::Claim { .. } => BTreeSet::new(),
         }
@@ -773,7 +773,7 @@ mod tests {
     fn dp(id: &str) -> Holder {
         Holder::DevicePlugin {
             resource: ResourceName::gpu(),
-            device_ids: id.split(',').map(str::to_string).collect(),
+            device_ids: id.split(',').map(|i| DeviceId::parse(i).unwrap()).collect(),
             pod: None,
         }
     }

@@ -438,16 +438,16 @@ pub fn deviceplugin_request(data: &[u8]) {
             let Ok(size) = usize::try_from(c.allocation_size) else {
                 continue;
             };
-            let Ok(ids) = allocate::preferred(
-                plan,
-                model,
-                &c.available_device_i_ds,
-                &c.must_include_device_i_ds,
-                size,
-                &BTreeSet::new(),
+            // As the service does: the strings parsed once, then the decision.
+            let Ok(ids) = allocate::parse_preferred_ids(plan, &c.available_device_i_ds).and_then(
+                |available| {
+                    let must = allocate::parse_preferred_ids(plan, &c.must_include_device_i_ds)?;
+                    allocate::preferred(plan, model, &available, &must, size, &BTreeSet::new())
+                },
             ) else {
                 continue;
             };
+            let ids: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
             assert_eq!(ids.len(), size, "asked for {size}, got {ids:?}");
             for id in &ids {
                 assert!(

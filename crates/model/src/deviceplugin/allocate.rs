@@ -27,14 +27,15 @@ pub struct ContainerGrant {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AllocateError {
-    /// The kubelet named a device this resource does not have.
+    /// The kubelet named a device this resource does not have (as it named it: an ID that does
+    /// not parse is one).
     #[error("device {id} is not a {resource} device of this node; the kubelet's view is stale, it will resync from ListAndWatch")]
     UnknownDevice { resource: String, id: String },
     /// The device is unhealthy.
     #[error("device {id} of {resource} is unhealthy ({cause}); choose another device")]
     Unhealthy {
         resource: String,
-        id: String,
+        id: DeviceId,
         cause: String,
     },
     /// A container asked for more than one replica of a time-sliced resource.
@@ -42,8 +43,9 @@ pub enum AllocateError {
     TooManyReplicas { resource: String, requested: usize },
     /// The same device ID appears twice.
     #[error("device {id} of {resource} is listed twice in one request")]
-    Duplicate { resource: String, id: String },
-    /// Another consumer holds the physical device.
+    Duplicate { resource: String, id: DeviceId },
+    /// Another consumer holds the physical device (`id`: the device ID, or the unit's UUID where
+    /// no requested ID is on it).
     #[error("device {id} of {resource} is held by {holder}; it cannot be given out twice")]
     Held {
         resource: String,
@@ -80,7 +82,7 @@ pub fn allocate(
         if !seen.insert(id.as_str()) {
             return Err(AllocateError::Duplicate {
                 resource,
-                id: id.to_string(),
+                id: id.clone(),
             });
         }
         let dev = find(plan, id).ok_or_else(|| AllocateError::UnknownDevice {
@@ -90,7 +92,7 @@ pub fn allocate(
         if let Health::Unhealthy(cause) = health.health(&dev.unit) {
             return Err(AllocateError::Unhealthy {
                 resource,
-                id: id.to_string(),
+                id: id.clone(),
                 cause: cause.to_string(),
             });
         }
@@ -171,7 +173,7 @@ pub fn parse_ids(
 }
 
 /// The ledger holder the device plugin records for a container's devices.
-pub fn holder(resource: &ResourceName, ids: &[String]) -> Holder {
+pub fn holder(resource: &ResourceName, ids: &[DeviceId]) -> Holder {
     Holder::DevicePlugin {
         resource: resource.clone(),
         device_ids: ids.to_vec(),
@@ -199,15 +201,14 @@ pub fn hold(
     let newly = units
         .iter()
         .any(|u| !matches!(ledger.holder(u), Some(Holder::DevicePlugin { .. })));
-    let device_ids: Vec<String> = ids.iter().map(DeviceId::to_string).collect();
     ledger
-        .hold_all(&units, &holder(&plan.name, &device_ids), now)
+        .hold_all(&units, &holder(&plan.name, ids), now)
         .map_err(|held| {
             let id = plan
                 .devices
                 .iter()
-                .find(|d| d.unit == held.unit && device_ids.contains(&d.id))
-                .map_or(held.unit.to_string(), |d| d.id.clone());
+                .find(|d| d.unit == held.unit && ids.contains(&d.id))
+                .map_or(held.unit.to_string(), |d| d.id.to_string());
             AllocateError::Held {
                 resource: plan.name.to_string(),
                 id,
@@ -226,6 +227,22 @@ pub enum PreferredError {
     Topology(#[from] PreferError),
 }
 
+/// The kubelet's device IDs of a GetPreferredAllocation request, parsed once (at the gRPC
+/// edge) for [`preferred`]; one that does not parse names no device of this node.
+pub fn parse_preferred_ids(
+    plan: &ResourcePlan,
+    raw: &[String],
+) -> Result<Vec<DeviceId>, PreferredError> {
+    raw.iter()
+        .map(|id| {
+            DeviceId::parse(id.as_str()).map_err(|_| PreferredError::UnknownDevice {
+                resource: plan.name.to_string(),
+                id: id.clone(),
+            })
+        })
+        .collect()
+}
+
 /// Picks `size` of `available` (always including `must_include`).
 ///
 /// Whole GPUs: the topology-optimal set. Time-sliced replicas: spread over distinct physical
@@ -235,15 +252,15 @@ pub enum PreferredError {
 pub fn preferred(
     plan: &ResourcePlan,
     model: &TopologyModel,
-    available: &[String],
-    must_include: &[String],
+    available: &[DeviceId],
+    must_include: &[DeviceId],
     size: usize,
     avoid: &BTreeSet<DeviceUuid>,
-) -> Result<Vec<String>, PreferredError> {
-    let lookup = |id: &String| {
+) -> Result<Vec<DeviceId>, PreferredError> {
+    let lookup = |id: &DeviceId| {
         find(plan, id).ok_or_else(|| PreferredError::UnknownDevice {
             resource: plan.name.to_string(),
-            id: id.clone(),
+            id: id.to_string(),
         })
     };
     let avail: Vec<&PluginDevice> = available.iter().map(lookup).collect::<Result<_, _>>()?;
@@ -421,10 +438,10 @@ mod tests {
     }
 
     fn dev(p: &ResourcePlan, i: usize) -> DeviceId {
-        DeviceId::parse(p.devices[i].id.as_str()).unwrap()
+        p.devices[i].id.clone()
     }
 
-    fn ids(p: &ResourcePlan) -> Vec<String> {
+    fn ids(p: &ResourcePlan) -> Vec<DeviceId> {
         p.devices.iter().map(|d| d.id.clone()).collect()
     }
 
@@ -503,7 +520,7 @@ mod tests {
             "pcie-l4x4",
             "sharing: {timeSlicing: {failRequestsGreaterThanOne: true, resources: [{name: nvidia.com/gpu, replicas: 2}]}}",
         );
-        let raw = vec![String::new(), p.devices[0].id.clone()];
+        let raw = vec![String::new(), p.devices[0].id.to_string()];
         let many = parse_ids(&p, &health, &cfg, &raw, DeviceMode::Hardware);
         assert!(
             matches!(
@@ -542,7 +559,15 @@ mod tests {
     #[test]
     fn a_device_that_was_not_offered_is_an_error() {
         let (p, model, _, _) = setup("pcie-l4x4", "");
-        let err = preferred(&p, &model, &["GPU-x".into()], &[], 1, &BTreeSet::new()).unwrap_err();
+        let err = preferred(
+            &p,
+            &model,
+            &[DeviceId::parse("GPU-x").unwrap()],
+            &[],
+            1,
+            &BTreeSet::new(),
+        )
+        .unwrap_err();
         assert!(matches!(err, PreferredError::UnknownDevice { .. }));
     }
 

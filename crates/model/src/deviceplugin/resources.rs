@@ -5,7 +5,7 @@
 //! or one MIG device) so health and Allocate can be answered per unit.
 
 use crate::config::{AgentConfig, DeviceIdStrategy, MigStrategy};
-use crate::inventory::{DeviceUuid, Gpu, Inventory, MigDevice, ResourceName};
+use crate::inventory::{DeviceId, DeviceUuid, Gpu, Inventory, MigDevice, ResourceName};
 use std::collections::BTreeMap;
 
 pub use crate::inventory::{GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX};
@@ -14,7 +14,7 @@ pub use crate::inventory::{GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PluginDevice {
     /// The kubelet device ID.
-    pub id: String,
+    pub id: DeviceId,
     /// UUID of the physical unit: the GPU, or the MIG device.
     pub unit: DeviceUuid,
     /// Index of the physical GPU (the parent, for a MIG device).
@@ -60,11 +60,11 @@ pub enum PlanError {
 
 fn gpu_unit(g: &Gpu, ids: DeviceIdStrategy) -> PluginDevice {
     let id = match ids {
-        DeviceIdStrategy::Uuid => g.uuid.to_string(),
-        DeviceIdStrategy::Index => g.index.to_string(),
+        DeviceIdStrategy::Uuid => DeviceId::of_uuid(&g.uuid),
+        DeviceIdStrategy::Index => DeviceId::of_index(g.index, None),
     };
     PluginDevice {
-        visible_id: id.clone(),
+        visible_id: id.to_string(),
         id,
         unit: g.uuid.clone(),
         gpu_index: g.index,
@@ -75,12 +75,12 @@ fn gpu_unit(g: &Gpu, ids: DeviceIdStrategy) -> PluginDevice {
 
 fn mig_unit(g: &Gpu, pos: usize, m: &MigDevice, ids: DeviceIdStrategy) -> PluginDevice {
     let id = match ids {
-        DeviceIdStrategy::Uuid => m.uuid.to_string(),
-        DeviceIdStrategy::Index => format!("{}:{}", g.index, pos),
+        DeviceIdStrategy::Uuid => DeviceId::of_uuid(&m.uuid),
+        DeviceIdStrategy::Index => DeviceId::of_index(g.index, Some(pos)),
     };
     // MIG devices sit on their parent's PCIe function, so they share its NUMA node.
     PluginDevice {
-        visible_id: id.clone(),
+        visible_id: id.to_string(),
         id,
         unit: m.uuid.clone(),
         gpu_index: g.index,
@@ -220,7 +220,7 @@ fn resources(
                     .iter()
                     .flat_map(|d| {
                         (0..rep.replicas).map(move |k| PluginDevice {
-                            id: format!("{}::{k}", d.id),
+                            id: d.id.replica(k),
                             replica: Some(k),
                             ..d.clone()
                         })

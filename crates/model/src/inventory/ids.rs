@@ -293,6 +293,26 @@ impl DeviceId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// A unit's UUID as its device ID: always a valid one (a UUID is at most 95 bytes of the
+    /// characters a device ID allows).
+    pub fn of_uuid(uuid: &DeviceUuid) -> DeviceId {
+        DeviceId(uuid.to_string())
+    }
+
+    /// The index form: `<gpu>`, or `<gpu>:<position>` for a MIG device.
+    pub fn of_index(gpu: u32, mig_position: Option<usize>) -> DeviceId {
+        DeviceId(match mig_position {
+            Some(pos) => format!("{gpu}:{pos}"),
+            None => gpu.to_string(),
+        })
+    }
+
+    /// Replica `k` of a time-sliced device: `<id>::<k>`. Still valid: the IDs replicated are
+    /// UUIDs or index forms, at most 95 bytes, and the suffix adds at most 12.
+    pub fn replica(&self, k: u32) -> DeviceId {
+        DeviceId(format!("{}::{k}", self.0))
+    }
 }
 
 macro_rules! id_newtype {

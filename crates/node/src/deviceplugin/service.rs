@@ -6,7 +6,7 @@
 use super::allocate::{self, AllocateError};
 use crate::config::{AllocationMode, DeviceListStrategy};
 use crate::health::Health;
-use crate::inventory::{DeviceUuid, ResourceName};
+use crate::inventory::{DeviceId, DeviceUuid, ResourceName};
 use crate::metrics::{self, Allocation, AllocationLabels, ApiLabel};
 use crate::node::cdi::NodeSpec;
 use crate::node::state::NodeState;
@@ -92,7 +92,7 @@ impl DevicePluginService {
             plan.devices
                 .iter()
                 .map(|d| pb::Device {
-                    id: d.id.clone(),
+                    id: d.id.to_string(),
                     health: match snap.health.health(&d.unit) {
                         Health::Healthy if !withdrawn.contains(d.unit.as_str()) => HEALTHY.into(),
                         _ => UNHEALTHY.into(),
@@ -179,19 +179,19 @@ impl DevicePlugin for DevicePluginService {
                     c.allocation_size
                 ))
             })?;
-            let ids = allocate::preferred(
-                plan,
-                &snap.model,
-                &c.available_device_i_ds,
-                &c.must_include_device_i_ds,
-                size,
-                &avoid,
-            )
-            .map_err(|e| Status::invalid_argument(format!("{}: {e}", self.resource)))?;
+            // The kubelet's strings become device IDs here, once.
+            let ids = allocate::parse_preferred_ids(plan, &c.available_device_i_ds)
+                .and_then(|available| {
+                    let must = allocate::parse_preferred_ids(plan, &c.must_include_device_i_ds)?;
+                    allocate::preferred(plan, &snap.model, &available, &must, size, &avoid)
+                })
+                .map_err(|e| Status::invalid_argument(format!("{}: {e}", self.resource)))?;
             // Which devices the topology scoring chose, and from what: the line to read when
             // someone asks why a pod got these GPUs.
             tracing::info!(resource = %self.resource, available = c.available_device_i_ds.len(), must_include = ?c.must_include_device_i_ds, size, preferred = ?ids, "preferred allocation");
-            container_responses.push(pb::ContainerPreferredAllocationResponse { device_i_ds: ids });
+            container_responses.push(pb::ContainerPreferredAllocationResponse {
+                device_i_ds: ids.iter().map(DeviceId::to_string).collect(),
+            });
         }
         Ok(Response::new(pb::PreferredAllocationResponse {
             container_responses,

@@ -6,7 +6,7 @@
 use crate::deviceplugin::allocate;
 use crate::deviceplugin::resources::Plan;
 use crate::grpc;
-use crate::inventory::{DeviceUuid, ResourceName};
+use crate::inventory::{DeviceId, DeviceUuid, ResourceName};
 use crate::ledger::Holder;
 use crate::metrics::{self, ApiLabel};
 use crate::node::state::NodeState;
@@ -39,7 +39,7 @@ pub fn units_in_use(
     list: &pr::ListPodResourcesResponse,
     plan: &Plan,
 ) -> BTreeMap<DeviceUuid, (Holder, String)> {
-    type Listed = (ResourceName, BTreeSet<String>, BTreeSet<String>);
+    type Listed = (ResourceName, BTreeSet<DeviceId>, BTreeSet<String>);
     let mut ids: BTreeMap<DeviceUuid, Listed> = BTreeMap::new();
     for pod in &list.pod_resources {
         for c in &pod.containers {
@@ -53,7 +53,7 @@ pub fn units_in_use(
                         let e = ids.entry(dev.unit.clone()).or_insert_with(|| {
                             (resource.name.clone(), BTreeSet::new(), BTreeSet::new())
                         });
-                        e.1.insert(id.clone());
+                        e.1.insert(dev.id.clone());
                         e.2.insert(who.clone());
                     }
                 }
@@ -62,7 +62,7 @@ pub fn units_in_use(
     }
     ids.into_iter()
         .map(|(unit, (resource, ids, pods))| {
-            let ids: Vec<String> = ids.into_iter().collect();
+            let ids: Vec<DeviceId> = ids.into_iter().collect();
             let pods: Vec<String> = pods.into_iter().collect();
             (unit, (allocate::holder(&resource, &ids), pods.join(", ")))
         })
