@@ -46,8 +46,8 @@ mod queue;
 use common::{percentiles, row};
 use https::{drive, floor_server, Level, Pki, FLOOR_BODY};
 
-use gpuplane_cluster::controller::metrics::{MetricsSnapshot, QueueMetrics};
 use gpuplane_cluster::controller::queue::{self as quota_loop, QueueOptions};
+use gpuplane_cluster::controller_metrics::{MetricsSnapshot, QueueMetrics};
 use gpuplane_cluster::published::Devices;
 use gpuplane_cluster::webhook::{self, RunningWebhook, WebhookOptions};
 use gpuplane_model::quota::GpuQuota;

@@ -13,7 +13,8 @@
 //! Run: `cargo bench --bench gpu_hours_controller` (`GPUPLANE_BENCH_WINDOW_S=10` for a quick
 //! look; default 60); results in benches/results/gpu_hours_controller.txt.
 
-use gpuplane_cluster::controller::{self, metrics::QueueMetrics, ControllerOptions};
+use gpuplane_cluster::controller::{self, ControllerOptions};
+use gpuplane_cluster::controller_metrics::QueueMetrics;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use k8s_openapi::jiff::Timestamp;
 use serde_json::{json, Value};

@@ -395,13 +395,13 @@ fn run_controller(args: ControllerArgs) -> Result<()> {
         let host = std::env::var("POD_NAME")
             .or_else(|_| std::env::var("HOSTNAME"))
             .unwrap_or_else(|_| "gpuplane-controller".into());
-        let identity = gpuplane_cluster::controller::identity(&host);
+        let identity = gpuplane_cluster::elector::identity(&host);
         opts.identity = identity.clone();
         let mut loops = gpuplane_cluster::controller::ControllerOptions::new(&args.namespace, &identity);
         loops.leader_elect = args.leader_elect;
         loops.queue.catalog = opts.catalog.clone();
         loops.queue.hours = Some(args.hours.options(&args.namespace));
-        gpuplane_cluster::controller::replica::run(client, opts, loops, shutdown).await?;
+        gpuplane_cluster::replica::run(client, opts, loops, shutdown).await?;
         tracing::info!("gpuplane controller stopped");
         Ok(())
     })

@@ -8,8 +8,8 @@
 
 use super::https::{drive, Level, Pki};
 use super::{bench_pod, pod_review};
-use gpuplane_cluster::controller::metrics::QueueMetrics;
 use gpuplane_cluster::controller::queue::{self as quota_loop, QueueOptions};
+use gpuplane_cluster::controller_metrics::QueueMetrics;
 use gpuplane_cluster::published::Devices;
 use gpuplane_cluster::webhook::{self, RunningWebhook, WebhookOptions};
 use gpuplane_model::quota::{GpuQuota, MAX_RESERVATIONS};

@@ -1,10 +1,10 @@
 //! The Queue-mode benchmark: pods released per second from a queue of [`QUEUED`] gated pods
 //! under one GpuQuota with room for all, against the same number of bare gate-removal PATCHes.
 
-use gpuplane_cluster::controller::metrics::QueueMetrics;
 use gpuplane_cluster::controller::pods::PodRef;
 use gpuplane_cluster::controller::queue::{self, QueueOptions};
 use gpuplane_cluster::controller::writes::{self, Ungated};
+use gpuplane_cluster::controller_metrics::QueueMetrics;
 use gpuplane_cluster::published::Devices;
 use gpuplane_model::quota::SCHEDULING_GATE;
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;

@@ -6,8 +6,8 @@
 use crate::support::eventually::{eventually_async, LIMIT};
 use gpuplane_cluster::controller::hours::{Book, By, HoursSettings};
 use gpuplane_cluster::controller::meter::{self, HoursOptions, ReportQuery, BOOK_KEY, BOOK_NAME};
-use gpuplane_cluster::controller::metrics::QueueMetrics;
 use gpuplane_cluster::controller::queue::{self, QueueOptions};
+use gpuplane_cluster::controller_metrics::QueueMetrics;
 use gpuplane_model::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits};
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};

@@ -10,9 +10,12 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod controller;
+pub mod controller_metrics;
+pub mod elector;
 pub mod explain_cli;
 pub mod published;
 pub mod reflect;
+pub mod replica;
 pub mod webhook;
 
 // The shared edges and the pure core keep their names inside this crate.

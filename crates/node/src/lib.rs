@@ -23,6 +23,7 @@ pub mod nvml;
 pub mod paths;
 pub mod proto;
 pub mod slices;
+pub mod state;
 
 // The shared edges and the pure core keep their names inside this crate.
 use gpuplane_common::{backoff, httpserve};

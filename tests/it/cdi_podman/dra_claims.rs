@@ -170,7 +170,7 @@ async fn podman_runs_a_container_with_the_spec_of_a_prepared_dra_claim() {
     assert_eq!(minors, (0..7).collect::<Vec<_>>());
     make_dev_nodes(&dev_root, minors);
 
-    let node_stem = gpuplane_node::node::cdi::NODE_SPEC_STEM;
+    let node_stem = gpuplane_node::cdi::node_spec::NODE_SPEC_STEM;
     let node_spec_was_there = spec_file(node_stem).exists();
     let mut cleanup = Cleanup::default();
     if !node_spec_was_there {

@@ -68,9 +68,10 @@ async fn podman_runs_a_container_with_what_allocate_gives_on_a_simulated_node() 
     let uuids = [inv.gpus[0].uuid.as_str(), inv.gpus[1].uuid.as_str()];
 
     // The node spec the agent wrote, into /var/run/cdi under a kind of this run's.
-    let written = d
-        .join("cdi")
-        .join(format!("{}.json", gpuplane_node::node::cdi::NODE_SPEC_STEM));
+    let written = d.join("cdi").join(format!(
+        "{}.json",
+        gpuplane_node::cdi::node_spec::NODE_SPEC_STEM
+    ));
     let mut spec: cdi::Spec = serde_json::from_slice(&fs::read(&written).unwrap()).unwrap();
     assert_eq!(spec.kind, "nvidia.com/gpu");
     assert_eq!(spec.cdi_version, "0.5.0", "podman 4.3 reads at most 0.5.0");

@@ -2,11 +2,11 @@
 //! leader election over a Lease, and the queue that releases gated GPU pods.
 
 use crate::support::eventually::{eventually_async, LIMIT};
-use gpuplane_cluster::controller::elector::{self, Elector, Role};
 use gpuplane_cluster::controller::lease::LeaseTimings;
-use gpuplane_cluster::controller::metrics::QueueMetrics;
 use gpuplane_cluster::controller::namespace::QueueSettings;
 use gpuplane_cluster::controller::queue::{self, QueueOptions};
+use gpuplane_cluster::controller_metrics::QueueMetrics;
+use gpuplane_cluster::elector::{self, Elector, Role};
 use gpuplane_model::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode, SCHEDULING_GATE};
 use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
 use k8s_openapi::api::coordination::v1::Lease;

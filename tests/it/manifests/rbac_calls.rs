@@ -352,7 +352,7 @@ async fn rbac_grants_exactly_what_the_controller_calls() {
         controller::run(
             client,
             loops,
-            std::sync::Arc::new(controller::metrics::QueueMetrics::default()),
+            std::sync::Arc::new(gpuplane_cluster::controller_metrics::QueueMetrics::default()),
             async {
                 let _ = stopped.await;
             },

@@ -6,8 +6,8 @@
 
 use crate::support::eventually::{eventually_async, LIMIT};
 use gpuplane_cluster::controller::lease::LeaseTimings;
-use gpuplane_cluster::controller::replica::{self, Replica};
 use gpuplane_cluster::controller::ControllerOptions;
+use gpuplane_cluster::replica::{self, Replica};
 use gpuplane_cluster::webhook::health::ProbeSettings;
 use gpuplane_cluster::webhook::{self, RunningWebhook, WebhookOptions};
 use gpuplane_model::quota::{GpuQuota, ReservationState, SCHEDULING_GATE};

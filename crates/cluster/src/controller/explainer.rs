@@ -22,9 +22,9 @@
 //! behind its Events. Cycles are at least as far apart as one classification takes: at
 //! 1,000 nodes and 5,000 Pending pods that is the CPU the explainer may use, at most half a core.
 
-use super::metrics::QueueMetrics;
 use super::pods::{self, PodRef};
 use super::writes::{self, bounded, Condition};
+use crate::controller_metrics::QueueMetrics;
 use crate::published::Devices;
 use crate::reflect::{Cached, Shape};
 use gpuplane_model::explain::{

@@ -9,7 +9,7 @@
 //! `status.gpuHours`.
 
 use super::hours::{self, Book, HoursSettings, Metered};
-use super::metrics::QueueMetrics;
+use crate::controller_metrics::QueueMetrics;
 use crate::quota::{pod_charge, DeviceCatalog, GpuQuota};
 use gpuplane_model::report::chain;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};

@@ -11,36 +11,32 @@
 //!   per change of reason, and metrics by reason.
 //! - [`labeler`]: the namespace label `quota.gpuplane.dev/queue`
 //!   on namespaces with a Queue-mode GpuQuota, which the mutating gate webhook selects on.
-//! - [`elector`]: leader election over a coordination.k8s.io/v1 Lease (its rules are the
-//!   model's `lease`).
 //! - [`meter`]: the GPU-hours ledger's shell (the book in a ConfigMap, flushed by the quota
 //!   loop; its accounting is the model's `hours`).
-//! - [`metrics`]: the loop's metrics, per GpuQuota, and the ledger's counters.
-//! - [`replica`]: one `gpuplane controller` replica, the webhook and the loops side by side.
 //! - [`schedule`]: the driver both loops share (batched inputs, deadlines, resync).
 //!
-//! [`run`] runs the loops; [`replica::run`] is the command's entry point.
+//! Beside it: [`crate::elector`] (leader election over a coordination.k8s.io/v1 Lease, its rules
+//! the model's `lease`), [`crate::controller_metrics`] (the loops' metrics, per GpuQuota, and the
+//! ledger's counters). [`run`] runs the loops; [`crate::replica::run`] is the command's entry
+//! point.
 
 pub mod cache;
-pub mod elector;
 pub mod explainer;
 pub mod labeler;
 pub mod meter;
-pub mod metrics;
 pub mod queue;
-pub mod replica;
 pub mod schedule;
 mod watchers;
 pub mod writes;
 
 pub use gpuplane_model::controller::*;
 
+use crate::controller_metrics::QueueMetrics;
+use crate::elector::Role;
 use crate::published::Devices;
-use elector::Role;
 use explainer::ExplainerOptions;
 use labeler::LabelerOptions;
 use lease::LeaseTimings;
-use metrics::QueueMetrics;
 use queue::QueueOptions;
 use std::future::Future;
 use std::sync::Arc;
@@ -84,16 +80,6 @@ impl ControllerOptions {
     }
 }
 
-/// A replica identity: `host` (the pod name in a Deployment) and a process-unique suffix, so
-/// a restarted process never mistakes the Lease for its own.
-pub fn identity(host: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    format!("{host}_{:x}{:05x}", std::process::id(), nanos & 0xfffff)
-}
-
 /// Runs the loops until `shutdown`: under leader election (only while leading; the Lease is
 /// released after the loops stopped) or, with `leader_elect` false, at once.
 pub async fn run(
@@ -101,7 +87,7 @@ pub async fn run(
     opts: ControllerOptions,
     metrics: Arc<QueueMetrics>,
     shutdown: impl Future<Output = ()>,
-) -> Result<(), elector::ElectionError> {
+) -> Result<(), crate::elector::ElectionError> {
     let (role, _) = watch::channel(Role::Follower(None));
     run_reporting(client, opts, metrics, role, None, shutdown).await
 }
@@ -115,7 +101,7 @@ pub async fn run_reporting(
     role: watch::Sender<Role>,
     devices: Option<Arc<Devices>>,
     shutdown: impl Future<Output = ()>,
-) -> Result<(), elector::ElectionError> {
+) -> Result<(), crate::elector::ElectionError> {
     let devices =
         devices.unwrap_or_else(|| Devices::start(&client, opts.queue.catalog.clone(), |_, _| {}));
     if !opts.leader_elect {
@@ -125,7 +111,7 @@ pub async fn run_reporting(
         role.send_replace(Role::Follower(None));
         return Ok(());
     }
-    let candidate = elector::Elector::new(
+    let candidate = crate::elector::Elector::new(
         client.clone(),
         &opts.namespace,
         LEASE_NAME,
@@ -133,7 +119,7 @@ pub async fn run_reporting(
         opts.lease,
     )?
     .reporting(role);
-    elector::lead(candidate, shutdown, |stop| {
+    crate::elector::lead(candidate, shutdown, |stop| {
         loops(
             client.clone(),
             opts.queue.clone(),

@@ -25,11 +25,11 @@ pub use error::{error_policy, QueueError};
 pub use preempt::PREEMPTED_CONDITION;
 
 use super::meter::{HoursOptions, Meter, Pricing};
-use super::metrics::QueueMetrics;
 use super::namespace::{self, Decision, Inputs, QueueSettings};
 use super::pods;
 use super::quota_ledger::Working;
 use super::schedule::{drive, Keyed, Timing};
+use crate::controller_metrics::QueueMetrics;
 use crate::published::Devices;
 use crate::quota::{CatalogSettings, GpuQuota, QuotaMode};
 use error::api_error;

@@ -78,7 +78,7 @@ impl Default for CommitOptions {
         CommitOptions {
             budget: RetryBudget::default(),
             max_batch: 256,
-            holder: super::escrow::holder_name(&crate::controller::identity("gpuplane-webhook")),
+            holder: super::escrow::holder_name(&crate::elector::identity("gpuplane-webhook")),
             escrow: true,
         }
     }

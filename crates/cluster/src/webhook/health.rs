@@ -9,7 +9,7 @@
 //! every pod in scope (`failurePolicy: Fail`), including those the caches can answer.
 //! `/healthz` only says whether the probe loop turns (the runtime schedules tasks and timers).
 
-use crate::controller::elector::Role;
+use crate::elector::Role;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;

@@ -12,7 +12,7 @@ use super::commit::CommitCounters;
 use super::health::{self, Probes};
 use super::metrics::{exposition, Metrics, Webhook};
 use super::review;
-use crate::controller::metrics::QueueMetrics;
+use crate::controller_metrics::QueueMetrics;
 use crate::httpserve::{serve, ServeLimits};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};

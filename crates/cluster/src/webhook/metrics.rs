@@ -7,8 +7,8 @@
 use super::commit::CommitCounters;
 use super::health::Probes;
 use super::review::Verdict;
-use crate::controller::elector::Role;
-use crate::controller::metrics::{QueueMetrics, QuotaLabels};
+use crate::controller_metrics::{QueueMetrics, QuotaLabels};
+use crate::elector::Role;
 use crate::metrics::{self, latency, register, Histograms};
 use crate::quota::{Amount, Dimension, GpuQuota};
 use gpuplane_common::label_values;

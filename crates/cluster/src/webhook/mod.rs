@@ -23,8 +23,8 @@ pub mod metrics;
 pub mod review;
 pub mod tls;
 
-use crate::controller::elector::Role;
-use crate::controller::metrics::QueueMetrics;
+use crate::controller_metrics::QueueMetrics;
+use crate::elector::Role;
 use crate::quota::CatalogSettings;
 use commit::RetryBudget;
 use gpuplane_model::report::chain;
@@ -96,7 +96,7 @@ impl WebhookOptions {
                 deadline: Duration::from_secs(4),
             },
             max_batch: commit::CommitOptions::default().max_batch,
-            identity: crate::controller::identity("gpuplane-controller"),
+            identity: crate::elector::identity("gpuplane-controller"),
             escrow: true,
             probes: health::ProbeSettings::default(),
             loops: None,

@@ -14,6 +14,7 @@
 pub mod driver;
 pub mod hook;
 pub mod install;
+pub mod node_spec;
 pub mod writer;
 
 pub use gpuplane_model::cdi::*;

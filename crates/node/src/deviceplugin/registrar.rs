@@ -7,10 +7,10 @@
 //! Resources that did not change keep their socket and registration across config reloads.
 
 use super::service::{options, DevicePluginService};
+use crate::cdi::node_spec::NodeSpec;
 use crate::grpc;
-use crate::node::cdi::NodeSpec;
-use crate::node::state::NodeState;
 use crate::proto::deviceplugin_v1beta1 as pb;
+use crate::state::NodeState;
 use gpuplane_model::inventory::ResourceName;
 use gpuplane_model::report::chain;
 use std::collections::BTreeMap;

@@ -4,13 +4,13 @@
 //! which reads what the spec keeper published and does no I/O).
 
 use super::allocate::{self, AllocateError};
+use crate::cdi::node_spec::NodeSpec;
 use crate::config::{AllocationMode, DeviceListStrategy};
 use crate::health::Health;
 use crate::inventory::{DeviceId, DeviceUuid, ResourceName};
 use crate::metrics::{self, Allocation, AllocationLabels, ApiLabel};
-use crate::node::cdi::NodeSpec;
-use crate::node::state::NodeState;
 use crate::proto::deviceplugin_v1beta1 as pb;
+use crate::state::NodeState;
 use pb::device_plugin_server::DevicePlugin;
 use std::collections::BTreeSet;
 use std::pin::Pin;

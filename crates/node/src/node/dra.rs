@@ -12,11 +12,11 @@ use crate::ledger::dra_view;
 use crate::mps::pods::{MpsPods, PodSettings};
 use crate::mps::MpsHost;
 use crate::node::events::{ClaimEvents, ReportingDriver};
-use crate::node::state::{NodeState, Snapshot};
 use crate::paths::HostPaths;
 use crate::slices::publisher::{keep_published, LoopOptions, SlicePublisher};
 use crate::slices::render;
 use crate::source::{DeviceMode, DeviceSource};
+use crate::state::{NodeState, Snapshot};
 use gpuplane_model::report::chain;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 

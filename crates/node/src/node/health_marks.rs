@@ -13,7 +13,7 @@
 
 use crate::health::SavedMark;
 use crate::node::http::now_ms;
-use crate::node::state::NodeState;
+use crate::state::NodeState;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;

@@ -6,7 +6,7 @@
 use crate::health::Health;
 use crate::httpserve::{serve as serve_http, ServeLimits};
 use crate::metrics::{self, ApiLabel};
-use crate::node::state::NodeState;
+use crate::state::NodeState;
 use gpuplane_common::label_values;
 use http_body_util::Full;
 use hyper::body::Bytes;

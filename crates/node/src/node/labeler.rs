@@ -4,8 +4,8 @@
 //! server-side apply: it fails on a missing Node instead of creating one. Failures are logged
 //! once per distinct error and retried; they never affect the kubelet APIs.
 
-use super::state::NodeState;
 use crate::labels::{label_patch, node_labels};
+use crate::state::NodeState;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Patch, PatchParams};
 use std::collections::BTreeMap;

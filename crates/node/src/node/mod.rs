@@ -8,7 +8,6 @@
 //! run the real agent in-process against doubles in a temp dir.
 
 pub mod apis;
-pub mod cdi;
 pub mod deferred;
 pub mod dra;
 pub mod events;
@@ -21,18 +20,18 @@ pub mod lost_gpus;
 pub mod owner;
 pub mod podresources;
 pub mod simulate;
-pub mod state;
 pub mod tasks;
 
+use crate::cdi::node_spec::NodeSpec;
 use crate::config::{AgentConfig, ConfigError};
 use crate::deviceplugin::registrar;
 use crate::deviceplugin::resources::PlanError;
 use crate::inventory::Inventory;
 use crate::paths::HostPaths;
 use crate::source::{DeviceMode, DeviceSource, Discovery};
+use crate::state::{NodeState, Snapshot};
 use gpuplane_model::report::chain;
 use owner::{Input, Owner};
-use state::{NodeState, Snapshot};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -382,7 +381,7 @@ impl Agent<'_> {
             lost_gpus::Prober::start(self.source.clone()).map_err(NodeError::ProbeThread)?;
         let opts = self.opts;
         // Shared with Allocate, which must not hand out a CDI name whose spec is not written.
-        let node_spec = Arc::new(cdi::NodeSpec::new(opts.paths.clone(), opts.device_mode));
+        let node_spec = Arc::new(NodeSpec::new(opts.paths.clone(), opts.device_mode));
         self.start_servers(&node_spec, running).await?;
         let inbox = self.start_tasks(node_spec, hangup, running);
         let owner = Owner {
@@ -399,7 +398,7 @@ impl Agent<'_> {
     /// offered as Healthy, and an Allocate in that window could hand it out a second time.
     async fn start_servers(
         &self,
-        node_spec: &Arc<cdi::NodeSpec>,
+        node_spec: &Arc<NodeSpec>,
         running: &mut Running,
     ) -> Result<(), NodeError> {
         let (opts, state, stop) = (self.opts, self.state, self.stop);
@@ -449,7 +448,7 @@ impl Agent<'_> {
     /// The tasks that post to the state owner, and the node CDI spec keeper; the owner's inbox.
     fn start_tasks(
         &self,
-        node_spec: Arc<cdi::NodeSpec>,
+        node_spec: Arc<NodeSpec>,
         hangup: tokio::signal::unix::Signal,
         running: &mut Running,
     ) -> mpsc::UnboundedReceiver<Input> {

@@ -10,12 +10,12 @@
 
 use super::http::Readiness;
 use super::lost_gpus::Prober;
-use super::state::{NodeState, Snapshot};
 use crate::config::{AgentConfig, ConfigError};
 use crate::health::{Cause, Change, Health};
 use crate::inventory::{DeviceUuid, Inventory};
 use crate::metrics::ConfigReload;
 use crate::source::{DeviceEvent, Discovery};
+use crate::state::{NodeState, Snapshot};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -9,8 +9,8 @@ use crate::grpc;
 use crate::inventory::{DeviceId, DeviceUuid, ResourceName};
 use crate::ledger::Holder;
 use crate::metrics::{self, ApiLabel};
-use crate::node::state::NodeState;
 use crate::proto::podresources_v1 as pr;
+use crate::state::NodeState;
 use gpuplane_model::report::chain;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -90,7 +90,7 @@ fn unknown_note(state: &NodeState) -> &'static str {
 }
 
 /// Reconciles the ledger's device-plugin holds with PodResources until shutdown. The first
-/// answer clears [`crate::node::state::Snapshot::awaiting_device_plugin_holds`].
+/// answer clears [`crate::state::Snapshot::awaiting_device_plugin_holds`].
 pub async fn run(socket: PathBuf, state: Arc<NodeState>, mut shutdown: watch::Receiver<bool>) {
     let mut failing = false;
     loop {

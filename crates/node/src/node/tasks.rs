@@ -8,12 +8,12 @@
 //! - the node CDI spec keeper: writes the spec (on the blocking pool) when the inventory
 //!   changes, and every second while device nodes are missing.
 
-use super::cdi::{NodeSpec, SpecState};
 use super::owner::Input;
-use super::state::NodeState;
+use crate::cdi::node_spec::{NodeSpec, SpecState};
 use crate::config::{AgentConfig, ConfigError};
 use crate::inventory::Inventory;
 use crate::source::DeviceSource;
+use crate::state::NodeState;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -15,13 +15,13 @@ pub mod tls;
 
 use crate::doubles::kubelet_dra::KubeletDraOptions;
 use crate::doubles::lab::{LabError, NodeLab, RunningAgent, DRIVER, NODE};
-use gpuplane_cluster::controller::elector::ElectionError;
 use gpuplane_cluster::controller::hours::HoursSettings;
 use gpuplane_cluster::controller::meter::HoursOptions;
-use gpuplane_cluster::controller::metrics::QueueMetrics;
 use gpuplane_cluster::controller::namespace::QueueSettings;
 use gpuplane_cluster::controller::queue::QueueOptions;
 use gpuplane_cluster::controller::ControllerOptions;
+use gpuplane_cluster::controller_metrics::QueueMetrics;
+use gpuplane_cluster::elector::ElectionError;
 use gpuplane_cluster::webhook::{RunningWebhook, WebhookError, WebhookOptions};
 use gpuplane_model::inventory::Inventory;
 use gpuplane_model::quota::{GpuQuota, GpuQuotaSpec, Gpus, Limits, QuotaMode};

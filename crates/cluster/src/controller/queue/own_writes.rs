@@ -5,10 +5,10 @@
 use super::error::api_error;
 use super::QueueError;
 use crate::controller::cache::Cache;
-use crate::controller::metrics::QueueMetrics;
 use crate::controller::namespace::Decision;
 use crate::controller::pods;
 use crate::controller::quota_ledger::{compact, Working};
+use crate::controller_metrics::QueueMetrics;
 use crate::quota::GpuQuota;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;

@@ -12,11 +12,11 @@
 
 use super::watched::Watched;
 use crate::controller::cache::Cache;
-use crate::controller::metrics::QueueMetrics;
 use crate::controller::namespace::{Decision, Eviction};
 use crate::controller::pods::{self, PodRef};
 use crate::controller::preempt::Candidate;
 use crate::controller::writes::{self, Condition};
+use crate::controller_metrics::QueueMetrics;
 use crate::quota::{pod_charge, QuotaMode};
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod};
 use kube::api::{Api, DeleteParams, EvictParams, Preconditions};

@@ -10,7 +10,7 @@ use crate::dra::ClaimRef;
 use crate::inventory::DeviceUuid;
 use crate::ledger::{Holder, ShareRefused, ShareRequest};
 use crate::metrics::{self, ApiLabel};
-use crate::node::state::NodeState;
+use crate::state::NodeState;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;

@@ -25,7 +25,7 @@ use super::summary::{Outcome, Step};
 use super::tls::DemoPki;
 use super::Narrator;
 use crate::doubles::lab::NodeLab;
-use gpuplane_cluster::controller::metrics::QueueMetrics;
+use gpuplane_cluster::controller_metrics::QueueMetrics;
 use gpuplane_model::inventory::Inventory;
 use gpuplane_node::dra::ClaimRef;
 use k8s_openapi::api::resource::v1::ResourceSlice;

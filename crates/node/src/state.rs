@@ -11,13 +11,13 @@
 //! blocking event pump thread writes to it too.
 
 use crate::config::AgentConfig;
-use crate::deviceplugin::resources::{self, Plan, PlanError};
 use crate::health::HealthBook;
 use crate::inventory::Inventory;
 use crate::ledger::{device_plugin_view, Ledger};
 use crate::metrics::AgentCounters;
 use crate::source::MigRequest;
 use crate::topology::TopologyModel;
+use gpuplane_model::deviceplugin::resources::{self, Plan, PlanError};
 use gpuplane_model::dynamic_mig;
 use std::collections::BTreeSet;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};

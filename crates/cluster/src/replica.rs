@@ -2,9 +2,9 @@
 //! quota loops (run only while holding the Lease) side by side, so that `/readyz` reports the
 //! elector's role and `/metrics` the loops' metrics next to the webhook's.
 
-use super::elector::{ElectionError, Role};
-use super::metrics::QueueMetrics;
-use super::ControllerOptions;
+use crate::controller::{self, ControllerOptions};
+use crate::controller_metrics::QueueMetrics;
+use crate::elector::{ElectionError, Role};
 use crate::webhook::{self, Loops, RunningWebhook, WebhookError, WebhookOptions};
 use std::future::Future;
 use std::sync::Arc;
@@ -65,7 +65,7 @@ pub async fn start(
             let _ = stopped.wait_for(|s| *s).await;
         };
         if let Err(e) =
-            super::run_reporting(client, loops, metrics, role_tx, devices, shutdown).await
+            controller::run_reporting(client, loops, metrics, role_tx, devices, shutdown).await
         {
             tracing::error!(error = %e, "the quota loops stopped");
         }

@@ -1,7 +1,7 @@
 //! Metrics of the quota loop, `gpuplane_quota_*`: process totals (releases, cycles, status
 //! writes) and, per GpuQuota (labels `namespace`, `quota`), pods released from the queue,
 //! their wait from creation to release (histogram) and, read at scrape time, the queue's
-//! length. And the explainer's (`super::explainer`), by reason: Pending GPU pods now
+//! length. And the explainer's (`crate::controller::explainer`), by reason: Pending GPU pods now
 //! (`gpuplane_pending_gpu_pods`) and how long pods stayed explained
 //! (`gpuplane_pending_gpu_pod_seconds`), and per node pool and resource the free GPUs and how
 //! fragmented they are (`gpuplane_node_pool_free_gpus`, `gpuplane_node_pool_fragmentation_ratio`).

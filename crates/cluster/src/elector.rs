@@ -6,7 +6,7 @@
 //! candidates racing for one Lease cannot both win: the loser gets 409 and reads again.
 //! After every round the candidate's [`Role`] is published for `/readyz` ([`Elector::reporting`]).
 
-use super::lease::{self, Decision, LeaseTimings, LeaseView, Observation};
+use gpuplane_model::controller::lease::{self, Decision, LeaseTimings, LeaseView, Observation};
 use gpuplane_model::report::chain;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
@@ -381,4 +381,14 @@ fn view_of(l: &Lease) -> LeaseView {
 
 fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409)
+}
+
+/// A replica identity: `host` (the pod name in a Deployment) and a process-unique suffix, so
+/// a restarted process never mistakes the Lease for its own.
+pub fn identity(host: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{host}_{:x}{:05x}", std::process::id(), nanos & 0xfffff)
 }
