@@ -5,6 +5,7 @@
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 
 mod cdi_hook;
+mod doctor;
 mod hours;
 mod mps;
 mod source_args;
@@ -49,6 +50,10 @@ enum Command {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
         output: Output,
     },
+    /// Whether this node is ready for gpuplane: NVML, the driver's files and device nodes, the
+    /// kubelet's sockets, CDI in containerd, MPS, MIG, the running agent. One line per check
+    /// with what to fix; exits non-zero when one fails.
+    Doctor(Box<doctor::DoctorArgs>),
     /// Run the node agent: serve this node's GPUs, MIG devices and shares to the kubelet through
     /// both the device plugin API and DRA, from one inventory.
     Node(Box<NodeArgs>),
@@ -292,6 +297,7 @@ fn run(cli: Cli) -> Result<()> {
             print!("{text}");
             Ok(())
         }
+        Command::Doctor(args) => doctor::run(*args),
         Command::Node(args) => run_node(*args),
         Command::Controller(args) => run_controller(*args),
         Command::MpsDaemon(args) => mps::run_daemon(args),

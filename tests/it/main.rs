@@ -29,6 +29,7 @@ mod crash_shares;
 mod demo;
 mod deviceplugin;
 mod docs_examples;
+mod doctor;
 mod dra_core;
 mod dra_dynamic_mig;
 mod dra_events;

@@ -13,6 +13,7 @@ pub mod cdi;
 pub mod crashpoint;
 pub mod deviceplugin;
 pub mod discover;
+pub mod doctor;
 pub mod dra;
 pub mod fsutil;
 pub mod grpc;
