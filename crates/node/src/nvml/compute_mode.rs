@@ -9,7 +9,7 @@
 //! ("if MIG is enabled on a GPU, device must be MIG device handle"); a driver that does not
 //! answers `NOT_SUPPORTED`, as the fake libnvidia-ml does.
 
-use super::read::describe;
+use super::call::describe;
 use crate::inventory::DeviceUuid;
 use crate::source::{ComputeMode, ComputeModeError};
 use nvml_wrapper::enum_wrappers::device::ComputeMode as NvmlMode;

@@ -1,8 +1,8 @@
 //! Critical Xid events: one NVML event set for the source's lifetime, every answering GPU
 //! registered in it, and the mapping from an event back to GPU and MIG device UUIDs.
 
+use super::call::describe;
 use super::raw::{self, RawEventSet};
-use super::read::describe;
 use crate::inventory::{DeviceUuid, Inventory};
 use crate::source::{DeviceEvent, SourceError};
 use nvml_wrapper::error::NvmlError;

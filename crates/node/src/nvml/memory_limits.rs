@@ -74,13 +74,13 @@ pub fn set_cgroup_memory_limit(
         .init()
         .map_err(|e| MemoryLimitError::Load {
             lib: lib.display().to_string(),
-            reason: super::read::describe(&e),
+            reason: super::call::describe(&e),
         })?;
     if !supported(&nvml, lib) {
         return Err(MemoryLimitError::Unsupported {
             version: nvml
                 .sys_driver_version()
-                .unwrap_or_else(|e| super::read::describe(&e)),
+                .unwrap_or_else(|e| super::call::describe(&e)),
         });
     }
     let call_error = |call: &'static str| {
@@ -97,7 +97,7 @@ pub fn set_cgroup_memory_limit(
                     "not supported on this device (MIG devices have no per-cgroup limit)".into()
                 }
                 NvmlError::NoPermission => "no permission (setting a limit needs root)".into(),
-                e => super::read::describe(&e),
+                e => super::call::describe(&e),
             },
         }
     };

@@ -13,8 +13,9 @@
 //! (`INSUFFICIENT_RESOURCES`, `INVALID_ARGUMENT`, `NOT_SUPPORTED`) is `Refused`, an unknown GPU
 //! or instance (`NOT_FOUND`) `NotFound`, anything else `Failed`.
 
+use super::call::{self, describe};
 use super::raw::{self, GpuInstance};
-use super::read::{self, describe};
+use super::read;
 use crate::inventory::mig::{self, MigProfileSpec};
 use crate::inventory::{DeviceUuid, MigDevice};
 use crate::source::{MigChangeError, MigRequest};
@@ -176,7 +177,7 @@ fn profile_index(
     profile_id: u32,
     doing: &Doing,
 ) -> Result<u32, MigChangeError> {
-    let profiles = read::instance_profiles(device).map_err(|e| MigChangeError::Failed {
+    let profiles = call::instance_profiles(device).map_err(|e| MigChangeError::Failed {
         call: e.call.to_string(),
         reason: format!("{}: {}", doing.0, e.reason),
     })?;

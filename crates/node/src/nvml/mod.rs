@@ -14,6 +14,7 @@
 //! shares) `memory_limits.rs`. Calls the wrapper
 //! lacks or gets wrong are made directly in `raw.rs`, the only unsafe code in the crate.
 
+mod call;
 mod compute_mode;
 mod events;
 mod memory_limits;
@@ -72,7 +73,7 @@ fn open_error(lib_path: Option<&Path>, error: &NvmlError) -> SourceError {
              initialised ({}); check that the NVIDIA kernel driver is loaded, or {hint}",
             path.map(|p| format!(" at {}", p.display()))
                 .unwrap_or_default(),
-            read::describe(e)
+            call::describe(e)
         ),
     };
     SourceError::Unavailable(message)
@@ -81,7 +82,7 @@ fn open_error(lib_path: Option<&Path>, error: &NvmlError) -> SourceError {
 fn query(call: &str) -> impl FnOnce(NvmlError) -> SourceError + '_ {
     move |e| SourceError::Query {
         call: call.to_string(),
-        reason: read::describe(&e),
+        reason: call::describe(&e),
     }
 }
 

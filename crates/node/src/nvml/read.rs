@@ -1,5 +1,6 @@
 //! Reading one GPU, its MIG devices and its NVLinks, and wiring the answered GPUs together.
 
+use super::call::{describe, instance_profiles, Call, CallError};
 use super::naming;
 use super::raw;
 use super::table;
@@ -13,36 +14,8 @@ use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings::{
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_GPU as NVLINK_GPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_SWITCH as NVLINK_SWITCH,
-    NVML_DEVICE_MIG_ENABLE, NVML_GPU_INSTANCE_PROFILE_COUNT, NVML_NVLINK_MAX_LINKS,
+    NVML_DEVICE_MIG_ENABLE, NVML_NVLINK_MAX_LINKS,
 };
-use std::fmt;
-
-/// A failed NVML call: which one, and why.
-#[derive(Debug)]
-pub(super) struct CallError {
-    pub call: &'static str,
-    pub reason: String,
-}
-
-impl fmt::Display for CallError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} failed: {}", self.call, self.reason)
-    }
-}
-
-/// Names the NVML call a wrapper error came from.
-pub(super) trait Call<T> {
-    fn call(self, name: &'static str) -> Result<T, CallError>;
-}
-
-impl<T> Call<T> for Result<T, NvmlError> {
-    fn call(self, name: &'static str) -> Result<T, CallError> {
-        self.map_err(|e| CallError {
-            call: name,
-            reason: describe(&e),
-        })
-    }
-}
 
 /// An identity NVML answered that gpuplane does not accept (a UUID or MIG profile name that
 /// does not parse): a failure of GPU `index`, naming the value and the rule it breaks.
@@ -50,14 +23,6 @@ fn refused(call: &'static str, index: u32, e: IdError) -> CallError {
     CallError {
         call,
         reason: format!("GPU {index}: NVML answered an {e}"),
-    }
-}
-
-/// Human wording of an NVML error; "GPU is lost" gets the words operators search for.
-pub(super) fn describe(e: &NvmlError) -> String {
-    match e {
-        NvmlError::GpuLost => "GPU is lost (fell off the bus or is otherwise inaccessible)".into(),
-        other => other.to_string(),
     }
 }
 
@@ -143,19 +108,6 @@ pub(super) fn gpu<'n>(nvml: &'n Nvml, index: u32) -> Result<GpuRead<'n>, CallErr
         mig_devices,
     };
     Ok(GpuRead { device, gpu, links })
-}
-
-/// The GPU-instance profiles a GPU offers, by `NVML_GPU_INSTANCE_PROFILE_*` index.
-pub(super) fn instance_profiles(parent: &Device<'_>) -> Result<Vec<(u32, ProfileInfo)>, CallError> {
-    let mut out = Vec::new();
-    for index in 0..NVML_GPU_INSTANCE_PROFILE_COUNT {
-        match parent.profile_info(index) {
-            Ok(info) => out.push((index, info)),
-            Err(NvmlError::NotSupported | NvmlError::InvalidArg | NvmlError::NotFound) => {}
-            Err(e) => return Err(e).call("nvmlDeviceGetGpuInstanceProfileInfo"),
-        }
-    }
-    Ok(out)
 }
 
 /// The MIG devices of a GPU with MIG on, ordered by (GPU instance, compute instance).

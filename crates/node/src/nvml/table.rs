@@ -6,9 +6,9 @@
 //! is wrong for it. Read-only: profile info and possible placements, both answered whether or
 //! not MIG is on.
 
+use super::call::{self, describe};
 use super::naming;
 use super::raw;
-use super::read::{self, describe};
 use crate::inventory::mig::{self, MigCatalogue, ENGINES};
 use nvml_wrapper::struct_wrappers::device::ProfileInfo;
 use nvml_wrapper::{Device, Nvml};
@@ -29,7 +29,7 @@ pub(super) fn matching(
         );
         return None;
     };
-    let why = match read::instance_profiles(device) {
+    let why = match call::instance_profiles(device) {
         Ok(profiles) => difference(nvml, device, table, &profiles, total_bytes),
         Err(e) => Some(e.to_string()),
     };
