@@ -163,3 +163,62 @@ fn containerd_configs_are_read_as_containerd_1_7_and_2_x_read_them() {
     assert_eq!(broken.status, Status::Fail);
     assert!(broken.detail.contains("is not TOML"), "{broken:?}");
 }
+
+/// On NVML (the fake libnvidia-ml), the driver root and the device nodes are checked: an empty
+/// root fails naming the library it lacks, and the missing nodes are named; with the library in
+/// place the driver check passes.
+#[test]
+fn on_nvml_a_driver_root_without_the_library_and_missing_device_nodes_fail_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    std::fs::create_dir_all(root.join("driver")).unwrap();
+    std::fs::create_dir_all(root.join("dev")).unwrap();
+    let run = || {
+        let out = Command::new(env!("CARGO_BIN_EXE_gpuplane"))
+            .args(["doctor", "-o", "json", "--nvml-lib"])
+            .arg(support::built_fake())
+            .env("GPUPLANE_FAKE_NVML_PROFILE", "pcie-l4x4")
+            .arg("--driver-root")
+            .arg(root.join("driver"))
+            .arg("--dev-root")
+            .arg(root.join("dev"))
+            .arg("--proc-root")
+            .arg(root.join("proc"))
+            .arg("--kubelet-root")
+            .arg(root.join("kubelet"))
+            .output()
+            .unwrap();
+        let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+        (
+            out.status.success(),
+            report["checks"].as_array().unwrap().clone(),
+        )
+    };
+    let (passed, checks) = run();
+    assert!(!passed);
+    let version = gpuplane_model::sim::load("pcie-l4x4")
+        .unwrap()
+        .driver_version;
+    let driver = named(&checks, "driver");
+    assert_eq!(driver["status"], "fail", "{driver:#}");
+    assert!(
+        driver["detail"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("no libnvidia-ml.so.{version}")),
+        "{driver:#}"
+    );
+    let nodes = named(&checks, "device-nodes");
+    assert_eq!(nodes["status"], "fail", "{nodes:#}");
+    assert!(
+        nodes["detail"].as_str().unwrap().contains("nvidia0"),
+        "{nodes:#}"
+    );
+    assert_eq!(named(&checks, "mps")["status"], "warn");
+
+    let lib = root.join("driver/usr/lib/x86_64-linux-gnu");
+    std::fs::create_dir_all(&lib).unwrap();
+    std::fs::write(lib.join(format!("libnvidia-ml.so.{version}")), "").unwrap();
+    let (_, checks) = run();
+    assert_eq!(named(&checks, "driver")["status"], "ok", "{checks:#?}");
+}

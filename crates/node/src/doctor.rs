@@ -32,8 +32,8 @@ pub enum Status {
 /// One line of the report.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Check {
-    /// What was checked: `driver`, `device-nodes`, `nvml`, `kubelet`, `cdi`, `mps`, `mig`,
-    /// `agent`.
+    /// What was checked: `nvml`, `driver`, `device-nodes`, `kubelet`, `cdi`, `containerd`,
+    /// `mps`, `mig`, `agent`.
     pub check: &'static str,
     pub status: Status,
     /// What was found, naming the path or address.
