@@ -9,21 +9,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct DoctorArgs {
-    /// The kubelet's root directory.
-    #[arg(long, default_value_os_t = HostPaths::standard().kubelet_root)]
-    kubelet_root: PathBuf,
-    /// Where the agent writes CDI specs.
-    #[arg(long, default_value_os_t = HostPaths::standard().cdi_root)]
-    cdi_root: PathBuf,
-    /// Root of the NVIDIA driver's files as the host sees them.
-    #[arg(long, default_value_os_t = HostPaths::standard().driver_root)]
-    driver_root: PathBuf,
-    /// Where this process finds --driver-root when it is mounted elsewhere.
-    #[arg(long, value_name = "DIR")]
-    driver_root_mount: Option<PathBuf>,
-    /// Where device nodes live.
-    #[arg(long, default_value_os_t = HostPaths::standard().dev_root)]
-    dev_root: PathBuf,
+    #[command(flatten)]
+    host: crate::host_paths::HostPathArgs,
     /// The kernel's /proc (MIG capability minors).
     #[arg(long, default_value_os_t = HostPaths::standard().proc_root)]
     proc_root: PathBuf,
@@ -42,15 +29,9 @@ pub struct DoctorArgs {
 
 pub fn run(args: DoctorArgs) -> Result<()> {
     let opts = gpuplane_node::doctor::DoctorOptions {
-        paths: HostPaths {
-            kubelet_root: args.kubelet_root,
-            cdi_root: args.cdi_root,
-            state_dir: HostPaths::standard().state_dir,
-            driver_root: args.driver_root,
-            driver_root_mount: args.driver_root_mount,
-            dev_root: args.dev_root,
-            proc_root: args.proc_root,
-        },
+        paths: args
+            .host
+            .paths(HostPaths::standard().state_dir, args.proc_root),
         mode: args.source.mode(),
         containerd_config: args.containerd_config,
         agent_addr: args.agent_addr,

@@ -6,6 +6,7 @@
 
 mod cdi_hook;
 mod doctor;
+mod host_paths;
 mod hours;
 mod mps;
 mod source_args;
@@ -191,26 +192,11 @@ struct NodeArgs {
     /// This node's name (the pool name of its devices).
     #[arg(long, env = "NODE_NAME")]
     node_name: String,
-    /// The kubelet's root directory.
-    #[arg(long, default_value_os_t = HostPaths::standard().kubelet_root)]
-    kubelet_root: PathBuf,
-    /// Where CDI specs are written.
-    #[arg(long, default_value_os_t = HostPaths::standard().cdi_root)]
-    cdi_root: PathBuf,
+    #[command(flatten)]
+    host: host_paths::HostPathArgs,
     /// The agent's durable state.
     #[arg(long, default_value_os_t = HostPaths::standard().state_dir)]
     state_dir: PathBuf,
-    /// Root of the NVIDIA driver's files as the host sees them (e.g. /run/nvidia/driver with
-    /// the GPU operator); CDI specs name files under it.
-    #[arg(long, default_value_os_t = HostPaths::standard().driver_root)]
-    driver_root: PathBuf,
-    /// Where this process finds --driver-root when it is mounted elsewhere (a host-installed
-    /// driver in a container: the host's / mounted at /host). Default: at --driver-root.
-    #[arg(long, value_name = "DIR")]
-    driver_root_mount: Option<PathBuf>,
-    /// Where device nodes live.
-    #[arg(long, default_value_os_t = HostPaths::standard().dev_root)]
-    dev_root: PathBuf,
     /// Agent config file (YAML); reloaded on SIGHUP or when it changes.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -516,15 +502,9 @@ fn node_options(
     };
     Ok(gpuplane_node::node::NodeOptions {
         node_name: args.node_name,
-        paths: HostPaths {
-            kubelet_root: args.kubelet_root,
-            cdi_root: args.cdi_root,
-            state_dir: args.state_dir,
-            driver_root: args.driver_root,
-            driver_root_mount: args.driver_root_mount,
-            dev_root: args.dev_root,
-            ..HostPaths::standard()
-        },
+        paths: args
+            .host
+            .paths(args.state_dir, HostPaths::standard().proc_root),
         config_file: args.config,
         sharing_switch: serving.sharing,
         device_plugin: serving.apis.device_plugin,
