@@ -132,7 +132,7 @@ pub fn examine(opts: &DoctorOptions, source: Result<&dyn DeviceSource, String>) 
                 format!(
                     "{} GPU(s), {} MIG device(s), driver {}",
                     inv.gpus.len(),
-                    inv.gpus.iter().map(|g| g.mig_devices.len()).sum::<usize>(),
+                    mig_devices(&inv),
                     inv.driver_version
                 ),
             ));
@@ -147,17 +147,21 @@ pub fn examine(opts: &DoctorOptions, source: Result<&dyn DeviceSource, String>) 
             None
         }
     };
-    if opts.mode == DeviceMode::Hardware {
+    // A simulated machine has no driver files, device nodes, MPS program or MIG minors.
+    let hardware = opts.mode == DeviceMode::Hardware;
+    if hardware {
         checks.extend(driver_files(&opts.paths, inventory.as_ref()));
     }
     checks.push(kubelet(&opts.paths));
     checks.push(cdi_root(&opts.paths.cdi_root));
     checks.push(containerd(&opts.containerd_config, &opts.paths.cdi_root));
-    if opts.mode == DeviceMode::Hardware {
+    if hardware {
         checks.push(mps(&opts.paths));
-    }
-    if let Some(inv) = &inventory {
-        checks.extend(mig(&opts.paths.proc_root, inv, opts.mode));
+        checks.extend(
+            inventory
+                .as_ref()
+                .and_then(|inv| mig(&opts.paths.proc_root, inv)),
+        );
     }
     checks.push(match opts.agent_addr {
         Some(addr) => agent(addr),
@@ -417,9 +421,9 @@ fn mps(paths: &HostPaths) -> Check {
 
 /// The MIG capability minors the agent resolves instances' access nodes from (only where a GPU
 /// has MIG devices).
-fn mig(proc_root: &Path, inv: &Inventory, mode: DeviceMode) -> Option<Check> {
-    let devices: usize = inv.gpus.iter().map(|g| g.mig_devices.len()).sum();
-    if devices == 0 || mode == DeviceMode::Simulated {
+fn mig(proc_root: &Path, inv: &Inventory) -> Option<Check> {
+    let devices = mig_devices(inv);
+    if devices == 0 {
         return None;
     }
     let minors = proc_root.join("driver/nvidia-caps/mig-minors");
@@ -435,6 +439,10 @@ fn mig(proc_root: &Path, inv: &Inventory, mode: DeviceMode) -> Option<Check> {
             "load the nvidia-caps driver (nvidia-modprobe -m), which MIG device access needs",
         )
     })
+}
+
+fn mig_devices(inv: &Inventory) -> usize {
+    inv.gpus.iter().map(|g| g.mig_devices.len()).sum()
 }
 
 /// The running agent's `/readyz`. A plain HTTP/1.0 GET over a std socket with a deadline: one

@@ -439,12 +439,14 @@ pub fn deviceplugin_request(data: &[u8]) {
                 continue;
             };
             // As the service does: the strings parsed once, then the decision.
-            let Ok(ids) = allocate::parse_preferred_ids(plan, &c.available_device_i_ds).and_then(
-                |available| {
-                    let must = allocate::parse_preferred_ids(plan, &c.must_include_device_i_ds)?;
-                    allocate::preferred(plan, model, &available, &must, size, &BTreeSet::new())
-                },
-            ) else {
+            let Ok(ids) = allocate::parse_preferred_ids(
+                plan,
+                &c.available_device_i_ds,
+                &c.must_include_device_i_ds,
+            )
+            .and_then(|(available, must)| {
+                allocate::preferred(plan, model, &available, &must, size, &BTreeSet::new())
+            }) else {
                 continue;
             };
             let ids: Vec<String> = ids.iter().map(|id| id.to_string()).collect();

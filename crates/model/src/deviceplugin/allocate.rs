@@ -227,20 +227,25 @@ pub enum PreferredError {
     Topology(#[from] PreferError),
 }
 
-/// The kubelet's device IDs of a GetPreferredAllocation request, parsed once (at the gRPC
-/// edge) for [`preferred`]; one that does not parse names no device of this node.
+/// The kubelet's available and must-include device IDs of a GetPreferredAllocation request,
+/// parsed once (at the gRPC edge) for [`preferred`]; one that does not parse names no device of
+/// this node.
 pub fn parse_preferred_ids(
     plan: &ResourcePlan,
-    raw: &[String],
-) -> Result<Vec<DeviceId>, PreferredError> {
-    raw.iter()
-        .map(|id| {
-            DeviceId::parse(id.as_str()).map_err(|_| PreferredError::UnknownDevice {
-                resource: plan.name.to_string(),
-                id: id.clone(),
+    available: &[String],
+    must_include: &[String],
+) -> Result<(Vec<DeviceId>, Vec<DeviceId>), PreferredError> {
+    let parse = |raw: &[String]| -> Result<Vec<DeviceId>, PreferredError> {
+        raw.iter()
+            .map(|id| {
+                DeviceId::parse(id.as_str()).map_err(|_| PreferredError::UnknownDevice {
+                    resource: plan.name.to_string(),
+                    id: id.clone(),
+                })
             })
-        })
-        .collect()
+            .collect()
+    };
+    Ok((parse(available)?, parse(must_include)?))
 }
 
 /// Picks `size` of `available` (always including `must_include`).

@@ -180,12 +180,15 @@ impl DevicePlugin for DevicePluginService {
                 ))
             })?;
             // The kubelet's strings become device IDs here, once.
-            let ids = allocate::parse_preferred_ids(plan, &c.available_device_i_ds)
-                .and_then(|available| {
-                    let must = allocate::parse_preferred_ids(plan, &c.must_include_device_i_ds)?;
-                    allocate::preferred(plan, &snap.model, &available, &must, size, &avoid)
-                })
-                .map_err(|e| Status::invalid_argument(format!("{}: {e}", self.resource)))?;
+            let ids = allocate::parse_preferred_ids(
+                plan,
+                &c.available_device_i_ds,
+                &c.must_include_device_i_ds,
+            )
+            .and_then(|(available, must)| {
+                allocate::preferred(plan, &snap.model, &available, &must, size, &avoid)
+            })
+            .map_err(|e| Status::invalid_argument(format!("{}: {e}", self.resource)))?;
             // Which devices the topology scoring chose, and from what: the line to read when
             // someone asks why a pod got these GPUs.
             tracing::info!(resource = %self.resource, available = c.available_device_i_ds.len(), must_include = ?c.must_include_device_i_ds, size, preferred = ?ids, "preferred allocation");

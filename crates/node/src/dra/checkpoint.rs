@@ -545,13 +545,11 @@ fn write_slot(
     })?;
     // An existing slot is overwritten in place (one fdatasync); the first write of a slot
     // creates it whole, so a slot file never exists half-made by a crash in its creation.
-    let written = match (fs::symlink_metadata(&path), flush) {
-        (Ok(m), Flush::Synced) if m.file_type().is_file() => {
-            fsutil::overwrite_in_place(&path, &bytes)
-        }
-        (Ok(m), Flush::Unsynced) if m.file_type().is_file() => {
-            fsutil::overwrite_in_place_unsynced(&path, &bytes)
-        }
+    let written = match fs::symlink_metadata(&path) {
+        Ok(m) if m.file_type().is_file() => match flush {
+            Flush::Synced => fsutil::overwrite_in_place(&path, &bytes),
+            Flush::Unsynced => fsutil::overwrite_in_place_unsynced(&path, &bytes),
+        },
         _ => fsutil::write_atomic(&path, &bytes, FILE_MODE),
     };
     written.map_err(|source| CheckpointError::Write { cause: source })

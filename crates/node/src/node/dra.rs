@@ -19,7 +19,6 @@ use crate::source::{DeviceMode, DeviceSource};
 use crate::state::{NodeState, Snapshot};
 use gpuplane_model::report::chain;
 use k8s_openapi::api::resource::v1::ResourceSlice;
-
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
