@@ -131,6 +131,7 @@ fn node_options(dir: &std::path::Path) -> gpuplane_node::node::NodeOptions {
         metrics_addr: None,
         // No device nodes in the temp dir: simulated, as `--simulate` runs it.
         device_mode: gpuplane_model::source::DeviceMode::Simulated,
+        telemetry: None,
     }
 }
 

@@ -17,6 +17,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use gpuplane_node::node::apis::{self, Apis};
 use gpuplane_node::paths::HostPaths;
+use gpuplane_node::telemetry::TelemetryOptions;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -221,10 +222,23 @@ struct NodeArgs {
     /// Lets one DaemonSet serve different simulated machines (needs API access).
     #[arg(long)]
     simulate_from_node_label: bool,
+    /// Sample every GPU and MIG device this often for /metrics (10s, 500ms); 0 turns device
+    /// telemetry off.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = interval)]
+    telemetry_interval: std::time::Duration,
+    /// The host's /proc, mounted read-only (e.g. /host/proc): each GPU process's cgroup names
+    /// its pod and container. Without it GPU processes are counted but not attributed.
+    #[arg(long, value_name = "DIR")]
+    host_proc: Option<PathBuf>,
     #[command(flatten)]
     source: SourceArgs,
     #[command(flatten)]
     mps: mps::NodeMpsArgs,
+}
+
+fn interval(s: &str) -> Result<std::time::Duration, String> {
+    gpuplane_model::config::parse_duration(s)
+        .ok_or_else(|| format!("{s:?}: expected a duration such as 10s, 500ms or 0"))
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -512,6 +526,10 @@ fn node_options(
         api: client,
         metrics_addr: args.metrics_addr,
         device_mode: args.source.mode(),
+        telemetry: (!args.telemetry_interval.is_zero()).then_some(TelemetryOptions {
+            interval: args.telemetry_interval,
+            host_proc: args.host_proc,
+        }),
     })
 }
 

@@ -55,6 +55,7 @@ fn options(dir: &Path, config: Option<&str>, device_mode: DeviceMode) -> NodeOpt
         api: None,
         metrics_addr: None,
         device_mode,
+        telemetry: None,
     }
 }
 

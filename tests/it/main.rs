@@ -51,4 +51,5 @@ mod restart_stress;
 mod security;
 mod share_memory;
 mod slices;
+mod telemetry;
 mod webhook;

@@ -36,6 +36,9 @@ pub struct Node {
     /// Devices from the fake libnvidia-ml (its path) instead of `--simulate`, with the fake's
     /// state file, so MIG instances outlive a killed agent as they do in a real driver.
     pub nvml: Option<(PathBuf, PathBuf)>,
+    /// More arguments and environment for every agent started from now on.
+    pub extra_args: Vec<String>,
+    pub extra_env: Vec<(String, std::ffi::OsString)>,
 }
 
 impl Node {
@@ -67,6 +70,8 @@ impl Node {
             config: config.to_string(),
             runs: 0,
             nvml: None,
+            extra_args: Vec::new(),
+            extra_env: Vec::new(),
         }
     }
 
@@ -100,7 +105,7 @@ impl Node {
             env.push(("GPUPLANE_CRASHPOINT", s.as_os_str()));
         }
         let profile = std::ffi::OsString::from(&self.profile);
-        let source: Vec<&str> = match &self.nvml {
+        let mut source: Vec<&str> = match &self.nvml {
             Some((lib, state)) => {
                 env.push(("GPUPLANE_FAKE_NVML_PROFILE", profile.as_os_str()));
                 env.push(("GPUPLANE_FAKE_NVML_STATE", state.as_os_str()));
@@ -108,6 +113,12 @@ impl Node {
             }
             None => vec!["--simulate", &self.profile],
         };
+        source.extend(self.extra_args.iter().map(String::as_str));
+        env.extend(
+            self.extra_env
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_os_str())),
+        );
         self.agent = Some(AgentProcess::spawn(
             self.dir.path(),
             &self.config,

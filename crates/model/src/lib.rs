@@ -33,4 +33,5 @@ pub mod sharing;
 pub mod sim;
 pub mod slices;
 pub mod source;
+pub mod telemetry;
 pub mod topology;

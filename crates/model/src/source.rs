@@ -8,6 +8,8 @@
 
 use crate::inventory::{DeviceUuid, Gpu, Inventory, MigDevice};
 use crate::sim::instances::{self, InstanceBook};
+use crate::sim::telemetry::{Answering, TelemetryFile};
+use crate::telemetry::Readings;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -75,6 +77,11 @@ pub trait DeviceSource: Send + Sync {
     /// driver does (NVML stalls on a GPU that fell off the bus): the agent calls it only from
     /// its probe thread (`node::lost_gpus`), never on the async runtime or under the state lock.
     fn responds(&self, gpu_uuid: &str) -> bool;
+
+    /// The latest readings of device `uuid` (a GPU or a MIG device), for the telemetry
+    /// sampler's threads only: it may block for as long as the driver does. A reading the
+    /// device does not offer is `None`; a failing query fails the whole sample.
+    fn sample(&self, uuid: &DeviceUuid) -> Result<Readings, SourceError>;
 
     /// Dynamic MIG: creates a GPU instance of `req.profile` at memory slice `req.start` of GPU
     /// `req.gpu` and one compute instance spanning it, and returns the MIG device as discovery
@@ -211,6 +218,8 @@ struct SimState {
     sender: Mutex<std::sync::mpsc::Sender<DeviceEvent>>,
     /// `discover` calls begun.
     discoveries: AtomicU64,
+    /// What each device is doing ([`SimSource::set_telemetry`]).
+    telemetry: Mutex<TelemetryFile>,
 }
 
 /// [`SimSource::machine`]: a simulated machine's state that outlives the agent.
@@ -242,6 +251,7 @@ impl SimSource {
                 events: Mutex::new(events),
                 sender: Mutex::new(sender),
                 discoveries: AtomicU64::new(0),
+                telemetry: Mutex::new(TelemetryFile::default()),
             }),
         }
     }
@@ -316,6 +326,11 @@ impl SimSource {
     /// began after now has been handed to the agent's state owner.
     pub fn discoveries(&self) -> u64 {
         self.inner.discoveries.load(Ordering::SeqCst)
+    }
+
+    /// Sets what the devices report from now on (unlisted devices: idle).
+    pub fn set_telemetry(&self, telemetry: TelemetryFile) {
+        *lock(&self.inner.telemetry) = telemetry;
     }
 
     /// Replaces the simulated machine, e.g. after a MIG reconfiguration. Creation numbers are
@@ -423,6 +438,45 @@ impl DeviceSource for SimSource {
 
     fn responds(&self, gpu_uuid: &str) -> bool {
         !lock(&self.inner.lost).contains(gpu_uuid)
+    }
+
+    fn sample(&self, uuid: &DeviceUuid) -> Result<Readings, SourceError> {
+        let query = |reason: String| SourceError::Query {
+            call: "sample".into(),
+            reason,
+        };
+        let (device, memory_mib, kind) = {
+            let inventory = lock(&self.inner.inventory);
+            let (gpu, memory_mib, kind) = inventory
+                .gpus
+                .iter()
+                .find_map(|g| {
+                    if g.uuid == *uuid {
+                        let kind = Answering::Gpu {
+                            mig_mode: g.mig.current,
+                        };
+                        return Some((g, g.memory_mib, kind));
+                    }
+                    let m = g.mig_devices.iter().find(|m| m.uuid == *uuid)?;
+                    Some((g, m.memory_mib, Answering::MigDevice))
+                })
+                .ok_or_else(|| query(format!("no device {uuid} on this machine")))?;
+            if lock(&self.inner.lost).contains(gpu.uuid.as_str()) {
+                return Err(query(format!(
+                    "GPU {} is lost (fell off the bus)",
+                    gpu.uuid
+                )));
+            }
+            let telemetry = lock(&self.inner.telemetry);
+            let device = telemetry.devices.get(uuid.as_str()).cloned();
+            (device.unwrap_or_default(), memory_mib, kind)
+        };
+        // A stalled device stalls only its caller, as a driver call does: no lock is held.
+        std::thread::sleep(Duration::from_millis(device.stall_ms));
+        if device.fail {
+            return Err(query(format!("device {uuid} does not answer")));
+        }
+        Ok(device.readings(memory_mib * 1024 * 1024, kind))
     }
 
     fn create_mig(&self, req: &MigRequest) -> Result<MigDevice, MigChangeError> {

@@ -25,6 +25,7 @@ pub mod paths;
 pub mod proto;
 pub mod slices;
 pub mod state;
+pub mod telemetry;
 
 // The shared edges and the pure core keep their names inside this crate.
 use gpuplane_common::{backoff, httpserve};

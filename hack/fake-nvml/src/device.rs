@@ -258,30 +258,22 @@ pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
     })
 }
 
-fn total_bytes(device: nvmlDevice_t) -> Result<u64, Ret> {
-    with_fake(|f| {
-        Ok(match f.dev(device)? {
-            Dev::Gpu(_, g) => g.memory_mib << 20,
-            Dev::Mig(_, _, m) => m.memory_mib << 20,
-        })
-    })
-}
-
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_t,
 ) -> nvmlReturn_t {
     entry(|| {
-        let total = total_bytes(device)?;
+        // In use: the telemetry file's reading (`telemetry.rs`).
+        let (total, used) = crate::telemetry::memory(device)?;
         // SAFETY: caller's out-pointer (nvml.h contract).
         unsafe {
             put(
                 memory,
                 nvmlMemory_t {
                     total,
-                    free: total,
-                    used: 0,
+                    free: total - used,
+                    used,
                 },
             )
         }
@@ -303,7 +295,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
         if version != expected {
             return Err(ARGUMENT_VERSION_MISMATCH);
         }
-        let total = total_bytes(device)?;
+        let (total, used) = crate::telemetry::memory(device)?;
         // SAFETY: as above, valid for a write of the whole struct.
         unsafe {
             put(
@@ -312,8 +304,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
                     version,
                     total,
                     reserved: 0,
-                    free: total,
-                    used: 0,
+                    free: total - used,
+                    used,
                 },
             )
         }

@@ -38,6 +38,34 @@
 //!   whole after every change; a missing file means the profile's instances and `DEFAULT`
 //!   everywhere). The format is in `persist.rs`. Concurrent processes do not see each other's
 //!   changes until they initialise again.
+//! * `GPUPLANE_FAKE_NVML_TELEMETRY` (optional): a JSON telemetry file, the format
+//!   `gpuplane_model::sim::telemetry` (`{"devices": {"<GPU- or MIG- UUID>": {...}}}`). Checked
+//!   (modified time, length, inode) on every telemetry call and read again when changed; unset,
+//!   missing, or a device not listed: `DeviceTelemetry::default()`. A file that does not parse
+//!   is reported once on stderr and the last good content kept.
+//!
+//! # Telemetry (`telemetry.rs`)
+//!
+//! Answered from the device's entry: `nvmlDeviceGetUtilizationRates`,
+//! `nvmlDeviceGetMemoryInfo` and `_v2` (`used` = `memory_used()` capped at the total),
+//! `nvmlDeviceGetTemperature` (`NVML_TEMPERATURE_GPU` only), `nvmlDeviceGetPowerUsage`,
+//! `nvmlDeviceGetEnforcedPowerLimit`, `nvmlDeviceGetCurrentClocksThrottleReasons`,
+//! `nvmlDeviceGetTotalEccErrors` (volatile and aggregate alike), `nvmlDeviceGetRetiredPages`
+//! and `_v2` (double-bit: made-up addresses and times; single-bit: none),
+//! `nvmlDeviceGetPcieReplayCounter`, `nvmlDeviceGetComputeRunningProcesses_v3`,
+//! `nvmlDeviceGetMPSComputeRunningProcesses_v3` and `nvmlDeviceGetProcessUtilization` (a sample
+//! per process with `smUtil`, else `NVML_ERROR_NOT_FOUND`). Lists follow NVML's count-then-fill
+//! protocol (`NVML_ERROR_INSUFFICIENT_SIZE` with the count for a null or short buffer).
+//!
+//! * MIG device handles answer `NVML_ERROR_NOT_SUPPORTED` to the whole-GPU facts (temperature,
+//!   power, throttling, ECC, retired pages, PCIe replays); utilization and process utilization
+//!   are `NVML_ERROR_NOT_SUPPORTED` on MIG handles and on GPUs in MIG mode, as on real NVML.
+//! * Processes carry their MIG device's instance ids (else `0xFFFFFFFF`); a GPU in MIG mode
+//!   lists its MIG devices' processes together.
+//! * `stallMs`: the call waits that long before answering, outside the machine's lock, so calls
+//!   on other devices go on meanwhile; `fail`: `NVML_ERROR_UNKNOWN`. Both are the handle's own
+//!   entry's (a MIG device's, not its parent's), and come after the handle is resolved (a lost
+//!   GPU: `NVML_ERROR_GPU_IS_LOST`) and after the refusals above, which answer at once.
 //!
 //! # Shape of the fake machine
 //!
@@ -96,6 +124,9 @@ mod mig;
 mod persist;
 mod state;
 mod system;
+mod telemetry;
+#[cfg(test)]
+mod telemetry_tests;
 #[cfg(test)]
 mod tests;
 

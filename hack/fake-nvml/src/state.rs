@@ -155,6 +155,8 @@ pub(crate) struct Fake {
     pub sets: BTreeMap<u32, EventSet>,
     pub next_set: u32,
     control: Option<Control>,
+    /// The telemetry file and its last good content (`telemetry.rs`).
+    pub telemetry: crate::telemetry::Telemetry,
 }
 
 /// A device handle resolved against the machine.
@@ -288,6 +290,7 @@ impl Fake {
             sets: BTreeMap::new(),
             next_set: 1,
             control,
+            telemetry: crate::telemetry::Telemetry::from_env(),
         })
     }
 

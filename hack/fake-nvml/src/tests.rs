@@ -11,11 +11,11 @@ use tempfile::TempDir;
 /// Held by each test for its whole run: one machine, one environment.
 static MACHINE: Mutex<()> = Mutex::new(());
 
-fn machine() -> MutexGuard<'static, ()> {
+pub(crate) fn machine() -> MutexGuard<'static, ()> {
     MACHINE.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn ok(code: Ret) {
+pub(crate) fn ok(code: Ret) {
     assert_eq!(code, SUCCESS, "{:?}", error_string(code));
 }
 
@@ -43,7 +43,7 @@ fn open_with(profile: &str, state: Option<&Path>, driver: Option<&str>) {
     ok(nvmlInit_v2());
 }
 
-fn gpu(index: u32) -> nvmlDevice_t {
+pub(crate) fn gpu(index: u32) -> nvmlDevice_t {
     let mut device = null_mut();
     // SAFETY: live out-pointer.
     ok(unsafe { device::nvmlDeviceGetHandleByIndex_v2(index, &mut device) });

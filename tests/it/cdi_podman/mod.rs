@@ -293,6 +293,7 @@ impl Agent {
             api: None,
             metrics_addr: None,
             device_mode,
+            telemetry: None,
         };
         let (stop, stopped) = oneshot::channel::<()>();
         let source: Arc<dyn DeviceSource> = Arc::new(lab.sim.clone());

@@ -48,6 +48,7 @@ async fn podman_runs_a_container_with_what_allocate_gives_on_a_simulated_node() 
         api: None,
         metrics_addr: None,
         device_mode: DeviceMode::Simulated,
+        telemetry: None,
     };
     let (stop, stopped) = oneshot::channel::<()>();
     let source: Arc<dyn DeviceSource> = Arc::new(SimSource::new(inv.clone()));

@@ -108,7 +108,12 @@ fn check_grants_used(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rbac_grants_exactly_what_the_node_agent_calls() {
-    let lab = Lab::new("pcie-l4x4").await;
+    let mut lab = Lab::new("pcie-l4x4").await;
+    // Telemetry on, as deployed: it follows this node's pods.
+    lab.telemetry = Some(gpuplane_node::telemetry::TelemetryOptions {
+        interval: std::time::Duration::from_millis(100),
+        host_proc: None,
+    });
     // A slice of this node left by an earlier inventory: the publisher deletes it.
     lab.api
         .put_json(

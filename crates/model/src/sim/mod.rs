@@ -7,6 +7,7 @@
 
 pub mod instances;
 mod profile;
+pub mod telemetry;
 
 use crate::inventory::Inventory;
 use crate::report::chain;

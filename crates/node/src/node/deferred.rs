@@ -8,6 +8,7 @@ use crate::source::{
     ComputeMode, ComputeModeError, DeviceEvent, DeviceSource, Discovery, MigChangeError,
     MigRequest, SourceError,
 };
+use crate::telemetry::Readings;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -78,6 +79,10 @@ impl DeviceSource for Deferred {
 
     fn responds(&self, gpu_uuid: &str) -> bool {
         self.opened.get().is_some_and(|s| s.responds(gpu_uuid))
+    }
+
+    fn sample(&self, uuid: &DeviceUuid) -> Result<Readings, SourceError> {
+        self.get()?.sample(uuid)
     }
 
     fn create_mig(&self, req: &MigRequest) -> Result<MigDevice, MigChangeError> {

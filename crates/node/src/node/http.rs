@@ -7,6 +7,8 @@ use crate::health::Health;
 use crate::httpserve::{serve as serve_http, ServeLimits};
 use crate::metrics::{self, ApiLabel};
 use crate::state::NodeState;
+use crate::telemetry::export::TelemetryGauges;
+use crate::telemetry::Telemetry;
 use gpuplane_common::label_values;
 use http_body_util::Full;
 use hyper::body::Bytes;
@@ -191,11 +193,15 @@ impl Collector for StateGauges {
     }
 }
 
-/// The process-wide families, the agent's own counters and the gauges of `state`.
-fn exposition(state: &NodeState) -> String {
+/// The process-wide families, the agent's own counters, the gauges of `state` and the
+/// devices' telemetry once it runs.
+fn exposition(state: &NodeState, telemetry: &OnceLock<Telemetry>) -> String {
     let mut scrape = Registry::default();
     state.counters().register(&mut scrape);
     scrape.register_collector(Box::new(StateGauges::read(state)));
+    if let Some(t) = telemetry.get() {
+        scrape.register_collector(Box::new(TelemetryGauges(t.attributed(state))));
+    }
     metrics::render(&[metrics::registry(), &scrape])
 }
 
@@ -205,14 +211,19 @@ fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     r
 }
 
-fn route(path: &str, state: &NodeState, readiness: &Readiness) -> Response<Full<Bytes>> {
+fn route(
+    path: &str,
+    state: &NodeState,
+    readiness: &Readiness,
+    telemetry: &OnceLock<Telemetry>,
+) -> Response<Full<Bytes>> {
     let check = |r: Result<(), String>| match r {
         Ok(()) => text(StatusCode::OK, "ok\n".into()),
         Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
     };
     match path {
         "/metrics" => {
-            let mut r = text(StatusCode::OK, exposition(state));
+            let mut r = text(StatusCode::OK, exposition(state, telemetry));
             r.headers_mut().insert(
                 hyper::header::CONTENT_TYPE,
                 hyper::header::HeaderValue::from_static(metrics::CONTENT_TYPE),
@@ -233,10 +244,11 @@ pub async fn serve(
     listener: TcpListener,
     state: Arc<NodeState>,
     readiness: Arc<Readiness>,
+    telemetry: Arc<OnceLock<Telemetry>>,
     shutdown: watch::Receiver<bool>,
 ) {
     let answer = move |_peer, req: Request<hyper::body::Incoming>| {
-        let resp = route(req.uri().path(), &state, &readiness);
+        let resp = route(req.uri().path(), &state, &readiness, &telemetry);
         async move { resp }
     };
     // Scrapes and probes are few; a small pool keeps a flood from costing the agent memory.

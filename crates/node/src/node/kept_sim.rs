@@ -10,6 +10,7 @@ use crate::source::{
     ComputeMode, ComputeModeError, DeviceEvent, DeviceSource, Discovery, MigChangeError,
     MigRequest, SimMachine, SimSource, SourceError,
 };
+use crate::telemetry::Readings;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tracing::{info, warn};
@@ -89,6 +90,10 @@ impl DeviceSource for KeptSim {
 
     fn responds(&self, gpu_uuid: &str) -> bool {
         self.sim.responds(gpu_uuid)
+    }
+
+    fn sample(&self, uuid: &DeviceUuid) -> Result<Readings, SourceError> {
+        self.sim.sample(uuid)
     }
 
     fn create_mig(&self, req: &MigRequest) -> Result<MigDevice, MigChangeError> {

@@ -30,12 +30,13 @@ use crate::inventory::Inventory;
 use crate::paths::HostPaths;
 use crate::source::{DeviceMode, DeviceSource, Discovery};
 use crate::state::{NodeState, Snapshot};
+use crate::telemetry::{Telemetry, TelemetryOptions};
 use gpuplane_model::report::chain;
 use owner::{Input, Owner};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -60,6 +61,8 @@ pub struct NodeOptions {
     /// Real GPUs (device nodes and driver files go into CDI specs) or simulated ones (their
     /// identity goes into the container's environment instead).
     pub device_mode: DeviceMode,
+    /// Device telemetry on /metrics; `None` samples nothing.
+    pub telemetry: Option<TelemetryOptions>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +97,9 @@ pub enum NodeError {
     /// The thread that probes lost GPUs could not be started.
     #[error("starting the device probe thread: {}", chain(.0))]
     ProbeThread(std::io::Error),
+    /// A telemetry sampling thread could not be started.
+    #[error("starting the telemetry sampling threads: {}", chain(.0))]
+    TelemetryThread(std::io::Error),
 }
 
 /// First pause after a failed start-up discovery; it doubles up to [`DISCOVERY_RETRY_MAX`].
@@ -166,12 +172,17 @@ struct Running {
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     pump: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    /// Set once the GPUs are discovered and sampled; read by /metrics.
+    telemetry: Arc<OnceLock<Telemetry>>,
 }
 
 impl Running {
     /// Stops serving, removes the sockets (each server does on stop) and waits for them.
     async fn stop(self) {
         let _ = self.stop.send(true);
+        if let Some(t) = self.telemetry.get() {
+            t.stop();
+        }
         for task in self.tasks {
             let _ = task.await;
         }
@@ -230,6 +241,7 @@ pub async fn run(
         stop,
         tasks: Vec::new(),
         pump: None,
+        telemetry: Arc::new(OnceLock::new()),
     };
     if let Some(addr) = opts.metrics_addr {
         let listener = http::bind(addr)
@@ -240,6 +252,7 @@ pub async fn run(
             listener,
             state.clone(),
             readiness.clone(),
+            running.telemetry.clone(),
             stop_rx.clone(),
         )));
     }
@@ -383,6 +396,7 @@ impl Agent<'_> {
         // Shared with Allocate, which must not hand out a CDI name whose spec is not written.
         let node_spec = Arc::new(NodeSpec::new(opts.paths.clone(), opts.device_mode));
         self.start_servers(&node_spec, running).await?;
+        self.start_telemetry(running)?;
         let inbox = self.start_tasks(node_spec, hangup, running);
         let owner = Owner {
             state: self.state.clone(),
@@ -442,6 +456,28 @@ impl Agent<'_> {
                 stop.clone(),
             )));
         }
+        Ok(())
+    }
+
+    /// The sampling threads and, with API access, the pod follower, for the GPUs discovered.
+    fn start_telemetry(&self, running: &mut Running) -> Result<(), NodeError> {
+        let Some(opts) = &self.opts.telemetry else {
+            return Ok(());
+        };
+        let telemetry = Telemetry::start(self.source.clone(), self.state.clone(), opts)
+            .map_err(NodeError::TelemetryThread)?;
+        if let Some(client) = self.opts.api.clone() {
+            running
+                .tasks
+                .push(tokio::spawn(crate::telemetry::pods::follow(
+                    client,
+                    self.opts.node_name.clone(),
+                    telemetry.pods(),
+                    self.stop.clone(),
+                )));
+        }
+        // Set once per run, here only: a second set cannot happen.
+        let _ = running.telemetry.set(telemetry);
         Ok(())
     }
 

@@ -24,12 +24,14 @@ mod naming;
 mod raw;
 mod read;
 mod table;
+mod telemetry;
 
 use crate::inventory::{DeviceUuid, Inventory, MigDevice};
 use crate::source::{
     ComputeMode, ComputeModeError, DeviceEvent, DeviceSource, Discovery, LostGpu, MigChangeError,
     MigRequest, SourceError,
 };
+use crate::telemetry::Readings;
 pub use memory_limits::{set_cgroup_memory_limit, MemoryLimitError};
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
@@ -190,6 +192,10 @@ impl DeviceSource for NvmlSource {
                 .ensure_registered(&self.nvml, index, &device, gpu_uuid);
         }
         true
+    }
+
+    fn sample(&self, uuid: &DeviceUuid) -> Result<Readings, SourceError> {
+        telemetry::sample(&self.nvml, uuid)
     }
 
     fn create_mig(&self, req: &MigRequest) -> Result<MigDevice, MigChangeError> {

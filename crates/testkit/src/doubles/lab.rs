@@ -88,6 +88,8 @@ pub struct NodeLab {
     /// The agent's own pod, for agents started from now on to run MPS daemons in pods
     /// (`--mps-daemons=pods`; run them with `pod_runner`); `None`: as the agent's processes.
     pub mps_pods: Option<gpuplane_node::mps::pods::PodSettings>,
+    /// Device telemetry for agents started from now on; `None` samples nothing.
+    pub telemetry: Option<gpuplane_node::telemetry::TelemetryOptions>,
 }
 
 /// A running agent of a lab.
@@ -139,6 +141,7 @@ impl NodeLab {
             sim: StallingSim::new(sim),
             device_mode: DeviceMode::Simulated,
             mps_pods: None,
+            telemetry: None,
         })
     }
 
@@ -200,6 +203,7 @@ impl NodeLab {
         std::fs::write(&cfg, config).map_err(io("writing", &cfg))?;
         let (paths, device_mode, mps_pods) =
             (self.paths(), self.device_mode, self.mps_pods.clone());
+        let telemetry = self.telemetry.clone();
         let (stop, stopped) = oneshot::channel::<()>();
         let source: Arc<dyn DeviceSource> = Arc::new(self.sim.clone());
         // Both APIs, unless the Node object in the double carries the APIs label (as
@@ -224,6 +228,7 @@ impl NodeLab {
                 api: Some(client.clone()),
                 metrics_addr,
                 device_mode,
+                telemetry,
             };
             gpuplane_node::node::run(opts, source, async move {
                 tokio::select! {

@@ -9,6 +9,7 @@ use gpuplane_model::source::{
     ComputeMode, ComputeModeError, DeviceEvent, DeviceSource, Discovery, MigChangeError,
     MigRequest, SimSource, SourceError,
 };
+use gpuplane_model::telemetry::Readings;
 use std::ops::Deref;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -133,6 +134,10 @@ impl DeviceSource for StallingSim {
     fn responds(&self, gpu_uuid: &str) -> bool {
         Self::wait_on(&self.holds.probes);
         self.sim.responds(gpu_uuid)
+    }
+
+    fn sample(&self, uuid: &DeviceUuid) -> Result<Readings, SourceError> {
+        self.sim.sample(uuid)
     }
 
     fn create_mig(&self, req: &MigRequest) -> Result<MigDevice, MigChangeError> {
