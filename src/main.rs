@@ -17,6 +17,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use gpuplane_node::node::apis::{self, Apis};
 use gpuplane_node::paths::HostPaths;
+use gpuplane_node::telemetry::idle::IdlePolicy;
 use gpuplane_node::telemetry::TelemetryOptions;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -230,6 +231,13 @@ struct NodeArgs {
     /// its pod and container. Without it GPU processes are counted but not attributed.
     #[arg(long, value_name = "DIR")]
     host_proc: Option<PathBuf>,
+    /// A held GPU or MIG device under --idle-below busy this long gets one Event on its pod
+    /// and shows in gpuplane_held_device_idle_seconds (30m, 2h). Default: off.
+    #[arg(long, value_name = "DURATION", value_parser = interval)]
+    idle_after: Option<std::time::Duration>,
+    /// Percent busy under which a held device counts as idle.
+    #[arg(long, value_name = "PERCENT", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
+    idle_below: u32,
     #[command(flatten)]
     source: SourceArgs,
     #[command(flatten)]
@@ -529,6 +537,10 @@ fn node_options(
         telemetry: (!args.telemetry_interval.is_zero()).then_some(TelemetryOptions {
             interval: args.telemetry_interval,
             host_proc: args.host_proc,
+            idle: args.idle_after.map(|after| IdlePolicy {
+                below_percent: args.idle_below,
+                after,
+            }),
         }),
     })
 }

@@ -26,6 +26,7 @@ mod controller;
 mod crash;
 mod crash_dynamic_mig;
 mod crash_shares;
+mod dcgm_compat;
 mod demo;
 mod deviceplugin;
 mod docs_examples;

@@ -8,6 +8,7 @@
 
 use crate::crash_node::{Node, WAIT};
 use crate::support::{self, NODE};
+use gpuplane_testkit::doubles::apiserver::ApiCall;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -408,4 +409,96 @@ async fn a_mig_device_reports_to_its_pod_and_a_failing_or_stalled_device_is_down
         Some(0.0),
         "still stuck meanwhile"
     );
+}
+
+/// The `GpuIdle` Events in `namespace`.
+fn idle_events(node: &Node, namespace: &str) -> Vec<Value> {
+    node.api
+        .list_json("events.k8s.io/v1", "events", Some(namespace))
+        .into_iter()
+        .filter(|e| e["reason"] == "GpuIdle")
+        .collect()
+}
+
+/// Event creations the agent has sent so far (answered or refused).
+fn event_posts(node: &Node) -> usize {
+    node.api
+        .api_calls()
+        .iter()
+        .filter(
+            |c| matches!(c, ApiCall::Resource(r) if r.verb == "create" && r.resource == "events"),
+        )
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_gpu_idle_for_the_window_gets_one_event_on_its_pod_even_across_a_restart() {
+    let mut node = node("dgx-a100", "").await;
+    node.extra_args
+        .extend(["--idle-after", "1s", "--idle-below", "5"].map(String::from));
+    node.start(None).await;
+    let (idle_ids, _) = node
+        .kubelet
+        .admit("team-a", "sleepy", "main", "nvidia.com/gpu", 1)
+        .await
+        .unwrap();
+    let (busy_ids, _) = node
+        .kubelet
+        .admit("team-a", "busy", "main", "nvidia.com/gpu", 1)
+        .await
+        .unwrap();
+    let (idle_gpu, busy_gpu) = (idle_ids[0].clone(), busy_ids[0].clone());
+    Pod::new(6, "team-a", "sleepy", "main").store(&node, &[]);
+    Pod::new(7, "team-a", "busy", "main").store(&node, &[]);
+    set_telemetry(
+        &node,
+        json!({
+            idle_gpu.clone(): {"gpuUtil": 0, "memoryUsedBytes": 1288490189u64},
+            busy_gpu.clone(): {"gpuUtil": 90}
+        }),
+    );
+    let events = support::eventually("the idle Event", WAIT, || {
+        let e = idle_events(&node, "team-a");
+        (!e.is_empty()).then_some(e)
+    })
+    .await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    let e = &events[0];
+    assert_eq!(e["regarding"]["kind"], "Pod", "{e}");
+    assert_eq!(e["regarding"]["name"], "sleepy", "{e}");
+    assert_eq!(e["regarding"]["uid"], Pod::new(6, "", "", "").uid, "{e}");
+    let note = e["note"].as_str().unwrap();
+    assert!(
+        note.contains(&idle_gpu) && note.contains(": 0% busy, 1.2 GiB of 80.0 GiB used"),
+        "{note}"
+    );
+    let sleepy = [("api", "device-plugin"), ("pod", "sleepy")];
+    support::eventually("the idle seconds of the sleepy pod", WAIT, || {
+        value(
+            &node,
+            "gpuplane_held_device_idle_seconds",
+            &idle_gpu,
+            &sleepy,
+        )
+        .is_some_and(|s| s >= 1.0)
+    })
+    .await;
+    let busy = [("api", "device-plugin"), ("pod", "busy")];
+    wait_value(
+        &node,
+        "gpuplane_held_device_idle_seconds",
+        &busy_gpu,
+        &busy,
+        0.0,
+    )
+    .await;
+    // A restarted agent finds the hold idle again and tries once more: refused, still one.
+    let posts = event_posts(&node);
+    node.kill().await;
+    node.start(None).await;
+    support::eventually("the restarted agent's idle Event try", WAIT, || {
+        event_posts(&node) > posts
+    })
+    .await;
+    assert_eq!(idle_events(&node, "team-a").len(), 1);
 }

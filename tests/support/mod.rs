@@ -200,9 +200,12 @@ impl AgentProcess {
         let out = std::fs::File::create(&log).unwrap();
         let p = |d: &str| root.join(d).into_os_string();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpuplane"));
-        cmd.arg("node")
-            .args(["--node-name", NODE, "--driver-name", DRIVER])
-            .arg("--kubelet-root")
+        cmd.arg("node").args(["--node-name", NODE]);
+        // A caller may serve another driver name (`--driver-name` among `source`).
+        if !source.contains(&"--driver-name") {
+            cmd.args(["--driver-name", DRIVER]);
+        }
+        cmd.arg("--kubelet-root")
             .arg(p("kubelet"))
             .arg("--cdi-root")
             .arg(p("cdi"))

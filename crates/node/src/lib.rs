@@ -17,6 +17,7 @@ pub mod doctor;
 pub mod dra;
 pub mod fsutil;
 pub mod grpc;
+pub mod kube_events;
 pub mod metrics;
 pub mod mps;
 pub mod node;

@@ -113,6 +113,7 @@ async fn rbac_grants_exactly_what_the_node_agent_calls() {
     lab.telemetry = Some(gpuplane_node::telemetry::TelemetryOptions {
         interval: std::time::Duration::from_millis(100),
         host_proc: None,
+        idle: None,
     });
     // A slice of this node left by an earlier inventory: the publisher deletes it.
     lab.api

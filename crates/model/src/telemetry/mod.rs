@@ -9,6 +9,7 @@
 
 pub mod attribute;
 pub mod cgroup;
+pub mod idle;
 
 use crate::inventory::DeviceUuid;
 

@@ -12,10 +12,10 @@
 
 use crate::dra::core::{PrepareError, UnprepareError, UserEvent};
 use crate::dra::{ClaimRef, ClaimUid, DeviceHealthReport, DraDriver, PreparedDevice};
+use crate::kube_events::Reporter;
 use crate::metrics::{AgentCounters, ClaimEvent as ClaimEventOutcome};
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use std::collections::{BTreeMap, HashMap};
@@ -97,29 +97,23 @@ pub fn claim_event(
     // Event names are DNS subdomains (<= 253 characters); upstream's recorders name them
     // `<object>.<unix nanos in hex>`.
     let stem: String = claim.name.chars().take(200).collect();
-    Event {
-        metadata: ObjectMeta {
-            name: Some(format!("{stem}.{:x}", now.as_nanosecond())),
-            namespace: Some(claim.namespace.to_string()),
-            ..ObjectMeta::default()
-        },
-        event_time: Some(MicroTime(now)),
-        type_: Some("Warning".into()),
-        reason: Some(event.reason.into()),
-        action: Some("PrepareResources".into()),
-        note: Some(event.note.clone()),
-        regarding: Some(ObjectReference {
-            api_version: Some("resource.k8s.io/v1".into()),
-            kind: Some("ResourceClaim".into()),
-            namespace: Some(claim.namespace.to_string()),
-            name: Some(claim.name.to_string()),
-            uid: Some(claim.uid.to_string()),
-            ..ObjectReference::default()
-        }),
-        reporting_controller: Some(driver.into()),
-        reporting_instance: Some(node.into()),
-        ..Event::default()
-    }
+    let regarding = ObjectReference {
+        api_version: Some("resource.k8s.io/v1".into()),
+        kind: Some("ResourceClaim".into()),
+        namespace: Some(claim.namespace.to_string()),
+        name: Some(claim.name.to_string()),
+        uid: Some(claim.uid.to_string()),
+        ..ObjectReference::default()
+    };
+    let reporter = Reporter { driver, node };
+    let name = format!("{stem}.{:x}", now.as_nanosecond());
+    reporter.event(
+        name,
+        regarding,
+        ("PrepareResources", event.reason),
+        &event.note,
+        now,
+    )
 }
 
 /// Posts Events on ResourceClaims. Cheap to clone.

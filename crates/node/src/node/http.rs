@@ -195,12 +195,15 @@ impl Collector for StateGauges {
 
 /// The process-wide families, the agent's own counters, the gauges of `state` and the
 /// devices' telemetry once it runs.
-fn exposition(state: &NodeState, telemetry: &OnceLock<Telemetry>) -> String {
+fn exposition(state: &NodeState, telemetry: &OnceLock<Arc<Telemetry>>) -> String {
     let mut scrape = Registry::default();
     state.counters().register(&mut scrape);
     scrape.register_collector(Box::new(StateGauges::read(state)));
     if let Some(t) = telemetry.get() {
-        scrape.register_collector(Box::new(TelemetryGauges(t.attributed(state))));
+        scrape.register_collector(Box::new(TelemetryGauges {
+            attributed: t.attributed(state),
+            idle: t.idle(),
+        }));
     }
     metrics::render(&[metrics::registry(), &scrape])
 }
@@ -215,7 +218,7 @@ fn route(
     path: &str,
     state: &NodeState,
     readiness: &Readiness,
-    telemetry: &OnceLock<Telemetry>,
+    telemetry: &OnceLock<Arc<Telemetry>>,
 ) -> Response<Full<Bytes>> {
     let check = |r: Result<(), String>| match r {
         Ok(()) => text(StatusCode::OK, "ok\n".into()),
@@ -244,7 +247,7 @@ pub async fn serve(
     listener: TcpListener,
     state: Arc<NodeState>,
     readiness: Arc<Readiness>,
-    telemetry: Arc<OnceLock<Telemetry>>,
+    telemetry: Arc<OnceLock<Arc<Telemetry>>>,
     shutdown: watch::Receiver<bool>,
 ) {
     let answer = move |_peer, req: Request<hyper::body::Incoming>| {

@@ -30,6 +30,7 @@ use crate::inventory::Inventory;
 use crate::paths::HostPaths;
 use crate::source::{DeviceMode, DeviceSource, Discovery};
 use crate::state::{NodeState, Snapshot};
+use crate::telemetry::idle_events::IdleEvents;
 use crate::telemetry::{Telemetry, TelemetryOptions};
 use gpuplane_model::report::chain;
 use owner::{Input, Owner};
@@ -173,7 +174,7 @@ struct Running {
     tasks: Vec<JoinHandle<()>>,
     pump: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
     /// Set once the GPUs are discovered and sampled; read by /metrics.
-    telemetry: Arc<OnceLock<Telemetry>>,
+    telemetry: Arc<OnceLock<Arc<Telemetry>>>,
 }
 
 impl Running {
@@ -464,15 +465,39 @@ impl Agent<'_> {
         let Some(opts) = &self.opts.telemetry else {
             return Ok(());
         };
-        let telemetry = Telemetry::start(self.source.clone(), self.state.clone(), opts)
-            .map_err(NodeError::TelemetryThread)?;
-        if let Some(client) = self.opts.api.clone() {
+        let telemetry = Arc::new(
+            Telemetry::start(self.source.clone(), self.state.clone(), opts)
+                .map_err(NodeError::TelemetryThread)?,
+        );
+        let client = self.opts.api.clone();
+        if let Some(client) = client.clone() {
             running
                 .tasks
                 .push(tokio::spawn(crate::telemetry::pods::follow(
                     client,
                     self.opts.node_name.clone(),
                     telemetry.pods(),
+                    self.stop.clone(),
+                )));
+        }
+        if let Some(policy) = opts.idle {
+            let events = client.map(|client| IdleEvents {
+                client,
+                driver: self
+                    .opts
+                    .dra
+                    .as_ref()
+                    .map_or_else(|| "gpuplane-node".to_string(), |d| d.driver_name.clone()),
+                node: self.opts.node_name.clone(),
+            });
+            running
+                .tasks
+                .push(tokio::spawn(crate::telemetry::idle_events::watch(
+                    telemetry.clone(),
+                    self.state.clone(),
+                    policy,
+                    events,
+                    opts.interval,
                     self.stop.clone(),
                 )));
         }

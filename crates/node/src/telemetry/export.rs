@@ -41,7 +41,11 @@ fn series(d: &DeviceLabels, h: &Hold) -> Series {
 
 /// One scrape's telemetry.
 #[derive(Debug)]
-pub struct TelemetryGauges(pub Attributed);
+pub struct TelemetryGauges {
+    pub attributed: Attributed,
+    /// How long each hold has been idle, in seconds (empty while idleness is not followed).
+    pub idle: Vec<(DeviceLabels, Hold, f64)>,
+}
 
 /// A per-device gauge: its name, help, and how to read it (`None`: not offered, no series).
 type Reading = (&'static str, &'static str, fn(&Readings) -> Option<f64>);
@@ -125,7 +129,7 @@ const READINGS: &[Reading] = &[
 
 impl Collector for TelemetryGauges {
     fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
-        let a = &self.0;
+        let a = &self.attributed;
         let up: Vec<(Series, i64)> = a
             .devices
             .iter()
@@ -180,6 +184,17 @@ impl Collector for TelemetryGauges {
             "gpuplane_container_gpu_utilization_ratio",
             "Share of the device's SMs a container's processes kept busy (NVML per-process samples, where the device offers them).",
             &busy,
+        )?;
+        let idle: Vec<(Series, f64)> = self
+            .idle
+            .iter()
+            .map(|(d, h, s)| (series(d, h), *s))
+            .collect();
+        metrics::gauges(
+            &mut e,
+            "gpuplane_held_device_idle_seconds",
+            "How long a hold's device has stayed under the idle threshold (0 while busy); only with --idle-after.",
+            &idle,
         )
     }
 }

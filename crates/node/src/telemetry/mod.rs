@@ -7,6 +7,8 @@
 //! sample, and a scrape only copies what the threads last stored.
 
 pub mod export;
+pub mod idle_events;
+
 pub mod pods;
 pub mod sampler;
 
@@ -20,7 +22,7 @@ use pods::PodDirectory;
 use sampler::Samples;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// `--telemetry-interval` and `--host-proc`.
@@ -31,6 +33,8 @@ pub struct TelemetryOptions {
     /// The host's /proc, mounted read-only: each GPU process's cgroup names its pod and
     /// container. `None`: processes are counted but not attributed.
     pub host_proc: Option<PathBuf>,
+    /// Report holds that stay idle; `None`: off.
+    pub idle: Option<idle::IdlePolicy>,
 }
 
 /// The running telemetry: the samplers' store and the pod directory.
@@ -38,6 +42,8 @@ pub struct TelemetryOptions {
 pub struct Telemetry {
     samples: Arc<Samples>,
     pods: Arc<PodDirectory>,
+    /// How long each hold has been idle, as the idle watch last found (seconds).
+    idle: Mutex<Vec<(attribute::DeviceLabels, Hold, f64)>>,
 }
 
 impl Telemetry {
@@ -51,6 +57,7 @@ impl Telemetry {
         Ok(Telemetry {
             samples,
             pods: Arc::new(PodDirectory::default()),
+            idle: Mutex::new(Vec::new()),
         })
     }
 
@@ -62,6 +69,15 @@ impl Telemetry {
     /// Ends the sampling threads.
     pub fn stop(&self) {
         self.samples.stop();
+    }
+
+    fn set_idle(&self, idle: Vec<(attribute::DeviceLabels, Hold, f64)>) {
+        *self.idle.lock().unwrap_or_else(|p| p.into_inner()) = idle;
+    }
+
+    /// How long each hold has been idle (empty while idle holds are not followed).
+    pub fn idle(&self) -> Vec<(attribute::DeviceLabels, Hold, f64)> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// What a scrape exports now.

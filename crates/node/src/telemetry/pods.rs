@@ -64,6 +64,14 @@ impl PodDirectory {
         }
     }
 
+    /// The UID of pod `namespace/name`, if it is on this node.
+    pub fn uid_of(&self, namespace: &str, name: &str) -> Option<String> {
+        let pods = lock(&self.pods);
+        pods.iter()
+            .find(|(_, p)| p.namespace == namespace && p.name == name)
+            .map(|(uid, _)| uid.clone())
+    }
+
     fn set(&self, pods: BTreeMap<String, PodEntry>) {
         *lock(&self.pods) = pods;
     }
