@@ -103,20 +103,7 @@ fn series(node: &Node, family: &str) -> Vec<(BTreeMap<String, String>, f64)> {
     let Some((200, body)) = support::http_get(addr, "/metrics") else {
         return Vec::new();
     };
-    body.lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix(family)?.strip_prefix('{')?;
-            let (labels, value) = rest.rsplit_once("} ")?;
-            let labels = labels
-                .split("\",")
-                .filter_map(|kv| {
-                    let (k, v) = kv.split_once("=\"")?;
-                    Some((k.to_string(), v.trim_end_matches('"').to_string()))
-                })
-                .collect();
-            Some((labels, value.parse().ok()?))
-        })
-        .collect()
+    support::metric_series(&body, family)
 }
 
 /// The value of `family`'s series for device `uuid` whose labels include `want`.

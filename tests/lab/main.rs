@@ -23,3 +23,4 @@ mod real_cluster_preemption;
 mod real_cluster_quota;
 mod real_cluster_shares;
 mod real_cluster_shares_quota;
+mod real_cluster_telemetry;

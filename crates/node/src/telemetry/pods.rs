@@ -119,11 +119,17 @@ pub fn entry(pod: &Pod) -> Option<(String, PodEntry)> {
         .into_iter()
         .flatten()
         .filter_map(|c| c.resource_claim_name.clone());
+    // An extended resource (`nvidia.com/gpu`) that the scheduler satisfied through DRA (a
+    // DeviceClass's extendedResourceName, KEP-5004) has a claim generated for the pod, named in
+    // `status.extendedResourceClaimStatus`.
+    let extended = status
+        .and_then(|s| s.extended_resource_claim_status.as_ref())
+        .map(|e| e.resource_claim_name.clone());
     let entry = PodEntry {
         namespace: pod.metadata.namespace.clone().unwrap_or_default(),
         name: pod.metadata.name.clone().unwrap_or_default(),
         containers,
-        claims: generated.chain(named).collect(),
+        claims: generated.chain(named).chain(extended).collect(),
     };
     Some((uid, entry))
 }
@@ -186,7 +192,10 @@ mod tests {
             "status": {
                 "containerStatuses": [{"name": "main", "containerID": "containerd://abc",
                     "image": "i", "imageID": "", "ready": true, "restartCount": 0}],
-                "resourceClaimStatuses": [{"name": "b", "resourceClaimName": "p-b-x7k"}]}
+                "resourceClaimStatuses": [{"name": "b", "resourceClaimName": "p-b-x7k"}],
+                "extendedResourceClaimStatus": {"resourceClaimName": "p-extended-resources-q2",
+                    "requestMappings": [{"containerName": "main", "resourceName": "nvidia.com/gpu",
+                        "requestName": "container-0-request-0"}]}}
         }))
         .unwrap();
         let dir = PodDirectory::default();
@@ -205,6 +214,11 @@ mod tests {
         );
         assert_eq!(dir.pod_of_claim("ml", "p-b-x7k").as_deref(), Some("p"));
         assert_eq!(dir.pod_of_claim("ml", "shared-claim").as_deref(), Some("p"));
+        assert_eq!(
+            dir.pod_of_claim("ml", "p-extended-resources-q2").as_deref(),
+            Some("p"),
+            "a claim the scheduler made for an extended resource"
+        );
         assert_eq!(dir.pod_of_claim("other", "shared-claim"), None);
         dir.delete(&pod);
         assert_eq!(dir.workload(&c), None);
