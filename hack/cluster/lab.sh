@@ -30,6 +30,10 @@
 #                       pod-resources/
 #   cdi/                node lab-node's /var/run/cdi, which its containerd reads CDI specs from
 #   gpuplane/           node lab-node's /var/lib/gpuplane
+#   mnt.pid             the lab's pid of a process in node lab-node's mount namespace:
+#                       `nsenter --mount=/proc/<init>/root/proc/<pid>/ns/mnt` sees the node's
+#                       /var/run/cdi and /var/lib/kubelet where a host has them
+#                       (nodes/<name>/mnt.pid: the other nodes')
 #   nodes/<name>/       the same three (and containerd/) of every further node
 #   nodes.txt           one line per node: name, node IP, node dir, containerd socket
 #   audit.log           the API server's audit of gpuplane's service accounts' writes
@@ -251,6 +255,7 @@ up_node() { # i: containerd (with the images) and the kubelet config of node i
   unshare --mount --propagation private sleep infinity &
   holder[$i]=$!
   until [[ "$(readlink "/proc/${holder[$i]}/ns/mnt")" != "$(readlink /proc/self/ns/mnt)" ]]; do sleep 0.02; done
+  echo "${holder[$i]}" >"$d/mnt.pid"
   # Fresh /run and /var/lib, with the node's directories where a host has them; shared
   # propagation as systemd sets it up on a real host (mountPropagation: HostToContainer, as
   # the DaemonSet asks for the driver root, needs it). The lab's namespace keeps it from the

@@ -312,6 +312,24 @@ impl ClusterLab {
         cmd
     }
 
+    /// A command that runs `program` as on node lab-node itself: in the lab's network
+    /// namespace and the node's mount namespace (`/var/run/cdi`, `/var/lib/kubelet` are the
+    /// node's), as a node-local tool sees the node.
+    pub fn on_node(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let holder = std::fs::read_to_string(self.work.join("mnt.pid")).unwrap();
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net=/proc/{}/ns/net", self.init))
+            // The pid is the lab's (its own PID namespace): seen through the lab's /proc.
+            .arg(format!(
+                "--mount=/proc/{}/root/proc/{}/ns/mnt",
+                self.init,
+                holder.trim()
+            ))
+            .arg("--")
+            .arg(program);
+        cmd
+    }
+
     pub fn admin_kubeconfig(&self) -> PathBuf {
         self.work.join("pki/admin.kubeconfig")
     }

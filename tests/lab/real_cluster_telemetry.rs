@@ -94,7 +94,10 @@ fn held_gpu(lab: &ClusterLab, name: &str) -> String {
         || {
             let info = metrics(lab, "gpuplane_device_holder_info");
             let up = metrics(lab, "gpuplane_device_up");
-            format!("holders: {info:?}\nup: {up:?}\n{}", lab.describe_pod_in(NS, name))
+            format!(
+                "holders: {info:?}\nup: {up:?}\n{}",
+                lab.describe_pod_in(NS, name)
+            )
         },
     )
 }

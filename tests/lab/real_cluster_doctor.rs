@@ -1,0 +1,78 @@
+//! `gpuplane doctor` on a real node (issue 40): run as a node-local tool sees the node (the
+//! lab-node's mount namespace: its /var/lib/kubelet and /var/run/cdi, its containerd config,
+//! the agent on 127.0.0.1:9400), it passes while the real kubelet, containerd and agent run,
+//! and names each fault with its fix: the agent stopped, then no CDI directory.
+//! Skips like tests/lab/real_cluster.rs (root and the cluster binaries needed), fails under `CI`.
+
+use crate::cluster::{eventually, ClusterLab, LabAgent};
+use serde_json::Value;
+
+/// `gpuplane doctor -o json` on lab-node: whether it passed, and its checks.
+fn doctor(lab: &ClusterLab) -> (bool, Vec<Value>) {
+    let out = lab
+        .on_node(env!("CARGO_BIN_EXE_gpuplane"))
+        .args(["doctor", "--simulate", "dgx-h100", "-o", "json"])
+        .arg("--containerd-config")
+        .arg(lab.work.join("containerd.toml"))
+        .args(["--agent-addr", "127.0.0.1:9400"])
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "doctor printed no JSON ({e}): {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let checks = report["checks"].as_array().cloned().unwrap_or_default();
+    (out.status.success(), checks)
+}
+
+/// The checks that failed, by name.
+fn failed(checks: &[Value]) -> Vec<String> {
+    checks
+        .iter()
+        .filter(|c| c["status"] == "fail")
+        .filter_map(|c| c["check"].as_str().map(String::from))
+        .collect()
+}
+
+#[test]
+fn doctor_passes_on_a_healthy_node_and_names_a_stopped_agent_and_a_missing_cdi_directory() {
+    let Some(lab) = ClusterLab::start() else {
+        return;
+    };
+    let kubeconfig = lab.install_agent_identity();
+    let agent = LabAgent::start(&lab, &kubeconfig, "doctor");
+    let checks = eventually("doctor passing on lab-node", || {
+        let (ok, checks) = doctor(&lab);
+        ok.then_some(checks)
+    });
+    assert!(failed(&checks).is_empty(), "{checks:#?}");
+    for name in ["nvml", "kubelet", "cdi", "containerd", "agent"] {
+        assert!(
+            checks
+                .iter()
+                .any(|c| c["check"] == name && c["status"] == "ok"),
+            "{name} ok in {checks:#?}"
+        );
+    }
+
+    agent.stop();
+    let (ok, checks) = doctor(&lab);
+    assert!(!ok);
+    assert_eq!(failed(&checks), ["agent"], "{checks:#?}");
+
+    // The node loses its CDI directory (containerd reads CDI specs from /var/run/cdi).
+    let removed = lab
+        .on_node("sh")
+        .args(["-c", "umount /run/cdi && rmdir /run/cdi"])
+        .status()
+        .unwrap();
+    assert!(removed.success());
+    let (ok, checks) = doctor(&lab);
+    assert!(!ok);
+    let cdi = checks.iter().find(|c| c["check"] == "cdi").unwrap();
+    assert_eq!(cdi["status"], "fail", "{cdi}");
+    assert!(cdi["fix"].as_str().is_some_and(|f| !f.is_empty()), "{cdi}");
+}
