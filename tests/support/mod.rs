@@ -308,26 +308,7 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)>
     Some((code, body))
 }
 
-/// Every sample of `family` in a Prometheus text body: its labels and value.
-pub fn metric_series(
-    body: &str,
-    family: &str,
-) -> Vec<(std::collections::BTreeMap<String, String>, f64)> {
-    body.lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix(family)?.strip_prefix('{')?;
-            let (labels, value) = rest.rsplit_once("} ")?;
-            let labels = labels
-                .split("\",")
-                .filter_map(|kv| {
-                    let (k, v) = kv.split_once("=\"")?;
-                    Some((k.to_string(), v.trim_end_matches('"').to_string()))
-                })
-                .collect();
-            Some((labels, value.trim().parse().ok()?))
-        })
-        .collect()
-}
+pub use gpuplane_testkit::metrics_text::series as metric_series;
 
 /// The value of `sample` (name with labels, exactly as rendered) in a Prometheus text body.
 pub fn metric_value(body: &str, sample: &str) -> Option<f64> {

@@ -9,3 +9,4 @@
 pub mod demo;
 pub mod doubles;
 pub mod fuzzing;
+pub mod metrics_text;

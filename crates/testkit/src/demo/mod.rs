@@ -232,7 +232,7 @@ pub async fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<Summary, Dem
         dir.path().display()
     ));
 
-    let (lab, agent) = start_node(dir.path(), &inventory).await?;
+    let (lab, agent, agent_metrics) = start_node(dir.path(), &inventory).await?;
     let cluster = ClusterSide::start(&lab, dir.path()).await?;
     let cx = steps::Context {
         lab: &lab,
@@ -242,6 +242,7 @@ pub async fn run(opts: &DemoOptions, out: &mut dyn Write) -> Result<Summary, Dem
         pki: &cluster.pki,
         queue: cluster.metrics.clone(),
         profile: &opts.profile,
+        agent_metrics,
     };
     let results = run_steps(&cx, &mut say).await;
 
@@ -287,12 +288,13 @@ async fn install_device_classes(client: &kube::Client) -> Result<(), DemoError> 
 }
 
 /// The node lab in `dir` with the real agent on `inventory`, registered with both kubelet
-/// APIs and followed by the DRA health stream.
+/// APIs and followed by the DRA health stream, sampling its devices and serving `/metrics` on
+/// the address returned.
 async fn start_node(
     dir: &Path,
     inventory: &Inventory,
-) -> Result<(NodeLab, RunningAgent), DemoError> {
-    let lab = NodeLab::start(
+) -> Result<(NodeLab, RunningAgent, std::net::SocketAddr), DemoError> {
+    let mut lab = NodeLab::start(
         dir,
         SimSource::new(inventory.clone()),
         KubeletDraOptions::default(),
@@ -304,7 +306,16 @@ async fn start_node(
             "apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}
         }))
         .map_err(LabError::from)?;
-    let agent = lab.start_agent(&agent_config(inventory))?;
+    lab.telemetry = Some(gpuplane_node::telemetry::TelemetryOptions {
+        interval: Duration::from_millis(200),
+        host_proc: None,
+        idle: None,
+    });
+    // A loopback port free a moment ago, for the agent's /metrics.
+    let metrics = std::net::TcpListener::bind(("127.0.0.1", 0))
+        .and_then(|l| l.local_addr())
+        .map_err(|e| DemoError::AgentStart(format!("finding a port for /metrics: {e}")))?;
+    let agent = lab.start_agent_serving(&agent_config(inventory), Some(metrics))?;
     lab.dra
         .wait_registered(DRIVER, START_WAIT)
         .await
@@ -316,7 +327,7 @@ async fn start_node(
     lab.dra
         .watch_health(DRIVER)
         .map_err(|s| DemoError::AgentStart(s.message().to_string()))?;
-    Ok((lab, agent))
+    Ok((lab, agent, metrics))
 }
 
 /// The cluster side against the lab's API server double: the quotas, the webhook over HTTPS

@@ -10,6 +10,7 @@ use std::time::Duration;
 pub enum Step {
     Inventory,
     NvlinkAllocation,
+    Telemetry,
     DraClaim,
     LedgerRefusal,
     Quota,
@@ -23,9 +24,10 @@ pub enum Step {
 }
 
 impl Step {
-    pub const ALL: [Step; 12] = [
+    pub const ALL: [Step; 13] = [
         Step::Inventory,
         Step::NvlinkAllocation,
+        Step::Telemetry,
         Step::DraClaim,
         Step::LedgerRefusal,
         Step::Quota,
@@ -61,6 +63,7 @@ impl Step {
             Step::WhyPending => "why-pending",
             Step::Preemption => "preemption",
             Step::GpuHours => "gpu-hours",
+            Step::Telemetry => "telemetry",
         }
     }
 
@@ -81,6 +84,7 @@ impl Step {
             Step::WhyPending => "Why a fragmented request is Pending",
             Step::Preemption => "A high-priority pod preempts a lower-priority one under its quota",
             Step::GpuHours => "The GPU-hours report",
+            Step::Telemetry => "What each held GPU does, for the pod that holds it",
         }
     }
 }
@@ -257,30 +261,31 @@ mod tests {
     #[test]
     fn steps_are_numbered_in_story_order_with_distinct_keys() {
         let numbers: Vec<usize> = Step::ALL.iter().map(|s| s.number()).collect();
-        assert_eq!(numbers, (1..=12).collect::<Vec<_>>());
+        assert_eq!(numbers, (1..=13).collect::<Vec<_>>());
         let mut keys: Vec<&str> = Step::ALL.iter().map(|s| s.key()).collect();
         keys.sort();
         keys.dedup();
-        assert_eq!(keys.len(), 12);
+        assert_eq!(keys.len(), 13);
     }
 
     #[test]
     fn the_table_has_one_aligned_row_per_step_and_says_all_held() {
-        let s = summary((0..12).map(|i| Outcome::Held(format!("ev {i}"))).collect());
+        let s = summary((0..13).map(|i| Outcome::Held(format!("ev {i}"))).collect());
         let table = s.render_table();
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines[0], "Summary (dgx-h100, 4.2 s)");
         assert_eq!(lines[1], "   #  STEP               RESULT   EVIDENCE");
         assert_eq!(lines[2], "   1  inventory          held     ev 0");
-        assert_eq!(lines[8], "   7  xid-health         held     ev 6");
-        assert_eq!(lines[13], "  12  gpu-hours          held     ev 11");
-        assert_eq!(lines[14], "All 12 steps held.");
+        assert_eq!(lines[4], "   3  telemetry          held     ev 2");
+        assert_eq!(lines[9], "   8  xid-health         held     ev 7");
+        assert_eq!(lines[14], "  13  gpu-hours          held     ev 12");
+        assert_eq!(lines[15], "All 13 steps held.");
         assert!(s.ok());
     }
 
     #[test]
     fn a_failed_shutdown_fails_the_run_even_when_every_step_held() {
-        let mut s = summary((0..12).map(|_| Outcome::Held("ok".into())).collect());
+        let mut s = summary((0..13).map(|_| Outcome::Held("ok".into())).collect());
         s.shutdown.push("node agent: socket left behind".into());
         assert!(!s.ok());
         assert!(s.failed().is_empty());
@@ -293,37 +298,37 @@ mod tests {
 
     #[test]
     fn skipped_steps_are_not_failures_and_failures_are_named() {
-        let mut outcomes: Vec<Outcome> = (0..12).map(|_| Outcome::Held("ok".into())).collect();
+        let mut outcomes: Vec<Outcome> = (0..13).map(|_| Outcome::Held("ok".into())).collect();
         outcomes[1] = Outcome::Skipped("no NVLink".into());
         let s = summary(outcomes.clone());
         assert!(s.failed().is_empty());
         assert_eq!(
             s.verdict(),
-            "11 steps held, 1 skipped (the machine cannot show them); none failed."
+            "12 steps held, 1 skipped (the machine cannot show them); none failed."
         );
         assert!(s
             .render_table()
             .contains("   2  nvlink-allocation  skipped  no NVLink\n"));
 
-        outcomes[3] = Outcome::Failed("Allocate was granted".into());
+        outcomes[4] = Outcome::Failed("Allocate was granted".into());
         let s = summary(outcomes);
         assert_eq!(s.failed(), [Step::LedgerRefusal]);
-        assert_eq!(s.verdict(), "1 of 12 steps did not hold: ledger-refusal");
+        assert_eq!(s.verdict(), "1 of 13 steps did not hold: ledger-refusal");
         assert!(s
             .render_table()
-            .contains("   4  ledger-refusal     FAILED   Allocate was granted\n"));
+            .contains("   5  ledger-refusal     FAILED   Allocate was granted\n"));
     }
 
     #[test]
     fn json_carries_every_step_and_whether_the_run_held() {
-        let mut outcomes: Vec<Outcome> = (0..12).map(|_| Outcome::Held("ok".into())).collect();
-        outcomes[6] = Outcome::Failed("no taint".into());
+        let mut outcomes: Vec<Outcome> = (0..13).map(|_| Outcome::Held("ok".into())).collect();
+        outcomes[7] = Outcome::Failed("no taint".into());
         let v = summary(outcomes).to_json();
         assert_eq!(v["ok"], false);
         assert_eq!(v["profile"], "dgx-h100");
-        assert_eq!(v["steps"].as_array().map(Vec::len), Some(12));
-        assert_eq!(v["steps"][6]["key"], "xid-health");
-        assert_eq!(v["steps"][6]["result"], "failed");
+        assert_eq!(v["steps"].as_array().map(Vec::len), Some(13));
+        assert_eq!(v["steps"][7]["key"], "xid-health");
+        assert_eq!(v["steps"][7]["result"], "failed");
         assert_eq!(v["steps"][0]["result"], "held");
     }
 }

@@ -1,4 +1,4 @@
-//! The demo's twelve steps. Each makes real calls (gRPC to the agent through the kubelet doubles,
+//! The demo's thirteen steps. Each makes real calls (gRPC to the agent through the kubelet doubles,
 //! HTTPS AdmissionReviews to the webhook, the kube client to the API server double), narrates
 //! what came back, and judges the step from those answers only. A step the machine cannot show
 //! (too few GPUs, no NVLink) is skipped with the reason.
@@ -19,6 +19,7 @@ mod pod_group;
 mod preemption;
 mod quota;
 mod share;
+mod telemetry;
 
 use super::facts::{self, PublishedDevice};
 use super::summary::{Outcome, Step};
@@ -51,6 +52,8 @@ pub struct Context<'a> {
     pub pki: &'a DemoPki,
     pub queue: Arc<QueueMetrics>,
     pub profile: &'a str,
+    /// The agent's `/metrics`.
+    pub agent_metrics: SocketAddr,
 }
 
 /// What a step leaves for later ones.
@@ -82,6 +85,7 @@ pub async fn run(
         Step::WhyPending => pending::run(cx, say).await,
         Step::Preemption => preemption::run(cx, say).await,
         Step::GpuHours => hours::run(cx, say).await,
+        Step::Telemetry => telemetry::run(cx, carry, say).await,
     }
 }
 

@@ -29,11 +29,17 @@ pub(super) async fn run(cx: &Context<'_>, say: &mut Narrator<'_>) -> Outcome {
             cx.profile
         ));
     }
-    let device = match published(&cx.client).await {
-        Ok((_, d)) => d.into_iter().find(|d| d.shared && d.taints.is_empty()),
-        Err(e) => return Outcome::Failed(e),
-    };
-    let Some(device) = device else {
+    // An earlier step's pod may have held the shared GPU: it is published again once the
+    // agent has seen that pod end.
+    let device = poll(|| async {
+        let (_, devices) = published(&cx.client).await?;
+        devices
+            .into_iter()
+            .find(|d| d.shared && d.taints.is_empty())
+            .ok_or_else(|| "no shared, untainted GPU is published".to_string())
+    })
+    .await;
+    let Ok(device) = device else {
         return Outcome::Failed("no shared, untainted GPU is published".into());
     };
     say.say(format!(
