@@ -103,7 +103,7 @@ fn series(node: &Node, family: &str) -> Vec<(BTreeMap<String, String>, f64)> {
     let Some((200, body)) = support::http_get(addr, "/metrics") else {
         return Vec::new();
     };
-    support::metric_series(&body, family)
+    gpuplane_testkit::metrics_text::series(&body, family)
 }
 
 /// The value of `family`'s series for device `uuid` whose labels include `want`.

@@ -54,7 +54,7 @@ fn metrics(lab: &ClusterLab, family: &str) -> Vec<(BTreeMap<String, String>, f64
         .args(["-sf", &format!("http://{METRICS}/metrics")])
         .output()
         .unwrap();
-    support::metric_series(&String::from_utf8_lossy(&out.stdout), family)
+    gpuplane_testkit::metrics_text::series(&String::from_utf8_lossy(&out.stdout), family)
 }
 
 /// The host PIDs of pod `name`'s container: processes whose cgroup names the pod's UID and

@@ -308,8 +308,6 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)>
     Some((code, body))
 }
 
-pub use gpuplane_testkit::metrics_text::series as metric_series;
-
 /// The value of `sample` (name with labels, exactly as rendered) in a Prometheus text body.
 pub fn metric_value(body: &str, sample: &str) -> Option<f64> {
     body.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
