@@ -184,6 +184,30 @@ pub fn free_port() -> u16 {
     }
 }
 
+/// `<bin> node --node-name node-a` with the node's paths under `root` (see [`lay_out_node`]):
+/// `kubelet/`, `cdi/`, `state/`, `driver/`, `dev/`, `config.yaml` and `kubeconfig`.
+pub fn node_command(bin: &Path, root: &Path) -> Command {
+    let p = |d: &str| root.join(d).into_os_string();
+    let mut cmd = Command::new(bin);
+    cmd.arg("node")
+        .args(["--node-name", NODE])
+        .arg("--kubelet-root")
+        .arg(p("kubelet"))
+        .arg("--cdi-root")
+        .arg(p("cdi"))
+        .arg("--state-dir")
+        .arg(p("state"))
+        .arg("--driver-root")
+        .arg(p("driver"))
+        .arg("--dev-root")
+        .arg(p("dev"))
+        .arg("--config")
+        .arg(p("config.yaml"))
+        .arg("--kubeconfig")
+        .arg(p("kubeconfig"));
+    cmd
+}
+
 impl AgentProcess {
     /// Runs `gpuplane node` on `root` (see [`lay_out_node`]) with `config` as its config file,
     /// `source` (`--simulate P` or `--nvml-lib L`) and extra environment; `tag` names the log.
@@ -198,28 +222,12 @@ impl AgentProcess {
         std::fs::write(root.join("config.yaml"), config).unwrap();
         let log = root.join(format!("agent-{tag}.log"));
         let out = std::fs::File::create(&log).unwrap();
-        let p = |d: &str| root.join(d).into_os_string();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpuplane"));
-        cmd.arg("node").args(["--node-name", NODE]);
+        let mut cmd = node_command(Path::new(env!("CARGO_BIN_EXE_gpuplane")), root);
         // A caller may serve another driver name (`--driver-name` among `source`).
         if !source.contains(&"--driver-name") {
             cmd.args(["--driver-name", DRIVER]);
         }
-        cmd.arg("--kubelet-root")
-            .arg(p("kubelet"))
-            .arg("--cdi-root")
-            .arg(p("cdi"))
-            .arg("--state-dir")
-            .arg(p("state"))
-            .arg("--driver-root")
-            .arg(p("driver"))
-            .arg("--dev-root")
-            .arg(p("dev"))
-            .arg("--config")
-            .arg(p("config.yaml"))
-            .arg("--kubeconfig")
-            .arg(p("kubeconfig"))
-            .arg("--dra=true")
+        cmd.arg("--dra=true")
             .arg("--metrics-addr")
             .arg(metrics.to_string())
             .args(source)

@@ -52,9 +52,9 @@ pub struct Samples {
     book: Mutex<Book>,
     interval: Duration,
     stop: AtomicBool,
-    /// Wakes sleeping threads at shutdown.
+    /// Wakes sleeping threads at shutdown (with the mutex it waits on).
     wake: Condvar,
-    rounds: Mutex<u64>,
+    sleeping: Mutex<()>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -88,11 +88,6 @@ impl Samples {
             out.samples.insert(uuid.clone(), Sample::Failed(why));
         }
         out
-    }
-
-    /// Completed sampling rounds over all threads (tests wait on it through /metrics).
-    pub fn rounds(&self) -> u64 {
-        *lock(&self.rounds)
     }
 
     /// Ends the threads at their next wake-up (a thread stuck in the driver ends after it).
@@ -141,7 +136,7 @@ impl Samples {
 
     /// Sleeps one interval, or less if stopped; false once stopped.
     fn pause(&self) -> bool {
-        let guard = lock(&self.rounds);
+        let guard = lock(&self.sleeping);
         let (_guard, _) = self
             .wake
             .wait_timeout_while(guard, self.interval, |_| !self.stop.load(Ordering::SeqCst))
@@ -163,7 +158,7 @@ pub fn start(
         interval,
         stop: AtomicBool::new(false),
         wake: Condvar::new(),
-        rounds: Mutex::new(0),
+        sleeping: Mutex::new(()),
     });
     let gpus: Vec<DeviceUuid> = state
         .read()
@@ -208,7 +203,6 @@ pub fn start(
                         };
                         samples.record(device, sample, containers);
                     }
-                    *lock(&samples.rounds) += 1;
                     if !samples.pause() {
                         return;
                     }
