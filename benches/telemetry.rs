@@ -32,19 +32,19 @@
 //!
 //! Run: `cargo bench --bench telemetry` (results are kept in benches/results/telemetry.txt).
 
+#[path = "telemetry/agent.rs"]
+mod agent;
 mod common;
 #[path = "common/shipped.rs"]
 mod shipped;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
+use agent::Agent;
 use common::{percentiles, row};
-use gpuplane_testkit::doubles::apiserver::ApiServerDouble;
-use gpuplane_testkit::doubles::kubelet::KubeletDouble;
 use serde_json::json;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const PROFILE: &str = "h100-mig-single";
@@ -139,180 +139,6 @@ fn lay_out_shared(root: &Path, holders: &[Holder], gpus: &[String]) -> (PathBuf,
     (host_proc, telemetry)
 }
 
-/// One agent and its doubles, in a directory of its own.
-struct Agent {
-    what: &'static str,
-    dir: tempfile::TempDir,
-    /// Serves the pods and the node while the agent runs.
-    _api: ApiServerDouble,
-    kubelet: KubeletDouble,
-    child: Child,
-    metrics: SocketAddr,
-}
-
-impl Agent {
-    /// Starts the API server and kubelet doubles, stores the node and the pods, and runs the
-    /// agent sampling every `interval` (`0`: telemetry off).
-    async fn start(
-        what: &'static str,
-        interval: &str,
-        shared: (&Path, &Path),
-        holders: &[Holder],
-    ) -> Agent {
-        let (host_proc, telemetry) = shared;
-        let dir = tempfile::tempdir().expect("temp dir");
-        let root = dir.path();
-        let api = ApiServerDouble::start().await.expect("API server double");
-        api.put_json(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}))
-            .expect("store the node");
-        for h in holders {
-            api.put_json(json!({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": h.name, "namespace": h.namespace, "uid": h.uid},
-                "spec": {"nodeName": NODE, "containers": [{"name": "main", "image": "cuda"}]},
-                "status": {"phase": "Running", "containerStatuses": [{
-                    "name": "main", "containerID": format!("containerd://{}", h.container_id),
-                    "image": "cuda", "imageID": "", "ready": true, "restartCount": 0}]}
-            }))
-            .expect("store a pod");
-        }
-        let kubelet = KubeletDouble::start(&root.join("kubelet"))
-            .await
-            .expect("kubelet double");
-        support::lay_out_node(root, 8, &api.url());
-        std::fs::write(root.join("config.yaml"), CONFIG).expect("config");
-        let metrics: SocketAddr = ([127, 0, 0, 1], support::free_port()).into();
-        let log = std::fs::File::create(root.join("agent.log")).expect("log file");
-        let (bin, _) = shipped::binary();
-        let child = support::node_command(Path::new(&bin), root)
-            .arg("--dra=false")
-            .arg("--metrics-addr")
-            .arg(metrics.to_string())
-            .arg("--nvml-lib")
-            .arg(support::built_fake())
-            .arg(format!("--telemetry-interval={interval}"))
-            .arg("--host-proc")
-            .arg(host_proc)
-            .env("GPUPLANE_FAKE_NVML_PROFILE", PROFILE)
-            .env("GPUPLANE_FAKE_NVML_TELEMETRY", telemetry)
-            .env("RUST_LOG", "warn")
-            .env_remove("KUBECONFIG")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log file"))
-            .stderr(log)
-            .spawn()
-            .expect("start the gpuplane binary");
-        Agent {
-            what,
-            dir,
-            _api: api,
-            kubelet,
-            child,
-            metrics,
-        }
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
-    }
-
-    /// Waits for the device plugin's 56 devices, then gives each pod its MIG device as the
-    /// kubelet does (Allocate, then listed by PodResources).
-    async fn hold(&self, holders: &[Holder]) {
-        let seen = self
-            .kubelet
-            .wait_for(WAIT, |p| {
-                p.get(RESOURCE)
-                    .is_some_and(|v| v.devices.len() == holders.len())
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{}: registration: {e}\n{}", self.what, self.log()));
-        let offered = &seen[RESOURCE].devices;
-        for h in holders {
-            assert!(
-                offered.iter().any(|d| d.id == h.device),
-                "{}: {} is not offered: {offered:?}",
-                self.what,
-                h.device
-            );
-            let ids = [h.device.clone()];
-            self.kubelet
-                .allocate(RESOURCE, &ids)
-                .await
-                .unwrap_or_else(|e| {
-                    panic!("{}: Allocate {}: {e}\n{}", self.what, h.device, self.log())
-                });
-            self.kubelet
-                .assign(&h.namespace, &h.name, "main", RESOURCE, &ids);
-        }
-    }
-
-    fn scrape(&self) -> Option<String> {
-        match support::http_get(self.metrics, "/metrics") {
-            Some((200, body)) => Some(body),
-            _ => None,
-        }
-    }
-
-    /// Waits until /metrics shows every MIG device held by its pod in the ledger and, with
-    /// telemetry on, every device's readings and every container's use attributed.
-    async fn wait_ready(&self, holders: usize, telemetry: bool) {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Some(body) = self.scrape() {
-                let held = samples(&body)
-                    .filter(|l| {
-                        l.starts_with("gpuplane_ledger_held_units{")
-                            && l.contains("api=\"device-plugin\"")
-                    })
-                    .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-                    .sum::<f64>();
-                let attributed = |family: &str| {
-                    samples(&body)
-                        .filter(|l| {
-                            l.starts_with(family)
-                                && l.contains("api=\"device-plugin\"")
-                                && l.contains("pod=\"train-")
-                                && l.contains("container=\"main\"")
-                        })
-                        .count()
-                };
-                let ready = held == holders as f64
-                    && (!telemetry
-                        || (attributed("gpuplane_container_gpu_memory_used_bytes{") == holders
-                            && attributed("gpuplane_device_up{") == holders));
-                if ready {
-                    return;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{}: not ready within {WAIT:?}\n{}",
-                self.what,
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    async fn stop(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        self.kubelet.stop().await;
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// The sample lines of a Prometheus text body.
 fn samples(body: &str) -> impl Iterator<Item = &str> {
     body.lines()
@@ -387,9 +213,34 @@ fn met(ok: bool) -> &'static str {
     }
 }
 
+/// Runs the benchmark's phases in order: the header, the three agents started and ready, the
+/// CPU and memory window, the scrapes, and the series of one scrape.
 async fn bench(rounds: u32, scrapes: usize) {
     let (bin, which) = shipped::binary();
     let (holders, gpus) = workload();
+    print_header((&bin, which), &holders, &gpus);
+    let shared_dir = tempfile::tempdir().expect("temp dir");
+    let (host_proc, telemetry) = lay_out_shared(shared_dir.path(), &holders, &gpus);
+    let shared = (host_proc.as_path(), telemetry.as_path());
+
+    let [off, every_10s, every_1s] = start_agents(shared, &holders).await;
+
+    let window = Window::measure([&off, &every_10s, &every_1s], rounds).await;
+    window.print_cpu();
+    window.print_rss(rounds);
+    every_1s.stop().await;
+
+    scrape_and_print(&off, &every_10s, scrapes, &window.rss_first).await;
+    print_series(&off, &every_10s);
+
+    off.stop().await;
+    every_10s.stop().await;
+}
+
+/// Prints what is measured: the profile, the devices sampled, the processes, the CPUs, and the
+/// binary (`binary`: its path and which it is) and fake NVML used.
+fn print_header(binary: (&str, &str), holders: &[Holder], gpus: &[String]) {
+    let (bin, which) = binary;
     let processes = holders.iter().map(|h| h.pids.len()).sum::<usize>();
     let devices = gpus.len() + holders.len();
     println!(
@@ -403,121 +254,172 @@ async fn bench(rounds: u32, scrapes: usize) {
         "({which} binary, {bin}; fake NVML {})",
         support::built_fake().display()
     );
-    let shared_dir = tempfile::tempdir().expect("temp dir");
-    let (host_proc, telemetry) = lay_out_shared(shared_dir.path(), &holders, &gpus);
-    let shared = (host_proc.as_path(), telemetry.as_path());
+}
 
-    let off = Agent::start("telemetry off", "0", shared, &holders).await;
-    let every_10s = Agent::start("every 10 s", "10s", shared, &holders).await;
-    let every_1s = Agent::start("every 1 s", "1s", shared, &holders).await;
+/// Starts the three agents (telemetry off, every 10 s, every 1 s, in that order), gives each
+/// the pods' MIG devices and waits until it is ready, then lets the 1 s agent sample a few
+/// rounds before the first readings.
+async fn start_agents(shared: (&Path, &Path), holders: &[Holder]) -> [Agent; 3] {
+    let off = Agent::start("telemetry off", "0", shared, holders).await;
+    let every_10s = Agent::start("every 10 s", "10s", shared, holders).await;
+    let every_1s = Agent::start("every 1 s", "1s", shared, holders).await;
     for (agent, telemetry) in [(&off, false), (&every_10s, true), (&every_1s, true)] {
-        agent.hold(&holders).await;
+        agent.hold(holders).await;
         agent.wait_ready(holders.len(), telemetry).await;
     }
     // A few rounds of the 1 s agent before the first readings.
     tokio::time::sleep(Duration::from_secs(5)).await;
+    [off, every_10s, every_1s]
+}
 
-    // CPU and memory over `rounds` seconds, nothing scraped meanwhile.
-    let agents = [&off, &every_10s, &every_1s];
-    let rss_first = agents.map(rss);
-    let cpu_before = agents.map(|a| cpu_ticks(a.pid()));
-    let threads_before = agents.map(|a| sampler_ns(a.pid()));
-    let start = Instant::now();
-    tokio::time::sleep(FAST_INTERVAL * rounds).await;
-    let cpu_after = agents.map(|a| cpu_ticks(a.pid()));
-    let threads_after = agents.map(|a| sampler_ns(a.pid()));
-    let wall = start.elapsed().as_secs_f64();
-    let rss_rounds = agents.map(rss);
-    let hz = clock_ticks();
-    let cpu_s: Vec<f64> = (0..3)
-        .map(|i| (cpu_after[i] - cpu_before[i]) as f64 / hz)
-        .collect();
-    let thread_s: Vec<f64> = (0..3)
-        .map(|i| (threads_after[i].0 - threads_before[i].0) as f64 / 1e9)
-        .collect();
-    let share = |cpu: f64| cpu / wall * 100.0;
-    let at_10s = |per_round: f64| per_round / REPORTED_INTERVAL.as_secs_f64() * 100.0;
-    let rounds_1s = wall / FAST_INTERVAL.as_secs_f64();
-    let rounds_10s = wall / REPORTED_INTERVAL.as_secs_f64();
-    let floor = share(cpu_s[0]);
-    let per_round = (cpu_s[2] - cpu_s[0]) / rounds_1s;
-    let per_round_threads = thread_s[2] / rounds_1s;
-    println!();
-    println!(
-        "NVML sampling CPU, {wall:.1} s window (~{rounds_1s:.0} rounds at 1 s, ~{rounds_10s:.0} at 10 s), CPU time from /proc/<pid>/stat ({hz} ticks/s):"
-    );
-    println!(
-        "  process CPU: every 1 s {:.3} s, every 10 s {:.3} s | floor (telemetry off) {:.3} s",
-        cpu_s[2], cpu_s[1], cpu_s[0]
-    );
-    println!(
-        "  per round (every 1 s minus floor, / rounds) {:.2} ms; the {} sampling threads alone (schedstat) {:.2} ms",
-        per_round * 1e3,
-        threads_after[2].1,
-        per_round_threads * 1e3
-    );
-    let sampling = at_10s(per_round);
-    println!(
-        "{:<56} {sampling:>7.3}% of a core | floor (telemetry off, idle) {floor:>7.3}% | ratio {:>5.2}x | target <= {CPU_TARGET_PERCENT}%: {}",
-        "Sampling CPU at a 10 s interval (from the 1 s agent)",
-        sampling / floor,
-        met(sampling <= CPU_TARGET_PERCENT)
-    );
-    let threads = at_10s(per_round_threads);
-    println!(
-        "{:<56} {threads:>7.3}% of a core | floor (telemetry off, idle) {floor:>7.3}% | ratio {:>5.2}x",
-        "  the sampling threads alone (schedstat)",
-        threads / floor
-    );
-    // Six rounds at 10 s are a few clock ticks of process CPU: the threads' own time is the
-    // figure here, the process's is printed with its resolution.
-    let direct_threads = share(thread_s[1]);
-    println!(
-        "{:<56} {direct_threads:>7.3}% of a core | floor (telemetry off, idle) {floor:>7.3}% | ratio {:>5.2}x",
-        "  the 10 s agent's sampling threads, measured directly",
-        direct_threads / floor
-    );
-    println!(
-        "  (the 10 s agent's process CPU minus the floor: {:+.3}% of a core, +-{:.3}% for a clock tick)",
-        share(cpu_s[1] - cpu_s[0]),
-        share(1.0 / hz)
-    );
+/// The CPU and memory readings of one window of `rounds` seconds, nothing scraped meanwhile;
+/// each array is indexed as the agents are: telemetry off, every 10 s, every 1 s.
+struct Window {
+    /// The window's wall time, seconds.
+    wall: f64,
+    /// Clock ticks per second.
+    hz: f64,
+    /// Each agent's process CPU over the window, seconds.
+    cpu_s: Vec<f64>,
+    /// Each agent's sampling threads' CPU over the window, seconds.
+    thread_s: Vec<f64>,
+    /// How many sampling threads the 1 s agent has.
+    threads: usize,
+    /// `VmRSS` at the window's start and end, KiB.
+    rss_first: [i64; 3],
+    rss_rounds: [i64; 3],
+}
 
-    let growth = |i: usize| rss_rounds[i] - rss_first[i];
-    println!();
-    println!(
-        "{:<56} {:>7} KiB -> {:>7} KiB, growth {:>+6} KiB | floor (telemetry off) {:>7} -> {:>7} KiB, growth {:>+6} KiB | ratio {:>4.2}x | target growth <= {RSS_GROWTH_TARGET_KIB} KiB: {}",
-        format!("VmRSS, every 1 s, after {rounds} more rounds"),
-        rss_first[2],
-        rss_rounds[2],
-        growth(2),
-        rss_first[0],
-        rss_rounds[0],
-        growth(0),
-        rss_rounds[2] as f64 / rss_rounds[0] as f64,
-        met(growth(2) <= RSS_GROWTH_TARGET_KIB)
-    );
-    println!(
-        "{:<56} {:>7} KiB -> {:>7} KiB, growth {:>+6} KiB | floor (telemetry off) {:>7} -> {:>7} KiB, growth {:>+6} KiB | ratio {:>4.2}x",
-        "VmRSS, every 10 s, same window",
-        rss_first[1],
-        rss_rounds[1],
-        growth(1),
-        rss_first[0],
-        rss_rounds[0],
-        growth(0),
-        rss_rounds[1] as f64 / rss_rounds[0] as f64,
-    );
-    println!(
-        "{:<56} every 1 s {:>+6} KiB, every 10 s {:>+6} KiB (VmRSS minus the floor's, window's end) | target <= {RSS_GROWTH_TARGET_KIB} KiB: {}",
-        "VmRSS telemetry adds",
-        rss_rounds[2] - rss_rounds[0],
-        rss_rounds[1] - rss_rounds[0],
-        met((rss_rounds[2] - rss_rounds[0]).max(rss_rounds[1] - rss_rounds[0]) <= RSS_GROWTH_TARGET_KIB)
-    );
-    every_1s.stop().await;
+impl Window {
+    /// Reads the agents' memory and CPU, sleeps `rounds` fast intervals, and reads them again.
+    async fn measure(agents: [&Agent; 3], rounds: u32) -> Window {
+        let rss_first = agents.map(rss);
+        let cpu_before = agents.map(|a| cpu_ticks(a.pid()));
+        let threads_before = agents.map(|a| sampler_ns(a.pid()));
+        let start = Instant::now();
+        tokio::time::sleep(FAST_INTERVAL * rounds).await;
+        let cpu_after = agents.map(|a| cpu_ticks(a.pid()));
+        let threads_after = agents.map(|a| sampler_ns(a.pid()));
+        let wall = start.elapsed().as_secs_f64();
+        let rss_rounds = agents.map(rss);
+        let hz = clock_ticks();
+        let cpu_s: Vec<f64> = (0..3)
+            .map(|i| (cpu_after[i] - cpu_before[i]) as f64 / hz)
+            .collect();
+        let thread_s: Vec<f64> = (0..3)
+            .map(|i| (threads_after[i].0 - threads_before[i].0) as f64 / 1e9)
+            .collect();
+        Window {
+            wall,
+            hz,
+            cpu_s,
+            thread_s,
+            threads: threads_after[2].1,
+            rss_first,
+            rss_rounds,
+        }
+    }
 
-    // /metrics: alternate GETs between the 10 s agent and the telemetry-off one.
+    /// `cpu` seconds as a share of one core over the window, percent.
+    fn share(&self, cpu: f64) -> f64 {
+        cpu / self.wall * 100.0
+    }
+
+    /// Prints the sampling CPU: the process CPU of each agent, per round, and as a share of a
+    /// core at the reported 10 s interval, next to the telemetry-off agent's idle share.
+    fn print_cpu(&self) {
+        let (wall, hz, cpu_s, thread_s) = (self.wall, self.hz, &self.cpu_s, &self.thread_s);
+        let at_10s = |per_round: f64| per_round / REPORTED_INTERVAL.as_secs_f64() * 100.0;
+        let rounds_1s = wall / FAST_INTERVAL.as_secs_f64();
+        let rounds_10s = wall / REPORTED_INTERVAL.as_secs_f64();
+        let floor = self.share(cpu_s[0]);
+        let per_round = (cpu_s[2] - cpu_s[0]) / rounds_1s;
+        let per_round_threads = thread_s[2] / rounds_1s;
+        println!();
+        println!(
+            "NVML sampling CPU, {wall:.1} s window (~{rounds_1s:.0} rounds at 1 s, ~{rounds_10s:.0} at 10 s), CPU time from /proc/<pid>/stat ({hz} ticks/s):"
+        );
+        println!(
+            "  process CPU: every 1 s {:.3} s, every 10 s {:.3} s | floor (telemetry off) {:.3} s",
+            cpu_s[2], cpu_s[1], cpu_s[0]
+        );
+        println!(
+            "  per round (every 1 s minus floor, / rounds) {:.2} ms; the {} sampling threads alone (schedstat) {:.2} ms",
+            per_round * 1e3,
+            self.threads,
+            per_round_threads * 1e3
+        );
+        let sampling = at_10s(per_round);
+        println!(
+            "{:<56} {sampling:>7.3}% of a core | floor (telemetry off, idle) {floor:>7.3}% | ratio {:>5.2}x | target <= {CPU_TARGET_PERCENT}%: {}",
+            "Sampling CPU at a 10 s interval (from the 1 s agent)",
+            sampling / floor,
+            met(sampling <= CPU_TARGET_PERCENT)
+        );
+        let threads = at_10s(per_round_threads);
+        println!(
+            "{:<56} {threads:>7.3}% of a core | floor (telemetry off, idle) {floor:>7.3}% | ratio {:>5.2}x",
+            "  the sampling threads alone (schedstat)",
+            threads / floor
+        );
+        // Six rounds at 10 s are a few clock ticks of process CPU: the threads' own time is the
+        // figure here, the process's is printed with its resolution.
+        let direct_threads = self.share(thread_s[1]);
+        println!(
+            "{:<56} {direct_threads:>7.3}% of a core | floor (telemetry off, idle) {floor:>7.3}% | ratio {:>5.2}x",
+            "  the 10 s agent's sampling threads, measured directly",
+            direct_threads / floor
+        );
+        println!(
+            "  (the 10 s agent's process CPU minus the floor: {:+.3}% of a core, +-{:.3}% for a clock tick)",
+            self.share(cpu_s[1] - cpu_s[0]),
+            self.share(1.0 / hz)
+        );
+    }
+
+    /// Prints the agents' `VmRSS` over the window: its growth for the 1 s and 10 s agents next
+    /// to the telemetry-off agent's, and what telemetry adds at the window's end.
+    fn print_rss(&self, rounds: u32) {
+        let (rss_first, rss_rounds) = (&self.rss_first, &self.rss_rounds);
+        let growth = |i: usize| rss_rounds[i] - rss_first[i];
+        println!();
+        println!(
+            "{:<56} {:>7} KiB -> {:>7} KiB, growth {:>+6} KiB | floor (telemetry off) {:>7} -> {:>7} KiB, growth {:>+6} KiB | ratio {:>4.2}x | target growth <= {RSS_GROWTH_TARGET_KIB} KiB: {}",
+            format!("VmRSS, every 1 s, after {rounds} more rounds"),
+            rss_first[2],
+            rss_rounds[2],
+            growth(2),
+            rss_first[0],
+            rss_rounds[0],
+            growth(0),
+            rss_rounds[2] as f64 / rss_rounds[0] as f64,
+            met(growth(2) <= RSS_GROWTH_TARGET_KIB)
+        );
+        println!(
+            "{:<56} {:>7} KiB -> {:>7} KiB, growth {:>+6} KiB | floor (telemetry off) {:>7} -> {:>7} KiB, growth {:>+6} KiB | ratio {:>4.2}x",
+            "VmRSS, every 10 s, same window",
+            rss_first[1],
+            rss_rounds[1],
+            growth(1),
+            rss_first[0],
+            rss_rounds[0],
+            growth(0),
+            rss_rounds[1] as f64 / rss_rounds[0] as f64,
+        );
+        println!(
+            "{:<56} every 1 s {:>+6} KiB, every 10 s {:>+6} KiB (VmRSS minus the floor's, window's end) | target <= {RSS_GROWTH_TARGET_KIB} KiB: {}",
+            "VmRSS telemetry adds",
+            rss_rounds[2] - rss_rounds[0],
+            rss_rounds[1] - rss_rounds[0],
+            met((rss_rounds[2] - rss_rounds[0]).max(rss_rounds[1] - rss_rounds[0]) <= RSS_GROWTH_TARGET_KIB)
+        );
+    }
+}
+
+/// Times `scrapes` GETs of /metrics alternating between the 10 s agent and the telemetry-off
+/// one, and prints their latency, their response sizes, and the agents' `VmRSS` after them
+/// next to `rss_first` (the window's start).
+async fn scrape_and_print(off: &Agent, every_10s: &Agent, scrapes: usize, rss_first: &[i64; 3]) {
     let (a, b) = (off.metrics, every_10s.metrics);
     let (t_off, t_on, size_off, size_on) = tokio::task::spawn_blocking(move || {
         let (mut t_off, mut t_on) = (Vec::new(), Vec::new());
@@ -548,7 +450,7 @@ async fn bench(rounds: u32, scrapes: usize) {
         "  response size",
         size_on as f64 / size_off as f64
     );
-    let rss_scraped = [rss(&off), rss(&every_10s)];
+    let rss_scraped = [rss(off), rss(every_10s)];
     println!(
         "{:<56} {:>7} KiB -> {:>7} KiB, growth {:>+6} KiB | floor (telemetry off) {:>7} -> {:>7} KiB, growth {:>+6} KiB | ratio {:>4.2}x",
         format!("VmRSS, every 10 s, after the window and {scrapes} scrapes"),
@@ -566,8 +468,11 @@ async fn bench(rounds: u32, scrapes: usize) {
         "VmRSS telemetry adds",
         met(added <= RSS_GROWTH_TARGET_KIB)
     );
+}
 
-    // The series of one scrape.
+/// Prints the series of one scrape of the 10 s agent next to the telemetry-off agent's: the
+/// telemetry families' sample lines, all sample lines, and the count per telemetry family.
+fn print_series(off: &Agent, every_10s: &Agent) {
     let body_on = every_10s.scrape().expect("scrape");
     let body_off = off.scrape().expect("scrape");
     let (telemetry_on, families) = telemetry_series(&body_on);
@@ -586,9 +491,6 @@ async fn bench(rounds: u32, scrapes: usize) {
     for (family, n) in families {
         println!("  {family:<54} {n:>7}");
     }
-
-    off.stop().await;
-    every_10s.stop().await;
 }
 
 /// A number from the environment variable `name`, if set and one.

@@ -3,7 +3,7 @@
 //! `/metrics`, fetched over HTTP, must report each GPU's utilization and memory labelled with
 //! that pod and container, and a GPU nobody holds with no holder.
 
-use super::{poll, Carry, Context, NODE_NAMESPACE};
+use super::{listed, poll, published, Carry, Context, NODE_NAMESPACE};
 use crate::demo::summary::Outcome;
 use crate::demo::Narrator;
 use gpuplane_model::quota::catalog::GPU_RESOURCE;
@@ -24,18 +24,28 @@ pub(super) async fn run(cx: &Context<'_>, carry: &mut Carry, say: &mut Narrator<
     if pod != OWN_POD {
         return outcome;
     }
-    // The pod ends; the later steps need its GPUs back (PodResources stops listing them).
+    // The pod ends; the later steps need its GPUs back in both APIs, as before this step:
+    // released in the ledger, Healthy in ListAndWatch and published untainted in the slices.
     cx.lab.kubelet.end_pod(NODE_NAMESPACE, OWN_POD);
     let released = poll(|| async {
         let body = scrape(cx).await?;
         let holders = crate::metrics_text::series(&body, "gpuplane_device_holder_info");
-        match holders
+        if holders
             .iter()
             .any(|(l, _)| l.get("pod").map(String::as_str) == Some(OWN_POD))
         {
-            true => Err(format!("{OWN_POD} still holds GPUs")),
-            false => Ok(()),
+            return Err(format!("{OWN_POD} still holds GPUs"));
         }
+        let offered = listed(cx.lab);
+        let (_, devices) = published(&cx.client).await?;
+        let back = held.iter().all(|u| {
+            offered.get(u).is_some_and(|(_, h)| h == "Healthy")
+                && devices
+                    .iter()
+                    .any(|d| d.uuid.as_ref() == Some(u) && d.taints.is_empty())
+        });
+        back.then_some(())
+            .ok_or_else(|| format!("{} not offered again yet", held.join(", ")))
     })
     .await;
     match (released, outcome) {
