@@ -11,6 +11,10 @@
 //! `mig` needs `parentUUID` and reads `profile` and `uuid` (the MIG device's). Any other value
 //! type counts as missing.
 
+// The real binary over the fake NVML, on the crash tests' node (tests/support/crash_node.rs,
+// built with the suite's `crashpoints` feature).
+#![cfg(feature = "crashpoints")]
+
 use crate::crash_node::{Node, WAIT};
 use crate::support::{self, NODE};
 use serde_json::Value;

@@ -6,6 +6,10 @@
 //! clients, not their server), on a MIG device, across an agent restart, and that a device
 //! which fails or stalls is reported down without holding up an Allocate.
 
+// The real binary over the fake NVML, on the crash tests' node (tests/support/crash_node.rs,
+// built with the suite's `crashpoints` feature).
+#![cfg(feature = "crashpoints")]
+
 use crate::crash_node::{Node, WAIT};
 use crate::support::{self, NODE};
 use gpuplane_testkit::doubles::apiserver::ApiCall;
