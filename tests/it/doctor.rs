@@ -29,17 +29,7 @@ async fn doctor(root: &Path, agent: std::net::SocketAddr) -> (bool, Vec<Value>) 
     let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
         .await
         .unwrap();
-    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "doctor printed no JSON ({e}): {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    (
-        out.status.success(),
-        report["checks"].as_array().unwrap().clone(),
-    )
+    support::doctor_report(&out)
 }
 
 fn named<'a>(checks: &'a [Value], name: &str) -> &'a Value {
@@ -188,11 +178,7 @@ fn on_nvml_a_driver_root_without_the_library_and_missing_device_nodes_fail_by_na
             .arg(root.join("kubelet"))
             .output()
             .unwrap();
-        let report: Value = serde_json::from_slice(&out.stdout).unwrap();
-        (
-            out.status.success(),
-            report["checks"].as_array().unwrap().clone(),
-        )
+        support::doctor_report(&out)
     };
     let (passed, checks) = run();
     assert!(!passed);

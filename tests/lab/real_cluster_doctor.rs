@@ -5,6 +5,7 @@
 //! Skips like tests/lab/real_cluster.rs (root and the cluster binaries needed), fails under `CI`.
 
 use crate::cluster::{eventually, ClusterLab, LabAgent};
+use crate::support;
 use serde_json::Value;
 
 /// `gpuplane doctor -o json` on lab-node: whether it passed, and its checks.
@@ -17,15 +18,7 @@ fn doctor(lab: &ClusterLab) -> (bool, Vec<Value>) {
         .args(["--agent-addr", "127.0.0.1:9400"])
         .output()
         .unwrap();
-    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "doctor printed no JSON ({e}): {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    let checks = report["checks"].as_array().cloned().unwrap_or_default();
-    (out.status.success(), checks)
+    support::doctor_report(&out)
 }
 
 /// The checks that failed, by name.

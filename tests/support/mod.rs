@@ -316,6 +316,22 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)>
     Some((code, body))
 }
 
+/// What `gpuplane doctor -o json` printed: whether it passed, and its checks.
+pub fn doctor_report(out: &std::process::Output) -> (bool, Vec<serde_json::Value>) {
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "doctor printed no JSON ({e}): {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let checks = report["checks"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no checks in {report}"))
+        .clone();
+    (out.status.success(), checks)
+}
+
 /// The value of `sample` (name with labels, exactly as rendered) in a Prometheus text body.
 pub fn metric_value(body: &str, sample: &str) -> Option<f64> {
     body.lines().filter(|l| !l.starts_with('#')).find_map(|l| {

@@ -72,12 +72,12 @@ impl Telemetry {
     }
 
     fn set_idle(&self, idle: Vec<(attribute::DeviceLabels, Hold, f64)>) {
-        *self.idle.lock().unwrap_or_else(|p| p.into_inner()) = idle;
+        *lock(&self.idle) = idle;
     }
 
     /// How long each hold has been idle (empty while idle holds are not followed).
     pub fn idle(&self) -> Vec<(attribute::DeviceLabels, Hold, f64)> {
-        self.idle.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        lock(&self.idle).clone()
     }
 
     /// What a scrape exports now.
@@ -91,6 +91,12 @@ impl Telemetry {
             .collect();
         attribute::attribute(&latest.devices, &latest.samples, &holds, &containers)
     }
+}
+
+/// Locks a mutex, recovering the data if a panicking holder poisoned it: every value guarded in
+/// this module is replaced whole, so it stays consistent.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Every unit's holders in the ledger, as exported.

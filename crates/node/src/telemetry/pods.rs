@@ -7,6 +7,7 @@
 
 use crate::telemetry::attribute::Workload;
 use crate::telemetry::cgroup::ContainerRef;
+use crate::telemetry::lock;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
 use kube::runtime::WatchStreamExt;
@@ -30,10 +31,6 @@ pub struct PodEntry {
 #[derive(Debug, Default)]
 pub struct PodDirectory {
     pods: Mutex<BTreeMap<String, PodEntry>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl PodDirectory {

@@ -8,13 +8,14 @@
 //! silently missing. The threads are not joined at shutdown: a hung driver call must not keep
 //! the process from exiting.
 
+use super::lock;
 use crate::inventory::DeviceUuid;
 use crate::source::DeviceSource;
 use crate::state::NodeState;
 use crate::telemetry::attribute::DeviceLabels;
 use crate::telemetry::cgroup::{self, ContainerRef};
 use crate::telemetry::{Readings, Sample};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -34,7 +35,7 @@ struct Book {
     /// Per device being asked now: since when.
     asking: BTreeMap<DeviceUuid, (Instant, DeviceLabels)>,
     /// Devices whose failure has been logged (logged again only after they answer).
-    failing: BTreeMap<DeviceUuid, ()>,
+    failing: BTreeSet<DeviceUuid>,
 }
 
 /// What a scrape reads: the devices (with their labels), their samples, and each PID's
@@ -55,10 +56,6 @@ pub struct Samples {
     /// Wakes sleeping threads at shutdown (with the mutex it waits on).
     wake: Condvar,
     sleeping: Mutex<()>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Samples {
@@ -106,12 +103,12 @@ impl Samples {
         book.asking.remove(uuid);
         match &sample {
             Sample::Failed(why) => {
-                if book.failing.insert(uuid.clone(), ()).is_none() {
+                if book.failing.insert(uuid.clone()) {
                     tracing::warn!(device = %uuid, error = %why, "device telemetry: the device does not answer; reported as down");
                 }
             }
             Sample::Answered(_) => {
-                if book.failing.remove(uuid).is_some() {
+                if book.failing.remove(uuid) {
                     tracing::info!(device = %uuid, "device telemetry: the device answers again");
                 }
             }
