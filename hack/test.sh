@@ -16,8 +16,9 @@ for arg in "$@"; do
 done
 
 need_apt=()
-# The CDI tests run containers with podman + runc from a busybox-static image.
-for pkg in podman runc busybox-static; do
+# The CDI tests run containers with podman + runc from a busybox-static image; the lab's
+# Prometheus (busy GPU-hours, the dashboard's queries) is Debian's package.
+for pkg in podman runc busybox-static prometheus; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then

@@ -1,9 +1,10 @@
 //! The GPU-hours ledger's flags: the controller's (`--owner-label`, `--gpu-hours-interval`,
-//! `--gpu-hours-lag`) and `gpuplane report`'s.
+//! `--gpu-hours-lag`, `--prometheus-url`) and `gpuplane report`'s.
 
 use clap::Args;
 use gpuplane_cluster::controller::hours::{parse_duration, By, HoursSettings};
 use gpuplane_cluster::controller::meter::{HoursOptions, ReportQuery};
+use gpuplane_cluster::controller::prometheus::Prometheus;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -21,6 +22,14 @@ pub struct HoursArgs {
     /// controller late).
     #[arg(long, value_name = "DURATION", default_value = "15s", value_parser = parse_duration)]
     gpu_hours_lag: Duration,
+    /// A Prometheus that scrapes the node agents (http://HOST:PORT[/PATH]): the ledger books
+    /// busy GPU-hours and peak GPU memory from their telemetry series. Unset: not measured.
+    #[arg(long, value_name = "URL", value_parser = parse_prometheus)]
+    prometheus_url: Option<Prometheus>,
+}
+
+fn parse_prometheus(text: &str) -> Result<Prometheus, String> {
+    Prometheus::new(text).map_err(|e| e.to_string())
 }
 
 impl HoursArgs {
@@ -33,6 +42,7 @@ impl HoursArgs {
             },
             interval: self.gpu_hours_interval,
             namespace: namespace.into(),
+            prometheus: self.prometheus_url,
         }
     }
 }

@@ -18,6 +18,7 @@ pub mod image;
 mod install;
 mod objects;
 mod processes;
+mod prometheus;
 
 // The tests and benches name these as `cluster::...`, as before the split.
 #[allow(unused_imports)]
@@ -26,6 +27,8 @@ pub use install::*;
 pub use objects::*;
 #[allow(unused_imports)]
 pub use processes::*;
+#[allow(unused_imports)]
+pub use prometheus::*;
 
 /// The one polling helper (tests/support/eventually.rs), included by path because the benches
 /// include this module without tests/support (the lab tier, which has both, loads it twice).

@@ -146,7 +146,7 @@ pub fn start_controller_with(
 }
 
 impl LabProcess {
-    fn spawn(lab: &ClusterLab, mut cmd: Command, name: &str) -> LabProcess {
+    pub(super) fn spawn(lab: &ClusterLab, mut cmd: Command, name: &str) -> LabProcess {
         let log = lab.work.join(format!("{name}.log"));
         let out = std::fs::File::create(&log).unwrap();
         let child = cmd

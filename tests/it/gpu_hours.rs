@@ -57,6 +57,7 @@ fn start_loop_every(
             },
             interval,
             namespace: CNS.into(),
+            prometheus: None,
         }),
         ..QueueOptions::default()
     };

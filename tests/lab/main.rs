@@ -15,6 +15,7 @@ mod deploy_dynamic_mig;
 mod deploy_mps;
 mod helm;
 mod real_cluster;
+mod real_cluster_busy_hours;
 mod real_cluster_doctor;
 mod real_cluster_dynamic_mig;
 mod real_cluster_explain;

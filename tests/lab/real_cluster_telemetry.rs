@@ -19,8 +19,7 @@ const GIB: u64 = 1 << 30;
 
 /// The agent over the fake NVML (dgx-h100), sampling every 200 ms, reading the host's /proc,
 /// reporting holds idle for 3 s; its telemetry file.
-fn start_agent(lab: &ClusterLab) -> (LabProcess, PathBuf) {
-    let kubeconfig = lab.install_agent_identity();
+pub(crate) fn start_agent(lab: &ClusterLab, kubeconfig: &Path, tag: &str) -> (LabProcess, PathBuf) {
     let dir = LabAgent::dir(lab);
     let dev = dir.join("dev");
     std::fs::create_dir_all(&dev).unwrap();
@@ -29,8 +28,8 @@ fn start_agent(lab: &ClusterLab) -> (LabProcess, PathBuf) {
     let fake = support::built_fake();
     let agent = LabAgent::start_with(
         lab,
-        &kubeconfig,
-        "telemetry",
+        kubeconfig,
+        tag,
         &[
             "--nvml-lib",
             fake.to_str().unwrap(),
@@ -48,7 +47,7 @@ fn start_agent(lab: &ClusterLab) -> (LabProcess, PathBuf) {
     (agent, telemetry)
 }
 
-fn metrics(lab: &ClusterLab, family: &str) -> Vec<(BTreeMap<String, String>, f64)> {
+pub(crate) fn metrics(lab: &ClusterLab, family: &str) -> Vec<(BTreeMap<String, String>, f64)> {
     let out = lab
         .in_netns("curl")
         .args(["-sf", &format!("http://{METRICS}/metrics")])
@@ -59,8 +58,8 @@ fn metrics(lab: &ClusterLab, family: &str) -> Vec<(BTreeMap<String, String>, f64
 
 /// The host PIDs of pod `name`'s container: processes whose cgroup names the pod's UID and
 /// the container's runtime ID, as the real kubelet and containerd made them.
-fn container_pids(lab: &ClusterLab, name: &str) -> Vec<u32> {
-    let pod = lab.get_json(&["get", "pod", "-n", NS, name]).unwrap();
+pub(crate) fn container_pids(lab: &ClusterLab, ns: &str, name: &str) -> Vec<u32> {
+    let pod = lab.get_json(&["get", "pod", "-n", ns, name]).unwrap();
     let uid = pod["metadata"]["uid"].as_str().unwrap().to_string();
     let id = pod["status"]["containerStatuses"][0]["containerID"]
         .as_str()
@@ -82,13 +81,13 @@ fn container_pids(lab: &ClusterLab, name: &str) -> Vec<u32> {
 }
 
 /// The GPU the agent says pod `name` holds.
-fn held_gpu(lab: &ClusterLab, name: &str) -> String {
+pub(crate) fn held_gpu(lab: &ClusterLab, ns: &str, name: &str) -> String {
     eventually_or(
         &format!("a GPU held by pod {name} in gpuplane_device_holder_info"),
         || {
             metrics(lab, "gpuplane_device_holder_info")
                 .into_iter()
-                .find(|(l, _)| l["pod"] == name && l["namespace"] == NS)
+                .find(|(l, _)| l["pod"] == name && l["namespace"] == ns)
                 .map(|(l, _)| l["uuid"].clone())
         },
         || {
@@ -96,13 +95,13 @@ fn held_gpu(lab: &ClusterLab, name: &str) -> String {
             let up = metrics(lab, "gpuplane_device_up");
             format!(
                 "holders: {info:?}\nup: {up:?}\n{}",
-                lab.describe_pod_in(NS, name)
+                lab.describe_pod_in(ns, name)
             )
         },
     )
 }
 
-fn set_telemetry(path: &Path, devices: Value) {
+pub(crate) fn set_telemetry(path: &Path, devices: Value) {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, json!({ "devices": devices }).to_string()).unwrap();
     std::fs::rename(tmp, path).unwrap();
@@ -113,7 +112,7 @@ fn real_containers_processes_land_on_their_pods_and_an_idle_gpu_gets_one_event()
     let Some(lab) = ClusterLab::start() else {
         return;
     };
-    let (_agent, telemetry) = start_agent(&lab);
+    let (_agent, telemetry) = start_agent(&lab, &lab.install_agent_identity(), "telemetry");
     lab.kubectl_ok(&["create", "namespace", NS]);
     for name in ["busy", "idle"] {
         lab.apply(&cluster::sleeping_gpu_pod(NS, name, 1, "", ""));
@@ -121,8 +120,11 @@ fn real_containers_processes_land_on_their_pods_and_an_idle_gpu_gets_one_event()
     for name in ["busy", "idle"] {
         cluster::wait_running(&lab, NS, name);
     }
-    let (busy_gpu, idle_gpu) = (held_gpu(&lab, "busy"), held_gpu(&lab, "idle"));
-    let (busy_pids, idle_pids) = (container_pids(&lab, "busy"), container_pids(&lab, "idle"));
+    let (busy_gpu, idle_gpu) = (held_gpu(&lab, NS, "busy"), held_gpu(&lab, NS, "idle"));
+    let (busy_pids, idle_pids) = (
+        container_pids(&lab, NS, "busy"),
+        container_pids(&lab, NS, "idle"),
+    );
     assert!(
         !busy_pids.is_empty() && !idle_pids.is_empty(),
         "{busy_pids:?} {idle_pids:?}"

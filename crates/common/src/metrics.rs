@@ -93,6 +93,23 @@ pub fn gauges<L: EncodeLabelSet, V: EncodeGaugeValue>(
     Ok(())
 }
 
+/// A counter family kept elsewhere and read at scrape time, one sample per series; `name`
+/// without `_total`, which the encoder appends.
+pub fn counters<L: EncodeLabelSet>(
+    e: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    series: &[(L, f64)],
+) -> std::fmt::Result {
+    let mut family = e.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, value) in series {
+        family
+            .encode_family(labels)?
+            .encode_counter::<NoLabelSet, _, u64>(value, None)?;
+    }
+    Ok(())
+}
+
 /// A gauge without labels computed at scrape time.
 pub fn gauge<V: EncodeGaugeValue>(
     e: &mut DescriptorEncoder<'_>,

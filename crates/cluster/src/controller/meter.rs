@@ -7,8 +7,15 @@
 //! re-reads and accounts again from the new watermark. Successful flushes feed the counters
 //! (`gpuplane_gpu_seconds_total`, ...) and the book the queue loop stamps into each GpuQuota's
 //! `status.gpuHours`.
+//!
+//! With a Prometheus ([`HoursOptions::prometheus`]) each flush then books the busy GPU-seconds
+//! and peak GPU memory of the window past the book's busy watermark from the samples
+//! Prometheus kept of the agents' series ([`hours::account_busy`]), written the same way. Busy
+//! time has its own watermark: while Prometheus cannot be reached it stays behind, and the
+//! allocated time goes on; once back, it catches up an hour per flush.
 
-use super::hours::{self, Book, HoursSettings, Metered};
+use super::hours::{self, Accounted, Book, HoursSettings, Metered};
+use super::prometheus::{Prometheus, PrometheusError};
 use crate::controller_metrics::QueueMetrics;
 use crate::quota::{pod_charge, DeviceCatalog, GpuQuota};
 use gpuplane_model::report::chain;
@@ -35,6 +42,8 @@ pub struct HoursOptions {
     pub interval: Duration,
     /// Where the book's ConfigMap lives (the controller's namespace).
     pub namespace: String,
+    /// Where busy time and peak memory are read from; `None`: not measured.
+    pub prometheus: Option<Prometheus>,
 }
 
 impl Default for HoursOptions {
@@ -43,6 +52,7 @@ impl Default for HoursOptions {
             settings: HoursSettings::default(),
             interval: Duration::from_secs(30),
             namespace: "gpuplane-system".into(),
+            prometheus: None,
         }
     }
 }
@@ -65,7 +75,13 @@ pub enum HoursError {
     Missing(String),
     #[error("ConfigMap {0} kept changing under the flush; trying again at the next interval")]
     Conflicts(String),
+    #[error("busy GPU time not booked: {0}")]
+    Prometheus(#[from] PrometheusError),
 }
+
+/// The agents' series busy time and peak memory are read from.
+const BUSY_SERIES: &str = "gpuplane_container_gpu_busy_seconds_total";
+const MEMORY_SERIES: &str = "gpuplane_container_gpu_memory_used_bytes";
 
 /// What the pods' views are priced with.
 pub struct Pricing<'a> {
@@ -176,25 +192,87 @@ impl Meter {
                 .push(q.metadata.name.clone().unwrap_or_default());
         }
         let upto = millis(SystemTime::now()) - lag_ms(&self.opts.settings);
-        match self.write(client, &views, &by_ns, upto).await {
-            Ok(Some(added)) => {
-                self.gone
-                    .retain(|_, m| m.interval.end.is_some_and(|e| e > upto));
-                metrics.gpu_time(&self.opts.settings.owner_labels, &added);
-                added
-                    .keys()
-                    .filter_map(|s| match s {
-                        hours::Series::Quota { namespace, .. } => Some(namespace.clone()),
-                        hours::Series::Tenant { .. } => None,
-                    })
-                    .collect()
-            }
-            Ok(None) => BTreeSet::new(),
+        let settings = self.opts.settings.clone();
+        let written = self
+            .write(client, |book| {
+                Some(hours::account(book, &views, &by_ns, upto, &settings))
+            })
+            .await;
+        let mut added = match written {
+            Ok(added) => added.unwrap_or_default(),
             Err(e) => {
                 tracing::warn!(error = %e, "GPU-hours flush failed; trying again at the next interval");
-                BTreeSet::new()
+                BTreeMap::new()
+            }
+        };
+        if let Some(prometheus) = self.opts.prometheus.clone() {
+            match self
+                .flush_busy(client, &prometheus, &views, &by_ns, upto)
+                .await
+            {
+                Ok(busy) => busy
+                    .into_iter()
+                    .for_each(|(s, t)| *added.entry(s).or_default() += t),
+                Err(e) => {
+                    tracing::warn!(error = %e, "busy GPU time is behind; trying again at the next interval")
+                }
             }
         }
+        // A gone pod's view is kept until both watermarks pass its end (a day at most).
+        let book = self.book();
+        let busy_until = self.opts.prometheus.as_ref().map(|_| {
+            let w = book.as_ref().and_then(|b| b.busy_watermark());
+            w.unwrap_or(upto).max(upto - 86_400_000)
+        });
+        let counted = book.and_then(|b| b.watermark()).unwrap_or(i64::MIN);
+        let until = busy_until.map_or(counted, |b| b.min(counted));
+        self.gone
+            .retain(|_, m| m.interval.end.is_some_and(|e| e > until));
+        metrics.gpu_time(&self.opts.settings.owner_labels, &added);
+        added
+            .keys()
+            .filter_map(|s| match s {
+                hours::Series::Quota { namespace, .. } => Some(namespace.clone()),
+                hours::Series::Tenant { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Books the busy window past the book's busy watermark from Prometheus' samples; what it
+    /// added (empty when there was nothing to do).
+    async fn flush_busy(
+        &mut self,
+        client: &kube::Client,
+        prometheus: &Prometheus,
+        views: &[Metered],
+        quotas: &BTreeMap<String, Vec<String>>,
+        upto: i64,
+    ) -> Result<BTreeMap<hours::Series, hours::Totals>, HoursError> {
+        let book = match self.book.clone() {
+            Some((b, _)) => b,
+            None => {
+                let api: Api<ConfigMap> = Api::namespaced(client.clone(), &self.opts.namespace);
+                let (b, rv) = read(&api, &self.object()).await?;
+                self.book = Some((b.clone(), rv));
+                b
+            }
+        };
+        let Some(window @ (from, to)) = hours::busy_window(&book, upto) else {
+            return Ok(BTreeMap::new());
+        };
+        let busy = prometheus
+            .samples(BUSY_SERIES, to - from + hours::LOOKBACK_MS, to)
+            .await?;
+        let memory = prometheus.samples(MEMORY_SERIES, to - from, to).await?;
+        let settings = self.opts.settings.clone();
+        let account = |book: &Book| -> Option<Accounted> {
+            // Another writer moved the busy watermark: these samples are for a window no
+            // longer next; the next flush asks again.
+            (hours::busy_window(book, upto).map(|(f, _)| f) == Some(from)).then(|| {
+                hours::account_busy(book, &busy, &memory, views, quotas, window, &settings)
+            })
+        };
+        Ok(self.write(client, account).await?.unwrap_or_default())
     }
 
     /// Every cached pod's view and the gone ones'; a pod the cache lost without a delete (a
@@ -225,26 +303,29 @@ impl Meter {
         out
     }
 
-    /// Accounts and writes with the resourceVersion read; a conflict reads and accounts again.
-    /// `Some(added)` once written, `None` when there was nothing to add.
+    fn object(&self) -> String {
+        format!("{}/{BOOK_NAME}", self.opts.namespace)
+    }
+
+    /// Accounts (`account`: `None` when there is nothing to do on that book) and writes with
+    /// the resourceVersion read; a conflict reads and accounts again. `Some(added)` once
+    /// written, `None` when there was nothing to add.
     async fn write(
         &mut self,
         client: &kube::Client,
-        views: &[Metered],
-        quotas: &BTreeMap<String, Vec<String>>,
-        upto: i64,
+        account: impl Fn(&Book) -> Option<Accounted>,
     ) -> Result<Option<BTreeMap<hours::Series, hours::Totals>>, HoursError> {
         let api: Api<ConfigMap> = Api::namespaced(client.clone(), &self.opts.namespace);
-        let object = format!("{}/{BOOK_NAME}", self.opts.namespace);
+        let object = self.object();
         for _ in 0..CONFLICT_RETRIES {
             let (book, rv) = match self.book.clone() {
                 Some(b) => b,
                 None => read(&api, &object).await?,
             };
-            let out = hours::account(&book, views, quotas, upto, &self.opts.settings);
-            if out.book == *book {
+            let Some(out) = account(&book).filter(|out| out.book != *book) else {
+                self.book = Some((book, rv));
                 return Ok(None);
-            }
+            };
             let mut data = BTreeMap::new();
             data.insert(BOOK_KEY.to_string(), out.book.to_json());
             let cm = ConfigMap {

@@ -24,6 +24,7 @@ pub mod cache;
 pub mod explainer;
 pub mod labeler;
 pub mod meter;
+pub mod prometheus;
 pub mod queue;
 pub mod schedule;
 mod watchers;

@@ -1,11 +1,11 @@
-//! The GPU-hours ledger's counters: `gpuplane_gpu_seconds_total` and
-//! `gpuplane_gpu_memory_byte_seconds_total` per namespace and owner label values (each
-//! `--owner-label` key as a label `label_<key>`, its characters outside `[A-Za-z0-9_]` as `_`,
-//! as kube-state-metrics names pod labels), and `gpuplane_quota_gpu_seconds_total` /
-//! `gpuplane_quota_gpu_memory_byte_seconds_total` per GpuQuota. They grow by what each flush
-//! of the book added, so they restart from zero with a new leader (a counter reset to
-//! Prometheus) while the book carries on. Past [`MAX_SERIES`] owner combinations a new one is
-//! counted with every owner value [`OTHER`].
+//! The GPU-hours ledger's counters: `gpuplane_gpu_seconds_total`,
+//! `gpuplane_gpu_memory_byte_seconds_total` and `gpuplane_busy_gpu_seconds_total` per namespace
+//! and owner label values (each `--owner-label` key as a label `label_<key>`, its characters
+//! outside `[A-Za-z0-9_]` as `_`, as kube-state-metrics names pod labels), and the same three
+//! as `gpuplane_quota_*_total` per GpuQuota. They grow by what each flush of the book added, so
+//! they restart from zero with a new leader (a counter reset to Prometheus) while the book
+//! carries on. Past [`MAX_SERIES`] owner combinations a new one is counted with every owner
+//! value [`OTHER`].
 
 use super::QuotaLabels;
 use crate::metrics::register;
@@ -27,8 +27,10 @@ type OwnerLabels = Vec<(String, String)>;
 pub(super) struct GpuTime {
     tenant_gpu: Family<OwnerLabels, Seconds>,
     tenant_memory: Family<OwnerLabels, Seconds>,
+    tenant_busy: Family<OwnerLabels, Seconds>,
     quota_gpu: Family<QuotaLabels, Seconds>,
     quota_memory: Family<QuotaLabels, Seconds>,
+    quota_busy: Family<QuotaLabels, Seconds>,
     seen: Mutex<HashSet<OwnerLabels>>,
 }
 
@@ -51,6 +53,18 @@ impl GpuTime {
                 r,
                 "gpuplane_gpu_memory_byte_seconds",
                 mem,
+                Family::default(),
+            ),
+            tenant_busy: register(
+                r,
+                "gpuplane_busy_gpu_seconds",
+                "Utilization-weighted GPU-seconds the GPU pods' devices were busy (from the agents' telemetry through Prometheus), by namespace and owner labels",
+                Family::default(),
+            ),
+            quota_busy: register(
+                r,
+                "gpuplane_quota_busy_gpu_seconds",
+                "Utilization-weighted GPU-seconds the devices of the pods a GpuQuota governs were busy",
                 Family::default(),
             ),
             quota_gpu: register(
@@ -91,6 +105,9 @@ impl GpuTime {
                     self.tenant_memory
                         .get_or_create(&l)
                         .inc_by(t.gpu_memory_byte_seconds);
+                    self.tenant_busy
+                        .get_or_create(&l)
+                        .inc_by(t.busy_gpu_seconds);
                 }
                 Series::Quota { namespace, quota } => {
                     let l = QuotaLabels {
@@ -101,6 +118,7 @@ impl GpuTime {
                     self.quota_memory
                         .get_or_create(&l)
                         .inc_by(t.gpu_memory_byte_seconds);
+                    self.quota_busy.get_or_create(&l).inc_by(t.busy_gpu_seconds);
                 }
             }
         }
@@ -127,6 +145,8 @@ mod tests {
         let t = |g: f64| Totals {
             gpu_seconds: g,
             gpu_memory_byte_seconds: g * 1024.0,
+            busy_gpu_seconds: g / 2.0,
+            peak_gpu_memory_bytes: 0.0,
         };
         let quota = Series::Quota {
             namespace: "a".into(),
@@ -150,6 +170,8 @@ mod tests {
             "gpuplane_gpu_seconds_total{namespace=\"a\",label_team=\"ml\",label_cost_center=\"cc-1\"} 3.0",
             "gpuplane_gpu_memory_byte_seconds_total{namespace=\"a\",label_team=\"ml\",label_cost_center=\"cc-1\"} 3072.0",
             "gpuplane_quota_gpu_seconds_total{namespace=\"a\",quota=\"default\"} 3.0",
+            "gpuplane_busy_gpu_seconds_total{namespace=\"a\",label_team=\"ml\",label_cost_center=\"cc-1\"} 1.5",
+            "gpuplane_quota_busy_gpu_seconds_total{namespace=\"a\",quota=\"default\"} 1.5",
             "gpuplane_gpu_seconds_total{namespace=\"b\",label_team=\"_other\",label_cost_center=\"_other\"} 1.0",
         ] {
             assert!(text.lines().any(|l| l == line), "{line:?} missing");

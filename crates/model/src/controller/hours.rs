@@ -13,11 +13,13 @@
 //! reaches the controller late (the kubelet's status update) is still counted from its start.
 
 mod book;
+mod busy;
 
 pub use book::{
     day_of, parse_day, period_of, Book, BookError, By, Key, Report, ReportRow, Totals,
     MAX_BOOK_BYTES, MAX_KEYS_PER_DAY, MAX_MONTHS, OTHER,
 };
+pub use busy::{account_busy, busy_window, PodSeries, LOOKBACK_MS, MAX_BUSY_WINDOW_MS};
 
 use super::pods;
 use crate::quota::Usage;
@@ -87,6 +89,8 @@ impl Rate {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Metered {
     pub namespace: String,
+    /// The pod's name (busy time is reported by pod).
+    pub pod: String,
     pub interval: Interval,
     pub rate: Rate,
     /// The values of [`HoursSettings::owner_labels`] on the pod (`""` where it has none).
@@ -103,6 +107,7 @@ impl Metered {
         let labels = pod.metadata.labels.as_ref();
         Some(Metered {
             namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+            pod: pod.metadata.name.clone().unwrap_or_default(),
             interval: run_interval(pod)?,
             rate,
             owners: owner_labels
@@ -217,35 +222,49 @@ pub fn account<'a>(
             t = next;
         }
     }
+    let tenants = tenants
+        .into_iter()
+        .map(|((day, ns, owners), t)| ((day, ns.to_string(), owners.to_vec()), t));
+    book_tenants(&mut out, tenants, quotas, settings);
+    out.book.set_watermark(upto);
+    out.book.trim(upto, settings.retention_days);
+    out
+}
+
+/// Adds each tenant's totals of a day to the book under its namespace, each GpuQuota of its
+/// namespace and each owner label value, and to the counters' increments.
+fn book_tenants(
+    out: &mut Accounted,
+    tenants: impl Iterator<Item = ((i64, String, Vec<String>), Totals)>,
+    quotas: &BTreeMap<String, Vec<String>>,
+    settings: &HoursSettings,
+) {
     let none = Vec::new();
     for ((day, ns, owners), totals) in tenants {
-        let series = Series::Tenant {
-            namespace: ns.to_string(),
-            owners: owners.to_vec(),
-        };
-        *out.added.entry(series).or_default() += totals;
-        let qs = quotas.get(ns).unwrap_or(&none);
+        let qs = quotas.get(&ns).unwrap_or(&none);
         for q in qs {
             let series = Series::Quota {
-                namespace: ns.to_string(),
+                namespace: ns.clone(),
                 quota: q.clone(),
             };
             *out.added.entry(series).or_default() += totals;
         }
-        let keys = std::iter::once(Key::Namespace(ns.to_string()))
-            .chain(qs.iter().map(|q| Key::Quota(ns.to_string(), q.clone())))
+        let keys = std::iter::once(Key::Namespace(ns.clone()))
+            .chain(qs.iter().map(|q| Key::Quota(ns.clone(), q.clone())))
             .chain(
                 settings
                     .owner_labels
                     .iter()
-                    .zip(owners)
-                    .map(|(k, v)| Key::Owner(ns.to_string(), k.clone(), v.clone())),
+                    .zip(&owners)
+                    .map(|(k, v)| Key::Owner(ns.clone(), k.clone(), v.clone())),
             );
         out.book.add(day * DAY_MS, keys, totals);
+        let series = Series::Tenant {
+            namespace: ns,
+            owners,
+        };
+        *out.added.entry(series).or_default() += totals;
     }
-    out.book.set_watermark(upto);
-    out.book.trim(upto, settings.retention_days);
-    out
 }
 
 #[cfg(test)]

@@ -231,6 +231,17 @@ pub struct GpuHoursStatus {
     pub gpu_seconds: f64,
     /// GPU memory bytes times seconds.
     pub gpu_memory_byte_seconds: f64,
+    /// Utilization-weighted GPU-seconds the governed pods' GPUs were busy (from the agents'
+    /// telemetry through Prometheus); absent when the controller has no `--prometheus-url`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub busy_gpu_seconds: Option<f64>,
+    /// The most GPU memory one governed pod used at once, in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_gpu_memory_bytes: Option<f64>,
+    /// How far busy time and peak memory are counted (RFC 3339); they trail `gpuSeconds` while
+    /// Prometheus cannot be reached, then catch up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub busy_counted_until: Option<String>,
 }
 
 /// More `hard` for a while.

@@ -1,13 +1,14 @@
 //! Device telemetry as plain data: what one sampling round read from a device ([`Readings`]),
 //! which container a process belongs to ([`cgroup`]), and the rows a scrape exports once each
 //! device is labelled with its holders and each process's use is charged to its container
-//! ([`attribute`]).
+//! ([`attribute`]); which holds sit idle ([`idle`]) and how busy each was over time ([`busy`]).
 //!
 //! A reading NVML does not offer for a device (`NVML_ERROR_NOT_SUPPORTED`: utilization on a MIG
 //! device, temperature of a MIG device, ECC on a board without it) is `None` and is not
 //! exported; a device whose queries fail is [`Sample::Failed`] and is exported as down.
 
 pub mod attribute;
+pub mod busy;
 pub mod cgroup;
 pub mod idle;
 

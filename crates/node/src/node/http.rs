@@ -203,6 +203,7 @@ fn exposition(state: &NodeState, telemetry: &OnceLock<Arc<Telemetry>>) -> String
         scrape.register_collector(Box::new(TelemetryGauges {
             attributed: t.attributed(state),
             idle: t.idle(),
+            busy: t.busy(),
         }));
     }
     metrics::render(&[metrics::registry(), &scrape])

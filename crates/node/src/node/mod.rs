@@ -480,27 +480,25 @@ impl Agent<'_> {
                     self.stop.clone(),
                 )));
         }
-        if let Some(policy) = opts.idle {
-            let events = client.map(|client| IdleEvents {
-                client,
-                driver: self
-                    .opts
-                    .dra
-                    .as_ref()
-                    .map_or_else(|| "gpuplane-node".to_string(), |d| d.driver_name.clone()),
-                node: self.opts.node_name.clone(),
-            });
-            running
-                .tasks
-                .push(tokio::spawn(crate::telemetry::idle_events::watch(
-                    telemetry.clone(),
-                    self.state.clone(),
-                    policy,
-                    events,
-                    opts.interval,
-                    self.stop.clone(),
-                )));
-        }
+        let events = opts.idle.and(client).map(|client| IdleEvents {
+            client,
+            driver: self
+                .opts
+                .dra
+                .as_ref()
+                .map_or_else(|| "gpuplane-node".to_string(), |d| d.driver_name.clone()),
+            node: self.opts.node_name.clone(),
+        });
+        running
+            .tasks
+            .push(tokio::spawn(crate::telemetry::rounds::watch(
+                telemetry.clone(),
+                self.state.clone(),
+                opts.idle,
+                events,
+                opts.interval,
+                self.stop.clone(),
+            )));
         // Set once per run, here only: a second set cannot happen.
         let _ = running.telemetry.set(telemetry);
         Ok(())

@@ -45,6 +45,8 @@ pub struct TelemetryGauges {
     pub attributed: Attributed,
     /// How long each hold has been idle, in seconds (empty while idleness is not followed).
     pub idle: Vec<(DeviceLabels, Hold, f64)>,
+    /// Each hold's busy seconds so far.
+    pub busy: Vec<(DeviceLabels, Hold, f64)>,
 }
 
 /// A per-device gauge: its name, help, and how to read it (`None`: not offered, no series).
@@ -184,6 +186,17 @@ impl Collector for TelemetryGauges {
             "gpuplane_container_gpu_utilization_ratio",
             "Share of the device's SMs a container's processes kept busy (NVML per-process samples, where the device offers them).",
             &busy,
+        )?;
+        let busy_seconds: Vec<(Series, f64)> = self
+            .busy
+            .iter()
+            .map(|(d, h, s)| (series(d, h), *s))
+            .collect();
+        metrics::counters(
+            &mut e,
+            "gpuplane_container_gpu_busy_seconds",
+            "Utilization-weighted seconds a hold's device was busy, in whole-GPU seconds (device utilization for a whole-device holder, its own processes' SM share for a share); restarts from 0 with the agent; `gpuplane controller --prometheus-url` books it as busy GPU-hours.",
+            &busy_seconds,
         )?;
         let idle: Vec<(Series, f64)> = self
             .idle

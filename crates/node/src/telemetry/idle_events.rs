@@ -1,24 +1,18 @@
-//! Idle held devices, in the shell: every sampling interval the attributed readings go through
-//! the pure [`IdleBook`]; how long each hold has been idle is kept for `/metrics`, and a hold
-//! idle for the whole window gets one Event on its pod, with the numbers.
+//! The idle Event: a hold idle for the whole window (`super::rounds` finds it) gets one Event
+//! on its pod, with the numbers.
 //!
 //! One Event per pod and device, also across agent restarts: its name is derived from the pod
 //! and the device, so the API server refuses a second one (`AlreadyExists`) rather than the
 //! agent keeping a record.
 
-use super::attribute::{DeviceLabels, Hold};
-use super::idle::{held_uses, idle_note, HeldUse, IdleBook, IdlePolicy};
+use super::idle::{idle_note, HeldUse};
 use super::pods::PodDirectory;
-use super::Telemetry;
 use crate::kube_events::Reporter;
-use crate::state::NodeState;
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-use tokio::sync::watch;
+use std::time::Duration;
 
 /// The Event's reason.
 pub const REASON: &str = "GpuIdle";
@@ -59,7 +53,12 @@ pub fn idle_event(
 }
 
 /// Posts the idle Event of `u`; an Event already there (posted by an earlier agent) is fine.
-async fn post(events: &IdleEvents, pods: &PodDirectory, u: &HeldUse, idle_for: Duration) {
+pub(super) async fn post(
+    events: &IdleEvents,
+    pods: &PodDirectory,
+    u: &HeldUse,
+    idle_for: Duration,
+) {
     let Some(uid) = pods.uid_of(&u.holder.namespace, &u.holder.pod) else {
         tracing::debug!(pod = %u.holder.pod, "idle device's pod not known yet; no Event");
         return;
@@ -84,39 +83,5 @@ async fn post(events: &IdleEvents, pods: &PodDirectory, u: &HeldUse, idle_for: D
             tracing::warn!(pod = %u.holder.pod, error = %e, "posting the idle GPU Event failed")
         }
         Err(_) => tracing::warn!(pod = %u.holder.pod, "posting the idle GPU Event got no answer"),
-    }
-}
-
-/// Follows the holds' idleness every `interval` until `shutdown`.
-pub async fn watch(
-    telemetry: Arc<Telemetry>,
-    state: Arc<NodeState>,
-    policy: IdlePolicy,
-    events: Option<IdleEvents>,
-    interval: Duration,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let mut book = IdleBook::default();
-    let mut tick = tokio::time::interval(interval);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = shutdown.changed() => return,
-        }
-        let uses = held_uses(&telemetry.attributed(&state));
-        let round = book.observe(&uses, &policy, Instant::now());
-        let idle: Vec<(DeviceLabels, Hold, f64)> = round
-            .idle_for
-            .iter()
-            .map(|(u, d)| (u.device.clone(), u.holder.clone(), d.as_secs_f64()))
-            .collect();
-        telemetry.set_idle(idle);
-        for (u, idle_for) in &round.newly_idle {
-            tracing::info!(device = %u.device.uuid, namespace = %u.holder.namespace, pod = %u.holder.pod,
-                note = %idle_note(u, *idle_for), "held device idle");
-            if let Some(events) = &events {
-                post(events, &telemetry.pods, u, *idle_for).await;
-            }
-        }
     }
 }

@@ -1,15 +1,16 @@
 //! Device telemetry on the node: every device sampled through the device source on threads of
 //! its own ([`sampler`]), this node's pods followed so a process's cgroup names its container
 //! ([`pods`]), and at each scrape the samples charged to the ledger's holders and exported
-//! ([`export`]) through the pure `gpuplane_model::telemetry::attribute`.
+//! ([`export`]) through the pure `gpuplane_model::telemetry::attribute`; every interval the
+//! holds' use feeds the busy counters and the idle watch ([`rounds`]).
 //!
 //! Nothing here is on a serving path: Allocate, NodePrepare and ListAndWatch never wait on a
 //! sample, and a scrape only copies what the threads last stored.
 
 pub mod export;
 pub mod idle_events;
-
 pub mod pods;
+pub mod rounds;
 pub mod sampler;
 
 pub use gpuplane_model::telemetry::*;
@@ -44,6 +45,8 @@ pub struct Telemetry {
     pods: Arc<PodDirectory>,
     /// How long each hold has been idle, as the idle watch last found (seconds).
     idle: Mutex<Vec<(attribute::DeviceLabels, Hold, f64)>>,
+    /// Each hold's busy seconds, as the last round left them.
+    busy: Mutex<Vec<(attribute::DeviceLabels, Hold, f64)>>,
 }
 
 impl Telemetry {
@@ -58,6 +61,7 @@ impl Telemetry {
             samples,
             pods: Arc::new(PodDirectory::default()),
             idle: Mutex::new(Vec::new()),
+            busy: Mutex::new(Vec::new()),
         })
     }
 
@@ -73,6 +77,15 @@ impl Telemetry {
 
     fn set_idle(&self, idle: Vec<(attribute::DeviceLabels, Hold, f64)>) {
         *lock(&self.idle) = idle;
+    }
+
+    fn set_busy(&self, busy: Vec<(attribute::DeviceLabels, Hold, f64)>) {
+        *lock(&self.busy) = busy;
+    }
+
+    /// Each hold's busy seconds so far.
+    pub fn busy(&self) -> Vec<(attribute::DeviceLabels, Hold, f64)> {
+        lock(&self.busy).clone()
     }
 
     /// How long each hold has been idle (empty while idle holds are not followed).

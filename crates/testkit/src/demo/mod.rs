@@ -380,6 +380,7 @@ impl ClusterSide {
                 },
                 interval: Duration::from_millis(200),
                 namespace: CONTROLLER_NAMESPACE.into(),
+                prometheus: None,
             }),
             ..QueueOptions::default()
         };

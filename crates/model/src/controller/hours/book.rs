@@ -22,27 +22,40 @@ pub const MAX_MONTHS: usize = 24;
 /// The owner label value that stands for the values past [`MAX_KEYS_PER_DAY`].
 pub const OTHER: &str = "_other";
 
-/// GPU-seconds (whole-GPU equivalents) and GPU-memory-byte-seconds. Stored as a pair
-/// `[gpuSeconds, gpuMemoryByteSeconds]` to keep the book small.
+/// GPU-seconds (whole-GPU equivalents) and GPU-memory-byte-seconds held; busy GPU-seconds
+/// (utilization-weighted, from the agents' telemetry) and the peak GPU memory one pod used.
+/// Stored as `[gpuSeconds, gpuMemoryByteSeconds]`, or with `busyGpuSeconds, peakGpuMemoryBytes`
+/// appended once either is measured, to keep the book small (a book written before busy time
+/// was measured reads as none).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
-#[serde(from = "[f64; 2]", into = "[f64; 2]")]
+#[serde(from = "Vec<f64>", into = "Vec<f64>")]
 pub struct Totals {
     pub gpu_seconds: f64,
     pub gpu_memory_byte_seconds: f64,
+    pub busy_gpu_seconds: f64,
+    /// A maximum, not a sum: adding totals keeps the larger.
+    pub peak_gpu_memory_bytes: f64,
 }
 
-impl From<[f64; 2]> for Totals {
-    fn from([g, m]: [f64; 2]) -> Totals {
+impl From<Vec<f64>> for Totals {
+    fn from(v: Vec<f64>) -> Totals {
+        let at = |i: usize| v.get(i).copied().unwrap_or(0.0);
         Totals {
-            gpu_seconds: g,
-            gpu_memory_byte_seconds: m,
+            gpu_seconds: at(0),
+            gpu_memory_byte_seconds: at(1),
+            busy_gpu_seconds: at(2),
+            peak_gpu_memory_bytes: at(3),
         }
     }
 }
 
-impl From<Totals> for [f64; 2] {
-    fn from(t: Totals) -> [f64; 2] {
-        [t.gpu_seconds, t.gpu_memory_byte_seconds]
+impl From<Totals> for Vec<f64> {
+    fn from(t: Totals) -> Vec<f64> {
+        let mut v = vec![t.gpu_seconds, t.gpu_memory_byte_seconds];
+        if t.busy_gpu_seconds != 0.0 || t.peak_gpu_memory_bytes != 0.0 {
+            v.extend([t.busy_gpu_seconds, t.peak_gpu_memory_bytes]);
+        }
+        v
     }
 }
 
@@ -50,6 +63,8 @@ impl std::ops::AddAssign for Totals {
     fn add_assign(&mut self, o: Totals) {
         self.gpu_seconds += o.gpu_seconds;
         self.gpu_memory_byte_seconds += o.gpu_memory_byte_seconds;
+        self.busy_gpu_seconds += o.busy_gpu_seconds;
+        self.peak_gpu_memory_bytes = self.peak_gpu_memory_bytes.max(o.peak_gpu_memory_bytes);
     }
 }
 
@@ -111,6 +126,10 @@ pub struct Book {
     /// Everything before this is counted (RFC 3339, milliseconds).
     #[serde(default, skip_serializing_if = "Option::is_none", with = "watermark")]
     accounted_until: Option<i64>,
+    /// Busy time and peak memory are counted before this (their own watermark: they come from
+    /// Prometheus, which may be unreachable while the allocated time goes on).
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "watermark")]
+    busy_until: Option<i64>,
     /// Totals per UTC day (`YYYY-MM-DD`) and key ([`Key`]'s text).
     #[serde(default)]
     days: BTreeMap<String, Bucket>,
@@ -133,10 +152,10 @@ fn add_to(bucket: &mut Bucket, key: &Key, totals: Totals) {
     *bucket.entry(text).or_default() += totals;
 }
 
-/// About how many bytes of JSON a bucket takes (a key's entry is its text, quotes, and two
+/// About how many bytes of JSON a bucket takes (a key's entry is its text, quotes, and four
 /// numbers of at most 24 characters).
 fn bucket_size(b: &Bucket) -> usize {
-    16 + b.keys().map(|k| k.len() + 56).sum::<usize>()
+    16 + b.keys().map(|k| k.len() + 106).sum::<usize>()
 }
 
 /// The first day after month `YYYY-MM` (`YYYY-MM-DD`), for comparing with days.
@@ -170,6 +189,13 @@ mod watermark {
         })
         .transpose()
     }
+}
+
+/// A time in milliseconds since the epoch as RFC 3339 with milliseconds.
+fn millis_text(ms: i64) -> String {
+    Timestamp::from_millisecond(ms)
+        .map(|t| format!("{t:.3}"))
+        .unwrap_or_default()
 }
 
 /// The UTC day (`YYYY-MM-DD`) of a time in milliseconds since the epoch.
@@ -214,6 +240,15 @@ impl Book {
 
     pub(super) fn set_watermark(&mut self, ms: i64) {
         self.accounted_until = Some(ms);
+    }
+
+    /// Busy time and peak memory are counted before this; `None` until first measured.
+    pub fn busy_watermark(&self) -> Option<i64> {
+        self.busy_until
+    }
+
+    pub(super) fn set_busy_watermark(&mut self, ms: i64) {
+        self.busy_until = Some(ms);
     }
 
     /// Adds `totals` under each of `keys` on the day starting at `day_ms`.
@@ -294,10 +329,14 @@ impl Book {
             quota.metadata.name.clone().unwrap_or_default(),
         );
         let t = self.period_totals(&key, &period);
+        let busy = self.busy_until.is_some();
         Some(GpuHoursStatus {
             period,
             gpu_seconds: t.gpu_seconds,
             gpu_memory_byte_seconds: t.gpu_memory_byte_seconds,
+            busy_gpu_seconds: busy.then_some(t.busy_gpu_seconds),
+            peak_gpu_memory_bytes: busy.then_some(t.peak_gpu_memory_bytes),
+            busy_counted_until: self.busy_until.map(millis_text),
         })
     }
 
@@ -353,11 +392,8 @@ impl Book {
             namespace: namespace.map(String::from),
             since: since.map(String::from),
             until: until.map(String::from),
-            accounted_until: self.accounted_until.map(|ms| {
-                Timestamp::from_millisecond(ms)
-                    .map(|t| format!("{t:.3}"))
-                    .unwrap_or_default()
-            }),
+            accounted_until: self.accounted_until.map(millis_text),
+            busy_until: self.busy_until.map(millis_text),
             rows: rows.into_iter().map(ReportRow::new).collect(),
             cut_months,
         }
@@ -406,6 +442,9 @@ pub struct Report {
     pub until: Option<String>,
     /// How far the book is counted.
     pub accounted_until: Option<String>,
+    /// How far busy time and peak memory are counted; none: never measured (the controller
+    /// has no `--prometheus-url`).
+    pub busy_until: Option<String>,
     pub rows: Vec<ReportRow>,
     /// Months the book keeps only as monthly totals that the window cuts: left out.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -418,19 +457,30 @@ pub struct Report {
 pub struct ReportRow {
     pub tenant: String,
     pub gpu_hours: f64,
+    /// Utilization-weighted GPU-hours: what the held GPUs actually did.
+    pub busy_gpu_hours: f64,
     pub gpu_memory_gib_hours: f64,
+    /// The most GPU memory one pod of the tenant used at once, in GiB.
+    pub peak_gpu_memory_gib: f64,
     pub gpu_seconds: f64,
+    pub busy_gpu_seconds: f64,
     pub gpu_memory_byte_seconds: f64,
+    pub peak_gpu_memory_bytes: f64,
 }
 
 impl ReportRow {
     fn new((tenant, t): (String, Totals)) -> ReportRow {
+        let gib = (1u64 << 30) as f64;
         ReportRow {
             tenant,
             gpu_hours: t.gpu_seconds / 3600.0,
-            gpu_memory_gib_hours: t.gpu_memory_byte_seconds / 3600.0 / (1u64 << 30) as f64,
+            busy_gpu_hours: t.busy_gpu_seconds / 3600.0,
+            gpu_memory_gib_hours: t.gpu_memory_byte_seconds / 3600.0 / gib,
+            peak_gpu_memory_gib: t.peak_gpu_memory_bytes / gib,
             gpu_seconds: t.gpu_seconds,
+            busy_gpu_seconds: t.busy_gpu_seconds,
             gpu_memory_byte_seconds: t.gpu_memory_byte_seconds,
+            peak_gpu_memory_bytes: t.peak_gpu_memory_bytes,
         }
     }
 }
@@ -447,20 +497,32 @@ impl Report {
             .max()
             .unwrap_or(0);
         let mut out = format!(
-            "{head:<width$}  {:>12}  {:>18}\n",
-            "GPU-HOURS", "GPU-MEM-GIB-HOURS"
+            "{head:<width$}  {:>12}  {:>14}  {:>18}  {:>16}\n",
+            "GPU-HOURS", "BUSY-GPU-HOURS", "GPU-MEM-GIB-HOURS", "PEAK-GPU-MEM-GIB"
         );
+        let measured = self.busy_until.is_some();
         for r in &self.rows {
+            let (busy, peak) = if measured {
+                (
+                    format!("{:.3}", r.busy_gpu_hours),
+                    format!("{:.1}", r.peak_gpu_memory_gib),
+                )
+            } else {
+                ("-".into(), "-".into())
+            };
             out.push_str(&format!(
-                "{:<width$}  {:>12.3}  {:>18.3}\n",
+                "{:<width$}  {:>12.3}  {busy:>14}  {:>18.3}  {peak:>16}\n",
                 r.tenant, r.gpu_hours, r.gpu_memory_gib_hours
             ));
         }
         out.push_str(&format!(
-            "(days {} to {}, counted until {})\n",
+            "(days {} to {}, counted until {}; busy until {})\n",
             self.since.as_deref().unwrap_or("first kept"),
             self.until.as_deref().unwrap_or("now"),
-            self.accounted_until.as_deref().unwrap_or("never")
+            self.accounted_until.as_deref().unwrap_or("never"),
+            self.busy_until
+                .as_deref()
+                .unwrap_or("never: the controller has no --prometheus-url")
         ));
         if !self.cut_months.is_empty() {
             out.push_str(&format!(

@@ -15,6 +15,7 @@ fn settings() -> HoursSettings {
 fn metered(ns: &str, start: i64, end: Option<i64>, gpus: f64, mem_gib: f64, team: &str) -> Metered {
     Metered {
         namespace: ns.into(),
+        pod: format!("{ns}-{start}"),
         interval: Interval { start, end },
         rate: Rate {
             gpus,
@@ -40,6 +41,7 @@ fn total(book: &Book, by: By, tenant: &str) -> Totals {
         .map(|r| Totals {
             gpu_seconds: r.gpu_seconds,
             gpu_memory_byte_seconds: r.gpu_memory_byte_seconds,
+            ..Totals::default()
         })
         .unwrap_or_default()
 }
