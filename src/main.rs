@@ -238,6 +238,11 @@ struct NodeArgs {
     /// Percent busy under which a held device counts as idle.
     #[arg(long, value_name = "PERCENT", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
     idle_below: u32,
+    /// What a simulated machine's devices are doing: a telemetry file (the fake
+    /// libnvidia-ml's format, docs/telemetry.md), read again whenever it changes. Simulated
+    /// machines only (--simulate, --simulate-from-node-label).
+    #[arg(long, value_name = "FILE")]
+    simulate_telemetry: Option<PathBuf>,
     #[command(flatten)]
     source: SourceArgs,
     #[command(flatten)]
@@ -428,7 +433,11 @@ fn run_node(mut args: NodeArgs) -> Result<()> {
             args.kubeconfig.is_some() || gpuplane_common::kubeclient::available_without_flags();
         let early_client = simulate_from_node_label(&mut args).await?;
         let boot_id = HostPaths::standard().boot_id();
-        let (source, label) = args.source.open_for_agent(&args.state_dir, &boot_id)?;
+        let (source, label) = args.source.open_for_agent(
+            &args.state_dir,
+            &boot_id,
+            args.simulate_telemetry.as_deref(),
+        )?;
         tracing::info!(node = %args.node_name, source = %label, mode = ?args.source.mode(), version = env!("CARGO_PKG_VERSION"), build = %build_stamp(), "gpuplane node starting");
         let flags = Apis {
             device_plugin: args.device_plugin,

@@ -1,7 +1,7 @@
 //! Where devices come from: the flags every face that reads an inventory shares (`--simulate`,
 //! `--nvml-lib`), and how each face opens its source.
 
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
 use gpuplane_model::source::{DeviceSource, SimSource};
 use std::path::{Path, PathBuf};
 
@@ -57,16 +57,29 @@ impl SourceArgs {
     /// (node::deferred) instead of ending the process; a simulated machine keeps its MIG
     /// instances and compute modes in `state_dir` across agent restarts, as a driver would
     /// (node::kept_sim).
+    /// `telemetry`: `--simulate-telemetry`, read into a simulated machine.
     pub fn open_for_agent(
         &self,
         state_dir: &Path,
         boot_id: &Path,
+        telemetry: Option<&Path>,
     ) -> Result<(Box<dyn DeviceSource>, String)> {
         if let Some(spec) = &self.simulate {
             let sim = SimSource::new(gpuplane_model::sim::load(spec)?);
+            if let Some(file) = telemetry {
+                gpuplane_node::node::sim_telemetry::follow(sim.clone(), file.to_path_buf())
+                    .context("starting the --simulate-telemetry reader")?;
+            }
             let boot = gpuplane_node::dra::checkpoint::read_boot_id(boot_id);
             let kept = gpuplane_node::node::kept_sim::KeptSim::open(sim, state_dir, boot);
             return Ok((Box::new(kept), format!("simulated ({spec})")));
+        }
+        if let Some(file) = telemetry {
+            bail!(
+                "--simulate-telemetry {} drives a simulated machine only; add --simulate (or \
+                 --simulate-from-node-label), or drop it: with NVML the driver reports telemetry",
+                file.display()
+            );
         }
         let lib = self.nvml_lib.clone();
         let source = gpuplane_node::node::deferred::Deferred::new(move || {

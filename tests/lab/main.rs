@@ -13,6 +13,7 @@ mod support;
 mod deploy;
 mod deploy_dynamic_mig;
 mod deploy_mps;
+mod deploy_telemetry;
 mod helm;
 mod real_cluster;
 mod real_cluster_busy_hours;

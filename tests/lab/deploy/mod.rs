@@ -230,7 +230,7 @@ fn machine(name: &str) -> (BTreeSet<String>, BTreeSet<String>) {
 
 /// A pod on `node` printing its environment and sleeping, holding one `nvidia.com/gpu`
 /// (`claim`: false) or one GPU through a claim from DeviceClass gpu.gpuplane.dev.
-fn gpu_pod(lab: &ClusterLab, name: &str, node: &str, claim: bool) {
+pub(crate) fn gpu_pod(lab: &ClusterLab, name: &str, node: &str, claim: bool) {
     let (claims, resources) = if claim {
         (
             format!("  resourceClaims:\n  - {{name: gpu, resourceClaimTemplateName: {name}}}\n"),
@@ -253,7 +253,7 @@ fn gpu_pod(lab: &ClusterLab, name: &str, node: &str, claim: bool) {
 }
 
 /// The GPU UUIDs a pod's container was given (its environment), once it printed it.
-fn pod_gpus(lab: &ClusterLab, pod: &str) -> BTreeSet<String> {
+pub(crate) fn pod_gpus(lab: &ClusterLab, pod: &str) -> BTreeSet<String> {
     let log = eventually(&format!("pod {pod}'s env in its log"), || {
         let out = lab.kubectl(&["logs", pod]);
         let text = String::from_utf8_lossy(&out.stdout).to_string();

@@ -19,6 +19,7 @@ pub mod lock;
 pub mod lost_gpus;
 pub mod owner;
 pub mod podresources;
+pub mod sim_telemetry;
 pub mod simulate;
 pub mod tasks;
 
