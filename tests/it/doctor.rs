@@ -87,9 +87,28 @@ async fn doctor_passes_on_a_ready_node_and_names_each_fault_with_its_fix() {
         assert_eq!(c["status"], "ok", "{c:#}");
     }
     assert!(passed, "{checks:#?}");
-    for name in ["nvml", "kubelet", "cdi", "containerd", "agent"] {
+    for name in [
+        "nvml",
+        "kubelet",
+        "kubelet-apis",
+        "cdi",
+        "containerd",
+        "agent",
+    ] {
         named(&checks, name);
     }
+    // The versions come from the kubelet's refusal of a probe: nothing was registered.
+    let apis = named(&checks, "kubelet-apis")["detail"].as_str().unwrap();
+    assert!(
+        apis.contains("PodResources v1") && apis.contains("registration v1beta1"),
+        "{apis}"
+    );
+    kubelet
+        .wait_for(WAIT, |p| {
+            p.contains_key("nvidia.com/gpu") && !p.contains_key("gpuplane.dev/doctor-probe")
+        })
+        .await
+        .unwrap();
 
     // The CDI directory goes and the agent stops: the doctor fails, naming both and the fix.
     std::fs::rename(root.join("cdi"), root.join("cdi.gone")).unwrap();

@@ -42,7 +42,14 @@ fn doctor_passes_on_a_healthy_node_and_names_a_stopped_agent_and_a_missing_cdi_d
         ok.then_some(checks)
     });
     assert!(failed(&checks).is_empty(), "{checks:#?}");
-    for name in ["nvml", "kubelet", "cdi", "containerd", "agent"] {
+    for name in [
+        "nvml",
+        "kubelet",
+        "kubelet-apis",
+        "cdi",
+        "containerd",
+        "agent",
+    ] {
         assert!(
             checks
                 .iter()

@@ -254,3 +254,57 @@ async fn register(kubelet_sock: &Path, resource: &str, socket: &Path) -> Result<
         .await
         .map_err(|_| RegisterError::Timeout(TIMEOUT))?
 }
+
+/// The device plugin API versions the kubelet at `kubelet_sock` takes, for `gpuplane doctor`:
+/// asked with a version no kubelet takes, it refuses before anything else and names the ones it
+/// does (`requested API version "…" is not supported by kubelet. Supported version is
+/// ["v1beta1"]`, kubelet pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go), so the probe
+/// registers nothing. `Err`: no answer, or an answer that names none.
+pub async fn kubelet_versions(kubelet_sock: &Path) -> Result<Vec<String>, String> {
+    const TIMEOUT: Duration = Duration::from_secs(5);
+    let call = async {
+        let channel = grpc::connect(kubelet_sock)
+            .await
+            .map_err(|e| e.to_string())?;
+        let answer = pb::registration_client::RegistrationClient::new(channel)
+            .register(pb::RegisterRequest {
+                version: "gpuplane-doctor-probe".into(),
+                endpoint: String::new(),
+                resource_name: "gpuplane.dev/doctor-probe".into(),
+                options: None,
+            })
+            .await;
+        match answer {
+            Ok(_) => Err("the kubelet took a registration of version gpuplane-doctor-probe".into()),
+            Err(status) => supported_versions(status.message())
+                .ok_or_else(|| format!("the kubelet answered: {}", status.message())),
+        }
+    };
+    tokio::time::timeout(TIMEOUT, call)
+        .await
+        .map_err(|_| format!("no answer within {TIMEOUT:?}"))?
+}
+
+/// The quoted versions after "Supported version" in the kubelet's refusal.
+fn supported_versions(message: &str) -> Option<Vec<String>> {
+    let (_, list) = message.split_once("Supported version")?;
+    let versions: Vec<String> = list
+        .split('"')
+        .skip(1)
+        .step_by(2)
+        .map(String::from)
+        .collect();
+    (!versions.is_empty()).then_some(versions)
+}
+
+#[cfg(test)]
+mod probe_tests {
+    use super::supported_versions;
+
+    #[test]
+    fn the_kubelets_refusal_names_its_versions() {
+        let m = r#"requested API version "gpuplane-doctor-probe" is not supported by kubelet. Supported version is ["v1beta1"]"#;
+        assert_eq!(supported_versions(m), Some(vec!["v1beta1".to_string()]));
+        assert_eq!(supported_versions("connection reset"), None);
+    }
+}

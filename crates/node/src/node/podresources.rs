@@ -79,6 +79,16 @@ async fn list(socket: &Path) -> Result<pr::ListPodResourcesResponse, PodResource
         .into_inner())
 }
 
+/// How many pods the kubelet's PodResources v1 `List` names, for `gpuplane doctor`.
+pub async fn pods_listed(socket: &Path) -> Result<usize, String> {
+    const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+    match tokio::time::timeout(TIMEOUT, list(socket)).await {
+        Ok(Ok(answer)) => Ok(answer.pod_resources.len()),
+        Ok(Err(e)) => Err(chain(&e).to_string()),
+        Err(_) => Err(format!("no answer within {TIMEOUT:?}")),
+    }
+}
+
 /// What a failing first listing holds up, for its log line.
 fn unknown_note(state: &NodeState) -> &'static str {
     if state.read().awaiting_device_plugin_holds {

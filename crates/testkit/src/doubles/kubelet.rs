@@ -184,9 +184,11 @@ impl pb::registration_server::Registration for RegistrationService {
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::Empty>, Status> {
         let req = req.into_inner();
+        // As the kubelet refuses it (pkg/kubelet/cm/devicemanager/plugin/v1beta1/server.go:
+        // a Go error, so gRPC code Unknown), before looking at anything else.
         if req.version != "v1beta1" {
-            return Err(Status::invalid_argument(format!(
-                "unsupported device plugin API version {}",
+            return Err(Status::unknown(format!(
+                "requested API version {:?} is not supported by kubelet. Supported version is [\"v1beta1\"]",
                 req.version
             )));
         }

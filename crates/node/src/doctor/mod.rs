@@ -1,12 +1,14 @@
 //! `gpuplane doctor`: the checks a platform team walks after a driver or agent upgrade, on the
 //! node, one line each with what to fix. Each check looks at one thing the agent or the
-//! container runtime needs (the driver root and device nodes, NVML, the kubelet's directories
-//! and sockets, CDI in containerd, the MPS program, the MIG capability files, the running
+//! container runtime needs (the driver root and device nodes, NVML, the kubelet's directories,
+//! sockets and the API versions it serves on them, CDI in containerd, the MPS program, the MIG capability files, the running
 //! agent's `/readyz`) and says `ok`, `warn` (works, with a limit worth knowing) or `fail`.
 //!
 //! The pure half, [`containerd_cdi`] and [`Report`], decides from what was read; [`examine`]
 //! reads it. Nothing here writes: a doctor that created a missing directory would hide the
 //! fault the agent meets.
+
+mod kubelet_api;
 
 use crate::cdi::driver::{discover_mounted, ProcCaps};
 use crate::inventory::Inventory;
@@ -32,8 +34,8 @@ pub enum Status {
 /// One line of the report.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Check {
-    /// What was checked: `nvml`, `driver`, `device-nodes`, `kubelet`, `cdi`, `containerd`,
-    /// `mps`, `mig`, `agent`.
+    /// What was checked: `nvml`, `driver`, `device-nodes`, `kubelet`, `kubelet-apis`, `cdi`,
+    /// `containerd`, `mps`, `mig`, `agent`.
     pub check: &'static str,
     pub status: Status,
     /// What was found, naming the path or address.
@@ -152,7 +154,13 @@ pub fn examine(opts: &DoctorOptions, source: Result<&dyn DeviceSource, String>) 
     if hardware {
         checks.extend(driver_files(&opts.paths, inventory.as_ref()));
     }
-    checks.push(kubelet(&opts.paths));
+    let kubelet = kubelet(&opts.paths);
+    let sockets = kubelet.status == Status::Ok;
+    checks.push(kubelet);
+    // Asked only once the sockets exist (else `kubelet` already says what is missing).
+    if sockets {
+        checks.push(kubelet_api::kubelet_apis(&opts.paths));
+    }
     checks.push(cdi_root(&opts.paths.cdi_root));
     checks.push(containerd(&opts.containerd_config, &opts.paths.cdi_root));
     if hardware {
