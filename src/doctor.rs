@@ -1,9 +1,9 @@
 //! `gpuplane doctor`: its flags (the agent's path flags, containerd's config, the agent's
-//! address) and the report printed; the checks are `gpuplane_node::doctor`'s.
+//! address, the smoke pods') and the report printed; the checks are `gpuplane_node::doctor`'s.
 
 use crate::source_args::SourceArgs;
 use crate::Output;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use gpuplane_node::paths::HostPaths;
 use std::path::PathBuf;
 
@@ -22,9 +22,70 @@ pub struct DoctorArgs {
     agent_addr: Option<std::net::SocketAddr>,
     #[command(flatten)]
     source: SourceArgs,
+    #[command(flatten)]
+    smoke: SmokeArgs,
     /// Output format.
     #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
     output: Output,
+}
+
+/// `--smoke`: a pod with one GPU through each kubelet API on this node.
+#[derive(clap::Args)]
+struct SmokeArgs {
+    /// Also run a smoke pod with one GPU through each kubelet API on this node (needs API
+    /// access that may create pods and resourceclaims: an admin's --kubeconfig).
+    #[arg(long)]
+    smoke: bool,
+    /// Kubeconfig for the smoke pods (default: in-cluster, then KUBECONFIG, then ~/.kube/config).
+    #[arg(long, value_name = "FILE")]
+    kubeconfig: Option<PathBuf>,
+    /// This node's name, where the smoke pods run.
+    #[arg(
+        long,
+        env = "NODE_NAME",
+        value_name = "NODE",
+        required_if_eq("smoke", "true")
+    )]
+    node_name: Option<String>,
+    /// The smoke pods' namespace.
+    #[arg(long, value_name = "NS", default_value = "default")]
+    smoke_namespace: String,
+    /// The smoke pods' image (it needs `sh`).
+    #[arg(long, value_name = "IMAGE", default_value = "busybox:1.36")]
+    smoke_image: String,
+    /// The device-plugin resource the first pod asks for.
+    #[arg(long, value_name = "NAME", default_value = "nvidia.com/gpu")]
+    smoke_resource: String,
+    /// The DeviceClass the second pod's claim asks for.
+    #[arg(long, value_name = "NAME", default_value = "gpu.gpuplane.dev")]
+    smoke_device_class: String,
+    /// How long each smoke pod may take.
+    #[arg(long, value_name = "DURATION", default_value = "2m", value_parser = gpuplane_cluster::controller::hours::parse_duration)]
+    smoke_timeout: std::time::Duration,
+}
+
+impl SmokeArgs {
+    /// The smoke checks, when asked for.
+    fn run(self) -> Result<Vec<gpuplane_node::doctor::Check>> {
+        if !self.smoke {
+            return Ok(Vec::new());
+        }
+        let opts = gpuplane_node::doctor::smoke::SmokeOptions {
+            node: self.node_name.unwrap_or_default(),
+            namespace: self.smoke_namespace,
+            image: self.smoke_image,
+            resource: self.smoke_resource,
+            device_class: self.smoke_device_class,
+            timeout: self.smoke_timeout,
+        };
+        let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+        runtime.block_on(async {
+            let client = gpuplane_common::kubeclient::client(self.kubeconfig.as_deref())
+                .await
+                .context("--smoke needs API access (--kubeconfig)")?;
+            Ok(gpuplane_node::doctor::smoke::smoke(client, &opts).await)
+        })
+    }
 }
 
 pub fn run(args: DoctorArgs) -> Result<()> {
@@ -41,7 +102,8 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         .as_ref()
         .map(|(s, _)| s.as_ref())
         .map_err(Clone::clone);
-    let report = gpuplane_node::doctor::examine(&opts, source);
+    let mut report = gpuplane_node::doctor::examine(&opts, source);
+    report.checks.extend(args.smoke.run()?);
     match args.output {
         Output::Table => print!("{}", report.text()),
         Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),

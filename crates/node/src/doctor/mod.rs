@@ -9,6 +9,7 @@
 //! fault the agent meets.
 
 mod kubelet_api;
+pub mod smoke;
 
 use crate::cdi::driver::{discover_mounted, ProcCaps};
 use crate::inventory::Inventory;
