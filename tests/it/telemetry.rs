@@ -381,7 +381,7 @@ async fn a_mig_device_reports_to_its_pod_and_a_failing_or_stalled_device_is_down
     assert_eq!(
         value(&node, UTIL, &held, &[]),
         None,
-        "NVML offers no utilization on a MIG device: no series rather than a made-up 0"
+        "no GPM before Hopper, so no utilization on an A100's MIG device: no series, not a made-up 0"
     );
     wait_value(&node, UP, &failing, &[], 0.0).await;
     wait_value(&node, UP, &stalled, &[], 0.0).await;
@@ -400,6 +400,41 @@ async fn a_mig_device_reports_to_its_pod_and_a_failing_or_stalled_device_is_down
         Some(0.0),
         "still stuck meanwhile"
     );
+}
+
+/// On Hopper a MIG device's utilization comes from GPM samples of its GPU instance, and its
+/// holder's busy counter grows from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hopper_mig_devices_utilization_comes_from_gpm_and_counts_as_busy_time() {
+    // GPU 2 is an H100 with two 3g.40gb devices; GPU 3, an L4, the one `nvidia.com/gpu`.
+    let mut node = node("dynamic-mig-mixed", "flags: {migStrategy: mixed}\n").await;
+    node.dp_devices = 1;
+    node.start(None).await;
+    let inventory = gpuplane_model::sim::load("dynamic-mig-mixed").unwrap();
+    let held = inventory.gpus[2].mig_devices[0].uuid.to_string();
+    support::eventually("the slices", WAIT, || {
+        !node
+            .api
+            .list_json("resource.k8s.io/v1", "resourceslices", None)
+            .is_empty()
+    })
+    .await;
+    let claim = support::put_claim(&node.api, "mig", &[&device_name(&node, &held)]);
+    node.prepare(&claim).await.unwrap();
+    Pod::new(6, "team-a", "mig-user", "main").store(&node, &["mig"]);
+    set_telemetry(&node, json!({ held.clone(): {"gpuUtil": 60} }));
+    let holder = [("api", "dra"), ("pod", "mig-user"), ("claim", "mig")];
+    wait_value(&node, UTIL, &held, &holder, 0.6).await;
+    support::eventually("the MIG holder's busy seconds to grow", WAIT, || {
+        value(
+            &node,
+            "gpuplane_container_gpu_busy_seconds_total",
+            &held,
+            &holder,
+        )
+        .is_some_and(|v| v > 0.0)
+    })
+    .await;
 }
 
 /// The `GpuIdle` Events in `namespace`.

@@ -458,7 +458,8 @@ impl DeviceSource for SimSource {
                         return Some((g, g.memory_mib, kind));
                     }
                     let m = g.mig_devices.iter().find(|m| m.uuid == *uuid)?;
-                    Some((g, m.memory_mib, Answering::MigDevice))
+                    let kind = Answering::MigDevice { gpm: g.has_gpm() };
+                    Some((g, m.memory_mib, kind))
                 })
                 .ok_or_else(|| query(format!("no device {uuid} on this machine")))?;
             if lock(&self.inner.lost).contains(gpu.uuid.as_str()) {

@@ -117,6 +117,7 @@ mod compute;
 mod compute_mode;
 mod device;
 mod events;
+mod gpm;
 mod instances;
 mod links;
 mod memory_limits;

@@ -68,7 +68,7 @@ impl Telemetry {
     }
 
     /// Reads the file again if it changed since the last look.
-    fn refresh(&mut self) {
+    pub(crate) fn refresh(&mut self) {
         let Some(path) = &self.path else {
             return;
         };
@@ -102,7 +102,7 @@ impl Telemetry {
         }
     }
 
-    fn device(&self, uuid: &str) -> &DeviceTelemetry {
+    pub(crate) fn device(&self, uuid: &str) -> &DeviceTelemetry {
         self.file.devices.get(uuid).unwrap_or(&self.idle)
     }
 }

@@ -485,3 +485,79 @@ fn a_stalled_device_holds_up_no_call_on_another_device() {
     assert_eq!(stalling::NOW.load(Ordering::SeqCst), 0);
     close();
 }
+
+/// `nvmlGpmMetricsGet` of GRAPHICS_UTIL between two samples: (code, its per-metric code, value).
+fn gpm_util(a: nvmlGpmSample_t, b: nvmlGpmSample_t) -> (Ret, Ret, f64) {
+    // SAFETY: all-zero is a valid nvmlGpmMetricsGet_t (null samples and strings).
+    let mut r: nvmlGpmMetricsGet_t = unsafe { std::mem::zeroed() };
+    r.version = NVML_GPM_METRICS_GET_VERSION;
+    r.numMetrics = 1;
+    (r.sample1, r.sample2) = (a, b);
+    r.metrics[0].metricId = nvmlGpmMetricId_t_NVML_GPM_METRIC_GRAPHICS_UTIL;
+    // SAFETY: live request.
+    let code = unsafe { gpm::nvmlGpmMetricsGet(&mut r) };
+    (code, r.metrics[0].nvmlReturn, r.metrics[0].value)
+}
+
+fn gpm_sample() -> nvmlGpmSample_t {
+    let mut s = null_mut();
+    // SAFETY: live out-pointer.
+    ok(unsafe { gpm::nvmlGpmSampleAlloc(&mut s) });
+    s
+}
+
+#[test]
+fn gpm_gives_a_mig_instances_utilization_between_two_samples_on_hopper_only() {
+    let _machine = machine();
+    let files = open("h100-mig-single");
+    let (gpu_uuid, migs) = uuids(0);
+    let (mig, gi, _) = migs[0].clone();
+    write(
+        &files.telemetry,
+        &format!(r#"{{"devices": {{"{mig}": {{"gpuUtil": 60}}}}}}"#),
+    );
+    let gpu = by_uuid(&gpu_uuid);
+    let mut support = nvmlGpmSupport_t {
+        version: NVML_GPM_SUPPORT_VERSION,
+        isSupportedDevice: 0,
+    };
+    // SAFETY: live out-pointer.
+    ok(unsafe { gpm::nvmlGpmQueryDeviceSupport(gpu, &mut support) });
+    assert_eq!(support.isSupportedDevice, 1);
+    let (a, b) = (gpm_sample(), gpm_sample());
+    // SAFETY: the parent GPU's handle and live samples, as nvml.h asks.
+    ok(unsafe { gpm::nvmlGpmMigSampleGet(gpu, gi, a) });
+    // One sample, or the same twice, spans no time: nothing to compute.
+    assert_eq!(gpm_util(a, a).0, INVALID_ARGUMENT);
+    std::thread::sleep(Duration::from_millis(20));
+    // SAFETY: as above.
+    ok(unsafe { gpm::nvmlGpmMigSampleGet(gpu, gi, b) });
+    let (code, metric, value) = gpm_util(a, b);
+    assert_eq!((code, metric), (SUCCESS, SUCCESS));
+    assert!((value - 60.0).abs() < 1e-6, "{value}");
+    // A sample of another device does not pair with it; a GPU instance that is not there.
+    let c = gpm_sample();
+    // SAFETY: as above.
+    ok(unsafe { gpm::nvmlGpmSampleGet(gpu, c) });
+    assert_eq!(gpm_util(a, c).0, INVALID_ARGUMENT);
+    // SAFETY: as above.
+    assert_eq!(unsafe { gpm::nvmlGpmMigSampleGet(gpu, 99, c) }, NOT_FOUND);
+    for s in [a, b, c] {
+        // SAFETY: allocated above, freed once.
+        ok(unsafe { gpm::nvmlGpmSampleFree(s) });
+    }
+    close();
+    // No GPM before Hopper: an A100 says so and refuses samples.
+    let _files = open("a100-mig-mixed");
+    let (a100, _) = uuids(0);
+    let a100 = by_uuid(&a100);
+    // SAFETY: live out-pointer.
+    ok(unsafe { gpm::nvmlGpmQueryDeviceSupport(a100, &mut support) });
+    assert_eq!(support.isSupportedDevice, 0);
+    let d = gpm_sample();
+    // SAFETY: as above.
+    assert_eq!(unsafe { gpm::nvmlGpmSampleGet(a100, d) }, NOT_SUPPORTED);
+    // SAFETY: allocated above.
+    ok(unsafe { gpm::nvmlGpmSampleFree(d) });
+    close();
+}

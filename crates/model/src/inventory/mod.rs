@@ -55,6 +55,15 @@ pub struct Gpu {
     pub mig_devices: Vec<MigDevice>,
 }
 
+impl Gpu {
+    /// Whether NVML's GPM (GPU Performance Monitoring) samples this GPU: Hopper and later
+    /// (NVML API reference, `nvmlGpmQueryDeviceSupport`). On a GPU in MIG mode it is the only
+    /// source of a MIG device's utilization.
+    pub fn has_gpm(&self) -> bool {
+        matches!(self.architecture.as_str(), "Hopper" | "Blackwell")
+    }
+}
+
 /// MIG mode now and after the next GPU reset.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "camelCase")]

@@ -24,7 +24,9 @@ pub struct TelemetryFile {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct DeviceTelemetry {
-    /// `nvmlDeviceGetUtilizationRates().gpu`: percent of the last sample period a kernel ran.
+    /// `nvmlDeviceGetUtilizationRates().gpu`: percent of the last sample period a kernel ran;
+    /// on a MIG device of a Hopper or later GPU, its GPU instance's activity as GPM reports it
+    /// (`nvmlGpmMigSampleGet`, NVML_GPM_METRIC_GRAPHICS_UTIL).
     pub gpu_util: u32,
     /// `nvmlDeviceGetUtilizationRates().memory`: percent of it device memory was read or written.
     pub memory_util: u32,
@@ -132,16 +134,19 @@ pub enum Answering {
     /// A whole GPU; in MIG mode NVML offers no utilization counters and its process list is
     /// its MIG devices' (not read, so nothing is counted twice).
     Gpu { mig_mode: bool },
-    /// A MIG device: memory and processes only; the board's facts are read on its GPU.
-    MigDevice,
+    /// A MIG device: memory and processes; utilization only where the GPU has GPM
+    /// (`Gpu::has_gpm`); the board's facts are read on its GPU.
+    MigDevice { gpm: bool },
 }
 
 impl DeviceTelemetry {
     /// The readings a driver would give for this device, whose memory is `memory_total_bytes`:
     /// what the fake NVML library answers, for the simulated source to answer the same.
     pub fn readings(&self, memory_total_bytes: u64, kind: Answering) -> Readings {
-        let board = kind != Answering::MigDevice;
+        let board = !matches!(kind, Answering::MigDevice { .. });
         let util = kind == Answering::Gpu { mig_mode: false };
+        // GPM's activity of a MIG device's GPU instance, what the NVML backend reads there.
+        let gpm = kind == Answering::MigDevice { gpm: true };
         let processes = kind != Answering::Gpu { mig_mode: true };
         let listed = if self.mps_processes().is_empty() {
             self.compute_processes()
@@ -149,7 +154,7 @@ impl DeviceTelemetry {
             self.mps_processes()
         };
         Readings {
-            gpu_util_percent: util.then_some(self.gpu_util),
+            gpu_util_percent: (util || gpm).then_some(self.gpu_util),
             memory_util_percent: util.then_some(self.memory_util),
             memory_used_bytes: Some(self.memory_used().min(memory_total_bytes)),
             memory_total_bytes: Some(memory_total_bytes),

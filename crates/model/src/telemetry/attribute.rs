@@ -22,6 +22,22 @@ pub struct DeviceLabels {
     pub gpu: String,
     /// The MIG profile (`1g.10gb`); empty for a whole GPU.
     pub mig_profile: String,
+    /// The share of its GPU the device is, `(numerator, denominator)`: `(1, 1)` for a GPU,
+    /// the quota's share for a MIG device (`1g.10gb` of a 7-slice GPU: `(1, 7)`); `(0, 0)`:
+    /// unknown, taken as a whole GPU. Not exported as a label.
+    pub gpu_share: (u64, u64),
+}
+
+impl DeviceLabels {
+    /// [`Self::gpu_share`] in whole GPUs.
+    pub fn whole_gpus(&self) -> f64 {
+        match self.gpu_share {
+            (_, 0) => 1.0,
+            // Shares are small fractions (at most 7ths), exact in f64.
+            #[allow(clippy::cast_precision_loss)]
+            (n, d) => n as f64 / d as f64,
+        }
+    }
 }
 
 /// A pod's container, by name.
@@ -173,6 +189,7 @@ mod tests {
                 uuid: name.into(),
                 gpu: "0".into(),
                 mig_profile: String::new(),
+                gpu_share: (1, 1),
             },
         )
     }

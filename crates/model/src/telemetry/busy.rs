@@ -1,6 +1,6 @@
 //! Busy seconds per hold (pure): each sampling round, every hold present in the round before
-//! too adds its busyness ([`HeldUse::busy_percent`], of the whole device) times the time since
-//! that round. A counter only ever grows while its hold lasts, and stays [`LINGER`] after the
+//! too adds its busyness ([`HeldUse::busy_percent`]) in whole GPUs (a MIG device's utilization
+//! times its share of the GPU) times the time since that round. A counter only ever grows while its hold lasts, and stays [`LINGER`] after the
 //! hold ends so that a scrape reads its last value; the controller books what Prometheus kept
 //! of it (busy GPU-hours). A hold whose busyness is unknown (a MIG device without per-process
 //! samples) adds nothing.
@@ -36,7 +36,12 @@ impl BusyCounters {
             let e = self.totals.entry(key).or_insert((0.0, now));
             if held_before {
                 if let Some(p) = u.busy_percent {
-                    e.0 += f64::from(p.min(100)) / 100.0 * since.as_secs_f64();
+                    let scale = if u.busy_of_device {
+                        u.device.whole_gpus()
+                    } else {
+                        1.0
+                    };
+                    e.0 += f64::from(p.min(100)) / 100.0 * scale * since.as_secs_f64();
                 }
             }
             e.1 = now;
@@ -65,6 +70,7 @@ mod tests {
                 uuid: "GPU-1".into(),
                 gpu: "0".into(),
                 mig_profile: String::new(),
+                gpu_share: (1, 1),
             },
             holder: Hold {
                 api: "dra".into(),
@@ -73,6 +79,7 @@ mod tests {
                 ..Hold::default()
             },
             busy_percent: busy,
+            busy_of_device: true,
             memory_used: None,
             memory_total: None,
         }
@@ -98,5 +105,24 @@ mod tests {
         assert!((c.totals()[0].2 - 13.0).abs() < 1e-9);
         c.observe(&[], at(40 + LINGER.as_secs()));
         assert_eq!(c.totals().len(), 0);
+    }
+
+    #[test]
+    fn a_mig_device_counts_its_share_of_the_gpu_and_process_use_counts_as_is() {
+        let t0 = Instant::now();
+        let mut mig = used("m", Some(70));
+        mig.device.mig_profile = "1g.10gb".into();
+        mig.device.gpu_share = (1, 7);
+        let mut share = used("s", Some(30));
+        share.device.uuid = "GPU-2".into();
+        share.busy_of_device = false;
+        share.device.gpu_share = (1, 7);
+        let mut c = BusyCounters::default();
+        c.observe(&[mig.clone(), share.clone()], t0);
+        c.observe(&[mig, share], t0 + Duration::from_secs(10));
+        let t = c.totals();
+        // 70% of a seventh for 10 s; 30% of the GPU's SMs for 10 s.
+        assert!((t[0].2 - 1.0).abs() < 1e-9, "{t:?}");
+        assert!((t[1].2 - 3.0).abs() < 1e-9, "{t:?}");
     }
 }

@@ -25,6 +25,9 @@ pub struct HeldUse {
     pub holder: Hold,
     /// Percent busy; `None`: unknown.
     pub busy_percent: Option<u32>,
+    /// `busy_percent` is the device's own utilization (of the device: a MIG device's share of
+    /// its GPU scales it to whole GPUs), not its processes' SM use (already of the whole GPU).
+    pub busy_of_device: bool,
     pub memory_used: Option<u64>,
     pub memory_total: Option<u64>,
 }
@@ -71,10 +74,12 @@ pub fn held_uses(a: &Attributed) -> Vec<HeldUse> {
                 (true, None) => (own, r.memory_used_bytes),
                 (false, _) => (own, Some(mine.iter().map(|u| u.memory_bytes).sum())),
             };
+            let busy_of_device = whole && r.gpu_util_percent.is_some();
             out.push(HeldUse {
                 device: row.device.clone(),
                 holder: hold.clone(),
                 busy_percent,
+                busy_of_device,
                 memory_used,
                 memory_total: r.memory_total_bytes,
             });
@@ -159,6 +164,7 @@ mod tests {
                 uuid: "GPU-1".into(),
                 gpu: "0".into(),
                 mig_profile: String::new(),
+                gpu_share: (1, 1),
             },
             holder: Hold {
                 api: "dra".into(),
@@ -167,6 +173,7 @@ mod tests {
                 ..Hold::default()
             },
             busy_percent: busy,
+            busy_of_device: true,
             memory_used: Some(1 << 30),
             memory_total: Some(80 << 30),
         }

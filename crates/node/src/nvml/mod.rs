@@ -17,6 +17,7 @@
 mod call;
 mod compute_mode;
 mod events;
+mod gpm;
 mod memory_limits;
 mod mig;
 mod naming;
@@ -44,6 +45,8 @@ pub struct NvmlSource {
     events: events::Events,
     /// The library, where the driver limits GPU memory per cgroup (`memory_limits.rs`).
     memory_limits: Option<PathBuf>,
+    /// MIG devices' last GPM samples (`gpm.rs`).
+    gpm: gpm::GpmSamples,
 }
 
 impl std::fmt::Debug for NvmlSource {
@@ -107,6 +110,7 @@ impl NvmlSource {
             nvml,
             events,
             memory_limits,
+            gpm: gpm::GpmSamples::default(),
         };
         let count = source
             .nvml
@@ -128,8 +132,9 @@ impl NvmlSource {
 
 impl Drop for NvmlSource {
     fn drop(&mut self) {
-        // The event set must go before `nvml` shuts the library down.
+        // The event set and GPM samples must go before `nvml` shuts the library down.
         self.events.free(&self.nvml);
+        self.gpm.free(&self.nvml);
     }
 }
 
@@ -195,7 +200,7 @@ impl DeviceSource for NvmlSource {
     }
 
     fn sample(&self, uuid: &DeviceUuid) -> Result<Readings, SourceError> {
-        telemetry::sample(&self.nvml, uuid)
+        telemetry::sample(&self.nvml, uuid, &self.gpm)
     }
 
     fn create_mig(&self, req: &MigRequest) -> Result<MigDevice, MigChangeError> {

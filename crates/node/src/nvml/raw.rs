@@ -363,3 +363,23 @@ pub(super) fn open_library(
     // this process by `nvml-wrapper`; loading it again only takes another reference.
     unsafe { libloading::Library::new(path) }
 }
+
+/// A GPM sample kept between sampling rounds (`gpm.rs`): a `GpmSample` borrows the `Nvml` it
+/// came from, so it is kept as its handle and made a `GpmSample` again to be used or freed.
+pub(super) struct RawGpmSample(nvml_wrapper_sys::bindings::nvmlGpmSample_t);
+
+// SAFETY: a GPM sample is a buffer NVML fills and reads on the calls it is passed to, with no
+// thread affinity; `gpm.rs` uses each from one thread at a time.
+unsafe impl Send for RawGpmSample {}
+
+/// Keeps `sample` past its borrow of `Nvml`; it must come back through [`gpm_sample`].
+pub(super) fn keep_gpm_sample(sample: nvml_wrapper::gpm::GpmSample<'_>) -> RawGpmSample {
+    RawGpmSample(sample.into_handle())
+}
+
+/// A kept sample as a `GpmSample` of `nvml` again (freed when dropped).
+pub(super) fn gpm_sample(nvml: &Nvml, kept: RawGpmSample) -> nvml_wrapper::gpm::GpmSample<'_> {
+    // SAFETY: `kept` came from `into_handle` of a sample of this same `nvml` (the source holds
+    // one `Nvml` for its life) and is consumed here, so the handle has one owner again.
+    unsafe { nvml_wrapper::gpm::GpmSample::from_handle(nvml, kept.0) }
+}

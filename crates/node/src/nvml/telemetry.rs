@@ -5,6 +5,8 @@
 //! an older driver lacks) leaves its reading out; any other failure fails the whole sample, so
 //! a device that stopped answering is reported down rather than half-read.
 //!
+//! A MIG device's utilization comes from GPM (`gpm.rs`), the only source NVML has for it.
+//!
 //! Processes: in MPS the clients' work runs in the MPS server's context, so
 //! `nvmlDeviceGetComputeRunningProcesses` lists the server and
 //! `nvmlDeviceGetMPSComputeRunningProcesses` the clients with their own memory (NVIDIA's MPS
@@ -14,6 +16,7 @@
 //! clients' memory twice.
 
 use super::call::describe;
+use super::gpm::GpmSamples;
 use crate::inventory::DeviceUuid;
 use crate::source::SourceError;
 use crate::telemetry::{ProcessUse, Readings};
@@ -27,7 +30,10 @@ use nvml_wrapper::{Device, Nvml};
 use std::collections::BTreeMap;
 
 /// `Ok(None)` for a reading the device does not offer; the named failure otherwise.
-fn offered<T>(call: &'static str, r: Result<T, NvmlError>) -> Result<Option<T>, SourceError> {
+pub(super) fn offered<T>(
+    call: &'static str,
+    r: Result<T, NvmlError>,
+) -> Result<Option<T>, SourceError> {
     match r {
         Ok(v) => Ok(Some(v)),
         Err(
@@ -45,7 +51,11 @@ fn offered<T>(call: &'static str, r: Result<T, NvmlError>) -> Result<Option<T>, 
 
 /// Reads device `uuid` (a GPU or a MIG device). A GPU in MIG mode lists no processes: NVML's
 /// list there is the sum of its MIG devices', which are read (and charged) one by one.
-pub(super) fn sample(nvml: &Nvml, uuid: &DeviceUuid) -> Result<Readings, SourceError> {
+pub(super) fn sample(
+    nvml: &Nvml,
+    uuid: &DeviceUuid,
+    gpm: &GpmSamples,
+) -> Result<Readings, SourceError> {
     let d = nvml
         .device_by_uuid(uuid.as_str())
         .map_err(|e| SourceError::Query {
@@ -97,6 +107,9 @@ pub(super) fn sample(nvml: &Nvml, uuid: &DeviceUuid) -> Result<Readings, SourceE
     };
     if processes {
         readings.processes = processes_of(&d)?;
+    }
+    if mig_device == Some(true) && readings.gpu_util_percent.is_none() {
+        readings.gpu_util_percent = gpm.mig_util(nvml, &d, uuid)?;
     }
     Ok(readings)
 }

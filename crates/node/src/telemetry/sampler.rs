@@ -215,9 +215,12 @@ fn devices_of(state: &NodeState, gpu: &DeviceUuid) -> Option<Vec<(DeviceUuid, De
     let snap = state.read();
     let g = snap.inventory.gpus.iter().find(|g| g.uuid == *gpu)?;
     let label = |uuid: &DeviceUuid, mig_profile: String| {
+        // A MIG device is its quota share of the GPU (busy time in whole GPUs).
+        let share = gpuplane_model::quota::catalog::mig_share(&mig_profile, Some(&g.product_name));
         let labels = DeviceLabels {
             uuid: uuid.to_string(),
             gpu: g.index.to_string(),
+            gpu_share: share.map_or((1, 1), |s| (s.numer(), s.denom())),
             mig_profile,
         };
         (uuid.clone(), labels)
