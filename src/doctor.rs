@@ -23,23 +23,25 @@ pub struct DoctorArgs {
     #[command(flatten)]
     source: SourceArgs,
     #[command(flatten)]
-    smoke: SmokeArgs,
+    cluster: ClusterArgs,
     /// Output format.
     #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
     output: Output,
 }
 
-/// `--smoke`: a pod with one GPU through each kubelet API on this node.
+/// The checks through the API server: this node's ResourceSlices, and with `--smoke` a pod
+/// with one GPU through each kubelet API on this node.
 #[derive(clap::Args)]
-struct SmokeArgs {
+struct ClusterArgs {
     /// Also run a smoke pod with one GPU through each kubelet API on this node (needs API
     /// access that may create pods and resourceclaims: an admin's --kubeconfig).
     #[arg(long)]
     smoke: bool,
-    /// Kubeconfig for the smoke pods (default: in-cluster, then KUBECONFIG, then ~/.kube/config).
+    /// Kubeconfig for the API checks (default: in-cluster, then KUBECONFIG, then ~/.kube/config).
     #[arg(long, value_name = "FILE")]
     kubeconfig: Option<PathBuf>,
-    /// This node's name, where the smoke pods run.
+    /// This node's name: its ResourceSlices are checked, the smoke pods run on it. Unset: no
+    /// API checks.
     #[arg(
         long,
         env = "NODE_NAME",
@@ -47,6 +49,9 @@ struct SmokeArgs {
         required_if_eq("smoke", "true")
     )]
     node_name: Option<String>,
+    /// The DRA driver whose slices are checked.
+    #[arg(long, value_name = "NAME", default_value = "gpu.gpuplane.dev")]
+    driver_name: String,
     /// The smoke pods' namespace.
     #[arg(long, value_name = "NS", default_value = "default")]
     smoke_namespace: String,
@@ -64,14 +69,15 @@ struct SmokeArgs {
     smoke_timeout: std::time::Duration,
 }
 
-impl SmokeArgs {
-    /// The smoke checks, when asked for.
+impl ClusterArgs {
+    /// The API checks, when a node is named: the slices always, the smoke pods when asked.
     fn run(self) -> Result<Vec<gpuplane_node::doctor::Check>> {
-        if !self.smoke {
+        use gpuplane_node::doctor::Check;
+        let Some(node) = self.node_name else {
             return Ok(Vec::new());
-        }
+        };
         let opts = gpuplane_node::doctor::smoke::SmokeOptions {
-            node: self.node_name.unwrap_or_default(),
+            node: node.clone(),
             namespace: self.smoke_namespace,
             image: self.smoke_image,
             resource: self.smoke_resource,
@@ -80,10 +86,28 @@ impl SmokeArgs {
         };
         let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
         runtime.block_on(async {
-            let client = gpuplane_common::kubeclient::client(self.kubeconfig.as_deref())
-                .await
-                .context("--smoke needs API access (--kubeconfig)")?;
-            Ok(gpuplane_node::doctor::smoke::smoke(client, &opts).await)
+            let client = match gpuplane_common::kubeclient::client(self.kubeconfig.as_deref()).await
+            {
+                Ok(c) => c,
+                Err(e) => {
+                    let why = format!("no API access: {e:#}");
+                    let fix =
+                        "pass --kubeconfig, or unset --node-name/NODE_NAME to skip the API checks";
+                    let mut out = vec![Check::fail("slices", why.clone(), fix)];
+                    if self.smoke {
+                        out.push(Check::fail("smoke", why, fix));
+                    }
+                    return Ok(out);
+                }
+            };
+            let mut out = vec![
+                gpuplane_node::doctor::slices::slices(client.clone(), &node, &self.driver_name)
+                    .await,
+            ];
+            if self.smoke {
+                out.extend(gpuplane_node::doctor::smoke::smoke(client, &opts).await);
+            }
+            Ok(out)
         })
     }
 }
@@ -103,7 +127,7 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         .map(|(s, _)| s.as_ref())
         .map_err(Clone::clone);
     let mut report = gpuplane_node::doctor::examine(&opts, source);
-    report.checks.extend(args.smoke.run()?);
+    report.checks.extend(args.cluster.run()?);
     match args.output {
         Output::Table => print!("{}", report.text()),
         Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),

@@ -9,6 +9,7 @@
 //! fault the agent meets.
 
 mod kubelet_api;
+pub mod slices;
 pub mod smoke;
 
 use crate::cdi::driver::{discover_mounted, ProcCaps};
@@ -36,7 +37,7 @@ pub enum Status {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Check {
     /// What was checked: `nvml`, `driver`, `device-nodes`, `kubelet`, `kubelet-apis`, `cdi`,
-    /// `containerd`, `mps`, `mig`, `agent`.
+    /// `containerd`, `mps`, `mig`, `agent`, `slices`, `smoke-device-plugin`, `smoke-dra`.
     pub check: &'static str,
     pub status: Status,
     /// What was found, naming the path or address.
@@ -46,7 +47,7 @@ pub struct Check {
 }
 
 impl Check {
-    fn ok(check: &'static str, detail: impl Into<String>) -> Check {
+    pub fn ok(check: &'static str, detail: impl Into<String>) -> Check {
         Check {
             check,
             status: Status::Ok,
@@ -55,7 +56,7 @@ impl Check {
         }
     }
 
-    fn warn(check: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Check {
+    pub fn warn(check: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Check {
         Check {
             check,
             status: Status::Warn,
@@ -64,7 +65,7 @@ impl Check {
         }
     }
 
-    fn fail(check: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Check {
+    pub fn fail(check: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Check {
         Check {
             check,
             status: Status::Fail,
