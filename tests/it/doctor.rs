@@ -87,14 +87,7 @@ async fn doctor_passes_on_a_ready_node_and_names_each_fault_with_its_fix() {
         assert_eq!(c["status"], "ok", "{c:#}");
     }
     assert!(passed, "{checks:#?}");
-    for name in [
-        "nvml",
-        "kubelet",
-        "kubelet-apis",
-        "cdi",
-        "containerd",
-        "agent",
-    ] {
+    for name in support::DOCTOR_NODE_CHECKS {
         named(&checks, name);
     }
     // The versions come from the kubelet's refusal of a probe: nothing was registered.

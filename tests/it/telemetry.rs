@@ -324,6 +324,17 @@ fn device_name(node: &Node, uuid: &str) -> String {
         .unwrap_or_else(|| panic!("no device {uuid} in {slices:?}"))
 }
 
+/// Waits until the agent published its ResourceSlices.
+async fn slices_published(node: &Node) {
+    support::eventually("the slices", WAIT, || {
+        !node
+            .api
+            .list_json("resource.k8s.io/v1", "resourceslices", None)
+            .is_empty()
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mig_device_reports_to_its_pod_and_a_failing_or_stalled_device_is_down_not_dropped() {
     let mut node = node("a100-mig-mixed", "flags: {migStrategy: mixed}\n").await;
@@ -334,13 +345,7 @@ async fn a_mig_device_reports_to_its_pod_and_a_failing_or_stalled_device_is_down
     let (held, stalled) = (mig(0, 0), mig(1, 0));
     let failing = node.uuids[3].clone();
 
-    support::eventually("the slices", WAIT, || {
-        !node
-            .api
-            .list_json("resource.k8s.io/v1", "resourceslices", None)
-            .is_empty()
-    })
-    .await;
+    slices_published(&node).await;
     let name = device_name(&node, &held);
     let claim = support::put_claim(&node.api, "mig", &[&name]);
     node.prepare(&claim).await.unwrap();
@@ -412,13 +417,7 @@ async fn a_hopper_mig_devices_utilization_comes_from_gpm_and_counts_as_busy_time
     node.start(None).await;
     let inventory = gpuplane_model::sim::load("dynamic-mig-mixed").unwrap();
     let held = inventory.gpus[2].mig_devices[0].uuid.to_string();
-    support::eventually("the slices", WAIT, || {
-        !node
-            .api
-            .list_json("resource.k8s.io/v1", "resourceslices", None)
-            .is_empty()
-    })
-    .await;
+    slices_published(&node).await;
     let claim = support::put_claim(&node.api, "mig", &[&device_name(&node, &held)]);
     node.prepare(&claim).await.unwrap();
     Pod::new(6, "team-a", "mig-user", "main").store(&node, &["mig"]);

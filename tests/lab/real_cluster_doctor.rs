@@ -49,18 +49,11 @@ fn doctor_passes_on_a_healthy_node_and_names_a_stopped_agent_and_a_missing_cdi_d
         ok.then_some(checks)
     });
     assert!(failed(&checks).is_empty(), "{checks:#?}");
-    for name in [
-        "nvml",
-        "kubelet",
-        "kubelet-apis",
-        "cdi",
-        "containerd",
-        "agent",
-    ] {
+    for name in support::DOCTOR_NODE_CHECKS {
         assert!(
             checks
                 .iter()
-                .any(|c| c["check"] == name && c["status"] == "ok"),
+                .any(|c| c["check"] == *name && c["status"] == "ok"),
             "{name} ok in {checks:#?}"
         );
     }

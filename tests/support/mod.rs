@@ -316,6 +316,16 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)>
     Some((code, body))
 }
 
+/// The checks `gpuplane doctor` runs on a simulated node with a running agent.
+pub const DOCTOR_NODE_CHECKS: &[&str] = &[
+    "nvml",
+    "kubelet",
+    "kubelet-apis",
+    "cdi",
+    "containerd",
+    "agent",
+];
+
 /// What `gpuplane doctor -o json` printed: whether it passed, and its checks.
 pub fn doctor_report(out: &std::process::Output) -> (bool, Vec<serde_json::Value>) {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {

@@ -9,9 +9,10 @@
 //! samples; a metric between two samples is the counter's growth over their distance, so one
 //! sample alone, or two of different devices, gives nothing, as on the hardware.
 
-use crate::state::{with_fake, Dev};
+use crate::state::{with_fake, Dev, Fake};
 use crate::{entry, put, Ret, ARGUMENT_VERSION_MISMATCH, INVALID_ARGUMENT, NOT_FOUND};
 use crate::{NOT_SUPPORTED, SUCCESS, UNKNOWN};
+use gpuplane_model::inventory::Gpu;
 use nvml_wrapper_sys::bindings::*;
 use std::collections::BTreeMap;
 use std::ffi::c_uint;
@@ -100,16 +101,8 @@ pub unsafe extern "C" fn nvmlGpmSampleGet(
 ) -> nvmlReturn_t {
     entry(|| {
         let (uuid, util, fail) = with_fake(|f| {
-            let g = match f.dev(device)? {
-                Dev::Gpu(_, g) => g.clone(),
-                Dev::Mig(..) => return Err(INVALID_ARGUMENT),
-            };
-            if !g.has_gpm() {
-                return Err(NOT_SUPPORTED);
-            }
-            f.telemetry.refresh();
-            let own = f.telemetry.device(g.uuid.as_str());
-            Ok((g.uuid.to_string(), own.gpu_util, own.fail))
+            let g = gpm_gpu(f, device)?;
+            Ok(activity(f, g.uuid.as_str()))
         })?;
         take(sample, uuid, util, fail)
     })
@@ -123,13 +116,7 @@ pub unsafe extern "C" fn nvmlGpmMigSampleGet(
 ) -> nvmlReturn_t {
     entry(|| {
         let (uuid, util, fail) = with_fake(|f| {
-            let g = match f.dev(device)? {
-                Dev::Gpu(_, g) => g.clone(),
-                Dev::Mig(..) => return Err(INVALID_ARGUMENT),
-            };
-            if !g.has_gpm() {
-                return Err(NOT_SUPPORTED);
-            }
+            let g = gpm_gpu(f, device)?;
             if !g.mig.current {
                 return Err(INVALID_ARGUMENT);
             }
@@ -139,12 +126,26 @@ pub unsafe extern "C" fn nvmlGpmMigSampleGet(
                 .iter()
                 .find(|m| m.gpu_instance_id == gpu_instance_id)
                 .ok_or(NOT_FOUND)?;
-            f.telemetry.refresh();
-            let own = f.telemetry.device(mig.uuid.as_str());
-            Ok((mig.uuid.to_string(), own.gpu_util, own.fail))
+            Ok(activity(f, mig.uuid.as_str()))
         })?;
         take(sample, uuid, util, fail)
     })
+}
+
+/// The GPU a GPM sample is taken on: a whole GPU's handle, of a GPU with GPM.
+fn gpm_gpu(f: &Fake, device: nvmlDevice_t) -> Result<Gpu, Ret> {
+    match f.dev(device)? {
+        Dev::Gpu(_, g) if g.has_gpm() => Ok(g.clone()),
+        Dev::Gpu(..) => Err(NOT_SUPPORTED),
+        Dev::Mig(..) => Err(INVALID_ARGUMENT),
+    }
+}
+
+/// Device `uuid`'s activity now, from the telemetry file: (uuid, percent, failing).
+fn activity(f: &mut Fake, uuid: &str) -> (String, u32, bool) {
+    f.telemetry.refresh();
+    let own = f.telemetry.device(uuid);
+    (uuid.to_string(), own.gpu_util, own.fail)
 }
 
 /// Moves `device`'s counter to now at `util` percent since its last move and records it in

@@ -64,26 +64,7 @@ impl BusyCounters {
 mod tests {
     use super::*;
 
-    fn used(pod: &str, busy: Option<u32>) -> HeldUse {
-        HeldUse {
-            device: DeviceLabels {
-                uuid: "GPU-1".into(),
-                gpu: "0".into(),
-                mig_profile: String::new(),
-                gpu_share: (1, 1),
-            },
-            holder: Hold {
-                api: "dra".into(),
-                namespace: "ml".into(),
-                pod: pod.into(),
-                ..Hold::default()
-            },
-            busy_percent: busy,
-            busy_of_device: true,
-            memory_used: None,
-            memory_total: None,
-        }
-    }
+    use crate::telemetry::idle::held_use as used;
 
     #[test]
     fn a_hold_adds_its_busyness_times_the_time_since_the_round_before() {

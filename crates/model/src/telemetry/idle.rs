@@ -154,29 +154,35 @@ pub fn idle_note(u: &HeldUse, idle_for: Duration) -> String {
     )
 }
 
+/// A whole GPU held through DRA by pod `pod` in `ml`, `busy` percent busy, 1 of 80 GiB used.
+#[cfg(test)]
+pub(crate) fn held_use(pod: &str, busy: Option<u32>) -> HeldUse {
+    HeldUse {
+        device: DeviceLabels {
+            uuid: "GPU-1".into(),
+            gpu: "0".into(),
+            mig_profile: String::new(),
+            gpu_share: (1, 1),
+        },
+        holder: Hold {
+            api: "dra".into(),
+            namespace: "ml".into(),
+            pod: pod.into(),
+            ..Hold::default()
+        },
+        busy_percent: busy,
+        busy_of_device: true,
+        memory_used: Some(1 << 30),
+        memory_total: Some(80 << 30),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn used(busy: Option<u32>) -> HeldUse {
-        HeldUse {
-            device: DeviceLabels {
-                uuid: "GPU-1".into(),
-                gpu: "0".into(),
-                mig_profile: String::new(),
-                gpu_share: (1, 1),
-            },
-            holder: Hold {
-                api: "dra".into(),
-                namespace: "ml".into(),
-                pod: "p".into(),
-                ..Hold::default()
-            },
-            busy_percent: busy,
-            busy_of_device: true,
-            memory_used: Some(1 << 30),
-            memory_total: Some(80 << 30),
-        }
+        held_use("p", busy)
     }
 
     #[test]
