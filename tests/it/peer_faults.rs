@@ -465,7 +465,12 @@ async fn nvml_failing_at_start_up_is_retried_then_the_gpus_that_answer_are_serve
     let mut agent = AgentProcess::spawn(
         dir.path(),
         "",
-        &["--nvml-lib", lib.to_str().unwrap()],
+        &[
+            "--nvml-lib",
+            lib.to_str().unwrap(),
+            "--telemetry-interval",
+            "100ms",
+        ],
         &[
             ("GPUPLANE_FAKE_NVML_PROFILE", "dgx-h100".as_ref()),
             ("GPUPLANE_FAKE_NVML_CONTROL", control.as_os_str()),
@@ -515,6 +520,30 @@ async fn nvml_failing_at_start_up_is_retried_then_the_gpus_that_answer_are_serve
         agent.get("/readyz").is_some_and(|(c, _)| c == 200)
     })
     .await;
+    // GPU 3 answers again: rediscovered, served, and sampled by a thread started for it.
+    let gpu3 = gpuplane_model::sim::load("dgx-h100").unwrap().gpus[3]
+        .uuid
+        .to_string();
+    let sampled = || {
+        let (_, text) = agent.get("/metrics").unwrap_or_default();
+        gpuplane_testkit::metrics_text::series(&text, "gpuplane_device_up")
+            .iter()
+            .any(|(l, v)| l["uuid"] == gpu3 && *v == 1.0)
+    };
+    assert!(!sampled(), "GPU 3 was lost at start");
+    writeln!(
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&control)
+            .unwrap(),
+        "restore 3"
+    )
+    .unwrap();
+    kubelet
+        .wait_for(WAIT, |p| p.get(GPU).is_some_and(|v| v.healthy() == 8))
+        .await
+        .unwrap();
+    eventually("GPU 3's telemetry", WAIT, sampled).await;
     assert!(agent.running());
     agent.kill();
 }

@@ -420,10 +420,17 @@ async fn a_hopper_mig_devices_utilization_comes_from_gpm_and_counts_as_busy_time
     slices_published(&node).await;
     let claim = support::put_claim(&node.api, "mig", &[&device_name(&node, &held)]);
     node.prepare(&claim).await.unwrap();
-    Pod::new(6, "team-a", "mig-user", "main").store(&node, &["mig"]);
-    set_telemetry(&node, json!({ held.clone(): {"gpuUtil": 60} }));
+    let pod = Pod::new(6, "team-a", "mig-user", "main");
+    pod.store(&node, &["mig"]);
+    pod.runs(&node, 301);
+    set_telemetry(
+        &node,
+        json!({ held.clone(): {"gpuUtil": 60, "processes": [{"pid": 301, "memoryBytes": GIB}]} }),
+    );
     let holder = [("api", "dra"), ("pod", "mig-user"), ("claim", "mig")];
     wait_value(&node, UTIL, &held, &holder, 0.6).await;
+    let container = [("pod", "mig-user"), ("container", "main")];
+    wait_value(&node, MEMORY, &held, &container, GIB as f64).await;
     support::eventually("the MIG holder's busy seconds to grow", WAIT, || {
         value(
             &node,

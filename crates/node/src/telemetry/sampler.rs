@@ -142,8 +142,10 @@ impl Samples {
     }
 }
 
-/// Starts one sampling thread per GPU the node has now, every `interval`; `host_proc` is the
-/// host's /proc (read-only), where each process's cgroup names its container.
+/// Starts the sampling: one thread per GPU, every `interval`, for the GPUs the node has now
+/// and, checked every interval, those that join it later (a GPU lost at start that answers
+/// again, a rediscovery); `host_proc` is the host's /proc (read-only), where each process's
+/// cgroup names its container.
 pub fn start(
     source: Arc<dyn DeviceSource>,
     state: Arc<NodeState>,
@@ -157,56 +159,94 @@ pub fn start(
         wake: Condvar::new(),
         sleeping: Mutex::new(()),
     });
-    let gpus: Vec<DeviceUuid> = state
-        .read()
-        .inventory
-        .gpus
-        .iter()
-        .map(|g| g.uuid.clone())
-        .collect();
-    for gpu in gpus {
-        let (source, state, samples, host_proc) = (
-            source.clone(),
-            state.clone(),
-            samples.clone(),
-            host_proc.clone(),
-        );
-        std::thread::Builder::new()
-            .name("gpuplane-sample".into())
-            .stack_size(256 * 1024)
-            .spawn(move || {
-                let mut devices = Vec::new();
-                loop {
-                    // A GPU missing from the inventory (lost) keeps its last device list: each
-                    // is asked, fails, and is reported down rather than dropped.
-                    if let Some(now) = devices_of(&state, &gpu) {
-                        let gone: Vec<&DeviceUuid> = devices
-                            .iter()
-                            .map(|(u, _)| u)
-                            .filter(|u| !now.iter().any(|(n, _)| n == *u))
-                            .collect();
-                        samples.forget(&gone);
-                        devices = now;
-                    }
-                    for device in &devices {
-                        let asked = (Instant::now(), device.1.clone());
-                        lock(&samples.book).asking.insert(device.0.clone(), asked);
-                        let (sample, containers) = match source.sample(&device.0) {
-                            Ok(r) => {
-                                let containers = containers_of(&r, host_proc.as_deref());
-                                (Sample::Answered(r), containers)
-                            }
-                            Err(e) => (Sample::Failed(e.to_string()), BTreeMap::new()),
-                        };
-                        samples.record(device, sample, containers);
-                    }
-                    if !samples.pause() {
-                        return;
-                    }
+    let sampler = Sampler {
+        source,
+        state,
+        samples: samples.clone(),
+        host_proc,
+    };
+    let mut started = BTreeSet::new();
+    sampler.start_new(&mut started)?;
+    std::thread::Builder::new()
+        .name("gpuplane-sample-gpus".into())
+        .stack_size(256 * 1024)
+        .spawn(move || {
+            while sampler.samples.pause() {
+                if let Err(e) = sampler.start_new(&mut started) {
+                    tracing::warn!(error = %e, "device telemetry: cannot start a sampling thread; trying again next interval");
                 }
-            })?;
-    }
+            }
+        })?;
     Ok(samples)
+}
+
+/// What each GPU's sampling thread works with.
+#[derive(Clone)]
+struct Sampler {
+    source: Arc<dyn DeviceSource>,
+    state: Arc<NodeState>,
+    samples: Arc<Samples>,
+    host_proc: Option<PathBuf>,
+}
+
+impl Sampler {
+    /// Starts a thread for each GPU in the inventory without one (`started`).
+    fn start_new(&self, started: &mut BTreeSet<DeviceUuid>) -> std::io::Result<()> {
+        let gpus: Vec<DeviceUuid> = self
+            .state
+            .read()
+            .inventory
+            .gpus
+            .iter()
+            .map(|g| g.uuid.clone())
+            .filter(|u| !started.contains(u))
+            .collect();
+        for gpu in gpus {
+            let me = self.clone();
+            let name = gpu.clone();
+            std::thread::Builder::new()
+                .name("gpuplane-sample".into())
+                .stack_size(256 * 1024)
+                .spawn(move || me.run(&name))?;
+            started.insert(gpu);
+        }
+        Ok(())
+    }
+
+    /// Samples GPU `gpu` and its MIG devices every interval until stopped.
+    fn run(&self, gpu: &DeviceUuid) {
+        let mut devices = Vec::new();
+        loop {
+            // A GPU missing from the inventory (lost) keeps its last device list: each is
+            // asked, fails, and is reported down rather than dropped.
+            if let Some(now) = devices_of(&self.state, gpu) {
+                let gone: Vec<&DeviceUuid> = devices
+                    .iter()
+                    .map(|(u, _)| u)
+                    .filter(|u| !now.iter().any(|(n, _)| n == *u))
+                    .collect();
+                self.samples.forget(&gone);
+                devices = now;
+            }
+            for device in &devices {
+                let asked = (Instant::now(), device.1.clone());
+                lock(&self.samples.book)
+                    .asking
+                    .insert(device.0.clone(), asked);
+                let (sample, containers) = match self.source.sample(&device.0) {
+                    Ok(r) => {
+                        let containers = containers_of(&r, self.host_proc.as_deref());
+                        (Sample::Answered(r), containers)
+                    }
+                    Err(e) => (Sample::Failed(e.to_string()), BTreeMap::new()),
+                };
+                self.samples.record(device, sample, containers);
+            }
+            if !self.samples.pause() {
+                return;
+            }
+        }
+    }
 }
 
 /// GPU `gpu` and its MIG devices as the node has them now, labelled; `None` while the GPU is
