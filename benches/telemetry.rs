@@ -48,7 +48,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 const PROFILE: &str = "h100-mig-single";
-const NODE: &str = "bench";
+/// The node the agents run as: `support::node_command`'s, so their pods are this node's.
+use support::NODE;
 const RESOURCE: &str = "nvidia.com/gpu";
 const CONFIG: &str = "flags: {migStrategy: single}\n";
 /// Processes per MIG device, all in the container of the pod holding it.

@@ -134,6 +134,7 @@ impl Agent {
     /// telemetry on, every device's readings and every container's use attributed.
     pub async fn wait_ready(&self, holders: usize, telemetry: bool) {
         let deadline = Instant::now() + WAIT;
+        let mut seen = String::new();
         loop {
             if let Some(body) = self.scrape() {
                 let held = samples(&body)
@@ -160,10 +161,19 @@ impl Agent {
                 if ready {
                     return;
                 }
+                let memory_lines: Vec<&str> = samples(&body)
+                    .filter(|l| l.starts_with("gpuplane_container_gpu_memory_used_bytes{"))
+                    .take(2)
+                    .collect();
+                seen = format!(
+                    "held {held}, attributed memory {}, device_up {} of {holders}; {memory_lines:?}",
+                    attributed("gpuplane_container_gpu_memory_used_bytes{"),
+                    attributed("gpuplane_device_up{")
+                );
             }
             assert!(
                 Instant::now() < deadline,
-                "{}: not ready within {WAIT:?}\n{}",
+                "{}: not ready within {WAIT:?} ({seen})\n{}",
                 self.what,
                 self.log()
             );
