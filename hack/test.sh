@@ -19,7 +19,8 @@ need_apt=()
 # The CDI tests run containers with podman + runc from a busybox-static image; the lab's
 # Prometheus (busy GPU-hours, the dashboard's queries) is Debian's package.
 for pkg in podman runc busybox-static prometheus; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+  # Installed, not merely known (a removed package keeps "deinstall ok config-files").
+  [[ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null)" == "install ok installed" ]] || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
