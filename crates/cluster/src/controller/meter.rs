@@ -248,15 +248,8 @@ impl Meter {
         quotas: &BTreeMap<String, Vec<String>>,
         upto: i64,
     ) -> Result<BTreeMap<hours::Series, hours::Totals>, HoursError> {
-        let book = match self.book.clone() {
-            Some((b, _)) => b,
-            None => {
-                let api: Api<ConfigMap> = Api::namespaced(client.clone(), &self.opts.namespace);
-                let (b, rv) = read(&api, &self.object()).await?;
-                self.book = Some((b.clone(), rv));
-                b
-            }
-        };
+        let (book, rv) = self.current(client).await?;
+        self.book = Some((book.clone(), rv));
         let Some(window @ (from, to)) = hours::busy_window(&book, upto) else {
             return Ok(BTreeMap::new());
         };
@@ -303,6 +296,17 @@ impl Meter {
         out
     }
 
+    /// The book as last read or written, else read now, with its resourceVersion.
+    async fn current(&self, client: &kube::Client) -> Result<(Arc<Book>, String), HoursError> {
+        match self.book.clone() {
+            Some(b) => Ok(b),
+            None => {
+                let api: Api<ConfigMap> = Api::namespaced(client.clone(), &self.opts.namespace);
+                read(&api, &self.object()).await
+            }
+        }
+    }
+
     fn object(&self) -> String {
         format!("{}/{BOOK_NAME}", self.opts.namespace)
     }
@@ -318,10 +322,7 @@ impl Meter {
         let api: Api<ConfigMap> = Api::namespaced(client.clone(), &self.opts.namespace);
         let object = self.object();
         for _ in 0..CONFLICT_RETRIES {
-            let (book, rv) = match self.book.clone() {
-                Some(b) => b,
-                None => read(&api, &object).await?,
-            };
+            let (book, rv) = self.current(client).await?;
             let Some(out) = account(&book).filter(|out| out.book != *book) else {
                 self.book = Some((book, rv));
                 return Ok(None);

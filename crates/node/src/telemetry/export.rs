@@ -39,6 +39,11 @@ fn series(d: &DeviceLabels, h: &Hold) -> Series {
     }
 }
 
+/// A value per (device, hold) as series.
+fn per_hold(values: &[(DeviceLabels, Hold, f64)]) -> Vec<(Series, f64)> {
+    values.iter().map(|(d, h, v)| (series(d, h), *v)).collect()
+}
+
 /// One scrape's telemetry.
 #[derive(Debug)]
 pub struct TelemetryGauges {
@@ -187,27 +192,17 @@ impl Collector for TelemetryGauges {
             "Share of the device's SMs a container's processes kept busy (NVML per-process samples, where the device offers them).",
             &busy,
         )?;
-        let busy_seconds: Vec<(Series, f64)> = self
-            .busy
-            .iter()
-            .map(|(d, h, s)| (series(d, h), *s))
-            .collect();
         metrics::counters(
             &mut e,
             "gpuplane_container_gpu_busy_seconds",
             "Utilization-weighted seconds a hold's device was busy, in whole-GPU seconds (device utilization for a whole-device holder, its own processes' SM share for a share); restarts from 0 with the agent; `gpuplane controller --prometheus-url` books it as busy GPU-hours.",
-            &busy_seconds,
+            &per_hold(&self.busy),
         )?;
-        let idle: Vec<(Series, f64)> = self
-            .idle
-            .iter()
-            .map(|(d, h, s)| (series(d, h), *s))
-            .collect();
         metrics::gauges(
             &mut e,
             "gpuplane_held_device_idle_seconds",
             "How long a hold's device has stayed under the idle threshold (0 while busy); only with --idle-after.",
-            &idle,
+            &per_hold(&self.idle),
         )
     }
 }
