@@ -110,9 +110,18 @@ impl PodRunner {
                         if lock(&kids).contains_key(&name) {
                             continue;
                         }
-                        if let Some(child) = run(&program, &env, &pod) {
-                            lock(&log).push(name.clone());
-                            lock(&kids).insert(name, child);
+                        // Recorded before the spawn: whatever the new container does is
+                        // seen after its start is (this task may be descheduled right after
+                        // the spawn, long enough for the container to serve).
+                        let mut started = lock(&log);
+                        started.push(name.clone());
+                        match run(&program, &env, &pod) {
+                            Some(child) => {
+                                lock(&kids).insert(name, child);
+                            }
+                            None => {
+                                started.pop();
+                            }
                         }
                     }
                 }
