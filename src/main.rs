@@ -130,6 +130,12 @@ struct ControllerArgs {
     /// e.g. nvidia.com/gpu=4 (repeatable).
     #[arg(long = "time-sliced", value_name = "RESOURCE=REPLICAS", value_parser = parse_time_sliced)]
     time_sliced: Vec<(String, u32)>,
+    /// Kueue runs in this cluster: the GPU pods it governs (label kueue.x-k8s.io/queue-name,
+    /// its admission gate, the pods of jobs it admitted) are its alone: never gated, charged
+    /// or preempted by a GpuQuota, and explained with Kueue's own reason. Without it, such a
+    /// pod in a namespace with a GpuQuota is refused (docs/kueue.md).
+    #[arg(long)]
+    kueue: bool,
     #[command(flatten)]
     hours: hours::HoursArgs,
 }
@@ -162,8 +168,13 @@ enum ExplainWhat {
         #[arg(value_name = "NAMESPACE/NAME", value_parser = parse_pod_ref)]
         pod: (String, String),
     },
-    /// Every Pending pod of a namespace.
+    /// Every Pending pod of a namespace, and the jobs Kueue holds there before their pods exist.
     Namespace { namespace: String },
+    /// A Job: Kueue's answer while Kueue holds it, else its Pending pods'.
+    Job {
+        #[arg(value_name = "NAMESPACE/NAME", value_parser = parse_pod_ref)]
+        job: (String, String),
+    },
 }
 
 fn parse_pod_ref(s: &str) -> Result<(String, String), String> {
@@ -352,6 +363,9 @@ fn run_explain(args: ExplainArgs) -> Result<()> {
             ExplainWhat::Namespace { namespace } => {
                 explain_cli::namespace(&client, settings, namespace, args.live).await?
             }
+            ExplainWhat::Job { job: (ns, name) } => {
+                explain_cli::job(&client, settings, ns, name, args.live).await?
+            }
         };
         anyhow::Ok(answers)
     })?;
@@ -359,7 +373,7 @@ fn run_explain(args: ExplainArgs) -> Result<()> {
         (Output::Json, ExplainWhat::Pod { .. }) => {
             println!("{}", serde_json::to_string_pretty(&answers.first())?)
         }
-        (Output::Json, ExplainWhat::Namespace { .. }) => {
+        (Output::Json, ExplainWhat::Namespace { .. } | ExplainWhat::Job { .. }) => {
             println!("{}", serde_json::to_string_pretty(&answers)?)
         }
         (Output::Table, _) => print!("{}", explain_cli::render_table(&answers)),
@@ -408,6 +422,7 @@ fn run_controller(args: ControllerArgs) -> Result<()> {
         opts.metrics_addr = args.metrics_addr;
         opts.catalog.drivers = args.driver_names;
         opts.catalog.time_slicing = args.time_sliced.into_iter().collect();
+        opts.kueue = args.kueue;
         tracing::info!(namespace = %args.namespace, leader_elect = args.leader_elect, "gpuplane controller starting");
         // The webhook serves on every replica; the quota loops run on the Lease holder.
         let shutdown = termination()?;
@@ -420,6 +435,7 @@ fn run_controller(args: ControllerArgs) -> Result<()> {
         loops.leader_elect = args.leader_elect;
         loops.queue.catalog = opts.catalog.clone();
         loops.queue.hours = Some(args.hours.options(&args.namespace));
+        loops.queue.settings.kueue = args.kueue;
         gpuplane_cluster::replica::run(client, opts, loops, shutdown).await?;
         tracing::info!("gpuplane controller stopped");
         Ok(())

@@ -6,7 +6,8 @@
 # component is rebuilt only when one of those changes. All binaries are then linked into
 #   ${GPUPLANE_CLUSTER_CACHE}/bin-<key of all>/
 # whose path is the last line printed (GPUPLANE_CLUSTER_BIN=...).
-#   ./hack/cluster/build.sh               everything (kubemark too; helm for tests/lab/helm.rs)
+#   ./hack/cluster/build.sh               everything (kubemark too; helm for tests/lab/helm.rs,
+#                                         kueue for tests/lab/real_cluster_kueue.rs)
 #   ./hack/cluster/build.sh etcd kubernetes   only these components
 #   ./hack/cluster/build.sh kwok          kwok alone, for benches/pending_scale.rs: not in the
 #                                         default set, so the tests' bin-<key> (and CI's cache)
@@ -59,10 +60,11 @@ declare -A bins=(
   [cri-tools]="crictl"
   [helm]="helm"
   [kwok]="kwok"
+  [kueue]="kueue"
 )
 components=("$@")
 # The default set is what the tests need; kwok (the scale bench only) is built when named.
-((${#components[@]})) || components=(etcd kubernetes containerd cri-tools helm)
+((${#components[@]})) || components=(etcd kubernetes containerd cri-tools helm kueue)
 
 # Version stamps: Kubernetes components report (and compare) their version, so stamp the
 # release they are built from, as upstream's build does.
@@ -97,6 +99,13 @@ helm_ldflags() {
   done
 }
 
+# Kueue reports its version in its log and metrics; stamp it as Kueue's Makefile does.
+kueue_ldflags() {
+  local v
+  v="$(cd "$here/kueue" && go list -m -f '{{.Version}}' sigs.k8s.io/kueue)"
+  printf -- " -X sigs.k8s.io/kueue/pkg/version.GitVersion=%s -X sigs.k8s.io/kueue/pkg/version.BuildDate=1970-01-01T00:00:00Z" "$v"
+}
+
 all_keys=""
 for c in "${components[@]}"; do
   [[ -n "${bins[$c]:-}" ]] || { echo "build.sh: unknown component $c" >&2; exit 2; }
@@ -106,6 +115,7 @@ for c in "${components[@]}"; do
     kubernetes) ldflags+="$(k8s_ldflags)" ;;
     containerd) ldflags+="$(ctrd_ldflags)" ;;
     helm) ldflags+="$(helm_ldflags)" ;;
+    kueue) ldflags+="$(kueue_ldflags)" ;;
   esac
   key="$(cat "$dir/go.mod" "$dir/go.sum" <(echo "$gover $ldflags") | sha256sum | cut -c1-12)"
   out="$cache/$c-$key/bin"

@@ -2,7 +2,8 @@
 //! (one GET), else reads what the pure explainer needs from the API server (the pod or the
 //! namespace's pods, every node and pod bound to one, the namespace's unbound pods (its pod
 //! groups' members), the ResourceSlices, DeviceClasses and
-//! allocated claims, the namespace's ResourceClaimTemplates) and renders its answers. One list
+//! allocated claims, the namespace's ResourceClaimTemplates, and where Kueue runs its Workloads
+//! and LocalQueues of the namespace) and renders its answers. One list
 //! each per call, all at once, no cache: the CLI asks once and exits. At 1,000 nodes those
 //! lists are megabytes, so the condition, current within about two seconds, is the default;
 //! `live` computes anyway.
@@ -10,7 +11,9 @@
 use gpuplane_model::explain::{explain, from_condition, refused_by_kubelet, Cluster, Listed};
 /// What an answer is (its `-o json` form is documented in docs/troubleshooting.md).
 pub use gpuplane_model::explain::{Explanation, Reason, Source};
+use gpuplane_model::kueue::{KueueView, Workload};
 use gpuplane_model::quota::CatalogSettings;
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
@@ -25,6 +28,10 @@ pub enum ExplainError {
         "pod {namespace}/{name} not found; check the name with `kubectl get pods -n {namespace}`"
     )]
     NoPod { namespace: String, name: String },
+    #[error(
+        "job {namespace}/{name} not found; check the name with `kubectl get jobs -n {namespace}`"
+    )]
+    NoJob { namespace: String, name: String },
     #[error("reading {what} from the API server: {cause}")]
     Read { what: String, cause: kube::Error },
 }
@@ -42,11 +49,21 @@ where
     Ok(api.list(params).await.map_err(read(what))?.items)
 }
 
-/// What the explainer needs of the cluster, for pods of `namespace`.
+/// Kueue's Workloads and LocalQueues of `namespace` (none where Kueue is not installed).
+async fn kueue(client: &kube::Client, namespace: &str) -> Result<KueueView, ExplainError> {
+    crate::controller::kueue::list(client, namespace)
+        .await
+        .map_err(read(format!(
+            "Kueue's Workloads and LocalQueues of namespace {namespace}"
+        )))
+}
+
+/// What the explainer needs of the cluster, for pods of `namespace`; `kueue` as listed.
 async fn cluster(
     client: &kube::Client,
     settings: CatalogSettings,
     namespace: &str,
+    kueue: KueueView,
 ) -> Result<Cluster, ExplainError> {
     let all = ListParams::default();
     let bound = ListParams::default().fields("spec.nodeName!=");
@@ -80,6 +97,7 @@ async fn cluster(
         classes,
         claims,
         templates,
+        kueue,
     };
     Ok(Cluster::new(&listed, settings))
 }
@@ -105,16 +123,16 @@ pub async fn pod(
     name: &str,
     live: bool,
 ) -> Result<Explanation, ExplainError> {
-    if live {
-        let get = get_pod(client, namespace, name);
-        let (pod, cluster) = tokio::try_join!(get, cluster(client, settings, namespace))?;
-        return Ok(explain(&pod, &cluster));
-    }
     let pod = get_pod(client, namespace, name).await?;
-    if let Some(answer) = from_condition(&pod) {
+    if let Some(answer) = from_condition(&pod).filter(|_| !live) {
         return Ok(answer);
     }
-    let cluster = cluster(client, settings, namespace).await?;
+    // Kueue's objects only for a pod Kueue holds.
+    let view = match gpuplane_model::kueue::managed(&pod).is_some_and(|m| m.held) {
+        true => kueue(client, namespace).await?,
+        false => KueueView::default(),
+    };
+    let cluster = cluster(client, settings, namespace, view).await?;
     Ok(explain(&pod, &cluster))
 }
 
@@ -129,12 +147,15 @@ pub async fn namespace(
 ) -> Result<Vec<Explanation>, ExplainError> {
     let pending = ListParams::default().fields("status.phase!=Running,status.phase!=Succeeded");
     let what = format!("the Pending and Failed pods of namespace {namespace}");
-    let pods = list(
-        Api::<Pod>::namespaced(client.clone(), namespace),
-        &pending,
-        &what,
-    )
-    .await?;
+    // Kueue's objects beside: a job Kueue holds has no pod to carry an answer.
+    let (pods, view) = tokio::try_join!(
+        list(
+            Api::<Pod>::namespaced(client.clone(), namespace),
+            &pending,
+            &what
+        ),
+        kueue(client, namespace),
+    )?;
     let waiting = |p: &&Pod| {
         refused_by_kubelet(p)
             || p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending")
@@ -148,12 +169,78 @@ pub async fn namespace(
             None => to_compute.push(p),
         }
     }
+    out.extend(view.held_without_pods().map(|w| held(&view, w)));
     if !to_compute.is_empty() {
-        let cluster = cluster(client, settings, namespace).await?;
+        let cluster = cluster(client, settings, namespace, view).await?;
         out.extend(to_compute.into_iter().map(|p| explain(p, &cluster)));
     }
     out.sort_by(|a, b| a.pod.cmp(&b.pod));
     Ok(out)
+}
+
+/// The answer for a workload Kueue holds before any of its pods exist, under its owner's name
+/// (`job/train`).
+fn held(kueue: &KueueView, w: &Workload) -> Explanation {
+    Explanation {
+        namespace: w.namespace.clone(),
+        pod: w.owner_ref(),
+        reason: Reason::Kueue,
+        message: format!(
+            "{} GPU pods not created yet; {}",
+            w.gpu_pods,
+            kueue.held_message(w)
+        ),
+        source: Source::Computed,
+    }
+}
+
+/// Why Job `namespace/name` waits: Kueue's answer while Kueue holds it (its pods do not exist
+/// yet), else the answer for each of its Pending pods.
+pub async fn job(
+    client: &kube::Client,
+    settings: CatalogSettings,
+    namespace: &str,
+    name: &str,
+    live: bool,
+) -> Result<Vec<Explanation>, ExplainError> {
+    let job = Api::<Job>::namespaced(client.clone(), namespace)
+        .get_opt(name)
+        .await
+        .map_err(read(format!("job {namespace}/{name}")))?
+        .ok_or_else(|| ExplainError::NoJob {
+            namespace: namespace.into(),
+            name: name.into(),
+        })?;
+    let view = kueue(client, namespace).await?;
+    let uid = job.metadata.uid.as_deref().unwrap_or_default();
+    if let Some(w) = view.owned_by(uid).filter(|w| w.held()) {
+        return Ok(vec![held(&view, w)]);
+    }
+    let all = self::namespace(client, settings, namespace, live).await?;
+    let pods = Api::<Pod>::namespaced(client.clone(), namespace)
+        .list(&ListParams::default().labels(&format!("batch.kubernetes.io/controller-uid={uid}")))
+        .await
+        .map_err(read(format!("the pods of job {namespace}/{name}")))?;
+    let mine: Vec<String> = pods
+        .items
+        .iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    let waiting: Vec<Explanation> = all.into_iter().filter(|a| mine.contains(&a.pod)).collect();
+    if !waiting.is_empty() {
+        return Ok(waiting);
+    }
+    let admitted = match view.owned_by(uid).and_then(|w| w.cluster_queue.as_deref()) {
+        Some(cq) => format!("admitted by Kueue (ClusterQueue {cq}); "),
+        None => String::new(),
+    };
+    Ok(vec![Explanation {
+        namespace: namespace.into(),
+        pod: format!("job/{name}"),
+        reason: Reason::NotWaiting,
+        message: format!("{admitted}none of its {} pods waits", mine.len()),
+        source: Source::Computed,
+    }])
 }
 
 /// A table with one row per answer: pod, reason, where it came from, message.

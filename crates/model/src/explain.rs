@@ -2,7 +2,8 @@
 //! what the cluster holds (pods, nodes). A classifier over the scheduler's inputs, not a second
 //! scheduler: where it cannot be sure it says so and quotes the scheduler's own message.
 //!
-//! The order is the one an operator checks: held by quota (our gate; a pod group's members as
+//! The order is the one an operator checks: held by Kueue (its admission gate: Kueue's own
+//! message from the pod's Workload, `crate::kueue`), held by quota (our gate; a pod group's members as
 //! one gang, `gang.rs`), no GPU capacity at all,
 //! too little free in the whole cluster (capacity), enough free but only on nodes the pod may not
 //! use (placement), enough free on usable nodes but no single node has enough (fragmentation).
@@ -18,6 +19,7 @@ pub mod devices;
 mod down;
 mod gang;
 mod health;
+mod nodes;
 mod placement;
 mod pools;
 mod queue;
@@ -25,17 +27,18 @@ mod topology;
 
 pub use condition::{from_condition, GPUS_AVAILABLE};
 pub use gang::Members;
+pub use nodes::{node_gpus, NodeGpus};
 use placement::excluded_by;
 pub use pools::{fragmentation_by_pool, PoolFragmentation, POOL_LABEL};
 pub use topology::refused_by_kubelet;
 
-use crate::controller::pods::{gate_index, is_terminal, CONDITION};
+use crate::controller::pods::{gate_index, CONDITION};
+use crate::kueue::KueueView;
 use crate::quota::{pod_resource_counts, CatalogSettings, DeviceCatalog};
-use k8s_openapi::api::core::v1::{Node, Pod, PodSpec, Taint};
+use k8s_openapi::api::core::v1::{Node, Pod, PodSpec};
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde::Serialize;
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashMap};
@@ -47,6 +50,8 @@ use std::sync::{Arc, Mutex};
 pub enum Reason {
     /// Not waiting for a GPU: scheduled already, finished, or asking for none.
     NotWaiting,
+    /// Held by Kueue (its admission gate, or a suspended job): Kueue's own message says why.
+    Kueue,
     /// Held at the quota gate: the quota controller's note says why.
     Quota,
     /// A member of a pod group held at the quota gate until the whole group may go (`gang.rs`).
@@ -76,7 +81,8 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason a waiting pod can have (all but [`Reason::NotWaiting`]), in order.
-    pub const WAITING: [Reason; 11] = [
+    pub const WAITING: [Reason; 12] = [
+        Reason::Kueue,
         Reason::Quota,
         Reason::Gang,
         Reason::Selector,
@@ -94,6 +100,7 @@ impl Reason {
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::NotWaiting => "NotWaiting",
+            Reason::Kueue => "Kueue",
             Reason::Quota => "Quota",
             Reason::Gang => "Gang",
             Reason::Selector => "Selector",
@@ -139,105 +146,6 @@ pub struct Explanation {
     pub source: Source,
 }
 
-/// One node as the explainer needs it: what it offers, what its pods already take, and what
-/// decides which pods may land there.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct NodeGpus {
-    pub name: String,
-    /// Allocatable GPU device-plugin resources, by name.
-    pub allocatable: BTreeMap<String, u64>,
-    /// Their capacity (the kubelet keeps a resource listed, at 0, after its plugin left).
-    pub capacity: BTreeMap<String, u64>,
-    /// What the pods bound to it and not finished request, by name.
-    pub requested: BTreeMap<String, u64>,
-    /// Ready and not cordoned.
-    pub schedulable: bool,
-    pub taints: Vec<Taint>,
-    pub labels: BTreeMap<String, String>,
-    /// Capacity minus allocatable of its GPU resources: devices the kubelet counts but does
-    /// not offer (unhealthy, or withdrawn from the device plugin while a claim holds them).
-    pub unavailable: BTreeMap<String, u64>,
-    /// Its whole GPUs our agent marked unhealthy, as "gpu-3 (xid-48)" (from the slices).
-    pub unhealthy: Vec<String>,
-}
-
-impl NodeGpus {
-    fn free(&self, resource: &str) -> u64 {
-        let a = self.allocatable.get(resource).copied().unwrap_or(0);
-        a.saturating_sub(self.requested.get(resource).copied().unwrap_or(0))
-    }
-}
-
-/// The nodes with their GPU resources and what `pods` bound to them request.
-pub fn node_gpus<N: Borrow<Node>, P: Borrow<Pod>>(
-    nodes: &[N],
-    pods: &[P],
-    catalog: &DeviceCatalog,
-) -> Vec<NodeGpus> {
-    let mut requested: BTreeMap<&str, BTreeMap<String, u64>> = BTreeMap::new();
-    for p in pods.iter().map(Borrow::borrow).filter(|p| !is_terminal(p)) {
-        let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.as_deref()) else {
-            continue;
-        };
-        // A pod whose quantities do not parse was refused by the API server; none is here.
-        let counts = pod_resource_counts(p, catalog).unwrap_or_default();
-        let on = requested.entry(node).or_default();
-        for (r, n) in counts {
-            *on.entry(r).or_insert(0) += n;
-        }
-    }
-    nodes
-        .iter()
-        .map(|n| {
-            let n: &Node = n.borrow();
-            let name = n.metadata.name.clone().unwrap_or_default();
-            let spec = n.spec.clone().unwrap_or_default();
-            let status = n.status.as_ref();
-            let gpus = |m: Option<&BTreeMap<String, Quantity>>| -> BTreeMap<String, u64> {
-                m.into_iter()
-                    .flatten()
-                    .filter(|(r, _)| catalog.is_gpu_resource(r))
-                    .filter_map(|(r, q)| {
-                        Some((r.clone(), crate::quota::charge::quantity_count(q)?))
-                    })
-                    .collect()
-            };
-            let allocatable = gpus(status.and_then(|s| s.allocatable.as_ref()));
-            let capacity = gpus(status.and_then(|s| s.capacity.as_ref()));
-            let unavailable = capacity
-                .iter()
-                .map(|(r, c)| {
-                    let a = allocatable.get(r).copied().unwrap_or(0);
-                    (r.clone(), c.saturating_sub(a))
-                })
-                .filter(|(_, n)| *n > 0)
-                .collect();
-            let ready = status
-                .and_then(|s| s.conditions.as_ref())
-                .into_iter()
-                .flatten()
-                .any(|c| c.type_ == "Ready" && c.status == "True");
-            NodeGpus {
-                requested: requested.remove(name.as_str()).unwrap_or_default(),
-                name,
-                allocatable,
-                capacity,
-                schedulable: ready && !spec.unschedulable.unwrap_or(false),
-                taints: spec.taints.unwrap_or_default(),
-                labels: n
-                    .metadata
-                    .labels
-                    .clone()
-                    .unwrap_or_default()
-                    .into_iter()
-                    .collect(),
-                unavailable,
-                unhealthy: Vec::new(),
-            }
-        })
-        .collect()
-}
-
 /// What the explainer reads of the cluster, gathered once for many pods.
 pub struct Cluster {
     pub nodes: Vec<NodeGpus>,
@@ -252,6 +160,8 @@ pub struct Cluster {
     pub groups: BTreeMap<(String, String), gang::Members>,
     /// Gated units' queue positions by (namespace, unit key): (position, queue length).
     pub queues: BTreeMap<(String, String), (usize, usize)>,
+    /// Kueue's Workloads and LocalQueues (empty where Kueue is not read).
+    pub kueue: KueueView,
     /// Answers to claim requests already classified against this cluster, by request: pods
     /// made from one template ask the same, and each answer evaluates every published
     /// device's CEL (8,000 devices x 1,000 pods a cycle at 1,000 nodes without it).
@@ -273,6 +183,8 @@ pub struct Listed {
     pub classes: Vec<DeviceClass>,
     pub claims: Vec<ResourceClaim>,
     pub templates: Vec<ResourceClaimTemplate>,
+    /// Kueue's Workloads and LocalQueues, where it runs.
+    pub kueue: KueueView,
 }
 
 /// What [`Cluster::from_shared`] reads besides the catalog: the objects, or anything that
@@ -295,7 +207,9 @@ impl Cluster {
             claims: &listed.claims,
             templates: &listed.templates,
         };
-        Cluster::from_shared(&shared, Arc::new(catalog))
+        let mut cluster = Cluster::from_shared(&shared, Arc::new(catalog));
+        cluster.kueue = listed.kueue.clone();
+        cluster
     }
 
     /// [`Cluster::new`] with a catalog built already (from the same cluster's slices and
@@ -316,6 +230,7 @@ impl Cluster {
             nodes,
             groups: gang::groups(listed.pods, &catalog),
             queues: queue::positions(listed.pods),
+            kueue: KueueView::default(),
             taken: claims::taken(listed.claims),
             answers: claims::Answers::default(),
             resource_answers: Mutex::default(),
@@ -368,6 +283,9 @@ fn classify(pod: &Pod, cluster: &Cluster) -> (Reason, String) {
     }
     if phase.is_some_and(|p| p != "Pending") {
         return (Reason::NotWaiting, format!("phase {}", phase.unwrap_or("")));
+    }
+    if let Some(m) = crate::kueue::managed(pod).filter(|m| m.held) {
+        return (Reason::Kueue, cluster.kueue.pod_message(pod, &m));
     }
     if gate_index(pod).is_some() {
         let note = quota_note(pod);

@@ -22,6 +22,7 @@ pub mod explain;
 pub mod gpu_select;
 pub mod health;
 pub mod inventory;
+pub mod kueue;
 pub mod labels;
 pub mod ledger;
 pub mod mps_pod;

@@ -19,6 +19,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 mod election;
+mod kueue;
 mod pending_reasons;
 mod queue_label;
 mod release_queue;
@@ -44,6 +45,11 @@ struct Lab {
 impl Lab {
     /// A Queue-mode GpuQuota `team-a/default` of `gpus` GPUs, and the loop running.
     async fn start(gpus: u64, bound: Duration) -> Lab {
+        Lab::start_beside(gpus, bound, false).await
+    }
+
+    /// [`Lab::start`], the controller told whether Kueue runs in the cluster (`--kueue`).
+    async fn start_beside(gpus: u64, bound: Duration, kueue: bool) -> Lab {
         let server = ApiServerDouble::start().await.unwrap();
         let client = server.client().unwrap();
         let quotas: Api<GpuQuota> = Api::namespaced(client.clone(), QNS);
@@ -64,6 +70,7 @@ impl Lab {
             settings: QueueSettings {
                 bound,
                 grace: Duration::from_secs(120),
+                kueue,
             },
             batch: Duration::from_millis(20),
             resync: Duration::from_millis(500),

@@ -334,10 +334,18 @@ async fn rbac_grants_exactly_what_the_controller_calls() {
     use gpuplane_cluster::controller::{self, lease::LeaseTimings, ControllerOptions};
     let api = ApiServerDouble::start().await.unwrap();
     seed_cluster(&api);
+    // Kueue's CRDs, as its install makes them.
+    for (plural, kind) in [("workloads", "Workload"), ("localqueues", "LocalQueue")] {
+        use gpuplane_testkit::doubles::apiserver::ResourceInfo;
+        let info = ResourceInfo::new("kueue.x-k8s.io", "v1beta2", plural, kind, true);
+        api.register(info.with_status());
+    }
     let pki = tls::Pki::new();
     let mut opts = gpuplane_cluster::webhook::WebhookOptions::new(pki.cert(), pki.key(), NS);
     opts.addr = "127.0.0.1:0".parse().unwrap();
     opts.sync_timeout = Duration::from_secs(10);
+    // Beside Kueue: every call the controller can make, Kueue's reads included.
+    opts.kueue = true;
     let webhook = gpuplane_cluster::webhook::start(api.client().unwrap(), opts)
         .await
         .unwrap();
@@ -347,6 +355,7 @@ async fn rbac_grants_exactly_what_the_controller_calls() {
         renew_deadline: Duration::from_millis(600),
         retry_period: Duration::from_millis(100),
     };
+    loops.queue.settings.kueue = true;
     loops.queue.batch = Duration::from_millis(20);
     loops.queue.resync = Duration::from_millis(300);
     if let Some(h) = loops.queue.hours.as_mut() {
@@ -399,6 +408,16 @@ async fn rbac_grants_exactly_what_the_controller_calls() {
         api.get_json("v1", "namespaces", None, "team-b").unwrap()["metadata"]["labels"]
             ["quota.gpuplane.dev/queue"]
             == "true"
+    })
+    .await;
+    // The explainer reads Kueue's Workloads and LocalQueues (a list, then a watch, each).
+    eventually("Kueue's objects listed and watched", LIMIT, || {
+        let calls = api.api_calls();
+        ["workloads", "localqueues"].iter().all(|r| {
+            calls
+                .iter()
+                .any(|c| matches!(c, ApiCall::Resource(c) if c.verb == "watch" && c.resource == *r))
+        })
     })
     .await;
     // The leader renews its Lease.

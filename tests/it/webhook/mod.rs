@@ -27,6 +27,7 @@ mod admission;
 mod api_access;
 mod concurrency;
 mod hostile_input;
+mod kueue;
 mod replica_probes;
 mod replica_reservations;
 

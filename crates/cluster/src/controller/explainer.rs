@@ -22,6 +22,7 @@
 //! behind its Events. Cycles are at least as far apart as one classification takes: at
 //! 1,000 nodes and 5,000 Pending pods that is the CPU the explainer may use, at most half a core.
 
+use super::kueue::{LocalQueue, Workload};
 use super::pods::{self, PodRef};
 use super::writes::{self, bounded, Condition};
 use crate::controller_metrics::QueueMetrics;
@@ -63,6 +64,9 @@ pub struct ExplainerOptions {
     /// every pod start changes every Capacity message, which would otherwise be a status write
     /// per Pending pod per cycle.
     pub message_refresh: Duration,
+    /// Kueue runs in the cluster: its Workloads and LocalQueues are watched, so a pod it holds
+    /// is answered with Kueue's words and a suspended job's pods count as waiting.
+    pub kueue: bool,
 }
 
 impl ExplainerOptions {
@@ -73,6 +77,7 @@ impl ExplainerOptions {
             resync: Duration::from_secs(60),
             concurrency: 32,
             message_refresh: Duration::from_secs(10),
+            kueue: false,
         }
     }
 }
@@ -84,6 +89,9 @@ struct Stores {
     devices: Arc<Devices>,
     claims: Store<ResourceClaim>,
     templates: Store<ResourceClaimTemplate>,
+    /// Kueue's Workloads and LocalQueues, where it runs; not waited for (an answer without
+    /// Kueue's message is still an answer).
+    kueue: Option<(Store<Workload>, Store<LocalQueue>)>,
     /// Counts changes to any of them: pending writes stop for a new plan when it moved.
     changes: Arc<AtomicU64>,
 }
@@ -116,7 +124,11 @@ impl Stores {
             claims: &claims,
             templates: &templates,
         };
-        Cluster::from_shared(&shared, catalog)
+        let mut cluster = Cluster::from_shared(&shared, catalog);
+        if let Some((w, q)) = &self.kueue {
+            cluster.kueue = super::kueue::view(&w.state(), &q.state());
+        }
+        cluster
     }
 }
 
@@ -334,6 +346,13 @@ impl Explainer {
             self.plan(&pods, &cluster, metrics, opts.message_refresh)
         };
         let planned = began.elapsed();
+        let mut counts = counts;
+        if let Some((w, q)) = &stores.kueue {
+            // A suspended job's pods wait too, though only its Workload shows it.
+            let held = super::kueue::view(&w.state(), &q.state());
+            let pods: u64 = held.held_without_pods().map(|w| w.gpu_pods).sum();
+            *counts.entry(Reason::Kueue).or_insert(0) += pods;
+        }
         metrics.set_pending(&counts);
         let (urgent, later): (Vec<_>, Vec<_>) = todo.into_iter().partition(|w| !w.deferrable());
         let mut failed = self.send(client, opts, urgent).await;
@@ -500,6 +519,16 @@ pub async fn run(
         Shape::whole(),
         tell(),
     );
+    let (kueue, f5): (_, std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) = if opts.kueue {
+        let (w, fw) = reflect(Api::all(c()), all(), "workloads", Shape::whole(), tell());
+        let (q, fq) = reflect(Api::all(c()), all(), "localqueues", Shape::whole(), tell());
+        let feed = async move {
+            tokio::join!(fw, fq);
+        };
+        (Some((w, q)), Box::pin(feed))
+    } else {
+        (None, Box::pin(std::future::pending()))
+    };
     let mut published = devices.changes();
     let relay = async {
         while published.changed().await.is_ok() {
@@ -512,10 +541,11 @@ pub async fn run(
         devices,
         claims,
         templates,
+        kueue,
         changes: changes.clone(),
     };
     let work = explain_each_change(&client, &stores, &opts, &metrics, &wake);
-    let feeds = async { tokio::join!(f1, f2, f3, f4, relay) };
+    let feeds = async { tokio::join!(f1, f2, f3, f4, f5, relay) };
     tokio::select! {
         _ = stop => {}
         _ = work => {}

@@ -8,7 +8,8 @@
 //! - [`cache`] (pure): watch-fed stores.
 //! - [`queue`]: the loop (watchers, reconcile, error policy); [`writes`]: pod writes.
 //! - [`explainer`]: why each Pending GPU pod waits, kept on the pod as a condition, an Event
-//!   per change of reason, and metrics by reason.
+//!   per change of reason, and metrics by reason; [`kueue`]: Kueue's Workloads and
+//!   LocalQueues, which it reads where Kueue runs (`--kueue`).
 //! - [`labeler`]: the namespace label `quota.gpuplane.dev/queue`
 //!   on namespaces with a Queue-mode GpuQuota, which the mutating gate webhook selects on.
 //! - [`meter`]: the GPU-hours ledger's shell (the book in a ConfigMap, flushed by the quota
@@ -22,6 +23,7 @@
 
 pub mod cache;
 pub mod explainer;
+pub mod kueue;
 pub mod labeler;
 pub mod meter;
 pub mod prometheus;
@@ -152,7 +154,10 @@ async fn loops(
         stop.await;
         stop_tx.send_replace(true);
     };
-    let explain = ExplainerOptions::new(&queue.instance);
+    let explain = ExplainerOptions {
+        kueue: queue.settings.kueue,
+        ..ExplainerOptions::new(&queue.instance)
+    };
     let both = async {
         tokio::join!(
             queue::run(

@@ -258,7 +258,10 @@ impl QueueLoop {
         let templates = self.watched.template_specs(ns);
         let catalog = self.watched.catalog().clone();
         let queued = pods.iter().any(|p| pods::is_queued(p));
-        let candidates = self.evictions.candidates(ns, queued, &self.watched);
+        let kueue = self.opts.settings.kueue;
+        let candidates = self
+            .evictions
+            .candidates(ns, (queued, kueue), &self.watched);
         let book = self.meter.as_ref().and_then(Meter::book);
         let inputs = Inputs {
             namespace: ns,

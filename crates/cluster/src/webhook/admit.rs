@@ -13,6 +13,10 @@
 //! (reservations already made for this request are released again), and so does any failure to read
 //! or write (fail closed). `dryRun` requests are checked and nothing is written.
 //!
+//! Kueue's pods (`gpuplane_model::kueue::managed`) are Kueue's alone when the controller runs
+//! with `--kueue`: allowed, never gated, charged or queued; without it, such a GPU pod in a
+//! namespace with a GpuQuota is refused, naming the two governors and how to pick one.
+//!
 //! Validating, Pod UPDATE: only the controller may remove the scheduling gate
 //! `quota.gpuplane.dev/admission` while the namespace has a GpuQuota.
 //!
@@ -33,6 +37,7 @@ use crate::quota::{
     pod_charge, pod_template_names, ungated_denial, waiting_message, Charge, GpuQuota, ObjectKind,
     Op, QuotaMode, Reservation, ReservationKey, ReservationState, SCHEDULING_GATE,
 };
+use gpuplane_model::kueue;
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation};
 use k8s_openapi::api::core::v1::Pod;
@@ -56,6 +61,8 @@ pub const SCHEDULER_USER: &str = "system:kube-scheduler";
 pub struct AdmitOptions {
     /// Users allowed to remove the scheduling gate (the controller's service account).
     pub controller_users: Vec<String>,
+    /// Kueue runs in the cluster: the pods it governs are its alone (`gpuplane_model::kueue`).
+    pub kueue: bool,
 }
 
 pub struct Admitter {
@@ -84,6 +91,28 @@ fn has_gate(pod: &Pod) -> bool {
 enum Priced {
     Charge(Charge),
     WaitingFor(Vec<String>),
+}
+
+/// Why a Kueue pod is refused by a controller not told that Kueue runs: Kueue and the
+/// namespace's GpuQuotas would both hold and charge it.
+fn kueue_contradiction(
+    ns: &str,
+    name: &str,
+    m: &kueue::Managed,
+    quotas: &[Arc<GpuQuota>],
+) -> String {
+    let names: Vec<&str> = quotas
+        .iter()
+        .filter_map(|q| q.metadata.name.as_deref())
+        .collect();
+    format!(
+        "pod {ns}/{name} is Kueue's ({}), and namespace {ns} also has GpuQuota {}: both would hold \
+         and charge it, and gpuplane's controller is not running beside Kueue. Either run the \
+         controller with --kueue (Helm: controller.kueue=true) so Kueue alone governs its pods, or \
+         remove the Kueue label so the GpuQuota does (see docs/kueue.md)",
+        m.mark,
+        names.join(", ")
+    )
 }
 
 fn outcome(v: Result<Verdict, Verdict>) -> Verdict {
@@ -218,6 +247,16 @@ impl Admitter {
             .or_else(|| req.name.clone())
             .filter(|n| !n.is_empty())
             .ok_or_else(|| Verdict::deny(400, "the pod has no name"))?;
+        if let Some(m) = kueue::managed(&pod) {
+            return match self.opts.kueue {
+                // Kueue governs it: no charge, no queue, no owner-label rule of ours.
+                true => Ok(Verdict::allow()),
+                false => Err(Verdict::deny(
+                    403,
+                    kueue_contradiction(&ns, &name, &m, &quotas),
+                )),
+            };
+        }
         // Before anything is charged or queued, in either mode.
         let charge = match &priced {
             Priced::Charge(c) => Some(c),
@@ -454,6 +493,7 @@ impl Admitter {
         };
         if quotas.is_empty()
             || has_gate(&pod)
+            || kueue::managed(&pod).is_some()
             || spec.node_name.as_deref().is_some_and(|n| !n.is_empty())
         {
             return Ok(Verdict::allow());

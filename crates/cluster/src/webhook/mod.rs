@@ -65,6 +65,8 @@ pub struct WebhookOptions {
     pub probes: health::ProbeSettings,
     /// The quota loops beside the webhook, if they run in this process.
     pub loops: Option<Loops>,
+    /// Kueue runs in the cluster: its pods are its alone (see `admit`).
+    pub kueue: bool,
 }
 
 /// The quota loops running beside the webhook (`gpuplane controller`): what `/readyz` and
@@ -100,6 +102,7 @@ impl WebhookOptions {
             escrow: true,
             probes: health::ProbeSettings::default(),
             loops: None,
+            kueue: false,
         }
     }
 }
@@ -216,6 +219,7 @@ pub async fn start(
         commit: commit.clone(),
         opts: admit::AdmitOptions {
             controller_users: opts.controller_users.clone(),
+            kueue: opts.kueue,
         },
         metrics: metrics.clone(),
     });

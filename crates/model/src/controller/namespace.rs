@@ -49,6 +49,9 @@ pub struct QueueSettings {
     pub bound: Duration,
     /// How long a reservation may wait for its object ([`stale_reservations`]).
     pub grace: Duration,
+    /// Kueue runs in the cluster: the pods it governs ([`crate::kueue::managed`]) are not
+    /// charged, queued or preempted here, and the quotas say so in a condition.
+    pub kueue: bool,
 }
 
 impl Default for QueueSettings {
@@ -56,6 +59,7 @@ impl Default for QueueSettings {
         QueueSettings {
             bound: Duration::from_secs(120),
             grace: crate::quota::DEFAULT_RESERVATION_GRACE,
+            kueue: false,
         }
     }
 }
@@ -122,6 +126,8 @@ pub struct Observed<'a> {
     used: Usage,
     live: BTreeMap<ReservationKey, LiveObject>,
     gated: Vec<Queued<'a>>,
+    /// The namespace's GPU pods Kueue governs, left to it.
+    kueue: crate::kueue::Governed,
 }
 
 /// A pod's charge as last priced, by namespace and uid, with the resourceVersion it was priced
@@ -165,8 +171,12 @@ pub fn observe<'a>(
     // Usage and live objects.
     let mut used = Usage::default();
     let mut live: BTreeMap<ReservationKey, LiveObject> = BTreeMap::new();
+    let mut kueue = crate::kueue::Governed::default();
     for p in input.pods {
         let name = p.metadata.name.clone().unwrap_or_default();
+        if input.settings.kueue && kueue.take(p) {
+            continue;
+        }
         let counted = pods::is_counted(p);
         if counted {
             match charge_of(p) {
@@ -184,6 +194,36 @@ pub fn observe<'a>(
             },
         );
     }
+    count_claims(input, &mut used, &mut live)?;
+    let gated = input
+        .pods
+        .iter()
+        .filter(|p| {
+            pods::is_queued(p) && !(input.settings.kueue && crate::kueue::managed(p).is_some())
+        })
+        .map(|p| Queued {
+            pod: p,
+            key: ReservationKey::pod(ns, p.metadata.name.as_deref().unwrap_or_default()),
+            charge: charge_of(p),
+        })
+        .collect();
+    charges.by_namespace.insert(ns.to_string(), kept);
+    Ok(Observed {
+        used,
+        live,
+        gated,
+        kueue,
+    })
+}
+
+/// Adds the namespace's standalone claims (those allocated, at their settled charge) to `used`
+/// and every standalone claim to `live`.
+fn count_claims(
+    input: &Inputs<'_>,
+    used: &mut Usage,
+    live: &mut BTreeMap<ReservationKey, LiveObject>,
+) -> Result<(), QuotaMathError> {
+    let ns = input.namespace;
     for c in input.claims {
         let name = c.metadata.name.clone().unwrap_or_default();
         if claim_is_pod_owned(&c.metadata) {
@@ -209,18 +249,7 @@ pub fn observe<'a>(
             },
         );
     }
-    let gated = input
-        .pods
-        .iter()
-        .filter(|p| pods::is_queued(p))
-        .map(|p| Queued {
-            pod: p,
-            key: ReservationKey::pod(ns, p.metadata.name.as_deref().unwrap_or_default()),
-            charge: charge_of(p),
-        })
-        .collect();
-    charges.by_namespace.insert(ns.to_string(), kept);
-    Ok(Observed { used, live, gated })
+    Ok(())
 }
 
 fn price(input: &Inputs<'_>, p: &Pod) -> Result<Charge, String> {
@@ -296,6 +325,7 @@ pub fn decide(
         quotas,
         fresh,
         (waiting.len(), head),
+        &observed.kueue,
         input.hours,
         now_ts,
         &mut quota_events,
@@ -427,6 +457,7 @@ fn finish_statuses(
     quotas: Vec<GpuQuota>,
     fresh: &[GpuQuota],
     (waiting_pods, head): (usize, Option<String>),
+    kueue: &crate::kueue::Governed,
     hours: Option<&Book>,
     now_ts: Timestamp,
     events: &mut Vec<(String, &'static str, String)>,
@@ -463,6 +494,9 @@ fn finish_statuses(
                 observed_generation: q.metadata.generation,
             };
             set_condition(&mut s.conditions, c, now_ts);
+        }
+        if let Some(message) = kueue.condition(&mut s.conditions, q.metadata.generation, now_ts) {
+            events.push((name.clone(), crate::kueue::SHARED_EVENT, message));
         }
         if let Some(book) = hours {
             s.gpu_hours = book.quota_status(&q).or(s.gpu_hours);

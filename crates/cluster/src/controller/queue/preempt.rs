@@ -65,11 +65,11 @@ impl Evicted {
 
 impl Evictions {
     /// The pods a waiting unit of `ns` may have evicted (empty when no Queue-mode quota of
-    /// `ns` preempts or nothing of `ns` waits).
+    /// `ns` preempts or nothing of `ns` waits); never a pod Kueue governs when `kueue`.
     pub(super) fn candidates(
         &mut self,
         ns: &str,
-        queued: bool,
+        (queued, kueue): (bool, bool),
         watched: &Watched,
     ) -> Vec<Candidate> {
         let now = Instant::now();
@@ -98,7 +98,8 @@ impl Evictions {
         for n in &namespaces {
             let templates = watched.template_specs(n);
             for p in watched.pods.in_namespace(n) {
-                if !pods::is_counted(&p) || self.is_blocked(n, &p) {
+                let kueues = kueue && gpuplane_model::kueue::managed(&p).is_some();
+                if !pods::is_counted(&p) || kueues || self.is_blocked(n, &p) {
                     continue;
                 }
                 let Ok(charge) = pod_charge(&p, &templates, watched.catalog()) else {
