@@ -60,7 +60,7 @@ declare -A bins=(
   [cri-tools]="crictl"
   [helm]="helm"
   [kwok]="kwok"
-  [kueue]="kueue"
+  [kueue]="kueue kueue-config"
 )
 components=("$@")
 # The default set is what the tests need; kwok (the scale bench only) is built when named.
@@ -131,13 +131,19 @@ for c in "${components[@]}"; do
     (cd "$dir" && go build -trimpath -ldflags="$ldflags" -o "$tmp/" tool)
     # etcd's main package is go.etcd.io/etcd/server/v3, so its binary is named server (or v3).
     if [[ "$c" == etcd ]]; then mv "$tmp/server" "$tmp/etcd" 2>/dev/null || mv "$tmp/v3" "$tmp/etcd"; fi
+    # Kueue is installed from its own manifests (config/ of the module the binary came from:
+    # what its release's manifests.yaml is built from), so they travel with the binary.
+    if [[ "$c" == kueue ]]; then
+      cp -r "$(cd "$dir" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)/config" "$tmp/kueue-config"
+      chmod -R u+w "$tmp/kueue-config"
+    fi
     rm -rf "$out" && mv "$tmp" "$out"
     # Older builds of this component (other keys) are dead weight now.
     for old in "$cache/$c"-*; do
       [[ "$old" == "$cache/$c-$key" ]] || rm -rf "$old"
     done
     for b in ${bins[$c]}; do
-      echo "built  $c/$b $(du -h "$out/$b" | cut -f1) in $((SECONDS - start))s: $out/$b"
+      echo "built  $c/$b $(du -sh "$out/$b" | cut -f1) in $((SECONDS - start))s: $out/$b"
     done
   else
     for b in ${bins[$c]}; do echo "cached $c/$b: $out/$b"; done
@@ -152,6 +158,12 @@ if [[ ! -d "$bindir" ]]; then
   for k in $all_keys; do ln -sf "$cache/$k/bin/"* "$bindir.tmp.$$/"; done
   mv "$bindir.tmp.$$" "$bindir"
 fi
+# A component that gained a file under an unchanged key (kueue-config beside kueue) is linked too.
+for k in $all_keys; do
+  for f in "$cache/$k/bin/"*; do
+    [[ -e "$bindir/$(basename "$f")" ]] || ln -s "$f" "$bindir/"
+  done
+done
 # Link dirs whose targets were pruned above point at nothing.
 for d in "$cache"/bin-*; do
   [[ "$d" == "$bindir" ]] && continue

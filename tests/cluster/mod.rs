@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 pub mod image;
 mod install;
+mod kueue;
 mod objects;
 mod processes;
 mod prometheus;
@@ -23,6 +24,8 @@ mod prometheus;
 // The tests and benches name these as `cluster::...`, as before the split.
 #[allow(unused_imports)]
 pub use install::*;
+#[allow(unused_imports)]
+pub use kueue::*;
 #[allow(unused_imports)]
 pub use objects::*;
 #[allow(unused_imports)]

@@ -118,15 +118,20 @@ pub fn wait_running(lab: &ClusterLab, ns: &str, name: &str) {
 
 /// The environment pod `default/<pod>` printed (the `env` of [`claim_pod`]), once it did.
 pub fn pod_env(lab: &ClusterLab, pod: &str) -> Vec<String> {
+    pod_env_in(lab, "default", pod)
+}
+
+/// [`pod_env`] of pod `ns/<pod>`.
+pub fn pod_env_in(lab: &ClusterLab, ns: &str, pod: &str) -> Vec<String> {
     eventually_or(
-        &format!("pod {pod}'s environment in its log"),
+        &format!("pod {ns}/{pod}'s environment in its log"),
         || {
-            let log = lab.kubectl(&["logs", pod]);
+            let log = lab.kubectl(&["logs", "-n", ns, pod]);
             let text = String::from_utf8_lossy(&log.stdout).into_owned();
             text.contains("PATH=")
                 .then(|| text.lines().map(String::from).collect())
         },
-        || lab.describe_pod(pod),
+        || lab.describe_pod_in(ns, pod),
     )
 }
 

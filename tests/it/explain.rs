@@ -215,3 +215,106 @@ fn the_documented_json_fields_are_the_ones_written() {
     written.dedup();
     assert_eq!(documented, written);
 }
+
+/// A Job Kueue keeps suspended has no pod to carry an answer: `explain job` and `explain
+/// namespace` read its Workload and LocalQueue and answer `Kueue` with Kueue's own message;
+/// a pod at Kueue's gate is answered from its Workload too.
+#[tokio::test]
+async fn a_job_or_pod_kueue_holds_is_answered_with_kueues_reason_and_message() {
+    use gpuplane_testkit::doubles::apiserver::ResourceInfo;
+    let server = cluster().await;
+    for (group, version, plural, kind) in [
+        ("batch", "v1", "jobs", "Job"),
+        ("kueue.x-k8s.io", "v1beta2", "workloads", "Workload"),
+        ("kueue.x-k8s.io", "v1beta2", "localqueues", "LocalQueue"),
+    ] {
+        server.register(ResourceInfo::new(group, version, plural, kind, true).with_status());
+    }
+    let why = "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor default-flavor, 2 more needed";
+    let pending = json!([{"type": "QuotaReserved", "status": "False", "reason": "Pending",
+        "message": why, "lastTransitionTime": SINCE}]);
+    let gpus =
+        json!({"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]});
+    server
+        .put_json(json!({"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"namespace": NS, "name": "train", "uid": "job-uid"},
+            "spec": {"suspend": true, "template": {"spec": gpus}}}))
+        .unwrap();
+    // A plain pod at Kueue's gate, and its Workload.
+    server
+        .put_json(json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"namespace": NS, "name": "gated", "uid": "uid-gated",
+                "labels": {"kueue.x-k8s.io/queue-name": "team"}},
+            "spec": {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}],
+                "containers": gpus["containers"].clone()},
+            "status": {"phase": "Pending"}}))
+        .unwrap();
+    for (name, owner_kind, owner, uid) in [
+        ("job-train-1a2b3", "Job", "train", "job-uid"),
+        ("pod-gated-4c5d6", "Pod", "gated", "uid-gated"),
+    ] {
+        server
+            .put_json(json!({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "Workload",
+                "metadata": {"namespace": NS, "name": name,
+                    "ownerReferences": [{"apiVersion": "v1", "kind": owner_kind, "name": owner, "uid": uid}]},
+                "spec": {"queueName": "team", "podSets": [{"name": "main", "count": 1, "template": {"spec": gpus}}]},
+                "status": {"conditions": pending}}))
+            .unwrap();
+    }
+    server
+        .put_json(
+            json!({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+            "metadata": {"namespace": NS, "name": "team"}, "spec": {"clusterQueue": "gpus"},
+            "status": {"pendingWorkloads": 2}}),
+        )
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let held = |w: &str| {
+        format!("held by Kueue: Workload {w} in LocalQueue team (ClusterQueue gpus), 2 pending there: {why}")
+    };
+    let out = gpuplane(
+        &server,
+        dir.path(),
+        &["job", &format!("{NS}/train"), "-o", "json"],
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let answers: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(answers[0]["pod"], "job/train");
+    assert_eq!(answers[0]["reason"], "Kueue");
+    assert_eq!(
+        answers[0]["message"],
+        format!("1 GPU pod not created yet; {}", held("job-train-1a2b3"))
+    );
+    let out = gpuplane(
+        &server,
+        dir.path(),
+        &["pod", &format!("{NS}/gated"), "-o", "json"],
+    )
+    .await;
+    let answer: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (answer["reason"].as_str(), answer["message"].as_str()),
+        (Some("Kueue"), Some(held("pod-gated-4c5d6").as_str()))
+    );
+    let out = gpuplane(&server, dir.path(), &["namespace", NS, "-o", "json"]).await;
+    let all: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let reasons: Vec<(&str, &str)> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["pod"].as_str().unwrap(), a["reason"].as_str().unwrap()))
+        .collect();
+    assert!(
+        reasons.contains(&("job/train", "Kueue")) && reasons.contains(&("gated", "Kueue")),
+        "{reasons:?}"
+    );
+    // Unknown job: a message naming it.
+    let out = gpuplane(&server, dir.path(), &["job", &format!("{NS}/nope")]).await;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("job team-a/nope not found"));
+}

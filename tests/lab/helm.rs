@@ -328,6 +328,7 @@ node:
   resources: {requests: {cpu: 50m, memory: 100Mi}, limits: {memory: 1Gi}}
 controller:
   replicas: 3
+  kueue: true
   nodeSelector: {role: infra}
   priorityClassName: ""
   resources: {requests: {cpu: 200m, memory: 256Mi}}

@@ -186,8 +186,9 @@ fn held(kueue: &KueueView, w: &Workload) -> Explanation {
         pod: w.owner_ref(),
         reason: Reason::Kueue,
         message: format!(
-            "{} GPU pods not created yet; {}",
+            "{} GPU pod{} not created yet; {}",
             w.gpu_pods,
+            if w.gpu_pods == 1 { "" } else { "s" },
             kueue.held_message(w)
         ),
         source: Source::Computed,

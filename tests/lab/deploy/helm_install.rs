@@ -21,7 +21,7 @@ fn helm_installs_upgrades_and_uninstalls_the_agents() {
 }
 
 /// `helm` with `args`, its state under `home`, against the lab; what it printed.
-fn helm(lab: &ClusterLab, home: &Path, args: &[&str]) -> String {
+pub(crate) fn helm(lab: &ClusterLab, home: &Path, args: &[&str]) -> String {
     let mut cmd = lab.in_netns(lab.bin.join("helm"));
     for (var, dir) in [
         ("HELM_CACHE_HOME", "cache"),
@@ -62,6 +62,21 @@ fn mig_resources(lab: &ClusterLab) -> Option<Vec<String>> {
 /// `simulate.fromNodeLabel` and the webhook certificate from a Secret of our own: the agents
 /// become Ready on all nodes and serve GPU pods; strategy none offers no MIG resource.
 fn install_with_helm(lab: &ClusterLab, home: &Path, reference: &str) {
+    helm_install(lab, home, reference, &[]);
+    gpu_pod(lab, "dp-helm", "lab-node-3", false);
+    let (_, l4) = machine("pcie-l4x4");
+    assert!(pod_gpus(lab, "dp-helm").is_subset(&l4));
+    assert_eq!(
+        mig_resources(lab),
+        Some(vec![]),
+        "strategy none offers no MIG resource"
+    );
+}
+
+/// The release as [`install_with_helm`] installs it, with `extra` arguments to `helm install`
+/// (`--set` of further values); returns once the agents and both controller replicas are
+/// Ready.
+pub(crate) fn helm_install(lab: &ClusterLab, home: &Path, reference: &str, extra: &[&str]) {
     lab.kubectl_ok(&["create", "namespace", AGENT_NS]);
     let (secret, ca_pem) = webhook_secret("my-webhook-tls");
     lab.apply(&secret);
@@ -92,7 +107,10 @@ fn install_with_helm(lab: &ClusterLab, home: &Path, reference: &str) {
             "webhookCertificate.existingSecret=my-webhook-tls",
             "--set-file",
             &format!("webhookCertificate.caBundle={}", ca.display()),
-        ],
+        ]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect::<Vec<_>>(),
     );
     assert!(said.contains("STATUS: deployed"), "{said}");
     assert!(!said.contains("Warning"), "helm install warned:\n{said}");
@@ -102,14 +120,6 @@ fn install_with_helm(lab: &ClusterLab, home: &Path, reference: &str) {
         began.elapsed().as_secs_f64()
     );
     controllers_ready(lab);
-    gpu_pod(lab, "dp-helm", "lab-node-3", false);
-    let (_, l4) = machine("pcie-l4x4");
-    assert!(pod_gpus(lab, "dp-helm").is_subset(&l4));
-    assert_eq!(
-        mig_resources(lab),
-        Some(vec![]),
-        "strategy none offers no MIG resource"
-    );
 }
 
 /// `helm upgrade --reuse-values` with MIG strategy `mixed` reaches the agents: lab-node-2 then

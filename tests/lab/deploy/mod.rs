@@ -17,6 +17,7 @@ use std::path::Path;
 mod agents;
 mod controller;
 mod helm_install;
+mod kueue;
 
 /// Each node and the bundled machine it simulates.
 const MACHINES: [(&str, &str); 3] = [
