@@ -255,6 +255,32 @@ fn three_jobs_under_four_gpus(lab: &ClusterLab) {
         "the controller to count train-3's pod as waiting for Kueue",
         || pending_metric(lab, "Kueue") == 1.0,
     );
+    // A plain pod through the full queue waits at Kueue's gate: the controller's condition on
+    // it (what `kubectl describe` shows) gives Kueue's reason and words.
+    let meta = "  labels: {kueue.x-k8s.io/queue-name: gpus}\n";
+    lab.create(&cluster::sleeping_gpu_pod(NS, "queued", 2, meta, ""), &[])
+        .unwrap();
+    let kept = eventually_or(
+        "the held pod's condition to say Kueue",
+        || {
+            let a = gpuplane_json(
+                lab,
+                &["explain", "pod", &format!("{NS}/queued"), "-o", "json"],
+            );
+            // Kueue's words once its Workload exists (the first answer may precede it).
+            let said = a["message"].as_str()?.contains("(ClusterQueue gpus)");
+            (a["reason"] == "Kueue" && a["source"] == "controller" && said).then_some(a)
+        },
+        || describe(lab),
+    );
+    let message = kept["message"].as_str().unwrap();
+    assert!(
+        message.contains("(ClusterQueue gpus)") && message.contains("insufficient"),
+        "{message}"
+    );
+    eventually("the metric to count both", || {
+        pending_metric(lab, "Kueue") == 2.0
+    });
     // A pod that goes around Kueue is the GpuQuota's: gated, then admitted within its 1 GPU.
     lab.create(&cluster::sleeping_gpu_pod(NS, "own", 1, "", ""), &[])
         .unwrap();
