@@ -25,13 +25,13 @@ use std::fmt::Write as _;
 #[derive(Debug, thiserror::Error)]
 pub enum ExplainError {
     #[error(
-        "pod {namespace}/{name} not found; check the name with `kubectl get pods -n {namespace}`"
+        "{kind} {namespace}/{name} not found; check the name with `kubectl get {kind}s -n {namespace}`"
     )]
-    NoPod { namespace: String, name: String },
-    #[error(
-        "job {namespace}/{name} not found; check the name with `kubectl get jobs -n {namespace}`"
-    )]
-    NoJob { namespace: String, name: String },
+    NotFound {
+        kind: &'static str,
+        namespace: String,
+        name: String,
+    },
     #[error("reading {what} from the API server: {cause}")]
     Read { what: String, cause: kube::Error },
 }
@@ -102,13 +102,25 @@ async fn cluster(
     Ok(Cluster::new(&listed, settings))
 }
 
-/// Pod `namespace/name`, or the error naming it.
-async fn get_pod(client: &kube::Client, namespace: &str, name: &str) -> Result<Pod, ExplainError> {
-    Api::<Pod>::namespaced(client.clone(), namespace)
+/// The `kind` (`pod`, `job`) `namespace/name`, or the error naming it.
+async fn get<K>(
+    client: &kube::Client,
+    kind: &'static str,
+    namespace: &str,
+    name: &str,
+) -> Result<K, ExplainError>
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    Api::<K>::namespaced(client.clone(), namespace)
         .get_opt(name)
         .await
-        .map_err(read(format!("pod {namespace}/{name}")))?
-        .ok_or_else(|| ExplainError::NoPod {
+        .map_err(read(format!("{kind} {namespace}/{name}")))?
+        .ok_or_else(|| ExplainError::NotFound {
+            kind,
             namespace: namespace.into(),
             name: name.into(),
         })
@@ -123,7 +135,7 @@ pub async fn pod(
     name: &str,
     live: bool,
 ) -> Result<Explanation, ExplainError> {
-    let pod = get_pod(client, namespace, name).await?;
+    let pod: Pod = get(client, "pod", namespace, name).await?;
     if let Some(answer) = from_condition(&pod).filter(|_| !live) {
         return Ok(answer);
     }
@@ -204,14 +216,7 @@ pub async fn job(
     name: &str,
     live: bool,
 ) -> Result<Vec<Explanation>, ExplainError> {
-    let job = Api::<Job>::namespaced(client.clone(), namespace)
-        .get_opt(name)
-        .await
-        .map_err(read(format!("job {namespace}/{name}")))?
-        .ok_or_else(|| ExplainError::NoJob {
-            namespace: namespace.into(),
-            name: name.into(),
-        })?;
+    let job: Job = get(client, "job", namespace, name).await?;
     let view = kueue(client, namespace).await?;
     let uid = job.metadata.uid.as_deref().unwrap_or_default();
     if let Some(w) = view.owned_by(uid).filter(|w| w.held()) {
