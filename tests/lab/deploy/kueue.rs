@@ -206,8 +206,24 @@ fn three_jobs_under_four_gpus(lab: &ClusterLab) {
     let first = running_pod(lab, "train-1");
     let second = running_pod(lab, "train-2");
     lab.apply(&job("train-3", "gpus", false));
-    // Each got two GPUs from the agents, one job through each API.
-    for pod in [&first, &second] {
+    two_gpus_each(lab, [&first, &second]);
+    third_is_kueues(lab);
+    queued_pod_is_kueues(lab);
+    the_namespace_is_shared(lab);
+    // The first job finishes; Kueue admits the third, which runs.
+    lab.kubectl_ok(&["exec", "-n", NS, &first, "--", "sh", "-c", ": > /tmp/done"]);
+    running_pod(lab, "train-3");
+    for name in ["train-1", "train-2", "train-3"] {
+        for pod in job_pods(lab, name) {
+            assert!(!gated_by_us(&pod), "{name}: {pod}");
+        }
+    }
+    all_three_are_counted(lab);
+}
+
+/// Each pod got two GPUs from the agents (one job through each API).
+fn two_gpus_each(lab: &ClusterLab, pods: [&str; 2]) {
+    for pod in pods {
         let env = cluster::pod_env_in(lab, NS, pod);
         let gpus = env
             .iter()
@@ -219,7 +235,10 @@ fn three_jobs_under_four_gpus(lab: &ClusterLab) {
             "{pod}: {gpus}"
         );
     }
-    // The third waits in Kueue, with Kueue's reason everywhere gpuplane answers.
+}
+
+/// The third job waits in Kueue, with Kueue's reason everywhere gpuplane answers.
+fn third_is_kueues(lab: &ClusterLab) {
     let held = eventually_or(
         "train-3 explained as held by Kueue",
         || {
@@ -255,8 +274,11 @@ fn three_jobs_under_four_gpus(lab: &ClusterLab) {
         "the controller to count train-3's pod as waiting for Kueue",
         || pending_metric(lab, "Kueue") == 1.0,
     );
-    // A plain pod through the full queue waits at Kueue's gate: the controller's condition on
-    // it (what `kubectl describe` shows) gives Kueue's reason and words.
+}
+
+/// A plain pod through the full queue waits at Kueue's gate: the controller's condition on
+/// it (what `kubectl describe` shows) gives Kueue's reason and words.
+fn queued_pod_is_kueues(lab: &ClusterLab) {
     let meta = "  labels: {kueue.x-k8s.io/queue-name: gpus}\n";
     lab.create(&cluster::sleeping_gpu_pod(NS, "queued", 2, meta, ""), &[])
         .unwrap();
@@ -281,11 +303,14 @@ fn three_jobs_under_four_gpus(lab: &ClusterLab) {
     eventually("the metric to count both", || {
         pending_metric(lab, "Kueue") == 2.0
     });
-    // A pod that goes around Kueue is the GpuQuota's: gated, then admitted within its 1 GPU.
+}
+
+/// A pod that goes around Kueue is the GpuQuota's: gated, then admitted within its 1 GPU;
+/// Kueue's pods are not charged, and the quota says whose they are.
+fn the_namespace_is_shared(lab: &ClusterLab) {
     lab.create(&cluster::sleeping_gpu_pod(NS, "own", 1, "", ""), &[])
         .unwrap();
     wait_running(lab, NS, "own");
-    // Kueue's pods: no gate of ours, no charge; the quota says whose they are.
     let status = eventually("the GpuQuota to count only its own pod", || {
         let s = quota_status(lab);
         let shared = s["conditions"]
@@ -314,16 +339,10 @@ fn three_jobs_under_four_gpus(lab: &ClusterLab) {
         !events["items"].as_array().unwrap().is_empty(),
         "no KueueShared Event"
     );
-    // The first job finishes; Kueue admits the third, which runs.
-    lab.kubectl_ok(&["exec", "-n", NS, &first, "--", "sh", "-c", ": > /tmp/done"]);
-    let third = running_pod(lab, "train-3");
-    for name in ["train-1", "train-2", "train-3"] {
-        for pod in job_pods(lab, name) {
-            assert!(!gated_by_us(&pod), "{name}: {pod}");
-        }
-    }
-    assert!(!third.is_empty());
-    // The ledger counts all three, by the job-name owner label.
+}
+
+/// The ledger counts all three jobs, by the job-name owner label.
+fn all_three_are_counted(lab: &ClusterLab) {
     eventually("GPU-hours for all three jobs", || {
         let cm = lab.get_json(&["get", "configmap", BOOK_NAME, "-n", AGENT_NS])?;
         let book = Book::from_json(cm["data"][BOOK_KEY].as_str()?).ok()?;
