@@ -289,8 +289,8 @@ fn queued_pod_is_kueues(lab: &ClusterLab) {
                 lab,
                 &["explain", "pod", &format!("{NS}/queued"), "-o", "json"],
             );
-            // Kueue's words once its Workload exists (the first answer may precede it).
-            let said = a["message"].as_str()?.contains("(ClusterQueue gpus)");
+            // Kueue's words once it tried the Workload (the first answers precede that).
+            let said = a["message"].as_str()?.contains("insufficient");
             (a["reason"] == "Kueue" && a["source"] == "controller" && said).then_some(a)
         },
         || describe(lab),

@@ -343,16 +343,15 @@ impl Explainer {
             let pods = stores.pods.state();
             let cluster = stores.cluster(&pods);
             metrics.set_pools(fragmentation_by_pool(&cluster.nodes));
-            self.plan(&pods, &cluster, metrics, opts.message_refresh)
+            let (todo, mut counts) = self.plan(&pods, &cluster, metrics, opts.message_refresh);
+            // A suspended job's pods wait too, though only its Workload shows it.
+            let held: u64 = cluster.kueue.held_without_pods().map(|w| w.gpu_pods).sum();
+            if held > 0 {
+                *counts.entry(Reason::Kueue).or_insert(0) += held;
+            }
+            (todo, counts)
         };
         let planned = began.elapsed();
-        let mut counts = counts;
-        if let Some((w, q)) = &stores.kueue {
-            // A suspended job's pods wait too, though only its Workload shows it.
-            let held = super::kueue::view(&w.state(), &q.state());
-            let pods: u64 = held.held_without_pods().map(|w| w.gpu_pods).sum();
-            *counts.entry(Reason::Kueue).or_insert(0) += pods;
-        }
         metrics.set_pending(&counts);
         let (urgent, later): (Vec<_>, Vec<_>) = todo.into_iter().partition(|w| !w.deferrable());
         let mut failed = self.send(client, opts, urgent).await;
