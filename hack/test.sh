@@ -17,7 +17,8 @@ done
 
 need_apt=()
 # The CDI tests run containers with podman + runc from a busybox-static image; the lab's
-# Prometheus (busy GPU-hours, the dashboard's queries) is Debian's package.
+# Prometheus 2.42 for the host-process labs (busy GPU-hours, the dashboard's queries) is Debian's
+# package; hack/cluster/build.sh builds Prometheus 3 (with Kubernetes discovery) for the deployed one.
 for pkg in podman runc busybox-static prometheus; do
   # Installed, not merely known (a removed package keeps "deinstall ok config-files").
   [[ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null)" == "install ok installed" ]] || need_apt+=("$pkg")
@@ -65,7 +66,7 @@ cargo clippy "${profile[@]}" --workspace --all-targets --features "$test_feature
 cargo clippy "${profile[@]}" -p gpuplane --bin gpuplane --no-default-features -- -D warnings
 echo "== rustdoc -D warnings (intra-doc links resolve across the crate edges)"
 RUSTDOCFLAGS="-D warnings" cargo doc "${profile[@]}" --workspace --no-deps
-echo "== cluster binaries and helm for tests/lab (hack/cluster/build.sh: about 26 min cold, cached after)"
+echo "== cluster binaries and helm for tests/lab (hack/cluster/build.sh: about 38 min cold, cached after)"
 if cluster_out="$(./hack/cluster/build.sh)"; then
   export GPUPLANE_CLUSTER_BIN="$(sed -n 's/^GPUPLANE_CLUSTER_BIN=//p' <<<"$cluster_out")"
   echo "GPUPLANE_CLUSTER_BIN=$GPUPLANE_CLUSTER_BIN"

@@ -10,6 +10,18 @@ use std::path::PathBuf;
 #[derive(clap::Args)]
 pub struct DoctorArgs {
     #[command(flatten)]
+    node: NodeArgs,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+    /// Output format.
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
+    output: Output,
+}
+
+/// Where the node checks look: the agent's path flags, containerd's config, the agent.
+#[derive(clap::Args)]
+struct NodeArgs {
+    #[command(flatten)]
     host: crate::host_paths::HostPathArgs,
     /// The kernel's /proc (MIG capability minors).
     #[arg(long, default_value_os_t = HostPaths::standard().proc_root)]
@@ -22,17 +34,24 @@ pub struct DoctorArgs {
     agent_addr: Option<std::net::SocketAddr>,
     #[command(flatten)]
     source: SourceArgs,
-    #[command(flatten)]
-    cluster: ClusterArgs,
-    /// Output format.
-    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
-    output: Output,
 }
 
-/// The checks through the API server: this node's ResourceSlices, and with `--smoke` a pod
-/// with one GPU through each kubelet API on this node.
+/// The checks through the API server: this node's agent pod and ResourceSlices, and with
+/// `--smoke` a pod with one GPU through each kubelet API on this node.
 #[derive(clap::Args)]
 struct ClusterArgs {
+    /// Only the checks through the API server (agent-pod, slices, smoke), for a node named
+    /// with --node-name: the doctor run against a cluster from outside the node.
+    #[arg(long, requires = "node_name")]
+    api_only: bool,
+    /// The namespace the agents' DaemonSet runs in.
+    #[arg(
+        long,
+        env = "POD_NAMESPACE",
+        value_name = "NS",
+        default_value = "gpuplane-system"
+    )]
+    agent_namespace: String,
     /// Also run a smoke pod with one GPU through each kubelet API on this node (needs API
     /// access that may create pods and resourceclaims: an admin's --kubeconfig).
     #[arg(long)]
@@ -93,7 +112,10 @@ impl ClusterArgs {
                     let why = format!("no API access: {e:#}");
                     let fix =
                         "pass --kubeconfig, or unset --node-name/NODE_NAME to skip the API checks";
-                    let mut out = vec![Check::fail("slices", why.clone(), fix)];
+                    let mut out = vec![
+                        Check::fail("agent-pod", why.clone(), fix),
+                        Check::fail("slices", why.clone(), fix),
+                    ];
                     if self.smoke {
                         out.push(Check::fail("smoke", why, fix));
                     }
@@ -101,6 +123,12 @@ impl ClusterArgs {
                 }
             };
             let mut out = vec![
+                gpuplane_node::doctor::agent_pod::agent_pod(
+                    client.clone(),
+                    &node,
+                    &self.agent_namespace,
+                )
+                .await,
                 gpuplane_node::doctor::slices::slices(client.clone(), &node, &self.driver_name)
                     .await,
             ];
@@ -113,20 +141,11 @@ impl ClusterArgs {
 }
 
 pub fn run(args: DoctorArgs) -> Result<()> {
-    let opts = gpuplane_node::doctor::DoctorOptions {
-        paths: args
-            .host
-            .paths(HostPaths::standard().state_dir, args.proc_root),
-        mode: args.source.mode(),
-        containerd_config: args.containerd_config,
-        agent_addr: args.agent_addr,
+    let mut report = if args.cluster.api_only {
+        gpuplane_node::doctor::Report { checks: Vec::new() }
+    } else {
+        args.node.examine()
     };
-    let opened = args.source.open().map_err(|e| format!("{e:#}"));
-    let source = opened
-        .as_ref()
-        .map(|(s, _)| s.as_ref())
-        .map_err(Clone::clone);
-    let mut report = gpuplane_node::doctor::examine(&opts, source);
     report.checks.extend(args.cluster.run()?);
     match args.output {
         Output::Table => print!("{}", report.text()),
@@ -138,4 +157,24 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         "{failed} doctor check(s) failed; each says what to fix"
     );
     Ok(())
+}
+
+impl NodeArgs {
+    /// The checks of this node's files, devices, kubelet, runtime and agent.
+    fn examine(self) -> gpuplane_node::doctor::Report {
+        let opts = gpuplane_node::doctor::DoctorOptions {
+            paths: self
+                .host
+                .paths(HostPaths::standard().state_dir, self.proc_root),
+            mode: self.source.mode(),
+            containerd_config: self.containerd_config,
+            agent_addr: self.agent_addr,
+        };
+        let opened = self.source.open().map_err(|e| format!("{e:#}"));
+        let source = opened
+            .as_ref()
+            .map(|(s, _)| s.as_ref())
+            .map_err(Clone::clone);
+        gpuplane_node::doctor::examine(&opts, source)
+    }
 }

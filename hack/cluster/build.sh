@@ -7,7 +7,8 @@
 #   ${GPUPLANE_CLUSTER_CACHE}/bin-<key of all>/
 # whose path is the last line printed (GPUPLANE_CLUSTER_BIN=...).
 #   ./hack/cluster/build.sh               everything (kubemark too; helm for tests/lab/helm.rs,
-#                                         kueue for tests/lab/real_cluster_kueue.rs)
+#                                         kueue for tests/lab/deploy/kueue.rs, prometheus for
+#                                         tests/lab/deploy/busy_hours.rs)
 #   ./hack/cluster/build.sh etcd kubernetes   only these components
 #   ./hack/cluster/build.sh kwok          kwok alone, for benches/pending_scale.rs: not in the
 #                                         default set, so the tests' bin-<key> (and CI's cache)
@@ -61,10 +62,11 @@ declare -A bins=(
   [helm]="helm"
   [kwok]="kwok"
   [kueue]="kueue kueue-config"
+  [prometheus]="prometheus"
 )
 components=("$@")
 # The default set is what the tests need; kwok (the scale bench only) is built when named.
-((${#components[@]})) || components=(etcd kubernetes containerd cri-tools helm kueue)
+((${#components[@]})) || components=(etcd kubernetes containerd cri-tools helm kueue prometheus)
 
 # Version stamps: Kubernetes components report (and compare) their version, so stamp the
 # release they are built from, as upstream's build does.
@@ -106,6 +108,16 @@ kueue_ldflags() {
   printf -- " -X sigs.k8s.io/kueue/pkg/version.GitVersion=%s -X sigs.k8s.io/kueue/pkg/version.BuildDate=1970-01-01T00:00:00Z" "$v"
 }
 
+# Prometheus reports its version (build_info, /api/v1/status/buildinfo); stamp it as its
+# promu build does. Its Go module v0.3MM.P is Prometheus 3.MM.P.
+prometheus_ldflags() {
+  local v n
+  v="$(cd "$here/prometheus" && go list -m -f '{{.Version}}' github.com/prometheus/prometheus)"
+  n="${v#v0.}"
+  printf -- ' -X github.com/prometheus/common/version.Version=%s.%s.%s -X github.com/prometheus/common/version.Branch=HEAD' \
+    "$((${n%%.*} / 100))" "$((${n%%.*} % 100))" "${n#*.}"
+}
+
 all_keys=""
 for c in "${components[@]}"; do
   [[ -n "${bins[$c]:-}" ]] || { echo "build.sh: unknown component $c" >&2; exit 2; }
@@ -116,6 +128,7 @@ for c in "${components[@]}"; do
     containerd) ldflags+="$(ctrd_ldflags)" ;;
     helm) ldflags+="$(helm_ldflags)" ;;
     kueue) ldflags+="$(kueue_ldflags)" ;;
+    prometheus) ldflags+="$(prometheus_ldflags)" ;;
   esac
   key="$(cat "$dir/go.mod" "$dir/go.sum" <(echo "$gover $ldflags") | sha256sum | cut -c1-12)"
   out="$cache/$c-$key/bin"

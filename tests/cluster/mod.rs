@@ -322,7 +322,17 @@ impl ClusterLab {
     /// namespace and the node's mount namespace (`/var/run/cdi`, `/var/lib/kubelet` are the
     /// node's), as a node-local tool sees the node.
     pub fn on_node(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
-        let holder = std::fs::read_to_string(self.work.join("mnt.pid")).unwrap();
+        self.on_node_at(&self.work, program)
+    }
+
+    /// [`ClusterLab::on_node`] on `node`.
+    pub fn on(&self, node: &LabNode, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        self.on_node_at(&node.dir, program)
+    }
+
+    /// The node whose directory (with its `mnt.pid`) is `dir`.
+    fn on_node_at(&self, dir: &Path, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let holder = std::fs::read_to_string(dir.join("mnt.pid")).unwrap();
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net=/proc/{}/ns/net", self.init))
             // The pid is the lab's (its own PID namespace): seen through the lab's /proc.

@@ -1,21 +1,53 @@
-//! A real Prometheus (Debian's `prometheus` package, which hack/test.sh installs) in the lab's
-//! network namespace, scraping the node agent and the controller every second, as a cluster's
-//! Prometheus scrapes their pods; its HTTP API answers the dashboard's queries and the
-//! controller's busy GPU-hours reads.
+//! A real Prometheus in the lab's network namespace, scraping the node agents and the
+//! controller every second; its HTTP API answers the dashboard's queries and the controller's
+//! busy GPU-hours reads. Two of them, as users run both: Debian's package (2.42, which
+//! hack/test.sh installs) scraping the host-process agent and controller at fixed addresses,
+//! and Prometheus 3 built from its Go module by hack/cluster/build.sh (Debian's leaves out
+//! Kubernetes service discovery), finding the deployed pods through the API server.
 
 use super::*;
 
-/// Where it serves its HTTP API in the lab's network namespace.
+/// Where it serves its HTTP API in the lab's network namespace when it scrapes fixed targets.
 pub const PROMETHEUS_ADDR: &str = "127.0.0.1:9090";
 
 /// The running server.
 pub struct LabPrometheus {
     _process: LabProcess,
+    addr: String,
+}
+
+/// The host processes' addresses: the agent's and the controller's `--metrics-addr`.
+/// `honor_labels`: the agents' own `namespace`/`pod` labels name the workload.
+fn static_jobs() -> String {
+    format!(
+        "- job_name: gpuplane-node\n  honor_labels: true\n  static_configs: [{{targets: ['127.0.0.1:9400']}}]\n\
+         - job_name: gpuplane-controller\n  honor_labels: true\n  static_configs: [{{targets: ['{CONTROLLER_METRICS_ADDR}']}}]\n"
+    )
+}
+
+/// The pods annotated `prometheus.io/scrape: "true"`, found through the API server: the
+/// `kubernetes-pods` job of the prometheus-community chart's default config (values.yaml of
+/// charts/prometheus), the way most clusters scrape pods, with its `namespace` and `pod`
+/// target labels under `honor_labels` (a series' own labels win; one without them gets the
+/// scraped pod's).
+fn pod_discovery_job(kubeconfig: &Path) -> String {
+    format!(
+        "- job_name: kubernetes-pods\n  honor_labels: true\n\
+         \x20 kubernetes_sd_configs: [{{role: pod, kubeconfig_file: '{}'}}]\n\
+         \x20 relabel_configs:\n\
+         \x20 - {{source_labels: [__meta_kubernetes_pod_annotation_prometheus_io_scrape], action: keep, regex: 'true'}}\n\
+         \x20 - {{source_labels: [__meta_kubernetes_pod_annotation_prometheus_io_path], action: replace, target_label: __metrics_path__, regex: '(.+)'}}\n\
+         \x20 - {{source_labels: [__address__, __meta_kubernetes_pod_annotation_prometheus_io_port], action: replace, regex: '([^:]+)(?::\\d+)?;(\\d+)', replacement: '$1:$2', target_label: __address__}}\n\
+         \x20 - {{source_labels: [__meta_kubernetes_namespace], action: replace, target_label: namespace}}\n\
+         \x20 - {{source_labels: [__meta_kubernetes_pod_name], action: replace, target_label: pod}}\n\
+         \x20 - {{source_labels: [__meta_kubernetes_pod_node_name], action: replace, target_label: node}}\n",
+        kubeconfig.display()
+    )
 }
 
 impl LabPrometheus {
-    /// Starts it (`None`, printed, when the binary is missing; a panic under `CI`) and waits
-    /// until it is ready.
+    /// Starts it scraping the host-process agent and controller (`None`, printed, when the
+    /// binary is missing; a panic under `CI`) and waits until it is ready.
     pub fn start(lab: &ClusterLab) -> Option<LabPrometheus> {
         let found = Command::new("sh")
             .args(["-c", "command -v prometheus"])
@@ -27,42 +59,65 @@ impl LabPrometheus {
             eprintln!("skipping: {why}");
             return None;
         }
+        Some(Self::start_with(
+            lab,
+            Path::new("prometheus"),
+            PROMETHEUS_ADDR,
+            &static_jobs(),
+        ))
+    }
+
+    /// Starts it as a cluster's Prometheus outside the pod network: it finds the pods to
+    /// scrape through the API server (their `prometheus.io/*` annotations) and serves on
+    /// lab-node's IP, which pods reach (the controller's `--prometheus-url`).
+    pub fn discovering_pods(lab: &ClusterLab) -> LabPrometheus {
+        let ip = &lab.nodes()[0].ip;
+        let job = pod_discovery_job(&lab.admin_kubeconfig());
+        Self::start_with(
+            lab,
+            &lab.bin.join("prometheus"),
+            &format!("{ip}:9090"),
+            &job,
+        )
+    }
+
+    fn start_with(lab: &ClusterLab, program: &Path, addr: &str, jobs: &str) -> LabPrometheus {
         let dir = lab.work.join("prometheus");
         std::fs::create_dir_all(&dir).unwrap();
         let config = dir.join("prometheus.yml");
-        // honor_labels: the agents' own `namespace`/`pod` labels name the workload.
         std::fs::write(
             &config,
             format!(
-                "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n\
-                 scrape_configs:\n\
-                 - job_name: gpuplane-node\n  honor_labels: true\n  static_configs: [{{targets: ['127.0.0.1:9400']}}]\n\
-                 - job_name: gpuplane-controller\n  honor_labels: true\n  static_configs: [{{targets: ['{CONTROLLER_METRICS_ADDR}']}}]\n"
+                "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nscrape_configs:\n{jobs}"
             ),
         )
         .unwrap();
-        let mut cmd = lab.in_netns("prometheus");
+        let mut cmd = lab.in_netns(program);
         cmd.arg(format!("--config.file={}", config.display()))
             .arg(format!(
                 "--storage.tsdb.path={}",
                 dir.join("data").display()
             ))
-            .arg(format!("--web.listen-address={PROMETHEUS_ADDR}"));
+            .arg(format!("--web.listen-address={addr}"));
         let process = LabProcess::spawn(lab, cmd, "prometheus");
+        let prometheus = LabPrometheus {
+            _process: process,
+            addr: addr.to_string(),
+        };
         eventually("Prometheus to be ready", || {
             let out = lab
                 .in_netns("curl")
-                .args(["-sf", &format!("http://{PROMETHEUS_ADDR}/-/ready")])
+                .args(["-sf", &format!("{}/-/ready", prometheus.url())])
                 .output()
                 .unwrap();
             out.status.success().then_some(())
         });
-        Some(LabPrometheus { _process: process })
+        prometheus
     }
 
     /// The URL the controller's `--prometheus-url` takes.
     pub fn url(&self) -> String {
-        format!("http://{PROMETHEUS_ADDR}")
+        format!("http://{}", self.addr)
     }
 
     /// An instant query's answer (`data.result`); panics on an error answer, naming the query.
@@ -70,7 +125,7 @@ impl LabPrometheus {
         let out = lab
             .in_netns("curl")
             .args(["-s", "--data-urlencode", &format!("query={expr}")])
-            .arg(format!("http://{PROMETHEUS_ADDR}/api/v1/query"))
+            .arg(format!("{}/api/v1/query", self.url()))
             .output()
             .unwrap();
         let answer: Value = serde_json::from_slice(&out.stdout)

@@ -32,7 +32,7 @@ fn telemetry_patch() -> String {
 
 /// PID `pid` (this test's PID namespace) as the lab's nodes see it: the lab's own PID
 /// namespace is the second in `NSpid` (the root's, the lab's, the container's).
-fn node_pid(pid: u32) -> u32 {
+pub(crate) fn node_pid(pid: u32) -> u32 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let ns: Vec<u32> = status
         .lines()
@@ -65,7 +65,8 @@ fn memory_on(lab: &ClusterLab, node: &str) -> BTreeMap<(String, String, String),
         .collect()
 }
 
-fn write_telemetry(lab: &ClusterLab, node: &str, devices: serde_json::Value) {
+/// Replaces `node`'s telemetry file (under its state directory) with `devices`.
+pub(crate) fn write_telemetry(lab: &ClusterLab, node: &str, devices: serde_json::Value) {
     let dir = lab
         .nodes()
         .into_iter()

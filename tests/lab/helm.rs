@@ -312,7 +312,7 @@ image: {repository: registry.example.com/gpu/gpuplane, tag: "1.2.3", pullPolicy:
 imagePullSecrets: [{name: registry-login}]
 driverName: gpu.nvidia.com
 apis: {devicePlugin: false, dra: true}
-simulate: {fromNodeLabel: true}
+simulate: {fromNodeLabel: true, telemetryFile: /var/lib/gpuplane/telemetry.json}
 config:
   flags: {migStrategy: mixed}
   sharing:
@@ -326,6 +326,7 @@ node:
   tolerations: [{key: dedicated, operator: Equal, value: gpu, effect: NoSchedule}]
   priorityClassName: gpu-critical
   resources: {requests: {cpu: 50m, memory: 100Mi}, limits: {memory: 1Gi}}
+  telemetry: {interval: 1m30s, idleAfter: 30m, idleBelow: 10}
 controller:
   replicas: 3
   kueue: true
@@ -487,6 +488,28 @@ fn values_reach_the_objects_they_configure() {
     assert!(!args_of(find(&d, "Deployment", "gpuplane-controller"))
         .iter()
         .any(|a| a.starts_with("--driver-name") || a.starts_with("--time-sliced")));
+    scrape_annotations_name_the_metrics_port(&d);
+}
+
+/// Both workloads' pods carry Prometheus's `prometheus.io/*` annotations naming the port
+/// their `--metrics-addr` serves, and the agent's defaults keep telemetry on with idle Events
+/// off.
+fn scrape_annotations_name_the_metrics_port(o: &Objects) {
+    for (kind, name) in [
+        ("DaemonSet", "gpuplane-node"),
+        ("Deployment", "gpuplane-controller"),
+    ] {
+        let w = find(o, kind, name);
+        let a = &w["spec"]["template"]["metadata"]["annotations"];
+        assert_eq!(a["prometheus.io/scrape"], "true", "{name}: {a}");
+        assert_eq!(a["prometheus.io/path"], "/metrics", "{name}: {a}");
+        let port = a["prometheus.io/port"].as_str().unwrap();
+        let addr = format!("--metrics-addr=0.0.0.0:{port}");
+        assert!(args_of(w).contains(&addr), "{name}: {addr} not in its args");
+    }
+    let agent = args_of(find(o, "DaemonSet", "gpuplane-node"));
+    assert!(agent.iter().any(|a| a == "--telemetry-interval=10s"));
+    assert!(!agent.iter().any(|a| a.starts_with("--idle-")), "{agent:?}");
 }
 
 /// The agent's values: APIs, driver name, the simulation flag, scheduling, resources; its
@@ -499,6 +522,10 @@ fn the_agent_gets_its_values(ds: &Value) -> Vec<String> {
         "--dra=true",
         "--driver-name=gpu.nvidia.com",
         "--simulate-from-node-label",
+        "--simulate-telemetry=/var/lib/gpuplane/telemetry.json",
+        "--telemetry-interval=1m30s",
+        "--idle-after=30m",
+        "--idle-below=10",
     ] {
         assert!(agent.iter().any(|a| a == want), "{want} not in {agent:?}");
     }
@@ -727,6 +754,9 @@ fn bad_values_are_refused_naming_the_field() {
         ("config.flags.plugin.migStrategy=mixed", "'migStrategy' not allowed"),
         ("driverName=GPU_Driver", "/driverName"),
         ("apis.dra=yes", "/apis/dra"),
+        ("node.telemetry.interval=10", "/node/telemetry/interval"),
+        ("node.telemetry.idleBelow=0", "/node/telemetry/idleBelow"),
+        ("simulate.telemetryFile=telemetry.json", "/simulate/telemetryFile"),
         ("webhookCertificate.existingSecret=mine", "/webhookCertificate/caBundle"),
         ("webhookCertificate.caBundle=abc", "/webhookCertificate/caBundle"),
     ] {

@@ -4,7 +4,7 @@
 use super::*;
 
 /// The current holder of the controller's Lease.
-fn lease_holder(lab: &ClusterLab) -> Option<String> {
+pub(crate) fn lease_holder(lab: &ClusterLab) -> Option<String> {
     let lease = lab.get_json(&["get", "lease", "gpuplane-controller", "-n", AGENT_NS])?;
     lease["spec"]["holderIdentity"].as_str().map(String::from)
 }

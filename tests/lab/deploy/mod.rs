@@ -15,7 +15,9 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 mod agents;
+mod busy_hours;
 mod controller;
+mod doctor;
 mod helm_install;
 mod kueue;
 

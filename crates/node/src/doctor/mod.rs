@@ -8,6 +8,7 @@
 //! reads it. Nothing here writes: a doctor that created a missing directory would hide the
 //! fault the agent meets.
 
+pub mod agent_pod;
 mod kubelet_api;
 pub mod slices;
 pub mod smoke;
@@ -37,7 +38,8 @@ pub enum Status {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Check {
     /// What was checked: `nvml`, `driver`, `device-nodes`, `kubelet`, `kubelet-apis`, `cdi`,
-    /// `containerd`, `mps`, `mig`, `agent`, `slices`, `smoke-device-plugin`, `smoke-dra`.
+    /// `containerd`, `mps`, `mig`, `agent`, `agent-pod`, `slices`, `smoke-device-plugin`,
+    /// `smoke-dra`.
     pub check: &'static str,
     pub status: Status,
     /// What was found, naming the path or address.
