@@ -89,13 +89,14 @@ struct ClusterArgs {
 }
 
 impl ClusterArgs {
-    /// The API checks, when a node is named: the slices always, the smoke pods when asked.
-    fn run(self) -> Result<Vec<gpuplane_node::doctor::Check>> {
-        use gpuplane_node::doctor::Check;
+    /// The API checks, when a node is named: the agent's pod unless `agent_checked` (its
+    /// /readyz was asked directly), the slices always, the smoke pods when asked.
+    fn run(self, agent_checked: bool) -> Result<Vec<gpuplane_node::doctor::Check>> {
+        use gpuplane_node::doctor::{agent_pod, slices, smoke, Check};
         let Some(node) = self.node_name else {
             return Ok(Vec::new());
         };
-        let opts = gpuplane_node::doctor::smoke::SmokeOptions {
+        let opts = smoke::SmokeOptions {
             node: node.clone(),
             namespace: self.smoke_namespace,
             image: self.smoke_image,
@@ -103,6 +104,11 @@ impl ClusterArgs {
             device_class: self.smoke_device_class,
             timeout: self.smoke_timeout,
         };
+        let names = [
+            (!agent_checked).then_some("agent-pod"),
+            Some("slices"),
+            self.smoke.then_some("smoke"),
+        ];
         let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
         runtime.block_on(async {
             let client = match gpuplane_common::kubeclient::client(self.kubeconfig.as_deref()).await
@@ -112,28 +118,20 @@ impl ClusterArgs {
                     let why = format!("no API access: {e:#}");
                     let fix =
                         "pass --kubeconfig, or unset --node-name/NODE_NAME to skip the API checks";
-                    let mut out = vec![
-                        Check::fail("agent-pod", why.clone(), fix),
-                        Check::fail("slices", why.clone(), fix),
-                    ];
-                    if self.smoke {
-                        out.push(Check::fail("smoke", why, fix));
-                    }
-                    return Ok(out);
+                    return Ok(names
+                        .into_iter()
+                        .flatten()
+                        .map(|n| Check::fail(n, why.clone(), fix))
+                        .collect());
                 }
             };
-            let mut out = vec![
-                gpuplane_node::doctor::agent_pod::agent_pod(
-                    client.clone(),
-                    &node,
-                    &self.agent_namespace,
-                )
-                .await,
-                gpuplane_node::doctor::slices::slices(client.clone(), &node, &self.driver_name)
-                    .await,
-            ];
+            let mut out = Vec::new();
+            if !agent_checked {
+                out.push(agent_pod::agent_pod(client.clone(), &node, &self.agent_namespace).await);
+            }
+            out.push(slices::slices(client.clone(), &node, &self.driver_name).await);
             if self.smoke {
-                out.extend(gpuplane_node::doctor::smoke::smoke(client, &opts).await);
+                out.extend(smoke::smoke(client, &opts).await);
             }
             Ok(out)
         })
@@ -141,12 +139,13 @@ impl ClusterArgs {
 }
 
 pub fn run(args: DoctorArgs) -> Result<()> {
+    let agent_checked = !args.cluster.api_only && args.node.agent_addr.is_some();
     let mut report = if args.cluster.api_only {
         gpuplane_node::doctor::Report { checks: Vec::new() }
     } else {
         args.node.examine()
     };
-    report.checks.extend(args.cluster.run()?);
+    report.checks.extend(args.cluster.run(agent_checked)?);
     match args.output {
         Output::Table => print!("{}", report.text()),
         Output::Json => println!("{}", serde_json::to_string_pretty(&report)?),
