@@ -4,7 +4,7 @@
 use clap::Args;
 use gpuplane_cluster::controller::hours::{parse_duration, By, HoursSettings};
 use gpuplane_cluster::controller::meter::{HoursOptions, ReportQuery};
-use gpuplane_cluster::controller::prometheus::Prometheus;
+use gpuplane_cluster::controller::prometheus::{Access, Prometheus};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -22,19 +22,33 @@ pub struct HoursArgs {
     /// controller late).
     #[arg(long, value_name = "DURATION", default_value = "15s", value_parser = parse_duration)]
     gpu_hours_lag: Duration,
-    /// A Prometheus that scrapes the node agents (http://HOST:PORT[/PATH]): the ledger books
-    /// busy GPU-hours and peak GPU memory from their telemetry series. Unset: not measured.
-    #[arg(long, value_name = "URL", value_parser = parse_prometheus)]
-    prometheus_url: Option<Prometheus>,
-}
-
-fn parse_prometheus(text: &str) -> Result<Prometheus, String> {
-    Prometheus::new(text).map_err(|e| e.to_string())
+    /// A Prometheus that scrapes the node agents (http(s)://HOST:PORT[/PATH]): the ledger
+    /// books busy GPU-hours and peak GPU memory from their telemetry series. Unset: not
+    /// measured.
+    #[arg(long, value_name = "URL")]
+    prometheus_url: Option<String>,
+    /// PEM CA certificates an https --prometheus-url's certificate must chain to (default:
+    /// the system bundle, /etc/ssl/certs/ca-certificates.crt).
+    #[arg(long, value_name = "FILE", requires = "prometheus_url")]
+    prometheus_ca_file: Option<PathBuf>,
+    /// A file holding a bearer token sent to --prometheus-url, read at each query (e.g. the
+    /// controller's ServiceAccount token, for a Thanos querier behind an authenticating proxy).
+    #[arg(long, value_name = "FILE", requires = "prometheus_url")]
+    prometheus_bearer_token_file: Option<PathBuf>,
 }
 
 impl HoursArgs {
-    pub fn options(self, namespace: &str) -> HoursOptions {
-        HoursOptions {
+    /// The ledger's options; fails on a bad --prometheus-url or CA file.
+    pub fn options(self, namespace: &str) -> anyhow::Result<HoursOptions> {
+        let access = Access {
+            ca_file: self.prometheus_ca_file,
+            bearer_token_file: self.prometheus_bearer_token_file,
+        };
+        let prometheus = self
+            .prometheus_url
+            .map(|url| Prometheus::new(&url, &access))
+            .transpose()?;
+        Ok(HoursOptions {
             settings: HoursSettings {
                 owner_labels: self.owner_labels,
                 lag: self.gpu_hours_lag,
@@ -42,8 +56,8 @@ impl HoursArgs {
             },
             interval: self.gpu_hours_interval,
             namespace: namespace.into(),
-            prometheus: self.prometheus_url,
-        }
+            prometheus,
+        })
     }
 }
 

@@ -434,7 +434,7 @@ fn run_controller(args: ControllerArgs) -> Result<()> {
         let mut loops = gpuplane_cluster::controller::ControllerOptions::new(&args.namespace, &identity);
         loops.leader_elect = args.leader_elect;
         loops.queue.catalog = opts.catalog.clone();
-        loops.queue.hours = Some(args.hours.options(&args.namespace));
+        loops.queue.hours = Some(args.hours.options(&args.namespace)?);
         loops.queue.settings.kueue = args.kueue;
         gpuplane_cluster::replica::run(client, opts, loops, shutdown).await?;
         tracing::info!("gpuplane controller stopped");

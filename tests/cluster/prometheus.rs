@@ -14,6 +14,15 @@ pub const PROMETHEUS_ADDR: &str = "127.0.0.1:9090";
 pub struct LabPrometheus {
     _process: LabProcess,
     addr: String,
+    /// Served over TLS: the CA file its certificate chains to.
+    ca: Option<PathBuf>,
+}
+
+/// How it serves: plain HTTP, or HTTPS with a certificate of a CA made for it.
+#[derive(Clone, Copy, PartialEq)]
+enum Serving {
+    Http,
+    Https,
 }
 
 /// The host processes' addresses: the agent's and the controller's `--metrics-addr`.
@@ -47,7 +56,9 @@ fn pod_discovery_job(kubeconfig: &Path) -> String {
 
 impl LabPrometheus {
     /// Starts it scraping the host-process agent and controller (`None`, printed, when the
-    /// binary is missing; a panic under `CI`) and waits until it is ready.
+    /// binary is missing; a panic under `CI`) and waits until it is ready. It serves HTTPS
+    /// (`--web.config.file`'s `tls_server_config`) with a certificate for 127.0.0.1 from a CA
+    /// of its own, which [`LabPrometheus::controller_flags`] hands the controller.
     pub fn start(lab: &ClusterLab) -> Option<LabPrometheus> {
         let found = Command::new("sh")
             .args(["-c", "command -v prometheus"])
@@ -62,7 +73,7 @@ impl LabPrometheus {
         Some(Self::start_with(
             lab,
             Path::new("prometheus"),
-            PROMETHEUS_ADDR,
+            (PROMETHEUS_ADDR, Serving::Https),
             &static_jobs(),
         ))
     }
@@ -76,14 +87,31 @@ impl LabPrometheus {
         Self::start_with(
             lab,
             &lab.bin.join("prometheus"),
-            &format!("{ip}:9090"),
+            (&format!("{ip}:9090"), Serving::Http),
             &job,
         )
     }
 
-    fn start_with(lab: &ClusterLab, program: &Path, addr: &str, jobs: &str) -> LabPrometheus {
+    fn start_with(
+        lab: &ClusterLab,
+        program: &Path,
+        (addr, serving): (&str, Serving),
+        jobs: &str,
+    ) -> LabPrometheus {
         let dir = lab.work.join("prometheus");
         std::fs::create_dir_all(&dir).unwrap();
+        let ca = (serving == Serving::Https).then(|| {
+            let pki = gpuplane_testkit::demo::tls::DemoPki::issue(&dir).unwrap();
+            let web = format!(
+                "tls_server_config:\n  cert_file: {}\n  key_file: {}\n",
+                pki.cert_file.display(),
+                pki.key_file.display()
+            );
+            std::fs::write(dir.join("web.yml"), web).unwrap();
+            let ca = dir.join("ca.pem");
+            std::fs::write(&ca, &pki.ca_pem).unwrap();
+            ca
+        });
         let config = dir.join("prometheus.yml");
         std::fs::write(
             &config,
@@ -99,14 +127,21 @@ impl LabPrometheus {
                 dir.join("data").display()
             ))
             .arg(format!("--web.listen-address={addr}"));
+        if ca.is_some() {
+            cmd.arg(format!(
+                "--web.config.file={}",
+                dir.join("web.yml").display()
+            ));
+        }
         let process = LabProcess::spawn(lab, cmd, "prometheus");
         let prometheus = LabPrometheus {
             _process: process,
             addr: addr.to_string(),
+            ca,
         };
         eventually("Prometheus to be ready", || {
-            let out = lab
-                .in_netns("curl")
+            let out = prometheus
+                .curl(lab)
                 .args(["-sf", &format!("{}/-/ready", prometheus.url())])
                 .output()
                 .unwrap();
@@ -117,13 +152,35 @@ impl LabPrometheus {
 
     /// The URL the controller's `--prometheus-url` takes.
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.ca.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
+    }
+
+    /// The controller's flags that point it here: the URL, and the CA file when it serves
+    /// HTTPS.
+    pub fn controller_flags(&self) -> Vec<String> {
+        let mut flags = vec![format!("--prometheus-url={}", self.url())];
+        flags.extend(
+            self.ca
+                .as_ref()
+                .map(|ca| format!("--prometheus-ca-file={}", ca.display())),
+        );
+        flags
+    }
+
+    /// curl in the lab's network, trusting this server's CA.
+    fn curl(&self, lab: &ClusterLab) -> Command {
+        let mut cmd = lab.in_netns("curl");
+        if let Some(ca) = &self.ca {
+            cmd.arg("--cacert").arg(ca);
+        }
+        cmd
     }
 
     /// An instant query's answer (`data.result`); panics on an error answer, naming the query.
     pub fn query(&self, lab: &ClusterLab, expr: &str) -> Vec<Value> {
-        let out = lab
-            .in_netns("curl")
+        let out = self
+            .curl(lab)
             .args(["-s", "--data-urlencode", &format!("query={expr}")])
             .arg(format!("{}/api/v1/query", self.url()))
             .output()

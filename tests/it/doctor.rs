@@ -32,13 +32,6 @@ async fn doctor(root: &Path, agent: std::net::SocketAddr) -> (bool, Vec<Value>) 
     support::doctor_report(&out)
 }
 
-fn named<'a>(checks: &'a [Value], name: &str) -> &'a Value {
-    checks
-        .iter()
-        .find(|c| c["check"] == name)
-        .unwrap_or_else(|| panic!("no {name} check in {checks:#?}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn doctor_passes_on_a_ready_node_and_names_each_fault_with_its_fix() {
     let dir = tempfile::tempdir().unwrap();
@@ -88,10 +81,12 @@ async fn doctor_passes_on_a_ready_node_and_names_each_fault_with_its_fix() {
     }
     assert!(passed, "{checks:#?}");
     for name in support::DOCTOR_NODE_CHECKS {
-        named(&checks, name);
+        support::doctor_check(&checks, name);
     }
     // The versions come from the kubelet's refusal of a probe: nothing was registered.
-    let apis = named(&checks, "kubelet-apis")["detail"].as_str().unwrap();
+    let apis = support::doctor_check(&checks, "kubelet-apis")["detail"]
+        .as_str()
+        .unwrap();
     assert!(
         apis.contains("PodResources v1") && apis.contains("registration v1beta1"),
         "{apis}"
@@ -109,13 +104,13 @@ async fn doctor_passes_on_a_ready_node_and_names_each_fault_with_its_fix() {
     agent.wait().unwrap();
     let (passed, checks) = doctor(root, addr).await;
     assert!(!passed, "{checks:#?}");
-    let cdi = named(&checks, "cdi");
+    let cdi = support::doctor_check(&checks, "cdi");
     assert_eq!(cdi["status"], "fail");
     assert!(
         cdi["detail"].as_str().unwrap().contains("cdi is missing") && cdi["fix"] != "",
         "{cdi:#}"
     );
-    let down = named(&checks, "agent");
+    let down = support::doctor_check(&checks, "agent");
     assert_eq!(down["status"], "fail");
     assert!(
         down["detail"]
@@ -124,7 +119,7 @@ async fn doctor_passes_on_a_ready_node_and_names_each_fault_with_its_fix() {
             .contains(&format!("http://{addr}/readyz")),
         "{down:#}"
     );
-    assert_eq!(named(&checks, "kubelet")["status"], "ok");
+    assert_eq!(support::doctor_check(&checks, "kubelet")["status"], "ok");
     kubelet.stop().await;
 }
 
@@ -197,7 +192,7 @@ fn on_nvml_a_driver_root_without_the_library_and_missing_device_nodes_fail_by_na
     let version = gpuplane_model::sim::load("pcie-l4x4")
         .unwrap()
         .driver_version;
-    let driver = named(&checks, "driver");
+    let driver = support::doctor_check(&checks, "driver");
     assert_eq!(driver["status"], "fail", "{driver:#}");
     assert!(
         driver["detail"]
@@ -206,17 +201,21 @@ fn on_nvml_a_driver_root_without_the_library_and_missing_device_nodes_fail_by_na
             .contains(&format!("no libnvidia-ml.so.{version}")),
         "{driver:#}"
     );
-    let nodes = named(&checks, "device-nodes");
+    let nodes = support::doctor_check(&checks, "device-nodes");
     assert_eq!(nodes["status"], "fail", "{nodes:#}");
     assert!(
         nodes["detail"].as_str().unwrap().contains("nvidia0"),
         "{nodes:#}"
     );
-    assert_eq!(named(&checks, "mps")["status"], "warn");
+    assert_eq!(support::doctor_check(&checks, "mps")["status"], "warn");
 
     let lib = root.join("driver/usr/lib/x86_64-linux-gnu");
     std::fs::create_dir_all(&lib).unwrap();
     std::fs::write(lib.join(format!("libnvidia-ml.so.{version}")), "").unwrap();
     let (_, checks) = run();
-    assert_eq!(named(&checks, "driver")["status"], "ok", "{checks:#?}");
+    assert_eq!(
+        support::doctor_check(&checks, "driver")["status"],
+        "ok",
+        "{checks:#?}"
+    );
 }

@@ -46,6 +46,7 @@ mod ledger_stress;
 mod manifests;
 mod mps_pods;
 mod peer_faults;
+mod prometheus_https;
 mod proto_names;
 mod quantities;
 mod restart_stress;

@@ -330,6 +330,9 @@ node:
 controller:
   replicas: 3
   kueue: true
+  prometheusUrl: https://thanos-querier.openshift-monitoring.svc:9091
+  prometheusCaFile: /var/run/secrets/kubernetes.io/serviceaccount/service-ca.crt
+  prometheusBearerTokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token
   nodeSelector: {role: infra}
   priorityClassName: ""
   resources: {requests: {cpu: 200m, memory: 256Mi}}
@@ -555,6 +558,10 @@ fn the_controller_gets_its_values(o: &Objects, deploy: &Value) -> Vec<String> {
         "--driver-name=gpu.nvidia.com",
         "--time-sliced=nvidia.com/gpu.shared=4",
         "--time-sliced=nvidia.com/mig-1g.10gb.quarter=2",
+        "--kueue",
+        "--prometheus-url=https://thanos-querier.openshift-monitoring.svc:9091",
+        "--prometheus-ca-file=/var/run/secrets/kubernetes.io/serviceaccount/service-ca.crt",
+        "--prometheus-bearer-token-file=/var/run/secrets/kubernetes.io/serviceaccount/token",
     ] {
         assert!(
             controller.iter().any(|a| a == want),
@@ -757,6 +764,7 @@ fn bad_values_are_refused_naming_the_field() {
         ("node.telemetry.interval=10", "/node/telemetry/interval"),
         ("node.telemetry.idleBelow=0", "/node/telemetry/idleBelow"),
         ("simulate.telemetryFile=telemetry.json", "/simulate/telemetryFile"),
+        ("controller.prometheusUrl=ftp://p:9090", "/controller/prometheusUrl"),
         ("webhookCertificate.existingSecret=mine", "/webhookCertificate/caBundle"),
         ("webhookCertificate.caBundle=abc", "/webhookCertificate/caBundle"),
     ] {

@@ -1,6 +1,6 @@
 //! Busy GPU-hours on real Kubernetes (issue 40): the agent over the fake libnvidia-ml, a real
-//! Prometheus (Debian's) scraping it and the controller, and the controller booking busy time
-//! from Prometheus' samples (`--prometheus-url`). A namespace runs a busy pod (its GPU 80%
+//! Prometheus (Debian's, serving HTTPS) scraping it and the controller, and the controller
+//! booking busy time from Prometheus' samples (`--prometheus-url`, `--prometheus-ca-file`). A namespace runs a busy pod (its GPU 80%
 //! busy for a stretch the test times) and an idle one; the agent restarts and the controller
 //! hands over to a new one in the middle. The book, `gpuplane report` and the GpuQuota's
 //! `status.gpuHours` then show busy vs allocated per owner: the busy pod's busy time is 80%
@@ -23,13 +23,14 @@ use std::time::{Instant, SystemTime};
 const NS: &str = "busy-hours";
 const GIB: u64 = 1 << 30;
 
-fn now_ms() -> i64 {
+/// The wall clock, ms since the epoch.
+pub(crate) fn now_ms() -> i64 {
     let d = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH);
     i64::try_from(d.unwrap().as_millis()).unwrap()
 }
 
 /// The GPU-hours book as the controller last wrote it.
-pub(crate) fn book(lab: &ClusterLab) -> Option<Book> {
+fn book(lab: &ClusterLab) -> Option<Book> {
     let cm = lab.get_json(&["get", "configmap", BOOK_NAME, "-n", AGENT_NS])?;
     Book::from_json(cm["data"][BOOK_KEY].as_str()?).ok()
 }
@@ -43,7 +44,7 @@ fn busy_counter(lab: &ClusterLab) -> Option<f64> {
 }
 
 /// Namespace `ns`'s row of owner `team` (label `team`) in the book.
-pub(crate) fn row(book: &Book, ns: &str, team: &str) -> ReportRow {
+fn row(book: &Book, ns: &str, team: &str) -> ReportRow {
     let r = book.report(&By::Owner("team".into()), Some(ns), None, None);
     r.rows
         .into_iter()
@@ -72,13 +73,13 @@ fn busy_gpu_hours_come_from_a_real_prometheus_once_across_agent_and_controller_r
     let Some(prometheus) = LabPrometheus::start(&lab) else {
         return;
     };
-    let url = format!("--prometheus-url={}", prometheus.url());
-    let flags = [
+    let to_prometheus = prometheus.controller_flags();
+    let mut flags = vec![
         "--gpu-hours-interval=2s",
         "--gpu-hours-lag=3s",
         "--owner-label=team",
-        url.as_str(),
     ];
+    flags.extend(to_prometheus.iter().map(String::as_str));
     let controller = start_controller_with(&lab, &installed, "1", &flags);
     wait_controller_ready(&lab);
     lab.kubectl_ok(&["create", "namespace", NS]);
@@ -121,15 +122,30 @@ fn busy_gpu_hours_come_from_a_real_prometheus_once_across_agent_and_controller_r
     });
     set_telemetry(&file, telemetry(&gpus, false));
     let (stretch, off) = (on.elapsed().as_secs_f64(), now_ms());
+    let busy = busy_vs_allocated_booked(&lab, NS, (stretch, gap), off);
+    users_read_busy_vs_allocated(&lab, NS, busy);
+    dashboard_queries_answer(&lab, &prometheus, NS);
+}
+
+/// Waits until the book has busy time past `off` (ms since the epoch), then checks namespace
+/// `ns`'s owners: `busy` (80% busy for a stretch of `stretch` s, of which the agent sampled
+/// nothing for up to `gap` s) within its bounds and below its allocated time, `idle` none; peak
+/// memory 2 GiB and 1 GiB. Returns the busy owner's busy GPU-seconds.
+pub(crate) fn busy_vs_allocated_booked(
+    lab: &ClusterLab,
+    ns: &str,
+    (stretch, gap): (f64, f64),
+    off: i64,
+) -> f64 {
     let b = eventually("busy time to be booked past the stretch", || {
-        book(&lab).filter(|b| b.busy_watermark().is_some_and(|w| w > off + 2_000))
+        book(lab).filter(|b| b.busy_watermark().is_some_and(|w| w > off + 2_000))
     });
-    let (busy, idle) = (row(&b, NS, "busy"), row(&b, NS, "idle"));
+    let (busy, idle) = (row(&b, ns, "busy"), row(&b, ns, "idle"));
     // 2 s for the agent's rounds at the stretch's two edges on a loaded machine; counting the
-    // 5+ s before the restart twice would be past `high`.
+    // seconds before a restart twice would be past `high`.
     let (low, high) = (0.8 * (stretch - gap) - 2.0, 0.8 * stretch + 2.0);
     eprintln!(
-        "busy pod: {:.2} busy GPU-s of {:.2} allocated; want {low:.2}..{high:.2} (stretch {stretch:.2} s, agent down {gap:.2} s)",
+        "busy pod: {:.2} busy GPU-s of {:.2} allocated; want {low:.2}..{high:.2} (stretch {stretch:.2} s, unsampled up to {gap:.2} s)",
         busy.busy_gpu_seconds, busy.gpu_seconds
     );
     assert!(
@@ -142,16 +158,23 @@ fn busy_gpu_hours_come_from_a_real_prometheus_once_across_agent_and_controller_r
     assert!(idle.gpu_seconds > 0.0, "{b:?}");
     assert_eq!(busy.peak_gpu_memory_bytes, (2 * GIB) as f64);
     assert_eq!(idle.peak_gpu_memory_bytes, GIB as f64);
-    // What users read: the report (JSON and table) and the quota's status.
-    let json = gpuplane_json(&lab, &["report", "--by", "team", "-n", NS, "-o", "json"]);
+    busy.busy_gpu_seconds
+}
+
+/// What users read of namespace `ns`: `gpuplane report` (JSON and table) shows the busy
+/// owner's `busy_seconds` or more, the idle one's none, and the GpuQuota's `status.gpuHours`
+/// catches up.
+pub(crate) fn users_read_busy_vs_allocated(lab: &ClusterLab, ns: &str, busy_seconds: f64) {
+    let json = gpuplane_json(lab, &["report", "--by", "team", "-n", ns, "-o", "json"]);
     let rows = json["rows"].as_array().unwrap();
     let of = |team: &str| rows.iter().find(|r| r["tenant"] == team).unwrap().clone();
-    assert!(of("busy")["busyGpuSeconds"].as_f64().unwrap() >= busy.busy_gpu_seconds);
+    assert!(of("busy")["busyGpuSeconds"].as_f64().unwrap() >= busy_seconds);
+    assert!(of("idle")["gpuHours"].as_f64().unwrap() > 0.0, "{json}");
     assert_eq!(of("idle")["busyGpuHours"].as_f64(), Some(0.0), "{json}");
     assert_eq!(of("busy")["peakGpuMemoryGib"].as_f64(), Some(2.0), "{json}");
     let table = lab
         .in_netns(env!("CARGO_BIN_EXE_gpuplane"))
-        .args(["report", "--by", "team", "-n", NS, "--kubeconfig"])
+        .args(["report", "--by", "team", "-n", ns, "--kubeconfig"])
         .arg(lab.admin_kubeconfig())
         .output()
         .unwrap();
@@ -161,11 +184,10 @@ fn busy_gpu_hours_come_from_a_real_prometheus_once_across_agent_and_controller_r
         "{table}"
     );
     eventually("status.gpuHours to show busy time", || {
-        let q = lab.get_json(&["get", "gpuquota", "default", "-n", NS])?;
+        let q = lab.get_json(&["get", "gpuquota", "default", "-n", ns])?;
         let s = q["status"]["gpuHours"]["busyGpuSeconds"].as_f64()?;
-        (s >= busy.busy_gpu_seconds).then_some(())
+        (s >= busy_seconds).then_some(())
     });
-    dashboard_queries_answer(&lab, &prometheus, NS);
 }
 
 /// Every query of deployments/dashboards/gpuplane.json, with `$namespace` as `ns`, answers

@@ -28,15 +28,6 @@ fn doctor_with(lab: &ClusterLab, extra: &[&str]) -> (bool, Vec<Value>) {
     support::doctor_report(&out)
 }
 
-/// The checks that failed, by name.
-fn failed(checks: &[Value]) -> Vec<String> {
-    checks
-        .iter()
-        .filter(|c| c["status"] == "fail")
-        .filter_map(|c| c["check"].as_str().map(String::from))
-        .collect()
-}
-
 #[test]
 fn doctor_passes_on_a_healthy_node_and_names_a_stopped_agent_and_a_missing_cdi_directory() {
     let Some(lab) = ClusterLab::start() else {
@@ -48,7 +39,7 @@ fn doctor_passes_on_a_healthy_node_and_names_a_stopped_agent_and_a_missing_cdi_d
         let (ok, checks) = doctor(&lab);
         ok.then_some(checks)
     });
-    assert!(failed(&checks).is_empty(), "{checks:#?}");
+    assert!(support::doctor_failed(&checks).is_empty(), "{checks:#?}");
     for name in support::DOCTOR_NODE_CHECKS {
         assert!(
             checks
@@ -91,7 +82,7 @@ fn doctor_passes_on_a_healthy_node_and_names_a_stopped_agent_and_a_missing_cdi_d
     agent.stop();
     let (ok, checks) = doctor(&lab);
     assert!(!ok);
-    assert_eq!(failed(&checks), ["agent"], "{checks:#?}");
+    assert_eq!(support::doctor_failed(&checks), ["agent"], "{checks:#?}");
 
     // The node loses its CDI directory (containerd reads CDI specs from /var/run/cdi).
     let removed = lab

@@ -342,6 +342,23 @@ pub fn doctor_report(out: &std::process::Output) -> (bool, Vec<serde_json::Value
     (out.status.success(), checks)
 }
 
+/// The doctor checks of `checks` that failed, by name.
+pub fn doctor_failed(checks: &[serde_json::Value]) -> Vec<String> {
+    checks
+        .iter()
+        .filter(|c| c["status"] == "fail")
+        .filter_map(|c| c["check"].as_str().map(String::from))
+        .collect()
+}
+
+/// The doctor check `name` of `checks`.
+pub fn doctor_check<'a>(checks: &'a [serde_json::Value], name: &str) -> &'a serde_json::Value {
+    checks
+        .iter()
+        .find(|c| c["check"] == name)
+        .unwrap_or_else(|| panic!("no check {name} in {checks:#?}"))
+}
+
 /// The value of `sample` (name with labels, exactly as rendered) in a Prometheus text body.
 pub fn metric_value(body: &str, sample: &str) -> Option<f64> {
     body.lines().filter(|l| !l.starts_with('#')).find_map(|l| {

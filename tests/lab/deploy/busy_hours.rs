@@ -12,22 +12,19 @@
 use super::controller::lease_holder;
 use super::helm_install::helm_install;
 use super::*;
-use crate::cluster::{eventually_or, gpuplane_json, LabPrometheus};
+use crate::cluster::{eventually_or, LabPrometheus};
 use crate::deploy_telemetry::{node_pid, write_telemetry};
-use crate::real_cluster_busy_hours::{book, dashboard_queries_answer, row};
+use crate::real_cluster_busy_hours::{
+    busy_vs_allocated_booked, dashboard_queries_answer, now_ms, users_read_busy_vs_allocated,
+};
 use crate::real_cluster_telemetry::container_pids;
-use serde_json::{json, Value};
-use std::time::{Instant, SystemTime};
+use serde_json::json;
+use std::time::Instant;
 
 const NS: &str = "busy-deployed";
 const GIB: u64 = 1 << 30;
 /// The pods: name (and owner `team`), node, GPU memory their process uses.
 const PODS: [(&str, &str, u64); 2] = [("busy", NODE, 2 * GIB), ("idle", "lab-node-3", GIB)];
-
-fn now_ms() -> i64 {
-    let d = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH);
-    i64::try_from(d.unwrap().as_millis()).unwrap()
-}
 
 /// The busy pod's busy-seconds counter as Prometheus has it now: one (scraped agent
 /// `instance`, value) per live series (a gone agent's series are marked stale).
@@ -104,28 +101,8 @@ fn deployed_agents_and_controller_book_busy_vs_allocated_hours_from_a_prometheus
     helm_install(&lab, &lab.work.join("helm-home"), &built.reference, &values);
     let held = start_pods(&lab, &prometheus);
     let (stretch, gap, off) = busy_stretch(&lab, &prometheus, &held);
-    let b = eventually("busy time to be booked past the stretch", || {
-        book(&lab).filter(|b| b.busy_watermark().is_some_and(|w| w > off + 2_000))
-    });
-    let (busy, idle) = (row(&b, NS, "busy"), row(&b, NS, "idle"));
-    // 2 s for the agents' rounds at the stretch's edges; counting the time before the agents
-    // rolled twice would be past `high`.
-    let (low, high) = (0.8 * (stretch - gap) - 2.0, 0.8 * stretch + 2.0);
-    eprintln!(
-        "busy pod: {:.2} busy GPU-s of {:.2} allocated; want {low:.2}..{high:.2} (stretch {stretch:.2} s, agents rolling {gap:.2} s)",
-        busy.busy_gpu_seconds, busy.gpu_seconds
-    );
-    assert!(
-        (low..=high).contains(&busy.busy_gpu_seconds),
-        "busy {} not in {low}..{high}: {b:?}",
-        busy.busy_gpu_seconds
-    );
-    assert!(busy.gpu_seconds > busy.busy_gpu_seconds, "{b:?}");
-    assert_eq!(idle.busy_gpu_seconds, 0.0, "{b:?}");
-    assert!(idle.gpu_seconds > 0.0, "{b:?}");
-    assert_eq!(busy.peak_gpu_memory_bytes, (2 * GIB) as f64);
-    assert_eq!(idle.peak_gpu_memory_bytes, GIB as f64);
-    users_read_busy_vs_allocated(&lab, busy.busy_gpu_seconds);
+    let busy = busy_vs_allocated_booked(&lab, NS, (stretch, gap), off);
+    users_read_busy_vs_allocated(&lab, NS, busy);
     // An unheld device's series have no holder, and Prometheus must not lend them the
     // scraped agent pod's namespace and name.
     let lent = prometheus.query(&lab, "gpuplane_device_up{namespace=\"gpuplane-system\"}");
@@ -199,20 +176,4 @@ fn busy_stretch(
     busy_past(lab, prometheus, at_handover + 4.0);
     telemetry(lab, held, false);
     (on.elapsed().as_secs_f64(), gap, now_ms())
-}
-
-/// What users read: `gpuplane report` (JSON and table) and the quota's `status.gpuHours`.
-fn users_read_busy_vs_allocated(lab: &ClusterLab, busy_seconds: f64) {
-    let json = gpuplane_json(lab, &["report", "--by", "team", "-n", NS, "-o", "json"]);
-    let rows = json["rows"].as_array().unwrap();
-    let of = |team: &str| -> Value { rows.iter().find(|r| r["tenant"] == team).unwrap().clone() };
-    assert!(of("busy")["busyGpuSeconds"].as_f64().unwrap() >= busy_seconds);
-    assert!(of("idle")["gpuHours"].as_f64().unwrap() > 0.0, "{json}");
-    assert_eq!(of("idle")["busyGpuHours"].as_f64(), Some(0.0), "{json}");
-    assert_eq!(of("busy")["peakGpuMemoryGib"].as_f64(), Some(2.0), "{json}");
-    eventually("status.gpuHours to show busy time", || {
-        let q = lab.get_json(&["get", "gpuquota", "default", "-n", NS])?;
-        let s = q["status"]["gpuHours"]["busyGpuSeconds"].as_f64()?;
-        (s >= busy_seconds).then_some(())
-    });
 }

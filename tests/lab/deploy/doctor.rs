@@ -14,23 +14,6 @@ use crate::support;
 const NODE_2: &str = "lab-node-2";
 const MACHINE: &str = "a100-mig-mixed";
 
-/// The checks that failed, by name.
-fn failed(checks: &[Value]) -> Vec<String> {
-    checks
-        .iter()
-        .filter(|c| c["status"] == "fail")
-        .filter_map(|c| c["check"].as_str().map(String::from))
-        .collect()
-}
-
-/// Check `name` of `checks`.
-fn named<'a>(checks: &'a [Value], name: &str) -> &'a Value {
-    checks
-        .iter()
-        .find(|c| c["check"] == name)
-        .unwrap_or_else(|| panic!("no check {name} in {checks:#?}"))
-}
-
 /// `gpuplane doctor --api-only` for lab-node-2 from the lab's network, as cluster admin.
 fn against_the_cluster(lab: &ClusterLab, extra: &[&str]) -> (bool, Vec<Value>) {
     let out = lab
@@ -80,7 +63,11 @@ fn doctor_passes_in_the_agents_pod_and_against_the_cluster_and_names_a_missing_a
         "{checks:#?}"
     );
     for name in ["kubelet", "kubelet-apis", "cdi", "agent", "slices"] {
-        assert_eq!(named(&checks, name)["status"], "ok", "{checks:#?}");
+        assert_eq!(
+            support::doctor_check(&checks, name)["status"],
+            "ok",
+            "{checks:#?}"
+        );
     }
 
     // Against the cluster: the agent's pod, the slices, a GPU through each API, nothing left.
@@ -92,7 +79,7 @@ fn doctor_passes_in_the_agents_pod_and_against_the_cluster_and_names_a_missing_a
         names,
         ["agent-pod", "slices", "smoke-device-plugin", "smoke-dra"]
     );
-    assert!(named(&checks, "agent-pod")["detail"]
+    assert!(support::doctor_check(&checks, "agent-pod")["detail"]
         .as_str()
         .is_some_and(|d| d.contains(&agent) && d.contains("Ready")));
     let left = lab.get_json(&["get", "pods", "-n", "default"]).unwrap();
@@ -105,7 +92,7 @@ fn doctor_passes_in_the_agents_pod_and_against_the_cluster_and_names_a_missing_a
     });
     let (ok, checks) = against_the_cluster(&lab, &[]);
     assert!(!ok);
-    let pod = named(&checks, "agent-pod");
+    let pod = support::doctor_check(&checks, "agent-pod");
     assert_eq!(pod["status"], "fail", "{pod}");
     assert!(
         pod["fix"]
@@ -133,12 +120,12 @@ fn doctor_passes_in_the_agents_pod_and_against_the_cluster_and_names_a_missing_a
         .unwrap();
     let (ok, checks) = support::doctor_report(&out);
     assert!(!ok);
-    let failed = failed(&checks);
+    let failed = support::doctor_failed(&checks);
     assert!(
         failed.contains(&"cdi".to_string()) && failed.contains(&"agent-pod".to_string()),
         "{checks:#?}"
     );
-    assert!(named(&checks, "cdi")["fix"]
+    assert!(support::doctor_check(&checks, "cdi")["fix"]
         .as_str()
         .is_some_and(|f| !f.is_empty()));
 }

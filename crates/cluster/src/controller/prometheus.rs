@@ -2,7 +2,9 @@
 //! ledger: one instant query of a range selector (`NAME[RANGEms]` at a time) through the HTTP
 //! API (`GET /api/v1/query`, <https://prometheus.io/docs/prometheus/latest/querying/api/>),
 //! whose matrix answer holds every sample the server stored in the range. Plain HTTP, as an
-//! in-cluster Service serves it; one connection per query (a few queries per flush).
+//! in-cluster Service serves it, or HTTPS verified against a CA bundle, with an optional bearer
+//! token (a query frontend behind an authenticating proxy, e.g. OpenShift's Thanos querier
+//! taking the controller's ServiceAccount token); one connection per query (a few per flush).
 //!
 //! The workload's `namespace` and `pod` labels are read as the agent wrote them, or as
 //! `exported_namespace` / `exported_pod` where the scrape config attached the agent pod's own
@@ -14,22 +16,41 @@ use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
 
 /// How long one query may take, connection included.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(30);
 /// The largest answer read (an hour of 15 s samples of thousands of series fits).
 const MAX_ANSWER_BYTES: usize = 64 << 20;
+/// The CA bundle an https server is verified against when no `--prometheus-ca-file` is given:
+/// the system's (Debian's ca-certificates, which the distroless image carries at this path).
+pub const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 
 /// Why a query failed; each names the server and what to check.
 #[derive(Debug, thiserror::Error)]
 pub enum PrometheusError {
-    #[error("--prometheus-url {0:?} is not an http://HOST:PORT[/PATH] address (https is not supported: point it at the in-cluster Service)")]
+    #[error("--prometheus-url {0:?} is not an http(s)://HOST:PORT[/PATH] address")]
     Url(String),
+    #[error("--prometheus-ca-file is for an https --prometheus-url, not {0:?}")]
+    CaWithoutTls(String),
+    #[error("the CA bundle {} for --prometheus-url: {cause}; pass --prometheus-ca-file with the PEM of the CA that signed Prometheus' certificate", path.display())]
+    Ca { path: PathBuf, cause: String },
     #[error("Prometheus at {url}: {what}: {cause}")]
     Io {
         url: String,
         what: &'static str,
+        cause: String,
+    },
+    #[error("Prometheus at {url}: reading the bearer token {}: {cause}", path.display())]
+    Token {
+        url: String,
+        path: PathBuf,
         cause: String,
     },
     #[error("Prometheus at {url} answered {status}: {body}")]
@@ -44,30 +65,66 @@ pub enum PrometheusError {
     Timeout { url: String },
 }
 
+/// How to reach the server beyond its URL.
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    /// PEM CA certificates an https server's certificate must chain to; `None`:
+    /// [`SYSTEM_CA_BUNDLE`].
+    pub ca_file: Option<PathBuf>,
+    /// A file holding a bearer token, read at each query (a projected ServiceAccount token
+    /// is rotated under the controller's feet).
+    pub bearer_token_file: Option<PathBuf>,
+}
+
 /// A Prometheus server's HTTP API.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Prometheus {
     url: String,
     /// `host:port` to connect to.
     authority: String,
     /// The path prefix (a server behind a route prefix), without a trailing `/`.
     prefix: String,
+    /// For https: the client config and the name the certificate must carry.
+    tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
+    bearer_token_file: Option<PathBuf>,
 }
 
 impl Prometheus {
-    /// Reads `http://HOST:PORT[/PATH]`.
-    pub fn new(url: &str) -> Result<Prometheus, PrometheusError> {
+    /// Reads `http(s)://HOST:PORT[/PATH]`; for https, loads the CA bundle now, so a bad one
+    /// stops the controller at start rather than every flush.
+    pub fn new(url: &str, access: &Access) -> Result<Prometheus, PrometheusError> {
         let bad = || PrometheusError::Url(url.to_string());
         let uri: http::Uri = url.parse().map_err(|_| bad())?;
-        if uri.scheme_str() != Some("http") || uri.query().is_some() {
+        let https = match uri.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
+            _ => return Err(bad()),
+        };
+        if uri.query().is_some() {
             return Err(bad());
         }
         let host = uri.host().ok_or_else(bad)?;
-        let port = uri.port_u16().unwrap_or(80);
+        let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+        let tls = match (https, &access.ca_file) {
+            (false, Some(_)) => return Err(PrometheusError::CaWithoutTls(url.to_string())),
+            (false, None) => None,
+            (true, ca) => {
+                let ca = ca.as_deref().unwrap_or(Path::new(SYSTEM_CA_BUNDLE));
+                // An IPv6 literal comes bracketed in the URI; the certificate names the address.
+                let name = host
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .to_string();
+                let name = ServerName::try_from(name).map_err(|_| bad())?;
+                Some((Arc::new(client_config(ca)?), name))
+            }
+        };
         Ok(Prometheus {
             url: url.trim_end_matches('/').to_string(),
             authority: format!("{host}:{port}"),
             prefix: uri.path().trim_end_matches('/').to_string(),
+            tls,
+            bearer_token_file: access.bearer_token_file.clone(),
         })
     }
 
@@ -95,35 +152,82 @@ impl Prometheus {
         })
     }
 
+    fn io(&self, what: &'static str) -> impl Fn(&dyn std::fmt::Display) -> PrometheusError {
+        let url = self.url.clone();
+        move |e| PrometheusError::Io {
+            url: url.clone(),
+            what,
+            cause: e.to_string(),
+        }
+    }
+
     async fn get(&self, path: &str) -> Result<Bytes, PrometheusError> {
-        let io = |what: &'static str| {
-            let url = self.url.clone();
-            move |e: &dyn std::fmt::Display| PrometheusError::Io {
-                url,
-                what,
-                cause: e.to_string(),
-            }
+        let token = match &self.bearer_token_file {
+            Some(file) => Some(self.token(file).await?),
+            None => None,
         };
         let tcp = tokio::net::TcpStream::connect(&self.authority)
             .await
-            .map_err(|e| io("connecting")(&e))?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+            .map_err(|e| self.io("connecting")(&e))?;
+        match &self.tls {
+            None => self.exchange(tcp, path, token).await,
+            Some((config, name)) => {
+                let tls = tokio_rustls::TlsConnector::from(config.clone())
+                    .connect(name.clone(), tcp)
+                    .await
+                    .map_err(|e| self.io("TLS handshake")(&e))?;
+                self.exchange(tls, path, token).await
+            }
+        }
+    }
+
+    /// The bearer token in `file`, as read now.
+    async fn token(&self, file: &Path) -> Result<String, PrometheusError> {
+        let failed = |cause: String| PrometheusError::Token {
+            url: self.url.clone(),
+            path: file.to_path_buf(),
+            cause,
+        };
+        let text = tokio::fs::read_to_string(file)
             .await
-            .map_err(|e| io("starting HTTP")(&e))?;
+            .map_err(|e| failed(e.to_string()))?;
+        let token = text.trim();
+        if token.is_empty() {
+            return Err(failed("the file is empty".into()));
+        }
+        Ok(token.to_string())
+    }
+
+    /// One GET over `stream`, its body if the status is a success.
+    async fn exchange<S>(
+        &self,
+        stream: S,
+        path: &str,
+        token: Option<String>,
+    ) -> Result<Bytes, PrometheusError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| self.io("starting HTTP")(&e))?;
         let conn = tokio::spawn(conn);
-        let request = http::Request::get(path)
-            .header(http::header::HOST, &self.authority)
+        let mut request = http::Request::get(path).header(http::header::HOST, &self.authority);
+        if let Some(token) = token {
+            request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let request = request
             .body(Empty::<Bytes>::new())
-            .map_err(|e| io("building the query")(&e))?;
+            .map_err(|e| self.io("building the query")(&e))?;
         let response = sender
             .send_request(request)
             .await
-            .map_err(|e| io("querying")(&e))?;
+            .map_err(|e| self.io("querying")(&e))?;
         let status = response.status();
         let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
             .collect()
             .await
-            .map_err(|e| io("reading the answer")(&*e))?
+            .map_err(|e| self.io("reading the answer")(&*e))?
             .to_bytes();
         conn.abort();
         if !status.is_success() {
@@ -135,6 +239,28 @@ impl Prometheus {
         }
         Ok(body)
     }
+}
+
+/// A client config (ring, TLS 1.2 and 1.3) trusting the CA certificates in `ca`.
+fn client_config(ca: &Path) -> Result<rustls::ClientConfig, PrometheusError> {
+    let failed = |cause: String| PrometheusError::Ca {
+        path: ca.to_path_buf(),
+        cause,
+    };
+    let certs = CertificateDer::pem_file_iter(ca)
+        .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| failed(e.to_string()))?;
+    let mut roots = rustls::RootCertStore::empty();
+    let (added, _) = roots.add_parsable_certificates(certs);
+    if added == 0 {
+        return Err(failed("no CA certificate in it".into()));
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| failed(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
 }
 
 #[derive(Deserialize)]
@@ -225,16 +351,32 @@ mod tests {
     }
 
     #[test]
-    fn only_plain_http_addresses_are_taken() {
-        let p = Prometheus::new("http://prometheus.monitoring:9090/prom/").unwrap();
+    fn http_and_https_addresses_are_taken_and_a_ca_needs_https() {
+        let none = Access::default();
+        let p = Prometheus::new("http://prometheus.monitoring:9090/prom/", &none).unwrap();
         assert_eq!(p.authority, "prometheus.monitoring:9090");
         assert_eq!(p.prefix, "/prom");
+        assert!(p.tls.is_none());
         assert_eq!(
-            Prometheus::new("http://127.0.0.1").unwrap().authority,
+            Prometheus::new("http://127.0.0.1", &none)
+                .unwrap()
+                .authority,
             "127.0.0.1:80"
         );
-        for bad in ["https://p:9090", "p:9090", "http://p:9090/?x=1", ""] {
-            assert!(Prometheus::new(bad).is_err(), "{bad}");
+        for bad in ["ftp://p:9090", "p:9090", "http://p:9090/?x=1", ""] {
+            assert!(Prometheus::new(bad, &none).is_err(), "{bad}");
         }
+        let dir = tempfile::tempdir().unwrap();
+        let missing = Access {
+            ca_file: Some(dir.path().join("ca.crt")),
+            ..Access::default()
+        };
+        let e = Prometheus::new("https://thanos-querier:9091", &missing).unwrap_err();
+        assert!(e.to_string().contains("ca.crt"), "{e}");
+        let e = Prometheus::new("http://p:9090", &missing).unwrap_err();
+        assert!(matches!(e, PrometheusError::CaWithoutTls(_)), "{e}");
+        std::fs::write(dir.path().join("ca.crt"), "not a certificate\n").unwrap();
+        let e = Prometheus::new("https://p", &missing).unwrap_err();
+        assert!(e.to_string().contains("no CA certificate"), "{e}");
     }
 }

@@ -7,7 +7,7 @@ use gpuplane_model::report::chain;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 use serde_json::Value;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -80,10 +80,18 @@ impl DemoPki {
     pub fn issue(dir: &Path) -> Result<DemoPki, TlsError> {
         let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        // Distinct subjects: with rcgen's one default name for both, OpenSSL clients (curl)
+        // take the serving certificate for a self-signed one and refuse it.
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "gpuplane demo CA");
         let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
         let key = KeyPair::generate()?;
-        let cert = CertificateParams::new(vec![SERVER_NAME.to_string(), "127.0.0.1".into()])?
-            .signed_by(&key, &ca)?;
+        let mut params = CertificateParams::new(vec![SERVER_NAME.to_string(), "127.0.0.1".into()])?;
+        params
+            .distinguished_name
+            .push(DnType::CommonName, SERVER_NAME);
+        let cert = params.signed_by(&key, &ca)?;
         let (cert_file, key_file) = (dir.join("tls.crt"), dir.join("tls.key"));
         for (path, text) in [(&cert_file, cert.pem()), (&key_file, key.serialize_pem())] {
             std::fs::write(path, text).map_err(|source| TlsError::Write {
