@@ -469,6 +469,19 @@ async fn a_held_gpu_idle_for_the_window_gets_one_event_on_its_pod_even_across_a_
     node.extra_args
         .extend(["--idle-after", "1s", "--idle-below", "5"].map(String::from));
     node.start(None).await;
+    // Every GPU busy until the test says what each pod does: a hold's idle clock starts at
+    // its hand-out, and a slow machine could pass the window before the readings below land.
+    let gpus: Vec<String> = support::eventually("the devices in /metrics", WAIT, || {
+        let up = series(&node, "gpuplane_device_up");
+        (!up.is_empty()).then(|| up.into_iter().map(|(l, _)| l["uuid"].clone()).collect())
+    })
+    .await;
+    set_telemetry(
+        &node,
+        gpus.into_iter()
+            .map(|u| (u, json!({"gpuUtil": 90})))
+            .collect(),
+    );
     let (idle_ids, _) = node
         .kubelet
         .admit("team-a", "sleepy", "main", "nvidia.com/gpu", 1)

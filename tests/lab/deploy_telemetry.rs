@@ -9,9 +9,9 @@
 use crate::cluster::{self, eventually, eventually_or, ClusterLab, AGENT_NS, NODE};
 use crate::deploy::{
     agent_pods, agents_ready, apply_overlay_with, controllers_ready, gpu_pod, lab_with_image,
-    pod_gpus,
+    pod_gpus, MACHINES,
 };
-use crate::real_cluster_telemetry::container_pids;
+use crate::real_cluster_telemetry::{all_busy, container_pids};
 use serde_json::json;
 use std::collections::BTreeMap;
 
@@ -86,6 +86,9 @@ fn deployed_agents_charge_real_containers_to_their_pods_and_report_an_idle_gpu_o
     apply_overlay_with(&lab, &built.reference, &telemetry_patch(), &[]);
     agents_ready(&lab);
     controllers_ready(&lab);
+    for (node, profile) in MACHINES {
+        write_telemetry(&lab, node, all_busy(profile));
+    }
     let pods = [("busy", NODE), ("idle", NODE), ("l4", OTHER_NODE)];
     for (name, node) in pods {
         gpu_pod(&lab, name, node, name == "idle");

@@ -101,6 +101,16 @@ pub(crate) fn held_gpu(lab: &ClusterLab, ns: &str, name: &str) -> String {
     )
 }
 
+/// Every whole GPU of bundled machine `profile` busy, with no processes: what a telemetry file
+/// holds before a test says what its pods do. A hold's idle clock starts at its hand-out, so
+/// under load a pod could be reported idle before the test has written its readings.
+pub(crate) fn all_busy(profile: &str) -> Value {
+    let gpus = crate::deploy::machine(profile).1;
+    gpus.into_iter()
+        .map(|uuid| (uuid, json!({"gpuUtil": 80})))
+        .collect()
+}
+
 pub(crate) fn set_telemetry(path: &Path, devices: Value) {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, json!({ "devices": devices }).to_string()).unwrap();
@@ -113,6 +123,7 @@ fn real_containers_processes_land_on_their_pods_and_an_idle_gpu_gets_one_event()
         return;
     };
     let (_agent, telemetry) = start_agent(&lab, &lab.install_agent_identity(), "telemetry");
+    set_telemetry(&telemetry, all_busy("dgx-h100"));
     lab.kubectl_ok(&["create", "namespace", NS]);
     for name in ["busy", "idle"] {
         lab.apply(&cluster::sleeping_gpu_pod(NS, name, 1, "", ""));

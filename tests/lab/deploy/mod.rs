@@ -22,7 +22,7 @@ mod helm_install;
 mod kueue;
 
 /// Each node and the bundled machine it simulates.
-const MACHINES: [(&str, &str); 3] = [
+pub(crate) const MACHINES: [(&str, &str); 3] = [
     (NODE, "dgx-h100"),
     ("lab-node-2", "a100-mig-mixed"),
     ("lab-node-3", "pcie-l4x4"),
@@ -206,7 +206,7 @@ fn deployed() -> Option<(ClusterLab, image::TestImage, Vec<PodOnNode>, f64)> {
 /// A bundled machine, from `gpuplane discover`: the UUIDs its DRA devices carry (the MIG
 /// devices of a GPU in MIG mode, else the GPU) and its GPUs not in MIG mode (what the shipped
 /// config, MIG strategy `none`, offers as `nvidia.com/gpu`).
-fn machine(name: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+pub(crate) fn machine(name: &str) -> (BTreeSet<String>, BTreeSet<String>) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpuplane"))
         .args(["discover", "--simulate", name, "-o", "json"])
         .output()

@@ -21,33 +21,9 @@ mod registration;
 
 /// The GPU UUIDs of the simulated dgx-h100, from `gpuplane discover`.
 fn profile_uuids() -> BTreeSet<String> {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpuplane"))
-        .args(["discover", "--simulate", "dgx-h100", "-o", "json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "gpuplane discover failed");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let mut uuids = BTreeSet::new();
-    collect_uuids(&v, &mut uuids);
-    assert_eq!(uuids.len(), 8, "dgx-h100 has 8 GPUs: {v}");
+    let uuids = crate::deploy::machine("dgx-h100").1;
+    assert_eq!(uuids.len(), 8, "dgx-h100 has 8 GPUs: {uuids:?}");
     uuids
-}
-
-fn collect_uuids(v: &Value, out: &mut BTreeSet<String>) {
-    match v {
-        Value::Object(m) => {
-            for (k, x) in m {
-                match x {
-                    Value::String(s) if k == "uuid" && s.starts_with("GPU-") => {
-                        out.insert(s.clone());
-                    }
-                    _ => collect_uuids(x, out),
-                }
-            }
-        }
-        Value::Array(a) => a.iter().for_each(|x| collect_uuids(x, out)),
-        _ => {}
-    }
 }
 
 /// The node's allocatable `nvidia.com/gpu`, if any.
