@@ -49,26 +49,6 @@ pub struct RawClaim {
     pub name: String,
 }
 
-impl From<v1::Claim> for RawClaim {
-    fn from(c: v1::Claim) -> Self {
-        RawClaim {
-            namespace: c.namespace,
-            uid: c.uid,
-            name: c.name,
-        }
-    }
-}
-
-impl From<v1beta1::Claim> for RawClaim {
-    fn from(c: v1beta1::Claim) -> Self {
-        RawClaim {
-            namespace: c.namespace,
-            uid: c.uid,
-            name: c.name,
-        }
-    }
-}
-
 /// A request's claims, checked once at the edge: those for the driver, already parsed
 /// ([`ClaimRef::parse`]), and the rest by uid with why.
 #[derive(Debug, Default)]
@@ -309,129 +289,71 @@ fn v1beta1_device(d: PreparedDevice) -> v1beta1::Device {
     }
 }
 
-#[tonic::async_trait]
-impl v1::dra_plugin_server::DraPlugin for DraService {
-    async fn node_prepare_resources(
-        &self,
-        req: Request<v1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
-        let raw = req
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(RawClaim::from)
-            .collect();
-        let claims: HashMap<String, v1::NodePrepareResourceResponse> = self
-            .prepare_claims(Api::V1, raw)
-            .await
-            .into_iter()
-            .map(|(uid, result)| {
-                let resp = match result {
-                    Ok(devices) => v1::NodePrepareResourceResponse {
-                        devices: devices.into_iter().map(v1_device).collect(),
-                        error: String::new(),
-                    },
-                    Err(error) => v1::NodePrepareResourceResponse {
-                        devices: Vec::new(),
-                        error,
-                    },
-                };
-                (uid, resp)
-            })
-            .collect();
-        Ok(Response::new(v1::NodePrepareResourcesResponse { claims }))
-    }
+/// The kubelet's `DRAPlugin` service of one API version (`$v`, its generated module), which
+/// calls are logged as `$api` and turn a prepared device into protobuf with `$device`: v1 and
+/// v1beta1 differ only in the device's share id, so both are this one adapter.
+macro_rules! dra_plugin_api {
+    ($v:ident, $api:expr, $device:path) => {
+        impl From<$v::Claim> for RawClaim {
+            fn from(c: $v::Claim) -> Self {
+                RawClaim {
+                    namespace: c.namespace,
+                    uid: c.uid,
+                    name: c.name,
+                }
+            }
+        }
 
-    async fn node_unprepare_resources(
-        &self,
-        req: Request<v1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
-        let raw = req
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(RawClaim::from)
-            .collect();
-        let claims = self
-            .unprepare_claims(Api::V1, raw)
-            .await
-            .into_iter()
-            .map(|(uid, result)| {
-                (
-                    uid,
-                    v1::NodeUnprepareResourceResponse {
-                        error: result.err().unwrap_or_default(),
-                    },
-                )
-            })
-            .collect();
-        Ok(Response::new(v1::NodeUnprepareResourcesResponse { claims }))
-    }
+        #[tonic::async_trait]
+        impl $v::dra_plugin_server::DraPlugin for DraService {
+            async fn node_prepare_resources(
+                &self,
+                req: Request<$v::NodePrepareResourcesRequest>,
+            ) -> Result<Response<$v::NodePrepareResourcesResponse>, Status> {
+                let raw = req.into_inner().claims.into_iter().map(RawClaim::from);
+                let claims: HashMap<String, $v::NodePrepareResourceResponse> = self
+                    .prepare_claims($api, raw.collect())
+                    .await
+                    .into_iter()
+                    .map(|(uid, result)| {
+                        let resp = match result {
+                            Ok(devices) => $v::NodePrepareResourceResponse {
+                                devices: devices.into_iter().map($device).collect(),
+                                error: String::new(),
+                            },
+                            Err(error) => $v::NodePrepareResourceResponse {
+                                devices: Vec::new(),
+                                error,
+                            },
+                        };
+                        (uid, resp)
+                    })
+                    .collect();
+                Ok(Response::new($v::NodePrepareResourcesResponse { claims }))
+            }
+
+            async fn node_unprepare_resources(
+                &self,
+                req: Request<$v::NodeUnprepareResourcesRequest>,
+            ) -> Result<Response<$v::NodeUnprepareResourcesResponse>, Status> {
+                let raw = req.into_inner().claims.into_iter().map(RawClaim::from);
+                let claims = self
+                    .unprepare_claims($api, raw.collect())
+                    .await
+                    .into_iter()
+                    .map(|(uid, result)| {
+                        let error = result.err().unwrap_or_default();
+                        (uid, $v::NodeUnprepareResourceResponse { error })
+                    })
+                    .collect();
+                Ok(Response::new($v::NodeUnprepareResourcesResponse { claims }))
+            }
+        }
+    };
 }
 
-#[tonic::async_trait]
-impl v1beta1::dra_plugin_server::DraPlugin for DraService {
-    async fn node_prepare_resources(
-        &self,
-        req: Request<v1beta1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
-        let raw = req
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(RawClaim::from)
-            .collect();
-        let claims: HashMap<String, v1beta1::NodePrepareResourceResponse> = self
-            .prepare_claims(Api::V1beta1, raw)
-            .await
-            .into_iter()
-            .map(|(uid, result)| {
-                let resp = match result {
-                    Ok(devices) => v1beta1::NodePrepareResourceResponse {
-                        devices: devices.into_iter().map(v1beta1_device).collect(),
-                        error: String::new(),
-                    },
-                    Err(error) => v1beta1::NodePrepareResourceResponse {
-                        devices: Vec::new(),
-                        error,
-                    },
-                };
-                (uid, resp)
-            })
-            .collect();
-        Ok(Response::new(v1beta1::NodePrepareResourcesResponse {
-            claims,
-        }))
-    }
-
-    async fn node_unprepare_resources(
-        &self,
-        req: Request<v1beta1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        let raw = req
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(RawClaim::from)
-            .collect();
-        let claims = self
-            .unprepare_claims(Api::V1beta1, raw)
-            .await
-            .into_iter()
-            .map(|(uid, result)| {
-                (
-                    uid,
-                    v1beta1::NodeUnprepareResourceResponse {
-                        error: result.err().unwrap_or_default(),
-                    },
-                )
-            })
-            .collect();
-        Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse {
-            claims,
-        }))
-    }
-}
+dra_plugin_api!(v1, Api::V1, v1_device);
+dra_plugin_api!(v1beta1, Api::V1beta1, v1beta1_device);
 
 #[cfg(test)]
 mod tests {
