@@ -152,12 +152,12 @@ impl Prometheus {
         })
     }
 
-    fn io(&self, what: &'static str) -> impl Fn(&dyn std::fmt::Display) -> PrometheusError {
-        let url = self.url.clone();
-        move |e| PrometheusError::Io {
-            url: url.clone(),
+    /// A failure `what` (connecting, the handshake, …) on the way to this Prometheus.
+    fn io(&self, what: &'static str, cause: impl std::fmt::Display) -> PrometheusError {
+        PrometheusError::Io {
+            url: self.url.clone(),
             what,
-            cause: e.to_string(),
+            cause: cause.to_string(),
         }
     }
 
@@ -168,14 +168,14 @@ impl Prometheus {
         };
         let tcp = tokio::net::TcpStream::connect(&self.authority)
             .await
-            .map_err(|e| self.io("connecting")(&e))?;
+            .map_err(|e| self.io("connecting", e))?;
         match &self.tls {
             None => self.exchange(tcp, path, token).await,
             Some((config, name)) => {
                 let tls = tokio_rustls::TlsConnector::from(config.clone())
                     .connect(name.clone(), tcp)
                     .await
-                    .map_err(|e| self.io("TLS handshake")(&e))?;
+                    .map_err(|e| self.io("TLS handshake", e))?;
                 self.exchange(tls, path, token).await
             }
         }
@@ -210,7 +210,7 @@ impl Prometheus {
     {
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
-            .map_err(|e| self.io("starting HTTP")(&e))?;
+            .map_err(|e| self.io("starting HTTP", e))?;
         let conn = tokio::spawn(conn);
         let mut request = http::Request::get(path).header(http::header::HOST, &self.authority);
         if let Some(token) = token {
@@ -218,16 +218,16 @@ impl Prometheus {
         }
         let request = request
             .body(Empty::<Bytes>::new())
-            .map_err(|e| self.io("building the query")(&e))?;
+            .map_err(|e| self.io("building the query", e))?;
         let response = sender
             .send_request(request)
             .await
-            .map_err(|e| self.io("querying")(&e))?;
+            .map_err(|e| self.io("querying", e))?;
         let status = response.status();
         let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
             .collect()
             .await
-            .map_err(|e| self.io("reading the answer")(&*e))?
+            .map_err(|e| self.io("reading the answer", e))?
             .to_bytes();
         conn.abort();
         if !status.is_success() {
