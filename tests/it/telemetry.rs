@@ -311,6 +311,55 @@ async fn each_reading_lands_on_the_pod_holding_the_device_through_either_api_and
     check_attribution(&node, &gpus, "after a restart").await;
 }
 
+/// Partitioned allocation mode (a static split, no device on both sides): a claim's device
+/// carries its holder as in shared mode, the device plugin's its own, and a second claim on a
+/// device a claim holds is refused: the ledger holds in every mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_partitioned_mode_each_apis_holds_carry_their_holder_and_none_is_handed_out_twice() {
+    let mut node = node(
+        "dgx-a100",
+        "allocation: {mode: partitioned, draGpus: [4, 5, 6, 7]}\n",
+    )
+    .await;
+    node.dp_devices = 4;
+    node.start(None).await;
+    let (ids, _) = node
+        .kubelet
+        .admit("team-a", "trainer", "main", "nvidia.com/gpu", 1)
+        .await
+        .unwrap();
+    let (dp, whole) = (ids[0].clone(), node.uuids[5].clone());
+    node.prepare(&node.claim("whole", &[5])).await.unwrap();
+    let pods = [
+        (Pod::new(1, "team-a", "trainer", "main"), None, 101),
+        (
+            Pod::new(2, "team-a", "whole-user", "app"),
+            Some("whole"),
+            102,
+        ),
+    ];
+    for (pod, claim, pid) in &pods {
+        pod.store(&node, claim.as_slice());
+        pod.runs(&node, *pid);
+    }
+    set_telemetry(
+        &node,
+        json!({
+            dp.clone(): {"gpuUtil": 90, "processes": [{"pid": 101, "memoryBytes": 3 * GIB}]},
+            whole.clone(): {"gpuUtil": 10, "processes": [{"pid": 102, "memoryBytes": GIB}]}
+        }),
+    );
+    let trainer = [("api", "device-plugin"), ("pod", "trainer")];
+    wait_value(&node, UTIL, &dp, &trainer, 0.9).await;
+    let claim = [("api", "dra"), ("pod", "whole-user"), ("claim", "whole")];
+    wait_value(&node, UTIL, &whole, &claim, 0.1).await;
+    let err = node
+        .prepare(&node.claim("again", &[5]))
+        .await
+        .expect_err("a second claim on gpu-5 is refused");
+    assert!(err.contains("gpu-5") && err.contains("whole"), "{err}");
+}
+
 /// The DRA device name of device `uuid` in this node's slices.
 fn device_name(node: &Node, uuid: &str) -> String {
     let slices = node

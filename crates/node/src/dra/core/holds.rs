@@ -1,10 +1,10 @@
 //! A claim's units in the allocation ledger: held when it is prepared (refused while another
-//! consumer holds one), released when it is unprepared, each counted per API. Shares of shared
-//! units are held in every allocation mode: even where DRA owns its GPUs alone, their sum on a
-//! unit must fit it.
+//! consumer holds one), released when it is unprepared, each counted per API. Held in every
+//! allocation mode: where DRA owns its GPUs alone (partitioned) the scheduler keeps claims
+//! apart, but a stale allocation must still not get a held unit, shares must fit their unit,
+//! and telemetry names each device's holder from the ledger.
 
 use super::{claim_label, PrepareError};
-use crate::config::AllocationMode;
 use crate::dra::checkpoint::ShareEntry;
 use crate::dra::ClaimRef;
 use crate::inventory::DeviceUuid;
@@ -75,7 +75,7 @@ impl Holds {
         Holds { state }
     }
 
-    /// Records the claim's units in the allocation ledger (shared mode), refusing units another
+    /// Records the claim's units in the allocation ledger, refusing units another
     /// consumer holds. Under the checkpoint lock, so two prepares cannot race for a unit; the
     /// device plugin's Allocate holds under the state's write lock, which `update` takes too.
     pub(super) fn hold(
@@ -92,7 +92,7 @@ impl Holds {
             if let Err(e) = hold_shares(&mut s.ledger, c, &who, shares) {
                 return (Err(e), false);
             }
-            if units.is_empty() || s.config.allocation != AllocationMode::Shared {
+            if units.is_empty() {
                 return (Ok(()), !shares.is_empty());
             }
             let list: Vec<DeviceUuid> = units.values().cloned().collect();
@@ -128,7 +128,7 @@ impl Holds {
         })
     }
 
-    /// Gives back whatever the claim holds: its shares, and its whole units in shared mode.
+    /// Gives back whatever the claim holds: its shares and its whole units.
     pub(super) fn release(&self, c: &ClaimRef) {
         let released = self.state.update_holds(|s| {
             let r = s.ledger.release_claim(&c.uid);
