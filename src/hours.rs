@@ -4,7 +4,7 @@
 use clap::Args;
 use gpuplane_cluster::controller::hours::{parse_duration, By, HoursSettings};
 use gpuplane_cluster::controller::meter::{HoursOptions, ReportQuery};
-use gpuplane_cluster::controller::prometheus::{Access, Prometheus};
+use gpuplane_cluster::controller::prometheus::{Access, Credentials, Prometheus};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -35,14 +35,45 @@ pub struct HoursArgs {
     /// controller's ServiceAccount token, for a Thanos querier behind an authenticating proxy).
     #[arg(long, value_name = "FILE", requires = "prometheus_url")]
     prometheus_bearer_token_file: Option<PathBuf>,
+    /// A file holding the user name for basic auth to --prometheus-url (with
+    /// --prometheus-password-file), read at each query: e.g. the `username` key of a
+    /// kubernetes.io/basic-auth Secret mounted in the pod.
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires_all = ["prometheus_url", "prometheus_password_file"],
+        conflicts_with = "prometheus_bearer_token_file"
+    )]
+    prometheus_username_file: Option<PathBuf>,
+    /// A file holding the password for basic auth to --prometheus-url, read at each query.
+    #[arg(long, value_name = "FILE", requires = "prometheus_username_file")]
+    prometheus_password_file: Option<PathBuf>,
+    /// A header sent with every query, `NAME: VALUE` (repeatable), e.g. a Grafana Mimir or
+    /// Cortex tenant: "X-Scope-OrgID: team-a".
+    #[arg(
+        long = "prometheus-header",
+        value_name = "HEADER",
+        requires = "prometheus_url"
+    )]
+    prometheus_headers: Vec<String>,
 }
 
 impl HoursArgs {
-    /// The ledger's options; fails on a bad --prometheus-url or CA file.
+    /// The ledger's options; fails on a bad --prometheus-url, CA file or header.
     pub fn options(self, namespace: &str) -> anyhow::Result<HoursOptions> {
+        let basic = self
+            .prometheus_username_file
+            .zip(self.prometheus_password_file)
+            .map(|(username_file, password_file)| Credentials::Basic {
+                username_file,
+                password_file,
+            });
         let access = Access {
             ca_file: self.prometheus_ca_file,
-            bearer_token_file: self.prometheus_bearer_token_file,
+            credentials: basic.or(self
+                .prometheus_bearer_token_file
+                .map(Credentials::BearerTokenFile)),
+            headers: self.prometheus_headers,
         };
         let prometheus = self
             .prometheus_url

@@ -16,14 +16,20 @@ pub struct LabPrometheus {
     addr: String,
     /// Served over TLS: the CA file its certificate chains to.
     ca: Option<PathBuf>,
+    /// Asks for basic auth (`basic_auth_users`): the user and password.
+    basic: Option<(String, String)>,
 }
 
-/// How it serves: plain HTTP, or HTTPS with a certificate of a CA made for it.
+/// How it serves: plain HTTP with basic auth (as a Prometheus exposed beyond its namespace
+/// is set up), or HTTPS with a certificate of a CA made for it.
 #[derive(Clone, Copy, PartialEq)]
 enum Serving {
-    Http,
+    HttpBasicAuth,
     Https,
 }
+
+/// The user the basic-auth Prometheus knows, and its password.
+const BASIC_AUTH: (&str, &str) = ("gpuplane", "lab: basic-auth password");
 
 /// The host processes' addresses: the agent's and the controller's `--metrics-addr`.
 /// `honor_labels`: the agents' own `namespace`/`pod` labels name the workload.
@@ -80,14 +86,15 @@ impl LabPrometheus {
 
     /// Starts it as a cluster's Prometheus outside the pod network: it finds the pods to
     /// scrape through the API server (their `prometheus.io/*` annotations) and serves on
-    /// lab-node's IP, which pods reach (the controller's `--prometheus-url`).
+    /// lab-node's IP, which pods reach (the controller's `--prometheus-url`), to clients with
+    /// its basic-auth user and password ([`LabPrometheus::basic_auth_secret`]).
     pub fn discovering_pods(lab: &ClusterLab) -> LabPrometheus {
         let ip = &lab.nodes()[0].ip;
         let job = pod_discovery_job(&lab.admin_kubeconfig());
         Self::start_with(
             lab,
             &lab.bin.join("prometheus"),
-            (&format!("{ip}:9090"), Serving::Http),
+            (&format!("{ip}:9090"), Serving::HttpBasicAuth),
             &job,
         )
     }
@@ -100,18 +107,27 @@ impl LabPrometheus {
     ) -> LabPrometheus {
         let dir = lab.work.join("prometheus");
         std::fs::create_dir_all(&dir).unwrap();
-        let ca = (serving == Serving::Https).then(|| {
-            let pki = gpuplane_testkit::demo::tls::DemoPki::issue(&dir).unwrap();
-            let web = format!(
-                "tls_server_config:\n  cert_file: {}\n  key_file: {}\n",
-                pki.cert_file.display(),
-                pki.key_file.display()
-            );
-            std::fs::write(dir.join("web.yml"), web).unwrap();
-            let ca = dir.join("ca.pem");
-            std::fs::write(&ca, &pki.ca_pem).unwrap();
-            ca
-        });
+        let (ca, basic, web) = match serving {
+            Serving::Https => {
+                let pki = gpuplane_testkit::demo::tls::DemoPki::issue(&dir).unwrap();
+                let web = format!(
+                    "tls_server_config:\n  cert_file: {}\n  key_file: {}\n",
+                    pki.cert_file.display(),
+                    pki.key_file.display()
+                );
+                let ca = dir.join("ca.pem");
+                std::fs::write(&ca, &pki.ca_pem).unwrap();
+                (Some(ca), None, web)
+            }
+            Serving::HttpBasicAuth => {
+                let (user, password) = BASIC_AUTH;
+                // The web config takes bcrypt hashes; the lowest cost keeps each request cheap.
+                let hash = bcrypt::hash(password, 4).unwrap();
+                let web = format!("basic_auth_users:\n  {user}: '{hash}'\n");
+                (None, Some((user.to_string(), password.to_string())), web)
+            }
+        };
+        std::fs::write(dir.join("web.yml"), web).unwrap();
         let config = dir.join("prometheus.yml");
         std::fs::write(
             &config,
@@ -126,18 +142,17 @@ impl LabPrometheus {
                 "--storage.tsdb.path={}",
                 dir.join("data").display()
             ))
-            .arg(format!("--web.listen-address={addr}"));
-        if ca.is_some() {
-            cmd.arg(format!(
+            .arg(format!("--web.listen-address={addr}"))
+            .arg(format!(
                 "--web.config.file={}",
                 dir.join("web.yml").display()
             ));
-        }
         let process = LabProcess::spawn(lab, cmd, "prometheus");
         let prometheus = LabPrometheus {
             _process: process,
             addr: addr.to_string(),
             ca,
+            basic,
         };
         eventually("Prometheus to be ready", || {
             let out = prometheus
@@ -168,11 +183,25 @@ impl LabPrometheus {
         flags
     }
 
-    /// curl in the lab's network, trusting this server's CA.
+    /// A kubernetes.io/basic-auth Secret `name` in `namespace` with this server's user and
+    /// password, as its users would make one for the chart's
+    /// `controller.prometheusBasicAuthSecret`.
+    pub fn basic_auth_secret(&self, namespace: &str, name: &str) -> String {
+        let (user, password) = self.basic.as_ref().expect("a basic-auth Prometheus");
+        format!(
+            "apiVersion: v1\nkind: Secret\nmetadata: {{name: {name}, namespace: {namespace}}}\n\
+             type: kubernetes.io/basic-auth\nstringData: {{username: '{user}', password: '{password}'}}\n"
+        )
+    }
+
+    /// curl in the lab's network, trusting this server's CA, with its user and password.
     fn curl(&self, lab: &ClusterLab) -> Command {
         let mut cmd = lab.in_netns("curl");
         if let Some(ca) = &self.ca {
             cmd.arg("--cacert").arg(ca);
+        }
+        if let Some((user, password)) = &self.basic {
+            cmd.arg("--user").arg(format!("{user}:{password}"));
         }
         cmd
     }

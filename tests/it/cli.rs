@@ -583,3 +583,47 @@ async fn the_node_label_picks_the_simulated_machine_and_a_bad_value_is_named() {
     let line = line.expect("the agent logged its start");
     assert!(line.contains("simulated (pcie-l4x4)"), "{line}");
 }
+
+/// The controller's Prometheus credentials and headers are checked before it starts: a header
+/// that is not `NAME: VALUE`, or one the client sets itself, is named; basic auth needs both
+/// files and excludes a bearer token.
+#[test]
+fn the_controllers_prometheus_flags_are_checked_and_named_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = support::write_kubeconfig(dir.path(), "https://127.0.0.1:1");
+    let base = [
+        "controller",
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+        "--tls-cert-file=/nonexistent/tls.crt",
+        "--tls-key-file=/nonexistent/tls.key",
+        "--prometheus-url=http://127.0.0.1:9",
+    ];
+    for (extra, says) in [
+        (
+            &["--prometheus-header=X-Scope-OrgID team-a"][..],
+            "--prometheus-header \"X-Scope-OrgID team-a\": no ':'; write it as NAME: VALUE",
+        ),
+        (
+            &["--prometheus-header=Authorization: Basic eA=="],
+            "Authorization comes from --prometheus-bearer-token-file or --prometheus-username-file",
+        ),
+        (
+            &["--prometheus-username-file=/run/u"],
+            "--prometheus-password-file",
+        ),
+        (
+            &[
+                "--prometheus-username-file=/run/u",
+                "--prometheus-password-file=/run/p",
+                "--prometheus-bearer-token-file=/run/t",
+            ],
+            "cannot be used with",
+        ),
+    ] {
+        let out = gpuplane(&[&base[..], extra].concat());
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{extra:?}");
+        assert!(err.contains(says), "{extra:?}: {err}");
+    }
+}

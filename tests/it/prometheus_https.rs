@@ -1,11 +1,12 @@
 //! The busy GPU-hours reader against a Prometheus behind HTTPS and a bearer token (a Thanos
-//! querier behind an authenticating proxy, as OpenShift runs one): the client verifies the
-//! server against the CA file it was given, sends the token its file holds at each query (a
-//! rotated token is used at the next one), and names what went wrong otherwise: an untrusted
-//! certificate, a refused token. The server is a TLS double on loopback answering the query
-//! API's matrix as Prometheus does.
+//! querier behind an authenticating proxy, as OpenShift runs one) or basic auth and a tenant
+//! header (Grafana Mimir behind its gateway): the client verifies the server against the CA
+//! file it was given, sends the credentials its files hold at each query (a rotated one is used
+//! at the next), and names what went wrong otherwise: an untrusted certificate, a refused
+//! token, a credential file that cannot be sent. The server is a TLS double on loopback
+//! answering the query API's matrix as Prometheus does.
 
-use gpuplane_cluster::controller::prometheus::{Access, Prometheus};
+use gpuplane_cluster::controller::prometheus::{Access, Credentials, Prometheus};
 use gpuplane_testkit::demo::tls::DemoPki;
 use http_body_util::Full;
 use hyper::body::Bytes;
@@ -17,12 +18,16 @@ const MATRIX: &str = r#"{"status":"success","data":{"resultType":"matrix","resul
     {"metric":{"__name__":"gpuplane_container_gpu_busy_seconds_total","namespace":"ml","pod":"train"},
      "values":[[1796000000,"4"],[1796000010,"12"]]}]}}"#;
 
-/// What the double saw: each query's path and Authorization header.
-type Seen = Arc<Mutex<Vec<(String, Option<String>)>>>;
+/// What the double saw: each query's path, Authorization and X-Scope-OrgID headers.
+type Seen = Arc<Mutex<Vec<(String, Option<String>, Option<String>)>>>;
 
 /// A TLS server at 127.0.0.1 with `pki`'s certificate that answers `/prom/api/v1/query` with
-/// [`MATRIX`] when the bearer token is `token`'s current value, 401 otherwise.
-async fn serve(pki: &DemoPki, token: Arc<Mutex<String>>, seen: Seen) -> std::net::SocketAddr {
+/// [`MATRIX`] when the Authorization header is `authorization`'s current value, 401 otherwise.
+async fn serve(
+    pki: &DemoPki,
+    authorization: Arc<Mutex<String>>,
+    seen: Seen,
+) -> std::net::SocketAddr {
     let cert =
         gpuplane_cluster::webhook::tls::ReloadingCert::new(&pki.cert_file, &pki.key_file).unwrap();
     let config = Arc::new(Arc::new(cert).server_config().unwrap());
@@ -34,16 +39,19 @@ async fn serve(pki: &DemoPki, token: Arc<Mutex<String>>, seen: Seen) -> std::net
             let Ok(tls) = acceptor.accept(tcp).await else {
                 continue;
             };
-            let (token, seen) = (token.clone(), seen.clone());
+            let (authorization, seen) = (authorization.clone(), seen.clone());
             let service = hyper::service::service_fn(move |req: http::Request<_>| {
-                let auth = req
-                    .headers()
-                    .get(http::header::AUTHORIZATION)
-                    .and_then(|v| v.to_str().ok())
-                    .map(String::from);
+                let header = |name: &str| {
+                    let value = req.headers().get(name)?.to_str().ok();
+                    value.map(String::from)
+                };
+                let auth = header("authorization");
                 let path = req.uri().path().to_string();
-                seen.lock().unwrap().push((path.clone(), auth.clone()));
-                let want = format!("Bearer {}", token.lock().unwrap());
+                let tenant = header("x-scope-orgid");
+                seen.lock()
+                    .unwrap()
+                    .push((path.clone(), auth.clone(), tenant));
+                let want = authorization.lock().unwrap().clone();
                 let (status, body) = if auth.as_deref() != Some(want.as_str()) {
                     (401, "Unauthorized".to_string())
                 } else if path == "/prom/api/v1/query" {
@@ -76,13 +84,14 @@ async fn busy_time_is_read_over_verified_https_with_the_token_its_file_holds_now
     let (ca, token_file) = (dir.path().join("ca.pem"), dir.path().join("token"));
     write(&ca, &pki.ca_pem);
     write(&token_file, "first\n");
-    let token = Arc::new(Mutex::new("first".to_string()));
+    let token = Arc::new(Mutex::new("Bearer first".to_string()));
     let seen = Seen::default();
     let addr = serve(&pki, token.clone(), seen.clone()).await;
     let url = format!("https://127.0.0.1:{}/prom/", addr.port());
     let access = Access {
         ca_file: Some(ca),
-        bearer_token_file: Some(token_file.clone()),
+        credentials: Some(Credentials::BearerTokenFile(token_file.clone())),
+        headers: Vec::new(),
     };
     let prometheus = Prometheus::new(&url, &access).unwrap();
     let at = 1_796_000_020_000;
@@ -101,10 +110,11 @@ async fn busy_time_is_read_over_verified_https_with_the_token_its_file_holds_now
     );
 
     // The token is rotated: the next query sends the new one.
-    *token.lock().unwrap() = "second".into();
+    *token.lock().unwrap() = "Bearer second".into();
     write(&token_file, "second");
     prometheus.samples("x", 1_000, at).await.unwrap();
     let auths: Vec<Option<String>> = seen.lock().unwrap().iter().map(|s| s.1.clone()).collect();
+    assert!(seen.lock().unwrap().iter().all(|s| s.2.is_none()));
     assert_eq!(
         auths,
         [Some("Bearer first".into()), Some("Bearer second".into())]
@@ -114,6 +124,63 @@ async fn busy_time_is_read_over_verified_https_with_the_token_its_file_holds_now
     write(&token_file, "stale");
     let e = prometheus.samples("x", 1_000, at).await.unwrap_err();
     assert!(e.to_string().contains("answered 401"), "{e}");
+}
+
+#[tokio::test]
+async fn basic_auth_comes_from_its_files_at_each_query_with_the_tenant_header() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = DemoPki::issue(dir.path()).unwrap();
+    let ca = dir.path().join("ca.pem");
+    write(&ca, &pki.ca_pem);
+    // As a kubernetes.io/basic-auth Secret mounts them: each key a file, no newline.
+    let (user, password) = (dir.path().join("username"), dir.path().join("password"));
+    write(&user, "gpuplane");
+    write(&password, "s3cret: with spaces");
+    // RFC 7617: base64 of "gpuplane:s3cret: with spaces".
+    let want = Arc::new(Mutex::new(
+        "Basic Z3B1cGxhbmU6czNjcmV0OiB3aXRoIHNwYWNlcw==".to_string(),
+    ));
+    let seen = Seen::default();
+    let addr = serve(&pki, want.clone(), seen.clone()).await;
+    let access = Access {
+        ca_file: Some(ca),
+        credentials: Some(Credentials::Basic {
+            username_file: user.clone(),
+            password_file: password.clone(),
+        }),
+        headers: vec!["X-Scope-OrgID: team-a".into()],
+    };
+    let url = format!("https://127.0.0.1:{}/prom", addr.port());
+    let prometheus = Prometheus::new(&url, &access).unwrap();
+    let at = 1_796_000_020_000;
+    let series = prometheus.samples("x", 60_000, at).await.unwrap();
+    assert_eq!(series[0].points.len(), 2);
+    // The Secret is rotated: the next query sends the new password.
+    write(&password, "rotated\n");
+    *want.lock().unwrap() = "Basic Z3B1cGxhbmU6cm90YXRlZA==".into();
+    prometheus.samples("x", 60_000, at).await.unwrap();
+    let sent: Vec<_> = seen.lock().unwrap().clone();
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    for (_, auth, tenant) in &sent {
+        assert!(auth.as_deref().is_some_and(|a| a.starts_with("Basic ")));
+        assert_eq!(tenant.as_deref(), Some("team-a"));
+    }
+    // What cannot be sent is named with its file, and nothing is sent.
+    for (file, text, why) in [
+        (&user, "team:a", "holds a ':'"),
+        (&password, "", "one non-empty line"),
+    ] {
+        let keep = std::fs::read_to_string(file).unwrap();
+        write(file, text);
+        let e = prometheus.samples("x", 1_000, at).await.unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains(why) && e.contains(&file.display().to_string()),
+            "{e}"
+        );
+        write(file, &keep);
+    }
+    assert_eq!(seen.lock().unwrap().len(), 2);
 }
 
 #[tokio::test]
@@ -131,7 +198,7 @@ async fn a_server_whose_certificate_the_ca_file_does_not_sign_is_refused() {
     let addr = serve(&pki, token, seen.clone()).await;
     let access = Access {
         ca_file: Some(ca),
-        bearer_token_file: None,
+        ..Access::default()
     };
     let url = format!("https://127.0.0.1:{}/prom", addr.port());
     let prometheus = Prometheus::new(&url, &access).unwrap();

@@ -1,7 +1,9 @@
 //! Busy vs allocated GPU-hours as users deploy them (issue 40): the chart on the three-node
 //! lab with telemetry every 500 ms (idle after 3 s), the controller's
 //! `controller.prometheusUrl` naming a real Prometheus 3 (hack/cluster/build.sh builds it)
-//! outside the pod network, which finds the agents and controllers through the API server by
+//! outside the pod network and asking for basic auth (the chart's
+//! `controller.prometheusBasicAuthSecret`, a kubernetes.io/basic-auth Secret, and a tenant
+//! header), which finds the agents and controllers through the API server by
 //! the chart's `prometheus.io/*` pod annotations, as the prometheus-community chart's default
 //! `kubernetes-pods` job does. A namespace runs a busy pod (its GPU 80% busy for a stretch the
 //! test times) on lab-node and an idle one on lab-node-3; the agents roll and the controller's
@@ -86,7 +88,16 @@ fn deployed_agents_and_controller_book_busy_vs_allocated_hours_from_a_prometheus
     };
     let prometheus = LabPrometheus::discovering_pods(&lab);
     let url = format!("controller.prometheusUrl={}", prometheus.url());
+    lab.apply(&format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {AGENT_NS}}}\n"
+    ));
+    lab.apply(&prometheus.basic_auth_secret(AGENT_NS, "prometheus-auth"));
     let values = [
+        "--set",
+        "controller.prometheusBasicAuthSecret=prometheus-auth",
+        // What a Mimir or Cortex tenant needs; Prometheus itself ignores it.
+        "--set",
+        "controller.prometheusHeaders.X-Scope-OrgID=gpu-platform",
         "--set",
         "node.telemetry.interval=500ms",
         "--set",

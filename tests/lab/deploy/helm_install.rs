@@ -77,7 +77,10 @@ fn install_with_helm(lab: &ClusterLab, home: &Path, reference: &str) {
 /// (`--set` of further values); returns once the agents and both controller replicas are
 /// Ready.
 pub(crate) fn helm_install(lab: &ClusterLab, home: &Path, reference: &str, extra: &[&str]) {
-    lab.kubectl_ok(&["create", "namespace", AGENT_NS]);
+    // The namespace may be there already, with Secrets the values name.
+    lab.apply(&format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {AGENT_NS}}}\n"
+    ));
     let (secret, ca_pem) = webhook_secret("my-webhook-tls");
     lab.apply(&secret);
     let ca = lab.work.join("webhook-ca.pem");

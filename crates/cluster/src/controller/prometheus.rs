@@ -2,9 +2,12 @@
 //! ledger: one instant query of a range selector (`NAME[RANGEms]` at a time) through the HTTP
 //! API (`GET /api/v1/query`, <https://prometheus.io/docs/prometheus/latest/querying/api/>),
 //! whose matrix answer holds every sample the server stored in the range. Plain HTTP, as an
-//! in-cluster Service serves it, or HTTPS verified against a CA bundle, with an optional bearer
+//! in-cluster Service serves it, or HTTPS verified against a CA bundle; with an optional bearer
 //! token (a query frontend behind an authenticating proxy, e.g. OpenShift's Thanos querier
-//! taking the controller's ServiceAccount token); one connection per query (a few per flush).
+//! taking the controller's ServiceAccount token) or basic auth (Prometheus' own
+//! `basic_auth_users`, Grafana Mimir behind its gateway), each read from files at every query
+//! so a rotated Secret is used; and extra headers (a Mimir or Cortex tenant's `X-Scope-OrgID`).
+//! One connection per query (a few per flush).
 //!
 //! The workload's `namespace` and `pod` labels are read as the agent wrote them, or as
 //! `exported_namespace` / `exported_pod` where the scrape config attached the agent pod's own
@@ -47,12 +50,17 @@ pub enum PrometheusError {
         what: &'static str,
         cause: String,
     },
-    #[error("Prometheus at {url}: reading the bearer token {}: {cause}", path.display())]
-    Token {
+    #[error("Prometheus at {url}: reading the {what} {}: {cause}", path.display())]
+    Credential {
         url: String,
+        what: &'static str,
         path: PathBuf,
         cause: String,
     },
+    #[error(
+        "--prometheus-header {0:?}: {1}; write it as NAME: VALUE, e.g. \"X-Scope-OrgID: team-a\""
+    )]
+    Header(String, &'static str),
     #[error("Prometheus at {url} answered {status}: {body}")]
     Status {
         url: String,
@@ -71,9 +79,23 @@ pub struct Access {
     /// PEM CA certificates an https server's certificate must chain to; `None`:
     /// [`SYSTEM_CA_BUNDLE`].
     pub ca_file: Option<PathBuf>,
-    /// A file holding a bearer token, read at each query (a projected ServiceAccount token
-    /// is rotated under the controller's feet).
-    pub bearer_token_file: Option<PathBuf>,
+    pub credentials: Option<Credentials>,
+    /// Headers sent with every query, each `NAME: VALUE`.
+    pub headers: Vec<String>,
+}
+
+/// Who the controller is to the server: files read at each query (a projected
+/// ServiceAccount token, or a Secret's keys, is rotated under the controller's feet).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Credentials {
+    /// `Authorization: Bearer` with the file's token.
+    BearerTokenFile(PathBuf),
+    /// `Authorization: Basic` (RFC 7617) with the user and password the files hold, e.g. the
+    /// `username` and `password` keys of a `kubernetes.io/basic-auth` Secret.
+    Basic {
+        username_file: PathBuf,
+        password_file: PathBuf,
+    },
 }
 
 /// A Prometheus server's HTTP API.
@@ -86,7 +108,8 @@ pub struct Prometheus {
     prefix: String,
     /// For https: the client config and the name the certificate must carry.
     tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
-    bearer_token_file: Option<PathBuf>,
+    credentials: Option<Credentials>,
+    headers: Vec<(http::HeaderName, http::HeaderValue)>,
 }
 
 impl Prometheus {
@@ -124,7 +147,12 @@ impl Prometheus {
             authority: format!("{host}:{port}"),
             prefix: uri.path().trim_end_matches('/').to_string(),
             tls,
-            bearer_token_file: access.bearer_token_file.clone(),
+            credentials: access.credentials.clone(),
+            headers: access
+                .headers
+                .iter()
+                .map(|h| header(h))
+                .collect::<Result<_, _>>()?,
         })
     }
 
@@ -162,40 +190,72 @@ impl Prometheus {
     }
 
     async fn get(&self, path: &str) -> Result<Bytes, PrometheusError> {
-        let token = match &self.bearer_token_file {
-            Some(file) => Some(self.token(file).await?),
-            None => None,
-        };
+        let authorization = self.authorization().await?;
         let tcp = tokio::net::TcpStream::connect(&self.authority)
             .await
             .map_err(|e| self.io("connecting", e))?;
         match &self.tls {
-            None => self.exchange(tcp, path, token).await,
+            None => self.exchange(tcp, path, authorization).await,
             Some((config, name)) => {
                 let tls = tokio_rustls::TlsConnector::from(config.clone())
                     .connect(name.clone(), tcp)
                     .await
                     .map_err(|e| self.io("TLS handshake", e))?;
-                self.exchange(tls, path, token).await
+                self.exchange(tls, path, authorization).await
             }
         }
     }
 
-    /// The bearer token in `file`, as read now.
-    async fn token(&self, file: &Path) -> Result<String, PrometheusError> {
-        let failed = |cause: String| PrometheusError::Token {
-            url: self.url.clone(),
-            path: file.to_path_buf(),
-            cause,
-        };
+    /// The `Authorization` header's value from the credentials' files as they are now.
+    async fn authorization(&self) -> Result<Option<String>, PrometheusError> {
+        use base64::Engine as _;
+        Ok(match &self.credentials {
+            None => None,
+            Some(Credentials::BearerTokenFile(file)) => {
+                let token = self.secret("bearer token", file).await?;
+                Some(format!("Bearer {token}"))
+            }
+            Some(Credentials::Basic {
+                username_file,
+                password_file,
+            }) => {
+                let user = self.secret("basic-auth username", username_file).await?;
+                if user.contains(':') {
+                    return Err(self.credential(
+                        "basic-auth username",
+                        username_file,
+                        "it holds a ':', which basic auth cannot carry in a user name".into(),
+                    ));
+                }
+                let password = self.secret("basic-auth password", password_file).await?;
+                let pair =
+                    base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+                Some(format!("Basic {pair}"))
+            }
+        })
+    }
+
+    /// The first line of credential file `file` (`what`), as read now; never logged.
+    async fn secret(&self, what: &'static str, file: &Path) -> Result<String, PrometheusError> {
         let text = tokio::fs::read_to_string(file)
             .await
-            .map_err(|e| failed(e.to_string()))?;
-        let token = text.trim();
-        if token.is_empty() {
-            return Err(failed("the file is empty".into()));
+            .map_err(|e| self.credential(what, file, e.to_string()))?;
+        // A Secret's key holds the value alone; a file written by hand ends in a newline.
+        let value = text.trim_end_matches(['\r', '\n']);
+        if value.is_empty() || value.contains(['\r', '\n']) {
+            let why = "it must hold one non-empty line";
+            return Err(self.credential(what, file, why.into()));
         }
-        Ok(token.to_string())
+        Ok(value.to_string())
+    }
+
+    fn credential(&self, what: &'static str, path: &Path, cause: String) -> PrometheusError {
+        PrometheusError::Credential {
+            url: self.url.clone(),
+            what,
+            path: path.to_path_buf(),
+            cause,
+        }
     }
 
     /// One GET over `stream`, its body if the status is a success.
@@ -203,7 +263,7 @@ impl Prometheus {
         &self,
         stream: S,
         path: &str,
-        token: Option<String>,
+        authorization: Option<String>,
     ) -> Result<Bytes, PrometheusError>
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -213,8 +273,11 @@ impl Prometheus {
             .map_err(|e| self.io("starting HTTP", e))?;
         let conn = tokio::spawn(conn);
         let mut request = http::Request::get(path).header(http::header::HOST, &self.authority);
-        if let Some(token) = token {
-            request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
+        for (name, value) in &self.headers {
+            request = request.header(name, value);
+        }
+        if let Some(authorization) = authorization {
+            request = request.header(http::header::AUTHORIZATION, authorization);
         }
         let request = request
             .body(Empty::<Bytes>::new())
@@ -239,6 +302,26 @@ impl Prometheus {
         }
         Ok(body)
     }
+}
+
+/// A `--prometheus-header` value, `NAME: VALUE`, as a header to send. The connection's own
+/// headers and the credentials' are refused: the client sets those.
+fn header(raw: &str) -> Result<(http::HeaderName, http::HeaderValue), PrometheusError> {
+    let bad = |why| PrometheusError::Header(raw.to_string(), why);
+    let (name, value) = raw.split_once(':').ok_or_else(|| bad("no ':'"))?;
+    let name = http::HeaderName::from_bytes(name.trim().as_bytes())
+        .map_err(|_| bad("not a header name"))?;
+    let value = http::HeaderValue::from_str(value.trim()).map_err(|_| bad("not a header value"))?;
+    use http::header::{AUTHORIZATION, CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
+    if name == AUTHORIZATION {
+        return Err(bad(
+            "Authorization comes from --prometheus-bearer-token-file or --prometheus-username-file",
+        ));
+    }
+    if [HOST, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING].contains(&name) {
+        return Err(bad("the client sets this header itself"));
+    }
+    Ok((name, value))
 }
 
 /// A client config (ring, TLS 1.2 and 1.3) trusting the CA certificates in `ca`.
@@ -378,5 +461,27 @@ mod tests {
         std::fs::write(dir.path().join("ca.crt"), "not a certificate\n").unwrap();
         let e = Prometheus::new("https://p", &missing).unwrap_err();
         assert!(e.to_string().contains("no CA certificate"), "{e}");
+    }
+
+    #[test]
+    fn headers_are_name_colon_value_and_may_not_replace_the_clients_own() {
+        let (name, value) = header(" X-Scope-OrgID :  team-a ").unwrap();
+        assert_eq!(
+            (name.as_str(), value.to_str().unwrap()),
+            ("x-scope-orgid", "team-a")
+        );
+        for (bad, why) in [
+            ("X-Scope-OrgID team-a", "no ':'"),
+            ("X Scope: a", "not a header name"),
+            ("X-Tenant: a\nb", "not a header value"),
+            ("authorization: Bearer x", "Authorization comes from"),
+            ("Host: elsewhere", "sets this header itself"),
+        ] {
+            let e = header(bad).unwrap_err().to_string();
+            assert!(
+                e.contains(why) && e.contains("--prometheus-header"),
+                "{bad}: {e}"
+            );
+        }
     }
 }

@@ -11,6 +11,8 @@
 
 use crate::cluster;
 
+mod prometheus_access;
+
 use base64::Engine;
 use gpuplane_model::config::{AgentConfig, MigStrategy};
 use serde::Deserialize;
