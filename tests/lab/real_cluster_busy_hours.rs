@@ -76,7 +76,9 @@ fn busy_gpu_hours_come_from_a_real_prometheus_once_across_agent_and_controller_r
     let to_prometheus = prometheus.controller_flags();
     let mut flags = vec![
         "--gpu-hours-interval=2s",
-        "--gpu-hours-lag=3s",
+        // The watermark trails the clock by more than a loaded lab's kubelet takes to report
+        // a container's start: a start seen behind the watermark would lose its time before it.
+        "--gpu-hours-lag=8s",
         "--owner-label=team",
     ];
     flags.extend(to_prometheus.iter().map(String::as_str));
