@@ -235,7 +235,7 @@ impl Prometheus {
         })
     }
 
-    /// The first line of credential file `file` (`what`), as read now; never logged.
+    /// The one line credential file `file` (`what`) holds now, its newline dropped; never logged.
     async fn secret(&self, what: &'static str, file: &Path) -> Result<String, PrometheusError> {
         let text = tokio::fs::read_to_string(file)
             .await
