@@ -6,7 +6,7 @@
 # component is rebuilt only when one of those changes. All binaries are then linked into
 #   ${GPUPLANE_CLUSTER_CACHE}/bin-<key of all>/
 # whose path is the last line printed (GPUPLANE_CLUSTER_BIN=...).
-#   ./hack/cluster/build.sh               everything (kubemark too; helm for tests/lab/helm.rs,
+#   ./hack/cluster/build.sh               everything (kubemark too; helm for tests/lab/helm/,
 #                                         kueue for tests/lab/deploy/kueue.rs, prometheus for
 #                                         tests/lab/deploy/busy_hours.rs)
 #   ./hack/cluster/build.sh etcd kubernetes   only these components
