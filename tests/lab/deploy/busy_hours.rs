@@ -12,7 +12,7 @@
 //! series is put on the agent's own pod.
 
 use super::controller::lease_holder;
-use super::helm_install::helm_install;
+use super::helm_install::{helm_install, release_namespace};
 use super::*;
 use crate::cluster::{eventually_or, LabPrometheus};
 use crate::deploy_telemetry::{node_pid, write_telemetry};
@@ -88,9 +88,7 @@ fn deployed_agents_and_controller_book_busy_vs_allocated_hours_from_a_prometheus
     };
     let prometheus = LabPrometheus::discovering_pods(&lab);
     let url = format!("controller.prometheusUrl={}", prometheus.url());
-    lab.apply(&format!(
-        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {AGENT_NS}}}\n"
-    ));
+    release_namespace(&lab);
     lab.apply(&prometheus.basic_auth_secret(AGENT_NS, "prometheus-auth"));
     let values = [
         "--set",

@@ -73,14 +73,19 @@ fn install_with_helm(lab: &ClusterLab, home: &Path, reference: &str) {
     );
 }
 
+/// The release namespace, made before the install when a test puts Secrets the values name in
+/// it (the chart's own Namespace object then takes it over, `--take-ownership`).
+pub(crate) fn release_namespace(lab: &ClusterLab) {
+    lab.apply(&format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {AGENT_NS}}}\n"
+    ));
+}
+
 /// The release as [`install_with_helm`] installs it, with `extra` arguments to `helm install`
 /// (`--set` of further values); returns once the agents and both controller replicas are
 /// Ready.
 pub(crate) fn helm_install(lab: &ClusterLab, home: &Path, reference: &str, extra: &[&str]) {
-    // The namespace may be there already, with Secrets the values name.
-    lab.apply(&format!(
-        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: {AGENT_NS}}}\n"
-    ));
+    release_namespace(lab);
     let (secret, ca_pem) = webhook_secret("my-webhook-tls");
     lab.apply(&secret);
     let ca = lab.work.join("webhook-ca.pem");
